@@ -1,0 +1,59 @@
+"""Domain errors carry a code; the gateway maps codes to HTTP statuses in one place."""
+from __future__ import annotations
+
+import enum
+
+
+class Code(str, enum.Enum):
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    BACKEND = "BACKEND"
+    INTERNAL = "INTERNAL"
+
+
+class DespinaError(Exception):
+    """An error with a code that every component understands."""
+
+    code: Code = Code.INTERNAL
+
+    def __init__(self, message: str, code: Code | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(DespinaError):
+    code = Code.INVALID_ARGUMENT
+
+
+class NotFound(DespinaError):
+    code = Code.NOT_FOUND
+
+
+class Unavailable(DespinaError):
+    code = Code.UNAVAILABLE
+
+
+class DeadlineExceeded(DespinaError):
+    code = Code.DEADLINE_EXCEEDED
+
+
+class ConfigError(DespinaError):
+    """A model's configuration cannot be used; the message names the model and the field."""
+
+    code = Code.INVALID_ARGUMENT
+
+
+class BackendError(DespinaError):
+    code = Code.BACKEND

@@ -1,0 +1,239 @@
+"""Model configuration: Triton's config.pbtxt, parsed with Triton's own ModelConfig schema.
+
+The control plane turns a config.pbtxt into its JSON form (Triton's, as `GET .../config` answers)
+and publishes that; gateways and workers rebuild a `ModelSpec` from it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import json_format, text_format
+from google.protobuf.descriptor import FieldDescriptor
+
+from ._schema import model_config_pb2 as pb
+from .datatypes import CONFIG_TO_V2
+from .errors import ConfigError, InvalidArgument
+
+ModelConfig = pb.ModelConfig
+
+PLATFORM_TO_BACKEND = {
+    "onnxruntime_onnx": "onnxruntime",
+    "pytorch_libtorch": "pytorch",
+    "tensorflow_savedmodel": "tensorflow",
+    "tensorflow_graphdef": "tensorflow",
+    "ensemble": "ensemble",
+}
+BACKEND_TO_PLATFORM = {
+    "onnxruntime": "onnxruntime_onnx",
+    "pytorch": "pytorch_libtorch",
+    "tensorflow": "tensorflow_savedmodel",
+}
+DEFAULT_FILENAMES = {
+    "onnxruntime": "model.onnx",
+    "pytorch": "model.pt",
+    "tensorflow": "model.savedmodel",
+    "python": "model.py",
+}
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def check_model_name(name: str) -> str:
+    """Model names become key and path components: nothing may reach outside the repository."""
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise InvalidArgument(
+            f"invalid model name {name!r}: use letters, digits, '_', '-' and '.', at most 128 characters")
+    return name
+
+
+def parse_text(model: str, text: str) -> Any:
+    """config.pbtxt text -> ModelConfig; a syntax error names the model, line, column and field."""
+    try:
+        return text_format.Parse(text, ModelConfig())
+    except text_format.ParseError as exc:
+        raise ConfigError(f"model '{model}': invalid config.pbtxt: {exc}") from None
+
+
+def parse_json(model: str, config: dict[str, Any]) -> Any:
+    """Triton's JSON form (as the load API's `config` parameter carries it) -> ModelConfig."""
+    try:
+        return json_format.ParseDict(config, ModelConfig())
+    except json_format.ParseError as exc:
+        raise ConfigError(f"model '{model}': invalid config: {exc}") from None
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """ModelConfig -> Triton's JSON form: field names as in the .proto, 64-bit integers as numbers."""
+    raw = json_format.MessageToDict(config, preserving_proto_field_name=True,
+                                    always_print_fields_with_no_presence=True)
+    return _fix_int64(config.DESCRIPTOR, raw)
+
+
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def _fix_int64(descriptor: Any, value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    for key, item in value.items():
+        fd = descriptor.fields_by_name.get(key)
+        if fd is None:
+            continue
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            vfd = fd.message_type.fields_by_name["value"]
+            value[key] = {k: _convert(vfd, v) for k, v in item.items()}
+        elif isinstance(item, list):
+            value[key] = [_convert(fd, v) for v in item]
+        else:
+            value[key] = _convert(fd, item)
+    return value
+
+
+def _convert(fd: Any, item: Any) -> Any:
+    if fd.message_type is not None:
+        return _fix_int64(fd.message_type, item)
+    if fd.type in _INT64 and isinstance(item, str):
+        return int(item)
+    return item
+
+
+def normalize(model: str, config: Any) -> Any:
+    """Fill what Triton fills before auto-complete: name, the platform/backend pair, version policy."""
+    if not config.name:
+        config.name = model
+    elif config.name != model:
+        raise ConfigError(f"model '{model}': field 'name' is '{config.name}', the folder is '{model}'")
+    if config.platform and not config.backend:
+        backend = PLATFORM_TO_BACKEND.get(config.platform)
+        if backend is None:
+            raise ConfigError(f"model '{model}': field 'platform': unknown platform '{config.platform}'")
+        config.backend = backend
+    elif config.backend and not config.platform and config.backend in BACKEND_TO_PLATFORM:
+        config.platform = BACKEND_TO_PLATFORM[config.backend]
+    if not config.backend and not config.platform:
+        raise ConfigError(f"model '{model}': neither field 'platform' nor field 'backend' is set")
+    if not config.HasField("version_policy"):
+        config.version_policy.latest.num_versions = 1
+    return config
+
+
+def validate(config: Any) -> None:
+    """Semantic checks Triton makes at load; each error names the model and the field."""
+    model = config.name
+    if config.max_batch_size < 0:
+        raise ConfigError(f"model '{model}': field 'max_batch_size' must be >= 0")
+    scheduling = config.WhichOneof("scheduling_choice")
+    if scheduling not in (None, "dynamic_batching"):
+        if scheduling == "sequence_batching":
+            raise ConfigError(f"model '{model}': field 'sequence_batching' is not supported yet")
+    seen: set[str] = set()
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        for t in tensors:
+            where = f"model '{model}': {kind} '{t.name}'"
+            if not t.name:
+                raise ConfigError(f"model '{model}': an {kind} has no field 'name'")
+            if (kind, t.name) in seen:
+                raise ConfigError(f"{where}: field 'name' appears twice")
+            seen.add((kind, t.name))
+            dtype = pb.DataType.Name(t.data_type)
+            if dtype not in CONFIG_TO_V2:
+                raise ConfigError(f"{where}: field 'data_type' {dtype} is not supported")
+            if any(d < -1 or d == 0 for d in t.dims):
+                raise ConfigError(f"{where}: field 'dims' must hold positive sizes or -1, got {list(t.dims)}")
+            if t.HasField("reshape") and -1 not in t.dims and -1 not in t.reshape.shape:
+                if _count(t.dims) != _count(t.reshape.shape):
+                    raise ConfigError(f"{where}: field 'reshape' changes the element count")
+    if scheduling == "dynamic_batching":
+        db = config.dynamic_batching
+        if config.max_batch_size == 0:
+            raise ConfigError(f"model '{model}': field 'dynamic_batching' needs max_batch_size > 0")
+        for size in db.preferred_batch_size:
+            if size <= 0 or size > config.max_batch_size:
+                raise ConfigError(f"model '{model}': field 'dynamic_batching.preferred_batch_size' "
+                                  f"{size} is outside 1..max_batch_size ({config.max_batch_size})")
+    for group in config.instance_group:
+        if group.count < 0:
+            raise ConfigError(f"model '{model}': field 'instance_group.count' must be >= 0")
+
+
+def _count(dims: Any) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    datatype: str             # V2 name
+    dims: tuple[int, ...]     # without the batch dimension
+    optional: bool = False
+
+    def metadata(self, batched: bool) -> dict[str, Any]:
+        shape = [-1, *self.dims] if batched else list(self.dims)
+        return {"name": self.name, "datatype": self.datatype, "shape": shape}
+
+
+@dataclass(frozen=True, slots=True)
+class Batching:
+    preferred: tuple[int, ...]
+    max_queue_delay_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What gateways and workers need of a model's config, rebuilt from its JSON form."""
+
+    name: str
+    platform: str
+    backend: str
+    max_batch_size: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    batching: Batching | None
+    config: dict[str, Any]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelSpec:
+        def tensors(items: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
+            return tuple(
+                TensorSpec(t["name"], CONFIG_TO_V2[t.get("data_type", "TYPE_FP32")],
+                           tuple(int(d) for d in t.get("dims", [])), bool(t.get("optional", False)))
+                for t in items)
+
+        batching = None
+        if "dynamic_batching" in config:
+            db = config["dynamic_batching"]
+            mbs = int(config.get("max_batch_size", 0))
+            preferred = tuple(sorted(int(s) for s in db.get("preferred_batch_size", []))) or (mbs,)
+            batching = Batching(preferred, int(db.get("max_queue_delay_microseconds", 0)))
+        return cls(config["name"], config.get("platform", ""), config.get("backend", ""),
+                   int(config.get("max_batch_size", 0)), tensors(config.get("input", [])),
+                   tensors(config.get("output", [])), batching, config)
+
+    @property
+    def batched(self) -> bool:
+        return self.max_batch_size > 0
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def output(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.outputs if t.name == name), None)
+
+    def instance_count(self) -> int:
+        groups = self.config.get("instance_group") or [{"count": 1}]
+        return max(1, sum(int(g.get("count", 1)) for g in groups))
+
+    def metadata(self, versions: list[int]) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "versions": [str(v) for v in versions],
+            "platform": self.platform or self.backend,
+            "inputs": [t.metadata(self.batched) for t in self.inputs],
+            "outputs": [t.metadata(self.batched) for t in self.outputs],
+        }

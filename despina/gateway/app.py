@@ -1,0 +1,148 @@
+"""The gateway application: routes of the V2 protocol, Triton's extensions and function URLs."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .. import __version__
+from ..contract.errors import DespinaError, NotFound, Unavailable
+from ..contract.keys import Keys
+from ..contract.records import InferReply, Tensor
+from ..redis_client import connect
+from ..settings import Settings
+from .dispatch import Dispatcher
+from .http import error_parts
+from .infer import FunctionEndpoint, InferEndpoint, call_model
+from .models import ModelView
+from .stats import model_statistics
+
+log = logging.getLogger("despina.gateway")
+
+EXTENSIONS = ["binary_tensor_data", "statistics"]
+
+
+class Gateway:
+    """What the routes share: settings, the Redis connection, the model view, the dispatcher."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        assert settings.redis_url, "the gateway needs a Redis URL"
+        self.redis = connect(settings.redis_url)
+        self.view = ModelView(self.redis, self.keys)
+        self.dispatcher = Dispatcher(self.redis, self.keys)
+
+    async def start(self) -> None:
+        await self.view.start()
+        await self.dispatcher.start()
+
+    async def close(self) -> None:
+        await self.dispatcher.close()
+        await self.view.close()
+        await self.redis.aclose()
+
+    async def infer(self, model: str, version: int, inputs: list[Tensor], outputs: tuple[str, ...],
+                    trace: bytes | None) -> InferReply:
+        return await call_model(self, model, version, inputs, outputs, trace)
+
+
+def json_response(doc: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(doc), status, media_type="application/json")
+
+
+def error_response(exc: DespinaError) -> Response:
+    status, body, extra = error_parts(exc)
+    return Response(body, status, {k.decode(): v.decode() for k, v in extra}, media_type="application/json")
+
+
+def create_app(settings: Settings) -> Starlette:
+    gw = Gateway(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gw.start()
+        app.state.gateway = gw
+        try:
+            yield
+        finally:
+            await gw.close()
+
+    async def live(request: Request) -> Response:
+        return Response(b"", 200)
+
+    async def ready(request: Request) -> Response:
+        view = gw.view
+        serving = [n for n, m in view.models.items() if m.entry.state == "READY"]
+        ok = view.connected and all(view.is_ready(n, None) for n in serving)
+        return Response(b"", 200 if ok else 400)
+
+    async def server_metadata(request: Request) -> Response:
+        return json_response({"name": "despina", "version": __version__, "extensions": EXTENSIONS})
+
+    async def model_metadata(request: Request) -> Response:
+        try:
+            model, _ = _model(request)
+        except DespinaError as exc:
+            return error_response(exc)
+        return json_response(model.spec.metadata(list(model.entry.versions)))
+
+    async def model_ready(request: Request) -> Response:
+        p = request.path_params
+        return Response(b"", 200 if gw.view.is_ready(p["model"], p.get("version")) else 400)
+
+    async def model_config(request: Request) -> Response:
+        try:
+            model, _ = _model(request)
+        except DespinaError as exc:
+            return error_response(exc)
+        return json_response(model.spec.config)
+
+    async def stats(request: Request) -> Response:
+        p = request.path_params
+        try:
+            doc = await model_statistics(gw, p.get("model"), p.get("version"))
+        except DespinaError as exc:
+            return error_response(exc)
+        return json_response(doc)
+
+    def _model(request: Request) -> Any:
+        p = request.path_params
+        model = gw.view.get(p["model"])
+        if model.entry.state != "READY":
+            raise Unavailable(f"model '{model.entry.name}' is unavailable: {model.entry.reason}")
+        version = p.get("version")
+        if version is not None:
+            if not version.isdigit() or int(version) not in model.entry.versions:
+                raise NotFound(f"unknown version {version} of model '{model.entry.name}'")
+        return model, version
+
+    infer = InferEndpoint(gw)
+    fn = FunctionEndpoint(gw)
+    routes = [
+        Route("/v2/health/live", live, methods=["GET"]),
+        Route("/v2/health/ready", ready, methods=["GET"]),
+        Route("/v2", server_metadata, methods=["GET"]),
+        Route("/v2/models/stats", stats, methods=["GET"]),
+        Route("/v2/models/{model}", model_metadata, methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}", model_metadata, methods=["GET"]),
+        Route("/v2/models/{model}/ready", model_ready, methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}/ready", model_ready, methods=["GET"]),
+        Route("/v2/models/{model}/config", model_config, methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}/config", model_config, methods=["GET"]),
+        Route("/v2/models/{model}/stats", stats, methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}/stats", stats, methods=["GET"]),
+        Route("/v2/models/{model}/infer", infer, methods=["POST"]),
+        Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
+        Route("/fn/{model}", fn, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.gateway = gw
+    return app

@@ -1,0 +1,86 @@
+"""Function URLs: `POST /fn/{model}` with `{input: nested list}` in and `{output: nested list}` out.
+
+For curl users: shapes come from the nesting, datatypes from the model. A batched model may be sent
+one row without its batch dimension; the answer then comes back without it too.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+
+from ..contract.errors import InvalidArgument
+from ..contract.modelconfig import ModelSpec
+from ..contract.records import Tensor
+from .v2 import check_inputs, check_shape, json_data_to_bytes
+
+
+def decode_fn(body: bytes, spec: ModelSpec) -> tuple[list[Tensor], bool]:
+    """The body -> (input tensors, whether a batch dimension of 1 was added)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"malformed JSON in request body: {exc}") from None
+    if isinstance(doc, list):
+        if len(spec.inputs) != 1:
+            names = ", ".join(t.name for t in spec.inputs)
+            raise InvalidArgument(f"model '{spec.name}' has {len(spec.inputs)} inputs ({names}): send "
+                                  "a JSON object keyed by input name")
+        doc = {spec.inputs[0].name: doc}
+    if not isinstance(doc, dict) or not doc:
+        raise InvalidArgument("send a JSON object {input_name: nested list}, or a list for a "
+                              "single-input model")
+    tensors: list[Tensor] = []
+    added = False
+    for name, data in doc.items():
+        expected = spec.input(name)
+        if expected is None:
+            known = ", ".join(t.name for t in spec.inputs)
+            raise InvalidArgument(f"model '{spec.name}' has no input '{name}' (inputs: {known})")
+        shape = _shape_of(name, data)
+        if spec.batched and len(shape) == len(expected.dims):
+            shape = [1, *shape]
+            added = True
+        check_shape(spec, expected, shape)
+        tensors.append(Tensor(name, expected.datatype, tuple(shape),
+                              json_data_to_bytes(name, expected.datatype, shape, data)))
+    check_inputs(spec, tensors)
+    return tensors, added
+
+def _shape_of(name: str, data: Any) -> list[int]:
+    shape: list[int] = []
+    level = data
+    while isinstance(level, list):
+        shape.append(len(level))
+        if not level:
+            break
+        level = level[0]
+    _check_regular(name, data, shape, 0)
+    return shape
+
+def _check_regular(name: str, data: Any, shape: list[int], depth: int) -> None:
+    if depth == len(shape):
+        if isinstance(data, list):
+            raise InvalidArgument(f"input '{name}': nested lists are ragged")
+        return
+    if not isinstance(data, list) or len(data) != shape[depth]:
+        raise InvalidArgument(f"input '{name}': nested lists are ragged (expected {shape})")
+    for item in data:
+        _check_regular(name, item, shape, depth + 1)
+
+def encode_fn(outputs: tuple[Tensor, ...], squeeze: bool) -> bytes:
+    doc: dict[str, Any] = {}
+    for t in outputs:
+        array = t.numpy()
+        if squeeze and array.ndim and array.shape[0] == 1:
+            array = array[0]
+        if t.datatype == "BYTES":
+            doc[t.name] = np.vectorize(lambda b: b.decode("utf-8", "replace"), otypes=[object])(
+                array).tolist() if array.size else []
+        elif t.datatype == "FP16":
+            doc[t.name] = array.astype(np.float32).tolist()
+        else:
+            doc[t.name] = array.tolist()
+    return orjson.dumps(doc)
+

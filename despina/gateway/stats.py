@@ -1,0 +1,49 @@
+"""Triton's statistics extension: per model version counters, summed over every worker in Redis."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..contract.errors import NotFound
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
+             "cache_hit", "cache_miss")
+
+
+async def model_statistics(gw: Gateway, model: str | None, version: str | None) -> dict[str, Any]:
+    if model is None:
+        targets = [(m.entry.name, v) for m in gw.view.models.values() for v in m.entry.versions]
+    else:
+        entry = gw.view.get(model).entry
+        if version is not None:
+            if not version.isdigit() or int(version) not in entry.versions:
+                raise NotFound(f"unknown version {version} of model '{model}'")
+            targets = [(model, int(version))]
+        else:
+            targets = [(model, v) for v in entry.versions]
+    pipe = gw.redis.pipeline(transaction=False)
+    for name, v in targets:
+        pipe.hgetall(gw.keys.stats(name, v))
+    raw = await pipe.execute() if targets else []
+    return {"model_stats": [_one(name, v, h) for (name, v), h in zip(targets, raw)]}
+
+
+def _one(name: str, version: int, h: dict[bytes, bytes]) -> dict[str, Any]:
+    c = {k.decode(): int(v) for k, v in h.items()}
+    stats = {d: {"count": c.get(f"{d}_count", 0), "ns": c.get(f"{d}_ns", 0)} for d in DURATIONS}
+    batches = sorted(int(k.split(":", 1)[1]) for k in c if k.startswith("batch:"))
+    return {
+        "name": name,
+        "version": str(version),
+        "last_inference": c.get("last_inference", 0),
+        "inference_count": c.get("inference_count", 0),
+        "execution_count": c.get("execution_count", 0),
+        "inference_stats": stats,
+        "batch_stats": [{"batch_size": b,
+                         "compute_input": {"count": c[f"batch:{b}"], "ns": 0},
+                         "compute_infer": {"count": c[f"batch:{b}"], "ns": c.get(f"batch_ns:{b}", 0)},
+                         "compute_output": {"count": c[f"batch:{b}"], "ns": 0}} for b in batches],
+        "memory_usage": [],
+    }

@@ -1,0 +1,241 @@
+"""KServe V2 / Open Inference Protocol bodies: JSON tensors and Triton's binary tensor extension.
+
+Pure functions from bytes to records and back; no HTTP framework here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from ..contract.datatypes import V2_TO_NUMPY, element_count, serialize_bytes, to_numpy
+from ..contract.errors import InvalidArgument
+from ..contract.modelconfig import ModelSpec, TensorSpec
+from ..contract.records import Tensor
+
+MAX_ELEMENTS = 1 << 27  # per tensor; larger bodies are refused before any allocation
+
+
+@dataclass
+class Decoded:
+    id: str | None
+    inputs: list[Tensor]
+    outputs: list[str]                       # requested, in order; empty = all
+    binary_outputs: set[str] = field(default_factory=set)
+    binary_all: bool = False
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec) -> Decoded:
+    """A V2 infer body (JSON, optionally followed by binary tensors) -> validated tensors."""
+    if header_length is not None:
+        if header_length < 0 or header_length > len(body):
+            raise InvalidArgument(f"Inference-Header-Content-Length {header_length} is past the end "
+                                  f"of the {len(body)}-byte body")
+        header, binary = body[:header_length], memoryview(body)[header_length:]
+    else:
+        header, binary = body, memoryview(b"")
+    try:
+        doc = orjson.loads(header)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"malformed JSON in request body: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    params = _object(doc.get("parameters"), "parameters")
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidArgument("field 'inputs' must be a non-empty list")
+    offset = 0
+    inputs: list[Tensor] = []
+    seen: set[str] = set()
+    for raw in raw_inputs:
+        tensor, used = _decode_input(raw, spec, binary[offset:])
+        if tensor.name in seen:
+            raise InvalidArgument(f"input '{tensor.name}' is given twice")
+        seen.add(tensor.name)
+        inputs.append(tensor)
+        offset += used
+    if offset != len(binary):
+        raise InvalidArgument(f"the body carries {len(binary) - offset} bytes of binary data that no "
+                              "input claims (check binary_data_size)")
+    check_inputs(spec, inputs)
+    outputs, binary_outputs = _decode_outputs(doc.get("outputs"), spec)
+    req_id = doc.get("id")
+    if req_id is not None and not isinstance(req_id, str):
+        raise InvalidArgument("field 'id' must be a string")
+    binary_all = params.get("binary_data_output") is True
+    return Decoded(req_id, inputs, outputs, binary_outputs, binary_all, params)
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"field '{what}' must be an object")
+    return value
+
+
+def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview) -> tuple[Tensor, int]:
+    if not isinstance(raw, dict):
+        raise InvalidArgument("each entry of 'inputs' must be an object")
+    name = raw.get("name")
+    if not isinstance(name, str):
+        raise InvalidArgument("an input has no 'name'")
+    expected = spec.input(name)
+    if expected is None:
+        known = ", ".join(t.name for t in spec.inputs)
+        raise InvalidArgument(f"model '{spec.name}' has no input '{name}' (inputs: {known})")
+    datatype = raw.get("datatype")
+    if datatype != expected.datatype:
+        raise InvalidArgument(f"input '{name}': datatype {datatype!r} given, the model expects "
+                              f"{expected.datatype}")
+    shape = raw.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise InvalidArgument(f"input '{name}': 'shape' must be a list of non-negative integers")
+    check_shape(spec, expected, shape)
+    count = element_count(shape)
+    if count > MAX_ELEMENTS:
+        raise InvalidArgument(f"input '{name}': {count} elements is more than the limit of {MAX_ELEMENTS}")
+    params = _object(raw.get("parameters"), f"inputs[{name}].parameters")
+    size = params.get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidArgument(f"input '{name}': binary_data_size must be a non-negative integer")
+        if size > len(binary):
+            raise InvalidArgument(f"input '{name}': binary_data_size {size} runs past the end of the body")
+        if "data" in raw:
+            raise InvalidArgument(f"input '{name}': give either 'data' or binary_data_size, not both")
+        data = bytes(binary[:size])
+        to_numpy(datatype, shape, data)  # validates the length (and BYTES framing)
+        return Tensor(name, datatype, tuple(shape), data), size
+    if "data" not in raw:
+        raise InvalidArgument(f"input '{name}' has neither 'data' nor binary_data_size")
+    return Tensor(name, datatype, tuple(shape), json_data_to_bytes(name, datatype, shape, raw["data"])), 0
+
+
+def check_shape(spec: ModelSpec, expected: TensorSpec, shape: list[int]) -> None:
+    dims = list(expected.dims)
+    if spec.batched:
+        if len(shape) != len(dims) + 1:
+            raise InvalidArgument(f"input '{expected.name}': shape {shape} has {len(shape)} dimensions; "
+                                  f"the model expects {len(dims) + 1} ([batch, {', '.join(map(str, dims))}])")
+        if shape[0] < 1 or shape[0] > spec.max_batch_size:
+            raise InvalidArgument(f"input '{expected.name}': batch size {shape[0]} is outside "
+                                  f"1..{spec.max_batch_size} (max_batch_size)")
+        rest = shape[1:]
+    else:
+        rest = shape
+        if len(shape) != len(dims):
+            raise InvalidArgument(f"input '{expected.name}': shape {shape} does not match the model's "
+                                  f"{dims}")
+    for got, want in zip(rest, dims):
+        if want != -1 and got != want:
+            expect = ([-1] if spec.batched else []) + dims
+            raise InvalidArgument(f"input '{expected.name}': shape {shape} does not match the model's "
+                                  f"{expect}")
+
+
+def check_inputs(spec: ModelSpec, inputs: list[Tensor]) -> None:
+    given = {t.name for t in inputs}
+    missing = [t.name for t in spec.inputs if not t.optional and t.name not in given]
+    if missing:
+        raise InvalidArgument(f"model '{spec.name}' needs input(s) {', '.join(missing)}")
+    if spec.batched and len({t.shape[0] for t in inputs}) > 1:
+        raise InvalidArgument("all inputs must have the same batch size")
+
+
+def _flatten(data: Any) -> list[Any]:
+    if not isinstance(data, list):
+        return [data]
+    if not data or not isinstance(data[0], list):
+        return data
+    out: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
+
+
+def json_data_to_bytes(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
+    flat = _flatten(data)
+    count = element_count(shape)
+    if len(flat) != count:
+        raise InvalidArgument(f"input '{name}': 'data' has {len(flat)} elements; shape {shape} needs "
+                              f"{count}")
+    if datatype == "BYTES":
+        if not all(isinstance(x, str) for x in flat):
+            raise InvalidArgument(f"input '{name}': BYTES data must be strings")
+        array = np.empty(count, dtype=np.object_)
+        array[:] = [x.encode() for x in flat]
+        return serialize_bytes(array)
+    if datatype == "BOOL":
+        if not all(isinstance(x, bool) for x in flat):
+            raise InvalidArgument(f"input '{name}': BOOL data must be true or false")
+    elif any(isinstance(x, (str, bool, list, dict)) or x is None for x in flat):
+        raise InvalidArgument(f"input '{name}': {datatype} data must be numbers")
+    try:
+        array = np.asarray(flat, dtype=V2_TO_NUMPY[datatype])
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidArgument(f"input '{name}': data does not fit {datatype}: {exc}") from None
+    return array.tobytes()
+
+
+def _decode_outputs(raw: Any, spec: ModelSpec) -> tuple[list[str], set[str]]:
+    if raw is None:
+        return [], set()
+    if not isinstance(raw, list):
+        raise InvalidArgument("field 'outputs' must be a list")
+    names: list[str] = []
+    binary: set[str] = set()
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
+        name = item["name"]
+        if spec.output(name) is None:
+            known = ", ".join(t.name for t in spec.outputs)
+            raise InvalidArgument(f"model '{spec.name}' has no output '{name}' (outputs: {known})")
+        names.append(name)
+        if _object(item.get("parameters"), f"outputs[{name}].parameters").get("binary_data") is True:
+            binary.add(name)
+    return names, binary
+
+
+def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Tensor, ...],
+                 binary: set[str], binary_all: bool) -> tuple[bytes, int | None]:
+    """Reply tensors -> (body, JSON header length or None when the body is all JSON)."""
+    described: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for t in outputs:
+        entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+        if binary_all or t.name in binary:
+            entry["parameters"] = {"binary_data_size": len(t.data)}
+            chunks.append(t.data)
+        else:
+            entry["data"] = json_data(t)
+        described.append(entry)
+    doc: dict[str, Any] = {"model_name": model, "model_version": str(version)}
+    if req_id is not None:
+        doc["id"] = req_id
+    doc["outputs"] = described
+    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)
+
+
+def json_data(t: Tensor) -> Any:
+    if t.datatype == "BYTES":
+        return [b.decode("utf-8", "replace") for b in t.numpy().reshape(-1)]
+    array = np.frombuffer(t.data, dtype=V2_TO_NUMPY[t.datatype])
+    if t.datatype in ("FP16",):
+        return array.astype(np.float32)
+    return array

@@ -1,0 +1,60 @@
+"""Each role as a blocking entry point: gateway, worker, control. `despina serve` runs all three."""
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import uvicorn
+
+from .control.plane import ControlPlane
+from .redis_client import connect
+from .settings import Settings
+from .workers.worker import Worker
+
+
+def run_gateway(settings: Settings) -> None:
+    from .gateway.app import create_app
+
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.http_port,
+                            loop="uvloop", http="httptools", lifespan="on", access_log=False,
+                            log_level=settings.log_level,
+                            timeout_graceful_shutdown=int(settings.drain_timeout_s))
+    uvicorn.Server(config).run()
+
+
+def _run_until_signal(make_and_run: object) -> None:
+    import uvloop
+
+    uvloop.run(make_and_run())  # type: ignore[operator]
+
+
+def run_worker(settings: Settings) -> None:
+    async def main() -> None:
+        assert settings.redis_url
+        redis = connect(settings.redis_url)
+        worker = Worker(settings, redis)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, worker.stop)
+        try:
+            await worker.run()
+        finally:
+            await redis.aclose()
+
+    _run_until_signal(main)
+
+
+def run_control(settings: Settings) -> None:
+    async def main() -> None:
+        assert settings.redis_url
+        redis = connect(settings.redis_url)
+        plane = ControlPlane(settings, redis)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, plane.stop)
+        try:
+            await plane.run()
+        finally:
+            await redis.aclose()
+
+    _run_until_signal(main)

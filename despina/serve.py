@@ -1,0 +1,135 @@
+"""`despina serve`: everything on one machine, supervised.
+
+Starts (when no Redis URL is given) an embedded Valkey, the control plane, N workers and the gateway,
+each a child process that dies with this one. SIGINT/SIGTERM drain in order: the gateway stops taking
+requests and answers those in flight, then workers finish, then control, then Valkey.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import fields
+
+from .embedded import EmbeddedValkey, die_with_parent
+from .settings import Settings
+
+log = logging.getLogger("despina.serve")
+
+RESTART_BACKOFF_S = 1.0
+
+
+class Child:
+    def __init__(self, role: str, env: dict[str, str], name: str) -> None:
+        self.role, self.env, self.name = role, env, name
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "despina", self.role], env=self.env,
+                                        preexec_fn=die_with_parent, process_group=0)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive():
+            assert self.process
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s; killing it", self.name, timeout)
+            self.process.kill()
+            self.process.wait()
+
+
+def child_env(settings: Settings, **overrides: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for f in fields(Settings):
+        value = getattr(settings, f.name)
+        if value is not None:
+            env[f"DESPINA_{f.name.upper()}"] = str(value)
+    env.update(overrides)
+    return env
+
+
+class Supervisor:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.valkey: EmbeddedValkey | None = None
+        self.control: Child | None = None
+        self.workers: list[Child] = []
+        self.gateway: Child | None = None
+        self._stopping = False
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        settings = self.settings
+        if not settings.redis_url:
+            self.valkey = EmbeddedValkey()
+            self.valkey.start()
+            settings = settings.with_(redis_url=self.valkey.url)
+            log.info("embedded Valkey on %s", self.valkey.url)
+        self.control = Child("control", child_env(settings), "control")
+        self.workers = [Child("worker", child_env(settings, DESPINA_WORKER_ID=f"{os.uname().nodename}-w{i}"),
+                              f"worker {i}") for i in range(settings.workers)]
+        self.gateway = Child("gateway", child_env(settings), "gateway")
+        for child in (self.control, *self.workers, self.gateway):
+            child.start()
+        log.info("serving %s on http://%s:%d with %d worker(s)", settings.model_repository,
+                 settings.host, settings.http_port, settings.workers)
+        code = 0
+        while not self._stopping:
+            time.sleep(0.2)
+            code = self._check_children()
+            if code:
+                break
+        self.shutdown()
+        return code
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self._stopping:
+            return
+        log.info("received %s: draining", signal.Signals(signum).name)
+        self._stopping = True
+
+    def _check_children(self) -> int:
+        for w in self.workers:
+            if not w.alive() and not self._stopping:
+                assert w.process
+                log.error("%s exited with %s; restarting it", w.name, w.process.returncode)
+                time.sleep(RESTART_BACKOFF_S)
+                w.restarts += 1
+                w.start()
+        for child in (self.gateway, self.control):
+            if child and not child.alive() and not self._stopping:
+                assert child.process
+                log.error("%s exited with %s; stopping everything", child.name, child.process.returncode)
+                return 1
+        return 0
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        drain = self.settings.drain_timeout_s
+        if self.gateway:
+            self.gateway.terminate()
+            self.gateway.wait(drain + 5)
+        for w in self.workers:
+            w.terminate()
+        for w in self.workers:
+            w.wait(drain + 5)
+        if self.control:
+            self.control.terminate()
+            self.control.wait(10)
+        if self.valkey:
+            self.valkey.stop()
+        log.info("stopped")

@@ -1,0 +1,1 @@
+"""Worker pools: read model streams through consumer groups, batch, run the backend, reply, ack."""
