@@ -62,7 +62,10 @@ def serialize_bytes(array: np.ndarray) -> bytes:
     """BYTES tensor -> Triton's wire form: each element as a 4-byte LE length and its bytes."""
     parts: list[bytes] = []
     for item in array.reshape(-1):
-        raw = bytes(item) if isinstance(item, (bytes, bytearray, memoryview)) else str(item).encode()
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            raw = bytes(item)
+        else:  # str (as onnxruntime returns strings); surrogates carry back bytes that were not UTF-8
+            raw = str(item).encode("utf-8", "surrogateescape")
         parts.append(struct.pack("<I", len(raw)))
         parts.append(raw)
     return b"".join(parts)

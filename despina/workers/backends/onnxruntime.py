@@ -51,7 +51,7 @@ class OnnxRuntimeBackend(Backend):
         self._strings = {i.name for i in self.session.get_inputs() if i.type == "tensor(string)"}
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        feed = {name: (a.astype(str) if name in self._strings else a) for name, a in inputs.items()}
+        feed = {name: (_as_str(a) if name in self._strings else a) for name, a in inputs.items()}
         try:
             result = self.session.run(list(outputs), feed)
         except Exception as exc:
@@ -88,3 +88,11 @@ class OnnxRuntimeBackend(Backend):
                                       "which Despina cannot serve")
                 entry = declared.add(name=t.name, data_type=pb.DataType.Value(dtype))
                 entry.dims.extend(d if isinstance(d, int) and d > 0 else -1 for d in t.shape[skip:])
+
+
+def _as_str(array: np.ndarray) -> np.ndarray:
+    """BYTES elements -> str, which onnxruntime wants for string tensors (any bytes survive)."""
+    out = np.empty(array.shape, dtype=np.object_)
+    out.reshape(-1)[:] = [b.decode("utf-8", "surrogateescape") if isinstance(b, bytes) else str(b)
+                          for b in array.reshape(-1)]
+    return out

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install Despina with its test extras into .venv and run the whole test suite twice over:
+# against a Redis server (REDIS_URL, default 127.0.0.1:6379, started here if it is installed and
+# not running), then the end-to-end gateway tests against the embedded Valkey of `despina serve`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+
+export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
+if command -v redis-cli >/dev/null && ! redis-cli -u "$REDIS_URL" ping >/dev/null 2>&1; then
+  if command -v redis-server >/dev/null && [[ $REDIS_URL == redis://127.0.0.1:6379* ]]; then
+    echo "starting redis-server on 127.0.0.1:6379"
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no
+    for _ in $(seq 50); do redis-cli -u "$REDIS_URL" ping >/dev/null 2>&1 && break; sleep 0.1; done
+  fi
+fi  # if no Redis answers, the fixtures fall back to an embedded Valkey
+
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+DESPINA_TEST_REDIS=embedded .venv/bin/python -m pytest -q -p no:cacheprovider \
+  tests/test_gateway_triton.py tests/test_gateway_errors.py

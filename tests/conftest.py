@@ -1,0 +1,147 @@
+"""Fixtures: real servers only. A Redis (REDIS_URL, default the machine's 127.0.0.1:6379) with a key
+prefix per test that is deleted afterwards, and `despina serve` started as a real process tree."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from despina.embedded import EmbeddedValkey, free_port
+from despina.examples import build_repository
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+EMBEDDED = os.environ.get("DESPINA_TEST_REDIS") == "embedded"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """REDIS_URL (default the machine's 127.0.0.1:6379); with DESPINA_TEST_REDIS=embedded, or when
+    that server does not answer, an embedded Valkey started for this session."""
+    url = os.environ.get("DESPINA_TEST_REDIS_URL") or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+    if not EMBEDDED:
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+            yield url
+            return
+        except redis.ConnectionError:
+            pass
+    server = EmbeddedValkey()
+    server.start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def key_prefix(redis_url: str) -> Iterator[str]:
+    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(f"{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def example_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of model_repository/ with its model files built."""
+    root = tmp_path_factory.mktemp("repo") / "model_repository"
+    shutil.copytree(ROOT / "model_repository", root, ignore=shutil.ignore_patterns("*.onnx"))
+    build_repository(root)
+    return root
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: str, *extra: str,
+                 env: dict[str, str] | None = None, wait_models: tuple[str, ...] = ()) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "despina", "serve", "--model-repository", str(repo),
+           "--http-port", str(port), "--key-prefix", key_prefix, *extra]
+    if redis_url:
+        cmd += ["--redis-url", redis_url]
+    environ = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DESPINA_REDIS_URL")}
+    environ.update(env or {})
+    log = log_dir / f"serve-{port}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ,
+                                   start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"despina serve exited with {process.returncode}:\n{server.logs()}")
+        try:
+            ok = httpx.get(f"{server.url}/v2/health/ready", timeout=1).status_code == 200
+            if ok and all(httpx.get(f"{server.url}/v2/models/{m}/ready", timeout=1).status_code == 200
+                          for m in wait_models):
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    stop_server(server)
+    raise RuntimeError(f"despina serve did not get ready:\n{server.logs()}")
+
+
+def stop_server(server: Server, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    if server.process.poll() is None:
+        server.process.send_signal(sig)
+        try:
+            server.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+    return server.process.returncode
+
+
+@pytest.fixture
+def serve(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[Callable[..., Server]]:
+    """Start `despina serve` on a repository (against the test Redis unless redis_url=None)."""
+    started: list[Server] = []
+
+    def start(repo: Path, *extra: str, use_redis: bool = True, **kw: object) -> Server:
+        server = start_server(repo, tmp_path, redis_url if use_redis else None, key_prefix, *extra, **kw)  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def example_server(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+                   example_repository: Path) -> Iterator[Server]:
+    """One `despina serve` of the example repository, shared by a module's tests."""
+    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
+    # DESPINA_TEST_REDIS=embedded: despina serve starts its own Valkey, as it does for a user
+    server = start_server(example_repository, tmp_path_factory.mktemp("logs"), None if EMBEDDED else redis_url,
+                          prefix, wait_models=("mlp", "add_sub"))
+    yield server
+    stop_server(server)
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(f"{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()

@@ -1,0 +1,130 @@
+"""The dynamic batcher alone: Triton's rules, no Redis, no HTTP."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from despina.workers.batcher import BatchPolicy, DynamicBatcher, Item
+
+
+class Recorder:
+    def __init__(self, hold: asyncio.Event | None = None) -> None:
+        self.batches: list[list[int]] = []
+        self.hold = hold
+
+    async def __call__(self, batch: list[Item]) -> None:
+        self.batches.append([i.payload for i in batch])
+        if self.hold:
+            await self.hold.wait()
+
+
+async def run_with(policy: BatchPolicy, items: list[Item], instances: int = 1,
+                   hold: asyncio.Event | None = None, settle: float = 0.05) -> Recorder:
+    rec = Recorder(hold)
+    batcher = DynamicBatcher(policy, rec, instances)
+    task = asyncio.create_task(batcher.run())
+    for item in items:
+        batcher.put(item)
+    await asyncio.sleep(settle)
+    if hold:
+        hold.set()
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+    return rec
+
+
+def items(n: int, rows: int = 1, key: str = "k") -> list[Item]:
+    return [Item(rows, key, i) for i in range(n)]
+
+
+async def test_without_dynamic_batching_each_request_runs_alone() -> None:
+    rec = await run_with(BatchPolicy(max_batch_size=8, dynamic=False), items(5))
+    assert rec.batches == [[0], [1], [2], [3], [4]]
+
+
+async def test_max_batch_size_zero_never_batches() -> None:
+    rec = await run_with(BatchPolicy(max_batch_size=0, dynamic=True), items(3))
+    assert rec.batches == [[0], [1], [2]]
+
+
+async def test_waits_for_the_queue_delay_then_sends_what_is_there() -> None:
+    policy = BatchPolicy(max_batch_size=64, max_queue_delay_us=50_000, dynamic=True)
+    rec = Recorder()
+    batcher = DynamicBatcher(policy, rec)
+    task = asyncio.create_task(batcher.run())
+    for item in items(3):
+        batcher.put(item)
+    await asyncio.sleep(0.02)
+    assert rec.batches == []          # still inside the delay
+    await asyncio.sleep(0.06)
+    assert rec.batches == [[0, 1, 2]]
+    batcher.close()
+    await task
+
+
+async def test_a_full_batch_goes_at_once_and_never_exceeds_max() -> None:
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_us=10_000_000, dynamic=True)
+    rec = await run_with(policy, items(10), settle=0.05)
+    assert rec.batches[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rec.batches[2] == [8, 9]   # sent on close
+
+
+async def test_rows_count_and_an_item_that_does_not_fit_waits() -> None:
+    policy = BatchPolicy(max_batch_size=8, max_queue_delay_us=0, dynamic=True)
+    hold = asyncio.Event()
+    work = [Item(3, "k", "a"), Item(4, "k", "b"), Item(2, "k", "c"), Item(6, "k", "d")]
+    rec = await run_with(policy, [Item(1, "k", "first")] + work, hold=hold)
+    assert rec.batches == [["first", "a", "b"], ["c", "d"]]
+    for batch in rec.batches:
+        assert sum({"first": 1, "a": 3, "b": 4, "c": 2, "d": 6}[p] for p in batch) <= 8
+
+
+async def test_different_shapes_are_not_mixed() -> None:
+    policy = BatchPolicy(max_batch_size=16, max_queue_delay_us=0, dynamic=True)
+    hold = asyncio.Event()
+    work = [Item(1, "first", 0), Item(1, "a", 1), Item(1, "a", 2), Item(1, "b", 3), Item(1, "a", 4)]
+    rec = await run_with(policy, work, hold=hold)
+    assert rec.batches == [[0], [1, 2], [3], [4]]
+
+
+async def test_preferred_size_is_sent_without_waiting() -> None:
+    policy = BatchPolicy(max_batch_size=16, preferred=(4, 8), max_queue_delay_us=10_000_000, dynamic=True)
+    rec = Recorder()
+    batcher = DynamicBatcher(policy, rec)
+    task = asyncio.create_task(batcher.run())
+    for item in items(6):
+        batcher.put(item)
+    await asyncio.sleep(0.02)
+    assert rec.batches == [[0, 1, 2, 3]]   # the largest preferred size that the queue holds
+    batcher.close()
+    await task
+    assert rec.batches[1] == [4, 5]
+
+
+async def test_instances_execute_concurrently() -> None:
+    policy = BatchPolicy(max_batch_size=1, dynamic=False)
+    running = 0
+    peak = 0
+
+    async def execute(batch: list[Item]) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.02)
+        running -= 1
+
+    batcher = DynamicBatcher(policy, execute, instances=3)
+    task = asyncio.create_task(batcher.run())
+    for item in items(9):
+        batcher.put(item)
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+    assert peak == 3
+
+
+def test_policy_is_validated() -> None:
+    with pytest.raises(ValueError, match="preferred"):
+        BatchPolicy(max_batch_size=4, preferred=(8,), dynamic=True)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        BatchPolicy(max_batch_size=-1)

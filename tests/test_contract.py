@@ -1,0 +1,142 @@
+"""The shared contract: model config parsing, datatypes, the record codec (and fuzzing of decoders)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from despina.contract import records
+from despina.contract.datatypes import deserialize_bytes, serialize_bytes, to_bytes, to_numpy
+from despina.contract.errors import Code, ConfigError, InvalidArgument
+from despina.contract.modelconfig import (ModelSpec, check_model_name, normalize, parse_json, parse_text,
+                                          to_dict, validate)
+from despina.contract.records import InferReply, InferRequest, Tensor
+from despina.gateway.v2 import decode_infer
+
+MLP = """
+name: "mlp"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "x", data_type: TYPE_FP32, dims: [ -1, 4 ] } ]
+output [ { name: "y", data_type: TYPE_INT64, dims: [ 2 ] } ]
+dynamic_batching { preferred_batch_size: [ 2, 4 ], max_queue_delay_microseconds: 100 }
+"""
+
+
+def spec_of(text: str, name: str = "mlp") -> ModelSpec:
+    config = normalize(name, parse_text(name, text))
+    validate(config)
+    return ModelSpec.from_config(to_dict(config))
+
+
+def test_config_parses_with_triton_schema_and_fills_defaults() -> None:
+    spec = spec_of(MLP)
+    assert spec.backend == "onnxruntime" and spec.platform == "onnxruntime_onnx"
+    assert spec.inputs[0].dims == (-1, 4) and spec.outputs[0].datatype == "INT64"
+    assert spec.batching and spec.batching.preferred == (2, 4) and spec.batching.max_queue_delay_us == 100
+    assert spec.config["version_policy"] == {"latest": {"num_versions": 1}}
+    assert spec.metadata([1]) == {
+        "name": "mlp", "versions": ["1"], "platform": "onnxruntime_onnx",
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, -1, 4]}],
+        "outputs": [{"name": "y", "datatype": "INT64", "shape": [-1, 2]}]}
+
+
+def test_name_defaults_to_the_folder_and_json_round_trips() -> None:
+    config = normalize("other", parse_text("other", 'backend: "onnxruntime"'))
+    assert config.name == "other" and config.platform == "onnxruntime_onnx"
+    again = parse_json("other", to_dict(config))
+    assert again == config
+
+
+@pytest.mark.parametrize("text,words", [
+    ('name: "mlp"\nfoo: 1', 'has no field named "foo"'),
+    ('name: "mlp"\ninput [{ data_type: TYPE_NOPE }]', "TYPE_NOPE"),
+    ('name: "mlp" max_batch_size: "x"', "max_batch_size"),
+])
+def test_syntax_errors_name_the_model_and_field(text: str, words: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_text("mlp", text)
+    assert "model 'mlp'" in str(err.value) and words in str(err.value)
+
+
+@pytest.mark.parametrize("text,words", [
+    ('platform: "caffe"', "field 'platform'"),
+    ('name: "zzz" backend: "onnxruntime"', "field 'name'"),
+    ("max_batch_size: 4", "neither field 'platform' nor field 'backend'"),
+    ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_BF16 dims: [1] }]', "'data_type' TYPE_BF16"),
+    ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [0] }]', "field 'dims'"),
+    ('backend: "onnxruntime" max_batch_size: 4 dynamic_batching { preferred_batch_size: [8] }',
+     "preferred_batch_size"),
+    ('backend: "onnxruntime" dynamic_batching { }', "max_batch_size > 0"),
+    ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [1] }, '
+     '{ name: "x" data_type: TYPE_FP32 dims: [1] }]', "appears twice"),
+])
+def test_semantic_errors_name_the_model_and_field(text: str, words: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(normalize("mlp", parse_text("mlp", text)))
+    assert "model 'mlp'" in str(err.value) and words in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["..", "../etc", "a/b", "/abs", "a\0b", "", "x" * 200, ".hidden"])
+def test_model_names_cannot_escape(name: str) -> None:
+    with pytest.raises(InvalidArgument):
+        check_model_name(name)
+
+
+def test_bytes_tensors_use_tritons_length_prefixed_form() -> None:
+    array = np.array([b"ab", b"", "é".encode()], dtype=np.object_)
+    raw = serialize_bytes(array)
+    assert raw[:6] == b"\x02\x00\x00\x00ab"
+    assert list(deserialize_bytes(raw, 3)) == list(array)
+    with pytest.raises(InvalidArgument, match="truncated"):
+        deserialize_bytes(raw[:2])
+    with pytest.raises(InvalidArgument, match="2 elements"):
+        deserialize_bytes(serialize_bytes(array[:2]), 3)
+
+
+def test_fixed_size_tensors_are_zero_copy_views_and_length_checked() -> None:
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    data = to_bytes(x, "FP32")
+    y = to_numpy("FP32", (2, 3), data)
+    np.testing.assert_array_equal(x, y)
+    assert not y.flags.owndata
+    with pytest.raises(InvalidArgument, match="needs 24"):
+        to_numpy("FP32", (2, 3), data[:-1])
+
+
+def test_records_round_trip() -> None:
+    t = Tensor("x", "FP32", (1, 2), b"\0" * 8)
+    req = InferRequest("7", "rep", 12.5, (t,), ("y",), 1, 100, 11.0, "trace")
+    assert records.decode_requests(records.encode([req])) == [req]
+    rep = InferReply("7", (t,), (Code.BACKEND, "boom"), 3, 4)
+    assert records.decode_replies(records.encode([rep])) == [rep]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_record_decoders_never_crash_on_arbitrary_bytes(data: bytes) -> None:
+    for decode in (records.decode_requests, records.decode_replies):
+        try:
+            decode(data)
+        except InvalidArgument:
+            pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.integers(min_value=-5, max_value=300) | st.none())
+def test_v2_decoder_never_crashes_on_arbitrary_bytes(body: bytes, header_length: int | None) -> None:
+    spec = spec_of(MLP)
+    try:
+        decode_infer(body, header_length, spec)
+    except InvalidArgument:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=100), st.integers(min_value=0, max_value=10) | st.none())
+def test_bytes_deserializer_never_crashes(data: bytes, count: int | None) -> None:
+    try:
+        deserialize_bytes(data, count)
+    except InvalidArgument:
+        pass

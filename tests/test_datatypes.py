@@ -1,0 +1,91 @@
+"""Every V2 datatype round-trips through a real server, as JSON and as binary tensors."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from onnx import TensorProto
+
+from despina.examples import build_identity
+
+from .conftest import Server
+
+TYPES = {
+    "BOOL": (TensorProto.BOOL, "TYPE_BOOL", np.bool_),
+    "UINT8": (TensorProto.UINT8, "TYPE_UINT8", np.uint8),
+    "UINT16": (TensorProto.UINT16, "TYPE_UINT16", np.uint16),
+    "UINT32": (TensorProto.UINT32, "TYPE_UINT32", np.uint32),
+    "UINT64": (TensorProto.UINT64, "TYPE_UINT64", np.uint64),
+    "INT8": (TensorProto.INT8, "TYPE_INT8", np.int8),
+    "INT16": (TensorProto.INT16, "TYPE_INT16", np.int16),
+    "INT32": (TensorProto.INT32, "TYPE_INT32", np.int32),
+    "INT64": (TensorProto.INT64, "TYPE_INT64", np.int64),
+    "FP16": (TensorProto.FLOAT16, "TYPE_FP16", np.float16),
+    "FP32": (TensorProto.FLOAT, "TYPE_FP32", np.float32),
+    "FP64": (TensorProto.DOUBLE, "TYPE_FP64", np.float64),
+    "BYTES": (TensorProto.STRING, "TYPE_STRING", np.object_),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+    from .conftest import start_server, stop_server
+
+    repo = tmp_path_factory.mktemp("dtypes")
+    for name, (onnx_type, config_type, _) in TYPES.items():
+        model = repo / f"id_{name.lower()}"
+        build_identity(model / "1" / "model.onnx", onnx_type)
+        (model / "config.pbtxt").write_text(
+            f'backend: "onnxruntime"\nmax_batch_size: 4\n'
+            f'input [{{ name: "in", data_type: {config_type}, dims: [3] }}]\n'
+            f'output [{{ name: "out", data_type: {config_type}, dims: [3] }}]\n')
+    import uuid
+
+    import redis
+
+    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
+    srv = start_server(repo, Path(tmp_path_factory.mktemp("logs")), redis_url, prefix,
+                       wait_models=tuple(f"id_{n.lower()}" for n in TYPES))
+    yield srv
+    stop_server(srv)
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+    client.close()
+
+
+def sample(datatype: str) -> np.ndarray:
+    dtype = TYPES[datatype][2]
+    if datatype == "BYTES":
+        return np.array([[b"a", "é".encode(), b""], [b"xyz", b"12", b"q"]], dtype=np.object_)
+    if datatype == "BOOL":
+        return np.array([[True, False, True], [False, False, True]])
+    if datatype.startswith("FP"):
+        return np.array([[0.5, -1.25, 3.0], [1e3, 0.0, -0.0]], dtype=dtype)
+    info = np.iinfo(dtype)
+    return np.array([[info.min, 0, info.max], [1, 2, 3]], dtype=dtype)
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+@pytest.mark.parametrize("datatype", list(TYPES))
+def test_round_trip(server: Server, datatype: str, binary: bool) -> None:
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        x = sample(datatype)
+        inp = httpclient.InferInput("in", list(x.shape), datatype)
+        inp.set_data_from_numpy(x, binary_data=binary)
+        out = httpclient.InferRequestedOutput("out", binary_data=binary)
+        result = client.infer(f"id_{datatype.lower()}", [inp], outputs=[out])
+        y = result.as_numpy("out")
+        assert result.get_output("out")["datatype"] == datatype
+        if datatype == "BYTES":
+            assert [bytes(v) if not isinstance(v, str) else v.encode() for v in y.reshape(-1)] == list(
+                x.reshape(-1))
+        else:
+            assert y.dtype == x.dtype
+            np.testing.assert_array_equal(y, x)
+    finally:
+        client.close()

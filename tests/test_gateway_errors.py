@@ -1,0 +1,94 @@
+"""Bad input gets a clear error with the right status, never a 500 or a hang."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from .conftest import Server
+
+ROW = [0.5] * 256
+
+
+def v2(inputs: list[dict], **extra: object) -> bytes:
+    return orjson.dumps({"inputs": inputs, **extra})
+
+
+def x_input(**changes: object) -> dict:
+    return {"name": "x", "shape": [1, 256], "datatype": "FP32", "data": ROW, **changes}
+
+
+CASES = [
+    # (name, path, body, headers, status, words in the message)
+    ("unknown model", "/v2/models/nope/infer", v2([x_input()]), {}, 404, "unknown model 'nope'"),
+    ("unknown version", "/v2/models/mlp/versions/9/infer", v2([x_input()]), {}, 404, "unknown version 9"),
+    ("version not a number", "/v2/models/mlp/versions/abc/infer", v2([x_input()]), {}, 400, "not a number"),
+    ("wrong datatype", "/v2/models/mlp/infer", v2([x_input(datatype="INT32")]), {}, 400,
+     "the model expects FP32"),
+    ("unknown datatype", "/v2/models/mlp/infer", v2([x_input(datatype="FP128")]), {}, 400, "datatype"),
+    ("wrong shape", "/v2/models/mlp/infer", v2([x_input(shape=[1, 255], data=ROW[:255])]), {}, 400,
+     "does not match"),
+    ("wrong rank", "/v2/models/mlp/infer", v2([x_input(shape=[256])]), {}, 400, "dimensions"),
+    ("batch over max", "/v2/models/mlp/infer", v2([x_input(shape=[129, 256], data=[0.0] * 129 * 256)]), {},
+     400, "max_batch_size"),
+    ("data length", "/v2/models/mlp/infer", v2([x_input(data=ROW[:100])]), {}, 400, "has 100 elements"),
+    ("data not numbers", "/v2/models/mlp/infer", v2([x_input(data=["a"] * 256)]), {}, 400, "must be numbers"),
+    ("negative dim", "/v2/models/mlp/infer", v2([x_input(shape=[-1, 256])]), {}, 400, "non-negative"),
+    ("malformed JSON", "/v2/models/mlp/infer", b'{"inputs": [', {}, 400, "malformed JSON"),
+    ("not an object", "/v2/models/mlp/infer", b"[1, 2]", {}, 400, "JSON object"),
+    ("no inputs", "/v2/models/mlp/infer", b"{}", {}, 400, "'inputs'"),
+    ("missing input", "/v2/models/add_sub/infer",
+     v2([{"name": "a", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]), {}, 400, "needs input(s) b"),
+    ("unknown input", "/v2/models/mlp/infer", v2([x_input(name="z")]), {}, 400, "has no input 'z'"),
+    ("input twice", "/v2/models/mlp/infer", v2([x_input(), x_input()]), {}, 400, "given twice"),
+    ("unknown output", "/v2/models/mlp/infer", v2([x_input()], outputs=[{"name": "q"}]), {}, 400,
+     "has no output 'q'"),
+    ("header length past body", "/v2/models/mlp/infer", v2([x_input()]),
+     {"Inference-Header-Content-Length": "100000"}, 400, "past the end"),
+    ("header length not a number", "/v2/models/mlp/infer", v2([x_input()]),
+     {"Inference-Header-Content-Length": "ten"}, 400, "integer"),
+    ("binary size past body", "/v2/models/mlp/infer",
+     v2([{"name": "x", "shape": [1, 256], "datatype": "FP32", "parameters": {"binary_data_size": 1024}}]),
+     "binary", 400, "past the end"),
+    ("id not a string", "/v2/models/mlp/infer", v2([x_input()], id=5), {}, 400, "'id'"),
+    ("fn: unknown model", "/fn/nope", b"[1]", {}, 404, "unknown model"),
+    ("fn: list for two inputs", "/fn/add_sub", b"[1, 2, 3, 4]", {}, 400, "2 inputs"),
+    ("fn: ragged", "/fn/add_sub", b'{"a": [[1, 2, 3, 4], [1]], "b": [[1, 2, 3, 4], [1, 2, 3, 4]]}', {}, 400,
+     "ragged"),
+    ("fn: wrong width", "/fn/mlp", b"[1, 2, 3]", {}, 400, "does not match"),
+    ("fn: malformed", "/fn/mlp", b"{", {}, 400, "malformed JSON"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,headers,status,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(example_server: Server, name: str, path: str, body: bytes, headers: object, status: int,
+                   words: str) -> None:
+    if headers == "binary":  # JSON header followed by 10 bytes instead of 1024
+        headers = {"Inference-Header-Content-Length": str(len(body))}
+        body = body + b"\0" * 10
+    r = httpx.post(example_server.url + path, content=body, headers=headers, timeout=10)  # type: ignore[arg-type]
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert words in r.json()["error"]
+
+
+def test_binary_data_not_claimed_by_any_input(example_server: Server) -> None:
+    x = np.ones((1, 256), dtype=np.float32)
+    header = v2([{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                  "parameters": {"binary_data_size": x.nbytes}}])
+    r = httpx.post(example_server.url + "/v2/models/mlp/infer", content=header + x.tobytes() + b"junk",
+                   headers={"Inference-Header-Content-Length": str(len(header))})
+    assert r.status_code == 400 and "no input claims" in r.json()["error"]
+
+
+def test_metadata_of_unknown_model_and_version(example_server: Server) -> None:
+    assert httpx.get(example_server.url + "/v2/models/nope").status_code == 404
+    assert httpx.get(example_server.url + "/v2/models/mlp/versions/3").status_code == 404
+    assert httpx.get(example_server.url + "/v2/models/mlp/versions/3/config").status_code == 404
+    assert httpx.get(example_server.url + "/v2/models/nope/ready").status_code == 400
+
+
+def test_server_keeps_serving_after_bad_input(example_server: Server) -> None:
+    r = httpx.post(example_server.url + "/fn/mlp", content=orjson.dumps(ROW))
+    assert r.status_code == 200 and len(r.json()["y"]) == 10

@@ -1,0 +1,113 @@
+"""The official tritonclient.http client against a real `despina serve` of the example repository."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import orjson
+import pytest
+import tritonclient.http as httpclient
+
+from despina.examples import mlp_numpy
+
+from .conftest import Server
+
+
+@pytest.fixture(scope="module")
+def client(example_server: Server) -> httpclient.InferenceServerClient:
+    c = httpclient.InferenceServerClient(example_server.url.removeprefix("http://"), concurrency=8)
+    yield c
+    c.close()
+
+
+def ort_run(path: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_server_and_model_health(client: httpclient.InferenceServerClient) -> None:
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready("mlp")
+    assert client.is_model_ready("mlp", "1")
+    assert not client.is_model_ready("mlp", "7")
+    assert not client.is_model_ready("nope")
+    meta = client.get_server_metadata()
+    assert meta["name"] == "despina" and "binary_tensor_data" in meta["extensions"]
+
+
+def test_model_metadata_and_config(client: httpclient.InferenceServerClient) -> None:
+    meta = client.get_model_metadata("mlp")
+    assert meta["name"] == "mlp" and meta["versions"] == ["1"]
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]
+    assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 10]}]
+    config = client.get_model_config("mlp")
+    assert config["max_batch_size"] == 128
+    assert config["input"][0]["dims"] == [256]           # numbers, as Triton writes them
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 500
+
+
+def test_auto_complete_fills_inputs_and_outputs_from_the_onnx_file(
+        client: httpclient.InferenceServerClient) -> None:
+    config = client.get_model_config("add_sub")
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
+        ("a", "TYPE_FP32", [4]), ("b", "TYPE_FP32", [4])]
+    assert [t["name"] for t in config["output"]] == ["sum", "diff"]
+    assert config["backend"] == "onnxruntime"
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_infer_matches_onnxruntime(client: httpclient.InferenceServerClient, example_server: Server,
+                                   example_repository, binary: bool) -> None:
+    x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
+    inp = httpclient.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    out = httpclient.InferRequestedOutput("y", binary_data=binary)
+    result = client.infer("mlp", [inp], outputs=[out], request_id="req-42")
+    y = result.as_numpy("y")
+    expected = ort_run(str(example_repository / "mlp" / "1" / "model.onnx"), {"x": x})[0]
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, mlp_numpy(x), rtol=1e-4, atol=1e-5)
+    assert result.get_response()["id"] == "req-42"
+
+
+def test_requested_output_subset(client: httpclient.InferenceServerClient) -> None:
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.ones((2, 4), dtype=np.float32)
+    inputs = [httpclient.InferInput("a", [2, 4], "FP32"), httpclient.InferInput("b", [2, 4], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b, binary_data=False)
+    result = client.infer("add_sub", inputs, outputs=[httpclient.InferRequestedOutput("diff")])
+    names = [o["name"] for o in result.get_response()["outputs"]]
+    assert names == ["diff"]
+    np.testing.assert_array_equal(result.as_numpy("diff"), a - b)
+    both = client.infer("add_sub", inputs)
+    np.testing.assert_array_equal(both.as_numpy("sum"), a + b)
+
+
+async def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(
+        client: httpclient.InferenceServerClient, example_server: Server) -> None:
+    before = client.get_inference_statistics("mlp")["model_stats"][0]
+    rows = [np.full((1, 256), i / 100, dtype=np.float32) for i in range(64)]
+
+    async def call(http: httpx.AsyncClient, x: np.ndarray) -> np.ndarray:
+        header = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                                           "parameters": {"binary_data_size": x.nbytes}}],
+                               "outputs": [{"name": "y", "parameters": {"binary_data": True}}]})
+        r = await http.post(f"{example_server.url}/v2/models/mlp/infer", content=header + x.tobytes(),
+                            headers={"Inference-Header-Content-Length": str(len(header))})
+        assert r.status_code == 200, r.text
+        offset = int(r.headers["inference-header-content-length"])
+        return np.frombuffer(r.content[offset:], dtype=np.float32).reshape(1, 10)
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as http:
+        results = await asyncio.gather(*(call(http, x) for x in rows))
+    for x, y in zip(rows, results, strict=True):
+        np.testing.assert_allclose(y, mlp_numpy(x), rtol=1e-4, atol=1e-5)
+    after = client.get_inference_statistics("mlp")["model_stats"][0]
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert inferences == 64
+    assert executions < 64, "concurrent requests should have been batched"
+    assert max(b["batch_size"] for b in after["batch_stats"]) > 1

@@ -1,0 +1,141 @@
+"""`despina serve` as a user runs it: embedded Valkey, signals, draining, limits, broken configs."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from .conftest import Server, stop_server
+
+ROW = orjson.dumps([0.25] * 256)
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_embedded_valkey_serves_and_sigkill_leaves_nothing_behind(
+        serve: Callable[..., Server], example_repository: Path) -> None:
+    server = serve(example_repository, use_redis=False, wait_models=("mlp",))
+    r = httpx.post(f"{server.url}/fn/mlp", content=ROW)
+    assert r.status_code == 200 and len(r.json()["y"]) == 10
+    family = descendants(server.process.pid)
+    names = " ".join(cmdline(p) for p in family)
+    assert "valkey" in names and "despina worker" in names and "despina gateway" in names
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    deadline = time.monotonic() + 15
+    while alive(family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(family), [cmdline(p) for p in alive(family)]
+
+
+def test_sigterm_drains_requests_in_flight(serve: Callable[..., Server], example_repository: Path,
+                                           tmp_path: Path) -> None:
+    repo = tmp_path / "slow"
+    shutil.copytree(example_repository / "mlp", repo / "mlp")
+    config = (repo / "mlp" / "config.pbtxt").read_text()
+    (repo / "mlp" / "config.pbtxt").write_text(
+        config.replace("max_queue_delay_microseconds: 500", "max_queue_delay_microseconds: 700000"))
+    server = serve(repo, wait_models=("mlp",))
+    family = descendants(server.process.pid)
+
+    async def scenario() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            calls = [asyncio.create_task(client.post(f"{server.url}/fn/mlp", content=ROW)) for _ in range(20)]
+            await asyncio.sleep(0.3)  # all 20 now wait in the batcher for the 0.7 s queue delay
+            server.process.send_signal(signal.SIGTERM)
+            return [r.status_code for r in await asyncio.gather(*calls)]
+
+    statuses = asyncio.run(scenario())
+    assert statuses == [200] * 20
+    assert server.process.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while alive(family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(family)
+
+
+def test_broken_config_is_reported_and_other_models_serve(serve: Callable[..., Server],
+                                                          example_repository: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository / "mlp", repo / "mlp")
+    shutil.copytree(example_repository / "mlp", repo / "broken")
+    (repo / "broken" / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 4\nbatch_size: 3\n')
+    shutil.copytree(example_repository / "mlp", repo / "badtype")
+    (repo / "badtype" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 4\ninput [{ name: "x", data_type: TYPE_BF16, dims: [256] }]\n'
+        'output [{ name: "y", data_type: TYPE_FP32, dims: [10] }]\n')
+    server = serve(repo, wait_models=("mlp",))
+    assert httpx.post(f"{server.url}/fn/mlp", content=ROW).status_code == 200
+    r = httpx.get(f"{server.url}/v2/models/broken")
+    assert r.status_code == 503
+    assert "model 'broken'" in r.json()["error"] and "batch_size" in r.json()["error"]
+    r = httpx.post(f"{server.url}/v2/models/badtype/infer", content=b"{}")
+    assert r.status_code == 503 and "'data_type' TYPE_BF16" in r.json()["error"]
+    assert "model 'broken': invalid config.pbtxt" in server.logs()
+
+
+def test_body_limit_and_deadline(serve: Callable[..., Server], example_repository: Path) -> None:
+    server = serve(example_repository, wait_models=("mlp",),
+                   env={"DESPINA_MAX_BODY_BYTES": "4000", "DESPINA_REQUEST_TIMEOUT_S": "0.00001"})
+    r = httpx.post(f"{server.url}/fn/mlp", content=orjson.dumps([[0.5] * 256] * 8))
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+    r = httpx.post(f"{server.url}/fn/mlp", content=ROW)
+    message = r.json()["error"]
+    assert r.status_code == 504 and ("timed out" in message or "no answer" in message)
+
+
+@pytest.mark.parametrize("role", ["gateway", "worker", "control"])
+def test_roles_need_a_redis_url(role: str) -> None:
+    import subprocess
+    import sys
+
+    env = {"PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-m", "despina", role], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 2 and "--redis-url" in r.stderr
+
+
+def test_sigterm_on_an_idle_server_exits_zero(serve: Callable[..., Server], example_repository: Path) -> None:
+    server = serve(example_repository)
+    assert stop_server(server) == 0
