@@ -1,11 +1,19 @@
-"""Builds the example models (and the test models) with onnx.helper: nothing is downloaded.
+"""Builds the example models (and the test models) in code: nothing is downloaded.
 
-    python -m despina.examples [REPOSITORY]     # default ./model_repository
+    python -m despina.examples [REPOSITORY]     # default ./model_repository, every installed framework
+
+ONNX models are built with onnx.helper; the TorchScript, torch.export and TensorFlow examples are the
+same reference MLP, built when torch / tensorflow is installed and skipped with a note otherwise.
+The Python example needs no building: its model.py is committed next to its config.pbtxt.
 """
 from __future__ import annotations
 
 import sys
+import warnings
+from collections.abc import Collection
+from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -86,13 +94,102 @@ def build_identity(path: Path, onnx_type: int, dims: int = 3) -> None:
     _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
-def build_repository(root: Path) -> None:
-    """The example repository: model files next to the committed config.pbtxt files."""
-    build_mlp(root / "mlp" / "1" / "model.onnx")
-    build_add_sub(root / "add_sub" / "1" / "model.onnx")
+def _torch_mlp() -> Any:
+    """The reference MLP as a torch module (forward(x) -> y), in eval mode, without gradients."""
+    import torch
+
+    w1, b1, w2, b2 = (torch.from_numpy(w) for w in mlp_weights())
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hidden = torch.nn.Linear(D_IN, D_HIDDEN)
+            self.out = torch.nn.Linear(D_HIDDEN, D_OUT)
+            with torch.no_grad():
+                self.hidden.weight.copy_(w1.T)
+                self.hidden.bias.copy_(b1)
+                self.out.weight.copy_(w2.T)
+                self.out.bias.copy_(b2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.relu(self.hidden(x)))
+
+    return MLP().eval().requires_grad_(False)
+
+
+def build_torchscript_mlp(path: Path) -> None:
+    """The reference MLP as TorchScript (model.pt): INPUT__0 [N, 256] -> OUTPUT__0 [N, 10]."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # torch.jit is deprecated upstream; Triton users still ship it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = torch.jit.trace(_torch_mlp(), torch.zeros(2, D_IN))
+        traced.save(str(path))
+
+
+def build_torch_export_mlp(path: Path) -> None:
+    """The reference MLP as a torch.export program (model.pt2) with a dynamic batch dimension."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    program = torch.export.export(_torch_mlp(), (torch.zeros(2, D_IN),), dynamic_shapes={"x": {0: batch}})
+    torch.export.save(program, str(path))
+
+
+def build_tf_mlp(path: Path) -> None:
+    """The reference MLP as a TF SavedModel: serving_default takes x [N, 256] and returns y [N, 10]."""
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    weights = [tf.Variable(w) for w in mlp_weights()]
+
+    class MLP(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.params = weights
+
+        @tf.function(input_signature=[tf.TensorSpec([None, D_IN], tf.float32, name="x")])
+        def serve(self, x: tf.Tensor) -> dict[str, tf.Tensor]:
+            w1, b1, w2, b2 = self.params
+            return {"y": tf.matmul(tf.nn.relu(tf.matmul(x, w1) + b1), w2) + b2}
+
+    module = MLP()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
+
+
+FRAMEWORKS = {"onnx": "onnx", "torch": "torch", "tensorflow": "tensorflow"}  # name -> module to find
+
+
+def build_repository(root: Path, frameworks: Collection[str] = ("onnx",)) -> list[str]:
+    """Build the example models of `frameworks` next to the committed config.pbtxt files.
+
+    The default builds only the ONNX models (fast: the tests' repository). A framework that is not
+    installed is skipped with a note; its models then show as UNAVAILABLE. Returns what was built.
+    """
+    built = []
+    for framework in frameworks:
+        if find_spec(FRAMEWORKS[framework]) is None:
+            print(f"note: {framework} is not installed; skipping its example models "
+                  f"(pip install despina[{'examples' if framework == 'onnx' else framework}])")
+            continue
+        if framework == "onnx":
+            build_mlp(root / "mlp" / "1" / "model.onnx")
+            build_add_sub(root / "add_sub" / "1" / "model.onnx")
+        elif framework == "torch":
+            build_torchscript_mlp(root / "mlp_torchscript" / "1" / "model.pt")
+            build_torch_export_mlp(root / "mlp_torch_export" / "1" / "model.pt2")
+        elif framework == "tensorflow":
+            build_tf_mlp(root / "mlp_savedmodel" / "1" / "model.savedmodel")
+        built.append(framework)
+    return built
 
 
 if __name__ == "__main__":
     target = Path(sys.argv[1] if len(sys.argv) > 1 else "model_repository")
-    build_repository(target)
-    print(f"built example models in {target}")
+    done = build_repository(target, tuple(FRAMEWORKS))
+    print(f"built the {', '.join(done) or 'no'} example models in {target}")

@@ -11,7 +11,11 @@ __all__ = ["Backend", "Instance", "backend_class"]
 
 BUILTIN = {
     "onnxruntime": "despina.workers.backends.onnxruntime:OnnxRuntimeBackend",
+    "pytorch": "despina.workers.backends.pytorch:PyTorchBackend",
+    "tensorflow": "despina.workers.backends.tensorflow:TensorFlowBackend",
+    "python": "despina.workers.backends.python:PythonBackend",
 }
+EXTRAS = {"onnxruntime": "onnx", "pytorch": "torch", "tensorflow": "tensorflow"}  # pip install despina[...]
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -22,14 +26,18 @@ def backend_class(name: str) -> type[Backend]:
         if not found:
             raise ConfigError(f"no backend named '{name}' (built in: {', '.join(sorted(BUILTIN))}; "
                               "others register under the 'despina.backends' entry points)")
-        cls = found[0].load()
+        try:
+            cls = found[0].load()
+        except Exception as exc:
+            raise ConfigError(f"backend '{name}' (entry point {found[0].value}) cannot be imported: "
+                              f"{exc}") from None
     else:
         module, _, attr = target.partition(":")
         try:
             cls = getattr(importlib.import_module(module), attr)
         except ImportError as exc:
-            raise ConfigError(f"backend '{name}' is not installed ({exc}); install despina[{name}]"
-                              ) from None
+            raise ConfigError(f"backend '{name}' is not installed ({exc}); install "
+                              f"despina[{EXTRAS.get(name, name)}]") from None
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise ConfigError(f"backend '{name}' does not implement despina's Backend protocol")
     return cls

@@ -3,23 +3,28 @@
 A backend instance is one loaded copy of one model version. The worker calls `load()` once,
 `execute()` for each batch (from a thread: it must not touch the event loop), and `unload()` once.
 `auto_complete()` fills in what a config.pbtxt left out, from the model file, as Triton does.
+
+A backend whose model answers each request on its own (Triton's Python backend) defines
+`execute_requests()` instead of `execute()`: the worker then hands it the requests of a batch one by
+one, unconcatenated, and takes one result per request, where an error fails only its own request.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from ...contract.errors import ConfigError
+from ...contract.errors import ConfigError, DespinaError
 from ...contract.modelconfig import ModelSpec
 
 
 @dataclass(frozen=True)
 class Instance:
-    """Where one instance runs: `kind` is "CPU" or "GPU"; `device` is the GPU index."""
+    """Where one instance runs: `kind` is "CPU", "GPU" or "MODEL"; `device` is the GPU index."""
 
     name: str
     kind: str = "CPU"
@@ -29,6 +34,9 @@ class Instance:
 
 class Backend:
     """Subclass this for a framework; register it in `despina.backends` (an entry-point group)."""
+
+    #: True when `execute_requests` is the entry point (one result per request) instead of `execute`.
+    per_request: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, version_dir: Path, instance: Instance) -> None:
         self.spec = spec
@@ -42,6 +50,11 @@ class Backend:
         """Run one batch: inputs by name, batch dimension first; return the asked outputs by name."""
         raise NotImplementedError
 
+    def execute_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
+                         outputs: Sequence[Sequence[str]]) -> list[dict[str, np.ndarray] | DespinaError]:
+        """Run the requests of one batch, each with its own inputs and asked outputs (per_request only)."""
+        raise NotImplementedError
+
     def unload(self) -> None:
         """Free what load() took. The default drops references and lets the collector work."""
 
@@ -53,6 +66,11 @@ class Backend:
     def gpu_available(cls) -> bool:
         return False
 
+    @classmethod
+    def gpu_count(cls) -> int:
+        """GPUs this framework can use here; KIND_GPU instances must name one of them."""
+        return visible_gpus() if cls.gpu_available() else 0
+
     def model_path(self) -> Path:
         filename = self.spec.config.get("default_model_filename") or self.default_filename()
         path = self.version_dir / filename
@@ -63,3 +81,19 @@ class Backend:
     @classmethod
     def default_filename(cls) -> str:
         raise NotImplementedError
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, without importing a framework (0 when there is none)."""
+    if not Path("/proc/driver/nvidia/gpus").is_dir():
+        return 0
+    present = len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    ids = []
+    for v in visible.split(","):  # CUDA stops at the first invalid entry ("-1" hides every GPU)
+        if not v.strip() or v.strip().startswith("-"):
+            break
+        ids.append(v)
+    return min(present, len(ids))

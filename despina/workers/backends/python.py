@@ -1,0 +1,203 @@
+"""Triton Python-backend models: `<version>/model.py` with `class TritonPythonModel`.
+
+Each instance runs the model in its own process (the stub, python_stub/stub.py), as Triton does, so
+user code cannot take the worker down. `execute` receives the requests of a batch and answers each
+one; an error in one response fails only that request. If the process dies, the requests it was
+running get errors and a new process is started (initialize runs again) for the next batch.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+
+from ...contract.errors import BackendError, Code, ConfigError, DespinaError
+from ...contract.modelconfig import ModelConfig, to_dict
+from .base import Backend, visible_gpus
+
+log = logging.getLogger("despina.worker")
+
+STUB = Path(__file__).parent / "python_stub" / "stub.py"
+FINALIZE_TIMEOUT_S = 10.0
+AUTO_COMPLETE_TIMEOUT_S = 60.0
+# TritonError codes -> Despina codes; the rest (INTERNAL, UNKNOWN, UNSUPPORTED...) are backend errors.
+ERROR_CODES = {2: Code.NOT_FOUND, 3: Code.INVALID_ARGUMENT, 4: Code.UNAVAILABLE}
+
+
+class StubDied(Exception):
+    """The model's process ended while the worker waited for it."""
+
+
+class Stub:
+    """One model process and the connection to it; every call is a request and its answer."""
+
+    def __init__(self, name: str) -> None:
+        ours, theirs = Pipe()
+        self.name = name
+        self.conn: Connection = ours
+        try:
+            self.process = subprocess.Popen([sys.executable, str(STUB), str(theirs.fileno())],
+                                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+
+    def call(self, op: str, payload: Any, timeout: float | None = None) -> Any:
+        try:
+            self.conn.send((op, payload))
+            if timeout is not None and not self.conn.poll(timeout):
+                raise StubDied(f"no answer to {op} within {timeout:.0f} s")
+            status, answer = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise StubDied(f"its process ended (exit code {self.wait(5)})") from exc
+        if status == "error":
+            raise BackendError(f"model '{self.name}': {op} failed: {answer}")
+        return answer
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self) -> None:
+        """Ask for finalize, then make sure the process is gone."""
+        if self.alive():
+            try:
+                self.call("finalize", None, FINALIZE_TIMEOUT_S)
+            except (StubDied, BackendError) as exc:
+                log.warning("%s", exc)
+        if self.wait(5) is None:
+            self.process.kill()
+            self.process.wait()
+        self.conn.close()
+
+
+class PythonBackend(Backend):
+    per_request = True
+
+    @classmethod
+    def default_filename(cls) -> str:
+        return "model.py"
+
+    @classmethod
+    def gpu_available(cls) -> bool:
+        return visible_gpus() > 0
+
+    def load(self) -> None:
+        self._lock = threading.Lock()
+        self._restart: threading.Thread | None = None
+        self._restart_error = ""
+        self.stub = self._start()
+
+    def _start(self) -> Stub:
+        stub = Stub(self.spec.name)
+        try:
+            stub.call("initialize", {"model_file": str(self.model_path()), "args": self._args()})
+        except (StubDied, BackendError) as exc:
+            stub.stop()
+            raise ConfigError(f"model '{self.spec.name}': initialize failed: "
+                              f"{exc.message if isinstance(exc, BackendError) else exc}") from None
+        return stub
+
+    def _args(self) -> dict[str, str]:
+        """initialize()'s args, as Triton's Python backend passes them: every value a string."""
+        return {
+            "model_config": json.dumps(self.spec.config),
+            "model_instance_kind": self.instance.kind,
+            "model_instance_name": self.instance.name,
+            "model_instance_device_id": str(self.instance.device),
+            "model_repository": str(self.version_dir.parent),
+            "model_version": self.version_dir.name,
+            "model_name": self.spec.name,
+        }
+
+    def execute_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
+                         outputs: Sequence[Sequence[str]]) -> list[dict[str, np.ndarray] | DespinaError]:
+        with self._lock:
+            failure = self._ready()
+            if failure is not None:
+                return [failure] * len(requests)
+            try:
+                answers = self.stub.call("execute", [(dict(r), list(o)) for r, o in zip(requests, outputs)])
+            except StubDied as exc:
+                log.error("model %s: instance %s died while executing (%s); restarting it",
+                          self.spec.name, self.instance.name, exc)
+                self._restart = threading.Thread(target=self._restart_stub, daemon=True)
+                self._restart.start()
+                error = BackendError(f"model '{self.spec.name}' instance {self.instance.name} "
+                                     f"crashed while executing this request ({exc}); it is restarting")
+                return [error] * len(requests)
+            except BackendError as exc:  # execute raised: the whole batch fails, as in Triton
+                return [exc] * len(requests)
+        return [out if status == "ok" else
+                DespinaError(f"model '{self.spec.name}': {out[0]}", ERROR_CODES.get(out[1], Code.BACKEND))
+                for status, out in answers]
+
+    def _ready(self) -> DespinaError | None:
+        """Wait for a restart in progress; start the process again if it died while idle."""
+        if self._restart is not None:
+            self._restart.join()
+            self._restart = None
+        elif not self.stub.alive():
+            log.error("model %s: instance %s exited (code %s); restarting it", self.spec.name,
+                      self.instance.name, self.stub.wait(0))
+            self._restart_stub()
+        if not self.stub.alive():
+            return BackendError(f"model '{self.spec.name}' instance {self.instance.name} could not be "
+                                f"restarted: {self._restart_error}")
+        return None
+
+    def _restart_stub(self) -> None:
+        self.stub.stop()
+        try:
+            self.stub = self._start()
+            self._restart_error = ""
+        except ConfigError as exc:
+            self._restart_error = exc.message
+            log.error("%s", exc.message)
+
+    def unload(self) -> None:
+        if getattr(self, "_restart", None) is not None:
+            self._restart.join()  # type: ignore[union-attr]
+        if getattr(self, "stub", None) is not None:
+            self.stub.stop()
+
+    @classmethod
+    def auto_complete(cls, config: Any, version_dir: Path) -> None:
+        """Run the model's auto_complete_config, in a process of its own, when model.py defines one."""
+        path = version_dir / (config.default_model_filename or cls.default_filename())
+        if not path.exists():
+            raise ConfigError(f"model '{config.name}': model file {path} does not exist")
+        if "auto_complete_config" not in path.read_text(errors="replace"):
+            return
+        stub = Stub(config.name)
+        try:
+            answer = stub.call("auto_complete", {"model_file": str(path),
+                                                 "config": json.dumps(to_dict(config))},
+                               AUTO_COMPLETE_TIMEOUT_S)
+        except (StubDied, BackendError) as exc:
+            raise ConfigError(f"model '{config.name}': auto_complete_config failed: "
+                              f"{exc.message if isinstance(exc, BackendError) else exc}") from None
+        finally:
+            stub.stop()
+        if answer is None:
+            return
+        try:
+            completed = json_format.ParseDict(json.loads(answer), ModelConfig())
+        except json_format.ParseError as exc:
+            raise ConfigError(f"model '{config.name}': auto_complete_config returned an invalid "
+                              f"config: {exc}") from None
+        config.CopyFrom(completed)

@@ -1,0 +1,149 @@
+"""The process a Python model runs in (Triton's "stub"): `python stub.py <fd>`.
+
+It talks to its worker over the connection on <fd>, one message and one answer at a time:
+("auto_complete", ...), ("initialize", ...), ("execute", requests), ("finalize", None). Whatever the
+model does, the worst it can do is end this process; the worker then fails the requests in flight
+and starts another. The stub also ends when its worker does (the connection closes, or the parent
+changes).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+PARENT_CHECK_S = 1.0
+OPERATIONS = ("auto_complete", "initialize", "execute", "finalize")
+
+
+def main() -> None:
+    sys.dont_write_bytecode = True  # leave the model repository as it was: no __pycache__ in it
+    conn = Connection(int(sys.argv[1]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when this process stops
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    stub = Stub()
+    while True:
+        try:
+            op, payload = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            if op not in OPERATIONS:
+                raise pb_utils.TritonModelException(f"unknown operation {op!r}")
+            answer: tuple[str, Any] = ("ok", getattr(stub, op)(payload))
+        except BaseException as exc:  # the model's failure goes back to the worker, not up here
+            answer = ("error", _describe(exc))
+        try:
+            conn.send(answer)
+        except Exception as exc:  # e.g. an output that cannot be pickled
+            conn.send(("error", f"cannot send the answer of {op}: {exc}"))
+        if op == "finalize":
+            break
+
+
+def _exit_with_parent(parent: int) -> None:
+    while True:
+        time.sleep(PARENT_CHECK_S)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, pb_utils.TritonModelException):
+        return exc.message()
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames)), "")
+    return f"{type(exc).__name__}: {exc}" + (f" ({where})" if where else "")
+
+
+def _load_module(model_file: str) -> Any:
+    folder = str(Path(model_file).parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # a model may import modules that sit next to model.py
+    spec = importlib.util.spec_from_file_location("model", model_file)
+    if spec is None or spec.loader is None:
+        raise pb_utils.TritonModelException(f"cannot import {model_file}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["model"] = module
+    spec.loader.exec_module(module)
+    if not hasattr(module, "TritonPythonModel"):
+        raise pb_utils.TritonModelException(f"{model_file} defines no class TritonPythonModel")
+    return module
+
+
+class Stub:
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def auto_complete(self, payload: dict[str, Any]) -> str | None:
+        """The config JSON after the model's auto_complete_config, or None when it has none."""
+        cls = _load_module(payload["model_file"]).TritonPythonModel
+        if not hasattr(cls, "auto_complete_config"):
+            return None
+        result = cls.auto_complete_config(pb_utils.ModelConfig(payload["config"]))
+        if not isinstance(result, pb_utils.ModelConfig):
+            raise pb_utils.TritonModelException("auto_complete_config must return the ModelConfig it "
+                                                "was given")
+        return json.dumps(result.as_dict())
+
+    def initialize(self, payload: dict[str, Any]) -> None:
+        pb_utils._model_name = payload["args"]["model_name"]
+        self.model = _load_module(payload["model_file"]).TritonPythonModel()
+        if hasattr(self.model, "initialize"):
+            self._await(self.model.initialize(payload["args"]))
+
+    def execute(self, payload: list[tuple[dict[str, Any], list[str]]]) -> list[tuple[str, Any]]:
+        """Run one batch; one ("ok", outputs) or ("error", (message, code)) per request, in order."""
+        requests = [pb_utils.InferenceRequest(inputs=[pb_utils.Tensor(n, a) for n, a in inputs.items()],
+                                              requested_output_names=asked)
+                    for inputs, asked in payload]
+        responses = self._await(self.model.execute(requests))
+        if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
+            count = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
+            raise pb_utils.TritonModelException(f"execute returned {count} responses for "
+                                                f"{len(requests)} requests")
+        return [_answer(r, asked) for r, (_, asked) in zip(responses, payload)]
+
+    def finalize(self, payload: Any) -> None:
+        if self.model is not None and hasattr(self.model, "finalize"):
+            self._await(self.model.finalize())
+
+    def _await(self, result: Any) -> Any:
+        if not inspect.isawaitable(result):
+            return result
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+        return self.loop.run_until_complete(result)
+
+
+def _answer(response: Any, asked: list[str]) -> tuple[str, Any]:
+    if not isinstance(response, pb_utils.InferenceResponse):
+        return ("error", (f"execute returned {type(response).__name__} instead of an "
+                          "InferenceResponse", pb_utils.TritonError.INTERNAL))
+    if response.has_error():
+        error = response.error()
+        return ("error", (str(error.message() if hasattr(error, "message") else error),
+                          error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL))
+    outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+    missing = [n for n in asked if n not in outputs]
+    if missing:
+        return ("error", (f"the response lacks output {', '.join(missing)}",
+                          pb_utils.TritonError.INTERNAL))
+    return ("ok", {n: outputs[n] for n in asked})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,384 @@
+"""Triton's `triton_python_backend_utils` for models served by Despina's Python backend.
+
+The documented API of Triton's Python backend, so that a Triton `model.py` runs unchanged: Tensor,
+InferenceRequest, InferenceResponse, TritonError, TritonModelException, the tensor helpers, the
+datatype tables, ModelConfig for `auto_complete_config`, and Logger. Only numpy and the standard
+library are used: this module runs in the model's process, not in Despina's.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from typing import Any
+
+import numpy as np
+
+TRITON_STRING_TO_NUMPY: dict[str, Any] = {
+    "TYPE_BOOL": bool, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64, "TYPE_INT8": np.int8, "TYPE_INT16": np.int16, "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64, "TYPE_FP16": np.float16, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+# Triton's DataType enum numbers (model_config.proto), as triton_to_numpy_type takes them.
+_TRITON_TO_NUMPY: dict[int, Any] = {
+    1: np.bool_, 2: np.uint8, 3: np.uint16, 4: np.uint32, 5: np.uint64, 6: np.int8, 7: np.int16,
+    8: np.int32, 9: np.int64, 10: np.float16, 11: np.float32, 12: np.float64, 13: np.object_,
+}
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+TRITONSERVER_MEMORY_CPU = 0
+TRITONSERVER_MEMORY_GPU = 2
+
+_model_name = ""  # set by the stub; Logger prefixes it
+
+
+def triton_to_numpy_type(data_type: int) -> Any:
+    return _TRITON_TO_NUMPY.get(data_type)
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    if data_type is bytes or data_type is np.bytes_:
+        return 13
+    try:
+        dtype = np.dtype(data_type)
+    except TypeError:
+        return None
+    if dtype.kind in "OS":
+        return 13
+    for number, candidate in _TRITON_TO_NUMPY.items():
+        if number != 13 and dtype == np.dtype(candidate):
+            return number
+    return None
+
+
+def triton_string_to_numpy(triton_type_string: str) -> Any:
+    return TRITON_STRING_TO_NUMPY[triton_type_string]
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> bytes | None:
+    """A BYTES tensor as Triton's wire form: each element as a 4-byte LE length and its bytes, C order.
+
+    None when the tensor does not hold bytes or objects.
+    """
+    if input_tensor.dtype != np.object_ and input_tensor.dtype.type != np.bytes_:
+        return None
+    parts = []
+    for item in input_tensor.reshape(-1, order="C"):
+        raw = item if isinstance(item, bytes) else str(item).encode("utf-8")
+        parts += [struct.pack("<I", len(raw)), raw]
+    return b"".join(parts)
+
+
+def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
+    """Triton's BYTES wire form -> a flat numpy array of bytes objects (dtype object)."""
+    items = []
+    offset = 0
+    view = memoryview(encoded_tensor)
+    while offset < len(view):
+        (length,) = struct.unpack_from("<I", view, offset)
+        offset += 4
+        items.append(bytes(view[offset:offset + length]))
+        offset += length
+    out = np.empty(len(items), dtype=np.object_)
+    out[:] = items
+    return out
+
+
+class TritonModelException(Exception):
+    """Raised by a model (or by this module) for an error in initialize, execute or finalize."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg)
+        self._msg = msg
+
+    def message(self) -> str:
+        return self._msg
+
+
+class TritonError:
+    """The error of one response: `InferenceResponse(error=TritonError("..."))` fails that request."""
+
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+    def __init__(self, msg: str, code: int = INTERNAL) -> None:
+        self._msg = msg
+        self._code = code
+
+    def __str__(self) -> str:
+        return self._msg
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._msg!r}, {self._code})"
+
+    def message(self) -> str:
+        return self._msg
+
+    def code(self) -> int:
+        return self._code
+
+
+class Tensor:
+    """A named tensor of a request or a response, backed by a numpy array in this process."""
+
+    def __init__(self, name: str, numpy_array: Any = None, triton_dtype: int | None = None) -> None:
+        array = np.asarray(numpy_array) if not isinstance(numpy_array, np.ndarray) else numpy_array
+        if array.dtype.type is np.str_ or array.dtype.type is np.void:
+            raise TritonModelException("Tensor dtype used for numpy_array is not supported by the "
+                                       "Python backend; use np.object_ instead")
+        if triton_dtype is not None:
+            wanted = triton_to_numpy_type(triton_dtype)
+            if wanted is not None and wanted is not np.object_ and array.dtype != wanted:
+                array = array.view(wanted)
+        else:
+            triton_dtype = numpy_to_triton_type(array.dtype)
+        self._name = name
+        self._array = array
+        self._triton_dtype = triton_dtype
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+    def triton_dtype(self) -> int | None:
+        return self._triton_dtype
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self) -> Any:
+        return self._array.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name: str, dlpack: Any) -> Tensor:
+        """A Tensor from an object with __dlpack__ (a CPU torch tensor, say) or a DLPack capsule."""
+        if not hasattr(dlpack, "__dlpack__"):
+            dlpack = _Capsule(dlpack)
+        return Tensor(name, np.from_dlpack(dlpack))
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, shape={list(self._array.shape)}, dtype={self._array.dtype})"
+
+
+class _Capsule:
+    """Lets numpy take a bare DLPack capsule (as torch.utils.dlpack.to_dlpack makes)."""
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU: the Python backend hands models CPU tensors
+
+
+class InferenceRequest:
+    """One request of a batch, as `execute(requests)` receives it."""
+
+    def __init__(self, request_id: str = "", correlation_id: int | str = 0,
+                 inputs: list[Tensor] | None = None, requested_output_names: list[str] | None = None,
+                 model_name: str = "", model_version: int = -1, flags: int = 0, timeout: int = 0,
+                 preferred_memory: Any = None, trace: Any = None, parameters: Any = None) -> None:
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._inputs = list(inputs or ())
+        self._requested = list(requested_output_names or ())
+        self._model_name = model_name
+        self._flags = flags
+        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested
+
+    def flags(self) -> int:
+        return self._flags
+
+    def parameters(self) -> str:
+        return self._parameters
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def get_response_sender(self) -> Any:
+        raise TritonModelException("decoupled models are not supported by Despina yet")
+
+    def exec(self, decoupled: bool = False) -> Any:
+        raise TritonModelException("business logic scripting (InferenceRequest.exec) is not "
+                                   "supported by Despina yet")
+
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        return self.exec(decoupled)
+
+
+class InferenceResponse:
+    """The response to one request: output tensors, or an error that fails only that request."""
+
+    def __init__(self, output_tensors: list[Tensor] | None = None, error: TritonError | None = None,
+                 parameters: Any = None) -> None:
+        if output_tensors is None:
+            output_tensors = []
+        if not isinstance(output_tensors, list):
+            raise TritonModelException('"output_tensors" must be a list.')
+        self._output_tensors = output_tensors
+        self._error = error
+        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._output_tensors
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
+    return next((t for t in inference_request.inputs() if t.name() == name), None)
+
+
+def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
+    return next((t for t in inference_response.output_tensors() if t.name() == name), None)
+
+
+def get_input_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((t for t in model_config.get("input", ()) if t["name"] == name), None)
+
+
+def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((t for t in model_config.get("output", ()) if t["name"] == name), None)
+
+
+def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+class ModelConfig:
+    """The configuration handed to `auto_complete_config`; what it returns is the model's config."""
+
+    def __init__(self, model_config: str | dict[str, Any]) -> None:
+        config = json.loads(model_config) if isinstance(model_config, str) else dict(model_config)
+        config.setdefault("input", [])
+        config.setdefault("output", [])
+        config.setdefault("max_batch_size", 0)
+        self._model_config = config
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._model_config
+
+    def _name(self) -> str:
+        return str(self._model_config.get("name", ""))
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        current = int(self._model_config.get("max_batch_size", 0))
+        if current > max_batch_size:
+            raise ValueError(f"configuration specified max_batch_size {current}, but "
+                             f"auto_complete_config of model '{self._name()}' sets {max_batch_size}")
+        self._model_config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self) -> None:
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if other in self._model_config:
+                raise ValueError(f"configuration of model '{self._name()}' uses {other}; "
+                                 "auto_complete_config cannot set dynamic_batching")
+        self._model_config.setdefault("dynamic_batching", {})
+
+    def add_input(self, input: dict[str, Any]) -> None:
+        self._add("input", input, ("name", "data_type", "dims", "optional"))
+
+    def add_output(self, output: dict[str, Any]) -> None:
+        self._add("output", output, ("name", "data_type", "dims"))
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
+        extra = set(transaction_policy_dict) - {"decoupled"}
+        if extra:
+            raise ValueError(f"model transaction policy of model '{self._name()}' has properties "
+                             f"other than 'decoupled': {sorted(extra)}")
+        policy = self._model_config.setdefault("model_transaction_policy", {})
+        if "decoupled" in transaction_policy_dict:
+            if "decoupled" in policy and policy["decoupled"] != transaction_policy_dict["decoupled"]:
+                raise ValueError(f"model '{self._name()}': decoupled is already {policy['decoupled']}")
+            policy["decoupled"] = transaction_policy_dict["decoupled"]
+
+    def _add(self, kind: str, tensor: dict[str, Any], allowed: tuple[str, ...]) -> None:
+        extra = set(tensor) - set(allowed)
+        if extra:
+            raise ValueError(f"{kind} '{tensor.get('name')}' of model '{self._name()}' has properties "
+                             f"other than {', '.join(allowed)}: {sorted(extra)}")
+        for required in ("name", "data_type", "dims"):
+            if required not in tensor:
+                raise ValueError(f"{kind} of model '{self._name()}' is missing property '{required}'")
+        for current in self._model_config[kind]:
+            if current["name"] != tensor["name"]:
+                continue
+            declared = current.get("data_type", "TYPE_INVALID")
+            if declared not in ("TYPE_INVALID", tensor["data_type"]):
+                raise ValueError(f"model '{self._name()}': configuration expects datatype {declared} "
+                                 f"for {kind} '{tensor['name']}', model provides {tensor['data_type']}")
+            dims = [int(d) for d in current.get("dims", [])]
+            if dims and dims != [int(d) for d in tensor["dims"]]:
+                raise ValueError(f"model '{self._name()}', tensor '{tensor['name']}': the model "
+                                 f"expects dims {tensor['dims']} but the configuration specifies {dims}")
+            current.update(tensor)
+            return
+        self._model_config[kind].append(dict(tensor))
+
+
+class Logger:
+    """Log lines from a model; they land in the worker's log with the model's name."""
+
+    INFO = 0
+    WARNING = 1
+    ERROR = 2
+    VERBOSE = 3
+    _LABELS = {INFO: "INFO", WARNING: "WARNING", ERROR: "ERROR", VERBOSE: "VERBOSE"}
+
+    @staticmethod
+    def log(message: str, level: int = INFO) -> None:
+        label = Logger._LABELS.get(level, "INFO")
+        print(f"{label} model '{_model_name}': {message}", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        Logger.log(message, Logger.INFO)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        Logger.log(message, Logger.WARNING)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        Logger.log(message, Logger.ERROR)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        Logger.log(message, Logger.VERBOSE)

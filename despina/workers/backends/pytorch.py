@@ -1,0 +1,189 @@
+"""PyTorch: TorchScript files (model.pt) and torch.export programs (model.pt2).
+
+Inputs follow Triton's PyTorch backend: config names that are the forward() argument names bind by
+name; names of the form `<anything>__<i>` (INPUT__0) bind to position i; otherwise the config order
+is the argument order. A model returning a tuple or list maps it the same way onto the outputs
+(OUTPUT__0, or the config order); a dict maps by key. Every call runs under `torch.no_grad()` with
+parameters frozen, so the "inference tensors cannot be saved for backward" trap cannot happen.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...contract._schema import model_config_pb2 as pb
+from ...contract.errors import BackendError, ConfigError
+from .base import Backend
+
+if find_spec("torch") is None:  # torch itself is imported only where a model needs it
+    raise ImportError("No module named 'torch'")
+
+INDEXED = re.compile(r"^.*__(\d+)$")
+# torch.export.load keeps its deserializer in a global: two models loading at once must take turns.
+_LOADING = threading.Lock()
+DEFAULT_MAX_BATCH_SIZE = 4
+TORCH_TO_CONFIG = {
+    "torch.bool": "TYPE_BOOL", "torch.uint8": "TYPE_UINT8", "torch.int8": "TYPE_INT8",
+    "torch.int16": "TYPE_INT16", "torch.int32": "TYPE_INT32", "torch.int64": "TYPE_INT64",
+    "torch.float16": "TYPE_FP16", "torch.float32": "TYPE_FP32", "torch.float64": "TYPE_FP64",
+}
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+class PyTorchBackend(Backend):
+    @classmethod
+    def default_filename(cls) -> str:
+        return "model.pt"
+
+    @classmethod
+    def gpu_available(cls) -> bool:
+        return bool(_torch().cuda.is_available())
+
+    @classmethod
+    def gpu_count(cls) -> int:
+        torch = _torch()
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+    def model_path(self) -> Path:
+        if not self.spec.config.get("default_model_filename"):
+            exported = self.version_dir / "model.pt2"
+            if exported.exists() and not (self.version_dir / "model.pt").exists():
+                return exported
+        return super().model_path()
+
+    def load(self) -> None:
+        torch = _torch()
+        torch.set_num_threads(max(1, self.instance.threads))
+        self.device = torch.device(f"cuda:{self.instance.device}" if self.instance.kind == "GPU" else "cpu")
+        path = self.model_path()
+        try:
+            with _LOADING, warnings.catch_warnings():  # TorchScript is deprecated upstream
+                warnings.simplefilter("ignore", DeprecationWarning)
+                if path.suffix == ".pt2":
+                    program = torch.export.load(str(path))
+                    self.module = program.module().to(self.device)
+                    signature = program.module_call_graph[0].signature
+                    names = list(signature.forward_arg_names if signature else
+                                 program.graph_signature.user_inputs)
+                else:
+                    self.module = torch.jit.load(str(path), map_location=self.device)
+                    self.module.eval()
+                    names = [a.name for a in self.module.forward.schema.arguments[1:]]
+        except Exception as exc:
+            raise ConfigError(f"model '{self.spec.name}': torch cannot load {path.name}: {exc}") from None
+        for param in self.module.parameters():
+            param.requires_grad_(False)
+        bytes_inputs = [t.name for t in self.spec.inputs if t.datatype == "BYTES"]
+        if bytes_inputs:
+            raise ConfigError(f"model '{self.spec.name}': the pytorch backend takes no BYTES inputs "
+                              f"({', '.join(bytes_inputs)})")
+        self.arguments = _order([t.name for t in self.spec.inputs], names, "input", self.spec.name)
+        self.results = _order([t.name for t in self.spec.outputs], [], "output", self.spec.name)
+
+    def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        torch = _torch()
+        try:
+            args = [self._tensor(torch, inputs[name]) for name in self.arguments]
+        except KeyError as exc:
+            raise BackendError(f"model '{self.spec.name}': input {exc} is missing") from None
+        try:
+            with torch.no_grad():
+                result = self.module(*args)
+        except Exception as exc:
+            raise BackendError(f"torch failed on model '{self.spec.name}': {exc}") from None
+        by_name = self._by_name(result)
+        missing = [name for name in outputs if name not in by_name]
+        if missing:
+            raise BackendError(f"model '{self.spec.name}' returned no {', '.join(missing)} "
+                               f"(it returned {', '.join(map(str, by_name))})")
+        return {name: by_name[name].detach().cpu().numpy() for name in outputs}
+
+    def unload(self) -> None:
+        self.__dict__.pop("module", None)
+        if getattr(self, "device", None) is not None and self.device.type == "cuda":
+            _torch().cuda.empty_cache()
+
+    def _tensor(self, torch: Any, array: np.ndarray) -> Any:
+        if not array.flags.writeable:  # torch.from_numpy wants memory it may write
+            array = array.copy()
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+    def _by_name(self, result: Any) -> dict[str, Any]:
+        if isinstance(result, Mapping):
+            return dict(result)
+        values = list(result) if isinstance(result, (tuple, list)) else [result]
+        if len(values) < len(self.results):
+            raise BackendError(f"model '{self.spec.name}' returned {len(values)} tensors for "
+                               f"{len(self.results)} outputs")
+        return dict(zip(self.results, values))
+
+    @classmethod
+    def auto_complete(cls, config: Any, version_dir: Path) -> None:
+        """torch.export programs carry their signature; TorchScript files need a full config."""
+        path = version_dir / (config.default_model_filename or cls.default_filename())
+        if not config.default_model_filename and not path.exists():
+            path = version_dir / "model.pt2"
+        if not path.exists():
+            wanted = config.default_model_filename or "model.pt or model.pt2"
+            raise ConfigError(f"model '{config.name}': no {wanted} in {version_dir}")
+        if config.input and config.output:
+            return
+        if path.suffix != ".pt2":
+            raise ConfigError(f"model '{config.name}': a TorchScript model needs its input and output "
+                              "listed in config.pbtxt")
+        try:
+            with _LOADING:
+                program = _torch().export.load(str(path))
+        except Exception as exc:
+            raise ConfigError(f"model '{config.name}': cannot read {path} to complete the config: {exc}"
+                              ) from None
+        _complete_from_program(config, program)
+
+
+def _order(config_names: list[str], forward_names: list[str], kind: str, model: str) -> list[str]:
+    """Config names in the model's positional order (Triton's PyTorch backend naming rules)."""
+    if forward_names and set(config_names) <= set(forward_names):
+        return [n for n in forward_names if n in config_names]
+    matches = [INDEXED.match(n) for n in config_names]
+    if config_names and all(matches):
+        indexed = sorted((int(m.group(1)), n) for m, n in zip(matches, config_names) if m)
+        if [i for i, _ in indexed] != list(range(len(indexed))):
+            raise ConfigError(f"model '{model}': {kind} names ending in __<i> must number "
+                              f"0..{len(indexed) - 1}")
+        return [n for _, n in indexed]
+    return list(config_names)
+
+
+def _complete_from_program(config: Any, program: Any) -> None:
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    inputs = [(name, placeholders[name].meta["val"]) for name in program.graph_signature.user_inputs]
+    output_node = next(n for n in program.graph.nodes if n.op == "output")
+    outputs = [(f"OUTPUT__{i}", node.meta["val"]) for i, node in enumerate(output_node.args[0])]
+    batchable = all(len(v.shape) and not isinstance(v.shape[0], int) for _, v in (*inputs, *outputs))
+    if config.max_batch_size == 0 and not config.input and batchable:
+        config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+        if not config.HasField("dynamic_batching"):
+            config.dynamic_batching.SetInParent()
+    skip = 1 if config.max_batch_size > 0 else 0
+    for declared, found in ((config.input, inputs), (config.output, outputs)):
+        if declared:
+            continue
+        for name, value in found:
+            dtype = TORCH_TO_CONFIG.get(str(value.dtype))
+            if dtype is None:
+                raise ConfigError(f"model '{config.name}': tensor '{name}' has type {value.dtype}, "
+                                  "which Despina cannot serve")
+            entry = declared.add(name=name, data_type=pb.DataType.Value(dtype))
+            entry.dims.extend(d if isinstance(d, int) else -1 for d in value.shape[skip:])

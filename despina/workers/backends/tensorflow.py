@@ -1,0 +1,202 @@
+"""TensorFlow SavedModel: the `serving_default` signature (or parameter TF_SIGNATURE_DEF).
+
+Input and output names are the signature's keys. Auto-complete reads the signature from
+saved_model.pb with a small wire-compatible schema, so the control plane needs no TensorFlow. GPU
+memory growth is turned on before TensorFlow touches a GPU, so one model does not take a whole GPU.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from functools import cache
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...contract._schema import model_config_pb2 as pb
+from ...contract.errors import BackendError, ConfigError
+from .base import Backend
+
+if find_spec("tensorflow") is None:  # TensorFlow itself is imported only where a model loads
+    raise ImportError("No module named 'tensorflow'")
+
+DEFAULT_MAX_BATCH_SIZE = 4
+DEFAULT_SIGNATURE = "serving_default"
+TF_TO_CONFIG = {1: "TYPE_FP32", 2: "TYPE_FP64", 3: "TYPE_INT32", 4: "TYPE_UINT8", 5: "TYPE_INT16",
+                6: "TYPE_INT8", 7: "TYPE_STRING", 9: "TYPE_INT64", 10: "TYPE_BOOL", 17: "TYPE_UINT16",
+                19: "TYPE_FP16", 22: "TYPE_UINT32", 23: "TYPE_UINT64"}
+
+
+@cache
+def _tf() -> Any:
+    """TensorFlow, configured once per process: quiet C++ logs, GPU memory growth, thread pools."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    for gpu in tf.config.list_physical_devices("GPU"):
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except (RuntimeError, ValueError):  # the GPU was initialised already
+            pass
+    return tf
+
+
+class TensorFlowBackend(Backend):
+    @classmethod
+    def default_filename(cls) -> str:
+        return "model.savedmodel"
+
+    @classmethod
+    def gpu_available(cls) -> bool:
+        return cls.gpu_count() > 0
+
+    @classmethod
+    def gpu_count(cls) -> int:
+        return len(_tf().config.list_physical_devices("GPU"))
+
+    def load(self) -> None:
+        tf = _tf()
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(max(1, self.instance.threads))
+            tf.config.threading.set_inter_op_parallelism_threads(1)
+        except RuntimeError:  # only possible before the runtime starts; later instances share it
+            pass
+        self.device = f"/GPU:{self.instance.device}" if self.instance.kind == "GPU" else "/CPU:0"
+        path = self.model_path()
+        name = _signature_name(self.spec.config)
+        try:
+            with tf.device(self.device):
+                self.model = tf.saved_model.load(str(path))
+        except Exception as exc:
+            raise ConfigError(f"model '{self.spec.name}': tensorflow cannot load {path.name}: {exc}"
+                              ) from None
+        if name not in self.model.signatures:
+            raise ConfigError(f"model '{self.spec.name}': the SavedModel has no signature '{name}' "
+                              f"(it has: {', '.join(self.model.signatures) or 'none'})")
+        self.function = self.model.signatures[name]
+        self.arguments: dict[str, Any] = dict(self.function.structured_input_signature[1])
+        outputs = set(self.function.structured_outputs)
+        for kind, declared, known in (("input", self.spec.inputs, self.arguments), ("output",
+                                      self.spec.outputs, outputs)):
+            unknown = [t.name for t in declared if t.name not in known]
+            if unknown:
+                raise ConfigError(f"model '{self.spec.name}': {kind} {', '.join(unknown)} not in "
+                                  f"signature '{name}' (it has: {', '.join(sorted(known))})")
+
+    def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        tf = _tf()
+        try:
+            with tf.device(self.device):
+                feed = {n: tf.convert_to_tensor(inputs[n], dtype=spec.dtype)
+                        for n, spec in self.arguments.items()}
+                result = self.function(**feed)
+        except KeyError as exc:
+            raise BackendError(f"model '{self.spec.name}': input {exc} is missing") from None
+        except Exception as exc:
+            raise BackendError(f"tensorflow failed on model '{self.spec.name}': {exc}") from None
+        return {n: result[n].numpy() for n in outputs}
+
+    def unload(self) -> None:
+        self.__dict__.pop("function", None)
+        self.__dict__.pop("model", None)
+
+    @classmethod
+    def auto_complete(cls, config: Any, version_dir: Path) -> None:
+        folder = version_dir / (config.default_model_filename or cls.default_filename())
+        if not folder.is_dir():
+            raise ConfigError(f"model '{config.name}': SavedModel folder {folder} does not exist")
+        if config.input and config.output:
+            return
+        path = folder / "saved_model.pb"
+        name = config.parameters["TF_SIGNATURE_DEF"].string_value if "TF_SIGNATURE_DEF" in \
+            config.parameters else DEFAULT_SIGNATURE
+        try:
+            signature = read_signature(path, name)
+        except (OSError, KeyError, ValueError) as exc:
+            raise ConfigError(f"model '{config.name}': cannot read signature '{name}' from {path} to "
+                              f"complete the config: {exc}") from None
+        _complete(config, signature)
+
+
+def _signature_name(config: Mapping[str, Any]) -> str:
+    param = (config.get("parameters") or {}).get("TF_SIGNATURE_DEF") or {}
+    return str(param.get("string_value") or DEFAULT_SIGNATURE)
+
+
+def _complete(config: Any, signature: Any) -> None:
+    ins = sorted((e.key, e.value) for e in signature.inputs)
+    outs = sorted((e.key, e.value) for e in signature.outputs)
+    for key, info in (*ins, *outs):
+        if info.tensor_shape.unknown_rank:
+            raise ConfigError(f"model '{config.name}': tensor '{key}' has an unknown rank; list the "
+                              "inputs and outputs in config.pbtxt")
+    batchable = all(info.tensor_shape.dim and info.tensor_shape.dim[0].size == -1
+                    for _, info in (*ins, *outs))
+    if config.max_batch_size == 0 and not config.input and batchable:
+        config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+        if not config.HasField("dynamic_batching"):
+            config.dynamic_batching.SetInParent()
+    skip = 1 if config.max_batch_size > 0 else 0
+    for declared, found in ((config.input, ins), (config.output, outs)):
+        if declared:
+            continue
+        for key, info in found:
+            dtype = TF_TO_CONFIG.get(info.dtype)
+            if dtype is None:
+                raise ConfigError(f"model '{config.name}': tensor '{key}' has TensorFlow type "
+                                  f"{info.dtype}, which Despina cannot serve")
+            entry = declared.add(name=key, data_type=pb.DataType.Value(dtype))
+            entry.dims.extend(d.size if d.size > 0 else -1 for d in info.tensor_shape.dim[skip:])
+
+
+def read_signature(path: Path, name: str = DEFAULT_SIGNATURE) -> Any:
+    """The SignatureDef `name` of the "serve" MetaGraph in a saved_model.pb, without TensorFlow."""
+    saved = _schema()()
+    saved.ParseFromString(path.read_bytes())
+    graphs = [g for g in saved.meta_graphs if "serve" in g.meta_info_def.tags] or list(saved.meta_graphs)
+    for graph in graphs:
+        for entry in graph.signature_def:
+            if entry.key == name:
+                return entry.value
+    raise KeyError(f"no signature '{name}'")
+
+
+@cache
+def _schema() -> Any:
+    """The fields of TensorFlow's SavedModel protos that auto-complete reads, wire-compatible.
+
+    Maps are declared as repeated key/value entries, which is how protobuf encodes them.
+    """
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    F = descriptor_pb2.FieldDescriptorProto
+    messages: dict[str, list[tuple[str, int, int, str | None]]] = {
+        "Dim": [("size", 1, F.TYPE_INT64, None), ("name", 2, F.TYPE_STRING, None)],
+        "Shape": [("dim", 2, F.TYPE_MESSAGE, "Dim"), ("unknown_rank", 3, F.TYPE_BOOL, None)],
+        "TensorInfo": [("name", 1, F.TYPE_STRING, None), ("dtype", 2, F.TYPE_INT32, None),
+                       ("tensor_shape", 3, F.TYPE_MESSAGE, "Shape")],
+        "TensorEntry": [("key", 1, F.TYPE_STRING, None), ("value", 2, F.TYPE_MESSAGE, "TensorInfo")],
+        "SignatureDef": [("inputs", 1, F.TYPE_MESSAGE, "TensorEntry"),
+                         ("outputs", 2, F.TYPE_MESSAGE, "TensorEntry"),
+                         ("method_name", 3, F.TYPE_STRING, None)],
+        "SignatureEntry": [("key", 1, F.TYPE_STRING, None), ("value", 2, F.TYPE_MESSAGE, "SignatureDef")],
+        "MetaInfoDef": [("tags", 4, F.TYPE_STRING, None)],
+        "MetaGraphDef": [("meta_info_def", 1, F.TYPE_MESSAGE, "MetaInfoDef"),
+                         ("signature_def", 5, F.TYPE_MESSAGE, "SignatureEntry")],
+        "SavedModel": [("meta_graphs", 2, F.TYPE_MESSAGE, "MetaGraphDef")],
+    }
+    repeated = {("Shape", "dim"), ("SignatureDef", "inputs"), ("SignatureDef", "outputs"),
+                ("MetaInfoDef", "tags"), ("MetaGraphDef", "signature_def"), ("SavedModel", "meta_graphs")}
+    file = descriptor_pb2.FileDescriptorProto(name="despina_savedmodel.proto", package="despina_tf",
+                                              syntax="proto3")
+    for message, fields in messages.items():
+        proto = file.message_type.add(name=message)
+        for field, number, kind, ref in fields:
+            label = F.LABEL_REPEATED if (message, field) in repeated else F.LABEL_OPTIONAL
+            proto.field.add(name=field, number=number, type=kind, label=label,
+                            type_name=f".despina_tf.{ref}" if ref else None)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("despina_tf.SavedModel"))

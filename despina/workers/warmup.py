@@ -1,0 +1,107 @@
+"""Triton's model_warmup: samples run on every instance at load, before the model is READY."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..contract.datatypes import CONFIG_TO_V2, V2_TO_NUMPY, deserialize_bytes, element_count
+from ..contract.errors import ConfigError, DespinaError, InvalidArgument
+from ..contract.modelconfig import ModelSpec
+from .backends.base import Backend
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    batch_size: int                   # requests of one row each (1 for a model without batching)
+    count: int                        # times the sample runs
+    inputs: dict[str, np.ndarray]     # one request's inputs, batch dimension included when batched
+
+
+def samples(spec: ModelSpec, model_dir: Path) -> list[Sample]:
+    """The model's warmup samples, built from zero_data, random_data or a file under <model>/warmup/."""
+    rng = np.random.default_rng(0)
+    found = []
+    for i, raw in enumerate(spec.config.get("model_warmup") or ()):
+        name = raw.get("name") or f"sample {i}"
+        batch_size = max(1, int(raw.get("batch_size") or 1))
+        if not spec.batched and batch_size != 1:
+            raise ConfigError(f"model '{spec.name}': model_warmup '{name}': field 'batch_size' must be "
+                              "1 for a model without batching")
+        inputs = {}
+        for input_name, data in (raw.get("inputs") or {}).items():
+            try:
+                array = _data(data, model_dir, rng)
+            except (OSError, ValueError, DespinaError) as exc:
+                raise ConfigError(f"model '{spec.name}': model_warmup '{name}' input '{input_name}': "
+                                  f"{exc}") from None
+            inputs[input_name] = array[np.newaxis] if spec.batched else array
+        found.append(Sample(name, batch_size, max(1, int(raw.get("count") or 1)), inputs))
+    return found
+
+
+def _data(data: dict[str, Any], model_dir: Path, rng: np.random.Generator) -> np.ndarray:
+    datatype = CONFIG_TO_V2.get(data.get("data_type", ""))
+    if datatype is None:
+        raise ValueError(f"field 'data_type' {data.get('data_type')} is not supported")
+    shape = tuple(max(1, int(d)) for d in data.get("dims", ()))
+    dtype = V2_TO_NUMPY[datatype]
+    count = element_count(shape)
+    if data.get("input_data_file"):
+        path = (model_dir / "warmup" / data["input_data_file"]).resolve()
+        if (model_dir / "warmup").resolve() not in path.parents:
+            raise ValueError("field 'input_data_file' must name a file inside the model's warmup/ folder")
+        raw = path.read_bytes()
+        if datatype == "BYTES":
+            try:  # Triton's BYTES form (4-byte length + bytes per element), else the whole file each time
+                return deserialize_bytes(raw, count).reshape(shape)
+            except InvalidArgument:
+                return np.full(shape, raw, dtype=object)
+        if len(raw) < count * dtype.itemsize:
+            raise ValueError(f"{path.name} holds {len(raw)} bytes; {list(shape)} of {datatype} needs "
+                             f"{count * dtype.itemsize}")
+        return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+    if data.get("random_data"):
+        if datatype == "BYTES":
+            return np.array([rng.bytes(8) for _ in range(count)], dtype=object).reshape(shape)
+        if dtype.kind == "f":
+            return rng.random(shape).astype(dtype)
+        if dtype.kind == "b":
+            return rng.integers(0, 2, shape).astype(dtype)
+        return rng.integers(0, 100, shape).astype(dtype)
+    if datatype == "BYTES":
+        return np.full(shape, b"0", dtype=object)
+    return np.zeros(shape, dtype=dtype)
+
+
+def run(backend: Backend, spec: ModelSpec, warmups: list[Sample]) -> None:
+    """Execute each sample on one instance; a failure is a load error that names the sample."""
+    outputs = [o.name for o in spec.outputs]
+    for sample in warmups:
+        for _ in range(sample.count):
+            try:
+                _run_one(backend, sample, outputs)
+            except DespinaError as exc:
+                raise ConfigError(f"model '{spec.name}': warmup sample '{sample.name}' failed: "
+                                  f"{exc.message}") from None
+            except Exception as exc:
+                raise ConfigError(f"model '{spec.name}': warmup sample '{sample.name}' failed: {exc}"
+                                  ) from None
+
+
+def _run_one(backend: Backend, sample: Sample, outputs: list[str]) -> None:
+    if backend.per_request:
+        results = backend.execute_requests([sample.inputs] * sample.batch_size,
+                                           [outputs] * sample.batch_size)
+        for result in results:
+            if isinstance(result, DespinaError):
+                raise result
+        return
+    if sample.batch_size > 1:
+        backend.execute({n: np.concatenate([a] * sample.batch_size) for n, a in sample.inputs.items()},
+                        outputs)
+    else:
+        backend.execute(sample.inputs, outputs)

@@ -1,0 +1,406 @@
+"""Triton Python-backend models: a real `despina serve`, and the backend and pb_utils on their own.
+
+Every model.py here is written against Triton's documented `triton_python_backend_utils` API only.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from despina.contract.errors import ConfigError, DespinaError
+from despina.contract.modelconfig import ModelSpec
+from despina.control.repository import load_model
+from despina.examples import build_add_sub
+from despina.workers.backends import Instance, backend_class
+
+from .conftest import ROOT, Server, module_server
+
+# BYTES in, BYTES and INT32 out; uses the type helpers, the config helpers and the BYTES codec.
+STRINGS = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.args = args
+        config = json.loads(args["model_config"])
+        self.length_dtype = pb_utils.triton_string_to_numpy(
+            pb_utils.get_output_config_by_name(config, "LENGTH")["data_type"])
+        assert pb_utils.get_input_config_by_name(config, "TEXT")["data_type"] == "TYPE_STRING"
+        assert pb_utils.get_input_config_by_name(config, "NOPE") is None
+        pb_utils.Logger.log_info("strings: initialized")
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "TEXT")
+            assert text.name() == "TEXT"
+            values = text.as_numpy()
+            assert pb_utils.numpy_to_triton_type(values.dtype) == 13
+            wire = pb_utils.serialize_byte_tensor(values)
+            flat = pb_utils.deserialize_bytes_tensor(wire)
+            upper = np.array([v.upper() for v in flat], dtype=np.object_).reshape(values.shape)
+            length = np.array([len(v) for v in flat], dtype=self.length_dtype).reshape(values.shape)
+            assert pb_utils.triton_to_numpy_type(8) == np.int32
+            args = np.array([json.dumps(self.args).encode()] * values.shape[0], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("UPPER", upper), pb_utils.Tensor("LENGTH", length),
+                pb_utils.Tensor("ARGS", args.reshape(-1, 1))]))
+        return responses
+'''
+
+STRINGS_CONFIG = '''
+name: "strings"
+backend: "python"
+max_batch_size: 16
+input [ { name: "TEXT", data_type: TYPE_STRING, dims: [ -1 ] } ]
+output [
+  { name: "UPPER", data_type: TYPE_STRING, dims: [ -1 ] },
+  { name: "LENGTH", data_type: TYPE_INT32, dims: [ -1 ] },
+  { name: "ARGS", data_type: TYPE_STRING, dims: [ 1 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 100000 }
+'''
+
+# X * 2 per request; special values: -1 ends the process, -2 raises, -3 fails only that request.
+FLAKY = '''
+import os
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        values = [pb_utils.get_input_tensor_by_name(r, "X").as_numpy() for r in requests]
+        if any((v == -1).any() for v in values):
+            os._exit(3)
+        if any((v == -2).any() for v in values):
+            raise ValueError("minus two is not welcome")
+        responses = []
+        for v in values:
+            if (v == -3).any():
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("minus three fails alone", pb_utils.TritonError.INVALID_ARG)))
+                continue
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("Y", v * 2),
+                pb_utils.Tensor("PID", np.full((v.shape[0], 1), os.getpid(), dtype=np.int64)),
+                pb_utils.Tensor("BATCH", np.full((v.shape[0], 1), len(requests), dtype=np.int32))]))
+        return responses
+'''
+
+FLAKY_CONFIG = '''
+name: "flaky"
+backend: "python"
+max_batch_size: 8
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 2 ] } ]
+output [
+  { name: "Y", data_type: TYPE_FP32, dims: [ 2 ] },
+  { name: "PID", data_type: TYPE_INT64, dims: [ 1 ] },
+  { name: "BATCH", data_type: TYPE_INT32, dims: [ 1 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 200000 }
+'''
+
+# No config.pbtxt at all: the model describes itself.
+AUTO = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        auto_complete_model_config.add_input({"name": "IN", "data_type": "TYPE_INT32", "dims": [3]})
+        auto_complete_model_config.add_output({"name": "OUT", "data_type": "TYPE_INT32", "dims": [3]})
+        auto_complete_model_config.set_max_batch_size(4)
+        auto_complete_model_config.set_dynamic_batching()
+        return auto_complete_model_config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() + 1)]) for r in requests]
+'''
+
+
+def write_model(repo: Path, name: str, source: str, config: str | None) -> Path:
+    folder = repo / name
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(source)
+    if config is not None:
+        (folder / "config.pbtxt").write_text(config)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("python-repo")
+    shutil.copytree(ROOT / "model_repository" / "add_sub_python", root / "add_sub_python")
+    write_model(root, "strings", STRINGS, STRINGS_CONFIG)
+    write_model(root, "flaky", FLAKY, FLAKY_CONFIG)
+    write_model(root, "auto", AUTO, None)
+    (root / "add_sub" / "1").mkdir(parents=True)
+    (root / "add_sub" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
+    build_add_sub(root / "add_sub" / "1" / "model.onnx")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
+    yield from module_server(repo, tmp_path_factory, redis_url,
+                             ("add_sub_python", "strings", "flaky", "auto", "add_sub"))
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[httpclient.InferenceServerClient]:
+    c = httpclient.InferenceServerClient(server.url.removeprefix("http://"), concurrency=8)
+    yield c
+    c.close()
+
+
+def inputs_of(**arrays: np.ndarray) -> list[httpclient.InferInput]:
+    inputs = []
+    for name, array in arrays.items():
+        tensor = httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array, binary_data=True)
+        inputs.append(tensor)
+    return inputs
+
+
+def infer(client: httpclient.InferenceServerClient, model: str, **arrays: np.ndarray
+          ) -> httpclient.InferResult:
+    return client.infer(model, inputs_of(**arrays))
+
+
+def infer_together(client: httpclient.InferenceServerClient, model: str, name: str,
+                   values: list[np.ndarray]) -> list[httpclient.InferResult | InferenceServerException]:
+    """Send the requests at once (tritonclient's own concurrency), so they can share a batch."""
+    pending = [client.async_infer(model, inputs_of(**{name: v})) for v in values]
+    results: list[httpclient.InferResult | InferenceServerException] = []
+    for p in pending:
+        try:
+            results.append(p.get_result())
+        except InferenceServerException as exc:
+            results.append(exc)
+    return results
+
+
+def flaky(client: httpclient.InferenceServerClient, value: float) -> httpclient.InferResult:
+    return infer(client, "flaky", X=np.full((1, 2), value, dtype=np.float32))
+
+
+def test_triton_add_sub_example_runs_unchanged(client: httpclient.InferenceServerClient, server: Server
+                                               ) -> None:
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.ones((2, 4), dtype=np.float32)
+    result = infer(client, "add_sub_python", INPUT0=a, INPUT1=b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    r = httpx.post(f"{server.url}/fn/add_sub_python", json={"INPUT0": [1, 2, 3, 4], "INPUT1": [4, 3, 2, 1]})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"OUTPUT0": [5.0, 5.0, 5.0, 5.0], "OUTPUT1": [-3.0, -1.0, 1.0, 3.0]}
+
+
+def test_bytes_tensors_through_a_python_model(client: httpclient.InferenceServerClient, server: Server
+                                              ) -> None:
+    text = np.array([[b"hello", b"w\x00rld", "ünï".encode()]], dtype=object)
+    result = infer(client, "strings", TEXT=text)
+    assert result.as_numpy("UPPER").tolist() == [[b"HELLO", b"W\x00RLD", "ünï".encode().upper()]]
+    np.testing.assert_array_equal(result.as_numpy("LENGTH"), [[5, 5, len("ünï".encode())]])
+    assert result.as_numpy("LENGTH").dtype == np.int32
+    r = httpx.post(f"{server.url}/fn/strings", json={"TEXT": ["abc", "de"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["UPPER"] == ["ABC", "DE"] and r.json()["LENGTH"] == [3, 2]
+
+
+def test_initialize_gets_tritons_args(client: httpclient.InferenceServerClient, repo: Path) -> None:
+    result = infer(client, "strings", TEXT=np.array([[b"x"]], dtype=object))
+    args = json.loads(result.as_numpy("ARGS")[0, 0])
+    assert set(args) == {"model_config", "model_instance_kind", "model_instance_name",
+                         "model_instance_device_id", "model_repository", "model_version", "model_name"}
+    assert all(isinstance(v, str) for v in args.values())
+    assert args["model_name"] == "strings" and args["model_version"] == "1"
+    assert args["model_instance_kind"] == "CPU" and args["model_instance_device_id"] == "0"
+    assert args["model_instance_name"].startswith("strings_")
+    assert Path(args["model_repository"]) == (repo / "strings").resolve()
+    config = json.loads(args["model_config"])
+    assert config["name"] == "strings" and config["max_batch_size"] == 16
+
+
+def test_execute_gets_a_batch_and_answers_each_request(client: httpclient.InferenceServerClient) -> None:
+    values = [np.full((1, 2), i, dtype=np.float32) for i in range(6)]
+    results = infer_together(client, "flaky", "X", values)
+    for v, result in zip(values, results):
+        assert isinstance(result, httpclient.InferResult), result
+        np.testing.assert_array_equal(result.as_numpy("Y"), v * 2)
+    assert max(int(r.as_numpy("BATCH")[0, 0]) for r in results) > 1  # they did share an execute
+
+
+def test_error_response_fails_only_its_request(client: httpclient.InferenceServerClient) -> None:
+    values = [np.full((1, 2), v, dtype=np.float32) for v in (1.0, -3.0, 2.0, 3.0)]
+    results = infer_together(client, "flaky", "X", values)
+    assert isinstance(results[1], InferenceServerException)
+    assert "minus three fails alone" in str(results[1]) and results[1].status() == "400"
+    for value, result in zip([1.0, 2.0, 3.0], [results[0], *results[2:]]):
+        assert isinstance(result, httpclient.InferResult), result
+        np.testing.assert_array_equal(result.as_numpy("Y"), [[value * 2] * 2])
+    assert max(int(r.as_numpy("BATCH")[0, 0]) for r in results if isinstance(r, httpclient.InferResult)) > 1
+
+
+def test_exception_in_execute_fails_the_batch_and_the_model_goes_on(
+        client: httpclient.InferenceServerClient) -> None:
+    pid = int(flaky(client, 1.0).as_numpy("PID")[0, 0])
+    with pytest.raises(InferenceServerException, match="minus two is not welcome"):
+        flaky(client, -2.0)
+    after = flaky(client, 5.0)
+    np.testing.assert_array_equal(after.as_numpy("Y"), [[10.0, 10.0]])
+    assert int(after.as_numpy("PID")[0, 0]) == pid  # same process: an exception is not a crash
+
+
+def test_crash_fails_its_requests_restarts_and_other_models_keep_serving(
+        client: httpclient.InferenceServerClient, server: Server) -> None:
+    pid = int(flaky(client, 1.0).as_numpy("PID")[0, 0])
+    stop = threading.Event()
+    answered: list[int] = []
+
+    def other_model() -> None:  # the ONNX model on the same worker, throughout the crash
+        with httpx.Client(timeout=10) as http:
+            while not stop.is_set():
+                r = http.post(f"{server.url}/fn/add_sub", json={"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]})
+                answered.append(r.status_code)
+                time.sleep(0.01)
+
+    thread = threading.Thread(target=other_model)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        with pytest.raises(InferenceServerException, match="crashed"):
+            flaky(client, -1.0)
+        after = flaky(client, 4.0)  # a new process answers the next request
+        np.testing.assert_array_equal(after.as_numpy("Y"), [[8.0, 8.0]])
+        assert int(after.as_numpy("PID")[0, 0]) != pid
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        thread.join()
+    assert answered and set(answered) == {200}
+    assert client.is_model_ready("flaky") and client.is_model_ready("add_sub")
+    assert "died while executing" in server.logs()
+
+
+def test_auto_complete_config_describes_the_model(client: httpclient.InferenceServerClient) -> None:
+    meta = client.get_model_metadata("auto")
+    assert meta["inputs"] == [{"name": "IN", "datatype": "INT32", "shape": [-1, 3]}]
+    assert meta["outputs"] == [{"name": "OUT", "datatype": "INT32", "shape": [-1, 3]}]
+    config = client.get_model_config("auto")
+    assert config["backend"] == "python" and config["max_batch_size"] == 4 and "dynamic_batching" in config
+    result = infer(client, "auto", IN=np.array([[1, 2, 3]], dtype=np.int32))
+    np.testing.assert_array_equal(result.as_numpy("OUT"), [[2, 3, 4]])
+
+
+# -- the backend on its own ------------------------------------------------------------------------
+
+
+def backend_for(folder: Path, name: str = "m_0") -> object:
+    entry = load_model(folder)
+    spec = ModelSpec.from_config(entry.config)
+    return backend_class("python")(spec, folder / "1", Instance(name))
+
+
+def test_initialize_failure_is_a_load_error(tmp_path: Path) -> None:
+    source = FLAKY.replace("    def execute", "    def initialize(self, args):\n"
+                           "        raise RuntimeError('no weights here')\n\n    def execute")
+    backend = backend_for(write_model(tmp_path, "flaky", source, FLAKY_CONFIG))
+    with pytest.raises(ConfigError, match="initialize failed: RuntimeError: no weights here"):
+        backend.load()  # type: ignore[attr-defined]
+
+
+def test_wrong_number_of_responses_fails_every_request(tmp_path: Path) -> None:
+    source = FLAKY.replace("        return responses", "        return responses[:1]")
+    backend = backend_for(write_model(tmp_path, "flaky", source, FLAKY_CONFIG))
+    backend.load()  # type: ignore[attr-defined]
+    try:
+        x = np.ones((1, 2), dtype=np.float32)
+        results = backend.execute_requests([{"X": x}, {"X": x}], [["Y"], ["Y"]])  # type: ignore[attr-defined]
+        assert all(isinstance(r, DespinaError) and "1 responses for 2 requests" in r.message
+                   for r in results)
+        one = backend.execute_requests([{"X": x}], [["Y", "BATCH"]])  # type: ignore[attr-defined]
+        assert set(one[0]) == {"Y", "BATCH"}  # only what was asked comes back
+    finally:
+        backend.unload()  # type: ignore[attr-defined]
+
+
+def test_model_process_ends_with_unload(tmp_path: Path) -> None:
+    backend = backend_for(write_model(tmp_path, "flaky", FLAKY, FLAKY_CONFIG))
+    backend.load()  # type: ignore[attr-defined]
+    process = backend.stub.process  # type: ignore[attr-defined]
+    assert process.poll() is None
+    backend.unload()  # type: ignore[attr-defined]
+    assert process.poll() is not None
+
+
+def test_missing_model_file_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "empty" / "1").mkdir(parents=True)
+    (tmp_path / "empty" / "config.pbtxt").write_text('backend: "python"\n')
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_model(tmp_path / "empty")
+
+
+# -- pb_utils on its own ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pb_utils() -> ModuleType:
+    path = ROOT / "despina" / "workers" / "backends" / "python_stub" / "triton_python_backend_utils.py"
+    spec = importlib.util.spec_from_file_location("triton_python_backend_utils", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pb_utils_bytes_codec_and_type_tables(pb_utils: ModuleType) -> None:
+    array = np.array([b"a", b"", "é".encode(), 7], dtype=object)
+    wire = pb_utils.serialize_byte_tensor(array)
+    assert wire == b"\x01\x00\x00\x00a\x00\x00\x00\x00\x02\x00\x00\x00\xc3\xa9\x01\x00\x00\x007"
+    assert pb_utils.deserialize_bytes_tensor(wire).tolist() == [b"a", b"", "é".encode(), b"7"]
+    assert pb_utils.serialize_byte_tensor(np.zeros(2, np.float32)) is None
+    assert pb_utils.triton_string_to_numpy("TYPE_FP16") is np.float16
+    assert pb_utils.triton_to_numpy_type(11) is np.float32 and pb_utils.triton_to_numpy_type(13) is np.object_
+    assert pb_utils.numpy_to_triton_type(np.float32) == 11 and pb_utils.numpy_to_triton_type(np.bool_) == 1
+    assert pb_utils.numpy_to_triton_type(np.object_) == 13 and pb_utils.numpy_to_triton_type(np.bytes_) == 13
+    with pytest.raises(pb_utils.TritonModelException):
+        pb_utils.Tensor("s", np.array(["no unicode arrays"]))
+    error = pb_utils.TritonError("gone", pb_utils.TritonError.NOT_FOUND)
+    assert error.message() == "gone" and error.code() == pb_utils.TritonError.NOT_FOUND
+    response = pb_utils.InferenceResponse(error=error)
+    assert response.has_error() and response.output_tensors() == []
+    with pytest.raises(pb_utils.TritonModelException):
+        pb_utils.InferenceResponse(output_tensors=(pb_utils.Tensor("t", np.zeros(1)),))
+
+
+def test_pb_utils_model_config_checks_conflicts(pb_utils: ModuleType) -> None:
+    config = pb_utils.ModelConfig(json.dumps({"name": "m", "max_batch_size": 8, "input": [
+        {"name": "IN", "data_type": "TYPE_FP32", "dims": [4]}], "output": []}))
+    config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4]})
+    with pytest.raises(ValueError, match="datatype"):
+        config.add_input({"name": "IN", "data_type": "TYPE_INT32", "dims": [4]})
+    with pytest.raises(ValueError, match="dims"):
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [5]})
+    with pytest.raises(ValueError, match="max_batch_size"):
+        config.set_max_batch_size(4)
+    config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]})
+    assert [o["name"] for o in config.as_dict()["output"]] == ["OUT"]

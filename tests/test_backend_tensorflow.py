@@ -1,0 +1,148 @@
+"""TensorFlow SavedModels through a real `despina serve` (one server for the module: TensorFlow is slow
+to import), and the signature reader that auto-completes configs without TensorFlow."""
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from despina.contract.errors import ConfigError
+from despina.control.repository import load_model
+from despina.examples import build_tf_mlp, mlp_numpy
+
+from .conftest import Server, module_server
+
+tf = pytest.importorskip("tensorflow")
+
+MLP = '''
+name: "mlp_savedmodel"
+platform: "tensorflow_savedmodel"
+max_batch_size: 64
+dynamic_batching { max_queue_delay_microseconds: 50000 }
+'''
+# Inputs and outputs left out: a string and a float input, completed from the signature.
+TEXT = '''
+name: "text"
+platform: "tensorflow_savedmodel"
+default_model_filename: "exported"
+max_batch_size: 8
+'''
+
+
+def build_text(path: Path) -> None:
+    class Text(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.string, name="words"),
+                                      tf.TensorSpec([None, 1], tf.float32, name="scale")])
+        def serve(self, words: Any, scale: Any) -> dict[str, Any]:
+            return {"upper": tf.strings.upper(words),
+                    "lengths": tf.cast(tf.strings.length(words), tf.float32) * scale}
+
+    module = Text()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tf-repo")
+    for name, config in (("mlp_savedmodel", MLP), ("text", TEXT)):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(config)
+    build_tf_mlp(root / "mlp_savedmodel" / "1" / "model.savedmodel")
+    build_text(root / "text" / "1" / "exported")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
+    yield from module_server(repo, tmp_path_factory, redis_url, ("mlp_savedmodel", "text"))
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Iterator[httpclient.InferenceServerClient]:
+    c = httpclient.InferenceServerClient(server.url.removeprefix("http://"), concurrency=16)
+    yield c
+    c.close()
+
+
+@functools.cache
+def signature(folder: Path) -> Any:
+    return tf.saved_model.load(str(folder)).signatures["serving_default"]
+
+
+def tf_output(folder: Path, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+    function = signature(folder)
+    return {k: v.numpy() for k, v in function(**{k: tf.constant(v) for k, v in inputs.items()}).items()}
+
+
+def test_signature_fills_the_config(client: httpclient.InferenceServerClient) -> None:
+    meta = client.get_model_metadata("mlp_savedmodel")
+    assert meta["platform"] == "tensorflow_savedmodel"
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]
+    assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 10]}]
+    text = client.get_model_metadata("text")
+    assert text["inputs"] == [{"name": "scale", "datatype": "FP32", "shape": [-1, 1]},
+                              {"name": "words", "datatype": "BYTES", "shape": [-1, 2]}]
+    assert {o["name"]: o["datatype"] for o in text["outputs"]} == {"lengths": "FP32", "upper": "BYTES"}
+
+
+def test_mlp_with_dynamic_batching(client: httpclient.InferenceServerClient, repo: Path) -> None:
+    rows = [np.random.default_rng(i).standard_normal((1 + i % 2, 256)).astype(np.float32) for i in range(10)]
+    before = client.get_inference_statistics("mlp_savedmodel")["model_stats"][0]["execution_count"]
+    pending = []
+    for x in rows:
+        tensor = httpclient.InferInput("x", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x, binary_data=True)
+        pending.append(client.async_infer("mlp_savedmodel", [tensor]))
+    folder = repo / "mlp_savedmodel" / "1" / "model.savedmodel"
+    for x, p in zip(rows, pending):
+        y = p.get_result().as_numpy("y")
+        np.testing.assert_allclose(y, tf_output(folder, x=x)["y"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(y, mlp_numpy(x), rtol=1e-4, atol=1e-5)
+    stats = client.get_inference_statistics("mlp_savedmodel")["model_stats"][0]
+    assert stats["execution_count"] - before < len(rows)
+
+
+def test_bytes_tensors(client: httpclient.InferenceServerClient, server: Server, repo: Path) -> None:
+    words = np.array([[b"ab", b"cde"], [b"", b"xyz!"]], dtype=object)
+    scale = np.array([[1.0], [2.0]], dtype=np.float32)
+    inputs = [httpclient.InferInput("words", [2, 2], "BYTES"), httpclient.InferInput("scale", [2, 1], "FP32")]
+    inputs[0].set_data_from_numpy(words, binary_data=True)
+    inputs[1].set_data_from_numpy(scale, binary_data=True)
+    result = client.infer("text", inputs)
+    expected = tf_output(repo / "text" / "1" / "exported", words=words, scale=scale)
+    assert result.as_numpy("upper").tolist() == expected["upper"].tolist()
+    assert expected["upper"].tolist() == [[b"AB", b"CDE"], [b"", b"XYZ!"]]
+    np.testing.assert_array_equal(result.as_numpy("lengths"), expected["lengths"])
+    r = httpx.post(f"{server.url}/fn/text", json={"words": ["hi", "there"], "scale": [0.5]})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"upper": ["HI", "THERE"], "lengths": [1.0, 2.5]}
+
+
+def test_auto_complete_needs_no_tensorflow(repo: Path) -> None:
+    code = ("import sys; from pathlib import Path; from despina.control.repository import load_model; "
+            f"e = load_model(Path({str(repo / 'text')!r})); "
+            "print([i['name'] for i in e.config['input']], 'tensorflow' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['scale', 'words'] False"
+
+
+def test_missing_savedmodel_or_signature_is_a_config_error(repo: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "broken"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text('platform: "tensorflow_savedmodel"\n')
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_model(folder)
+    (folder / "config.pbtxt").write_text('platform: "tensorflow_savedmodel"\ndefault_model_filename: '
+                                         '"exported"\nparameters { key: "TF_SIGNATURE_DEF" value: '
+                                         '{ string_value: "nope" } }\n')
+    (folder / "1" / "exported").symlink_to(repo / "text" / "1" / "exported")
+    with pytest.raises(ConfigError, match="signature 'nope'"):
+        load_model(folder)
