@@ -22,38 +22,90 @@ def _parser() -> argparse.ArgumentParser:
 
     def repo(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model-repository", dest="model_repository",
-                        help="Triton model repository (default ./model_repository)")
-        sp.add_argument("--model-control-mode", dest="model_control_mode", choices=["none"],
-                        help="as Triton's; only 'none' (load everything at start) for now")
+                        help="Triton model repository: a folder or s3://bucket/prefix "
+                             "(default ./model_repository)")
+        sp.add_argument("--model-control-mode", dest="model_control_mode",
+                        choices=["none", "explicit", "poll"],
+                        help="as Triton's: none (load all at start), explicit (load/unload API), poll")
+        sp.add_argument("--load-model", dest="load_model", action="append", metavar="NAME",
+                        help="explicit mode: load this model at start (repeatable; * = all)")
+        sp.add_argument("--repository-poll-secs", dest="repository_poll_secs", type=float,
+                        help="poll mode: seconds between two looks at the repository (default 15)")
+        sp.add_argument("--idle-timeout", dest="idle_timeout_s", type=float,
+                        help="unload a model idle this many seconds; the next request loads it "
+                             "(default 0: never)")
+        sp.add_argument("--model-replicas", dest="model_replicas", type=int,
+                        help="workers that load each model (default 1; 0 = every eligible worker)")
 
     def http(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--http-port", dest="http_port", type=int, help="HTTP port (default 8000)")
         sp.add_argument("--host", dest="host", help="address to bind (default 127.0.0.1)")
         sp.add_argument("--request-timeout", dest="request_timeout_s", type=float,
                         help="default deadline of a request in seconds (default 60)")
+        sp.add_argument("--api-keys-file", dest="api_keys_file",
+                        help="API keys, one a line: KEY or KEY: model1,model2 (keys themselves only "
+                             "through this file or $DESPINA_API_KEYS, never on the command line)")
+        sp.add_argument("--auth-inference", dest="auth_inference", action=argparse.BooleanOptionalAction,
+                        help="with API keys configured, inference and metadata need a key too")
+        sp.add_argument("--http-restricted-api", dest="http_restricted_api", action="append",
+                        metavar="API[,API...]:HEADER=VALUE",
+                        help="as Triton's: these APIs need the header HEADER: VALUE (repeatable)")
 
     def worker(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--intra-op-threads", dest="intra_op_threads", type=int,
                         help="threads per backend instance (default 1)")
 
+    def metrics(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--metrics-port", dest="metrics_port", type=int,
+                        help="Prometheus /metrics port of the control plane (default 8002; 0 = off)")
+
     serve = sub.add_parser("serve", help="start control plane, workers and gateway on this machine")
-    common(serve), repo(serve), http(serve), worker(serve)
+    common(serve), repo(serve), http(serve), worker(serve), metrics(serve)
     serve.add_argument("--workers", dest="workers", type=int, help="worker processes (default 1)")
     gw = sub.add_parser("gateway", help="run one HTTP gateway against a shared Redis")
     common(gw), http(gw)
     wk = sub.add_parser("worker", help="run one worker process against a shared Redis")
     common(wk), worker(wk)
-    wk.add_argument("--worker-id", dest="worker_id")
+    wk.add_argument("--worker-id", dest="worker_id",
+                    help="a name for this worker; each process adds a suffix of its own")
     ctl = sub.add_parser("control", help="run the control plane against a shared Redis")
-    common(ctl), repo(ctl)
+    common(ctl), repo(ctl), metrics(ctl)
+    push = sub.add_parser("push", help="upload a model folder to a registry (s3://bucket/prefix or a folder)")
+    push.add_argument("path", help="the model folder: config.pbtxt and version folders (or model files)")
+    push.add_argument("registry", help="s3://bucket/prefix, or a local model repository")
+    push.add_argument("--version", type=int, help="upload the folder's newest version as this version")
+    push.add_argument("--name", help="the model's name in the registry (default: the folder's name)")
+    ls = sub.add_parser("ls", help="list a registry's models and versions")
+    ls.add_argument("registry", help="s3://bucket/prefix, or a local model repository")
     return p
+
+
+def _registry_command(args: argparse.Namespace, settings: Settings) -> int:
+    from .contract.errors import DespinaError
+    from .registry import transfer
+
+    try:
+        if args.command == "push":
+            transfer.push(args.path, args.registry, settings, args.version, args.name)
+        else:
+            transfer.listing(args.registry, settings)
+    except DespinaError as exc:
+        print(f"despina {args.command}: {exc.message}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     values: dict[str, Any] = vars(args)
+    if values.get("load_model"):
+        values["load_model"] = ",".join(values["load_model"])
+    if values.get("http_restricted_api"):
+        values["http_restricted_api"] = ";".join(values["http_restricted_api"])
     settings = Settings.from_sources(values)
     logs.setup(settings.log_level, args.command, json=settings.log_format == "json")
+    if args.command in ("push", "ls"):
+        return _registry_command(args, settings)
     if args.command != "serve" and not settings.redis_url:
         print(f"despina {args.command}: give --redis-url or set REDIS_URL (only 'serve' embeds Valkey)",
               file=sys.stderr)

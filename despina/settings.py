@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
@@ -14,15 +14,35 @@ class Settings:
     model_repository: str = "./model_repository"
     host: str = "127.0.0.1"
     http_port: int = 8000
+    metrics_port: int = 8002                # Prometheus /metrics of the control plane; 0 = off
     workers: int = 1
     request_timeout_s: float = 60.0         # default deadline of a request
     max_body_bytes: int = 64 * 1024 * 1024
-    model_control_mode: str = "none"
+    max_tensor_elements: int = 1 << 27      # per input tensor; larger shapes get 400 before any allocation
+    model_control_mode: str = "none"        # as Triton's: none, explicit or poll
+    load_model: str = ""                    # explicit mode: models loaded at start, comma-separated; * = all
+    repository_poll_secs: float = 15.0      # poll mode: seconds between two scans of the repository
+    idle_timeout_s: float = 0.0             # scale-to-zero: unload a model idle this long; 0 = never
+    model_replicas: int = 1                 # workers that load each model; 0 = every eligible worker
+    load_timeout_s: float = 300.0           # how long a load (API, cold start) may take
+    worker_ttl_s: float = 5.0               # a worker silent this long is dead: its models move
+    worker_memory_mb: int = 0               # memory models may take on a worker; 0 = what it has
+    cache_dir: str | None = None            # model artifact cache (default ~/.cache/despina)
+    s3_endpoint_url: str | None = None      # else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS
+    s3_region: str | None = None            # else boto3's (AWS_REGION, ~/.aws/config)
+    s3_addressing_style: str = "auto"       # auto, path or virtual; auto = path with a custom endpoint
+    s3_part_mb: int = 16                    # multipart transfers: files past this go in parts this big
     intra_op_threads: int = 1               # per backend instance; 1 is fastest on a loaded machine
     worker_id: str | None = None
     log_level: str = "info"
     log_format: str = "text"                # or "json"
     drain_timeout_s: float = 30.0
+    # Security (see README "Security"): the secrets stay out of repr() so that no log line shows them.
+    api_keys: str | None = field(default=None, repr=False)  # entries separated by ';' or newlines
+    api_keys_file: str | None = None        # one entry a line: KEY or KEY: model1,model2
+    auth_inference: bool = False            # with keys configured, inference needs a key too
+    # Triton's --http-restricted-api: <api>[,<api>...]:<header>=<value>, groups separated by ';'
+    http_restricted_api: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_sources(cls, args: Mapping[str, Any] | None = None,
@@ -45,8 +65,17 @@ class Settings:
         return replace(self, **changes)
 
 
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
 def _coerce(annotation: Any, raw: str) -> Any:
     kind = str(annotation)
+    if kind == "bool":
+        word = raw.strip().lower()
+        if word not in _TRUE | _FALSE:
+            raise ValueError(f"expected true or false, got {raw!r}")
+        return word in _TRUE
     if "int" in kind and "str" not in kind:
         return int(raw)
     if "float" in kind:

@@ -20,6 +20,8 @@ import redis
 from despina.embedded import EmbeddedValkey, free_port
 from despina.examples import build_repository
 
+from .seaweed import s3_env, s3_store  # noqa: F401  (SeaweedFS fixtures for the S3 tests)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,6 +71,7 @@ class Server:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    metrics_url: str = ""
 
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
@@ -76,9 +79,9 @@ class Server:
 
 def start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: str, *extra: str,
                  env: dict[str, str] | None = None, wait_models: tuple[str, ...] = ()) -> Server:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "despina", "serve", "--model-repository", str(repo),
-           "--http-port", str(port), "--key-prefix", key_prefix, *extra]
+           "--http-port", str(port), "--metrics-port", str(metrics_port), "--key-prefix", key_prefix, *extra]
     if redis_url:
         cmd += ["--redis-url", redis_url]
     environ = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DESPINA_REDIS_URL")}
@@ -87,7 +90,7 @@ def start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: s
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ,
                                    start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", process, log)
+    server = Server(f"http://127.0.0.1:{port}", process, log, f"http://127.0.0.1:{metrics_port}/metrics")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -145,3 +148,19 @@ def example_server(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
     if keys:
         client.delete(*keys)
     client.close()
+
+
+def module_server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+                  wait_models: tuple[str, ...], env: dict[str, str] | None = None) -> Iterator[Server]:
+    """Body of a module-scoped fixture: one `despina serve` of `repo` under a fresh key prefix."""
+    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
+    server = start_server(repo, tmp_path_factory.mktemp("logs"), redis_url, prefix, env=env,
+                          wait_models=wait_models)
+    yield server
+    stop_server(server)
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(f"{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+

@@ -1,4 +1,8 @@
-"""The catalog: what the control plane says each model is, and which versions should serve."""
+"""The catalog: what the control plane says each model is, which versions serve, and where.
+
+The control plane is the only writer. Workers load what names them in `workers`; gateways route by
+`versions`, `retiring` and the workers' reported states.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,24 +10,50 @@ from typing import Any
 
 import orjson
 
+LOADED, IDLE, UNLOADED = "loaded", "idle", "unloaded"  # targets
+
 
 @dataclass(frozen=True)
 class CatalogEntry:
     name: str
-    path: str                         # the model's folder (a local path, or the cache for S3)
+    path: str                         # a local folder, or the model folder's URL in the registry (s3://)
     config: dict[str, Any]            # Triton's JSON form, auto-completed
-    versions: tuple[int, ...]         # versions the policy selects, ascending
+    versions: tuple[int, ...]         # versions to load, ascending (the policy's, plus any retiring)
     state: str = "READY"              # READY, or UNAVAILABLE when the config cannot be used
     reason: str = ""
     available: tuple[int, ...] = field(default=())  # every version folder present
+    revisions: dict[int, str] = field(default_factory=dict)  # version -> digest of its files and config
+    files: tuple[tuple[str, int, str], ...] = ()  # remote registries: (path, size, etag) to fetch
+    target: str = LOADED              # loaded, idle (scaled to zero: loads on demand), unloaded
+    workers: tuple[str, ...] = ()     # where the control plane placed the model
+    retiring: tuple[int, ...] = ()    # still loaded while newer versions come up; not the default
+    failed: dict[int, str] = field(default_factory=dict)  # version -> why its current files failed
+    footprint: int = 0                # estimated bytes of memory the loaded versions take
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "READY" and self.target == LOADED
+
+    def streams(self, keys: Any, version: int) -> list[str]:
+        """Every request stream of one version: one per priority level."""
+        levels = int((self.config.get("dynamic_batching") or {}).get("priority_levels", 0) or 0)
+        return [keys.request_stream(self.name, version, level) for level in range(1, max(levels, 1) + 1)]
 
     def dumps(self) -> bytes:
-        return orjson.dumps({"name": self.name, "path": self.path, "config": self.config,
-                             "versions": list(self.versions), "state": self.state,
-                             "reason": self.reason, "available": list(self.available)})
+        return orjson.dumps({
+            "name": self.name, "path": self.path, "config": self.config, "versions": list(self.versions),
+            "state": self.state, "reason": self.reason, "available": list(self.available),
+            "revisions": {str(v): r for v, r in self.revisions.items()},
+            "files": [list(f) for f in self.files], "target": self.target, "workers": list(self.workers),
+            "retiring": list(self.retiring), "failed": {str(v): r for v, r in self.failed.items()},
+            "footprint": self.footprint})
 
     @classmethod
     def loads(cls, raw: bytes | str) -> CatalogEntry:
         d = orjson.loads(raw)
         return cls(d["name"], d["path"], d["config"], tuple(d["versions"]), d.get("state", "READY"),
-                   d.get("reason", ""), tuple(d.get("available", ())))
+                   d.get("reason", ""), tuple(d.get("available", ())),
+                   {int(v): r for v, r in (d.get("revisions") or {}).items()},
+                   tuple((f[0], int(f[1]), f[2]) for f in d.get("files", ())), d.get("target", LOADED),
+                   tuple(d.get("workers", ())), tuple(d.get("retiring", ())),
+                   {int(v): r for v, r in (d.get("failed") or {}).items()}, int(d.get("footprint", 0)))

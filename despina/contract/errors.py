@@ -57,3 +57,13 @@ class ConfigError(DespinaError):
 
 class BackendError(DespinaError):
     code = Code.BACKEND
+
+
+class FailedPrecondition(DespinaError):
+    """The call is valid but the system is not in a state to run it (e.g. a model that is unloaded)."""
+
+    code = Code.FAILED_PRECONDITION
+
+
+class ResourceExhausted(DespinaError):
+    code = Code.RESOURCE_EXHAUSTED

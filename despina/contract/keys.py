@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 DEFAULT_PREFIX = "despina"
 GROUP = "workers"  # the consumer group on every request stream: replicas of a model share it
+CONTROL_GROUP = "control"  # the consumer group on the control plane's command stream
 FIELD = b"m"  # the one field of every stream entry: a msgpack payload
 
 
@@ -14,8 +15,15 @@ class Keys:
 
     prefix: str = DEFAULT_PREFIX
 
-    def request_stream(self, model: str, version: int) -> str:
-        return f"{self.prefix}:req:{model}:{version}"
+    def request_stream(self, model: str, version: int, level: int = 1) -> str:
+        """A model version's requests; with priority levels, one stream per level (1 = highest)."""
+        base = f"{self.prefix}:req:{model}:{version}"
+        return base if level <= 1 else f"{base}:p{level}"
+
+    def queued(self, model: str, version: int, level: int = 1) -> str:
+        """Counter of requests queued or running at one priority level, kept where the model's queue
+        policy sets max_queue_size: gateways refuse past it."""
+        return f"{self.prefix}:queued:{model}:{version}:{level}"
 
     def reply_stream(self, gateway_id: str) -> str:
         return f"{self.prefix}:rep:{gateway_id}"
@@ -42,6 +50,25 @@ class Keys:
     def stats(self, model: str, version: int) -> str:
         """Hash of cumulative statistics counters for one model version, all workers together."""
         return f"{self.prefix}:stats:{model}:{version}"
+
+    @property
+    def control_commands(self) -> str:
+        """Stream of repository commands (index, load, unload, wake) for the control plane."""
+        return f"{self.prefix}:control:cmd"
+
+    def control_reply(self, command_id: str) -> str:
+        """List holding the control plane's answer to one command; the caller BLPOPs it, it expires."""
+        return f"{self.prefix}:control:reply:{command_id}"
+
+    @property
+    def control_leader(self) -> str:
+        """String: the id of the control plane that holds the lease; the others wait."""
+        return f"{self.prefix}:control:leader"
+
+    @property
+    def cold_starts(self) -> str:
+        """Hash: model name -> JSON of its cold starts (last and total milliseconds, count)."""
+        return f"{self.prefix}:coldstart"
 
     def pattern(self) -> str:
         return f"{self.prefix}:*"

@@ -15,6 +15,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from ._schema import model_config_pb2 as pb
 from .datatypes import CONFIG_TO_V2
 from .errors import ConfigError, InvalidArgument
+from .policy import BatchPolicy, batch_policy
 
 ModelConfig = pb.ModelConfig
 
@@ -179,12 +180,6 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class Batching:
-    preferred: tuple[int, ...]
-    max_queue_delay_us: int
-
-
-@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """What gateways and workers need of a model's config, rebuilt from its JSON form."""
 
@@ -194,7 +189,7 @@ class ModelSpec:
     max_batch_size: int
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    batching: Batching | None
+    policy: BatchPolicy
     config: dict[str, Any]
 
     @classmethod
@@ -205,15 +200,9 @@ class ModelSpec:
                            tuple(int(d) for d in t.get("dims", [])), bool(t.get("optional", False)))
                 for t in items)
 
-        batching = None
-        if "dynamic_batching" in config:
-            db = config["dynamic_batching"]
-            mbs = int(config.get("max_batch_size", 0))
-            preferred = tuple(sorted(int(s) for s in db.get("preferred_batch_size", []))) or (mbs,)
-            batching = Batching(preferred, int(db.get("max_queue_delay_microseconds", 0)))
         return cls(config["name"], config.get("platform", ""), config.get("backend", ""),
                    int(config.get("max_batch_size", 0)), tensors(config.get("input", [])),
-                   tensors(config.get("output", [])), batching, config)
+                   tensors(config.get("output", [])), batch_policy(config), config)
 
     @property
     def batched(self) -> bool:

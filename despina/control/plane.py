@@ -1,58 +1,293 @@
-"""The control plane process: publishes the catalog and keeps the worker registry tidy."""
+"""The control plane process: owns the catalog, serves repository commands, polls the registry.
+
+One control plane leads at a time (a lease in Redis); others wait as standbys. It reads commands from
+its stream, registers models from the registry as the model control mode says (none: all at start;
+explicit: `--load-model` and the API; poll: all, then every `--repository-poll-secs`), and ticks the
+lifecycle: placement, version switches, scale-to-zero, dead workers.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
+import os
+import socket
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
 
-from ..contract.keys import Keys
+from ..contract.catalog import LOADED
+from ..contract.commands import Command
+from ..contract.errors import ConfigError, DespinaError, Unavailable
+from ..contract.keys import CONTROL_GROUP, FIELD, Keys
+from ..registry import ArtifactCache, open_registry
 from ..settings import Settings
-from .repository import scan
+from .commands import Commands
+from .lifecycle import Lifecycle
+from .repository import read_model, unavailable
+from .state import Catalog, Workers
+from .versions import transition
 
 log = logging.getLogger("despina.control")
+
+MODES = ("none", "explicit", "poll")
+LEASE_MS = 10_000
+REPLY_TTL_S = 60
+_RENEW = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if not holder then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
+return 0
+"""
 
 
 class ControlPlane:
     def __init__(self, settings: Settings, redis: aioredis.Redis) -> None:
-        self.settings = settings
-        self.redis = redis
+        if settings.model_control_mode not in MODES:
+            raise ConfigError(f"model control mode '{settings.model_control_mode}' is not one of "
+                              f"{', '.join(MODES)}")
+        self.settings, self.redis = settings, redis
         self.keys = Keys(settings.key_prefix)
+        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        remote = settings.model_repository.startswith("s3://")
+        self.registry = open_registry(settings.model_repository, settings,
+                                      ArtifactCache(settings.cache_dir) if remote else None)
+        self.catalog = Catalog(redis, self.keys)
+        self.workers = Workers(redis, self.keys)
+        self.lifecycle = Lifecycle(settings, redis, self.keys, self.catalog, self.workers)
+        self.commands = Commands(self)
+        self.names: list[str] = []          # the registry's models at the last successful look
+        self.registry_error = ""            # why the last look at the registry failed
+        self._applied: dict[str, str] = {}  # model -> fingerprint of the files now in the catalog
+        self._seen: dict[str, str] = {}     # model -> fingerprint seen by the last poll
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._kick = asyncio.Event()
         self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    async def publish(self) -> None:
-        """Scan the repository and replace the catalog with what it holds (mode 'none')."""
-        entries = await asyncio.to_thread(scan, Path(self.settings.model_repository))
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.keys.catalog)
-        if entries:
-            pipe.hset(self.keys.catalog, mapping={n: e.dumps() for n, e in entries.items()})
-        pipe.publish(self.keys.events, b"catalog")
-        await pipe.execute()
-        ready = sorted(n for n, e in entries.items() if e.state == "READY")
-        log.info("catalog: %d models (%s)", len(entries), ", ".join(ready) or "none ready")
+    def lock(self, name: str) -> asyncio.Lock:
+        return self._locks[name]
 
-    async def run(self) -> None:
-        await self.publish()
-        while not self._stop.is_set():
-            try:
-                await self.reap_workers()
-            except (ConnectionError, OSError) as exc:
-                log.warning("control: Redis unreachable (%s)", exc)
-            try:
-                await asyncio.wait_for(self._stop.wait(), 2.0)
-            except TimeoutError:
-                pass
+    def kick(self) -> None:
+        """Tick now: something changed."""
+        self._kick.set()
 
     def stop(self) -> None:
         self._stop.set()
 
-    async def reap_workers(self) -> None:
-        """Forget workers whose heartbeat key expired."""
-        members = await self.redis.smembers(self.keys.workers)
-        for wid in members:
-            name = wid.decode()
-            if not await self.redis.exists(self.keys.worker(name)):
-                await self.redis.srem(self.keys.workers, name)
-                log.warning("worker %s stopped sending heartbeats; removed", name)
+    async def run(self) -> None:
+        if not await self._lead():
+            return
+        await self.catalog.load()
+        loops = [self._ticks(), self._serve_commands(), self._listen(), self._keep_lease(), self._register()]
+        tasks = [asyncio.create_task(loop) for loop in loops]
+        try:
+            await self._stop.wait()
+        finally:
+            for task in (*tasks, *self._tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, *self._tasks, return_exceptions=True)
+            try:
+                if (await self.redis.get(self.keys.control_leader) or b"").decode() == self.id:
+                    await self.redis.delete(self.keys.control_leader)
+            except (RedisError, ConnectionError, OSError):
+                pass
+
+    # -- leadership --------------------------------------------------------------------------------
+
+    async def _lead(self) -> bool:
+        waiting = False
+        while not self._stop.is_set():
+            try:
+                if await self.redis.set(self.keys.control_leader, self.id, nx=True, px=LEASE_MS):
+                    log.info("control plane %s leads (%s mode, repository %s)", self.id,
+                             self.settings.model_control_mode, self.registry.url)
+                    return True
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("control: Redis unreachable (%s)", exc)
+            if not waiting:
+                log.info("control plane %s: another one leads; standing by", self.id)
+                waiting = True
+            await self._sleep(2.0)
+        return False
+
+    async def _keep_lease(self) -> None:
+        while not self._stop.is_set():
+            await self._sleep(LEASE_MS / 4000)
+            try:
+                held = await self.redis.eval(_RENEW, 1, self.keys.control_leader, self.id, LEASE_MS)
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("control: renewing the lease failed (%s)", exc)
+                continue
+            if not held:
+                log.error("control plane %s lost its lease to another; stopping", self.id)
+                self.stop()
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    # -- the lifecycle loop ------------------------------------------------------------------------
+
+    async def _ticks(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.lifecycle.tick()
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("control: Redis unreachable (%s)", exc)
+            except Exception:  # a bug must not stop the control plane's heart
+                log.exception("control: a lifecycle tick failed")
+            try:
+                await asyncio.wait_for(self._kick.wait(), 0.05 if self.lifecycle.busy else 1.0)
+            except TimeoutError:
+                pass
+            self._kick.clear()
+
+    async def _listen(self) -> None:
+        """Workers announce state changes on the events channel: tick at once."""
+        while not self._stop.is_set():
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.keys.events)
+                    while not self._stop.is_set():
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                        if message is not None and message.get("data") != b"catalog":
+                            self.kick()
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("control: event subscription lost (%s); retrying", exc)
+                await self._sleep(1.0)
+
+    # -- commands ----------------------------------------------------------------------------------
+
+    async def _serve_commands(self) -> None:
+        stream = self.keys.control_commands
+        while not self._stop.is_set():
+            try:
+                try:
+                    await self.redis.xgroup_create(stream, CONTROL_GROUP, id="0", mkstream=True)
+                except ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+                claimed = await self.redis.xautoclaim(stream, CONTROL_GROUP, self.id, 0, "0-0", count=100)
+                self._dispatch(claimed[1])  # what a previous leader read and never answered
+                while not self._stop.is_set():
+                    resp = await self.redis.xreadgroup(CONTROL_GROUP, self.id, {stream: ">"}, count=32,
+                                                       block=1000)
+                    for _, entries in resp or ():
+                        self._dispatch(entries)
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("control: reading commands failed (%s); retrying", exc)
+                await self._sleep(0.5)
+
+    def _dispatch(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        for entry_id, fields in entries:
+            if fields:
+                task = asyncio.create_task(self._run_command(entry_id, fields.get(FIELD, b"")))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _run_command(self, entry_id: bytes, payload: bytes) -> None:
+        try:
+            command = Command.loads(payload)
+        except DespinaError as exc:
+            log.error("control: dropping a command: %s", exc.message)
+            command = None
+        try:
+            if command is not None and (not command.deadline or command.deadline > time.time()):
+                answer = await self.commands.handle(command)
+                pipe = self.redis.pipeline(transaction=False)
+                reply = self.keys.control_reply(command.id)
+                pipe.lpush(reply, answer.dumps())
+                pipe.expire(reply, REPLY_TTL_S)
+                await pipe.execute()
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xack(self.keys.control_commands, CONTROL_GROUP, entry_id)
+            pipe.xdel(self.keys.control_commands, entry_id)
+            await pipe.execute()
+        except (RedisError, ConnectionError, OSError) as exc:
+            log.warning("control: answering a command failed (%s)", exc)
+
+    # -- the registry ------------------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        """Register the repository's models as the mode says; in poll mode, keep looking."""
+        mode = self.settings.model_control_mode
+        first = True
+        while not self._stop.is_set():
+            try:
+                if mode == "explicit":
+                    await self._load_at_start()
+                    return
+                await self.sync_registry(first)
+                first = False
+                if mode == "none":
+                    return
+            except DespinaError as exc:
+                self.registry_error = exc.message
+                log.error("repository %s: %s; models already loaded keep serving", self.registry.url,
+                          exc.message)
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("control: Redis unreachable (%s)", exc)
+            await self._sleep(self.settings.repository_poll_secs if mode == "poll" and not first else 2.0)
+
+    def _ready_check(self, name: str) -> Callable[[int], bool]:
+        return lambda version: bool(self.workers.ready_on(name, version))
+
+    async def _load_at_start(self) -> None:
+        names = [n.strip() for n in self.settings.load_model.split(",") if n.strip()]
+        if "*" in names:
+            names = await asyncio.to_thread(self.registry.names)
+        for name in names:
+            try:
+                await self.commands.load(name, {}, self.settings.load_timeout_s, wait=False)
+            except DespinaError as exc:
+                log.error("--load-model %s: %s", name, exc.message)
+
+    async def sync_registry(self, first: bool) -> None:
+        """Bring the catalog to the registry. After the first look, a model's change is applied once two
+        looks in a row see the same files (an upload in progress is not loaded half-done)."""
+        models = await asyncio.to_thread(self.registry.scan)
+        self.registry_error = ""
+        self.names = sorted(models)
+        for name, files in models.items():
+            fingerprint = files.fingerprint()
+            if self._applied.get(name) == fingerprint:
+                continue
+            if not first and self._seen.get(name) != fingerprint:
+                self._seen[name] = fingerprint
+                continue
+            async with self.lock(name):
+                try:
+                    entry = await asyncio.to_thread(read_model, self.registry, files)
+                except Unavailable as exc:  # the store, not the model: try again next time
+                    self.registry_error = exc.message
+                    log.error("model %s: %s; what is loaded keeps serving", name, exc.message)
+                    continue
+                except DespinaError as exc:
+                    log.error("%s", exc.message)
+                    entry = unavailable(files, exc.message)
+                old = self.catalog.get(name)
+                target = old.target if old is not None and old.state == "READY" else LOADED
+                self.lifecycle.forget(name)
+                new = transition(old, entry, target, self._ready_check(name))
+                self.catalog.put(new)
+                self._applied[name] = fingerprint
+                if old is not None:
+                    log.info("model %s changed in the repository: %s", name,
+                             f"loading version {','.join(map(str, entry.versions))}" if entry.state == "READY"
+                             else "its new files cannot be used")
+        for name in [n for n in self.catalog.entries if n not in models]:
+            log.info("model %s is gone from the repository; unloading it", name)
+            self.catalog.remove(name)
+            self._applied.pop(name, None)
+        ready = sorted(n for n, e in self.catalog.entries.items() if e.state == "READY")
+        if first:
+            log.info("catalog: %d models (%s)", len(self.catalog.entries), ", ".join(ready) or "none usable")
+        await self.catalog.flush()
+        self.kick()
+

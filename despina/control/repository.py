@@ -1,24 +1,30 @@
-"""A Triton model repository on local disk: <repo>/<model>/config.pbtxt and numeric version folders."""
+"""From a model folder in the registry to a catalog entry: parse, select versions, auto-complete, validate."""
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from ..contract.catalog import CatalogEntry
 from ..contract.errors import ConfigError, DespinaError
-from ..contract.modelconfig import ModelConfig, check_model_name, normalize, parse_text, to_dict, validate
+from ..contract.modelconfig import (
+    ModelConfig,
+    check_model_name,
+    normalize,
+    parse_json,
+    parse_text,
+    to_dict,
+    validate,
+)
+from ..registry import ModelFiles, Registry
 from ..workers.backends import backend_class
 
 log = logging.getLogger("despina.control")
 
 GUESS_BY_FILE = {"model.onnx": "onnxruntime", "model.pt": "pytorch", "model.pt2": "pytorch",
                  "model.savedmodel": "tensorflow", "model.py": "python"}
-
-
-def version_folders(model_dir: Path) -> list[int]:
-    return sorted(int(p.name) for p in model_dir.iterdir()
-                  if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
 
 
 def select_versions(config: Any, available: list[int]) -> list[int]:
@@ -37,44 +43,77 @@ def select_versions(config: Any, available: list[int]) -> list[int]:
     return available[-n:]
 
 
-def load_model(model_dir: Path) -> CatalogEntry:
-    """Parse, normalize, auto-complete and validate one model folder."""
-    name = check_model_name(model_dir.name)
-    config_file = model_dir / "config.pbtxt"
-    available = version_folders(model_dir)
-    if config_file.exists():
-        config = parse_text(name, config_file.read_text())
+def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] | None = None) -> CatalogEntry:
+    """Parse, normalize, auto-complete and validate one model folder (`override`: the load API's config)."""
+    name = check_model_name(model.name)
+    available = model.versions
+    paths = {f.path for f in model.files}
+    if override is not None:
+        config = parse_json(name, override)
+    elif "config.pbtxt" in paths:
+        shared = registry.folder(model, [])
+        config = parse_text(name, (shared / "config.pbtxt").read_text())
     else:
         config = ModelConfig()
-        config.backend = _guess_backend(name, model_dir, available)
+        config.backend = _guess_backend(name, paths, available)
     normalize(name, config)
     selected = select_versions(config, available)
     if not selected:
         raise ConfigError(f"model '{name}': no numeric version folder holds the model")
-    backend_class(config.backend).auto_complete(config, model_dir / str(selected[-1]))
+    folder = registry.folder(model, selected[-1:])
+    backend_class(config.backend).auto_complete(config, folder / str(selected[-1]))
     validate(config)
-    return CatalogEntry(name, str(model_dir.resolve()), to_dict(config), tuple(selected),
-                        available=tuple(available))
+    as_dict = to_dict(config)
+    canonical = orjson.dumps(as_dict, option=orjson.OPT_SORT_KEYS)
+    return CatalogEntry(
+        name, model.url, as_dict, tuple(selected), available=tuple(available),
+        revisions={v: model.revision(v, canonical) for v in selected},
+        files=tuple(f.pack() for f in model.files) if registry.remote else (),
+        footprint=footprint(as_dict, model.size(selected)))
 
 
-def _guess_backend(name: str, model_dir: Path, available: list[int]) -> str:
+def load_model(model_dir: Path) -> CatalogEntry:
+    """read_model for one folder on local disk."""
+    from ..registry import LocalRegistry
+
+    registry = LocalRegistry(model_dir.parent)
+    return read_model(registry, registry.model(model_dir.name))
+
+
+def footprint(config: dict[str, Any], file_bytes: int) -> int:
+    """Memory a model is expected to take: its `memory_mb` parameter, else the size of its files."""
+    raw = parameter(config, "memory_mb")
+    try:
+        return int(float(raw) * 1024 * 1024) if raw else file_bytes
+    except ValueError:
+        raise ConfigError(f"model '{config.get('name')}': parameter 'memory_mb' must be a number") from None
+
+
+def parameter(config: dict[str, Any], key: str) -> str | None:
+    """A `parameters { key: ... value: { string_value: ... } }` entry of the config, or None."""
+    value = (config.get("parameters") or {}).get(key)
+    return value.get("string_value") if isinstance(value, dict) else None
+
+
+def _guess_backend(name: str, paths: set[str], available: list[int]) -> str:
     for version in reversed(available):
         for filename, backend in GUESS_BY_FILE.items():
-            if (model_dir / str(version) / filename).exists():
+            if f"{version}/{filename}" in paths or any(p.startswith(f"{version}/{filename}/") for p in paths):
                 return backend
     raise ConfigError(f"model '{name}': no config.pbtxt and no model file Despina recognizes")
 
 
-def scan(root: Path) -> dict[str, CatalogEntry]:
-    """Every model folder under root; a model that cannot load is kept, UNAVAILABLE, with its reason."""
-    if not root.is_dir():
-        raise ConfigError(f"model repository {root} is not a folder")
-    found: dict[str, CatalogEntry] = {}
-    for model_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        try:
-            found[model_dir.name] = load_model(model_dir)
-        except DespinaError as exc:
-            log.error("%s", exc.message)
-            found[model_dir.name] = CatalogEntry(model_dir.name, str(model_dir.resolve()), {}, (),
-                                                 state="UNAVAILABLE", reason=exc.message)
-    return found
+def unavailable(model: ModelFiles | str, reason: str) -> CatalogEntry:
+    name = model if isinstance(model, str) else model.name
+    url = "" if isinstance(model, str) else model.url
+    return CatalogEntry(name, url, {}, (), state="UNAVAILABLE", reason=reason)
+
+
+def read_or_report(registry: Registry, model: ModelFiles, override: dict[str, Any] | None = None
+                   ) -> CatalogEntry:
+    """read_model, with a model that cannot load kept as UNAVAILABLE with its reason (and logged)."""
+    try:
+        return read_model(registry, model, override)
+    except DespinaError as exc:
+        log.error("%s", exc.message)
+        return unavailable(model, exc.message)

@@ -1,7 +1,9 @@
 """The gateway's view of models: the catalog and which versions some live worker has READY.
 
-Refreshed in the background (on a catalog event, else twice a second), so that a request never pays
-a Redis round trip to learn what it is calling.
+Refreshed in the background (at once on an event, else twice a second), so that a request never pays
+a Redis round trip to learn what it is calling. A request for a registered model that no worker has
+READY (scaled to zero, or coming up) asks the control plane to load it and goes on once it is READY:
+concurrent requests share one such wake.
 """
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ from dataclasses import dataclass
 import orjson
 import redis.asyncio as aioredis
 
-from ..contract.catalog import CatalogEntry
-from ..contract.errors import InvalidArgument, NotFound, Unavailable
+from ..contract.catalog import LOADED, UNLOADED, CatalogEntry
+from ..contract.commands import WAKE
+from ..contract.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
+from .control import ControlClient
 
 log = logging.getLogger("despina.gateway")
 
@@ -28,20 +32,26 @@ class Model:
     spec: ModelSpec
 
 
+class NotLoaded(Unavailable):
+    """The model is registered and usable, but no worker has the version READY: a wake will bring it."""
+
+
 class ModelView:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
+        self.control = ControlClient(redis, keys)
         self.models: dict[str, Model] = {}
         self.ready: dict[str, set[int]] = {}     # model -> versions READY on some live worker
         self.connected = False
         self._blobs: dict[str, bytes] = {}
         self._task: asyncio.Task[None] | None = None
+        self._waking: dict[tuple[str, int | None], asyncio.Future[int]] = {}
 
     async def start(self) -> None:
         try:
             await self.refresh()
-        except (ConnectionError, OSError) as exc:
+        except Exception as exc:
             log.warning("gateway: Redis unreachable at start (%s)", exc)
         self._task = asyncio.create_task(self._loop())
 
@@ -52,14 +62,18 @@ class ModelView:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(REFRESH_S)
             try:
-                await self.refresh()
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.keys.events)
+                    while True:
+                        await pubsub.get_message(ignore_subscribe_messages=True, timeout=REFRESH_S)
+                        await self.refresh()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.connected = False
                 log.warning("gateway: refreshing the model view failed (%s)", exc)
+                await asyncio.sleep(REFRESH_S)
 
     async def refresh(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -98,27 +112,78 @@ class ModelView:
         return model
 
     def resolve(self, name: str, version: str | None) -> tuple[Model, int]:
-        """The model and the version to run: the one named, else the highest READY one."""
+        """The model and the version to run: the one named, else the highest READY one (a version still
+        serving while a newer one loads counts only when no newer one is READY).
+
+        Raises NotLoaded when no worker has it READY but a wake would bring it.
+        """
         model = self.get(name)
-        if model.entry.state != "READY":
-            raise Unavailable(f"model '{name}' is unavailable: {model.entry.reason}")
+        e = model.entry
+        if e.state != "READY":
+            raise Unavailable(f"model '{name}' is unavailable: {e.reason}")
+        if e.target == UNLOADED:
+            raise FailedPrecondition(f"model '{name}' is not loaded")
+        ready = self.ready.get(name, ())
         if version:
             if not version.isdigit():
                 raise InvalidArgument(f"model version '{version}' is not a number")
             v = int(version)
-            if v not in model.entry.versions:
+            if v not in e.versions:
                 raise NotFound(f"unknown version {v} of model '{name}'")
-            if v not in self.ready.get(name, ()):
-                raise Unavailable(f"model '{name}' version {v} is not ready")
-            return model, v
-        ready = [v for v in model.entry.versions if v in self.ready.get(name, ())]
-        if not ready:
-            raise Unavailable(f"model '{name}' is not ready")
-        return model, max(ready)
+            if v in ready:
+                return model, v
+            if v in e.failed:
+                raise Unavailable(f"model '{name}' version {v} failed to load: {e.failed[v]}")
+            raise NotLoaded(f"model '{name}' version {v} is not ready")
+        current = [v for v in e.versions if v not in e.retiring]
+        for group in (current, e.retiring):
+            serving = [v for v in group if v in ready]
+            if serving:
+                return model, max(serving)
+        if current and all(v in e.failed for v in current):
+            raise Unavailable(f"model '{name}' failed to load: {e.failed[current[-1]]}")
+        raise NotLoaded(f"model '{name}' is not ready")
+
+    async def serving(self, name: str, version: str | None, timeout: float) -> tuple[Model, int]:
+        """resolve(), or when the model is not loaded, load it and wait (at most `timeout`) until READY."""
+        try:
+            return self.resolve(name, version)
+        except NotLoaded:
+            pass
+        v = await self._wake(name, int(version) if version else None, timeout)
+        self.ready.setdefault(name, set()).add(v)
+        return self.get(name), v
+
+    async def _wake(self, name: str, version: int | None, timeout: float) -> int:
+        key = (name, version)
+        call = self._waking.get(key)
+        if call is None:
+            params = {"version": version} if version is not None else {}
+            call = asyncio.ensure_future(self.control.call(WAKE, name, params, timeout))
+            self._waking[key] = call
+            call.add_done_callback(lambda done: self._woken(key, done))
+        return await asyncio.shield(call)
+
+    def _woken(self, key: tuple[str, int | None], call: asyncio.Future[int]) -> None:
+        self._waking.pop(key, None)
+        if not call.cancelled():
+            call.exception()  # retrieved here too: every request that waited may have gone
 
     def is_ready(self, name: str, version: str | None) -> bool:
         try:
             self.resolve(name, version)
-        except (NotFound, Unavailable, InvalidArgument):
+        except (NotFound, Unavailable, InvalidArgument, FailedPrecondition):
             return False
+        return True
+
+    def server_ready(self) -> bool:
+        """Connected, and every model that should be loaded has a READY version (or failed to load)."""
+        if not self.connected:
+            return False
+        for name, m in self.models.items():
+            e = m.entry
+            if e.state != "READY" or e.target != LOADED or self.ready.get(name):
+                continue
+            if not all(v in e.failed for v in e.versions if v not in e.retiring):
+                return False
         return True

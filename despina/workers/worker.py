@@ -1,4 +1,10 @@
-"""A worker process: hosts the models placed on it, one ModelRunner per model version."""
+"""A worker process: hosts the model versions the control plane placed on it, one ModelRunner each.
+
+It follows the catalog (at once on a catalog event, else every second): loads what names it, unloads
+what no longer does, and reloads a version whose files changed, the old runner serving until the new
+one is READY. Files of a remote registry come through the local artifact cache. Its heartbeat hash
+tells the others its capacity and every version's state; it expires when the worker dies.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -11,18 +17,21 @@ from pathlib import Path
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from ..contract.catalog import CatalogEntry
+from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail
 from ..contract.errors import DespinaError
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
+from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
 from ..settings import Settings
+from .backends.base import visible_gpus
 from .runner import ModelRunner
 
 log = logging.getLogger("despina.worker")
 
-HEARTBEAT_S = 1.0
-WORKER_TTL_S = 5
+Key = tuple[str, int]
 
 
 class Worker:
@@ -30,105 +39,231 @@ class Worker:
         self.settings = settings
         self.redis = redis
         self.keys = Keys(settings.key_prefix)
-        self.id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.runners: dict[tuple[str, int], ModelRunner] = {}
-        self.failed: dict[tuple[str, int], str] = {}
-        self._loaded_from: dict[tuple[str, int], bytes] = {}
+        # unique per process: a restarted worker is a new one, and the control plane requeues what
+        # its predecessor had read but not answered
+        base = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.id = f"{base}.{uuid.uuid4().hex[:6]}"
+        self.info = WorkerInfo(self.id, socket.gethostname(), os.getpid(), time.time(), os.cpu_count() or 1,
+                               visible_gpus(), memory_bytes(settings))
+        self.runners: dict[Key, ModelRunner] = {}
+        self.revision: dict[Key, str] = {}            # of the serving runner
+        self.load_ms: dict[Key, float] = {}
+        self.loading: dict[Key, tuple[str, asyncio.Task[None]]] = {}
+        self.failures: dict[Key, tuple[str, str]] = {}  # key -> (revision, why it failed)
+        self._registries: dict[str, Registry] = {}
+        self._cache: ArtifactCache | None = None
         self._stop = asyncio.Event()
+        self._kick = asyncio.Event()
+        self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
 
     async def run(self) -> None:
         await self.redis.sadd(self.keys.workers, self.id)
         await self._heartbeat()
-        beat = asyncio.create_task(self._heartbeat_loop())
+        log.info("worker %s: %d CPU(s), %d GPU(s), %.1f GiB for models", self.id, self.info.cpus,
+                 self.info.gpus, self.info.memory_bytes / 2**30)
+        helpers = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._listen())]
         try:
             while not self._stop.is_set():
                 try:
                     await self.sync()
-                except (ConnectionError, OSError) as exc:
+                except (RedisError, ConnectionError, OSError) as exc:
                     log.warning("worker %s: Redis unreachable (%s)", self.id, exc)
                 try:
-                    await asyncio.wait_for(self._stop.wait(), 0.5)
+                    await asyncio.wait_for(self._kick.wait(), 1.0)
                 except TimeoutError:
                     pass
+                self._kick.clear()
         finally:
             await self.drain()
-            beat.cancel()
-            await asyncio.gather(beat, return_exceptions=True)
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
             try:
                 await self.redis.delete(self.keys.worker(self.id))
                 await self.redis.srem(self.keys.workers, self.id)
-            except (ConnectionError, OSError):
+                await self.redis.publish(self.keys.events, f"worker:{self.id}")
+            except (RedisError, ConnectionError, OSError):
                 pass
 
     def stop(self) -> None:
         self._stop.set()
+        self._kick.set()
 
     async def drain(self) -> None:
         """Finish every request already read, reply, acknowledge, unload."""
+        for _, task in self.loading.values():
+            task.cancel()
+        await asyncio.gather(*(t for _, t in self.loading.values()), return_exceptions=True)
         runners, self.runners = self.runners, {}
         await asyncio.gather(*(r.stop() for r in runners.values()), return_exceptions=True)
 
+    # -- following the catalog ---------------------------------------------------------------------
+
     async def sync(self) -> None:
-        """Make the loaded set match the catalog: load what is new or changed, unload what went away."""
+        """Load what the catalog places here and is not loaded (or changed), unload what it no longer does."""
         raw = await self.redis.hgetall(self.keys.catalog)
-        wanted: dict[tuple[str, int], tuple[CatalogEntry, bytes]] = {}
+        wanted: dict[Key, tuple[CatalogEntry, str]] = {}
         for blob in raw.values():
             entry = CatalogEntry.loads(blob)
-            if entry.state != "READY":
-                continue
-            for v in entry.versions:
-                wanted[(entry.name, v)] = (entry, blob)
-        for key in [k for k in self.runners if k not in wanted or self._loaded_from[k] != wanted[k][1]]:
+            if entry.serving and self.id in entry.workers:
+                for v in entry.versions:
+                    wanted[(entry.name, v)] = (entry, entry.revisions.get(v, ""))
+        gone = [k for k in self.runners if k not in wanted]
+        for key in gone:
             runner = self.runners.pop(key)
-            self._loaded_from.pop(key, None)
+            self.revision.pop(key, None)
+            self.load_ms.pop(key, None)
+            await self._announce()
             await runner.stop()
             log.info("worker %s: unloaded %s version %d", self.id, *key)
-        for key, (entry, blob) in wanted.items():
-            if key in self.runners or self.failed.get(key) == blob:
+        for key in [k for k in self.failures if k not in wanted]:
+            del self.failures[key]
+        for key, (entry, rev) in wanted.items():
+            serving = key in self.runners and self.revision.get(key) == rev
+            if serving or self.failures.get(key, ("",))[0] == rev or self.loading.get(key, ("",))[0] == rev:
                 continue
-            await self._load(key, entry, blob)
+            task = asyncio.create_task(self._load(key, entry, rev))
+            self.loading[key] = (rev, task)
+        if gone:
+            await self._announce()
 
-    async def _load(self, key: tuple[str, int], entry: CatalogEntry, blob: bytes) -> None:
+    async def _load(self, key: Key, entry: CatalogEntry, rev: str) -> None:
         started = time.monotonic()
-        spec = ModelSpec.from_config(entry.config)
-        consumer = f"{self.id}"
-        runner = ModelRunner(self.redis, self.keys, spec, key[1], Path(entry.path), consumer,
-                             self.settings.intra_op_threads)
+        await self._announce()
+        runner: ModelRunner | None = None
         try:
+            path = await self._folder(entry, key[1])
+            runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
+                                 self.id, self.settings.intra_op_threads)
             await runner.load()
             await runner.start()
-        except DespinaError as exc:
-            log.error("worker %s: %s", self.id, exc.message)
-            self.failed[key] = blob
-            await runner.stop()
-            await self._heartbeat()
-            return
-        self.runners[key] = runner
-        self._loaded_from[key] = blob
-        self.failed.pop(key, None)
-        await self._heartbeat()
-        log.info("worker %s: loaded %s version %d in %.2f s", self.id, key[0], key[1],
-                 time.monotonic() - started)
+        except asyncio.CancelledError:
+            if runner is not None:
+                await runner.stop()
+            raise
+        except Exception as exc:
+            message = exc.message if isinstance(exc, DespinaError) else f"model '{key[0]}': {exc}"
+            if not isinstance(exc, DespinaError):
+                log.exception("worker %s: loading %s version %d failed", self.id, *key)
+            log.error("worker %s: %s", self.id, message)
+            self.failures[key] = (rev, message)
+            if runner is not None:
+                await runner.stop()
+        else:
+            old = self.runners.get(key)
+            self.runners[key], self.revision[key] = runner, rev
+            self.load_ms[key] = (time.monotonic() - started) * 1000
+            self.failures.pop(key, None)
+            log.info("worker %s: loaded %s version %d in %.0f ms", self.id, key[0], key[1], self.load_ms[key])
+            await self._count_load(key)
+            if old is not None:
+                await self._announce()
+                await old.stop()  # after the new one serves: no gap
+        finally:
+            if self.loading.get(key, ("", None))[0] == rev:
+                del self.loading[key]
+            await self._announce()
+
+    async def _folder(self, entry: CatalogEntry, version: int) -> Path:
+        """The local folder to load from: the registry's own, or the cache's copy of a remote one."""
+        if not entry.files:
+            return Path(entry.path)
+        registry = self._registries.get(entry.path)
+        if registry is None:
+            if self._cache is None:
+                self._cache = ArtifactCache(self.settings.cache_dir)
+            registry, _ = open_model_registry(entry.path, self.settings, self._cache)
+            self._registries[entry.path] = registry
+        model = ModelFiles(entry.name, entry.path, tuple(FileInfo(*f) for f in entry.files))
+        return await asyncio.to_thread(registry.folder, model, [version])
+
+    # -- telling the others ------------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.keys.events)
+                    while True:
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                        if message is not None and message.get("data") == b"catalog":
+                            self._kick.set()
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, ConnectionError, OSError):
+                await asyncio.sleep(1.0)
+
+    async def _count_load(self, key: Key) -> None:
+        """Model load durations, for the despina_model_load_duration_seconds metric."""
+        stats = self.keys.stats(*key)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hincrby(stats, "load_count", 1)
+            pipe.hincrby(stats, "load_ns", int(self.load_ms[key] * 1e6))
+            await pipe.execute()
+        except (RedisError, OSError):
+            pass
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(self.beat_s)
             try:
                 await self._heartbeat()
-            except (ConnectionError, OSError):
+            except (RedisError, ConnectionError, OSError):
                 pass
+
+    async def _announce(self) -> None:
+        """Heartbeat now and say so on the events channel: the control plane and gateways look at once."""
+        try:
+            await self._heartbeat()
+            await self.redis.publish(self.keys.events, f"worker:{self.id}")
+        except (RedisError, ConnectionError, OSError):
+            pass
+
+    def detail(self) -> dict[str, dict[int, VersionStatus]]:
+        out: dict[str, dict[int, VersionStatus]] = {}
+        for key in {*self.runners, *self.loading, *self.failures}:
+            runner = self.runners.get(key)
+            loading = self.loading.get(key, ("", None))[0]
+            failed_rev, error = self.failures.get(key, ("", ""))
+            if runner is not None:
+                status = VersionStatus(runner.state, self.revision.get(key, ""), loading, error, failed_rev,
+                                       round(self.load_ms.get(key, 0.0), 1))
+            else:
+                state = "LOADING" if loading else "UNAVAILABLE"
+                status = VersionStatus(state, loading, "", error, failed_rev)
+            out.setdefault(key[0], {})[key[1]] = status
+        return out
 
     async def _heartbeat(self) -> None:
         models: dict[str, dict[str, str]] = {}
         for (name, version), runner in self.runners.items():
             models.setdefault(name, {})[str(version)] = runner.state
-        for (name, version) in self.failed:
-            models.setdefault(name, {}).setdefault(str(version), "UNAVAILABLE")
-        info = {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(), "devices": ["cpu"]}
         key = self.keys.worker(self.id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping={"info": orjson.dumps(info), "models": orjson.dumps(models),
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={"info": self.info.dumps(), "models": orjson.dumps(models),
+                                "detail": pack_detail(self.detail()),
+                                "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
                                 "seen": time.time()})
-        pipe.expire(key, WORKER_TTL_S)
+        pipe.pexpire(key, int(self.settings.worker_ttl_s * 1000))
         pipe.sadd(self.keys.workers, self.id)
         await pipe.execute()
+
+
+def memory_bytes(settings: Settings) -> int:
+    """Memory this worker may give models: the setting, else the cgroup's limit, else the machine's."""
+    if settings.worker_memory_mb:
+        return settings.worker_memory_mb * 1024 * 1024
+    try:
+        raw = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if raw.isdigit():
+            return int(raw)
+    except OSError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -1,0 +1,83 @@
+"""What a worker tells the others about itself: its capacity and the state of each model version.
+
+A worker writes these into its own hash (`Keys.worker`) on every heartbeat; the hash expires when the
+heartbeats stop. Fields: `info` (WorkerInfo JSON), `models` ({model: {version: state}} of the runners
+that serve), `detail` ({model: {version: VersionStatus}}), `cache` (artifact cache counters).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: str
+    host: str = ""
+    pid: int = 0
+    started: float = 0.0
+    cpus: int = 1
+    gpus: int = 0                  # GPUs this worker may use
+    memory_bytes: int = 0          # what models may take on this worker (0: unknown)
+
+    def dumps(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> WorkerInfo:
+        d = orjson.loads(raw)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class VersionStatus:
+    """One model version on one worker."""
+
+    state: str = "UNAVAILABLE"     # READY (a runner serves `revision`), LOADING, UNAVAILABLE
+    revision: str = ""             # the revision that serves (READY), else the one being loaded
+    loading: str = ""              # a newer revision being loaded while `revision` serves
+    error: str = ""                # why `failed` could not be loaded
+    failed: str = ""               # the revision that failed
+    load_ms: float = 0.0           # how long the serving runner took to load
+
+    def pack(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v}
+
+    @classmethod
+    def unpack(cls, d: dict[str, Any]) -> VersionStatus:
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    info: WorkerInfo
+    detail: dict[str, dict[int, VersionStatus]] = field(default_factory=dict)
+    cache: dict[str, int] = field(default_factory=dict)
+
+    def version(self, model: str, version: int) -> VersionStatus | None:
+        return self.detail.get(model, {}).get(version)
+
+    def ready(self, model: str, version: int, revision: str | None = None) -> bool:
+        status = self.version(model, version)
+        return (status is not None and status.state == "READY"
+                and (revision is None or status.revision == revision))
+
+    def failed(self, model: str, version: int, revision: str) -> str | None:
+        status = self.version(model, version)
+        if status is not None and status.failed == revision and status.error:
+            return status.error
+        return None
+
+    @classmethod
+    def from_hash(cls, worker_id: str, h: dict[bytes, bytes]) -> WorkerStatus:
+        info = WorkerInfo.loads(h[b"info"]) if b"info" in h else WorkerInfo(worker_id)
+        detail = {name: {int(v): VersionStatus.unpack(s) for v, s in versions.items()}
+                  for name, versions in orjson.loads(h.get(b"detail", b"{}")).items()}
+        return cls(info, detail, orjson.loads(h.get(b"cache", b"{}")))
+
+
+def pack_detail(detail: dict[str, dict[int, VersionStatus]]) -> bytes:
+    return orjson.dumps({name: {str(v): s.pack() for v, s in versions.items()}
+                         for name, versions in detail.items()})

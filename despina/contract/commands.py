@@ -1,0 +1,67 @@
+"""Commands to the control plane and its answers: the repository API and cold starts.
+
+A gateway appends a Command to the control plane's command stream (`Keys.control_commands`) and
+blocks on the reply list named by the command (`Keys.control_reply(id)`), where the control plane
+pushes one Answer. Gateways stay stateless: every change of the catalog is the control plane's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from .errors import Code, DespinaError, InvalidArgument
+
+INDEX, LOAD, UNLOAD, WAKE = "index", "load", "unload", "wake"
+OPS = (INDEX, LOAD, UNLOAD, WAKE)
+
+
+@dataclass(frozen=True)
+class Command:
+    id: str
+    op: str                                  # one of OPS
+    model: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+    deadline: float = 0.0                    # wall-clock seconds; past it nobody waits for the answer
+
+    def dumps(self) -> bytes:
+        return orjson.dumps({"id": self.id, "op": self.op, "model": self.model, "params": self.params,
+                             "deadline": self.deadline})
+
+    @classmethod
+    def loads(cls, raw: bytes) -> Command:
+        try:
+            d = orjson.loads(raw)
+            command = cls(str(d["id"]), str(d["op"]), str(d.get("model", "")), dict(d.get("params") or {}),
+                          float(d.get("deadline", 0.0)))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"malformed control command: {exc}") from None
+        if command.op not in OPS:
+            raise InvalidArgument(f"unknown control command '{command.op}'")
+        return command
+
+
+@dataclass(frozen=True)
+class Answer:
+    data: Any = None
+    code: str = ""                           # an error's Code; empty on success
+    message: str = ""
+
+    @classmethod
+    def error(cls, exc: DespinaError) -> Answer:
+        return cls(None, exc.code.value, exc.message)
+
+    def result(self) -> Any:
+        """The data, or the error raised again on the caller's side."""
+        if self.code:
+            raise DespinaError(self.message, Code(self.code))
+        return self.data
+
+    def dumps(self) -> bytes:
+        return orjson.dumps({"data": self.data, "code": self.code, "message": self.message})
+
+    @classmethod
+    def loads(cls, raw: bytes) -> Answer:
+        d = orjson.loads(raw)
+        return cls(d.get("data"), d.get("code", ""), d.get("message", ""))

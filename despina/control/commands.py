@@ -1,0 +1,212 @@
+"""The repository API on the control plane's side: index, load, unload, and wake (a cold start)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from google.protobuf import text_format
+
+from ..contract.catalog import IDLE, LOADED, UNLOADED, CatalogEntry
+from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
+from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, NotFound
+from ..contract.modelconfig import check_model_name, normalize, parse_json
+from ..registry.base import check_relative
+from .backlog import refuse
+from .repository import read_model, unavailable
+from .versions import transition
+
+if TYPE_CHECKING:
+    from .plane import ControlPlane
+
+log = logging.getLogger("despina.control")
+
+
+class Commands:
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+
+    async def handle(self, command: Command) -> Answer:
+        timeout = self.plane.settings.load_timeout_s
+        if command.deadline:
+            timeout = max(0.1, min(timeout, command.deadline - time.time()))
+        try:
+            if command.op == INDEX:
+                return Answer(await self.index(command.params.get("ready")))
+            if command.op == LOAD:
+                self._check_mode()
+                await self.load(command.model, command.params, timeout)
+            elif command.op == UNLOAD:
+                self._check_mode()
+                await self.unload(command.model, bool(command.params.get("unload_dependents")), timeout)
+            elif command.op == WAKE:
+                return Answer(await self.wake(command.model, command.params.get("version"), timeout))
+            return Answer()
+        except DespinaError as exc:
+            return Answer.error(exc)
+        except Exception as exc:  # a bug must answer the caller, not leave it waiting
+            log.exception("control command %s %s failed", command.op, command.model)
+            return Answer.error(DespinaError(f"control plane: {command.op} failed: {exc}"))
+
+    def _check_mode(self) -> None:
+        mode = self.plane.settings.model_control_mode
+        if mode != "explicit":
+            raise FailedPrecondition(
+                "explicit model load / unload is not allowed if polling is enabled (the model control "
+                f"mode is '{mode}'; start with --model-control-mode explicit)")
+
+    # -- index -------------------------------------------------------------------------------------
+
+    async def index(self, ready: Any) -> list[dict[str, str]]:
+        plane = self.plane
+        names = set(plane.catalog.entries)
+        note = plane.registry_error
+        try:
+            names |= set(await asyncio.to_thread(plane.registry.names))
+        except DespinaError as exc:
+            note = exc.message
+            names |= set(plane.names)
+        rows: list[dict[str, str]] = []
+        for name in sorted(names):
+            e = plane.catalog.get(name)
+            if e is None:
+                rows.append({"name": name})  # in the repository, never loaded (as Triton answers)
+            elif e.state != "READY":
+                rows.append({"name": name, "state": "UNAVAILABLE", "reason": e.reason})
+            else:
+                for v in sorted(set(e.versions) | set(e.failed)):
+                    state, reason = self._version_state(e, v)
+                    if note:
+                        told = f"the repository cannot be read: {note}; the files already fetched serve"
+                        reason = f"{reason}; {told}" if reason else told
+                    rows.append({"name": name, "version": str(v), "state": state, "reason": reason})
+        if ready is True:
+            rows = [r for r in rows if r.get("state") == "READY"]
+        return rows
+
+    def _version_state(self, e: CatalogEntry, v: int) -> tuple[str, str]:
+        plane = self.plane
+        if e.target == UNLOADED:
+            return "UNAVAILABLE", "unloaded"
+        if e.target == IDLE:
+            return "UNAVAILABLE", (f"idle: unloaded after {plane.lifecycle.idle_timeout(e):g} s without "
+                                   "requests; the next request loads it")
+        if plane.workers.ready_on(e.name, v):
+            return "READY", e.failed.get(v, "") or e.reason
+        if v in e.failed:
+            return "UNAVAILABLE", e.failed[v]
+        if v in e.retiring:
+            return "UNLOADING", ""
+        return "LOADING", plane.lifecycle.shortfall.get(e.name, "")
+
+    # -- load / unload -----------------------------------------------------------------------------
+
+    async def load(self, name: str, params: dict[str, Any], timeout: float, wait: bool = True) -> None:
+        """Read the model from the registry (with the `config` override, after writing `file:` entries
+        there) and load it; a loaded model is reloaded, its old versions serving until the new are READY."""
+        plane = self.plane
+        check_model_name(name)
+        override = _config(name, params.get("config"))
+        files = {k[5:]: v for k, v in params.items() if k.startswith("file:")}
+        if files and override is None:
+            raise InvalidArgument("load parameters with 'file:' entries need 'config' too")
+        async with plane.lock(name):
+            if files:
+                assert override is not None
+                await asyncio.to_thread(self._write, name, files, override)
+                override = None  # written as config.pbtxt: read back like any model
+            model = await asyncio.to_thread(plane.registry.model, name)
+            old = plane.catalog.get(name)
+            try:
+                entry = await asyncio.to_thread(read_model, plane.registry, model, override)
+            except DespinaError as exc:
+                log.error("load of %s failed: %s", name, exc.message)
+                if old is None or old.state != "READY":
+                    plane.catalog.put(unavailable(model, exc.message))
+                    plane.kick()
+                raise
+            plane.lifecycle.forget(name)
+            if old is None or old.target != LOADED:
+                plane.lifecycle.awake_since[name] = time.time()
+            plane.catalog.put(transition(old, entry, LOADED, lambda v: bool(plane.workers.ready_on(name, v))))
+            log.info("model %s: loading version %s", name, ",".join(map(str, entry.versions)))
+            plane.kick()
+        if wait:
+            await plane.lifecycle.wait(name, "load", None, timeout)
+
+    def _write(self, name: str, files: dict[str, Any], config: dict[str, Any]) -> None:
+        """The load API's `file:` entries and config, written into the registry's model folder."""
+        message = normalize(name, parse_json(name, config))
+        decoded = {}
+        for path, data in files.items():
+            try:
+                decoded[check_relative(path)] = base64.b64decode(data, validate=True)
+            except (binascii.Error, TypeError, ValueError):
+                raise InvalidArgument(f"load parameter 'file:{path}' is not base64") from None
+        registry = self.plane.registry
+        for path, data in sorted(decoded.items()):
+            registry.put(name, path, data)
+        registry.put(name, "config.pbtxt", text_format.MessageToString(message).encode())
+        log.info("model %s: %d file(s) and its config written to %s", name, len(decoded),
+                 registry.model_url(name))
+
+    async def unload(self, name: str, dependents: bool, timeout: float) -> None:
+        plane = self.plane
+        check_model_name(name)
+        if plane.catalog.get(name) is None:
+            if name in await asyncio.to_thread(plane.registry.names):
+                return  # in the repository, not loaded: nothing to do
+            raise NotFound(f"failed to unload '{name}': no such model")
+        names = [name] + (self._dependents(name) if dependents else [])
+        for n in names:
+            async with plane.lock(n):
+                e = plane.catalog.get(n)
+                if e is not None and e.state == "READY":
+                    current = tuple(v for v in e.versions if v not in e.retiring)
+                    plane.catalog.put(replace(e, target=UNLOADED, workers=(), versions=current, retiring=()))
+                    plane.lifecycle.retire_at.pop(n, None)
+                    log.info("model %s: unloading", n)
+        plane.kick()
+        for n in names:
+            await plane.lifecycle.wait(n, "unload", None, timeout)
+            e = plane.catalog.get(n)
+            for v in e.versions if e is not None and e.target == UNLOADED else ():
+                for stream in e.streams(plane.keys, v):
+                    if count := await refuse(plane.redis, stream, f"model '{n}' was unloaded"):
+                        log.warning("model %s: %d queued requests answered: it was unloaded", n, count)
+
+    def _dependents(self, name: str) -> list[str]:
+        """Ensembles with a step that calls the model."""
+        return sorted(e.name for e in self.plane.catalog.entries.values()
+                      if any(step.get("model_name") == name
+                             for step in (e.config.get("ensemble_scheduling") or {}).get("step", ())))
+
+    # -- cold start --------------------------------------------------------------------------------
+
+    async def wake(self, name: str, version: Any, timeout: float) -> int:
+        """Load a registered model that is not loaded (or wait for one coming up); answers the version
+        to call once it is READY."""
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise InvalidArgument(f"model version '{version}' is not a number")
+        e = self.plane.lifecycle.wake(name)
+        if version is not None and version not in e.versions:
+            raise NotFound(f"unknown version {version} of model '{name}'")
+        self.plane.kick()
+        return await self.plane.lifecycle.wait(name, "wake", version, timeout)
+
+
+def _config(name: str, raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        config = orjson.loads(raw) if isinstance(raw, str | bytes) else raw
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"load parameter 'config' of model '{name}' is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"load parameter 'config' of model '{name}' must be a JSON object")
+    return config

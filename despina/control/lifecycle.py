@@ -1,0 +1,314 @@
+"""Bringing the workers to the catalog, one tick at a time: placement, failures, version switches,
+scale-to-zero, dead workers, and answering those who wait for a model to come up."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from ..contract.catalog import IDLE, LOADED, CatalogEntry
+from ..contract.errors import DespinaError, FailedPrecondition, NotFound, Unavailable
+from ..contract.keys import Keys
+from ..settings import Settings
+from .backlog import requeue
+from .placement import committed, place, replicas
+from .repository import parameter
+from .state import Catalog, Workers
+
+log = logging.getLogger("despina.control")
+
+RETIRE_GRACE_S = 1.5   # an old version stays loaded this long after the new one is READY: gateways
+                       # that have not seen the switch yet still find it serving
+
+
+@dataclass
+class Waiter:
+    name: str
+    kind: str                     # "wake": one READY version; "load": every version settled; "unload"
+    version: int | None
+    future: asyncio.Future[int]
+
+
+class Lifecycle:
+    def __init__(self, settings: Settings, redis: aioredis.Redis, keys: Keys, catalog: Catalog,
+                 workers: Workers) -> None:
+        self.settings, self.redis, self.keys = settings, redis, keys
+        self.catalog, self.workers = catalog, workers
+        self.excluded: dict[str, set[str]] = {}     # model -> workers its current files failed on
+        self.retire_at: dict[str, float] = {}
+        self.waiters: list[Waiter] = []
+        self.cold: dict[str, float] = {}            # model -> when its cold start began (monotonic)
+        self.awake_since: dict[str, float] = {}     # model -> when it was last brought up (wall clock)
+        self.shortfall: dict[str, str] = {}         # model -> why it has fewer workers than it should
+        self._idle_checked = 0.0
+
+    @property
+    def busy(self) -> bool:
+        """Something is in motion: tick often."""
+        return bool(self.waiters or self.retire_at or self.cold)
+
+    # -- one tick ----------------------------------------------------------------------------------
+
+    async def tick(self) -> None:
+        for wid in await self.workers.refresh():
+            await self._requeue_from(wid)
+        now = time.monotonic()
+        for entry in list(self.catalog.entries.values()):
+            if entry.serving:
+                self.catalog.put(self._reconcile(entry, now))
+        if now - self._idle_checked >= min(1.0, max(self.settings.idle_timeout_s / 4, 0.1)):
+            self._idle_checked = now
+            await self._scale_to_zero()
+        await self.catalog.flush()
+        await self._answer(now)
+
+    def _reconcile(self, e: CatalogEntry, now: float) -> CatalogEntry:
+        e = self._note_failures(e)
+        excluded = self.excluded.get(e.name, set())
+        used = committed(x for x in self.catalog.entries.values() if x.name != e.name)
+        try:
+            count = replicas(e, self.settings.model_replicas)
+        except DespinaError as exc:
+            self.shortfall[e.name] = exc.message
+            return replace(e, workers=())
+        kept = replace(e, workers=tuple(w for w in e.workers if w not in excluded))
+        workers, why = place(kept, self.workers.infos, used, count, excluded)
+        if workers != e.workers or why != self.shortfall.get(e.name, ""):
+            log.log(logging.WARNING if why else logging.INFO, "model %s placed on %s%s", e.name,
+                    ", ".join(workers) or "no worker", f" ({why})" if why else "")
+        if why:
+            self.shortfall[e.name] = why
+        else:
+            self.shortfall.pop(e.name, None)
+        return self._switch_versions(replace(e, workers=workers), now)
+
+    def _note_failures(self, e: CatalogEntry) -> CatalogEntry:
+        """Record versions whose current files failed on every worker that tried them; a worker that
+        serves nothing of the model after a failure is left out, so another one gets a try."""
+        failed = dict(e.failed)
+        for wid in e.workers:
+            status = self.workers.status.get(wid)
+            if status is None:
+                continue
+            errors = [status.failed(e.name, v, e.revisions.get(v, "")) for v in e.versions]
+            # every version failed there and nothing of the model serves there: another worker's turn
+            if errors and all(errors) and not any(status.ready(e.name, v) for v in e.versions):
+                self.excluded.setdefault(e.name, set()).add(wid)
+        for v in e.versions:
+            rev = e.revisions.get(v, "")
+            tried = {wid: err for wid, s in self.workers.status.items() if (err := s.failed(e.name, v, rev))}
+            live = [w for w in e.workers if w in self.workers.status]
+            if v in failed and self.workers.ready_on(e.name, v, rev):  # another worker managed it
+                del failed[v]
+            if tried and v not in failed and all(w in tried for w in live) \
+                    and not any(self.workers.status[w].ready(e.name, v, rev) for w in live):
+                serving = any(self.workers.status[w].ready(e.name, v) for w in live)
+                message = next(iter(tried.values()))
+                failed[v] = f"the new files failed to load; the previous ones serve: {message}" \
+                    if serving else message
+                log.error("model %s version %d failed to load: %s", e.name, v, message)
+        return replace(e, failed=failed) if failed != e.failed else e
+
+    def _switch_versions(self, e: CatalogEntry, now: float) -> CatalogEntry:
+        """Once every new version is READY everywhere (or failed), the retiring ones go, after a grace."""
+        if not e.retiring:
+            return e
+        new = [v for v in e.versions if v not in e.retiring and v not in e.failed]
+        if not new:  # every new version failed: the old ones serve on, as the default again
+            self.retire_at.pop(e.name, None)
+            return replace(e, retiring=())
+        live = [w for w in e.workers if w in self.workers.status]
+        if not live or not all(self.workers.status[w].ready(e.name, v, e.revisions.get(v)) for v in new
+                               for w in live):
+            return e
+        due = self.retire_at.setdefault(e.name, now + RETIRE_GRACE_S)
+        if now < due:
+            return e
+        del self.retire_at[e.name]
+        log.info("model %s: version %s serves; version %s unloaded", e.name, ",".join(map(str, new)),
+                 ",".join(map(str, e.retiring)))
+        gone = {str(v) for v in e.retiring}
+        return replace(e, versions=tuple(v for v in e.versions if v not in e.retiring), retiring=(),
+                       revisions={v: r for v, r in e.revisions.items() if v not in e.retiring},
+                       files=tuple(f for f in e.files if f[0].split("/", 1)[0] not in gone))
+
+    # -- waking and waiting ------------------------------------------------------------------------
+
+    def wake(self, name: str) -> CatalogEntry:
+        """Make a registered model load (a cold start when it was idle)."""
+        e = self.catalog.get(name)
+        if e is None:
+            raise NotFound(f"unknown model '{name}'")
+        if e.state != "READY":
+            raise Unavailable(f"model '{name}' is unavailable: {e.reason}")
+        if e.target == IDLE:
+            self.cold.setdefault(name, time.monotonic())
+            log.info("model %s: cold start", name)
+        elif e.target != LOADED:
+            raise FailedPrecondition(f"model '{name}' is not loaded; load it with "
+                                     f"POST /v2/repository/models/{name}/load")
+        self.awake_since[name] = time.time()
+        e = replace(e, target=LOADED)
+        self.catalog.put(e)
+        return e
+
+    def forget(self, name: str) -> None:
+        """A new revision of the model: workers that failed the old one may try again."""
+        self.excluded.pop(name, None)
+
+    async def wait(self, name: str, kind: str, version: int | None, timeout: float) -> int:
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        waiter = Waiter(name, kind, version, future)
+        self.waiters.append(waiter)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            entry = self.catalog.get(name)
+            why = self.shortfall.get(name) or (entry.reason if entry is not None else "")
+            why = f": {why}" if why else ""
+            raise Unavailable(f"model '{name}' did not {'unload' if kind == 'unload' else 'load'} "
+                              f"within {timeout:g} s{why}") from None
+        finally:
+            if waiter in self.waiters:
+                self.waiters.remove(waiter)
+
+    async def _answer(self, now: float) -> None:
+        for w in list(self.waiters):
+            if w.future.done():
+                continue
+            try:
+                outcome = self._settled(w)
+            except DespinaError as exc:
+                w.future.set_exception(exc)
+                continue
+            if outcome is not None:
+                w.future.set_result(outcome)
+        for name in list(self.cold):  # after the waiters: they are answered first
+            e = self.catalog.get(name)
+            if e is None or not e.serving:
+                self.cold.pop(name, None)
+            elif any(self.workers.ready_on(name, v) for v in e.versions):
+                await self._record_cold_start(e, (now - self.cold.pop(name)) * 1000)
+
+    def _settled(self, w: Waiter) -> int | None:
+        """The waiter's answer when it has one, None while it must wait; raises when it cannot be."""
+        e = self.catalog.get(w.name)
+        if w.kind == "unload":
+            return 0 if not self.workers.hosting(w.name) else None
+        if e is None:
+            raise NotFound(f"unknown model '{w.name}'")
+        if not e.serving:
+            raise Unavailable(f"model '{w.name}' is {e.target if e.state == 'READY' else 'unavailable'}"
+                              f"{': ' + e.reason if e.reason else ''}")
+        if w.kind == "wake":
+            if w.version is not None:
+                if self.workers.ready_on(w.name, w.version):
+                    return w.version
+                if w.version in e.failed:
+                    raise Unavailable(f"model '{w.name}' version {w.version} failed to load: "
+                                      f"{e.failed[w.version]}")
+                return None
+            current = [v for v in e.versions if v not in e.retiring]
+            for group in (current, list(e.retiring)):
+                ready = [v for v in group if self.workers.ready_on(w.name, v)]
+                if ready:
+                    return max(ready)
+            if current and all(v in e.failed for v in current):
+                raise Unavailable(f"model '{w.name}' failed to load: {e.failed[current[-1]]}")
+            return None
+        current = [v for v in e.versions if v not in e.retiring]
+        live = [x for x in e.workers if x in self.workers.status]
+        pending = [v for v in current if v not in e.failed
+                   and not (live and all(self.workers.status[x].ready(w.name, v, e.revisions.get(v))
+                                         for x in live))]
+        if pending:
+            return None
+        failed = [v for v in current if v in e.failed]
+        if failed:
+            raise Unavailable(f"failed to load '{w.name}' version {failed[-1]}: {e.failed[failed[-1]]}")
+        return current[-1]
+
+    async def _record_cold_start(self, e: CatalogEntry, ms: float) -> None:
+        statuses = [s.version(e.name, v) for s in self.workers.status.values() for v in e.versions]
+        load_ms = max((st.load_ms for st in statuses if st is not None), default=0.0)
+        log.info("model %s: cold start took %.0f ms (the worker's load %.0f ms)", e.name, ms, load_ms)
+        key = self.keys.cold_starts
+        raw = await self.redis.hget(key, e.name)
+        prev = orjson.loads(raw) if raw else {"count": 0, "total_ms": 0.0}
+        doc = {"count": prev["count"] + 1, "total_ms": round(prev["total_ms"] + ms, 1),
+               "last_ms": round(ms, 1), "last_load_ms": round(load_ms, 1), "last_at": time.time()}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, e.name, orjson.dumps(doc))
+        if e.versions:  # the metrics and the status page read the served version's statistics
+            stats = self.keys.stats(e.name, max(e.versions))
+            pipe.hincrby(stats, "cold_count", 1)
+            pipe.hincrby(stats, "cold_ns", int(ms * 1e6))
+        await pipe.execute()
+
+    # -- scale to zero -----------------------------------------------------------------------------
+
+    def idle_timeout(self, e: CatalogEntry) -> float:
+        raw = parameter(e.config, "idle_timeout_s")
+        try:
+            return float(raw) if raw else self.settings.idle_timeout_s
+        except ValueError:
+            return self.settings.idle_timeout_s
+
+    async def _scale_to_zero(self) -> None:
+        """Unload models idle past their timeout; bring back idle models whose stream has a backlog
+        (a request that a gateway queued while the model was going down)."""
+        watched = [e for e in self.catalog.entries.values() if e.state == "READY"
+                   and ((e.target == LOADED and self.idle_timeout(e) > 0) or e.target == IDLE)]
+        if not watched:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        plan = []
+        for e in watched:
+            for v in e.versions:
+                pipe.hget(self.keys.stats(e.name, v), "last_inference")
+                streams = e.streams(self.keys, v)
+                for s in streams:
+                    pipe.xlen(s)
+                plan.append((e, len(streams)))
+        results = iter(await pipe.execute())
+        last: dict[str, float] = {}
+        backlog: dict[str, int] = {}
+        for e, n in plan:
+            used = next(results)
+            last[e.name] = max(last.get(e.name, 0.0), int(used) / 1000 if used else 0.0)
+            backlog[e.name] = backlog.get(e.name, 0) + sum(int(next(results)) for _ in range(n))
+        now = time.time()
+        for old in watched:
+            current = self.catalog.get(old.name)  # a command may have changed it while we read
+            if current is None or current.target != old.target or current.state != "READY":
+                continue
+            e = current
+            if e.target == IDLE:
+                if backlog.get(e.name):
+                    self.wake(e.name)
+                continue
+            since = max(last.get(e.name, 0.0), self.awake_since.setdefault(e.name, now))
+            timeout = self.idle_timeout(e)
+            if not backlog.get(e.name) and now - since > timeout and not self.cold.get(e.name):
+                log.info("model %s: no request for %.0f s; unloading it (it stays registered)", e.name,
+                         now - since)
+                self.retire_at.pop(e.name, None)
+                keep = tuple(v for v in e.versions if v not in e.retiring)
+                self.catalog.put(replace(e, target=IDLE, workers=(), versions=keep, retiring=(),
+                                         revisions={v: r for v, r in e.revisions.items() if v in keep}))
+
+    # -- dead workers ------------------------------------------------------------------------------
+
+    async def _requeue_from(self, worker_id: str) -> None:
+        for e in list(self.catalog.entries.values()):
+            for v in e.versions:
+                for stream in e.streams(self.keys, v):
+                    try:
+                        await requeue(self.redis, stream, worker_id)
+                    except (RedisError, ConnectionError, OSError) as exc:
+                        log.warning("requeueing %s for dead worker %s failed: %s", stream, worker_id, exc)

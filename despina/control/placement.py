@@ -1,0 +1,99 @@
+"""Which workers load a model: instance_group kind and GPUs, memory, and spreading the load.
+
+Pure functions of the catalog and the workers' reported capacity, so each rule is testable alone.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ..contract.catalog import CatalogEntry
+from ..contract.cluster import WorkerInfo
+from ..contract.errors import ConfigError
+from .repository import parameter
+
+
+@dataclass(frozen=True)
+class Need:
+    gpus: int = 0              # GPUs a worker must have (KIND_GPU: the highest index named, plus one)
+    prefers_gpu: bool = False  # KIND_AUTO: a GPU when there is one
+    memory: int = 0            # bytes
+
+
+def need(entry: CatalogEntry) -> Need:
+    gpus, prefers = 0, False
+    for group in entry.config.get("instance_group") or [{}]:
+        kind = group.get("kind") or "KIND_AUTO"
+        if kind == "KIND_GPU":
+            gpus = max(gpus, max((int(g) for g in group.get("gpus") or ()), default=0) + 1)
+        elif kind == "KIND_AUTO":
+            prefers = True
+    return Need(gpus, prefers and gpus == 0, entry.footprint)
+
+
+def replicas(entry: CatalogEntry, default: int) -> int:
+    """How many workers should load the model: its `replicas` parameter, else the default; 0 = all."""
+    raw = parameter(entry.config, "replicas")
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"model '{entry.name}': parameter 'replicas' must be an integer") from None
+    if value < 0:
+        raise ConfigError(f"model '{entry.name}': parameter 'replicas' must be >= 0")
+    return value
+
+
+def committed(entries: Iterable[CatalogEntry]) -> dict[str, int]:
+    """Bytes each worker has been given, by the catalog's placement."""
+    used: dict[str, int] = {}
+    for e in entries:
+        if e.serving:
+            for w in e.workers:
+                used[w] = used.get(w, 0) + e.footprint
+    return used
+
+
+def eligible(n: Need, worker: WorkerInfo, used: int) -> str | None:
+    """Why `worker` cannot take a model with need `n`, or None when it can."""
+    if n.gpus > worker.gpus:
+        return f"worker {worker.id} has {worker.gpus} GPU(s), the model needs {n.gpus}"
+    if worker.memory_bytes and used + n.memory > worker.memory_bytes:
+        free = max(0, worker.memory_bytes - used)
+        return (f"worker {worker.id} has {free / 2**20:.0f} MiB free, the model needs "
+                f"{n.memory / 2**20:.0f} MiB")
+    return None
+
+
+def place(entry: CatalogEntry, workers: Mapping[str, WorkerInfo], used: Mapping[str, int], count: int,
+          exclude: Iterable[str] = ()) -> tuple[tuple[str, ...], str]:
+    """The model's placement: its live workers kept, more added up to `count` (0 = every eligible one).
+
+    Returns the workers and, when it falls short, why. Preferred: a GPU worker for KIND_AUTO, a CPU-only
+    worker otherwise (GPUs stay free for what needs them), then the fewest bytes committed.
+    """
+    n = need(entry)
+    kept = [w for w in entry.workers if w in workers]
+    excluded = set(exclude)
+    reasons = []
+    candidates = []
+    for wid, info in workers.items():
+        if wid in kept or wid in excluded:
+            continue
+        why = eligible(n, info, used.get(wid, 0))
+        if why:
+            reasons.append(why)
+            continue
+        gpu_mismatch = (info.gpus == 0) if (n.prefers_gpu or n.gpus) else (info.gpus > 0)
+        candidates.append((gpu_mismatch, used.get(wid, 0), wid))
+    candidates.sort()
+    wanted = len(kept) + len(candidates) if count == 0 else count
+    chosen = tuple(kept + [wid for _, _, wid in candidates][:max(0, wanted - len(kept))])
+    if len(chosen) >= max(wanted, 1):
+        return chosen, ""
+    if not workers:
+        return chosen, "no worker is running"
+    if excluded and not reasons and not candidates:
+        return chosen, f"it failed to load on worker(s) {', '.join(sorted(excluded))}"
+    return chosen, "; ".join(reasons) or f"{len(chosen)} of {wanted} workers available"

@@ -1,0 +1,104 @@
+"""The control plane's two views: the catalog it writes, and the workers it reads."""
+from __future__ import annotations
+
+import logging
+
+import redis.asyncio as aioredis
+
+from ..contract.catalog import CatalogEntry
+from ..contract.cluster import WorkerInfo, WorkerStatus
+from ..contract.keys import Keys
+
+log = logging.getLogger("despina.control")
+
+
+class Catalog:
+    """The desired state, kept in memory and mirrored to the catalog hash (one writer: this process)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis, self.keys = redis, keys
+        self.entries: dict[str, CatalogEntry] = {}
+        self._dirty: set[str] = set()
+        self._removed: set[str] = set()
+
+    async def load(self) -> None:
+        """Adopt what a previous control plane published: placement and targets survive a restart."""
+        raw = await self.redis.hgetall(self.keys.catalog)
+        self.entries = {k.decode(): CatalogEntry.loads(v) for k, v in raw.items()}
+
+    def get(self, name: str) -> CatalogEntry | None:
+        return self.entries.get(name)
+
+    def put(self, entry: CatalogEntry) -> None:
+        if self.entries.get(entry.name) != entry:
+            self.entries[entry.name] = entry
+            self._dirty.add(entry.name)
+            self._removed.discard(entry.name)
+
+    def remove(self, name: str) -> None:
+        if self.entries.pop(name, None) is not None:
+            self._removed.add(name)
+            self._dirty.discard(name)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self._dirty or self._removed)
+
+    async def flush(self) -> None:
+        """Write what changed in one transaction and announce it."""
+        if not self.changed:
+            return
+        dirty, removed = self._dirty, self._removed
+        self._dirty, self._removed = set(), set()
+        pipe = self.redis.pipeline(transaction=True)
+        if dirty:
+            pipe.hset(self.keys.catalog, mapping={n: self.entries[n].dumps() for n in dirty})
+        if removed:
+            pipe.hdel(self.keys.catalog, *removed)
+        pipe.publish(self.keys.events, b"catalog")
+        try:
+            await pipe.execute()
+        except BaseException:
+            self._dirty |= dirty
+            self._removed |= removed
+            raise
+
+
+class Workers:
+    """The live workers, as their heartbeats describe them."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis, self.keys = redis, keys
+        self.status: dict[str, WorkerStatus] = {}
+
+    @property
+    def infos(self) -> dict[str, WorkerInfo]:
+        return {wid: s.info for wid, s in self.status.items()}
+
+    async def refresh(self) -> list[str]:
+        """Read every worker's hash; returns the ids whose heartbeat key expired (now forgotten)."""
+        members = sorted(m.decode() for m in await self.redis.smembers(self.keys.workers))
+        pipe = self.redis.pipeline(transaction=False)
+        for wid in members:
+            pipe.hgetall(self.keys.worker(wid))
+        hashes = await pipe.execute() if members else []
+        status, dead = {}, []
+        for wid, h in zip(members, hashes):
+            if h:
+                status[wid] = WorkerStatus.from_hash(wid, h)
+            else:
+                dead.append(wid)
+        if dead:
+            await self.redis.srem(self.keys.workers, *dead)
+            for wid in dead:
+                log.warning("worker %s stopped sending heartbeats; removed", wid)
+        self.status = status
+        return dead
+
+    def ready_on(self, name: str, version: int, revision: str | None = None) -> list[str]:
+        return [wid for wid, s in self.status.items() if s.ready(name, version, revision)]
+
+    def hosting(self, name: str) -> list[str]:
+        """Workers that still report any version of the model (loaded, loading or unloading)."""
+        return [wid for wid, s in self.status.items()
+                if any(v.state != "UNAVAILABLE" for v in s.detail.get(name, {}).values())]

@@ -1,0 +1,35 @@
+"""A model's new files meet its old ones: which versions keep serving while the new ones load."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from ..contract.catalog import IDLE, LOADED, CatalogEntry
+
+
+def transition(old: CatalogEntry | None, new: CatalogEntry, target: str,
+               ready: Callable[[int], bool]) -> CatalogEntry:
+    """The entry to publish when the registry's model changes from `old` to `new`.
+
+    A new version loads beside the old ones; the old ones that serve now stay loaded (`retiring`) until
+    the new ones are READY, and keep serving if they fail. New files that cannot even be read leave a
+    serving model as it is, with the reason.
+    """
+    if new.state != "READY":
+        if old is not None and old.state == "READY" and old.target != IDLE:
+            return replace(old, reason=f"the repository's current files cannot be used: {new.reason}")
+        return replace(new, target=target)
+    if old is None or old.state != "READY" or old.target != LOADED or target != LOADED:
+        workers = old.workers if old is not None and target == LOADED else ()
+        return replace(new, target=target, workers=workers)
+    keep = tuple(v for v in old.versions if v not in new.versions and v not in old.failed and ready(v))
+    gone = {str(v) for v in keep}
+    files = {f[0]: f for f in new.files}
+    files.update({f[0]: f for f in old.files if f[0].split("/", 1)[0] in gone})  # what the old one runs
+    return replace(
+        new, target=LOADED, workers=old.workers, retiring=keep,
+        versions=tuple(sorted(set(new.versions) | set(keep))),
+        revisions={**{v: old.revisions[v] for v in keep if v in old.revisions}, **new.revisions},
+        failed={v: why for v, why in old.failed.items()
+                if v in new.revisions and new.revisions[v] == old.revisions.get(v)},
+        files=tuple(sorted(files.values())), footprint=max(new.footprint, old.footprint))

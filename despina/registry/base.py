@@ -1,0 +1,117 @@
+"""The model registry: a Triton model repository on local disk or in an object store.
+
+A registry lists models as file manifests (path, size, ETag) and turns a manifest into a local
+folder that a backend can load. The local registry is that folder; a remote one fetches the files
+into a cache keyed by content.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..contract.errors import NotFound
+
+Progress = Callable[[int], None]   # called with the bytes moved since the last call
+
+
+@dataclass(frozen=True, order=True)
+class FileInfo:
+    path: str          # relative to the model folder, '/'-separated
+    size: int
+    etag: str          # the object store's ETag; a local file's mtime and size
+
+    def pack(self) -> tuple[str, int, str]:
+        return (self.path, self.size, self.etag)
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Every file of one model folder in a registry."""
+
+    name: str
+    url: str                         # the model folder: a local path or s3://bucket/prefix/name
+    files: tuple[FileInfo, ...]
+    folders: tuple[str, ...] = ()    # top-level folders, empty ones too (where the store has folders)
+
+    @property
+    def versions(self) -> list[int]:
+        tops = {f.path.split("/", 1)[0] for f in self.files if "/" in f.path} | set(self.folders)
+        return sorted(int(t) for t in tops if t.isdigit() and int(t) > 0)
+
+    def of_versions(self, versions: Iterable[int]) -> tuple[FileInfo, ...]:
+        """The files a folder holding `versions` needs: theirs and those outside every version folder."""
+        wanted = {str(v) for v in versions}
+        out = []
+        for f in self.files:
+            top = f.path.split("/", 1)[0] if "/" in f.path else ""
+            if top in wanted or not (top.isdigit() and int(top) > 0):
+                out.append(f)
+        return tuple(out)
+
+    def size(self, versions: Iterable[int]) -> int:
+        return sum(f.size for f in self.of_versions(versions))
+
+    def revision(self, version: int, config: bytes) -> str:
+        """A digest of what one version loads from: its files, the shared files and the config."""
+        return digest([f.pack() for f in self.of_versions([version])], config)
+
+    def fingerprint(self) -> str:
+        return digest([f.pack() for f in self.files])
+
+
+def digest(items: Iterable[tuple[str, int, str]], extra: bytes = b"") -> str:
+    h = hashlib.sha256(extra)
+    for path, size, etag in sorted(items):
+        h.update(f"\0{path}\0{size}\0{etag}".encode())
+    return h.hexdigest()[:24]
+
+
+class Registry:
+    """A Triton model repository. Implementations: LocalRegistry, S3Registry."""
+
+    url: str
+    remote: bool = False
+
+    def names(self) -> list[str]:
+        """The model folders, without reading their files."""
+        raise NotImplementedError
+
+    def scan(self) -> dict[str, ModelFiles]:
+        """Every model folder with its files."""
+        raise NotImplementedError
+
+    def model(self, name: str) -> ModelFiles:
+        found = self.scan_one(name)
+        if found is None or not found.files:
+            raise NotFound(f"no model '{name}' in the repository {self.url}")
+        return found
+
+    def scan_one(self, name: str) -> ModelFiles | None:
+        raise NotImplementedError
+
+    def folder(self, model: ModelFiles, versions: Iterable[int]) -> Path:
+        """A local folder holding the model's files for `versions` (and its shared files)."""
+        raise NotImplementedError
+
+    def put(self, name: str, path: str, data: bytes) -> None:
+        """Write one file of a model (the load API's `file:` entries, its config)."""
+        raise NotImplementedError
+
+    def upload(self, name: str, path: str, source: Path, progress: Progress | None = None) -> FileInfo:
+        """Copy one local file into the model folder (`despina push`); returns what landed."""
+        raise NotImplementedError
+
+    def model_url(self, name: str) -> str:
+        return f"{self.url.rstrip('/')}/{name}"
+
+
+def check_relative(path: str) -> str:
+    """A path inside a model folder: nothing absolute, nothing that climbs out."""
+    parts = path.replace("\\", "/").split("/")
+    if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        from ..contract.errors import InvalidArgument
+
+        raise InvalidArgument(f"invalid file path '{path}' in a model folder")
+    return "/".join(parts)

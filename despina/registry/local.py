@@ -1,0 +1,75 @@
+"""A model repository on local disk: the folder itself is what backends load."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..contract.errors import ConfigError
+from .base import FileInfo, ModelFiles, Progress, Registry, check_relative
+
+
+class LocalRegistry(Registry):
+    remote = False
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser()
+        self.url = str(self.root.resolve())
+
+    def _check(self) -> None:
+        if not self.root.is_dir():
+            raise ConfigError(f"model repository {self.root} is not a folder")
+
+    def names(self) -> list[str]:
+        self._check()
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def scan(self) -> dict[str, ModelFiles]:
+        return {name: self._files(name) for name in self.names()}
+
+    def scan_one(self, name: str) -> ModelFiles | None:
+        self._check()
+        return self._files(name) if (self.root / name).is_dir() else None
+
+    def _files(self, name: str) -> ModelFiles:
+        folder = self.root / name
+        files = []
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+            for filename in filenames:
+                if filename.startswith("."):
+                    continue
+                path = Path(dirpath) / filename
+                try:
+                    st = path.stat()
+                except OSError:  # removed while we looked
+                    continue
+                rel = path.relative_to(folder).as_posix()
+                files.append(FileInfo(rel, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}"))
+        tops = tuple(sorted(p.name for p in folder.iterdir() if p.is_dir()))
+        return ModelFiles(name, str(folder.resolve()), tuple(sorted(files)), tops)
+
+    def folder(self, model: ModelFiles, versions: Iterable[int]) -> Path:
+        return Path(model.url)
+
+    def put(self, name: str, path: str, data: bytes) -> None:
+        target = self.root / name / check_relative(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".despina-")
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, target)  # a reader sees the old file or the new one, never half of one
+
+    def upload(self, name: str, path: str, source: Path, progress: Progress | None = None) -> FileInfo:
+        target = self.root / name / check_relative(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".despina-")
+        os.close(fd)
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+        if progress:
+            progress(source.stat().st_size)
+        st = target.stat()
+        return FileInfo(path, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")

@@ -1,0 +1,201 @@
+"""A model repository in an S3-compatible object store, through boto3.
+
+Credentials come from boto3's usual chain (environment, ~/.aws, instance roles); the endpoint from
+the settings, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (boto3 reads them), else AWS itself.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..contract.errors import DespinaError, InvalidArgument, NotFound, Unavailable
+from ..settings import Settings
+from .base import FileInfo, ModelFiles, Progress, Registry, check_relative
+from .cache import ArtifactCache
+
+MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """s3://bucket/prefix -> (bucket, prefix without slashes at either end)."""
+    if not url.startswith("s3://"):
+        raise InvalidArgument(f"not an S3 URL: {url}")
+    bucket, _, prefix = url[5:].partition("/")
+    if not bucket:
+        raise InvalidArgument(f"S3 URL without a bucket: {url}")
+    return bucket, prefix.strip("/")
+
+
+def client(settings: Settings) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    for name in ("botocore", "boto3", "s3transfer"):  # their INFO lines ("Found credentials ...") are noise
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    endpoint = settings.s3_endpoint_url or None
+    style = settings.s3_addressing_style
+    if style == "auto" and (endpoint or os.environ.get("AWS_ENDPOINT_URL_S3")
+                            or os.environ.get("AWS_ENDPOINT_URL")):
+        style = "path"  # S3-compatible stores (SeaweedFS, MinIO, Ceph) rarely have per-bucket DNS names
+    config = Config(s3={"addressing_style": style}, connect_timeout=3, read_timeout=60,
+                    retries={"max_attempts": 3, "mode": "standard"})
+    return boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=settings.s3_region or None,
+                                          config=config)
+
+
+def transfer_config(settings: Settings) -> Any:
+    from boto3.s3.transfer import TransferConfig
+
+    part = max(5, settings.s3_part_mb) * 1024 * 1024  # S3's smallest part is 5 MiB
+    return TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=4)
+
+
+def registry_error(url: str, exc: Exception) -> DespinaError:
+    """A boto3 failure as a domain error that says which registry and what went wrong."""
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectionError,
+        NoCredentialsError,
+        PartialCredentialsError,
+    )
+
+    if isinstance(exc, ClientError):
+        code = exc.response.get("Error", {}).get("Code", "")
+        message = exc.response.get("Error", {}).get("Message", "") or str(exc)
+        if code in ("NoSuchBucket", "NoSuchKey", "404"):
+            return NotFound(f"registry {url}: {code}: {message}")
+        return DespinaError(f"registry {url}: {code}: {message}")
+    if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+        return Unavailable(f"registry {url}: {exc} (boto3 reads AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                           "~/.aws/credentials, or an instance role)")
+    if isinstance(exc, ConnectionError):
+        return Unavailable(f"registry {url} is unreachable: {exc}")
+    if isinstance(exc, BotoCoreError):
+        return Unavailable(f"registry {url}: {exc}")
+    return Unavailable(f"registry {url}: {exc}")
+
+
+class S3Registry(Registry):
+    remote = True
+
+    def __init__(self, url: str, settings: Settings, cache: ArtifactCache | None = None) -> None:
+        self.bucket, self.prefix = parse_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        self.settings = settings
+        self.client = client(settings)
+        self.transfer = transfer_config(settings)
+        self._cache = cache
+
+    @property
+    def cache(self) -> ArtifactCache:
+        if self._cache is None:
+            self._cache = ArtifactCache(self.settings.cache_dir)
+        return self._cache
+
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def _objects(self, prefix: str) -> Iterator[dict[str, Any]]:
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            for page in pages:
+                yield from page.get("Contents", ())
+        except DespinaError:
+            raise
+        except Exception as exc:
+            raise registry_error(self.url, exc) from None
+
+    def names(self) -> list[str]:
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key("") + "/" if self.prefix else "", Delimiter="/")
+            found = [p["Prefix"].rstrip("/").rsplit("/", 1)[-1]
+                     for page in pages for p in page.get("CommonPrefixes", ())]
+        except Exception as exc:
+            raise registry_error(self.url, exc) from None
+        return sorted(n for n in found if n and not n.startswith("."))
+
+    def scan(self) -> dict[str, ModelFiles]:
+        root = self._key("") + "/" if self.prefix else ""
+        grouped: dict[str, list[FileInfo]] = {}
+        for obj in self._objects(root):
+            rel = obj["Key"][len(root):]
+            name, _, path = rel.partition("/")
+            if not path or path.endswith("/") or name.startswith("."):
+                continue  # a "folder" marker, or a file beside the model folders
+            grouped.setdefault(name, []).append(FileInfo(path, int(obj["Size"]), obj["ETag"].strip('"')))
+        return {n: ModelFiles(n, self.model_url(n), tuple(sorted(fs))) for n, fs in sorted(grouped.items())}
+
+    def scan_one(self, name: str) -> ModelFiles | None:
+        root = self._key(name) + "/"
+        files = [FileInfo(obj["Key"][len(root):], int(obj["Size"]), obj["ETag"].strip('"'))
+                 for obj in self._objects(root) if not obj["Key"].endswith("/")]
+        return ModelFiles(name, self.model_url(name), tuple(sorted(files))) if files else None
+
+    def folder(self, model: ModelFiles, versions: Iterable[int]) -> Path:
+        return self.fetch(model.name, model.of_versions(versions))
+
+    def fetch(self, name: str, files: Iterable[FileInfo]) -> Path:
+        """A local folder holding `files` of model `name`: from the cache, else downloaded into it."""
+        try:
+            return self.cache.folder(name, tuple(files), lambda f, dest: self._download(name, f, dest))
+        except DespinaError:
+            raise
+        except Exception as exc:
+            raise registry_error(self.url, exc) from None
+
+    def _download(self, name: str, f: FileInfo, dest: Path) -> None:
+        """One file, as the listing saw it: a file replaced since fails (IfMatch) instead of mixing two."""
+        key = self._key(name, f.path)
+        if f.size < self.transfer.multipart_threshold:
+            body = self.client.get_object(Bucket=self.bucket, Key=key, IfMatch=f'"{f.etag}"')["Body"]
+            with dest.open("wb") as out:
+                for chunk in body.iter_chunks(1024 * 1024):
+                    out.write(chunk)
+        else:  # ranged, parallel GETs; the ETag is checked once they are all in
+            self.client.download_file(self.bucket, key, str(dest), Config=self.transfer)
+            self.client.head_object(Bucket=self.bucket, Key=key, IfMatch=f'"{f.etag}"')
+        if MD5_ETAG.match(f.etag) and md5_file(dest) != f.etag:
+            raise OSError(f"{key}: the downloaded bytes do not match the ETag {f.etag}")
+
+    def put(self, name: str, path: str, data: bytes) -> None:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(name, check_relative(path)), Body=data)
+        except Exception as exc:
+            raise registry_error(self.url, exc) from None
+
+    def upload(self, name: str, path: str, source: Path, progress: Progress | None = None) -> FileInfo:
+        key = self._key(name, check_relative(path))
+        try:
+            self.client.upload_file(str(source), self.bucket, key, Config=self.transfer, Callback=progress)
+            head = self.client.head_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            raise registry_error(self.url, exc) from None
+        return FileInfo(path, int(head["ContentLength"]), head["ETag"].strip('"'))
+
+
+def md5_file(path: Path) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    with path.open("rb") as f:
+        while chunk := f.read(8 * 1024 * 1024):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def expected_etag(path: Path, part_size: int) -> str:
+    """The ETag S3 gives a file uploaded with parts of `part_size` (boto3 goes multipart from that size
+    on): its MD5, or the MD5 of the parts' MD5s followed by -N."""
+    if path.stat().st_size < part_size:
+        return md5_file(path)
+    parts = []
+    with path.open("rb") as f:
+        while chunk := f.read(part_size):
+            parts.append(hashlib.md5(chunk, usedforsecurity=False).digest())
+    return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"

@@ -1,0 +1,137 @@
+"""`despina push` and `despina ls`: put a model folder into a registry, list what a registry holds."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from ..contract.errors import ConfigError, InvalidArgument
+from ..contract.modelconfig import check_model_name, parse_text
+from ..settings import Settings
+from . import open_registry
+from .base import FileInfo
+
+SHARED_DIRS = ("warmup",)  # folders that stay beside the versions when a flat folder is pushed
+
+
+@dataclass(frozen=True)
+class Planned:
+    source: Path
+    path: str           # where it lands inside the model folder
+
+
+def plan(folder: Path, version: int | None) -> list[Planned]:
+    """What to upload, in order: version files first, config.pbtxt last (a poll never sees a config
+    whose version files are missing). A folder without version folders is one version: `version`, or 1.
+    """
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not _hidden(p.relative_to(folder)))
+    rel = [(p, p.relative_to(folder).as_posix()) for p in files]
+    versions = sorted({int(r.split("/", 1)[0]) for _, r in rel if "/" in r and r.split("/", 1)[0].isdigit()})
+    out: list[Planned] = []
+    for p, r in rel:
+        top = r.split("/", 1)[0] if "/" in r else ""
+        if versions:
+            if top.isdigit():
+                if version is None:
+                    out.append(Planned(p, r))
+                elif int(top) == versions[-1]:  # the newest version folder becomes `version`
+                    out.append(Planned(p, f"{version}/{r.split('/', 1)[1]}"))
+            else:
+                out.append(Planned(p, r))
+        elif r == "config.pbtxt" or top in SHARED_DIRS:
+            out.append(Planned(p, r))
+        else:
+            out.append(Planned(p, f"{version or 1}/{r}"))
+    if not any("/" in x.path and x.path.split("/", 1)[0].isdigit() for x in out):
+        raise InvalidArgument(f"{folder} holds no model files to push")
+    return sorted(out, key=lambda x: (x.path == "config.pbtxt", "/" not in x.path, x.path))
+
+
+def _hidden(rel: Path) -> bool:
+    return any(part.startswith(".") or part == "__pycache__" for part in rel.parts)
+
+
+class ProgressBar:
+    """Bytes moved out of a total, drawn on one line of stderr (plain lines when it is not a terminal)."""
+
+    def __init__(self, total: int, out: TextIO) -> None:
+        self.total, self.done, self.out = max(total, 1), 0, out
+        self.tty = out.isatty()
+        self.label = ""
+        self._drawn = 0.0
+
+    def start(self, label: str) -> None:
+        self.label = label
+        if not self.tty:
+            print(f"  uploading {label}", file=self.out)
+
+    def __call__(self, moved: int) -> None:
+        self.done += moved
+        now = time.monotonic()
+        if self.tty and (now - self._drawn > 0.1 or self.done >= self.total):
+            self._drawn = now
+            share = min(1.0, self.done / self.total)
+            bar = "#" * int(share * 30)
+            print(f"\r[{bar:<30}] {share:4.0%} {self.done / 1e6:8.1f}/{self.total / 1e6:.1f} MB "
+                  f"{self.label[-40:]:<40}", end="", file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=self.out)
+
+
+def push(folder: str | Path, url: str, settings: Settings, version: int | None = None,
+         name: str | None = None, out: TextIO = sys.stderr) -> list[FileInfo]:
+    """Upload one model folder to the registry at `url`, then check what landed (sizes and ETags)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InvalidArgument(f"{folder} is not a folder")
+    name = check_model_name(name or folder.resolve().name)
+    config = folder / "config.pbtxt"
+    if config.exists():
+        parsed = parse_text(name, config.read_text())  # a typo fails here, not on every worker
+        if parsed.name and parsed.name != name:
+            raise ConfigError(f"model '{name}': field 'name' is '{parsed.name}', the folder is '{name}'")
+    planned = plan(folder, version)
+    registry = open_registry(url, settings)
+    bar = ProgressBar(sum(p.source.stat().st_size for p in planned), out)
+    landed = []
+    for item in planned:
+        bar.start(item.path)
+        landed.append(registry.upload(name, item.path, item.source, bar))
+    bar.close()
+    verify(planned, landed, registry.remote, settings)
+    versions = sorted({int(x.path.split("/", 1)[0]) for x in planned if x.path.split("/", 1)[0].isdigit()})
+    print(f"pushed {name} version {', '.join(map(str, versions))} to {registry.model_url(name)}: "
+          f"{len(landed)} files, {sum(f.size for f in landed) / 1e6:.1f} MB, verified", file=out)
+    return landed
+
+
+def verify(planned: list[Planned], landed: list[FileInfo], remote: bool, settings: Settings) -> None:
+    from .s3 import MD5_ETAG, expected_etag
+
+    part = max(5, settings.s3_part_mb) * 1024 * 1024
+    for item, got in zip(planned, landed):
+        size = item.source.stat().st_size
+        if got.size != size:
+            raise ConfigError(f"{item.path}: {got.size} bytes landed, {size} were sent")
+        looks_md5 = MD5_ETAG.match(got.etag.split("-", 1)[0]) is not None
+        if remote and looks_md5 and got.etag != expected_etag(item.source, part):
+            raise ConfigError(f"{item.path}: the stored ETag {got.etag} does not match the file sent")
+
+
+def listing(url: str, settings: Settings, out: TextIO = sys.stdout) -> int:
+    """Print the registry's models: versions, files and size. Returns the number of models."""
+    models = open_registry(url, settings).scan()
+    if not models:
+        print(f"no models in {url}", file=out)
+        return 0
+    width = max(len(n) for n in models)
+    for name, m in models.items():
+        versions = ",".join(map(str, m.versions)) or "-"
+        config = "" if any(f.path == "config.pbtxt" for f in m.files) else "  (no config.pbtxt)"
+        print(f"{name:<{width}}  versions {versions:<12} {len(m.files):>4} files "
+              f"{sum(f.size for f in m.files) / 1e6:>10.1f} MB{config}", file=out)
+    return len(models)

@@ -1,0 +1,54 @@
+"""What nobody would answer, against a real Redis: a dead consumer's pending entries, an unloaded
+model's queue."""
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from despina.contract import records
+from despina.contract.errors import Code
+from despina.contract.keys import FIELD, GROUP, Keys
+from despina.contract.records import InferRequest
+from despina.control.backlog import refuse, requeue
+
+
+def request(rid: str, reply_to: str) -> bytes:
+    return records.encode([InferRequest(rid, reply_to, time.time() + 60, ())])
+
+
+async def test_a_dead_consumers_entries_go_back_on_the_stream(redis_url: str, key_prefix: str) -> None:
+    redis = aioredis.Redis.from_url(redis_url)
+    stream = Keys(key_prefix).request_stream("m", 1)
+    try:
+        await redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        for i in range(3):
+            await redis.xadd(stream, {FIELD: request(str(i), "r")})
+        read = await redis.xreadgroup(GROUP, "dead", {stream: ">"}, count=2)
+        assert len(read[0][1]) == 2
+        assert await requeue(redis, stream, "dead") == 2
+        assert (await redis.xpending(stream, GROUP))["pending"] == 0
+        again = await redis.xreadgroup(GROUP, "alive", {stream: ">"}, count=10)
+        ids = [records.decode_requests(f[FIELD])[0].id for _, f in again[0][1]]
+        assert sorted(ids) == ["0", "1", "2"]              # the unread one, then the two requeued
+        assert await requeue(redis, stream, "nobody") == 0
+        assert await requeue(redis, Keys(key_prefix).request_stream("none", 1), "dead") == 0
+    finally:
+        await redis.aclose()
+
+
+async def test_an_unloaded_models_queue_is_answered(redis_url: str, key_prefix: str) -> None:
+    redis = aioredis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    stream, reply = keys.request_stream("m", 1), keys.reply_stream("gw")
+    try:
+        await redis.xadd(stream, {FIELD: records.encode([InferRequest("a", reply, time.time() + 60, ()),
+                                                         InferRequest("b", reply, time.time() + 60, ())])})
+        assert await refuse(redis, stream, "model 'm' was unloaded") == 2
+        assert await redis.xlen(stream) == 0
+        (_, fields), = (await redis.xrange(reply))
+        answers = records.decode_replies(fields[FIELD])
+        assert [(a.id, a.error) for a in answers] == [("a", (Code.UNAVAILABLE, "model 'm' was unloaded")),
+                                                      ("b", (Code.UNAVAILABLE, "model 'm' was unloaded"))]
+    finally:
+        await redis.aclose()

@@ -1,0 +1,95 @@
+"""Placement and version switches as pure functions: no Redis, no workers."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from despina.contract.catalog import IDLE, LOADED, CatalogEntry
+from despina.contract.cluster import VersionStatus, WorkerInfo, WorkerStatus
+from despina.contract.errors import ConfigError
+from despina.control.placement import committed, need, place, replicas
+from despina.control.versions import transition
+
+MB = 1024 * 1024
+
+
+def entry(name: str = "m", groups: list[dict] | None = None, footprint: int = 10 * MB,
+          params: dict[str, str] | None = None, **kw: object) -> CatalogEntry:
+    config = {"name": name, "instance_group": groups or [{"kind": "KIND_CPU", "count": 1}],
+              "parameters": {k: {"string_value": v} for k, v in (params or {}).items()}}
+    return CatalogEntry(name, f"/repo/{name}", config, (1,), revisions={1: "r1"}, footprint=footprint,
+                        **kw)  # type: ignore[arg-type]
+
+
+def workers(*specs: tuple[str, int, int]) -> dict[str, WorkerInfo]:
+    return {wid: WorkerInfo(wid, gpus=gpus, memory_bytes=mem * MB) for wid, gpus, mem in specs}
+
+
+def test_kinds_and_gpus_decide_what_a_worker_needs() -> None:
+    assert need(entry(groups=[{"kind": "KIND_CPU"}])).gpus == 0
+    assert need(entry(groups=[{"kind": "KIND_GPU", "gpus": [0, 2]}])).gpus == 3
+    assert need(entry(groups=[{"kind": "KIND_GPU"}])).gpus == 1
+    auto = need(entry(groups=[{"kind": "KIND_AUTO"}]))
+    assert auto.gpus == 0 and auto.prefers_gpu
+
+
+def test_gpu_models_go_to_gpu_workers_and_cpu_models_keep_them_free() -> None:
+    pool = workers(("cpu", 0, 1000), ("gpu", 1, 1000))
+    assert place(entry(groups=[{"kind": "KIND_GPU"}]), pool, {}, 1)[0] == ("gpu",)
+    assert place(entry(groups=[{"kind": "KIND_AUTO"}]), pool, {}, 1)[0] == ("gpu",)
+    assert place(entry(groups=[{"kind": "KIND_CPU"}]), pool, {}, 1)[0] == ("cpu",)
+    chosen, why = place(entry(groups=[{"kind": "KIND_GPU", "gpus": [1]}]), pool, {}, 1)
+    assert chosen == () and "has 1 GPU(s), the model needs 2" in why
+
+
+def test_memory_is_honoured_and_load_spread() -> None:
+    pool = workers(("a", 0, 100), ("b", 0, 100))
+    assert place(entry(footprint=60 * MB), pool, {"a": 50 * MB}, 1)[0] == ("b",)
+    chosen, why = place(entry(footprint=60 * MB), pool, {"a": 50 * MB, "b": 50 * MB}, 1)
+    assert chosen == () and "50 MiB free, the model needs 60 MiB" in why
+    assert place(entry(), pool, {"a": 5 * MB}, 1)[0] == ("b",)
+    assert place(entry(), pool, {}, 0)[0] == ("a", "b")                   # 0: every eligible worker
+
+
+def test_placement_keeps_live_workers_and_replaces_dead_ones() -> None:
+    pool = workers(("a", 0, 100), ("b", 0, 100), ("c", 0, 100))
+    assert place(entry(workers=("b",)), pool, {}, 1)[0] == ("b",)
+    assert place(entry(workers=("dead", "b")), pool, {}, 2)[0] == ("b", "a")
+    chosen, why = place(entry(), pool, {}, 1, exclude=("a", "b", "c"))
+    assert chosen == () and "failed to load on worker(s) a, b, c" in why
+    assert place(entry(), {}, {}, 1)[1] == "no worker is running"
+
+
+def test_replicas_and_committed_memory() -> None:
+    assert replicas(entry(), 1) == 1 and replicas(entry(params={"replicas": "3"}), 1) == 3
+    with pytest.raises(ConfigError, match="'replicas' must be an integer"):
+        replicas(entry(params={"replicas": "many"}), 1)
+    placed = [entry("x", workers=("a",)), entry("y", workers=("a", "b")), entry("z", workers=("b",),
+                                                                               target=IDLE)]
+    assert committed(placed) == {"a": 20 * MB, "b": 10 * MB}
+
+
+def test_a_new_version_loads_beside_the_one_serving() -> None:
+    old = entry(workers=("a",))
+    new = replace(entry(), versions=(2,), revisions={2: "r2"})
+    switched = transition(old, new, LOADED, ready=lambda v: v == 1)
+    assert switched.versions == (1, 2) and switched.retiring == (1,)
+    assert switched.revisions == {1: "r1", 2: "r2"} and switched.workers == ("a",)
+    assert transition(old, new, LOADED, ready=lambda v: False).retiring == ()   # nothing served: no wait
+
+
+def test_new_files_that_cannot_be_read_leave_the_model_serving() -> None:
+    old = entry(workers=("a",))
+    broken = CatalogEntry("m", "/repo/m", {}, (), state="UNAVAILABLE", reason="bad config")
+    kept = transition(old, broken, LOADED, ready=lambda v: True)
+    assert kept.state == "READY" and kept.versions == (1,) and "bad config" in kept.reason
+    assert transition(None, broken, LOADED, ready=lambda v: False).state == "UNAVAILABLE"
+
+
+def test_worker_status_reads_revisions() -> None:
+    versions = {1: VersionStatus("READY", "r1", loading="r2"),
+                2: VersionStatus("UNAVAILABLE", error="boom", failed="r9")}
+    status = WorkerStatus(WorkerInfo("w"), {"m": versions})
+    assert status.ready("m", 1) and status.ready("m", 1, "r1") and not status.ready("m", 1, "r2")
+    assert status.failed("m", 2, "r9") == "boom" and status.failed("m", 2, "r8") is None

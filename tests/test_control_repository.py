@@ -1,0 +1,140 @@
+"""Triton's repository API through tritonclient, unchanged: explicit mode, versions, uploads, refusals."""
+from __future__ import annotations
+
+import base64
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from despina.examples import build_add_sub
+
+from .conftest import Server
+from .control_support import ROW, expected, index, infer, mlp_folder, wait_until
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    mlp_folder(root, "mlp", {1: 0, 2: 1}, extra="version_policy { all { } }")
+    (root / "add_sub" / "1").mkdir(parents=True)
+    build_add_sub(root / "add_sub" / "1" / "model.onnx")
+    return root
+
+
+def test_explicit_mode_load_unload_and_index(serve: Callable[..., Server], repo: Path) -> None:
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "add_sub",
+                   wait_models=("add_sub",))
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        assert client.is_model_ready("add_sub") and not client.is_model_ready("mlp")
+        assert {r["name"]: r for r in client.get_model_repository_index()}["mlp"] == {"name": "mlp"}
+
+        client.load_model("mlp")
+        assert client.is_model_ready("mlp") and client.is_model_ready("mlp", "1")
+        rows = [(r["name"], r.get("version"), r.get("state")) for r in client.get_model_repository_index()]
+        assert ("mlp", "1", "READY") in rows and ("mlp", "2", "READY") in rows
+        assert [r["name"] for r in index(server.url, ready=True)] == ["add_sub", "mlp", "mlp"]
+
+        # several versions serve; the default is the highest READY one
+        for version, seed in ((1, 0), (2, 1)):
+            r = infer(server.url, version=version)
+            assert r.status_code == 200 and r.json()["model_version"] == str(version)
+            assert np.allclose(r.json()["outputs"][0]["data"], expected(seed), atol=1e-4)
+        assert infer(server.url).json()["model_version"] == "2"
+
+        client.unload_model("mlp")
+        assert not client.is_model_ready("mlp")
+        rows = {(r["name"], r.get("version")): r for r in client.get_model_repository_index()}
+        assert rows[("mlp", "2")]["state"] == "UNAVAILABLE" and rows[("mlp", "2")]["reason"] == "unloaded"
+        r = infer(server.url)
+        assert r.status_code == 400 and "not loaded" in r.json()["error"]
+
+        # a config override (Triton's `config` parameter): only version 1 this time
+        override = {"name": "mlp", "backend": "onnxruntime", "max_batch_size": 4,
+                    "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [256]}],
+                    "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [10]}],
+                    "version_policy": {"specific": {"versions": [1]}}}
+        client.load_model("mlp", config=orjson.dumps(override).decode())
+        assert client.get_model_config("mlp")["max_batch_size"] == 4
+        assert infer(server.url).json()["model_version"] == "1"
+
+        # one broken version of three: the load says so, the others serve
+        (repo / "mlp" / "3").mkdir()
+        (repo / "mlp" / "3" / "model.onnx").write_bytes(b"not onnx")
+        with pytest.raises(InferenceServerException, match="failed to load 'mlp' version 3"):
+            client.load_model("mlp")
+        assert client.is_model_ready("mlp", "2") and not client.is_model_ready("mlp", "3")
+        assert infer(server.url).json()["model_version"] == "2"
+        row = next(r for r in client.get_model_repository_index() if r.get("version") == "3")
+        assert row["state"] == "UNAVAILABLE" and "model.onnx" in row["reason"]
+
+        with pytest.raises(InferenceServerException, match="no model 'nope'"):
+            client.load_model("nope")
+        with pytest.raises(InferenceServerException, match="no such model"):
+            client.unload_model("nope")
+    finally:
+        client.close()
+
+
+def test_load_can_carry_the_model_files(serve: Callable[..., Server], repo: Path) -> None:
+    # tritonclient.http's load_model(files=...) cannot send them (it puts bytes into json.dumps), so
+    # the request is made as Triton documents it: base64 contents under "file:<version>/<name>"
+    server = serve(repo, "--model-control-mode", "explicit")
+    config = {"name": "uploaded", "backend": "onnxruntime", "max_batch_size": 8}
+    onnx = (repo / "mlp" / "1" / "model.onnx").read_bytes()
+    body = {"parameters": {"config": orjson.dumps(config).decode(),
+                           "file:1/model.onnx": base64.b64encode(onnx).decode()}}
+    r = httpx.post(f"{server.url}/v2/repository/models/uploaded/load", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert (repo / "uploaded" / "1" / "model.onnx").read_bytes() == onnx   # written to the registry
+    assert "max_batch_size: 8" in (repo / "uploaded" / "config.pbtxt").read_text()
+    r = infer(server.url, "uploaded")
+    assert r.status_code == 200 and np.allclose(r.json()["outputs"][0]["data"], expected(0), atol=1e-4)
+
+    r = httpx.post(f"{server.url}/v2/repository/models/other/load",
+                   json={"parameters": {"file:1/model.onnx": "AAAA"}}, timeout=30)
+    assert r.status_code == 400 and "need 'config'" in r.json()["error"]
+    bad = {"parameters": {"config": '{"name": "uploaded", "backend": "onnxruntime", "max_batch_size": -1}'}}
+    r = httpx.post(f"{server.url}/v2/repository/models/uploaded/load", json=bad, timeout=30)
+    assert r.status_code == 400 and "max_batch_size" in r.json()["error"]
+    assert infer(server.url, "uploaded").status_code == 200   # a failed reload leaves it serving
+
+
+def test_load_and_unload_are_refused_outside_explicit_mode(serve: Callable[..., Server], repo: Path) -> None:
+    server = serve(repo, wait_models=("mlp",))  # mode none: everything loaded at start
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        for call in (client.load_model, client.unload_model):
+            with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed"):
+                call("mlp")
+        assert client.is_model_ready("mlp")
+        assert "model_repository" in client.get_server_metadata()["extensions"]
+        r = httpx.post(f"{server.url}/v2/repository/index", content=b'{"ready": 3}')
+        assert r.status_code == 400
+    finally:
+        client.close()
+    r = httpx.post(f"{server.url}/fn/mlp", json=ROW)
+    assert r.status_code == 200
+
+
+def test_poll_on_a_local_folder(serve: Callable[..., Server], repo: Path) -> None:
+    (repo / "mlp" / "2").rename(repo / "spare")      # start with version 1 only
+    server = serve(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2",
+                   wait_models=("mlp", "add_sub"))
+    def ready_versions() -> list[str]:
+        return [r["version"] for r in index(server.url, ready=True) if r["name"] == "mlp"]
+
+    assert ready_versions() == ["1"]
+    (repo / "spare").rename(repo / "mlp" / "2")      # a new version appears
+    wait_until(lambda: ready_versions() == ["1", "2"], 20, what="version 2 to load")
+    assert infer(server.url).json()["model_version"] == "2"
+    shutil.rmtree(repo / "add_sub")                  # a model leaves the repository
+    wait_until(lambda: all(r["name"] != "add_sub" for r in index(server.url)), 20, what="add_sub to go")
+    assert httpx.get(f"{server.url}/v2/models/add_sub").status_code == 404

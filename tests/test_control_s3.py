@@ -1,0 +1,138 @@
+"""Serving from S3 (SeaweedFS) in poll mode: new versions switch in without a failed request, a broken
+version leaves the old one serving, reloads come from the cache, and a dead store harms nothing loaded."""
+from __future__ import annotations
+
+import io
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from despina.registry.transfer import push
+
+from .conftest import Server
+from .control_support import expected, index, infer, mlp_folder, wait_until, worker_hashes
+from .seaweed import Weed, start_weed
+
+
+class Load:
+    """Light traffic in a thread: one request every few milliseconds, every answer kept."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.answers: list[tuple[int, str, list[float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                r = infer(self.url, client=client)
+                doc = r.json()
+                self.answers.append((r.status_code, doc.get("model_version", doc.get("error", "")),
+                                     doc["outputs"][0]["data"] if r.status_code == 200 else []))
+                time.sleep(0.01)
+
+    def versions(self) -> set[str]:
+        return {v for _, v, _ in self.answers[-5:]}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_poll_switches_versions_without_a_failed_request(
+        serve: Callable[..., Server], s3_env: Weed, tmp_path: Path) -> None:
+    s3_store = s3_env
+    url = s3_store.url()
+    settings = s3_store.settings()
+    push(mlp_folder(tmp_path / "v1"), url, settings, out=io.StringIO())
+    server = serve(url, "--model-control-mode", "poll", "--repository-poll-secs", "0.3", wait_models=("mlp",),
+                   env={**s3_store.env, "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    load = Load(server.url)
+    try:
+        wait_until(lambda: len(load.answers) > 10, what="traffic")
+        push(mlp_folder(tmp_path / "v2", versions={1: 1}), url, settings, version=2, out=io.StringIO())
+        wait_until(lambda: load.versions() == {"2"}, 30, what="version 2 to serve")
+        wait_until(lambda: "1" not in {r.get("version") for r in index(server.url) if r["name"] == "mlp"}, 10,
+                   what="version 1 to be unloaded")
+
+        broken = tmp_path / "v3" / "mlp"
+        mlp_folder(tmp_path / "v3")
+        (broken / "1" / "model.onnx").write_bytes(b"not an onnx file")
+        push(broken, url, settings, version=3, out=io.StringIO())
+        rows = wait_until(lambda: [r for r in index(server.url) if r.get("version") == "3"
+                                   and r.get("state") == "UNAVAILABLE"], 30, what="version 3 to fail")
+        assert "failed" in rows[0]["reason"] or "onnx" in rows[0]["reason"].lower(), rows
+        ready = [r for r in index(server.url, ready=True) if r["name"] == "mlp"]
+        assert [r["version"] for r in ready] == ["2"]
+        count = len(load.answers)
+        wait_until(lambda: len(load.answers) > count + 10, what="more traffic")
+    finally:
+        load.stop()
+    statuses = [s for s, _, _ in load.answers]
+    assert statuses == [200] * len(statuses), {s: v for s, v, _ in load.answers if s != 200}
+    seen = [v for _, v, _ in load.answers]
+    assert seen[0] == "1" and seen[-1] == "2" and "3" not in seen
+    first = seen.index("2")
+    assert all(v == "2" for v in seen[first:])  # once the new version serves, the old is never used again
+    for _, version, data in (load.answers[0], load.answers[-1]):
+        assert np.allclose(data, expected(0 if version == "1" else 1), atol=1e-4)
+    assert "version 3 failed to load" in server.logs()
+
+
+def test_reloads_come_from_the_cache_and_a_dead_store_harms_nothing_loaded(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    weed = start_weed(tmp_path / "own-s3")   # this test kills it
+    for key, value in weed.env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        url = weed.url()
+        push(mlp_folder(tmp_path / "src", extra='parameters { key: "idle_timeout_s" value: { string_value: '
+                                                  '"1" } }'), url, weed.settings(), out=io.StringIO())
+        cache = tmp_path / "cache"
+        server = serve(url, "--model-control-mode", "poll", "--repository-poll-secs", "0.3",
+                       wait_models=("mlp",), env={**weed.env, "DESPINA_CACHE_DIR": str(cache)})
+        blobs = sorted(p.name for p in (cache / "blobs").glob("*/*"))
+        assert len(blobs) == 2                    # config.pbtxt and model.onnx, fetched once for all
+        assert infer(server.url).status_code == 200
+
+        def downloads() -> int:
+            return sum(orjson.loads(h.get(b"cache", b"{}")).get("downloads", 0)
+                       for h in worker_hashes(redis_url, key_prefix).values())
+
+        before = downloads()
+        wait_until(lambda: any(r.get("reason", "").startswith("idle") for r in index(server.url)), 15,
+                   what="mlp to idle out")
+        assert infer(server.url).status_code == 200   # a cold start: the files come from the cache
+        assert downloads() == before and sorted(p.name for p in (cache / "blobs").glob("*/*")) == blobs
+
+        weed.stop(signal.SIGKILL)
+        wait_until(lambda: "is unreachable" in server.logs(), 15, what="a failed poll in the logs")
+        row = wait_until(lambda: next((r for r in index(server.url) if r["name"] == "mlp"
+                                       and "cannot be read" in r.get("reason", "")), None), 15,
+                         what="the index to tell")
+        assert "unreachable" in row["reason"]
+        r = infer(server.url)
+        assert r.status_code == 200, r.text
+    finally:
+        weed.stop()
+
+
+def test_loading_from_a_dead_store_fails_clearly(serve: Callable[..., Server], tmp_path: Path) -> None:
+    from despina.embedded import free_port
+
+    server = serve("s3://models/nowhere", "--model-control-mode", "explicit",
+                   env={"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "x",
+                        "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
+                        "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
+    assert r.status_code == 503 and "unreachable" in r.json()["error"]

@@ -1,0 +1,104 @@
+"""The S3 registry against a real SeaweedFS: push (multipart, verified), ls, the content-keyed cache."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from despina.contract.errors import DespinaError, Unavailable
+from despina.registry import ArtifactCache, open_registry
+from despina.registry.s3 import S3Registry, expected_etag
+from despina.registry.transfer import listing, plan, push
+
+from .control_support import mlp_folder
+from .seaweed import Weed
+
+
+def test_push_then_ls_with_the_cli(s3_env: Weed, tmp_path: Path) -> None:
+    folder = mlp_folder(tmp_path / "src")
+    url = s3_env.url()
+    env = {**os.environ, **s3_env.env}
+    r = subprocess.run([sys.executable, "-m", "despina", "push", str(folder), url], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"pushed mlp version 1 to {url}/mlp" in r.stderr and "verified" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "despina", "push", str(folder / "1"), url, "--name", "mlp",
+                        "--version", "3"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr  # a bare folder of model files becomes version 3
+    r = subprocess.run([sys.executable, "-m", "despina", "ls", url], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[:3] == ["mlp", "versions", "1,3"]
+
+
+def test_push_goes_multipart_and_verifies_the_etags(s3_env: Weed, tmp_path: Path) -> None:
+    folder = mlp_folder(tmp_path / "src")
+    (folder / "1" / "weights.bin").write_bytes(os.urandom(11 * 1024 * 1024))
+    settings = s3_env.settings(s3_part_mb=5)
+    out = io.StringIO()
+    landed = {f.path: f for f in push(folder, s3_env.url(), settings, version=2, out=out)}
+    assert set(landed) == {"config.pbtxt", "2/model.onnx", "2/weights.bin"}
+    assert landed["2/weights.bin"].etag.endswith("-3")  # three parts of 5 MiB, 5 MiB, 1 MiB
+    assert landed["2/weights.bin"].etag == expected_etag(folder / "1" / "weights.bin", 5 * 1024 * 1024)
+    assert "verified" in out.getvalue()
+
+
+def test_push_order_puts_the_config_last(tmp_path: Path) -> None:
+    folder = mlp_folder(tmp_path, versions={1: 0, 2: 1})
+    (folder / "warmup").mkdir()
+    (folder / "warmup" / "x.bin").write_bytes(b"\0")
+    assert [p.path for p in plan(folder, None)] == ["1/model.onnx", "2/model.onnx", "warmup/x.bin",
+                                                    "config.pbtxt"]
+    assert [p.path for p in plan(folder, 7)] == ["7/model.onnx", "warmup/x.bin", "config.pbtxt"]
+
+
+def test_the_cache_downloads_each_file_once(s3_env: Weed, tmp_path: Path) -> None:
+    url = s3_env.url()
+    push(mlp_folder(tmp_path / "src"), url, s3_env.settings(), out=io.StringIO())
+    cache = ArtifactCache(tmp_path / "cache")
+    registry = S3Registry(url, s3_env.settings(), cache)
+    model = registry.model("mlp")
+    first = registry.folder(model, [1])
+    assert (first / "1" / "model.onnx").stat().st_size > 1_000_000
+    assert cache.stats.downloads == 2
+    assert registry.folder(registry.model("mlp"), [1]) == first           # a reload: nothing to fetch
+    assert cache.stats.downloads == 2
+    again = ArtifactCache(tmp_path / "cache")                               # another process, same disk
+    assert S3Registry(url, s3_env.settings(), again).folder(model, [1]) == first
+    assert again.stats.downloads == 0
+    push(mlp_folder(tmp_path / "v2", versions={1: 5}), url, s3_env.settings(), version=2, out=io.StringIO())
+    registry.folder(registry.model("mlp"), [2])
+    assert cache.stats.downloads == 3                                       # only the new model.onnx
+
+
+def test_a_file_changed_after_the_listing_is_never_half_loaded(s3_env: Weed, tmp_path: Path) -> None:
+    url = s3_env.url()
+    push(mlp_folder(tmp_path / "src"), url, s3_env.settings(), out=io.StringIO())
+    cache = ArtifactCache(tmp_path / "cache")
+    registry = S3Registry(url, s3_env.settings(), cache)
+    stale = registry.model("mlp")
+    bucket, key = url[5:].split("/", 1)
+    s3_env.client().put_object(Bucket=bucket, Key=f"{key}/mlp/1/model.onnx", Body=b"replaced")
+    with pytest.raises(DespinaError):
+        registry.folder(stale, [1])
+    assert not any((cache.models / "mlp").glob("*")) if (cache.models / "mlp").exists() else True
+    assert not any(cache.tmp.iterdir())
+    assert (registry.folder(registry.model("mlp"), [1]) / "1" / "model.onnx").read_bytes() == b"replaced"
+
+
+def test_an_unreachable_store_is_a_clear_error(tmp_path: Path, s3_env: Weed) -> None:
+    from despina.embedded import free_port
+
+    settings = s3_env.settings(s3_endpoint_url=f"http://127.0.0.1:{free_port()}")
+    registry = open_registry("s3://models/nowhere", settings, ArtifactCache(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="s3://models/nowhere is unreachable"):
+        registry.scan()
+    assert time.monotonic() - started < 15
+    out = io.StringIO()
+    assert listing(s3_env.url(), s3_env.settings(), out) == 0 and "no models" in out.getvalue()
