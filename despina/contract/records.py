@@ -15,6 +15,10 @@ import numpy as np
 from .datatypes import to_numpy
 from .errors import Code, InvalidArgument
 
+# What unpacking a record of the wrong shape can raise: wrong types or lengths, a map where a list
+# belongs (KeyError), a float infinity where an integer belongs (OverflowError).
+MALFORMED = (TypeError, ValueError, KeyError, IndexError, OverflowError)
+
 
 @dataclass(frozen=True, slots=True)
 class Tensor:
@@ -63,7 +67,7 @@ class InferRequest:
             return cls(str(rid), str(reply_to), float(deadline), tuple(Tensor.unpack(t) for t in inputs),
                        tuple(str(o) for o in outputs), int(priority), int(timeout_us), float(enqueued),
                        str(trace))
-        except (TypeError, ValueError) as exc:
+        except MALFORMED as exc:
             raise InvalidArgument(f"malformed request record: {exc}") from None
 
 
@@ -88,7 +92,7 @@ class InferReply:
             error = (Code(err[0]), str(err[1])) if err else None
             return cls(str(rid), tuple(Tensor.unpack(t) for t in outputs), error, int(queue_us),
                        int(compute_us))
-        except (TypeError, ValueError) as exc:
+        except MALFORMED as exc:
             raise InvalidArgument(f"malformed reply record: {exc}") from None
 
 

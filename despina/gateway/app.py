@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -18,15 +20,19 @@ from ..contract.keys import Keys
 from ..contract.records import InferReply, Tensor
 from ..redis_client import connect
 from ..settings import Settings
+from .auth import AuthPolicy, Guard
 from .dispatch import Dispatcher
 from .http import error_parts
 from .infer import FunctionEndpoint, InferEndpoint, call_model
 from .models import ModelView
+from .openapi import document
+from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
+from .repository import repository_routes
 from .stats import model_statistics
 
 log = logging.getLogger("despina.gateway")
 
-EXTENSIONS = ["binary_tensor_data", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "statistics", *REPOSITORY_EXTENSIONS]
 
 
 class Gateway:
@@ -51,7 +57,7 @@ class Gateway:
 
     async def infer(self, model: str, version: int, inputs: list[Tensor], outputs: tuple[str, ...],
                     trace: bytes | None) -> InferReply:
-        return await call_model(self, model, version, inputs, outputs, trace)
+        return await call_model(self, self.view.get(model).spec, version, inputs, outputs, trace)
 
 
 def json_response(doc: Any, status: int = 200) -> Response:
@@ -63,8 +69,23 @@ def error_response(exc: DespinaError) -> Response:
     return Response(body, status, {k.decode(): v.decode() for k, v in extra}, media_type="application/json")
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Unknown paths and methods answer in the API's error format too."""
+    assert isinstance(exc, HTTPException)
+    words = {404: "no such path", 405: f"method {request.method} not allowed on this path"}
+    return Response(orjson.dumps({"error": words.get(exc.status_code, exc.detail)}), exc.status_code,
+                    exc.headers, media_type="application/json")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # Starlette re-raises after answering, so the traceback still reaches the log
+    return json_response({"error": "internal error (the gateway's log has the details)"}, 500)
+
+
 def create_app(settings: Settings) -> Starlette:
+    policy = AuthPolicy.from_settings(settings)  # a bad key file stops the gateway here, before it listens
     gw = Gateway(settings)
+    openapi = orjson.dumps(document(__version__))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -80,9 +101,11 @@ def create_app(settings: Settings) -> Starlette:
 
     async def ready(request: Request) -> Response:
         view = gw.view
-        serving = [n for n, m in view.models.items() if m.entry.state == "READY"]
-        ok = view.connected and all(view.is_ready(n, None) for n in serving)
+        ok = view.server_ready()
         return Response(b"", 200 if ok else 400)
+
+    async def openapi_document(request: Request) -> Response:
+        return Response(openapi, 200, media_type="application/json")
 
     async def server_metadata(request: Request) -> Response:
         return json_response({"name": "despina", "version": __version__, "extensions": EXTENSIONS})
@@ -130,6 +153,7 @@ def create_app(settings: Settings) -> Starlette:
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
+        Route("/openapi.json", openapi_document, methods=["GET"]),
         Route("/v2/models/stats", stats, methods=["GET"]),
         Route("/v2/models/{model}", model_metadata, methods=["GET"]),
         Route("/v2/models/{model}/versions/{version}", model_metadata, methods=["GET"]),
@@ -142,7 +166,9 @@ def create_app(settings: Settings) -> Starlette:
         Route("/v2/models/{model}/infer", infer, methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
         Route("/fn/{model}", fn, methods=["POST"]),
+        *repository_routes(gw),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],
+                    exception_handlers={404: _http_error, 405: _http_error, Exception: _internal_error})
     app.state.gateway = gw
     return app

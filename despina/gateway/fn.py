@@ -13,11 +13,12 @@ import orjson
 from ..contract.errors import InvalidArgument
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import Tensor
-from .v2 import check_inputs, check_shape, json_data_to_bytes
+from .v2 import MAX_ELEMENTS, check_count, check_inputs, check_shape, json_data_to_bytes
 
 
-def decode_fn(body: bytes, spec: ModelSpec) -> tuple[list[Tensor], bool]:
-    """The body -> (input tensors, whether a batch dimension of 1 was added)."""
+def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) -> tuple[list[Tensor], bool]:
+    """The body -> (input tensors, whether a batch dimension of 1 was added); InvalidArgument, and
+    nothing else, on any input."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -38,26 +39,32 @@ def decode_fn(body: bytes, spec: ModelSpec) -> tuple[list[Tensor], bool]:
         if expected is None:
             known = ", ".join(t.name for t in spec.inputs)
             raise InvalidArgument(f"model '{spec.name}' has no input '{name}' (inputs: {known})")
-        shape = _shape_of(name, data)
+        shape = _shape_of(name, data, len(expected.dims) + (1 if spec.batched else 0))
         if spec.batched and len(shape) == len(expected.dims):
             shape = [1, *shape]
             added = True
         check_shape(spec, expected, shape)
+        check_count(name, shape, max_elements)
         tensors.append(Tensor(name, expected.datatype, tuple(shape),
                               json_data_to_bytes(name, expected.datatype, shape, data)))
     check_inputs(spec, tensors)
     return tensors, added
 
-def _shape_of(name: str, data: Any) -> list[int]:
+
+def _shape_of(name: str, data: Any, max_rank: int) -> list[int]:
     shape: list[int] = []
     level = data
     while isinstance(level, list):
+        if len(shape) == max_rank:  # also bounds the recursion of _check_regular below
+            raise InvalidArgument(f"input '{name}': lists nested more than {max_rank} deep; the model "
+                                  f"takes at most {max_rank} dimensions")
         shape.append(len(level))
         if not level:
             break
         level = level[0]
     _check_regular(name, data, shape, 0)
     return shape
+
 
 def _check_regular(name: str, data: Any, shape: list[int], depth: int) -> None:
     if depth == len(shape):
@@ -68,6 +75,7 @@ def _check_regular(name: str, data: Any, shape: list[int], depth: int) -> None:
         raise InvalidArgument(f"input '{name}': nested lists are ragged (expected {shape})")
     for item in data:
         _check_regular(name, item, shape, depth + 1)
+
 
 def encode_fn(outputs: tuple[Tensor, ...], squeeze: bool) -> bytes:
     doc: dict[str, Any] = {}

@@ -25,7 +25,11 @@ STATUS = {
     Code.BACKEND: 500,
     Code.INTERNAL: 500,
 }
-RETRY_AFTER = {Code.UNAVAILABLE: b"1", Code.RESOURCE_EXHAUSTED: b"1"}
+EXTRA_HEADERS = {
+    Code.UNAVAILABLE: [(b"retry-after", b"1")],
+    Code.RESOURCE_EXHAUSTED: [(b"retry-after", b"1")],
+    Code.UNAUTHENTICATED: [(b"www-authenticate", b'Bearer realm="despina"')],
+}
 JSON = b"application/json"
 
 
@@ -42,8 +46,8 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     length = header(scope, b"content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise BodyTooLarge(f"request body of {int(length)} bytes is over the limit of {limit}")
+    if length is not None and length.isdigit() and (len(length) > 18 or int(length) > limit):
+        raise BodyTooLarge(f"request body of {length.decode()[:20]} bytes is over the limit of {limit}")
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -70,8 +74,7 @@ async def send(send_: Send, status: int, body: bytes, content_type: bytes = JSON
 
 def error_parts(exc: DespinaError) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
     status = STATUS.get(exc.code, 500)
-    extra = [(b"retry-after", RETRY_AFTER[exc.code])] if exc.code in RETRY_AFTER else []
-    return status, orjson.dumps({"error": exc.message}), extra
+    return status, orjson.dumps({"error": exc.message}), list(EXTRA_HEADERS.get(exc.code, ()))
 
 
 async def send_error(send_: Send, exc: DespinaError) -> None:

@@ -14,8 +14,9 @@ from ..contract.datatypes import V2_TO_NUMPY, element_count, serialize_bytes, to
 from ..contract.errors import InvalidArgument
 from ..contract.modelconfig import ModelSpec, TensorSpec
 from ..contract.records import Tensor
+from ..settings import Settings
 
-MAX_ELEMENTS = 1 << 27  # per tensor; larger bodies are refused before any allocation
+MAX_ELEMENTS: int = Settings.max_tensor_elements  # per tensor, unless the caller passes its setting
 
 
 @dataclass
@@ -28,8 +29,12 @@ class Decoded:
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
-def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec) -> Decoded:
-    """A V2 infer body (JSON, optionally followed by binary tensors) -> validated tensors."""
+def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
+                 max_elements: int = MAX_ELEMENTS) -> Decoded:
+    """A V2 infer body (JSON, optionally followed by binary tensors) -> validated tensors.
+
+    Raises InvalidArgument, and nothing else, on any input; a tensor of more than `max_elements`
+    elements is refused before anything is allocated for it."""
     if header_length is not None:
         if header_length < 0 or header_length > len(body):
             raise InvalidArgument(f"Inference-Header-Content-Length {header_length} is past the end "
@@ -51,7 +56,7 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec) -> Dec
     inputs: list[Tensor] = []
     seen: set[str] = set()
     for raw in raw_inputs:
-        tensor, used = _decode_input(raw, spec, binary[offset:])
+        tensor, used = _decode_input(raw, spec, binary[offset:], max_elements)
         if tensor.name in seen:
             raise InvalidArgument(f"input '{tensor.name}' is given twice")
         seen.add(tensor.name)
@@ -77,7 +82,7 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview) -> tuple[Tensor, int]:
+def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: int) -> tuple[Tensor, int]:
     if not isinstance(raw, dict):
         raise InvalidArgument("each entry of 'inputs' must be an object")
     name = raw.get("name")
@@ -96,9 +101,7 @@ def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview) -> tuple[Tensor
                                               for d in shape):
         raise InvalidArgument(f"input '{name}': 'shape' must be a list of non-negative integers")
     check_shape(spec, expected, shape)
-    count = element_count(shape)
-    if count > MAX_ELEMENTS:
-        raise InvalidArgument(f"input '{name}': {count} elements is more than the limit of {MAX_ELEMENTS}")
+    check_count(name, shape, max_elements)
     params = _object(raw.get("parameters"), f"inputs[{name}].parameters")
     size = params.get("binary_data_size")
     if size is not None:
@@ -136,6 +139,13 @@ def check_shape(spec: ModelSpec, expected: TensorSpec, shape: list[int]) -> None
             expect = ([-1] if spec.batched else []) + dims
             raise InvalidArgument(f"input '{expected.name}': shape {shape} does not match the model's "
                                   f"{expect}")
+
+
+def check_count(name: str, shape: list[int], max_elements: int) -> None:
+    count = element_count(shape)
+    if count > max_elements:
+        raise InvalidArgument(f"input '{name}': {count} elements is more than the limit of {max_elements} "
+                              "(DESPINA_MAX_TENSOR_ELEMENTS)")
 
 
 def check_inputs(spec: ModelSpec, inputs: list[Tensor]) -> None:

@@ -1,0 +1,236 @@
+"""The OpenAPI document of the HTTP API, served at `GET /openapi.json`.
+
+Built from plain dicts so that it ships with the code; `tests/test_openapi_fuzz.py` validates it and
+fuzzes a live server with it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..contract.datatypes import V2_TO_NUMPY
+
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"
+VERSION = r"^[0-9]{1,18}$"
+Doc = dict[str, Any]
+
+
+def _ref(name: str) -> Doc:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: Doc) -> Doc:
+    return {"application/json": {"schema": schema}}
+
+
+def _errors(*statuses: int) -> Doc:
+    words = {400: "Bad request", 401: "No valid API key (see `WWW-Authenticate`)",
+             403: "The API key may not use this model or API", 404: "Unknown model or version",
+             413: "Body over the size limit", 503: "Not ready, or the queue is unavailable "
+             "(with `Retry-After`)", 504: "No answer before the request's deadline"}
+    return {str(s): {"description": words[s], "content": _json(_ref("Error"))} for s in statuses}
+
+
+def _param(name: str, pattern: str, text: str) -> Doc:
+    return {"name": name, "in": "path", "required": True, "description": text,
+            "schema": {"type": "string", "pattern": pattern}}
+
+
+MODEL = _param("model", MODEL_NAME, "Model name (letters, digits, `_`, `-`, `.`; no `..`)")
+VERSION_PARAM = _param("version", VERSION, "Model version; without it, the highest ready version")
+READ_ERRORS = (400, 401, 403, 404, 503)
+INFER_ERRORS = (400, 401, 403, 404, 413, 503, 504)
+
+BINARY_BODY = """Triton's binary tensor extension: the JSON infer request (its length in the
+`Inference-Header-Content-Length` header), then the raw tensors in the order of the inputs that carry
+`"parameters": {"binary_data_size": N}`: little-endian, row-major, BOOL one byte per element, each
+BYTES element a 4-byte little-endian length followed by its bytes."""
+
+
+INFER_EXAMPLE = {"inputs": [{"name": n, "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}
+                            for n in ("a", "b")],
+                 "outputs": [{"name": "sum", "parameters": {"binary_data": False}}]}
+
+
+def _schemas() -> Doc:
+    datatype = {"type": "string", "enum": list(V2_TO_NUMPY)}
+    shape = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    params = {"type": "object", "additionalProperties": True,
+              "description": "Free-form parameters (values: string, number or boolean)"}
+    tensor_meta = {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
+        "name": {"type": "string"}, "datatype": datatype,
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": -1},
+                  "description": "-1: variable; the batch dimension is included when batching"}}}
+    duration = {"type": "object", "properties": {"count": {"type": "integer"}, "ns": {"type": "integer"}}}
+    return {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
+        "Datatype": datatype,
+        "ServerMetadata": {"type": "object", "required": ["name", "version", "extensions"], "properties": {
+            "name": {"type": "string"}, "version": {"type": "string"},
+            "extensions": {"type": "array", "items": {"type": "string"}}}},
+        "TensorMetadata": tensor_meta,
+        "ModelMetadata": {"type": "object", "required": ["name", "versions", "platform", "inputs", "outputs"],
+                          "properties": {"name": {"type": "string"},
+                                         "versions": {"type": "array", "items": {"type": "string"}},
+                                         "platform": {"type": "string"},
+                                         "inputs": {"type": "array", "items": _ref("TensorMetadata")},
+                                         "outputs": {"type": "array", "items": _ref("TensorMetadata")}}},
+        "ModelConfig": {"type": "object", "additionalProperties": True,
+                        "description": "Triton's ModelConfig in its protobuf JSON form"},
+        "InferInput": {"type": "object", "required": ["name", "shape", "datatype"], "properties": {
+            "name": {"type": "string"}, "shape": shape, "datatype": _ref("Datatype"),
+            "parameters": {"type": "object", "additionalProperties": True, "properties": {
+                "binary_data_size": {"type": "integer", "minimum": 0,
+                                     "description": "Bytes of this tensor in the binary tail"}}},
+            "data": {"description": "Row-major elements, flat or nested (absent with binary_data_size)"}}},
+        "InferRequestOutput": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"},
+            "parameters": {"type": "object", "additionalProperties": True, "properties": {
+                "binary_data": {"type": "boolean"}}}}},
+        "InferRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "id": {"type": "string"},
+            "parameters": {"type": "object", "additionalProperties": True, "properties": {
+                "binary_data_output": {"type": "boolean"},
+                "priority": {"type": "integer", "minimum": 0, "description": "1 = highest; 0 = default"},
+                "timeout": {"type": "integer", "minimum": 0, "description": "queue timeout, µs"}}},
+            "inputs": {"type": "array", "minItems": 1, "items": _ref("InferInput")},
+            "outputs": {"type": "array", "items": _ref("InferRequestOutput")}}},
+        "InferOutput": {"type": "object", "required": ["name", "shape", "datatype"], "properties": {
+            "name": {"type": "string"}, "shape": shape, "datatype": _ref("Datatype"), "parameters": params,
+            "data": {"type": "array", "items": {}}}},
+        "InferResponse": {"type": "object", "required": ["model_name", "model_version", "outputs"],
+                          "properties": {"model_name": {"type": "string"},
+                                         "model_version": {"type": "string"},
+                                         "id": {"type": "string"}, "parameters": params,
+                                         "outputs": {"type": "array", "items": _ref("InferOutput")}}},
+        "ModelStatistics": {"type": "object", "properties": {
+            "name": {"type": "string"}, "version": {"type": "string"},
+            "last_inference": {"type": "integer"}, "inference_count": {"type": "integer"},
+            "execution_count": {"type": "integer"},
+            "inference_stats": {"type": "object", "additionalProperties": duration},
+            "batch_stats": {"type": "array", "items": {"type": "object"}},
+            "memory_usage": {"type": "array", "items": {"type": "object"}}}},
+        "Statistics": {"type": "object", "required": ["model_stats"], "properties": {
+            "model_stats": {"type": "array", "items": _ref("ModelStatistics")}}},
+        "RepositoryIndexRequest": {"type": "object", "properties": {"ready": {"type": "boolean"}}},
+        "RepositoryIndex": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "version": {"type": "string"}, "state": {"type": "string"},
+            "reason": {"type": "string"}}}},
+        "LoadRequest": {"type": "object", "properties": {"parameters": {
+            "type": "object", "additionalProperties": {"type": "string"}, "properties": {
+                "config": {"type": "string", "description": "Model config JSON, overriding config.pbtxt"}},
+            "description": "`file:<version>/<name>` entries carry base64 file contents (need `config`)"}}},
+        "UnloadRequest": {"type": "object", "properties": {"parameters": {
+            "type": "object", "additionalProperties": True,
+            "properties": {"unload_dependents": {"type": "boolean"}}}}},
+        "FunctionRequest": {"oneOf": [
+            {"type": "object", "minProperties": 1, "additionalProperties": {},
+             "description": "Input name -> nested list (or scalar)"},
+            {"type": "array", "description": "The only input of a single-input model"}]},
+        "FunctionResponse": {"type": "object", "additionalProperties": {},
+                             "description": "Output name -> nested list"},
+    }
+
+
+def _op(op_id: str, summary: str, tag: str, ok: Doc, errors: tuple[int, ...], **extra: Any) -> Doc:
+    return {"operationId": op_id, "summary": summary, "tags": [tag],
+            "responses": {"200": ok, **_errors(*errors)}, **extra}
+
+
+def _ok(description: str, schema: Doc | None = None) -> Doc:
+    return {"description": description, **({"content": _json(schema)} if schema else {})}
+
+
+def _ready_op(op_id: str, summary: str) -> Doc:
+    return {"operationId": op_id, "summary": summary, "tags": ["health"],
+            "responses": {"200": {"description": "Ready"},
+                          "400": {"description": "Not ready (as Triton answers)"}}}
+
+
+def _infer_op(op_id: str) -> Doc:
+    request = {"required": True, "content": {
+        "application/json": {"schema": _ref("InferRequest"), "example": INFER_EXAMPLE},
+        "application/octet-stream": {"schema": {"type": "string", "format": "binary"},
+                                     "x-description": BINARY_BODY}},
+        "description": "A V2 infer request as JSON; or, with the binary tensor extension, " + BINARY_BODY}
+    ok = {"description": "The outputs; binary ones after the JSON header when asked for",
+          "headers": {"Inference-Header-Content-Length": {
+              "description": "Length of the JSON header when binary outputs follow",
+              "schema": {"type": "integer"}}},
+          "content": {"application/json": {"schema": _ref("InferResponse")},
+                      "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+    header = {"name": "Inference-Header-Content-Length", "in": "header", "required": False,
+              "description": "Length of the JSON part of a binary body", "schema": {"type": "integer",
+                                                                                   "minimum": 0}}
+    return _op(op_id, "Run inference (KServe V2, Triton's binary tensor extension)", "inference", ok,
+               INFER_ERRORS, parameters=[header], requestBody=request)
+
+
+def _per_model(paths: Doc, suffix: str, method: str, make: Any) -> None:
+    """The same operation at /v2/models/{model}... and /v2/models/{model}/versions/{version}..."""
+    paths[f"/v2/models/{{model}}{suffix}"] = {method: make(""), "parameters": [MODEL]}
+    paths[f"/v2/models/{{model}}/versions/{{version}}{suffix}"] = {
+        method: make("_version"), "parameters": [MODEL, VERSION_PARAM]}
+
+
+def _paths() -> Doc:
+    paths: Doc = {
+        "/v2/health/live": {"get": _ready_op("server_live", "Server liveness (always open)")},
+        "/v2/health/ready": {"get": _ready_op("server_ready", "Server readiness (always open)")},
+        "/v2": {"get": _op("server_metadata", "Server metadata and extensions", "metadata",
+                           _ok("Server metadata", _ref("ServerMetadata")), (401, 403))},
+        "/openapi.json": {"get": {"operationId": "openapi", "summary": "This document", "tags": ["metadata"],
+                                  "security": [], "responses": {"200": _ok("OpenAPI document",
+                                                                           {"type": "object"})}}},
+        "/v2/models/stats": {"get": _op("statistics", "Statistics of every model version", "statistics",
+                                        _ok("Statistics", _ref("Statistics")), (401, 403, 503))},
+    }
+    _per_model(paths, "", "get", lambda s: _op(f"model_metadata{s}", "Model metadata", "metadata",
+                                               _ok("Model metadata", _ref("ModelMetadata")), READ_ERRORS))
+    _per_model(paths, "/ready", "get", lambda s: _ready_op(f"model_ready{s}", "Model readiness"))
+    _per_model(paths, "/config", "get", lambda s: _op(
+        f"model_config{s}", "Triton's model configuration", "model-config",
+        _ok("Model config", _ref("ModelConfig")), READ_ERRORS))
+    _per_model(paths, "/stats", "get", lambda s: _op(f"model_statistics{s}", "Statistics of a model",
+                                                     "statistics", _ok("Statistics", _ref("Statistics")),
+                                                     READ_ERRORS))
+    _per_model(paths, "/infer", "post", lambda s: _infer_op(f"infer{s}"))
+    paths["/fn/{model}"] = {"parameters": [MODEL], "post": _op(
+        "function", "Function URL: JSON keyed by input name in, JSON keyed by output name out", "inference",
+        _ok("The outputs", _ref("FunctionResponse")), INFER_ERRORS,
+        requestBody={"required": True, "content": {"application/json": {
+            "schema": _ref("FunctionRequest"), "example": {"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]}}}})}
+    paths["/v2/repository/index"] = {"post": _op(
+        "repository_index", "Models in the repository and their states", "model-repository",
+        _ok("Index", _ref("RepositoryIndex")), (400, 401, 403, 503),
+        requestBody={"required": False, "content": _json(_ref("RepositoryIndexRequest"))})}
+    for action, schema, text in (("load", "LoadRequest", "Load or reload a model"),
+                                 ("unload", "UnloadRequest", "Unload a model")):
+        paths[f"/v2/repository/models/{{model}}/{action}"] = {"parameters": [MODEL], "post": _op(
+            f"repository_{action}", text, "model-repository", _ok("Done"), READ_ERRORS,
+            requestBody={"required": False, "content": _json(_ref(schema))})}
+    return paths
+
+
+DESCRIPTION = """Despina serves the models of a Triton model repository over the KServe V2 / Open
+Inference Protocol with Triton's extensions (binary tensors, statistics, model repository), plus
+function URLs (`POST /fn/{model}`). Errors are `{"error": "..."}`.
+
+Keys: when API keys are configured, the model-repository, model-config and statistics APIs need
+`Authorization: Bearer <key>` (inference and metadata too with `DESPINA_AUTH_INFERENCE=true`); health
+and this document stay open. Triton's restricted-API headers (`DESPINA_HTTP_RESTRICTED_API`) work too."""
+
+
+def document(version: str) -> Doc:
+    """The OpenAPI 3.0 document of the gateway's HTTP API."""
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "Despina", "version": version, "description": DESCRIPTION,
+                 "license": {"name": "Apache-2.0"}},
+        "tags": [{"name": t} for t in ("health", "metadata", "inference", "model-config", "statistics",
+                                       "model-repository")],
+        "security": [{}, {"bearer": []}],
+        "paths": _paths(),
+        "components": {"schemas": _schemas(),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                                      "description": "An API key"}}},
+    }

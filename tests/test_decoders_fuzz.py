@@ -1,0 +1,400 @@
+"""Property tests of every decoder a client's bytes reach: V2 JSON + binary tensors, BYTES framing,
+function URLs, and the msgpack records on the streams. Whatever comes in, the answer is a decoded value
+or InvalidArgument, never another exception; and nothing is unpickled or evaluated."""
+from __future__ import annotations
+
+import ast
+import pickle
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import orjson
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from despina.contract import records
+from despina.contract.datatypes import V2_TO_NUMPY, deserialize_bytes, serialize_bytes, to_numpy
+from despina.contract.errors import InvalidArgument
+from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
+from despina.contract.records import InferReply, InferRequest, Tensor
+from despina.gateway.fn import decode_fn
+from despina.gateway.v2 import Decoded, decode_infer
+
+FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+CONFIG = """
+name: "%s"
+platform: "onnxruntime_onnx"
+max_batch_size: %d
+input [
+  { name: "x", data_type: TYPE_FP32, dims: [ -1, 3 ] },
+  { name: "s", data_type: TYPE_STRING, dims: [ 2 ] },
+  { name: "b", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
+  { name: "i", data_type: TYPE_INT64, dims: [ 2 ], optional: true }
+]
+output [ { name: "y", data_type: TYPE_FP32, dims: [ 2 ] } ]
+"""
+
+
+def spec_of(name: str, max_batch_size: int) -> ModelSpec:
+    config = normalize(name, parse_text(name, CONFIG % (name, max_batch_size)))
+    validate(config)
+    return ModelSpec.from_config(to_dict(config))
+
+
+BATCHED = spec_of("batched", 4)
+PLAIN = spec_of("plain", 0)
+SPECS = st.sampled_from([BATCHED, PLAIN])
+
+# ---- strategies ------------------------------------------------------------------------------------
+
+int64s = st.integers(min_value=-(2**63), max_value=2**64 - 1)  # what orjson and msgpack carry
+scalars = (st.none() | st.booleans() | int64s
+           | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8))
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=6)
+                           | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=30)
+names = st.sampled_from(["x", "s", "b", "i", "y", "", "X"]) | st.text(max_size=4)
+datatypes = st.sampled_from([*V2_TO_NUMPY, "BF16", "FP128", "", "fp32"]) | int64s | st.none()
+dims = st.integers(min_value=-2, max_value=6) | st.sampled_from([True, 2**40, 2**63, 1.0, "3"])
+shapes = st.lists(dims, max_size=4) | json_values
+sizes = st.integers(min_value=-4, max_value=64) | st.sampled_from([2**62, True, 1.5, "8", None])
+
+
+@st.composite
+def infer_inputs(draw: st.DrawFn) -> dict[str, Any]:
+    raw: dict[str, Any] = {}
+    for key, strategy in (("name", names), ("datatype", datatypes), ("shape", shapes)):
+        if draw(st.integers(0, 7)) != 7:  # now and then a field is missing
+            raw[key] = draw(strategy)
+    if draw(st.booleans()):
+        wild = draw(st.integers(0, 7)) == 7
+        raw["parameters"] = draw(json_values) if wild else {"binary_data_size": draw(sizes)}
+    if draw(st.booleans()):
+        raw["data"] = draw(json_values)
+    return raw
+
+
+EXPECTED = {"x": ("FP32", [-1, 3]), "s": ("BYTES", [2]), "b": ("BOOL", [1]), "i": ("INT64", [2])}
+SIZES = {"FP32": 4, "BYTES": 5, "BOOL": 1, "INT64": 8}
+
+
+@st.composite
+def plausible_inputs(draw: st.DrawFn, batch: int | None, name: str | None = None) -> dict[str, Any]:
+    """An input that gets past the first checks: a known name, its datatype, a shape of the right
+    rank; its size or data is right or nearly."""
+    name = name or draw(st.sampled_from(list(EXPECTED)))
+    datatype, model_dims = EXPECTED[name]
+    dims = [draw(st.integers(0, 3)) if d == -1 else d for d in model_dims]
+    if draw(st.integers(0, 7)) == 7:  # a batch dimension too many, too few, or of another size
+        batch = None if batch else draw(st.integers(1, 5))
+    shape = dims if batch is None else [batch, *dims]
+    count = int(np.prod(shape))
+    raw: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
+    if draw(st.booleans()):
+        size = count * SIZES[datatype] + draw(st.sampled_from([0, 0, 0, -1, 1, 4]))
+        raw["parameters"] = {"binary_data_size": max(size, 0)}
+    else:
+        element = {"FP32": st.floats(width=32) | int64s, "BYTES": st.text(max_size=4),
+                   "BOOL": st.booleans(), "INT64": int64s}[datatype] | scalars
+        raw["data"] = draw(st.lists(element, min_size=count, max_size=count + 1))
+    return raw
+
+
+@st.composite
+def infer_bodies(draw: st.DrawFn, spec: ModelSpec) -> tuple[bytes, int | None]:
+    """A JSON header of plausible, partly wrong structure, then a binary tail."""
+    batch = draw(st.integers(1, 5)) if spec.batched else None
+    chosen = ["x", "s", *draw(st.sets(st.sampled_from(["b", "i"])))]  # the required ones, some optional
+    complete = st.permutations(chosen).flatmap(
+        lambda order: st.tuples(*(plausible_inputs(batch, n) for n in order)).map(list))
+    inputs = complete | st.lists(plausible_inputs(batch) | infer_inputs(), max_size=4)
+    doc: dict[str, Any] = {"inputs": draw(json_values if draw(st.integers(0, 7)) == 7 else inputs)}
+    if draw(st.booleans()):
+        doc["outputs"] = draw(st.lists(st.fixed_dictionaries(
+            {"name": names}, optional={"parameters": st.fixed_dictionaries(
+                {}, optional={"binary_data": st.booleans() | json_values})}), max_size=3) | json_values)
+    if draw(st.booleans()):
+        doc["parameters"] = draw(st.dictionaries(st.sampled_from(
+            ["binary_data_output", "priority", "timeout", "other"]), json_values, max_size=3))
+    if draw(st.booleans()):
+        doc["id"] = draw(json_values if draw(st.integers(0, 7)) == 7 else st.text(max_size=5))
+    if draw(st.integers(0, 7)) == 7:
+        doc = draw(json_values)
+    header = orjson.dumps(doc)
+    tail = draw(st.binary(max_size=96))
+    sizes_claimed = [i.get("parameters", {}).get("binary_data_size") for i in doc.get("inputs", [])
+              if isinstance(doc, dict) and isinstance(i, dict) and isinstance(i.get("parameters"), dict)] \
+        if isinstance(doc, dict) and isinstance(doc.get("inputs"), list) else []
+    if draw(st.booleans()):  # a tail of exactly the sizes claimed, so that the framing is reached
+        tail = b"".join(draw(st.binary(min_size=n, max_size=n)) for n in sizes_claimed
+                        if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 256)
+    mode = draw(st.sampled_from(["exact", "exact", "exact", "none", "off"]))
+    if mode == "none":
+        return header + (tail if draw(st.booleans()) else b""), None
+    offset = draw(st.integers(min_value=-3, max_value=3)) if mode == "off" else 0
+    return header + tail, len(header) + offset
+
+
+@st.composite
+def valid_binary_requests(draw: st.DrawFn) -> tuple[bytes, int, dict[str, np.ndarray]]:
+    """A well-formed binary request for BATCHED, and the arrays it carries."""
+    batch = draw(st.integers(1, 4))
+    width = draw(st.integers(0, 3))
+    x = np.asarray(draw(st.lists(st.floats(width=32, allow_nan=False), min_size=batch * width * 3,
+                                 max_size=batch * width * 3)), np.float32).reshape(batch, width, 3)
+    items = draw(st.lists(st.binary(max_size=12), min_size=batch * 2, max_size=batch * 2))
+    s = np.empty(batch * 2, dtype=np.object_)
+    s[:] = items
+    s = s.reshape(batch, 2)
+    arrays = {"x": x, "s": s}
+    entries, tails = [], []
+    for name, array, datatype in (("x", x, "FP32"), ("s", s, "BYTES")):
+        data = array.tobytes() if datatype != "BYTES" else serialize_bytes(array)
+        entries.append({"name": name, "datatype": datatype, "shape": list(array.shape),
+                        "parameters": {"binary_data_size": len(data)}})
+        tails.append(data)
+    header = orjson.dumps({"inputs": entries})
+    return header + b"".join(tails), len(header), arrays
+
+
+def _decode_or_refuse(body: bytes, header_length: int | None, spec: ModelSpec) -> Decoded | None:
+    try:
+        decoded = decode_infer(body, header_length, spec, max_elements=1000)
+    except InvalidArgument as exc:
+        event(f"refused: {' '.join(str(exc).split()[:3])}")
+        return None
+    event("accepted")
+    for t in decoded.inputs:  # what the gateway accepts, a worker can read
+        assert to_numpy(t.datatype, t.shape, t.data).shape == t.shape
+    return decoded
+
+
+# ---- V2 bodies and BYTES framing -------------------------------------------------------------------
+
+@FUZZ
+@given(SPECS.flatmap(lambda spec: st.tuples(st.just(spec), infer_bodies(spec))))
+def test_v2_decoder_never_crashes_on_structured_bodies(
+        case: tuple[ModelSpec, tuple[bytes, int | None]]) -> None:
+    spec, (body, header_length) = case
+    _decode_or_refuse(body, header_length, spec)
+
+
+@FUZZ
+@given(valid_binary_requests())
+def test_v2_binary_tensors_round_trip(request: tuple[bytes, int, dict[str, np.ndarray]]) -> None:
+    body, header_length, arrays = request
+    decoded = decode_infer(body, header_length, BATCHED)
+    got = {t.name: t.numpy() for t in decoded.inputs}
+    np.testing.assert_array_equal(got["x"], arrays["x"])
+    assert got["s"].tolist() == arrays["s"].tolist()
+
+
+@FUZZ
+@given(valid_binary_requests(), st.data())
+def test_v2_corrupted_binary_tails_are_refused_or_read_consistently(
+        request: tuple[bytes, int, dict[str, np.ndarray]], data: st.DataObject) -> None:
+    body, header_length, _ = request
+    tail = bytearray(body[header_length:])
+    if tail:  # flip, cut or extend the tail; the header still claims the original sizes
+        action = data.draw(st.sampled_from(["flip", "cut", "extend"]))
+        at = data.draw(st.integers(0, len(tail) - 1))
+        if action == "flip":
+            tail[at] ^= data.draw(st.integers(1, 255))
+        elif action == "cut":
+            del tail[at:]
+        else:
+            tail[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+    _decode_or_refuse(body[:header_length] + bytes(tail), header_length, BATCHED)
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=20), max_size=8), st.binary(max_size=6), st.integers(0, 10) | st.none())
+def test_bytes_framing_round_trips_and_refuses_garbage(items: list[bytes], junk: bytes,
+                                                       count: int | None) -> None:
+    array = np.empty(len(items), dtype=np.object_)
+    array[:] = items
+    wire = serialize_bytes(array)
+    assert deserialize_bytes(wire, len(items)).tolist() == items
+    for garbled in (wire + junk, wire[:-1] if wire else junk, junk):
+        try:
+            out = deserialize_bytes(garbled, count)
+        except InvalidArgument:
+            continue
+        assert serialize_bytes(out) == bytes(garbled)  # accepted only when the framing is exact
+
+
+def test_bytes_length_prefix_past_the_end_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="past the end"):
+        deserialize_bytes(struct.pack("<I", 2**32 - 1) + b"abc", 1)
+
+
+def test_element_limit_is_checked_before_allocation() -> None:
+    header = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [4, 2**40, 3],
+                                       "parameters": {"binary_data_size": 0}}]})
+    with pytest.raises(InvalidArgument, match="more than the limit of 1000"):
+        decode_infer(header, len(header), BATCHED, max_elements=1000)
+    with pytest.raises(InvalidArgument, match="more than the limit"):
+        decode_fn(orjson.dumps({"x": [[[0.0] * 3] * 4] * 4}), BATCHED, max_elements=10)
+
+
+# ---- function URLs ---------------------------------------------------------------------------------
+
+fn_bodies = (json_values.map(orjson.dumps)
+             | st.dictionaries(names, json_values, max_size=4).map(orjson.dumps)
+             | st.binary(max_size=64))
+
+
+@FUZZ
+@given(fn_bodies, SPECS)
+def test_fn_decoder_never_crashes(body: bytes, spec: ModelSpec) -> None:
+    try:
+        tensors, _ = decode_fn(body, spec, max_elements=1000)
+    except InvalidArgument:
+        return
+    for t in tensors:
+        assert to_numpy(t.datatype, t.shape, t.data).shape == t.shape
+
+
+@pytest.mark.parametrize("depth", [3, 200, 1000])
+def test_fn_deep_nesting_is_refused_without_recursion(depth: int) -> None:
+    body = b"[" * depth + b"1" + b"]" * depth
+    with pytest.raises(InvalidArgument):
+        decode_fn(b'{"x": ' + body + b"}", BATCHED)
+
+
+# ---- msgpack records -------------------------------------------------------------------------------
+
+packable = st.recursive(
+    st.none() | st.booleans() | int64s | st.floats()
+    | st.text(max_size=6) | st.binary(max_size=8)
+    | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=4)),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=20)
+
+
+@st.composite
+def tensor_slots(draw: st.DrawFn) -> Any:
+    if draw(st.integers(0, 3)) != 3:
+        return [draw(st.text(max_size=3) | packable),
+                draw(st.sampled_from([*V2_TO_NUMPY, "X"]) | packable),
+                draw(st.lists(st.integers(-2, 5), max_size=3) | packable),
+                draw(st.binary(max_size=16) | packable)]
+    return draw(packable)
+
+
+@st.composite
+def record_lists(draw: st.DrawFn) -> bytes:
+    """Lists of records whose every slot is sometimes right, sometimes any msgpack value."""
+    def slot(good: st.SearchStrategy[Any]) -> Any:
+        return draw(packable if draw(st.integers(0, 3)) == 3 else good)
+    tensors = st.lists(tensor_slots(), max_size=3)
+    request = [slot(st.text(max_size=4)), slot(st.text(max_size=4)), slot(st.floats()), slot(tensors),
+               slot(st.lists(st.text(max_size=3), max_size=2)), None, None, slot(st.floats()),
+               slot(st.text(max_size=4))]
+    error = (st.none() | st.lists(st.sampled_from(["INVALID_ARGUMENT", "BACKEND", "nope"]) | packable,
+                                  max_size=3) | st.dictionaries(st.text(max_size=2), packable, min_size=1))
+    number = int64s | st.floats()  # infinity and NaN where an integer belongs
+    request[5:7] = [slot(number), slot(number)]
+    reply = [slot(st.text(max_size=4)), slot(tensors), slot(error), slot(number), slot(number)]
+    chosen = draw(st.sampled_from([request, reply]))
+    record = chosen
+    if draw(st.integers(0, 4)) == 4:  # now and then too few or too many fields
+        cut = draw(st.integers(0, len(chosen) + 1))
+        record = chosen[:cut] if cut <= len(chosen) else [*chosen, None]
+    entry = draw(st.lists(st.just(record), min_size=1, max_size=2) | packable)
+    return msgpack.packb(entry, use_bin_type=True)
+
+
+@FUZZ
+@given(record_lists())
+def test_record_decoders_never_crash_on_structured_records(payload: bytes) -> None:
+    for decode in (records.decode_requests, records.decode_replies):
+        try:
+            decode(payload)
+        except InvalidArgument:
+            pass
+
+
+@FUZZ
+@given(st.text(max_size=6), st.floats(allow_nan=False), st.lists(st.binary(max_size=12), max_size=3),
+       st.integers(0, 2**31), st.sampled_from(list(records.Code)) | st.none())
+def test_records_round_trip(rid: str, deadline: float, blobs: list[bytes], priority: int,
+                            code: records.Code | None) -> None:
+    tensors = tuple(Tensor(f"t{i}", "UINT8", (len(b),), b) for i, b in enumerate(blobs))
+    req = InferRequest(rid, "rep", deadline, tensors, ("y",), priority, 5, 1.0, "trace")
+    assert records.decode_requests(records.encode([req])) == [req]
+    reply = InferReply(rid, tensors, (code, "message") if code else None, 3, 4)
+    assert records.decode_replies(records.encode([reply])) == [reply]
+
+
+def test_msgpack_maps_with_non_string_keys_and_ext_types_are_not_objects() -> None:
+    with pytest.raises(InvalidArgument):
+        records.decode_requests(msgpack.packb([{1: 2}]))
+    payload = msgpack.packb([[msgpack.ExtType(1, b"x")] * 9], use_bin_type=True)
+    try:
+        decoded = records.decode_requests(payload)
+    except InvalidArgument:
+        return
+    for req in decoded:  # an ext value can only end up as inert text
+        assert isinstance(req.id, str) and isinstance(req.trace, str)
+
+
+# ---- nothing is unpickled or evaluated -------------------------------------------------------------
+
+class _Boom:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path("/nonexistent-despina-dir/pwned").touch, ())
+
+
+def test_pickles_are_data_not_code() -> None:
+    payload = pickle.dumps(_Boom())
+    for attempt in (lambda: decode_infer(payload, None, BATCHED), lambda: decode_fn(payload, BATCHED),
+                    lambda: records.decode_requests(payload), lambda: records.decode_replies(payload)):
+        with pytest.raises(InvalidArgument):  # touch() would raise FileNotFoundError if it ran
+            attempt()
+    # a BYTES tensor holding a pickled object array is read as bytes, never as objects
+    t = Tensor("s", "BYTES", (1,), struct.pack("<I", len(payload)) + payload)
+    assert t.numpy().tolist() == [payload]
+
+
+FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__", "loads", "load", "unpackb", "Unpickler",
+                   "frombuffer"}
+UNSAFE_MODULES = {"pickle", "marshal", "shelve", "yaml", "dill", "cloudpickle", "joblib"}
+# where a request's bytes go: gateway, contract, the worker's stream reader and batcher (model
+# loading in the backends reads the trusted registry, not requests)
+REQUEST_PATH = ["despina/gateway", "despina/contract", "despina/workers/runner.py", "despina/workers/batcher.py"]
+
+
+def test_request_path_never_unpickles_or_evaluates() -> None:
+    """The gateway and the contract call no eval/exec/pickle/yaml/np.load; msgpack only strictly."""
+    root = Path(__file__).resolve().parents[1]
+    for folder in REQUEST_PATH:
+        base = root / folder
+        for path in ([base] if base.suffix == ".py" else base.rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    mods = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                    assert not UNSAFE_MODULES & set(mods), path
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+                if name not in FORBIDDEN_CALLS:
+                    continue
+                where = f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}"
+                if name in ("loads", "load", "Unpickler"):
+                    assert owner not in UNSAFE_MODULES and owner not in ("np", "numpy", "torch"), where
+                elif name == "unpackb":
+                    kw = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                    hooks = {"ext_hook", "object_hook", "object_pairs_hook", "list_hook"}
+                    assert kw.get("strict_map_key") == "True" and not hooks & set(kw), where
+                elif name == "frombuffer":  # never with the object dtype (that would read pointers)
+                    assert "object" not in ast.unparse(node), where
+                elif owner in ("", "builtins"):  # eval, exec, compile, __import__ (re.compile is fine)
+                    pytest.fail(f"{where}: {name} on the request path")
