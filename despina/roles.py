@@ -49,12 +49,27 @@ def run_control(settings: Settings) -> None:
         assert settings.redis_url
         redis = connect(settings.redis_url)
         plane = ControlPlane(settings, redis)
+        stopped = asyncio.Event()
+
+        def stop() -> None:
+            plane.stop()
+            stopped.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, plane.stop)
+            loop.add_signal_handler(sig, stop)
+        http = None
+        if settings.metrics_port:
+            from .control import http as control_http
+
+            app = control_http.create_app(settings, redis)
+            http = asyncio.create_task(control_http.serve(app, settings.host, settings.metrics_port, stopped))
         try:
             await plane.run()
         finally:
+            stopped.set()
+            if http:
+                await asyncio.gather(http, return_exceptions=True)
             await redis.aclose()
 
     _run_until_signal(main)

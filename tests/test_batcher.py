@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from despina.workers.batcher import BatchPolicy, DynamicBatcher, Item
+from despina.workers.batcher import BatchPolicy, DynamicBatcher, Item, QueueFull, QueuePolicy
 
 
 class Recorder:
@@ -128,3 +128,78 @@ def test_policy_is_validated() -> None:
         BatchPolicy(max_batch_size=4, preferred=(8,), dynamic=True)
     with pytest.raises(ValueError, match="max_batch_size"):
         BatchPolicy(max_batch_size=-1)
+
+
+async def test_higher_priority_is_batched_first() -> None:
+    policy = BatchPolicy(max_batch_size=2, max_queue_delay_us=0, dynamic=True, priority_levels=2,
+                         default_priority=2)
+    hold = asyncio.Event()
+    rec = Recorder(hold)
+    batcher = DynamicBatcher(policy, rec)
+    task = asyncio.create_task(batcher.run())
+    batcher.put(Item(1, "k", "busy"))
+    await asyncio.sleep(0.01)                       # the only instance is now busy
+    for i in range(3):
+        batcher.put(Item(1, "k", f"low{i}", priority=0))    # 0 = the default level (2)
+    batcher.put(Item(1, "k", "high", priority=1))
+    batcher.put(Item(1, "k", "odd", priority=9))    # past priority_levels: the default level
+    hold.set()
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+    assert rec.batches == [["busy"], ["high", "low0"], ["low1", "low2"], ["odd"]]
+
+
+async def test_queue_timeout_rejects_or_delays() -> None:
+    rejected: list[str] = []
+    reject_policy = QueuePolicy(timeout_action="REJECT", default_timeout_us=20_000)
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_us=0, dynamic=True,
+                         default_queue_policy=reject_policy)
+    hold = asyncio.Event()
+    rec = Recorder(hold)
+    batcher = DynamicBatcher(policy, rec, reject=lambda item: rejected.append(item.payload))
+    task = asyncio.create_task(batcher.run())
+    batcher.put(Item(1, "k", "busy"))
+    await asyncio.sleep(0.01)
+    batcher.put(Item(1, "k", "late"))
+    await asyncio.sleep(0.05)                       # "late" times out while the instance is busy
+    assert rejected == ["late"]
+    hold.set()
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+    assert rec.batches == [["busy"]]
+
+
+async def test_delay_action_moves_timed_out_requests_behind_the_others() -> None:
+    policy = BatchPolicy(max_batch_size=1, max_queue_delay_us=0, dynamic=True, priority_levels=2,
+                         default_priority=2,
+                         priority_queue_policy={1: QueuePolicy("DELAY", default_timeout_us=10_000)})
+    hold = asyncio.Event()
+    rec = Recorder(hold)
+    batcher = DynamicBatcher(policy, rec)
+    task = asyncio.create_task(batcher.run())
+    batcher.put(Item(1, "k", "busy"))
+    await asyncio.sleep(0.01)
+    batcher.put(Item(1, "k", "urgent-but-late", priority=1))
+    await asyncio.sleep(0.03)
+    batcher.put(Item(1, "k", "normal", priority=2))
+    hold.set()
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+    assert rec.batches == [["busy"], ["normal"], ["urgent-but-late"]]
+
+
+def test_timeout_override_may_only_shorten() -> None:
+    policy = QueuePolicy(default_timeout_us=1000, allow_timeout_override=True)
+    assert policy.timeout_us(500) == 500
+    assert policy.timeout_us(5000) == 1000
+    assert QueuePolicy(default_timeout_us=1000).timeout_us(500) == 1000
+    assert QueuePolicy(allow_timeout_override=True).timeout_us(700) == 700
+
+
+async def test_max_queue_size_refuses_at_once() -> None:
+    policy = BatchPolicy(max_batch_size=4, dynamic=True, default_queue_policy=QueuePolicy(max_queue_size=2))
+    batcher = DynamicBatcher(policy, Recorder())
+    batcher.put(Item(1, "k", 1))
+    batcher.put(Item(1, "k", 2))
+    with pytest.raises(QueueFull, match="full"):
+        batcher.put(Item(1, "k", 3))

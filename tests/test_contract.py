@@ -9,8 +9,15 @@ from hypothesis import strategies as st
 from despina.contract import records
 from despina.contract.datatypes import deserialize_bytes, serialize_bytes, to_bytes, to_numpy
 from despina.contract.errors import Code, ConfigError, InvalidArgument
-from despina.contract.modelconfig import (ModelSpec, check_model_name, normalize, parse_json, parse_text,
-                                          to_dict, validate)
+from despina.contract.modelconfig import (
+    ModelSpec,
+    check_model_name,
+    normalize,
+    parse_json,
+    parse_text,
+    to_dict,
+    validate,
+)
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.gateway.v2 import decode_infer
 
@@ -34,7 +41,7 @@ def test_config_parses_with_triton_schema_and_fills_defaults() -> None:
     spec = spec_of(MLP)
     assert spec.backend == "onnxruntime" and spec.platform == "onnxruntime_onnx"
     assert spec.inputs[0].dims == (-1, 4) and spec.outputs[0].datatype == "INT64"
-    assert spec.batching and spec.batching.preferred == (2, 4) and spec.batching.max_queue_delay_us == 100
+    assert spec.policy.dynamic and spec.policy.preferred == (2, 4) and spec.policy.max_queue_delay_us == 100
     assert spec.config["version_policy"] == {"latest": {"num_versions": 1}}
     assert spec.metadata([1]) == {
         "name": "mlp", "versions": ["1"], "platform": "onnxruntime_onnx",

@@ -14,15 +14,35 @@ import uuid
 from collections import defaultdict
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from ..contract import records
-from ..contract.errors import Unavailable
+from ..contract.errors import Code, DespinaError, Unavailable
 from ..contract.keys import FIELD, Keys
 from ..contract.records import InferReply, InferRequest
 
 log = logging.getLogger("despina.gateway")
 
 REPLY_TTL_MS = 120_000
+
+# Enqueue unless the priority level already holds max_queue_size requests; a refusal is counted
+# as Triton's REJECTED failure. KEYS: stream, queue counter, statistics hash.
+BOUNDED_XADD = """
+local n = tonumber(redis.call('GET', KEYS[2]) or '0')
+if n < 0 then n = 0 redis.call('SET', KEYS[2], 0) end
+if n >= tonumber(ARGV[1]) then
+  redis.call('HINCRBY', KEYS[3], 'fail_count', 1)
+  redis.call('HINCRBY', KEYS[3], 'fail:REJECTED', 1)
+  redis.call('HINCRBY', KEYS[3], 'refused', 1)
+  return 0
+end
+redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
+redis.call('INCR', KEYS[2])
+redis.call('HINCRBY', KEYS[3], 'enqueued', 1)
+return 1
+"""
+
+Bound = tuple[str, int]  # (counter key, max_queue_size)
 
 
 class Dispatcher:
@@ -34,6 +54,8 @@ class Dispatcher:
         self._ids = itertools.count()
         self._waiting: dict[str, asyncio.Future[InferReply]] = {}
         self._outbox: dict[str, list[InferRequest]] = defaultdict(list)
+        self._bounded: list[tuple[str, Bound, InferRequest]] = []
+        self._stats: dict[str, str] = {}  # request stream -> its model version's statistics hash
         self._flush_scheduled = False
         self._reader: asyncio.Task[None] | None = None
         self._writes: set[asyncio.Task[None]] = set()
@@ -55,48 +77,71 @@ class Dispatcher:
                 fut.set_exception(Unavailable("the gateway is shutting down"))
         try:
             await self.redis.delete(self.reply_stream)
-        except (ConnectionError, OSError):
+        except (RedisError, OSError):
             pass
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
-    async def call(self, stream: str, request: InferRequest, timeout: float) -> InferReply:
-        """Queue the request and wait for its reply; TimeoutError after `timeout` seconds."""
+    async def call(self, stream: str, stats: str, request: InferRequest, timeout: float,
+                   bound: Bound | None = None) -> InferReply:
+        """Queue the request and wait for its reply; TimeoutError after `timeout` seconds.
+
+        `stats` is the model version's statistics hash: it counts what was enqueued (answered minus
+        enqueued is what is pending). With a bound, the request is refused (RESOURCE_EXHAUSTED)
+        when its queue is full."""
         fut: asyncio.Future[InferReply] = asyncio.get_running_loop().create_future()
         self._waiting[request.id] = fut
-        self._outbox[stream].append(request)
+        self._stats[stream] = stats
+        if bound is None:
+            self._outbox[stream].append(request)
+        else:
+            self._bounded.append((stream, bound, request))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
         try:
-            return await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):  # cheaper than wait_for: no task per request
+                return await fut
         finally:
             self._waiting.pop(request.id, None)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
         outbox, self._outbox = self._outbox, defaultdict(list)
-        task = asyncio.create_task(self._write(outbox))
+        bounded, self._bounded = self._bounded, []
+        task = asyncio.create_task(self._write(outbox, bounded))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write(self, outbox: dict[str, list[InferRequest]]) -> None:
+    async def _write(self, outbox: dict[str, list[InferRequest]],
+                     bounded: list[tuple[str, Bound, InferRequest]]) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for stream, batch in outbox.items():
             pipe.xadd(stream, {FIELD: records.encode(batch)})
+            pipe.hincrby(self._stats[stream], "enqueued", len(batch))
+        for stream, (counter, limit), req in bounded:
+            pipe.eval(BOUNDED_XADD, 3, stream, counter, self._stats[stream], limit, FIELD,
+                      records.encode([req]))
         try:
-            await pipe.execute()
-        except Exception as exc:
+            results = await pipe.execute()
+        except Exception as exc:  # every waiting caller must hear of it, whatever it was
             log.error("gateway %s: queueing %d requests failed: %s", self.id,
-                      sum(map(len, outbox.values())), exc)
+                      sum(map(len, outbox.values())) + len(bounded), exc)
             error = Unavailable(f"the request queue (Redis) is unavailable: {exc}")
-            for batch in outbox.values():
-                for req in batch:
-                    fut = self._waiting.get(req.id)
-                    if fut and not fut.done():
-                        fut.set_exception(error)
+            for req in [r for batch in outbox.values() for r in batch] + [b[2] for b in bounded]:
+                self._fail(req.id, error)
+            return
+        for (_, (_, limit), req), accepted in zip(bounded, results[2 * len(outbox):], strict=True):
+            if not accepted:
+                self._fail(req.id, DespinaError(f"the queue is full ({limit} requests); retry later",
+                                                Code.RESOURCE_EXHAUSTED))
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        fut = self._waiting.get(request_id)
+        if fut is not None and not fut.done():
+            fut.set_exception(error)
 
     async def _read_replies(self) -> None:
         last = "0-0"

@@ -1,43 +1,28 @@
 """Triton's dynamic batching rules, in pure asyncio: no Redis, no HTTP, no model.
 
-Requests are taken in arrival order. A batch stops growing when the next request would exceed
-max_batch_size or its non-batch shapes differ. If the batch reached a preferred size it is sent at
-the largest preferred size it contains; if it cannot grow it is sent now; otherwise it waits until
-the oldest request has waited max_queue_delay, then sends what is there. With a delay of 0, batches
-form only while every instance is busy.
+Requests are taken in priority order (level 1 first), arrival order within a level. A batch stops
+growing when the next request would exceed max_batch_size or its non-batch shapes differ. If the
+batch reached a preferred size it is sent at the largest preferred size it contains; if it cannot
+grow it is sent now; otherwise it waits until the oldest request has waited max_queue_delay, then
+sends what is there. With a delay of 0, batches form only while every instance is busy.
+
+Queue policy, per priority level: a request past its queue timeout is rejected (REJECT) or moved
+behind every request that has not timed out (DELAY); a level holding max_queue_size requests
+refuses more.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..contract.policy import BatchPolicy, QueuePolicy
 
-@dataclass(frozen=True)
-class BatchPolicy:
-    max_batch_size: int = 0                 # 0: the model has no batch dimension; never batch
-    preferred: tuple[int, ...] = ()         # empty: (max_batch_size,)
-    max_queue_delay_us: int = 0
-    dynamic: bool = False                   # False: each request runs alone
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 0:
-            raise ValueError("max_batch_size must be >= 0")
-        if any(p <= 0 or p > self.max_batch_size for p in self.preferred):
-            raise ValueError("preferred batch sizes must be within 1..max_batch_size")
-        if self.max_queue_delay_us < 0:
-            raise ValueError("max_queue_delay_us must be >= 0")
-
-    @property
-    def batching(self) -> bool:
-        return self.dynamic and self.max_batch_size > 0
-
-    @property
-    def preferred_sizes(self) -> frozenset[int]:
-        return frozenset(self.preferred or (self.max_batch_size,))
+__all__ = ["BatchPolicy", "DynamicBatcher", "Item", "QueueFull", "QueuePolicy"]
 
 
 @dataclass
@@ -48,22 +33,38 @@ class Item:
     shape_key: Hashable
     payload: Any
     arrived: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    timeout_us: int = 0                     # as the request asked; the level's policy decides
+    expires: float | None = None            # set by the batcher
+
+
+class QueueFull(Exception):
+    """The request's priority level already holds max_queue_size requests."""
 
 
 Execute = Callable[[list[Item]], Awaitable[None]]
+Reject = Callable[[Item], None]
 
 
 class DynamicBatcher:
-    """Forms batches from put() items and hands each to `execute`, at most `instances` at a time."""
+    """Forms batches from put() items and hands each to `execute`, at most `instances` at a time.
 
-    def __init__(self, policy: BatchPolicy, execute: Execute, instances: int = 1) -> None:
+    `reject` receives the items whose queue timeout passed under a REJECT policy.
+    """
+
+    def __init__(self, policy: BatchPolicy, execute: Execute, instances: int = 1,
+                 reject: Reject | None = None) -> None:
         if instances < 1:
             raise ValueError("instances must be >= 1")
         self.policy = policy
         self._execute = execute
-        self._queue: deque[Item] = deque()
+        self._reject = reject or (lambda item: None)
+        levels = max(policy.priority_levels, 1)
+        self._queues: list[deque[Item]] = [deque() for _ in range(levels)]
+        self._delayed: deque[Item] = deque()
+        self._timed = 0                     # queued items that carry a timeout
         self._wake = asyncio.Event()
-        self._free = asyncio.Semaphore(instances)
+        self._idle = instances
         self._running: set[asyncio.Task[None]] = set()
         self._closed = False
         self._preferred = policy.preferred_sizes
@@ -72,12 +73,22 @@ class DynamicBatcher:
     def put(self, item: Item) -> None:
         if self._closed:
             raise RuntimeError("batcher is closed")
-        self._queue.append(item)
+        level = self.policy.level(item.priority)
+        queue_policy = self.policy.queue_policy(level)
+        queue = self._queues[level - 1]
+        if queue_policy.max_queue_size and len(queue) >= queue_policy.max_queue_size:
+            raise QueueFull(f"the queue of priority level {level} is full "
+                            f"({queue_policy.max_queue_size} requests)")
+        timeout = queue_policy.timeout_us(item.timeout_us)
+        if timeout:
+            item.expires = item.arrived + timeout / 1e6
+            self._timed += 1
+        queue.append(item)
         self._wake.set()
 
     @property
     def pending(self) -> int:
-        return len(self._queue)
+        return sum(map(len, self._queues)) + len(self._delayed)
 
     @property
     def executing(self) -> int:
@@ -91,11 +102,10 @@ class DynamicBatcher:
     async def run(self) -> None:
         try:
             while True:
-                await self._free.acquire()
                 batch = await self._next_batch()
                 if batch is None:
-                    self._free.release()
                     break
+                self._idle -= 1
                 task = asyncio.create_task(self._run_one(batch))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
@@ -107,47 +117,99 @@ class DynamicBatcher:
         try:
             await self._execute(batch)
         finally:
-            self._free.release()
+            self._idle += 1
+            self._wake.set()
 
     async def _next_batch(self) -> list[Item] | None:
+        """Wait for a free instance and a batch; apply queue timeouts all the while."""
         while True:
-            if not self._queue:
+            now = time.monotonic()
+            next_timeout = self._expire(now) if self._timed else None
+            if not self.pending:
                 if self._closed:
                     return None
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            size, wait = self._plan(time.monotonic())
-            if size:
-                return [self._queue.popleft() for _ in range(size)]
+            elif self._idle > 0:
+                size, wait = self._plan(now)
+                if size:
+                    return self._take(size)
+                next_timeout = now + wait if next_timeout is None else min(now + wait, next_timeout)
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), wait)
-            except TimeoutError:
-                pass
+            await self._wait(next_timeout, now)
+
+    async def _wait(self, until: float | None, now: float) -> None:
+        if until is None:
+            await self._wake.wait()
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), max(0.0, until - now))
+        except TimeoutError:
+            pass
+
+    def _ordered(self) -> Iterator[Item]:
+        return itertools.chain(*self._queues, self._delayed)
+
+    def _take(self, count: int) -> list[Item]:
+        taken: list[Item] = []
+        for queue in (*self._queues, self._delayed):
+            while queue and len(taken) < count:
+                item = queue.popleft()
+                if item.expires is not None and queue is not self._delayed:
+                    self._timed -= 1
+                taken.append(item)
+        return taken
+
+    def _expire(self, now: float) -> float | None:
+        """Apply queue timeouts; return when the next one falls due."""
+        nearest: float | None = None
+        for level, queue in enumerate(self._queues, start=1):
+            if not any(i.expires is not None for i in queue):
+                continue
+            action = self.policy.queue_policy(level).timeout_action
+            keep: deque[Item] = deque()
+            for item in queue:
+                if item.expires is None:
+                    keep.append(item)
+                elif item.expires <= now:
+                    self._timed -= 1
+                    if action == "DELAY":
+                        item.expires = None
+                        self._delayed.append(item)
+                    else:
+                        self._reject(item)
+                else:
+                    keep.append(item)
+                    nearest = item.expires if nearest is None else min(nearest, item.expires)
+            queue.clear()
+            queue.extend(keep)
+        return nearest
 
     def _plan(self, now: float) -> tuple[int, float]:
         """(how many queued items to send now, 0 = none) and how long to wait otherwise."""
         policy = self.policy
         if not policy.batching:
             return 1, 0.0
-        first = self._queue[0]
-        rows = count = best_preferred = 0
-        cannot_grow = False
-        for item in self._queue:
-            if item.shape_key != first.shape_key or rows + item.rows > policy.max_batch_size:
-                cannot_grow = True
-                break
-            rows += item.rows
-            count += 1
-            if rows in self._preferred:
-                best_preferred = count
-            if rows >= self._max_preferred:
-                cannot_grow = True
-                break
-        if count == 0:  # a single item larger than max_batch_size: gateways refuse these, run it alone
+        ordered = self._ordered()
+        first = next(ordered)
+        rows, count, best_preferred = first.rows, 1, 0
+        cannot_grow = rows >= self._max_preferred
+        if rows in self._preferred:
+            best_preferred = 1
+        if rows > policy.max_batch_size:  # gateways refuse these; run it alone rather than never
             return 1, 0.0
-        waited = now - first.arrived
+        if not cannot_grow:
+            for item in ordered:
+                if item.shape_key != first.shape_key or rows + item.rows > policy.max_batch_size:
+                    cannot_grow = True
+                    break
+                rows += item.rows
+                count += 1
+                if rows in self._preferred:
+                    best_preferred = count
+                if rows >= self._max_preferred:
+                    cannot_grow = True
+                    break
+        oldest = min([first.arrived, *(q[0].arrived for q in self._queues if q)])
+        waited = now - oldest
         delay = policy.max_queue_delay_us / 1e6
         delay_exceeded = waited >= delay or self._closed
         if best_preferred and not delay_exceeded:

@@ -11,16 +11,21 @@ from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError
 
 from ..contract import records
 from ..contract.datatypes import numpy_to_v2, to_bytes
-from ..contract.errors import Code, DespinaError
-from ..contract.keys import FIELD, GROUP, Keys
+from ..contract.errors import Code, ConfigError, DespinaError
+from ..contract.keys import FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
-from .backends import Backend, Instance, backend_class
-from .batcher import BatchPolicy, DynamicBatcher, Item
+from . import stats
+from .backends import Backend, backend_class
+from .batcher import DynamicBatcher, Item, QueueFull
+from .instances import plan as plan_instances
+from .streams import Entry, ModelStreams
+from .warmup import run as warmup
+from .warmup import samples
 
 log = logging.getLogger("despina.worker")
 
@@ -34,7 +39,7 @@ class Pending:
     """A request inside the batcher, and the stream entry it came in."""
 
     request: InferRequest
-    entry: bytes
+    entry: tuple[str, bytes]     # (stream, entry id)
     inputs: dict[str, np.ndarray]
 
 
@@ -43,7 +48,9 @@ class ModelRunner:
                  consumer: str, threads: int = 1, read_ahead: int | None = None) -> None:
         self.redis, self.keys, self.spec, self.version = redis, keys, spec, version
         self.path = path
-        self.stream = keys.request_stream(spec.name, version)
+        self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
+        self._bounded = {level for level in range(1, max(spec.policy.priority_levels, 1) + 1)
+                         if spec.policy.queue_policy(level).max_queue_size}
         self.stats_key = keys.stats(spec.name, version)
         self.consumer = consumer
         self.threads = threads
@@ -51,42 +58,50 @@ class ModelRunner:
         self.instances: asyncio.Queue[Backend] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"{spec.name}-")
         self._count = count
-        policy = BatchPolicy(spec.max_batch_size, spec.batching.preferred if spec.batching else (),
-                             spec.batching.max_queue_delay_us if spec.batching else 0,
-                             spec.batching is not None)
-        self.batcher = DynamicBatcher(policy, self._execute, count)
+        policy = spec.policy
+        self.batcher = DynamicBatcher(policy, self._execute, count, self._on_timeout)
         limit = max(spec.max_batch_size, 1) * count * 4
         self._read_ahead = read_ahead or max(limit, 64)
-        self._entries: dict[bytes, int] = {}     # stream entry id -> requests not yet answered
+        self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
         self._in_flight = 0
         self._room = asyncio.Event()
         self._room.set()
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def load(self) -> None:
+        """Load every instance of the instance groups, then run the warmup samples on each."""
         cls = backend_class(self.spec.backend)
-        kind = "GPU" if cls.gpu_available() and self._wants_gpu() else "CPU"
         version_dir = self.path / str(self.version)
         loop = asyncio.get_running_loop()
-        for i in range(self._count):
-            backend = cls(self.spec, version_dir, Instance(f"{self.spec.name}_{i}", kind, 0, self.threads))
-            await loop.run_in_executor(self._executor, backend.load)
-            self.instances.put_nowait(backend)
-
-    def _wants_gpu(self) -> bool:
-        kinds = {g.get("kind", "KIND_AUTO") for g in self.spec.config.get("instance_group", [])}
-        return bool(kinds & {"KIND_GPU", "KIND_AUTO"}) or not kinds
+        gpus = await loop.run_in_executor(self._executor, cls.gpu_count)
+        instances = plan_instances(self.spec, gpus, self.threads)
+        warmups = samples(self.spec, self.path)
+        if len(instances) != self._count:  # e.g. KIND_GPU without `gpus`: count on every GPU
+            self._executor.shutdown(wait=False)
+            self._executor = ThreadPoolExecutor(max_workers=len(instances),
+                                                thread_name_prefix=f"{self.spec.name}-")
+            self._count = len(instances)
+            self.batcher = DynamicBatcher(self.batcher.policy, self._execute, self._count,
+                                          self._on_timeout)
+        for instance in instances:
+            backend = cls(self.spec, version_dir, instance)
+            try:
+                await loop.run_in_executor(self._executor, backend.load)
+                self.instances.put_nowait(backend)
+                await loop.run_in_executor(self._executor, warmup, backend, self.spec, warmups)
+            except DespinaError:
+                raise
+            except Exception as exc:  # a backend bug must fail this model, not the worker
+                log.exception("model %s: loading instance %s failed", self.spec.name, instance.name)
+                raise ConfigError(f"model '{self.spec.name}': loading failed: {exc}") from None
 
     async def start(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await self.streams.ensure_groups()
         self.state = "READY"
         self._tasks = [asyncio.create_task(self.batcher.run()), asyncio.create_task(self._read_loop()),
                        asyncio.create_task(self._reclaim_loop())]
@@ -103,6 +118,8 @@ class ModelRunner:
         self.batcher.close()
         if self._tasks:
             await asyncio.gather(self._tasks[0], return_exceptions=True)
+        while self._background:  # replies still being written
+            await asyncio.gather(*list(self._background), return_exceptions=True)
         while not self.instances.empty():
             backend = self.instances.get_nowait()
             await asyncio.get_running_loop().run_in_executor(self._executor, backend.unload)
@@ -115,19 +132,12 @@ class ModelRunner:
         while not self._stopping:
             await self._room.wait()
             try:
-                resp = await self.redis.xreadgroup(
-                    GROUP, self.consumer, {self.stream: ">"},
-                    count=max(1, (self._read_ahead - self._in_flight) // 4 or 1), block=1000)
-            except ResponseError as exc:
-                if "NOGROUP" in str(exc):  # the stream was deleted (e.g. Redis restarted): recreate
-                    await self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-                    continue
-                raise
-            except (ConnectionError, OSError) as exc:
+                entries = await self.streams.read(max(1, (self._read_ahead - self._in_flight) // 4), 1000)
+            except (RedisError, OSError) as exc:
                 log.warning("model %s: reading its stream failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
                 continue
-            for _, entries in resp or ():
+            if entries:
                 await self._accept(entries)
 
     async def _reclaim_loop(self) -> None:
@@ -135,52 +145,66 @@ class ModelRunner:
         while not self._stopping:
             await asyncio.sleep(RECLAIM_IDLE_MS / 4000)
             try:
-                result = await self.redis.xautoclaim(self.stream, GROUP, self.consumer,
-                                                     RECLAIM_IDLE_MS, "0-0", count=100)
-            except (ResponseError, ConnectionError, OSError):
+                entries = await self.streams.reclaim(RECLAIM_IDLE_MS)
+            except (RedisError, OSError):
                 continue
-            entries = [e for e in result[1] if e and e[1]]
             if entries:
                 log.warning("model %s: reclaimed %d pending entries", self.spec.name, len(entries))
                 await self._accept(entries)
 
-    async def _accept(self, entries: list[Any]) -> None:
+    async def _accept(self, entries: list[Entry]) -> None:
         now = time.time()
         failures: list[InferReply] = []
-        reply_to: dict[str, str] = {}
-        for entry_id, fields in entries:
+        requests: dict[str, InferRequest] = {}
+        for stream, entry_id, fields in entries:
+            entry = (stream, entry_id)
             try:
                 reqs = records.decode_requests(fields[FIELD])
             except (KeyError, DespinaError) as exc:
                 log.error("model %s: dropping undecodable entry %s: %s", self.spec.name, entry_id, exc)
-                await self._ack([entry_id])
+                await self._ack([entry])
                 continue
-            self._entries[entry_id] = len(reqs)
+            self._entries[entry] = len(reqs)
             for req in reqs:
-                reply_to[req.id] = req.reply_to
+                requests[req.id] = req
                 if req.deadline < now:
                     failures.append(_error(req, Code.DEADLINE_EXCEEDED,
                                            "request timed out in the queue before it could run"))
-                    self._entries[entry_id] -= 1
+                    self._entries[entry] -= 1
                     continue
                 try:
                     inputs = {t.name: t.numpy() for t in req.inputs}
                 except DespinaError as exc:
                     failures.append(_error(req, exc.code, exc.message))
-                    self._entries[entry_id] -= 1
+                    self._entries[entry] -= 1
+                    continue
+                pending = Pending(req, entry, inputs)
+                try:
+                    # time spent in the stream counts towards the queue delay and timeout
+                    arrived = time.monotonic() - max(0.0, now - req.enqueued)
+                    self.batcher.put(Item(self._rows(inputs), self._shape_key(req), pending, arrived,
+                                          priority=req.priority, timeout_us=req.timeout_us))
+                except QueueFull as exc:
+                    failures.append(_error(req, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}"))
+                    self._entries[entry] -= 1
                     continue
                 self._in_flight += 1
-                pending = Pending(req, entry_id, inputs)
-                self.batcher.put(Item(self._rows(inputs), self._shape_key(req), pending))
         if len(self._entries) and self._in_flight >= self._read_ahead:
             self._room.clear()
         if failures:
-            await self._reply(failures, reply_to, [])
+            await self._reply(failures, requests, [])
         done = [e for e, n in self._entries.items() if n == 0]
-        if done:
+        if done:  # entries none of whose requests reached the batcher
             for e in done:
                 del self._entries[e]
             await self._ack(done)
+
+    def _on_timeout(self, item: Item) -> None:
+        """The batcher dropped a request whose queue timeout passed (REJECT policy): answer it."""
+        p: Pending = item.payload
+        reply = _error(p.request, Code.DEADLINE_EXCEEDED,
+                       f"model '{self.spec.name}': request timed out in the queue (queue policy timeout)")
+        self._spawn(self._reply([reply], {p.request.id: p.request}, [p]))
 
     def _rows(self, inputs: dict[str, np.ndarray]) -> int:
         if not self.spec.batched or not inputs:
@@ -199,24 +223,44 @@ class ModelRunner:
         replies = [_error(p.request, Code.DEADLINE_EXCEEDED,
                           "request timed out in the queue before it could run")
                    for p in pendings if p.request.deadline < started]
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("batch formed", extra={"fields": {
+                "model": self.spec.name, "version": self.version, "requests": len(pendings),
+                "rows": sum(self._rows(p.inputs) for p in pendings),
+                "queue_us": [int((started - p.request.enqueued) * 1e6) for p in pendings],
+                "request_ids": [p.request.trace or p.request.id for p in pendings]}})
+        marks: dict[str, int] = {"start": time.perf_counter_ns()}
         if live:
-            replies.extend(await self._run_batch(live, started))
+            replies.extend(await self._run_batch(live, started, marks))
         rows = sum(self._rows(p.inputs) for p in live)
-        reply_to = {p.request.id: p.request.reply_to for p in pendings}
-        await self._reply(replies, reply_to, pendings, rows=rows if live else 0, started=started)
+        timings = _timings(marks, time.perf_counter_ns())
+        # the instance is free as soon as the model ran: replies go out in the background
+        self._spawn(self._reply(replies, {p.request.id: p.request for p in pendings}, pendings,
+                                rows=rows if live else 0, started=started, timings=timings))
 
-    async def _run_batch(self, live: list[Pending], started: float) -> list[InferReply]:
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _run_batch(self, live: list[Pending], started: float, marks: dict[str, int]
+                         ) -> list[InferReply]:
+        """Run one batch; `marks` records when its inputs were ready and when the model returned."""
         names = self._output_names(live)
-        if self.spec.batched and len(live) > 1:
-            inputs = {n: np.concatenate([p.inputs[n] for p in live]) for n in live[0].inputs}
-        else:
-            inputs = live[0].inputs if len(live) == 1 else {}
         backend = await self.instances.get()
         try:
+            if backend.per_request:
+                return await self._run_requests(backend, live, started)
+            if self.spec.batched and len(live) > 1:
+                inputs = {n: np.concatenate([p.inputs[n] for p in live]) for n in live[0].inputs}
+            else:
+                inputs = live[0].inputs if len(live) == 1 else {}
+            marks["input"] = time.perf_counter_ns()
             if len(live) > 1 and not self.spec.batched:  # no batch dimension: one request at a time
                 results = [await self._call(backend, p.inputs, names) for p in live]
             else:
                 results = [await self._call(backend, inputs, names)]
+            marks["infer"] = time.perf_counter_ns()
         except DespinaError as exc:
             return [_error(p.request, exc.code, exc.message) for p in live]
         except Exception as exc:  # a backend bug must fail the batch, not the worker
@@ -228,6 +272,22 @@ class ModelRunner:
         if len(results) > 1:
             return [self._answer(p, r, started, compute_us) for p, r in zip(live, results)]
         return self._split(live, results[0], started, compute_us)
+
+    async def _run_requests(self, backend: Backend, live: list[Pending], started: float
+                            ) -> list[InferReply]:
+        """A per-request backend: each request keeps its own inputs, and its own error."""
+        every = [o.name for o in self.spec.outputs]
+        asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every
+                 for p in live]
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(self._executor, backend.execute_requests,
+                                              [p.inputs for p in live], asked)
+        if len(results) != len(live):
+            msg = f"model '{self.spec.name}' returned {len(results)} results for {len(live)} requests"
+            return [_error(p.request, Code.BACKEND, msg) for p in live]
+        compute_us = int((time.time() - started) * 1e6)
+        return [_error(p.request, r.code, r.message) if isinstance(r, DespinaError)
+                else self._answer(p, r, started, compute_us) for p, r in zip(live, results)]
 
     async def _call(self, backend: Backend, inputs: dict[str, np.ndarray], names: list[str]
                     ) -> dict[str, np.ndarray]:
@@ -268,65 +328,61 @@ class ModelRunner:
 
     # -- replying --------------------------------------------------------------------------------
 
-    async def _reply(self, replies: list[InferReply], reply_to: dict[str, str], pendings: list[Pending],
-                     rows: int = 0, started: float = 0.0) -> None:
+    async def _reply(self, replies: list[InferReply], requests: dict[str, InferRequest],
+                     pendings: list[Pending], rows: int = 0, started: float = 0.0,
+                     timings: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """One round trip: a reply entry per gateway, statistics, queue counters, and the
+        acknowledgement of every stream entry now fully answered (after its replies, in order)."""
         by_gateway: dict[str, list[InferReply]] = {}
         for r in replies:
-            by_gateway.setdefault(reply_to[r.id], []).append(r)
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, group in by_gateway.items():
-            pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
-            pipe.pexpire(stream, REPLY_TTL_MS)
-        if rows:
-            self._count_stats(pipe, replies, rows, started)
-        try:
-            await pipe.execute()
-        except Exception as exc:
-            log.error("model %s: writing %d replies failed: %s; they stay pending for reclaim",
-                      self.spec.name, len(replies), exc)
-            return
+            by_gateway.setdefault(requests[r.id].reply_to, []).append(r)
         done = []
         for p in pendings:
             self._entries[p.entry] -= 1
             if self._entries[p.entry] == 0:
                 del self._entries[p.entry]
                 done.append(p.entry)
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, group in by_gateway.items():
+            pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
+            pipe.pexpire(stream, REPLY_TTL_MS)
+        if self._bounded:
+            self._count_dequeued(pipe, [requests[r.id] for r in replies])
+        stats.record(pipe, self.stats_key, replies, rows, started, timings)
+        if done:
+            self.streams.ack_into(pipe, done)
+        try:
+            await pipe.execute()
+        except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
+            log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
+                      self.spec.name, len(replies), exc)
         self._in_flight -= len(pendings)
         if self._in_flight < self._read_ahead:
             self._room.set()
-        if done:
-            await self._ack(done)
 
-    def _count_stats(self, pipe: Any, replies: list[InferReply], rows: int, started: float) -> None:
-        """Triton's statistics counters for one execution, summed over workers by HINCRBY."""
-        ok = [r for r in replies if r.error is None]
-        failed = [r for r in replies if r.error is not None]
-        key = self.stats_key
-        compute_ns = (ok[0].compute_us if ok else 0) * 1000
-        pipe.hincrby(key, "inference_count", rows)
-        pipe.hincrby(key, "execution_count", 1)
-        pipe.hincrby(key, f"batch:{rows}", 1)
-        pipe.hincrby(key, f"batch_ns:{rows}", compute_ns)
-        if ok:
-            queue_ns = sum(r.queue_us for r in ok) * 1000
-            pipe.hincrby(key, "success_count", len(ok))
-            pipe.hincrby(key, "success_ns", queue_ns + compute_ns * len(ok))
-            pipe.hincrby(key, "queue_count", len(ok))
-            pipe.hincrby(key, "queue_ns", queue_ns)
-            pipe.hincrby(key, "compute_infer_count", len(ok))
-            pipe.hincrby(key, "compute_infer_ns", compute_ns * len(ok))
-        if failed:
-            pipe.hincrby(key, "fail_count", len(failed))
-        pipe.hset(key, "last_inference", int(started * 1000))
+    def _count_dequeued(self, pipe: Any, answered: list[InferRequest]) -> None:
+        levels: dict[int, int] = {}
+        for req in answered:
+            level = self.spec.policy.level(req.priority)
+            if level in self._bounded:
+                levels[level] = levels.get(level, 0) + 1
+        for level, n in levels.items():
+            pipe.decrby(self.keys.queued(self.spec.name, self.version, level), n)
 
-    async def _ack(self, entry_ids: list[bytes]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(self.stream, GROUP, *entry_ids)
-        pipe.xdel(self.stream, *entry_ids)  # acknowledged work leaves the stream: its length is the backlog
+    async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
         try:
-            await pipe.execute()
-        except Exception as exc:
-            log.error("model %s: acknowledging failed: %s", self.spec.name, exc)
+            await self.streams.ack(entries)
+        except (RedisError, OSError) as exc:
+            log.error("model %s: acknowledging failed: %s; the entries will be reclaimed",
+                      self.spec.name, exc)
+
+
+def _timings(marks: dict[str, int], end: int) -> tuple[int, int, int]:
+    """(input, infer, output) nanoseconds of one execution; per-request backends report all as infer."""
+    start = marks["start"]
+    ready = marks.get("input", start)
+    ran = marks.get("infer", end)
+    return ready - start, ran - ready, end - ran
 
 
 def _error(req: InferRequest, code: Code, message: str) -> InferReply:

@@ -1,0 +1,95 @@
+"""The control plane's own HTTP port (Triton's metrics port, 8002): Prometheus metrics for the whole
+deployment at /metrics, and the live status page at /status (its data at /status.json)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Generator
+
+import orjson
+import redis.asyncio as aioredis
+import uvicorn
+from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from ..contract.keys import Keys
+from ..metrics import HostMetrics, metrics_text
+from ..settings import Settings
+from .status import PERIOD_S, StatusTracker
+from .status_page import HTML
+
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def create_app(settings: Settings, redis: aioredis.Redis) -> Starlette:
+    keys = Keys(settings.key_prefix)
+    host = HostMetrics()
+
+    async def metrics(request: Request) -> Response:
+        try:
+            body = await metrics_text(redis, keys, host)
+        except (RedisError, OSError) as exc:
+            return Response(f"# Redis unavailable: {exc}\n", 503, media_type=PROMETHEUS)
+        return Response(body, media_type=PROMETHEUS)
+
+    tracker = StatusTracker(redis, keys)
+
+    async def status_json(request: Request) -> Response:
+        if not tracker.samples:
+            try:
+                await tracker.sample()
+            except (RedisError, OSError) as exc:
+                return Response(orjson.dumps({"error": f"Redis unavailable: {exc}"}), 503,
+                                media_type="application/json")
+        return Response(orjson.dumps(tracker.snapshot()), media_type="application/json")
+
+    async def status(request: Request) -> Response:
+        return HTMLResponse(HTML)
+
+    async def root(request: Request) -> Response:
+        return RedirectResponse("/status")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(_sample_forever(tracker))
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    return Starlette(lifespan=lifespan, routes=[
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/status", status, methods=["GET"]),
+        Route("/status.json", status_json, methods=["GET"]),
+        Route("/", root, methods=["GET"]),
+    ])
+
+
+async def _sample_forever(tracker: StatusTracker) -> None:
+    while True:
+        try:
+            await tracker.sample()
+        except (RedisError, OSError):
+            pass
+        await asyncio.sleep(PERIOD_S)
+
+
+class _InLoopServer(uvicorn.Server):
+    """uvicorn inside a loop that already handles signals: the role stops it, not a signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+async def serve(app: Starlette, host: str, port: int, stop: asyncio.Event) -> None:
+    server = _InLoopServer(uvicorn.Config(app, host=host, port=port, lifespan="on", access_log=False,
+                                          log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    await stop.wait()
+    server.should_exit = True
+    await task

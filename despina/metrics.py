@@ -1,0 +1,248 @@
+"""Prometheus metrics with Triton's names, for the whole deployment, rendered from Redis.
+
+Workers count into one statistics hash per model version (workers/stats.py); gateways count what
+they enqueue and refuse. Rendering those hashes gives Triton's `nv_inference_*` families summed over
+every process on every host, the same numbers the statistics API answers. Host metrics (CPU,
+memory, GPUs through NVML when present) describe the machine of the process serving /metrics.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from .contract.catalog import CatalogEntry
+from .contract.keys import Keys
+from .contract.policy import batch_policy
+from .workers.stats import LATENCY_BUCKETS_US
+
+COUNTERS = (  # Triton's counter, help, statistics field, scale from the field's unit
+    ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
+     "success_count", 1),
+    ("nv_inference_count", "Number of inferences performed (a batch of n counts n)", "inference_count", 1),
+    ("nv_inference_exec_count", "Number of model executions performed (one per batch)",
+     "execution_count", 1),
+    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds",
+     "success_ns", 1e-3),
+    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds",
+     "queue_ns", 1e-3),
+    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds",
+     "compute_input_ns", 1e-3),
+    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds",
+     "compute_infer_ns", 1e-3),
+    ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in "
+     "microseconds", "compute_output_ns", 1e-3),
+)
+REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+
+
+class Exposition:
+    """Prometheus text format, written family by family."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_: str) -> None:
+        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+
+    def sample(self, name: str, labels: dict[str, str], value: float) -> None:
+        text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+        number = repr(float(value)) if value != int(value) else f"{int(value)}"
+        self.lines.append(f"{name}{{{text}}} {number}" if text else f"{name} {number}")
+
+    def text(self) -> bytes:
+        return ("\n".join(self.lines) + "\n").encode()
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
+    """One consistent read of what the metrics need: catalog, statistics, backlogs, workers."""
+    catalog = {k.decode(): CatalogEntry.loads(v) for k, v in (await redis.hgetall(keys.catalog)).items()}
+    targets: list[tuple[str, int, list[str]]] = []
+    for name, entry in sorted(catalog.items()):
+        levels = max(batch_policy(entry.config).priority_levels, 1) if entry.config else 1
+        for version in entry.versions:
+            streams = [keys.request_stream(name, version, level) for level in range(1, levels + 1)]
+            targets.append((name, version, streams))
+    pipe = redis.pipeline(transaction=False)
+    for name, version, streams in targets:
+        pipe.hgetall(keys.stats(name, version))
+        for stream in streams:
+            pipe.xlen(stream)
+    pipe.smembers(keys.workers)
+    results = await pipe.execute()
+    workers = results.pop()
+    pipe = redis.pipeline(transaction=False)
+    for wid in workers:
+        pipe.exists(keys.worker(wid.decode()))
+    alive = sum(await pipe.execute()) if workers else 0
+    models = []
+    cursor = 0
+    for name, version, streams in targets:
+        stats = {k.decode(): int(v) for k, v in results[cursor].items()}
+        backlog = results[cursor + 1: cursor + 1 + len(streams)]
+        cursor += 1 + len(streams)
+        models.append({"model": name, "version": str(version), "stats": stats, "backlog": backlog})
+    return {"models": models, "workers_alive": alive}
+
+
+def render(data: dict[str, Any], host: Iterable[tuple[str, str, str, dict[str, str], float]] = ()) -> bytes:
+    out = Exposition()
+    models = data["models"]
+    for name, help_, field, scale in COUNTERS:
+        out.family(name, "counter", help_)
+        for m in models:
+            out.sample(name, _labels(m), m["stats"].get(field, 0) * scale)
+    out.family("nv_inference_request_failure", "counter",
+               "Number of failed inference requests, all batch sizes")
+    for m in models:
+        for reason in REASONS:
+            out.sample("nv_inference_request_failure", {**_labels(m), "reason": reason},
+                       m["stats"].get(f"fail:{reason}", 0))
+    out.family("nv_inference_pending_request_count", "gauge",
+               "Instantaneous number of pending requests awaiting execution per-model")
+    for m in models:
+        s = m["stats"]
+        # requests a gateway refused (queue full) were never enqueued
+        answered = s.get("success_count", 0) + s.get("fail_count", 0) - s.get("refused", 0)
+        out.sample("nv_inference_pending_request_count", _labels(m), max(0, s.get("enqueued", 0) - answered))
+    out.family("despina_stream_backlog", "gauge", "Entries in a model version's request streams "
+               "(queued or being worked on; one entry may carry several requests)")
+    for m in models:
+        for level, n in enumerate(m["backlog"], start=1):
+            out.sample("despina_stream_backlog", {**_labels(m), "priority": str(level)}, n)
+    _batch_histogram(out, models)
+    _latency_histogram(out, models, "despina_request_latency_seconds", "lat",
+                       "Request latency from enqueue to reply, as workers measure it")
+    _latency_histogram(out, models, "despina_queue_latency_seconds", "qlat",
+                       "Time requests waited before their batch started executing")
+    out.family("despina_model_load_duration_seconds", "summary", "Time to load a model version on a worker")
+    for m in models:
+        out.sample("despina_model_load_duration_seconds_count", _labels(m), m["stats"].get("load_count", 0))
+        out.sample("despina_model_load_duration_seconds_sum", _labels(m), m["stats"].get("load_ns", 0) / 1e9)
+    out.family("despina_cold_start_duration_seconds", "summary",
+               "Time from a request for an unloaded model to the model being ready")
+    for m in models:
+        out.sample("despina_cold_start_duration_seconds_count", _labels(m), m["stats"].get("cold_count", 0))
+        out.sample("despina_cold_start_duration_seconds_sum", _labels(m), m["stats"].get("cold_ns", 0) / 1e9)
+    out.family("despina_workers_alive", "gauge", "Workers whose heartbeat is current")
+    out.sample("despina_workers_alive", {}, data["workers_alive"])
+    families: dict[str, tuple[str, str]] = {}
+    for name, kind, help_, labels, value in host:
+        if name not in families:
+            families[name] = (kind, help_)
+            out.family(name, kind, help_)
+        out.sample(name, labels, value)
+    return out.text()
+
+
+def _labels(m: dict[str, Any]) -> dict[str, str]:
+    return {"model": m["model"], "version": m["version"]}
+
+
+def _batch_histogram(out: Exposition, models: list[dict[str, Any]]) -> None:
+    out.family("despina_batch_size", "histogram", "Rows per model execution (the batch actually formed)")
+    bounds = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+    for m in models:
+        sizes = {int(k.split(":", 1)[1]): v for k, v in m["stats"].items() if k.startswith("batch:")}
+        for bound in bounds:
+            out.sample("despina_batch_size_bucket", {**_labels(m), "le": str(bound)},
+                       sum(v for size, v in sizes.items() if size <= bound))
+        out.sample("despina_batch_size_bucket", {**_labels(m), "le": "+Inf"}, sum(sizes.values()))
+        out.sample("despina_batch_size_sum", _labels(m), sum(size * v for size, v in sizes.items()))
+        out.sample("despina_batch_size_count", _labels(m), sum(sizes.values()))
+
+
+def _latency_histogram(out: Exposition, models: list[dict[str, Any]], name: str, field: str,
+                       help_: str) -> None:
+    out.family(name, "histogram", help_)
+    for m in models:
+        counts = [m["stats"].get(f"{field}:{i}", 0) for i in range(len(LATENCY_BUCKETS_US) + 1)]
+        running = 0
+        for bound, n in zip(LATENCY_BUCKETS_US, counts, strict=False):
+            running += n
+            out.sample(f"{name}_bucket", {**_labels(m), "le": f"{bound / 1e6:g}"}, running)
+        out.sample(f"{name}_bucket", {**_labels(m), "le": "+Inf"}, sum(counts))
+        total_ns = m["stats"].get("success_ns" if field == "lat" else "queue_ns", 0)
+        out.sample(f"{name}_sum", _labels(m), total_ns / 1e9)
+        out.sample(f"{name}_count", _labels(m), sum(counts))
+
+
+class HostMetrics:
+    """Triton's CPU and GPU metrics for this machine (GPU only where NVML answers)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, int] | None = None
+        self._nvml: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+        except Exception:  # no NVML library or no GPU: no GPU metrics
+            self._nvml = None
+
+    def samples(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        out: list[tuple[str, str, str, dict[str, str], float]] = []
+        util = self._cpu_utilization()
+        if util is not None:
+            out.append(("nv_cpu_utilization", "gauge", "CPU utilization rate [0.0 - 1.0]", {}, util))
+        mem = _meminfo()
+        if mem:
+            total, available = mem
+            out.append(("nv_cpu_memory_total_bytes", "gauge", "CPU total memory (RAM), in bytes", {}, total))
+            out.append(("nv_cpu_memory_used_bytes", "gauge", "CPU used memory (RAM), in bytes", {},
+                        total - available))
+        if self._nvml is not None:
+            out += self._gpu()
+        return out
+
+    def _cpu_utilization(self) -> float | None:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle, total = fields[3] + fields[4], sum(fields)
+        last, self._last = self._last, (idle, total)
+        if last is None or total == last[1]:
+            return 0.0
+        return 1.0 - (idle - last[0]) / (total - last[1])
+
+    def _gpu(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        nv = self._nvml
+        out: list[tuple[str, str, str, dict[str, str], float]] = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            labels = {"gpu_uuid": str(nv.nvmlDeviceGetUUID(h))}
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            out += [
+                ("nv_gpu_utilization", "gauge", "GPU utilization rate [0.0 - 1.0)", labels,
+                 nv.nvmlDeviceGetUtilizationRates(h).gpu / 100),
+                ("nv_gpu_memory_total_bytes", "gauge", "GPU total memory, in bytes", labels, mem.total),
+                ("nv_gpu_memory_used_bytes", "gauge", "GPU used memory, in bytes", labels, mem.used),
+                ("nv_gpu_power_usage", "gauge", "GPU power usage in watts", labels,
+                 nv.nvmlDeviceGetPowerUsage(h) / 1000),
+                ("nv_gpu_power_limit", "gauge", "GPU power management limit in watts", labels,
+                 nv.nvmlDeviceGetPowerManagementLimit(h) / 1000),
+                ("nv_energy_consumption", "counter", "GPU energy consumption in joules since the driver "
+                 "loaded", labels, nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1000),
+            ]
+        return out
+
+
+def _meminfo() -> tuple[int, int] | None:
+    try:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024
+                for line in Path("/proc/meminfo").read_text().splitlines() if line.split()[1:]}
+        return info["MemTotal"], info["MemAvailable"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+async def metrics_text(redis: aioredis.Redis, keys: Keys, host: HostMetrics) -> bytes:
+    return render(await collect(redis, keys), host.samples())

@@ -1,0 +1,86 @@
+"""The Redis side of one model version on one worker: its request streams, read through the shared
+consumer group, one stream per priority level (highest first), reclaimed when a consumer died."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from ..contract.keys import GROUP, Keys
+
+log = logging.getLogger("despina.worker")
+
+Entry = tuple[str, bytes, dict[bytes, bytes]]   # (stream, entry id, fields)
+
+
+class ModelStreams:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, version: int, levels: int,
+                 consumer: str) -> None:
+        self.redis = redis
+        self.consumer = consumer
+        self.streams = [keys.request_stream(model, version, level) for level in range(1, max(levels, 1) + 1)]
+
+    async def ensure_groups(self) -> None:
+        for stream in self.streams:
+            try:
+                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def read(self, count: int, block_ms: int) -> list[Entry]:
+        """Up to `count` new entries, higher priority levels first; blocks only when all are empty."""
+        try:
+            if len(self.streams) == 1:
+                return _flatten(await self._xread({self.streams[0]: ">"}, count, block_ms))
+            found: list[Entry] = []
+            for stream in self.streams:
+                found += _flatten(await self._xread({stream: ">"}, count - len(found), None))
+                if len(found) >= count:
+                    return found
+            if found:
+                return found
+            return _flatten(await self._xread({s: ">" for s in self.streams}, count, block_ms))
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("a request stream or its group vanished (Redis restarted?); recreating")
+            await self.ensure_groups()
+            return []
+
+    async def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> Any:
+        return await self.redis.xreadgroup(GROUP, self.consumer, streams, count=count, block=block_ms)
+
+    async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
+        """Entries another consumer read and never acknowledged within min_idle_ms: now ours."""
+        found: list[Entry] = []
+        for stream in self.streams:
+            result = await self.redis.xautoclaim(stream, GROUP, self.consumer, min_idle_ms, "0-0",
+                                                 count=count)
+            found += [(stream, entry_id, fields) for entry_id, fields in result[1] if fields]
+        return found
+
+    async def ack(self, entries: list[tuple[str, bytes]]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        self.ack_into(pipe, entries)
+        await pipe.execute()
+
+    @staticmethod
+    def ack_into(pipe: Any, entries: list[tuple[str, bytes]]) -> None:
+        """Acknowledge and delete: a request stream's length is then its backlog."""
+        by_stream: dict[str, list[bytes]] = {}
+        for stream, entry_id in entries:
+            by_stream.setdefault(stream, []).append(entry_id)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, GROUP, *ids)
+            pipe.xdel(stream, *ids)
+
+
+def _flatten(response: Any) -> list[Entry]:
+    out: list[Entry] = []
+    for stream, entries in response or ():
+        name = stream.decode() if isinstance(stream, bytes) else stream
+        out += [(name, entry_id, fields) for entry_id, fields in entries]
+    return out

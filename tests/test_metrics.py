@@ -1,0 +1,148 @@
+"""Prometheus metrics and Triton's statistics after known traffic: exact counts, both agree."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+import tritonclient.http as httpclient
+from onnx import TensorProto
+
+from despina.examples import build_identity, build_mlp
+
+from .conftest import Server, module_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+    repo = tmp_path_factory.mktemp("metrics")
+    build_mlp(repo / "m" / "1" / "model.onnx")
+    (repo / "m" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 32\n'
+        'dynamic_batching { max_queue_delay_microseconds: 20000 }\n')
+    build_identity(repo / "fails" / "1" / "model.onnx", TensorProto.FLOAT, dims=3)
+    (repo / "fails" / "config.pbtxt").write_text(   # the config admits any width, the model only 3
+        'backend: "onnxruntime"\nmax_batch_size: 4\n'
+        'input [{ name: "in", data_type: TYPE_FP32, dims: [-1] }]\n'
+        'output [{ name: "out", data_type: TYPE_FP32, dims: [-1] }]\n')
+    build_mlp(repo / "q" / "1" / "model.onnx")
+    (repo / "q" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 32\ndynamic_batching { max_queue_delay_microseconds: 500000 '
+        'default_queue_policy { max_queue_size: 1 } }\n')
+    yield from module_server(repo, tmp_path_factory, redis_url, ("m", "fails", "q"))
+
+
+def v2(name: str, rows: int, width: int) -> bytes:
+    return orjson.dumps({"inputs": [{"name": name, "shape": [rows, width], "datatype": "FP32",
+                                     "data": np.ones(rows * width).tolist()}]})
+
+
+def scrape(server: Server) -> dict[str, float]:
+    text = httpx.get(server.metrics_url).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_counts_are_exact_and_match_statistics(server: Server) -> None:
+    async def traffic() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            m = [client.post(f"{server.url}/v2/models/m/infer", content=v2("x", 1, 256)) for _ in range(16)]
+            m.append(client.post(f"{server.url}/v2/models/m/infer", content=v2("x", 3, 256)))
+            q = [client.post(f"{server.url}/v2/models/q/infer", content=v2("x", 1, 256)) for _ in range(3)]
+            bad = client.post(f"{server.url}/v2/models/fails/infer", content=v2("in", 1, 5))
+            return [r.status_code for r in await asyncio.gather(*m, *q, bad)]
+
+    statuses = asyncio.run(traffic())
+    assert statuses[:17] == [200] * 17
+    assert sorted(statuses[17:20]) == [200, 503, 503]
+    assert statuses[20] == 500
+
+    metrics = scrape(server)
+    m, q, fails = ('{model="m",version="1"}', '{model="q",version="1"}', '{model="fails",version="1"}')
+    assert metrics[f"nv_inference_request_success{m}"] == 17
+    assert metrics[f"nv_inference_count{m}"] == 19                 # a batch of 3 counts 3
+    executions = metrics[f"nv_inference_exec_count{m}"]
+    assert 1 <= executions < 17                                     # the 20 ms queue delay batched them
+    assert metrics['nv_inference_request_failure{model="q",version="1",reason="REJECTED"}'] == 2
+    assert metrics[f"nv_inference_request_success{q}"] == 1
+    assert metrics['nv_inference_request_failure{model="fails",version="1",reason="BACKEND"}'] == 1
+    assert metrics['nv_inference_request_failure{model="m",version="1",reason="OTHER"}'] == 0
+    for model in (m, q, fails):
+        assert metrics[f"nv_inference_pending_request_count{model}"] == 0
+    assert metrics[f"nv_inference_queue_duration_us{m}"] > 0
+    assert metrics[f"nv_inference_compute_infer_duration_us{m}"] > 0
+    assert metrics['despina_batch_size_count{model="m",version="1"}'] == executions
+    assert metrics['despina_batch_size_sum{model="m",version="1"}'] == 19
+    assert metrics['despina_request_latency_seconds_count{model="m",version="1"}'] == 17
+    assert metrics["despina_workers_alive"] == 1
+    assert 0 <= metrics["nv_cpu_utilization"] <= 1 and metrics["nv_cpu_memory_total_bytes"] > 0
+
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    stats = client.get_inference_statistics("m")["model_stats"][0]
+    client.close()
+    assert stats["inference_count"] == 19 and stats["execution_count"] == executions
+    assert stats["inference_stats"]["success"]["count"] == 17
+    assert sum(b["compute_infer"]["count"] for b in stats["batch_stats"]) == executions
+    assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in stats["batch_stats"]) == 19
+    assert stats["inference_stats"]["queue"]["ns"] // 1000 == pytest.approx(
+        metrics[f"nv_inference_queue_duration_us{m}"], abs=1)
+
+
+def test_metric_names_are_tritons(server: Server) -> None:
+    text = httpx.get(server.metrics_url).text
+    for name in ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
+                 "nv_inference_exec_count", "nv_inference_pending_request_count",
+                 "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+                 "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
+                 "nv_inference_compute_output_duration_us"):
+        assert re.search(rf"^# TYPE {name} (counter|gauge)$", text, re.M), name
+
+
+def test_request_id_is_echoed_and_reaches_the_worker_log(tmp_path_factory: pytest.TempPathFactory,
+                                                         redis_url: str, example_repository: Path) -> None:
+    servers = module_server(example_repository, tmp_path_factory, redis_url, ("mlp",),
+                            env={"DESPINA_LOG_LEVEL": "debug", "DESPINA_LOG_FORMAT": "json"})
+    server = next(servers)
+    try:
+        r = httpx.post(f"{server.url}/fn/mlp", content=orjson.dumps([0.5] * 256),
+                       headers={"X-Request-Id": "trace-123"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-123"
+        r = httpx.post(f"{server.url}/fn/mlp", content=b"[1]", headers={"X-Request-Id": "bad-7"})
+        assert r.status_code == 400 and r.headers["x-request-id"] == "bad-7"
+    finally:
+        next(servers, None)
+    lines = [orjson.loads(line) for line in server.logs().splitlines() if line.startswith("{")]
+    batches = [x for x in lines if x["message"] == "batch formed"]
+    assert any("trace-123" in x["request_ids"] and x["model"] == "mlp" and x["rows"] == 1 for x in batches)
+    assert any(x.get("request_id") == "bad-7" and x["role"] == "gateway" for x in lines)
+
+
+def test_status_page_shows_models_rates_batches_and_workers(server: Server) -> None:
+    base = server.metrics_url.removesuffix("/metrics")
+    page = httpx.get(f"{base}/status")
+    assert page.status_code == 200 and "<title>Despina status</title>" in page.text
+    for _ in range(8):
+        assert httpx.post(f"{server.url}/v2/models/m/infer", content=v2("x", 2, 256)).status_code == 200
+    deadline = time.monotonic() + 15
+    while True:  # the control plane samples every 2 s
+        status = httpx.get(f"{base}/status.json").json()
+        row = next(m for m in status["models"] if m["name"] == "m")
+        if row["batch_sizes"].get("2", 0) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert row["state"] == "READY" and row["workers"] and row["queue"] in (0, 1)  # sampled at rest or mid-request
+    assert row["requests_per_s"] > 0 and row["p50_ms"] is not None and row["p99_ms"] >= row["p50_ms"]
+    assert row["batch_sizes"]["2"] >= 1     # the 2-row requests, each its own batch
+    assert status["workers"] and status["workers"][0]["models"]["m"]["1"] == "READY"
+    broken = {m["name"]: m for m in status["models"]}
+    assert set(broken) >= {"m", "q", "fails"}

@@ -1,0 +1,109 @@
+"""Triton's queue policy across the streams: max_queue_size, priorities, queue timeouts."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+
+from despina.examples import build_mlp
+
+from .conftest import Server
+
+HEAVY = (256, 1024, 1024, 1024, 10)  # a few ms per batch on one core
+
+
+def repository(root: Path, name: str, dynamic_batching: str, max_batch_size: int = 4,
+               layers: tuple[int, ...] = HEAVY) -> Path:
+    build_mlp(root / name / "1" / "model.onnx", layers=layers, seed=1)
+    (root / name / "config.pbtxt").write_text(
+        f'backend: "onnxruntime"\nmax_batch_size: {max_batch_size}\n'
+        f'input [{{ name: "x", data_type: TYPE_FP32, dims: [{layers[0]}] }}]\n'
+        f'output [{{ name: "y", data_type: TYPE_FP32, dims: [{layers[-1]}] }}]\n'
+        f"dynamic_batching {{ {dynamic_batching} }}\n")
+    return root
+
+
+def body(priority: int = 0, timeout_us: int = 0) -> bytes:
+    params = {k: v for k, v in (("priority", priority), ("timeout", timeout_us)) if v}
+    return orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                                     "data": np.full(256, 0.1).tolist()}], "parameters": params})
+
+
+async def post(client: httpx.AsyncClient, url: str, content: bytes) -> tuple[int, float, httpx.Response]:
+    start = time.monotonic()
+    r = await client.post(url, content=content)
+    return r.status_code, time.monotonic() - start, r
+
+
+def test_full_queue_refuses_at_once_and_loses_nothing_accepted(serve: Callable[..., Server],
+                                                               tmp_path: Path) -> None:
+    repo = repository(tmp_path, "q", "max_queue_delay_microseconds: 1500000 "
+                                     "default_queue_policy { max_queue_size: 4 }", max_batch_size=64)
+    server = serve(repo, wait_models=("q",))
+    url = f"{server.url}/v2/models/q/infer"
+
+    async def scenario() -> list[tuple[int, float, httpx.Response]]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await asyncio.gather(*(post(client, url, body()) for _ in range(12)))
+
+    results = asyncio.run(scenario())
+    accepted = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 503]
+    assert len(accepted) + len(refused) == 12
+    assert len(accepted) == 4
+    for _, seconds, response in refused:
+        assert seconds < 1.0                               # at once, not after the 1.5 s delay
+        assert response.headers["retry-after"] == "1"
+        assert "queue is full" in response.json()["error"]
+    for _, seconds, response in accepted:
+        assert seconds >= 1.0 and response.json()["outputs"][0]["shape"] == [1, 10]
+
+
+def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], tmp_path: Path) -> None:
+    repo = repository(tmp_path, "p", "priority_levels: 2 default_priority_level: 2")
+    server = serve(repo, wait_models=("p",))
+    url = f"{server.url}/v2/models/p/infer"
+
+    async def scenario() -> tuple[list[float], list[float]]:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as client:
+            low = [asyncio.create_task(post(client, url, body())) for _ in range(120)]
+            await asyncio.sleep(0.3)                      # the default level now has a backlog
+            high = [asyncio.create_task(post(client, url, body(priority=1))) for _ in range(10)]
+            lows, highs = await asyncio.gather(asyncio.gather(*low), asyncio.gather(*high))
+        assert all(r[0] == 200 for r in lows + highs)
+        return [r[1] for r in lows], [r[1] for r in highs]
+
+    lows, highs = asyncio.run(scenario())
+    # the priority-1 requests arrived last, yet finish well before the default backlog drains
+    assert np.median(highs) < np.median(lows)
+    assert max(highs) < max(lows)
+
+
+def test_queue_timeout_rejects_and_a_request_may_shorten_it(serve: Callable[..., Server],
+                                                             tmp_path: Path) -> None:
+    repo = repository(tmp_path, "t", "max_queue_delay_microseconds: 2000000 default_queue_policy { "
+                                     "default_timeout_microseconds: 5000000 allow_timeout_override: true }",
+                      max_batch_size=64)
+    server = serve(repo, wait_models=("t",))
+    url = f"{server.url}/v2/models/t/infer"
+    start = time.monotonic()
+    r = httpx.post(url, content=body(timeout_us=200_000), timeout=30)   # shorter than the 2 s wait
+    assert r.status_code == 504 and "timed out in the queue" in r.json()["error"]
+    assert time.monotonic() - start < 1.5
+    r = httpx.post(url, content=body(timeout_us=60_000_000), timeout=30)  # may not lengthen: 5 s stays
+    assert r.status_code == 200
+
+
+def test_bad_schedule_parameters_are_refused(serve: Callable[..., Server], tmp_path: Path) -> None:
+    repo = repository(tmp_path, "b", "", layers=(256, 8, 10))
+    server = serve(repo, wait_models=("b",))
+    for params in ({"priority": -1}, {"priority": "high"}, {"timeout": 1.5}):
+        doc = orjson.loads(body())
+        doc["parameters"] = params
+        r = httpx.post(f"{server.url}/v2/models/b/infer", content=orjson.dumps(doc))
+        assert r.status_code == 400 and "non-negative integer" in r.json()["error"]
