@@ -6,6 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+# the status page test renders it in Debian's headless chromium (Playwright never downloads a browser)
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "installing chromium for the status page test"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+    || echo "chromium could not be installed: the browser test will be skipped"
+fi
 
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 if command -v redis-cli >/dev/null && ! redis-cli -u "$REDIS_URL" ping >/dev/null 2>&1; then

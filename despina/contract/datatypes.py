@@ -42,15 +42,21 @@ CONFIG_TO_V2: dict[str, str] = {
 V2_TO_CONFIG = {v: k for k, v in CONFIG_TO_V2.items()}
 
 
+_BY_DTYPE = {dtype: name for name, dtype in V2_TO_NUMPY.items() if name != "BYTES"}
+
+
 def numpy_to_v2(dtype: np.dtype) -> str:
     dtype = np.dtype(dtype)
+    name = _BY_DTYPE.get(dtype)  # the common case: one dict lookup per output tensor
+    if name is not None:
+        return name
     if dtype.kind in "OSU":
         return "BYTES"
     little = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
-    for name, candidate in V2_TO_NUMPY.items():
-        if candidate == little:
-            return name
-    raise InvalidArgument(f"numpy dtype {dtype} has no V2 datatype")
+    name = _BY_DTYPE.get(little)
+    if name is None:
+        raise InvalidArgument(f"numpy dtype {dtype} has no V2 datatype")
+    return name
 
 
 def element_size(datatype: str) -> int:

@@ -6,7 +6,7 @@ and publishes that; gateways and workers rebuild a `ModelSpec` from it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import json_format, text_format
@@ -191,6 +191,12 @@ class ModelSpec:
     outputs: tuple[TensorSpec, ...]
     policy: BatchPolicy
     config: dict[str, Any]
+    by_name: dict[str, TensorSpec] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # inputs and outputs by name ("in:x", "out:y"): looked up for every request
+        self.by_name.update({f"in:{t.name}": t for t in self.inputs})
+        self.by_name.update({f"out:{t.name}": t for t in self.outputs})
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelSpec:
@@ -209,10 +215,10 @@ class ModelSpec:
         return self.max_batch_size > 0
 
     def input(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.inputs if t.name == name), None)
+        return self.by_name.get(f"in:{name}")
 
     def output(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.outputs if t.name == name), None)
+        return self.by_name.get(f"out:{name}")
 
     def instance_count(self) -> int:
         groups = self.config.get("instance_group") or [{"count": 1}]
