@@ -17,6 +17,7 @@ def run_gateway(settings: Settings) -> None:
 
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.http_port,
                             loop="uvloop", http="httptools", lifespan="on", access_log=False,
+                            proxy_headers=False, server_header=False, date_header=False,
                             log_level=settings.log_level,
                             timeout_graceful_shutdown=int(settings.drain_timeout_s))
     uvicorn.Server(config).run()

@@ -69,19 +69,22 @@ def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], 
     server = serve(repo, wait_models=("p",))
     url = f"{server.url}/v2/models/p/infer"
 
+    async def finished(client: httpx.AsyncClient, content: bytes) -> float:
+        r = await client.post(url, content=content)
+        assert r.status_code == 200, r.text
+        return time.monotonic()
+
     async def scenario() -> tuple[list[float], list[float]]:
-        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as client:
-            low = [asyncio.create_task(post(client, url, body())) for _ in range(120)]
-            await asyncio.sleep(0.3)                      # the default level now has a backlog
-            high = [asyncio.create_task(post(client, url, body(priority=1))) for _ in range(10)]
-            lows, highs = await asyncio.gather(asyncio.gather(*low), asyncio.gather(*high))
-        assert all(r[0] == 200 for r in lows + highs)
-        return [r[1] for r in lows], [r[1] for r in highs]
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=500)) as client:
+            low = [asyncio.create_task(finished(client, body())) for _ in range(400)]
+            await asyncio.sleep(0.1)                      # the default level now has a long backlog
+            high = [asyncio.create_task(finished(client, body(priority=1))) for _ in range(10)]
+            return list(await asyncio.gather(*low)), list(await asyncio.gather(*high))
 
     lows, highs = asyncio.run(scenario())
-    # the priority-1 requests arrived last, yet finish well before the default backlog drains
-    assert np.median(highs) < np.median(lows)
-    assert max(highs) < max(lows)
+    # in arrival order the priority-1 requests would finish last; they finish ahead of most of the
+    # default backlog that was queued before them
+    assert max(highs) < float(np.percentile(lows, 75))
 
 
 def test_queue_timeout_rejects_and_a_request_may_shorten_it(serve: Callable[..., Server],
@@ -107,3 +110,14 @@ def test_bad_schedule_parameters_are_refused(serve: Callable[..., Server], tmp_p
         doc["parameters"] = params
         r = httpx.post(f"{server.url}/v2/models/b/infer", content=orjson.dumps(doc))
         assert r.status_code == 400 and "non-negative integer" in r.json()["error"]
+
+
+def test_delay_action_runs_timed_out_requests_later(serve: Callable[..., Server], tmp_path: Path) -> None:
+    repo = repository(tmp_path, "d", "max_queue_delay_microseconds: 400000 default_queue_policy { "
+                                     "timeout_action: DELAY default_timeout_microseconds: 50000 }",
+                      max_batch_size=64)
+    server = serve(repo, wait_models=("d",))
+    start = time.monotonic()
+    r = httpx.post(f"{server.url}/v2/models/d/infer", content=body(), timeout=30)
+    assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 10]
+    assert time.monotonic() - start >= 0.3      # it timed out at 50 ms, was delayed, and still ran
