@@ -46,15 +46,20 @@ def redis_url() -> Iterator[str]:
     server.stop()
 
 
-@pytest.fixture
-def key_prefix(redis_url: str) -> Iterator[str]:
-    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
-    yield prefix
+def delete_prefix(redis_url: str, prefix: str) -> None:
+    """A test's keys go with it."""
     client = redis.Redis.from_url(redis_url)
     keys = list(client.scan_iter(f"{prefix}:*", count=1000))
     if keys:
         client.delete(*keys)
     client.close()
+
+
+@pytest.fixture
+def key_prefix(redis_url: str) -> Iterator[str]:
+    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    delete_prefix(redis_url, prefix)
 
 
 @pytest.fixture(scope="session")
@@ -137,30 +142,20 @@ def serve(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[Callable[
 def example_server(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
                    example_repository: Path) -> Iterator[Server]:
     """One `despina serve` of the example repository, shared by a module's tests."""
-    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
     # DESPINA_TEST_REDIS=embedded: despina serve starts its own Valkey, as it does for a user
-    server = start_server(example_repository, tmp_path_factory.mktemp("logs"), None if EMBEDDED else redis_url,
-                          prefix, wait_models=("mlp", "add_sub"))
-    yield server
-    stop_server(server)
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(f"{prefix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    yield from module_server(example_repository, tmp_path_factory, redis_url, ("mlp", "add_sub"),
+                             use_redis=not EMBEDDED)
 
 
 def module_server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str,
-                  wait_models: tuple[str, ...], env: dict[str, str] | None = None) -> Iterator[Server]:
-    """Body of a module-scoped fixture: one `despina serve` of `repo` under a fresh key prefix."""
+                  wait_models: tuple[str, ...], env: dict[str, str] | None = None,
+                  use_redis: bool = True) -> Iterator[Server]:
+    """Body of a module-scoped fixture: one `despina serve` of `repo` under a fresh key prefix
+    (against the test Redis, or with use_redis=False its own embedded Valkey)."""
     prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
-    server = start_server(repo, tmp_path_factory.mktemp("logs"), redis_url, prefix, env=env,
-                          wait_models=wait_models)
+    server = start_server(repo, tmp_path_factory.mktemp("logs"), redis_url if use_redis else None, prefix,
+                          env=env, wait_models=wait_models)
     yield server
     stop_server(server)
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(f"{prefix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    delete_prefix(redis_url, prefix)
 

@@ -3,14 +3,12 @@ that must find no 5xx and leave the server healthy."""
 from __future__ import annotations
 
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis
 import schemathesis
 from hypothesis import HealthCheck, settings
 from openapi_spec_validator import validate
@@ -22,7 +20,7 @@ from despina.gateway.app import create_app
 from despina.gateway.openapi import document
 from despina.settings import Settings
 
-from .conftest import Server, start_server, stop_server
+from .conftest import Server, module_server
 
 EXAMPLES_PER_OPERATION = 20
 MODELS = ["mlp", "add_sub", "nope", "a..b"]     # the fuzzed names: real ones reach the decoders
@@ -68,16 +66,7 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
     root = tmp_path_factory.mktemp("fuzz")
     for model in ("mlp", "add_sub"):
         shutil.copytree(example_repository / model, root / "repo" / model)
-    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
-    server = start_server(root / "repo", root, redis_url, prefix, env={"DESPINA_METRICS_PORT": "0"},
-                          wait_models=("mlp", "add_sub"))
-    yield server
-    stop_server(server)
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(f"{prefix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    yield from module_server(root / "repo", tmp_path_factory, redis_url, ("mlp", "add_sub"))
 
 
 def test_served_document(fuzz_server: Server) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-import redis
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
@@ -30,7 +28,7 @@ from despina.gateway.auth import (
 )
 from despina.settings import Settings
 
-from .conftest import Server, start_server, stop_server
+from .conftest import Server, module_server
 
 ADMIN = "admin-0123456789abcdef0123456789abcdef"
 SCOPED = "scoped-fedcba9876543210fedcba9876543210"   # add_sub only
@@ -232,15 +230,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
            "DESPINA_HTTP_RESTRICTED_API": f"model-repository,statistics:{TRITON_HEADER}={TRITON_VALUE}",
            "DESPINA_MAX_BODY_BYTES": "1000000", "DESPINA_MAX_TENSOR_ELEMENTS": "1024",
            "DESPINA_METRICS_PORT": "0"}
-    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
-    server = start_server(repo, root, redis_url, prefix, env=env, wait_models=("mlp", "add_sub"))
-    yield server
-    stop_server(server)
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(f"{prefix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    yield from module_server(repo, tmp_path_factory, redis_url, ("mlp", "add_sub"), env=env)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ PREFIX, SUFFIX = "/v2/models/", "/infer"
 class FastPath:
     def __init__(self, app: Any, infer: Any, fn: Any, policy: AuthPolicy) -> None:
         self.app, self.infer, self.fn, self.policy = app, infer, fn, policy
-        self.state = app.state
+        self.state, self.routes = app.state, app.routes  # as the Starlette app's, for its users
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
