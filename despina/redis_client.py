@@ -2,11 +2,20 @@
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError
+
+# A dead Redis must fail a request within a second, not hang it: connecting gives up after this.
+CONNECT_TIMEOUT_S = 0.5
 
 
 def connect(url: str, max_connections: int = 64) -> aioredis.Redis:
     # socket_timeout=None avoids a timeout object per read; health checks catch dead sockets.
+    # One immediate retry on a broken connection: after Redis restarts, the pool's idle connections are
+    # dead and the first command on each would fail; a connect timeout is not retried.
     pool = aioredis.ConnectionPool.from_url(
-        url, max_connections=max_connections, socket_timeout=None, socket_connect_timeout=2.0,
-        health_check_interval=0, retry_on_timeout=False)
+        url, max_connections=max_connections, socket_timeout=None, socket_connect_timeout=CONNECT_TIMEOUT_S,
+        health_check_interval=0, retry_on_timeout=False,
+        retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)))
     return aioredis.Redis(connection_pool=pool)

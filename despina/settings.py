@@ -26,6 +26,10 @@ class Settings:
     model_replicas: int = 1                 # workers that load each model; 0 = every eligible worker
     load_timeout_s: float = 300.0           # how long a load (API, cold start) may take
     worker_ttl_s: float = 5.0               # a worker silent this long is dead: its models move
+    visibility_timeout_s: float = 60.0      # a request read and unanswered this long is redelivered
+    max_attempts: int = 3                   # deliveries ended by the worker's death before dead-lettering
+    reply_ttl_s: float = 120.0              # a reply stream nobody reads (a dead gateway's) expires
+    max_stream_length: int = 100_000        # entries on a request stream past which gateways refuse (503)
     worker_memory_mb: int = 0               # memory models may take on a worker; 0 = what it has
     cache_dir: str | None = None            # model artifact cache (default ~/.cache/despina)
     s3_endpoint_url: str | None = None      # else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS

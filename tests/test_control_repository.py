@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,6 +71,10 @@ def test_explicit_mode_load_unload_and_index(serve: Callable[..., Server], repo:
         (repo / "mlp" / "3" / "model.onnx").write_bytes(b"not onnx")
         with pytest.raises(InferenceServerException, match="failed to load 'mlp' version 3"):
             client.load_model("mlp")
+        # the load answers as soon as version 3 failed; version 2 may still be coming up
+        deadline = time.monotonic() + 10
+        while not client.is_model_ready("mlp", "2") and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert client.is_model_ready("mlp", "2") and not client.is_model_ready("mlp", "3")
         assert infer(server.url).json()["model_version"] == "2"
         row = next(r for r in client.get_model_repository_index() if r.get("version") == "3")

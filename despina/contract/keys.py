@@ -6,7 +6,8 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "despina"
 GROUP = "workers"  # the consumer group on every request stream: replicas of a model share it
 CONTROL_GROUP = "control"  # the consumer group on the control plane's command stream
-FIELD = b"m"  # the one field of every stream entry: a msgpack payload
+FIELD = b"m"  # the field of every stream entry that holds its msgpack payload
+ATTEMPTS = b"a"  # on a redelivered request entry: deliveries of it that ended with its worker's death
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,17 @@ class Keys:
         policy sets max_queue_size: gateways refuse past it."""
         return f"{self.prefix}:queued:{model}:{version}:{level}"
 
+    def dead_letters(self, model: str, version: int) -> str:
+        """Stream of the requests given up after max_attempts deliveries (trimmed, MAXLEN ~)."""
+        return f"{self.prefix}:dead:{model}:{version}"
+
     def reply_stream(self, gateway_id: str) -> str:
         return f"{self.prefix}:rep:{gateway_id}"
+
+    def executing(self, worker_id: str) -> str:
+        """Set of the redelivered entries a worker is running (each alone): should it die, only they
+        are charged an attempt."""
+        return f"{self.prefix}:executing:{worker_id}"
 
     @property
     def catalog(self) -> str:

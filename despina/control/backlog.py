@@ -1,11 +1,10 @@
 """Requests that nobody would answer: those a dead worker had read, those left on an unloaded model.
 
-A dead worker's: they go back on their stream at once.
+A dead worker's: they go back on their stream at once, or to the dead letters when their worker died
+too often running them (workers/redelivery.py says how).
 
-The runners' own XAUTOCLAIM catches such entries too, but only after they idled a minute; the control
-plane knows the moment a worker's heartbeat key expires. A requeued entry is appended anew (any live
-consumer reads it), then the old one is acknowledged and deleted. Should the worker have answered
-before dying, the gateway drops the duplicate reply.
+The runners redeliver such entries too, but only after the visibility timeout (a minute by default);
+the control plane knows the moment a worker's heartbeat key expires.
 
 An unloaded model's: what is still queued is answered with an error rather than left to time out.
 """
@@ -21,39 +20,29 @@ from ..contract import records
 from ..contract.errors import Code, DespinaError
 from ..contract.keys import FIELD, GROUP
 from ..contract.records import InferReply
+from ..workers.redelivery import DeliveryPolicy, Queue, redeliver
 
 log = logging.getLogger("despina.control")
 
 CLAIMER = "control"
 
 
-async def requeue(redis: aioredis.Redis, stream: str, consumer: str) -> int:
-    """Move every entry pending for `consumer` on `stream` back to the stream's end; returns how many."""
+async def requeue(redis: aioredis.Redis, queue: Queue, consumer: str, policy: DeliveryPolicy) -> int:
+    """Redeliver every entry pending for `consumer` on the queue's stream; returns how many requests."""
     moved = 0
     while True:
         try:
-            pending = await redis.xpending_range(stream, GROUP, min="-", max="+", count=100,
+            pending = await redis.xpending_range(queue.stream, GROUP, min="-", max="+", count=100,
                                                  consumername=consumer)
         except ResponseError:  # no such stream or group: nothing was read there
             return moved
-        ids = [p["message_id"] for p in pending]
-        if not ids:
+        if not pending:
             break
-        claimed = await redis.xclaim(stream, GROUP, CLAIMER, 0, ids)
-        pipe = redis.pipeline(transaction=True)
-        for _, fields in claimed:
-            if fields:  # an entry deleted meanwhile comes back empty
-                pipe.xadd(stream, fields)
-        pipe.xack(stream, GROUP, *ids)
-        pipe.xdel(stream, *ids)
-        await pipe.execute()
-        moved += sum(1 for _, fields in claimed if fields)
+        moved += await redeliver(redis, queue, pending, policy, CLAIMER)
     try:
-        await redis.xgroup_delconsumer(stream, GROUP, consumer)
+        await redis.xgroup_delconsumer(queue.stream, GROUP, consumer)
     except ResponseError:
         pass
-    if moved:
-        log.warning("requeued %d entries that worker %s had read on %s", moved, consumer, stream)
     return moved
 
 

@@ -15,6 +15,7 @@ from ..contract.catalog import IDLE, LOADED, CatalogEntry
 from ..contract.errors import DespinaError, FailedPrecondition, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..settings import Settings
+from ..workers.redelivery import DeliveryPolicy, Queue
 from .backlog import requeue
 from .placement import committed, place, replicas
 from .repository import parameter
@@ -45,7 +46,9 @@ class Lifecycle:
         self.cold: dict[str, float] = {}            # model -> when its cold start began (monotonic)
         self.awake_since: dict[str, float] = {}     # model -> when it was last brought up (wall clock)
         self.shortfall: dict[str, str] = {}         # model -> why it has fewer workers than it should
+        self.delivery = DeliveryPolicy.from_settings(settings)
         self._idle_checked = 0.0
+        self._held_until = 0.0
 
     @property
     def busy(self) -> bool:
@@ -54,10 +57,17 @@ class Lifecycle:
 
     # -- one tick ----------------------------------------------------------------------------------
 
+    def hold(self, seconds: float) -> None:
+        """Place nothing and unload nothing for a while: the workers are not all known yet."""
+        self._held_until = time.monotonic() + seconds
+
     async def tick(self) -> None:
         for wid in await self.workers.refresh():
             await self._requeue_from(wid)
         now = time.monotonic()
+        if now < self._held_until:
+            await self.catalog.flush()
+            return
         for entry in list(self.catalog.entries.values()):
             if entry.serving:
                 self.catalog.put(self._reconcile(entry, now))
@@ -307,8 +317,14 @@ class Lifecycle:
     async def _requeue_from(self, worker_id: str) -> None:
         for e in list(self.catalog.entries.values()):
             for v in e.versions:
-                for stream in e.streams(self.keys, v):
+                for level in range(1, len(e.streams(self.keys, v)) + 1):
+                    queue = Queue(self.keys, e.name, v, level)
                     try:
-                        await requeue(self.redis, stream, worker_id)
+                        await requeue(self.redis, queue, worker_id, self.delivery)
                     except (RedisError, ConnectionError, OSError) as exc:
-                        log.warning("requeueing %s for dead worker %s failed: %s", stream, worker_id, exc)
+                        log.warning("requeueing %s for dead worker %s failed: %s", queue.stream, worker_id,
+                                    exc)
+        try:
+            await self.redis.delete(self.keys.executing(worker_id))
+        except (RedisError, OSError):
+            pass

@@ -36,10 +36,12 @@ log = logging.getLogger("despina.control")
 MODES = ("none", "explicit", "poll")
 LEASE_MS = 10_000
 REPLY_TTL_S = 60
+# 1: renewed; 0: another holds it; -1: nobody does (Redis lost its data, or this one stalled past the
+# lease): the lifecycle loop republishes the catalog before it leads again.
 _RENEW = """
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if not holder then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) and 1 or 0 end
+if not holder then return -1 end
 return 0
 """
 
@@ -122,9 +124,24 @@ class ControlPlane:
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: renewing the lease failed (%s)", exc)
                 continue
-            if not held:
+            if held == -1:
+                self.kick()
+            elif not held:
                 log.error("control plane %s lost its lease to another; stopping", self.id)
                 self.stop()
+
+    async def _recover(self) -> None:
+        """The lease is gone: Redis most likely restarted without its data. Publish the catalog again
+        (workers and gateways keep what they have meanwhile), let workers announce themselves before
+        anything is placed, then take the lease again unless another control plane did."""
+        log.warning("control: the leader lease vanished (Redis restarted without its data?); publishing "
+                    "the catalog again; requests that were queued in Redis are lost")
+        self.catalog.republish()
+        self.lifecycle.hold(self.settings.worker_ttl_s)
+        await self.catalog.flush()
+        if not await self.redis.set(self.keys.control_leader, self.id, nx=True, px=LEASE_MS):
+            log.error("control plane %s lost its lease to another; stopping", self.id)
+            self.stop()
 
     async def _sleep(self, seconds: float) -> None:
         try:
@@ -137,6 +154,8 @@ class ControlPlane:
     async def _ticks(self) -> None:
         while not self._stop.is_set():
             try:
+                if not await self.redis.exists(self.keys.control_leader):
+                    await self._recover()
                 await self.lifecycle.tick()
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: Redis unreachable (%s)", exc)

@@ -40,6 +40,10 @@ class Catalog:
             self._removed.add(name)
             self._dirty.discard(name)
 
+    def republish(self) -> None:
+        """Write every entry again at the next flush (the hash was lost)."""
+        self._dirty |= set(self.entries)
+
     @property
     def changed(self) -> bool:
         return bool(self._dirty or self._removed)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -22,6 +23,7 @@ from ..redis_client import connect
 from ..settings import Settings
 from .auth import AuthPolicy, Guard
 from .dispatch import Dispatcher
+from .fastpath import FastPath
 from .http import error_parts
 from .infer import FunctionEndpoint, InferEndpoint, call_model
 from .models import ModelView
@@ -43,8 +45,8 @@ class Gateway:
         self.keys = Keys(settings.key_prefix)
         assert settings.redis_url, "the gateway needs a Redis URL"
         self.redis = connect(settings.redis_url)
-        self.view = ModelView(self.redis, self.keys)
-        self.dispatcher = Dispatcher(self.redis, self.keys)
+        self.view = ModelView(self.redis, self.keys, settings.max_stream_length)
+        self.dispatcher = Dispatcher(self.redis, self.keys, reply_ttl_ms=int(settings.reply_ttl_s * 1000))
 
     async def start(self) -> None:
         await self.view.start()
@@ -75,6 +77,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     words = {404: "no such path", 405: f"method {request.method} not allowed on this path"}
     return Response(orjson.dumps({"error": words.get(exc.status_code, exc.detail)}), exc.status_code,
                     exc.headers, media_type="application/json")
+
+
+async def _redis_error(request: Request, exc: Exception) -> Response:
+    """A route that reads Redis while it is unreachable (statistics, ...): 503, as inference says."""
+    return error_response(Unavailable(f"Redis is unavailable: {exc}"))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -169,6 +176,7 @@ def create_app(settings: Settings) -> Starlette:
         *repository_routes(gw),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],
-                    exception_handlers={404: _http_error, 405: _http_error, Exception: _internal_error})
+                    exception_handlers={404: _http_error, 405: _http_error, RedisError: _redis_error,
+                                        Exception: _internal_error})
     app.state.gateway = gw
-    return app
+    return FastPath(app, infer, fn, policy)  # type: ignore[return-value]

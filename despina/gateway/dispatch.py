@@ -3,6 +3,7 @@
 Every request that arrives in one event-loop tick goes out in one pipeline, as one stream entry per
 model stream. One background task reads the reply stream and resolves the waiting futures by id;
 a reply whose request is no longer waited for (a duplicate, or one past its deadline) is dropped.
+Should the connection to Redis break, every waiting request is answered UNAVAILABLE at once.
 """
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ from ..contract.records import InferReply, InferRequest
 
 log = logging.getLogger("despina.gateway")
 
-REPLY_TTL_MS = 120_000
-
 # Enqueue unless the priority level already holds max_queue_size requests; a refusal is counted
 # as Triton's REJECTED failure. KEYS: stream, queue counter, statistics hash.
 BOUNDED_XADD = """
@@ -43,12 +42,19 @@ return 1
 """
 
 Bound = tuple[str, int]  # (counter key, max_queue_size)
+# Requests per stream entry at most: a worker reads whole entries, so this bounds how far past its
+# read-ahead it can get (and lets a higher priority level's requests in sooner).
+ENTRY_REQUESTS = 16
 
 
 class Dispatcher:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str | None = None,
+                 reply_ttl_ms: int = 120_000) -> None:
         self.redis = redis
         self.keys = keys
+        self.reply_ttl_ms = reply_ttl_ms
+        self.dropped = 0  # replies nobody waited for: duplicates, or past their deadline
+        self._refused: dict[str, int] = {}  # statistics hash -> requests refused, not yet counted
         self.id = gateway_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.reply_stream = keys.reply_stream(self.id)
         self._ids = itertools.count()
@@ -57,6 +63,7 @@ class Dispatcher:
         self._bounded: list[tuple[str, Bound, InferRequest]] = []
         self._stats: dict[str, str] = {}  # request stream -> its model version's statistics hash
         self._flush_scheduled = False
+        self._writing = False
         self._reader: asyncio.Task[None] | None = None
         self._writes: set[asyncio.Task[None]] = set()
 
@@ -72,9 +79,10 @@ class Dispatcher:
         if self._reader:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(Unavailable("the gateway is shutting down"))
+        self._fail_waiting(Unavailable("the gateway is shutting down"))
+        if self.dropped:
+            log.info("gateway %s: dropped %d replies nobody waited for (duplicates, or past their deadline)",
+                     self.id, self.dropped)
         try:
             await self.redis.delete(self.reply_stream)
         except (RedisError, OSError):
@@ -98,7 +106,7 @@ class Dispatcher:
             self._outbox[stream].append(request)
         else:
             self._bounded.append((stream, bound, request))
-        if not self._flush_scheduled:
+        if not self._flush_scheduled and not self._writing:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
         try:
@@ -109,18 +117,32 @@ class Dispatcher:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        outbox, self._outbox = self._outbox, defaultdict(list)
-        bounded, self._bounded = self._bounded, []
-        task = asyncio.create_task(self._write(outbox, bounded))
+        self._writing = True
+        task = asyncio.create_task(self._write_all())
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+
+    async def _write_all(self) -> None:
+        """One pipeline in flight at a time: what arrives meanwhile goes out together next, so the
+        busier the gateway, the more requests share a round trip (idle, none waits for another)."""
+        try:
+            while self._outbox or self._bounded:
+                outbox, self._outbox = self._outbox, defaultdict(list)
+                bounded, self._bounded = self._bounded, []
+                await self._write(outbox, bounded)
+        finally:
+            self._writing = False  # no await since the loop's last check: nothing is left behind
 
     async def _write(self, outbox: dict[str, list[InferRequest]],
                      bounded: list[tuple[str, Bound, InferRequest]]) -> None:
         pipe = self.redis.pipeline(transaction=False)
+        plain = 0  # commands before the bounded ones
         for stream, batch in outbox.items():
-            pipe.xadd(stream, {FIELD: records.encode(batch)})
+            for i in range(0, len(batch), ENTRY_REQUESTS):
+                pipe.xadd(stream, {FIELD: records.encode(batch[i:i + ENTRY_REQUESTS])})
+                plain += 1
             pipe.hincrby(self._stats[stream], "enqueued", len(batch))
+            plain += 1
         for stream, (counter, limit), req in bounded:
             pipe.eval(BOUNDED_XADD, 3, stream, counter, self._stats[stream], limit, FIELD,
                       records.encode([req]))
@@ -133,10 +155,34 @@ class Dispatcher:
             for req in [r for batch in outbox.values() for r in batch] + [b[2] for b in bounded]:
                 self._fail(req.id, error)
             return
-        for (_, (_, limit), req), accepted in zip(bounded, results[2 * len(outbox):], strict=True):
+        for (_, (_, limit), req), accepted in zip(bounded, results[plain:], strict=True):
             if not accepted:
                 self._fail(req.id, DespinaError(f"the queue is full ({limit} requests); retry later",
                                                 Code.RESOURCE_EXHAUSTED))
+
+    def refused(self, stats: str) -> None:
+        """Count a request refused before it was queued (Triton's REJECTED): one write per tick."""
+        if not self._refused:
+            task = asyncio.create_task(self._count_refused())
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+        self._refused[stats] = self._refused.get(stats, 0) + 1
+
+    async def _count_refused(self) -> None:
+        refused, self._refused = self._refused, {}
+        pipe = self.redis.pipeline(transaction=False)
+        for stats, n in refused.items():
+            for field in ("fail_count", "fail:REJECTED", "refused"):
+                pipe.hincrby(stats, field, n)
+        try:
+            await pipe.execute()
+        except (RedisError, OSError):
+            pass
+
+    def _fail_waiting(self, error: Exception) -> None:
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(error)
 
     def _fail(self, request_id: str, error: Exception) -> None:
         fut = self._waiting.get(request_id)
@@ -153,6 +199,9 @@ class Dispatcher:
                 raise
             except Exception as exc:
                 log.warning("gateway %s: reading replies failed (%s); retrying", self.id, exc)
+                # the answers of those waiting may never come (a Redis that restarted lost them)
+                self._fail_waiting(Unavailable(f"lost the connection to Redis (the request queue) while "
+                                               f"waiting for the answer: {exc}"))
                 await asyncio.sleep(0.2)
                 continue
             for _, entries in resp or ():
@@ -174,13 +223,15 @@ class Dispatcher:
             fut = self._waiting.get(reply.id)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
+            else:
+                self.dropped += 1
 
     async def _trim(self, last: str | bytes) -> None:
         last_id = last.decode() if isinstance(last, bytes) else last
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.xtrim(self.reply_stream, minid=last_id, approximate=False)
-            pipe.pexpire(self.reply_stream, REPLY_TTL_MS)
+            pipe.pexpire(self.reply_stream, self.reply_ttl_ms)
             await pipe.execute()
         except Exception:
             pass

@@ -126,6 +126,10 @@ async def call_model(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Te
                            trace.decode("latin-1") if trace else "")
     level = spec.policy.level(priority)
     stream = gw.keys.request_stream(model, version, level)
+    if stream in gw.view.full:  # refused now rather than accepted and then trimmed away
+        gw.dispatcher.refused(gw.keys.stats(model, version))
+        raise DespinaError(f"model '{model}' has {gw.settings.max_stream_length} or more entries queued "
+                           "(max_stream_length); retry later", Code.RESOURCE_EXHAUSTED)
     limit = spec.policy.queue_policy(level).max_queue_size
     bound = (gw.keys.queued(model, version, level), limit) if limit else None
     try:

@@ -1,9 +1,10 @@
 """The gateway's view of models: the catalog and which versions some live worker has READY.
 
 Refreshed in the background (at once on an event, else twice a second), so that a request never pays
-a Redis round trip to learn what it is calling. A request for a registered model that no worker has
-READY (scaled to zero, or coming up) asks the control plane to load it and goes on once it is READY:
-concurrent requests share one such wake.
+a Redis round trip to learn what it is calling; the same refresh reads the length of every request
+stream that serves, so that requests are refused while one is at max_stream_length. A request for a
+registered model that no worker has READY (scaled to zero, or coming up) asks the control plane to load
+it and goes on once it is READY: concurrent requests share one such wake.
 """
 from __future__ import annotations
 
@@ -37,9 +38,11 @@ class NotLoaded(Unavailable):
 
 
 class ModelView:
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, max_stream_length: int = 0) -> None:
         self.redis = redis
         self.keys = keys
+        self.max_stream_length = max_stream_length
+        self.full: set[str] = set()              # request streams at max_stream_length: refuse more
         self.control = ControlClient(redis, keys)
         self.models: dict[str, Model] = {}
         self.ready: dict[str, set[int]] = {}     # model -> versions READY on some live worker
@@ -79,11 +82,24 @@ class ModelView:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.catalog)
         pipe.smembers(self.keys.workers)
-        catalog, workers = await pipe.execute()
+        pipe.exists(self.keys.control_leader)
+        catalog, workers, led = await pipe.execute()
+        if not catalog and not led and self.models:
+            # Redis lost its data (a restart without persistence): keep routing as before, report not
+            # ready, until the control plane publishes the catalog again
+            self.connected = False
+            return
+        streams = [s for name, m in self.models.items() if m.spec is not None
+                   for v in self.ready.get(name, ()) for s in m.entry.streams(self.keys, v)]
         pipe = self.redis.pipeline(transaction=False)
         for wid in workers:
             pipe.hget(self.keys.worker(wid.decode()), "models")
-        states = await pipe.execute() if workers else []
+        if self.max_stream_length:
+            for stream in streams:
+                pipe.xlen(stream)
+        replies = await pipe.execute() if workers or (streams and self.max_stream_length) else []
+        states = replies[:len(workers)]
+        self.full = {s for s, n in zip(streams, replies[len(workers):]) if n >= self.max_stream_length}
         models: dict[str, Model] = {}
         for name_raw, blob in catalog.items():
             name = name_raw.decode()

@@ -16,13 +16,14 @@ from redis.exceptions import RedisError
 from ..contract import records
 from ..contract.datatypes import numpy_to_v2, to_bytes
 from ..contract.errors import Code, ConfigError, DespinaError
-from ..contract.keys import FIELD, Keys
+from ..contract.keys import ATTEMPTS, FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from . import stats
 from .backends import Backend, backend_class
 from .batcher import DynamicBatcher, Item, QueueFull
 from .instances import plan as plan_instances
+from .redelivery import DeliveryPolicy
 from .streams import Entry, ModelStreams
 from .warmup import run as warmup
 from .warmup import samples
@@ -30,8 +31,7 @@ from .warmup import samples
 log = logging.getLogger("despina.worker")
 
 REPLY_MAXLEN = 100_000       # backstop: gateways trim what they have read
-REPLY_TTL_MS = 120_000       # a dead gateway's reply stream expires
-RECLAIM_IDLE_MS = 60_000     # a message pending this long belonged to a dead consumer
+TIMED_OUT = "request timed out in the queue before it could run"
 
 
 @dataclass
@@ -41,12 +41,15 @@ class Pending:
     request: InferRequest
     entry: tuple[str, bytes]     # (stream, entry id)
     inputs: dict[str, np.ndarray]
+    alone: bool = False          # redelivered after a worker died with it: runs as a batch of one
 
 
 class ModelRunner:
     def __init__(self, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, version: int, path: Path,
-                 consumer: str, threads: int = 1, read_ahead: int | None = None) -> None:
+                 consumer: str, threads: int = 1, read_ahead: int | None = None,
+                 delivery: DeliveryPolicy | None = None) -> None:
         self.redis, self.keys, self.spec, self.version = redis, keys, spec, version
+        self.delivery = delivery or DeliveryPolicy()
         self.path = path
         self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
         self._bounded = {level for level in range(1, max(spec.policy.priority_levels, 1) + 1)
@@ -141,58 +144,58 @@ class ModelRunner:
                 await self._accept(entries)
 
     async def _reclaim_loop(self) -> None:
-        """Claim messages left pending by consumers that died before acknowledging them."""
+        """Redeliver entries left pending past the visibility timeout: their consumer died."""
         while not self._stopping:
-            await asyncio.sleep(RECLAIM_IDLE_MS / 4000)
+            await asyncio.sleep(self.delivery.visibility_timeout_ms / 4000)
             try:
-                entries = await self.streams.reclaim(RECLAIM_IDLE_MS)
-            except (RedisError, OSError):
-                continue
-            if entries:
-                log.warning("model %s: reclaimed %d pending entries", self.spec.name, len(entries))
-                await self._accept(entries)
+                await self.streams.reclaim(self.delivery)
+            except (RedisError, OSError) as exc:
+                log.warning("model %s: reclaiming pending entries failed (%s)", self.spec.name, exc)
 
     async def _accept(self, entries: list[Entry]) -> None:
         now = time.time()
         failures: list[InferReply] = []
-        requests: dict[str, InferRequest] = {}
+        failed: list[InferRequest] = []  # failures[i] answers failed[i]
+
+        def fail(req: InferRequest, entry: tuple[str, bytes], code: Code, message: str) -> None:
+            failures.append(_error(req, code, message))
+            failed.append(req)
+            self._entries[entry] -= 1
+
         for stream, entry_id, fields in entries:
             entry = (stream, entry_id)
             try:
                 reqs = records.decode_requests(fields[FIELD])
+                alone = ATTEMPTS in fields  # a suspect of a worker's death: alone, it takes nobody along
             except (KeyError, DespinaError) as exc:
                 log.error("model %s: dropping undecodable entry %s: %s", self.spec.name, entry_id, exc)
                 await self._ack([entry])
                 continue
             self._entries[entry] = len(reqs)
             for req in reqs:
-                requests[req.id] = req
                 if req.deadline < now:
-                    failures.append(_error(req, Code.DEADLINE_EXCEEDED,
-                                           "request timed out in the queue before it could run"))
-                    self._entries[entry] -= 1
+                    fail(req, entry, Code.DEADLINE_EXCEEDED, TIMED_OUT)
                     continue
                 try:
                     inputs = {t.name: t.numpy() for t in req.inputs}
                 except DespinaError as exc:
-                    failures.append(_error(req, exc.code, exc.message))
-                    self._entries[entry] -= 1
+                    fail(req, entry, exc.code, exc.message)
                     continue
-                pending = Pending(req, entry, inputs)
+                pending = Pending(req, entry, inputs, alone)
                 try:
                     # time spent in the stream counts towards the queue delay and timeout
                     arrived = time.monotonic() - max(0.0, now - req.enqueued)
-                    self.batcher.put(Item(self._rows(inputs), self._shape_key(req), pending, arrived,
+                    shape = entry if alone else self._shape_key(req)
+                    self.batcher.put(Item(self._rows(inputs), shape, pending, arrived,
                                           priority=req.priority, timeout_us=req.timeout_us))
                 except QueueFull as exc:
-                    failures.append(_error(req, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}"))
-                    self._entries[entry] -= 1
+                    fail(req, entry, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}")
                     continue
                 self._in_flight += 1
         if len(self._entries) and self._in_flight >= self._read_ahead:
             self._room.clear()
         if failures:
-            await self._reply(failures, requests, [])
+            await self._reply(failures, failed, [])
         done = [e for e, n in self._entries.items() if n == 0]
         if done:  # entries none of whose requests reached the batcher
             for e in done:
@@ -204,7 +207,7 @@ class ModelRunner:
         p: Pending = item.payload
         reply = _error(p.request, Code.DEADLINE_EXCEEDED,
                        f"model '{self.spec.name}': request timed out in the queue (queue policy timeout)")
-        self._spawn(self._reply([reply], {p.request.id: p.request}, [p]))
+        self._spawn(self._reply([reply], [p.request], [p]))
 
     def _rows(self, inputs: dict[str, np.ndarray]) -> int:
         if not self.spec.batched or not inputs:
@@ -220,9 +223,8 @@ class ModelRunner:
         pendings: list[Pending] = [item.payload for item in batch]
         started = time.time()
         live = [p for p in pendings if p.request.deadline >= started]
-        replies = [_error(p.request, Code.DEADLINE_EXCEEDED,
-                          "request timed out in the queue before it could run")
-                   for p in pendings if p.request.deadline < started]
+        expired = [p for p in pendings if p.request.deadline < started]
+        replies = [_error(p.request, Code.DEADLINE_EXCEEDED, TIMED_OUT) for p in expired]
         if log.isEnabledFor(logging.DEBUG):
             log.debug("batch formed", extra={"fields": {
                 "model": self.spec.name, "version": self.version, "requests": len(pendings),
@@ -230,12 +232,14 @@ class ModelRunner:
                 "queue_us": [int((started - p.request.enqueued) * 1e6) for p in pendings],
                 "request_ids": [p.request.trace or p.request.id for p in pendings]}})
         marks: dict[str, int] = {"start": time.perf_counter_ns()}
+        if any(p.alone for p in live):
+            await self.streams.mark_executing([p.entry for p in live])
         if live:
             replies.extend(await self._run_batch(live, started, marks))
         rows = sum(self._rows(p.inputs) for p in live)
         timings = _timings(marks, time.perf_counter_ns())
         # the instance is free as soon as the model ran: replies go out in the background
-        self._spawn(self._reply(replies, {p.request.id: p.request for p in pendings}, pendings,
+        self._spawn(self._reply(replies, [p.request for p in expired + live], pendings,
                                 rows=rows if live else 0, started=started, timings=timings))
 
     def _spawn(self, coroutine: Any) -> None:
@@ -328,14 +332,15 @@ class ModelRunner:
 
     # -- replying --------------------------------------------------------------------------------
 
-    async def _reply(self, replies: list[InferReply], requests: dict[str, InferRequest],
+    async def _reply(self, replies: list[InferReply], requests: list[InferRequest],
                      pendings: list[Pending], rows: int = 0, started: float = 0.0,
                      timings: tuple[int, int, int] = (0, 0, 0)) -> None:
         """One round trip: a reply entry per gateway, statistics, queue counters, and the
-        acknowledgement of every stream entry now fully answered (after its replies, in order)."""
+        acknowledgement of every stream entry now fully answered (after its replies, in order).
+        replies[i] answers requests[i]: ids are unique per gateway only, so a batch may hold two alike."""
         by_gateway: dict[str, list[InferReply]] = {}
-        for r in replies:
-            by_gateway.setdefault(requests[r.id].reply_to, []).append(r)
+        for r, req in zip(replies, requests, strict=True):
+            by_gateway.setdefault(req.reply_to, []).append(r)
         done = []
         for p in pendings:
             self._entries[p.entry] -= 1
@@ -345,12 +350,14 @@ class ModelRunner:
         pipe = self.redis.pipeline(transaction=False)
         for stream, group in by_gateway.items():
             pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
-            pipe.pexpire(stream, REPLY_TTL_MS)
+            pipe.pexpire(stream, self.delivery.reply_ttl_ms)
         if self._bounded:
-            self._count_dequeued(pipe, [requests[r.id] for r in replies])
+            self._count_dequeued(pipe, requests)
         stats.record(pipe, self.stats_key, replies, rows, started, timings)
         if done:
             self.streams.ack_into(pipe, done)
+        if any(p.alone for p in pendings):
+            self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone])
         try:
             await pipe.execute()
         except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed

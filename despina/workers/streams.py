@@ -1,14 +1,15 @@
 """The Redis side of one model version on one worker: its request streams, read through the shared
-consumer group, one stream per priority level (highest first), reclaimed when a consumer died."""
+consumer group, one stream per priority level (highest first), redelivered when a consumer died."""
 from __future__ import annotations
 
 import logging
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from ..contract.keys import GROUP, Keys
+from .redelivery import EXECUTING_TTL_S, DeliveryPolicy, Queue, marker, redeliver
 
 log = logging.getLogger("despina.worker")
 
@@ -20,7 +21,9 @@ class ModelStreams:
                  consumer: str) -> None:
         self.redis = redis
         self.consumer = consumer
-        self.streams = [keys.request_stream(model, version, level) for level in range(1, max(levels, 1) + 1)]
+        self.queues = [Queue(keys, model, version, level) for level in range(1, max(levels, 1) + 1)]
+        self.streams = [q.stream for q in self.queues]
+        self.executing = keys.executing(consumer)
 
     async def ensure_groups(self) -> None:
         for stream in self.streams:
@@ -53,14 +56,33 @@ class ModelStreams:
     async def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> Any:
         return await self.redis.xreadgroup(GROUP, self.consumer, streams, count=count, block=block_ms)
 
-    async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
-        """Entries another consumer read and never acknowledged within min_idle_ms: now ours."""
-        found: list[Entry] = []
-        for stream in self.streams:
-            result = await self.redis.xautoclaim(stream, GROUP, self.consumer, min_idle_ms, "0-0",
-                                                 count=count)
-            found += [(stream, entry_id, fields) for entry_id, fields in result[1] if fields]
-        return found
+    async def reclaim(self, policy: DeliveryPolicy, count: int = 100) -> int:
+        """Redeliver what any consumer left unacknowledged past the visibility timeout (see redelivery);
+        returns how many requests."""
+        moved = 0
+        for queue in self.queues:
+            try:
+                pending = await self.redis.xpending_range(queue.stream, GROUP, "-", "+", count,
+                                                          idle=policy.visibility_timeout_ms)
+            except ResponseError:  # no stream or group yet
+                continue
+            if pending:
+                moved += await redeliver(self.redis, queue, pending, policy, self.consumer,
+                                         policy.visibility_timeout_ms)
+        return moved
+
+    async def mark_executing(self, entries: list[tuple[str, bytes]]) -> None:
+        """Name the redelivered entries about to run: should this worker die now, only they are charged."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.sadd(self.executing, *(marker(stream, entry_id) for stream, entry_id in entries))
+        pipe.expire(self.executing, EXECUTING_TTL_S)
+        try:
+            await pipe.execute()
+        except (RedisError, OSError) as exc:  # run them anyway: at worst, a death charges the others too
+            log.warning("marking redelivered requests as running failed (%s)", exc)
+
+    def unmark_into(self, pipe: Any, entries: list[tuple[str, bytes]]) -> None:
+        pipe.srem(self.executing, *(marker(stream, entry_id) for stream, entry_id in entries))
 
     async def ack(self, entries: list[tuple[str, bytes]]) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -27,6 +27,7 @@ from ..contract.modelconfig import ModelSpec
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
 from ..settings import Settings
 from .backends.base import visible_gpus
+from .redelivery import DeliveryPolicy
 from .runner import ModelRunner
 
 log = logging.getLogger("despina.worker")
@@ -55,6 +56,7 @@ class Worker:
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
+        self.delivery = DeliveryPolicy.from_settings(settings)
 
     async def run(self) -> None:
         await self.redis.sadd(self.keys.workers, self.id)
@@ -102,6 +104,8 @@ class Worker:
     async def sync(self) -> None:
         """Load what the catalog places here and is not loaded (or changed), unload what it no longer does."""
         raw = await self.redis.hgetall(self.keys.catalog)
+        if not raw and self.runners and not await self.redis.exists(self.keys.control_leader):
+            return  # Redis lost its data (a restart without persistence): serve on until control republishes
         wanted: dict[Key, tuple[CatalogEntry, str]] = {}
         for blob in raw.values():
             entry = CatalogEntry.loads(blob)
@@ -134,7 +138,7 @@ class Worker:
         try:
             path = await self._folder(entry, key[1])
             runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
-                                 self.id, self.settings.intra_op_threads)
+                                 self.id, self.settings.intra_op_threads, delivery=self.delivery)
             await runner.load()
             await runner.start()
         except asyncio.CancelledError:

@@ -1,0 +1,59 @@
+"""The model's own limit: each workload called with onnxruntime in a tight loop, no server.
+
+    python bench/limit.py [--repo bench/out/repo] [--seconds 2] [--cpu 0]
+
+One thread, sequential: the session settings of despina/workers/backends/onnxruntime.py.
+Prints one JSON line per (workload, batch): rps counts rows per second, latencies are per call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from models import DEFAULT_REPO, WORKLOADS, session
+from onnxruntime import InferenceSession
+
+BATCHES = (1, 8, 32, 128)
+
+
+def measure(sess: InferenceSession, x: np.ndarray, seconds: float) -> tuple[float, list[float]]:
+    """(elapsed seconds, sorted per-call latencies) of calling the model on x in a loop."""
+    for _ in range(20):
+        sess.run(None, {"x": x})
+    lat: list[float] = []
+    start = time.perf_counter()
+    while (t0 := time.perf_counter()) < start + seconds:
+        sess.run(None, {"x": x})
+        lat.append(time.perf_counter() - t0)
+    return time.perf_counter() - start, sorted(lat)
+
+
+def ms(lat: list[float], q: float) -> float:
+    return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1000, 3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repo", type=Path, default=DEFAULT_REPO)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--cpu", type=int, help="pin this process to one core")
+    args = p.parse_args()
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    for model in WORKLOADS:
+        sess = session(args.repo / model / "1" / "model.onnx")
+        for batch in BATCHES:
+            x = np.random.default_rng(0).standard_normal((batch, 256)).astype(np.float32)
+            elapsed, lat = measure(sess, x, args.seconds)
+            print(json.dumps({"peer": "limit", "client": "loop", "model": model, "batch": batch, "conc": 1,
+                              "n": len(lat), "rps": round(len(lat) * batch / elapsed, 1),
+                              "p50_ms": ms(lat, 0.5), "p90_ms": ms(lat, 0.9), "p99_ms": ms(lat, 0.99),
+                              "errors": 0, "mean_batch": float(batch)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Redis stopped under load, then started again empty (no persistence): meanwhile the gateway answers
+503 with a clear message within a second and reports not ready; afterwards everything serves again
+with no process restarted (streams, consumer groups, catalog and heartbeats come back by themselves)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from despina.examples import mlp_numpy
+
+from .conftest import Server, stop_server
+from .control_support import mlp_folder
+from .reliability_support import (
+    Answer,
+    mlp_body,
+    mlp_output,
+    own_redis,
+    percentiles,
+    post_all,
+    report,
+    role_pids,
+)
+
+
+async def get(url: str) -> int:
+    async with httpx.AsyncClient(timeout=2) as client:
+        return (await client.get(url)).status_code
+
+
+async def ready(url: str) -> int:
+    return await get(f"{url}/v2/health/ready")
+
+
+async def test_redis_stopped_under_load_gives_503s_then_everything_recovers(
+        serve: Callable[..., Server], tmp_path: Path, key_prefix: str) -> None:
+    mlp_folder(tmp_path / "repo", delay_us=1_000)
+    with own_redis(tmp_path) as redis_server:
+        server = serve(tmp_path / "repo", "--redis-url", redis_server.url, use_redis=False, wait_models=("mlp",),
+                       env={"DESPINA_WORKER_TTL_S": "2"})
+        pids = {role: role_pids(server, role) for role in ("worker", "gateway", "control")}
+        x = np.random.default_rng(5).standard_normal((100_000, 256)).astype(np.float32)
+        answers: list[Answer] = []
+        stop = asyncio.Event()
+        load = asyncio.create_task(post_all(lambda i: f"{server.url}/v2/models/mlp/infer",
+                                            [mlp_body(row) for row in x[:20_000]], 8, answers, timeout=10,
+                                            stop=stop))
+        await asyncio.sleep(1.0)
+        redis_server.kill()
+        down = time.monotonic()
+        await asyncio.sleep(1.0)
+        ready_while_down = await ready(server.url)
+        stats_while_down = await get(f"{server.url}/v2/models/mlp/stats")
+        await asyncio.sleep(1.0)
+        restarting = time.monotonic()
+        redis_server.start()  # the same port, nothing in it
+        up = time.monotonic()
+        recovered = None
+        while time.monotonic() - up < 30:
+            done = [a for a in answers if a.sent > up]
+            if len(done) >= 50 and all(a.status == 200 for a in done[-50:]):
+                recovered = min(a.done for a in done[-50:]) - up
+                break
+            await asyncio.sleep(0.1)
+        ready_again = None
+        while ready_again is None and time.monotonic() - up < 30:
+            if await ready(server.url) == 200:
+                ready_again = time.monotonic() - up
+            await asyncio.sleep(0.1)
+        stop.set()
+        await asyncio.wait_for(load, 30)
+        pids_after = {role: role_pids(server, role) for role in pids}
+        serving = server.process.poll() is None
+        stop_server(server)  # before its Redis goes
+
+    assert recovered is not None, [(a.status, a.body[:100]) for a in answers[-5:]]
+    before = [a for a in answers if a.done < down]
+    during = [a for a in answers if down <= a.sent and a.done < restarting]
+    assert before and all(a.status == 200 for a in before)
+    assert during and {a.status for a in during} == {503}, {a.status for a in during}
+    refused = [a for a in answers if a.status == 503]
+    assert all(b"Redis" in a.body and a.headers.get("retry-after") == "1" for a in refused), refused[0].body
+    assert max(a.latency for a in refused) < 1.0, percentiles([a.latency for a in refused])
+    assert {a.status for a in answers} <= {200, 503}  # no 500, no hang, no connection error
+    for a in answers:
+        if a.status == 200:
+            np.testing.assert_allclose(mlp_output(a), mlp_numpy(x[a.index:a.index + 1])[0], rtol=1e-4,
+                                       atol=1e-5)
+    assert ready_while_down != 200 and ready_again is not None
+    assert stats_while_down == 503  # every API, not only inference
+    assert pids_after == pids, "a process was restarted"
+    assert serving
+    assert server.logs().count("loaded mlp version 1") == 1  # kept loaded throughout, not reloaded
+    assert "publishing the catalog again" in server.logs()
+    in_flight = [a for a in answers if a.sent < down <= a.done]
+    report("redis outage", sent=len(answers), answered=len(answers), ok=sum(a.status == 200 for a in answers),
+           unavailable_503=len(refused), errors_5xx_other=0, in_flight_at_stop=len(in_flight),
+           in_flight_statuses=sorted({a.status for a in in_flight}),
+           refused_latency=percentiles([a.latency for a in refused]),
+           recovered_after_restart_s=round(recovered, 2), ready_after_restart_s=round(ready_again, 2),
+           processes_restarted=0)

@@ -1,0 +1,148 @@
+"""A worker killed with SIGKILL mid-batch while 2,000 requests are in flight: every request is answered
+exactly once, with its own correct result. What the dead worker had read comes back through the
+control plane (its heartbeat expired) or, with no help from there, through the other worker's
+visibility timeout."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import redis
+
+from despina.contract import records
+from despina.contract.keys import GROUP, Keys
+
+from .conftest import Server, stop_server
+from .control_support import wait_until, worker_hashes
+from .reliability_support import Answer, percentiles, post_all, report
+
+CONCURRENCY = 200
+MODES = {
+    # the control plane sees the heartbeat stop after 2 s and requeues at once
+    "heartbeat": (2_000, {"DESPINA_WORKER_TTL_S": "2"}),
+    # the control plane would wait a minute: the surviving worker redelivers after its visibility timeout
+    "visibility": (600, {"DESPINA_WORKER_TTL_S": "60", "DESPINA_VISIBILITY_TIMEOUT_S": "2"}),
+}
+
+# A model that takes its time (50 ms a batch of up to 8): the workers always hold requests they have
+# read, so the one killed dies holding some. Y = 2X + 1, checked against numpy for every request.
+SLOW = """
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.05)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2 + 1)]) for r in requests]
+"""
+SLOW_CONFIG = """
+name: "slow"
+backend: "python"
+max_batch_size: 8
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 16 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 5000 }
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""
+
+
+def slow_model(repo: Path) -> None:
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "1" / "model.py").write_text(SLOW)
+    (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
+
+
+def body(x: np.ndarray) -> bytes:
+    return orjson.dumps({"inputs": [{"name": "X", "shape": [1, x.size], "datatype": "FP32",
+                                     "data": x.tolist()}]})
+
+
+def output(answer: Answer) -> np.ndarray:
+    return np.array(orjson.loads(answer.body)["outputs"][0]["data"], dtype=np.float32)
+
+
+def pending_of(client: redis.Redis, stream: str) -> dict[str, int]:
+    """Consumer -> entries it read and has not acknowledged."""
+    return {c["name"].decode(): c["pending"] for c in client.xpending(stream, GROUP)["consumers"]}
+
+
+def requests_held(client: redis.Redis, stream: str, consumer: str) -> tuple[int, set[int]]:
+    """The entries pending for `consumer`, and the X-Request-Ids of the requests in them."""
+    rows = client.xpending_range(stream, GROUP, "-", "+", 10_000, consumername=consumer)
+    held: set[int] = set()
+    for row in rows:
+        for _, fields in client.xrange(stream, row["message_id"], row["message_id"]):
+            held |= {int(r.trace) for r in records.decode_requests(fields[b"m"])}
+    return len(rows), held
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+async def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(
+        mode: str, serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    requests, env = MODES[mode]
+    slow_model(tmp_path / "repo")
+    server = serve(tmp_path / "repo", "--workers", "2", "--model-replicas", "0", wait_models=("slow",),
+                   env=env)
+    client = redis.Redis.from_url(redis_url)
+    stream = Keys(key_prefix).request_stream("slow", 1)
+    wait_until(lambda: len(worker_hashes(redis_url, key_prefix)) == 2, what="two workers")
+    pids = {wid: orjson.loads(h[b"info"])["pid"] for wid, h in worker_hashes(redis_url, key_prefix).items()}
+
+    x = np.random.default_rng(7).standard_normal((requests, 16)).astype(np.float32)
+    expected = x * 2 + 1
+    answers: list[Answer] = []
+    load = asyncio.create_task(post_all(lambda i: f"{server.url}/v2/models/slow/infer",
+                                        [body(row) for row in x], CONCURRENCY, answers))
+    while len(answers) < requests // 5 and not load.done():
+        await asyncio.sleep(0.005)
+    entries, held = 0, set[int]()
+    while not entries and not load.done():
+        holding = pending_of(client, stream)
+        victim = max(pids, key=lambda wid: holding.get(wid, 0))  # the one holding the most: mid-batch
+        # stopped first, so that what it holds can be read before it dies: the same as a SIGKILL now
+        os.kill(pids[victim], signal.SIGSTOP)
+        killed = time.monotonic()
+        await asyncio.sleep(0.05)  # what it had sent before reaches Redis
+        entries, held = requests_held(client, stream, victim)
+        if not entries:
+            os.kill(pids[victim], signal.SIGCONT)
+            await asyncio.sleep(0.01)
+    os.kill(pids[victim], signal.SIGKILL)
+    await asyncio.wait_for(load, 120)
+    stop_server(server)  # the gateway logs the duplicate replies it dropped as it stops
+    client.close()
+
+    by_index: dict[int, list[Answer]] = {}
+    for a in answers:
+        by_index.setdefault(a.index, []).append(a)
+    assert sorted(by_index) == list(range(requests))                    # none lost
+    assert all(len(v) == 1 for v in by_index.values())                   # none answered twice
+    failed = [(a.index, a.status, a.body[:200]) for a in answers if a.status != 200]
+    assert not failed, (failed[:5], server.logs()[-3000:])
+    for a in answers:                                                    # each its own right answer
+        np.testing.assert_array_equal(output(a), expected[a.index])
+    assert entries and held, "no worker ever held a request it had read"
+
+    dropped = re.search(r"dropped (\d+) replies nobody waited for", server.logs())
+    # held, but answered by the victim before it stopped (the rest of their entry was not): not reclaimed
+    reclaimed = [a for a in answers if a.index in held and a.done - killed > 0.5]
+    others = [a for a in answers if a.index not in held]
+    assert reclaimed, "no request waited for redelivery"
+    assert "requeued" in server.logs()
+    report(f"worker crash ({mode})", sent=requests, answered=len(answers), lost=requests - len(by_index),
+           duplicated=sum(len(v) - 1 for v in by_index.values()), errors=len(failed),
+           victim_entries=entries, victim_requests=len(held), reclaimed=len(reclaimed),
+           duplicate_replies_dropped=int(dropped.group(1)) if dropped else 0,
+           reclaimed_wait_after_kill=percentiles([a.done - killed for a in reclaimed]),
+           reclaimed_latency=percentiles([a.latency for a in reclaimed]),
+           others_latency=percentiles([a.latency for a in others]), env=env)
