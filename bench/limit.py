@@ -10,26 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
-from models import DEFAULT_REPO, WORKLOADS, session
-from onnxruntime import InferenceSession
+from models import DEFAULT_REPO, WORKLOADS, measure, session
 
 BATCHES = (1, 8, 32, 128)
 
-
-def measure(sess: InferenceSession, x: np.ndarray, seconds: float) -> tuple[float, list[float]]:
-    """(elapsed seconds, sorted per-call latencies) of calling the model on x in a loop."""
-    for _ in range(20):
-        sess.run(None, {"x": x})
-    lat: list[float] = []
-    start = time.perf_counter()
-    while (t0 := time.perf_counter()) < start + seconds:
-        sess.run(None, {"x": x})
-        lat.append(time.perf_counter() - t0)
-    return time.perf_counter() - start, sorted(lat)
 
 
 def ms(lat: list[float], q: float) -> float:

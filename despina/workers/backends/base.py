@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ...contract._schema import model_config_pb2 as pb
 from ...contract.errors import ConfigError, DespinaError
 from ...contract.modelconfig import ModelSpec
 
@@ -97,3 +98,38 @@ def visible_gpus() -> int:
             break
         ids.append(v)
     return min(present, len(ids))
+
+
+DEFAULT_MAX_BATCH_SIZE = 4  # Triton's --backend-config=default-max-batch-size
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A tensor as a model file declares it, for auto-complete."""
+
+    name: str
+    data_type: str | None       # Triton's TYPE_*; None when the framework's type has no equivalent
+    framework_type: str         # the framework's own name of the type, for the error message
+    dims: tuple[int, ...]       # batch dimension first; -1 for a size the model leaves open
+
+
+def complete_config(config: Any, inputs: list[Declared], outputs: list[Declared]) -> None:
+    """Triton's auto-complete from a model file's tensors: a model whose tensors all lead with an
+    open dimension batches (max_batch_size 4, dynamic batching) unless the config says otherwise;
+    inputs or outputs the config leaves out are filled in."""
+    batchable = all(t.dims and t.dims[0] == -1 for t in (*inputs, *outputs))
+    if config.max_batch_size == 0 and not config.input and batchable:
+        config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+        if not config.HasField("dynamic_batching"):
+            config.dynamic_batching.SetInParent()
+    skip = 1 if config.max_batch_size > 0 else 0
+    for declared, found in ((config.input, inputs), (config.output, outputs)):
+        if declared:
+            continue
+        for t in found:
+            if t.data_type is None:
+                raise ConfigError(f"model '{config.name}': tensor '{t.name}' has type {t.framework_type}, "
+                                  "which Despina cannot serve")
+            entry = declared.add(name=t.name, data_type=pb.DataType.Value(t.data_type))
+            entry.dims.extend(t.dims[skip:])
+

@@ -8,9 +8,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from ...contract._schema import model_config_pb2 as pb
 from ...contract.errors import BackendError, ConfigError
-from .base import Backend
+from .base import Backend, Declared, complete_config
 
 ONNX_TO_CONFIG = {
     "tensor(bool)": "TYPE_BOOL", "tensor(uint8)": "TYPE_UINT8", "tensor(uint16)": "TYPE_UINT16",
@@ -19,7 +18,6 @@ ONNX_TO_CONFIG = {
     "tensor(float16)": "TYPE_FP16", "tensor(float)": "TYPE_FP32", "tensor(double)": "TYPE_FP64",
     "tensor(string)": "TYPE_STRING",
 }
-DEFAULT_MAX_BATCH_SIZE = 4  # Triton's --backend-config=default-max-batch-size
 
 
 class OnnxRuntimeBackend(Backend):
@@ -71,23 +69,13 @@ class OnnxRuntimeBackend(Backend):
         except Exception as exc:
             raise ConfigError(f"model '{config.name}': cannot read {path} to complete the config: {exc}"
                               ) from None
-        ins, outs = session.get_inputs(), session.get_outputs()
-        batchable = all(t.shape and not isinstance(t.shape[0], int) for t in (*ins, *outs))
-        if config.max_batch_size == 0 and not config.input and batchable:
-            config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
-            if not config.HasField("dynamic_batching"):
-                config.dynamic_batching.SetInParent()
-        skip = 1 if config.max_batch_size > 0 else 0
-        for declared, found in ((config.input, ins), (config.output, outs)):
-            if declared:
-                continue
-            for t in found:
-                dtype = ONNX_TO_CONFIG.get(t.type)
-                if dtype is None:
-                    raise ConfigError(f"model '{config.name}': tensor '{t.name}' has type {t.type}, "
-                                      "which Despina cannot serve")
-                entry = declared.add(name=t.name, data_type=pb.DataType.Value(dtype))
-                entry.dims.extend(d if isinstance(d, int) and d > 0 else -1 for d in t.shape[skip:])
+        complete_config(config, [_declared(t) for t in session.get_inputs()],
+                        [_declared(t) for t in session.get_outputs()])
+
+
+def _declared(t: Any) -> Declared:
+    dims = tuple(d if isinstance(d, int) and d > 0 else -1 for d in t.shape)
+    return Declared(t.name, ONNX_TO_CONFIG.get(t.type), t.type, dims)
 
 
 def _as_str(array: np.ndarray) -> np.ndarray:

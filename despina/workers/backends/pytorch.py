@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ...contract._schema import model_config_pb2 as pb
 from ...contract.errors import BackendError, ConfigError
-from .base import Backend
+from .base import Backend, Declared, complete_config
 
 if find_spec("torch") is None:  # torch itself is imported only where a model needs it
     raise ImportError("No module named 'torch'")
@@ -28,7 +27,6 @@ if find_spec("torch") is None:  # torch itself is imported only where a model ne
 INDEXED = re.compile(r"^.*__(\d+)$")
 # torch.export.load keeps its deserializer in a global: two models loading at once must take turns.
 _LOADING = threading.Lock()
-DEFAULT_MAX_BATCH_SIZE = 4
 TORCH_TO_CONFIG = {
     "torch.bool": "TYPE_BOOL", "torch.uint8": "TYPE_UINT8", "torch.int8": "TYPE_INT8",
     "torch.int16": "TYPE_INT16", "torch.int32": "TYPE_INT32", "torch.int64": "TYPE_INT64",
@@ -171,19 +169,9 @@ def _complete_from_program(config: Any, program: Any) -> None:
     inputs = [(name, placeholders[name].meta["val"]) for name in program.graph_signature.user_inputs]
     output_node = next(n for n in program.graph.nodes if n.op == "output")
     outputs = [(f"OUTPUT__{i}", node.meta["val"]) for i, node in enumerate(output_node.args[0])]
-    batchable = all(len(v.shape) and not isinstance(v.shape[0], int) for _, v in (*inputs, *outputs))
-    if config.max_batch_size == 0 and not config.input and batchable:
-        config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
-        if not config.HasField("dynamic_batching"):
-            config.dynamic_batching.SetInParent()
-    skip = 1 if config.max_batch_size > 0 else 0
-    for declared, found in ((config.input, inputs), (config.output, outputs)):
-        if declared:
-            continue
-        for name, value in found:
-            dtype = TORCH_TO_CONFIG.get(str(value.dtype))
-            if dtype is None:
-                raise ConfigError(f"model '{config.name}': tensor '{name}' has type {value.dtype}, "
-                                  "which Despina cannot serve")
-            entry = declared.add(name=name, data_type=pb.DataType.Value(dtype))
-            entry.dims.extend(d if isinstance(d, int) else -1 for d in value.shape[skip:])
+    complete_config(config, [_declared(n, v) for n, v in inputs], [_declared(n, v) for n, v in outputs])
+
+
+def _declared(name: str, value: Any) -> Declared:
+    dims = tuple(d if isinstance(d, int) else -1 for d in value.shape)
+    return Declared(name, TORCH_TO_CONFIG.get(str(value.dtype)), str(value.dtype), dims)

@@ -15,14 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from ...contract._schema import model_config_pb2 as pb
 from ...contract.errors import BackendError, ConfigError
-from .base import Backend
+from .base import Backend, Declared, complete_config
 
 if find_spec("tensorflow") is None:  # TensorFlow itself is imported only where a model loads
     raise ImportError("No module named 'tensorflow'")
 
-DEFAULT_MAX_BATCH_SIZE = 4
 DEFAULT_SIGNATURE = "serving_default"
 TF_TO_CONFIG = {1: "TYPE_FP32", 2: "TYPE_FP64", 3: "TYPE_INT32", 4: "TYPE_UINT8", 5: "TYPE_INT16",
                 6: "TYPE_INT8", 7: "TYPE_STRING", 9: "TYPE_INT64", 10: "TYPE_BOOL", 17: "TYPE_UINT16",
@@ -132,23 +130,13 @@ def _complete(config: Any, signature: Any) -> None:
         if info.tensor_shape.unknown_rank:
             raise ConfigError(f"model '{config.name}': tensor '{key}' has an unknown rank; list the "
                               "inputs and outputs in config.pbtxt")
-    batchable = all(info.tensor_shape.dim and info.tensor_shape.dim[0].size == -1
-                    for _, info in (*ins, *outs))
-    if config.max_batch_size == 0 and not config.input and batchable:
-        config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
-        if not config.HasField("dynamic_batching"):
-            config.dynamic_batching.SetInParent()
-    skip = 1 if config.max_batch_size > 0 else 0
-    for declared, found in ((config.input, ins), (config.output, outs)):
-        if declared:
-            continue
-        for key, info in found:
-            dtype = TF_TO_CONFIG.get(info.dtype)
-            if dtype is None:
-                raise ConfigError(f"model '{config.name}': tensor '{key}' has TensorFlow type "
-                                  f"{info.dtype}, which Despina cannot serve")
-            entry = declared.add(name=key, data_type=pb.DataType.Value(dtype))
-            entry.dims.extend(d.size if d.size > 0 else -1 for d in info.tensor_shape.dim[skip:])
+    complete_config(config, [_declared(key, info) for key, info in ins],
+                    [_declared(key, info) for key, info in outs])
+
+
+def _declared(key: str, info: Any) -> Declared:
+    dims = tuple(d.size if d.size > 0 else -1 for d in info.tensor_shape.dim)
+    return Declared(key, TF_TO_CONFIG.get(info.dtype), str(info.dtype), dims)
 
 
 def read_signature(path: Path, name: str = DEFAULT_SIGNATURE) -> Any:
