@@ -9,7 +9,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import orjson
+import redis.asyncio as aioredis
 
+from despina.contract.keys import Keys
 from despina.examples import build_mlp
 
 from .conftest import Server
@@ -64,10 +66,20 @@ def test_full_queue_refuses_at_once_and_loses_nothing_accepted(serve: Callable[.
         assert seconds >= 1.0 and response.json()["outputs"][0]["shape"] == [1, 10]
 
 
-def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], tmp_path: Path) -> None:
-    repo = repository(tmp_path, "p", "priority_levels: 2 default_priority_level: 2")
+def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], tmp_path: Path,
+                                                   redis_url: str, key_prefix: str) -> None:
+    # one request per batch, ~10 ms each: 80 requests are a backlog of most of a second
+    repo = repository(tmp_path, "p", "priority_levels: 2 default_priority_level: 2", max_batch_size=1,
+                      layers=(256, 4096, 4096, 10))
     server = serve(repo, wait_models=("p",))
     url = f"{server.url}/v2/models/p/infer"
+    stats = Keys(key_prefix).stats("p", 1)
+    store = aioredis.Redis.from_url(redis_url)
+
+    async def backlog() -> int:
+        """Requests the gateway queued that the worker has not answered yet."""
+        h = {k.decode(): int(v) for k, v in (await store.hgetall(stats)).items()}
+        return h.get("enqueued", 0) - h.get("success_count", 0) - h.get("fail_count", 0)
 
     async def finished(client: httpx.AsyncClient, content: bytes) -> float:
         r = await client.post(url, content=content)
@@ -75,11 +87,15 @@ def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], 
         return time.monotonic()
 
     async def scenario() -> tuple[list[float], list[float]]:
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=500)) as client:
-            low = [asyncio.create_task(finished(client, body())) for _ in range(400)]
-            await asyncio.sleep(0.1)                      # the default level now has a long backlog
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as client:
+            low = [asyncio.create_task(finished(client, body())) for _ in range(80)]
+            deadline = time.monotonic() + 30
+            while await backlog() < 60 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)             # until the default level has a long backlog
             high = [asyncio.create_task(finished(client, body(priority=1))) for _ in range(10)]
-            return list(await asyncio.gather(*low)), list(await asyncio.gather(*high))
+            result = list(await asyncio.gather(*low)), list(await asyncio.gather(*high))
+        await store.aclose()
+        return result
 
     lows, highs = asyncio.run(scenario())
     # in arrival order the priority-1 requests would finish last; they finish ahead of most of the

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "despina"
 GROUP = "workers"  # the consumer group on every request stream: replicas of a model share it
 CONTROL_GROUP = "control"  # the consumer group on the control plane's command stream
-FIELD = b"m"  # the field of every stream entry that holds its msgpack payload
+FIELD = b"m"
+# Requests per request-stream entry at most: gateways pack what arrives in one tick into entries of
+# this size; workers, which read whole entries, size their reads by it.
+ENTRY_REQUESTS = 16  # the field of every stream entry that holds its msgpack payload
 ATTEMPTS = b"a"  # on a redelivered request entry: deliveries of it that ended with its worker's death
 
 

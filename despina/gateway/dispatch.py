@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 
 from ..contract import records
 from ..contract.errors import Code, DespinaError, Unavailable
-from ..contract.keys import FIELD, Keys
+from ..contract.keys import ENTRY_REQUESTS, FIELD, Keys
 from ..contract.records import InferReply, InferRequest
 
 log = logging.getLogger("despina.gateway")
@@ -42,9 +42,6 @@ return 1
 """
 
 Bound = tuple[str, int]  # (counter key, max_queue_size)
-# Requests per stream entry at most: a worker reads whole entries, so this bounds how far past its
-# read-ahead it can get (and lets a higher priority level's requests in sooner).
-ENTRY_REQUESTS = 16
 
 
 class Dispatcher:

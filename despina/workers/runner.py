@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 from ..contract import records
 from ..contract.datatypes import numpy_to_v2, to_bytes
 from ..contract.errors import Code, ConfigError, DespinaError
-from ..contract.keys import ATTEMPTS, FIELD, Keys
+from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from . import stats
@@ -135,7 +135,9 @@ class ModelRunner:
         while not self._stopping:
             await self._room.wait()
             try:
-                entries = await self.streams.read(max(1, (self._read_ahead - self._in_flight) // 4), 1000)
+                # an entry holds up to ENTRY_REQUESTS requests: read no further past the read-ahead
+                room = max(1, (self._read_ahead - self._in_flight) // ENTRY_REQUESTS)
+                entries = await self.streams.read(room, 1000)
             except (RedisError, OSError) as exc:
                 log.warning("model %s: reading its stream failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
