@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ from onnx import TensorProto
 
 from despina.examples import build_identity
 
-from .conftest import Server
+from .conftest import Server, module_server
 
 TYPES = {
     "BOOL": (TensorProto.BOOL, "TYPE_BOOL", np.bool_),
@@ -32,8 +31,6 @@ TYPES = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
-    from .conftest import start_server, stop_server
-
     repo = tmp_path_factory.mktemp("dtypes")
     for name, (onnx_type, config_type, _) in TYPES.items():
         model = repo / f"id_{name.lower()}"
@@ -42,19 +39,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
             f'backend: "onnxruntime"\nmax_batch_size: 4\n'
             f'input [{{ name: "in", data_type: {config_type}, dims: [3] }}]\n'
             f'output [{{ name: "out", data_type: {config_type}, dims: [3] }}]\n')
-    import uuid
-
-    import redis
-
-    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
-    srv = start_server(repo, Path(tmp_path_factory.mktemp("logs")), redis_url, prefix,
-                       wait_models=tuple(f"id_{n.lower()}" for n in TYPES))
-    yield srv
-    stop_server(srv)
-    client = redis.Redis.from_url(redis_url)
-    for key in client.scan_iter(f"{prefix}:*"):
-        client.delete(key)
-    client.close()
+    yield from module_server(repo, tmp_path_factory, redis_url, tuple(f"id_{n.lower()}" for n in TYPES))
 
 
 def sample(datatype: str) -> np.ndarray:

@@ -18,14 +18,13 @@ from starlette.routing import Route
 from .. import __version__
 from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.keys import Keys
-from ..contract.records import InferReply, Tensor
 from ..redis_client import connect
 from ..settings import Settings
 from .auth import AuthPolicy, Guard
 from .dispatch import Dispatcher
 from .fastpath import FastPath
 from .http import error_parts
-from .infer import FunctionEndpoint, InferEndpoint, call_model
+from .infer import FunctionEndpoint, InferEndpoint
 from .models import ModelView
 from .openapi import document
 from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
@@ -56,10 +55,6 @@ class Gateway:
         await self.dispatcher.close()
         await self.view.close()
         await self.redis.aclose()
-
-    async def infer(self, model: str, version: int, inputs: list[Tensor], outputs: tuple[str, ...],
-                    trace: bytes | None) -> InferReply:
-        return await call_model(self, self.view.get(model).spec, version, inputs, outputs, trace)
 
 
 def json_response(doc: Any, status: int = 200) -> Response:

@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from ..contract.commands import INDEX, LOAD, UNLOAD
 from ..contract.errors import DespinaError, InvalidArgument
-from .http import BodyTooLarge, error_parts
+from .http import error_parts, read_body
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -65,13 +65,7 @@ def repository_routes(gw: Gateway) -> list[Route]:
 
 
 async def _json_body(request: Request, limit: int) -> dict[str, Any]:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    body = b"".join(chunks)
+    body = await read_body(request.scope, request.receive, limit)
     if not body.strip():
         return {}
     try:
