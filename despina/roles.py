@@ -23,9 +23,12 @@ def quiet_collector() -> None:
 
 def run_gateway(settings: Settings) -> None:
     from .gateway.app import create_app
+    from .gateway.protocol import protocol_class
 
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.http_port,
-                            loop="uvloop", http="httptools", lifespan="on", access_log=False,
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.http_port,
+                            loop="uvloop", http=protocol_class(app.state.hot_routes), lifespan="on",
+                            access_log=False,
                             proxy_headers=False, server_header=False, date_header=False,
                             log_level=settings.log_level,
                             timeout_graceful_shutdown=int(settings.drain_timeout_s))

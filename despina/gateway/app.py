@@ -22,11 +22,11 @@ from ..redis_client import connect
 from ..settings import Settings
 from .auth import AuthPolicy, Guard
 from .dispatch import Dispatcher
-from .fastpath import FastPath
 from .http import error_parts
-from .infer import FunctionEndpoint, InferEndpoint
+from .infer import FunctionRoute, InferRoute, asgi
 from .models import ModelView
 from .openapi import document
+from .protocol import HotRoutes
 from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
 from .repository import repository_routes
 from .stats import model_statistics
@@ -149,8 +149,7 @@ def create_app(settings: Settings) -> Starlette:
                 raise NotFound(f"unknown version {version} of model '{model.entry.name}'")
         return model, version
 
-    infer = InferEndpoint(gw)
-    fn = FunctionEndpoint(gw)
+    infer, fn = InferRoute(gw), FunctionRoute(gw)
     routes = [
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
@@ -165,13 +164,15 @@ def create_app(settings: Settings) -> Starlette:
         Route("/v2/models/{model}/versions/{version}/config", model_config, methods=["GET"]),
         Route("/v2/models/{model}/stats", stats, methods=["GET"]),
         Route("/v2/models/{model}/versions/{version}/stats", stats, methods=["GET"]),
-        Route("/v2/models/{model}/infer", infer, methods=["POST"]),
-        Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
-        Route("/fn/{model}", fn, methods=["POST"]),
+        Route("/v2/models/{model}/infer", asgi(infer), methods=["POST"]),
+        Route("/v2/models/{model}/versions/{version}/infer", asgi(infer), methods=["POST"]),
+        Route("/fn/{model}", asgi(fn), methods=["POST"]),
         *repository_routes(gw),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],
                     exception_handlers={404: _http_error, 405: _http_error, RedisError: _redis_error,
                                         Exception: _internal_error})
     app.state.gateway = gw
-    return FastPath(app, infer, fn, policy)  # type: ignore[return-value]
+    # the same routes, answered by the gateway's HTTP protocol before ASGI (protocol.py)
+    app.state.hot_routes = HotRoutes(infer, fn, policy, settings.max_body_bytes)
+    return app

@@ -1,9 +1,10 @@
 """Requests out to the model streams, replies back from this gateway's own reply stream.
 
 Every request that arrives in one event-loop tick goes out in one pipeline, as one stream entry per
-model stream. One background task reads the reply stream and resolves the waiting futures by id;
-a reply whose request is no longer waited for (a duplicate, or one past its deadline) is dropped.
-Should the connection to Redis break, every waiting request is answered UNAVAILABLE at once.
+model stream. One background task reads the reply stream and calls each waiting request's callback
+by id; a reply whose request is no longer waited for (a duplicate, or one past its deadline) is
+dropped. Deadlines are swept by one timer, not one per request. Should the connection to Redis break,
+every waiting request is answered UNAVAILABLE at once.
 """
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -42,6 +45,9 @@ return 1
 """
 
 Bound = tuple[str, int]  # (counter key, max_queue_size)
+Result = InferReply | BaseException
+Callback = Callable[[Result], None]  # called once: the reply, TimeoutError, or the error that stopped it
+SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
 
 
 class Dispatcher:
@@ -55,7 +61,10 @@ class Dispatcher:
         self.id = gateway_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.reply_stream = keys.reply_stream(self.id)
         self._ids = itertools.count()
-        self._waiting: dict[str, asyncio.Future[InferReply]] = {}
+        # request id -> (its callback, its deadline on the monotonic clock); in insertion order, and
+        # since every request waits the same time, in deadline order too
+        self._waiting: dict[str, tuple[Callback, float]] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
         self._outbox: dict[str, list[InferRequest]] = defaultdict(list)
         self._bounded: list[tuple[str, Bound, InferRequest]] = []
         self._stats: dict[str, str] = {}  # request stream -> its model version's statistics hash
@@ -77,6 +86,8 @@ class Dispatcher:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
         self._fail_waiting(Unavailable("the gateway is shutting down"))
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self.dropped:
             log.info("gateway %s: dropped %d replies nobody waited for (duplicates, or past their deadline)",
                      self.id, self.dropped)
@@ -89,15 +100,15 @@ class Dispatcher:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    async def call(self, stream: str, stats: str, request: InferRequest, timeout: float,
-                   bound: Bound | None = None) -> InferReply:
-        """Queue the request and wait for its reply; TimeoutError after `timeout` seconds.
+    def submit(self, stream: str, stats: str, request: InferRequest, timeout: float, done: Callback,
+               bound: Bound | None = None) -> None:
+        """Queue the request; `done` gets its reply, or TimeoutError after `timeout` seconds, or the
+        error that kept it from being queued.
 
         `stats` is the model version's statistics hash: it counts what was enqueued (answered minus
         enqueued is what is pending). With a bound, the request is refused (RESOURCE_EXHAUSTED)
         when its queue is full."""
-        fut: asyncio.Future[InferReply] = asyncio.get_running_loop().create_future()
-        self._waiting[request.id] = fut
+        self._waiting[request.id] = (done, time.monotonic() + timeout)
         self._stats[stream] = stats
         if bound is None:
             self._outbox[stream].append(request)
@@ -106,11 +117,32 @@ class Dispatcher:
         if not self._flush_scheduled and not self._writing:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        now = time.monotonic()
+        expired = []
+        for request_id, (_, deadline) in self._waiting.items():
+            if deadline > now:
+                break
+            expired.append(request_id)
+        for request_id in expired:
+            self._finish(request_id, TimeoutError())
+        if self._waiting:
+            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+
+    def _finish(self, request_id: str, result: Result) -> bool:
+        """Hand the request its result; False when nobody waits for it any more."""
+        waiter = self._waiting.pop(request_id, None)
+        if waiter is None:
+            return False
         try:
-            async with asyncio.timeout(timeout):  # cheaper than wait_for: no task per request
-                return await fut
-        finally:
-            self._waiting.pop(request.id, None)
+            waiter[0](result)
+        except Exception:  # a callback's fault must not stop the reply reader
+            log.exception("gateway %s: answering request %s failed", self.id, request_id)
+        return True
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -177,14 +209,11 @@ class Dispatcher:
             pass
 
     def _fail_waiting(self, error: Exception) -> None:
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(error)
+        for request_id in list(self._waiting):
+            self._finish(request_id, error)
 
     def _fail(self, request_id: str, error: Exception) -> None:
-        fut = self._waiting.get(request_id)
-        if fut is not None and not fut.done():
-            fut.set_exception(error)
+        self._finish(request_id, error)
 
     async def _read_replies(self) -> None:
         last = "0-0"
@@ -217,10 +246,7 @@ class Dispatcher:
             log.error("gateway %s: undecodable reply entry: %s", self.id, exc)
             return
         for reply in replies:
-            fut = self._waiting.get(reply.id)
-            if fut is not None and not fut.done():
-                fut.set_result(reply)
-            else:
+            if not self._finish(reply.id, reply):
                 self.dropped += 1
 
     async def _trim(self, last: str | bytes) -> None:

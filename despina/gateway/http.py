@@ -1,7 +1,8 @@
-"""Raw ASGI helpers for the hot path, and the one place where error codes become HTTP statuses."""
+"""HTTP helpers for the hot path, and the one place where error codes become HTTP statuses."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -11,6 +12,7 @@ from ..contract.errors import Code, DespinaError
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
 
 STATUS = {
     Code.INVALID_ARGUMENT: 400,
@@ -37,17 +39,39 @@ class BodyTooLarge(DespinaError):
     code = Code.PAYLOAD_TOO_LARGE
 
 
-def header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
+STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
+
+
+def header(headers: Headers, name: bytes) -> bytes | None:
+    for key, value in headers:
         if key == name:
             return value
     return None
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    length = header(scope, b"content-length")
+def check_length(headers: Headers, limit: int) -> None:
+    """BodyTooLarge when the declared Content-Length is over the limit (before any of it is read)."""
+    length = header(headers, b"content-length")
     if length is not None and length.isdigit() and (len(length) > 18 or int(length) > limit):
         raise BodyTooLarge(f"request body of {length.decode()[:20]} bytes is over the limit of {limit}")
+
+
+def too_large(limit: int) -> BodyTooLarge:
+    return BodyTooLarge(f"request body is over the limit of {limit} bytes")
+
+
+def response_head(status: int, length: int, content_type: bytes, extra: Headers, close: bool) -> bytes:
+    """Status line and headers of a response, ready for the wire (the names and values are ours)."""
+    parts = [STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status,
+             b"content-type: ", content_type, b"\r\ncontent-length: %d\r\n" % length]
+    for name, value in extra:
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"connection: close\r\n\r\n" if close else b"\r\n")
+    return b"".join(parts)
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    check_length(scope["headers"], limit)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -57,7 +81,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+            raise too_large(limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)

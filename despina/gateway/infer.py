@@ -1,19 +1,26 @@
 """The infer hop: HTTP body -> request record on the model's stream -> reply -> HTTP body.
 
-Raw ASGI endpoints: on this path Starlette's Request/Response objects cost a fifth of the time.
+A route is called with an exchange whose body is complete and answers it through `respond`, at once
+(an error) or when the worker's reply comes back: no task and no coroutine per request. The gateway's
+HTTP protocol (protocol.py) calls the routes straight from its parser; `asgi()` serves the same routes
+under any ASGI server.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from . import http
+from .dispatch import Result
 from .fn import decode_fn, encode_fn
-from .http import Receive, Scope, Send
+from .http import Headers, Receive, Scope, Send
+from .models import Model, NotLoaded
 from .v2 import decode_infer, encode_infer
 
 if TYPE_CHECKING:
@@ -22,78 +29,127 @@ if TYPE_CHECKING:
 log = logging.getLogger("despina.gateway")
 
 GRACE_S = 0.5  # a worker answering right at the deadline still gets its answer through
+OCTETS = b"application/octet-stream"
 
 
-class InferEndpoint:
+class Exchange(Protocol):
+    """One request with its whole body, and the way to answer it (once)."""
+
+    method: str
+    path: str
+    headers: Headers
+    params: dict[str, str]
+    body: bytes
+
+    def respond(self, status: int, body: bytes, content_type: bytes, extra: Headers) -> None: ...
+
+
+class Route:
+    """What the infer routes share: finding the model (waking it when it is scaled to zero), errors."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self._wakes: set[asyncio.Task[None]] = set()
+
+    def __call__(self, ex: Exchange) -> None:
+        trace = http.header(ex.headers, b"x-request-id")
+        try:
+            model, version = self.gateway.view.resolve(ex.params["model"], ex.params.get("version"))
+        except NotLoaded:  # the one path that waits before queueing: a task, like any slow path
+            task = asyncio.ensure_future(self._after_wake(ex, trace))
+            self._wakes.add(task)
+            task.add_done_callback(self._wakes.discard)
+            return
+        except DespinaError as exc:
+            fail(ex, exc, trace)
+            return
+        self._queue(ex, model, version, trace)
+
+    async def _after_wake(self, ex: Exchange, trace: bytes | None) -> None:
+        gw = self.gateway
+        try:
+            model, version = await gw.view.serving(ex.params["model"], ex.params.get("version"),
+                                                   gw.settings.request_timeout_s)
+        except DespinaError as exc:
+            fail(ex, exc, trace)
+            return
+        self._queue(ex, model, version, trace)
+
+    def _queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None) -> None:
+        try:
+            self.queue(ex, model, version, trace)
+        except DespinaError as exc:
+            fail(ex, exc, trace)
+
+    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None) -> None:
+        raise NotImplementedError
+
+
+class InferRoute(Route):
     """POST /v2/models/{model}[/versions/{version}]/infer"""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None) -> None:
         gw = self.gateway
-        params = scope["path_params"]
-        trace = http.header(scope, b"x-request-id")
-        try:
-            model, version = await gw.view.serving(params["model"], params.get("version"),
-                                                   gw.settings.request_timeout_s)
-            body = await http.read_body(scope, receive, gw.settings.max_body_bytes)
-            raw_length = http.header(scope, b"inference-header-content-length")
-            header_length = _int_header(raw_length) if raw_length is not None else None
-            decoded = decode_infer(body, header_length, model.spec, gw.settings.max_tensor_elements)
-            priority, timeout_us = schedule_parameters(decoded.parameters)
-            reply = await call_model(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs),
-                                     trace, priority, timeout_us)
+        raw_length = http.header(ex.headers, b"inference-header-content-length")
+        header_length = _int_header(raw_length) if raw_length is not None else None
+        decoded = decode_infer(ex.body, header_length, model.spec, gw.settings.max_tensor_elements)
+        priority, timeout_us = schedule_parameters(decoded.parameters)
+        echo = [(b"x-request-id", trace)] if trace else []
+
+        def answer(reply: InferReply) -> None:
             out, json_length = encode_infer(model.spec.name, version, decoded.id, reply.outputs,
                                             decoded.binary_outputs, decoded.binary_all)
-        except DespinaError as exc:
-            await _fail(send, exc, scope, trace)
-            return
-        except ConnectionResetError:
-            return
-        echo = [(b"x-request-id", trace)] if trace else []
-        if json_length is None:
-            await http.send(send, 200, out, http.JSON, echo)
-        else:
-            await http.send(send, 200, out, b"application/octet-stream",
-                            [(b"inference-header-content-length", str(json_length).encode()), *echo])
+            if json_length is None:
+                ex.respond(200, out, http.JSON, echo)
+            else:
+                ex.respond(200, out, OCTETS, [(b"inference-header-content-length", b"%d" % json_length), *echo])
+
+        submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace,
+               answering(ex, trace, answer), priority, timeout_us)
 
 
-class FunctionEndpoint:
+class FunctionRoute(Route):
     """POST /fn/{model}: plain JSON in, plain JSON out."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None) -> None:
+        tensors, squeeze = decode_fn(ex.body, model.spec, self.gateway.settings.max_tensor_elements)
+        echo = [(b"x-request-id", trace)] if trace else []
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gw = self.gateway
-        trace = http.header(scope, b"x-request-id")
+        def answer(reply: InferReply) -> None:
+            ex.respond(200, encode_fn(reply.outputs, squeeze), http.JSON, echo)
+
+        submit(self.gateway, model.spec, version, tensors, (), trace, answering(ex, trace, answer))
+
+
+def answering(ex: Exchange, trace: bytes | None, answer: Callable[[InferReply], None]
+              ) -> Callable[[InferReply | DespinaError], None]:
+    """The callback a queued request ends in: its answer, or its error (an unexpected fault included)."""
+    def done(result: InferReply | DespinaError) -> None:
+        if isinstance(result, DespinaError):
+            fail(ex, result, trace)
+            return
         try:
-            model, version = await gw.view.serving(scope["path_params"]["model"], None,
-                                                   gw.settings.request_timeout_s)
-            body = await http.read_body(scope, receive, gw.settings.max_body_bytes)
-            tensors, squeeze = decode_fn(body, model.spec, gw.settings.max_tensor_elements)
-            reply = await call_model(gw, model.spec, version, tensors, (), trace)
-            out = encode_fn(reply.outputs, squeeze)
+            answer(result)
         except DespinaError as exc:
-            await _fail(send, exc, scope, trace)
-            return
-        except ConnectionResetError:
-            return
-        await http.send(send, 200, out, http.JSON, [(b"x-request-id", trace)] if trace else None)
+            fail(ex, exc, trace)
+        except Exception:
+            log.exception("encoding the answer of %s failed", ex.path)
+            fail(ex, DespinaError("encoding the answer failed (the gateway's log has the details)",
+                                  Code.INTERNAL), trace)
+    return done
 
 
-async def _fail(send: Send, exc: DespinaError, scope: Scope, trace: bytes | None) -> None:
+def fail(ex: Exchange, exc: DespinaError, trace: bytes | None) -> None:
     """Answer an error; log it with the request's id (model failures loudly, the rest at debug)."""
     status, body, extra = http.error_parts(exc)
     level = logging.WARNING if exc.code in (Code.BACKEND, Code.INTERNAL) else logging.DEBUG
     if log.isEnabledFor(level):
-        log.log(level, "%s %s -> %d: %s", scope.get("method"), scope.get("path"), status, exc.message,
+        log.log(level, "%s %s -> %d: %s", ex.method, ex.path, status, exc.message,
                 extra={"fields": {"request_id": trace.decode("latin-1") if trace else None,
                                   "code": exc.code.value}})
     if trace:
         extra = [*extra, (b"x-request-id", trace)]
-    await http.send(send, status, body, http.JSON, extra)
+    ex.respond(status, body, http.JSON, extra)
 
 
 def _int_header(raw: bytes) -> int:
@@ -114,10 +170,11 @@ def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
     return values[0], values[1]
 
 
-async def call_model(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor],
-                     outputs: tuple[str, ...], trace: bytes | None, priority: int = 0, timeout_us: int = 0
-                     ) -> InferReply:
-    """Queue one request on the model version's stream (its priority level's) and wait for its reply."""
+def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], outputs: tuple[str, ...],
+           trace: bytes | None, done: Callable[[InferReply | DespinaError], None], priority: int = 0,
+           timeout_us: int = 0) -> None:
+    """Queue one request on the model version's stream (its priority level's); `done` gets the reply,
+    or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down)."""
     model = spec.name
     now = time.time()
     timeout = gw.settings.request_timeout_s
@@ -132,12 +189,51 @@ async def call_model(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Te
                            "(max_stream_length); retry later", Code.RESOURCE_EXHAUSTED)
     limit = spec.policy.queue_policy(level).max_queue_size
     bound = (gw.keys.queued(model, version, level), limit) if limit else None
-    try:
-        reply = await gw.dispatcher.call(stream, gw.keys.stats(model, version), request, timeout + GRACE_S,
-                                         bound)
-    except TimeoutError:
-        raise DeadlineExceeded(f"no answer from model '{model}' within {timeout:g} s") from None
-    if reply.error is not None:
-        code, message = reply.error
-        raise DespinaError(message, Code(code))
-    return reply
+
+    def settled(result: Result) -> None:
+        if isinstance(result, InferReply):
+            if result.error is None:
+                done(result)
+                return
+            code, message = result.error
+            done(DespinaError(message, Code(code)))
+        elif isinstance(result, DespinaError):
+            done(result)
+        elif isinstance(result, TimeoutError):
+            done(DeadlineExceeded(f"no answer from model '{model}' within {timeout:g} s"))
+        else:
+            done(DespinaError(f"queueing the request failed: {result}", Code.INTERNAL))
+
+    gw.dispatcher.submit(stream, gw.keys.stats(model, version), request, timeout + GRACE_S, settled, bound)
+
+
+class AsgiExchange:
+    """An exchange under an ASGI server: the answer is sent by the endpoint that waits for it."""
+
+    def __init__(self, scope: Scope, body: bytes) -> None:
+        self.method, self.path = scope["method"], scope["path"]
+        self.headers, self.params, self.body = scope["headers"], scope["path_params"], body
+        self.answer: asyncio.Future[tuple[int, bytes, bytes, Headers]] = \
+            asyncio.get_running_loop().create_future()
+
+    def respond(self, status: int, body: bytes, content_type: bytes, extra: Headers) -> None:
+        if not self.answer.done():
+            self.answer.set_result((status, body, content_type, extra))
+
+
+def asgi(route: Route) -> Callable[[Scope, Receive, Send], object]:
+    """The route as an ASGI endpoint (for Starlette's router)."""
+    async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+        limit = route.gateway.settings.max_body_bytes
+        try:
+            body = await http.read_body(scope, receive, limit)
+        except DespinaError as exc:
+            await http.send_error(send, exc)
+            return
+        except ConnectionResetError:
+            return
+        ex = AsgiExchange(scope, body)
+        route(ex)
+        status, out, content_type, extra = await ex.answer
+        await http.send(send, status, out, content_type, extra)
+    return endpoint

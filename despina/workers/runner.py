@@ -31,6 +31,12 @@ from .warmup import samples
 log = logging.getLogger("despina.worker")
 
 REPLY_MAXLEN = 100_000       # backstop: gateways trim what they have read
+# A batch expected to take less than this runs on the event loop itself: handing it to a thread and
+# back costs tens of microseconds of CPU (as much as a small model's batch), and with one instance
+# batches run one at a time anyway. The loop (the other models of this worker included) then pauses
+# at most about this long, Triton's usual queue delay. Longer batches, and models with several
+# instances, run on the instances' threads.
+INLINE_BELOW_US = 1000
 TIMED_OUT = "request timed out in the queue before it could run"
 
 
@@ -72,6 +78,7 @@ class ModelRunner:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._row_us: float | None = None  # moving average of a batch's cost per row (µs)
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -263,9 +270,9 @@ class ModelRunner:
                 inputs = live[0].inputs if len(live) == 1 else {}
             marks["input"] = time.perf_counter_ns()
             if len(live) > 1 and not self.spec.batched:  # no batch dimension: one request at a time
-                results = [await self._call(backend, p.inputs, names) for p in live]
+                results = [await self._call(backend, p.inputs, names, 1) for p in live]
             else:
-                results = [await self._call(backend, inputs, names)]
+                results = [await self._call(backend, inputs, names, sum(self._rows(p.inputs) for p in live))]
             marks["infer"] = time.perf_counter_ns()
         except DespinaError as exc:
             return [_error(p.request, exc.code, exc.message) for p in live]
@@ -295,10 +302,18 @@ class ModelRunner:
         return [_error(p.request, r.code, r.message) if isinstance(r, DespinaError)
                 else self._answer(p, r, started, compute_us) for p, r in zip(live, results)]
 
-    async def _call(self, backend: Backend, inputs: dict[str, np.ndarray], names: list[str]
+    async def _call(self, backend: Backend, inputs: dict[str, np.ndarray], names: list[str], rows: int
                     ) -> dict[str, np.ndarray]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, backend.execute, inputs, names)
+        """Run the backend, inline when the batch is expected to be short (INLINE_BELOW_US)."""
+        t0 = time.perf_counter()
+        if self._count == 1 and self._row_us is not None and self._row_us * rows < INLINE_BELOW_US:
+            out = backend.execute(inputs, names)
+        else:
+            out = await asyncio.get_running_loop().run_in_executor(self._executor, backend.execute,
+                                                                   inputs, names)
+        row_us = (time.perf_counter() - t0) * 1e6 / max(rows, 1)
+        self._row_us = row_us if self._row_us is None else 0.8 * self._row_us + 0.2 * row_us
+        return out
 
     def _output_names(self, live: list[Pending]) -> list[str]:
         every = [o.name for o in self.spec.outputs]

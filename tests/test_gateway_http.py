@@ -1,0 +1,207 @@
+"""The gateway's HTTP/1.1 protocol on the wire: the infer routes are answered outside ASGI
+(gateway/protocol.py), so what uvicorn's request cycle did for them is tested here over raw sockets:
+pipelining order, 100-continue, chunked bodies, early 413, HTTP/1.0, keep-alive after errors, and a
+client that goes away before its answer."""
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from despina.examples import mlp_numpy
+
+from .conftest import EMBEDDED, Server, module_server
+
+LIMIT = 200_000  # DESPINA_MAX_BODY_BYTES of this module's server
+ROW = [0.25] * 256
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, example_repository: Path) -> Iterator[Server]:
+    yield from module_server(example_repository, tmp_path_factory, redis_url, ("mlp",),
+                             env={"DESPINA_MAX_BODY_BYTES": str(LIMIT)}, use_redis=not EMBEDDED)
+
+
+def connect(server: Server) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def infer_body(row: list[float] = ROW) -> bytes:
+    return orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": row}]})
+
+
+def post(path: str, body: bytes, *headers: str, version: str = "1.1") -> bytes:
+    head = [f"POST {path} HTTP/{version}", "host: test", f"content-length: {len(body)}",
+            "content-type: application/json", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class Reader:
+    """Reads responses (status, headers, body) off a socket, one at a time."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buf = sock, b""
+
+    def _fill(self) -> bool:
+        chunk = self.sock.recv(65536)
+        self.buf += chunk
+        return bool(chunk)
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.buf:
+            assert self._fill(), f"connection closed mid-response: {self.buf!r}"
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode().split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        length = int(headers.get("content-length", "0"))
+        while len(self.buf) < length:
+            assert self._fill(), "connection closed mid-body"
+        body, self.buf = self.buf[:length], self.buf[length:]
+        return status, headers, body
+
+    def closed(self) -> bool:
+        try:
+            return not self.buf and not self._fill()
+        except ConnectionResetError:
+            return True
+
+
+def output(body: bytes) -> np.ndarray:
+    return np.array(orjson.loads(body)["outputs"][0]["data"], dtype=np.float32)
+
+
+def test_pipelined_requests_answer_in_order(server: Server) -> None:
+    """Hot and ASGI routes pipelined on one connection come back in the order they were sent."""
+    rows = [[float(i) / 10] * 256 for i in range(5)]
+    wire = b"".join([
+        post("/v2/models/mlp/infer", infer_body(rows[0]), "x-request-id: a"),
+        b"GET /v2/health/live HTTP/1.1\r\nhost: test\r\n\r\n",
+        post("/v2/models/mlp/infer", infer_body(rows[1]), "x-request-id: b"),
+        post("/v2/models/nope/infer", infer_body(), "x-request-id: c"),
+        post("/fn/mlp", orjson.dumps(rows[2])),
+        b"GET /v2/models/mlp/ready HTTP/1.1\r\nhost: test\r\n\r\n",
+        post("/v2/models/mlp/infer", infer_body(rows[3]), "x-request-id: d"),
+    ])
+    with connect(server) as sock:
+        sock.sendall(wire)
+        r = Reader(sock)
+        expected = mlp_numpy(np.array(rows, dtype=np.float32))
+        status, headers, body = r.response()
+        assert (status, headers["x-request-id"]) == (200, "a")
+        np.testing.assert_allclose(output(body), expected[0], rtol=1e-4, atol=1e-5)
+        assert r.response()[0] == 200  # live
+        status, headers, body = r.response()
+        assert (status, headers["x-request-id"]) == (200, "b")
+        np.testing.assert_allclose(output(body), expected[1], rtol=1e-4, atol=1e-5)
+        status, headers, body = r.response()
+        assert (status, headers["x-request-id"]) == (404, "c") and b"unknown model" in body
+        status, _, body = r.response()
+        assert status == 200
+        np.testing.assert_allclose(np.array(orjson.loads(body)["y"], dtype=np.float32), expected[2],
+                                   rtol=1e-4, atol=1e-5)
+        assert r.response()[0] == 200  # ready
+        status, headers, body = r.response()
+        assert (status, headers["x-request-id"]) == (200, "d")
+        np.testing.assert_allclose(output(body), expected[3], rtol=1e-4, atol=1e-5)
+
+
+def test_expect_100_continue(server: Server) -> None:
+    """A client that waits for 100 Continue (curl does, past 1 KiB) gets it, then its answer."""
+    body = infer_body()
+    with connect(server) as sock:
+        head = post("/v2/models/mlp/infer", b"", "expect: 100-continue").replace(
+            b"content-length: 0", f"content-length: {len(body)}".encode())
+        sock.sendall(head)
+        assert sock.recv(1024) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        status, _, answer = Reader(sock).response()
+        assert status == 200
+        np.testing.assert_allclose(output(answer), mlp_numpy(np.array([ROW], dtype=np.float32))[0],
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_too_large_is_refused_before_the_body(server: Server) -> None:
+    """A declared Content-Length over the limit: 413 at once, no 100 Continue, connection closed."""
+    with connect(server) as sock:
+        sock.sendall(f"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: t\r\ncontent-length: {LIMIT + 1}\r\n"
+                     "expect: 100-continue\r\n\r\n".encode())
+        r = Reader(sock)
+        status, headers, body = r.response()
+        assert status == 413 and b"over the limit" in body
+        assert headers.get("connection") == "close"
+        assert r.closed()
+
+
+def test_chunked_body_over_the_limit(server: Server) -> None:
+    """A chunked body has no length to check first: it is refused once it passes the limit."""
+    with connect(server) as sock:
+        sock.sendall(b"POST /fn/mlp HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n")
+        chunk = b"[" + b"1," * 40_000
+        sent, r = 0, Reader(sock)
+        try:
+            while sent <= LIMIT + len(chunk):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, _, body = r.response()
+        assert status == 413 and b"over the limit" in body
+
+
+def test_chunked_body_is_answered(server: Server) -> None:
+    body = infer_body()
+    half = len(body) // 2
+    with connect(server) as sock:
+        sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n")
+        sock.sendall(b"%x\r\n%s\r\n" % (half, body[:half]))
+        time.sleep(0.05)
+        sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body) - half, body[half:]))
+        status, _, answer = Reader(sock).response()
+        assert status == 200 and len(output(answer)) == 10
+
+
+def test_http_10_closes_after_the_answer(server: Server) -> None:
+    with connect(server) as sock:
+        sock.sendall(post("/v2/models/mlp/infer", infer_body(), version="1.0"))
+        r = Reader(sock)
+        status, headers, _ = r.response()
+        assert status == 200 and headers.get("connection") == "close"
+        assert r.closed()
+
+
+def test_keep_alive_after_errors(server: Server) -> None:
+    """Errors answered without reading a model keep the connection usable."""
+    with connect(server) as sock:
+        r = Reader(sock)
+        for path, body, status in [("/v2/models/mlp/infer", b"{", 400),
+                                   ("/v2/models/mlp/versions/x/infer", infer_body(), 400),
+                                   ("/v2/models/nope/infer", infer_body(), 404),
+                                   ("/v2/models/mlp/infer", infer_body(), 200)]:
+            sock.sendall(post(path, body))
+            assert r.response()[0] == status, path
+
+
+def test_client_gone_before_its_answer(server: Server) -> None:
+    """Clients that leave with requests in flight cost nothing but their answers; the next is served."""
+    for _ in range(20):
+        sock = connect(server)
+        sock.sendall(post("/v2/models/mlp/infer", infer_body()))
+        sock.close()
+    with connect(server) as sock:
+        sock.sendall(post("/v2/models/mlp/infer", infer_body()))
+        assert Reader(sock).response()[0] == 200
+
+
+def test_malformed_request_line(server: Server) -> None:
+    with connect(server) as sock:
+        sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\ncontent-length: x\r\n\r\n")
+        r = Reader(sock)
+        assert r.response()[0] == 400
