@@ -20,7 +20,7 @@ from .errors import Code, InvalidArgument
 MALFORMED = (TypeError, ValueError, KeyError, IndexError, OverflowError)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Tensor:
     name: str
     datatype: str
@@ -36,13 +36,16 @@ class Tensor:
     @classmethod
     def unpack(cls, raw: Any) -> Tensor:
         name, datatype, shape, data = raw
-        if not (isinstance(name, str) and isinstance(datatype, str) and isinstance(data, bytes)
-                and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        if type(name) is not str or type(datatype) is not str or type(data) is not bytes \
+                or type(shape) is not list:
             raise InvalidArgument("malformed tensor record")
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise InvalidArgument("malformed tensor record")
         return cls(name, datatype, tuple(shape), data)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InferRequest:
     """One inference request as a worker sees it."""
 
@@ -64,14 +67,18 @@ class InferRequest:
     def unpack(cls, raw: Any) -> InferRequest:
         try:
             rid, reply_to, deadline, inputs, outputs, priority, timeout_us, enqueued, trace = raw
-            return cls(str(rid), str(reply_to), float(deadline), tuple(Tensor.unpack(t) for t in inputs),
-                       tuple(str(o) for o in outputs), int(priority), int(timeout_us), float(enqueued),
-                       str(trace))
+            if type(rid) is not str or type(reply_to) is not str or type(trace) is not str:
+                raise TypeError("id, reply_to and trace must be strings")
+            for o in outputs:
+                if type(o) is not str:
+                    raise TypeError("output names must be strings")
+            return cls(rid, reply_to, float(deadline), tuple([Tensor.unpack(t) for t in inputs]),
+                       tuple(outputs), int(priority), int(timeout_us), float(enqueued), trace)
         except MALFORMED as exc:
             raise InvalidArgument(f"malformed request record: {exc}") from None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InferReply:
     """A worker's answer to one request: outputs, or an error code and message."""
 
@@ -89,9 +96,10 @@ class InferReply:
     def unpack(cls, raw: Any) -> InferReply:
         try:
             rid, outputs, err, queue_us, compute_us = raw
+            if type(rid) is not str:
+                raise TypeError("the id must be a string")
             error = (Code(err[0]), str(err[1])) if err else None
-            return cls(str(rid), tuple(Tensor.unpack(t) for t in outputs), error, int(queue_us),
-                       int(compute_us))
+            return cls(rid, tuple([Tensor.unpack(t) for t in outputs]), error, int(queue_us), int(compute_us))
         except MALFORMED as exc:
             raise InvalidArgument(f"malformed reply record: {exc}") from None
 

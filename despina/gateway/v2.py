@@ -97,8 +97,7 @@ def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: i
         raise InvalidArgument(f"input '{name}': datatype {datatype!r} given, the model expects "
                               f"{expected.datatype}")
     shape = raw.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
+    if type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):
         raise InvalidArgument(f"input '{name}': 'shape' must be a list of non-negative integers")
     check_shape(spec, expected, shape)
     check_count(name, shape, max_elements)
@@ -112,7 +111,12 @@ def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: i
         if "data" in raw:
             raise InvalidArgument(f"input '{name}': give either 'data' or binary_data_size, not both")
         data = bytes(binary[:size])
-        to_numpy(datatype, shape, data)  # validates the length (and BYTES framing)
+        if datatype == "BYTES":
+            to_numpy(datatype, shape, data)  # validates the framing
+        elif size != element_count(shape) * V2_TO_NUMPY[datatype].itemsize:
+            raise InvalidArgument(f"input '{name}': binary_data_size {size} does not match shape {shape} "
+                                  f"of {datatype} ({element_count(shape) * V2_TO_NUMPY[datatype].itemsize} "
+                                  "bytes)")
         return Tensor(name, datatype, tuple(shape), data), size
     if "data" not in raw:
         raise InvalidArgument(f"input '{name}' has neither 'data' nor binary_data_size")

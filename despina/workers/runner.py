@@ -328,14 +328,42 @@ class ModelRunner:
             return [self._answer(live[0], out, started, compute_us)]
         sizes = [self._rows(p.inputs) for p in live]
         total = sum(sizes)
+        outputs = []  # (name, datatype, shape of one row, all rows' bytes, bytes per row)
         for name, array in out.items():
             if array.ndim == 0 or array.shape[0] != total:
                 msg = (f"model '{self.spec.name}' returned {name} with batch dimension "
                        f"{array.shape[0] if array.ndim else 'none'} for a batch of {total}")
                 return [_error(p.request, Code.BACKEND, msg) for p in live]
-        offsets = np.cumsum([0, *sizes])
-        return [self._answer(p, {n: a[offsets[i]:offsets[i + 1]] for n, a in out.items()}, started,
-                             compute_us) for i, p in enumerate(live)]
+            datatype = numpy_to_v2(array.dtype)
+            if datatype == "BYTES":  # variable length: framed per request
+                outputs.append((name, datatype, array.shape[1:], array, 0))
+            else:  # one conversion for the batch; each request gets its rows' slice of the bytes
+                data = to_bytes(array, datatype)
+                outputs.append((name, datatype, array.shape[1:], data, len(data) // total))
+        replies = []
+        offset = 0
+        for p, n in zip(live, sizes):
+            tensors = []
+            for name, datatype, row_shape, data, row_bytes in outputs:
+                if p.request.outputs and name not in p.request.outputs:
+                    continue
+                if row_bytes:
+                    part = data[offset * row_bytes:(offset + n) * row_bytes]
+                else:
+                    part = to_bytes(data[offset:offset + n], datatype)
+                tensors.append(Tensor(name, datatype, (n, *row_shape), part))
+            offset += n
+            asked = p.request.outputs
+            if asked:  # in the order asked for
+                if len(tensors) != len(asked):
+                    missing = ", ".join(sorted(set(asked) - {t.name for t in tensors}))
+                    replies.append(_error(p.request, Code.BACKEND,
+                                          f"model '{self.spec.name}' did not return {missing}"))
+                    continue
+                tensors.sort(key=lambda t: asked.index(t.name))  # noqa: B023 (used at once)
+            queue_us = int((started - p.request.enqueued) * 1e6)
+            replies.append(InferReply(p.request.id, tuple(tensors), None, max(queue_us, 0), compute_us))
+        return replies
 
     def _answer(self, p: Pending, out: dict[str, np.ndarray], started: float, compute_us: int) -> InferReply:
         wanted = p.request.outputs or tuple(out)

@@ -36,10 +36,6 @@ def failure_reason(code: Code) -> str:
     return REASON.get(code, "OTHER")
 
 
-def bucket(us: int) -> int:
-    return bisect.bisect_left(LATENCY_BUCKETS_US, us)
-
-
 def record(pipe: Any, key: str, replies: list[InferReply], rows: int, started: float,
            timings_ns: tuple[int, int, int] = (0, 0, 0)) -> None:
     """Count one batch's replies; `rows` > 0 when the model executed (then timings are input,
@@ -61,13 +57,25 @@ def record(pipe: Any, key: str, replies: list[InferReply], rows: int, started: f
                              ("compute_output", output_ns)):
                 add(f"{name}_count", len(ok))
                 add(f"{name}_ns", ns * len(ok))
-    for r in ok:
-        add("success_count", 1)
-        add("success_ns", (r.queue_us + r.compute_us) * 1000)
-        add("queue_count", 1)
-        add("queue_ns", r.queue_us * 1000)
-        add(f"lat:{bucket(r.queue_us + r.compute_us)}", 1)
-        add(f"qlat:{bucket(r.queue_us)}", 1)
+    if ok:
+        total_us = queue_us = 0
+        lat: dict[int, int] = {}
+        qlat: dict[int, int] = {}
+        for r in ok:  # per request: locals, one pass (this runs for every request served)
+            total_us += r.queue_us + r.compute_us
+            queue_us += r.queue_us
+            b = bisect.bisect_left(LATENCY_BUCKETS_US, r.queue_us + r.compute_us)
+            lat[b] = lat.get(b, 0) + 1
+            b = bisect.bisect_left(LATENCY_BUCKETS_US, r.queue_us)
+            qlat[b] = qlat.get(b, 0) + 1
+        add("success_count", len(ok))
+        add("success_ns", total_us * 1000)
+        add("queue_count", len(ok))
+        add("queue_ns", queue_us * 1000)
+        for b, n in lat.items():
+            add(f"lat:{b}", n)
+        for b, n in qlat.items():
+            add(f"qlat:{b}", n)
     for r in replies:
         if r.error is not None:
             add("fail_count", 1)
