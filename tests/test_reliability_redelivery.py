@@ -106,6 +106,7 @@ async def test_runners_redeliver_what_stays_pending_past_the_visibility_timeout(
     await asyncio.sleep(0.25)
     assert await streams.reclaim(policy) == 2
     entries = await streams.read(10, 100)
+    streams.close()
     assert [(records.decode_requests(f[FIELD])[0].id, f[ATTEMPTS]) for _, _, f in entries] == \
         [("a", b"1"), ("b", b"1")]
     pending = await redis.xpending(stream, GROUP)

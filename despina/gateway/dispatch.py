@@ -24,6 +24,7 @@ from ..contract import records
 from ..contract.errors import Code, DespinaError, Unavailable
 from ..contract.keys import ENTRY_REQUESTS, FIELD, Keys
 from ..contract.records import InferReply, InferRequest
+from ..resp import Batch, Resp, fields
 
 log = logging.getLogger("despina.gateway")
 
@@ -53,7 +54,8 @@ SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at
 class Dispatcher:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str | None = None,
                  reply_ttl_ms: int = 120_000) -> None:
-        self.redis = redis
+        # requests go out on one lean connection; the reply stream is read, blocking, on another
+        self._out, self._in = Resp.like(redis), Resp.like(redis)
         self.keys = keys
         self.reply_ttl_ms = reply_ttl_ms
         self.dropped = 0  # replies nobody waited for: duplicates, or past their deadline
@@ -92,9 +94,11 @@ class Dispatcher:
             log.info("gateway %s: dropped %d replies nobody waited for (duplicates, or past their deadline)",
                      self.id, self.dropped)
         try:
-            await self.redis.delete(self.reply_stream)
+            await self._out.execute([["DEL", self.reply_stream]])
         except (RedisError, OSError):
             pass
+        self._out.close()
+        self._in.close()
 
     @property
     def waiting(self) -> int:
@@ -164,7 +168,7 @@ class Dispatcher:
 
     async def _write(self, outbox: dict[str, list[InferRequest]],
                      bounded: list[tuple[str, Bound, InferRequest]]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = Batch()
         plain = 0  # commands before the bounded ones
         for stream, batch in outbox.items():
             for i in range(0, len(batch), ENTRY_REQUESTS):
@@ -176,7 +180,7 @@ class Dispatcher:
             pipe.eval(BOUNDED_XADD, 3, stream, counter, self._stats[stream], limit, FIELD,
                       records.encode([req]))
         try:
-            results = await pipe.execute()
+            results = await self._out.execute(pipe.commands)
         except Exception as exc:  # every waiting caller must hear of it, whatever it was
             log.error("gateway %s: queueing %d requests failed: %s", self.id,
                       sum(map(len, outbox.values())) + len(bounded), exc)
@@ -199,12 +203,12 @@ class Dispatcher:
 
     async def _count_refused(self) -> None:
         refused, self._refused = self._refused, {}
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = Batch()
         for stats, n in refused.items():
             for field in ("fail_count", "fail:REJECTED", "refused"):
                 pipe.hincrby(stats, field, n)
         try:
-            await pipe.execute()
+            await self._out.execute(pipe.commands)
         except (RedisError, OSError):
             pass
 
@@ -220,7 +224,8 @@ class Dispatcher:
         read_since_trim = 0
         while True:
             try:
-                resp = await self.redis.xread({self.reply_stream: last}, count=1000, block=1000)
+                resp = (await self._in.execute([["XREAD", "COUNT", 1000, "BLOCK", 1000, "STREAMS",
+                                                 self.reply_stream, last]]))[0]
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -231,9 +236,9 @@ class Dispatcher:
                 await asyncio.sleep(0.2)
                 continue
             for _, entries in resp or ():
-                for entry_id, fields in entries:
+                for entry_id, raw in entries:
                     last = entry_id
-                    self._resolve(fields.get(FIELD, b""))
+                    self._resolve(fields(raw).get(FIELD, b""))
                 read_since_trim += len(entries)
             if read_since_trim >= 1000 or (read_since_trim and not resp):
                 read_since_trim = 0
@@ -252,9 +257,7 @@ class Dispatcher:
     async def _trim(self, last: str | bytes) -> None:
         last_id = last.decode() if isinstance(last, bytes) else last
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xtrim(self.reply_stream, minid=last_id, approximate=False)
-            pipe.pexpire(self.reply_stream, self.reply_ttl_ms)
-            await pipe.execute()
+            await self._in.execute([["XTRIM", self.reply_stream, "MINID", last_id],
+                                    ["PEXPIRE", self.reply_stream, self.reply_ttl_ms]])
         except Exception:
             pass

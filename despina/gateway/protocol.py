@@ -55,20 +55,34 @@ def protocol_class(routes: HotRoutes) -> type[HttpToolsProtocol]:
 class GatewayProtocol(HttpToolsProtocol):
     routes: HotRoutes
 
+    def on_message_begin(self) -> None:
+        # uvicorn builds the ASGI scope here; a hot request needs none, the others get it below
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
+    def _asgi(self) -> None:
+        """Hand the request to uvicorn's ASGI cycle, with the scope it would have built."""
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect
+        self.scope["headers"] = headers
+        super().on_headers_complete()
+
     def on_headers_complete(self) -> None:
         # a request answered while its buffer was parsed armed the keep-alive timer: this one is next
         self._unset_keepalive_if_required()
         parser = self.parser
         if parser.get_method() != b"POST" or self.root_path or parser.should_upgrade():
-            super().on_headers_complete()
+            self._asgi()
             return
         path = httptools.parse_url(self.url).path
         if b"%" in path:  # escaped names: uvicorn's path, and the router's checks
-            super().on_headers_complete()
+            self._asgi()
             return
         match = self.routes.match(path)
         if match is None:
-            super().on_headers_complete()
+            self._asgi()
             return
         route, params = match
         request = HotRequest(self, route, params, path.decode("latin-1"), self.headers,

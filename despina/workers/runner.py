@@ -20,6 +20,7 @@ from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from . import stats
+from ..resp import Batch, Resp
 from .backends import Backend, backend_class
 from .batcher import DynamicBatcher, Item, QueueFull
 from .instances import plan as plan_instances
@@ -79,6 +80,7 @@ class ModelRunner:
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._row_us: float | None = None  # moving average of a batch's cost per row (µs)
+        self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -134,6 +136,9 @@ class ModelRunner:
             backend = self.instances.get_nowait()
             await asyncio.get_running_loop().run_in_executor(self._executor, backend.unload)
         self._executor.shutdown(wait=False)
+        self.streams.close()
+        if self._out is not None:
+            self._out.close()
         self.state = "UNAVAILABLE"
 
     # -- reading ---------------------------------------------------------------------------------
@@ -392,7 +397,9 @@ class ModelRunner:
             if self._entries[p.entry] == 0:
                 del self._entries[p.entry]
                 done.append(p.entry)
-        pipe = self.redis.pipeline(transaction=False)
+        if self._out is None:
+            self._out = Resp.like(self.redis)
+        pipe = Batch()
         for stream, group in by_gateway.items():
             pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
             pipe.pexpire(stream, self.delivery.reply_ttl_ms)
@@ -404,7 +411,7 @@ class ModelRunner:
         if any(p.alone for p in pendings):
             self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone])
         try:
-            await pipe.execute()
+            await self._out.execute(pipe.commands)
         except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
             log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, len(replies), exc)

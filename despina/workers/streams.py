@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from ..contract.keys import GROUP, Keys
+from ..resp import Resp, fields
 from .redelivery import EXECUTING_TTL_S, DeliveryPolicy, Queue, marker, redeliver
 
 log = logging.getLogger("despina.worker")
@@ -24,6 +25,11 @@ class ModelStreams:
         self.queues = [Queue(keys, model, version, level) for level in range(1, max(levels, 1) + 1)]
         self.streams = [q.stream for q in self.queues]
         self.executing = keys.executing(consumer)
+        self._reader: Resp | None = None  # reads block: they get a lean connection of their own
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
 
     async def ensure_groups(self) -> None:
         for stream in self.streams:
@@ -54,7 +60,12 @@ class ModelStreams:
             return []
 
     async def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> Any:
-        return await self.redis.xreadgroup(GROUP, self.consumer, streams, count=count, block=block_ms)
+        if self._reader is None:
+            self._reader = Resp.like(self.redis)
+        block = ["BLOCK", block_ms] if block_ms is not None else []
+        command = ["XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *block, "STREAMS", *streams,
+                   *streams.values()]
+        return (await self._reader.execute([command]))[0]
 
     async def reclaim(self, policy: DeliveryPolicy, count: int = 100) -> int:
         """Redeliver what any consumer left unacknowledged past the visibility timeout (see redelivery);
@@ -104,5 +115,6 @@ def _flatten(response: Any) -> list[Entry]:
     out: list[Entry] = []
     for stream, entries in response or ():
         name = stream.decode() if isinstance(stream, bytes) else stream
-        out += [(name, entry_id, fields) for entry_id, fields in entries]
+        # an entry deleted while pending comes back with no fields (None)
+        out += [(name, entry_id, fields(raw or [])) for entry_id, raw in entries]
     return out

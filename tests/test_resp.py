@@ -1,0 +1,106 @@
+"""The lean Redis connection of the hot loops (despina/resp.py), against a real server."""
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError, ResponseError
+
+from despina.resp import Batch, Resp, fields, pack
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def test_pack_is_resp() -> None:
+    assert pack([["SET", "k", b"\x00v", 5]]) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\n\x00v\r\n$1\r\n5\r\n"
+
+
+async def test_pipeline_replies_in_order_and_errors(redis_url: str, key_prefix: str) -> None:
+    conn = Resp.from_url(redis_url)
+    k = f"{key_prefix}:k"
+    try:
+        batch = Batch()
+        batch.hincrby(f"{k}:h", "n", 2)
+        batch.xadd(f"{k}:s", {b"m": b"\x00\xffpayload"}, maxlen=10)
+        batch.pexpire(f"{k}:s", 60_000)
+        n, entry_id, expiring = await conn.execute(batch.commands)
+        assert (n, expiring) == (2, 1) and isinstance(entry_id, bytes)
+        ((stream, entries),) = (await conn.execute([["XREAD", "STREAMS", f"{k}:s", "0-0"]]))[0]
+        assert stream == f"{k}:s".encode() and fields(entries[0][1]) == {b"m": b"\x00\xffpayload"}
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await conn.execute([["INCR", f"{k}:ok"], ["LPUSH", f"{k}:h", "x"]])
+        # the connection stays in step after an error reply; without raising, errors are in the list
+        replies = await conn.execute([["INCR", f"{k}:ok"], ["LPUSH", f"{k}:h", "x"]], errors=False)
+        assert replies[0] == 2 and "WRONGTYPE" in str(replies[1])
+    finally:
+        conn.close()
+
+
+async def test_concurrent_callers_share_one_connection(redis_url: str, key_prefix: str) -> None:
+    conn = Resp.from_url(redis_url)
+    try:
+        got = await asyncio.gather(*(conn.execute([["INCR", f"{key_prefix}:c"], ["GET", f"{key_prefix}:c"]])
+                                     for _ in range(50)))
+        assert sorted(int(r[1]) for r in got) == list(range(1, 51))
+        assert all(int(r[0]) == int(r[1]) for r in got)
+    finally:
+        conn.close()
+
+
+async def test_a_cancelled_blocking_read_leaves_the_connection_usable(redis_url: str, key_prefix: str) -> None:
+    conn = Resp.from_url(redis_url)
+    try:
+        read = asyncio.ensure_future(conn.execute([["XREAD", "BLOCK", 5000, "STREAMS", f"{key_prefix}:s", "$"]]))
+        await asyncio.sleep(0.05)
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        assert await conn.execute([["PING"]]) == [b"PONG"]  # not the XREAD's late reply
+    finally:
+        conn.close()
+
+
+async def test_reconnects_after_the_connection_dies(redis: aioredis.Redis, redis_url: str) -> None:
+    conn = Resp.from_url(redis_url)
+    try:
+        assert await conn.execute([["CLIENT", "SETNAME", "despina-resp-test"]]) == [b"OK"]
+        (own,) = [c["id"] for c in await redis.client_list() if c.get("name") == "despina-resp-test"]
+        await redis.execute_command("CLIENT", "KILL", "ID", own)
+        await asyncio.sleep(0.05)
+        assert await conn.execute([["PING"]]) == [b"PONG"]  # on a new connection
+    finally:
+        conn.close()
+
+
+async def test_no_server_is_a_connection_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conn = Resp.from_url(f"redis://127.0.0.1:{port}/0")
+    with pytest.raises(ConnectionError, match="cannot connect"):
+        await conn.execute([["PING"]])
+
+
+async def test_database_and_password_come_from_the_url(redis: aioredis.Redis, redis_url: str,
+                                                       key_prefix: str) -> None:
+    base = redis_url.rsplit("/", 1)[0]
+    conn = Resp.from_url(f"{base}/9")
+    try:
+        await conn.execute([["SET", f"{key_prefix}:db9", "x", "EX", 60]])
+        assert await redis.get(f"{key_prefix}:db9") is None  # not in the test database
+        assert await conn.execute([["GET", f"{key_prefix}:db9"]]) == [b"x"]
+        await conn.execute([["DEL", f"{key_prefix}:db9"]])
+    finally:
+        conn.close()
+    wrong = Resp.from_url(base.replace("redis://", "redis://:wrong-password@") + "/0")
+    with pytest.raises(ResponseError):  # AUTH refused (no password set, or a different one)
+        await wrong.execute([["PING"]])
+    wrong.close()
