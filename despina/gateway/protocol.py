@@ -115,11 +115,16 @@ class HotRequest:
         self.expect_100 = expect_100
         self.body = bytearray()   # the protocol appends what it parses
         self.more_body = True     # ... and sets this when the message is complete
-        self.message_event = self  # ... and calls .set() after each of those, and on disconnect
         self.started = False
         self.queued = False
         self.disconnected = False
         self.response_complete = False
+
+    @property
+    def message_event(self) -> HotRequest:
+        """The protocol calls .set() on this after each body part, at the end, and on disconnect.
+        (A property, not an attribute: a request referring to itself would live until a collection.)"""
+        return self
 
     def start(self) -> None:
         """Its turn on the connection has come: check path and credentials, then read its body."""
