@@ -67,12 +67,14 @@ def _shape_of(name: str, data: Any, max_rank: int) -> list[int]:
 
 
 def _check_regular(name: str, data: Any, shape: list[int], depth: int) -> None:
-    if depth == len(shape):
-        if isinstance(data, list):
-            raise InvalidArgument(f"input '{name}': nested lists are ragged")
+    if depth == len(shape):  # a scalar where the first element was one
         return
     if not isinstance(data, list) or len(data) != shape[depth]:
         raise InvalidArgument(f"input '{name}': nested lists are ragged (expected {shape})")
+    if depth == len(shape) - 1:  # the innermost level: scalars only (checked in one pass)
+        if list in set(map(type, data)):
+            raise InvalidArgument(f"input '{name}': nested lists are ragged")
+        return
     for item in data:
         _check_regular(name, item, shape, depth + 1)
 

@@ -4,6 +4,7 @@ Pure functions from bytes to records and back; no HTTP framework here.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,40 +162,36 @@ def check_inputs(spec: ModelSpec, inputs: list[Tensor]) -> None:
         raise InvalidArgument("all inputs must have the same batch size")
 
 
-def _flatten(data: Any) -> list[Any]:
-    if not isinstance(data, list):
-        return [data]
-    if not data or not isinstance(data[0], list):
-        return data
-    out: list[Any] = []
-    stack = [iter(data)]
-    while stack:
-        for item in stack[-1]:
-            if isinstance(item, list):
-                stack.append(iter(item))
-                break
-            out.append(item)
-        else:
-            stack.pop()
-    return out
+def _flatten(data: Any) -> tuple[list[Any], set[type]]:
+    """Nested lists -> (one flat list, the types in it), a level at a time in C (chain); a level that
+    mixes lists and scalars stays as it is, for the caller's count and type checks to refuse."""
+    if type(data) is not list:
+        return [data], {type(data)}
+    flat = data
+    kinds = set(map(type, flat))
+    while flat and kinds == {list}:
+        flat = list(itertools.chain.from_iterable(flat))
+        kinds = set(map(type, flat))
+    return flat, kinds
 
 
 def json_data_to_bytes(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
-    flat = _flatten(data)
+    flat, kinds = _flatten(data)
     count = element_count(shape)
     if len(flat) != count:
         raise InvalidArgument(f"input '{name}': 'data' has {len(flat)} elements; shape {shape} needs "
                               f"{count}")
+    # bool is its own type here, not an int
     if datatype == "BYTES":
-        if not all(isinstance(x, str) for x in flat):
+        if not kinds <= {str}:
             raise InvalidArgument(f"input '{name}': BYTES data must be strings")
         array = np.empty(count, dtype=np.object_)
         array[:] = [x.encode() for x in flat]
         return serialize_bytes(array)
     if datatype == "BOOL":
-        if not all(isinstance(x, bool) for x in flat):
+        if not kinds <= {bool}:
             raise InvalidArgument(f"input '{name}': BOOL data must be true or false")
-    elif any(isinstance(x, (str, bool, list, dict)) or x is None for x in flat):
+    elif not kinds <= {int, float}:
         raise InvalidArgument(f"input '{name}': {datatype} data must be numbers")
     try:
         array = np.asarray(flat, dtype=V2_TO_NUMPY[datatype])
