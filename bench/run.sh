@@ -92,7 +92,7 @@ taskset -c 1 "$PY" bench/profile.py cpu "$SERVE" "$URL" --model mlp --seconds 8 
 for role in gateway worker; do
   timeout 30 taskset -c 1 "$ROOT/.venv/bin/py-spy" record --pid "$(child_pid $role)" --duration 10 --rate 100 \
     --format raw --threads --nonblocking -o "$OUT/pyspy-$role.txt" 2>&1 | grep -v flamegraph
-  for exclude in "" StreamWriter.writelines; do
+  for exclude in "" Resp.execute; do  # the hot loops' socket writes to Valkey: preempted, not busy
     "$PY" bench/profile.py summary "$OUT/pyspy-$role.txt" --rate 100 --seconds 10 ${exclude:+--exclude $exclude}
   done | tee "$OUT/pyspy-$role.summary.txt"
 done
