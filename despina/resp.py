@@ -20,7 +20,8 @@ from typing import Any
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import SSLConnection, parse_url
-from redis.exceptions import ConnectionError, ResponseError, TimeoutError
+from redis.exceptions import ConnectionError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .redis_client import CONNECT_TIMEOUT_S
 
@@ -151,13 +152,14 @@ class Resp:
                 else:
                     _, protocol = await loop.create_connection(
                         _Protocol, o.get("host", "localhost"), o.get("port", 6379), ssl=self._ssl())
-        except (OSError, asyncio.TimeoutError) as exc:
-            kind = TimeoutError if isinstance(exc, asyncio.TimeoutError) else ConnectionError
+        except OSError as exc:  # the built-in TimeoutError (asyncio.timeout's) is one too
+            kind = RedisTimeoutError if isinstance(exc, TimeoutError) else ConnectionError
             raise kind(f"cannot connect to Redis: {exc or 'timed out'}") from None
         self._protocol = protocol
         hello: list[Command] = []
         if o.get("password"):
-            hello.append(["AUTH", o["username"], o["password"]] if o.get("username") else ["AUTH", o["password"]])
+            user = [o["username"]] if o.get("username") else []
+            hello.append(["AUTH", *user, o["password"]])
         if o.get("db"):
             hello.append(["SELECT", o["db"]])
         if hello:

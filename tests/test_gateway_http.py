@@ -22,7 +22,8 @@ ROW = [0.25] * 256
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, example_repository: Path) -> Iterator[Server]:
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+           example_repository: Path) -> Iterator[Server]:
     yield from module_server(example_repository, tmp_path_factory, redis_url, ("mlp",),
                              env={"DESPINA_MAX_BODY_BYTES": str(LIMIT)}, use_redis=not EMBEDDED)
 

@@ -55,10 +55,12 @@ async def test_concurrent_callers_share_one_connection(redis_url: str, key_prefi
         conn.close()
 
 
-async def test_a_cancelled_blocking_read_leaves_the_connection_usable(redis_url: str, key_prefix: str) -> None:
+async def test_a_cancelled_blocking_read_leaves_the_connection_usable(redis_url: str,
+                                                                      key_prefix: str) -> None:
     conn = Resp.from_url(redis_url)
     try:
-        read = asyncio.ensure_future(conn.execute([["XREAD", "BLOCK", 5000, "STREAMS", f"{key_prefix}:s", "$"]]))
+        blocking = [["XREAD", "BLOCK", 5000, "STREAMS", f"{key_prefix}:s", "$"]]
+        read = asyncio.ensure_future(conn.execute(blocking))
         await asyncio.sleep(0.05)
         read.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -49,6 +49,26 @@ Bound = tuple[str, int]  # (counter key, max_queue_size)
 Result = InferReply | BaseException
 Callback = Callable[[Result], None]  # called once: the reply, TimeoutError, or the error that stopped it
 SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
+LOG_EVERY_S = 5.0  # while Redis is down, a failure of the same kind is logged at most this often
+
+
+class Throttled:
+    """Logs a recurring failure once, then at most every LOG_EVERY_S with how many went unlogged."""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+        self.last = -LOG_EVERY_S
+        self.unlogged = 0
+
+    def log(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self.last < LOG_EVERY_S:
+            self.unlogged += 1
+            return
+        if self.unlogged:
+            message += f" ({self.unlogged} more like it since the last report)"
+        log.log(self.level, message, *args)
+        self.last, self.unlogged = now, 0
 
 
 class Dispatcher:
@@ -67,6 +87,7 @@ class Dispatcher:
         # since every request waits the same time, in deadline order too
         self._waiting: dict[str, tuple[Callback, float]] = {}
         self._sweeper: asyncio.TimerHandle | None = None
+        self._write_failed, self._read_failed = Throttled(logging.ERROR), Throttled(logging.WARNING)
         self._outbox: dict[str, list[InferRequest]] = defaultdict(list)
         self._bounded: list[tuple[str, Bound, InferRequest]] = []
         self._stats: dict[str, str] = {}  # request stream -> its model version's statistics hash
@@ -182,8 +203,8 @@ class Dispatcher:
         try:
             results = await self._out.execute(pipe.commands)
         except Exception as exc:  # every waiting caller must hear of it, whatever it was
-            log.error("gateway %s: queueing %d requests failed: %s", self.id,
-                      sum(map(len, outbox.values())) + len(bounded), exc)
+            self._write_failed.log("gateway %s: queueing %d requests failed: %s", self.id,
+                                   sum(map(len, outbox.values())) + len(bounded), exc)
             error = Unavailable(f"the request queue (Redis) is unavailable: {exc}")
             for req in [r for batch in outbox.values() for r in batch] + [b[2] for b in bounded]:
                 self._fail(req.id, error)
@@ -229,7 +250,7 @@ class Dispatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("gateway %s: reading replies failed (%s); retrying", self.id, exc)
+                self._read_failed.log("gateway %s: reading replies failed (%s); retrying", self.id, exc)
                 # the answers of those waiting may never come (a Redis that restarted lost them)
                 self._fail_waiting(Unavailable(f"lost the connection to Redis (the request queue) while "
                                                f"waiting for the answer: {exc}"))

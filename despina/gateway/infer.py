@@ -67,28 +67,34 @@ class Route:
 
     async def _after_wake(self, ex: Exchange, trace: bytes | None) -> None:
         gw = self.gateway
+        timeout = gw.settings.request_timeout_s
+        woken_by = time.monotonic() + timeout
         try:
-            model, version = await gw.view.serving(ex.params["model"], ex.params.get("version"),
-                                                   gw.settings.request_timeout_s)
+            model, version = await gw.view.serving(ex.params["model"], ex.params.get("version"), timeout)
         except DespinaError as exc:
             fail(ex, exc, trace)
             return
-        self._queue(ex, model, version, trace)
+        # the wait for the model counts: the request has what is left of its timeout, not a new one
+        self._queue(ex, model, version, trace, max(woken_by - time.monotonic(), 0.001))
 
-    def _queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None) -> None:
+    def _queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
+               timeout: float | None = None) -> None:
         try:
-            self.queue(ex, model, version, trace)
+            self.queue(ex, model, version, trace, timeout)
         except DespinaError as exc:
             fail(ex, exc, trace)
 
-    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None) -> None:
+    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
+              timeout: float | None) -> None:
+        """Decode the body and submit() it; `timeout` is what is left of the request's (None: all)."""
         raise NotImplementedError
 
 
 class InferRoute(Route):
     """POST /v2/models/{model}[/versions/{version}]/infer"""
 
-    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None) -> None:
+    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
+              timeout: float | None) -> None:
         gw = self.gateway
         raw_length = http.header(ex.headers, b"inference-header-content-length")
         header_length = _int_header(raw_length) if raw_length is not None else None
@@ -102,23 +108,26 @@ class InferRoute(Route):
             if json_length is None:
                 ex.respond(200, out, http.JSON, echo)
             else:
-                ex.respond(200, out, OCTETS, [(b"inference-header-content-length", b"%d" % json_length), *echo])
+                length = (b"inference-header-content-length", b"%d" % json_length)
+                ex.respond(200, out, OCTETS, [length, *echo])
 
         submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace,
-               answering(ex, trace, answer), priority, timeout_us)
+               answering(ex, trace, answer), priority, timeout_us, timeout)
 
 
 class FunctionRoute(Route):
     """POST /fn/{model}: plain JSON in, plain JSON out."""
 
-    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None) -> None:
+    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
+              timeout: float | None) -> None:
         tensors, squeeze = decode_fn(ex.body, model.spec, self.gateway.settings.max_tensor_elements)
         echo = [(b"x-request-id", trace)] if trace else []
 
         def answer(reply: InferReply) -> None:
             ex.respond(200, encode_fn(reply.outputs, squeeze), http.JSON, echo)
 
-        submit(self.gateway, model.spec, version, tensors, (), trace, answering(ex, trace, answer))
+        submit(self.gateway, model.spec, version, tensors, (), trace, answering(ex, trace, answer),
+               timeout=timeout)
 
 
 def answering(ex: Exchange, trace: bytes | None, answer: Callable[[InferReply], None]
@@ -172,12 +181,13 @@ def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
 
 def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], outputs: tuple[str, ...],
            trace: bytes | None, done: Callable[[InferReply | DespinaError], None], priority: int = 0,
-           timeout_us: int = 0) -> None:
+           timeout_us: int = 0, timeout: float | None = None) -> None:
     """Queue one request on the model version's stream (its priority level's); `done` gets the reply,
-    or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down)."""
+    or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down).
+    `timeout` (default: request_timeout_s) is how long it may still take."""
     model = spec.name
     now = time.time()
-    timeout = gw.settings.request_timeout_s
+    timeout = gw.settings.request_timeout_s if timeout is None else timeout
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,
                            tuple(inputs), outputs, priority, timeout_us, now,
                            trace.decode("latin-1") if trace else "")
@@ -200,7 +210,8 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
         elif isinstance(result, DespinaError):
             done(result)
         elif isinstance(result, TimeoutError):
-            done(DeadlineExceeded(f"no answer from model '{model}' within {timeout:g} s"))
+            whole = gw.settings.request_timeout_s
+            done(DeadlineExceeded(f"no answer from model '{model}' within {whole:g} s"))
         else:
             done(DespinaError(f"queueing the request failed: {result}", Code.INTERNAL))
 

@@ -19,8 +19,8 @@ from ..contract.errors import Code, ConfigError, DespinaError
 from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
-from . import stats
 from ..resp import Batch, Resp
+from . import stats
 from .backends import Backend, backend_class
 from .batcher import DynamicBatcher, Item, QueueFull
 from .instances import plan as plan_instances
