@@ -206,3 +206,36 @@ def test_malformed_request_line(server: Server) -> None:
         sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\ncontent-length: x\r\n\r\n")
         r = Reader(sock)
         assert r.response()[0] == 400
+
+
+def test_a_client_that_pipelines_without_reading_is_not_read_further(server: Server) -> None:
+    """Requests sent on without reading the answers: the gateway answers those it has read, a request
+    at a time, and reads no more from that client until they are answered (its memory stays bounded;
+    the client's sends stall once the socket buffers are full). Others are served meanwhile."""
+    blob = post("/fn/mlp", orjson.dumps([0.25] * 256)) * 200
+    sock = connect(server)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    sent = 0
+
+    def send_for(seconds: float) -> None:
+        nonlocal sent
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            try:
+                sent += sock.send(blob[sent % len(blob):])
+            except BlockingIOError:
+                time.sleep(0.01)
+
+    try:
+        send_for(3.0)
+    finally:
+        sock.close()
+    # What got through is what the kernel's socket buffers hold (autotuning grows them up to
+    # tcp_rmem + tcp_wmem's maximum: 32 + 4 MiB on these machines) and a read buffer of requests:
+    # bounded. Before the fix every answer let the gateway read on, a read buffer (~50 requests) each
+    # time: 247 MB in 2 s in a run by hand where answers came fast.
+    assert sent < 64_000_000, f"{sent / 1e6:.1f} MB read from a client that reads nothing"
+    with connect(server) as other:
+        other.sendall(post("/v2/models/mlp/infer", infer_body()))
+        assert Reader(other).response()[0] == 200

@@ -11,6 +11,7 @@ protocol reads of one.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -95,6 +96,20 @@ class GatewayProtocol(HttpToolsProtocol):
         else:  # pipelined behind a request not yet answered: it starts when that one is
             self.flow.pause_reading()
             self.pipeline.appendleft((request, None))  # type: ignore[arg-type]
+
+    def on_response_complete(self) -> None:
+        if not self.pipeline:
+            super().on_response_complete()  # resumes reading, or arms the keep-alive timer
+            return
+        # Requests already read wait their turn: start the next, but read no more from the client
+        # until they are all answered. (uvicorn resumes reading here, and a client that pipelines
+        # without reading its answers grows the queue by a read buffer per answer.)
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        cycle, app = self.pipeline.pop()
+        self._start_asgi_task(cycle, app)
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         if isinstance(cycle, HotRequest):
@@ -185,4 +200,17 @@ class HotRequest:
             transport.writelines((head, body))
         if not self.keep_alive:
             transport.close()
-        protocol.on_response_complete()
+        if protocol.flow.write_paused:
+            # the client is not reading its answers: read no more requests from it until it does
+            # (uvicorn's cycle waits the same way), or a pipelining client could fill our memory
+            protocol.flow.pause_reading()
+            task = asyncio.ensure_future(_complete_when_drained(protocol))
+            protocol.tasks.add(task)
+            task.add_done_callback(protocol.tasks.discard)
+        else:
+            protocol.on_response_complete()
+
+
+async def _complete_when_drained(protocol: GatewayProtocol) -> None:
+    await protocol.flow.drain()  # also set when the connection is lost
+    protocol.on_response_complete()
