@@ -207,11 +207,11 @@ class Dispatcher:
                                    sum(map(len, outbox.values())) + len(bounded), exc)
             error = Unavailable(f"the request queue (Redis) is unavailable: {exc}")
             for req in [r for batch in outbox.values() for r in batch] + [b[2] for b in bounded]:
-                self._fail(req.id, error)
+                self._finish(req.id, error)
             return
         for (_, (_, limit), req), accepted in zip(bounded, results[plain:], strict=True):
             if not accepted:
-                self._fail(req.id, DespinaError(f"the queue is full ({limit} requests); retry later",
+                self._finish(req.id, DespinaError(f"the queue is full ({limit} requests); retry later",
                                                 Code.RESOURCE_EXHAUSTED))
 
     def refused(self, stats: str) -> None:
@@ -236,9 +236,6 @@ class Dispatcher:
     def _fail_waiting(self, error: Exception) -> None:
         for request_id in list(self._waiting):
             self._finish(request_id, error)
-
-    def _fail(self, request_id: str, error: Exception) -> None:
-        self._finish(request_id, error)
 
     async def _read_replies(self) -> None:
         last = "0-0"

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from ..contract.errors import Code, DespinaError
+from ..contract.errors import Code, DespinaError, InvalidArgument
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -94,6 +94,17 @@ async def send(send_: Send, status: int, body: bytes, content_type: bytes = JSON
         headers.extend(extra)
     await send_({"type": "http.response.start", "status": status, "headers": headers})
     await send_({"type": "http.response.body", "body": body})
+
+
+def json_object(raw: bytes | memoryview) -> dict[str, Any]:
+    """A request body that must be one JSON object; InvalidArgument otherwise."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"malformed JSON in request body: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    return doc
 
 
 def error_parts(exc: DespinaError) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:

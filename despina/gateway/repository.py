@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from ..contract.commands import INDEX, LOAD, UNLOAD
 from ..contract.errors import DespinaError, InvalidArgument
-from .http import error_parts, read_body
+from .http import error_parts, json_object, read_body
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -68,13 +68,7 @@ async def _json_body(request: Request, limit: int) -> dict[str, Any]:
     body = await read_body(request.scope, request.receive, limit)
     if not body.strip():
         return {}
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"the request body is not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidArgument("the request body must be a JSON object")
-    return doc
+    return json_object(body)
 
 
 def _parameters(doc: dict[str, Any]) -> dict[str, Any]:

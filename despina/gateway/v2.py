@@ -16,6 +16,7 @@ from ..contract.errors import InvalidArgument
 from ..contract.modelconfig import ModelSpec, TensorSpec
 from ..contract.records import Tensor
 from ..settings import Settings
+from .http import json_object
 
 MAX_ELEMENTS: int = Settings.max_tensor_elements  # per tensor, unless the caller passes its setting
 
@@ -43,12 +44,7 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
         header, binary = body[:header_length], memoryview(body)[header_length:]
     else:
         header, binary = body, memoryview(b"")
-    try:
-        doc = orjson.loads(header)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"malformed JSON in request body: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidArgument("the request body must be a JSON object")
+    doc = json_object(header)
     params = _object(doc.get("parameters"), "parameters")
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:

@@ -14,13 +14,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..contract import records
-from ..contract.datatypes import numpy_to_v2, to_bytes
 from ..contract.errors import Code, ConfigError, DespinaError
 from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, Keys
 from ..contract.modelconfig import ModelSpec
-from ..contract.records import InferReply, InferRequest, Tensor
+from ..contract.records import InferReply, InferRequest
 from ..resp import Batch, Resp
-from . import stats
+from . import answers, stats
 from .backends import Backend, backend_class
 from .batcher import DynamicBatcher, Item, QueueFull
 from .instances import plan as plan_instances
@@ -172,7 +171,7 @@ class ModelRunner:
         failed: list[InferRequest] = []  # failures[i] answers failed[i]
 
         def fail(req: InferRequest, entry: tuple[str, bytes], code: Code, message: str) -> None:
-            failures.append(_error(req, code, message))
+            failures.append(answers.error(req, code, message))
             failed.append(req)
             self._entries[entry] -= 1
 
@@ -219,7 +218,7 @@ class ModelRunner:
     def _on_timeout(self, item: Item) -> None:
         """The batcher dropped a request whose queue timeout passed (REJECT policy): answer it."""
         p: Pending = item.payload
-        reply = _error(p.request, Code.DEADLINE_EXCEEDED,
+        reply = answers.error(p.request, Code.DEADLINE_EXCEEDED,
                        f"model '{self.spec.name}': request timed out in the queue (queue policy timeout)")
         self._spawn(self._reply([reply], [p.request], [p]))
 
@@ -238,7 +237,7 @@ class ModelRunner:
         started = time.time()
         live = [p for p in pendings if p.request.deadline >= started]
         expired = [p for p in pendings if p.request.deadline < started]
-        replies = [_error(p.request, Code.DEADLINE_EXCEEDED, TIMED_OUT) for p in expired]
+        replies = [answers.error(p.request, Code.DEADLINE_EXCEEDED, TIMED_OUT) for p in expired]
         if log.isEnabledFor(logging.DEBUG):
             log.debug("batch formed", extra={"fields": {
                 "model": self.spec.name, "version": self.version, "requests": len(pendings),
@@ -248,9 +247,10 @@ class ModelRunner:
         marks: dict[str, int] = {"start": time.perf_counter_ns()}
         if any(p.alone for p in live):
             await self.streams.mark_executing([p.entry for p in live])
+        sizes = [self._rows(p.inputs) for p in live]  # rows per request
         if live:
-            replies.extend(await self._run_batch(live, started, marks))
-        rows = sum(self._rows(p.inputs) for p in live)
+            replies.extend(await self._run_batch(live, sizes, started, marks))
+        rows = sum(sizes)
         timings = _timings(marks, time.perf_counter_ns())
         # the instance is free as soon as the model ran: replies go out in the background
         self._spawn(self._reply(replies, [p.request for p in expired + live], pendings,
@@ -261,8 +261,8 @@ class ModelRunner:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _run_batch(self, live: list[Pending], started: float, marks: dict[str, int]
-                         ) -> list[InferReply]:
+    async def _run_batch(self, live: list[Pending], sizes: list[int], started: float,
+                         marks: dict[str, int]) -> list[InferReply]:
         """Run one batch; `marks` records when its inputs were ready and when the model returned."""
         names = self._output_names(live)
         backend = await self.instances.get()
@@ -277,19 +277,21 @@ class ModelRunner:
             if len(live) > 1 and not self.spec.batched:  # no batch dimension: one request at a time
                 results = [await self._call(backend, p.inputs, names, 1) for p in live]
             else:
-                results = [await self._call(backend, inputs, names, sum(self._rows(p.inputs) for p in live))]
+                results = [await self._call(backend, inputs, names, sum(sizes))]
             marks["infer"] = time.perf_counter_ns()
         except DespinaError as exc:
-            return [_error(p.request, exc.code, exc.message) for p in live]
+            return [answers.error(p.request, exc.code, exc.message) for p in live]
         except Exception as exc:  # a backend bug must fail the batch, not the worker
             log.exception("model %s: backend raised", self.spec.name)
-            return [_error(p.request, Code.BACKEND, f"model '{self.spec.name}' failed: {exc}") for p in live]
+            failed = f"model '{self.spec.name}' failed: {exc}"
+            return [answers.error(p.request, Code.BACKEND, failed) for p in live]
         finally:
             self.instances.put_nowait(backend)
         compute_us = int((time.time() - started) * 1e6)
         if len(results) > 1:
-            return [self._answer(p, r, started, compute_us) for p, r in zip(live, results)]
-        return self._split(live, results[0], started, compute_us)
+            return [answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
+        return answers.split(self.spec.name, [p.request for p in live], sizes, results[0], started,
+                             compute_us)
 
     async def _run_requests(self, backend: Backend, live: list[Pending], started: float
                             ) -> list[InferReply]:
@@ -302,10 +304,10 @@ class ModelRunner:
                                               [p.inputs for p in live], asked)
         if len(results) != len(live):
             msg = f"model '{self.spec.name}' returned {len(results)} results for {len(live)} requests"
-            return [_error(p.request, Code.BACKEND, msg) for p in live]
+            return [answers.error(p.request, Code.BACKEND, msg) for p in live]
         compute_us = int((time.time() - started) * 1e6)
-        return [_error(p.request, r.code, r.message) if isinstance(r, DespinaError)
-                else self._answer(p, r, started, compute_us) for p, r in zip(live, results)]
+        return [answers.error(p.request, r.code, r.message) if isinstance(r, DespinaError)
+                else answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
 
     async def _call(self, backend: Backend, inputs: dict[str, np.ndarray], names: list[str], rows: int
                     ) -> dict[str, np.ndarray]:
@@ -326,59 +328,6 @@ class ModelRunner:
             return every
         wanted = {o for p in live for o in p.request.outputs}
         return [n for n in every if n in wanted]
-
-    def _split(self, live: list[Pending], out: dict[str, np.ndarray], started: float,
-               compute_us: int) -> list[InferReply]:
-        if len(live) == 1:
-            return [self._answer(live[0], out, started, compute_us)]
-        sizes = [self._rows(p.inputs) for p in live]
-        total = sum(sizes)
-        outputs = []  # (name, datatype, shape of one row, all rows' bytes, bytes per row)
-        for name, array in out.items():
-            if array.ndim == 0 or array.shape[0] != total:
-                msg = (f"model '{self.spec.name}' returned {name} with batch dimension "
-                       f"{array.shape[0] if array.ndim else 'none'} for a batch of {total}")
-                return [_error(p.request, Code.BACKEND, msg) for p in live]
-            datatype = numpy_to_v2(array.dtype)
-            if datatype == "BYTES":  # variable length: framed per request
-                outputs.append((name, datatype, array.shape[1:], array, 0))
-            else:  # one conversion for the batch; each request gets its rows' slice of the bytes
-                data = to_bytes(array, datatype)
-                outputs.append((name, datatype, array.shape[1:], data, len(data) // total))
-        replies = []
-        offset = 0
-        for p, n in zip(live, sizes):
-            tensors = []
-            for name, datatype, row_shape, data, row_bytes in outputs:
-                if p.request.outputs and name not in p.request.outputs:
-                    continue
-                if row_bytes:
-                    part = data[offset * row_bytes:(offset + n) * row_bytes]
-                else:
-                    part = to_bytes(data[offset:offset + n], datatype)
-                tensors.append(Tensor(name, datatype, (n, *row_shape), part))
-            offset += n
-            asked = p.request.outputs
-            if asked:  # in the order asked for
-                if len(tensors) != len(asked):
-                    missing = ", ".join(sorted(set(asked) - {t.name for t in tensors}))
-                    replies.append(_error(p.request, Code.BACKEND,
-                                          f"model '{self.spec.name}' did not return {missing}"))
-                    continue
-                tensors.sort(key=lambda t: asked.index(t.name))  # noqa: B023 (used at once)
-            queue_us = int((started - p.request.enqueued) * 1e6)
-            replies.append(InferReply(p.request.id, tuple(tensors), None, max(queue_us, 0), compute_us))
-        return replies
-
-    def _answer(self, p: Pending, out: dict[str, np.ndarray], started: float, compute_us: int) -> InferReply:
-        wanted = p.request.outputs or tuple(out)
-        tensors = []
-        for name in wanted:
-            array = out[name]
-            datatype = numpy_to_v2(array.dtype)
-            tensors.append(Tensor(name, datatype, tuple(array.shape), to_bytes(array, datatype)))
-        queue_us = max(0, int((started - p.request.enqueued) * 1e6))
-        return InferReply(p.request.id, tuple(tensors), None, queue_us, compute_us)
 
     # -- replying --------------------------------------------------------------------------------
 
@@ -442,7 +391,3 @@ def _timings(marks: dict[str, int], end: int) -> tuple[int, int, int]:
     ready = marks.get("input", start)
     ran = marks.get("infer", end)
     return ready - start, ran - ready, end - ran
-
-
-def _error(req: InferRequest, code: Code, message: str) -> InferReply:
-    return InferReply(req.id, (), (code, message))

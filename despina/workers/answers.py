@@ -1,0 +1,67 @@
+"""A batch's outputs -> one answer (reply record) per request: each request's rows of every output it
+asked for, as V2 bytes; or an error reply."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..contract.datatypes import numpy_to_v2, to_bytes
+from ..contract.errors import Code
+from ..contract.records import InferReply, InferRequest, Tensor
+
+
+def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[str, np.ndarray],
+          started: float, compute_us: int) -> list[InferReply]:
+    """One batched execution's outputs cut into the requests' replies; `sizes` are their rows."""
+    if len(requests) == 1:
+        return [answer(requests[0], out, started, compute_us)]
+    total = sum(sizes)
+    outputs = []  # (name, datatype, shape of one row, all rows' bytes, bytes per row)
+    for name, array in out.items():
+        if array.ndim == 0 or array.shape[0] != total:
+            msg = (f"model '{model}' returned {name} with batch dimension "
+                   f"{array.shape[0] if array.ndim else 'none'} for a batch of {total}")
+            return [error(req, Code.BACKEND, msg) for req in requests]
+        datatype = numpy_to_v2(array.dtype)
+        if datatype == "BYTES":  # variable length: framed per request
+            outputs.append((name, datatype, array.shape[1:], array, 0))
+        else:  # one conversion for the batch; each request gets its rows' slice of the bytes
+            data = to_bytes(array, datatype)
+            outputs.append((name, datatype, array.shape[1:], data, len(data) // total))
+    replies = []
+    offset = 0
+    for req, n in zip(requests, sizes):
+        tensors = []
+        for name, datatype, row_shape, data, row_bytes in outputs:
+            if req.outputs and name not in req.outputs:
+                continue
+            if row_bytes:
+                part = data[offset * row_bytes:(offset + n) * row_bytes]
+            else:
+                part = to_bytes(data[offset:offset + n], datatype)
+            tensors.append(Tensor(name, datatype, (n, *row_shape), part))
+        offset += n
+        asked = req.outputs
+        if asked:  # in the order asked for
+            if len(tensors) != len(asked):
+                missing = ", ".join(sorted(set(asked) - {t.name for t in tensors}))
+                replies.append(error(req, Code.BACKEND, f"model '{model}' did not return {missing}"))
+                continue
+            tensors.sort(key=lambda t: asked.index(t.name))  # noqa: B023 (used at once)
+        queue_us = int((started - req.enqueued) * 1e6)
+        replies.append(InferReply(req.id, tuple(tensors), None, max(queue_us, 0), compute_us))
+    return replies
+
+
+def answer(req: InferRequest, out: dict[str, np.ndarray], started: float, compute_us: int) -> InferReply:
+    """One request's own execution: all of its outputs, as they are."""
+    tensors = []
+    for name in req.outputs or tuple(out):
+        array = out[name]
+        datatype = numpy_to_v2(array.dtype)
+        tensors.append(Tensor(name, datatype, tuple(array.shape), to_bytes(array, datatype)))
+    queue_us = max(0, int((started - req.enqueued) * 1e6))
+    return InferReply(req.id, tuple(tensors), None, queue_us, compute_us)
+
+
+def error(req: InferRequest, code: Code, message: str) -> InferReply:
+    return InferReply(req.id, (), (code, message))
