@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,3 +62,26 @@ def test_an_idle_model_unloads_and_fifty_first_requests_cause_one_load(
     print(f"cold start of mlp from the local registry: {cold['last_ms']} ms "
           f"(the worker's load {cold['last_load_ms']} ms)")
     assert "mlp: cold start took" in server.logs()
+
+
+def test_a_model_is_not_idle_before_any_worker_has_loaded_it(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """The idle clock starts when the model serves: a worker that joins after the idle timeout has
+    passed still loads it, and it answers."""
+    repo = tmp_path / "repo"
+    mlp_folder(repo, "mlp", extra=IDLE)
+    server = serve(repo, "--workers", "0", env={"DESPINA_WORKER_TTL_S": "1"}, health="live")
+    time.sleep(3)  # the control plane's start-up hold (1 s) and the idle timeout (1 s) both pass
+    assert "placed on no worker" in server.logs()
+    log = (tmp_path / "late-worker.log").open("wb")
+    worker = subprocess.Popen([sys.executable, "-m", "despina", "worker", "--redis-url", redis_url,
+                               "--key-prefix", key_prefix], stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "DESPINA_WORKER_TTL_S": "1"})
+    try:
+        wait_until(lambda: "mlp" in loaded_models(redis_url, key_prefix), 30, what="the late worker to load mlp")
+        r = httpx.post(f"{server.url}/fn/mlp", json=ROW, timeout=30)
+        assert r.status_code == 200 and np.allclose(r.json()["y"], expected(0), atol=1e-4)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(30)
+        log.close()

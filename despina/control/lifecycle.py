@@ -302,6 +302,10 @@ class Lifecycle:
                 if backlog.get(e.name):
                     self.wake(e.name)
                 continue
+            if not any(self.workers.ready_on(e.name, v) for v in e.versions):
+                # placed on no worker yet, or still loading: its idle clock starts once it serves
+                self.awake_since[e.name] = now
+                continue
             since = max(last.get(e.name, 0.0), self.awake_since.setdefault(e.name, now))
             timeout = self.idle_timeout(e)
             if not backlog.get(e.name) and now - since > timeout and not self.cold.get(e.name):
