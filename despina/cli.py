@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 from typing import Any
 
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         values["http_restricted_api"] = ";".join(values["http_restricted_api"])
     settings = Settings.from_sources(values)
     logs.setup(settings.log_level, args.command, json=settings.log_format == "json")
+    # `kill -USR1 <pid>` writes every thread's stack to the log: what a stuck process is doing
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.command in ("push", "ls"):
         return _registry_command(args, settings)
     if args.command != "serve" and not settings.redis_url:

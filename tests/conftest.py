@@ -83,7 +83,8 @@ class Server:
 
 
 def start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: str, *extra: str,
-                 env: dict[str, str] | None = None, wait_models: tuple[str, ...] = ()) -> Server:
+                 env: dict[str, str] | None = None, wait_models: tuple[str, ...] = (),
+                 health: str = "ready") -> Server:
     port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "despina", "serve", "--model-repository", str(repo),
            "--http-port", str(port), "--metrics-port", str(metrics_port), "--key-prefix", key_prefix, *extra]
@@ -101,15 +102,43 @@ def start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: s
         if process.poll() is not None:
             raise RuntimeError(f"despina serve exited with {process.returncode}:\n{server.logs()}")
         try:
-            ok = httpx.get(f"{server.url}/v2/health/ready", timeout=1).status_code == 200
+            ok = httpx.get(f"{server.url}/v2/health/{health}", timeout=1).status_code == 200
             if ok and all(httpx.get(f"{server.url}/v2/models/{m}/ready", timeout=1).status_code == 200
                           for m in wait_models):
                 return server
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
+    dump_stacks(server.process.pid)
     stop_server(server)
     raise RuntimeError(f"despina serve did not get ready:\n{server.logs()}")
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found += (kids := children.get(todo.pop(), []))
+        todo += kids
+    return found
+
+
+def dump_stacks(pid: int) -> None:
+    """Every Despina process under `pid` writes its threads' stacks into the log (SIGUSR1)."""
+    for child in [pid, *descendants(pid)]:
+        try:
+            if b"despina" in Path(f"/proc/{child}/cmdline").read_bytes() or \
+                    b"python_stub" in Path(f"/proc/{child}/cmdline").read_bytes():
+                os.kill(child, signal.SIGUSR1)
+                time.sleep(0.3)  # one at a time: the dumps share the log
+        except OSError:
+            pass
 
 
 def stop_server(server: Server, sig: int = signal.SIGTERM, timeout: float = 30) -> int:

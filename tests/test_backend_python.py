@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import threading
 import time
@@ -350,6 +351,25 @@ def test_model_process_ends_with_unload(tmp_path: Path) -> None:
     assert process.poll() is None
     backend.unload()  # type: ignore[attr-defined]
     assert process.poll() is not None
+
+
+@pytest.mark.parametrize("stub, message", [
+    ("import sys; sys.exit(3)", "its process ended while starting (exit code 3)"),
+    ("import time; time.sleep(30)", "its process did not start within 1 s"),
+])
+def test_a_model_process_that_does_not_start_is_a_load_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stub: str, message: str) -> None:
+    """Triton's stub timeout: a process that dies or says nothing while starting fails the load."""
+    from despina.workers.backends import python
+
+    (tmp_path / "stub.py").write_text(stub)
+    monkeypatch.setattr(python, "STUB", tmp_path / "stub.py")
+    monkeypatch.setattr(python, "STARTUP_TIMEOUT_S", 1.0)
+    backend = backend_for(write_model(tmp_path, "flaky", FLAKY, FLAKY_CONFIG))
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        backend.load()  # type: ignore[attr-defined]
+    assert time.monotonic() - started < 10
 
 
 def test_missing_model_file_is_a_config_error(tmp_path: Path) -> None:

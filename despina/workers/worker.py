@@ -33,6 +33,7 @@ from .runner import ModelRunner
 log = logging.getLogger("despina.worker")
 
 Key = tuple[str, int]
+SLOW_LOAD_S = 20.0  # a load still running after this is logged (once), with how long it has taken
 
 
 class Worker:
@@ -133,6 +134,10 @@ class Worker:
 
     async def _load(self, key: Key, entry: CatalogEntry, rev: str) -> None:
         started = time.monotonic()
+        log.info("worker %s: loading %s version %d", self.id, *key)
+        slow = asyncio.get_running_loop().call_later(
+            SLOW_LOAD_S, lambda: log.warning("worker %s: %s version %d is still loading after %.0f s",
+                                             self.id, *key, time.monotonic() - started))
         await self._announce()
         runner: ModelRunner | None = None
         try:
@@ -164,6 +169,7 @@ class Worker:
                 await self._announce()
                 await old.stop()  # after the new one serves: no gap
         finally:
+            slow.cancel()
             if self.loading.get(key, ("", None))[0] == rev:
                 del self.loading[key]
             await self._announce()

@@ -28,6 +28,7 @@ from .base import Backend, visible_gpus
 log = logging.getLogger("despina.worker")
 
 STUB = Path(__file__).parent / "python_stub" / "stub.py"
+STARTUP_TIMEOUT_S = 30.0  # Triton's stub-timeout-seconds: the process must say hello within this
 FINALIZE_TIMEOUT_S = 10.0
 AUTO_COMPLETE_TIMEOUT_S = 60.0
 # TritonError codes -> Despina codes; the rest (INTERNAL, UNKNOWN, UNSUPPORTED...) are backend errors.
@@ -50,6 +51,18 @@ class Stub:
                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
+        # the stub's first message, once Python and numpy are up: ("hello", pid)
+        problem = f"its process did not start within {STARTUP_TIMEOUT_S:.0f} s"
+        try:
+            if self.conn.poll(STARTUP_TIMEOUT_S):
+                self.conn.recv()
+                return
+        except (EOFError, OSError):
+            problem = "its process ended while starting (exit code {code})"
+        self.process.kill()
+        code = self.wait(5)
+        self.conn.close()
+        raise StubDied(problem.format(code=code))
 
     def call(self, op: str, payload: Any, timeout: float | None = None) -> Any:
         try:
@@ -103,7 +116,10 @@ class PythonBackend(Backend):
         self.stub = self._start()
 
     def _start(self) -> Stub:
-        stub = Stub(self.spec.name)
+        try:
+            stub = Stub(self.spec.name)
+        except StubDied as exc:
+            raise ConfigError(f"model '{self.spec.name}': {exc}") from None
         try:
             stub.call("initialize", {"model_file": str(self.model_path()), "args": self._args()})
         except (StubDied, BackendError) as exc:
@@ -183,7 +199,10 @@ class PythonBackend(Backend):
             raise ConfigError(f"model '{config.name}': model file {path} does not exist")
         if "auto_complete_config" not in path.read_text(errors="replace"):
             return
-        stub = Stub(config.name)
+        try:
+            stub = Stub(config.name)
+        except StubDied as exc:
+            raise ConfigError(f"model '{config.name}': {exc}") from None
         try:
             answer = stub.call("auto_complete", {"model_file": str(path),
                                                  "config": json.dumps(to_dict(config))},

@@ -1,6 +1,7 @@
 """The process a Python model runs in (Triton's "stub"): `python stub.py <fd>`.
 
-It talks to its worker over the connection on <fd>, one message and one answer at a time:
+It says ("hello", pid) on the connection on <fd> once it is up, then answers its worker one message at
+a time:
 ("auto_complete", ...), ("initialize", ...), ("execute", requests), ("finalize", None). Whatever the
 model does, the worst it can do is end this process; the worker then fails the requests in flight
 and starts another. The stub also ends when its worker does (the connection closes, or the parent
@@ -9,6 +10,7 @@ changes).
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import importlib.util
 import inspect
 import json
@@ -32,8 +34,10 @@ def main() -> None:
     sys.dont_write_bytecode = True  # leave the model repository as it was: no __pycache__ in it
     conn = Connection(int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when this process stops
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: the model's stacks to the log
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     stub = Stub()
+    conn.send(("hello", os.getpid()))
     while True:
         try:
             op, payload = conn.recv()
