@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import os
 import signal
+import threading
+import time
 
 import uvicorn
 
@@ -11,6 +15,9 @@ from .control.plane import ControlPlane
 from .redis_client import connect
 from .settings import Settings
 from .workers.worker import Worker
+
+log = logging.getLogger("despina.worker")
+STUCK_GRACE_S = 5.0
 
 
 def quiet_collector() -> None:
@@ -57,6 +64,23 @@ def run_worker(settings: Settings) -> None:
             await redis.aclose()
 
     _run_until_signal(main)
+    _leave_stuck_threads()
+
+
+def _leave_stuck_threads() -> None:
+    """Everything was drained; a thread still running is stuck in a model's code (an initialize that
+    never returns, say). Exit without it, rather than wait for it forever at interpreter exit: its model
+    process sees the worker gone and ends too."""
+    deadline = time.monotonic() + STUCK_GRACE_S
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threading.enumerate()
+             if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+    if stuck:
+        log.warning("exiting with %d thread(s) stuck in model code: %s", len(stuck), ", ".join(stuck))
+        logging.shutdown()
+        os._exit(0)
 
 
 def run_control(settings: Settings) -> None:

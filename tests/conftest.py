@@ -114,7 +114,8 @@ def start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: s
     raise RuntimeError(f"despina serve did not get ready:\n{server.logs()}")
 
 
-def descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid`."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -122,16 +123,18 @@ def descendants(pid: int) -> list[int]:
         except (OSError, IndexError):
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
+    found: set[int] = set()
+    todo = [pid]
     while todo:
-        found += (kids := children.get(todo.pop(), []))
-        todo += kids
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
     return found
 
 
 def dump_stacks(pid: int) -> None:
     """Every Despina process under `pid` writes its threads' stacks into the log (SIGUSR1)."""
-    for child in [pid, *descendants(pid)]:
+    for child in [pid, *sorted(descendants(pid))]:
         try:
             if b"despina" in Path(f"/proc/{child}/cmdline").read_bytes() or \
                     b"python_stub" in Path(f"/proc/{child}/cmdline").read_bytes():

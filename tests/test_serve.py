@@ -12,26 +12,9 @@ import httpx
 import orjson
 import pytest
 
-from .conftest import Server, stop_server
+from .conftest import Server, descendants, stop_server
 
 ROW = orjson.dumps([0.25] * 256)
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def alive(pids: set[int]) -> set[int]:
@@ -139,3 +122,39 @@ def test_roles_need_a_redis_url(role: str) -> None:
 def test_sigterm_on_an_idle_server_exits_zero(serve: Callable[..., Server], example_repository: Path) -> None:
     server = serve(example_repository)
     assert stop_server(server) == 0
+
+
+HANG = """
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(3600)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_sigterm_while_a_model_hangs_in_initialize_leaves_nothing_behind(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """The worker cannot finish that load: it exits without it, and the model's process follows."""
+    (tmp_path / "repo" / "hang" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "hang" / "1" / "model.py").write_text(HANG)
+    (tmp_path / "repo" / "hang" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 8\n'
+        'input [ { name: "X", data_type: TYPE_FP32, dims: [ 4 ] } ]\n'
+        'output [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] } ]\n')
+    server = serve(tmp_path / "repo", health="live")
+    deadline = time.monotonic() + 30
+    while "python_stub" not in " ".join(cmdline(p) for p in descendants(server.process.pid)):
+        assert time.monotonic() < deadline, server.logs()
+        time.sleep(0.1)
+    family = descendants(server.process.pid)
+    assert stop_server(server) == 0
+    deadline = time.monotonic() + 15
+    while alive(family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(family), [cmdline(p) for p in alive(family)]
+    assert "stuck in model code" in server.logs()
