@@ -241,6 +241,60 @@ def test_element_limit_is_checked_before_allocation() -> None:
         decode_fn(orjson.dumps({"x": [[[0.0] * 3] * 4] * 4}), BATCHED, max_elements=10)
 
 
+NUMERIC = ModelSpec.from_config(to_dict(normalize("numeric", parse_text("numeric", """
+backend: "onnxruntime"
+max_batch_size: 4
+input [ { name: "x", data_type: TYPE_FP32, dims: [ -1, 3 ] },
+        { name: "i", data_type: TYPE_INT64, dims: [ 2 ], optional: true } ]
+output [ { name: "y", data_type: TYPE_FP32, dims: [ 2 ] } ]
+"""))))
+
+
+def _outcome(decode: Any) -> Decoded | str:
+    try:
+        return decode()  # type: ignore[no-any-return]
+    except InvalidArgument as exc:
+        return f"refused: {exc}"
+
+
+@FUZZ
+@given(st.data())
+def test_a_remembered_header_decodes_every_body_as_a_first_decode_would(data: st.DataObject) -> None:
+    """decode_infer remembers what a binary request's header decided (clients resend the same one):
+    a body that repeats the header with any tail decodes, or is refused, exactly as an uncached
+    decode of it would."""
+    from despina.gateway import v2
+
+    rows, width = data.draw(st.integers(1, 4)), data.draw(st.integers(0, 3))
+    inputs: list[dict[str, Any]] = [{"name": "x", "datatype": "FP32", "shape": [rows, width, 3],
+                                     "parameters": {"binary_data_size": rows * width * 12}}]
+    tail_size = rows * width * 12
+    if data.draw(st.booleans()):  # the optional input, as JSON data or binary, before or after x
+        i = {"name": "i", "datatype": "INT64", "shape": [rows, 2]}
+        if data.draw(st.booleans()):
+            i["data"] = data.draw(st.lists(st.integers(-5, 5), min_size=rows * 2, max_size=rows * 2))
+        else:
+            i["parameters"] = {"binary_data_size": rows * 16}
+            tail_size += rows * 16
+        inputs.insert(data.draw(st.integers(0, 1)), i)
+    doc: dict[str, Any] = {"inputs": inputs}
+    if data.draw(st.booleans()):
+        doc["outputs"] = [{"name": "y", "parameters": {"binary_data": data.draw(st.booleans())}}]
+        doc["id"] = data.draw(st.text(max_size=4))
+    header = orjson.dumps(doc)
+    accepted = False
+    for _ in range(3):
+        size = data.draw(st.sampled_from([tail_size, tail_size, max(0, tail_size - 4), tail_size + 8]))
+        body = header + data.draw(st.binary(min_size=size, max_size=size))
+        cached = _outcome(lambda: decode_infer(body, len(header), NUMERIC))
+        first = _outcome(lambda: v2._decode(header, memoryview(body)[len(header):], NUMERIC,
+                                            v2.MAX_ELEMENTS)[0])
+        assert cached == first
+        accepted = accepted or not isinstance(first, str)
+    if accepted:
+        assert any(k[2] == header for k in v2._plans)  # the header is remembered
+
+
 # ---- function URLs ---------------------------------------------------------------------------------
 
 fn_bodies = (json_values.map(orjson.dumps)
