@@ -30,6 +30,7 @@ echo "git $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- despina || ech
   --out "$OUT/results.jsonl" | grep -v '^{'
 "$PY" bench/loadgen.py "$URL" --cpu 1 --model mlp --format binary --conc 64 --warmup 1 --duration 12 \
   --peer despina-profiled > /dev/null &
+LOAD=$!
 sleep 2
 taskset -c 1 "$PY" bench/profile.py cpu "$SERVE" "$URL" --model mlp --seconds 8 --core 0 | tee "$OUT/cpu-split.txt"
-wait
+wait $LOAD  # not a bare wait: serve is a child too
