@@ -286,9 +286,9 @@ def test_a_remembered_header_decodes_every_body_as_a_first_decode_would(data: st
     for _ in range(3):
         size = data.draw(st.sampled_from([tail_size, tail_size, max(0, tail_size - 4), tail_size + 8]))
         body = header + data.draw(st.binary(min_size=size, max_size=size))
-        cached = _outcome(lambda: decode_infer(body, len(header), NUMERIC))
-        first = _outcome(lambda: v2._decode(header, memoryview(body)[len(header):], NUMERIC,
-                                            v2.MAX_ELEMENTS)[0])
+        cached = _outcome(lambda b=body: decode_infer(b, len(header), NUMERIC))
+        first = _outcome(lambda b=body: v2._decode(header, memoryview(b)[len(header):], NUMERIC,
+                                                   v2.MAX_ELEMENTS)[0])
         assert cached == first
         accepted = accepted or not isinstance(first, str)
     if accepted:
