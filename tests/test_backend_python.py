@@ -369,7 +369,34 @@ def test_a_model_process_that_does_not_start_is_a_load_error(
     started = time.monotonic()
     with pytest.raises(ConfigError, match=re.escape(message)):
         backend.load()  # type: ignore[attr-defined]
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 10  # two tries of at most 1 s each
+
+
+def test_a_model_process_that_does_not_start_the_first_time_is_started_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stub that hangs before its hello the first time only: the second process serves."""
+    from despina.workers.backends import python
+
+    marker = tmp_path / "tried"
+    real = Path(python.__file__).parent / "python_stub" / "stub.py"
+    (tmp_path / "stub.py").write_text(
+        "import pathlib, runpy, sys, time\n"
+        f"marker = pathlib.Path({str(marker)!r})\n"
+        "if not marker.exists():\n"
+        "    marker.touch()\n"
+        "    time.sleep(30)\n"
+        f"sys.path.insert(0, {str(real.parent)!r})\n"
+        f"runpy.run_path({str(real)!r}, run_name='__main__')\n")
+    monkeypatch.setattr(python, "STUB", tmp_path / "stub.py")
+    monkeypatch.setattr(python, "STARTUP_TIMEOUT_S", 2.0)
+    backend = backend_for(write_model(tmp_path, "flaky", FLAKY, FLAKY_CONFIG))
+    backend.load()  # type: ignore[attr-defined]
+    try:
+        x = np.ones((1, 2), dtype=np.float32)
+        result = backend.execute_requests([{"X": x}], [["Y"]])[0]  # type: ignore[attr-defined]
+        assert not isinstance(result, DespinaError) and "Y" in result
+    finally:
+        backend.unload()  # type: ignore[attr-defined]
 
 
 def test_missing_model_file_is_a_config_error(tmp_path: Path) -> None:

@@ -118,8 +118,12 @@ class PythonBackend(Backend):
     def _start(self) -> Stub:
         try:
             stub = Stub(self.spec.name)
-        except StubDied as exc:
-            raise ConfigError(f"model '{self.spec.name}': {exc}") from None
+        except StubDied as exc:  # once more: a process that never came up says nothing of the model
+            log.warning("model %s: instance %s: %s; starting it again", self.spec.name, self.instance.name, exc)
+            try:
+                stub = Stub(self.spec.name)
+            except StubDied as again:
+                raise ConfigError(f"model '{self.spec.name}': {again}") from None
         try:
             stub.call("initialize", {"model_file": str(self.model_path()), "args": self._args()})
         except (StubDied, BackendError) as exc:
