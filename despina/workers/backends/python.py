@@ -119,7 +119,8 @@ class PythonBackend(Backend):
         try:
             stub = Stub(self.spec.name)
         except StubDied as exc:  # once more: a process that never came up says nothing of the model
-            log.warning("model %s: instance %s: %s; starting it again", self.spec.name, self.instance.name, exc)
+            log.warning("model %s: instance %s: %s; starting it again", self.spec.name,
+                        self.instance.name, exc)
             try:
                 stub = Stub(self.spec.name)
             except StubDied as again:
