@@ -293,6 +293,7 @@ def test_a_remembered_header_decodes_every_body_as_a_first_decode_would(data: st
         accepted = accepted or not isinstance(first, str)
     if accepted:
         assert any(k[2] == header for k in v2._plans)  # the header is remembered
+    assert all(not plan.decoded.inputs for plan in v2._plans.values())  # and no request's data
 
 
 # ---- function URLs ---------------------------------------------------------------------------------

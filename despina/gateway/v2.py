@@ -5,7 +5,7 @@ Pure functions from bytes to records and back; no HTTP framework here.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ class _Plan:
     spec: ModelSpec                                  # held, so that its id is not reused while cached
     inputs: tuple[Tensor | tuple[str, str, tuple[int, ...], int], ...]  # JSON ones, or where binary goes
     size: int                                        # the binary part's length
-    decoded: Decoded                                 # the rest (id, outputs, parameters)
+    decoded: Decoded                                 # the rest (id, outputs, parameters), no inputs
 
     def apply(self, body: bytes, offset: int) -> Decoded:
         inputs = []
@@ -80,7 +80,7 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
                     del _plans[next(iter(_plans))]
                 _plans[key] = _Plan(spec, tuple((t.name, t.datatype, t.shape, len(t.data)) if b else t
                                                 for t, b in zip(decoded.inputs, binary)),
-                                    len(body) - header_length, decoded)
+                                    len(body) - header_length, replace(decoded, inputs=[]))  # not the data
                 return _plans[key].apply(body, header_length)  # a copy: the plan's stays as it is
             return decoded
         return _decode(header, memoryview(body)[header_length:], spec, max_elements)[0]
