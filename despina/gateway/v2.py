@@ -64,27 +64,32 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
 
     Raises InvalidArgument, and nothing else, on any input; a tensor of more than `max_elements`
     elements is refused before anything is allocated for it."""
-    if header_length is not None:
-        if header_length < 0 or header_length > len(body):
-            raise InvalidArgument(f"Inference-Header-Content-Length {header_length} is past the end "
-                                  f"of the {len(body)}-byte body")
-        header = body[:header_length]
-        if header_length <= PLAN_HEADER_MAX:
-            key = (id(spec), max_elements, header)
-            plan = _plans.get(key)
-            if plan is not None and plan.spec is spec and plan.size == len(body) - header_length:
-                return plan.apply(body, header_length)
-            decoded, binary = _decode(header, memoryview(body)[header_length:], spec, max_elements)
-            if all(t.datatype != "BYTES" for t in decoded.inputs):  # BYTES framing is checked each time
-                if len(_plans) >= PLANS_MAX:
-                    del _plans[next(iter(_plans))]
-                _plans[key] = _Plan(spec, tuple((t.name, t.datatype, t.shape, len(t.data)) if b else t
-                                                for t, b in zip(decoded.inputs, binary)),
-                                    len(body) - header_length, replace(decoded, inputs=[]))  # not the data
-                return _plans[key].apply(body, header_length)  # a copy: the plan's stays as it is
+    if header_length is None:
+        return _decode(body, memoryview(b""), spec, max_elements)[0]
+    if header_length < 0 or header_length > len(body):
+        raise InvalidArgument(f"Inference-Header-Content-Length {header_length} is past the end "
+                              f"of the {len(body)}-byte body")
+    if header_length > PLAN_HEADER_MAX:
+        return _decode(body[:header_length], memoryview(body)[header_length:], spec, max_elements)[0]
+    return _planned(body, header_length, spec, max_elements)
+
+
+def _planned(body: bytes, header_length: int, spec: ModelSpec, max_elements: int) -> Decoded:
+    """A binary request decoded by its header's remembered plan, made on the header's first sight."""
+    header = body[:header_length]
+    key = (id(spec), max_elements, header)
+    plan = _plans.get(key)
+    if plan is None or plan.spec is not spec or plan.size != len(body) - header_length:
+        decoded, from_binary = _decode(header, memoryview(body)[header_length:], spec, max_elements)
+        if any(t.datatype == "BYTES" for t in decoded.inputs):  # BYTES framing is data: checked each time
             return decoded
-        return _decode(header, memoryview(body)[header_length:], spec, max_elements)[0]
-    return _decode(body, memoryview(b""), spec, max_elements)[0]
+        plan = _Plan(spec, tuple((t.name, t.datatype, t.shape, len(t.data)) if b else t
+                                 for t, b in zip(decoded.inputs, from_binary)),
+                     len(body) - header_length, replace(decoded, inputs=[]))  # not the request's data
+        if len(_plans) >= PLANS_MAX:
+            del _plans[next(iter(_plans))]
+        _plans[key] = plan
+    return plan.apply(body, header_length)
 
 
 def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: int

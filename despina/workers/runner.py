@@ -218,8 +218,8 @@ class ModelRunner:
     def _on_timeout(self, item: Item) -> None:
         """The batcher dropped a request whose queue timeout passed (REJECT policy): answer it."""
         p: Pending = item.payload
-        reply = answers.error(p.request, Code.DEADLINE_EXCEEDED,
-                       f"model '{self.spec.name}': request timed out in the queue (queue policy timeout)")
+        reply = answers.error(p.request, Code.DEADLINE_EXCEEDED, f"model '{self.spec.name}': request "
+                              "timed out in the queue (queue policy timeout)")
         self._spawn(self._reply([reply], [p.request], [p]))
 
     def _rows(self, inputs: dict[str, np.ndarray]) -> int:

@@ -51,18 +51,34 @@ class Stub:
                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
-        # the stub's first message, once Python and numpy are up: ("hello", pid)
-        problem = f"its process did not start within {STARTUP_TIMEOUT_S:.0f} s"
-        try:
+        try:  # the stub's first message, once Python and numpy are up: ("hello", pid)
             if self.conn.poll(STARTUP_TIMEOUT_S):
                 self.conn.recv()
                 return
         except (EOFError, OSError):
-            problem = "its process ended while starting (exit code {code})"
+            self._abandon()
+            code = self.process.returncode
+            raise StubDied(f"its process ended while starting (exit code {code})") from None
+        self._abandon()
+        raise StubDied(f"its process did not start within {STARTUP_TIMEOUT_S:.0f} s")
+
+    @classmethod
+    def start(cls, name: str) -> Stub:
+        """A started model process; if the first never came up, a second; ConfigError if neither did.
+        (A process that never said hello says nothing about the model.)"""
+        try:
+            return cls(name)
+        except StubDied as exc:
+            log.warning("model %s: %s; starting it again", name, exc)
+        try:
+            return cls(name)
+        except StubDied as exc:
+            raise ConfigError(f"model '{name}': {exc}") from None
+
+    def _abandon(self) -> None:
         self.process.kill()
-        code = self.wait(5)
+        self.wait(5)
         self.conn.close()
-        raise StubDied(problem.format(code=code))
 
     def call(self, op: str, payload: Any, timeout: float | None = None) -> Any:
         try:
@@ -116,15 +132,7 @@ class PythonBackend(Backend):
         self.stub = self._start()
 
     def _start(self) -> Stub:
-        try:
-            stub = Stub(self.spec.name)
-        except StubDied as exc:  # once more: a process that never came up says nothing of the model
-            log.warning("model %s: instance %s: %s; starting it again", self.spec.name,
-                        self.instance.name, exc)
-            try:
-                stub = Stub(self.spec.name)
-            except StubDied as again:
-                raise ConfigError(f"model '{self.spec.name}': {again}") from None
+        stub = Stub.start(self.spec.name)
         try:
             stub.call("initialize", {"model_file": str(self.model_path()), "args": self._args()})
         except (StubDied, BackendError) as exc:
@@ -204,10 +212,7 @@ class PythonBackend(Backend):
             raise ConfigError(f"model '{config.name}': model file {path} does not exist")
         if "auto_complete_config" not in path.read_text(errors="replace"):
             return
-        try:
-            stub = Stub(config.name)
-        except StubDied as exc:
-            raise ConfigError(f"model '{config.name}': {exc}") from None
+        stub = Stub.start(config.name)
         try:
             answer = stub.call("auto_complete", {"model_file": str(path),
                                                  "config": json.dumps(to_dict(config))},

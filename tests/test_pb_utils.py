@@ -1,0 +1,56 @@
+"""Despina's `triton_python_backend_utils` on its own: the module a Triton `model.py` imports, loaded
+from its file as the model's process loads it (it needs numpy only)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from .conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def pb_utils() -> ModuleType:
+    path = ROOT / "despina" / "workers" / "backends" / "python_stub" / "triton_python_backend_utils.py"
+    spec = importlib.util.spec_from_file_location("triton_python_backend_utils", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pb_utils_bytes_codec_and_type_tables(pb_utils: ModuleType) -> None:
+    array = np.array([b"a", b"", "é".encode(), 7], dtype=object)
+    wire = pb_utils.serialize_byte_tensor(array)
+    assert wire == b"\x01\x00\x00\x00a\x00\x00\x00\x00\x02\x00\x00\x00\xc3\xa9\x01\x00\x00\x007"
+    assert pb_utils.deserialize_bytes_tensor(wire).tolist() == [b"a", b"", "é".encode(), b"7"]
+    assert pb_utils.serialize_byte_tensor(np.zeros(2, np.float32)) is None
+    assert pb_utils.triton_string_to_numpy("TYPE_FP16") is np.float16
+    assert pb_utils.triton_to_numpy_type(11) is np.float32 and pb_utils.triton_to_numpy_type(13) is np.object_
+    assert pb_utils.numpy_to_triton_type(np.float32) == 11 and pb_utils.numpy_to_triton_type(np.bool_) == 1
+    assert pb_utils.numpy_to_triton_type(np.object_) == 13 and pb_utils.numpy_to_triton_type(np.bytes_) == 13
+    with pytest.raises(pb_utils.TritonModelException):
+        pb_utils.Tensor("s", np.array(["no unicode arrays"]))
+    error = pb_utils.TritonError("gone", pb_utils.TritonError.NOT_FOUND)
+    assert error.message() == "gone" and error.code() == pb_utils.TritonError.NOT_FOUND
+    response = pb_utils.InferenceResponse(error=error)
+    assert response.has_error() and response.output_tensors() == []
+    with pytest.raises(pb_utils.TritonModelException):
+        pb_utils.InferenceResponse(output_tensors=(pb_utils.Tensor("t", np.zeros(1)),))
+
+
+def test_pb_utils_model_config_checks_conflicts(pb_utils: ModuleType) -> None:
+    config = pb_utils.ModelConfig(json.dumps({"name": "m", "max_batch_size": 8, "input": [
+        {"name": "IN", "data_type": "TYPE_FP32", "dims": [4]}], "output": []}))
+    config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4]})
+    with pytest.raises(ValueError, match="datatype"):
+        config.add_input({"name": "IN", "data_type": "TYPE_INT32", "dims": [4]})
+    with pytest.raises(ValueError, match="dims"):
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [5]})
+    with pytest.raises(ValueError, match="max_batch_size"):
+        config.set_max_batch_size(4)
+    config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]})
+    assert [o["name"] for o in config.as_dict()["output"]] == ["OUT"]
