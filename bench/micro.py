@@ -3,18 +3,27 @@
     python bench/micro.py [--redis-url redis://127.0.0.1:6379/0]
 
 the gateway's decoders and encoders on W1's request (binary and JSON, /fn), the stream records'
-codec for a 20-request entry, and one XADD + HINCRBY round trip through redis-py's asyncio pipeline
-against despina/resp.py (client CPU, process_time). Figures quoted in bench/RESULTS.md and in commit
-messages come from here; run it pinned (`taskset -c 1`) on a quiet machine.
+codec for a 20-request entry, one XADD + HINCRBY round trip through redis-py's asyncio pipeline
+against despina/resp.py (client CPU, process_time), the batcher's wait (wait_for against a timer) and
+how late uvloop's call_later fires below a millisecond, and the server's CPU for one batch's statistics
+as the workers' EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine).
+Figures quoted in bench/RESULTS.md and in commit messages come from here; run it pinned
+(`taskset -c 1`) on a quiet machine.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
+import redis
 import redis.asyncio as aioredis
 import uvloop
 
@@ -24,6 +33,7 @@ from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.gateway.fn import decode_fn
 from despina.gateway.v2 import decode_infer, encode_infer, json_data_to_bytes
 from despina.resp import Batch, Resp
+from despina.workers.stats import HINCRBY_MANY
 
 CONFIG = """name: "mlp" backend: "onnxruntime" max_batch_size: 128
 input [ { name: "x", data_type: TYPE_FP32, dims: [ 256 ] } ]
@@ -98,6 +108,85 @@ async def round_trips(url: str, n: int = 3000) -> None:
         lean.close()
 
 
+async def timers(n: int = 20_000) -> None:
+    """The batcher's wait (asyncio.wait_for against a call_at timer setting its event), and how late
+    uvloop's call_later fires for sub-millisecond delays."""
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+
+    async def wait_for(delay: float) -> None:
+        try:
+            await asyncio.wait_for(wake.wait(), delay)
+        except TimeoutError:
+            pass
+        wake.clear()
+
+    async def timer(delay: float) -> None:
+        handle = loop.call_later(delay, wake.set)
+        await wake.wait()
+        handle.cancel()
+        wake.clear()
+
+    for name, wait in (("asyncio.wait_for", wait_for), ("call_later timer", timer)):
+        for case, delay, woken in (("woken by a request", 1.0, True), ("timed out", 0.00001, False)):
+            c0 = time.process_time()
+            for _ in range(n if woken else n // 4):
+                if woken:
+                    loop.call_soon(wake.set)
+                await wait(delay)
+            per = (time.process_time() - c0) / (n if woken else n // 4) * 1e6
+            print(f"{name + ', ' + case:44s} {per:8.2f} us")
+    for delay_us in (200, 500, 600, 1200):
+        late = []
+        for _ in range(200):
+            fired = loop.create_future()
+            t0 = time.perf_counter()
+            loop.call_later(delay_us / 1e6, fired.set_result, None)
+            await fired
+            late.append((time.perf_counter() - t0) * 1e6)
+        print(f"{f'uvloop call_later({delay_us} us) fires after':44s} {statistics.median(late):8.0f} us")
+
+
+def statistics_record(url: str, batches: int = 10_000) -> None:
+    """Valkey/Redis CPU (its /proc stat) per batch's statistics: the EVAL the workers send against the
+    same counters as plain HINCRBYs. Needs the server on this machine."""
+    client = redis.Redis.from_url(url)
+    key = "despina-micro:stats"
+    fields = {"inference_count": 3, "execution_count": 1, "batch:3": 1, "batch_ns:3": 90_000,
+              "compute_input_count": 3, "compute_input_ns": 60_000, "compute_infer_count": 3,
+              "compute_infer_ns": 270_000, "compute_output_count": 3, "compute_output_ns": 60_000,
+              "success_count": 3, "success_ns": 3_000_000, "queue_count": 3, "queue_ns": 2_700_000,
+              "lat:3": 3, "qlat:3": 3}
+    args = [x for kv in fields.items() for x in kv] + ["last_inference", int(time.time() * 1000)]
+    pid = int(client.info("server")["process_id"])
+
+    def cpu() -> float:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+    def as_eval(pipe: Any) -> None:
+        pipe.eval(HINCRBY_MANY, 1, key, *args)
+
+    def as_hincrby(pipe: Any) -> None:
+        for field, n in fields.items():
+            pipe.hincrby(key, field, n)
+        pipe.hset(key, "last_inference", args[-1])
+
+    try:
+        for name, add in (("EVAL", as_eval), ("HINCRBY x16 + HSET", as_hincrby)) * 2:
+            c0 = cpu()
+            for _ in range(batches // 100):
+                pipe = client.pipeline(transaction=False)
+                for _ in range(100):
+                    add(pipe)
+                pipe.execute()
+            per = (cpu() - c0) / batches * 1e6
+            print(f"{'statistics record as ' + name + ' (server CPU)':44s} {per:8.2f} us")
+    finally:
+        client.delete(key)
+        client.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,6 +194,8 @@ def main() -> None:
     args = parser.parse_args()
     codecs()
     uvloop.run(round_trips(args.redis_url))
+    uvloop.run(timers())
+    statistics_record(args.redis_url)
 
 
 if __name__ == "__main__":
