@@ -7,6 +7,8 @@ is the field `request_id` in the gateway and `request_ids` in a worker's batch l
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 from typing import Any
 
@@ -48,3 +50,33 @@ def setup(level: str = "info", role: str = "despina", json: bool = False) -> Non
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def dump_tasks() -> None:
+    """Every asyncio task's chain of awaits to stderr (`kill -USR2`): where each one waits. A thread
+    dump (SIGUSR1) shows only the event loop; this shows what the loop is waiting for."""
+    import asyncio
+
+    tasks = asyncio.all_tasks()
+    lines = [f"-- {len(tasks)} asyncio tasks in pid {os.getpid()} --"]
+    for task in tasks:
+        lines.append(f"{task.get_name()}:")
+        awaiting: Any = task.get_coro()
+        while awaiting is not None:
+            frame = getattr(awaiting, "cr_frame", None) or getattr(awaiting, "gi_frame", None)
+            if frame is None:
+                lines.append(f"  awaiting {awaiting!r}"[:200])
+                break
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+            awaiting = getattr(awaiting, "cr_await", None) or getattr(awaiting, "gi_yieldfrom", None)
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def dump_tasks_on_sigusr2() -> None:
+    """In the running event loop: `kill -USR2 <pid>` calls dump_tasks."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, dump_tasks)
+    except (RuntimeError, ValueError):  # not the main thread (an app under a test client): no dump
+        pass

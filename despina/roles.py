@@ -12,6 +12,7 @@ import time
 import uvicorn
 
 from .control.plane import ControlPlane
+from .logs import dump_tasks_on_sigusr2
 from .redis_client import connect
 from .settings import Settings
 from .workers.worker import Worker
@@ -58,6 +59,7 @@ def run_worker(settings: Settings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, worker.stop)
+        dump_tasks_on_sigusr2()
         try:
             await worker.run()
         finally:
@@ -97,6 +99,7 @@ def run_control(settings: Settings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)
+        dump_tasks_on_sigusr2()
         http = None
         if settings.metrics_port:
             from .control import http as control_http

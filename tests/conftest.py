@@ -110,8 +110,10 @@ def start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: s
             pass
         time.sleep(0.1)
     dump_stacks(server.process.pid)
+    url = redis_url or (extra[extra.index("--redis-url") + 1] if "--redis-url" in extra else None)
+    state = cluster_state(url, key_prefix) if url else ""
     stop_server(server)
-    raise RuntimeError(f"despina serve did not get ready:\n{server.logs()}")
+    raise RuntimeError(f"despina serve did not get ready:\n{server.logs()}{state}")
 
 
 def descendants(pid: int) -> set[int]:
@@ -133,14 +135,45 @@ def descendants(pid: int) -> set[int]:
 
 
 def dump_stacks(pid: int) -> None:
-    """Every Despina process under `pid` writes its threads' stacks into the log (SIGUSR1)."""
+    """Every Despina process under `pid` writes its threads' stacks into the log (SIGUSR1), and each
+    role (gateway, worker, control: they handle it) its asyncio tasks' (SIGUSR2)."""
     for child in [pid, *sorted(descendants(pid))]:
         try:
-            if b"despina" in Path(f"/proc/{child}/cmdline").read_bytes():  # the roles, and model stubs
-                os.kill(child, signal.SIGUSR1)
-                time.sleep(0.3)  # one at a time: the dumps share the log
+            args = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            if b"despina" not in b" ".join(args):  # the roles, and model stubs
+                continue
+            os.kill(child, signal.SIGUSR1)
+            time.sleep(0.3)  # one at a time: the dumps share the log
+            if args[1:3] == [b"-m", b"despina"] and args[3:4] in ([b"gateway"], [b"worker"], [b"control"]):
+                os.kill(child, signal.SIGUSR2)
+                time.sleep(0.3)
         except OSError:
             pass
+
+
+def cluster_state(redis_url: str, key_prefix: str) -> str:
+    """What the processes told each other through Redis: the catalog and every worker's heartbeat."""
+    from despina.contract.catalog import CatalogEntry
+    from despina.contract.keys import Keys
+
+    keys = Keys(key_prefix)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        lines = [f"leader: {client.get(keys.control_leader)!r}",
+                 f"workers: {sorted(m.decode() for m in client.smembers(keys.workers))}"]
+        for blob in client.hgetall(keys.catalog).values():
+            e = CatalogEntry.loads(blob)
+            lines.append(f"catalog {e.name}: state={e.state} target={e.target} versions={e.versions} "
+                         f"revisions={e.revisions} workers={e.workers} failed={e.failed} {e.reason}")
+        for key in client.scan_iter(keys.worker("*")):
+            h = client.hgetall(key)
+            lines.append(f"{key.decode()}: ttl={client.pttl(key)} ms seen={h.get(b'seen')!r} "
+                         f"detail={h.get(b'detail')!r}")
+    except redis.RedisError as exc:
+        lines = [f"Redis unreadable: {exc}"]
+    finally:
+        client.close()
+    return "\n-- cluster state in Redis --\n" + "\n".join(lines)
 
 
 def stop_server(server: Server, sig: int = signal.SIGTERM, timeout: float = 30) -> int:

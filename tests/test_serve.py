@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import signal
 import time
@@ -12,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from .conftest import Server, descendants, stop_server
+from .conftest import Server, descendants, dump_stacks, stop_server
 
 ROW = orjson.dumps([0.25] * 256)
 
@@ -139,7 +140,9 @@ class TritonPythonModel:
 
 def test_sigterm_while_a_model_hangs_in_initialize_leaves_nothing_behind(
         serve: Callable[..., Server], tmp_path: Path) -> None:
-    """The worker cannot finish that load: it exits without it, and the model's process follows."""
+    """The worker cannot finish that load: it exits without it, and the model's process follows. Asked
+    first (SIGUSR1, SIGUSR2), the processes tell where they are stuck: the model's thread in initialize,
+    the worker's task in the load."""
     (tmp_path / "repo" / "hang" / "1").mkdir(parents=True)
     (tmp_path / "repo" / "hang" / "1" / "model.py").write_text(HANG)
     (tmp_path / "repo" / "hang" / "config.pbtxt").write_text(
@@ -151,6 +154,13 @@ def test_sigterm_while_a_model_hangs_in_initialize_leaves_nothing_behind(
     while "python_stub" not in " ".join(cmdline(p) for p in descendants(server.process.pid)):
         assert time.monotonic() < deadline, server.logs()
         time.sleep(0.1)
+    for _ in range(5):  # until the model's process is past its start-up, in initialize
+        dump_stacks(server.process.pid)
+        logs = server.logs()
+        if re.search(r'model\.py", line \d+ in initialize', logs):
+            break
+    assert re.search(r'model\.py", line \d+ in initialize', logs), logs
+    assert re.search(r"worker\.py:\d+ in _load", logs), logs
     family = descendants(server.process.pid)
     assert stop_server(server) == 0
     deadline = time.monotonic() + 15

@@ -1,6 +1,7 @@
 """The control plane's two views: the catalog it writes, and the workers it reads."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import redis.asyncio as aioredis
@@ -20,6 +21,9 @@ class Catalog:
         self.entries: dict[str, CatalogEntry] = {}
         self._dirty: set[str] = set()
         self._removed: set[str] = set()
+        # one flush at a time: two in flight on two connections can reach Redis in either order, and an
+        # older entry written last would stay there (nothing is dirty any more to write it again)
+        self._flushing = asyncio.Lock()
 
     async def load(self) -> None:
         """Adopt what a previous control plane published: placement and targets survive a restart."""
@@ -50,22 +54,23 @@ class Catalog:
 
     async def flush(self) -> None:
         """Write what changed in one transaction and announce it."""
-        if not self.changed:
-            return
-        dirty, removed = self._dirty, self._removed
-        self._dirty, self._removed = set(), set()
-        pipe = self.redis.pipeline(transaction=True)
-        if dirty:
-            pipe.hset(self.keys.catalog, mapping={n: self.entries[n].dumps() for n in dirty})
-        if removed:
-            pipe.hdel(self.keys.catalog, *removed)
-        pipe.publish(self.keys.events, b"catalog")
-        try:
-            await pipe.execute()
-        except BaseException:
-            self._dirty |= dirty
-            self._removed |= removed
-            raise
+        async with self._flushing:
+            if not self.changed:
+                return
+            dirty, removed = self._dirty, self._removed
+            self._dirty, self._removed = set(), set()
+            pipe = self.redis.pipeline(transaction=True)
+            if dirty:
+                pipe.hset(self.keys.catalog, mapping={n: self.entries[n].dumps() for n in dirty})
+            if removed:
+                pipe.hdel(self.keys.catalog, *removed)
+            pipe.publish(self.keys.events, b"catalog")
+            try:
+                await pipe.execute()
+            except BaseException:
+                self._dirty |= dirty - self._removed
+                self._removed |= removed - self._dirty
+                raise
 
 
 class Workers:

@@ -18,6 +18,7 @@ from starlette.routing import Route
 from .. import __version__
 from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.keys import Keys
+from ..logs import dump_tasks_on_sigusr2
 from ..redis_client import connect
 from ..settings import Settings
 from .auth import AuthPolicy, Guard
@@ -91,6 +92,7 @@ def create_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        dump_tasks_on_sigusr2()
         await gw.start()
         app.state.gateway = gw
         try:

@@ -56,6 +56,7 @@ class Worker:
         self._cache: ArtifactCache | None = None
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
+        self._beating = asyncio.Lock()  # one heartbeat in flight: an older one must not land last
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
         self.delivery = DeliveryPolicy.from_settings(settings)
 
@@ -246,18 +247,19 @@ class Worker:
         return out
 
     async def _heartbeat(self) -> None:
-        models: dict[str, dict[str, str]] = {}
-        for (name, version), runner in self.runners.items():
-            models.setdefault(name, {})[str(version)] = runner.state
-        key = self.keys.worker(self.id)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(key, mapping={"info": self.info.dumps(), "models": orjson.dumps(models),
-                                "detail": pack_detail(self.detail()),
-                                "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
-                                "seen": time.time()})
-        pipe.pexpire(key, int(self.settings.worker_ttl_s * 1000))
-        pipe.sadd(self.keys.workers, self.id)
-        await pipe.execute()
+        async with self._beating:
+            models: dict[str, dict[str, str]] = {}
+            for (name, version), runner in self.runners.items():
+                models.setdefault(name, {})[str(version)] = runner.state
+            key = self.keys.worker(self.id)
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(key, mapping={"info": self.info.dumps(), "models": orjson.dumps(models),
+                                    "detail": pack_detail(self.detail()),
+                                    "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
+                                    "seen": time.time()})
+            pipe.pexpire(key, int(self.settings.worker_ttl_s * 1000))
+            pipe.sadd(self.keys.workers, self.id)
+            await pipe.execute()
 
 
 def memory_bytes(settings: Settings) -> int:
