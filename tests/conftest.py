@@ -82,9 +82,24 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
+class PortTaken(Exception):
+    """The free port we picked was taken before serve bound it (another process's connection got it)."""
+
+
 def start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: str, *extra: str,
                  env: dict[str, str] | None = None, wait_models: tuple[str, ...] = (),
                  health: str = "ready") -> Server:
+    for _ in range(3):
+        try:
+            return _start_server(repo, log_dir, redis_url, key_prefix, *extra, env=env,
+                                 wait_models=wait_models, health=health)
+        except PortTaken:
+            continue
+    raise RuntimeError("three free ports in a row were taken before despina serve could bind them")
+
+
+def _start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: str, *extra: str,
+                  env: dict[str, str] | None, wait_models: tuple[str, ...], health: str) -> Server:
     port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "despina", "serve", "--model-repository", str(repo),
            "--http-port", str(port), "--metrics-port", str(metrics_port), "--key-prefix", key_prefix, *extra]
@@ -100,6 +115,8 @@ def start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: s
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
+            if "address already in use" in server.logs():
+                raise PortTaken(server.logs())
             raise RuntimeError(f"despina serve exited with {process.returncode}:\n{server.logs()}")
         try:
             ok = httpx.get(f"{server.url}/v2/health/{health}", timeout=1).status_code == 200
