@@ -124,6 +124,8 @@ def test_request_id_is_echoed_and_reaches_the_worker_log(tmp_path_factory: pytes
     lines = [orjson.loads(line) for line in server.logs().splitlines() if line.startswith("{")]
     batches = [x for x in lines if x["message"] == "batch formed"]
     assert any("trace-123" in x["request_ids"] and x["model"] == "mlp" and x["rows"] == 1 for x in batches)
+    # each request's time since the gateway queued it, and the part of it before the worker read it
+    assert all(0 <= t <= q for x in batches for q, t in zip(x["queue_us"], x["transit_us"], strict=True))
     assert any(x.get("request_id") == "bad-7" and x["role"] == "gateway" for x in lines)
 
 

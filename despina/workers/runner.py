@@ -48,6 +48,7 @@ class Pending:
     entry: tuple[str, bytes]     # (stream, entry id)
     inputs: dict[str, np.ndarray]
     alone: bool = False          # redelivered after a worker died with it: runs as a batch of one
+    received: float = 0.0        # wall-clock seconds when this worker read it
 
 
 class ModelRunner:
@@ -194,7 +195,7 @@ class ModelRunner:
                 except DespinaError as exc:
                     fail(req, entry, exc.code, exc.message)
                     continue
-                pending = Pending(req, entry, inputs, alone)
+                pending = Pending(req, entry, inputs, alone, now)
                 try:
                     # time spent in the stream counts towards the queue delay and timeout
                     arrived = time.monotonic() - max(0.0, now - req.enqueued)
@@ -243,6 +244,8 @@ class ModelRunner:
                 "model": self.spec.name, "version": self.version, "requests": len(pendings),
                 "rows": sum(self._rows(p.inputs) for p in pendings),
                 "queue_us": [int((started - p.request.enqueued) * 1e6) for p in pendings],
+                # of which in transit: from the gateway's enqueue until this worker read it
+                "transit_us": [int((p.received - p.request.enqueued) * 1e6) for p in pendings],
                 "request_ids": [p.request.trace or p.request.id for p in pendings]}})
         marks: dict[str, int] = {"start": time.perf_counter_ns()}
         if any(p.alone for p in live):
