@@ -32,6 +32,7 @@ class Settings:
     max_stream_length: int = 100_000        # entries on a request stream past which gateways refuse (503)
     worker_memory_mb: int = 0               # memory models may take on a worker; 0 = what it has
     cache_dir: str | None = None            # model artifact cache (default ~/.cache/despina)
+    cache_max_gb: float = 20.0              # the cache evicts unused model folders past this; 0 = no limit
     s3_endpoint_url: str | None = None      # else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS
     s3_region: str | None = None            # else boto3's (AWS_REGION, ~/.aws/config)
     s3_addressing_style: str = "auto"       # auto, path or virtual; auto = path with a custom endpoint

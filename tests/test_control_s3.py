@@ -3,6 +3,7 @@ version leaves the old one serving, reloads come from the cache, and a dead stor
 from __future__ import annotations
 
 import io
+import os
 import signal
 import threading
 import time
@@ -136,3 +137,39 @@ def test_loading_from_a_dead_store_fails_clearly(serve: Callable[..., Server], t
                         "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
     r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
     assert r.status_code == 503 and "unreachable" in r.json()["error"]
+
+
+def test_a_worker_keeps_the_files_it_serves_and_the_cache_lets_the_rest_go(
+        serve: Callable[..., Server], s3_env: Weed, tmp_path: Path) -> None:
+    """A cache limit of ~1 KB: always full. The folder a worker serves from stays however old its
+    files look (the worker marks it at every heartbeat); once nothing serves from it, the next fetch
+    evicts it, and what serves now keeps answering."""
+    url, settings = s3_env.url(), s3_env.settings()
+    push(mlp_folder(tmp_path / "v1"), url, settings, out=io.StringIO())
+    cache = tmp_path / "cache"
+    server = serve(url, "--model-control-mode", "poll", "--repository-poll-secs", "0.3", wait_models=("mlp",),
+                   env={**s3_env.env, "DESPINA_CACHE_DIR": str(cache), "DESPINA_CACHE_MAX_GB": "0.000001"})
+    models = cache / "models" / "mlp"
+    [v1] = [f for f in models.iterdir() if (f / "1" / "model.onnx").exists()]  # (the control plane reads the config)
+    hour_ago = time.time() - 3600
+
+    def age(folder: Path) -> None:
+        for path in [folder, *folder.rglob("*")]:
+            os.utime(path, (hour_ago, hour_ago))
+
+    age(v1)
+    wait_until(lambda: v1.stat().st_mtime > time.time() - 30, 10, what="the worker to mark its folder in use")
+    push(mlp_folder(tmp_path / "v2", versions={2: 1}), url, settings, out=io.StringIO())
+    wait_until(lambda: [r["version"] for r in index(server.url, ready=True) if r["name"] == "mlp"] == ["2"], 30,
+               what="version 2 alone to serve")
+    assert v1.is_dir()  # fetched while version 1 still served: kept
+    age(v1)
+    time.sleep(3)       # past a few heartbeats: nothing marks it any more
+    assert v1.stat().st_mtime < time.time() - 3000
+    push(mlp_folder(tmp_path / "v3", versions={3: 2}), url, settings, out=io.StringIO())
+    wait_until(lambda: [r["version"] for r in index(server.url, ready=True) if r["name"] == "mlp"] == ["3"], 30,
+               what="version 3 alone to serve")
+    assert not v1.exists(), sorted(p.name for p in models.iterdir())
+    assert "cache: evicted mlp/" in server.logs()
+    r = infer(server.url)
+    assert r.status_code == 200 and np.allclose(r.json()["outputs"][0]["data"], expected(2), atol=1e-4)

@@ -56,7 +56,7 @@ class ControlPlane:
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         remote = settings.model_repository.startswith("s3://")
         self.registry = open_registry(settings.model_repository, settings,
-                                      ArtifactCache(settings.cache_dir) if remote else None)
+                                      ArtifactCache.from_settings(settings) if remote else None)
         self.catalog = Catalog(redis, self.keys)
         self.workers = Workers(redis, self.keys)
         self.lifecycle = Lifecycle(settings, redis, self.keys, self.catalog, self.workers)

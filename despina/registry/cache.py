@@ -4,6 +4,12 @@ Files live once under `blobs/`; a model folder under `models/<name>/<digest of i
 hard links to them. Both are built under `tmp/` and renamed into place, so a reader never sees half
 a file or half a folder, and processes on one machine (control plane and workers) share the cache.
 A folder that is already there costs no download; a new version downloads only the files that changed.
+
+The cache keeps itself under `max_bytes`: after it builds a folder, the folders used least recently
+go first, then every blob no folder links to any more (a blob's link count says so). A folder used
+within `lease_s` is never removed: workers touch the folders they serve from at every heartbeat, so
+a loaded model keeps its files however long it serves, whichever process on the machine trims. When
+everything left is in use the cache stays over its limit, and says so.
 """
 from __future__ import annotations
 
@@ -12,16 +18,22 @@ import logging
 import os
 import shutil
 import threading
+import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .base import FileInfo, digest
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 log = logging.getLogger("despina.registry")
 
 Download = Callable[[FileInfo, Path], None]   # fetch one file to a local path
+LEASE_S = 600.0   # a folder or blob used this recently is in use: never evicted
 
 
 @dataclass
@@ -30,6 +42,8 @@ class CacheStats:
     downloaded_bytes: int = 0
     reused: int = 0             # files found in the cache
     folders: int = 0            # model folders built
+    evicted_folders: int = 0
+    evicted_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -41,31 +55,37 @@ def default_cache_dir() -> Path:
 
 
 class ArtifactCache:
-    def __init__(self, root: str | Path | None = None) -> None:
+    def __init__(self, root: str | Path | None = None, max_bytes: int = 0, lease_s: float = LEASE_S) -> None:
         self.root = Path(root) if root else default_cache_dir()
         self.blobs, self.models, self.tmp = self.root / "blobs", self.root / "models", self.root / "tmp"
         for d in (self.blobs, self.models, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.lease_s = max_bytes, lease_s
         self.stats = CacheStats()
         self._lock = threading.Lock()
+        self._warned_full = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ArtifactCache:
+        return cls(settings.cache_dir, int(settings.cache_max_gb * 2**30))
 
     def folder(self, name: str, files: Sequence[FileInfo], download: Download) -> Path:
         """The local folder holding exactly `files`, fetching the ones not cached yet."""
         final = self.models / name / digest(f.pack() for f in files)
         if final.is_dir():
+            touch(final)
             with self._lock:
                 self.stats.reused += len(files)
             return final
         work = self.tmp / f"{name}-{uuid.uuid4().hex}"
         try:
             for f in files:
-                blob = self.blob(f, download)
                 dest = work / f.path
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    os.link(blob, dest)
-                except OSError:  # another file system, or no hard links there
-                    shutil.copyfile(blob, dest)
+                    self._link(self.blob(f, download), dest)
+                except FileNotFoundError:  # evicted by another process between our look and the link
+                    self._link(self.blob(f, download), dest)
             work.mkdir(parents=True, exist_ok=True)
             final.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -73,17 +93,30 @@ class ArtifactCache:
             except OSError:
                 if not final.is_dir():  # not a concurrent builder's win: a real failure
                     raise
+            touch(final)
         finally:
             if work.exists():
                 shutil.rmtree(work, ignore_errors=True)
         with self._lock:
             self.stats.folders += 1
+        if self.max_bytes:
+            self.trim()
         return final
+
+    @staticmethod
+    def _link(blob: Path, dest: Path) -> None:
+        try:
+            os.link(blob, dest)
+        except FileNotFoundError:
+            raise
+        except OSError:  # another file system, or no hard links there
+            shutil.copyfile(blob, dest)
 
     def blob(self, f: FileInfo, download: Download) -> Path:
         key = hashlib.sha256(f"{f.etag}\0{f.size}".encode()).hexdigest()
         path = self.blobs / key[:2] / key
         if path.is_file() and path.stat().st_size == f.size:
+            touch(path)  # in use again: not garbage for the next trim, linked or not
             with self._lock:
                 self.stats.reused += 1
             return path
@@ -96,6 +129,7 @@ class ArtifactCache:
                 raise OSError(f"{f.path}: downloaded {got} bytes, the registry lists {f.size}")
             os.chmod(part, 0o444)  # shared by hard links: nobody may write through one
             os.replace(part, path)
+            touch(path)
         finally:
             part.unlink(missing_ok=True)
         with self._lock:
@@ -103,3 +137,106 @@ class ArtifactCache:
             self.stats.downloaded_bytes += f.size
         log.debug("cache: fetched %s (%d bytes)", f.path, f.size)
         return path
+
+    # -- staying under the limit -------------------------------------------------------------------
+
+    def holds(self, path: Path) -> bool:
+        """Whether `path` is one of this cache's model folders."""
+        return path.parent.parent == self.models
+
+    def usage(self) -> int:
+        """Bytes on disk: every blob once, plus folder files that are copies rather than links."""
+        total = sum(size for _, size, _ in self._blobs())
+        for path in self.models.rglob("*"):
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if path.is_file() and st.st_nlink == 1:
+                total += st.st_size
+        return total
+
+    def trim(self) -> int:
+        """Evict folders used least recently, and blobs none links to, until under max_bytes (or
+        everything left is in use); returns the bytes freed. A failure is logged, never raised: the
+        cache is then only bigger than it should be."""
+        if not self.max_bytes:
+            return 0
+        try:
+            return self._trim()
+        except OSError as exc:
+            log.warning("cache %s: trimming failed: %s", self.root, exc)
+            return 0
+
+    def _trim(self) -> int:
+        freed = self._collect_garbage()
+        used = self.usage()
+        if used <= self.max_bytes:
+            return freed
+        now = time.time()
+        for mtime, folder in sorted(self._folders()):
+            if used <= self.max_bytes:
+                break
+            if now - mtime < self.lease_s:
+                break  # this one and every later one is in use
+            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                folder.parent.rmdir()  # the model's last folder: its directory goes too
+            except OSError:
+                pass
+            freed_now = self._collect_garbage()
+            freed += freed_now
+            used = self.usage()
+            with self._lock:
+                self.stats.evicted_folders += 1
+                self.stats.evicted_bytes += freed_now
+            log.info("cache: evicted %s/%s (unused for %.0f min, %.1f MB freed); %.1f of %.1f MB used",
+                     folder.parent.name, folder.name, (now - mtime) / 60, freed_now / 1e6, used / 1e6,
+                     self.max_bytes / 1e6)
+        if used > self.max_bytes and not self._warned_full:
+            self._warned_full = True
+            log.warning("cache %s holds %.1f MB, over its limit of %.1f MB, all of it in use by models "
+                        "loaded in the last %.0f min", self.root, used / 1e6, self.max_bytes / 1e6,
+                        self.lease_s / 60)
+        elif used <= self.max_bytes:
+            self._warned_full = False
+        return freed
+
+    def _folders(self) -> Iterator[tuple[float, Path]]:
+        for model in self.models.iterdir():
+            if not model.is_dir():
+                continue
+            for folder in model.iterdir():
+                try:
+                    yield folder.stat().st_mtime, folder
+                except OSError:  # removed meanwhile
+                    continue
+
+    def _blobs(self) -> Iterator[tuple[Path, int, os.stat_result]]:
+        for path in self.blobs.glob("*/*"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            yield path, st.st_size, st
+
+    def _collect_garbage(self) -> int:
+        """Remove blobs no folder links to that nobody used within the lease (a blob just fetched
+        for a folder being built is not linked yet, and is recent)."""
+        now, freed = time.time(), 0
+        for path, size, st in self._blobs():
+            if st.st_nlink == 1 and now - st.st_mtime >= self.lease_s:
+                try:
+                    path.unlink()
+                    freed += size
+                except OSError:
+                    pass
+        return freed
+
+
+def touch(path: Path) -> None:
+    """Mark a cached folder or blob as in use now (its mtime)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass

@@ -96,7 +96,7 @@ class S3Registry(Registry):
     @property
     def cache(self) -> ArtifactCache:
         if self._cache is None:
-            self._cache = ArtifactCache(self.settings.cache_dir)
+            self._cache = ArtifactCache.from_settings(self.settings)
         return self._cache
 
     def _key(self, *parts: str) -> str:

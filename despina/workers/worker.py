@@ -25,6 +25,7 @@ from ..contract.errors import DespinaError
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
+from ..registry.cache import touch
 from ..settings import Settings
 from .backends.base import visible_gpus
 from .redelivery import DeliveryPolicy
@@ -34,6 +35,7 @@ log = logging.getLogger("despina.worker")
 
 Key = tuple[str, int]
 SLOW_LOAD_S = 20.0  # a load still running after this is logged (once), with how long it has taken
+TRIM_S = 60.0       # how often the artifact cache is brought back under its limit (besides after a fetch)
 
 
 class Worker:
@@ -51,6 +53,7 @@ class Worker:
         self.revision: dict[Key, str] = {}            # of the serving runner
         self.load_ms: dict[Key, float] = {}
         self.loading: dict[Key, tuple[str, asyncio.Task[None]]] = {}
+        self._loading_from: dict[Key, Path] = {}     # the folder each load in progress reads
         self.failures: dict[Key, tuple[str, str]] = {}  # key -> (revision, why it failed)
         self._registries: dict[str, Registry] = {}
         self._cache: ArtifactCache | None = None
@@ -142,7 +145,7 @@ class Worker:
         await self._announce()
         runner: ModelRunner | None = None
         try:
-            path = await self._folder(entry, key[1])
+            path = self._loading_from[key] = await self._folder(entry, key[1])
             runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
                                  self.id, self.settings.intra_op_threads, delivery=self.delivery)
             await runner.load()
@@ -171,6 +174,7 @@ class Worker:
                 await old.stop()  # after the new one serves: no gap
         finally:
             slow.cancel()
+            self._loading_from.pop(key, None)
             if self.loading.get(key, ("", None))[0] == rev:
                 del self.loading[key]
             await self._announce()
@@ -182,7 +186,7 @@ class Worker:
         registry = self._registries.get(entry.path)
         if registry is None:
             if self._cache is None:
-                self._cache = ArtifactCache(self.settings.cache_dir)
+                self._cache = ArtifactCache.from_settings(self.settings)
             registry, _ = open_model_registry(entry.path, self.settings, self._cache)
             self._registries[entry.path] = registry
         model = ModelFiles(entry.name, entry.path, tuple(FileInfo(*f) for f in entry.files))
@@ -216,12 +220,25 @@ class Worker:
             pass
 
     async def _heartbeat_loop(self) -> None:
+        trimmed = time.monotonic()
         while True:
             await asyncio.sleep(self.beat_s)
+            if self._cache is not None:
+                self._keep_cached_folders()
+                if time.monotonic() - trimmed >= TRIM_S:
+                    trimmed = time.monotonic()
+                    await asyncio.to_thread(self._cache.trim)
             try:
                 await self._heartbeat()
             except (RedisError, ConnectionError, OSError):
                 pass
+
+    def _keep_cached_folders(self) -> None:
+        """Mark the cache folders this worker serves or loads from as in use: no trim removes them."""
+        assert self._cache is not None
+        for path in {*(r.path for r in self.runners.values()), *self._loading_from.values()}:
+            if self._cache.holds(path):
+                touch(path)
 
     async def _announce(self) -> None:
         """Heartbeat now and say so on the events channel: the control plane and gateways look at once."""

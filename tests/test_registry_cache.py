@@ -1,0 +1,101 @@
+"""The artifact cache on disk: content-keyed blobs, model folders of hard links, and eviction of what
+was used least recently once it holds more than its limit. Files come from a local source here (the
+S3 tests fetch them from SeaweedFS); "an hour ago" is set on the files' own clocks (mtime), which is
+what the cache reads."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from despina.registry.base import FileInfo
+from despina.registry.cache import ArtifactCache
+
+CONFIG = b'backend: "onnxruntime"\n' * 4          # the same bytes in every model: one blob for all
+HOUR_AGO = time.time() - 3600
+
+
+class Source:
+    """A registry stand-in: files by content, counting what is fetched."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+        self.fetched = 0
+
+    def files(self, weights: bytes) -> list[FileInfo]:
+        out = []
+        for path, data in (("config.pbtxt", CONFIG), ("1/model.onnx", weights)):
+            etag = hashlib.md5(data).hexdigest()
+            self.blobs[etag] = data
+            out.append(FileInfo(path, len(data), etag))
+        return out
+
+    def download(self, f: FileInfo, dest: Path) -> None:
+        self.fetched += 1
+        dest.write_bytes(self.blobs[f.etag])
+
+
+def last_used(folder: Path, when: float) -> None:
+    """As if the folder (and so its files, hard links to the blobs) was last used at `when`."""
+    for path in [folder, *folder.rglob("*")]:
+        os.utime(path, (when, when))
+
+
+def blob_count(cache: ArtifactCache) -> int:
+    return sum(1 for _ in cache.blobs.glob("*/*"))
+
+
+def test_a_full_cache_evicts_the_folders_used_least_recently_and_their_own_blobs(tmp_path: Path) -> None:
+    source = Source()
+    cache = ArtifactCache(tmp_path / "cache", max_bytes=2 * 1000 + len(CONFIG) + 50)
+    a = cache.folder("a", source.files(b"A" * 1000), source.download)
+    b = cache.folder("b", source.files(b"B" * 1000), source.download)
+    assert blob_count(cache) == 3 and cache.usage() == 2000 + len(CONFIG)  # the config once for both
+    last_used(a, HOUR_AGO)
+    c = cache.folder("c", source.files(b"C" * 1000), source.download)      # over the limit: a goes
+    assert not a.exists() and not a.parent.exists() and b.is_dir() and c.is_dir()
+    assert blob_count(cache) == 3 and cache.usage() == 2000 + len(CONFIG)  # A's weights went, not the config
+    assert (b / "config.pbtxt").read_bytes() == CONFIG and (c / "1/model.onnx").read_bytes() == b"C" * 1000
+    assert cache.stats.evicted_folders == 1 and cache.stats.evicted_bytes == 1000
+    fetched = source.fetched
+    assert cache.folder("a", source.files(b"A" * 1000), source.download).is_dir()
+    assert source.fetched == fetched + 1                                     # the weights again, not the config
+
+
+def test_folders_in_use_stay_over_the_limit_and_the_cache_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    source = Source()
+    cache = ArtifactCache(tmp_path / "cache", max_bytes=500)
+    with caplog.at_level(logging.WARNING, "despina.registry"):
+        a = cache.folder("a", source.files(b"A" * 1000), source.download)
+    assert a.is_dir() and cache.usage() > 500                                # used just now: in use
+    assert "over its limit" in caplog.text and "all of it in use" in caplog.text
+    last_used(a, HOUR_AGO)
+    assert cache.trim() == 1000 + len(CONFIG)
+    assert not a.exists() and cache.usage() == 0 and blob_count(cache) == 0
+
+
+def test_a_folder_read_again_is_used_again(tmp_path: Path) -> None:
+    """Reading a cached folder (a reload, another worker) counts as a use: it is not the one evicted."""
+    source = Source()
+    cache = ArtifactCache(tmp_path / "cache", max_bytes=2 * 1000 + len(CONFIG) + 50)
+    a = cache.folder("a", source.files(b"A" * 1000), source.download)
+    b = cache.folder("b", source.files(b"B" * 1000), source.download)
+    last_used(a, HOUR_AGO)
+    last_used(b, HOUR_AGO + 60)
+    assert cache.folder("a", source.files(b"A" * 1000), source.download) == a  # a is read again
+    cache.folder("c", source.files(b"C" * 1000), source.download)
+    assert a.is_dir() and not b.exists()
+
+
+def test_no_limit_keeps_everything(tmp_path: Path) -> None:
+    source = Source()
+    cache = ArtifactCache(tmp_path / "cache", max_bytes=0)
+    a = cache.folder("a", source.files(b"A" * 1000), source.download)
+    last_used(a, HOUR_AGO)
+    cache.folder("b", source.files(b"B" * 1000), source.download)
+    assert cache.trim() == 0 and a.is_dir()
