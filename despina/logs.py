@@ -6,6 +6,7 @@ is the field `request_id` in the gateway and `request_ids` in a worker's batch l
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -55,8 +56,6 @@ def setup(level: str = "info", role: str = "despina", json: bool = False) -> Non
 def dump_tasks() -> None:
     """Every asyncio task's chain of awaits to stderr (`kill -USR2`): where each one waits. A thread
     dump (SIGUSR1) shows only the event loop; this shows what the loop is waiting for."""
-    import asyncio
-
     tasks = asyncio.all_tasks()
     lines = [f"-- {len(tasks)} asyncio tasks in pid {os.getpid()} --"]
     for task in tasks:
@@ -74,8 +73,6 @@ def dump_tasks() -> None:
 
 def dump_tasks_on_sigusr2() -> None:
     """In the running event loop: `kill -USR2 <pid>` calls dump_tasks."""
-    import asyncio
-
     try:
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, dump_tasks)
     except (RuntimeError, ValueError):  # not the main thread (an app under a test client): no dump
