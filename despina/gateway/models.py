@@ -50,6 +50,9 @@ class ModelView:
         self._blobs: dict[str, bytes] = {}
         self._task: asyncio.Task[None] | None = None
         self._waking: dict[tuple[str, int | None], asyncio.Future[int]] = {}
+        # one refresh at a time: the background one and one after a load command could otherwise end
+        # in either order, the older view last (a model just loaded would look not ready)
+        self._refreshing = asyncio.Lock()
 
     async def start(self) -> None:
         try:
@@ -79,6 +82,10 @@ class ModelView:
                 await asyncio.sleep(REFRESH_S)
 
     async def refresh(self) -> None:
+        async with self._refreshing:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.catalog)
         pipe.smembers(self.keys.workers)
