@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 
 from .contract.catalog import CatalogEntry
@@ -79,8 +80,10 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     workers = results.pop()
     pipe = redis.pipeline(transaction=False)
     for wid in workers:
-        pipe.exists(keys.worker(wid.decode()))
-    alive = sum(await pipe.execute()) if workers else 0
+        pipe.hget(keys.worker(wid.decode()), "cache")
+    caches = await pipe.execute() if workers else []
+    alive = sum(1 for c in caches if c is not None)  # the heartbeat hash is there: it has not expired
+    cache = {wid.decode(): orjson.loads(c) for wid, c in zip(workers, caches) if c}
     models = []
     cursor = 0
     for name, version, streams in targets:
@@ -88,7 +91,18 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
         backlog = results[cursor + 1: cursor + 1 + len(streams)]
         cursor += 1 + len(streams)
         models.append({"model": name, "version": str(version), "stats": stats, "backlog": backlog})
-    return {"models": models, "workers_alive": alive}
+    return {"models": models, "workers_alive": alive, "cache": cache}
+
+
+# the artifact cache (models fetched from S3) of each worker and of the control plane, counted since
+# that process started; `process` is the worker's id, or "control"
+CACHE_COUNTERS = (
+    ("despina_artifact_cache_downloads", "downloads", "Files a process fetched into its artifact cache"),
+    ("despina_artifact_cache_downloaded_bytes", "downloaded_bytes", "Bytes a process fetched into its cache"),
+    ("despina_artifact_cache_reused", "reused", "Files a process found in its artifact cache"),
+    ("despina_artifact_cache_evicted_bytes", "evicted_bytes",
+     "Bytes a process's cache trims removed (model folders used least recently, past the cache limit)"),
+)
 
 
 def render(data: dict[str, Any], host: Iterable[tuple[str, str, str, dict[str, str], float]] = ()) -> bytes:
@@ -132,6 +146,10 @@ def render(data: dict[str, Any], host: Iterable[tuple[str, str, str, dict[str, s
         out.sample("despina_cold_start_duration_seconds_sum", _labels(m), m["stats"].get("cold_ns", 0) / 1e9)
     out.family("despina_workers_alive", "gauge", "Workers whose heartbeat is current")
     out.sample("despina_workers_alive", {}, data["workers_alive"])
+    for name, field, help_ in CACHE_COUNTERS:
+        out.family(name, "counter", help_)
+        for process, stats in sorted(data.get("cache", {}).items()):
+            out.sample(name, {"process": process}, stats.get(field, 0))
     families: dict[str, tuple[str, str]] = {}
     for name, kind, help_, labels, value in host:
         if name not in families:
@@ -244,5 +262,10 @@ def _meminfo() -> tuple[int, int] | None:
         return None
 
 
-async def metrics_text(redis: aioredis.Redis, keys: Keys, host: HostMetrics) -> bytes:
-    return render(await collect(redis, keys), host.samples())
+async def metrics_text(redis: aioredis.Redis, keys: Keys, host: HostMetrics,
+                       own_cache: dict[str, int] | None = None) -> bytes:
+    """`own_cache`: the control plane's artifact cache counters, when it has a cache."""
+    data = await collect(redis, keys)
+    if own_cache is not None:
+        data["cache"]["control"] = own_cache
+    return render(data, host.samples())

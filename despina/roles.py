@@ -104,7 +104,7 @@ def run_control(settings: Settings) -> None:
         if settings.metrics_port:
             from .control import http as control_http
 
-            app = control_http.create_app(settings, redis)
+            app = control_http.create_app(settings, redis, plane.cache)
             http = asyncio.create_task(control_http.serve(app, settings.host, settings.metrics_port, stopped))
         try:
             await plane.run()

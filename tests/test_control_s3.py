@@ -171,5 +171,9 @@ def test_a_worker_keeps_the_files_it_serves_and_the_cache_lets_the_rest_go(
                what="version 3 alone to serve")
     assert not v1.exists(), sorted(p.name for p in models.iterdir())
     assert "cache: evicted mlp/" in server.logs()
+    metrics = httpx.get(server.metrics_url).text
+    evicted = {line.split("}")[0].split("=")[1]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("despina_artifact_cache_evicted_bytes{")}
+    assert '"control"' in evicted and len(evicted) == 2 and sum(evicted.values()) > 0, metrics  # control, the worker
     r = infer(server.url)
     assert r.status_code == 200 and np.allclose(r.json()["outputs"][0]["data"], expected(2), atol=1e-4)

@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from ..contract.keys import Keys
 from ..metrics import HostMetrics, metrics_text
+from ..registry import ArtifactCache
 from ..settings import Settings
 from .status import PERIOD_S, StatusTracker
 from .status_page import HTML
@@ -24,13 +25,14 @@ from .status_page import HTML
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def create_app(settings: Settings, redis: aioredis.Redis) -> Starlette:
+def create_app(settings: Settings, redis: aioredis.Redis, cache: ArtifactCache | None = None) -> Starlette:
+    """`cache`: the control plane's artifact cache (an S3 registry), for its counters."""
     keys = Keys(settings.key_prefix)
     host = HostMetrics()
 
     async def metrics(request: Request) -> Response:
         try:
-            body = await metrics_text(redis, keys, host)
+            body = await metrics_text(redis, keys, host, cache.stats.as_dict() if cache else None)
         except (RedisError, OSError) as exc:
             return Response(f"# Redis unavailable: {exc}\n", 503, media_type=PROMETHEUS)
         return Response(body, media_type=PROMETHEUS)

@@ -55,8 +55,8 @@ class ControlPlane:
         self.keys = Keys(settings.key_prefix)
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         remote = settings.model_repository.startswith("s3://")
-        self.registry = open_registry(settings.model_repository, settings,
-                                      ArtifactCache.from_settings(settings) if remote else None)
+        self.cache = ArtifactCache.from_settings(settings) if remote else None
+        self.registry = open_registry(settings.model_repository, settings, self.cache)
         self.catalog = Catalog(redis, self.keys)
         self.workers = Workers(redis, self.keys)
         self.lifecycle = Lifecycle(settings, redis, self.keys, self.catalog, self.workers)
