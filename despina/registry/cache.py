@@ -169,10 +169,8 @@ class ArtifactCache:
             return 0
 
     def _trim(self) -> int:
-        freed = self._collect_garbage()
+        freed = self._collect_garbage()  # blobs left unlinked by another process's trim, say
         used = self.usage()
-        if used <= self.max_bytes:
-            return freed
         now = time.time()
         for mtime, folder in sorted(self._folders()):
             if used <= self.max_bytes:
@@ -184,15 +182,17 @@ class ArtifactCache:
                 folder.parent.rmdir()  # the model's last folder: its directory goes too
             except OSError:
                 pass
-            freed_now = self._collect_garbage()
+            self._collect_garbage()
+            before, used = used, self.usage()
+            freed_now = max(0, before - used)  # its own copies too, where files could not be linked
             freed += freed_now
-            used = self.usage()
             with self._lock:
                 self.stats.evicted_folders += 1
-                self.stats.evicted_bytes += freed_now
             log.info("cache: evicted %s/%s (unused for %.0f min, %.1f MB freed); %.1f of %.1f MB used",
                      folder.parent.name, folder.name, (now - mtime) / 60, freed_now / 1e6, used / 1e6,
                      self.max_bytes / 1e6)
+        with self._lock:
+            self.stats.evicted_bytes += freed
         if used > self.max_bytes and not self._warned_full:
             self._warned_full = True
             log.warning("cache %s holds %.1f MB, over its limit of %.1f MB, all of it in use by models "
