@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from . import logs
-from .settings import Settings
+from .settings import BadSetting, Settings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         values["load_model"] = ",".join(values["load_model"])
     if values.get("http_restricted_api"):
         values["http_restricted_api"] = ";".join(values["http_restricted_api"])
-    settings = Settings.from_sources(values)
+    try:
+        settings = Settings.from_sources(values)
+    except BadSetting as exc:
+        print(f"despina {args.command}: {exc}", file=sys.stderr)
+        return 2
     logs.setup(settings.log_level, args.command, json=settings.log_format == "json")
     # `kill -USR1 <pid>` writes every thread's stack to the log: what a stuck process is doing
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -1,10 +1,15 @@
 """Settings: one frozen object, built once at start-up from arguments and DESPINA_* variables."""
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+
+class BadSetting(ValueError):
+    """A setting the process cannot start with: the message names it and says what it takes."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,15 @@ class Settings:
     # Triton's --http-restricted-api: <api>[,<api>...]:<header>=<value>, groups separated by ';'
     http_restricted_api: str | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        # every number here is a size, a count, a port or a duration
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and (value < 0 or not math.isfinite(value)):
+                raise BadSetting(f"DESPINA_{f.name.upper()} (or its command-line option) must be a number of "
+                                 f"0 or more, got {value}")
+
     @classmethod
     def from_sources(cls, args: Mapping[str, Any] | None = None,
                      environ: Mapping[str, str] | None = None) -> Settings:
@@ -60,7 +74,10 @@ class Settings:
             if f.name == "redis_url" and env is None:
                 env = environ.get("REDIS_URL")
             if env is not None and env != "":
-                values[f.name] = _coerce(f.type, env)
+                try:
+                    values[f.name] = _coerce(f.type, env)
+                except ValueError as exc:
+                    raise BadSetting(f"DESPINA_{f.name.upper()}={env!r}: {exc}") from None
         for key, value in (args or {}).items():
             if value is not None and key in cls.__dataclass_fields__:
                 values[key] = value
@@ -81,8 +98,11 @@ def _coerce(annotation: Any, raw: str) -> Any:
         if word not in _TRUE | _FALSE:
             raise ValueError(f"expected true or false, got {raw!r}")
         return word in _TRUE
-    if "int" in kind and "str" not in kind:
-        return int(raw)
-    if "float" in kind:
-        return float(raw)
+    try:
+        if "int" in kind and "str" not in kind:
+            return int(raw)
+        if "float" in kind:
+            return float(raw)
+    except ValueError:
+        raise ValueError("expected " + ("a whole number" if "int" in kind else "a number")) from None
     return raw

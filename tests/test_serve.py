@@ -120,6 +120,22 @@ def test_roles_need_a_redis_url(role: str) -> None:
     assert r.returncode == 2 and "--redis-url" in r.stderr
 
 
+@pytest.mark.parametrize(("env", "args", "said"), [
+    ({"DESPINA_CACHE_MAX_GB": "lots"}, [], "DESPINA_CACHE_MAX_GB='lots': expected a number"),
+    ({"DESPINA_WORKERS": "2.5"}, [], "DESPINA_WORKERS='2.5': expected a whole number"),
+    ({"DESPINA_AUTH_INFERENCE": "maybe"}, [], "DESPINA_AUTH_INFERENCE='maybe': expected true or false"),
+    ({"DESPINA_WORKER_TTL_S": "nan"}, [], "DESPINA_WORKER_TTL_S (or its command-line option) must be a number of 0"),
+    ({}, ["--workers", "-1"], "DESPINA_WORKERS (or its command-line option) must be a number of 0 or more, got -1"),
+])
+def test_a_bad_setting_is_named_and_nothing_starts(env: dict[str, str], args: list[str], said: str) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "despina", "serve", *args], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", **env}, timeout=60)
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_sigterm_on_an_idle_server_exits_zero(serve: Callable[..., Server], example_repository: Path) -> None:
     server = serve(example_repository)
     assert stop_server(server) == 0
