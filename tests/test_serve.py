@@ -5,6 +5,8 @@ import asyncio
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -111,9 +113,6 @@ def test_body_limit_and_deadline(serve: Callable[..., Server], example_repositor
 
 @pytest.mark.parametrize("role", ["gateway", "worker", "control"])
 def test_roles_need_a_redis_url(role: str) -> None:
-    import subprocess
-    import sys
-
     env = {"PATH": "/usr/bin:/bin"}
     r = subprocess.run([sys.executable, "-m", "despina", role], capture_output=True, text=True, env=env,
                        timeout=60)
@@ -128,9 +127,6 @@ def test_roles_need_a_redis_url(role: str) -> None:
     ({}, ["--workers", "-1"], "DESPINA_WORKERS (or its command-line option) must be a number of 0 or more, got -1"),
 ])
 def test_a_bad_setting_is_named_and_nothing_starts(env: dict[str, str], args: list[str], said: str) -> None:
-    import subprocess
-    import sys
-
     r = subprocess.run([sys.executable, "-m", "despina", "serve", *args], capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", **env}, timeout=60)
     assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -146,7 +146,7 @@ class ArtifactCache:
 
     def usage(self) -> int:
         """Bytes on disk: every blob once, plus folder files that are copies rather than links."""
-        total = sum(size for _, size, _ in self._blobs())
+        total = sum(st.st_size for _, st in self._blobs())
         for path in self.models.rglob("*"):
             try:
                 st = path.lstat()
@@ -212,23 +212,22 @@ class ArtifactCache:
                 except OSError:  # removed meanwhile
                     continue
 
-    def _blobs(self) -> Iterator[tuple[Path, int, os.stat_result]]:
+    def _blobs(self) -> Iterator[tuple[Path, os.stat_result]]:
         for path in self.blobs.glob("*/*"):
             try:
-                st = path.stat()
-            except OSError:
+                yield path, path.stat()
+            except OSError:  # removed meanwhile
                 continue
-            yield path, st.st_size, st
 
     def _collect_garbage(self) -> int:
         """Remove blobs no folder links to that nobody used within the lease (a blob just fetched
         for a folder being built is not linked yet, and is recent)."""
         now, freed = time.time(), 0
-        for path, size, st in self._blobs():
+        for path, st in self._blobs():
             if st.st_nlink == 1 and now - st.st_mtime >= self.lease_s:
                 try:
                     path.unlink()
-                    freed += size
+                    freed += st.st_size
                 except OSError:
                     pass
         return freed
