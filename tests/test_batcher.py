@@ -1,11 +1,20 @@
-"""The dynamic batcher alone: Triton's rules, no Redis, no HTTP."""
+"""The dynamic batcher: Triton's rules, no Redis, no HTTP; last, how the worker feeds it."""
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+from despina.contract import records
+from despina.contract.keys import FIELD, Keys
+from despina.contract.modelconfig import ModelSpec
+from despina.contract.records import InferRequest, Tensor
+from despina.control.repository import load_model
 from despina.workers.batcher import BatchPolicy, DynamicBatcher, Item, QueueFull, QueuePolicy
+from despina.workers.runner import ModelRunner
 
 
 class Recorder:
@@ -203,3 +212,54 @@ async def test_max_queue_size_refuses_at_once() -> None:
     batcher.put(Item(1, "k", 2))
     with pytest.raises(QueueFull, match="full"):
         batcher.put(Item(1, "k", 3))
+
+
+async def test_a_queue_timeout_counts_from_since_the_delay_from_arrival() -> None:
+    """The worker puts a request with `arrived` = when it read it and `since` = the gateway's enqueue:
+    time in the stream does not use up the batch delay, but does count against the queue timeout."""
+    rejected: list[str] = []
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_us=100_000, dynamic=True,
+                         default_queue_policy=QueuePolicy("REJECT", default_timeout_us=400_000))
+    rec = Recorder()
+    batcher = DynamicBatcher(policy, rec, reject=lambda item: rejected.append(item.payload))
+    task = asyncio.create_task(batcher.run())
+    now = time.monotonic()
+    batcher.put(Item(1, "k", "stale", since=now - 0.45))   # 450 ms on its way: past its 400 ms timeout
+    batcher.put(Item(1, "k", "first", since=now - 0.15))   # 150 ms on its way: waits the whole delay
+    await asyncio.sleep(0.05)
+    assert rejected == ["stale"] and rec.batches == []
+    batcher.put(Item(1, "k", "second"))
+    await asyncio.sleep(0.1)
+    assert rec.batches == [["first", "second"]]
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_the_worker_starts_the_delay_when_it_reads_a_request(tmp_path: Path) -> None:
+    """A request that spent a second reaching the worker still waits the model's delay for others."""
+    folder = tmp_path / "add_sub"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.onnx").write_bytes(b"never loaded")
+    (folder / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 100000 }\n'
+        'input [ { name: "a" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "b" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        'output [ { name: "sum" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
+    spec = ModelSpec.from_config(load_model(folder).config)
+    runner = ModelRunner(None, Keys("unused"), spec, 1, folder, "test")  # type: ignore[arg-type]
+    rec = Recorder()
+    runner.batcher = DynamicBatcher(spec.policy, rec)
+    task = asyncio.create_task(runner.batcher.run())
+
+    def entry(n: int) -> tuple[str, bytes, dict[bytes, bytes]]:
+        row = np.ones((1, 4), np.float32).tobytes()
+        req = InferRequest(f"r{n}", "replies", time.time() + 60, (Tensor("a", "FP32", (1, 4), row),
+                           Tensor("b", "FP32", (1, 4), row)), enqueued=time.time() - 1.0)
+        return "stream", f"{n}-0".encode(), {FIELD: records.encode([req])}
+
+    await runner._accept([entry(1)])
+    await asyncio.sleep(0.03)
+    await runner._accept([entry(2)])
+    await asyncio.sleep(0.15)
+    assert [[p.request.id for p in batch] for batch in rec.batches] == [["r1", "r2"]]
+    runner.batcher.close()
+    await asyncio.wait_for(task, 5)
