@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..contract.policy import BatchPolicy, QueuePolicy
-from .alarm import Alarm
 
 __all__ = ["BatchPolicy", "DynamicBatcher", "Item", "QueueFull", "QueuePolicy"]
 
@@ -33,10 +32,9 @@ class Item:
     rows: int
     shape_key: Hashable
     payload: Any
-    arrived: float = field(default_factory=time.monotonic)   # its max_queue_delay counts from here
+    arrived: float = field(default_factory=time.monotonic)
     priority: int = 0
     timeout_us: int = 0                     # as the request asked; the level's policy decides
-    since: float | None = None              # its queue timeout counts from here (default: arrived)
     expires: float | None = None            # set by the batcher
 
 
@@ -71,7 +69,6 @@ class DynamicBatcher:
         self._closed = False
         self._preferred = policy.preferred_sizes
         self._max_preferred = max(self._preferred) if policy.batching else 0
-        self._alarm: Alarm | None = None    # made in run(): it needs the running loop
 
     def put(self, item: Item) -> None:
         if self._closed:
@@ -84,7 +81,7 @@ class DynamicBatcher:
                             f"({queue_policy.max_queue_size} requests)")
         timeout = queue_policy.timeout_us(item.timeout_us)
         if timeout:
-            item.expires = (item.arrived if item.since is None else item.since) + timeout / 1e6
+            item.expires = item.arrived + timeout / 1e6
             self._timed += 1
         queue.append(item)
         self._wake.set()
@@ -103,7 +100,6 @@ class DynamicBatcher:
         self._wake.set()
 
     async def run(self) -> None:
-        self._alarm = Alarm.create(self._wake.set)
         try:
             while True:
                 batch = await self._next_batch()
@@ -116,8 +112,6 @@ class DynamicBatcher:
         finally:
             if self._running:
                 await asyncio.gather(*self._running, return_exceptions=True)
-            if self._alarm is not None:
-                self._alarm.close()
 
     async def _run_one(self, batch: list[Item]) -> None:
         try:
@@ -144,10 +138,6 @@ class DynamicBatcher:
 
     async def _wait(self, until: float | None, now: float) -> None:
         if until is None:
-            await self._wake.wait()
-            return
-        if self._alarm is not None:  # left armed when a put() wakes us first: a spare wake-up is harmless
-            self._alarm.arm(until)
             await self._wake.wait()
             return
         # a timer that sets the event, not wait_for: no task, no cancellation (a third of the cost)
