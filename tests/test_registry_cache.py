@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,26 @@ def test_no_limit_keeps_everything(tmp_path: Path) -> None:
     last_used(a, HOUR_AGO)
     cache.folder("b", source.files(b"B" * 1000), source.download)
     assert cache.trim() == 0 and a.is_dir()
+
+
+def test_a_blob_evicted_between_its_look_up_and_its_link_is_fetched_again(tmp_path: Path) -> None:
+    """Another process's trim may remove a cached blob after this one found it and before it linked
+    it: the folder is still built, whole, with the blob fetched again."""
+    class Racing(ArtifactCache):
+        raced = False
+
+        def blob(self, f: FileInfo, download: Callable[[FileInfo, Path], None]) -> Path:
+            path = super().blob(f, download)
+            if f.size == 1000 and not self.raced:   # A's weights, the first time
+                self.raced = True
+                path.unlink()                       # the other process's trim, at the worst moment
+            return path
+
+    source = Source()
+    cache = Racing(tmp_path / "cache")
+    cache.folder("warm", source.files(b"W" * 100), source.download)     # the config blob is cached
+    fetched = source.fetched
+    folder = cache.folder("a", source.files(b"A" * 1000), source.download)
+    assert (folder / "1" / "model.onnx").read_bytes() == b"A" * 1000
+    assert (folder / "config.pbtxt").read_bytes() == CONFIG
+    assert cache.raced and source.fetched == fetched + 2     # A's weights twice; the config reused
