@@ -61,7 +61,11 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
     if not selected:
         raise ConfigError(f"model '{name}': no numeric version folder holds the model")
     folder = registry.folder(model, selected[-1:])
-    backend_class(config.backend).auto_complete(config, folder / str(selected[-1]))
+    try:
+        backend = backend_class(config.backend)
+    except ConfigError as exc:
+        raise ConfigError(f"model '{name}': {exc.message}") from None
+    backend.auto_complete(config, folder / str(selected[-1]))
     validate(config)
     as_dict = to_dict(config)
     canonical = orjson.dumps(as_dict, option=orjson.OPT_SORT_KEYS)
