@@ -340,16 +340,3 @@ async def test_python_model_on_kind_gpu_without_a_gpu_is_a_load_error(tmp_path: 
     folder = write_model(tmp_path, "slow", SLOW_CONFIG.replace("KIND_CPU", "KIND_GPU"), SLOW)
     with pytest.raises(ConfigError, match="KIND_GPU"):
         await runner_for(folder).load()
-
-
-def test_an_ensemble_is_refused_with_a_reason_not_a_missing_backend(tmp_path: Path) -> None:
-    folder = tmp_path / "pipe"
-    (folder / "1").mkdir(parents=True)
-    (folder / "config.pbtxt").write_text(
-        'platform: "ensemble"\nmax_batch_size: 8\n'
-        'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        'ensemble_scheduling { step [ { model_name: "add_sub" model_version: -1 '
-        'input_map { key: "a" value: "IN" } output_map { key: "sum" value: "OUT" } } ] }\n')
-    with pytest.raises(ConfigError, match="model 'pipe': ensembles .* are not supported yet"):
-        load_model(folder)

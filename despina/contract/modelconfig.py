@@ -130,6 +130,8 @@ def validate(config: Any) -> None:
     if scheduling not in (None, "dynamic_batching"):
         if scheduling == "sequence_batching":
             raise ConfigError(f"model '{model}': field 'sequence_batching' is not supported yet")
+        if scheduling == "ensemble_scheduling" and config.platform != "ensemble":
+            raise ConfigError(f"model '{model}': field 'ensemble_scheduling' needs platform \"ensemble\"")
     seen: set[str] = set()
     for kind, tensors in (("input", config.input), ("output", config.output)):
         for t in tensors:

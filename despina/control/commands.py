@@ -14,6 +14,7 @@ from google.protobuf import text_format
 
 from ..contract.catalog import IDLE, LOADED, UNLOADED, CatalogEntry
 from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
+from ..contract.ensemble import Ensemble, is_ensemble
 from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, NotFound
 from ..contract.modelconfig import check_model_name, normalize, parse_json
 from ..registry.base import check_relative
@@ -93,6 +94,8 @@ class Commands:
         plane = self.plane
         if e.target == UNLOADED:
             return "UNAVAILABLE", "unloaded"
+        if is_ensemble(e.config):
+            return plane.lifecycle.ensemble_state(e, v)
         if e.target == IDLE:
             return "UNAVAILABLE", (f"idle: unloaded after {plane.lifecycle.idle_timeout(e):g} s without "
                                    "requests; the next request loads it")
@@ -106,9 +109,11 @@ class Commands:
 
     # -- load / unload -----------------------------------------------------------------------------
 
-    async def load(self, name: str, params: dict[str, Any], timeout: float, wait: bool = True) -> None:
+    async def load(self, name: str, params: dict[str, Any], timeout: float, wait: bool = True,
+                   calling: tuple[str, ...] = ()) -> None:
         """Read the model from the registry (with the `config` override, after writing `file:` entries
-        there) and load it; a loaded model is reloaded, its old versions serving until the new are READY."""
+        there) and load it; a loaded model is reloaded, its old versions serving until the new are READY.
+        An ensemble loads the models it calls first (those not loaded yet), as Triton does."""
         plane = self.plane
         check_model_name(name)
         override = _config(name, params.get("config"))
@@ -130,6 +135,8 @@ class Commands:
                     plane.catalog.put(unavailable(model, exc.message))
                     plane.kick()
                 raise
+            if entry.state == "READY" and is_ensemble(entry.config):
+                await self._load_steps(entry, timeout, (*calling, name))
             plane.lifecycle.forget(name)
             if old is None or old.target != LOADED:
                 plane.lifecycle.awake_since[name] = time.time()
@@ -138,6 +145,17 @@ class Commands:
             plane.kick()
         if wait:
             await plane.lifecycle.wait(name, "load", None, timeout)
+
+    async def _load_steps(self, entry: CatalogEntry, timeout: float, calling: tuple[str, ...]) -> None:
+        """Load what an ensemble calls and is not loaded (an idle model stays idle: a request wakes it)."""
+        for model in sorted(Ensemble.from_config(entry.config).called()):
+            step = self.plane.catalog.get(model)
+            if model in calling or (step is not None and step.state == "READY" and step.target != UNLOADED):
+                continue
+            try:
+                await self.load(model, {}, timeout, wait=False, calling=calling)
+            except DespinaError as exc:  # the ensemble then says which step cannot serve, and why
+                log.error("ensemble %s: loading model %s failed: %s", entry.name, model, exc.message)
 
     def _write(self, name: str, files: dict[str, Any], config: dict[str, Any]) -> None:
         """The load API's `file:` entries and config, written into the registry's model folder."""

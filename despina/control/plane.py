@@ -23,7 +23,7 @@ from ..contract.catalog import LOADED
 from ..contract.commands import Command
 from ..contract.errors import ConfigError, DespinaError, Unavailable
 from ..contract.keys import CONTROL_GROUP, FIELD, Keys
-from ..registry import ArtifactCache, open_registry
+from ..registry import ArtifactCache, ModelFiles, open_registry
 from ..settings import Settings
 from .commands import Commands
 from .lifecycle import Lifecycle
@@ -272,6 +272,13 @@ class ControlPlane:
         looks in a row see the same files (an upload in progress is not loaded half-done)."""
         models = await asyncio.to_thread(self.registry.scan)
         self.registry_error = ""
+        self.lifecycle.syncing = True  # ensembles are checked once the models they call are all read
+        try:
+            await self._sync(models, first)
+        finally:
+            self.lifecycle.syncing = False
+
+    async def _sync(self, models: dict[str, ModelFiles], first: bool) -> None:
         self.names = sorted(models)
         for name, files in models.items():
             fingerprint = files.fingerprint()

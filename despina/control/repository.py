@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 
 from ..contract.catalog import CatalogEntry
+from ..contract.ensemble import PLATFORM, Ensemble
 from ..contract.errors import ConfigError, DespinaError
 from ..contract.modelconfig import (
     ModelConfig,
@@ -57,23 +58,41 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
         config = ModelConfig()
         config.backend = _guess_backend(name, paths, available)
     normalize(name, config)
+    ensemble = config.backend == PLATFORM
+    if ensemble and not available:
+        available = [1]  # an ensemble has no files: Triton's empty version folder may be left out
     selected = select_versions(config, available)
     if not selected:
         raise ConfigError(f"model '{name}': no numeric version folder holds the model")
-    folder = registry.folder(model, selected[-1:])
-    try:
-        backend = backend_class(config.backend)
-    except ConfigError as exc:
-        raise ConfigError(f"model '{name}': {exc.message}") from None
-    backend.auto_complete(config, folder / str(selected[-1]))
+    if ensemble:
+        _check_ensemble(config)
+    else:
+        folder = registry.folder(model, selected[-1:])
+        try:
+            backend = backend_class(config.backend)
+        except ConfigError as exc:
+            raise ConfigError(f"model '{name}': {exc.message}") from None
+        backend.auto_complete(config, folder / str(selected[-1]))
     validate(config)
     as_dict = to_dict(config)
+    if ensemble:
+        Ensemble.from_config(as_dict)  # the graph alone; the models it calls are checked as they come
     canonical = orjson.dumps(as_dict, option=orjson.OPT_SORT_KEYS)
     return CatalogEntry(
         name, model.url, as_dict, tuple(selected), available=tuple(available),
         revisions={v: model.revision(v, canonical) for v in selected},
         files=tuple(f.pack() for f in model.files) if registry.remote else (),
         footprint=footprint(as_dict, model.size(selected)))
+
+
+def _check_ensemble(config: Any) -> None:
+    """What Triton asks of an ensemble's config before its graph: declared tensors, no batcher."""
+    name = config.name
+    if config.WhichOneof("scheduling_choice") != "ensemble_scheduling":
+        raise ConfigError(f"model '{name}': platform \"ensemble\" needs field 'ensemble_scheduling'")
+    if not config.input or not config.output:
+        raise ConfigError(f"model '{name}': an ensemble declares its inputs and outputs in its config "
+                          "(nothing can fill them in)")
 
 
 def load_model(model_dir: Path) -> CatalogEntry:

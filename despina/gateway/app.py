@@ -1,6 +1,7 @@
 """The gateway application: routes of the V2 protocol, Triton's extensions and function URLs."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -47,13 +48,16 @@ class Gateway:
         self.redis = connect(settings.redis_url)
         self.view = ModelView(self.redis, self.keys, settings.max_stream_length)
         self.dispatcher = Dispatcher(self.redis, self.keys, reply_ttl_ms=int(settings.reply_ttl_s * 1000))
+        self.ensembles: set[asyncio.Task[None]] = set()  # ensemble requests running here
 
     async def start(self) -> None:
         await self.view.start()
         await self.dispatcher.start()
 
     async def close(self) -> None:
-        await self.dispatcher.close()
+        await self.dispatcher.close()  # every step still waiting hears that the gateway is going
+        if self.ensembles:
+            await asyncio.wait(self.ensembles, timeout=1.0)
         await self.view.close()
         await self.redis.aclose()
 

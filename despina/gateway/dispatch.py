@@ -79,7 +79,7 @@ class Dispatcher:
         self.keys = keys
         self.reply_ttl_ms = reply_ttl_ms
         self.dropped = 0  # replies nobody waited for: duplicates, or past their deadline
-        self._refused: dict[str, int] = {}  # statistics hash -> requests refused, not yet counted
+        self._counts: dict[str, dict[str, int]] = {}  # statistics hash -> field -> not yet written
         self.id = gateway_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.reply_stream = keys.reply_stream(self.id)
         self._ids = itertools.count()
@@ -215,19 +215,31 @@ class Dispatcher:
                                                 Code.RESOURCE_EXHAUSTED))
 
     def refused(self, stats: str) -> None:
-        """Count a request refused before it was queued (Triton's REJECTED): one write per tick."""
-        if not self._refused:
-            task = asyncio.create_task(self._count_refused())
+        """Count a request refused before it was queued (Triton's REJECTED)."""
+        self.count(stats, {"fail_count": 1, "fail:REJECTED": 1, "refused": 1})
+
+    def count(self, stats: str, counts: dict[str, int], last_inference_ms: int = 0) -> None:
+        """Add to a statistics hash's counters (and set its last_inference): what the gateway itself
+        counts, written once per tick for all requests of the tick."""
+        if not self._counts:
+            task = asyncio.create_task(self._write_counts())
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
-        self._refused[stats] = self._refused.get(stats, 0) + 1
+        mine = self._counts.setdefault(stats, {})
+        for field, n in counts.items():
+            mine[field] = mine.get(field, 0) + n
+        if last_inference_ms:
+            mine["last_inference"] = max(mine.get("last_inference", 0), last_inference_ms)
 
-    async def _count_refused(self) -> None:
-        refused, self._refused = self._refused, {}
+    async def _write_counts(self) -> None:
+        counts, self._counts = self._counts, {}
         pipe = Batch()
-        for stats, n in refused.items():
-            for field in ("fail_count", "fail:REJECTED", "refused"):
-                pipe.hincrby(stats, field, n)
+        for stats, added in counts.items():
+            for field, n in added.items():
+                if field == "last_inference":
+                    pipe.commands.append(["HSET", stats, field, n])
+                else:
+                    pipe.hincrby(stats, field, n)
         try:
             await self._out.execute(pipe.commands)
         except (RedisError, OSError):

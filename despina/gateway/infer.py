@@ -13,10 +13,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
-from . import http
+from . import ensemble, http
 from .dispatch import Result
 from .fn import decode_fn, encode_fn
 from .http import Headers, Receive, Scope, Send
@@ -186,8 +187,12 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down).
     `timeout` (default: request_timeout_s) is how long it may still take."""
     model = spec.name
-    now = time.time()
     timeout = gw.settings.request_timeout_s if timeout is None else timeout
+    if spec.platform == PLATFORM:
+        ensemble.run(gw, spec, gw.view.get(model).ensemble, version, inputs, outputs, trace, done,  # type: ignore[arg-type]
+                     priority, timeout_us, timeout)
+        return
+    now = time.time()
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,
                            tuple(inputs), outputs, priority, timeout_us, now,
                            trace.decode("latin-1") if trace else "")

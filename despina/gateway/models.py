@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from ..contract.catalog import LOADED, UNLOADED, CatalogEntry
 from ..contract.commands import WAKE
+from ..contract.ensemble import Ensemble, is_ensemble
 from ..contract.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
@@ -31,6 +32,7 @@ REFRESH_S = 0.5
 class Model:
     entry: CatalogEntry
     spec: ModelSpec
+    ensemble: Ensemble | None = None  # its steps, when the model is an ensemble
 
 
 class NotLoaded(Unavailable):
@@ -116,7 +118,8 @@ class ModelView:
                 continue
             entry = CatalogEntry.loads(blob)
             spec = ModelSpec.from_config(entry.config) if entry.state == "READY" else None
-            models[name] = Model(entry, spec)  # type: ignore[arg-type]
+            ensemble = Ensemble.from_config(entry.config) if spec and is_ensemble(entry.config) else None
+            models[name] = Model(entry, spec, ensemble)  # type: ignore[arg-type]
             self._blobs[name] = blob
         ready: dict[str, set[int]] = {}
         for state in states:
@@ -146,6 +149,8 @@ class ModelView:
             raise Unavailable(f"model '{name}' is unavailable: {e.reason}")
         if e.target == UNLOADED:
             raise FailedPrecondition(f"model '{name}' is not loaded")
+        if model.ensemble is not None:  # it runs here, on the models it calls: each is resolved in turn
+            return model, self._ensemble_version(model, version)
         ready = self.ready.get(name, ())
         if version:
             if not version.isdigit():
@@ -166,6 +171,20 @@ class ModelView:
         if current and all(v in e.failed for v in current):
             raise Unavailable(f"model '{name}' failed to load: {e.failed[current[-1]]}")
         raise NotLoaded(f"model '{name}' is not ready")
+
+    def _ensemble_version(self, model: Model, version: str | None) -> int:
+        e = model.entry
+        if version:
+            if not version.isdigit():
+                raise InvalidArgument(f"model version '{version}' is not a number")
+            v = int(version)
+            if v not in e.versions:
+                raise NotFound(f"unknown version {v} of model '{e.name}'")
+        else:
+            v = max(e.versions)
+        if v in e.failed:
+            raise Unavailable(f"ensemble '{e.name}' cannot serve: {e.failed[v]}")
+        return v
 
     async def serving(self, name: str, version: str | None, timeout: float) -> tuple[Model, int]:
         """resolve(), or when the model is not loaded, load it and wait (at most `timeout`) until READY."""
@@ -192,12 +211,18 @@ class ModelView:
         if not call.cancelled():
             call.exception()  # retrieved here too: every request that waited may have gone
 
-    def is_ready(self, name: str, version: str | None) -> bool:
+    def is_ready(self, name: str, version: str | None, depth: int = 0) -> bool:
+        """Whether a request would be served now, without loading anything: an ensemble when every
+        model it calls is."""
         try:
-            self.resolve(name, version)
+            model, _ = self.resolve(name, version)
         except (NotFound, Unavailable, InvalidArgument, FailedPrecondition):
             return False
-        return True
+        if model.ensemble is None:
+            return True
+        return depth < 8 and all(
+            self.is_ready(s.model, None if s.version is None else str(s.version), depth + 1)
+            for s in model.ensemble.steps)
 
     def server_ready(self) -> bool:
         """Connected, and every model that should be loaded has a READY version (or failed to load)."""
@@ -205,7 +230,7 @@ class ModelView:
             return False
         for name, m in self.models.items():
             e = m.entry
-            if e.state != "READY" or e.target != LOADED or self.ready.get(name):
+            if e.state != "READY" or e.target != LOADED or self.ready.get(name) or m.ensemble is not None:
                 continue
             if not all(v in e.failed for v in e.versions if v not in e.retiring):
                 return False

@@ -23,9 +23,6 @@ def backend_class(name: str) -> type[Backend]:
     target = BUILTIN.get(name)
     if target is None:
         found = [ep for ep in entry_points(group="despina.backends") if ep.name == name]
-        if not found and name == "ensemble":
-            raise ConfigError("ensembles (platform \"ensemble\") are not supported yet: serve each step as "
-                              "a model of its own and chain the calls in the client")
         if not found:
             raise ConfigError(f"no backend named '{name}' (built in: {', '.join(sorted(BUILTIN))}; "
                               "others register under the 'despina.backends' entry points)")

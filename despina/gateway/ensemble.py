@@ -1,0 +1,166 @@
+"""Ensembles, run by the gateway that took the request: each step is an ordinary request to the model
+it calls, queued on that model's stream and batched there with everyone else's requests.
+
+A step starts as soon as the tensors it reads exist, so independent steps run at once; a step's
+outputs become ensemble tensors for the steps after it. The request keeps one deadline across all its
+steps. The first step that fails ends the run with that step's error, named by step and model; a step
+whose model is scaled to zero wakes it, as a direct request would. The ensemble's own statistics
+(requests, failures, latency) are counted here; each step's count in its model's statistics.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..contract.ensemble import Ensemble, Step
+from ..contract.errors import Code, DeadlineExceeded, DespinaError
+from ..contract.modelconfig import ModelSpec
+from ..contract.records import InferReply, Tensor
+from ..workers.stats import LATENCY_BUCKETS_US, failure_reason
+from .models import NotLoaded
+from .v2 import check_inputs, check_shape
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+log = logging.getLogger("despina.gateway")
+
+Done = Callable[[InferReply | DespinaError], None]
+
+
+def run(gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int, inputs: list[Tensor],
+        outputs: tuple[str, ...], trace: bytes | None, done: Done, priority: int, timeout_us: int,
+        timeout: float) -> None:
+    """Start the ensemble on `inputs`; `done` gets a reply with the requested outputs (all when none
+    are named), or the error of the step that failed."""
+    run = _Run(gw, spec, ensemble, version, trace, done, priority, timeout_us, timeout)
+    task = asyncio.ensure_future(run.run({t.name: t for t in inputs}, outputs))
+    gw.ensembles.add(task)
+    task.add_done_callback(gw.ensembles.discard)
+
+
+class _Run:
+    def __init__(self, gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int, trace: bytes | None,
+                 done: Done, priority: int, timeout_us: int, timeout: float) -> None:
+        self.gw, self.spec, self.ensemble, self.version = gw, spec, ensemble, version
+        self.trace, self.done = trace, done
+        self.priority, self.timeout_us = priority, timeout_us
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+
+    async def run(self, tensors: dict[str, Tensor], outputs: tuple[str, ...]) -> None:
+        try:
+            await self._steps(tensors)
+            wanted = outputs or tuple(t.name for t in self.spec.outputs)
+            reply = InferReply("", tuple(_renamed(tensors[name], name) for name in wanted))
+        except DespinaError as exc:
+            self._count(exc.code)
+            self.done(exc)
+            return
+        except Exception as exc:  # a fault here must still answer the caller
+            log.exception("ensemble %s failed", self.spec.name)
+            self._count(Code.INTERNAL)
+            self.done(DespinaError(f"ensemble '{self.spec.name}' failed: {exc}", Code.INTERNAL))
+            return
+        self._count(None, rows=self._rows(tensors))
+        self.done(reply)
+
+    async def _steps(self, tensors: dict[str, Tensor]) -> None:
+        # what will exist: the inputs given and every step's outputs (an optional input that was not
+        # given is not waited for)
+        coming = set(tensors) | {t for s in self.ensemble.steps for _, t in s.outputs}
+        pending = list(self.ensemble.steps)
+        running: dict[asyncio.Future[tuple[Tensor, ...]], Step] = {}
+        try:
+            while pending or running:
+                for step in [s for s in pending if all(t in tensors or t not in coming for _, t in s.inputs)]:
+                    pending.remove(step)
+                    running[asyncio.ensure_future(self._call(step, tensors))] = step
+                if not running:
+                    missing = sorted({t for s in pending for _, t in s.inputs if t not in tensors})
+                    raise DespinaError(f"ensemble '{self.spec.name}': {pending[0]} waits for tensor(s) "
+                                       f"{', '.join(missing)} that no step returned", Code.INTERNAL)
+                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for future in finished:
+                    step = running.pop(future)
+                    made = future.result()  # a step's error ends the run
+                    names = dict(step.outputs)
+                    for t in made:
+                        if t.name in names:
+                            tensors[names[t.name]] = t
+        finally:
+            for future in running:
+                future.cancel()
+
+    async def _call(self, step: Step, tensors: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        gw = self.gw
+        version = None if step.version is None else str(step.version)
+        try:
+            try:
+                model, v = gw.view.resolve(step.model, version)
+            except NotLoaded:
+                model, v = await gw.view.serving(step.model, version, self._left())
+            spec = model.spec
+            inputs = []
+            for model_input, name in step.inputs:
+                if name not in tensors:
+                    continue  # an optional ensemble input the caller left out
+                t = tensors[name]
+                expected = spec.input(model_input)
+                if expected is not None:
+                    check_shape(spec, expected, list(t.shape))
+                inputs.append(Tensor(model_input, t.datatype, t.shape, t.data))
+            check_inputs(spec, inputs)
+            answer: asyncio.Future[InferReply | DespinaError] = asyncio.get_running_loop().create_future()
+
+            def settle(result: InferReply | DespinaError) -> None:
+                if not answer.done():
+                    answer.set_result(result)
+
+            from .infer import submit  # infer routes here for ensembles: imported when first used
+
+            submit(gw, spec, v, inputs, tuple(o for o, _ in step.outputs), self.trace, settle, self.priority,
+                   self.timeout_us, self._left())
+            result = await answer
+        except DespinaError as exc:
+            raise self._named(step, exc) from None
+        if isinstance(result, DespinaError):
+            raise self._named(step, result)
+        return result.outputs
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"ensemble '{self.spec.name}' ran out of time")
+        return left
+
+    def _named(self, step: Step, exc: DespinaError) -> DespinaError:
+        code = exc.code
+        if code == Code.INVALID_ARGUMENT and any(t not in self.ensemble.inputs for _, t in step.inputs):
+            code = Code.INTERNAL  # a tensor another step made does not fit: the ensemble's fault
+        return DespinaError(f"ensemble '{self.spec.name}' {step}: {exc.message}", code)
+
+    def _rows(self, tensors: dict[str, Tensor]) -> int:
+        if not self.spec.batched:
+            return 1
+        first = next((tensors[n] for n in self.ensemble.inputs if n in tensors), None)
+        return first.shape[0] if first is not None and first.shape else 1
+
+    def _count(self, code: Code | None, rows: int = 0) -> None:
+        """Triton's statistics for the ensemble itself: one execution per request."""
+        us = int((time.monotonic() - self.started) * 1e6)
+        if code is None:
+            counts = {"success_count": 1, "success_ns": us * 1000, "inference_count": rows,
+                      "execution_count": 1, f"lat:{bisect.bisect_left(LATENCY_BUCKETS_US, us)}": 1}
+        else:
+            counts = {"fail_count": 1, "fail_ns": us * 1000, f"fail:{failure_reason(code)}": 1}
+        self.gw.dispatcher.count(self.gw.keys.stats(self.spec.name, self.version), counts,
+                                 int(time.time() * 1000) if code is None else 0)
+
+
+def _renamed(t: Tensor, name: str) -> Tensor:
+    return t if t.name == name else Tensor(name, t.datatype, t.shape, t.data)

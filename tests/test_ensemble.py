@@ -1,0 +1,341 @@
+"""Triton ensembles: the graph checks at load, and real runs through `despina serve` (steps queued on
+their models' streams, batched and run by the workers, chained by the gateway)."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from despina.contract.ensemble import Ensemble
+from despina.contract.errors import ConfigError
+from despina.contract.modelconfig import ModelSpec
+from despina.control.repository import load_model
+from despina.examples import mlp_numpy
+
+from .conftest import Server, module_server
+from .control_support import index, wait_until
+
+FOUR = 'input [ { name: "IN0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "IN1" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+
+
+def ensemble_config(name: str, steps: str, inputs: str = FOUR, outputs: str = "", batch: int = 8) -> str:
+    outputs = outputs or 'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+    return (f'name: "{name}"\nplatform: "ensemble"\nmax_batch_size: {batch}\n{inputs}{outputs}'
+            f'ensemble_scheduling {{ step [ {steps} ] }}\n')
+
+
+def step(model: str, inputs: dict[str, str], outputs: dict[str, str], version: int = -1) -> str:
+    maps = "".join(f'input_map {{ key: "{k}" value: "{v}" }} ' for k, v in inputs.items())
+    maps += "".join(f'output_map {{ key: "{k}" value: "{v}" }} ' for k, v in outputs.items())
+    return f'{{ model_name: "{model}" model_version: {version} {maps}}}'
+
+
+def write(repo: Path, name: str, config: str, model_py: str | None = None) -> Path:
+    folder = repo / name
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    (folder / "config.pbtxt").write_text(config)
+    if model_py is not None:
+        (folder / "1" / "model.py").write_text(model_py)
+    return folder
+
+
+# -- the graph, checked at load --------------------------------------------------------------------
+
+ADD = step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "OUT"})
+
+
+@pytest.mark.parametrize("steps, outputs, message", [
+    ("", "", "needs field 'ensemble_scheduling' with at least one step"),
+    (ADD + ", " + step("add_sub", {"a": "IN0", "b": "IN1"}, {"diff": "OUT"}), "",
+     "tensor 'OUT' is made by both step 1 .* and step 2"),
+    (step("add_sub", {"a": "IN0", "b": "NOPE"}, {"sum": "OUT"}), "",
+     "step 1 .* reads ensemble tensor 'NOPE' .* which no input and no step makes"),
+    (step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "S"}), "", "ensemble output 'OUT' is made by no step"),
+    (step("add_sub", {"a": "IN0", "b": "IN0"}, {"sum": "OUT"}), "", "input\\(s\\) IN1 feed no step"),
+    (step("add_sub", {"a": "IN0", "b": "B"}, {"sum": "A"}) + ", " +
+     step("add_sub", {"a": "IN1", "b": "A"}, {"sum": "B", "diff": "OUT"}), "", "wait on each other \\(a cycle\\)"),
+    (step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "OUT"}, version=0), "", "'model_version' must be -1"),
+    (step("add_sub", {"a": "IN0", "b": "IN1"}, {}), "", "empty 'output_map'"),
+])
+def test_a_graph_that_cannot_run_is_refused_at_load(tmp_path: Path, steps: str, outputs: str, message: str) -> None:
+    config = ensemble_config("pipe", steps, outputs=outputs)
+    if not steps:
+        config = config.replace("ensemble_scheduling { step [  ] }", "ensemble_scheduling { }")
+    folder = write(tmp_path, "pipe", config)
+    with pytest.raises(ConfigError, match=f"model 'pipe': .*{message}"):
+        load_model(folder)
+
+
+def test_a_scheduling_block_needs_the_ensemble_platform_and_declared_tensors(tmp_path: Path) -> None:
+    folder = write(tmp_path, "odd", 'backend: "onnxruntime"\nmax_batch_size: 8\n' + FOUR +
+                   'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+                   f'ensemble_scheduling {{ step [ {ADD} ] }}\n')
+    with pytest.raises(ConfigError, match="'ensemble_scheduling' needs platform \"ensemble\""):
+        load_model(folder)
+    folder = write(tmp_path, "bare", f'platform: "ensemble"\nensemble_scheduling {{ step [ {ADD} ] }}\n')
+    with pytest.raises(ConfigError, match="declares its inputs and outputs"):
+        load_model(folder)
+
+
+def test_an_ensemble_needs_no_version_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "pipe"
+    folder.mkdir()
+    (folder / "config.pbtxt").write_text(ensemble_config("pipe", ADD))
+    entry = load_model(folder)
+    assert entry.versions == (1,) and entry.state == "READY"
+
+
+def spec(config: dict[str, Any]) -> ModelSpec:
+    return ModelSpec.from_config({"max_batch_size": 8, "platform": "onnxruntime_onnx", **config})
+
+
+ADD_SUB = spec({"name": "add_sub", "input": [{"name": "a", "data_type": "TYPE_FP32", "dims": [4]},
+                                              {"name": "b", "data_type": "TYPE_FP32", "dims": [4]}],
+                "output": [{"name": "sum", "data_type": "TYPE_FP32", "dims": [4]},
+                           {"name": "diff", "data_type": "TYPE_FP32", "dims": [4]}]})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"add_sub": None}, "step 1 \\(model 'add_sub'\\): gone"),
+    ({"output": "total"}, "the model has no output 'total'"),
+    ({"data_type": "TYPE_INT32"}, "input 'a' is INT32 but ensemble tensor 'IN0' from the ensemble's input is FP32"),
+    ({"dims": [5]}, "input 'a' has shape \\[-1, 5\\] but ensemble tensor 'IN0' .* has \\[-1, 4\\]"),
+    ({"max_batch_size": 4}, "max_batch_size 4 is below the ensemble's 8"),
+])
+def test_the_models_an_ensemble_calls_must_fit_its_graph(tmp_path: Path, change: dict[str, Any],
+                                                         message: str) -> None:
+    config = load_model(write(tmp_path, "pipe", ensemble_config("pipe", step(
+        "add_sub", {"a": "IN0", "b": "IN1"}, {change.get("output", "sum"): "OUT"})))).config
+    model = dict(ADD_SUB.config)
+    if "data_type" in change or "dims" in change:
+        a = {**model["input"][0], **{k: v for k, v in change.items() if k in ("data_type", "dims")}}
+        model["input"] = [a, model["input"][1]]
+    if "max_batch_size" in change:
+        model["max_batch_size"] = change["max_batch_size"]
+    called = None if "add_sub" in change else ModelSpec.from_config(model)
+    why = Ensemble.from_config(config).problems(ModelSpec.from_config(config),
+                                                lambda name: (called, "gone"))
+    assert why and __import__("re").search(message, why), why
+
+
+def test_ensembles_that_call_each_other_are_refused(tmp_path: Path) -> None:
+    a = load_model(write(tmp_path, "a", ensemble_config("a", step("b", {"IN0": "IN0", "IN1": "IN1"},
+                                                                   {"OUT": "OUT"})))).config
+    b = load_model(write(tmp_path, "b", ensemble_config("b", step("a", {"IN0": "IN0", "IN1": "IN1"},
+                                                                   {"OUT": "OUT"})))).config
+    specs = {"a": ModelSpec.from_config(a), "b": ModelSpec.from_config(b)}
+    why = Ensemble.from_config(a).problems(specs["a"], lambda name: (specs[name], ""))
+    assert "call each other in a cycle" in why
+
+
+# -- served ------------------------------------------------------------------------------------------
+
+PICKY = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            if (x < 0).any():
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("negative input")))
+            else:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", np.sqrt(x))]))
+        return responses
+'''
+PICKY_CONFIG = ('name: "picky"\nbackend: "python"\nmax_batch_size: 8\n'
+                'input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+                'output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+                'instance_group [ { count: 1, kind: KIND_CPU } ]\n')
+
+
+@pytest.fixture(scope="module")
+def repo(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ensembles") / "repo"
+    root.mkdir()
+    for name in ("add_sub", "add_sub_python", "mlp", "classify_post", "mlp_classify"):
+        shutil.copytree(example_repository / name, root / name)
+    write(root, "picky", PICKY_CONFIG, PICKY)
+    # a diamond: two steps at once on the inputs, a third on both their outputs
+    write(root, "diamond", ensemble_config("diamond", ", ".join([
+        step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "S", "diff": "D"}),
+        step("add_sub_python", {"INPUT0": "IN0", "INPUT1": "IN1"}, {"OUTPUT0": "S2", "OUTPUT1": "D2"}),
+        step("add_sub", {"a": "S", "b": "S2"}, {"sum": "TOTAL"})]),
+        outputs='output [ { name: "TOTAL" data_type: TYPE_FP32 dims: [ 4 ] }, '
+                '{ name: "D" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "D2" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'))
+    write(root, "nested", ensemble_config("nested", step("mlp_classify", {"x": "x"}, {"label": "label"}),
+                                          inputs='input [ { name: "x" data_type: TYPE_FP32 dims: [ 256 ] } ]\n',
+                                          outputs='output [ { name: "label" data_type: TYPE_INT64 dims: [ 1 ] } ]\n',
+                                          batch=128))
+    write(root, "roots", ensemble_config("roots", ", ".join([
+        step("add_sub", {"a": "IN0", "b": "IN1"}, {"diff": "D"}),
+        step("picky", {"INPUT": "D"}, {"OUTPUT": "OUT"})])))
+    write(root, "orphan", ensemble_config("orphan", step("no_such_model", {"a": "IN0", "b": "IN1"},
+                                                         {"sum": "OUT"})))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+    yield from module_server(repo, tmp_path_factory, redis_url,
+                             ("mlp", "add_sub", "add_sub_python", "classify_post", "picky"))
+
+
+def infer(server: Server, model: str, inputs: dict[str, np.ndarray], **extra: Any) -> httpx.Response:
+    body = {"inputs": [{"name": n, "datatype": "FP32", "shape": list(a.shape), "data": a.ravel().tolist()}
+                       for n, a in inputs.items()], **extra}
+    return httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, timeout=30)
+
+
+def outputs(response: httpx.Response) -> dict[str, np.ndarray]:
+    assert response.status_code == 200, response.text
+    return {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in response.json()["outputs"]}
+
+
+def softmax(y: np.ndarray) -> np.ndarray:
+    e = np.exp(y - y.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def test_the_example_ensemble_matches_its_steps_done_by_hand(server: Server) -> None:
+    x = np.random.default_rng(3).standard_normal((5, 256)).astype(np.float32)
+    got = outputs(infer(server, "mlp_classify", {"x": x}))
+    logits = mlp_numpy(x)
+    assert np.allclose(got["probabilities"], softmax(logits), atol=1e-5)
+    assert got["label"].ravel().tolist() == logits.argmax(axis=1).tolist()
+    assert got["label"].shape == (5, 1)
+    # the function URL and a chosen output
+    fn = httpx.post(f"{server.url}/fn/mlp_classify", json={"x": x[0].tolist()}, timeout=30).json()
+    assert fn["label"] == [int(logits[0].argmax())]
+    only = infer(server, "mlp_classify", {"x": x[:1]}, outputs=[{"name": "label"}]).json()["outputs"]
+    assert [o["name"] for o in only] == ["label"]
+
+
+def test_tritonclient_binary_tensors_through_an_ensemble(server: Server) -> None:
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        assert client.is_model_ready("mlp_classify")
+        meta = client.get_model_metadata("mlp_classify")
+        assert meta["platform"] == "ensemble" and meta["inputs"][0]["shape"] == [-1, 256]
+        x = np.random.default_rng(4).standard_normal((3, 256)).astype(np.float32)
+        given = httpclient.InferInput("x", list(x.shape), "FP32")
+        given.set_data_from_numpy(x, binary_data=True)
+        wanted = [httpclient.InferRequestedOutput(n, binary_data=True) for n in ("probabilities", "label")]
+        result = client.infer("mlp_classify", [given], outputs=wanted)
+        assert np.allclose(result.as_numpy("probabilities"), softmax(mlp_numpy(x)), atol=1e-5)
+        assert result.as_numpy("label").dtype == np.int64
+    finally:
+        client.close()
+
+
+def test_independent_steps_and_a_step_on_both_their_outputs(server: Server) -> None:
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.full((2, 4), 0.5, dtype=np.float32)
+    got = outputs(infer(server, "diamond", {"IN0": a, "IN1": b}))
+    assert np.allclose(got["TOTAL"], 2 * (a + b)) and np.allclose(got["D"], a - b)
+    assert np.allclose(got["D2"], a - b)
+
+
+def test_an_ensemble_can_call_an_ensemble(server: Server) -> None:
+    x = np.random.default_rng(5).standard_normal((2, 256)).astype(np.float32)
+    got = outputs(infer(server, "nested", {"x": x}))
+    assert got["label"].ravel().tolist() == mlp_numpy(x).argmax(axis=1).tolist()
+
+
+def test_concurrent_ensemble_requests_each_get_their_own_rows(server: Server) -> None:
+    rows = np.random.default_rng(6).standard_normal((64, 256)).astype(np.float32)
+
+    async def all_at_once() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await asyncio.gather(*(client.post(f"{server.url}/fn/mlp_classify", json={"x": r.tolist()})
+                                          for r in rows))
+
+    answers = asyncio.run(all_at_once())
+    assert [r.json()["label"][0] for r in answers] == mlp_numpy(rows).argmax(axis=1).tolist()
+    stats = httpx.get(f"{server.url}/v2/models/classify_post/stats").json()["model_stats"][0]
+    assert stats["execution_count"] < stats["inference_count"]  # the step was batched across requests
+
+
+def test_a_failing_step_fails_the_request_and_says_which(server: Server) -> None:
+    ok = outputs(infer(server, "roots", {"IN0": np.full((1, 4), 9, np.float32), "IN1": np.ones((1, 4), np.float32)}))
+    assert np.allclose(ok["OUT"], np.sqrt(8))
+    bad = infer(server, "roots", {"IN0": np.zeros((1, 4), np.float32), "IN1": np.ones((1, 4), np.float32)})
+    assert bad.status_code in (400, 500)
+    assert "ensemble 'roots' step 2 (model 'picky')" in bad.json()["error"]
+    assert "negative input" in bad.json()["error"]
+    stats = httpx.get(f"{server.url}/v2/models/roots/stats").json()["model_stats"][0]["inference_stats"]
+    wait = 0
+    while stats["fail"]["count"] < 1 and wait < 20:  # counted in the tick after the answer
+        wait += 1
+        stats = httpx.get(f"{server.url}/v2/models/roots/stats").json()["model_stats"][0]["inference_stats"]
+    assert stats["fail"]["count"] == 1 and stats["success"]["count"] >= 1
+
+
+def test_bad_inputs_are_refused_before_any_step_runs(server: Server) -> None:
+    wrong = infer(server, "diamond", {"IN0": np.zeros((1, 5), np.float32), "IN1": np.zeros((1, 5), np.float32)})
+    assert wrong.status_code == 400 and "does not match" in wrong.json()["error"]
+    missing = infer(server, "diamond", {"IN0": np.zeros((1, 4), np.float32)})
+    assert missing.status_code == 400 and "needs input(s) IN1" in missing.json()["error"]
+    unknown = infer(server, "diamond", {"IN0": np.zeros((1, 4), np.float32), "IN1": np.zeros((1, 4), np.float32)},
+                    outputs=[{"name": "S"}])
+    assert unknown.status_code == 400 and "has no output 'S'" in unknown.json()["error"]
+
+
+def test_an_ensemble_calling_a_missing_model_is_unavailable_with_the_reason(server: Server) -> None:
+    row = next(r for r in index(server.url) if r["name"] == "orphan")
+    assert row["state"] == "UNAVAILABLE"
+    assert "step 1 (model 'no_such_model')" in row["reason"] and "not in the repository" in row["reason"]
+    answer = infer(server, "orphan", {"IN0": np.zeros((1, 4), np.float32), "IN1": np.zeros((1, 4), np.float32)})
+    assert answer.status_code == 503 and "no_such_model" in answer.json()["error"]
+    assert httpx.get(f"{server.url}/v2/models/orphan/ready").status_code == 400
+    for name in ("mlp_classify", "diamond", "nested"):
+        assert next(r for r in index(server.url) if r["name"] == name)["state"] == "READY"
+        assert httpx.get(f"{server.url}/v2/models/{name}/ready").status_code == 200
+
+
+def test_explicit_mode_loading_an_ensemble_loads_what_it_calls(
+        serve: Callable[..., Server], repo: Path, tmp_path: Path) -> None:
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "nested", health="live")
+    wait_until(lambda: httpx.get(f"{server.url}/v2/models/nested/ready").status_code == 200, 60,
+               what="the nested ensemble to be ready")
+    states = {r["name"]: r.get("state") for r in index(server.url)}
+    assert states["nested"] == states["mlp_classify"] == states["mlp"] == states["classify_post"] == "READY"
+    assert "state" not in {r["name"]: r for r in index(server.url)}["add_sub"]  # not called: not loaded
+    x = np.zeros((1, 256), np.float32)
+    assert outputs(infer(server, "nested", {"x": x}))["label"].ravel().tolist() == [int(mlp_numpy(x).argmax())]
+    # unloading a model it calls, with its dependents, unloads the ensembles too
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        client.unload_model("classify_post", unload_dependents=True)
+    finally:
+        client.close()
+    states = {r["name"]: (r.get("state"), r.get("reason")) for r in index(server.url)}
+    assert states["mlp_classify"] == ("UNAVAILABLE", "unloaded") == states["classify_post"]
+    assert states["nested"][0] == "UNAVAILABLE" and "mlp_classify" in states["nested"][1]
+
+
+def test_a_step_scaled_to_zero_is_woken_by_the_ensemble(serve: Callable[..., Server], repo: Path,
+                                                        tmp_path: Path) -> None:
+    idle = tmp_path / "repo"
+    for name in ("mlp", "classify_post", "mlp_classify"):
+        shutil.copytree(repo / name, idle / name)
+    config = idle / "classify_post" / "config.pbtxt"
+    config.write_text(config.read_text() + 'parameters { key: "idle_timeout_s" value: { string_value: "1" } }\n')
+    server = serve(idle, wait_models=("mlp", "classify_post"))
+    wait_until(lambda: next(r for r in index(server.url) if r["name"] == "mlp_classify")["state"] == "UNAVAILABLE",
+               20, what="classify_post to go idle")
+    row = next(r for r in index(server.url) if r["name"] == "mlp_classify")
+    assert row["reason"].startswith("idle") and "classify_post" in row["reason"]
+    x = np.ones((1, 256), np.float32)
+    got = outputs(infer(server, "mlp_classify", {"x": x}))
+    assert got["label"].ravel().tolist() == [int(mlp_numpy(x).argmax())]
