@@ -2,7 +2,8 @@
 
     python bench/limit.py [--repo bench/out/repo] [--seconds 2] [--cpu 0]
 
-One thread, sequential: the session settings of despina/workers/backends/onnxruntime.py.
+One thread, sequential: the session settings of despina/workers/backends/onnxruntime.py. W3
+(`mlp_classify`, the ensemble) is W1's session followed by its post-processing in numpy, in one loop.
 Prints one JSON line per (workload, batch): rps counts rows per second, latencies are per call.
 """
 from __future__ import annotations
@@ -13,10 +14,21 @@ import os
 from pathlib import Path
 
 import numpy as np
-from models import DEFAULT_REPO, WORKLOADS, measure, session
+import onnxruntime as ort
+from models import DEFAULT_REPO, WORKLOADS, classify_post, measure, session
 
 BATCHES = (1, 8, 32, 128)
 
+
+
+class Chained:
+    """W3 without a server: the MLP's session, then classify_post's numpy, as one call."""
+
+    def __init__(self, sess: ort.InferenceSession) -> None:
+        self.sess = sess
+
+    def run(self, names: None, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        return classify_post(self.sess.run(names, feeds)[0])
 
 
 def ms(lat: list[float], q: float) -> float:
@@ -31,11 +43,13 @@ def main() -> None:
     args = p.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    for model in WORKLOADS:
-        sess = session(args.repo / model / "1" / "model.onnx")
+    for model in [*WORKLOADS, "mlp_classify"]:
+        sess = session(args.repo / ("mlp" if model == "mlp_classify" else model) / "1" / "model.onnx")
+        if model == "mlp_classify":
+            sess = Chained(sess)
         for batch in BATCHES:
             x = np.random.default_rng(0).standard_normal((batch, 256)).astype(np.float32)
-            elapsed, lat = measure(sess, x, args.seconds)
+            elapsed, lat = measure(sess, x, args.seconds)  # type: ignore[arg-type]
             print(json.dumps({"peer": "limit", "client": "loop", "model": model, "batch": batch, "conc": 1,
                               "n": len(lat), "rps": round(len(lat) * batch / elapsed, 1),
                               "p50_ms": ms(lat, 0.5), "p90_ms": ms(lat, 0.9), "p99_ms": ms(lat, 0.99),

@@ -7,10 +7,13 @@ W1 `mlp`: the example MLP, float32 [N, 256] -> 1024 relu -> 10 (the peers' model
 W2 `mlp_heavy`: the same interface, deep enough that one row costs about 0.5 ms on one
 onnxruntime thread at batch 1, so the model, not the serving path, should set the pace.
 Both: dynamic batching, max_batch_size 128, max_queue_delay 500 us, one CPU instance.
+W3 `mlp_classify`: the example ensemble, copied unchanged from model_repository/: W1's `mlp`, then
+`classify_post` (Python backend: softmax and arg-max) on its logits.
 """
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -50,11 +53,24 @@ def session(path: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+EXAMPLES = HERE.parent / "model_repository"
+W3 = ("classify_post", "mlp_classify")  # with W1's mlp
+
+
 def build(repo: Path) -> Path:
     for name, layers in WORKLOADS.items():
         build_mlp(repo / name / "1" / "model.onnx", layers=layers)
         (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name, d_in=layers[0], d_out=layers[-1]))
+    for name in W3:
+        shutil.rmtree(repo / name, ignore_errors=True)
+        shutil.copytree(EXAMPLES / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
     return repo
+
+
+def classify_post(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What W3's second step computes (model_repository/classify_post/1/model.py), for the limit."""
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32), logits.argmax(axis=1)
 
 
 def p50_ms(sess: ort.InferenceSession, batch: int, seconds: float = 1.0) -> float:
@@ -95,7 +111,7 @@ def main() -> None:
     if args.calibrate:
         calibrate()
     else:
-        print(f"built {', '.join(WORKLOADS)} in {build(args.repo)}")
+        print(f"built {', '.join([*WORKLOADS, *W3])} in {build(args.repo)}")
 
 
 if __name__ == "__main__":

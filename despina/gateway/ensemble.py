@@ -151,11 +151,14 @@ class _Run:
         return first.shape[0] if first is not None and first.shape else 1
 
     def _count(self, code: Code | None, rows: int = 0) -> None:
-        """Triton's statistics for the ensemble itself: one execution per request."""
+        """Triton's statistics for the ensemble itself: one execution per request, queued for no time
+        of its own (its steps queue, and count it, at their models). Clients such as perf_analyzer find
+        the version that served by its queue count."""
         us = int((time.monotonic() - self.started) * 1e6)
         if code is None:
             counts = {"success_count": 1, "success_ns": us * 1000, "inference_count": rows,
-                      "execution_count": 1, f"lat:{bisect.bisect_left(LATENCY_BUCKETS_US, us)}": 1}
+                      "execution_count": 1, "queue_count": 1, "queue_ns": 0,
+                      f"lat:{bisect.bisect_left(LATENCY_BUCKETS_US, us)}": 1, "qlat:0": 1}
         else:
             counts = {"fail_count": 1, "fail_ns": us * 1000, f"fail:{failure_reason(code)}": 1}
         self.gw.dispatcher.count(self.gw.keys.stats(self.spec.name, self.version), counts,
