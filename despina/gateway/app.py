@@ -48,7 +48,7 @@ class Gateway:
         self.redis = connect(settings.redis_url)
         self.view = ModelView(self.redis, self.keys, settings.max_stream_length)
         self.dispatcher = Dispatcher(self.redis, self.keys, reply_ttl_ms=int(settings.reply_ttl_s * 1000))
-        self.ensembles: set[asyncio.Task[None]] = set()  # ensemble requests running here
+        self.ensembles: set[asyncio.Task[None]] = set()  # ensemble steps waiting for a model to wake
 
     async def start(self) -> None:
         await self.view.start()
@@ -56,8 +56,9 @@ class Gateway:
 
     async def close(self) -> None:
         await self.dispatcher.close()  # every step still waiting hears that the gateway is going
-        if self.ensembles:
-            await asyncio.wait(self.ensembles, timeout=1.0)
+        for task in self.ensembles:
+            task.cancel()
+        await asyncio.gather(*self.ensembles, return_exceptions=True)
         await self.view.close()
         await self.redis.aclose()
 

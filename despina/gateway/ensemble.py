@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..contract.ensemble import Ensemble, Step
-from ..contract.errors import Code, DeadlineExceeded, DespinaError
+from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, Tensor
 from ..workers.stats import LATENCY_BUCKETS_US, failure_reason
@@ -36,11 +36,10 @@ def run(gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int, inputs: 
         outputs: tuple[str, ...], trace: bytes | None, done: Done, priority: int, timeout_us: int,
         timeout: float) -> None:
     """Start the ensemble on `inputs`; `done` gets a reply with the requested outputs (all when none
-    are named), or the error of the step that failed."""
-    run = _Run(gw, spec, ensemble, version, trace, done, priority, timeout_us, timeout)
-    task = asyncio.ensure_future(run.run({t.name: t for t in inputs}, outputs))
-    gw.ensembles.add(task)
-    task.add_done_callback(gw.ensembles.discard)
+    are named), or the error of the step that failed. Like a plain request, a run is callbacks on the
+    dispatcher's replies: no task of its own, unless a step has to wake its model."""
+    _Run(gw, spec, ensemble, version, trace, done, priority, timeout_us, timeout).start(
+        {t.name: t for t in inputs}, outputs)
 
 
 class _Run:
@@ -51,86 +50,108 @@ class _Run:
         self.priority, self.timeout_us = priority, timeout_us
         self.started = time.monotonic()
         self.deadline = self.started + timeout
+        self.pending = list(ensemble.steps)
+        self.running = 0
+        self.over = False
 
-    async def run(self, tensors: dict[str, Tensor], outputs: tuple[str, ...]) -> None:
-        try:
-            await self._steps(tensors)
-            wanted = outputs or tuple(t.name for t in self.spec.outputs)
-            reply = InferReply("", tuple(_renamed(tensors[name], name) for name in wanted))
-        except DespinaError as exc:
-            self._count(exc.code)
-            self.done(exc)
-            return
-        except Exception as exc:  # a fault here must still answer the caller
-            log.exception("ensemble %s failed", self.spec.name)
-            self._count(Code.INTERNAL)
-            self.done(DespinaError(f"ensemble '{self.spec.name}' failed: {exc}", Code.INTERNAL))
-            return
-        self._count(None, rows=self._rows(tensors))
-        self.done(reply)
-
-    async def _steps(self, tensors: dict[str, Tensor]) -> None:
+    def start(self, tensors: dict[str, Tensor], outputs: tuple[str, ...]) -> None:
+        self.tensors = tensors
+        self.wanted = outputs or tuple(t.name for t in self.spec.outputs)
         # what will exist: the inputs given and every step's outputs (an optional input that was not
         # given is not waited for)
-        coming = set(tensors) | {t for s in self.ensemble.steps for _, t in s.outputs}
-        pending = list(self.ensemble.steps)
-        running: dict[asyncio.Future[tuple[Tensor, ...]], Step] = {}
-        try:
-            while pending or running:
-                for step in [s for s in pending if all(t in tensors or t not in coming for _, t in s.inputs)]:
-                    pending.remove(step)
-                    running[asyncio.ensure_future(self._call(step, tensors))] = step
-                if not running:
-                    missing = sorted({t for s in pending for _, t in s.inputs if t not in tensors})
-                    raise DespinaError(f"ensemble '{self.spec.name}': {pending[0]} waits for tensor(s) "
-                                       f"{', '.join(missing)} that no step returned", Code.INTERNAL)
-                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for future in finished:
-                    step = running.pop(future)
-                    made = future.result()  # a step's error ends the run
-                    names = dict(step.outputs)
-                    for t in made:
-                        if t.name in names:
-                            tensors[names[t.name]] = t
-        finally:
-            for future in running:
-                future.cancel()
+        self.coming = set(tensors) | {t for s in self.ensemble.steps for _, t in s.outputs}
+        self._next()
 
-    async def _call(self, step: Step, tensors: dict[str, Tensor]) -> tuple[Tensor, ...]:
-        gw = self.gw
+    def _next(self) -> None:
+        try:
+            self._advance()
+        except Exception as exc:  # a fault here must still answer the caller, never leave it waiting
+            log.exception("ensemble %s failed", self.spec.name)
+            self._fail(DespinaError(f"ensemble '{self.spec.name}' failed: {exc}", Code.INTERNAL))
+
+    def _advance(self) -> None:
+        """Start every step whose tensors exist; answer once nothing runs and nothing is left."""
+        tensors, coming = self.tensors, self.coming
+        ready = [s for s in self.pending if all(t in tensors or t not in coming for _, t in s.inputs)]
+        for step in ready:
+            self.pending.remove(step)
+            self.running += 1
+            self._call(step)
+            if self.over:
+                return
+        if self.running:
+            return
+        if self.pending:
+            missing = sorted({t for s in self.pending for _, t in s.inputs if t not in tensors})
+            self._fail(DespinaError(f"ensemble '{self.spec.name}': {self.pending[0]} waits for tensor(s) "
+                                    f"{', '.join(missing)} that no step returned", Code.INTERNAL))
+            return
+        reply = InferReply("", tuple(_renamed(tensors[name], name) for name in self.wanted))
+        self.over = True
+        self._count(None, rows=self._rows())
+        self.done(reply)
+
+    def _call(self, step: Step) -> None:
         version = None if step.version is None else str(step.version)
         try:
             try:
-                model, v = gw.view.resolve(step.model, version)
-            except NotLoaded:
-                model, v = await gw.view.serving(step.model, version, self._left())
-            spec = model.spec
-            inputs = []
-            for model_input, name in step.inputs:
-                if name not in tensors:
-                    continue  # an optional ensemble input the caller left out
-                t = tensors[name]
-                expected = spec.input(model_input)
-                if expected is not None:
-                    check_shape(spec, expected, list(t.shape))
-                inputs.append(Tensor(model_input, t.datatype, t.shape, t.data))
-            check_inputs(spec, inputs)
-            answer: asyncio.Future[InferReply | DespinaError] = asyncio.get_running_loop().create_future()
-
-            def settle(result: InferReply | DespinaError) -> None:
-                if not answer.done():
-                    answer.set_result(result)
-
-            from .infer import submit  # infer routes here for ensembles: imported when first used
-
-            submit(gw, spec, v, inputs, tuple(o for o, _ in step.outputs), self.trace, settle, self.priority,
-                   self.timeout_us, self._left())
-            result = await answer
+                model, v = self.gw.view.resolve(step.model, version)
+            except NotLoaded:  # the slow path: a task waits for the model, then queues the step
+                task = asyncio.ensure_future(self._after_wake(step, version))
+                self.gw.ensembles.add(task)
+                task.add_done_callback(self.gw.ensembles.discard)
+                return
+            self._queue(step, model.spec, v)
         except DespinaError as exc:
-            raise self._named(step, exc) from None
+            self._fail(self._named(step, exc))
+
+    async def _after_wake(self, step: Step, version: str | None) -> None:
+        try:
+            model, v = await self.gw.view.serving(step.model, version, self._left())
+            if not self.over:
+                self._queue(step, model.spec, v)
+        except DespinaError as exc:
+            self._fail(self._named(step, exc))
+        except asyncio.CancelledError:
+            self._fail(Unavailable("the gateway is shutting down"))
+            raise
+
+    def _queue(self, step: Step, spec: ModelSpec, v: int) -> None:
+        """Queue the step on its model's stream, its inputs renamed to the model's."""
+        inputs = []
+        for model_input, name in step.inputs:
+            t = self.tensors.get(name)
+            if t is None:
+                continue  # an optional ensemble input the caller left out
+            expected = spec.input(model_input)
+            if expected is not None:
+                check_shape(spec, expected, list(t.shape))
+            inputs.append(Tensor(model_input, t.datatype, t.shape, t.data))
+        check_inputs(spec, inputs)
+        from .infer import submit  # infer routes here for ensembles: imported when first used
+
+        submit(self.gw, spec, v, inputs, tuple(o for o, _ in step.outputs), self.trace,
+               lambda result: self._settled(step, result), self.priority, self.timeout_us, self._left())
+
+    def _settled(self, step: Step, result: InferReply | DespinaError) -> None:
+        if self.over:
+            return  # another step failed first: its error was the answer
+        self.running -= 1
         if isinstance(result, DespinaError):
-            raise self._named(step, result)
-        return result.outputs
+            self._fail(self._named(step, result))
+            return
+        names = dict(step.outputs)
+        for t in result.outputs:
+            if t.name in names:
+                self.tensors[names[t.name]] = t
+        self._next()  # the reply reader called us: the next steps go out in this tick's pipeline
+
+    def _fail(self, error: DespinaError) -> None:
+        if self.over:
+            return
+        self.over = True
+        self._count(error.code)
+        self.done(error)
 
     def _left(self) -> float:
         left = self.deadline - time.monotonic()
@@ -144,10 +165,10 @@ class _Run:
             code = Code.INTERNAL  # a tensor another step made does not fit: the ensemble's fault
         return DespinaError(f"ensemble '{self.spec.name}' {step}: {exc.message}", code)
 
-    def _rows(self, tensors: dict[str, Tensor]) -> int:
+    def _rows(self) -> int:
         if not self.spec.batched:
             return 1
-        first = next((tensors[n] for n in self.ensemble.inputs if n in tensors), None)
+        first = next((self.tensors[n] for n in self.ensemble.inputs if n in self.tensors), None)
         return first.shape[0] if first is not None and first.shape else 1
 
     def _count(self, code: Code | None, rows: int = 0) -> None:
