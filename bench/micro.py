@@ -6,7 +6,9 @@ the gateway's decoders and encoders on W1's request (binary and JSON, /fn), the 
 codec for a 20-request entry, one XADD + HINCRBY round trip through redis-py's asyncio pipeline
 against despina/resp.py (client CPU, process_time), the batcher's wait (wait_for against a timer) and
 how late uvloop's call_later fires below a millisecond, and the server's CPU for one batch's statistics
-as the workers' EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine).
+as the workers' EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine), and
+the Python backend's hop: one execute call to a model's own process (W3's classify_post) with 0, 1,
+3 and 8 requests, against the same model's execute run in this process.
 Figures quoted in bench/RESULTS.md and in commit messages come from here; run it pinned
 (`taskset -c 1`) on a quiet machine.
 """
@@ -187,6 +189,40 @@ def statistics_record(url: str, batches: int = 10_000) -> None:
         client.close()
 
 
+def python_model(n: int = 2000) -> None:
+    """The Python backend's hop to the model's own process, and what the model itself takes."""
+    import json
+    import sys
+
+    from despina.contract.modelconfig import ModelSpec
+    from despina.control.repository import load_model
+    from despina.workers.backends.python import STUB, Stub
+
+    folder = Path(__file__).resolve().parent.parent / "model_repository" / "classify_post"
+    model_file = str(folder / "1" / "model.py")
+    config = ModelSpec.from_config(load_model(folder).config).config
+    args = {"model_config": json.dumps(config), "model_instance_kind": "KIND_CPU",
+            "model_instance_name": "bench", "model_instance_device_id": "0", "model_repository": str(folder),
+            "model_version": "1", "model_name": "classify_post"}
+    one = ({"logits": np.random.default_rng(0).standard_normal((1, 10)).astype(np.float32)},
+           ["probabilities", "label"])
+    stub = Stub.start("classify_post")
+    try:
+        stub.call("initialize", {"model_file": model_file, "args": args})
+        for k in (0, 1, 3, 8):
+            timed(f"python model: execute, {k} requests, its process",
+                  lambda k=k: stub.call("execute", [one] * k), n)
+    finally:
+        stub.stop()
+    sys.path.insert(0, str(STUB.parent))
+    import stub as in_process  # the same code the model's process runs
+
+    local = in_process.Stub()
+    local.initialize({"model_file": model_file, "args": args})
+    for k in (1, 3):
+        timed(f"python model: execute, {k} requests, in here", lambda k=k: local.execute([one] * k), n)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,6 +232,7 @@ def main() -> None:
     uvloop.run(round_trips(args.redis_url))
     uvloop.run(timers())
     statistics_record(args.redis_url)
+    python_model()
 
 
 if __name__ == "__main__":
