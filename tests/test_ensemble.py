@@ -3,6 +3,8 @@ their models' streams, batched and run by the workers, chained by the gateway)."
 from __future__ import annotations
 
 import asyncio
+import io
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -122,7 +124,7 @@ def test_the_models_an_ensemble_calls_must_fit_its_graph(tmp_path: Path, change:
     called = None if "add_sub" in change else ModelSpec.from_config(model)
     why = Ensemble.from_config(config).problems(ModelSpec.from_config(config),
                                                 lambda name: (called, "gone"))
-    assert why and __import__("re").search(message, why), why
+    assert why and re.search(message, why), why
 
 
 def test_ensembles_that_call_each_other_are_refused(tmp_path: Path) -> None:
@@ -339,3 +341,30 @@ def test_a_step_scaled_to_zero_is_woken_by_the_ensemble(serve: Callable[..., Ser
     x = np.ones((1, 256), np.float32)
     got = outputs(infer(server, "mlp_classify", {"x": x}))
     assert got["label"].ravel().tolist() == [int(mlp_numpy(x).argmax())]
+
+
+def test_an_ensemble_in_s3_with_a_pinned_step_version(serve: Callable[..., Server], s3_env: Any,
+                                                      tmp_path: Path) -> None:
+    """An ensemble folder in S3 is only its config.pbtxt (a store has no empty folders); a step that
+    names a version calls that one while a newer one serves the model's own URL."""
+    from despina.registry.transfer import push
+
+    from .control_support import ROW, expected, mlp_folder
+
+    url, settings = s3_env.url(), s3_env.settings()
+    push(mlp_folder(tmp_path / "src", versions={1: 0, 2: 1}, extra='version_policy { all { } }'), url, settings,
+         out=io.StringIO())
+    pinned = write(tmp_path / "src", "pinned", ensemble_config("pinned", step("mlp", {"x": "x"}, {"y": "y"}, version=1),
+                                                               inputs='input [ { name: "x" data_type: TYPE_FP32 dims: [ 256 ] } ]\n',
+                                                               outputs='output [ { name: "y" data_type: TYPE_FP32 dims: [ 10 ] } ]\n',
+                                                               batch=8))
+    (pinned / "1").rmdir()
+    said = io.StringIO()
+    push(pinned, url, settings, out=said)
+    assert "pushed pinned (an ensemble: its config)" in said.getvalue()
+    server = serve(url, wait_models=("mlp", "pinned"), env={**s3_env.env, "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    row = np.array([ROW], np.float32)
+    direct = outputs(infer(server, "mlp", {"x": row}))["y"]
+    via = outputs(infer(server, "pinned", {"x": row}))["y"]
+    assert np.allclose(direct, expected(1), atol=1e-4) and np.allclose(via, expected(0), atol=1e-4)
+    assert [r["version"] for r in index(server.url) if r["name"] == "pinned"] == ["1"]

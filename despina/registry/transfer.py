@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from ..contract.ensemble import PLATFORM
 from ..contract.errors import ConfigError, InvalidArgument
 from ..contract.modelconfig import check_model_name, parse_text
 from ..settings import Settings
@@ -22,9 +23,10 @@ class Planned:
     path: str           # where it lands inside the model folder
 
 
-def plan(folder: Path, version: int | None) -> list[Planned]:
+def plan(folder: Path, version: int | None, ensemble: bool = False) -> list[Planned]:
     """What to upload, in order: version files first, config.pbtxt last (a poll never sees a config
     whose version files are missing). A folder without version folders is one version: `version`, or 1.
+    An ensemble has no files of its own: its config may be all there is.
     """
     files = sorted(p for p in folder.rglob("*") if p.is_file() and not _hidden(p.relative_to(folder)))
     rel = [(p, p.relative_to(folder).as_posix()) for p in files]
@@ -44,7 +46,7 @@ def plan(folder: Path, version: int | None) -> list[Planned]:
             out.append(Planned(p, r))
         else:
             out.append(Planned(p, f"{version or 1}/{r}"))
-    if not any("/" in x.path and x.path.split("/", 1)[0].isdigit() for x in out):
+    if not ensemble and not any("/" in x.path and x.path.split("/", 1)[0].isdigit() for x in out):
         raise InvalidArgument(f"{folder} holds no model files to push")
     return sorted(out, key=lambda x: (x.path == "config.pbtxt", "/" not in x.path, x.path))
 
@@ -90,11 +92,13 @@ def push(folder: str | Path, url: str, settings: Settings, version: int | None =
         raise InvalidArgument(f"{folder} is not a folder")
     name = check_model_name(name or folder.resolve().name)
     config = folder / "config.pbtxt"
+    ensemble = False
     if config.exists():
         parsed = parse_text(name, config.read_text())  # a typo fails here, not on every worker
         if parsed.name and parsed.name != name:
             raise ConfigError(f"model '{name}': field 'name' is '{parsed.name}', the folder is '{name}'")
-    planned = plan(folder, version)
+        ensemble = parsed.platform == PLATFORM
+    planned = plan(folder, version, ensemble)
     registry = open_registry(url, settings)
     bar = ProgressBar(sum(p.source.stat().st_size for p in planned), out)
     landed = []
@@ -104,7 +108,8 @@ def push(folder: str | Path, url: str, settings: Settings, version: int | None =
     bar.close()
     verify(planned, landed, registry.remote, settings)
     versions = sorted({int(x.path.split("/", 1)[0]) for x in planned if x.path.split("/", 1)[0].isdigit()})
-    print(f"pushed {name} version {', '.join(map(str, versions))} to {registry.model_url(name)}: "
+    what = f"version {', '.join(map(str, versions))}" if versions else "(an ensemble: its config)"
+    print(f"pushed {name} {what} to {registry.model_url(name)}: "
           f"{len(landed)} files, {sum(f.size for f in landed) / 1e6:.1f} MB, verified", file=out)
     return landed
 
