@@ -305,6 +305,21 @@ def test_an_ensemble_calling_a_missing_model_is_unavailable_with_the_reason(serv
         assert httpx.get(f"{server.url}/v2/models/{name}/ready").status_code == 200
 
 
+def test_the_status_page_and_metrics_show_ensembles(server: Server) -> None:
+    assert infer(server, "diamond", {"IN0": np.ones((1, 4), np.float32), "IN1": np.ones((1, 4), np.float32)}
+                 ).status_code == 200
+    base = server.metrics_url.removesuffix("/metrics")
+    models = wait_until(lambda: httpx.get(f"{base}/status.json").json()["models"], 10, what="the status")
+    rows = {m["name"]: m for m in models}
+    assert rows["diamond"]["ensemble"] and not rows["diamond"]["reason"]
+    assert rows["orphan"]["ensemble"] and "no_such_model" in rows["orphan"]["reason"]
+    assert not rows["mlp"]["ensemble"]
+    success = 'nv_inference_request_success{model="diamond",version="1"}'
+    metrics = wait_until(lambda: next((t for t in [httpx.get(server.metrics_url).text] if success in t), None),
+                         10, what="the ensemble's metrics")
+    assert 'nv_inference_exec_count{model="diamond",version="1"}' in metrics
+
+
 def test_explicit_mode_loading_an_ensemble_loads_what_it_calls(
         serve: Callable[..., Server], repo: Path, tmp_path: Path) -> None:
     server = serve(repo, "--model-control-mode", "explicit", "--load-model", "nested", health="live")

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from ..contract.catalog import CatalogEntry
 from ..contract.cluster import WorkerStatus
+from ..contract.ensemble import is_ensemble
 from ..contract.keys import Keys
 from ..metrics import collect
 from ..workers.stats import LATENCY_BUCKETS_US
@@ -68,7 +69,8 @@ class StatusTracker:
                 stats = current.get(key, {})
                 models.append({
                     "name": name, "version": version, "state": entry.state, "target": entry.target,
-                    "reason": entry.reason, "versions": list(entry.versions),
+                    "reason": entry.failed.get(version) or entry.reason, "versions": list(entry.versions),
+                    "ensemble": is_ensemble(entry.config),
                     "workers": [w.info.id for w in self.workers if w.ready(name, version)],
                     "placed": list(entry.workers), "queue": self.backlog.get(key, 0),
                     "requests_per_s": _rate(rate_base, now, key, stats),

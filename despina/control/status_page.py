@@ -12,6 +12,7 @@ th, td { padding: .35rem .6rem; border-bottom: 1px solid #e4e7ec; text-align: le
 th { background: #eef1f5; font-weight: 600; } td.n { text-align: right; font-variant-numeric: tabular-nums; }
 .state { padding: .05rem .4rem; border-radius: .6rem; font-size: .8rem; font-weight: 600; }
 .READY { background: #d3f4dc; color: #135c2a; } .UNAVAILABLE { background: #fbd5d5; color: #8a1c1c; }
+.ensemble { background: #dde8fb; color: #1c3d7a; }
 .LOADING, .idle { background: #fdf0c4; color: #6b5300; }
 .bars { display: flex; align-items: flex-end; gap: 2px; height: 42px; }
 .bar { background: #5b7bd5; width: 14px; position: relative; }
@@ -42,7 +43,8 @@ async function refresh() {
     const r = await fetch("status.json", {cache: "no-store"});
     const s = await r.json();
     document.getElementById("models").innerHTML = s.models.map(m => {
-      const state = m.state !== "READY" ? m.state : (m.workers.length ? "READY" : m.target);
+      const state = m.state !== "READY" ? m.state : m.ensemble ? (m.reason ? "UNAVAILABLE" : "ensemble")
+        : (m.workers.length ? "READY" : m.target);
       return `<tr><td>${esc(m.name)}</td><td>${m.version || "-"}</td>
         <td><span class="state ${esc(state)}">${esc(state)}</span>
         ${m.reason ? `<div class="err">${esc(m.reason)}</div>` : ""}</td>
