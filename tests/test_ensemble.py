@@ -348,11 +348,18 @@ def test_a_step_scaled_to_zero_is_woken_by_the_ensemble(serve: Callable[..., Ser
         shutil.copytree(repo / name, idle / name)
     config = idle / "classify_post" / "config.pbtxt"
     config.write_text(config.read_text() + 'parameters { key: "idle_timeout_s" value: { string_value: "1" } }\n')
-    server = serve(idle, wait_models=("mlp", "classify_post"))
+    server = serve(idle, "--model-control-mode", "explicit", "--load-model", "mlp_classify",
+                   wait_models=("mlp", "classify_post"))
     wait_until(lambda: next(r for r in index(server.url) if r["name"] == "mlp_classify")["state"] == "UNAVAILABLE",
                20, what="classify_post to go idle")
     row = next(r for r in index(server.url) if r["name"] == "mlp_classify")
     assert row["reason"].startswith("idle") and "classify_post" in row["reason"]
+    # loading the ensemble again answers at once: an idle step is loaded as far as it goes
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=20)
+    try:
+        client.load_model("mlp_classify")
+    finally:
+        client.close()
     x = np.ones((1, 256), np.float32)
     got = outputs(infer(server, "mlp_classify", {"x": x}))
     assert got["label"].ravel().tolist() == [int(mlp_numpy(x).argmax())]

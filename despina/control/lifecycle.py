@@ -195,8 +195,10 @@ class Lifecycle:
         loading, idle = [], []
         for step in Ensemble.from_config(e.config).steps:
             model = self.catalog.get(step.model)
-            if model is None or depth > 8:
+            if model is None:
                 return "UNAVAILABLE", f"{step}: the model is not in the repository"
+            if depth > 8:
+                return "UNAVAILABLE", f"{step}: ensembles nested more than 8 deep"
             if self._step_ready(model, step.version, depth):
                 continue
             (idle if model.target == IDLE else loading).append(step.model)
@@ -284,11 +286,11 @@ class Lifecycle:
         if is_ensemble(e.config):
             v = w.version if w.version is not None else max(e.versions)
             state, why = self.ensemble_state(e, v)
-            if state == "READY":
-                return v
+            if state == "LOADING":
+                return None
             if v in e.failed:
                 raise Unavailable(f"ensemble '{w.name}' cannot serve: {why}")
-            return None
+            return v  # READY, or a model it calls is idle: the first request wakes it
         if w.kind == "wake":
             if w.version is not None:
                 if self.workers.ready_on(w.name, w.version):
