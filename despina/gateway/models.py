@@ -153,11 +153,7 @@ class ModelView:
             return model, self._ensemble_version(model, version)
         ready = self.ready.get(name, ())
         if version:
-            if not version.isdigit():
-                raise InvalidArgument(f"model version '{version}' is not a number")
-            v = int(version)
-            if v not in e.versions:
-                raise NotFound(f"unknown version {v} of model '{name}'")
+            v = _known_version(e, version)
             if v in ready:
                 return model, v
             if v in e.failed:
@@ -174,14 +170,7 @@ class ModelView:
 
     def _ensemble_version(self, model: Model, version: str | None) -> int:
         e = model.entry
-        if version:
-            if not version.isdigit():
-                raise InvalidArgument(f"model version '{version}' is not a number")
-            v = int(version)
-            if v not in e.versions:
-                raise NotFound(f"unknown version {v} of model '{e.name}'")
-        else:
-            v = max(e.versions)
+        v = _known_version(e, version) if version else max(e.versions)
         if v in e.failed:
             raise Unavailable(f"ensemble '{e.name}' cannot serve: {e.failed[v]}")
         return v
@@ -235,3 +224,13 @@ class ModelView:
             if not all(v in e.failed for v in e.versions if v not in e.retiring):
                 return False
         return True
+
+
+def _known_version(e: CatalogEntry, version: str) -> int:
+    """A version named in a URL: a number, and one of the model's."""
+    if not version.isdigit():
+        raise InvalidArgument(f"model version '{version}' is not a number")
+    v = int(version)
+    if v not in e.versions:
+        raise NotFound(f"unknown version {v} of model '{e.name}'")
+    return v
