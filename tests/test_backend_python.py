@@ -403,3 +403,47 @@ def test_missing_model_file_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "empty" / "config.pbtxt").write_text('backend: "python"\n')
     with pytest.raises(ConfigError, match="does not exist"):
         load_model(tmp_path / "empty")
+
+
+SHAPES = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            x *= 2  # a model may write into its input
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("T", x.T),                                 # not C-contiguous
+                pb_utils.Tensor("BIG", x.astype(">f4")),                   # big-endian
+                pb_utils.Tensor("POSITIVE", x > 0),                         # bool
+                pb_utils.Tensor("WORDS", np.array([[b"a", b"bc"]], dtype=np.object_)),
+            ]))
+        return responses
+'''
+SHAPES_CONFIG = ('name: "shapes"\nbackend: "python"\nmax_batch_size: 0\n'
+                 'input [ { name: "X" data_type: TYPE_FP32 dims: [ 2, 3 ] } ]\n'
+                 'output [ { name: "T" data_type: TYPE_FP32 dims: [ 3, 2 ] }, '
+                 '{ name: "BIG" data_type: TYPE_FP32 dims: [ 2, 3 ] }, '
+                 '{ name: "POSITIVE" data_type: TYPE_BOOL dims: [ 2, 3 ] }, '
+                 '{ name: "WORDS" data_type: TYPE_STRING dims: [ 1, 2 ] } ]\n')
+
+
+def test_arrays_cross_to_the_model_process_and_back_intact(tmp_path: Path) -> None:
+    """Arrays travel as raw bytes (objects as they are): values, dtypes, shapes and layout survive."""
+    backend = backend_for(write_model(tmp_path, "shapes", SHAPES, SHAPES_CONFIG))
+    backend.load()  # type: ignore[attr-defined]
+    try:
+        x = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
+        [out] = backend.execute_requests([{"X": x}], [["T", "BIG", "POSITIVE", "WORDS"]])  # type: ignore[attr-defined]
+        assert isinstance(out, dict), out
+        assert np.array_equal(x, np.arange(6, dtype=np.float32).reshape(2, 3) - 2)  # ours is untouched
+        assert np.array_equal(out["T"], (2 * x).T) and out["T"].shape == (3, 2)
+        assert out["BIG"].dtype == np.dtype(">f4") and np.array_equal(out["BIG"], 2 * x)
+        assert out["POSITIVE"].dtype == np.bool_ and out["POSITIVE"].tolist() == (x > 0).tolist()
+        assert out["WORDS"].dtype == np.object_ and out["WORDS"].tolist() == [[b"a", b"bc"]]
+    finally:
+        backend.unload()  # type: ignore[attr-defined]

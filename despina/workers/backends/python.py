@@ -24,6 +24,7 @@ from google.protobuf import json_format
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
 from ...contract.modelconfig import ModelConfig, to_dict
 from .base import Backend, visible_gpus
+from .python_stub import _despina_wire as wire
 
 log = logging.getLogger("despina.worker")
 
@@ -160,7 +161,8 @@ class PythonBackend(Backend):
             if failure is not None:
                 return [failure] * len(requests)
             try:
-                answers = self.stub.call("execute", [(dict(r), list(o)) for r, o in zip(requests, outputs)])
+                answers = self.stub.call("execute", [(wire.pack_all(r), list(o))
+                                                     for r, o in zip(requests, outputs)])
             except StubDied as exc:
                 log.error("model %s: instance %s died while executing (%s); restarting it",
                           self.spec.name, self.instance.name, exc)
@@ -171,7 +173,7 @@ class PythonBackend(Backend):
                 return [error] * len(requests)
             except BackendError as exc:  # execute raised: the whole batch fails, as in Triton
                 return [exc] * len(requests)
-        return [out if status == "ok" else
+        return [wire.unpack_all(out) if status == "ok" else
                 DespinaError(f"model '{self.spec.name}': {out[0]}", ERROR_CODES.get(out[1], Code.BACKEND))
                 for status, out in answers]
 
