@@ -7,8 +7,9 @@ codec for a 20-request entry, one XADD + HINCRBY round trip through redis-py's a
 against despina/resp.py (client CPU, process_time), the batcher's wait (wait_for against a timer) and
 how late uvloop's call_later fires below a millisecond, and the server's CPU for one batch's statistics
 as the workers' EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine), and
-the Python backend's hop: one execute call to a model's own process (W3's classify_post) with 0, 1,
-3 and 8 requests, against the same model's execute run in this process.
+the Python backend's hop: one execute call to a model's own process (W3's classify_post, and a model
+that returns constant outputs: the hop alone) with 0, 1, 3 and 8 requests, against classify_post's
+execute run in this process.
 Figures quoted in bench/RESULTS.md and in commit messages come from here; run it pinned
 (`taskset -c 1`) on a quiet machine.
 """
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -189,6 +191,20 @@ def statistics_record(url: str, batches: int = 10_000) -> None:
         client.close()
 
 
+CONSTANT_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+P, L = np.zeros((1, 10), np.float32), np.zeros((1, 1), np.int64)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("probabilities", P), pb_utils.Tensor("label", L)])
+                for _ in requests]
+"""
+
+
 def python_model(n: int = 2000) -> None:
     """The Python backend's hop to the model's own process, and what the model itself takes."""
     import json
@@ -197,6 +213,10 @@ def python_model(n: int = 2000) -> None:
     from despina.contract.modelconfig import ModelSpec
     from despina.control.repository import load_model
     from despina.workers.backends.python import STUB, Stub
+    try:  # arrays cross as raw bytes since 5d4fa53; before, as pickled ndarrays
+        from despina.workers.backends.python_stub import _despina_wire as wire
+    except ImportError:
+        wire = None  # type: ignore[assignment]
 
     folder = Path(__file__).resolve().parent.parent / "model_repository" / "classify_post"
     model_file = str(folder / "1" / "model.py")
@@ -204,23 +224,27 @@ def python_model(n: int = 2000) -> None:
     args = {"model_config": json.dumps(config), "model_instance_kind": "KIND_CPU",
             "model_instance_name": "bench", "model_instance_device_id": "0", "model_repository": str(folder),
             "model_version": "1", "model_name": "classify_post"}
-    one = ({"logits": np.random.default_rng(0).standard_normal((1, 10)).astype(np.float32)},
-           ["probabilities", "label"])
-    stub = Stub.start("classify_post")
-    try:
-        stub.call("initialize", {"model_file": model_file, "args": args})
-        for k in (0, 1, 3, 8):
-            timed(f"python model: execute, {k} requests, its process",
-                  lambda k=k: stub.call("execute", [one] * k), n)
-    finally:
-        stub.stop()
+    logits = np.random.default_rng(0).standard_normal((1, 10)).astype(np.float32)
+    one = ({"logits": wire.pack(logits) if wire else logits}, ["probabilities", "label"])
+    with tempfile.TemporaryDirectory() as tmp:
+        constant = Path(tmp) / "model.py"  # the same outputs, computed once: the hop alone
+        constant.write_text(CONSTANT_MODEL)
+        for label, path in (("classify_post", model_file), ("constant", str(constant))):
+            stub = Stub.start("classify_post")
+            try:
+                stub.call("initialize", {"model_file": path, "args": args})
+                for k in (0, 1, 3, 8):
+                    timed(f"python model: {label}, {k} requests, its process",
+                          lambda k=k, stub=stub: stub.call("execute", [one] * k), n)
+            finally:
+                stub.stop()
     sys.path.insert(0, str(STUB.parent))
     import stub as in_process  # the same code the model's process runs
 
     local = in_process.Stub()
     local.initialize({"model_file": model_file, "args": args})
     for k in (1, 3):
-        timed(f"python model: execute, {k} requests, in here", lambda k=k: local.execute([one] * k), n)
+        timed(f"python model: classify_post, {k} requests, in here", lambda k=k: local.execute([one] * k), n)
 
 
 def main() -> None:
