@@ -275,12 +275,12 @@ def test_a_failing_step_fails_the_request_and_says_which(server: Server) -> None
     assert bad.status_code in (400, 500)
     assert "ensemble 'roots' step 2 (model 'picky')" in bad.json()["error"]
     assert "negative input" in bad.json()["error"]
-    stats = httpx.get(f"{server.url}/v2/models/roots/stats").json()["model_stats"][0]["inference_stats"]
-    wait = 0
-    while stats["fail"]["count"] < 1 and wait < 20:  # counted in the tick after the answer
-        wait += 1
-        stats = httpx.get(f"{server.url}/v2/models/roots/stats").json()["model_stats"][0]["inference_stats"]
-    assert stats["fail"]["count"] == 1 and stats["success"]["count"] >= 1
+    def stats() -> dict[str, Any]:
+        return httpx.get(f"{server.url}/v2/models/roots/stats").json()["model_stats"][0]["inference_stats"]
+
+    counted = wait_until(lambda: next((s for s in [stats()] if s["fail"]["count"]), None), 10,
+                         what="the failure to be counted")  # the gateway writes its counts within 50 ms
+    assert counted["fail"]["count"] == 1 and counted["success"]["count"] >= 1
 
 
 def test_bad_inputs_are_refused_before_any_step_runs(server: Server) -> None:

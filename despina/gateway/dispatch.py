@@ -49,6 +49,7 @@ Bound = tuple[str, int]  # (counter key, max_queue_size)
 Result = InferReply | BaseException
 Callback = Callable[[Result], None]  # called once: the reply, TimeoutError, or the error that stopped it
 SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
+COUNTS_S = 0.05  # the gateway's own statistics reach Redis at most this late
 LOG_EVERY_S = 5.0  # while Redis is down, a failure of the same kind is logged at most this often
 
 
@@ -80,6 +81,7 @@ class Dispatcher:
         self.reply_ttl_ms = reply_ttl_ms
         self.dropped = 0  # replies nobody waited for: duplicates, or past their deadline
         self._counts: dict[str, dict[str, int]] = {}  # statistics hash -> field -> not yet written
+        self._counter: asyncio.TimerHandle | None = None
         self.id = gateway_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.reply_stream = keys.reply_stream(self.id)
         self._ids = itertools.count()
@@ -111,6 +113,9 @@ class Dispatcher:
         self._fail_waiting(Unavailable("the gateway is shutting down"))
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._counter is not None:
+            self._counter.cancel()
+        await self._write_counts()
         if self.dropped:
             log.info("gateway %s: dropped %d replies nobody waited for (duplicates, or past their deadline)",
                      self.id, self.dropped)
@@ -197,6 +202,7 @@ class Dispatcher:
                 plain += 1
             pipe.hincrby(self._stats[stream], "enqueued", len(batch))
             plain += 1
+        plain += self._counts_into(pipe)  # what the gateway counted itself rides along
         for stream, (counter, limit), req in bounded:
             pipe.eval(BOUNDED_XADD, 3, stream, counter, self._stats[stream], limit, FIELD,
                       records.encode([req]))
@@ -220,26 +226,40 @@ class Dispatcher:
 
     def count(self, stats: str, counts: dict[str, int], last_inference_ms: int = 0) -> None:
         """Add to a statistics hash's counters (and set its last_inference): what the gateway itself
-        counts, written once per tick for all requests of the tick."""
-        if not self._counts:
-            task = asyncio.create_task(self._write_counts())
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
+        counts. The sums ride along with the next requests' pipeline, or go alone after COUNTS_S: no
+        round trip of their own while requests flow."""
+        if not self._counts and self._counter is None:
+            self._counter = asyncio.get_running_loop().call_later(COUNTS_S, self._flush_counts)
         mine = self._counts.setdefault(stats, {})
         for field, n in counts.items():
             mine[field] = mine.get(field, 0) + n
         if last_inference_ms:
             mine["last_inference"] = max(mine.get("last_inference", 0), last_inference_ms)
 
-    async def _write_counts(self) -> None:
+    def _flush_counts(self) -> None:
+        self._counter = None
+        if self._counts:
+            task = asyncio.create_task(self._write_counts())
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    def _counts_into(self, pipe: Batch) -> int:
+        """Move the pending counts into `pipe`; how many commands that added."""
         counts, self._counts = self._counts, {}
-        pipe = Batch()
+        before = len(pipe)
         for stats, added in counts.items():
             for field, n in added.items():
                 if field == "last_inference":
                     pipe.commands.append(["HSET", stats, field, n])
                 else:
                     pipe.hincrby(stats, field, n)
+        return len(pipe) - before
+
+    async def _write_counts(self) -> None:
+        pipe = Batch()
+        self._counts_into(pipe)
+        if not pipe.commands:
+            return
         try:
             await self._out.execute(pipe.commands)
         except (RedisError, OSError):
