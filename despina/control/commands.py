@@ -199,10 +199,18 @@ class Commands:
                         log.warning("model %s: %d queued requests answered: it was unloaded", n, count)
 
     def _dependents(self, name: str) -> list[str]:
-        """Ensembles with a step that calls the model."""
-        return sorted(e.name for e in self.plane.catalog.entries.values()
-                      if any(step.get("model_name") == name
-                             for step in (e.config.get("ensemble_scheduling") or {}).get("step", ())))
+        """Ensembles with a step that calls the model, and the ensembles that call those."""
+        found: set[str] = set()
+        todo = [name]
+        while todo:
+            callee = todo.pop()
+            for e in self.plane.catalog.entries.values():
+                if e.name not in found and e.name != name and any(
+                        step.get("model_name") == callee
+                        for step in (e.config.get("ensemble_scheduling") or {}).get("step", ())):
+                    found.add(e.name)
+                    todo.append(e.name)
+        return sorted(found)
 
     # -- cold start --------------------------------------------------------------------------------
 
