@@ -184,6 +184,8 @@ def repo(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         step("picky", {"INPUT": "D"}, {"OUTPUT": "OUT"})])))
     write(root, "orphan", ensemble_config("orphan", step("no_such_model", {"a": "IN0", "b": "IN1"},
                                                          {"sum": "OUT"})))
+    write(root, "unpinned", ensemble_config("unpinned", step("add_sub", {"a": "IN0", "b": "IN1"},
+                                                             {"sum": "OUT"}, version=7)))
     return root
 
 
@@ -300,6 +302,8 @@ def test_an_ensemble_calling_a_missing_model_is_unavailable_with_the_reason(serv
     answer = infer(server, "orphan", {"IN0": np.zeros((1, 4), np.float32), "IN1": np.zeros((1, 4), np.float32)})
     assert answer.status_code == 503 and "no_such_model" in answer.json()["error"]
     assert httpx.get(f"{server.url}/v2/models/orphan/ready").status_code == 400
+    row = next(r for r in index(server.url) if r["name"] == "unpinned")
+    assert row["state"] == "UNAVAILABLE" and "version 7 of model 'add_sub' is not loaded" in row["reason"]
     for name in ("mlp_classify", "diamond", "nested"):
         assert next(r for r in index(server.url) if r["name"] == name)["state"] == "READY"
         assert httpx.get(f"{server.url}/v2/models/{name}/ready").status_code == 200

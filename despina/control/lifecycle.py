@@ -162,7 +162,9 @@ class Lifecycle:
             if e.state != "READY" or not is_ensemble(e.config):
                 continue
             try:
-                why = Ensemble.from_config(e.config).problems(ModelSpec.from_config(e.config), self._usable)
+                ensemble = Ensemble.from_config(e.config)
+                why = ensemble.problems(ModelSpec.from_config(e.config), self._usable) \
+                    or self._pinned_versions(ensemble)
             except DespinaError as exc:
                 why = exc.message
             failed = {v: why for v in e.versions} if why else {}
@@ -185,6 +187,16 @@ class Lifecycle:
         if current and all(v in e.failed for v in current):
             return None, f"model '{name}' failed to load: {e.failed[current[-1]]}"
         return ModelSpec.from_config(e.config), ""
+
+    def _pinned_versions(self, ensemble: Ensemble) -> str:
+        """Why a step that names a version cannot call it ('' when every one can)."""
+        for step in ensemble.steps:
+            model = self.catalog.get(step.model)
+            if step.version is not None and model is not None and step.version not in model.versions:
+                loaded = ", ".join(map(str, model.versions)) or "none"
+                return (f"{step}: version {step.version} of model '{step.model}' is not loaded (its "
+                        f"version_policy loads {loaded})")
+        return ""
 
     def ensemble_state(self, e: CatalogEntry, v: int, depth: int = 0) -> tuple[str, str]:
         """(READY, LOADING or UNAVAILABLE, why) for an ensemble's version, from its steps' models."""
