@@ -163,6 +163,8 @@ class _Run:
         code = exc.code
         if code == Code.INVALID_ARGUMENT and any(t not in self.ensemble.inputs for _, t in step.inputs):
             code = Code.INTERNAL  # a tensor another step made does not fit: the ensemble's fault
+        elif code == Code.NOT_FOUND:
+            code = Code.UNAVAILABLE  # the ensemble exists; a model it calls went away
         return DespinaError(f"ensemble '{self.spec.name}' {step}: {exc.message}", code)
 
     def _rows(self) -> int:
