@@ -72,6 +72,22 @@ def test_infer_matches_onnxruntime(client: httpclient.InferenceServerClient, exa
     assert result.get_response()["id"] == "req-42"
 
 
+@pytest.mark.parametrize("binary", [True, False])
+def test_the_example_ensemble(client: httpclient.InferenceServerClient, binary: bool) -> None:
+    """mlp_classify: the MLP, then its Python post-processing, as one model (also run against the
+    embedded Valkey in CI)."""
+    x = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
+    inp = httpclient.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    wanted = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("probabilities", "label")]
+    result = client.infer("mlp_classify", [inp], outputs=wanted, request_id="ens-1")
+    logits = mlp_numpy(x)
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(result.as_numpy("probabilities"), e / e.sum(axis=1, keepdims=True), atol=1e-5)
+    assert result.as_numpy("label").ravel().tolist() == logits.argmax(axis=1).tolist()
+    assert result.get_response()["id"] == "ens-1" and result.get_response()["model_name"] == "mlp_classify"
+
+
 def test_requested_output_subset(client: httpclient.InferenceServerClient) -> None:
     a = np.arange(8, dtype=np.float32).reshape(2, 4)
     b = np.ones((2, 4), dtype=np.float32)
