@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import orjson
 import redis.asyncio as aioredis
@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from ..contract.catalog import LOADED, UNLOADED, CatalogEntry
 from ..contract.commands import WAKE
 from ..contract.ensemble import Ensemble, is_ensemble
-from ..contract.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ..contract.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
 from .control import ControlClient
@@ -118,7 +118,12 @@ class ModelView:
                 continue
             entry = CatalogEntry.loads(blob)
             spec = ModelSpec.from_config(entry.config) if entry.state == "READY" else None
-            ensemble = Ensemble.from_config(entry.config) if spec and is_ensemble(entry.config) else None
+            ensemble = None
+            if spec is not None and is_ensemble(entry.config):
+                try:
+                    ensemble = Ensemble.from_config(entry.config)
+                except ConfigError as exc:  # a control plane of another version accepted it: not here
+                    entry, spec = replace(entry, state="UNAVAILABLE", reason=exc.message), None
             models[name] = Model(entry, spec, ensemble)  # type: ignore[arg-type]
             self._blobs[name] = blob
         ready: dict[str, set[int]] = {}
