@@ -262,8 +262,8 @@ class Dispatcher:
             return
         try:
             await self._out.execute(pipe.commands)
-        except (RedisError, OSError):
-            pass
+        except Exception as exc:  # statistics are best effort: never the reason a close or a tick fails
+            log.debug("gateway %s: writing its statistics failed: %s", self.id, exc)
 
     def _fail_waiting(self, error: Exception) -> None:
         for request_id in list(self._waiting):
