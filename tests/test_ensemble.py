@@ -315,8 +315,8 @@ def test_the_status_page_and_metrics_show_ensembles(server: Server) -> None:
     base = server.metrics_url.removesuffix("/metrics")
     models = wait_until(lambda: httpx.get(f"{base}/status.json").json()["models"], 10, what="the status")
     rows = {m["name"]: m for m in models}
-    assert rows["diamond"]["ensemble"] and not rows["diamond"]["reason"]
-    assert rows["orphan"]["ensemble"] and "no_such_model" in rows["orphan"]["reason"]
+    assert rows["diamond"]["ensemble"] and not rows["diamond"]["failed"] and not rows["diamond"]["reason"]
+    assert rows["orphan"]["ensemble"] and rows["orphan"]["failed"] and "no_such_model" in rows["orphan"]["reason"]
     assert not rows["mlp"]["ensemble"]
     success = 'nv_inference_request_success{model="diamond",version="1"}'
     metrics = wait_until(lambda: next((t for t in [httpx.get(server.metrics_url).text] if success in t), None),

@@ -25,6 +25,11 @@ def is_ensemble(config: dict[str, Any]) -> bool:
     return config.get("platform") == PLATFORM or config.get("backend") == PLATFORM
 
 
+def called_by(config: dict[str, Any]) -> set[str]:
+    """The models a config's ensemble steps call (none for a model that is not an ensemble)."""
+    return {step.get("model_name", "") for step in (config.get("ensemble_scheduling") or {}).get("step", ())}
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
     index: int                           # 0-based, in the config's order
@@ -111,9 +116,6 @@ class Ensemble:
             left = [s for s in left if s not in wave]
         return waves
 
-    def called(self) -> set[str]:
-        return {s.model for s in self.steps}
-
     def problems(self, own: ModelSpec, lookup: Callable[[str], tuple[ModelSpec | None, str]]) -> str:
         """Why the ensemble cannot serve with the models it calls ('' when it can). `lookup(name)`
         gives a model's spec, or None and why it is not usable."""
@@ -177,9 +179,8 @@ class Ensemble:
                 continue
             seen.add(name)
             spec, _ = lookup(name)
-            if spec is not None and is_ensemble(spec.config):
-                todo.extend(s.get("model_name", "") for s in
-                            (spec.config.get("ensemble_scheduling") or {}).get("step", ()))
+            if spec is not None:
+                todo.extend(called_by(spec.config))
         return False
 
 

@@ -14,7 +14,7 @@ from google.protobuf import text_format
 
 from ..contract.catalog import IDLE, LOADED, UNLOADED, CatalogEntry
 from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
-from ..contract.ensemble import Ensemble, is_ensemble
+from ..contract.ensemble import called_by, is_ensemble
 from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, NotFound
 from ..contract.modelconfig import check_model_name, normalize, parse_json
 from ..registry.base import check_relative
@@ -95,7 +95,7 @@ class Commands:
         if e.target == UNLOADED:
             return "UNAVAILABLE", "unloaded"
         if is_ensemble(e.config):
-            return plane.lifecycle.ensemble_state(e, v)
+            return plane.lifecycle.ensembles.state(e, v)
         if e.target == IDLE:
             return "UNAVAILABLE", (f"idle: unloaded after {plane.lifecycle.idle_timeout(e):g} s without "
                                    "requests; the next request loads it")
@@ -148,7 +148,7 @@ class Commands:
 
     async def _load_steps(self, entry: CatalogEntry, timeout: float, calling: tuple[str, ...]) -> None:
         """Load what an ensemble calls and is not loaded (an idle model stays idle: a request wakes it)."""
-        for model in sorted(Ensemble.from_config(entry.config).called()):
+        for model in sorted(called_by(entry.config)):
             step = self.plane.catalog.get(model)
             if model in calling or (step is not None and step.state == "READY" and step.target != UNLOADED):
                 continue
@@ -205,9 +205,7 @@ class Commands:
         while todo:
             callee = todo.pop()
             for e in self.plane.catalog.entries.values():
-                if e.name not in found and e.name != name and any(
-                        step.get("model_name") == callee
-                        for step in (e.config.get("ensemble_scheduling") or {}).get("step", ())):
+                if e.name not in found and e.name != name and callee in called_by(e.config):
                     found.add(e.name)
                     todo.append(e.name)
         return sorted(found)

@@ -272,11 +272,11 @@ class ControlPlane:
         looks in a row see the same files (an upload in progress is not loaded half-done)."""
         models = await asyncio.to_thread(self.registry.scan)
         self.registry_error = ""
-        self.lifecycle.syncing = True  # ensembles are checked once the models they call are all read
+        self.lifecycle.ensembles.syncing = True  # checked once the models they call are all read
         try:
             await self._sync(models, first)
         finally:
-            self.lifecycle.syncing = False
+            self.lifecycle.ensembles.syncing = False
 
     async def _sync(self, models: dict[str, ModelFiles], first: bool) -> None:
         self.names = sorted(models)

@@ -70,7 +70,7 @@ class StatusTracker:
                 models.append({
                     "name": name, "version": version, "state": entry.state, "target": entry.target,
                     "reason": entry.failed.get(version) or entry.reason, "versions": list(entry.versions),
-                    "ensemble": is_ensemble(entry.config),
+                    "ensemble": is_ensemble(entry.config), "failed": version in entry.failed,
                     "workers": [w.info.id for w in self.workers if w.ready(name, version)],
                     "placed": list(entry.workers), "queue": self.backlog.get(key, 0),
                     "requests_per_s": _rate(rate_base, now, key, stats),

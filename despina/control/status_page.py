@@ -43,7 +43,7 @@ async function refresh() {
     const r = await fetch("status.json", {cache: "no-store"});
     const s = await r.json();
     document.getElementById("models").innerHTML = s.models.map(m => {
-      const state = m.state !== "READY" ? m.state : m.ensemble ? (m.reason ? "UNAVAILABLE" : "ensemble")
+      const state = m.state !== "READY" ? m.state : m.ensemble ? (m.failed ? "UNAVAILABLE" : "ensemble")
         : (m.workers.length ? "READY" : m.target);
       return `<tr><td>${esc(m.name)}</td><td>${m.version || "-"}</td>
         <td><span class="state ${esc(state)}">${esc(state)}</span>

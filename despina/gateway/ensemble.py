@@ -10,7 +10,6 @@ whose model is scaled to zero wakes it, as a direct request would. The ensemble'
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from ..contract.ensemble import Ensemble, Step
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, Tensor
-from ..workers.stats import LATENCY_BUCKETS_US, failure_reason
+from ..workers.stats import tally
 from .models import NotLoaded
 from .v2 import check_inputs, check_shape
 
@@ -30,21 +29,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("despina.gateway")
 
 Done = Callable[[InferReply | DespinaError], None]
+Submit = Callable[..., None]  # infer.submit: queue one request on a model's stream
 
 
-def run(gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int, inputs: list[Tensor],
-        outputs: tuple[str, ...], trace: bytes | None, done: Done, priority: int, timeout_us: int,
-        timeout: float) -> None:
-    """Start the ensemble on `inputs`; `done` gets a reply with the requested outputs (all when none
-    are named), or the error of the step that failed. Like a plain request, a run is callbacks on the
-    dispatcher's replies: no task of its own, unless a step has to wake its model."""
-    _Run(gw, spec, ensemble, version, trace, done, priority, timeout_us, timeout).start(
+def run(submit: Submit, gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int,
+        inputs: list[Tensor], outputs: tuple[str, ...], trace: bytes | None, done: Done, priority: int,
+        timeout_us: int, timeout: float) -> None:
+    """Start the ensemble on `inputs`, queueing each step with `submit` (infer.submit); `done` gets a
+    reply with the requested outputs (all when none are named), or the error of the step that failed.
+    Like a plain request, a run is callbacks on the dispatcher's replies: no task of its own, unless a
+    step has to wake its model."""
+    _Run(submit, gw, spec, ensemble, version, trace, done, priority, timeout_us, timeout).start(
         {t.name: t for t in inputs}, outputs)
 
 
 class _Run:
-    def __init__(self, gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int, trace: bytes | None,
-                 done: Done, priority: int, timeout_us: int, timeout: float) -> None:
+    def __init__(self, submit: Submit, gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int,
+                 trace: bytes | None, done: Done, priority: int, timeout_us: int, timeout: float) -> None:
+        self.submit = submit
         self.gw, self.spec, self.ensemble, self.version = gw, spec, ensemble, version
         self.trace, self.done = trace, done
         self.priority, self.timeout_us = priority, timeout_us
@@ -128,9 +130,7 @@ class _Run:
                 check_shape(spec, expected, list(t.shape))
             inputs.append(Tensor(model_input, t.datatype, t.shape, t.data))
         check_inputs(spec, inputs)
-        from .infer import submit  # infer routes here for ensembles: imported when first used
-
-        submit(self.gw, spec, v, inputs, tuple(o for o, _ in step.outputs), self.trace,
+        self.submit(self.gw, spec, v, inputs, tuple(o for o, _ in step.outputs), self.trace,
                lambda result: self._settled(step, result), self.priority, self.timeout_us, self._left())
 
     def _settled(self, step: Step, result: InferReply | DespinaError) -> None:
@@ -150,7 +150,7 @@ class _Run:
         if self.over:
             return
         self.over = True
-        self._count(error.code)
+        self._count(error)
         self.done(error)
 
     def _left(self) -> float:
@@ -173,19 +173,17 @@ class _Run:
         first = next((self.tensors[n] for n in self.ensemble.inputs if n in self.tensors), None)
         return first.shape[0] if first is not None and first.shape else 1
 
-    def _count(self, code: Code | None, rows: int = 0) -> None:
-        """Triton's statistics for the ensemble itself: one execution per request, queued for no time
-        of its own (its steps queue, and count it, at their models). Clients such as perf_analyzer find
-        the version that served by its queue count."""
+    def _count(self, error: DespinaError | None, rows: int = 0) -> None:
+        """Triton's statistics for the ensemble itself, counted as a worker counts a request: queued
+        for no time of its own (its steps queue, and count it, at their models), one execution per
+        request. Clients such as perf_analyzer find the version that served by its queue count."""
         us = int((time.monotonic() - self.started) * 1e6)
-        if code is None:
-            counts = {"success_count": 1, "success_ns": us * 1000, "inference_count": rows,
-                      "execution_count": 1, "queue_count": 1, "queue_ns": 0,
-                      f"lat:{bisect.bisect_left(LATENCY_BUCKETS_US, us)}": 1, "qlat:0": 1}
-        else:
-            counts = {"fail_count": 1, "fail_ns": us * 1000, f"fail:{failure_reason(code)}": 1}
+        reply = InferReply("", (), None if error is None else (error.code, error.message), 0, us)
+        counts = tally([reply], 0, 0.0)
+        if error is None:
+            counts.update(inference_count=rows, execution_count=1)
         self.gw.dispatcher.count(self.gw.keys.stats(self.spec.name, self.version), counts,
-                                 int(time.time() * 1000) if code is None else 0)
+                                 int(time.time() * 1000) if error is None else 0)
 
 
 def _renamed(t: Tensor, name: str) -> Tensor:

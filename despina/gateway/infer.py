@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from ..contract.ensemble import PLATFORM
-from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument
+from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from . import ensemble, http
@@ -189,8 +189,11 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     model = spec.name
     timeout = gw.settings.request_timeout_s if timeout is None else timeout
     if spec.platform == PLATFORM:
-        ensemble.run(gw, spec, gw.view.get(model).ensemble, version, inputs, outputs, trace, done,  # type: ignore[arg-type]
-                     priority, timeout_us, timeout)
+        graph = gw.view.get(model).ensemble
+        if graph is None:
+            raise Unavailable(f"ensemble '{model}' cannot be read by this gateway")
+        ensemble.run(submit, gw, spec, graph, version, inputs, outputs, trace, done, priority, timeout_us,
+                     timeout)
         return
     now = time.time()
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,

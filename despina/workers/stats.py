@@ -38,8 +38,17 @@ def failure_reason(code: Code) -> str:
 
 def record(pipe: Any, key: str, replies: list[InferReply], rows: int, started: float,
            timings_ns: tuple[int, int, int] = (0, 0, 0)) -> None:
-    """Count one batch's replies; `rows` > 0 when the model executed (then timings are input,
-    infer and output compute nanoseconds of that execution)."""
+    """Count one batch's replies into the statistics hash `key`, in one command of `pipe`."""
+    counts = tally(replies, rows, started, timings_ns)
+    if counts:
+        args = [x for field, n in counts.items() for x in (field, n)]
+        pipe.eval(HINCRBY_MANY, 1, key, *args)
+
+
+def tally(replies: list[InferReply], rows: int, started: float,
+          timings_ns: tuple[int, int, int] = (0, 0, 0)) -> dict[str, int]:
+    """One batch's counters; `rows` > 0 when the model executed (then timings are input, infer and
+    output compute nanoseconds of that execution). A reply's latency is its queue_us + compute_us."""
     counts: dict[str, int] = {}
 
     def add(field: str, n: int) -> None:
@@ -82,6 +91,4 @@ def record(pipe: Any, key: str, replies: list[InferReply], rows: int, started: f
             add(f"fail:{failure_reason(r.error[0])}", 1)
     if rows:
         counts["last_inference"] = int(started * 1000)
-    if counts:
-        args = [x for field, n in counts.items() for x in (field, n)]
-        pipe.eval(HINCRBY_MANY, 1, key, *args)
+    return counts

@@ -1,0 +1,98 @@
+"""Ensembles in the control plane: placed on no worker, they serve when the models they call do.
+
+Each tick checks every ensemble against the models it calls and marks its versions failed, with the
+step and the reason, while one is missing, unusable or does not fit its graph; `state` says what the
+index and the load waiters see (READY, LOADING while a model it calls loads, UNAVAILABLE).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from ..contract.catalog import IDLE, UNLOADED, CatalogEntry
+from ..contract.ensemble import Ensemble, is_ensemble
+from ..contract.errors import DespinaError
+from ..contract.modelconfig import ModelSpec
+from .state import Catalog, Workers
+
+log = logging.getLogger("despina.control")
+
+
+class Ensembles:
+    def __init__(self, catalog: Catalog, workers: Workers) -> None:
+        self.catalog, self.workers = catalog, workers
+        self.syncing = False  # the registry is being read: checked once the models they call are all in
+
+    def check(self) -> None:
+        """Mark each ensemble's versions failed while a model it calls is missing, unusable or does not
+        fit its graph (the reason says which step and why); clear the mark once it fits again."""
+        if self.syncing:
+            return
+        for e in list(self.catalog.entries.values()):
+            if e.state != "READY" or not is_ensemble(e.config):
+                continue
+            try:
+                ensemble = Ensemble.from_config(e.config)
+                why = ensemble.problems(ModelSpec.from_config(e.config), self._usable) \
+                    or self._pinned_versions(ensemble)
+            except DespinaError as exc:
+                why = exc.message
+            failed = {v: why for v in e.versions} if why else {}
+            if failed != e.failed:
+                if why:
+                    log.error("ensemble %s cannot serve: %s", e.name, why)
+                else:
+                    log.info("ensemble %s: every model it calls is there", e.name)
+                self.catalog.put(replace(e, failed=failed))
+
+    def _usable(self, name: str) -> tuple[ModelSpec | None, str]:
+        e = self.catalog.get(name)
+        if e is None:
+            return None, f"model '{name}' is not in the repository (or not loaded)"
+        if e.state != "READY":
+            return None, f"model '{name}' is unavailable: {e.reason}"
+        if e.target == UNLOADED:
+            return None, f"model '{name}' is unloaded"
+        current = [v for v in e.versions if v not in e.retiring]
+        if current and all(v in e.failed for v in current):
+            return None, f"model '{name}' failed to load: {e.failed[current[-1]]}"
+        return ModelSpec.from_config(e.config), ""
+
+    def _pinned_versions(self, ensemble: Ensemble) -> str:
+        """Why a step that names a version cannot call it ('' when every one can)."""
+        for step in ensemble.steps:
+            model = self.catalog.get(step.model)
+            if step.version is not None and model is not None and step.version not in model.versions:
+                loaded = ", ".join(map(str, model.versions)) or "none"
+                return (f"{step}: version {step.version} of model '{step.model}' is not loaded (its "
+                        f"version_policy loads {loaded})")
+        return ""
+
+    def state(self, e: CatalogEntry, v: int, depth: int = 0) -> tuple[str, str]:
+        """(READY, LOADING or UNAVAILABLE, why) for an ensemble's version, from its steps' models."""
+        if v in e.failed:
+            return "UNAVAILABLE", e.failed[v]
+        if e.target == UNLOADED:
+            return "UNAVAILABLE", "unloaded"
+        loading, idle = [], []
+        for step in Ensemble.from_config(e.config).steps:
+            model = self.catalog.get(step.model)
+            if model is None:
+                return "UNAVAILABLE", f"{step}: the model is not in the repository"
+            if depth > 8:
+                return "UNAVAILABLE", f"{step}: ensembles nested more than 8 deep"
+            if self._step_ready(model, step.version, depth):
+                continue
+            (idle if model.target == IDLE else loading).append(step.model)
+        if loading:
+            return "LOADING", f"waiting for model(s) {', '.join(sorted(set(loading)))} to load"
+        if idle:
+            return "UNAVAILABLE", (f"idle: model(s) {', '.join(sorted(set(idle)))} were unloaded for want "
+                                   "of requests; the next request loads them")
+        return "READY", ""
+
+    def _step_ready(self, model: CatalogEntry, version: int | None, depth: int) -> bool:
+        versions = [version] if version is not None else [v for v in model.versions if v not in model.failed]
+        if is_ensemble(model.config):
+            return any(self.state(model, v, depth + 1)[0] == "READY" for v in versions)
+        return any(self.workers.ready_on(model.name, v) for v in versions)
