@@ -245,6 +245,8 @@ class Dispatcher:
 
     def _counts_into(self, pipe: Batch) -> int:
         """Move the pending counts into `pipe`; how many commands that added."""
+        if not self._counts:
+            return 0  # the usual case on the hot path: nothing counted since the last write
         counts, self._counts = self._counts, {}
         before = len(pipe)
         for stats, added in counts.items():
