@@ -302,9 +302,12 @@ class ModelRunner:
         every = [o.name for o in self.spec.outputs]
         asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every
                  for p in live]
-        loop = asyncio.get_running_loop()
-        results = await loop.run_in_executor(self._executor, backend.execute_requests,
-                                              [p.inputs for p in live], asked)
+        arrays = [p.inputs for p in live]
+        if backend.awaitable and backend.quick():  # it waits on its model's process: no thread needed
+            results = await backend.execute_requests_async(arrays, asked)
+        else:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._executor, backend.execute_requests, arrays, asked)
         if len(results) != len(live):
             msg = f"model '{self.spec.name}' returned {len(results)} results for {len(live)} requests"
             return [answers.error(p.request, Code.BACKEND, msg) for p in live]

@@ -38,6 +38,9 @@ class Backend:
 
     #: True when `execute_requests` is the entry point (one result per request) instead of `execute`.
     per_request: ClassVar[bool] = False
+    #: True when it also has `execute_requests_async`, which the worker awaits on its event loop (the
+    #: work happens in another process: no thread needed).
+    awaitable: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, version_dir: Path, instance: Instance) -> None:
         self.spec = spec
@@ -55,6 +58,17 @@ class Backend:
                          outputs: Sequence[Sequence[str]]) -> list[dict[str, np.ndarray] | DespinaError]:
         """Run the requests of one batch, each with its own inputs and asked outputs (per_request only)."""
         raise NotImplementedError
+
+    async def execute_requests_async(self, requests: Sequence[Mapping[str, np.ndarray]],
+                                     outputs: Sequence[Sequence[str]]
+                                     ) -> list[dict[str, np.ndarray] | DespinaError]:
+        """execute_requests, awaited on the event loop (`awaitable` backends only)."""
+        raise NotImplementedError
+
+    def quick(self) -> bool:
+        """Whether execute_requests_async may be used now: False while the backend first has to
+        recover (a Python model's process restarting), which execute_requests does on a thread."""
+        return True
 
     def unload(self) -> None:
         """Free what load() took. The default drops references and lets the collector work."""

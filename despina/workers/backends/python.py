@@ -7,6 +7,7 @@ running get errors and a new process is started (initialize runs again) for the 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import subprocess
@@ -47,6 +48,7 @@ class Stub:
         ours, theirs = Pipe()
         self.name = name
         self.conn: Connection = ours
+        self._owed = 0  # answers of cancelled calls still to read
         try:
             self.process = subprocess.Popen([sys.executable, str(STUB), str(theirs.fileno())],
                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
@@ -83,12 +85,43 @@ class Stub:
 
     def call(self, op: str, payload: Any, timeout: float | None = None) -> Any:
         try:
+            self._catch_up()
             self.conn.send((op, payload))
             if timeout is not None and not self.conn.poll(timeout):
                 raise StubDied(f"no answer to {op} within {timeout:.0f} s")
             status, answer = self.conn.recv()
         except (EOFError, OSError) as exc:
             raise StubDied(f"its process ended (exit code {self.wait(5)})") from exc
+        return self._answer(op, status, answer)
+
+    async def call_async(self, op: str, payload: Any) -> Any:
+        """call(), the answer awaited on the event loop (the process works while the loop goes on)."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._catch_up()
+            self.conn.send((op, payload))
+            readable = loop.create_future()
+            fd = self.conn.fileno()
+            loop.add_reader(fd, _resolve, readable)
+            try:
+                await readable
+            except asyncio.CancelledError:
+                self._owed += 1  # its answer will come: the next call reads it first
+                raise
+            finally:
+                loop.remove_reader(fd)
+            status, answer = self.conn.recv()  # the stub writes an answer whole: the rest follows at once
+        except (EOFError, OSError) as exc:
+            raise StubDied(f"its process ended (exit code {self.wait(5)})") from exc
+        return self._answer(op, status, answer)
+
+    def _catch_up(self) -> None:
+        """Read the answers of calls whose callers went away, so that the next answer is the next call's."""
+        while self._owed:
+            self.conn.recv()
+            self._owed -= 1
+
+    def _answer(self, op: str, status: str, answer: Any) -> Any:
         if status == "error":
             raise BackendError(f"model '{self.name}': {op} failed: {answer}")
         return answer
@@ -117,6 +150,7 @@ class Stub:
 
 class PythonBackend(Backend):
     per_request = True
+    awaitable = True
 
     @classmethod
     def default_filename(cls) -> str:
@@ -161,21 +195,41 @@ class PythonBackend(Backend):
             if failure is not None:
                 return [failure] * len(requests)
             try:
-                answers = self.stub.call("execute", [(wire.pack_all(r), list(o))
-                                                     for r, o in zip(requests, outputs)])
+                answers = self.stub.call("execute", _payload(requests, outputs))
             except StubDied as exc:
-                log.error("model %s: instance %s died while executing (%s); restarting it",
-                          self.spec.name, self.instance.name, exc)
-                self._restart = threading.Thread(target=self._restart_stub, daemon=True)
-                self._restart.start()
-                error = BackendError(f"model '{self.spec.name}' instance {self.instance.name} "
-                                     f"crashed while executing this request ({exc}); it is restarting")
-                return [error] * len(requests)
+                return [self._died(exc)] * len(requests)
             except BackendError as exc:  # execute raised: the whole batch fails, as in Triton
                 return [exc] * len(requests)
+        return self._results(answers)
+
+    async def execute_requests_async(self, requests: Sequence[Mapping[str, np.ndarray]],
+                                     outputs: Sequence[Sequence[str]]
+                                     ) -> list[dict[str, np.ndarray] | DespinaError]:
+        """The same, the process's answer awaited on the event loop; only when quick() (no restart)."""
+        try:
+            answers = await self.stub.call_async("execute", _payload(requests, outputs))
+        except StubDied as exc:
+            return [self._died(exc)] * len(requests)
+        except BackendError as exc:
+            return [exc] * len(requests)
+        return self._results(answers)
+
+    def _results(self, answers: list[tuple[str, Any]]) -> list[dict[str, np.ndarray] | DespinaError]:
         return [wire.unpack_all(out) if status == "ok" else
                 DespinaError(f"model '{self.spec.name}': {out[0]}", ERROR_CODES.get(out[1], Code.BACKEND))
                 for status, out in answers]
+
+    def _died(self, exc: StubDied) -> BackendError:
+        """The process died under a batch: restart it on a thread; the batch's error."""
+        log.error("model %s: instance %s died while executing (%s); restarting it",
+                  self.spec.name, self.instance.name, exc)
+        self._restart = threading.Thread(target=self._restart_stub, daemon=True)
+        self._restart.start()
+        return BackendError(f"model '{self.spec.name}' instance {self.instance.name} "
+                            f"crashed while executing this request ({exc}); it is restarting")
+
+    def quick(self) -> bool:
+        return self._restart is None and self.stub.alive()
 
     def _ready(self) -> DespinaError | None:
         """Wait for a restart in progress; start the process again if it died while idle."""
@@ -232,3 +286,12 @@ class PythonBackend(Backend):
             raise ConfigError(f"model '{config.name}': auto_complete_config returned an invalid "
                               f"config: {exc}") from None
         config.CopyFrom(completed)
+
+
+def _payload(requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Sequence[str]]) -> list[Any]:
+    return [(wire.pack_all(r), list(o)) for r, o in zip(requests, outputs)]
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
