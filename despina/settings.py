@@ -42,6 +42,7 @@ class Settings:
     s3_region: str | None = None            # else boto3's (AWS_REGION, ~/.aws/config)
     s3_addressing_style: str = "auto"       # auto, path or virtual; auto = path with a custom endpoint
     s3_part_mb: int = 16                    # multipart transfers: files past this go in parts this big
+    host_ensembles: bool = True             # a worker with every model an ensemble calls runs it itself
     intra_op_threads: int = 1               # per backend instance; 1 is fastest on a loaded machine
     worker_id: str | None = None
     log_level: str = "info"

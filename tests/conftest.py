@@ -77,6 +77,7 @@ class Server:
     process: subprocess.Popen[bytes]
     log: Path
     metrics_url: str = ""
+    prefix: str = ""       # its Redis key prefix (module_server's)
 
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
@@ -236,6 +237,7 @@ def module_server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_ur
     prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
     server = start_server(repo, tmp_path_factory.mktemp("logs"), redis_url if use_redis else None, prefix,
                           env=env, wait_models=wait_models)
+    server.prefix = prefix
     yield server
     stop_server(server)
     delete_prefix(redis_url, prefix)

@@ -1,5 +1,6 @@
-"""Triton ensembles: the graph checks at load, and real runs through `despina serve` (steps queued on
-their models' streams, batched and run by the workers, chained by the gateway)."""
+"""Triton ensembles: the graph checks at load, and real runs through `despina serve`, both ways: run by
+the worker that has every model they call (steps queued into those models' batchers), and run by the
+gateway (steps queued on their models' streams, chained by the gateway)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import redis
 import tritonclient.http as httpclient
 
 from despina.contract.ensemble import Ensemble
@@ -189,10 +191,36 @@ def repo(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return root
 
 
-@pytest.fixture(scope="module")
-def server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+@pytest.fixture(scope="module", params=["worker", "gateway"])
+def server(request: pytest.FixtureRequest, repo: Path, tmp_path_factory: pytest.TempPathFactory,
+           redis_url: str) -> Iterator[Server]:
+    """Every test below runs twice: with the worker (that has every model) running the ensembles, and
+    with the gateway running them step by step, as it does when their models are on different workers."""
+    env = {"DESPINA_HOST_ENSEMBLES": "false"} if request.param == "gateway" else None
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("mlp", "add_sub", "add_sub_python", "classify_post", "picky"))
+                             ("mlp", "add_sub", "add_sub_python", "classify_post", "picky"), env=env)
+
+
+def test_which_process_runs_the_ensemble(server: Server, redis_url: str,
+                                         request: pytest.FixtureRequest) -> None:
+    """Run by the worker, an ensemble request is read from the ensemble's own stream; run by the gateway,
+    that stream is never made. The answers are the same either way (the tests below)."""
+    x = np.zeros((2, 256), np.float32)
+    wait_until(lambda: httpx.get(f"{server.url}/v2/models/mlp_classify/ready").status_code == 200, 20,
+               what="the ensemble to be ready")
+    for _ in range(3):
+        assert infer(server, "mlp_classify", {"x": x}).status_code == 200
+    r = redis.Redis.from_url(redis_url)
+    try:
+        stream = f"{server.prefix}:req:mlp_classify:1"
+        if request.node.callspec.params["server"] == "worker":
+            groups = r.xinfo_groups(stream)
+            assert groups and groups[0]["entries-read"] >= 3 and r.xlen(stream) == 0  # read, answered, acked
+            assert "ensemble mlp_classify version 1: run in this worker" in server.logs()
+        else:
+            assert not r.exists(stream)
+    finally:
+        r.close()
 
 
 def infer(server: Server, model: str, inputs: dict[str, np.ndarray], **extra: Any) -> httpx.Response:

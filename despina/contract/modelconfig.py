@@ -6,6 +6,7 @@ and publishes that; gateways and workers rebuild a `ModelSpec` from it.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,3 +235,37 @@ class ModelSpec:
             "inputs": [t.metadata(self.batched) for t in self.inputs],
             "outputs": [t.metadata(self.batched) for t in self.outputs],
         }
+
+
+# -- a request's tensors against the spec ----------------------------------------------------------
+
+def check_shape(spec: ModelSpec, expected: TensorSpec, shape: list[int]) -> None:
+    dims = list(expected.dims)
+    if spec.batched:
+        if len(shape) != len(dims) + 1:
+            raise InvalidArgument(f"input '{expected.name}': shape {shape} has {len(shape)} dimensions; "
+                                  f"the model expects {len(dims) + 1} ([batch, {', '.join(map(str, dims))}])")
+        if shape[0] < 1 or shape[0] > spec.max_batch_size:
+            raise InvalidArgument(f"input '{expected.name}': batch size {shape[0]} is outside "
+                                  f"1..{spec.max_batch_size} (max_batch_size)")
+        rest = shape[1:]
+    else:
+        rest = shape
+        if len(shape) != len(dims):
+            raise InvalidArgument(f"input '{expected.name}': shape {shape} does not match the model's "
+                                  f"{dims}")
+    for got, want in zip(rest, dims):
+        if want != -1 and got != want:
+            expect = ([-1] if spec.batched else []) + dims
+            raise InvalidArgument(f"input '{expected.name}': shape {shape} does not match the model's "
+                                  f"{expect}")
+
+
+def check_inputs(spec: ModelSpec, inputs: Sequence[Any]) -> None:
+    """Every input the model needs is given (tensors with .name and .shape), one batch size for all."""
+    given = {t.name for t in inputs}
+    missing = [t.name for t in spec.inputs if not t.optional and t.name not in given]
+    if missing:
+        raise InvalidArgument(f"model '{spec.name}' needs input(s) {', '.join(missing)}")
+    if spec.batched and len({t.shape[0] for t in inputs}) > 1:
+        raise InvalidArgument("all inputs must have the same batch size")

@@ -11,9 +11,9 @@ import numpy as np
 import orjson
 
 from ..contract.errors import InvalidArgument
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelconfig import ModelSpec, check_inputs, check_shape
 from ..contract.records import Tensor
-from .v2 import MAX_ELEMENTS, check_count, check_inputs, check_shape, json_data_to_bytes
+from .v2 import MAX_ELEMENTS, check_count, json_data_to_bytes
 
 
 def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) -> tuple[list[Tensor], bool]:

@@ -188,7 +188,8 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     `timeout` (default: request_timeout_s) is how long it may still take."""
     model = spec.name
     timeout = gw.settings.request_timeout_s if timeout is None else timeout
-    if spec.platform == PLATFORM:
+    if spec.platform == PLATFORM and version not in gw.view.ready.get(model, ()):
+        # no worker runs the ensemble (its models are apart, or scaled to zero): its steps go from here
         graph = gw.view.get(model).ensemble
         if graph is None:
             raise Unavailable(f"ensemble '{model}' cannot be read by this gateway")

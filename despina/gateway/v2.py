@@ -13,7 +13,7 @@ import orjson
 
 from ..contract.datatypes import V2_TO_NUMPY, element_count, serialize_bytes, to_numpy
 from ..contract.errors import InvalidArgument
-from ..contract.modelconfig import ModelSpec, TensorSpec
+from ..contract.modelconfig import ModelSpec, check_inputs, check_shape
 from ..contract.records import Tensor
 from ..settings import Settings
 from .http import json_object
@@ -173,42 +173,11 @@ def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: i
     return Tensor(name, datatype, tuple(shape), json_data_to_bytes(name, datatype, shape, raw["data"])), 0
 
 
-def check_shape(spec: ModelSpec, expected: TensorSpec, shape: list[int]) -> None:
-    dims = list(expected.dims)
-    if spec.batched:
-        if len(shape) != len(dims) + 1:
-            raise InvalidArgument(f"input '{expected.name}': shape {shape} has {len(shape)} dimensions; "
-                                  f"the model expects {len(dims) + 1} ([batch, {', '.join(map(str, dims))}])")
-        if shape[0] < 1 or shape[0] > spec.max_batch_size:
-            raise InvalidArgument(f"input '{expected.name}': batch size {shape[0]} is outside "
-                                  f"1..{spec.max_batch_size} (max_batch_size)")
-        rest = shape[1:]
-    else:
-        rest = shape
-        if len(shape) != len(dims):
-            raise InvalidArgument(f"input '{expected.name}': shape {shape} does not match the model's "
-                                  f"{dims}")
-    for got, want in zip(rest, dims):
-        if want != -1 and got != want:
-            expect = ([-1] if spec.batched else []) + dims
-            raise InvalidArgument(f"input '{expected.name}': shape {shape} does not match the model's "
-                                  f"{expect}")
-
-
 def check_count(name: str, shape: list[int], max_elements: int) -> None:
     count = element_count(shape)
     if count > max_elements:
         raise InvalidArgument(f"input '{name}': {count} elements is more than the limit of {max_elements} "
                               "(DESPINA_MAX_TENSOR_ELEMENTS)")
-
-
-def check_inputs(spec: ModelSpec, inputs: list[Tensor]) -> None:
-    given = {t.name for t in inputs}
-    missing = [t.name for t in spec.inputs if not t.optional and t.name not in given]
-    if missing:
-        raise InvalidArgument(f"model '{spec.name}' needs input(s) {', '.join(missing)}")
-    if spec.batched and len({t.shape[0] for t in inputs}) > 1:
-        raise InvalidArgument("all inputs must have the same batch size")
 
 
 def _flatten(data: Any) -> tuple[list[Any], set[type]]:

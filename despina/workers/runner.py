@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +15,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..contract import records
-from ..contract.errors import Code, ConfigError, DespinaError
+from ..contract.errors import Code, ConfigError, DespinaError, Unavailable
 from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, Keys
 from ..contract.modelconfig import ModelSpec
-from ..contract.records import InferReply, InferRequest
+from ..contract.records import InferReply, InferRequest, Tensor
 from ..resp import Batch, Resp
 from . import answers, stats
 from .backends import Backend, backend_class
@@ -38,6 +39,7 @@ REPLY_MAXLEN = 100_000       # backstop: gateways trim what they have read
 # instances, run on the instances' threads.
 INLINE_BELOW_US = 1000
 TIMED_OUT = "request timed out in the queue before it could run"
+Answer = Callable[[InferReply], None]
 
 
 @dataclass
@@ -45,7 +47,7 @@ class Pending:
     """A request inside the batcher, and the stream entry it came in."""
 
     request: InferRequest
-    entry: tuple[str, bytes]     # (stream, entry id)
+    entry: tuple[str, bytes] | None  # (stream, entry id); None: a step of an ensemble run here (submit)
     inputs: dict[str, np.ndarray]
     alone: bool = False          # redelivered after a worker died with it: runs as a batch of one
     received: float = 0.0        # wall-clock seconds when this worker read it
@@ -54,13 +56,13 @@ class Pending:
 class ModelRunner:
     def __init__(self, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, version: int, path: Path,
                  consumer: str, threads: int = 1, read_ahead: int | None = None,
-                 delivery: DeliveryPolicy | None = None) -> None:
+                 delivery: DeliveryPolicy | None = None, deferred: stats.Deferred | None = None) -> None:
         self.redis, self.keys, self.spec, self.version = redis, keys, spec, version
+        self.deferred = deferred  # the worker's: counters that need no round trip of their own
         self.delivery = delivery or DeliveryPolicy()
         self.path = path
         self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
-        self._bounded = {level for level in range(1, max(spec.policy.priority_levels, 1) + 1)
-                         if spec.policy.queue_policy(level).max_queue_size}
+        self._bounded = bounded_levels(spec)
         self.stats_key = keys.stats(spec.name, version)
         self.consumer = consumer
         self.threads = threads
@@ -73,6 +75,7 @@ class ModelRunner:
         limit = max(spec.max_batch_size, 1) * count * 4
         self._read_ahead = read_ahead or max(limit, 64)
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
+        self._local: dict[int, Answer] = {}  # id() of a submitted request -> where its reply goes
         self._in_flight = 0
         self._room = asyncio.Event()
         self._room.set()
@@ -231,6 +234,30 @@ class ModelRunner:
     def _shape_key(self, req: InferRequest) -> tuple[Any, ...]:
         return tuple(sorted((t.name, t.datatype, t.shape[1:]) for t in req.inputs))
 
+    def submit(self, inputs: list[Tensor], outputs: tuple[str, ...], deadline: float, answer: Answer,
+               priority: int = 0, timeout_us: int = 0, trace: str = "") -> None:
+        """Queue a request made in this process (an ensemble's step, workers/ensembles.py): batched with
+        the stream's requests and counted in the statistics like them; `answer` gets its reply (an error
+        reply included), on the event loop, before the batch's replies go out to Redis. `deadline` is
+        wall-clock seconds."""
+        now = time.time()
+        request = InferRequest("", "", deadline, tuple(inputs), outputs, priority, timeout_us, now, trace)
+        try:
+            if self._stopping:
+                raise Unavailable(f"model '{self.spec.name}' version {self.version} is unloading")
+            arrays = {t.name: t.numpy() for t in inputs}
+            pending = Pending(request, None, arrays, received=now)
+            self.batcher.put(Item(self._rows(arrays), self._shape_key(request), pending, time.monotonic(),
+                                  priority=priority, timeout_us=timeout_us))
+        except DespinaError as exc:
+            answer(answers.error(request, exc.code, exc.message))
+            return
+        except QueueFull as exc:
+            answer(answers.error(request, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}"))
+            return
+        self._local[id(request)] = answer
+        self._in_flight += 1
+
     # -- executing -------------------------------------------------------------------------------
 
     async def _execute(self, batch: list[Item]) -> None:
@@ -249,7 +276,7 @@ class ModelRunner:
                 "request_ids": [p.request.trace or p.request.id for p in pendings]}})
         marks: dict[str, int] = {"start": time.perf_counter_ns()}
         if any(p.alone for p in live):
-            await self.streams.mark_executing([p.entry for p in live])
+            await self.streams.mark_executing([p.entry for p in live if p.entry is not None])
         sizes = [self._rows(p.inputs) for p in live]  # rows per request
         if live:
             replies.extend(await self._run_batch(live, sizes, started, marks))
@@ -345,43 +372,53 @@ class ModelRunner:
         replies[i] answers requests[i]: ids are unique per gateway only, so a batch may hold two alike."""
         by_gateway: dict[str, list[InferReply]] = {}
         for r, req in zip(replies, requests, strict=True):
-            by_gateway.setdefault(req.reply_to, []).append(r)
+            if req.reply_to:
+                by_gateway.setdefault(req.reply_to, []).append(r)
+                continue
+            answer = self._local.pop(id(req))
+            try:
+                answer(r)
+            except Exception:
+                log.exception("model %s: answering a request made in this worker failed", self.spec.name)
         done = []
         for p in pendings:
+            if p.entry is None:
+                continue
             self._entries[p.entry] -= 1
             if self._entries[p.entry] == 0:
                 del self._entries[p.entry]
                 done.append(p.entry)
+        if self.deferred is not None and not by_gateway and not done:
+            # only requests made in this process (an ensemble's steps): nothing to send but counters,
+            # which wait for the next pipeline
+            self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings))
+        else:
+            await self._send(replies, requests, pendings, by_gateway, done, rows, started, timings)
+        self._in_flight -= len(pendings)
+        if self._in_flight < self._read_ahead:
+            self._room.set()
+
+    async def _send(self, replies: list[InferReply], requests: list[InferRequest], pendings: list[Pending],
+                    by_gateway: dict[str, list[InferReply]], done: list[tuple[str, bytes]], rows: int,
+                    started: float, timings: tuple[int, int, int]) -> None:
         if self._out is None:
             self._out = Resp.like(self.redis)
         pipe = Batch()
-        for stream, group in by_gateway.items():
-            pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
-            pipe.pexpire(stream, self.delivery.reply_ttl_ms)
+        replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
         if self._bounded:
-            self._count_dequeued(pipe, requests)
+            count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, requests)
         stats.record(pipe, self.stats_key, replies, rows, started, timings)
+        if self.deferred is not None:
+            self.deferred.into(pipe)
         if done:
             self.streams.ack_into(pipe, done)
         if any(p.alone for p in pendings):
-            self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone])
+            self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
         try:
             await self._out.execute(pipe.commands)
         except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
             log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, len(replies), exc)
-        self._in_flight -= len(pendings)
-        if self._in_flight < self._read_ahead:
-            self._room.set()
-
-    def _count_dequeued(self, pipe: Any, answered: list[InferRequest]) -> None:
-        levels: dict[int, int] = {}
-        for req in answered:
-            level = self.spec.policy.level(req.priority)
-            if level in self._bounded:
-                levels[level] = levels.get(level, 0) + 1
-        for level, n in levels.items():
-            pipe.decrby(self.keys.queued(self.spec.name, self.version, level), n)
 
     async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
         try:
@@ -389,6 +426,33 @@ class ModelRunner:
         except (RedisError, OSError) as exc:
             log.error("model %s: acknowledging failed: %s; the entries will be reclaimed",
                       self.spec.name, exc)
+
+
+def bounded_levels(spec: ModelSpec) -> set[int]:
+    """The priority levels whose queue policy sets max_queue_size: gateways count what they queue there."""
+    return {level for level in range(1, max(spec.policy.priority_levels, 1) + 1)
+            if spec.policy.queue_policy(level).max_queue_size}
+
+
+def count_dequeued(pipe: Batch, keys: Keys, spec: ModelSpec, version: int, bounded: set[int],
+                   answered: list[InferRequest]) -> None:
+    """Take the answered requests off their levels' queued counters (those `bounded` ones)."""
+    levels: dict[int, int] = {}
+    for req in answered:
+        if not req.reply_to:
+            continue  # made in this process: never counted as queued
+        level = spec.policy.level(req.priority)
+        if level in bounded:
+            levels[level] = levels.get(level, 0) + 1
+    for level, n in levels.items():
+        pipe.decrby(keys.queued(spec.name, version, level), n)
+
+
+def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: int) -> None:
+    """One reply entry per gateway's reply stream, which expires if its gateway is gone."""
+    for stream, group in by_gateway.items():
+        pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
+        pipe.pexpire(stream, ttl_ms)
 
 
 def _timings(marks: dict[str, int], end: int) -> tuple[int, int, int]:

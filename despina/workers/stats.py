@@ -11,11 +11,18 @@ hash, so the two always agree. Field names:
 """
 from __future__ import annotations
 
+import asyncio
 import bisect
+import logging
 from typing import Any
 
-from ..contract.errors import Code
+import redis.asyncio as aioredis
+
+from ..contract.errors import Code, DespinaError
 from ..contract.records import InferReply
+from ..resp import Batch, Resp
+
+log = logging.getLogger("despina.worker")
 
 # upper bounds in microseconds of the latency histogram buckets (the last one is +Inf)
 LATENCY_BUCKETS_US = (100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 50_000, 100_000, 250_000,
@@ -29,6 +36,8 @@ for i = 1, #ARGV, 2 do
 end
 """
 
+DEFER_S = 0.05  # how long counters may wait for a pipeline to ride along with
+
 REASON = {Code.RESOURCE_EXHAUSTED: "REJECTED", Code.DEADLINE_EXCEEDED: "REJECTED", Code.BACKEND: "BACKEND"}
 
 
@@ -39,7 +48,11 @@ def failure_reason(code: Code) -> str:
 def record(pipe: Any, key: str, replies: list[InferReply], rows: int, started: float,
            timings_ns: tuple[int, int, int] = (0, 0, 0)) -> None:
     """Count one batch's replies into the statistics hash `key`, in one command of `pipe`."""
-    counts = tally(replies, rows, started, timings_ns)
+    record_counts(pipe, key, tally(replies, rows, started, timings_ns))
+
+
+def record_counts(pipe: Any, key: str, counts: dict[str, int]) -> None:
+    """Add `counts` to the statistics hash `key` (last_inference is set), in one command of `pipe`."""
     if counts:
         args = [x for field, n in counts.items() for x in (field, n)]
         pipe.eval(HINCRBY_MANY, 1, key, *args)
@@ -92,3 +105,72 @@ def tally(replies: list[InferReply], rows: int, started: float,
     if rows:
         counts["last_inference"] = int(started * 1000)
     return counts
+
+
+def ensemble_counts(error: DespinaError | None, us: int, rows: int) -> dict[str, int]:
+    """An ensemble request's own counters, counted as a model counts a request: queued for no time of
+    its own (its steps queue, and count it, at their models), one execution per request that succeeded,
+    `us` its latency. Clients such as perf_analyzer find the version that served by its queue count."""
+    reply = InferReply("", (), None if error is None else (error.code, error.message), 0, us)
+    counts = tally([reply], 0, 0.0)
+    if error is None:
+        counts.update(inference_count=rows, execution_count=1)
+    return counts
+
+
+class Deferred:
+    """Counters of executions that sent nothing to Redis (batches of ensemble steps run in this worker):
+    they ride along with the next pipeline this worker sends anyway (`into`), or go alone after
+    DEFER_S, instead of a round trip of their own per batch."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self._counts: dict[str, dict[str, int]] = {}  # statistics hash -> counters
+        self._timer: asyncio.TimerHandle | None = None
+        self._writes: set[asyncio.Task[None]] = set()
+        self._out: Resp | None = None
+
+    def add(self, key: str, counts: dict[str, int]) -> None:
+        if not counts:
+            return
+        mine = self._counts.setdefault(key, {})
+        for field, n in counts.items():
+            mine[field] = max(mine.get(field, 0), n) if field == "last_inference" else mine.get(field, 0) + n
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(DEFER_S, self._flush)
+
+    def into(self, pipe: Any) -> None:
+        """Move every counter waiting into `pipe`."""
+        if not self._counts:
+            return  # the usual case
+        counts, self._counts = self._counts, {}
+        for key, added in counts.items():
+            record_counts(pipe, key, added)
+
+    def _flush(self) -> None:
+        self._timer = None
+        if self._counts:
+            task = asyncio.get_running_loop().create_task(self._write())
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    async def _write(self) -> None:
+        pipe = Batch()
+        self.into(pipe)
+        if self._out is None:
+            self._out = Resp.like(self.redis)
+        try:
+            await self._out.execute(pipe.commands)
+        except Exception as exc:  # statistics only: the requests were answered
+            log.warning("writing statistics failed: %s", exc)
+
+    async def close(self) -> None:
+        """Write what is left; then nothing more."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._counts:
+            await self._write()
+        await asyncio.gather(*self._writes, return_exceptions=True)
+        if self._out is not None:
+            self._out.close()

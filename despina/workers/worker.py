@@ -21,15 +21,18 @@ from redis.exceptions import RedisError
 
 from ..contract.catalog import CatalogEntry
 from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail
-from ..contract.errors import DespinaError
+from ..contract.ensemble import Ensemble, Step, is_ensemble
+from ..contract.errors import ConfigError, DespinaError
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
 from ..registry.cache import touch
 from ..settings import Settings
 from .backends.base import visible_gpus
+from .ensembles import EnsembleHost
 from .redelivery import DeliveryPolicy
 from .runner import ModelRunner
+from .stats import Deferred
 
 log = logging.getLogger("despina.worker")
 
@@ -50,6 +53,8 @@ class Worker:
         self.info = WorkerInfo(self.id, socket.gethostname(), os.getpid(), time.time(), os.cpu_count() or 1,
                                visible_gpus(), memory_bytes(settings))
         self.runners: dict[Key, ModelRunner] = {}
+        self.hosts: dict[Key, EnsembleHost] = {}     # ensembles run here (workers/ensembles.py)
+        self.catalog: dict[str, CatalogEntry] = {}   # as of the last sync
         self.revision: dict[Key, str] = {}            # of the serving runner
         self.load_ms: dict[Key, float] = {}
         self.loading: dict[Key, tuple[str, asyncio.Task[None]]] = {}
@@ -62,6 +67,7 @@ class Worker:
         self._beating = asyncio.Lock()  # one heartbeat in flight: an older one must not land last
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
         self.delivery = DeliveryPolicy.from_settings(settings)
+        self.deferred = Deferred(redis)  # counters of ensemble steps run here
 
     async def run(self) -> None:
         await self.redis.sadd(self.keys.workers, self.id)
@@ -101,8 +107,11 @@ class Worker:
         for _, task in self.loading.values():
             task.cancel()
         await asyncio.gather(*(t for _, t in self.loading.values()), return_exceptions=True)
+        hosts, self.hosts = self.hosts, {}
+        await self._stop_hosts(list(hosts.values()))
         runners, self.runners = self.runners, {}
         await asyncio.gather(*(r.stop() for r in runners.values()), return_exceptions=True)
+        await self.deferred.close()
 
     # -- following the catalog ---------------------------------------------------------------------
 
@@ -112,12 +121,15 @@ class Worker:
         if not raw and self.runners and not await self.redis.exists(self.keys.control_leader):
             return  # Redis lost its data (a restart without persistence): serve on until control republishes
         wanted: dict[Key, tuple[CatalogEntry, str]] = {}
+        self.catalog = {}
         for blob in raw.values():
             entry = CatalogEntry.loads(blob)
+            self.catalog[entry.name] = entry
             if entry.serving and self.id in entry.workers:
                 for v in entry.versions:
                     wanted[(entry.name, v)] = (entry, entry.revisions.get(v, ""))
         gone = [k for k in self.runners if k not in wanted]
+        await self._sync_hosts(set(gone))
         for key in gone:
             runner = self.runners.pop(key)
             self.revision.pop(key, None)
@@ -136,6 +148,66 @@ class Worker:
         if gone:
             await self._announce()
 
+    # -- ensembles run here ------------------------------------------------------------------------
+
+    def step_runner(self, step: Step, without: frozenset[Key] | set[Key] = frozenset()) -> ModelRunner | None:
+        """The READY runner here that a step of an ensemble run here calls: the version it pins, else
+        the highest one not retiring (else the highest retiring one), as a gateway would pick."""
+        if step.version is not None:
+            key = (step.model, step.version)
+            runner = self.runners.get(key)
+            return runner if runner is not None and runner.state == "READY" and key not in without else None
+        ready = [(v, r) for (name, v), r in self.runners.items()
+                 if name == step.model and r.state == "READY" and (name, v) not in without]
+        if not ready:
+            return None
+        entry = self.catalog.get(step.model)
+        current = [x for x in ready if entry is None or x[0] not in entry.retiring]
+        return max(current or ready, key=lambda x: x[0])[1]
+
+    async def _sync_hosts(self, leaving: set[Key]) -> None:
+        """Run here each ensemble whose steps all have a runner here (not counting `leaving`); stop
+        those that no longer do, before the runners they call stop."""
+        wanted: dict[Key, tuple[CatalogEntry, Ensemble, bytes]] = {}
+        for entry in self.catalog.values() if self.settings.host_ensembles else ():
+            if not (entry.serving and is_ensemble(entry.config)):
+                continue
+            try:
+                graph = Ensemble.from_config(entry.config)
+            except ConfigError:
+                continue
+            if all(self.step_runner(s, leaving) is not None for s in graph.steps):
+                config = orjson.dumps(entry.config)
+                for v in entry.versions:
+                    if v not in entry.failed:
+                        wanted[(entry.name, v)] = (entry, graph, config)
+        stopping = [key for key, host in self.hosts.items()
+                    if key not in wanted or host.config != wanted[key][2]]
+        if stopping:
+            hosts = [self.hosts.pop(key) for key in stopping]
+            for host in hosts:
+                host.state = "UNLOADING"
+            await self._announce()  # gateways stop queueing here, then the hosts finish what they read
+            await self._stop_hosts(hosts)
+        for key, (entry, graph, config) in wanted.items():
+            if key in self.hosts:
+                continue
+            host = EnsembleHost(self.redis, self.keys, ModelSpec.from_config(entry.config), graph, key[1],
+                                self.step_runner, self.id, self.delivery, config, self.deferred)
+            try:
+                await host.start()
+            except (RedisError, OSError) as exc:
+                log.warning("worker %s: ensemble %s cannot start here (%s)", self.id, key[0], exc)
+                continue
+            self.hosts[key] = host
+            await self._announce()
+
+    async def _stop_hosts(self, hosts: list[EnsembleHost]) -> None:
+        await asyncio.gather(*(h.stop() for h in hosts), return_exceptions=True)
+        for host in hosts:
+            log.info("worker %s: ensemble %s version %d no longer runs here", self.id, host.spec.name,
+                     host.version)
+
     async def _load(self, key: Key, entry: CatalogEntry, rev: str) -> None:
         started = time.monotonic()
         log.info("worker %s: loading %s version %d", self.id, *key)
@@ -147,7 +219,8 @@ class Worker:
         try:
             path = self._loading_from[key] = await self._folder(entry, key[1])
             runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
-                                 self.id, self.settings.intra_op_threads, delivery=self.delivery)
+                                 self.id, self.settings.intra_op_threads, delivery=self.delivery,
+                                 deferred=self.deferred)
             await runner.load()
             await runner.start()
         except asyncio.CancelledError:
@@ -169,6 +242,7 @@ class Worker:
             self.failures.pop(key, None)
             log.info("worker %s: loaded %s version %d in %.0f ms", self.id, key[0], key[1], self.load_ms[key])
             await self._count_load(key)
+            self._kick.set()  # an ensemble may now run here
             if old is not None:
                 await self._announce()
                 await old.stop()  # after the new one serves: no gap
@@ -268,6 +342,8 @@ class Worker:
             models: dict[str, dict[str, str]] = {}
             for (name, version), runner in self.runners.items():
                 models.setdefault(name, {})[str(version)] = runner.state
+            for (name, version), host in self.hosts.items():
+                models.setdefault(name, {})[str(version)] = host.state
             key = self.keys.worker(self.id)
             pipe = self.redis.pipeline(transaction=True)
             pipe.hset(key, mapping={"info": self.info.dumps(), "models": orjson.dumps(models),

@@ -1,0 +1,229 @@
+"""Ensembles run by a worker that has every model they call: one round trip through Redis per request.
+
+A worker that has a READY version of each model an ensemble's steps call (the pinned version where a
+step pins one) runs the ensemble itself, as Triton does: it reads the ensemble's own stream through
+the consumer group like a model's, runs each request's graph (contract.ensemble.Run) with every step
+queued straight into its model's batcher in this process — batched there with that model's other
+requests — and writes the final reply to the gateway, the ensemble's statistics, and the
+acknowledgement in one pipeline. The step tensors never leave the process. Its heartbeat reports the
+ensemble READY, and gateways then queue ensemble requests on its stream instead of running the steps
+themselves (gateway/ensemble.py, which stays the way when the models are on different workers or
+scaled to zero).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from ..contract import records
+from ..contract.ensemble import Ensemble, Run, Step
+from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
+from ..contract.keys import FIELD, Keys
+from ..contract.modelconfig import ModelSpec
+from ..contract.records import InferReply, InferRequest
+from ..resp import Batch, Resp
+from .redelivery import DeliveryPolicy
+from .runner import TIMED_OUT, ModelRunner, bounded_levels, count_dequeued, replies_into
+from .stats import Deferred, ensemble_counts, record_counts
+from .streams import Entry, ModelStreams
+
+log = logging.getLogger("despina.worker")
+
+READ_AHEAD = 256   # requests read and not yet answered, at most
+DRAIN_S = 0.5      # after saying it stops, it still reads this long: gateways that had not heard yet
+
+StepRunner = Callable[[Step], ModelRunner | None]
+
+
+class EnsembleHost:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, ensemble: Ensemble, version: int,
+                 runner: StepRunner, consumer: str, delivery: DeliveryPolicy, config: bytes = b"",
+                 deferred: Deferred | None = None) -> None:
+        self.redis, self.keys, self.spec, self.ensemble, self.version = redis, keys, spec, ensemble, version
+        self.runner = runner
+        self.delivery = delivery
+        self.config = config  # the catalog's config it was built from: a change restarts it
+        self.deferred = deferred
+        self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
+        self.stats_key = keys.stats(spec.name, version)
+        self._bounded = bounded_levels(spec)
+        self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
+        self._in_flight = 0
+        self._room = asyncio.Event()
+        self._room.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._done: list[tuple[InferRequest, InferReply, tuple[str, bytes] | None]] = []
+        self._counts: dict[str, int] = {}
+        self._flush_soon: asyncio.Handle | None = None
+        self._writes: set[asyncio.Task[None]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._out: Resp | None = None
+        self.state = "LOADING"
+
+    async def start(self) -> None:
+        await self.streams.ensure_groups()
+        self.state = "READY"
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._reclaim_loop())]
+        log.info("ensemble %s version %d: run in this worker", self.spec.name, self.version)
+
+    async def stop(self, drain_s: float = DRAIN_S) -> None:
+        """Stop reading (after `drain_s`, for gateways still routing here), finish every run, reply."""
+        self.state = "UNLOADING"
+        if drain_s:
+            await asyncio.sleep(drain_s)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._idle.wait()  # each run ends by its deadline at the latest
+        self._flush()
+        while self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+        self.streams.close()
+        if self._out is not None:
+            self._out.close()
+        self.state = "UNAVAILABLE"
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        while True:
+            await self._room.wait()
+            try:
+                entries = await self.streams.read(max(1, READ_AHEAD - self._in_flight), 1000)
+            except (RedisError, OSError) as exc:
+                log.warning("ensemble %s: reading its stream failed (%s); retrying", self.spec.name, exc)
+                await asyncio.sleep(0.5)
+                continue
+            if entries:
+                self._accept(entries)
+
+    async def _reclaim_loop(self) -> None:
+        """Redeliver entries left pending past the visibility timeout: their consumer died."""
+        while True:
+            await asyncio.sleep(self.delivery.visibility_timeout_ms / 4000)
+            try:
+                await self.streams.reclaim(self.delivery)
+            except (RedisError, OSError) as exc:
+                log.warning("ensemble %s: reclaiming pending entries failed (%s)", self.spec.name, exc)
+
+    def _accept(self, entries: list[Entry]) -> None:
+        now = time.time()
+        for stream, entry_id, fields in entries:
+            entry = (stream, entry_id)
+            try:
+                reqs = records.decode_requests(fields[FIELD])
+            except (KeyError, DespinaError) as exc:
+                log.error("ensemble %s: dropping undecodable entry %s: %s", self.spec.name, entry_id, exc)
+                self._entries[entry] = 0
+                self._finished(None, None, entry)
+                continue
+            self._entries[entry] = len(reqs)
+            self._in_flight += len(reqs)
+            for req in reqs:
+                if req.deadline < now:
+                    self._answer(req, entry, DeadlineExceeded(TIMED_OUT), 0)
+                    continue
+                _HostRun(self, req, entry).start(list(req.inputs), req.outputs)
+        if self._in_flight >= READ_AHEAD:
+            self._room.clear()
+        if self._in_flight:
+            self._idle.clear()
+
+    # -- answering -------------------------------------------------------------------------------
+
+    def _answer(self, req: InferRequest, entry: tuple[str, bytes], result: InferReply | DespinaError,
+                rows: int) -> None:
+        us = max(0, int((time.time() - req.enqueued) * 1e6))
+        error = result if isinstance(result, DespinaError) else None
+        for field, n in ensemble_counts(error, us, rows).items():
+            self._counts[field] = self._counts.get(field, 0) + n
+        if error is None:
+            self._counts["last_inference"] = int(time.time() * 1000)
+            reply = InferReply(req.id, result.outputs, None, 0, us)  # type: ignore[union-attr]
+        else:
+            reply = InferReply(req.id, (), (error.code, error.message))
+        self._finished(req, reply, entry)
+        self._in_flight -= 1
+        if self._in_flight < READ_AHEAD:
+            self._room.set()
+        if not self._in_flight:
+            self._idle.set()
+
+    def _finished(self, req: InferRequest | None, reply: InferReply | None, entry: tuple[str, bytes]) -> None:
+        """Queue a reply (None: an entry to acknowledge only) for this tick's pipeline."""
+        self._done.append((req, reply, entry))  # type: ignore[arg-type]
+        if self._flush_soon is None:
+            self._flush_soon = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Every reply that came in this tick, the statistics and the acknowledgements: one round trip."""
+        self._flush_soon = None
+        if not self._done:
+            return
+        done, self._done = self._done, []
+        counts, self._counts = self._counts, {}
+        by_gateway: dict[str, list[InferReply]] = {}
+        answered: list[InferRequest] = []
+        acks = []
+        for req, reply, entry in done:
+            if req is not None and reply is not None:
+                by_gateway.setdefault(req.reply_to, []).append(reply)
+                answered.append(req)
+                self._entries[entry] -= 1
+            if self._entries.get(entry) == 0:
+                del self._entries[entry]
+                acks.append(entry)
+        pipe = Batch()
+        replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
+        if self._bounded:
+            count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, answered)
+        record_counts(pipe, self.stats_key, counts)
+        if self.deferred is not None:
+            self.deferred.into(pipe)  # the steps' counters
+        if acks:
+            self.streams.ack_into(pipe, acks)
+        task = asyncio.get_running_loop().create_task(self._write(pipe, len(answered)))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write(self, pipe: Batch, replies: int) -> None:
+        if self._out is None:
+            self._out = Resp.like(self.redis)
+        try:
+            await self._out.execute(pipe.commands)
+        except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
+            log.error("ensemble %s: writing %d replies failed: %s; their entries stay pending for reclaim",
+                      self.spec.name, replies, exc)
+
+
+class _HostRun(Run):
+    """One request's graph, its steps queued into this worker's runners."""
+
+    def __init__(self, host: EnsembleHost, request: InferRequest, entry: tuple[str, bytes]) -> None:
+        super().__init__(host.spec, host.ensemble, request.deadline - time.time())
+        self.host, self.request, self.entry = host, request, entry
+
+    def _call(self, step: Step) -> None:
+        runner = self.host.runner(step)
+        if runner is None:  # unloaded since the host started: the host is stopping too
+            raise Unavailable(f"model '{step.model}' is not loaded on this worker")
+        self.left()
+        req = self.request
+        runner.submit(self.step_inputs(step, runner.spec), tuple(o for o, _ in step.outputs), req.deadline,
+                      lambda reply: self._answered(step, reply), req.priority, req.timeout_us, req.trace)
+
+    def _answered(self, step: Step, reply: InferReply) -> None:
+        if reply.error is None:
+            self.settled(step, reply)
+        else:
+            code, message = reply.error
+            self.settled(step, DespinaError(message, Code(code)))
+
+    def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
+        self.host._answer(self.request, self.entry, result, rows)
