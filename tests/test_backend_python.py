@@ -5,6 +5,7 @@ Every model.py here is written against Triton's documented `triton_python_backen
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -447,3 +449,36 @@ def test_arrays_cross_to_the_model_process_and_back_intact(tmp_path: Path) -> No
         assert out["WORDS"].dtype == np.object_ and out["WORDS"].tolist() == [[b"a", b"bc"]]
     finally:
         backend.unload()  # type: ignore[attr-defined]
+
+
+def test_awaited_calls_stay_in_step_when_one_is_cancelled_and_survive_a_crash(tmp_path: Path) -> None:
+    """The worker awaits a batch's answer on its event loop: a call given up on (cancelled) still gets
+    its answer read, so the next call receives its own; a crash under an awaited call fails that batch
+    and the next one runs in a new process."""
+    source = FLAKY.replace("    def execute(self, requests):\n",
+                           "    def execute(self, requests):\n        import time\n"
+                           "        if any((pb_utils.get_input_tensor_by_name(r, 'X').as_numpy() == 5).any()"
+                           " for r in requests):\n            time.sleep(0.3)\n")
+    backend: Any = backend_for(write_model(tmp_path, "flaky", source, FLAKY_CONFIG))
+    backend.load()
+
+    async def scenario() -> None:
+        slow = asyncio.ensure_future(backend.execute_requests_async([{"X": np.full((1, 2), 5, np.float32)}],
+                                                                    [["Y"]]))
+        await asyncio.sleep(0.05)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        [out] = await backend.execute_requests_async([{"X": np.full((1, 2), 7, np.float32)}], [["Y"]])
+        assert isinstance(out, dict) and out["Y"].tolist() == [[14.0, 14.0]]  # not the cancelled call's 10s
+        [crashed] = await backend.execute_requests_async([{"X": np.full((1, 2), -1, np.float32)}], [["Y"]])
+        assert isinstance(crashed, DespinaError) and "crashed" in crashed.message
+        assert not backend.quick()  # restarting: the worker takes the thread path, which waits for it
+
+    try:
+        asyncio.run(scenario())
+        [after] = backend.execute_requests([{"X": np.ones((1, 2), np.float32)}], [["Y"]])
+        assert isinstance(after, dict) and after["Y"].tolist() == [[2.0, 2.0]]
+        assert backend.quick()
+    finally:
+        backend.unload()

@@ -422,3 +422,60 @@ def test_an_ensemble_in_s3_with_a_pinned_step_version(serve: Callable[..., Serve
     via = outputs(infer(server, "pinned", {"x": row}))["y"]
     assert np.allclose(direct, expected(1), atol=1e-4) and np.allclose(via, expected(0), atol=1e-4)
     assert [r["version"] for r in index(server.url) if r["name"] == "pinned"] == ["1"]
+
+
+def test_steps_on_two_workers_are_chained_by_the_gateway(serve: Callable[..., Server], repo: Path, tmp_path: Path,
+                                                         redis_url: str, key_prefix: str) -> None:
+    """No worker has both models: the gateway runs the ensemble, each step a request to its model."""
+    two = tmp_path / "repo"
+    for name in ("mlp", "classify_post", "mlp_classify"):
+        shutil.copytree(repo / name, two / name)
+    server = serve(two, "--workers", "2", wait_models=("mlp", "classify_post"))
+    base = server.metrics_url.removesuffix("/metrics")
+    placed = wait_until(lambda: next((p for p in [{m["name"]: m["placed"] for m in
+                                                    httpx.get(f"{base}/status.json").json()["models"]}]
+                                      if p.get("mlp") and p.get("classify_post")), None), 20, what="placement")
+    assert placed["mlp"] != placed["classify_post"]  # one model each: the fewest bytes committed wins
+    x = np.random.default_rng(8).standard_normal((3, 256)).astype(np.float32)
+    got = outputs(infer(server, "mlp_classify", {"x": x}))
+    assert got["label"].ravel().tolist() == mlp_numpy(x).argmax(axis=1).tolist()
+    r = redis.Redis.from_url(redis_url)
+    try:
+        assert not r.exists(f"{key_prefix}:req:mlp_classify:1")
+    finally:
+        r.close()
+    assert "run in this worker" not in server.logs()
+
+
+def test_requests_in_flight_when_a_step_model_unloads_all_get_an_answer(
+        serve: Callable[..., Server], repo: Path, tmp_path: Path) -> None:
+    """The worker stops running the ensemble before the model it calls unloads: whatever it had read,
+    or was queued for it, is answered (a result, or a clear error), never left to time out."""
+    own = tmp_path / "repo"
+    for name in ("mlp", "classify_post", "mlp_classify"):
+        shutil.copytree(repo / name, own / name)
+    server = serve(own, "--model-control-mode", "explicit", "--load-model", "mlp_classify",
+                   wait_models=("mlp", "classify_post"))
+    wait_until(lambda: "ensemble mlp_classify version 1: run in this worker" in server.logs(), 20,
+               what="the worker to run the ensemble")
+    x = np.random.default_rng(9).standard_normal((1, 256)).astype(np.float32).ravel().tolist()
+
+    async def traffic() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=20) as client:
+            async def one(i: int) -> httpx.Response:
+                await asyncio.sleep(i * 0.01)
+                return await client.post(f"{server.url}/fn/mlp_classify", json={"x": x})
+
+            async def unload() -> None:
+                await asyncio.sleep(0.3)
+                r = await client.post(f"{server.url}/v2/repository/models/classify_post/unload")
+                assert r.status_code == 200, r.text
+
+            *answers, _ = await asyncio.gather(*(one(i) for i in range(150)), unload())
+            return answers
+
+    answers = asyncio.run(traffic())
+    codes = [r.status_code for r in answers]
+    assert codes[0] == 200 and set(codes) <= {200, 503}, codes
+    assert all("error" in r.json() for r in answers if r.status_code != 200)
+    assert 503 in codes  # the last ones came after the unload

@@ -197,6 +197,16 @@ class Commands:
                 for stream in e.streams(plane.keys, v):
                     if count := await refuse(plane.redis, stream, f"model '{n}' was unloaded"):
                         log.warning("model %s: %d queued requests answered: it was unloaded", n, count)
+        # an ensemble left loaded on top of it: no worker runs it now (each stopped running it before
+        # the model unloaded), so what is still on its stream would wait for nobody
+        for d in self._dependents(name):
+            e = plane.catalog.get(d)
+            for v in e.versions if e is not None and d not in names else ():
+                for stream in e.streams(plane.keys, v):
+                    if count := await refuse(plane.redis, stream, f"ensemble '{d}' cannot run: model "
+                                             f"'{name}' was unloaded"):
+                        log.warning("ensemble %s: %d queued requests answered: model %s was unloaded", d,
+                                    count, name)
 
     def _dependents(self, name: str) -> list[str]:
         """Ensembles with a step that calls the model, and the ensembles that call those."""

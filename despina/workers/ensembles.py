@@ -80,6 +80,11 @@ class EnsembleHost:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:  # what came in until now is run too (the models it calls stop after this)
+            while entries := await self.streams.read(READ_AHEAD, None):
+                self._accept(entries)
+        except (RedisError, OSError) as exc:  # left in the stream for the next worker that runs it
+            log.warning("ensemble %s: reading its stream before stopping failed (%s)", self.spec.name, exc)
         await self._idle.wait()  # each run ends by its deadline at the latest
         self._flush()
         while self._writes:

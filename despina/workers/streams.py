@@ -39,8 +39,9 @@ class ModelStreams:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    async def read(self, count: int, block_ms: int) -> list[Entry]:
-        """Up to `count` new entries, higher priority levels first; blocks only when all are empty."""
+    async def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to `count` new entries, higher priority levels first; blocks (`block_ms`, None: not at all)
+        only when all are empty."""
         try:
             if len(self.streams) == 1:
                 return _flatten(await self._xread({self.streams[0]: ">"}, count, block_ms))
