@@ -8,7 +8,7 @@ import pytest
 from despina.contract.catalog import IDLE, LOADED, CatalogEntry
 from despina.contract.cluster import VersionStatus, WorkerInfo, WorkerStatus
 from despina.contract.errors import ConfigError
-from despina.control.placement import committed, need, place, replicas
+from despina.control.placement import committed, need, partners, place, replicas
 from despina.control.versions import transition
 
 MB = 1024 * 1024
@@ -93,3 +93,22 @@ def test_worker_status_reads_revisions() -> None:
     status = WorkerStatus(WorkerInfo("w"), {"m": versions})
     assert status.ready("m", 1) and status.ready("m", 1, "r1") and not status.ready("m", 1, "r2")
     assert status.failed("m", 2, "r9") == "boom" and status.failed("m", 2, "r8") is None
+
+
+def test_the_models_an_ensemble_calls_go_together() -> None:
+    """A worker with every model an ensemble calls runs the ensemble itself: placement keeps them
+    together (before spreading the load), where memory allows."""
+    pool = workers(("a", 0, 100), ("b", 0, 100))
+    ensemble = {"name": "pipe", "platform": "ensemble", "ensemble_scheduling": {"step": [
+        {"model_name": "pre"}, {"model_name": "main"}]}}
+    pipe = CatalogEntry("pipe", "/repo/pipe", ensemble, (1,))
+    pre = entry("pre", workers=("b",))
+    other = entry("other", workers=("a",))
+    near = partners("main", [pipe, pre, other, entry("main")])
+    assert near == {"b": 1}
+    used = {"a": 10 * MB, "b": 10 * MB}
+    assert place(entry("main"), pool, used, 1, near=near)[0] == ("b",)
+    assert place(entry("main"), pool, {"a": 10 * MB, "b": 20 * MB}, 1, near=near)[0] == ("b",)  # before spreading
+    assert place(entry("main"), pool, used, 1)[0] == ("a",)                                   # without: a (ties by name)
+    assert place(entry("main", footprint=85 * MB), pool, {"a": 10 * MB, "b": 20 * MB}, 1, near=near)[0] == ("a",)  # no room on b
+    assert partners("other", [pipe, pre, other]) == {}                                        # in no ensemble

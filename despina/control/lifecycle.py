@@ -19,7 +19,7 @@ from ..settings import Settings
 from ..workers.redelivery import DeliveryPolicy, Queue
 from .backlog import requeue
 from .ensembles import Ensembles
-from .placement import committed, place, replicas
+from .placement import committed, partners, place, replicas
 from .repository import parameter
 from .state import Catalog, Workers
 
@@ -91,7 +91,8 @@ class Lifecycle:
             self.shortfall[e.name] = exc.message
             return replace(e, workers=())
         kept = replace(e, workers=tuple(w for w in e.workers if w not in excluded))
-        workers, why = place(kept, self.workers.infos, used, count, excluded)
+        near = partners(e.name, self.catalog.entries.values())
+        workers, why = place(kept, self.workers.infos, used, count, excluded, near)
         if workers != e.workers or why != self.shortfall.get(e.name, ""):
             log.log(logging.WARNING if why else logging.INFO, "model %s placed on %s%s", e.name,
                     ", ".join(workers) or "no worker", f" ({why})" if why else "")

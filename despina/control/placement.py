@@ -1,4 +1,5 @@
-"""Which workers load a model: instance_group kind and GPUs, memory, and spreading the load.
+"""Which workers load a model: instance_group kind and GPUs, memory, keeping an ensemble's models
+together, and spreading the load.
 
 Pure functions of the catalog and the workers' reported capacity, so each rule is testable alone.
 """
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 from ..contract.catalog import CatalogEntry
 from ..contract.cluster import WorkerInfo
+from ..contract.ensemble import called_by, is_ensemble
 from ..contract.errors import ConfigError
 from .repository import parameter
 
@@ -66,13 +68,28 @@ def eligible(n: Need, worker: WorkerInfo, used: int) -> str | None:
     return None
 
 
+def partners(name: str, entries: Iterable[CatalogEntry]) -> dict[str, int]:
+    """Per worker, how many of the models that share an ensemble with model `name` it has: a worker with
+    every model an ensemble calls runs the ensemble itself (one trip through Redis, not one per step)."""
+    calls = [called_by(e.config) for e in entries if is_ensemble(e.config)]
+    mates = {m for called in calls if name in called for m in called} - {name}
+    near: dict[str, int] = {}
+    for e in entries:
+        if e.name in mates and e.serving:
+            for w in e.workers:
+                near[w] = near.get(w, 0) + 1
+    return near
+
+
 def place(entry: CatalogEntry, workers: Mapping[str, WorkerInfo], used: Mapping[str, int], count: int,
-          exclude: Iterable[str] = ()) -> tuple[tuple[str, ...], str]:
+          exclude: Iterable[str] = (), near: Mapping[str, int] | None = None) -> tuple[tuple[str, ...], str]:
     """The model's placement: its live workers kept, more added up to `count` (0 = every eligible one).
 
     Returns the workers and, when it falls short, why. Preferred: a GPU worker for KIND_AUTO, a CPU-only
-    worker otherwise (GPUs stay free for what needs them), then the fewest bytes committed.
+    worker otherwise (GPUs stay free for what needs them), then the worker with the most of the models
+    that share an ensemble with it (`near`, from partners()), then the fewest bytes committed.
     """
+    near = near or {}
     n = need(entry)
     kept = [w for w in entry.workers if w in workers]
     excluded = set(exclude)
@@ -86,10 +103,10 @@ def place(entry: CatalogEntry, workers: Mapping[str, WorkerInfo], used: Mapping[
             reasons.append(why)
             continue
         gpu_mismatch = (info.gpus == 0) if (n.prefers_gpu or n.gpus) else (info.gpus > 0)
-        candidates.append((gpu_mismatch, used.get(wid, 0), wid))
+        candidates.append((gpu_mismatch, -near.get(wid, 0), used.get(wid, 0), wid))
     candidates.sort()
     wanted = len(kept) + len(candidates) if count == 0 else count
-    chosen = tuple(kept + [wid for _, _, wid in candidates][:max(0, wanted - len(kept))])
+    chosen = tuple(kept + [c[-1] for c in candidates][:max(0, wanted - len(kept))])
     if len(chosen) >= max(wanted, 1):
         return chosen, ""
     if not workers:
