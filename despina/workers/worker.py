@@ -55,6 +55,7 @@ class Worker:
         self.runners: dict[Key, ModelRunner] = {}
         self.hosts: dict[Key, EnsembleHost] = {}     # ensembles run here (workers/ensembles.py)
         self.catalog: dict[str, CatalogEntry] = {}   # as of the last sync
+        self._steps: dict[tuple[str, int | None], ModelRunner | None] = {}  # step_runner's answers
         self.revision: dict[Key, str] = {}            # of the serving runner
         self.load_ms: dict[Key, float] = {}
         self.loading: dict[Key, tuple[str, asyncio.Task[None]]] = {}
@@ -110,6 +111,7 @@ class Worker:
         hosts, self.hosts = self.hosts, {}
         await self._stop_hosts(list(hosts.values()))
         runners, self.runners = self.runners, {}
+        self._steps.clear()
         await asyncio.gather(*(r.stop() for r in runners.values()), return_exceptions=True)
         await self.deferred.close()
 
@@ -122,6 +124,7 @@ class Worker:
             return  # Redis lost its data (a restart without persistence): serve on until control republishes
         wanted: dict[Key, tuple[CatalogEntry, str]] = {}
         self.catalog = {}
+        self._steps.clear()  # the catalog's retiring versions may have changed
         for blob in raw.values():
             entry = CatalogEntry.loads(blob)
             self.catalog[entry.name] = entry
@@ -132,6 +135,7 @@ class Worker:
         await self._sync_hosts(set(gone))
         for key in gone:
             runner = self.runners.pop(key)
+            self._steps.clear()
             self.revision.pop(key, None)
             self.load_ms.pop(key, None)
             await self._announce()
@@ -153,6 +157,14 @@ class Worker:
     def step_runner(self, step: Step, without: frozenset[Key] | set[Key] = frozenset()) -> ModelRunner | None:
         """The READY runner here that a step of an ensemble run here calls: the version it pins, else
         the highest one not retiring (else the highest retiring one), as a gateway would pick."""
+        if without:
+            return self._step_runner(step, without)
+        key = (step.model, step.version)
+        if key not in self._steps:  # forgotten at each sync and each load
+            self._steps[key] = self._step_runner(step, without)
+        return self._steps[key]
+
+    def _step_runner(self, step: Step, without: frozenset[Key] | set[Key]) -> ModelRunner | None:
         if step.version is not None:
             key = (step.model, step.version)
             runner = self.runners.get(key)
@@ -238,6 +250,7 @@ class Worker:
         else:
             old = self.runners.get(key)
             self.runners[key], self.revision[key] = runner, rev
+            self._steps.clear()
             self.load_ms[key] = (time.monotonic() - started) * 1000
             self.failures.pop(key, None)
             log.info("worker %s: loaded %s version %d in %.0f ms", self.id, key[0], key[1], self.load_ms[key])
