@@ -337,13 +337,17 @@ def test_an_ensemble_calling_a_missing_model_is_unavailable_with_the_reason(serv
         assert httpx.get(f"{server.url}/v2/models/{name}/ready").status_code == 200
 
 
-def test_the_status_page_and_metrics_show_ensembles(server: Server) -> None:
+def test_the_status_page_and_metrics_show_ensembles(server: Server, request: pytest.FixtureRequest) -> None:
     assert infer(server, "diamond", {"IN0": np.ones((1, 4), np.float32), "IN1": np.ones((1, 4), np.float32)}
                  ).status_code == 200
     base = server.metrics_url.removesuffix("/metrics")
     models = wait_until(lambda: httpx.get(f"{base}/status.json").json()["models"], 10, what="the status")
     rows = {m["name"]: m for m in models}
     assert rows["diamond"]["ensemble"] and not rows["diamond"]["failed"] and not rows["diamond"]["reason"]
+    # which workers run it themselves: the one worker, or none (the gateways chain its steps)
+    by_worker = request.node.callspec.params["server"] == "worker"
+    assert rows["add_sub"]["workers"]
+    assert rows["diamond"]["workers"] == (rows["add_sub"]["workers"] if by_worker else [])
     assert rows["orphan"]["ensemble"] and rows["orphan"]["failed"] and "no_such_model" in rows["orphan"]["reason"]
     assert not rows["mlp"]["ensemble"]
     success = 'nv_inference_request_success{model="diamond",version="1"}'

@@ -55,6 +55,7 @@ class WorkerStatus:
     info: WorkerInfo
     detail: dict[str, dict[int, VersionStatus]] = field(default_factory=dict)
     cache: dict[str, int] = field(default_factory=dict)
+    ensembles: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the versions it runs itself
 
     def version(self, model: str, version: int) -> VersionStatus | None:
         return self.detail.get(model, {}).get(version)
@@ -75,7 +76,8 @@ class WorkerStatus:
         info = WorkerInfo.loads(h[b"info"]) if b"info" in h else WorkerInfo(worker_id)
         detail = {name: {int(v): VersionStatus.unpack(s) for v, s in versions.items()}
                   for name, versions in orjson.loads(h.get(b"detail", b"{}")).items()}
-        return cls(info, detail, orjson.loads(h.get(b"cache", b"{}")))
+        ensembles = {name: tuple(vs) for name, vs in orjson.loads(h.get(b"ensembles", b"{}")).items()}
+        return cls(info, detail, orjson.loads(h.get(b"cache", b"{}")), ensembles)
 
 
 def pack_detail(detail: dict[str, dict[int, VersionStatus]]) -> bytes:

@@ -71,7 +71,9 @@ class StatusTracker:
                     "name": name, "version": version, "state": entry.state, "target": entry.target,
                     "reason": entry.failed.get(version) or entry.reason, "versions": list(entry.versions),
                     "ensemble": is_ensemble(entry.config), "failed": version in entry.failed,
-                    "workers": [w.info.id for w in self.workers if w.ready(name, version)],
+                    # an ensemble's: the workers that run it themselves (none: gateways chain its steps)
+                    "workers": [w.info.id for w in self.workers
+                                if w.ready(name, version) or version in w.ensembles.get(name, ())],
                     "placed": list(entry.workers), "queue": self.backlog.get(key, 0),
                     "requests_per_s": _rate(rate_base, now, key, stats),
                     **_latency(recent_base, key, stats),
@@ -83,7 +85,8 @@ class StatusTracker:
                 })
         workers = [{"id": w.info.id, "host": w.info.host, "pid": w.info.pid, "cpus": w.info.cpus,
                     "gpus": w.info.gpus, "memory_bytes": w.info.memory_bytes,
-                    "models": {m: {str(v): s.state for v, s in vs.items()} for m, vs in w.detail.items()}}
+                    "models": {m: {str(v): s.state for v, s in vs.items()} for m, vs in w.detail.items()},
+                    "ensembles": {m: list(vs) for m, vs in w.ensembles.items()}}
                    for w in self.workers]
         return {"time": now, "models": models, "workers": workers}
 

@@ -48,7 +48,7 @@ async function refresh() {
       return `<tr><td>${esc(m.name)}</td><td>${m.version || "-"}</td>
         <td><span class="state ${esc(state)}">${esc(state)}</span>
         ${m.reason ? `<div class="err">${esc(m.reason)}</div>` : ""}</td>
-        <td>${m.workers.map(esc).join("<br>") || "-"}</td><td class="n">${m.queue}</td>
+        <td>${m.workers.map(esc).join("<br>") || (m.ensemble ? "gateways" : "-")}</td><td class="n">${m.queue}</td>
         <td class="n">${m.requests_per_s}</td><td class="n">${num(m.p50_ms)}</td><td class="n">${num(m.p99_ms)}</td>
         <td>${bars(m.batch_sizes)}</td>
         <td class="n">${m.cold_starts}${m.cold_start_ms ? ` (${m.cold_start_ms} ms)` : ""}</td></tr>`;
@@ -57,7 +57,9 @@ async function refresh() {
       <td>${esc(w.host)} / ${w.pid}</td><td>${w.cpus} CPU${w.gpus ? `, ${w.gpus} GPU` : ""}</td>
       <td class="n">${w.memory_bytes ? (w.memory_bytes / 2 ** 30).toFixed(1) + " GiB" : "-"}</td>
       <td>${Object.entries(w.models).map(([m, vs]) => Object.entries(vs).map(([v, st]) =>
-        `${esc(m)} v${v} <span class="state ${esc(st)}">${esc(st)}</span>`).join("<br>")).join("<br>") || "-"}</td>
+        `${esc(m)} v${v} <span class="state ${esc(st)}">${esc(st)}</span>`).join("<br>")).join("<br>") || "-"}
+        ${Object.entries(w.ensembles || {}).map(([m, vs]) => vs.map(v =>
+        `<br>${esc(m)} v${v} <span class="state ensemble">runs it</span>`).join("")).join("")}</td>
       </tr>`).join("") || '<tr><td colspan="5" class="muted">no workers</td></tr>';
     document.getElementById("updated").textContent = "updated " + new Date(s.time * 1000).toLocaleTimeString();
   } catch (e) {

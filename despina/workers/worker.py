@@ -355,12 +355,16 @@ class Worker:
             models: dict[str, dict[str, str]] = {}
             for (name, version), runner in self.runners.items():
                 models.setdefault(name, {})[str(version)] = runner.state
+            ensembles: dict[str, list[int]] = {}
             for (name, version), host in self.hosts.items():
                 models.setdefault(name, {})[str(version)] = host.state
+                if host.state == "READY":
+                    ensembles.setdefault(name, []).append(version)
             key = self.keys.worker(self.id)
             pipe = self.redis.pipeline(transaction=True)
             pipe.hset(key, mapping={"info": self.info.dumps(), "models": orjson.dumps(models),
                                     "detail": pack_detail(self.detail()),
+                                    "ensembles": orjson.dumps(ensembles),
                                     "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
                                     "seen": time.time()})
             pipe.pexpire(key, int(self.settings.worker_ttl_s * 1000))
