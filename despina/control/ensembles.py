@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Any
 
 from ..contract.catalog import IDLE, UNLOADED, CatalogEntry
 from ..contract.ensemble import Ensemble, is_ensemble
@@ -22,18 +23,25 @@ class Ensembles:
     def __init__(self, catalog: Catalog, workers: Workers) -> None:
         self.catalog, self.workers = catalog, workers
         self.syncing = False  # the registry is being read: checked once the models they call are all in
+        # parsed configs, by model: reused while the entry's config is the same object (entries are
+        # replaced, never changed in place), so a tick parses only what changed
+        self._specs: dict[str, tuple[dict[str, Any], ModelSpec]] = {}
+        self._graphs: dict[str, tuple[dict[str, Any], Ensemble]] = {}
 
     def check(self) -> None:
         """Mark each ensemble's versions failed while a model it calls is missing, unusable or does not
         fit its graph (the reason says which step and why); clear the mark once it fits again."""
         if self.syncing:
             return
+        for cache in (self._specs, self._graphs):
+            for name in [n for n in cache if n not in self.catalog.entries]:
+                del cache[name]
         for e in list(self.catalog.entries.values()):
             if e.state != "READY" or not is_ensemble(e.config):
                 continue
             try:
-                ensemble = Ensemble.from_config(e.config)
-                why = ensemble.problems(ModelSpec.from_config(e.config), self._usable) \
+                ensemble = self.graph(e)
+                why = ensemble.problems(self._spec(e), self._usable) \
                     or self._pinned_versions(ensemble)
             except DespinaError as exc:
                 why = exc.message
@@ -56,7 +64,20 @@ class Ensembles:
         current = [v for v in e.versions if v not in e.retiring]
         if current and all(v in e.failed for v in current):
             return None, f"model '{name}' failed to load: {e.failed[current[-1]]}"
-        return ModelSpec.from_config(e.config), ""
+        return self._spec(e), ""
+
+    def _spec(self, e: CatalogEntry) -> ModelSpec:
+        cached = self._specs.get(e.name)
+        if cached is None or cached[0] is not e.config:
+            cached = self._specs[e.name] = (e.config, ModelSpec.from_config(e.config))
+        return cached[1]
+
+    def graph(self, e: CatalogEntry) -> Ensemble:
+        """The ensemble's steps (ConfigError when its graph cannot run)."""
+        cached = self._graphs.get(e.name)
+        if cached is None or cached[0] is not e.config:
+            cached = self._graphs[e.name] = (e.config, Ensemble.from_config(e.config))
+        return cached[1]
 
     def _pinned_versions(self, ensemble: Ensemble) -> str:
         """Why a step that names a version cannot call it ('' when every one can)."""
@@ -75,7 +96,7 @@ class Ensembles:
         if e.target == UNLOADED:
             return "UNAVAILABLE", "unloaded"
         loading, idle = [], []
-        for step in Ensemble.from_config(e.config).steps:
+        for step in self.graph(e).steps:
             model = self.catalog.get(step.model)
             if model is None:
                 return "UNAVAILABLE", f"{step}: the model is not in the repository"
