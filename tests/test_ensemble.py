@@ -7,6 +7,7 @@ import asyncio
 import io
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -487,3 +488,25 @@ def test_requests_in_flight_when_a_step_model_unloads_all_get_an_answer(
     assert codes[0] == 200 and set(codes) <= {200, 503}, codes
     assert all("error" in r.json() for r in answers if r.status_code != 200)
     assert 503 in codes  # the last ones came after the unload
+
+
+def test_steady_ensemble_traffic_keeps_its_models_from_going_idle(serve: Callable[..., Server], repo: Path,
+                                                                   tmp_path: Path) -> None:
+    """Steps run inside the worker count as their models' use (their counters ride along with later
+    pipelines): a model called only through the ensemble is not scaled to zero while it is called."""
+    own = tmp_path / "repo"
+    for name in ("mlp", "classify_post", "mlp_classify"):
+        shutil.copytree(repo / name, own / name)
+    config = own / "classify_post" / "config.pbtxt"
+    config.write_text(config.read_text() + 'parameters { key: "idle_timeout_s" value: { string_value: "1" } }\n')
+    server = serve(own, wait_models=("mlp", "classify_post"))
+    wait_until(lambda: "ensemble mlp_classify version 1: run in this worker" in server.logs(), 20,
+               what="the worker to run the ensemble")
+    x = {"x": np.zeros(256).tolist()}
+    with httpx.Client(timeout=20) as client:
+        for _ in range(20):  # 4 s of requests, four times the idle timeout
+            assert client.post(f"{server.url}/fn/mlp_classify", json=x).status_code == 200
+            time.sleep(0.2)
+    assert "model classify_post: no request for" not in server.logs()
+    stats = httpx.get(f"{server.url}/v2/models/classify_post/stats").json()["model_stats"][0]
+    assert stats["inference_count"] >= 20  # the steps are counted in the model's own statistics
