@@ -10,7 +10,8 @@
 # `@triton` is real Triton instead (the peers kit's tritonserver, run as the kit runs it, on core 0)
 # serving bench/out/triton: W1 as the kit's Python-backend `mlp` and W3's `classify_post` and
 # `mlp_classify` unchanged from model_repository/. Not a record by itself: bench/RESULTS.md says
-# what each comparison was and quotes the command.
+# what each comparison was and quotes the command. At the end, bench/ab_summary.py's table (each
+# label's rounds, and the ratio of its sum to the first label's) goes to the screen and summary.md.
 #
 #   git worktree add /tmp/base HEAD~1
 #   bench/ab.sh -r 2 base=/tmp/base new=.            # then: git worktree remove /tmp/base
@@ -129,3 +130,4 @@ for round in $(seq "$ROUNDS"); do
   done
 done
 echo "lines: $OUT/ab.txt"
+"$PY" "$ROOT/bench/ab_summary.py" "$OUT/ab.txt" | tee "$OUT/summary.md"
