@@ -146,3 +146,64 @@ async def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(
            reclaimed_wait_after_kill=percentiles([a.done - killed for a in reclaimed]),
            reclaimed_latency=percentiles([a.latency for a in reclaimed]),
            others_latency=percentiles([a.latency for a in others]), env=env)
+
+
+TWICE_CONFIG = """
+name: "slow_twice"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "Y2", data_type: TYPE_FP32, dims: [ 16 ] } ]
+ensemble_scheduling { step [
+  { model_name: "slow" model_version: -1 input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y1" } },
+  { model_name: "slow" model_version: -1 input_map { key: "X" value: "Y1" } output_map { key: "Y" value: "Y2" } }
+] }
+"""
+
+
+async def test_a_worker_killed_while_running_ensembles_loses_and_duplicates_nothing(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """Both workers run the ensemble (each has its model); one is killed with requests read from the
+    ensemble's stream and steps in its batcher. Those steps die with it, the ensemble entries it had
+    read come back (its heartbeat expired) and the other worker runs them whole: every request is
+    answered once, with its own result."""
+    slow_model(tmp_path / "repo")
+    (tmp_path / "repo" / "slow_twice").mkdir()
+    (tmp_path / "repo" / "slow_twice" / "config.pbtxt").write_text(TWICE_CONFIG)
+    server = serve(tmp_path / "repo", "--workers", "2", "--model-replicas", "0", wait_models=("slow",),
+                   env={"DESPINA_WORKER_TTL_S": "2"})
+    wait_until(lambda: server.logs().count("ensemble slow_twice version 1: run in this worker") == 2, 30,
+               what="both workers to run the ensemble")
+    client = redis.Redis.from_url(redis_url)
+    stream = Keys(key_prefix).request_stream("slow_twice", 1)
+    pids = {wid: orjson.loads(h[b"info"])["pid"] for wid, h in worker_hashes(redis_url, key_prefix).items()}
+
+    requests = 600
+    x = np.random.default_rng(11).standard_normal((requests, 16)).astype(np.float32)
+    expected = (x * 2 + 1) * 2 + 1
+    answers: list[Answer] = []
+    load = asyncio.create_task(post_all(lambda i: f"{server.url}/v2/models/slow_twice/infer",
+                                        [body(row) for row in x], CONCURRENCY, answers))
+    held: dict[str, int] = {}
+    while not load.done():
+        held = pending_of(client, stream)
+        if len(answers) >= requests // 5 and any(held.get(w) for w in pids):
+            break
+        await asyncio.sleep(0.005)
+    victim = max(pids, key=lambda wid: held.get(wid, 0))
+    os.kill(pids[victim], signal.SIGKILL)
+    await asyncio.wait_for(load, 120)
+    stop_server(server)
+    client.close()
+
+    by_index: dict[int, list[Answer]] = {}
+    for a in answers:
+        by_index.setdefault(a.index, []).append(a)
+    assert sorted(by_index) == list(range(requests))                    # none lost
+    assert all(len(v) == 1 for v in by_index.values())                   # none answered twice
+    failed = [(a.index, a.status, a.body[:200]) for a in answers if a.status != 200]
+    assert not failed, (failed[:5], server.logs()[-3000:])
+    for a in answers:
+        np.testing.assert_array_equal(output(a), expected[a.index])
+    assert held.get(victim), "the killed worker held no ensemble request"
+    assert "requeued" in server.logs()
