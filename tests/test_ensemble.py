@@ -25,7 +25,7 @@ from despina.control.repository import load_model
 from despina.examples import mlp_numpy
 
 from .conftest import Server, module_server
-from .control_support import index, wait_until
+from .control_support import index, wait_until, worker_hashes
 
 FOUR = 'input [ { name: "IN0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "IN1" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
 
@@ -432,18 +432,19 @@ def test_an_ensemble_in_s3_with_a_pinned_step_version(serve: Callable[..., Serve
 def test_with_two_workers_an_ensembles_models_are_placed_together(serve: Callable[..., Server], repo: Path,
                                                                    tmp_path: Path, redis_url: str,
                                                                    key_prefix: str) -> None:
-    """Placement keeps the models an ensemble calls on one worker, which then runs the ensemble; the
-    other models still spread over the workers."""
+    """Placement keeps the models an ensemble calls on one worker, which then runs the ensemble (without
+    the rule, the second model goes to the other, emptier worker; tests/test_control_placement.py has
+    the rule itself)."""
     two = tmp_path / "repo"
-    for name in ("mlp", "classify_post", "mlp_classify", "add_sub"):
+    for name in ("mlp", "classify_post", "mlp_classify"):
         shutil.copytree(repo / name, two / name)
-    server = serve(two, "--workers", "2", wait_models=("mlp", "classify_post", "add_sub"))
+    server = serve(two, "--workers", "2", wait_models=("mlp", "classify_post"))
+    wait_until(lambda: len(worker_hashes(redis_url, key_prefix)) == 2, 20, what="two workers")
     base = server.metrics_url.removesuffix("/metrics")
     placed = wait_until(lambda: next((p for p in [{m["name"]: m["placed"] for m in
                                                     httpx.get(f"{base}/status.json").json()["models"]}]
-                                      if p.get("mlp") and p.get("classify_post") and p.get("add_sub")), None),
-                        20, what="placement")
-    assert placed["mlp"] == placed["classify_post"] != placed["add_sub"]
+                                      if p.get("mlp") and p.get("classify_post")), None), 20, what="placement")
+    assert placed["mlp"] == placed["classify_post"]
     wait_until(lambda: "ensemble mlp_classify version 1: run in this worker" in server.logs(), 20,
                what="the worker to run the ensemble")
     x = np.random.default_rng(8).standard_normal((3, 256)).astype(np.float32)
