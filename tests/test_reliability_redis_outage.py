@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 
 from despina.examples import mlp_numpy
+from despina.redis_client import CONNECT_TIMEOUT_S
 
 from .conftest import Server, stop_server
 from .control_support import mlp_folder
@@ -84,7 +85,10 @@ async def test_redis_stopped_under_load_gives_503s_then_everything_recovers(
     assert during and {a.status for a in during} == {503}, {a.status for a in during}
     refused = [a for a in answers if a.status == 503]
     assert all(b"Redis" in a.body and a.headers.get("retry-after") == "1" for a in refused), refused[0].body
-    assert max(a.latency for a in refused) < 1.0, percentiles([a.latency for a in refused])
+    # answered at once, not after their 10 s timeout: a request queued behind a write that is waiting out
+    # a connection attempt (CONNECT_TIMEOUT_S, 0.5 s) can wait for one more attempt of its own; the
+    # bound leaves room for a busy machine (CI once measured 1.04 s against a bound of 1.0 s)
+    assert max(a.latency for a in refused) < 4 * CONNECT_TIMEOUT_S, percentiles([a.latency for a in refused])
     assert {a.status for a in answers} <= {200, 503}  # no 500, no hang, no connection error
     for a in answers:
         if a.status == 200:
