@@ -247,6 +247,21 @@ def python_model(n: int = 2000) -> None:
         timed(f"python model: classify_post, {k} requests, in here", lambda k=k: local.execute([one] * k), n)
 
 
+def ensemble_check(n: int = 2000) -> None:
+    """The control plane's per-tick check of an ensemble against the models it calls (bench/out/repo's
+    W3: bench/models.py first)."""
+    from despina.contract.keys import Keys
+    from despina.control.ensembles import Ensembles
+    from despina.control.repository import load_model
+    from despina.control.state import Catalog
+
+    catalog = Catalog(None, Keys("micro"))  # type: ignore[arg-type]  # in memory only: never flushed
+    for name in ("mlp", "classify_post", "mlp_classify"):
+        catalog.put(load_model(Path(__file__).resolve().parent / "out" / "repo" / name))
+    ensembles = Ensembles(catalog, None)  # type: ignore[arg-type]  # check() reads no worker
+    timed("control plane: check one ensemble (per tick)", ensembles.check, n)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -257,6 +272,7 @@ def main() -> None:
     uvloop.run(timers())
     statistics_record(args.redis_url)
     python_model()
+    ensemble_check()
 
 
 if __name__ == "__main__":

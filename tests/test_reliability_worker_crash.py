@@ -71,6 +71,22 @@ def output(answer: Answer) -> np.ndarray:
     return np.array(orjson.loads(answer.body)["outputs"][0]["data"], dtype=np.float32)
 
 
+def check_each_answered_once(answers: list[Answer], expected: np.ndarray, server: Server
+                             ) -> tuple[dict[int, list[Answer]], list[tuple[int, int, bytes]]]:
+    """None lost, none answered twice, none failed, each its own right answer; the answers by request,
+    and the failures (none)."""
+    by_index: dict[int, list[Answer]] = {}
+    for a in answers:
+        by_index.setdefault(a.index, []).append(a)
+    assert sorted(by_index) == list(range(len(expected)))               # none lost
+    assert all(len(v) == 1 for v in by_index.values())                   # none answered twice
+    failed = [(a.index, a.status, a.body[:200]) for a in answers if a.status != 200]
+    assert not failed, (failed[:5], server.logs()[-3000:])
+    for a in answers:                                                    # each its own right answer
+        np.testing.assert_array_equal(output(a), expected[a.index])
+    return by_index, failed
+
+
 def pending_of(client: redis.Redis, stream: str) -> dict[str, int]:
     """Consumer -> entries it read and has not acknowledged."""
     return {c["name"].decode(): c["pending"] for c in client.xpending(stream, GROUP)["consumers"]}
@@ -122,15 +138,7 @@ async def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(
     stop_server(server)  # the gateway logs the duplicate replies it dropped as it stops
     client.close()
 
-    by_index: dict[int, list[Answer]] = {}
-    for a in answers:
-        by_index.setdefault(a.index, []).append(a)
-    assert sorted(by_index) == list(range(requests))                    # none lost
-    assert all(len(v) == 1 for v in by_index.values())                   # none answered twice
-    failed = [(a.index, a.status, a.body[:200]) for a in answers if a.status != 200]
-    assert not failed, (failed[:5], server.logs()[-3000:])
-    for a in answers:                                                    # each its own right answer
-        np.testing.assert_array_equal(output(a), expected[a.index])
+    by_index, failed = check_each_answered_once(answers, expected, server)
     assert entries and held, "no worker ever held a request it had read"
 
     dropped = re.search(r"dropped (\d+) replies nobody waited for", server.logs())
@@ -196,14 +204,6 @@ async def test_a_worker_killed_while_running_ensembles_loses_and_duplicates_noth
     stop_server(server)
     client.close()
 
-    by_index: dict[int, list[Answer]] = {}
-    for a in answers:
-        by_index.setdefault(a.index, []).append(a)
-    assert sorted(by_index) == list(range(requests))                    # none lost
-    assert all(len(v) == 1 for v in by_index.values())                   # none answered twice
-    failed = [(a.index, a.status, a.body[:200]) for a in answers if a.status != 200]
-    assert not failed, (failed[:5], server.logs()[-3000:])
-    for a in answers:
-        np.testing.assert_array_equal(output(a), expected[a.index])
+    check_each_answered_once(answers, expected, server)
     assert held.get(victim), "the killed worker held no ensemble request"
     assert "requeued" in server.logs()

@@ -28,7 +28,8 @@ from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest
 from ..resp import Batch, Resp
 from .redelivery import DeliveryPolicy
-from .runner import TIMED_OUT, ModelRunner, bounded_levels, count_dequeued, replies_into
+from .replies import bounded_levels, count_dequeued, replies_into
+from .runner import TIMED_OUT, ModelRunner
 from .stats import Deferred, ensemble_counts, record_counts
 from .streams import Entry, ModelStreams
 

@@ -25,13 +25,13 @@ from .backends import Backend, backend_class
 from .batcher import DynamicBatcher, Item, QueueFull
 from .instances import plan as plan_instances
 from .redelivery import DeliveryPolicy
+from .replies import bounded_levels, count_dequeued, replies_into
 from .streams import Entry, ModelStreams
 from .warmup import run as warmup
 from .warmup import samples
 
 log = logging.getLogger("despina.worker")
 
-REPLY_MAXLEN = 100_000       # backstop: gateways trim what they have read
 # A batch expected to take less than this runs on the event loop itself: handing it to a thread and
 # back costs tens of microseconds of CPU (as much as a small model's batch), and with one instance
 # batches run one at a time anyway. The loop (the other models of this worker included) then pauses
@@ -426,33 +426,6 @@ class ModelRunner:
         except (RedisError, OSError) as exc:
             log.error("model %s: acknowledging failed: %s; the entries will be reclaimed",
                       self.spec.name, exc)
-
-
-def bounded_levels(spec: ModelSpec) -> set[int]:
-    """The priority levels whose queue policy sets max_queue_size: gateways count what they queue there."""
-    return {level for level in range(1, max(spec.policy.priority_levels, 1) + 1)
-            if spec.policy.queue_policy(level).max_queue_size}
-
-
-def count_dequeued(pipe: Batch, keys: Keys, spec: ModelSpec, version: int, bounded: set[int],
-                   answered: list[InferRequest]) -> None:
-    """Take the answered requests off their levels' queued counters (those `bounded` ones)."""
-    levels: dict[int, int] = {}
-    for req in answered:
-        if not req.reply_to:
-            continue  # made in this process: never counted as queued
-        level = spec.policy.level(req.priority)
-        if level in bounded:
-            levels[level] = levels.get(level, 0) + 1
-    for level, n in levels.items():
-        pipe.decrby(keys.queued(spec.name, version, level), n)
-
-
-def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: int) -> None:
-    """One reply entry per gateway's reply stream, which expires if its gateway is gone."""
-    for stream, group in by_gateway.items():
-        pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
-        pipe.pexpire(stream, ttl_ms)
 
 
 def _timings(marks: dict[str, int], end: int) -> tuple[int, int, int]:

@@ -1,0 +1,38 @@
+"""What a worker writes back to Redis with its answers: the reply entries, and the queued counters of
+priority levels with a max_queue_size. Shared by a model's runner and an ensemble run in the worker."""
+from __future__ import annotations
+
+from ..contract import records
+from ..contract.keys import FIELD, Keys
+from ..contract.modelconfig import ModelSpec
+from ..contract.records import InferReply, InferRequest
+from ..resp import Batch
+
+REPLY_MAXLEN = 100_000       # backstop: gateways trim what they have read
+
+
+def bounded_levels(spec: ModelSpec) -> set[int]:
+    """The priority levels whose queue policy sets max_queue_size: gateways count what they queue there."""
+    return {level for level in range(1, max(spec.policy.priority_levels, 1) + 1)
+            if spec.policy.queue_policy(level).max_queue_size}
+
+
+def count_dequeued(pipe: Batch, keys: Keys, spec: ModelSpec, version: int, bounded: set[int],
+                   answered: list[InferRequest]) -> None:
+    """Take the answered requests off their levels' queued counters (those `bounded` ones)."""
+    levels: dict[int, int] = {}
+    for req in answered:
+        if not req.reply_to:
+            continue  # made in this process: never counted as queued
+        level = spec.policy.level(req.priority)
+        if level in bounded:
+            levels[level] = levels.get(level, 0) + 1
+    for level, n in levels.items():
+        pipe.decrby(keys.queued(spec.name, version, level), n)
+
+
+def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: int) -> None:
+    """One reply entry per gateway's reply stream, which expires if its gateway is gone."""
+    for stream, group in by_gateway.items():
+        pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
+        pipe.pexpire(stream, ttl_ms)
