@@ -8,10 +8,11 @@
 # the statistics before and after the point). TREE is a checkout of Despina (a git worktree of another
 # commit, say) run with this checkout's venv; ENV=V pairs are set for that tree's server. TREE
 # `@triton` is real Triton instead (the peers kit's tritonserver, run as the kit runs it, on core 0)
-# serving bench/out/triton: W1 as the kit's Python-backend `mlp` and W3's `classify_post` and
-# `mlp_classify` unchanged from model_repository/. Not a record by itself: bench/RESULTS.md says
-# what each comparison was and quotes the command. At the end, bench/ab_summary.py's table (each
-# label's rounds, and the ratio of its sum to the first label's) goes to the screen and summary.md.
+# serving bench/out/triton: W1 as the kit's Python-backend `mlp`, W2 `mlp_heavy` as the same model.py
+# on W2's ONNX file, and W3's `classify_post` and `mlp_classify` unchanged from model_repository/.
+# Not a record by itself: bench/RESULTS.md says what each comparison was and quotes the command. At
+# the end, bench/ab_summary.py's table (each label's rounds, and the ratio of its sum to the first
+# label's) goes to the screen and summary.md.
 #
 #   git worktree add /tmp/base HEAD~1
 #   bench/ab.sh -r 2 base=/tmp/base new=.            # then: git worktree remove /tmp/base
@@ -81,7 +82,10 @@ triton_repo() {  # bench/out/triton: the kit's W1 for Triton, and W3's models as
   [ -d "$PEERS_DIR/triton/models/mlp" ] || { echo "no Triton in $PEERS_DIR: run /work/shared/peers/setup.sh" >&2; return 1; }
   rm -rf "$repo" && mkdir -p "$repo/mlp_classify/1" || return 1  # Triton wants the ensemble's version folder
   cp -r "$PEERS_DIR/triton/models/mlp" "$repo/" && cp -r "$ROOT/model_repository/classify_post" "$repo/" &&
-    cp "$ROOT/model_repository/mlp_classify/config.pbtxt" "$repo/mlp_classify/"
+    cp "$ROOT/model_repository/mlp_classify/config.pbtxt" "$repo/mlp_classify/" || return 1
+  # W2: the kit's Python-backend model (Triton's batcher, onnxruntime on one thread) on W2's ONNX file
+  cp -r "$repo/mlp" "$repo/mlp_heavy" && cp "$ROOT/bench/out/repo/mlp_heavy/1/model.onnx" "$repo/mlp_heavy/1/" &&
+    sed -i 's/^name: "mlp"/name: "mlp_heavy"/' "$repo/mlp_heavy/config.pbtxt"
 }
 
 start() {  # tree envs log: a server on core 0 in its own process group, its pid in $serve
