@@ -162,8 +162,10 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
+    # Triton's batching to the letter: requests sent together share a batch even when they trickle in
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("add_sub_python", "strings", "flaky", "auto", "add_sub"))
+                             ("add_sub_python", "strings", "flaky", "auto", "add_sub"),
+                             env={"DESPINA_FULL_QUEUE_DELAY": "true"})
 
 
 @pytest.fixture(scope="module")

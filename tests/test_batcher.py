@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from despina.contract import records
-from despina.contract.keys import FIELD, Keys
+from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferRequest, Tensor
 from despina.control.repository import load_model
@@ -243,3 +243,100 @@ async def test_time_in_the_stream_counts_towards_the_delay(tmp_path: Path) -> No
     assert [[p.request.id for p in batch] for batch in rec.batches] == [["r1"], ["r2"]]
     runner.batcher.close()
     await asyncio.wait_for(task, 5)
+
+
+async def test_a_batch_goes_at_once_when_nothing_can_join_it() -> None:
+    policy = BatchPolicy(max_batch_size=8, max_queue_delay_us=2_000_000, dynamic=True)
+    coming = True
+    rec = Recorder()
+    batcher = DynamicBatcher(policy, rec, nothing_coming=lambda: not coming)
+    task = asyncio.create_task(batcher.run())
+    batcher.put(Item(1, "k", 0))
+    await asyncio.sleep(0.05)
+    assert rec.batches == []              # something may still come: it waits
+    coming = False
+    batcher.put(Item(1, "k", 1))          # asked again when the next request arrives
+    await asyncio.sleep(0.05)
+    assert rec.batches == [[0, 1]]
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+
+
+def add_sub_runner(tmp_path: Path, full_queue_delay: bool = False) -> tuple[ModelRunner, Recorder]:
+    """A runner of a model with a 2 s queue delay, its batches recorded instead of run."""
+    folder = tmp_path / "add_sub"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.onnx").write_bytes(b"never loaded")
+    (folder / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 2000000 }\n'
+        'input [ { name: "a" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "b" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        'output [ { name: "sum" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
+    spec = ModelSpec.from_config(load_model(folder).config)
+    runner = ModelRunner(None, Keys("unused"), spec, 1, folder, "test",  # type: ignore[arg-type]
+                         full_queue_delay=full_queue_delay)
+    rec = Recorder()
+    runner.batcher = DynamicBatcher(spec.policy, rec, nothing_coming=runner._coming)
+    return runner, rec
+
+
+def gateway_entry(ids: list[str], in_flight: bytes | None, gateway: str = "g1"
+                  ) -> tuple[str, bytes, dict[bytes, bytes]]:
+    """A gateway's stream entry, saying it had `in_flight` requests out (None: an older gateway)."""
+    row = np.ones((1, 4), np.float32).tobytes()
+    reqs = [InferRequest(i, gateway, time.time() + 60, (Tensor("a", "FP32", (1, 4), row),
+                         Tensor("b", "FP32", (1, 4), row)), enqueued=time.time()) for i in ids]
+    fields = {FIELD: records.encode(reqs)}
+    if in_flight is not None:
+        fields[IN_FLIGHT] = in_flight
+    return "stream", f"{ids[0]}-0".encode(), fields
+
+
+async def batches_after(runner: ModelRunner, rec: Recorder, *entries: tuple[str, bytes, dict[bytes, bytes]]
+                        ) -> list[list[str]]:
+    """What ran within 50 ms of accepting `entries` (in turn) — far inside the 2 s delay."""
+    task = asyncio.create_task(runner.batcher.run())
+    for entry in entries:
+        await runner._accept([entry])
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    ran = [[p.request.id for p in batch] for batch in rec.batches]
+    runner.batcher.close()
+    await asyncio.wait_for(task, 5)
+    return ran
+
+
+async def test_the_worker_sends_a_batch_once_every_request_in_flight_is_in_it(tmp_path: Path) -> None:
+    """A gateway's entry says how many requests for the model it has out; once they are all queued
+    here, nothing can join them and the batch goes without waiting out its delay."""
+    runner, rec = add_sub_runner(tmp_path)
+    assert await batches_after(runner, rec, gateway_entry(["r1"], b"1")) == [["r1"]]
+    runner, rec = add_sub_runner(tmp_path / "2")
+    # three out, two here: it waits for the third, then sends all three at once
+    ran = await batches_after(runner, rec, gateway_entry(["r1", "r2"], b"3"), gateway_entry(["r3"], b"3"))
+    assert ran == [["r1", "r2", "r3"]]
+
+
+async def test_the_worker_waits_while_a_request_may_still_join(tmp_path: Path) -> None:
+    cases = {
+        "one of two still on its way": ([gateway_entry(["r1"], b"2")], False),
+        "an older gateway that says nothing": ([gateway_entry(["r1"], None)], False),
+        "not a count": ([gateway_entry(["r1"], b"many")], False),
+        "another gateway has one more out": ([gateway_entry(["r1"], b"2", gateway="g2"),
+                                              gateway_entry(["r2"], b"1")], False),
+        "Triton's rule asked for": ([gateway_entry(["r1"], b"1")], True),
+    }
+    for i, (case, (entries, full_delay)) in enumerate(cases.items()):
+        runner, rec = add_sub_runner(tmp_path / str(i), full_queue_delay=full_delay)
+        assert await batches_after(runner, rec, *entries) == [], case
+
+
+async def test_a_step_made_in_this_worker_waits_unless_its_ensemble_has_nothing_else_out(tmp_path: Path
+                                                                                       ) -> None:
+    """An ensemble's step (submitted in-process) joins the batch; whether more may come is its host's
+    to say (EnsembleHost.settled), and saying nothing means: wait."""
+    row = np.ones((1, 4), np.float32).tobytes()
+    for i, (settled, runs) in enumerate(((None, 0), (lambda: False, 0), (lambda: True, 1))):
+        runner, rec = add_sub_runner(tmp_path / str(i))
+        runner.submit([Tensor("a", "FP32", (1, 4), row), Tensor("b", "FP32", (1, 4), row)], (),
+                      time.time() + 60, lambda reply: None, settled=settled)
+        assert len(await batches_after(runner, rec, gateway_entry(["r1"], b"1"))) == runs, settled

@@ -14,9 +14,12 @@ import redis.asyncio as aioredis
 from despina.contract.keys import Keys
 from despina.examples import build_mlp
 
-from .conftest import Server
+from .conftest import Server, stop_server
 
 HEAVY = (256, 1024, 1024, 1024, 10)  # a few ms per batch on one core
+# these tests hold requests in the queue with a long delay: the delay is waited out even when no other
+# request could join (Triton's rule; Despina's default sends such a batch at once)
+FULL_DELAY = {"DESPINA_FULL_QUEUE_DELAY": "true"}
 
 
 def repository(root: Path, name: str, dynamic_batching: str, max_batch_size: int = 4,
@@ -46,7 +49,7 @@ def test_full_queue_refuses_at_once_and_loses_nothing_accepted(serve: Callable[.
                                                                tmp_path: Path) -> None:
     repo = repository(tmp_path, "q", "max_queue_delay_microseconds: 1500000 "
                                      "default_queue_policy { max_queue_size: 4 }", max_batch_size=64)
-    server = serve(repo, wait_models=("q",))
+    server = serve(repo, wait_models=("q",), env=FULL_DELAY)
     url = f"{server.url}/v2/models/q/infer"
 
     async def scenario() -> list[tuple[int, float, httpx.Response]]:
@@ -71,7 +74,7 @@ def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], 
     # one request per batch, ~10 ms each: 80 requests are a backlog of most of a second
     repo = repository(tmp_path, "p", "priority_levels: 2 default_priority_level: 2", max_batch_size=1,
                       layers=(256, 4096, 4096, 10))
-    server = serve(repo, wait_models=("p",))
+    server = serve(repo, wait_models=("p",), env=FULL_DELAY)
     url = f"{server.url}/v2/models/p/infer"
     stats = Keys(key_prefix).stats("p", 1)
     store = aioredis.Redis.from_url(redis_url)
@@ -108,7 +111,7 @@ def test_queue_timeout_rejects_and_a_request_may_shorten_it(serve: Callable[...,
     repo = repository(tmp_path, "t", "max_queue_delay_microseconds: 2000000 default_queue_policy { "
                                      "default_timeout_microseconds: 5000000 allow_timeout_override: true }",
                       max_batch_size=64)
-    server = serve(repo, wait_models=("t",))
+    server = serve(repo, wait_models=("t",), env=FULL_DELAY)
     url = f"{server.url}/v2/models/t/infer"
     start = time.monotonic()
     r = httpx.post(url, content=body(timeout_us=200_000), timeout=30)   # shorter than the 2 s wait
@@ -132,8 +135,65 @@ def test_delay_action_runs_timed_out_requests_later(serve: Callable[..., Server]
     repo = repository(tmp_path, "d", "max_queue_delay_microseconds: 400000 default_queue_policy { "
                                      "timeout_action: DELAY default_timeout_microseconds: 50000 }",
                       max_batch_size=64)
-    server = serve(repo, wait_models=("d",))
+    server = serve(repo, wait_models=("d",), env=FULL_DELAY)
     start = time.monotonic()
     r = httpx.post(f"{server.url}/v2/models/d/infer", content=body(), timeout=30)
     assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 10]
     assert time.monotonic() - start >= 0.3      # it timed out at 50 ms, was delayed, and still ran
+
+
+def test_a_request_nothing_can_join_does_not_wait_out_the_delay(serve: Callable[..., Server],
+                                                                tmp_path: Path) -> None:
+    """One client, one request at a time: each batch holds every request in flight, so it goes at
+    once; with DESPINA_FULL_QUEUE_DELAY (Triton's rule) it waits out the 1.5 s. The bounded model's
+    requests go through the gateway's other enqueue (the max_queue_size script)."""
+    layers = (256, 8, 10)
+    repository(tmp_path, "plain", "max_queue_delay_microseconds: 1500000", layers=layers)
+    repo = repository(tmp_path, "bounded", "max_queue_delay_microseconds: 1500000 "
+                                           "default_queue_policy { max_queue_size: 4 }", layers=layers)
+
+    def queue_s(server: Server, model: str) -> float:
+        """Mean queue time of two requests in turn (the second server shares the first's statistics)."""
+        def stats() -> tuple[int, int, int]:
+            s = httpx.get(f"{server.url}/v2/models/{model}/stats").json()["model_stats"][0]
+            queue = s["inference_stats"]["queue"]
+            return queue["count"], queue["ns"], s["execution_count"]
+
+        before = stats()
+        for _ in range(2):
+            r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=body(), timeout=30)
+            assert r.status_code == 200, r.text
+        count, ns, runs = (b - a for a, b in zip(before, stats()))
+        assert count == 2 and runs == 2
+        return ns / count / 1e9
+
+    server = serve(repo, wait_models=("plain", "bounded"))
+    assert queue_s(server, "plain") < 0.5 and queue_s(server, "bounded") < 0.5
+    stop_server(server)  # its worker would take the next requests
+    server = serve(repo, wait_models=("plain",), env=FULL_DELAY)
+    assert queue_s(server, "plain") >= 1.5
+
+
+def test_a_lone_ensemble_request_does_not_wait_out_its_steps_delays(serve: Callable[..., Server],
+                                                                     tmp_path: Path) -> None:
+    """The worker that runs an ensemble knows when its one run is all its gateway has out: the steps'
+    batches then go at once, though each step's model has a 1.5 s delay."""
+    repository(tmp_path, "head", "max_queue_delay_microseconds: 1500000", layers=(256, 8, 10))
+    repo = repository(tmp_path, "tail", "max_queue_delay_microseconds: 1500000", layers=(10, 8, 10))
+    (repo / "pair" / "1").mkdir(parents=True)
+    (repo / "pair" / "config.pbtxt").write_text(
+        'platform: "ensemble"\nmax_batch_size: 4\n'
+        'input [ { name: "x", data_type: TYPE_FP32, dims: [ 256 ] } ]\n'
+        'output [ { name: "y", data_type: TYPE_FP32, dims: [ 10 ] } ]\n'
+        'ensemble_scheduling { step [\n'
+        '  { model_name: "head" model_version: -1 input_map { key: "x" value: "x" } '
+        'output_map { key: "y" value: "mid" } },\n'
+        '  { model_name: "tail" model_version: -1 input_map { key: "x" value: "mid" } '
+        'output_map { key: "y" value: "y" } } ] }\n')
+    server = serve(repo, wait_models=("pair",))
+    for _ in range(2):
+        r = httpx.post(f"{server.url}/v2/models/pair/infer", content=body(), timeout=30)
+        assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 10], r.text
+    for step in ("head", "tail"):  # two requests that waited out the delay would have queued 3 s
+        stats = httpx.get(f"{server.url}/v2/models/{step}/stats").json()["model_stats"][0]
+        assert stats["inference_count"] == 2 and stats["inference_stats"]["queue"]["ns"] < 1e9, stats

@@ -6,11 +6,14 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "despina"
 GROUP = "workers"  # the consumer group on every request stream: replicas of a model share it
 CONTROL_GROUP = "control"  # the consumer group on the control plane's command stream
-FIELD = b"m"
+FIELD = b"m"  # the field of every stream entry that holds its msgpack payload
 # Requests per request-stream entry at most: gateways pack what arrives in one tick into entries of
 # this size; workers, which read whole entries, size their reads by it.
-ENTRY_REQUESTS = 16  # the field of every stream entry that holds its msgpack payload
+ENTRY_REQUESTS = 16
 ATTEMPTS = b"a"  # on a redelivered request entry: deliveries of it that ended with its worker's death
+# On a gateway's request entry: the requests for that model version the gateway had queued and not yet
+# seen answered when it wrote the entry, the entry's own included (workers/runner.py, "nothing coming")
+IN_FLIGHT = b"n"
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from ..contract import records
 from ..contract.errors import Code, DespinaError, Unavailable
-from ..contract.keys import ENTRY_REQUESTS, FIELD, Keys
+from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
 from ..contract.records import InferReply, InferRequest
 from ..resp import Batch, Resp, fields
 
@@ -39,7 +39,7 @@ if n >= tonumber(ARGV[1]) then
   redis.call('HINCRBY', KEYS[3], 'refused', 1)
   return 0
 end
-redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
+redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3], ARGV[4], ARGV[5])
 redis.call('INCR', KEYS[2])
 redis.call('HINCRBY', KEYS[3], 'enqueued', 1)
 return 1
@@ -85,9 +85,13 @@ class Dispatcher:
         self.id = gateway_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.reply_stream = keys.reply_stream(self.id)
         self._ids = itertools.count()
-        # request id -> (its callback, its deadline on the monotonic clock); in insertion order, and
-        # since every request waits the same time, in deadline order too
-        self._waiting: dict[str, tuple[Callback, float]] = {}
+        # request id -> (its callback, its deadline on the monotonic clock, its model version's
+        # statistics hash); in insertion order, and since every request waits the same time, in
+        # deadline order too
+        self._waiting: dict[str, tuple[Callback, float, str]] = {}
+        # statistics hash (a model version) -> its requests waiting here: each entry tells the worker
+        # how many, so that a batch need not wait for requests that are not on their way
+        self._in_flight: dict[str, int] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         self._write_failed, self._read_failed = Throttled(logging.ERROR), Throttled(logging.WARNING)
         self._outbox: dict[str, list[InferRequest]] = defaultdict(list)
@@ -138,7 +142,8 @@ class Dispatcher:
         `stats` is the model version's statistics hash: it counts what was enqueued (answered minus
         enqueued is what is pending). With a bound, the request is refused (RESOURCE_EXHAUSTED)
         when its queue is full."""
-        self._waiting[request.id] = (done, time.monotonic() + timeout)
+        self._waiting[request.id] = (done, time.monotonic() + timeout, stats)
+        self._in_flight[stats] = self._in_flight.get(stats, 0) + 1
         self._stats[stream] = stats
         if bound is None:
             self._outbox[stream].append(request)
@@ -154,7 +159,7 @@ class Dispatcher:
         self._sweeper = None
         now = time.monotonic()
         expired = []
-        for request_id, (_, deadline) in self._waiting.items():
+        for request_id, (_, deadline, _) in self._waiting.items():
             if deadline > now:
                 break
             expired.append(request_id)
@@ -168,6 +173,11 @@ class Dispatcher:
         waiter = self._waiting.pop(request_id, None)
         if waiter is None:
             return False
+        left = self._in_flight[waiter[2]] - 1
+        if left:
+            self._in_flight[waiter[2]] = left
+        else:
+            del self._in_flight[waiter[2]]
         try:
             waiter[0](result)
         except Exception:  # a callback's fault must not stop the reply reader
@@ -197,15 +207,16 @@ class Dispatcher:
         pipe = Batch()
         plain = 0  # commands before the bounded ones
         for stream, batch in outbox.items():
+            in_flight = self._in_flight.get(self._stats[stream], 0)
             for i in range(0, len(batch), ENTRY_REQUESTS):
-                pipe.xadd(stream, {FIELD: records.encode(batch[i:i + ENTRY_REQUESTS])})
+                pipe.xadd(stream, {FIELD: records.encode(batch[i:i + ENTRY_REQUESTS]), IN_FLIGHT: in_flight})
                 plain += 1
             pipe.hincrby(self._stats[stream], "enqueued", len(batch))
             plain += 1
         plain += self._counts_into(pipe)  # what the gateway counted itself rides along
         for stream, (counter, limit), req in bounded:
             pipe.eval(BOUNDED_XADD, 3, stream, counter, self._stats[stream], limit, FIELD,
-                      records.encode([req]))
+                      records.encode([req]), IN_FLIGHT, self._in_flight.get(self._stats[stream], 0))
         try:
             results = await self._out.execute(pipe.commands)
         except Exception as exc:  # every waiting caller must hear of it, whatever it was

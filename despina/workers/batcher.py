@@ -4,7 +4,10 @@ Requests are taken in priority order (level 1 first), arrival order within a lev
 growing when the next request would exceed max_batch_size or its non-batch shapes differ. If the
 batch reached a preferred size it is sent at the largest preferred size it contains; if it cannot
 grow it is sent now; otherwise it waits until the oldest request has waited max_queue_delay, then
-sends what is there. With a delay of 0, batches form only while every instance is busy.
+sends what is there. With a delay of 0, batches form only while every instance is busy. A batch
+also goes at once when `nothing_coming()` says that no request that could join it is on its way
+(the runner knows when every request its gateways have in flight is already queued here): a
+wait that nobody can end early would only add its delay to every request's latency.
 
 Queue policy, per priority level: a request past its queue timeout is rejected (REJECT) or moved
 behind every request that has not timed out (DELAY); a level holding max_queue_size requests
@@ -49,16 +52,18 @@ Reject = Callable[[Item], None]
 class DynamicBatcher:
     """Forms batches from put() items and hands each to `execute`, at most `instances` at a time.
 
-    `reject` receives the items whose queue timeout passed under a REJECT policy.
+    `reject` receives the items whose queue timeout passed under a REJECT policy; `nothing_coming`,
+    when given, is asked before a batch waits for more requests, and True sends it now.
     """
 
     def __init__(self, policy: BatchPolicy, execute: Execute, instances: int = 1,
-                 reject: Reject | None = None) -> None:
+                 reject: Reject | None = None, nothing_coming: Callable[[], bool] | None = None) -> None:
         if instances < 1:
             raise ValueError("instances must be >= 1")
         self.policy = policy
         self._execute = execute
         self._reject = reject or (lambda item: None)
+        self._nothing_coming = nothing_coming
         levels = max(policy.priority_levels, 1)
         self._queues: list[deque[Item]] = [deque() for _ in range(levels)]
         self._delayed: deque[Item] = deque()
@@ -217,6 +222,6 @@ class DynamicBatcher:
         delay_exceeded = waited >= delay or self._closed
         if best_preferred and not delay_exceeded:
             return best_preferred, 0.0
-        if cannot_grow or delay_exceeded:
+        if cannot_grow or delay_exceeded or (self._nothing_coming is not None and self._nothing_coming()):
             return count, 0.0
         return 0, delay - waited

@@ -23,13 +23,13 @@ from redis.exceptions import RedisError
 from ..contract import records
 from ..contract.ensemble import Ensemble, Run, Step
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
-from ..contract.keys import FIELD, Keys
+from ..contract.keys import FIELD, IN_FLIGHT, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest
 from ..resp import Batch, Resp
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
-from .runner import TIMED_OUT, ModelRunner
+from .runner import TIMED_OUT, ModelRunner, announce, close
 from .stats import Deferred, ensemble_counts, record_counts
 from .streams import Entry, ModelStreams
 
@@ -55,6 +55,11 @@ class EnsembleHost:
         self._bounded = bounded_levels(spec)
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
         self._in_flight = 0
+        # per gateway: its requests running here, and how many it said it had in flight in its latest
+        # entry (as ModelRunner keeps them): with one run here and no other on its way, the steps'
+        # batches need not wait for company
+        self._open: dict[str, int] = {}
+        self._announced: dict[str, int] = {}
         self._room = asyncio.Event()
         self._room.set()
         self._idle = asyncio.Event()
@@ -131,7 +136,10 @@ class EnsembleHost:
                 continue
             self._entries[entry] = len(reqs)
             self._in_flight += len(reqs)
+            if reqs and IN_FLIGHT in fields:
+                announce(self._announced, reqs[0].reply_to, fields[IN_FLIGHT])
             for req in reqs:
+                self._open[req.reply_to] = self._open.get(req.reply_to, 0) + 1
                 if req.deadline < now:
                     self._answer(req, entry, DeadlineExceeded(TIMED_OUT), 0)
                     continue
@@ -140,6 +148,14 @@ class EnsembleHost:
             self._room.clear()
         if self._in_flight:
             self._idle.clear()
+
+    def settled(self) -> bool:
+        """Whether no other request of this ensemble can reach a step's batcher: one run here, and its
+        gateway said it had no other in flight (two runs may be at different steps: unknown)."""
+        if self._in_flight != 1 or len(self._open) != 1:
+            return False
+        gateway, n = next(iter(self._open.items()))
+        return self._announced.get(gateway, n + 1) <= n
 
     # -- answering -------------------------------------------------------------------------------
 
@@ -155,6 +171,7 @@ class EnsembleHost:
         else:
             reply = InferReply(req.id, (), (error.code, error.message))
         self._finished(req, reply, entry)
+        close(self._open, self._announced, req.reply_to)
         self._in_flight -= 1
         if self._in_flight < READ_AHEAD:
             self._room.set()
@@ -222,7 +239,8 @@ class _HostRun(Run):
         self.left()
         req = self.request
         runner.submit(self.step_inputs(step, runner.spec), tuple(o for o, _ in step.outputs), req.deadline,
-                      lambda reply: self._answered(step, reply), req.priority, req.timeout_us, req.trace)
+                      lambda reply: self._answered(step, reply), req.priority, req.timeout_us, req.trace,
+                      self.host.settled)
 
     def _answered(self, step: Step, reply: InferReply) -> None:
         if reply.error is None:

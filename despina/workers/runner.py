@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from ..contract import records
 from ..contract.errors import Code, ConfigError, DespinaError, Unavailable
-from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, Keys
+from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from ..resp import Batch, Resp
@@ -40,6 +40,7 @@ log = logging.getLogger("despina.worker")
 INLINE_BELOW_US = 1000
 TIMED_OUT = "request timed out in the queue before it could run"
 Answer = Callable[[InferReply], None]
+Settled = Callable[[], bool]  # whether no other request of the submitter's can join a batch now
 
 
 @dataclass
@@ -56,7 +57,8 @@ class Pending:
 class ModelRunner:
     def __init__(self, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, version: int, path: Path,
                  consumer: str, threads: int = 1, read_ahead: int | None = None,
-                 delivery: DeliveryPolicy | None = None, deferred: stats.Deferred | None = None) -> None:
+                 delivery: DeliveryPolicy | None = None, deferred: stats.Deferred | None = None,
+                 full_queue_delay: bool = False) -> None:
         self.redis, self.keys, self.spec, self.version = redis, keys, spec, version
         self.deferred = deferred  # the worker's: counters that need no round trip of their own
         self.delivery = delivery or DeliveryPolicy()
@@ -71,11 +73,18 @@ class ModelRunner:
         self._executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"{spec.name}-")
         self._count = count
         policy = spec.policy
-        self.batcher = DynamicBatcher(policy, self._execute, count, self._on_timeout)
+        # with full_queue_delay a batch waits out its delay even when no other request can join it
+        self._coming = None if full_queue_delay else self._nothing_coming
+        self.batcher = DynamicBatcher(policy, self._execute, count, self._on_timeout, self._coming)
         limit = max(spec.max_batch_size, 1) * count * 4
         self._read_ahead = read_ahead or max(limit, 64)
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
-        self._local: dict[int, Answer] = {}  # id() of a submitted request -> where its reply goes
+        # id() of a submitted request -> where its reply goes, and who says whether more may come
+        self._local: dict[int, tuple[Answer, Settled | None]] = {}
+        # per gateway (its reply stream): requests read from it and not yet answered, and how many it
+        # said it had in flight in its latest entry (while any of its requests are open here)
+        self._open: dict[str, int] = {}
+        self._announced: dict[str, int] = {}
         self._in_flight = 0
         self._room = asyncio.Event()
         self._room.set()
@@ -102,7 +111,7 @@ class ModelRunner:
                                                 thread_name_prefix=f"{self.spec.name}-")
             self._count = len(instances)
             self.batcher = DynamicBatcher(self.batcher.policy, self._execute, self._count,
-                                          self._on_timeout)
+                                          self._on_timeout, self._coming)
         for instance in instances:
             backend = cls(self.spec, version_dir, instance)
             try:
@@ -189,6 +198,8 @@ class ModelRunner:
                 await self._ack([entry])
                 continue
             self._entries[entry] = len(reqs)
+            if reqs and IN_FLIGHT in fields:
+                announce(self._announced, reqs[0].reply_to, fields[IN_FLIGHT])
             for req in reqs:
                 if req.deadline < now:
                     fail(req, entry, Code.DEADLINE_EXCEEDED, TIMED_OUT)
@@ -208,6 +219,7 @@ class ModelRunner:
                 except QueueFull as exc:
                     fail(req, entry, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}")
                     continue
+                self._open[req.reply_to] = self._open.get(req.reply_to, 0) + 1
                 self._in_flight += 1
         if len(self._entries) and self._in_flight >= self._read_ahead:
             self._room.clear()
@@ -218,6 +230,24 @@ class ModelRunner:
             for e in done:
                 del self._entries[e]
             await self._ack(done)
+
+    def _nothing_coming(self) -> bool:
+        """Whether no request that could join the queued ones is on its way: every gateway with a
+        request open here said, in its latest entry, that it had no more in flight than are open here.
+
+        Those open here are a lower bound of what the gateway still counted when it wrote that entry
+        (a request unanswered now was unanswered then), so if it counted no more, the rest of its
+        requests are all here: the next one it sends is a new arrival, which the delay may or may not
+        catch. A gateway that said nothing (an older one, a redelivered entry), requests made in this
+        process whose submitter cannot say the same, or requests other workers hold all mean: wait, as
+        Triton does."""
+        if not self._open and not self._local:
+            return False
+        for _, settled in self._local.values():
+            if settled is None or not settled():
+                return False
+        announced = self._announced
+        return all(announced.get(gateway, n + 1) <= n for gateway, n in self._open.items())
 
     def _on_timeout(self, item: Item) -> None:
         """The batcher dropped a request whose queue timeout passed (REJECT policy): answer it."""
@@ -235,11 +265,13 @@ class ModelRunner:
         return tuple(sorted((t.name, t.datatype, t.shape[1:]) for t in req.inputs))
 
     def submit(self, inputs: list[Tensor], outputs: tuple[str, ...], deadline: float, answer: Answer,
-               priority: int = 0, timeout_us: int = 0, trace: str = "") -> None:
+               priority: int = 0, timeout_us: int = 0, trace: str = "", settled: Settled | None = None
+               ) -> None:
         """Queue a request made in this process (an ensemble's step, workers/ensembles.py): batched with
         the stream's requests and counted in the statistics like them; `answer` gets its reply (an error
         reply included), on the event loop, before the batch's replies go out to Redis. `deadline` is
-        wall-clock seconds."""
+        wall-clock seconds; `settled()` True says the submitter has nothing else on its way here (None:
+        unknown, so a batch holding it waits out its delay)."""
         now = time.time()
         request = InferRequest("", "", deadline, tuple(inputs), outputs, priority, timeout_us, now, trace)
         try:
@@ -255,7 +287,7 @@ class ModelRunner:
         except QueueFull as exc:
             answer(answers.error(request, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}"))
             return
-        self._local[id(request)] = answer
+        self._local[id(request)] = (answer, settled)
         self._in_flight += 1
 
     # -- executing -------------------------------------------------------------------------------
@@ -375,7 +407,7 @@ class ModelRunner:
             if req.reply_to:
                 by_gateway.setdefault(req.reply_to, []).append(r)
                 continue
-            answer = self._local.pop(id(req))
+            answer = self._local.pop(id(req))[0]
             try:
                 answer(r)
             except Exception:
@@ -384,6 +416,7 @@ class ModelRunner:
         for p in pendings:
             if p.entry is None:
                 continue
+            close(self._open, self._announced, p.request.reply_to)
             self._entries[p.entry] -= 1
             if self._entries[p.entry] == 0:
                 del self._entries[p.entry]
@@ -426,6 +459,23 @@ class ModelRunner:
         except (RedisError, OSError) as exc:
             log.error("model %s: acknowledging failed: %s; the entries will be reclaimed",
                       self.spec.name, exc)
+
+
+def announce(announced: dict[str, int], gateway: str, raw: bytes) -> None:
+    """Note what a gateway's entry said it had in flight (IN_FLIGHT)."""
+    try:
+        announced[gateway] = int(raw)
+    except ValueError:
+        announced.pop(gateway, None)  # not a count: as if it had said nothing
+
+
+def close(open_: dict[str, int], announced: dict[str, int], gateway: str) -> None:
+    """One of the gateway's requests is answered; with none left open, what it said is forgotten."""
+    if open_[gateway] > 1:
+        open_[gateway] -= 1
+    else:
+        del open_[gateway]
+        announced.pop(gateway, None)
 
 
 def _timings(marks: dict[str, int], end: int) -> tuple[int, int, int]:

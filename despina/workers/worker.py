@@ -232,7 +232,7 @@ class Worker:
             path = self._loading_from[key] = await self._folder(entry, key[1])
             runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
                                  self.id, self.settings.intra_op_threads, delivery=self.delivery,
-                                 deferred=self.deferred)
+                                 deferred=self.deferred, full_queue_delay=self.settings.full_queue_delay)
             await runner.load()
             await runner.start()
         except asyncio.CancelledError:
