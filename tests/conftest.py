@@ -26,6 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 EMBEDDED = os.environ.get("DESPINA_TEST_REDIS") == "embedded"
+# Triton's batching rule to the letter: a batch waits out max_queue_delay even when no other request can
+# join it. For tests that hold requests in a queue with a long delay, or that count on requests sent
+# together sharing a batch however they trickle in (Despina's default sends a batch at once when every
+# request in flight is in it: README, "Batching").
+FULL_QUEUE_DELAY = {"DESPINA_FULL_QUEUE_DELAY": "true"}
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from despina.control.repository import load_model
 from despina.examples import build_add_sub
 from despina.workers.backends import Instance, backend_class
 
-from .conftest import ROOT, Server, module_server
+from .conftest import FULL_QUEUE_DELAY, ROOT, Server, module_server
 
 # BYTES in, BYTES and INT32 out; uses the type helpers, the config helpers and the BYTES codec.
 STRINGS = '''
@@ -162,10 +162,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
-    # Triton's batching to the letter: requests sent together share a batch even when they trickle in
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("add_sub_python", "strings", "flaky", "auto", "add_sub"),
-                             env={"DESPINA_FULL_QUEUE_DELAY": "true"})
+                             ("add_sub_python", "strings", "flaky", "auto", "add_sub"), env=FULL_QUEUE_DELAY)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from despina.examples import build_torch_export_mlp, build_torchscript_mlp, mlp_
 from despina.workers.backends import Instance, backend_class
 from despina.workers.runner import ModelRunner
 
-from .conftest import Server, module_server
+from .conftest import FULL_QUEUE_DELAY, Server, module_server
 
 torch = pytest.importorskip("torch")
 
@@ -116,7 +116,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("mlp_torchscript", "mlp_torch_export", "pair", "named"))
+                             ("mlp_torchscript", "mlp_torch_export", "pair", "named"), env=FULL_QUEUE_DELAY)
 
 
 @pytest.fixture(scope="module")

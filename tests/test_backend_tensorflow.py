@@ -18,7 +18,7 @@ from despina.contract.errors import ConfigError
 from despina.control.repository import load_model
 from despina.examples import build_tf_mlp, mlp_numpy
 
-from .conftest import Server, module_server
+from .conftest import FULL_QUEUE_DELAY, Server, module_server
 
 tf = pytest.importorskip("tensorflow")
 
@@ -62,7 +62,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
-    yield from module_server(repo, tmp_path_factory, redis_url, ("mlp_savedmodel", "text"))
+    yield from module_server(repo, tmp_path_factory, redis_url, ("mlp_savedmodel", "text"), env=FULL_QUEUE_DELAY)
 
 
 @pytest.fixture(scope="module")

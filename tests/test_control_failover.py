@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from .conftest import Server
+from .conftest import FULL_QUEUE_DELAY, Server
 from .control_support import catalog_entry, mlp_folder, wait_until, worker_hashes
 from .test_control_s3 import Load
 
@@ -20,7 +20,7 @@ def test_a_killed_worker_loses_no_request(serve: Callable[..., Server], tmp_path
     repo = tmp_path / "repo"
     # a slow batch (max_queue_delay 0.3 s) so that the killed worker dies holding requests it had read
     mlp_folder(repo, delay_us=300_000)
-    server = serve(repo, "--workers", "2", wait_models=("mlp",), env={"DESPINA_WORKER_TTL_S": "2"})
+    server = serve(repo, "--workers", "2", wait_models=("mlp",), env={"DESPINA_WORKER_TTL_S": "2", **FULL_QUEUE_DELAY})
     wait_until(lambda: len(worker_hashes(redis_url, key_prefix)) == 2, what="two workers")
     entry = catalog_entry(redis_url, key_prefix, "mlp")
     assert entry is not None and len(entry.workers) == 1          # one replica by default

@@ -16,7 +16,7 @@ from onnx import TensorProto
 
 from despina.examples import build_identity, build_mlp
 
-from .conftest import Server, module_server
+from .conftest import FULL_QUEUE_DELAY, Server, module_server
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (repo / "q" / "config.pbtxt").write_text(
         'backend: "onnxruntime"\nmax_batch_size: 32\ndynamic_batching { max_queue_delay_microseconds: 500000 '
         'default_queue_policy { max_queue_size: 1 } }\n')
-    yield from module_server(repo, tmp_path_factory, redis_url, ("m", "fails", "q"))
+    yield from module_server(repo, tmp_path_factory, redis_url, ("m", "fails", "q"), env=FULL_QUEUE_DELAY)
 
 
 def v2(name: str, rows: int, width: int) -> bytes:

@@ -14,12 +14,9 @@ import redis.asyncio as aioredis
 from despina.contract.keys import Keys
 from despina.examples import build_mlp
 
-from .conftest import Server, stop_server
+from .conftest import FULL_QUEUE_DELAY, Server, stop_server
 
 HEAVY = (256, 1024, 1024, 1024, 10)  # a few ms per batch on one core
-# these tests hold requests in the queue with a long delay: the delay is waited out even when no other
-# request could join (Triton's rule; Despina's default sends such a batch at once)
-FULL_DELAY = {"DESPINA_FULL_QUEUE_DELAY": "true"}
 
 
 def repository(root: Path, name: str, dynamic_batching: str, max_batch_size: int = 4,
@@ -49,7 +46,7 @@ def test_full_queue_refuses_at_once_and_loses_nothing_accepted(serve: Callable[.
                                                                tmp_path: Path) -> None:
     repo = repository(tmp_path, "q", "max_queue_delay_microseconds: 1500000 "
                                      "default_queue_policy { max_queue_size: 4 }", max_batch_size=64)
-    server = serve(repo, wait_models=("q",), env=FULL_DELAY)
+    server = serve(repo, wait_models=("q",), env=FULL_QUEUE_DELAY)
     url = f"{server.url}/v2/models/q/infer"
 
     async def scenario() -> list[tuple[int, float, httpx.Response]]:
@@ -74,7 +71,7 @@ def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], 
     # one request per batch, ~10 ms each: 80 requests are a backlog of most of a second
     repo = repository(tmp_path, "p", "priority_levels: 2 default_priority_level: 2", max_batch_size=1,
                       layers=(256, 4096, 4096, 10))
-    server = serve(repo, wait_models=("p",), env=FULL_DELAY)
+    server = serve(repo, wait_models=("p",), env=FULL_QUEUE_DELAY)
     url = f"{server.url}/v2/models/p/infer"
     stats = Keys(key_prefix).stats("p", 1)
     store = aioredis.Redis.from_url(redis_url)
@@ -111,7 +108,7 @@ def test_queue_timeout_rejects_and_a_request_may_shorten_it(serve: Callable[...,
     repo = repository(tmp_path, "t", "max_queue_delay_microseconds: 2000000 default_queue_policy { "
                                      "default_timeout_microseconds: 5000000 allow_timeout_override: true }",
                       max_batch_size=64)
-    server = serve(repo, wait_models=("t",), env=FULL_DELAY)
+    server = serve(repo, wait_models=("t",), env=FULL_QUEUE_DELAY)
     url = f"{server.url}/v2/models/t/infer"
     start = time.monotonic()
     r = httpx.post(url, content=body(timeout_us=200_000), timeout=30)   # shorter than the 2 s wait
@@ -135,7 +132,7 @@ def test_delay_action_runs_timed_out_requests_later(serve: Callable[..., Server]
     repo = repository(tmp_path, "d", "max_queue_delay_microseconds: 400000 default_queue_policy { "
                                      "timeout_action: DELAY default_timeout_microseconds: 50000 }",
                       max_batch_size=64)
-    server = serve(repo, wait_models=("d",), env=FULL_DELAY)
+    server = serve(repo, wait_models=("d",), env=FULL_QUEUE_DELAY)
     start = time.monotonic()
     r = httpx.post(f"{server.url}/v2/models/d/infer", content=body(), timeout=30)
     assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 10]
@@ -170,7 +167,7 @@ def test_a_request_nothing_can_join_does_not_wait_out_the_delay(serve: Callable[
     server = serve(repo, wait_models=("plain", "bounded"))
     assert queue_s(server, "plain") < 0.5 and queue_s(server, "bounded") < 0.5
     stop_server(server)  # its worker would take the next requests
-    server = serve(repo, wait_models=("plain",), env=FULL_DELAY)
+    server = serve(repo, wait_models=("plain",), env=FULL_QUEUE_DELAY)
     assert queue_s(server, "plain") >= 1.5
 
 

@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from .conftest import Server, descendants, dump_stacks, stop_server
+from .conftest import FULL_QUEUE_DELAY, Server, descendants, dump_stacks, stop_server
 
 ROW = orjson.dumps([0.25] * 256)
 
@@ -62,7 +62,7 @@ def test_sigterm_drains_requests_in_flight(serve: Callable[..., Server], example
     config = (repo / "mlp" / "config.pbtxt").read_text()
     (repo / "mlp" / "config.pbtxt").write_text(
         config.replace("max_queue_delay_microseconds: 500", "max_queue_delay_microseconds: 700000"))
-    server = serve(repo, wait_models=("mlp",))
+    server = serve(repo, wait_models=("mlp",), env=FULL_QUEUE_DELAY)
     family = descendants(server.process.pid)
 
     async def scenario() -> list[int]:
