@@ -214,9 +214,29 @@ async def test_max_queue_size_refuses_at_once() -> None:
         batcher.put(Item(1, "k", 3))
 
 
-async def test_time_in_the_stream_counts_towards_the_delay(tmp_path: Path) -> None:
-    """The delay counts from the gateway's enqueue: a request that spent longer than the delay reaching
-    the worker goes at once (measured the other way, from the worker's read: bench/RESULTS.md)."""
+async def test_a_queue_timeout_counts_from_since_the_delay_from_arrival() -> None:
+    """The worker puts a request with `arrived` = when it read it and `since` = the gateway's enqueue:
+    time in the stream does not use up the batch delay, but does count against the queue timeout."""
+    rejected: list[str] = []
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_us=100_000, dynamic=True,
+                         default_queue_policy=QueuePolicy("REJECT", default_timeout_us=400_000))
+    rec = Recorder()
+    batcher = DynamicBatcher(policy, rec, reject=lambda item: rejected.append(item.payload))
+    task = asyncio.create_task(batcher.run())
+    now = time.monotonic()
+    batcher.put(Item(1, "k", "stale", since=now - 0.45))   # 450 ms on its way: past its 400 ms timeout
+    batcher.put(Item(1, "k", "first", since=now - 0.15))   # 150 ms on its way: waits the whole delay
+    await asyncio.sleep(0.05)
+    assert rejected == ["stale"] and rec.batches == []
+    batcher.put(Item(1, "k", "second"))
+    await asyncio.sleep(0.1)
+    assert rec.batches == [["first", "second"]]
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_the_worker_starts_the_delay_when_it_reads_a_request(tmp_path: Path) -> None:
+    """A request that spent a second reaching the worker still waits the model's delay for others."""
     folder = tmp_path / "add_sub"
     (folder / "1").mkdir(parents=True)
     (folder / "1" / "model.onnx").write_bytes(b"never loaded")
@@ -240,7 +260,7 @@ async def test_time_in_the_stream_counts_towards_the_delay(tmp_path: Path) -> No
     await asyncio.sleep(0.03)
     await runner._accept([entry(2)])
     await asyncio.sleep(0.15)
-    assert [[p.request.id for p in batch] for batch in rec.batches] == [["r1"], ["r2"]]
+    assert [[p.request.id for p in batch] for batch in rec.batches] == [["r1", "r2"]]
     runner.batcher.close()
     await asyncio.wait_for(task, 5)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..contract.policy import BatchPolicy, QueuePolicy
+from .alarm import Alarm
 
 __all__ = ["BatchPolicy", "DynamicBatcher", "Item", "QueueFull", "QueuePolicy"]
 
@@ -35,9 +36,10 @@ class Item:
     rows: int
     shape_key: Hashable
     payload: Any
-    arrived: float = field(default_factory=time.monotonic)
+    arrived: float = field(default_factory=time.monotonic)   # its max_queue_delay counts from here
     priority: int = 0
     timeout_us: int = 0                     # as the request asked; the level's policy decides
+    since: float | None = None              # its queue timeout counts from here (default: arrived)
     expires: float | None = None            # set by the batcher
 
 
@@ -74,6 +76,7 @@ class DynamicBatcher:
         self._closed = False
         self._preferred = policy.preferred_sizes
         self._max_preferred = max(self._preferred) if policy.batching else 0
+        self._alarm: Alarm | None = None    # made in run(): it needs the running loop
 
     def put(self, item: Item) -> None:
         if self._closed:
@@ -86,7 +89,7 @@ class DynamicBatcher:
                             f"({queue_policy.max_queue_size} requests)")
         timeout = queue_policy.timeout_us(item.timeout_us)
         if timeout:
-            item.expires = item.arrived + timeout / 1e6
+            item.expires = (item.arrived if item.since is None else item.since) + timeout / 1e6
             self._timed += 1
         queue.append(item)
         self._wake.set()
@@ -105,6 +108,7 @@ class DynamicBatcher:
         self._wake.set()
 
     async def run(self) -> None:
+        self._alarm = Alarm.create(self._wake.set)
         try:
             while True:
                 batch = await self._next_batch()
@@ -117,6 +121,8 @@ class DynamicBatcher:
         finally:
             if self._running:
                 await asyncio.gather(*self._running, return_exceptions=True)
+            if self._alarm is not None:
+                self._alarm.close()
 
     async def _run_one(self, batch: list[Item]) -> None:
         try:
@@ -143,6 +149,10 @@ class DynamicBatcher:
 
     async def _wait(self, until: float | None, now: float) -> None:
         if until is None:
+            await self._wake.wait()
+            return
+        if self._alarm is not None:  # left armed when a put() wakes us first: a spare wake-up is harmless
+            self._alarm.arm(until)
             await self._wake.wait()
             return
         # a timer that sets the event, not wait_for: no task, no cancellation (a third of the cost)

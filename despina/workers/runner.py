@@ -211,11 +211,14 @@ class ModelRunner:
                     continue
                 pending = Pending(req, entry, inputs, alone, now)
                 try:
-                    # time spent in the stream counts towards the queue delay and timeout
-                    arrived = time.monotonic() - max(0.0, now - req.enqueued)
+                    # the queue delay counts from here, as Triton's from its scheduler's queue (time
+                    # in the stream is the gateway's and Valkey's work, not a wait for batch-mates);
+                    # a queue timeout counts from the gateway's enqueue, the client's clock
+                    arrived = time.monotonic()
                     shape = entry if alone else self._shape_key(req)
                     self.batcher.put(Item(self._rows(inputs), shape, pending, arrived,
-                                          priority=req.priority, timeout_us=req.timeout_us))
+                                          priority=req.priority, timeout_us=req.timeout_us,
+                                          since=arrived - max(0.0, now - req.enqueued)))
                 except QueueFull as exc:
                     fail(req, entry, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}")
                     continue
