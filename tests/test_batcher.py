@@ -235,30 +235,43 @@ async def test_a_queue_timeout_counts_from_since_the_delay_from_arrival() -> Non
     await asyncio.wait_for(task, 5)
 
 
-async def test_the_worker_starts_the_delay_when_it_reads_a_request(tmp_path: Path) -> None:
-    """A request that spent a second reaching the worker still waits the model's delay for others."""
+def add_sub_runner(tmp_path: Path, full_queue_delay: bool = False, delay_us: int = 2_000_000
+                   ) -> tuple[ModelRunner, Recorder]:
+    """A runner of a model with a queue delay (2 s), its batches recorded instead of run."""
     folder = tmp_path / "add_sub"
     (folder / "1").mkdir(parents=True)
     (folder / "1" / "model.onnx").write_bytes(b"never loaded")
     (folder / "config.pbtxt").write_text(
-        'backend: "onnxruntime"\nmax_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 100000 }\n'
+        f'backend: "onnxruntime"\nmax_batch_size: 8\ndynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}\n'
         'input [ { name: "a" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "b" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
         'output [ { name: "sum" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
     spec = ModelSpec.from_config(load_model(folder).config)
-    runner = ModelRunner(None, Keys("unused"), spec, 1, folder, "test")  # type: ignore[arg-type]
+    runner = ModelRunner(None, Keys("unused"), spec, 1, folder, "test",  # type: ignore[arg-type]
+                         full_queue_delay=full_queue_delay)
     rec = Recorder()
-    runner.batcher = DynamicBatcher(spec.policy, rec)
+    runner.batcher = DynamicBatcher(spec.policy, rec, nothing_coming=runner._coming)
+    return runner, rec
+
+
+def gateway_entry(ids: list[str], in_flight: bytes | None, gateway: str = "g1", sent_ago: float = 0.0
+                  ) -> tuple[str, bytes, dict[bytes, bytes]]:
+    """A gateway's stream entry, saying it had `in_flight` requests out (None: an older gateway)."""
+    row = np.ones((1, 4), np.float32).tobytes()
+    reqs = [InferRequest(i, gateway, time.time() + 60, (Tensor("a", "FP32", (1, 4), row),
+                         Tensor("b", "FP32", (1, 4), row)), enqueued=time.time() - sent_ago) for i in ids]
+    fields = {FIELD: records.encode(reqs)}
+    if in_flight is not None:
+        fields[IN_FLIGHT] = in_flight
+    return "stream", f"{ids[0]}-0".encode(), fields
+
+
+async def test_the_worker_starts_the_delay_when_it_reads_a_request(tmp_path: Path) -> None:
+    """A request that spent a second reaching the worker still waits the model's delay for others."""
+    runner, rec = add_sub_runner(tmp_path, delay_us=100_000)
     task = asyncio.create_task(runner.batcher.run())
-
-    def entry(n: int) -> tuple[str, bytes, dict[bytes, bytes]]:
-        row = np.ones((1, 4), np.float32).tobytes()
-        req = InferRequest(f"r{n}", "replies", time.time() + 60, (Tensor("a", "FP32", (1, 4), row),
-                           Tensor("b", "FP32", (1, 4), row)), enqueued=time.time() - 1.0)
-        return "stream", f"{n}-0".encode(), {FIELD: records.encode([req])}
-
-    await runner._accept([entry(1)])
+    await runner._accept([gateway_entry(["r1"], None, sent_ago=1.0)])
     await asyncio.sleep(0.03)
-    await runner._accept([entry(2)])
+    await runner._accept([gateway_entry(["r2"], None, sent_ago=1.0)])
     await asyncio.sleep(0.15)
     assert [[p.request.id for p in batch] for batch in rec.batches] == [["r1", "r2"]]
     runner.batcher.close()
@@ -280,35 +293,6 @@ async def test_a_batch_goes_at_once_when_nothing_can_join_it() -> None:
     assert rec.batches == [[0, 1]]
     batcher.close()
     await asyncio.wait_for(task, 5)
-
-
-def add_sub_runner(tmp_path: Path, full_queue_delay: bool = False) -> tuple[ModelRunner, Recorder]:
-    """A runner of a model with a 2 s queue delay, its batches recorded instead of run."""
-    folder = tmp_path / "add_sub"
-    (folder / "1").mkdir(parents=True)
-    (folder / "1" / "model.onnx").write_bytes(b"never loaded")
-    (folder / "config.pbtxt").write_text(
-        'backend: "onnxruntime"\nmax_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 2000000 }\n'
-        'input [ { name: "a" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "b" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        'output [ { name: "sum" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
-    spec = ModelSpec.from_config(load_model(folder).config)
-    runner = ModelRunner(None, Keys("unused"), spec, 1, folder, "test",  # type: ignore[arg-type]
-                         full_queue_delay=full_queue_delay)
-    rec = Recorder()
-    runner.batcher = DynamicBatcher(spec.policy, rec, nothing_coming=runner._coming)
-    return runner, rec
-
-
-def gateway_entry(ids: list[str], in_flight: bytes | None, gateway: str = "g1"
-                  ) -> tuple[str, bytes, dict[bytes, bytes]]:
-    """A gateway's stream entry, saying it had `in_flight` requests out (None: an older gateway)."""
-    row = np.ones((1, 4), np.float32).tobytes()
-    reqs = [InferRequest(i, gateway, time.time() + 60, (Tensor("a", "FP32", (1, 4), row),
-                         Tensor("b", "FP32", (1, 4), row)), enqueued=time.time()) for i in ids]
-    fields = {FIELD: records.encode(reqs)}
-    if in_flight is not None:
-        fields[IN_FLIGHT] = in_flight
-    return "stream", f"{ids[0]}-0".encode(), fields
 
 
 async def batches_after(runner: ModelRunner, rec: Recorder, *entries: tuple[str, bytes, dict[bytes, bytes]]
