@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 
 from despina.contract import records
+from despina.contract.ensemble import Ensemble
 from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.workers.batcher import BatchPolicy, DynamicBatcher, Item, QueueFull, QueuePolicy
+from despina.workers.ensembles import EnsembleHost
+from despina.workers.redelivery import DeliveryPolicy
 from despina.workers.runner import ModelRunner
 
 
@@ -344,3 +347,33 @@ async def test_a_step_made_in_this_worker_waits_unless_its_ensemble_has_nothing_
         runner.submit([Tensor("a", "FP32", (1, 4), row), Tensor("b", "FP32", (1, 4), row)], (),
                       time.time() + 60, lambda reply: None, settled=settled)
         assert len(await batches_after(runner, rec, gateway_entry(["r1"], b"1"))) == runs, settled
+
+
+async def test_an_ensemble_host_vouches_for_a_step_no_other_run_can_join(tmp_path: Path) -> None:
+    """Two requests of a two-step ensemble, read in one entry: both runs queue their first step. When
+    the entry says two are out, no run here has that step left to call, so its batch goes at once
+    (while the second step's model still has both runs coming); when it says three, it waits."""
+    for i, (out, ran) in enumerate(((b"2", [2]), (b"3", []))):
+        runner, rec = add_sub_runner(tmp_path / str(i))
+        pair = tmp_path / str(i) / "pair"
+        (pair / "1").mkdir(parents=True)
+        (pair / "config.pbtxt").write_text(
+            'platform: "ensemble"\nmax_batch_size: 8\n'
+            'input [ { name: "a" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "b" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+            'output [ { name: "out" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+            'ensemble_scheduling { step [\n'
+            '  { model_name: "add_sub" model_version: -1 input_map [ { key: "a" value: "a" }, { key: "b" value: "b" } ]'
+            ' output_map { key: "sum" value: "s" } },\n'
+            '  { model_name: "tail" model_version: -1 input_map [ { key: "a" value: "s" }, { key: "b" value: "s" } ]'
+            ' output_map { key: "sum" value: "out" } } ] }\n')
+        config = load_model(pair).config
+        host = EnsembleHost(None, Keys("unused"), ModelSpec.from_config(config),  # type: ignore[arg-type]
+                            Ensemble.from_config(config), 1,
+                            lambda step, r=runner: r if step.model == "add_sub" else None, "test", DeliveryPolicy())
+        task = asyncio.create_task(runner.batcher.run())
+        host._accept([gateway_entry(["e1", "e2"], out)])
+        await asyncio.sleep(0.05)
+        assert [len(batch) for batch in rec.batches] == ran, out
+        assert host.vouch("tail")() is False  # both runs have that step still to call
+        runner.batcher.close()
+        await asyncio.wait_for(task, 5)

@@ -25,11 +25,11 @@ from ..contract.ensemble import Ensemble, Run, Step
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
 from ..contract.keys import FIELD, IN_FLIGHT, Keys
 from ..contract.modelconfig import ModelSpec
-from ..contract.records import InferReply, InferRequest
+from ..contract.records import InferReply, InferRequest, Tensor
 from ..resp import Batch, Resp
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
-from .runner import TIMED_OUT, ModelRunner, announce, close
+from .runner import TIMED_OUT, ModelRunner, Settled, all_here, announce, close
 from .stats import Deferred, ensemble_counts, record_counts
 from .streams import Entry, ModelStreams
 
@@ -56,10 +56,13 @@ class EnsembleHost:
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
         self._in_flight = 0
         # per gateway: its requests running here, and how many it said it had in flight in its latest
-        # entry (as ModelRunner keeps them): with one run here and no other on its way, the steps'
-        # batches need not wait for company
+        # entry (as ModelRunner keeps them); per model: the steps calling it that runs here have yet to
+        # start. With every request out running here and none of them still to call a model, nothing
+        # of this ensemble can join that model's batch: it need not wait for company (vouch)
         self._open: dict[str, int] = {}
         self._announced: dict[str, int] = {}
+        self._reach: dict[str, int] = {}
+        self._vouchers: dict[str, Settled] = {}
         self._room = asyncio.Event()
         self._room.set()
         self._idle = asyncio.Event()
@@ -149,13 +152,19 @@ class EnsembleHost:
         if self._in_flight:
             self._idle.clear()
 
-    def settled(self) -> bool:
-        """Whether no other request of this ensemble can reach a step's batcher: one run here, and its
-        gateway said it had no other in flight (two runs may be at different steps: unknown)."""
-        if self._in_flight != 1 or len(self._open) != 1:
-            return False
-        gateway, n = next(iter(self._open.items()))
-        return self._announced.get(gateway, n + 1) <= n
+    def vouch(self, model: str) -> Settled:
+        """For the batcher of a step's model: whether no other request of this ensemble can still join
+        a batch of it (every request its gateways have out runs here, and none of those runs has a
+        step left that calls the model)."""
+        voucher = self._vouchers.get(model)
+        if voucher is None:
+            voucher = self._vouchers[model] = lambda: not self._reach.get(model) and all_here(
+                self._open, self._announced)
+        return voucher
+
+    def _reaching(self, steps: list[Step], n: int) -> None:
+        for step in steps:
+            self._reach[step.model] = self._reach.get(step.model, 0) + n
 
     # -- answering -------------------------------------------------------------------------------
 
@@ -232,7 +241,12 @@ class _HostRun(Run):
         super().__init__(host.spec, host.ensemble, request.deadline - time.time())
         self.host, self.request, self.entry = host, request, entry
 
+    def start(self, inputs: list[Tensor], outputs: tuple[str, ...]) -> None:
+        self.host._reaching(self.pending, 1)  # each step leaves `pending` to _call, or at the finish
+        super().start(inputs, outputs)
+
     def _call(self, step: Step) -> None:
+        self.host._reaching([step], -1)
         runner = self.host.runner(step)
         if runner is None:  # unloaded since the host started: the host is stopping too
             raise Unavailable(f"model '{step.model}' is not loaded on this worker")
@@ -240,7 +254,7 @@ class _HostRun(Run):
         req = self.request
         runner.submit(self.step_inputs(step, runner.spec), tuple(o for o, _ in step.outputs), req.deadline,
                       lambda reply: self._answered(step, reply), req.priority, req.timeout_us, req.trace,
-                      self.host.settled)
+                      self.host.vouch(step.model))
 
     def _answered(self, step: Step, reply: InferReply) -> None:
         if reply.error is None:
@@ -250,4 +264,5 @@ class _HostRun(Run):
             self.settled(step, DespinaError(message, Code(code)))
 
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
+        self.host._reaching(self.pending, -1)  # steps it never called
         self.host._answer(self.request, self.entry, result, rows)

@@ -246,11 +246,10 @@ class ModelRunner:
         Triton does."""
         if not self._open and not self._local:
             return False
-        for _, settled in self._local.values():
+        for settled in {s for _, s in self._local.values()}:  # one per submitter and model, mostly
             if settled is None or not settled():
                 return False
-        announced = self._announced
-        return all(announced.get(gateway, n + 1) <= n for gateway, n in self._open.items())
+        return all_here(self._open, self._announced)
 
     def _on_timeout(self, item: Item) -> None:
         """The batcher dropped a request whose queue timeout passed (REJECT policy): answer it."""
@@ -470,6 +469,11 @@ def announce(announced: dict[str, int], gateway: str, raw: bytes) -> None:
         announced[gateway] = int(raw)
     except ValueError:
         announced.pop(gateway, None)  # not a count: as if it had said nothing
+
+
+def all_here(open_: dict[str, int], announced: dict[str, int]) -> bool:
+    """Whether every gateway with a request open here said it had no more in flight than that."""
+    return all(announced.get(gateway, n + 1) <= n for gateway, n in open_.items())
 
 
 def close(open_: dict[str, int], announced: dict[str, int], gateway: str) -> None:
