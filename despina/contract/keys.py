@@ -12,7 +12,7 @@ FIELD = b"m"  # the field of every stream entry that holds its msgpack payload
 ENTRY_REQUESTS = 16
 ATTEMPTS = b"a"  # on a redelivered request entry: deliveries of it that ended with its worker's death
 # On a gateway's request entry: the requests for that model version the gateway had queued and not yet
-# seen answered when it wrote the entry, the entry's own included (workers/runner.py, "nothing coming")
+# seen answered when it wrote the entry, the entry's own included (workers/inflight.py)
 IN_FLIGHT = b"n"
 
 

@@ -52,7 +52,7 @@ def _load() -> ctypes.CDLL | None:
 class Alarm:
     """Calls `fire` on the event loop at the time.monotonic() instant last given to `arm`.
 
-    One pending instant at a time: arming again moves it. A fired or disarmed alarm stays quiet.
+    One pending instant at a time: arming again moves it. A fired alarm stays quiet until armed again.
     """
 
     def __init__(self, libc: ctypes.CDLL, fd: int, loop: asyncio.AbstractEventLoop,
@@ -83,11 +83,6 @@ class Alarm:
         value.tv_sec = seconds
         value.tv_nsec = max(1, int((when - seconds) * 1e9))  # 0 would disarm it
         self._settime(_TFD_TIMER_ABSTIME)
-
-    def disarm(self) -> None:
-        value = self._spec.it_value
-        value.tv_sec = value.tv_nsec = 0
-        self._settime(0)
 
     def _settime(self, flags: int) -> None:
         if self._libc.timerfd_settime(self._fd, flags, self._ref, None) != 0:

@@ -23,13 +23,14 @@ from redis.exceptions import RedisError
 from ..contract import records
 from ..contract.ensemble import Ensemble, Run, Step
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
-from ..contract.keys import FIELD, IN_FLIGHT, Keys
+from ..contract.keys import FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from ..resp import Batch, Resp
+from .inflight import Gateways
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
-from .runner import TIMED_OUT, ModelRunner, Settled, all_here, announce, close
+from .runner import TIMED_OUT, ModelRunner, Settled
 from .stats import Deferred, ensemble_counts, record_counts
 from .streams import Entry, ModelStreams
 
@@ -55,12 +56,10 @@ class EnsembleHost:
         self._bounded = bounded_levels(spec)
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
         self._in_flight = 0
-        # per gateway: its requests running here, and how many it said it had in flight in its latest
-        # entry (as ModelRunner keeps them); per model: the steps calling it that runs here have yet to
-        # start. With every request out running here and none of them still to call a model, nothing
-        # of this ensemble can join that model's batch: it need not wait for company (vouch)
-        self._open: dict[str, int] = {}
-        self._announced: dict[str, int] = {}
+        # what each gateway has in flight (workers/inflight.py), and per model the steps that calls it
+        # the runs here have yet to start. With every request out running here and none of them still
+        # to call a model, nothing of this ensemble can join that model's batch (vouch)
+        self._gateways = Gateways()
         self._reach: dict[str, int] = {}
         self._vouchers: dict[str, Settled] = {}
         self._room = asyncio.Event()
@@ -139,10 +138,10 @@ class EnsembleHost:
                 continue
             self._entries[entry] = len(reqs)
             self._in_flight += len(reqs)
-            if reqs and IN_FLIGHT in fields:
-                announce(self._announced, reqs[0].reply_to, fields[IN_FLIGHT])
+            if reqs:
+                self._gateways.announce(reqs[0].reply_to, fields)
             for req in reqs:
-                self._open[req.reply_to] = self._open.get(req.reply_to, 0) + 1
+                self._gateways.opened(req.reply_to)
                 if req.deadline < now:
                     self._answer(req, entry, DeadlineExceeded(TIMED_OUT), 0)
                     continue
@@ -158,8 +157,7 @@ class EnsembleHost:
         step left that calls the model)."""
         voucher = self._vouchers.get(model)
         if voucher is None:
-            voucher = self._vouchers[model] = lambda: not self._reach.get(model) and all_here(
-                self._open, self._announced)
+            voucher = self._vouchers[model] = lambda: not self._reach.get(model) and self._gateways.all_here()
         return voucher
 
     def _reaching(self, steps: list[Step], n: int) -> None:
@@ -180,7 +178,7 @@ class EnsembleHost:
         else:
             reply = InferReply(req.id, (), (error.code, error.message))
         self._finished(req, reply, entry)
-        close(self._open, self._announced, req.reply_to)
+        self._gateways.closed(req.reply_to)
         self._in_flight -= 1
         if self._in_flight < READ_AHEAD:
             self._room.set()

@@ -16,13 +16,14 @@ from redis.exceptions import RedisError
 
 from ..contract import records
 from ..contract.errors import Code, ConfigError, DespinaError, Unavailable
-from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
+from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from ..resp import Batch, Resp
 from . import answers, stats
 from .backends import Backend, backend_class
 from .batcher import DynamicBatcher, Item, QueueFull
+from .inflight import Gateways
 from .instances import plan as plan_instances
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
@@ -81,10 +82,7 @@ class ModelRunner:
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
         # id() of a submitted request -> where its reply goes, and who says whether more may come
         self._local: dict[int, tuple[Answer, Settled | None]] = {}
-        # per gateway (its reply stream): requests read from it and not yet answered, and how many it
-        # said it had in flight in its latest entry (while any of its requests are open here)
-        self._open: dict[str, int] = {}
-        self._announced: dict[str, int] = {}
+        self._gateways = Gateways()  # what each gateway has in flight: is anything still coming?
         self._in_flight = 0
         self._room = asyncio.Event()
         self._room.set()
@@ -198,8 +196,8 @@ class ModelRunner:
                 await self._ack([entry])
                 continue
             self._entries[entry] = len(reqs)
-            if reqs and IN_FLIGHT in fields:
-                announce(self._announced, reqs[0].reply_to, fields[IN_FLIGHT])
+            if reqs:
+                self._gateways.announce(reqs[0].reply_to, fields)
             for req in reqs:
                 if req.deadline < now:
                     fail(req, entry, Code.DEADLINE_EXCEEDED, TIMED_OUT)
@@ -222,7 +220,7 @@ class ModelRunner:
                 except QueueFull as exc:
                     fail(req, entry, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}")
                     continue
-                self._open[req.reply_to] = self._open.get(req.reply_to, 0) + 1
+                self._gateways.opened(req.reply_to)
                 self._in_flight += 1
         if len(self._entries) and self._in_flight >= self._read_ahead:
             self._room.clear()
@@ -235,21 +233,17 @@ class ModelRunner:
             await self._ack(done)
 
     def _nothing_coming(self) -> bool:
-        """Whether no request that could join the queued ones is on its way: every gateway with a
-        request open here said, in its latest entry, that it had no more in flight than are open here.
-
-        Those open here are a lower bound of what the gateway still counted when it wrote that entry
-        (a request unanswered now was unanswered then), so if it counted no more, the rest of its
-        requests are all here: the next one it sends is a new arrival, which the delay may or may not
-        catch. A gateway that said nothing (an older one, a redelivered entry), requests made in this
-        process whose submitter cannot say the same, or requests other workers hold all mean: wait, as
-        Triton does."""
-        if not self._open and not self._local:
+        """Whether no request that could join the queued ones is on its way (workers/inflight.py): every
+        gateway with a request open here has no more in flight, and whoever submitted the requests made
+        in this process vouches for them. A gateway that said nothing (an older one, a redelivered
+        entry), a submitter that cannot vouch, or requests other workers hold all mean: wait, as Triton
+        does."""
+        if not self._gateways and not self._local:
             return False
         for settled in {s for _, s in self._local.values()}:  # one per submitter and model, mostly
             if settled is None or not settled():
                 return False
-        return all_here(self._open, self._announced)
+        return self._gateways.all_here()
 
     def _on_timeout(self, item: Item) -> None:
         """The batcher dropped a request whose queue timeout passed (REJECT policy): answer it."""
@@ -418,7 +412,7 @@ class ModelRunner:
         for p in pendings:
             if p.entry is None:
                 continue
-            close(self._open, self._announced, p.request.reply_to)
+            self._gateways.closed(p.request.reply_to)
             self._entries[p.entry] -= 1
             if self._entries[p.entry] == 0:
                 del self._entries[p.entry]
@@ -461,28 +455,6 @@ class ModelRunner:
         except (RedisError, OSError) as exc:
             log.error("model %s: acknowledging failed: %s; the entries will be reclaimed",
                       self.spec.name, exc)
-
-
-def announce(announced: dict[str, int], gateway: str, raw: bytes) -> None:
-    """Note what a gateway's entry said it had in flight (IN_FLIGHT)."""
-    try:
-        announced[gateway] = int(raw)
-    except ValueError:
-        announced.pop(gateway, None)  # not a count: as if it had said nothing
-
-
-def all_here(open_: dict[str, int], announced: dict[str, int]) -> bool:
-    """Whether every gateway with a request open here said it had no more in flight than that."""
-    return all(announced.get(gateway, n + 1) <= n for gateway, n in open_.items())
-
-
-def close(open_: dict[str, int], announced: dict[str, int], gateway: str) -> None:
-    """One of the gateway's requests is answered; with none left open, what it said is forgotten."""
-    if open_[gateway] > 1:
-        open_[gateway] -= 1
-    else:
-        del open_[gateway]
-        announced.pop(gateway, None)
 
 
 def _timings(marks: dict[str, int], end: int) -> tuple[int, int, int]:
