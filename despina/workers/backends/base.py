@@ -100,9 +100,10 @@ class Backend:
 
 def visible_gpus() -> int:
     """NVIDIA GPUs this process may use, without importing a framework (0 when there is none)."""
-    if not Path("/proc/driver/nvidia/gpus").is_dir():
+    proc = Path("/proc/driver/nvidia/gpus")  # some VMs and containers have the device nodes alone
+    present = len(list(proc.iterdir())) if proc.is_dir() else len(list(Path("/dev").glob("nvidia[0-9]*")))
+    if not present:
         return 0
-    present = len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return present
