@@ -28,12 +28,13 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFER
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 2
-            for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; PIDS=(); }
+cleanup() {  # last started, first stopped: the load, the gateways and serve before Valkey
+  local i; for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do kill -TERM "${PIDS[i]}" 2>/dev/null; sleep 0.5; done
+  sleep 2; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; PIDS=(); }
 trap cleanup EXIT
 phase() { echo "== $* ($(date -u +%T), load average $(cut -d' ' -f1-3 /proc/loadavg))"; }
 
-{ date -u; echo "nproc: $(nproc)"; lscpu | grep -E 'Model name'
+{ date -u; grep Cpus_allowed_list /proc/self/status; lscpu | grep -E 'Model name'
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
   "$PY" -c 'import sys, torch, onnxruntime as o; print(sys.version.split()[0], "torch", torch.__version__,
 torch.cuda.is_available(), "onnxruntime", o.__version__, o.get_available_providers())'
@@ -66,7 +67,7 @@ done
 t0=$SECONDS
 for port in 18000 18001 18002 18003; do
   until [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/v2/models/mlp_heavy_gpu/ready")" = 200 ]; do
-    if [ $((SECONDS - t0)) -gt 120 ]; then echo "not ready on $port" >&2; tail -20 "$OUT"/*.log >&2; exit 1; fi
+    if [ $((SECONDS - t0)) -gt 120 ]; then echo "not ready on $port" >&2; tail -n 20 "$OUT"/*.log >&2; exit 1; fi
     sleep 0.25
   done
 done
