@@ -3,8 +3,9 @@
 It listens on a Unix socket in a directory of its own (mode 0700), with no TCP port: another user
 of the machine cannot reach it, as they could reach an unauthenticated 127.0.0.1 port. (Throughput
 is the same as over loopback TCP within this machine's noise, bench/RESULTS.md.) With a `port`, or
-where the socket's path would be too long for the kernel, it binds 127.0.0.1 instead. It keeps nothing on disk, and dies with the process that started it, even
-when that process is killed with SIGKILL (PR_SET_PDEATHSIG in the child before exec).
+where the socket's path would be too long for the kernel, it binds 127.0.0.1 instead. It keeps
+nothing on disk, and dies with the process that started it, even when that process is killed with
+SIGKILL (PR_SET_PDEATHSIG in the child before exec).
 """
 from __future__ import annotations
 
