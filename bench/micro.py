@@ -1,6 +1,6 @@
 """Micro-benchmarks of the hot path's pieces, in one process (CPU per call; no server):
 
-    python bench/micro.py [--redis-url redis://127.0.0.1:6379/0]
+    python bench/micro.py [--redis-url redis://127.0.0.1:6379/0] [--only worker codecs ...]
 
 the gateway's decoders and encoders on W1's request (binary and JSON, /fn), the stream records'
 codec for a 20-request entry, one XADD + HINCRBY round trip through redis-py's asyncio pipeline
@@ -9,7 +9,8 @@ how late uvloop's call_later fires below a millisecond, and the server's CPU for
 as the workers' EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine), and
 the Python backend's hop: one execute call to a model's own process (W3's classify_post, and a model
 that returns constant outputs: the hop alone) with 0, 1, 3 and 8 requests, against classify_post's
-execute run in this process.
+execute run in this process; and a worker's own CPU per request, W1 in batches of 128 from 16-request
+entries, replies written to that Redis (bench/out/repo must exist: bench/models.py).
 Figures quoted in bench/RESULTS.md and in commit messages come from here; run it pinned
 (`taskset -c 1`) on a quiet machine.
 """
@@ -262,17 +263,77 @@ def ensemble_check(n: int = 2000) -> None:
     timed("control plane: check one ensemble (per tick)", ensembles.check, n)
 
 
+async def worker_path(url: str, rounds: int = 160, entry_requests: int = 16) -> None:
+    """A worker's own CPU per request, no gateway: W1 (bench/out/repo's `mlp`, max batch 128) in a
+    ModelRunner, 256 requests a round in entries of 16 as a gateway writes them, batched, run, and
+    their replies, statistics and acknowledgements written to the Redis at `url`."""
+    import uuid
+
+    from despina.contract.keys import FIELD, IN_FLIGHT, Keys
+    from despina.control.repository import load_model
+    from despina.redis_client import connect
+    from despina.workers.runner import ModelRunner
+
+    folder = Path(__file__).resolve().parent / "out" / "repo" / "mlp"
+    redis_client = connect(url)
+    keys = Keys(f"micro-{uuid.uuid4().hex[:8]}")
+    runner = ModelRunner(redis_client, keys, ModelSpec.from_config(load_model(folder).config), 1, folder,
+                         "micro")
+    await runner.load()
+    batcher = asyncio.get_running_loop().create_task(runner.batcher.run())
+    row = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32).tobytes()
+
+    def entry(first: int) -> tuple[str, bytes, dict[bytes, bytes]]:
+        reqs = [InferRequest(f"r{first + i}", "micro-gateway", time.time() + 600,
+                             (Tensor("x", "FP32", (1, 256), row),), enqueued=time.time())
+                for i in range(entry_requests)]
+        return "stream", f"{first}-0".encode(), {FIELD: records.encode(reqs), IN_FLIGHT: b"256"}
+
+    entries = [entry(i) for i in range(0, 256, entry_requests)]
+
+    async def one_round() -> None:
+        for e in entries:
+            await runner._accept([e])
+        while runner._in_flight or runner._background:
+            await asyncio.sleep(0.0002)  # not a busy wait: its CPU would count
+
+    for _ in range(10):
+        await one_round()
+    before = await redis_client.hgetall(keys.stats("mlp", 1))
+    cpu = time.process_time()
+    for _ in range(rounds):
+        await one_round()
+    per = (time.process_time() - cpu) / (rounds * 256) * 1e6
+    after = await redis_client.hgetall(keys.stats("mlp", 1))
+    model_ns = int(after[b"compute_infer_ns"]) - int(before[b"compute_infer_ns"])
+    model_n = int(after[b"compute_infer_count"]) - int(before[b"compute_infer_count"])
+    model = model_ns / model_n / 1000 / 128  # counted per request as its batch's time
+    print(f"{'worker path, W1 batches of 128 (process CPU)':44s} {per:8.2f} us per request, "
+          f"{model:.2f} of them the model")
+    runner.batcher.close()
+    await batcher
+    keys_left = [k async for k in redis_client.scan_iter(f"{keys.prefix}*")]
+    if keys_left:
+        await redis_client.delete(*keys_left)
+    await redis_client.aclose()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--only", nargs="+", choices=["codecs", "round_trips", "timers", "statistics",
+                                                      "python_model", "ensemble", "worker"])
     args = parser.parse_args()
-    codecs()
-    uvloop.run(round_trips(args.redis_url))
-    uvloop.run(timers())
-    statistics_record(args.redis_url)
-    python_model()
-    ensemble_check()
+    url = args.redis_url
+    pieces: dict[str, Callable[[], object]] = {
+        "codecs": codecs, "round_trips": lambda: uvloop.run(round_trips(url)),
+        "timers": lambda: uvloop.run(timers()), "statistics": lambda: statistics_record(url),
+        "python_model": python_model, "ensemble": ensemble_check,
+        "worker": lambda: uvloop.run(worker_path(url))}
+    for name, run in pieces.items():
+        if not args.only or name in args.only:
+            run()
 
 
 if __name__ == "__main__":

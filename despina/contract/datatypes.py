@@ -1,6 +1,7 @@
 """Tensor datatypes: the V2 protocol's names, Triton's TYPE_* names, numpy dtypes, raw bytes."""
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -101,10 +102,7 @@ def deserialize_bytes(buffer: bytes | memoryview, count: int | None = None) -> n
 
 
 def element_count(shape: list[int] | tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape)
 
 
 def to_numpy(datatype: str, shape: list[int] | tuple[int, ...], data: bytes | memoryview) -> np.ndarray:

@@ -29,7 +29,7 @@ from .alarm import Alarm
 __all__ = ["BatchPolicy", "DynamicBatcher", "Item", "QueueFull", "QueuePolicy"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Item:
     """One queued request: `rows` is its batch-dimension size, `shape_key` its non-batch shapes."""
 

@@ -44,7 +44,7 @@ Answer = Callable[[InferReply], None]
 Settled = Callable[[], bool]  # whether no other request of the submitter's can join a batch now
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
     """A request inside the batcher, and the stream entry it came in."""
 
@@ -258,6 +258,9 @@ class ModelRunner:
         return int(next(iter(inputs.values())).shape[0])
 
     def _shape_key(self, req: InferRequest) -> tuple[Any, ...]:
+        if len(req.inputs) == 1:
+            t = req.inputs[0]
+            return ((t.name, t.datatype, t.shape[1:]),)
         return tuple(sorted((t.name, t.datatype, t.shape[1:]) for t in req.inputs))
 
     def submit(self, inputs: list[Tensor], outputs: tuple[str, ...], deadline: float, answer: Answer,
@@ -291,13 +294,14 @@ class ModelRunner:
     async def _execute(self, batch: list[Item]) -> None:
         pendings: list[Pending] = [item.payload for item in batch]
         started = time.time()
-        live = [p for p in pendings if p.request.deadline >= started]
-        expired = [p for p in pendings if p.request.deadline < started]
+        live_items = [item for item in batch if item.payload.request.deadline >= started]
+        live: list[Pending] = [item.payload for item in live_items]
+        expired = [p for p in pendings if p.request.deadline < started] if len(live) < len(batch) else []
         replies = [answers.error(p.request, Code.DEADLINE_EXCEEDED, TIMED_OUT) for p in expired]
         if log.isEnabledFor(logging.DEBUG):
             log.debug("batch formed", extra={"fields": {
                 "model": self.spec.name, "version": self.version, "requests": len(pendings),
-                "rows": sum(self._rows(p.inputs) for p in pendings),
+                "rows": sum(item.rows for item in batch),
                 "queue_us": [int((started - p.request.enqueued) * 1e6) for p in pendings],
                 # of which in transit: from the gateway's enqueue until this worker read it
                 "transit_us": [int((p.received - p.request.enqueued) * 1e6) for p in pendings],
@@ -305,7 +309,7 @@ class ModelRunner:
         marks: dict[str, int] = {"start": time.perf_counter_ns()}
         if any(p.alone for p in live):
             await self.streams.mark_executing([p.entry for p in live if p.entry is not None])
-        sizes = [self._rows(p.inputs) for p in live]  # rows per request
+        sizes = [item.rows for item in live_items]  # rows per request
         if live:
             replies.extend(await self._run_batch(live, sizes, started, marks))
         rows = sum(sizes)
