@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start control plane, workers and gateway on this machine")
     common(serve), repo(serve), http(serve), worker(serve), metrics(serve)
     serve.add_argument("--workers", dest="workers", type=int, help="worker processes (default 1)")
+    serve.add_argument("--gateways", dest="gateways", type=int,
+                       help="gateway processes, sharing the HTTP port (default 1)")
     gw = sub.add_parser("gateway", help="run one HTTP gateway against a shared Redis")
     common(gw), http(gw)
     wk = sub.add_parser("worker", help="run one worker process against a shared Redis")

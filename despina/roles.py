@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -40,8 +41,25 @@ def run_gateway(settings: Settings) -> None:
                             proxy_headers=False, server_header=False, date_header=False,
                             log_level=settings.log_level,
                             timeout_graceful_shutdown=int(settings.drain_timeout_s))
+    sockets = [reuse_port_socket(settings.host, settings.http_port)] if settings.reuse_port else None
     quiet_collector()
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=sockets)
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """The HTTP port bound with SO_REUSEPORT, so that `serve --gateways N` runs N gateways on it: the
+    kernel spreads new connections over them (only processes of the same user can join the port)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"gateway: cannot bind {host}:{port}: {exc.strerror.lower()}") from None
+    return sock
 
 
 def _run_until_signal(make_and_run: object) -> None:

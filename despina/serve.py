@@ -1,8 +1,9 @@
 """`despina serve`: everything on one machine, supervised.
 
-Starts (when no Redis URL is given) an embedded Valkey, the control plane, N workers and the gateway,
-each a child process that dies with this one. SIGINT/SIGTERM drain in order: the gateway stops taking
-requests and answers those in flight, then workers finish, then control, then Valkey.
+Starts (when no Redis URL is given) an embedded Valkey, the control plane, N workers and M gateways
+(sharing the HTTP port through SO_REUSEPORT when M > 1), each a child process that dies with this one.
+SIGINT/SIGTERM drain in order: the gateways stop taking requests and answer those in flight, then
+workers finish, then control, then Valkey.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class Supervisor:
         self.valkey: EmbeddedValkey | None = None
         self.control: Child | None = None
         self.workers: list[Child] = []
-        self.gateway: Child | None = None
+        self.gateways: list[Child] = []
         self._stopping = False
 
     def run(self) -> int:
@@ -82,11 +83,14 @@ class Supervisor:
         self.control = Child("control", child_env(settings), "control")
         self.workers = [Child("worker", child_env(settings, DESPINA_WORKER_ID=f"{os.uname().nodename}-w{i}"),
                               f"worker {i}") for i in range(settings.workers)]
-        self.gateway = Child("gateway", child_env(settings), "gateway")
-        for child in (self.control, *self.workers, self.gateway):
+        shared = settings.with_(reuse_port=settings.gateways > 1)
+        many = settings.gateways > 1
+        self.gateways = [Child("gateway", child_env(shared), f"gateway {i}" if many else "gateway")
+                         for i in range(settings.gateways)]
+        for child in (self.control, *self.workers, *self.gateways):
             child.start()
-        log.info("serving %s on http://%s:%d with %d worker(s)", settings.model_repository,
-                 settings.host, settings.http_port, settings.workers)
+        log.info("serving %s on http://%s:%d with %d worker(s) and %d gateway(s)", settings.model_repository,
+                 settings.host, settings.http_port, settings.workers, settings.gateways)
         code = 0
         while not self._stopping:
             time.sleep(0.2)
@@ -110,7 +114,7 @@ class Supervisor:
                 time.sleep(RESTART_BACKOFF_S)
                 w.restarts += 1
                 w.start()
-        for child in (self.gateway, self.control):
+        for child in (*self.gateways, self.control):
             if child and not child.alive() and not self._stopping:
                 assert child.process
                 log.error("%s exited with %s; stopping everything", child.name, child.process.returncode)
@@ -120,9 +124,10 @@ class Supervisor:
     def shutdown(self) -> None:
         self._stopping = True
         drain = self.settings.drain_timeout_s
-        if self.gateway:
-            self.gateway.terminate()
-            self.gateway.wait(drain + 5)
+        for g in self.gateways:
+            g.terminate()
+        for g in self.gateways:
+            g.wait(drain + 5)
         for w in self.workers:
             w.terminate()
         for w in self.workers:

@@ -21,6 +21,8 @@ class Settings:
     http_port: int = 8000
     metrics_port: int = 8002                # Prometheus /metrics of the control plane; 0 = off
     workers: int = 1
+    gateways: int = 1                       # serve: gateway processes sharing the HTTP port
+    reuse_port: bool = False                # bind the HTTP port with SO_REUSEPORT (serve sets it for 2+)
     request_timeout_s: float = 60.0         # default deadline of a request
     max_body_bytes: int = 64 * 1024 * 1024
     max_tensor_elements: int = 1 << 27      # per input tensor; larger shapes get 400 before any allocation
@@ -57,6 +59,8 @@ class Settings:
     http_restricted_api: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.gateways < 1:
+            raise BadSetting(f"DESPINA_GATEWAYS (or --gateways) must be 1 or more, got {self.gateways}")
         # every number here is a size, a count, a port or a duration
         for f in fields(self):
             value = getattr(self, f.name)

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+import redis
 
 from .conftest import FULL_QUEUE_DELAY, Server, descendants, dump_stacks, stop_server
 
@@ -125,11 +126,31 @@ def test_roles_need_a_redis_url(role: str) -> None:
     ({"DESPINA_AUTH_INFERENCE": "maybe"}, [], "DESPINA_AUTH_INFERENCE='maybe': expected true or false"),
     ({"DESPINA_WORKER_TTL_S": "nan"}, [], "DESPINA_WORKER_TTL_S (or its command-line option) must be a number of 0"),
     ({}, ["--workers", "-1"], "DESPINA_WORKERS (or its command-line option) must be a number of 0 or more, got -1"),
+    ({}, ["--gateways", "0"], "DESPINA_GATEWAYS (or --gateways) must be 1 or more, got 0"),
 ])
 def test_a_bad_setting_is_named_and_nothing_starts(env: dict[str, str], args: list[str], said: str) -> None:
     r = subprocess.run([sys.executable, "-m", "despina", "serve", *args], capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", **env}, timeout=60)
     assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_gateways_share_the_port_and_drain_together(serve: Callable[..., Server], example_repository: Path,
+                                                    redis_url: str, key_prefix: str) -> None:
+    server = serve(example_repository, "--gateways", "3", wait_models=("mlp",))
+    gateways = [p for p in descendants(server.process.pid) if "despina gateway" in cmdline(p)]
+    assert len(gateways) == 3
+
+    async def many() -> list[int]:  # one connection per request: the kernel spreads them over the three
+        async def one() -> int:
+            async with httpx.AsyncClient(timeout=30) as client:
+                return (await client.post(f"{server.url}/fn/mlp", content=ROW)).status_code
+        return await asyncio.gather(*(one() for _ in range(60)))
+
+    assert asyncio.run(many()) == [200] * 60
+    replied = redis.Redis.from_url(redis_url).keys(f"{key_prefix}:rep:*")
+    assert len(replied) >= 2, replied  # each gateway has a reply stream of its own
+    assert stop_server(server) == 0
+    assert not alive(set(gateways))
 
 
 def test_sigterm_on_an_idle_server_exits_zero(serve: Callable[..., Server], example_repository: Path) -> None:
