@@ -9,7 +9,8 @@
 #      inference at the end
 #      (nvidia-smi.csv: utilization and memory every 500 ms through step 3)
 # Knobs: PY (default python3, or .venv/bin/python here), GPU_WORKERS="1", GPU_GATEWAYS="1 4", GPU_CONCS="64 128 256",
-# GPU_DURATION=5, GPU_TESTS=1 (0 skips step 1), GPU_DRY_RUN=1 (no GPU: the model on the CPU, server on
+# GPU_DURATION=5, GPU_TESTS=1 (0 skips step 1), GPU_SERVE_GATEWAYS=1 (`serve --gateways` on one port
+# instead of separate `despina gateway` processes on ports of their own), GPU_DRY_RUN=1 (no GPU: the model on the CPU, server on
 # core 0 and every load on core 1, to check this script). Writes OUTDIR (default bench/out/gpu-<UTC time>).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -62,6 +63,8 @@ if command -v nvidia-smi > /dev/null; then
   nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 > "$OUT/nvidia-smi.csv" &
   PIDS+=($!)
 fi
+SHARED=${GPU_SERVE_GATEWAYS:-0}
+port() { [ "$SHARED" = 1 ] && echo 18000 || echo $((18000 + $1)); }  # load generator i's gateway
 MAXGW=$(echo $GATEWAYS | tr ' ' '\n' | sort -n | tail -1)
 LASTW=$(echo $WORKERS | tr ' ' '\n' | tail -1)
 for w in $WORKERS; do
@@ -69,15 +72,15 @@ for w in $WORKERS; do
   keep=${#PIDS[@]}
   taskset -c $SERVER_CPUS "$PY" -m despina serve --redis-url "$REDIS" --key-prefix "gpubench$w" --http-port 18000 \
     --metrics-port 18100 --workers "$w" --model-replicas 0 --model-repository bench/out/gpu-repo \
-    > "$OUT/despina-$w.log" 2>&1 &
+    --gateways $([ "$SHARED" = 1 ] && echo "$MAXGW" || echo 1) > "$OUT/despina-$w.log" 2>&1 &
   SERVE=$!; PIDS+=($SERVE)
-  for i in $(seq 1 $((MAXGW - 1))); do
+  for i in $([ "$SHARED" = 1 ] || seq 1 $((MAXGW - 1))); do
     taskset -c $SERVER_CPUS "$PY" -m despina gateway --redis-url "$REDIS" --key-prefix "gpubench$w" \
       --http-port $((18000 + i)) > "$OUT/gateway-$w-$i.log" 2>&1 &
     PIDS+=($!)
   done
   t0=$SECONDS
-  for i in $(seq 0 $((MAXGW - 1))); do
+  for i in $([ "$SHARED" = 1 ] && echo 0 || seq 0 $((MAXGW - 1))); do
     until [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$((18000 + i))/v2/models/mlp_heavy_gpu/ready")" = 200 ]; do
       if [ $((SECONDS - t0)) -gt 120 ]; then echo "not ready on $((18000 + i))" >&2; tail -n 20 "$OUT"/*.log >&2; exit 1; fi
       sleep 0.25
@@ -93,7 +96,7 @@ print(max(len(m["workers"]) for m in json.load(sys.stdin)["models"]))' 2>/dev/nu
     for c in $CONCS; do
       each=$((c / k)); loads=()
       for i in $(seq 0 $((k - 1))); do
-        timeout 120 "$PY" bench/loadgen.py "http://127.0.0.1:$((18000 + i))" --cpu $((LOAD_CPU + i % LOAD_CPUS)) \
+        timeout 120 "$PY" bench/loadgen.py "http://127.0.0.1:$(port $i)" --cpu $((LOAD_CPU + i % LOAD_CPUS)) \
           --model mlp_heavy_gpu --format binary --conc $each --warmup 1 --duration "$DURATION" \
           --reference bench/out/repo/mlp_heavy/1/model.onnx --peer despina-gpu > "$OUT/load-$w-$k-$c-$i.jsonl" &
         loads+=($!)
@@ -113,7 +116,7 @@ EOF
     phase "3b. CPU per process per inference: $MAXGW gateways, 64 requests each"
     loads=()
     for i in $(seq 0 $((MAXGW - 1))); do
-      timeout 60 "$PY" bench/loadgen.py "http://127.0.0.1:$((18000 + i))" --cpu $((LOAD_CPU + i % LOAD_CPUS)) \
+      timeout 60 "$PY" bench/loadgen.py "http://127.0.0.1:$(port $i)" --cpu $((LOAD_CPU + i % LOAD_CPUS)) \
         --model mlp_heavy_gpu --format binary --conc 64 --warmup 1 --duration 12 --peer profiled > /dev/null &
       loads+=($!)
     done
