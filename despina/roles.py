@@ -49,16 +49,19 @@ def run_gateway(settings: Settings) -> None:
 def reuse_port_socket(host: str, port: int) -> socket.socket:
     """The HTTP port bound with SO_REUSEPORT, so that `serve --gateways N` runs N gateways on it: the
     kernel spreads new connections over them (only processes of the same user can join the port)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock = None
     try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError as exc:
-        sock.close()
-        raise SystemExit(f"gateway: cannot bind {host}:{port}: {exc.strerror.lower()}") from None
+        if sock is not None:
+            sock.close()
+        reason = (exc.strerror or str(exc)).lower()
+        raise SystemExit(f"gateway: cannot bind {host}:{port}: {reason}") from None
     return sock
 
 

@@ -83,8 +83,8 @@ class Supervisor:
         self.control = Child("control", child_env(settings), "control")
         self.workers = [Child("worker", child_env(settings, DESPINA_WORKER_ID=f"{os.uname().nodename}-w{i}"),
                               f"worker {i}") for i in range(settings.workers)]
-        shared = settings.with_(reuse_port=settings.gateways > 1)
         many = settings.gateways > 1
+        shared = settings.with_(reuse_port=many or settings.reuse_port)
         self.gateways = [Child("gateway", child_env(shared), f"gateway {i}" if many else "gateway")
                          for i in range(settings.gateways)]
         for child in (self.control, *self.workers, *self.gateways):

@@ -5,6 +5,7 @@ import asyncio
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -151,6 +152,20 @@ def test_gateways_share_the_port_and_drain_together(serve: Callable[..., Server]
     assert len(replied) >= 2, replied  # each gateway has a reply stream of its own
     assert stop_server(server) == 0
     assert not alive(set(gateways))
+
+
+def test_a_shared_port_that_another_program_holds_is_refused_by_name() -> None:
+    from despina.roles import reuse_port_socket
+
+    with socket.socket() as holder:  # bound without SO_REUSEPORT: no gateway may join it
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot bind 127.0.0.1:{port}: address already in use"):
+            reuse_port_socket("127.0.0.1", port)
+    first = reuse_port_socket("127.0.0.1", 0)
+    second = reuse_port_socket("127.0.0.1", first.getsockname()[1])  # two gateways, one port
+    first.close(), second.close()
 
 
 def test_sigterm_on_an_idle_server_exits_zero(serve: Callable[..., Server], example_repository: Path) -> None:
