@@ -5,12 +5,14 @@ of the machine cannot reach it, as they could reach an unauthenticated 127.0.0.1
 is the same as over loopback TCP within this machine's noise, bench/RESULTS.md.) With a `port`, or
 where the socket's path would be too long for the kernel, it binds 127.0.0.1 instead. It keeps
 nothing on disk, and dies with the process that started it, even when that process is killed with
-SIGKILL (PR_SET_PDEATHSIG in the child before exec).
+SIGKILL (PR_SET_PDEATHSIG in the child before exec); the directory such a death leaves behind is
+removed by the next embedded Valkey this user starts.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,8 +38,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+STALE_AFTER_S = 60.0  # a directory younger than this may belong to a Valkey still starting
+
+
+def remove_stale_dirs(root: Path | None = None) -> list[Path]:
+    """Remove the directories of embedded Valkeys that died with their `despina serve` (a SIGKILL leaves
+    the log behind): this user's, older than a minute, whose `valkey.pid` names no live process. A
+    running one is left alone. Returns what was removed."""
+    removed = []
+    for folder in Path(root or tempfile.gettempdir()).glob("despina-valkey-*"):
+        try:
+            if folder.is_symlink() or folder.stat().st_uid != os.getuid() \
+                    or time.time() - folder.stat().st_mtime < STALE_AFTER_S or _alive(folder / "valkey.pid"):
+                continue
+        except OSError:
+            continue  # gone meanwhile
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _alive(pidfile: Path) -> bool:
+    try:
+        os.kill(int(pidfile.read_text()), 0)
+    except (OSError, ValueError):  # no file, not a number, no such process (or not ours to signal)
+        return False
+    return True
+
+
 class EmbeddedValkey:
     def __init__(self, port: int | None = None) -> None:
+        remove_stale_dirs()
         self._dir = tempfile.TemporaryDirectory(prefix="despina-valkey-")
         self.socket = Path(self._dir.name) / "valkey.sock"
         if port is None and len(bytes(self.socket)) >= UNIX_PATH_MAX:
@@ -61,6 +92,7 @@ class EmbeddedValkey:
              "--logfile", str(log), "--protected-mode", "yes", "--daemonize", "no"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=die_with_parent)
+        (Path(self._dir.name) / "valkey.pid").write_text(str(self.process.pid))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
