@@ -2,8 +2,10 @@
 
 Starts (when no Redis URL is given) an embedded Valkey, the control plane, N workers and M gateways
 (sharing the HTTP port through SO_REUSEPORT when M > 1), each a child process that dies with this one.
-SIGINT/SIGTERM drain in order: the gateways stop taking requests and answer those in flight, then
-workers finish, then control, then Valkey.
+A worker that exits is restarted; so is a gateway that had been up for SETTLED_S (one that dies at its
+start, on a taken port say, stops everything, as the control plane's exit does). SIGINT/SIGTERM drain
+in order: the gateways stop taking requests and answer those in flight, then workers finish, then
+control, then Valkey.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from .settings import Settings
 log = logging.getLogger("despina.serve")
 
 RESTART_BACKOFF_S = 1.0
+SETTLED_S = 5.0  # a gateway that dies sooner after its start failed to start (its port, say): stop
 
 
 class Child:
@@ -28,8 +31,10 @@ class Child:
         self.role, self.env, self.name = role, env, name
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
+        self.started = 0.0
 
     def start(self) -> None:
+        self.started = time.monotonic()
         self.process = subprocess.Popen([sys.executable, "-m", "despina", self.role], env=self.env,
                                         preexec_fn=die_with_parent, process_group=0)
 
@@ -114,6 +119,12 @@ class Supervisor:
                 time.sleep(RESTART_BACKOFF_S)
                 w.restarts += 1
                 w.start()
+        for g in self.gateways:  # stateless: a crash is restarted, a failed start stops everything
+            if not g.alive() and not self._stopping and time.monotonic() - g.started >= SETTLED_S:
+                assert g.process
+                log.error("%s exited with %s; restarting it", g.name, g.process.returncode)
+                g.restarts += 1
+                g.start()
         for child in (*self.gateways, self.control):
             if child and not child.alive() and not self._stopping:
                 assert child.process

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import signal
@@ -16,6 +17,8 @@ import httpx
 import orjson
 import pytest
 import redis
+
+from despina.serve import SETTLED_S
 
 from .conftest import FULL_QUEUE_DELAY, Server, descendants, dump_stacks, stop_server
 
@@ -152,6 +155,28 @@ def test_gateways_share_the_port_and_drain_together(serve: Callable[..., Server]
     assert len(replied) >= 2, replied  # each gateway has a reply stream of its own
     assert stop_server(server) == 0
     assert not alive(set(gateways))
+
+
+def test_a_crashed_gateway_is_restarted_and_the_others_serve_meanwhile(
+        serve: Callable[..., Server], example_repository: Path) -> None:
+    started = time.monotonic()
+    server = serve(example_repository, "--gateways", "2", wait_models=("mlp",))
+    time.sleep(max(0.0, SETTLED_S + 0.5 - (time.monotonic() - started)))  # past a failed start
+    gateways = {p for p in descendants(server.process.pid) if "despina gateway" in cmdline(p)}
+    victim = min(gateways)
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(20):  # new connections go to the gateway still listening
+        assert httpx.post(f"{server.url}/fn/mlp", content=ROW, timeout=10).status_code == 200
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        now = {p for p in descendants(server.process.pid) if "despina gateway" in cmdline(p)}
+        if len(now) == 2 and victim not in now:
+            break
+        time.sleep(0.1)
+    assert len(now) == 2 and victim not in now and server.process.poll() is None
+    assert "gateway 0 exited with -9; restarting it" in server.logs() or \
+        "gateway 1 exited with -9; restarting it" in server.logs()
+    assert stop_server(server) == 0
 
 
 def test_a_shared_port_that_another_program_holds_is_refused_by_name() -> None:
