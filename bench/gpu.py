@@ -7,21 +7,22 @@
 `build` reads W2's ONNX file (bench/models.py) and writes `mlp_heavy_gpu`: the same layers and
 weights in TorchScript, W2's config (max_batch_size 128, 500 us queue delay) on one KIND_GPU
 instance (no `gpus`: every GPU, so GPU 0 on a one-GPU machine). `limit` calls that file the way the
-worker's pytorch backend does, in a tight loop: rows from numpy copied to the device, the model under
-no_grad, the result copied back to numpy. One JSON line per batch size, as bench/limit.py prints them.
+worker's pytorch backend does, in bench/models.py's tight loop: rows from numpy copied to the device,
+the model under no_grad, the result copied back to numpy. One JSON line per batch size, as
+bench/limit.py prints them.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
-from models import DEFAULT_REPO
+from limit import ms
+from models import DEFAULT_REPO, measure
 from onnx import numpy_helper
 
 HERE = Path(__file__).resolve().parent
@@ -66,32 +67,31 @@ def build(repo: Path, onnx_file: Path, kind: str) -> Path:
     return folder
 
 
-def limit(repo: Path, device: str, seconds: float) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        module = torch.jit.load(str(repo / NAME / "1" / "model.pt"), map_location=device).eval()
-    dev = torch.device(device)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+class OnDevice:
+    """The TorchScript file called as despina/workers/backends/pytorch.py's execute calls it: rows from
+    numpy copied to the device, the model under no_grad, the result copied back to numpy. It has
+    onnxruntime's `run` so that bench/models.py's `measure` loops over it."""
 
-    def call(x: np.ndarray) -> np.ndarray:  # despina/workers/backends/pytorch.py's execute
+    def __init__(self, path: Path, device: str) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.module = torch.jit.load(str(path), map_location=device).eval()
+        self.device = torch.device(device)
+
+    def run(self, names: None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         with torch.no_grad():
-            return module(torch.from_numpy(x).to(dev)).cpu().numpy()
+            return [self.module(torch.from_numpy(feeds["x"]).to(self.device)).cpu().numpy()]
 
+
+def limit(repo: Path, device: str, seconds: float) -> None:
+    model = OnDevice(repo / NAME / "1" / "model.pt", device)
+    name = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     for batch in BATCHES:
         x = np.random.default_rng(0).standard_normal((batch, 256)).astype(np.float32)
-        for _ in range(50):
-            call(x)
-        lat: list[float] = []
-        start = time.perf_counter()
-        while (t0 := time.perf_counter()) < start + seconds:
-            call(x)
-            lat.append(time.perf_counter() - t0)
-        elapsed = time.perf_counter() - start
-        lat.sort()
-        q = {f"p{int(p * 100)}_ms": round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1000, 3)
-             for p in (0.5, 0.9, 0.99)}
+        elapsed, lat = measure(model, x, seconds)  # type: ignore[arg-type]
         print(json.dumps({"peer": "limit", "client": "loop", "model": NAME, "batch": batch, "conc": 1,
-                          "n": len(lat), "rps": round(len(lat) * batch / elapsed, 1), **q, "errors": 0,
+                          "n": len(lat), "rps": round(len(lat) * batch / elapsed, 1), "p50_ms": ms(lat, 0.5),
+                          "p90_ms": ms(lat, 0.9), "p99_ms": ms(lat, 0.99), "errors": 0,
                           "mean_batch": float(batch), "device": name}), flush=True)
 
 

@@ -106,9 +106,11 @@ print(max(len(m["workers"]) for m in json.load(sys.stdin)["models"]))' 2>/dev/nu
 import json, sys
 w, k, c = map(int, sys.argv[1:4])
 rows = [json.loads(open(f).read().splitlines()[-1]) for f in sys.argv[4:]]
-print(json.dumps({**rows[0], "conc": c, "workers": w, "gateways": k, "rps": round(sum(r["rps"] for r in rows), 1),
-                  "errors": sum(r["errors"] for r in rows), "wrong": sum(r.get("wrong", 0) for r in rows),
-                  "p99_ms": max(r["p99_ms"] for r in rows), "per_gateway_rps": [r["rps"] for r in rows]}))
+total = {f: sum(r[f] for r in rows) for f in ("n", "errors", "stuck", "checked", "wrong")}
+worst = {f: max(r[f] for r in rows) for f in ("p50_ms", "p90_ms", "p99_ms")}  # the slowest generator's
+print(json.dumps({**rows[0], **total, **worst, "conc": c, "workers": w, "gateways": k,
+                  "rps": round(sum(r["rps"] for r in rows), 1), "client_cpu": round(sum(r["client_cpu"] for r in rows), 2),
+                  "per_gateway_rps": [r["rps"] for r in rows]}))
 EOF
     done
   done

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -48,11 +49,12 @@ def remove_stale_dirs(root: Path | None = None) -> list[Path]:
     removed = []
     for folder in Path(root or tempfile.gettempdir()).glob("despina-valkey-*"):
         try:
-            if folder.is_symlink() or folder.stat().st_uid != os.getuid() \
-                    or time.time() - folder.stat().st_mtime < STALE_AFTER_S or _alive(folder / "valkey.pid"):
-                continue
+            info = folder.lstat()
         except OSError:
             continue  # gone meanwhile
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
+                or time.time() - info.st_mtime < STALE_AFTER_S or _alive(folder / "valkey.pid"):
+            continue
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed

@@ -9,7 +9,6 @@ Triton's nv_gpu_* metrics. `bench/gpu.sh` runs this module on the device machine
 from __future__ import annotations
 
 import asyncio
-import warnings
 from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
@@ -28,6 +27,7 @@ from despina.workers.backends.base import visible_gpus
 from despina.workers.runner import ModelRunner
 
 from .conftest import Server, module_server
+from .test_backend_pytorch import torchscript_output, write_config
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
@@ -86,32 +86,18 @@ GPU = "instance_group [ { count: 1, kind: KIND_GPU, gpus: [ 0 ] } ]"
 AUTO = ""  # no instance_group: Triton's default, KIND_AUTO, which is the GPU when there is one
 
 
-def add_model(repo: Path, name: str, config: str) -> Path:
-    (repo / name / "1").mkdir(parents=True)
-    (repo / name / "config.pbtxt").write_text(config)
-    return repo / name / "1"
-
-
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("gpu-repo")
     for name, group in (("mlp_gpu", GPU), ("mlp_auto", AUTO)):
-        build_torchscript_mlp(add_model(root, name, TORCHSCRIPT.format(name=name, group=group)) / "model.pt")
-    (add_model(root, "double_gpu", PYTHON_GPU) / "model.py").write_text(PYTHON_GPU_MODEL)
+        build_torchscript_mlp(write_config(root, name, TORCHSCRIPT.format(name=name, group=group)) / "1" / "model.pt")
+    (write_config(root, "double_gpu", PYTHON_GPU) / "1" / "model.py").write_text(PYTHON_GPU_MODEL)
     return root
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
     yield from module_server(repo, tmp_path_factory, redis_url, ("mlp_gpu", "mlp_auto", "double_gpu"))
-
-
-def torch_on_cpu(model_file: Path, x: np.ndarray) -> np.ndarray:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        module = torch.jit.load(str(model_file), map_location="cpu")
-    with torch.no_grad():
-        return module(torch.from_numpy(x)).numpy()
 
 
 def infer(server: Server, model: str, name: str, x: np.ndarray) -> dict:
@@ -125,7 +111,7 @@ def infer(server: Server, model: str, name: str, x: np.ndarray) -> dict:
 def test_torchscript_on_the_gpu_answers_as_torch_on_the_cpu(server: Server, repo: Path, model: str) -> None:
     x = np.random.default_rng(7).standard_normal((5, 256)).astype(np.float32)
     out = infer(server, model, "INPUT__0", x)["OUTPUT__0"]
-    want = torch_on_cpu(repo / model / "1" / "model.pt", x)
+    want = torchscript_output(repo / model / "1" / "model.pt", x).numpy()
     assert out["shape"] == [5, 10]
     np.testing.assert_allclose(np.array(out["data"], np.float32).reshape(5, 10), want, rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(want, mlp_numpy(x), rtol=1e-3, atol=1e-4)
@@ -139,7 +125,7 @@ async def test_concurrent_requests_batch_on_the_gpu(server: Server, repo: Path) 
             {"name": "INPUT__0", "shape": [1, 256], "datatype": "FP32", "data": row.tolist()}]})
             for row in rows))
     got = np.array([r.json()["outputs"][0]["data"] for r in replies], np.float32)
-    np.testing.assert_allclose(got, torch_on_cpu(repo / "mlp_gpu" / "1" / "model.pt", rows), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(got, torchscript_output(repo / "mlp_gpu" / "1" / "model.pt", rows).numpy(), rtol=1e-3, atol=1e-4)
     after = httpx.get(f"{server.url}/v2/models/mlp_gpu/stats").json()["model_stats"][0]
     assert after["inference_count"] - before["inference_count"] == 48
     assert after["execution_count"] - before["execution_count"] < 48  # some rows shared a model call
@@ -191,7 +177,7 @@ def test_onnxruntime_cuda_provider(tmp_path: Path) -> None:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip(f"this onnxruntime has no CUDA provider ({', '.join(ort.get_available_providers())})")
     folder = tmp_path / "mlp_onnx_gpu"
-    build_mlp(add_model(tmp_path, "mlp_onnx_gpu", ONNX_GPU) / "model.onnx")
+    build_mlp(write_config(tmp_path, "mlp_onnx_gpu", ONNX_GPU) / "1" / "model.onnx")
     spec = ModelSpec.from_config(load_model(folder).config)
     backend = backend_class(spec.backend)(spec, folder / "1", Instance("mlp_onnx_gpu_0", "GPU", 0))
     backend.load()
