@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import hiredis
-from hiredis import pack_command
 import redis.asyncio as aioredis
+from hiredis import pack_command
 from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import ConnectionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError

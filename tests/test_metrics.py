@@ -11,10 +11,9 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+import redis.asyncio as aioredis
 import tritonclient.http as httpclient
 from onnx import TensorProto
-
-import redis.asyncio as aioredis
 
 from despina.contract import records
 from despina.contract.keys import FIELD, IN_FLIGHT, Keys
@@ -90,7 +89,7 @@ def test_counts_are_exact_and_match_statistics(server: Server) -> None:
     m, q, fails = ('{model="m",version="1"}', '{model="q",version="1"}', '{model="fails",version="1"}')
     metrics = settled_scrape(server, {f"nv_inference_request_success{m}": 17,
                                       f"nv_inference_request_success{q}": 1,
-                                      f'nv_inference_request_failure{{model="fails",version="1",reason="BACKEND"}}': 1})
+                                      'nv_inference_request_failure{model="fails",version="1",reason="BACKEND"}': 1})
     assert metrics[f"nv_inference_request_success{m}"] == 17
     assert metrics[f"nv_inference_count{m}"] == 19                 # a batch of 3 counts 3
     executions = metrics[f"nv_inference_exec_count{m}"]
