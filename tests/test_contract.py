@@ -147,3 +147,27 @@ def test_bytes_deserializer_never_crashes(data: bytes, count: int | None) -> Non
         deserialize_bytes(data, count)
     except InvalidArgument:
         pass
+
+
+def test_reply_headers_remembered_per_request_header_match_fresh_ones() -> None:
+    """encode_infer's remembered JSON headers (one dict per remembered request header) give the very
+    body a fresh encoding gives, whatever the outputs' shapes and sizes (BYTES vary) from one reply to
+    the next, and JSON outputs are never taken from it."""
+    from despina.gateway.v2 import encode_infer
+
+    def fp32(rows: int) -> Tensor:
+        return Tensor("y", "FP32", (rows, 2), np.arange(rows * 2, dtype=np.float32).tobytes())
+
+    def strings(*words: bytes) -> Tensor:
+        return Tensor("s", "BYTES", (len(words),), serialize_bytes(np.array(words, dtype=np.object_)))
+
+    heads: dict = {}
+    replies = [(fp32(1), strings(b"a")), (fp32(3), strings(b"a")), (fp32(1), strings(b"abc", b"d")),
+               (fp32(1), strings(b"a")), (fp32(3), strings(b"a"))]
+    for binary, binary_all in (({"y", "s"}, False), (set(), True), ({"y"}, False)):
+        for outputs in replies:
+            fresh = encode_infer("m", 2, "id-1", outputs, binary, binary_all)
+            assert encode_infer("m", 2, "id-1", outputs, binary, binary_all, heads) == fresh
+        heads.clear()
+    assert encode_infer("m", 2, None, replies[0], {"y"}, False, heads)[1] is not None
+    assert heads == {}  # `s` went as JSON: nothing remembered

@@ -178,6 +178,25 @@ def test_http_10_closes_after_the_answer(server: Server) -> None:
         assert r.closed()
 
 
+def test_idle_connections_close_after_the_keep_alive_timeout(server: Server) -> None:
+    """uvicorn's 5 s keep-alive timeout, counted from each answer: a connection idle that long is
+    closed; one whose requests come less than that apart stays open, however long it lives."""
+    idle, busy = connect(server), connect(server)
+    with idle, busy:
+        idle_reader, busy_reader = Reader(idle), Reader(busy)
+        for sock, reader in ((idle, idle_reader), (busy, busy_reader)):
+            sock.sendall(post("/v2/models/mlp/infer", infer_body()))
+            assert reader.response()[0] == 200
+        answered = time.monotonic()
+        for _ in range(3):   # 2.5 s apart: 7.5 s in all, past the timeout
+            time.sleep(2.5)
+            busy.sendall(post("/v2/models/mlp/infer", infer_body()))
+            assert busy_reader.response()[0] == 200
+        idle.settimeout(5)
+        assert idle_reader.closed()
+        assert 4.5 < time.monotonic() - answered < 10
+
+
 def test_keep_alive_after_errors(server: Server) -> None:
     """Errors answered without reading a model keep the connection usable."""
     with connect(server) as sock:

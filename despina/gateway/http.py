@@ -60,8 +60,26 @@ def too_large(limit: int) -> BodyTooLarge:
     return BodyTooLarge(f"request body is over the limit of {limit} bytes")
 
 
+HEADS_MAX = 1024
+_heads: dict[tuple[Any, ...], bytes] = {}
+
+
 def response_head(status: int, length: int, content_type: bytes, extra: Headers, close: bool) -> bytes:
-    """Status line and headers of a response, ready for the wire (the names and values are ours)."""
+    """Status line and headers of a response, ready for the wire (the names and values are ours).
+    Those without extra headers, or with only a binary answer's header length, are remembered."""
+    if extra and (len(extra) > 1 or extra[0][0] != b"inference-header-content-length"):
+        return _head(status, length, content_type, extra, close)
+    key = (status, length, content_type, close, *extra)
+    head = _heads.get(key)
+    if head is None:
+        head = _head(status, length, content_type, extra, close)
+        if len(_heads) >= HEADS_MAX:
+            _heads.clear()
+        _heads[key] = head
+    return head
+
+
+def _head(status: int, length: int, content_type: bytes, extra: Headers, close: bool) -> bytes:
     parts = [STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status,
              b"content-type: ", content_type, b"\r\ncontent-length: %d\r\n" % length]
     for name, value in extra:

@@ -105,7 +105,7 @@ class InferRoute(Route):
 
         def answer(reply: InferReply) -> None:
             out, json_length = encode_infer(model.spec.name, version, decoded.id, reply.outputs,
-                                            decoded.binary_outputs, decoded.binary_all)
+                                            decoded.binary_outputs, decoded.binary_all, decoded.heads)
             if json_length is None:
                 ex.respond(200, out, http.JSON, echo)
             else:
@@ -171,6 +171,8 @@ def _int_header(raw: bytes) -> int:
 
 def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
     """Triton's schedule-policy extension: `priority` (1 = highest, 0 = default) and `timeout` (µs)."""
+    if not parameters:
+        return 0, 0
     values = []
     for name in ("priority", "timeout"):
         value = parameters.get(name, 0)

@@ -48,6 +48,8 @@ class ModelView:
         self.control = ControlClient(redis, keys)
         self.models: dict[str, Model] = {}
         self.ready: dict[str, set[int]] = {}     # model -> versions READY on some live worker
+        # resolve()'s answers while models and ready stay as they are: (name, version asked) -> them
+        self._resolved: dict[tuple[str, str | None], tuple[Model, int]] = {}
         self.connected = False
         self._blobs: dict[str, bytes] = {}
         self._task: asyncio.Task[None] | None = None
@@ -135,6 +137,7 @@ class ModelView:
                     if s == "READY":
                         ready.setdefault(name, set()).add(int(v))
         self.models, self.ready, self.connected = models, ready, True
+        self._resolved = {}
 
     def get(self, name: str) -> Model:
         model = self.models.get(name)
@@ -148,6 +151,9 @@ class ModelView:
 
         Raises NotLoaded when no worker has it READY but a wake would bring it.
         """
+        resolved = self._resolved.get((name, version))
+        if resolved is not None:
+            return resolved
         model = self.get(name)
         e = model.entry
         if e.state != "READY":
@@ -160,7 +166,7 @@ class ModelView:
         if version:
             v = _known_version(e, version)
             if v in ready:
-                return model, v
+                return self._remember(name, version, model, v)
             if v in e.failed:
                 raise Unavailable(f"model '{name}' version {v} failed to load: {e.failed[v]}")
             raise NotLoaded(f"model '{name}' version {v} is not ready")
@@ -168,10 +174,15 @@ class ModelView:
         for group in (current, e.retiring):
             serving = [v for v in group if v in ready]
             if serving:
-                return model, max(serving)
+                return self._remember(name, version, model, max(serving))
         if current and all(v in e.failed for v in current):
             raise Unavailable(f"model '{name}' failed to load: {e.failed[current[-1]]}")
         raise NotLoaded(f"model '{name}' is not ready")
+
+    def _remember(self, name: str, version: str | None, model: Model, v: int) -> tuple[Model, int]:
+        if len(self._resolved) < 4096:  # bounded: a client may spell a version many ways ("1", "01")
+            self._resolved[(name, version)] = (model, v)
+        return model, v
 
     def _ensemble_version(self, model: Model, version: str | None) -> int:
         e = model.entry
@@ -188,6 +199,7 @@ class ModelView:
             pass
         v = await self._wake(name, int(version) if version else None, timeout)
         self.ready.setdefault(name, set()).add(v)
+        self._resolved = {}
         return self.get(name), v
 
     async def _wake(self, name: str, version: int | None, timeout: float) -> int:

@@ -16,11 +16,12 @@ import logging
 from typing import Any
 
 import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..contract.errors import Code, DespinaError
 from . import http
-from .auth import AuthPolicy, check_target, classify
+from .auth import AuthPolicy, Target, check_target, classify
 from .http import Headers
 from .infer import Route, fail
 
@@ -33,10 +34,37 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 class HotRoutes:
     """Which paths skip ASGI, and what they share: the auth policy and the body limit."""
 
+    MATCHES_MAX = 4096  # paths remembered with what they name (a client cannot grow it past this)
+
     def __init__(self, infer: Route, fn: Route, policy: AuthPolicy, max_body_bytes: int) -> None:
         self.infer, self.fn, self.policy, self.max_body_bytes = infer, fn, policy, max_body_bytes
+        # path -> its route, path parameters, path as text, and what it names (checked): clients send
+        # the same few paths again and again
+        self._matched: dict[bytes, Match] = {}
 
-    def match(self, path: bytes) -> tuple[Route, dict[str, str]] | None:
+    def match(self, path: bytes) -> Match | None:
+        """The route of a hot path, or None. A path whose model name or version is invalid still
+        matches: the request is refused in its turn (HotRequest.start)."""
+        hit = self._matched.get(path)
+        if hit is not None:
+            return hit
+        found = self._route(path)
+        if found is None:
+            return None
+        text = path.decode("latin-1")
+        target = classify(text)
+        hit = Match(found[0], found[1], text, target)
+        try:
+            check_target(target)
+        except DespinaError:
+            return hit  # not remembered: refused each time, and such paths are the client's to vary
+        hit.checked = True
+        if len(self._matched) >= self.MATCHES_MAX:
+            self._matched.clear()
+        self._matched[path] = hit
+        return hit
+
+    def _route(self, path: bytes) -> tuple[Route, dict[str, str]] | None:
         if path.startswith(PREFIX) and path.endswith(SUFFIX):
             parts = path[len(PREFIX):-len(SUFFIX)].split(b"/")
             if len(parts) == 1 and parts[0]:
@@ -47,6 +75,17 @@ class HotRoutes:
         elif path.startswith(b"/fn/") and path.count(b"/") == 2 and len(path) > 4:
             return self.fn, {"model": path[4:].decode("latin-1")}
         return None
+
+
+class Match:
+    """A hot path: its route, path parameters (shared by its requests: read, never changed), the path
+    as text, and what it names for the auth policy."""
+
+    __slots__ = ("route", "params", "path", "target", "checked")
+
+    def __init__(self, route: Route, params: dict[str, str], path: str, target: Target) -> None:
+        self.route, self.params, self.path, self.target = route, params, path, target
+        self.checked = False  # check_target passed: its requests need not check again
 
 
 def protocol_class(routes: HotRoutes) -> type[HttpToolsProtocol]:
@@ -86,8 +125,7 @@ class GatewayProtocol(HttpToolsProtocol):
         if match is None:
             self._asgi()
             return
-        route, params = match
-        request = HotRequest(self, route, params, path.decode("latin-1"), self.headers,
+        request = HotRequest(self, match, self.headers,
                              parser.get_http_version() != "1.0" and parser.should_keep_alive(),
                              self.expect_100_continue)
         previous, self.cycle = self.cycle, request  # type: ignore[assignment]
@@ -97,9 +135,63 @@ class GatewayProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
             self.pipeline.appendleft((request, None))  # type: ignore[arg-type]
 
+    # uvicorn's on_body and on_message_complete, for a hot request: it is never an upgrade
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if type(cycle) is not HotRequest:
+            super().on_body(body)
+            return
+        if cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.set()
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if type(cycle) is not HotRequest:
+            super().on_message_complete()
+            return
+        if not cycle.response_complete:
+            cycle.more_body = False
+            cycle.set()
+
+    # The keep-alive timeout, as uvicorn's (an idle connection closes timeout_keep_alive seconds after
+    # its last answer), with one timer re-armed when it fires instead of one made and cancelled per
+    # request (3 µs a request on a small model).
+    _idle_since: float | None = None  # when the last answer went out, while nothing new has come
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None  # busy: the timer, when it fires, leaves the connection open
+
+    def _keep_alive_check(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self._idle_since is None:
+            return  # a request is open: its answer arms the timer again
+        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_check)
+        else:
+            self.timeout_keep_alive_handler()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
+
     def on_response_complete(self) -> None:
         if not self.pipeline:
-            super().on_response_complete()  # resumes reading, or arms the keep-alive timer
+            # uvicorn's, with the timer above
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self.flow.resume_reading()
+            self._idle_since = self.loop.time()
+            if self.timeout_keep_alive_task is None:
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self._keep_alive_check)
             return
         # Requests already read wait their turn: start the next, but read no more from the client
         # until they are all answered. (uvicorn resumes reading here, and a client that pipelines
@@ -123,9 +215,10 @@ class HotRequest:
 
     method = "POST"
 
-    def __init__(self, protocol: GatewayProtocol, route: Route, params: dict[str, str], path: str,
-                 headers: Headers, keep_alive: bool, expect_100: bool) -> None:
-        self.protocol, self.route, self.params, self.path = protocol, route, params, path
+    def __init__(self, protocol: GatewayProtocol, match: Match, headers: Headers, keep_alive: bool,
+                 expect_100: bool) -> None:
+        self.protocol, self.match = protocol, match
+        self.route, self.params, self.path = match.route, match.params, match.path
         self.headers = headers
         self.keep_alive = keep_alive
         self.expect_100 = expect_100
@@ -147,9 +240,10 @@ class HotRequest:
         self.started = True
         routes = self.protocol.routes
         try:
-            target = classify(self.path)
+            target = self.match.target
             routes.policy.check(target, self.headers)
-            check_target(target)
+            if not self.match.checked:
+                check_target(target)
             http.check_length(self.headers, routes.max_body_bytes)
         except DespinaError as exc:
             self._refuse(exc)

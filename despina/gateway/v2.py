@@ -29,6 +29,8 @@ class Decoded:
     binary_outputs: set[str] = field(default_factory=set)
     binary_all: bool = False
     parameters: dict[str, Any] = field(default_factory=dict)
+    # the requests of one remembered header share this: their reply headers by the outputs' shapes
+    heads: dict[tuple[Any, ...], bytes] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +52,8 @@ class _Plan:
             name, datatype, shape, size = t
             inputs.append(Tensor(name, datatype, shape, body[offset:offset + size]))
             offset += size
-        d = self.decoded
-        return Decoded(d.id, inputs, list(d.outputs), set(d.binary_outputs), d.binary_all, dict(d.parameters))
+        d = self.decoded  # its outputs, binary outputs and parameters are read, never changed
+        return Decoded(d.id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters, d.heads)
 
 
 PLANS_MAX, PLAN_HEADER_MAX = 512, 4096
@@ -85,7 +87,7 @@ def _planned(body: bytes, header_length: int, spec: ModelSpec, max_elements: int
             return decoded
         plan = _Plan(spec, tuple((t.name, t.datatype, t.shape, len(t.data)) if b else t
                                  for t, b in zip(decoded.inputs, from_binary)),
-                     len(body) - header_length, replace(decoded, inputs=[]))  # not the request's data
+                     len(body) - header_length, replace(decoded, inputs=[], heads={}))  # not its data
         if len(_plans) >= PLANS_MAX:
             del _plans[next(iter(_plans))]
         _plans[key] = plan
@@ -238,9 +240,21 @@ def _decode_outputs(raw: Any, spec: ModelSpec) -> tuple[list[str], set[str]]:
     return names, binary
 
 
+HEADS_MAX = 64  # reply headers remembered per request header (BYTES outputs vary in size)
+
+
 def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Tensor, ...],
-                 binary: set[str], binary_all: bool) -> tuple[bytes, int | None]:
-    """Reply tensors -> (body, JSON header length or None when the body is all JSON)."""
+                 binary: set[str], binary_all: bool, heads: dict[tuple[Any, ...], bytes] | None = None
+                 ) -> tuple[bytes, int | None]:
+    """Reply tensors -> (body, JSON header length or None when the body is all JSON).
+
+    `heads` (Decoded.heads) remembers the JSON header of replies whose outputs are all binary: it
+    depends only on the outputs' names, shapes and sizes, the same for every reply of a shape."""
+    if heads is not None:
+        key = tuple([(t.name, t.datatype, t.shape, len(t.data)) for t in outputs])
+        header = heads.get(key)
+        if header is not None:
+            return b"".join([header, *[t.data for t in outputs]]), len(header)
     described: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     for t in outputs:
@@ -258,6 +272,8 @@ def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Te
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:
         return header, None
+    if heads is not None and len(chunks) == len(outputs) and len(heads) < HEADS_MAX:
+        heads[key] = header
     return b"".join([header, *chunks]), len(header)
 
 

@@ -63,47 +63,46 @@ def record_counts(pipe: Any, key: str, counts: dict[str, int]) -> None:
 def tally(replies: list[InferReply], rows: int, started: float,
           timings_ns: tuple[int, int, int] = (0, 0, 0)) -> dict[str, int]:
     """One batch's counters; `rows` > 0 when the model executed (then timings are input, infer and
-    output compute nanoseconds of that execution). A reply's latency is its queue_us + compute_us."""
+    output compute nanoseconds of that execution). A reply's latency is its queue_us + compute_us.
+    (Every field is set once, the failures' excepted: this runs for every batch.)"""
     counts: dict[str, int] = {}
-
-    def add(field: str, n: int) -> None:
-        counts[field] = counts.get(field, 0) + n
-
     ok = [r for r in replies if r.error is None]
+    n = len(ok)
     if rows:
         input_ns, infer_ns, output_ns = timings_ns
-        add("inference_count", rows)
-        add("execution_count", 1)
-        add(f"batch:{rows}", 1)
-        add(f"batch_ns:{rows}", infer_ns)
-        if ok:
-            for name, ns in (("compute_input", input_ns), ("compute_infer", infer_ns),
-                             ("compute_output", output_ns)):
-                add(f"{name}_count", len(ok))
-                add(f"{name}_ns", ns * len(ok))
-    if ok:
+        counts["inference_count"] = rows
+        counts["execution_count"] = 1
+        counts[f"batch:{rows}"] = 1
+        counts[f"batch_ns:{rows}"] = infer_ns
+        if n:
+            counts["compute_input_count"] = counts["compute_infer_count"] = counts["compute_output_count"] = n
+            counts["compute_input_ns"] = input_ns * n
+            counts["compute_infer_ns"] = infer_ns * n
+            counts["compute_output_ns"] = output_ns * n
+    if n:
         total_us = queue_us = 0
         lat: dict[int, int] = {}
         qlat: dict[int, int] = {}
-        for r in ok:  # per request: locals, one pass (this runs for every request served)
+        for r in ok:  # per request: locals, one pass
             total_us += r.queue_us + r.compute_us
             queue_us += r.queue_us
             b = bisect.bisect_left(LATENCY_BUCKETS_US, r.queue_us + r.compute_us)
             lat[b] = lat.get(b, 0) + 1
             b = bisect.bisect_left(LATENCY_BUCKETS_US, r.queue_us)
             qlat[b] = qlat.get(b, 0) + 1
-        add("success_count", len(ok))
-        add("success_ns", total_us * 1000)
-        add("queue_count", len(ok))
-        add("queue_ns", queue_us * 1000)
-        for b, n in lat.items():
-            add(f"lat:{b}", n)
-        for b, n in qlat.items():
-            add(f"qlat:{b}", n)
-    for r in replies:
-        if r.error is not None:
-            add("fail_count", 1)
-            add(f"fail:{failure_reason(r.error[0])}", 1)
+        counts["success_count"] = counts["queue_count"] = n
+        counts["success_ns"] = total_us * 1000
+        counts["queue_ns"] = queue_us * 1000
+        for b, k in lat.items():
+            counts[f"lat:{b}"] = k
+        for b, k in qlat.items():
+            counts[f"qlat:{b}"] = k
+    if n < len(replies):
+        for r in replies:
+            if r.error is not None:
+                reason = f"fail:{failure_reason(r.error[0])}"
+                counts["fail_count"] = counts.get("fail_count", 0) + 1
+                counts[reason] = counts.get(reason, 0) + 1
     if rows:
         counts["last_inference"] = int(started * 1000)
     return counts
