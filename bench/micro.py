@@ -10,7 +10,8 @@ as the workers' EVAL against plain HINCRBYs (the Redis at --redis-url must run o
 the Python backend's hop: one execute call to a model's own process (W3's classify_post, and a model
 that returns constant outputs: the hop alone) with 0, 1, 3 and 8 requests, against classify_post's
 execute run in this process; and a worker's own CPU per request, W1 in batches of 128 from 16-request
-entries, replies written to that Redis (bench/out/repo must exist: bench/models.py).
+entries, and per batch of one request, replies written to that Redis (bench/out/repo must exist:
+bench/models.py).
 Figures quoted in bench/RESULTS.md and in commit messages come from here; run it pinned
 (`taskset -c 1`) on a quiet machine.
 """
@@ -310,6 +311,30 @@ async def worker_path(url: str, rounds: int = 160, entry_requests: int = 16) -> 
     model = model_ns / model_n / 1000 / 128  # counted per request as its batch's time
     print(f"{'worker path, W1 batches of 128 (process CPU)':44s} {per:8.2f} us per request, "
           f"{model:.2f} of them the model")
+
+    # one request per batch: what a batch costs the worker whatever its size (entry, batcher, run,
+    # reply pipeline and its round trip), the cost that dominates at low concurrency
+    def lone(k: int) -> tuple[str, bytes, dict[bytes, bytes]]:
+        req = InferRequest(f"l{k}", "micro-gateway", time.time() + 600, (Tensor("x", "FP32", (1, 256), row),),
+                           enqueued=time.time())
+        return "stream", f"{k}-1".encode(), {FIELD: records.encode([req]), IN_FLIGHT: b"1"}
+
+    async def one_batch(e: tuple[str, bytes, dict[bytes, bytes]]) -> None:
+        await runner._accept([e])
+        while runner._in_flight or runner._background:
+            if runner._background:
+                await asyncio.gather(*list(runner._background))
+            else:
+                await asyncio.sleep(0)  # the batcher's turn: it runs at once (nothing else coming)
+
+    singles = [lone(k) for k in range(rounds * 8)]
+    for e in singles[:50]:
+        await one_batch(e)
+    cpu = time.process_time()
+    for e in singles[50:]:
+        await one_batch(e)
+    per = (time.process_time() - cpu) / (len(singles) - 50) * 1e6
+    print(f"{'worker path, W1 one request per batch':44s} {per:8.2f} us per batch")
     runner.batcher.close()
     await batcher
     keys_left = [k async for k in redis_client.scan_iter(f"{keys.prefix}*")]
