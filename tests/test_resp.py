@@ -5,6 +5,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, ResponseError
@@ -21,6 +22,10 @@ async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 
 def test_pack_is_resp() -> None:
     assert pack([["SET", "k", b"\x00v", 5]]) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\n\x00v\r\n$1\r\n5\r\n"
+    # floats as repr's digits; what hiredis refuses (a bool, a numpy integer) as its value
+    assert pack([("INCRBYFLOAT", "k", 0.1)]) == b"*3\r\n$11\r\nINCRBYFLOAT\r\n$1\r\nk\r\n$3\r\n0.1\r\n"
+    assert pack([("SET", "k", True), ["SET", "k", np.int64(7)]]) == (
+        b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n1\r\n*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n7\r\n")
 
 
 async def test_pipeline_replies_in_order_and_errors(redis_url: str, key_prefix: str) -> None:
