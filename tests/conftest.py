@@ -19,6 +19,7 @@ import redis
 
 from despina.embedded import EmbeddedValkey, free_port
 from despina.examples import build_repository
+from despina.workers.stats import DEFER_S
 
 from .seaweed import s3_env, s3_store  # noqa: F401  (SeaweedFS fixtures for the S3 tests)
 
@@ -49,6 +50,20 @@ def redis_url() -> Iterator[str]:
     server.start()
     yield server.url
     server.stop()
+
+
+def settled_stats(url: str, model: str, timeout: float = 5.0) -> dict:
+    """A model's statistics (model_stats[0]) once they stop changing. After a burst, a worker's last
+    counters may reach Redis up to DEFER_S after the answers (despina/workers/stats.py): a test that
+    counts a burst reads them through this."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        stats = httpx.get(f"{url}/v2/models/{model}/stats", timeout=10).json()["model_stats"][0]
+        if stats == last or time.monotonic() > deadline:
+            return stats
+        last = stats
+        time.sleep(3 * DEFER_S)
 
 
 def delete_prefix(redis_url: str, prefix: str) -> None:

@@ -12,7 +12,7 @@ import tritonclient.http as httpclient
 
 from despina.examples import mlp_numpy
 
-from .conftest import Server
+from .conftest import Server, settled_stats
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ async def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(
         results = await asyncio.gather(*(call(http, x) for x in rows))
     for x, y in zip(rows, results, strict=True):
         np.testing.assert_allclose(y, mlp_numpy(x), rtol=1e-4, atol=1e-5)
-    after = client.get_inference_statistics("mlp")["model_stats"][0]
+    after = settled_stats(example_server.url, "mlp")
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
     assert inferences == 64
