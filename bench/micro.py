@@ -2,15 +2,17 @@
 
     python bench/micro.py [--redis-url redis://127.0.0.1:6379/0] [--only worker codecs ...]
 
-the gateway's decoders and encoders on W1's request (binary and JSON, /fn), the stream records'
-codec for a 20-request entry, one XADD + HINCRBY round trip through redis-py's asyncio pipeline
-against despina/resp.py (client CPU, process_time), the batcher's wait (wait_for against a timer) and
-how late uvloop's call_later fires below a millisecond, and the server's CPU for one batch's statistics
-as the workers' EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine), and
-the Python backend's hop: one execute call to a model's own process (W3's classify_post, and a model
-that returns constant outputs: the hop alone) with 0, 1, 3 and 8 requests, against classify_post's
-execute run in this process; and a worker's own CPU per request, W1 in batches of 128 from 16-request
-entries, and per batch of one request, replies written to that Redis (bench/out/repo must exist:
+the gateway's decoders and encoders on W1's request (binary and JSON, /fn; encode_infer with and
+without its kept reply header), the stream records' codec for a 20-request entry, resp.pack of a
+worker's reply pipeline in C (hiredis) and in Python, one XADD + HINCRBY round trip through redis-py's
+asyncio pipeline against despina/resp.py (client CPU, process_time), the batcher's wait (wait_for
+against a timer), a call_later made and cancelled (uvicorn's keep-alive timer, per request), how late
+uvloop's call_later fires below a millisecond, and the server's CPU for one batch's statistics as the
+workers' EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine), and the
+Python backend's hop: one execute call to a model's own process (W3's classify_post, and a model that
+returns constant outputs: the hop alone) with 0, 1, 3 and 8 requests, against classify_post's execute
+run in this process; and a worker's own CPU per request, W1 in batches of 128 from 16-request entries,
+and per batch of one request, replies written to that Redis (bench/out/repo must exist:
 bench/models.py).
 Figures quoted in bench/RESULTS.md and in commit messages come from here; run it pinned
 (`taskset -c 1`) on a quiet machine.
@@ -38,7 +40,7 @@ from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_di
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.gateway.fn import decode_fn
 from despina.gateway.v2 import decode_infer, encode_infer, json_data_to_bytes
-from despina.resp import Batch, Resp
+from despina.resp import Batch, Resp, _pack_slowly, pack
 from despina.workers.stats import HINCRBY_MANY
 
 CONFIG = """name: "mlp" backend: "onnxruntime" max_batch_size: 128
@@ -77,6 +79,18 @@ def codecs() -> None:
     reps = [InferReply(f"{i:x}", out, None, 10, 20) for i in range(20)]
     entry, answers = records.encode(reqs), records.encode(reps)
     timed("encode_infer, binary output", lambda: encode_infer("mlp", 1, None, reps[0].outputs, {"y"}, False))
+    heads: dict = {}
+    timed("encode_infer, binary output, header kept", lambda: encode_infer("mlp", 1, None, reps[0].outputs,
+                                                                           {"y"}, False, heads))
+    pipe = Batch()  # a worker's reply pipeline for a batch of 20, as runner._send builds it
+    pipe.xadd("despina:rep:gw-1-abcdef", {b"m": answers}, maxlen=100_000)
+    pipe.pexpire("despina:rep:gw-1-abcdef", 120_000)
+    counters = (x for i in range(17) for x in (f"field_{i}", 1234 * i))  # a batch's statistics
+    pipe.eval(HINCRBY_MANY, 1, "despina:stats:mlp:1", *counters)
+    pipe.xack("despina:req:mlp:1", "workers", b"1764547200000-0")
+    pipe.xdel("despina:req:mlp:1", b"1764547200000-0")
+    timed("resp.pack, a reply pipeline (hiredis, C)", lambda: pack(pipe.commands))
+    timed("resp.pack, the same in Python", lambda: [_pack_slowly(c) for c in pipe.commands])
     timed("records.encode, 20 requests (per entry)", lambda: records.encode(reqs), 2000)
     timed("records.decode_requests, 20 (per entry)", lambda: records.decode_requests(entry), 2000)
     timed("records.decode_replies, 20 (per entry)", lambda: records.decode_replies(answers), 2000)
@@ -133,6 +147,13 @@ async def timers(n: int = 20_000) -> None:
         handle.cancel()
         wake.clear()
 
+    def noop() -> None:
+        pass
+
+    c0 = time.process_time()
+    for _ in range(n):
+        loop.call_later(5.0, noop).cancel()  # uvicorn's keep-alive timer, armed and cancelled per request
+    print(f"{'call_later(5 s) + cancel':44s} {(time.process_time() - c0) / n * 1e6:8.2f} us")
     for name, wait in (("asyncio.wait_for", wait_for), ("call_later timer", timer)):
         for case, delay, woken in (("woken by a request", 1.0, True), ("timed out", 0.00001, False)):
             c0 = time.process_time()

@@ -53,12 +53,11 @@ class HotRoutes:
             return None
         text = path.decode("latin-1")
         target = classify(text)
-        hit = Match(found[0], found[1], text, target)
         try:
             check_target(target)
-        except DespinaError:
-            return hit  # not remembered: refused each time, and such paths are the client's to vary
-        hit.checked = True
+        except DespinaError:  # not remembered: refused each time, and such paths are the client's to vary
+            return Match(found[0], found[1], text, target, checked=False)
+        hit = Match(found[0], found[1], text, target, checked=True)
         if len(self._matched) >= self.MATCHES_MAX:
             self._matched.clear()
         self._matched[path] = hit
@@ -83,9 +82,10 @@ class Match:
 
     __slots__ = ("route", "params", "path", "target", "checked")
 
-    def __init__(self, route: Route, params: dict[str, str], path: str, target: Target) -> None:
+    def __init__(self, route: Route, params: dict[str, str], path: str, target: Target, checked: bool
+                 ) -> None:
         self.route, self.params, self.path, self.target = route, params, path, target
-        self.checked = False  # check_target passed: its requests need not check again
+        self.checked = checked  # check_target passed: its requests need not check again
 
 
 def protocol_class(routes: HotRoutes) -> type[HttpToolsProtocol]:

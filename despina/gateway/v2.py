@@ -85,9 +85,10 @@ def _planned(body: bytes, header_length: int, spec: ModelSpec, max_elements: int
         decoded, from_binary = _decode(header, memoryview(body)[header_length:], spec, max_elements)
         if any(t.datatype == "BYTES" for t in decoded.inputs):  # BYTES framing is data: checked each time
             return decoded
+        heads = {} if decoded.binary_all or decoded.binary_outputs else None  # only binary replies': kept
         plan = _Plan(spec, tuple((t.name, t.datatype, t.shape, len(t.data)) if b else t
                                  for t, b in zip(decoded.inputs, from_binary)),
-                     len(body) - header_length, replace(decoded, inputs=[], heads={}))  # not its data
+                     len(body) - header_length, replace(decoded, inputs=[], heads=heads))  # not its data
         if len(_plans) >= PLANS_MAX:
             del _plans[next(iter(_plans))]
         _plans[key] = plan

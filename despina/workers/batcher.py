@@ -71,7 +71,7 @@ class DynamicBatcher:
         self._delayed: deque[Item] = deque()
         self._timed = 0                     # queued items that carry a timeout
         self._wake = asyncio.Event()
-        self._idle = instances
+        self._instances = self._idle = instances
         self._running: set[asyncio.Task[None]] = set()
         self._closed = False
         self._preferred = policy.preferred_sizes
@@ -100,7 +100,8 @@ class DynamicBatcher:
 
     @property
     def executing(self) -> int:
-        return len(self._running)
+        """Batches handed to `execute` and not yet returned from it (their instance still taken)."""
+        return self._instances - self._idle
 
     def close(self) -> None:
         """Stop taking items; run() returns once everything queued has been executed."""

@@ -91,7 +91,6 @@ class ModelRunner:
         self._stopping = False
         self._row_us: float | None = None  # moving average of a batch's cost per row (µs)
         self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
-        self._executing = 0                  # batches between their start and their replies' send
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -308,15 +307,11 @@ class ModelRunner:
                 "transit_us": [int((p.received - p.request.enqueued) * 1e6) for p in pendings],
                 "request_ids": [p.request.trace or p.request.id for p in pendings]}})
         marks: dict[str, int] = {"start": time.perf_counter_ns()}
-        self._executing += 1
-        try:
-            if any(p.alone for p in live):
-                await self.streams.mark_executing([p.entry for p in live if p.entry is not None])
-            sizes = [item.rows for item in live_items]  # rows per request
-            if live:
-                replies.extend(await self._run_batch(live, sizes, started, marks))
-        finally:
-            self._executing -= 1
+        if any(p.alone for p in live):
+            await self.streams.mark_executing([p.entry for p in live if p.entry is not None])
+        sizes = [item.rows for item in live_items]  # rows per request
+        if live:
+            replies.extend(await self._run_batch(live, sizes, started, marks))
         rows = sum(sizes)
         timings = _timings(marks, time.perf_counter_ns())
         # the instance is free as soon as the model ran: replies go out in the background
@@ -420,7 +415,7 @@ class ModelRunner:
         # Nothing else to run, and every gateway's requests here: the client of these replies may look
         # at the statistics next, so they go now. Otherwise more batches follow, and their counters
         # go together (stats.Deferred), one statistics update for several batches.
-        quiet = not self.batcher.pending and not self._executing and self._gateways.all_here()
+        quiet = not self.batcher.pending and not self.batcher.executing and self._gateways.all_here()
         done = []
         for p in pendings:
             if p.entry is None:
