@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from despina.workers.alarm import Alarm
+from despina.alarm import Alarm
 from despina.workers.batcher import BatchPolicy, DynamicBatcher, Item
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux's")

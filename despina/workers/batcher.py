@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..alarm import Alarm
 from ..contract.policy import BatchPolicy, QueuePolicy
-from .alarm import Alarm
 
 __all__ = ["BatchPolicy", "DynamicBatcher", "Item", "QueueFull", "QueuePolicy"]
 

@@ -1,11 +1,11 @@
 """A sub-millisecond alarm for the event loop.
 
 uvloop's (libuv's) timers count whole milliseconds: `call_at` 500 µs ahead rounds down to the next
-loop iteration, so a batcher waiting out what is left of Triton's usual 500 µs queue delay would spin
-through the loop until the deadline, taking the core from the gateway and Valkey that bring the next
-requests in. On Linux a timerfd armed at the absolute deadline wakes the loop on time without the
-spin; elsewhere (or if the timerfd cannot be made) `Alarm.create` returns None and callers keep
-`call_at`.
+loop iteration, so a batcher waiting out what is left of Triton's usual 500 µs queue delay (or a
+gateway holding its requests for 200 µs, gateway/dispatch.py) would spin through the loop until the
+deadline, taking the core from the processes that bring the next requests in. On Linux a timerfd
+armed at the absolute deadline wakes the loop on time without the spin; elsewhere (or if the timerfd
+cannot be made) `Alarm.create` returns None and callers keep `call_at`, or do without.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 
-log = logging.getLogger("despina.worker")
+log = logging.getLogger("despina.alarm")
 
 _CLOCK_MONOTONIC = 1          # what time.monotonic() reads on Linux
 _TFD_TIMER_ABSTIME = 1
