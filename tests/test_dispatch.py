@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -60,3 +61,112 @@ def test_a_recurring_failure_is_logged_once_per_interval(caplog: pytest.LogCaptu
         throttled.last -= dispatch.LOG_EVERY_S  # as if the interval had passed
         throttled.log("queueing failed: %d", 10)
     assert caplog.records[-1].getMessage() == "queueing failed: 10 (9 more like it since the last report)"
+
+
+
+async def _until(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> float:
+    """Poll `check` until it holds; the seconds that took."""
+    t0 = time.monotonic()
+    while not await check():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - t0
+
+
+class Client:
+    """A dispatcher for model m (and o) and what its callers got, with a test's steps as methods."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, hold_us: int) -> None:
+        self.redis, self.keys = redis, keys
+        self.d = Dispatcher(redis, keys, hold_us=hold_us)
+        self.results: dict[str, object] = {}
+
+    def submit(self, rid: str, model: str = "m") -> None:
+        self.d.submit(self.keys.request_stream(model, 1, 1), self.keys.stats(model, 1),
+                      InferRequest(rid, self.d.reply_stream, time.time() + 60, ()), 60.0,
+                      lambda r: self.results.__setitem__(rid, r))
+
+    async def answer(self, *rids: str) -> None:
+        """A worker's answers to `rids`, once their callers have them."""
+        await self.redis.xadd(self.d.reply_stream, {FIELD: records.encode([InferReply(r) for r in rids])})
+
+        async def answered() -> bool:
+            return all(r in self.results for r in rids)
+        await _until(answered)
+
+    async def entries(self, model: str = "m") -> list[list[str]]:
+        """The request ids of each entry of the model's stream."""
+        raw = await self.redis.xrange(self.keys.request_stream(model, 1, 1))
+        return [[r.id for r in records.decode_requests(f[FIELD])] for _, f in raw]
+
+    async def until_entries(self, n: int, model: str = "m") -> float:
+        async def there() -> bool:
+            return len(await self.entries(model)) >= n
+        return await _until(there)
+
+
+@pytest.fixture
+async def client_factory(redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+                         ) -> AsyncIterator[Callable[[int], Awaitable[Client]]]:
+    monkeypatch.setattr(dispatch, "OWED_S", 60.0)  # a test's steps take longer than a closed loop's
+    redis = aioredis.Redis.from_url(redis_url)
+    made: list[Client] = []
+
+    async def make(hold_us: int) -> Client:
+        client = Client(redis, Keys(f"{key_prefix}{len(made)}"), hold_us)
+        await client.d.start()
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        await client.d.close()
+    await redis.aclose()
+
+
+async def test_the_next_requests_of_answered_clients_go_out_together(client_factory: Callable[[int], Awaitable[Client]]) -> None:
+    c = await client_factory(30_000_000)  # a hold ends when the requests come (or after 30 s)
+    for rid in "abc":  # nothing answered yet: out at once, in one pipeline
+        c.submit(rid)
+    await c.until_entries(1)
+    await c.answer("a", "b", "c")
+    c.submit("d")
+    c.submit("e")
+    await asyncio.sleep(0.2)
+    assert await c.entries() == [["a", "b", "c"]]  # held: a third client is still to come
+    c.submit("f")  # the third: the three go, in one entry
+    await c.until_entries(2)
+    assert (await c.entries())[1] == ["d", "e", "f"]
+
+    await c.answer("d", "e")
+    c.submit("g")  # held, one more expected ...
+    await asyncio.sleep(0.1)
+    assert len(await c.entries()) == 2
+    c.submit("h", "o")  # ... but a model with no answers just out is not held, and g goes with it
+    await c.until_entries(1, "o")
+    await c.until_entries(3)
+
+    await c.answer("f", "g", "h")
+    c.submit("i")  # f's and g's clients are expected; the gateway stops meanwhile
+    await c.d.close()
+    assert (await c.entries())[-1] == ["i"]  # what was held went out before it stopped
+
+
+async def test_a_lone_clients_next_request_is_not_held(client_factory: Callable[[int], Awaitable[Client]]) -> None:
+    c = await client_factory(30_000_000)
+    c.submit("a")
+    await c.until_entries(1)
+    await c.answer("a")
+    c.submit("b")  # its own answer's successor: nobody else to wait for
+    assert await c.until_entries(2) < 5.0  # a hold would be 30 s
+
+
+async def test_a_hold_ends_after_hold_us(client_factory: Callable[[int], Awaitable[Client]]) -> None:
+    c = await client_factory(300_000)
+    c.submit("a")
+    c.submit("b")
+    await c.until_entries(1)
+    await c.answer("a", "b")
+    c.submit("c")  # b's client does not come back
+    assert await c.until_entries(2) >= 0.28
+    assert (await c.entries())[1] == ["c"]

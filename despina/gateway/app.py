@@ -47,7 +47,8 @@ class Gateway:
         assert settings.redis_url, "the gateway needs a Redis URL"
         self.redis = connect(settings.redis_url)
         self.view = ModelView(self.redis, self.keys, settings.max_stream_length)
-        self.dispatcher = Dispatcher(self.redis, self.keys, reply_ttl_ms=int(settings.reply_ttl_s * 1000))
+        self.dispatcher = Dispatcher(self.redis, self.keys, reply_ttl_ms=int(settings.reply_ttl_s * 1000),
+                                     hold_us=settings.gateway_hold_us)
         self.ensembles: set[asyncio.Task[None]] = set()  # ensemble steps waiting for a model to wake
 
     async def start(self) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from ..alarm import Alarm
 from ..contract import records
 from ..contract.errors import Code, DespinaError, Unavailable
 from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
@@ -50,6 +51,7 @@ Result = InferReply | BaseException
 Callback = Callable[[Result], None]  # called once: the reply, TimeoutError, or the error that stopped it
 SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
 COUNTS_S = 0.05  # the gateway's own statistics reach Redis at most this late
+OWED_S = 0.001  # answers delivered this recently are expected back as new requests (see Dispatcher.submit)
 LOG_EVERY_S = 5.0  # while Redis is down, a failure of the same kind is logged at most this often
 
 
@@ -74,7 +76,7 @@ class Throttled:
 
 class Dispatcher:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str | None = None,
-                 reply_ttl_ms: int = 120_000) -> None:
+                 reply_ttl_ms: int = 120_000, hold_us: int = 200) -> None:
         # requests go out on one lean connection; the reply stream is read, blocking, on another
         self._out, self._in = Resp.like(redis), Resp.like(redis)
         self.keys = keys
@@ -101,14 +103,26 @@ class Dispatcher:
         self._writing = False
         self._reader: asyncio.Task[None] | None = None
         self._writes: set[asyncio.Task[None]] = set()
+        self.hold_s = hold_us / 1e6
+        # statistics hash -> (answers delivered lately and not yet followed by as many new requests,
+        # when the latest went)
+        self._owed: dict[str, tuple[int, float]] = {}
+        self._holding = False
+        self._alarm: Alarm | None = None  # ends a hold; without one (not Linux) nothing is held
 
     def new_id(self) -> str:
         return f"{next(self._ids):x}"
 
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_replies())
+        if self.hold_s:
+            self._alarm = Alarm.create(self._release)
 
     async def close(self) -> None:
+        if self._holding and not self._flush_scheduled and not self._writing:
+            self._flush()  # what was held goes out before the gateway stops
+        if self._alarm is not None:
+            self._alarm.close()
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
         if self._reader:
@@ -141,19 +155,58 @@ class Dispatcher:
 
         `stats` is the model version's statistics hash: it counts what was enqueued (answered minus
         enqueued is what is pending). With a bound, the request is refused (RESOURCE_EXHAUSTED)
-        when its queue is full."""
-        self._waiting[request.id] = (done, time.monotonic() + timeout, stats)
+        when its queue is full.
+
+        A request goes out at once, in the next pipeline, except right after answers went out: their
+        clients, if they send their next request as soon as they have an answer (a closed loop, as
+        perf_analyzer and most batch jobs are), are sending it now, and their requests reach the worker
+        in one stream entry if they go together, one read and one batch there instead of one each. So
+        while every model version with requests waiting here has had answers delivered within OWED_S
+        and not yet as many new requests, they are held, for at most `hold_us`."""
+        now = time.monotonic()
+        self._waiting[request.id] = (done, now + timeout, stats)
         self._in_flight[stats] = self._in_flight.get(stats, 0) + 1
         self._stats[stream] = stats
         if bound is None:
             self._outbox[stream].append(request)
         else:
             self._bounded.append((stream, bound, request))
-        if not self._flush_scheduled and not self._writing:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        owed = self._owed.get(stats)
+        if owed is not None:  # one of the answers' clients, it seems, is back
+            if owed[0] > 1 and now - owed[1] <= OWED_S:
+                self._owed[stats] = (owed[0] - 1, owed[1])
+            else:
+                del self._owed[stats]
+        if self._holding:
+            if not self._expecting(now):
+                self._release()
+        elif not self._flush_scheduled and not self._writing:
+            if self._alarm is not None and self._expecting(now):
+                self._holding = True
+                self._alarm.arm(now + self.hold_s)
+            else:
+                self._release()
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+
+    def _expecting(self, now: float) -> bool:
+        """Whether every model version with requests waiting to go out has answers out lately that no new
+        request has followed yet."""
+        stats = self._stats
+        waiting = {stats[s] for s in self._outbox}
+        waiting.update(stats[s] for s, _, _ in self._bounded)
+        for key in waiting:
+            owed = self._owed.get(key)
+            if owed is None or now - owed[1] > OWED_S:
+                return False
+        return True
+
+    def _release(self) -> None:
+        """End a hold (or there was none): what waits goes out in the next pipeline."""
+        self._holding = False
+        if not self._flush_scheduled and not self._writing and (self._outbox or self._bounded):
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def _sweep(self) -> None:
         self._sweeper = None
@@ -313,9 +366,18 @@ class Dispatcher:
         except Exception as exc:
             log.error("gateway %s: undecodable reply entry: %s", self.id, exc)
             return
+        delivered: dict[str, int] = {}
         for reply in replies:
+            waiter = self._waiting.get(reply.id)
             if not self._finish(reply.id, reply):
                 self.dropped += 1
+            elif waiter is not None:
+                delivered[waiter[2]] = delivered.get(waiter[2], 0) + 1
+        if self._alarm is not None and delivered:
+            now = time.monotonic()
+            for key, n in delivered.items():
+                owed = self._owed.get(key)
+                self._owed[key] = (n + (owed[0] if owed and now - owed[1] <= OWED_S else 0), now)
 
     async def _trim(self, last: str | bytes) -> None:
         last_id = last.decode() if isinstance(last, bytes) else last
