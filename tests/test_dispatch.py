@@ -109,6 +109,7 @@ class Client:
 async def client_factory(redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
                          ) -> AsyncIterator[Callable[[int], Awaitable[Client]]]:
     monkeypatch.setattr(dispatch, "OWED_S", 60.0)  # a test's steps take longer than a closed loop's
+    monkeypatch.setattr(dispatch, "HOLD_GAP_S", 60.0)
     redis = aioredis.Redis.from_url(redis_url)
     made: list[Client] = []
 
@@ -163,10 +164,28 @@ async def test_a_lone_clients_next_request_is_not_held(client_factory: Callable[
 
 async def test_a_hold_ends_after_hold_us(client_factory: Callable[[int], Awaitable[Client]]) -> None:
     c = await client_factory(300_000)
-    c.submit("a")
-    c.submit("b")
+    for rid in "abc":
+        c.submit(rid)
     await c.until_entries(1)
-    await c.answer("a", "b")
-    c.submit("c")  # b's client does not come back
-    assert await c.until_entries(2) >= 0.28
-    assert (await c.entries())[1] == ["c"]
+    await c.answer("a", "b", "c")
+    c.submit("d")
+    await asyncio.sleep(0.15)
+    c.submit("e")  # a second client back, c's is not coming: held 0.3 s from the first, not from e
+    assert 0.3 - 0.15 - 0.02 <= await c.until_entries(2) < 5.0  # the cap, not the (60 s) gap, ended it
+    assert (await c.entries())[1] == ["d", "e"]
+
+
+async def test_a_hold_ends_when_the_clients_stop_coming(client_factory: Callable[[int], Awaitable[Client]],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch, "HOLD_GAP_S", 0.3)
+    c = await client_factory(30_000_000)
+    for rid in "abc":
+        c.submit(rid)
+    await c.until_entries(1)
+    await c.answer("a", "b", "c")
+    c.submit("d")
+    await asyncio.sleep(0.2)
+    c.submit("e")  # within the gap: the hold goes on, 0.3 s from e
+    took = await c.until_entries(2)
+    assert 0.3 - 0.02 <= took < 10.0  # then nobody for 0.3 s: it ends (hold_us would be 30 s)
+    assert (await c.entries())[1] == ["d", "e"]

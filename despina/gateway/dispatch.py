@@ -51,7 +51,8 @@ Result = InferReply | BaseException
 Callback = Callable[[Result], None]  # called once: the reply, TimeoutError, or the error that stopped it
 SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
 COUNTS_S = 0.05  # the gateway's own statistics reach Redis at most this late
-OWED_S = 0.001  # answers delivered this recently are expected back as new requests (see Dispatcher.submit)
+OWED_S = 0.002  # answers delivered this recently are expected back as new requests (see Dispatcher.submit)
+HOLD_GAP_S = 0.0002  # a hold ends when no request came for this long: the answered clients are not coming
 LOG_EVERY_S = 5.0  # while Redis is down, a failure of the same kind is logged at most this often
 
 
@@ -76,7 +77,7 @@ class Throttled:
 
 class Dispatcher:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str | None = None,
-                 reply_ttl_ms: int = 120_000, hold_us: int = 200) -> None:
+                 reply_ttl_ms: int = 120_000, hold_us: int = 1000) -> None:
         # requests go out on one lean connection; the reply stream is read, blocking, on another
         self._out, self._in = Resp.like(redis), Resp.like(redis)
         self.keys = keys
@@ -108,6 +109,7 @@ class Dispatcher:
         # when the latest went)
         self._owed: dict[str, tuple[int, float]] = {}
         self._holding = False
+        self._hold_until = 0.0  # when the current hold ends at the latest
         self._alarm: Alarm | None = None  # ends a hold; without one (not Linux) nothing is held
 
     def new_id(self) -> str:
@@ -162,7 +164,8 @@ class Dispatcher:
         perf_analyzer and most batch jobs are), are sending it now, and their requests reach the worker
         in one stream entry if they go together, one read and one batch there instead of one each. So
         while every model version with requests waiting here has had answers delivered within OWED_S
-        and not yet as many new requests, they are held, for at most `hold_us`."""
+        and not yet as many new requests, they are held: until a request has not been followed by
+        another for HOLD_GAP_S, and for at most `hold_us`."""
         now = time.monotonic()
         self._waiting[request.id] = (done, now + timeout, stats)
         self._in_flight[stats] = self._in_flight.get(stats, 0) + 1
@@ -180,10 +183,13 @@ class Dispatcher:
         if self._holding:
             if not self._expecting(now):
                 self._release()
+            elif self._alarm is not None:  # still coming back: wait for the next one
+                self._alarm.arm(min(self._hold_until, now + HOLD_GAP_S))
         elif not self._flush_scheduled and not self._writing:
             if self._alarm is not None and self._expecting(now):
                 self._holding = True
-                self._alarm.arm(now + self.hold_s)
+                self._hold_until = now + self.hold_s
+                self._alarm.arm(min(self._hold_until, now + HOLD_GAP_S))
             else:
                 self._release()
         if self._sweeper is None:
