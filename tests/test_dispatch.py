@@ -99,6 +99,13 @@ class Client:
         raw = await self.redis.xrange(self.keys.request_stream(model, 1, 1))
         return [[r.id for r in records.decode_requests(f[FIELD])] for _, f in raw]
 
+    async def convoy_answered(self) -> None:
+        """Three requests out (nothing held: nothing was answered yet), then their answers back."""
+        for rid in "abc":
+            self.submit(rid)
+        await self.until_entries(1)
+        await self.answer("a", "b", "c")
+
     async def until_entries(self, n: int, model: str = "m") -> float:
         async def there() -> bool:
             return len(await self.entries(model)) >= n
@@ -127,10 +134,7 @@ async def client_factory(redis_url: str, key_prefix: str, monkeypatch: pytest.Mo
 
 async def test_the_next_requests_of_answered_clients_go_out_together(client_factory: Callable[[int], Awaitable[Client]]) -> None:
     c = await client_factory(30_000_000)  # a hold ends when the requests come (or after 30 s)
-    for rid in "abc":  # nothing answered yet: out at once, in one pipeline
-        c.submit(rid)
-    await c.until_entries(1)
-    await c.answer("a", "b", "c")
+    await c.convoy_answered()
     c.submit("d")
     c.submit("e")
     await asyncio.sleep(0.2)
@@ -164,10 +168,7 @@ async def test_a_lone_clients_next_request_is_not_held(client_factory: Callable[
 
 async def test_a_hold_ends_after_hold_us(client_factory: Callable[[int], Awaitable[Client]]) -> None:
     c = await client_factory(300_000)
-    for rid in "abc":
-        c.submit(rid)
-    await c.until_entries(1)
-    await c.answer("a", "b", "c")
+    await c.convoy_answered()
     c.submit("d")
     await asyncio.sleep(0.15)
     c.submit("e")  # a second client back, c's is not coming: held 0.3 s from the first, not from e
@@ -179,10 +180,7 @@ async def test_a_hold_ends_when_the_clients_stop_coming(client_factory: Callable
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dispatch, "HOLD_GAP_S", 0.3)
     c = await client_factory(30_000_000)
-    for rid in "abc":
-        c.submit(rid)
-    await c.until_entries(1)
-    await c.answer("a", "b", "c")
+    await c.convoy_answered()
     c.submit("d")
     await asyncio.sleep(0.2)
     c.submit("e")  # within the gap: the hold goes on, 0.3 s from e
