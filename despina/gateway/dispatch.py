@@ -198,6 +198,8 @@ class Dispatcher:
     def _expecting(self, now: float) -> bool:
         """Whether every model version with requests waiting to go out has answers out lately that no new
         request has followed yet."""
+        if not self._owed:
+            return False  # the usual case: no answers out lately that nobody has followed
         stats = self._stats
         waiting = {stats[s] for s in self._outbox}
         waiting.update(stats[s] for s, _, _ in self._bounded)
@@ -227,11 +229,12 @@ class Dispatcher:
         if self._waiting:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
-    def _finish(self, request_id: str, result: Result) -> bool:
-        """Hand the request its result; False when nobody waits for it any more."""
+    def _finish(self, request_id: str, result: Result) -> str | None:
+        """Hand the request its result; its model version's statistics hash, or None when nobody waits
+        for it any more."""
         waiter = self._waiting.pop(request_id, None)
         if waiter is None:
-            return False
+            return None
         left = self._in_flight[waiter[2]] - 1
         if left:
             self._in_flight[waiter[2]] = left
@@ -241,7 +244,7 @@ class Dispatcher:
             waiter[0](result)
         except Exception:  # a callback's fault must not stop the reply reader
             log.exception("gateway %s: answering request %s failed", self.id, request_id)
-        return True
+        return waiter[2]
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -374,11 +377,11 @@ class Dispatcher:
             return
         delivered: dict[str, int] = {}
         for reply in replies:
-            waiter = self._waiting.get(reply.id)
-            if not self._finish(reply.id, reply):
+            stats = self._finish(reply.id, reply)
+            if stats is None:
                 self.dropped += 1
-            elif waiter is not None:
-                delivered[waiter[2]] = delivered.get(waiter[2], 0) + 1
+            else:
+                delivered[stats] = delivered.get(stats, 0) + 1
         if self._alarm is not None and delivered:
             now = time.monotonic()
             for key, n in delivered.items():
