@@ -57,9 +57,14 @@ print("%.1f %.0f" % ((b["inference_count"] - a["inference_count"]) / max(runs, 1
                      (q["ns"] - q0["ns"]) / max(q["count"] - q0["count"], 1) / 1000))' "$1" "$2"
 }
 
+core0() { awk '$1 == "cpu0" {print $2 + $3 + $4 + $7 + $8, $5 + $6}' /proc/stat; }  # busy, idle jiffies
+busy() {  # core0 before, after -> per cent of core 0's time busy in between (anyone's work)
+  echo "$1 $2" | awk '{b = $3 - $1; i = $4 - $2; printf "%.0f%%", 100 * b / (b + i + (b + i == 0))}'
+}
+
 point() {  # label round model conc -> one line
-  local before after line
-  before=$(stats "$3")
+  local before after line cpu
+  before=$(stats "$3") cpu=$(core0)
   if [ "$CLIENT" = perf_analyzer ]; then
     local out
     out=$(taskset -c 1 "$PA" -m "$3" -u "127.0.0.1:$PORT" -i http --concurrency-range "$4:$4" \
@@ -72,9 +77,9 @@ point() {  # label round model conc -> one line
 r = [json.loads(l) for l in sys.stdin if l.startswith("{")][-1]
 print("%.0f %.2f %.2f" % (r["rps"], r["p50_ms"], r["p99_ms"]))')
   fi
-  after=$(stats "$3")
-  printf "%-10s round %s  %-12s c=%-4s %s  batch/queue_us %s  load %s\n" "$1" "$2" "$3" "$4" "$line" \
-    "$(batch_and_queue "$before" "$after")" "$(cut -d' ' -f1 /proc/loadavg)"
+  cpu=$(busy "$cpu" "$(core0)") after=$(stats "$3")
+  printf "%-10s round %s  %-12s c=%-4s %s  batch/queue_us %s  core0 %s  load %s\n" "$1" "$2" "$3" "$4" "$line" \
+    "$(batch_and_queue "$before" "$after")" "$cpu" "$(cut -d' ' -f1 /proc/loadavg)"
 }
 
 triton_repo() {  # bench/out/triton: the kit's W1 for Triton, and W3's models as they are in model_repository/

@@ -7,7 +7,7 @@ import signal
 import sys
 from typing import Any
 
-from . import logs
+from . import cpus, logs
 from .settings import BadSetting, Settings
 
 
@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     def worker(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--intra-op-threads", dest="intra_op_threads", type=int,
                         help="threads per backend instance (default 1)")
+        sp.add_argument("--worker-cpus", dest="worker_cpus", metavar="LIST",
+                        help="run workers on these CPUs only, as taskset -c lists them (0-3,8); serve "
+                             "runs its other processes on the remaining CPUs")
 
     def metrics(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--metrics-port", dest="metrics_port", type=int,
@@ -120,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"despina {args.command}: give --redis-url or set REDIS_URL (only 'serve' embeds Valkey)",
               file=sys.stderr)
         return 2
+    if settings.worker_cpus is not None and args.command in ("serve", "worker"):
+        try:
+            cpus.check(cpus.parse(settings.worker_cpus))
+        except cpus.CpuListError as exc:
+            print(f"despina {args.command}: --worker-cpus: {exc}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         from .serve import Supervisor
 

@@ -19,6 +19,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -69,7 +70,7 @@ def _alive(pidfile: Path) -> bool:
 
 
 class EmbeddedValkey:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, setup: Callable[[], None] = die_with_parent) -> None:
         remove_stale_dirs()
         self._dir = tempfile.TemporaryDirectory(prefix="despina-valkey-")
         self.socket = Path(self._dir.name) / "valkey.sock"
@@ -77,6 +78,7 @@ class EmbeddedValkey:
             port = free_port()
         self.port = port  # None: the Unix socket alone
         self.process: subprocess.Popen[bytes] | None = None
+        self._setup = setup  # preexec_fn: must include die_with_parent
 
     @property
     def url(self) -> str:
@@ -93,7 +95,7 @@ class EmbeddedValkey:
             [str(binary), *listen, "--save", "", "--appendonly", "no", "--dir", self._dir.name,
              "--logfile", str(log), "--protected-mode", "yes", "--daemonize", "no"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=die_with_parent)
+            preexec_fn=self._setup)
         (Path(self._dir.name) / "valkey.pid").write_text(str(self.process.pid))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -13,6 +13,7 @@ import time
 import uvicorn
 
 from .control.plane import ControlPlane
+from .cpus import parse, pin
 from .logs import dump_tasks_on_sigusr2
 from .redis_client import connect
 from .settings import Settings
@@ -72,6 +73,10 @@ def _run_until_signal(make_and_run: object) -> None:
 
 
 def run_worker(settings: Settings) -> None:
+    if settings.worker_cpus is not None:  # before any thread starts: the backends' threads inherit it
+        pin(parse(settings.worker_cpus))
+        log.info("running on CPU %s", settings.worker_cpus)
+
     async def main() -> None:
         assert settings.redis_url
         redis = connect(settings.redis_url)

@@ -15,8 +15,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import fields
 
+from .cpus import available, format_list, parse, pin
 from .embedded import EmbeddedValkey, die_with_parent
 from .settings import Settings
 
@@ -27,8 +29,9 @@ SETTLED_S = 5.0  # a gateway that dies sooner after its start failed to start (i
 
 
 class Child:
-    def __init__(self, role: str, env: dict[str, str], name: str) -> None:
+    def __init__(self, role: str, env: dict[str, str], name: str, cpus: frozenset[int] | None = None) -> None:
         self.role, self.env, self.name = role, env, name
+        self.cpus = cpus  # None: wherever this process may run
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self.started = 0.0
@@ -36,7 +39,7 @@ class Child:
     def start(self) -> None:
         self.started = time.monotonic()
         self.process = subprocess.Popen([sys.executable, "-m", "despina", self.role], env=self.env,
-                                        preexec_fn=die_with_parent, process_group=0)
+                                        preexec_fn=child_setup(self.cpus), process_group=0)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -55,6 +58,15 @@ class Child:
             log.warning("%s did not stop within %.0f s; killing it", self.name, timeout)
             self.process.kill()
             self.process.wait()
+
+
+def child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
+    """preexec_fn of a child: it dies with this process, and runs on `cpus` (None: anywhere)."""
+    def setup() -> None:
+        die_with_parent()
+        if cpus:
+            pin(cpus)
+    return setup
 
 
 def child_env(settings: Settings, **overrides: str) -> dict[str, str]:
@@ -80,17 +92,18 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         settings = self.settings
+        others = self._other_cpus()
         if not settings.redis_url:
-            self.valkey = EmbeddedValkey()
+            self.valkey = EmbeddedValkey(setup=child_setup(others))
             self.valkey.start()
             settings = settings.with_(redis_url=self.valkey.url)
             log.info("embedded Valkey on %s", self.valkey.url)
-        self.control = Child("control", child_env(settings), "control")
+        self.control = Child("control", child_env(settings), "control", others)
         self.workers = [Child("worker", child_env(settings, DESPINA_WORKER_ID=f"{os.uname().nodename}-w{i}"),
                               f"worker {i}") for i in range(settings.workers)]
         many = settings.gateways > 1
         shared = settings.with_(reuse_port=many or settings.reuse_port)
-        self.gateways = [Child("gateway", child_env(shared), f"gateway {i}" if many else "gateway")
+        self.gateways = [Child("gateway", child_env(shared), f"gateway {i}" if many else "gateway", others)
                          for i in range(settings.gateways)]
         for child in (self.control, *self.workers, *self.gateways):
             child.start()
@@ -104,6 +117,21 @@ class Supervisor:
                 break
         self.shutdown()
         return code
+
+    def _other_cpus(self) -> frozenset[int] | None:
+        """With --worker-cpus, where the other processes run: the CPUs the workers leave (the workers
+        pin themselves, roles.run_worker). None: anywhere."""
+        if self.settings.worker_cpus is None:
+            return None
+        workers = parse(self.settings.worker_cpus)
+        others = available() - workers
+        if not others:
+            log.info("the workers' CPUs (%s) are every CPU here: the other processes share them",
+                     format_list(workers))
+            return None
+        log.info("workers on CPU %s; Valkey, control plane and gateways on CPU %s", format_list(workers),
+                 format_list(others))
+        return others
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self._stopping:

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from . import cpus
+
 
 class BadSetting(ValueError):
     """A setting the process cannot start with: the message names it and says what it takes."""
@@ -48,6 +50,7 @@ class Settings:
     full_queue_delay: bool = False          # batches wait out max_queue_delay even when nothing can join
     gateway_hold_us: int = 1000             # the longest a gateway holds answered clients' next requests
     intra_op_threads: int = 1               # per backend instance; 1 is fastest on a loaded machine
+    worker_cpus: str | None = None          # CPUs the workers run on ("0-3,8"); serve's others run elsewhere
     worker_id: str | None = None
     log_level: str = "info"
     log_format: str = "text"                # or "json"
@@ -62,6 +65,11 @@ class Settings:
     def __post_init__(self) -> None:
         if self.gateways < 1:
             raise BadSetting(f"DESPINA_GATEWAYS (or --gateways) must be 1 or more, got {self.gateways}")
+        if self.worker_cpus is not None:
+            try:
+                cpus.parse(self.worker_cpus)
+            except cpus.CpuListError as exc:
+                raise BadSetting(f"DESPINA_WORKER_CPUS (or --worker-cpus): {exc}") from None
         # every number here is a size, a count, a port or a duration
         for f in fields(self):
             value = getattr(self, f.name)

@@ -131,6 +131,9 @@ def test_roles_need_a_redis_url(role: str) -> None:
     ({"DESPINA_WORKER_TTL_S": "nan"}, [], "DESPINA_WORKER_TTL_S (or its command-line option) must be a number of 0"),
     ({}, ["--workers", "-1"], "DESPINA_WORKERS (or its command-line option) must be a number of 0 or more, got -1"),
     ({}, ["--gateways", "0"], "DESPINA_GATEWAYS (or --gateways) must be 1 or more, got 0"),
+    ({"DESPINA_WORKER_CPUS": "first"}, [], "expected a CPU list such as 0-3,8, got 'first'"),
+    ({}, ["--worker-cpus", "3-1"], "the range '3-1' runs backwards"),
+    ({}, ["--worker-cpus", "0,99999"], "--worker-cpus: CPU 99999 is not available here"),
 ])
 def test_a_bad_setting_is_named_and_nothing_starts(env: dict[str, str], args: list[str], said: str) -> None:
     r = subprocess.run([sys.executable, "-m", "despina", "serve", *args], capture_output=True, text=True,
@@ -191,6 +194,34 @@ def test_a_shared_port_that_another_program_holds_is_refused_by_name() -> None:
     first = reuse_port_socket("127.0.0.1", 0)
     second = reuse_port_socket("127.0.0.1", first.getsockname()[1])  # two gateways, one port
     first.close(), second.close()
+
+
+def affinity(pid: int) -> set[frozenset[int]]:
+    """The CPU sets a process's threads may run on (one set when all agree)."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to split")
+def test_worker_cpus_pin_every_worker_thread_and_the_other_processes_elsewhere(
+        serve: Callable[..., Server], example_repository: Path) -> None:
+    mine = os.sched_getaffinity(0)
+    first = min(mine)
+    server = serve(example_repository, "--worker-cpus", str(first), "--workers", "2", use_redis=False,
+                   wait_models=("mlp",))
+    assert httpx.post(f"{server.url}/fn/mlp", content=ROW).status_code == 200
+    family = descendants(server.process.pid)
+    roles = {p: cmdline(p) for p in family}
+    workers = [p for p, c in roles.items() if "despina worker" in c]
+    others = [p for p, c in roles.items() if any(r in c for r in ("despina gateway", "despina control", "valkey"))]
+    assert len(workers) == 2 and len(others) == 3, roles
+    for pid in workers:  # the backends' threads included: they started after the worker pinned itself
+        assert affinity(pid) == {frozenset({first})}, roles[pid]
+    for pid in others:
+        assert affinity(pid) == {frozenset(mine - {first})}, roles[pid]
+    assert affinity(server.process.pid) == {frozenset(mine)}  # restarts a worker with every CPU to pick from
+    assert f"workers on CPU {first}; Valkey, control plane and gateways on CPU" in server.logs()
+    assert "1 CPU(s)" in server.logs()  # what a worker reports to the control plane: the CPUs it may use
+    assert stop_server(server) == 0
 
 
 def test_sigterm_on_an_idle_server_exits_zero(serve: Callable[..., Server], example_repository: Path) -> None:

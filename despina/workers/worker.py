@@ -19,6 +19,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from .. import cpus
 from ..contract.catalog import CatalogEntry
 from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail
 from ..contract.ensemble import Ensemble, Step, is_ensemble
@@ -50,7 +51,7 @@ class Worker:
         # its predecessor had read but not answered
         base = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.id = f"{base}.{uuid.uuid4().hex[:6]}"
-        self.info = WorkerInfo(self.id, socket.gethostname(), os.getpid(), time.time(), os.cpu_count() or 1,
+        self.info = WorkerInfo(self.id, socket.gethostname(), os.getpid(), time.time(), cpus.count(),
                                visible_gpus(), memory_bytes(settings))
         self.runners: dict[Key, ModelRunner] = {}
         self.hosts: dict[Key, EnsembleHost] = {}     # ensembles run here (workers/ensembles.py)
