@@ -10,6 +10,10 @@
 # `@triton` is real Triton instead (the peers kit's tritonserver, run as the kit runs it, on core 0)
 # serving bench/out/triton: W1 as the kit's Python-backend `mlp`, W2 `mlp_heavy` as the same model.py
 # on W2's ONNX file, and W3's `classify_post` and `mlp_classify` unchanged from model_repository/.
+# Pinning: the server on core 0 as a whole, unless the label's ENV has DESPINA_WORKER_CPUS=0 (Despina
+# runs its workers on core 0 and everything else, with the load generator, on core 1) or, for
+# @triton, STUB_CPUS=0 (tritonserver on core 1, each model's Python-backend stub moved to core 0 once
+# ready): the model's core does nothing else, in both systems the same way.
 # Not a record by itself: bench/RESULTS.md says what each comparison was and quotes the command. At
 # the end, bench/ab_summary.py's table (each label's rounds, and the ratio of its sum to the first
 # label's) goes to the screen and summary.md.
@@ -94,19 +98,22 @@ triton_repo() {  # bench/out/triton: the kit's W1 for Triton, and W3's models as
 }
 
 start() {  # tree envs log: a server on core 0 in its own process group, its pid in $serve
+  local cores=0
+  case ",$2," in *,DESPINA_WORKER_CPUS=*|*,STUB_CPUS=*) cores=0-1 ;; esac
+  [ "$1" = @triton ] && [ "$cores" = 0-1 ] && cores=1
   if [ "$1" = @triton ]; then
     local py=$PEERS_DIR/venv/triton/bin/python site libdir ts
     site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     libdir=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
     ts=$site/pytriton/tritonserver
-    setsid taskset -c 0 env LD_LIBRARY_PATH="$libdir:$site/nvidia_pytriton.libs" PATH="$PEERS_DIR/venv/triton/bin:$PATH" \
+    setsid taskset -c "$cores" env LD_LIBRARY_PATH="$libdir:$site/nvidia_pytriton.libs" PATH="$PEERS_DIR/venv/triton/bin:$PATH" \
       "$ts/bin/tritonserver" --model-repository "$ROOT/bench/out/triton" --backend-directory "$PEERS_DIR/triton/backends" \
       --cache-directory "$ts/caches" --http-address 127.0.0.1 --http-port "$PORT" --grpc-address 127.0.0.1 \
       --grpc-port $((PORT + 1)) --metrics-address 127.0.0.1 --metrics-port $((PORT + 2)) --allow-gpu-metrics false \
       > "$3" 2>&1 &
   else
     # shellcheck disable=SC2086
-    (cd "$1" && exec setsid taskset -c 0 env -u REDIS_URL PYTHONPATH="$1" ${2//,/ } "$PY" -m despina serve \
+    (cd "$1" && exec setsid taskset -c "$cores" env -u REDIS_URL PYTHONPATH="$1" ${2//,/ } "$PY" -m despina serve \
       --key-prefix bench --http-port "$PORT" --model-repository "$ROOT/bench/out/repo") > "$3" 2>&1 &
   fi
   serve=$!
@@ -129,6 +136,10 @@ for round in $(seq "$ROUNDS"); do
         sleep 0.25
       done
     done
+    stubs=$(echo ",$envs," | sed -n 's/.*,STUB_CPUS=\([^,]*\),.*/\1/p')
+    if [ -n "$stubs" ]; then  # each model's stub process (and its threads) onto the model's core
+      for p in $(pgrep -f triton_python_backend_stub); do taskset -apc "$stubs" "$p" > /dev/null; done
+    fi
     for model in $MODELS; do
       for conc in $CONCS; do
         point "$label" "$round" "$model" "$conc" | tee -a "$OUT/ab.txt"
