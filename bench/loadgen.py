@@ -181,17 +181,22 @@ async def drive(args: argparse.Namespace, fmt: str, conc: int, expected: np.ndar
             "client_cpu": round((cpu1 - cpu0) / args.duration, 2)}
 
 
-def reference(path: Path | None, rows: np.ndarray) -> np.ndarray:
+def reference(model: str, path: Path | None, rows: np.ndarray) -> np.ndarray:
+    """What the model should answer to `rows`: the ONNX file given, else bench/models.py's build of the
+    model (W2's), else W1's MLP (the peers serve it as `mlp`)."""
+    from models import DEFAULT_REPO, session
+    own = DEFAULT_REPO / model / "1" / "model.onnx"
+    if path is None and model != "mlp" and own.exists():
+        path = own
     if path is None:
         from despina.examples import mlp_numpy
         return mlp_numpy(rows)
-    from models import session
     return np.asarray(session(path).run(None, {"x": rows})[0])
 
 
 async def main_async(args: argparse.Namespace) -> None:
     rows = np.random.default_rng(1).standard_normal((ROWS, D_IN)).astype(np.float32)
-    expected = reference(args.reference, rows)
+    expected = reference(args.model, args.reference, rows)
     path = f"/v2/models/{args.model}/infer"
     for fmt in args.format:
         bodies = [request(args.host, path, fmt, rows[k:k + 1]) for k in range(ROWS)]
@@ -215,7 +220,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--grace", type=float, default=30.0, help="seconds to wait for replies after the window")
     p.add_argument("--check-every", type=int, default=16)
-    p.add_argument("--reference", type=Path, help="ONNX model to check replies (default: the W1 MLP)")
+    p.add_argument("--reference", type=Path, help="ONNX model to check replies (default: bench/out/repo's "
+                   "build of --model, else the W1 MLP)")
     p.add_argument("--cpu", type=int, help="pin this process to one core")
     p.add_argument("--peer", default="despina")
     p.add_argument("--out", type=Path, help="also append the JSON lines to this file")
