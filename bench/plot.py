@@ -19,6 +19,8 @@ from typing import Any
 Row = dict[str, Any]
 NAMES = {"despina": "Despina", "triton": "Triton", "litserve": "LitServe", "mlserver": "MLServer"}
 W1, W2 = "mlp", "mlp_heavy"
+# W2's layouts (bench/run.sh): everything on core 0, or the worker alone there (serve --worker-cpus 0)
+LAYOUTS = {"despina": "all on core 0", "despina-pool": "worker alone on core 0"}
 
 
 def load(path: Path) -> list[Row]:
@@ -134,9 +136,9 @@ def w2_table(rows: list[Row]) -> list[str]:
     limit = max(top, key=lambda r: r["batch"])["rps"] if top else None
     served = []
     for r in rows:
-        if r["peer"] == "despina" and r.get("model") == W2 and r.get("rps") is not None:
+        if r["peer"] in LAYOUTS and r.get("model") == W2 and r.get("rps") is not None:
             share = f"{r['rps'] / limit:.2f}" if limit else "-"
-            served.append((r["client"], [str(r["conc"]), f"{r['rps']:,.0f}", f"{r['p50_ms']:.2f}",
+            served.append((f"{r['client']}, {LAYOUTS[r['peer']]}", [str(r["conc"]), f"{r['rps']:,.0f}", f"{r['p50_ms']:.2f}",
                                          f"{r['p99_ms']:.2f}", str(r["mean_batch"]), str(r["errors"]),
                                          share]))
     title = f"W2 `mlp_heavy`: Despina at saturation vs the limit at max batch, {limit or 0:,.0f} rows/s"
