@@ -53,6 +53,9 @@ class Alarm:
     """Calls `fire` on the event loop at the time.monotonic() instant last given to `arm`.
 
     One pending instant at a time: arming again moves it. A fired alarm stays quiet until armed again.
+    Arming costs a system call, and ~8 µs on a virtual machine when the instant is the CPU's nearest
+    timer (reprogramming it goes through the hypervisor): arming again for the instant already pending
+    makes no call.
     """
 
     def __init__(self, libc: ctypes.CDLL, fd: int, loop: asyncio.AbstractEventLoop,
@@ -60,6 +63,7 @@ class Alarm:
         self._libc, self._fd, self._loop, self._fire = libc, fd, loop, fire
         self._spec = _Itimerspec()
         self._ref = ctypes.byref(self._spec)
+        self._pending: float | None = None  # the instant armed and not yet fired
         loop.add_reader(fd, self._ready)
 
     @classmethod
@@ -78,6 +82,9 @@ class Alarm:
             return None
 
     def arm(self, when: float) -> None:
+        if when == self._pending:
+            return
+        self._pending = when
         seconds = int(when)
         value = self._spec.it_value
         value.tv_sec = seconds
@@ -93,6 +100,7 @@ class Alarm:
             os.read(self._fd, 8)
         except BlockingIOError:  # re-armed or disarmed since it became readable
             return
+        self._pending = None
         self._fire()
 
     def close(self) -> None:

@@ -44,6 +44,35 @@ def test_fires_at_the_instant_not_before(loop: str) -> None:
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_the_same_instant_again_is_one_alarm_and_after_it_fired_a_new_one(loop: str) -> None:
+    async def main() -> None:
+        fired: list[float] = []
+        alarm = Alarm.create(lambda: fired.append(time.monotonic()))
+        assert alarm is not None
+        calls = 0
+        settime = alarm._settime
+
+        def counted(flags: int) -> None:
+            nonlocal calls
+            calls += 1
+            settime(flags)
+
+        alarm._settime = counted  # type: ignore[method-assign]
+        when = time.monotonic() + 0.002
+        for _ in range(5):  # a batcher planning again and again before its delay ends
+            alarm.arm(when)
+        assert calls == 1
+        await asyncio.sleep(0.05)
+        assert len(fired) == 1 and fired[0] >= when
+        alarm.arm(when)  # in the past now: armed again, it fires at once
+        await asyncio.sleep(0.02)
+        assert calls == 2 and len(fired) == 2
+        alarm.close()
+
+    run(LOOPS[loop], main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_arming_again_moves_it(loop: str) -> None:
     async def main() -> None:
         fired: list[float] = []
