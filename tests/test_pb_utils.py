@@ -32,6 +32,11 @@ def test_pb_utils_bytes_codec_and_type_tables(pb_utils: ModuleType) -> None:
     assert pb_utils.triton_to_numpy_type(11) is np.float32 and pb_utils.triton_to_numpy_type(13) is np.object_
     assert pb_utils.numpy_to_triton_type(np.float32) == 11 and pb_utils.numpy_to_triton_type(np.bool_) == 1
     assert pb_utils.numpy_to_triton_type(np.object_) == 13 and pb_utils.numpy_to_triton_type(np.bytes_) == 13
+    for number in range(1, 13):  # every numeric type there and back, by type or by dtype
+        numpy_type = pb_utils.triton_to_numpy_type(number)
+        assert pb_utils.numpy_to_triton_type(numpy_type) == number
+        assert pb_utils.numpy_to_triton_type(np.dtype(numpy_type)) == number
+    assert pb_utils.numpy_to_triton_type(np.dtype(">f4")) is None and pb_utils.numpy_to_triton_type(np.str_) is None
     with pytest.raises(pb_utils.TritonModelException):
         pb_utils.Tensor("s", np.array(["no unicode arrays"]))
     error = pb_utils.TritonError("gone", pb_utils.TritonError.NOT_FOUND)

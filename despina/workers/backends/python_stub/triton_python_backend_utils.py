@@ -25,6 +25,8 @@ _TRITON_TO_NUMPY: dict[int, Any] = {
     1: np.bool_, 2: np.uint8, 3: np.uint16, 4: np.uint32, 5: np.uint64, 6: np.int8, 7: np.int16,
     8: np.int32, 9: np.int64, 10: np.float16, 11: np.float32, 12: np.float64, 13: np.object_,
 }
+# and back: every Tensor a model makes asks this, a dict lookup instead of a dtype built per candidate
+_NUMPY_TO_TRITON: dict[np.dtype[Any], int] = {np.dtype(t): n for n, t in _TRITON_TO_NUMPY.items() if n != 13}
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -50,10 +52,7 @@ def numpy_to_triton_type(data_type: Any) -> int | None:
         return None
     if dtype.kind in "OS":
         return 13
-    for number, candidate in _TRITON_TO_NUMPY.items():
-        if number != 13 and dtype == np.dtype(candidate):
-            return number
-    return None
+    return _NUMPY_TO_TRITON.get(dtype)
 
 
 def triton_string_to_numpy(triton_type_string: str) -> Any:
