@@ -1,6 +1,7 @@
 """Instance groups (threads and processes, kinds), warmup, and a custom backend from an entry point."""
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import subprocess
@@ -22,7 +23,7 @@ from despina.examples import build_add_sub
 from despina.workers.backends import backend_class
 from despina.workers.backends.base import visible_gpus
 from despina.workers.instances import plan
-from despina.workers.runner import ModelRunner
+from despina.workers.runner import INLINE_BELOW_US, ModelRunner
 
 from .conftest import Server, module_server
 
@@ -333,6 +334,38 @@ async def test_failing_warmup_is_a_load_error(tmp_path: Path) -> None:
                                          good.replace("zero_data: true", 'input_data_file: "../../x"'))
     with pytest.raises(ConfigError, match="inside the model's warmup/ folder"):
         await runner_for(folder).load()
+
+
+async def test_a_quick_model_runs_inline_whatever_else_held_the_loop_while_a_thread_ran_it(tmp_path: Path) -> None:
+    """A batch runs on the event loop when the model's cost per row says it is short (runner.py,
+    INLINE_BELOW_US); the cost counts the model's call, not the loop's other work meanwhile."""
+    folder = tmp_path / "add_sub"
+    (folder / "1").mkdir(parents=True)
+    build_add_sub(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
+    runner = runner_for(folder)
+    await runner.load()
+    backend = runner.instances.get_nowait()
+    ran_on: list[int] = []
+    execute = backend.execute
+
+    def recorded(inputs: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+        ran_on.append(threading.get_ident())
+        return execute(inputs, names)
+
+    backend.execute = recorded  # type: ignore[method-assign]
+    inputs = {"a": np.ones((2, 4), np.float32), "b": np.ones((2, 4), np.float32)}
+    loop = asyncio.get_running_loop()
+    try:
+        loop.call_soon(time.sleep, 0.05)  # the loop busy elsewhere while the first batch runs on a thread
+        out = await runner._call(backend, inputs, ["sum", "diff"], 2)
+        assert ran_on[-1] != threading.get_ident()  # nothing known of its cost yet: on a thread
+        assert out["sum"].tolist() == [[2.0] * 4] * 2
+        assert runner._row_us is not None and runner._row_us * 2 < INLINE_BELOW_US  # not the 50 ms
+        await runner._call(backend, inputs, ["sum", "diff"], 2)
+        assert ran_on[-1] == threading.get_ident()  # on the loop: the hand-off would cost more
+    finally:
+        await runner.stop()
 
 
 @pytest.mark.skipif(visible_gpus() > 0, reason="this machine has a GPU")
