@@ -84,12 +84,13 @@ class Alarm:
     def arm(self, when: float) -> None:
         if when == self._pending:
             return
-        self._pending = when
         seconds = int(when)
         value = self._spec.it_value
         value.tv_sec = seconds
         value.tv_nsec = max(1, int((when - seconds) * 1e9))  # 0 would disarm it
+        self._pending = None  # until the kernel has it: a failed call must not make the next one a no-op
         self._settime(_TFD_TIMER_ABSTIME)
+        self._pending = when
 
     def _settime(self, flags: int) -> None:
         if self._libc.timerfd_settime(self._fd, flags, self._ref, None) != 0:
