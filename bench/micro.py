@@ -2,18 +2,19 @@
 
     python bench/micro.py [--redis-url redis://127.0.0.1:6379/0] [--only worker codecs ...]
 
-the gateway's decoders and encoders on W1's request (binary and JSON, /fn; encode_infer with and
-without its kept reply header), the stream records' codec for a 20-request entry, resp.pack of a
-worker's reply pipeline in C (hiredis) and in Python, one XADD + HINCRBY round trip through redis-py's
-asyncio pipeline against despina/resp.py (client CPU, process_time), the batcher's wait (wait_for
-against a timer), a call_later made and cancelled (uvicorn's keep-alive timer, per request), how late
-uvloop's call_later fires below a millisecond, and the server's CPU for one batch's statistics as the
-workers' EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine), and the
-Python backend's hop: one execute call to a model's own process (W3's classify_post, and a model that
-returns constant outputs: the hop alone) with 0, 1, 3 and 8 requests, against classify_post's execute
-run in this process; and a worker's own CPU per request, W1 in batches of 128 from 16-request entries,
-and per batch of one request, replies written to that Redis (bench/out/repo must exist:
-bench/models.py).
+the gateway's decoders and encoders on W1's request (binary and JSON, /fn; encode_infer with and without
+its kept reply header), the stream records' codec for a 20-request entry, resp.pack of a worker's reply
+pipeline in C (hiredis) and in Python, one XADD + HINCRBY round trip through redis-py's asyncio pipeline
+against despina/resp.py (client CPU, process_time), the batcher's wait (wait_for against a timer), a
+call_later made and cancelled (uvicorn's keep-alive timer, per request), the timerfd Alarm armed 500 µs
+and 5 s ahead, how late uvloop's call_later fires below a millisecond, a wake-up through epoll with and
+without a timeout (two processes, pipes), and the server's CPU for one batch's statistics as the workers'
+EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine), and the Python backend's
+hop: one execute call to a model's own process (W3's classify_post, and a model that returns constant
+outputs: the hop alone) with 0, 1, 3 and 8 requests, against classify_post's execute run in this process,
+and pb_utils.Tensor() as a model makes one per output; and a worker's own CPU per request, W1 in batches
+of 128 from 16-request entries, and per batch of one request, replies written to that Redis
+(bench/out/repo must exist: bench/models.py).
 Figures quoted in bench/RESULTS.md and in commit messages come from here; run it pinned
 (`taskset -c 1`) on a quiet machine.
 """
@@ -163,6 +164,16 @@ async def timers(n: int = 20_000) -> None:
                 await wait(delay)
             per = (time.process_time() - c0) / (n if woken else n // 4) * 1e6
             print(f"{name + ', ' + case:44s} {per:8.2f} us")
+    from despina.alarm import Alarm
+    alarm = Alarm.create(noop)
+    if alarm is not None:  # the hold's and the batcher's timerfd (Linux); each instant a new one
+        for ahead in (0.0005, 5.0):
+            c0 = time.perf_counter()
+            for _ in range(n):
+                alarm.arm(time.monotonic() + ahead)
+            per = (time.perf_counter() - c0) / n * 1e6
+            print(f"{f'Alarm.arm {ahead * 1e6:,.0f} us ahead':44s} {per:8.2f} us")
+        alarm.close()
     for delay_us in (200, 500, 600, 1200):
         late = []
         for _ in range(200):
@@ -172,6 +183,37 @@ async def timers(n: int = 20_000) -> None:
             await fired
             late.append((time.perf_counter() - t0) * 1e6)
         print(f"{f'uvloop call_later({delay_us} us) fires after':44s} {statistics.median(late):8.0f} us")
+
+
+def wakeups(n: int = 20_000) -> None:
+    """One wake-up's cost with and without a timeout: two processes pass a byte back and forth through
+    pipes, each waiting in epoll (as an event loop does, a timer pending or not); per round trip."""
+    import select
+
+    for timeout in (-1, 0.05):
+        a_r, a_w = os.pipe()
+        b_r, b_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            poll = select.epoll()
+            poll.register(a_r, select.EPOLLIN)
+            for _ in range(n):
+                poll.poll(timeout)
+                os.read(a_r, 1)
+                os.write(b_w, b"x")
+            os._exit(0)
+        poll = select.epoll()
+        poll.register(b_r, select.EPOLLIN)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            os.write(a_w, b"x")
+            poll.poll(timeout)
+            os.read(b_r, 1)
+        per = (time.perf_counter() - t0) / n * 1e6
+        os.waitpid(pid, 0)
+        for fd in (a_r, a_w, b_r, b_w):
+            os.close(fd)
+        print(f"{f'pipe round trip, epoll timeout {timeout}':44s} {per:8.2f} us")
 
 
 def statistics_record(url: str, batches: int = 10_000) -> None:
@@ -268,6 +310,8 @@ def python_model(n: int = 2000) -> None:
     local.initialize({"model_file": model_file, "args": args})
     for k in (1, 3):
         timed(f"python model: classify_post, {k} requests, in here", lambda k=k: local.execute([one] * k), n)
+    import triton_python_backend_utils as pb_utils  # what a model makes per output of every request
+    timed("pb_utils.Tensor(name, float32 [1, 10])", lambda: pb_utils.Tensor("probabilities", logits), 20_000)
 
 
 def ensemble_check(n: int = 2000) -> None:
@@ -368,13 +412,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--only", nargs="+", choices=["codecs", "round_trips", "timers", "statistics",
-                                                      "python_model", "ensemble", "worker"])
+    parser.add_argument("--only", nargs="+", choices=["codecs", "round_trips", "timers", "wakeups",
+                                                      "statistics", "python_model", "ensemble", "worker"])
     args = parser.parse_args()
     url = args.redis_url
     pieces: dict[str, Callable[[], object]] = {
         "codecs": codecs, "round_trips": lambda: uvloop.run(round_trips(url)),
-        "timers": lambda: uvloop.run(timers()), "statistics": lambda: statistics_record(url),
+        "timers": lambda: uvloop.run(timers()), "wakeups": wakeups,
+        "statistics": lambda: statistics_record(url),
         "python_model": python_model, "ensemble": ensemble_check,
         "worker": lambda: uvloop.run(worker_path(url))}
     for name, run in pieces.items():

@@ -138,9 +138,9 @@ def w2_table(rows: list[Row]) -> list[str]:
     for r in rows:
         if r["peer"] in LAYOUTS and r.get("model") == W2 and r.get("rps") is not None:
             share = f"{r['rps'] / limit:.2f}" if limit else "-"
-            served.append((f"{r['client']}, {LAYOUTS[r['peer']]}", [str(r["conc"]), f"{r['rps']:,.0f}", f"{r['p50_ms']:.2f}",
-                                         f"{r['p99_ms']:.2f}", str(r["mean_batch"]), str(r["errors"]),
-                                         share]))
+            served.append((f"{r['client']}, {LAYOUTS[r['peer']]}",
+                           [str(r["conc"]), f"{r['rps']:,.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+                            str(r["mean_batch"]), str(r["errors"]), share]))
     title = f"W2 `mlp_heavy`: Despina at saturation vs the limit at max batch, {limit or 0:,.0f} rows/s"
     columns = ["conc", "req/s", "p50 ms", "p99 ms", "mean batch", "errors", "served / limit"]
     return table(title, "client", columns, served)

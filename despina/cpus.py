@@ -24,13 +24,13 @@ def parse(text: str) -> frozenset[int]:
 
 def format_list(cpus: frozenset[int] | set[int]) -> str:
     """{0, 1, 2, 3, 8} -> "0-3,8"."""
-    ranges: list[str] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
     for cpu in sorted(cpus):
-        if ranges and cpu == int(ranges[-1].rpartition("-")[2]) + 1:
-            ranges[-1] = f"{ranges[-1].partition('-')[0]}-{cpu}"
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
         else:
-            ranges.append(str(cpu))
-    return ",".join(ranges)
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def available() -> frozenset[int]:
@@ -42,15 +42,18 @@ def available() -> frozenset[int]:
 
 def count() -> int:
     """How many CPUs this process may run on (all of the machine's where affinity is not known)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        return len(available())
+    except CpuListError:
+        return os.cpu_count() or 1
 
 
 def check(cpus: frozenset[int]) -> None:
     """Raise unless every CPU of `cpus` is one this process may run on."""
-    missing = cpus - available()
-    if missing:
-        raise CpuListError(f"CPU {format_list(missing)} is not available here (this process may run on "
-                           f"{format_list(available())})")
+    here = available()
+    if cpus - here:
+        raise CpuListError(f"CPU {format_list(cpus - here)} is not available here (this process may run "
+                           f"on {format_list(here)})")
 
 
 def pin(cpus: frozenset[int]) -> None:

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .cpus import pin
+
 PR_SET_PDEATHSIG = 1
 UNIX_PATH_MAX = 108  # sun_path, with its terminating NUL
 
@@ -32,6 +34,15 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() == 1:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def child_setup(cpus: frozenset[int] | None = None) -> Callable[[], None]:
+    """preexec_fn of a child: it dies with this process, and runs on `cpus` only (None: anywhere)."""
+    def setup() -> None:
+        die_with_parent()
+        if cpus:
+            pin(cpus)
+    return setup
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,7 +81,7 @@ def _alive(pidfile: Path) -> bool:
 
 
 class EmbeddedValkey:
-    def __init__(self, port: int | None = None, setup: Callable[[], None] = die_with_parent) -> None:
+    def __init__(self, port: int | None = None, cpus: frozenset[int] | None = None) -> None:
         remove_stale_dirs()
         self._dir = tempfile.TemporaryDirectory(prefix="despina-valkey-")
         self.socket = Path(self._dir.name) / "valkey.sock"
@@ -78,7 +89,7 @@ class EmbeddedValkey:
             port = free_port()
         self.port = port  # None: the Unix socket alone
         self.process: subprocess.Popen[bytes] | None = None
-        self._setup = setup  # preexec_fn: must include die_with_parent
+        self.cpus = cpus  # None: wherever this process may run
 
     @property
     def url(self) -> str:
@@ -95,7 +106,7 @@ class EmbeddedValkey:
             [str(binary), *listen, "--save", "", "--appendonly", "no", "--dir", self._dir.name,
              "--logfile", str(log), "--protected-mode", "yes", "--daemonize", "no"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=self._setup)
+            preexec_fn=child_setup(self.cpus))
         (Path(self._dir.name) / "valkey.pid").write_text(str(self.process.pid))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

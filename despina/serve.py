@@ -15,11 +15,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import fields
 
-from .cpus import available, format_list, parse, pin
-from .embedded import EmbeddedValkey, die_with_parent
+from .cpus import available, format_list, parse
+from .embedded import EmbeddedValkey, child_setup
 from .settings import Settings
 
 log = logging.getLogger("despina.serve")
@@ -60,15 +59,6 @@ class Child:
             self.process.wait()
 
 
-def child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
-    """preexec_fn of a child: it dies with this process, and runs on `cpus` (None: anywhere)."""
-    def setup() -> None:
-        die_with_parent()
-        if cpus:
-            pin(cpus)
-    return setup
-
-
 def child_env(settings: Settings, **overrides: str) -> dict[str, str]:
     env = dict(os.environ)
     for f in fields(Settings):
@@ -94,7 +84,7 @@ class Supervisor:
         settings = self.settings
         others = self._other_cpus()
         if not settings.redis_url:
-            self.valkey = EmbeddedValkey(setup=child_setup(others))
+            self.valkey = EmbeddedValkey(cpus=others)
             self.valkey.start()
             settings = settings.with_(redis_url=self.valkey.url)
             log.info("embedded Valkey on %s", self.valkey.url)

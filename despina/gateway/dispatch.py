@@ -219,8 +219,8 @@ class Dispatcher:
         if not self._holding:
             return
         end = min(self._hold_until, self._gap_until)
-        if time.monotonic() < end and self._alarm is not None:
-            self._alarm.arm(end)
+        if time.monotonic() < end:
+            self._alarm.arm(end)  # type: ignore[union-attr]  # the alarm is who calls this
             return
         self._release()
 

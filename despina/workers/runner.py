@@ -379,7 +379,8 @@ class ModelRunner:
         """Run the backend, inline when the batch is expected to be short (INLINE_BELOW_US). What is timed
         is the backend's call alone: timed around the await, a batch run on a thread would count the
         loop's other work until it resumed this coroutine, the estimate would grow with the load, and
-        ever more batches would pay the hand-off to a thread and back (W3 at c=32: 63 % of `mlp`'s)."""
+        ever more batches would pay the hand-off to a thread and back (W3 at c=32 with the worker under a
+        profiler, which slows the loop: 63 % of `mlp`'s)."""
         if self._count == 1 and self._row_us is not None and self._row_us * rows < INLINE_BELOW_US:
             out, took = _timed(backend.execute, inputs, names)
         else:
