@@ -12,6 +12,7 @@ other use of Redis stays on redis-py (redis_client.connect).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import numbers
 import ssl
 from collections import deque
@@ -126,17 +127,52 @@ class Resp:
     async def execute(self, commands: Sequence[Command], errors: bool = True) -> list[Any]:
         if not commands:
             return []
+        sent = self.send(commands)
+        if sent is None:
+            await self._connect()
+            sent = self.send(commands)
+            if sent is None:
+                raise ConnectionError("lost the connection to Redis")
+        return await self.replies(sent[0], errors)
+
+    @property
+    def connected(self) -> bool:
         protocol = self._protocol
-        if protocol is None or protocol.lost is not None:
-            protocol = await self._connect()
-        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        protocol.waiting.append(([], len(commands), fut))
-        assert protocol.transport is not None
-        protocol.transport.write(pack(commands))
+        return protocol is not None and protocol.lost is None and protocol.transport is not None
+
+    def send(self, *pipelines: Sequence[Command]) -> list[asyncio.Future[list[Any]]] | None:
+        """Several pipelines in one write, so one wake-up of the server, each answered by a future of its
+        own (await them with `replies`); a blocking command may end the last one without holding up the
+        others' replies. None while not connected: `execute` connects."""
+        if not self.connected:
+            return None
+        protocol = self._protocol
+        assert protocol is not None and protocol.transport is not None
+        loop = asyncio.get_running_loop()
+        futures = []
+        for commands in pipelines:
+            fut: asyncio.Future[list[Any]] = loop.create_future()
+            if commands:
+                protocol.waiting.append(([], len(commands), fut))
+            else:
+                fut.set_result([])
+            futures.append(fut)
+        protocol.transport.write(pack(itertools.chain(*pipelines)))
+        return futures
+
+    async def replies(self, fut: asyncio.Future[list[Any]], errors: bool = True, shield: bool = False
+                      ) -> list[Any]:
+        """What `send` answered with: as `execute` returns it, and raises. Cancelled, the connection
+        starts afresh (the replies would come to the next caller), unless `shield`: then the future
+        stays, and takes its replies, to keep those sent with it (a blocking read cancelled while the
+        commands before it are still answered)."""
         try:
-            replies = await fut
-        except asyncio.CancelledError:  # its replies would come to the next caller: start afresh
-            protocol.fail(ConnectionError("a command was cancelled"))
+            replies = await (asyncio.shield(fut) if shield else fut)
+        except asyncio.CancelledError:
+            if shield:  # nobody will look at its outcome: retrieved here, so that none is reported
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            elif self._protocol is not None:
+                self._protocol.fail(ConnectionError("a command was cancelled"))
             raise
         if errors:
             for reply in replies:

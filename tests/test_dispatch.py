@@ -187,3 +187,35 @@ async def test_a_hold_ends_when_the_clients_stop_coming(client_factory: Callable
     took = await c.until_entries(2)
     assert 0.3 - 0.02 <= took < 10.0  # then nobody for 0.3 s: it ends (hold_us would be 30 s)
     assert (await c.entries())[1] == ["d", "e"]
+
+
+async def test_the_reply_read_goes_out_with_the_next_requests_while_none_waits(
+        client_factory: Callable[[int], Awaitable[Client]]) -> None:
+    """With no request waiting for an answer no reply can come, so the reader's next read waits for the
+    next requests and goes out in their write (one wake-up of Redis, not two); while any request still
+    waits, it reads at once, and the answers of the others are not held up."""
+    client = await client_factory(0)
+    d = client.d
+    sent: list[list[list]] = []
+    send = d._in.send
+
+    def recording(*pipelines: list) -> object:
+        sent.append([list(p) for p in pipelines])
+        return send(*pipelines)
+    d._in.send = recording  # type: ignore[method-assign]
+    for i in range(5):  # one at a time, as a lone client
+        rid = f"r{i}"
+        client.submit(rid)
+        await client.until_entries(i + 1)
+        await client.answer(rid)
+        assert isinstance(client.results[rid], InferReply)
+    together = [p for p in sent if len(p) == 2 and p[1][0][0] == "XREAD"]
+    assert len(together) >= 4  # the first read went alone: nothing was out before
+    assert all(p[0][0][0] == "XADD" for p in together)
+    # two out: answered one after the other, the reader reads at once after the first
+    client.submit("x")
+    client.submit("y")
+    await client.until_entries(6)
+    await client.answer("x")
+    await asyncio.wait_for(client.answer("y"), 5)
+    assert d.waiting == 0

@@ -75,6 +75,39 @@ async def test_a_cancelled_blocking_read_leaves_the_connection_usable(redis_url:
         conn.close()
 
 
+async def test_pipelines_sent_together_are_answered_each_on_its_own(redis: aioredis.Redis, redis_url: str,
+                                                                     key_prefix: str) -> None:
+    """`send` writes several pipelines at once; a blocking read ending the last does not hold up the
+    replies of those before it, and a read awaited with shield=True and cancelled keeps its reply."""
+    conn = Resp.from_url(redis_url)
+    stream = f"{key_prefix}:s"
+    try:
+        assert not conn.connected and conn.send([["PING"]]) is None  # not connected: execute connects
+        assert await conn.execute([["PING"]]) == [b"PONG"] and conn.connected
+        sent = conn.send([["INCR", f"{key_prefix}:n"], ["INCR", f"{key_prefix}:n"]], [],
+                         [["XREAD", "BLOCK", 5000, "STREAMS", stream, "$"]])
+        assert sent is not None
+        first, empty, read = sent
+        assert await asyncio.wait_for(conn.replies(first), 2) == [1, 2]
+        assert await conn.replies(empty) == []
+        assert not read.done()
+        waiter = asyncio.ensure_future(conn.replies(read, shield=True))
+        await asyncio.sleep(0.02)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await redis.xadd(stream, {b"f": b"v"})
+        ((name, entries),) = (await asyncio.wait_for(conn.replies(read), 2))[0]
+        assert name == stream.encode() and fields(entries[0][1]) == {b"f": b"v"}
+        assert await conn.execute([["PING"]]) == [b"PONG"]  # still in step
+        failing = conn.send([["INCR", f"{key_prefix}:n"], ["LPUSH", f"{key_prefix}:n", "x"]])
+        assert failing is not None
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await conn.replies(failing[0])
+    finally:
+        conn.close()
+
+
 async def test_reconnects_after_the_connection_dies(redis: aioredis.Redis, redis_url: str) -> None:
     conn = Resp.from_url(redis_url)
     try:

@@ -39,6 +39,9 @@ log = logging.getLogger("despina.worker")
 # at most about this long, Triton's usual queue delay. Longer batches, and models with several
 # instances, run on the instances' threads.
 INLINE_BELOW_US = 1000
+# The longest the next read waits to go out with a batch's replies (ModelRunner._read_with_replies):
+# a safety net, every batch that does not reply to Redis lets it go at once.
+READ_WAITS_S = 0.01
 TIMED_OUT = "request timed out in the queue before it could run"
 Answer = Callable[[InferReply], None]
 Settled = Callable[[], bool]  # whether no other request of the submitter's can join a batch now
@@ -91,6 +94,9 @@ class ModelRunner:
         self._stopping = False
         self._row_us: float | None = None  # moving average of a batch's cost per row (µs)
         self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
+        # while set, the read loop waits to send its next read with a batch's replies (_send): the
+        # future gets the read as sent, or None (read alone)
+        self._next_read: asyncio.Future[asyncio.Future[Any] | None] | None = None
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -157,15 +163,46 @@ class ModelRunner:
         while not self._stopping:
             await self._room.wait()
             try:
-                # an entry holds up to ENTRY_REQUESTS requests: read no further past the read-ahead
-                room = max(1, (self._read_ahead - self._in_flight) // ENTRY_REQUESTS)
-                entries = await self.streams.read(room, 1000)
+                sent = await self._read_with_replies()
+                if sent is None:
+                    entries = await self.streams.read(self._room_entries(self._in_flight), 1000)
+                else:
+                    entries = await self.streams.sent_read(sent)
             except (RedisError, OSError) as exc:
                 log.warning("model %s: reading its stream failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
                 continue
             if entries:
                 await self._accept(entries)
+
+    def _room_entries(self, in_flight: int) -> int:
+        # an entry holds up to ENTRY_REQUESTS requests: read no further past the read-ahead
+        return max(1, (self._read_ahead - in_flight) // ENTRY_REQUESTS)
+
+    async def _read_with_replies(self) -> asyncio.Future[Any] | None:
+        """When all that was read is in the batch now running on the event loop, nothing read now could
+        join a batch before that one is done: the next read then goes out with its replies (_send), in
+        one write, instead of a round trip to Redis of its own (on a shared core, each wakes Redis and
+        hands it the core). The read as sent, or None: read now."""
+        if not self.streams.can_send_with or self._count != 1:
+            return None
+        await asyncio.sleep(0)  # the batcher's turn: it takes what was just accepted
+        if self.batcher.pending or not self.batcher.executing:
+            return None
+        loop = asyncio.get_running_loop()
+        waiting = self._next_read = loop.create_future()
+        timer = loop.call_later(READ_WAITS_S, self._read_alone)
+        try:
+            return await waiting
+        finally:
+            timer.cancel()
+            self._next_read = None
+
+    def _read_alone(self) -> None:
+        """The read waiting for replies to ride with goes now (a batch on a thread, one with no replies
+        for Redis)."""
+        if self._next_read is not None and not self._next_read.done():
+            self._next_read.set_result(None)
 
     async def _reclaim_loop(self) -> None:
         """Redeliver entries left pending past the visibility timeout: their consumer died."""
@@ -384,6 +421,7 @@ class ModelRunner:
         if self._count == 1 and self._row_us is not None and self._row_us * rows < INLINE_BELOW_US:
             out, took = _timed(backend.execute, inputs, names)
         else:
+            self._read_alone()  # the loop is free meanwhile: the next batch forms as this one runs
             out, took = await asyncio.get_running_loop().run_in_executor(self._executor, _timed,
                                                                          backend.execute, inputs, names)
         row_us = took * 1e6 / max(rows, 1)
@@ -432,6 +470,7 @@ class ModelRunner:
             # only requests made in this process (an ensemble's steps): nothing to send but counters,
             # which wait for the next pipeline
             self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings))
+            self._read_alone()
         else:
             await self._send(replies, requests, pendings, by_gateway, done, rows, started, timings, quiet)
         self._in_flight -= len(pendings)
@@ -458,8 +497,18 @@ class ModelRunner:
             self.streams.ack_into(pipe, done)
         if any(p.alone for p in pendings):
             self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
+        waiting = self._next_read
+        sent = None
+        if waiting is not None and not waiting.done():
+            # the read loop's next read goes with these replies (_read_with_replies)
+            sent = self.streams.send_with(pipe.commands, self._room_entries(self._in_flight - len(pendings)),
+                                          1000)
+            waiting.set_result(None if sent is None else sent[1])
         try:
-            await self._out.execute(pipe.commands)
+            if sent is None:
+                await self._out.execute(pipe.commands)
+            else:
+                await self.streams.replies(sent[0])
         except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
             log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, len(replies), exc)

@@ -2,6 +2,7 @@
 consumer group, one stream per priority level (highest first), redelivered when a consumer died."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -9,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from ..contract.keys import GROUP, Keys
-from ..resp import Resp, fields
+from ..resp import Command, Resp, fields
 from .redelivery import EXECUTING_TTL_S, DeliveryPolicy, Queue, marker, redeliver
 
 log = logging.getLogger("despina.worker")
@@ -54,19 +55,50 @@ class ModelStreams:
                 return found
             return _flatten(await self._xread({s: ">" for s in self.streams}, count, block_ms))
         except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            log.warning("a request stream or its group vanished (Redis restarted?); recreating")
-            await self.ensure_groups()
-            return []
+            return await self._vanished(exc)
+
+    @property
+    def can_send_with(self) -> bool:
+        """Whether a read may go out behind other commands (`send_with`): one priority level, connected."""
+        return len(self.streams) == 1 and self._reader is not None and self._reader.connected
+
+    def send_with(self, commands: list[Command], count: int, block_ms: int
+                  ) -> tuple[asyncio.Future[list[Any]], asyncio.Future[list[Any]]] | None:
+        """`commands`, then the next read (as `read` would block), in one write on the reading connection:
+        one wake-up of Redis where two writes would make two. Their futures, or None when that cannot be
+        (`can_send_with`, or not connected): then `read` as usual. Read the entries with `sent_read`."""
+        if not self.can_send_with:
+            return None
+        sent = self._reader.send(commands, [self._command({self.streams[0]: ">"}, count, block_ms)])  # type: ignore[union-attr]
+        return None if sent is None else (sent[0], sent[1])
+
+    async def replies(self, fut: asyncio.Future[list[Any]]) -> list[Any]:
+        """The replies to `send_with`'s commands (raises as Resp.execute does)."""
+        return await self._reader.replies(fut)  # type: ignore[union-attr]
+
+    async def sent_read(self, fut: asyncio.Future[list[Any]]) -> list[Entry]:
+        """The entries of a read sent by `send_with`."""
+        try:
+            return _flatten((await self._reader.replies(fut, shield=True))[0])  # type: ignore[union-attr]
+        except ResponseError as exc:
+            return await self._vanished(exc)
+
+    async def _vanished(self, exc: ResponseError) -> list[Entry]:
+        if "NOGROUP" not in str(exc):
+            raise exc
+        log.warning("a request stream or its group vanished (Redis restarted?); recreating")
+        await self.ensure_groups()
+        return []
+
+    def _command(self, streams: dict[str, str], count: int, block_ms: int | None) -> Command:
+        block = ["BLOCK", block_ms] if block_ms is not None else []
+        return ["XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *block, "STREAMS", *streams,
+                *streams.values()]
 
     async def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> Any:
         if self._reader is None:
             self._reader = Resp.like(self.redis)
-        block = ["BLOCK", block_ms] if block_ms is not None else []
-        command = ["XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *block, "STREAMS", *streams,
-                   *streams.values()]
-        return (await self._reader.execute([command]))[0]
+        return (await self._reader.execute([self._command(streams, count, block_ms)]))[0]
 
     async def reclaim(self, policy: DeliveryPolicy, count: int = 100) -> int:
         """Redeliver what any consumer left unacknowledged past the visibility timeout (see redelivery);
