@@ -219,3 +219,27 @@ async def test_the_reply_read_goes_out_with_the_next_requests_while_none_waits(
     await client.answer("x")
     await asyncio.wait_for(client.answer("y"), 5)
     assert d.waiting == 0
+
+
+async def test_a_hold_spins_only_while_nothing_else_is_out(client_factory: Callable[[int], Awaitable[Client]]
+                                                           ) -> None:
+    """Held while every request waiting is held here (the workers wait for them): the loop spins, no
+    alarm; held while others are out at a worker: it sleeps on the alarm (a reply may come meanwhile)."""
+    c = await client_factory(30_000_000)
+    assert c.d._alarm is not None
+    armed: list[float] = []
+    arm = c.d._alarm.arm
+    c.d._alarm.arm = lambda when: (armed.append(when), arm(when))[1]  # type: ignore[method-assign]
+    await c.convoy_answered()
+    c.submit("d")
+    c.submit("e")
+    await asyncio.sleep(0.1)
+    assert armed == [] and len(await c.entries()) == 1  # held, spinning
+    c.submit("f")
+    await c.until_entries(2)
+    await c.answer("d", "e")  # f is still out
+    c.submit("g")
+    await asyncio.sleep(0.1)
+    assert len(armed) == 1 and len(await c.entries()) == 2  # held, asleep
+    c.submit("h")
+    await c.until_entries(3)

@@ -170,7 +170,8 @@ class Dispatcher:
         in one stream entry if they go together, one read and one batch there instead of one each. So
         while every model version with requests waiting here has had answers delivered within OWED_S
         and not yet as many new requests, they are held: until a request has not been followed by
-        another for HOLD_GAP_S, and for at most `hold_us`."""
+        another for HOLD_GAP_S, and for at most `hold_us`. While every request waiting is one of those
+        held here, the event loop spins until the hold ends (_spin) instead of sleeping on the alarm."""
         now = time.monotonic()
         self._waiting[request.id] = (done, now + timeout, stats)
         self._in_flight[stats] = self._in_flight.get(stats, 0) + 1
@@ -195,7 +196,10 @@ class Dispatcher:
                 self._holding = True
                 self._hold_until = now + self.hold_s
                 self._gap_until = now + HOLD_GAP_S
-                self._alarm.arm(min(self._hold_until, self._gap_until))
+                if len(self._waiting) == sum(map(len, self._outbox.values())) + len(self._bounded):
+                    asyncio.get_running_loop().call_soon(self._spin)
+                else:
+                    self._alarm.arm(min(self._hold_until, self._gap_until))
             else:
                 self._release()
         if self._sweeper is None:
@@ -214,6 +218,19 @@ class Dispatcher:
             if owed is None or now - owed[1] > OWED_S:
                 return False
         return True
+
+    def _spin(self) -> None:
+        """A hold while nothing else is out (no reply can come, the workers wait for these requests): the
+        loop runs this again and again, polling its sockets each time, until the hold ends. On a core the
+        gateway shares with the worker and Redis nothing else needs the core meanwhile, and each client's
+        request is read as it comes without a wake-up of the gateway (on a virtual machine, each costs
+        tens of microseconds: 3.1-3.3 wake-ups per batch at c=8 slept, 1.3-1.4 spun)."""
+        if not self._holding:
+            return
+        if time.monotonic() < min(self._hold_until, self._gap_until):
+            asyncio.get_running_loop().call_soon(self._spin)
+            return
+        self._release()
 
     def _hold_over(self) -> None:
         """The alarm: a hold ends unless a request came less than HOLD_GAP_S ago, and then it looks again
