@@ -1,6 +1,7 @@
 """How a worker reads its model's stream, against a real Redis: the next read goes out with a batch's
 replies when nothing read could join a batch before them, and at once whenever it could (a batch on a
-thread, one with nothing to send), so that no request waits for a read that is not coming."""
+thread, one with nothing to send), so that no request waits for a read that is not coming; and the same
+for an ensemble run in the worker, whose read waits for replies only while every request out is here."""
 from __future__ import annotations
 
 import asyncio
@@ -14,48 +15,74 @@ import pytest
 import redis.asyncio as aioredis
 
 from despina.contract import records
+from despina.contract.ensemble import Ensemble
 from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.examples import build_mlp
+from despina.workers import ensembles
 from despina.workers import runner as runner_module
+from despina.workers.ensembles import EnsembleHost
+from despina.workers.redelivery import DeliveryPolicy
 from despina.workers.runner import ModelRunner
 from despina.workers.stats import Deferred
 
 ROW = np.ones((1, 256), np.float32)
 
 
-class Worker:
-    """A runner of the reference MLP reading its stream in Redis, and a gateway's side of it."""
+class Replies:
+    """A gateway's reply stream: the replies it gets, in turn."""
 
-    def __init__(self, runner: ModelRunner, redis: aioredis.Redis, reply_stream: str) -> None:
-        self.runner, self.redis, self.reply_stream = runner, redis, reply_stream
+    def __init__(self, redis: aioredis.Redis, stream: str) -> None:
+        self.redis, self.stream = redis, stream
         self.last = "0-0"
-        self.sent_with_replies = 0
-        send_with = runner.streams.send_with
 
-        def counting(*args: Any) -> Any:
-            sent = send_with(*args)
-            self.sent_with_replies += sent is not None
-            return sent
-        runner.streams.send_with = counting  # type: ignore[method-assign]
-
-    async def enqueue(self, rid: str, deadline_s: float = 60.0) -> None:
-        req = InferRequest(rid, self.reply_stream, time.time() + deadline_s,
-                           (Tensor("x", "FP32", (1, 256), ROW.tobytes()),), enqueued=time.time())
-        await self.redis.xadd(self.runner.streams.streams[0], {FIELD: records.encode([req]), IN_FLIGHT: b"1"})
-
-    async def replies(self, n: int, timeout: float = 5.0) -> list[InferReply]:
-        """The next `n` replies the gateway gets."""
+    async def next(self, n: int, timeout: float = 5.0) -> list[InferReply]:
         got: list[InferReply] = []
         async with asyncio.timeout(timeout):
             while len(got) < n:
-                for _, entries in await self.redis.xread({self.reply_stream: self.last}, block=100) or ():
+                for _, entries in await self.redis.xread({self.stream: self.last}, block=100) or ():
                     for entry_id, fields in entries:
                         self.last = entry_id
                         got += records.decode_replies(fields[FIELD])
         return got
+
+
+def counted(streams: Any) -> list[int]:
+    """How many times `streams` sent a read with replies (a one-element list, counted as it goes)."""
+    count = [0]
+    send_with = streams.send_with
+
+    def counting(*args: Any) -> Any:
+        sent = send_with(*args)
+        count[0] += sent is not None
+        return sent
+    streams.send_with = counting
+    return count
+
+
+async def enqueue(redis: aioredis.Redis, stream: str, reply_stream: str, rid: str, in_flight: bytes = b"1",
+                  deadline_s: float = 60.0) -> None:
+    """A gateway's entry of one request (W1's row), saying it has `in_flight` out for the model."""
+    req = InferRequest(rid, reply_stream, time.time() + deadline_s,
+                       (Tensor("x", "FP32", (1, 256), ROW.tobytes()),), enqueued=time.time())
+    await redis.xadd(stream, {FIELD: records.encode([req]), IN_FLIGHT: in_flight})
+
+
+class Worker:
+    """A runner of the reference MLP reading its stream in Redis, and a gateway's side of it."""
+
+    def __init__(self, runner: ModelRunner, redis: aioredis.Redis, reply_stream: str) -> None:
+        self.runner, self.redis = runner, redis
+        self.gateway = Replies(redis, reply_stream)
+        self.sent_with_replies = counted(runner.streams)
+
+    async def enqueue(self, rid: str, deadline_s: float = 60.0) -> None:
+        await enqueue(self.redis, self.runner.streams.streams[0], self.gateway.stream, rid, deadline_s=deadline_s)
+
+    async def replies(self, n: int) -> list[InferReply]:
+        return await self.gateway.next(n)
 
 
 @pytest.fixture
@@ -63,10 +90,12 @@ async def worker(tmp_path: Path, redis_url: str, key_prefix: str, monkeypatch: p
                  ) -> AsyncIterator[Worker]:
     # a read left waiting for replies that never go would wait this long: the tests would time out
     monkeypatch.setattr(runner_module, "READ_WAITS_S", 60.0)
+    monkeypatch.setattr(ensembles, "READ_WAITS_S", 60.0)
     folder = tmp_path / "mlp"
     build_mlp(folder / "1" / "model.onnx")
+    # a batch that may still be joined waits 30 s: a read that does not go out shows as a timeout
     (folder / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n'
-                                         'dynamic_batching { max_queue_delay_microseconds: 1000 }\n')
+                                         'dynamic_batching { max_queue_delay_microseconds: 30000000 }\n')
     redis = aioredis.Redis.from_url(redis_url)
     deferred = Deferred(redis)
     runner = ModelRunner(redis, Keys(key_prefix), ModelSpec.from_config(load_model(folder).config), 1,
@@ -85,7 +114,7 @@ async def test_the_next_read_goes_out_with_a_batchs_replies(worker: Worker) -> N
         (reply,) = await worker.replies(1)
         assert reply.id == f"r{i}" and reply.error is None
     # the first batch ran on a thread (the model's cost was not known yet): its read went alone
-    assert worker.sent_with_replies >= 10
+    assert worker.sent_with_replies[0] >= 10
 
 
 async def test_a_batch_on_a_thread_lets_the_read_go_at_once(worker: Worker, monkeypatch: pytest.MonkeyPatch
@@ -143,3 +172,42 @@ async def test_a_batch_with_nothing_for_redis_lets_the_read_go(worker: Worker,
     await worker.enqueue("next")
     (reply,) = await worker.replies(1)
     assert reply.id == "next" and reply.error is None
+
+
+ENSEMBLE = """platform: "ensemble"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 256 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 10 ] } ]
+ensemble_scheduling { step [ { model_name: "mlp" model_version: -1
+  input_map { key: "x" value: "x" } output_map { key: "y" value: "y" } } ] }
+"""
+
+
+async def test_an_ensemble_reads_with_its_replies_only_while_all_that_is_out_is_here(
+        worker: Worker, tmp_path: Path, key_prefix: str) -> None:
+    folder = tmp_path / "ens"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(ENSEMBLE)
+    config = load_model(folder).config
+    runner = worker.runner
+    host = EnsembleHost(worker.redis, Keys(key_prefix), ModelSpec.from_config(config), Ensemble.from_config(config),
+                        1, lambda step: runner, "w", DeliveryPolicy(), deferred=runner.deferred)
+    gateway = Replies(worker.redis, f"{key_prefix}:ens-replies")
+    sent_with_replies = counted(host.streams)
+    stream = host.streams.streams[0]
+
+    await host.start()
+    try:
+        for i in range(8):  # one at a time: all that is out is here
+            await enqueue(worker.redis, stream, gateway.stream, f"e{i}")
+            (reply,) = await gateway.next(1)
+            assert reply.id == f"e{i}" and reply.error is None
+        assert sent_with_replies[0] >= 6
+        # two out, one here: the read goes at once, the second is read, and the step's batch (which
+        # waits for it) runs
+        await enqueue(worker.redis, stream, gateway.stream, "a", b"2")
+        await asyncio.sleep(0.05)
+        await enqueue(worker.redis, stream, gateway.stream, "b", b"2")
+        assert sorted(r.id for r in await gateway.next(2)) == ["a", "b"]
+    finally:
+        await host.stop(drain_s=0)

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -30,7 +31,7 @@ from ..resp import Batch, Resp
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
-from .runner import TIMED_OUT, ModelRunner, Settled
+from .runner import READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
 from .stats import Deferred, ensemble_counts, record_counts
 from .streams import Entry, ModelStreams
 
@@ -72,6 +73,9 @@ class EnsembleHost:
         self._writes: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._out: Resp | None = None
+        # while set, the read loop waits to send its next read with the next replies (_write): the future
+        # gets the read as sent, or None (read alone)
+        self._next_read: asyncio.Future[asyncio.Future[Any] | None] | None = None
         self.state = "LOADING"
 
     async def start(self) -> None:
@@ -88,6 +92,10 @@ class EnsembleHost:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # a read sent with replies may still block on the reading connection: once those replies are
+        # in, a fresh connection, so that the read below does not queue behind it
+        await asyncio.gather(*list(self._writes), return_exceptions=True)
+        self.streams.close()
         try:  # what came in until now is run too (the models it calls stop after this)
             while entries := await self.streams.read(READ_AHEAD, None):
                 self._accept(entries)
@@ -108,13 +116,32 @@ class EnsembleHost:
         while True:
             await self._room.wait()
             try:
-                entries = await self.streams.read(max(1, READ_AHEAD - self._in_flight), 1000)
+                sent = await self._read_with_replies()
+                if sent is None:
+                    entries = await self.streams.read(max(1, READ_AHEAD - self._in_flight), 1000)
+                else:
+                    entries = await self.streams.sent_read(sent)
             except (RedisError, OSError) as exc:
                 log.warning("ensemble %s: reading its stream failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
                 continue
             if entries:
                 self._accept(entries)
+
+    async def _read_with_replies(self) -> asyncio.Future[Any] | None:
+        """While every request the gateways have out for this ensemble runs here, none can come before
+        replies go: the next read then goes out with them (_write), in one write, not in a round trip to
+        Redis of its own. The read as sent, or None: read now."""
+        if not self._in_flight or not self.streams.can_send_with or not self._gateways.all_here():
+            return None
+        loop = asyncio.get_running_loop()
+        waiting = self._next_read = loop.create_future()
+        timer = loop.call_later(READ_WAITS_S, lambda: waiting.done() or waiting.set_result(None))
+        try:
+            return await waiting
+        finally:
+            timer.cancel()
+            self._next_read = None
 
     async def _reclaim_loop(self) -> None:
         """Redeliver entries left pending past the visibility timeout: their consumer died."""
@@ -225,8 +252,16 @@ class EnsembleHost:
     async def _write(self, pipe: Batch, replies: int) -> None:
         if self._out is None:
             self._out = Resp.like(self.redis)
+        waiting = self._next_read
+        sent = None
+        if waiting is not None and not waiting.done():  # the read loop's next read goes along
+            sent = self.streams.send_with(pipe.commands, max(1, READ_AHEAD - self._in_flight), 1000)
+            waiting.set_result(None if sent is None else sent[1])
         try:
-            await self._out.execute(pipe.commands)
+            if sent is None:
+                await self._out.execute(pipe.commands)
+            else:
+                await self.streams.replies(sent[0])
         except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
             log.error("ensemble %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, replies, exc)

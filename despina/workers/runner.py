@@ -39,7 +39,7 @@ log = logging.getLogger("despina.worker")
 # at most about this long, Triton's usual queue delay. Longer batches, and models with several
 # instances, run on the instances' threads.
 INLINE_BELOW_US = 1000
-# The longest the next read waits to go out with a batch's replies (ModelRunner._read_with_replies):
+# The longest a read waits to go out with replies (_read_with_replies of ModelRunner and EnsembleHost):
 # a safety net, every batch that does not reply to Redis lets it go at once.
 READ_WAITS_S = 0.01
 TIMED_OUT = "request timed out in the queue before it could run"
