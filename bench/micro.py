@@ -13,8 +13,9 @@ EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine),
 hop: one execute call to a model's own process (W3's classify_post, and a model that returns constant
 outputs: the hop alone) with 0, 1, 3 and 8 requests, against classify_post's execute run in this process,
 and pb_utils.Tensor() as a model makes one per output; and a worker's own CPU per request, W1 in batches
-of 128 from 16-request entries, and per batch of one request, replies written to that Redis
-(bench/out/repo must exist: bench/models.py).
+of 128 from 16-request entries, and per batch of one request, replies written to that Redis (also
+answered at once, not sent, and with one more round trip before them: what a round trip costs the
+worker itself) (bench/out/repo must exist: bench/models.py).
 Figures quoted in bench/RESULTS.md and in commit messages come from here; run it pinned
 (`taskset -c 1`) on a quiet machine.
 """
@@ -392,14 +393,35 @@ async def worker_path(url: str, rounds: int = 160, entry_requests: int = 16) -> 
             else:
                 await asyncio.sleep(0)  # the batcher's turn: it runs at once (nothing else coming)
 
-    singles = [lone(k) for k in range(rounds * 8)]
-    for e in singles[:50]:
-        await one_batch(e)
-    cpu = time.process_time()
-    for e in singles[50:]:
-        await one_batch(e)
-    per = (time.process_time() - cpu) / (len(singles) - 50) * 1e6
-    print(f"{'worker path, W1 one request per batch':44s} {per:8.2f} us per batch")
+    async def per_batch(first: int) -> float:
+        singles = [lone(k) for k in range(first, first + rounds * 8)]
+        for e in singles[:50]:
+            await one_batch(e)
+        cpu = time.process_time()
+        for e in singles[50:]:
+            await one_batch(e)
+        return (time.process_time() - cpu) / (len(singles) - 50) * 1e6
+
+    print(f"{'worker path, W1 one request per batch':44s} {await per_batch(0):8.2f} us per batch")
+    # what the reply pipeline's round trip costs the worker itself: answered at once (packed, not sent),
+    # and with one more round trip (a PING) before it
+    out = runner._out
+    assert out is not None
+    execute = out.execute
+
+    async def at_once(commands: Any, errors: bool = True) -> list[Any]:
+        pack(commands)
+        return [None] * len(commands)
+
+    async def one_more(commands: Any, errors: bool = True) -> list[Any]:
+        await execute([["PING"]])
+        return await execute(commands, errors)
+
+    for label, variant in (("no round trip", at_once), ("one more round trip", one_more)):
+        out.execute = variant  # type: ignore[method-assign]
+        per = await per_batch(10_000_000 if variant is at_once else 20_000_000)
+        print(f"{'worker path, one per batch, ' + label:44s} {per:8.2f} us per batch")
+    out.execute = execute  # type: ignore[method-assign]
     runner.batcher.close()
     await batcher
     keys_left = [k async for k in redis_client.scan_iter(f"{keys.prefix}*")]
