@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +117,9 @@ async def test_the_next_read_goes_out_with_a_batchs_replies(worker: Worker) -> N
     assert worker.sent_with_replies[0] >= 10
 
 
-async def test_a_batch_on_a_thread_lets_the_read_go_at_once(worker: Worker, monkeypatch: pytest.MonkeyPatch
-                                                           ) -> None:
-    """Requests that come while a batch runs on a thread are read meanwhile (they form the next batch)."""
-    runner = worker.runner
+async def slow_on_a_thread(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """The model takes 0.3 s a batch, on the instance's thread (its cost per row said to be long); the
+    function returned makes it quick again."""
     backend = await runner.instances.get()
     execute = backend.execute
 
@@ -129,7 +128,15 @@ async def test_a_batch_on_a_thread_lets_the_read_go_at_once(worker: Worker, monk
         return execute(*args)
     monkeypatch.setattr(backend, "execute", slow)
     runner.instances.put_nowait(backend)
-    monkeypatch.setattr(runner, "_row_us", 1e9)  # expected long: it runs on a thread
+    monkeypatch.setattr(runner, "_row_us", 1e9)
+    return lambda: monkeypatch.setattr(backend, "execute", execute)
+
+
+async def test_a_batch_on_a_thread_lets_the_read_go_at_once(worker: Worker, monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """Requests that come while a batch runs on a thread are read meanwhile (they form the next batch)."""
+    runner = worker.runner
+    await slow_on_a_thread(runner, monkeypatch)
     await worker.enqueue("first")
     await asyncio.sleep(0.1)
     await worker.enqueue("second")
@@ -147,15 +154,7 @@ async def test_a_batch_with_nothing_for_redis_lets_the_read_go(worker: Worker,
     runner = worker.runner
     await worker.enqueue("warm")
     await worker.replies(1)
-    backend = await runner.instances.get()
-    execute = backend.execute
-
-    def slow(*args: Any) -> Any:
-        time.sleep(0.3)
-        return execute(*args)
-    monkeypatch.setattr(backend, "execute", slow)
-    runner.instances.put_nowait(backend)
-    monkeypatch.setattr(runner, "_row_us", 1e9)
+    undo = await slow_on_a_thread(runner, monkeypatch)
     answered: list[InferReply] = []
     # a step made in this worker runs on a thread; meanwhile a request past its deadline comes, is
     # answered at once, and the read after it waits for the running batch, which sends nothing
@@ -168,7 +167,7 @@ async def test_a_batch_with_nothing_for_redis_lets_the_read_go(worker: Worker,
     async with asyncio.timeout(5):
         while not answered:
             await asyncio.sleep(0.01)
-    monkeypatch.setattr(backend, "execute", execute)
+    undo()
     await worker.enqueue("next")
     (reply,) = await worker.replies(1)
     assert reply.id == "next" and reply.error is None
