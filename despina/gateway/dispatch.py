@@ -128,6 +128,7 @@ class Dispatcher:
     async def close(self) -> None:
         if self._holding and not self._flush_scheduled and not self._writing:
             self._flush()  # what was held goes out before the gateway stops
+        self._holding = False  # (a spinning hold stops turning)
         if self._alarm is not None:
             self._alarm.close()
         if self._writes:
