@@ -16,7 +16,7 @@ import itertools
 import numbers
 import ssl
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import hiredis
@@ -229,6 +229,45 @@ class Resp:
         if self._protocol is not None:
             self._protocol.fail(ConnectionError("closed"))
             self._protocol = None
+
+
+class ReadAlong:
+    """A loop's next blocking read, waiting to go out with the next write of the connection it reads on
+    (one write, one wake-up of the server, where a read of its own would make two). The reader `wait`s;
+    the writer's `send` takes the read along if one waits, or `release` lets it go alone."""
+
+    def __init__(self) -> None:
+        self._waiting: asyncio.Future[asyncio.Future[list[Any]] | None] | None = None
+
+    async def wait(self, limit_s: float | None = None) -> asyncio.Future[list[Any]] | None:
+        """The read as a write sent it (await it with Resp.replies), or None: read now (released, or
+        no write came within `limit_s`)."""
+        loop = asyncio.get_running_loop()
+        waiting = self._waiting = loop.create_future()
+        timer = None if limit_s is None else loop.call_later(limit_s, self.release)
+        try:
+            return await waiting
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._waiting = None
+
+    def release(self) -> None:
+        if self._waiting is not None and not self._waiting.done():
+            self._waiting.set_result(None)
+
+    def send(self, commands: list[Command],
+             send_with: Callable[[list[Command]], Sequence[asyncio.Future[list[Any]]] | None]
+             ) -> asyncio.Future[list[Any]] | None:
+        """When a read waits: `send_with(commands)` writes the commands and the read together and returns
+        their futures (or None: it could not, the read goes alone); the read's goes to the reader.
+        The commands' future, or None: send them as usual."""
+        waiting = self._waiting
+        if waiting is None or waiting.done():
+            return None
+        sent = send_with(commands)
+        waiting.set_result(None if sent is None else sent[-1])
+        return None if sent is None else sent[0]
 
 
 class Batch:

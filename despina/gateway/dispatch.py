@@ -25,7 +25,7 @@ from ..contract import records
 from ..contract.errors import Code, DespinaError, Unavailable
 from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
 from ..contract.records import InferReply, InferRequest
-from ..resp import Batch, Resp, fields
+from ..resp import Batch, ReadAlong, Resp, fields
 
 log = logging.getLogger("despina.gateway")
 
@@ -112,9 +112,7 @@ class Dispatcher:
         self._hold_until = 0.0  # when the current hold ends at the latest
         self._gap_until = 0.0   # when it ends unless another request comes first
         self._alarm: Alarm | None = None  # ends a hold; without one (not Linux) nothing is held
-        # while set, the reply reader waits to send its next read with the next requests (_write): the
-        # future gets the read as sent, or None (read alone)
-        self._next_read: asyncio.Future[asyncio.Future[list] | None] | None = None
+        self._read_along = ReadAlong()  # the reply reader's next read, waiting for the next requests
         self._last_reply = "0-0"  # the reply stream's last entry read
 
     def new_id(self) -> str:
@@ -316,13 +314,9 @@ class Dispatcher:
         for stream, (counter, limit), req in bounded:
             pipe.eval(BOUNDED_XADD, 3, stream, counter, self._stats[stream], limit, FIELD,
                       records.encode([req]), IN_FLIGHT, self._in_flight.get(self._stats[stream], 0))
-        waiting = self._next_read
-        sent = None
-        if waiting is not None and not waiting.done():  # the reply reader's next read goes along
-            sent = self._in.send(pipe.commands, [self._read_command()])
-            waiting.set_result(None if sent is None else sent[1])
+        sent = self._read_along.send(pipe.commands, lambda c: self._in.send(c, [self._read_command()]))
         try:
-            results = await (self._out.execute(pipe.commands) if sent is None else self._in.replies(sent[0]))
+            results = await (self._out.execute(pipe.commands) if sent is None else self._in.replies(sent))
         except Exception as exc:  # every waiting caller must hear of it, whatever it was
             self._write_failed.log("gateway %s: queueing %d requests failed: %s", self.id,
                                    sum(map(len, outbox.values())) + len(bounded), exc)
@@ -395,11 +389,7 @@ class Dispatcher:
         (on a shared core, each wakes Redis and hands it the core). The read as sent, or None: read now."""
         if self._waiting or not self._in.connected:
             return None
-        waiting = self._next_read = asyncio.get_running_loop().create_future()
-        try:
-            return await waiting
-        finally:
-            self._next_read = None
+        return await self._read_along.wait()
 
     async def _read_replies(self) -> None:
         read_since_trim = 0

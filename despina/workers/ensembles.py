@@ -27,7 +27,7 @@ from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
 from ..contract.keys import FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
-from ..resp import Batch, Resp
+from ..resp import Batch, ReadAlong, Resp
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
@@ -73,9 +73,7 @@ class EnsembleHost:
         self._writes: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._out: Resp | None = None
-        # while set, the read loop waits to send its next read with the next replies (_write): the future
-        # gets the read as sent, or None (read alone)
-        self._next_read: asyncio.Future[asyncio.Future[Any] | None] | None = None
+        self._read_along = ReadAlong()  # the read loop's next read, waiting for the next replies
         self.state = "LOADING"
 
     async def start(self) -> None:
@@ -134,14 +132,7 @@ class EnsembleHost:
         Redis of its own. The read as sent, or None: read now."""
         if not self._in_flight or not self.streams.can_send_with or not self._gateways.all_here():
             return None
-        loop = asyncio.get_running_loop()
-        waiting = self._next_read = loop.create_future()
-        timer = loop.call_later(READ_WAITS_S, lambda: waiting.done() or waiting.set_result(None))
-        try:
-            return await waiting
-        finally:
-            timer.cancel()
-            self._next_read = None
+        return await self._read_along.wait(READ_WAITS_S)
 
     async def _reclaim_loop(self) -> None:
         """Redeliver entries left pending past the visibility timeout: their consumer died."""
@@ -252,16 +243,13 @@ class EnsembleHost:
     async def _write(self, pipe: Batch, replies: int) -> None:
         if self._out is None:
             self._out = Resp.like(self.redis)
-        waiting = self._next_read
-        sent = None
-        if waiting is not None and not waiting.done():  # the read loop's next read goes along
-            sent = self.streams.send_with(pipe.commands, max(1, READ_AHEAD - self._in_flight), 1000)
-            waiting.set_result(None if sent is None else sent[1])
+        room = max(1, READ_AHEAD - self._in_flight)
+        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room, 1000))
         try:
             if sent is None:
                 await self._out.execute(pipe.commands)
             else:
-                await self.streams.replies(sent[0])
+                await self.streams.replies(sent)
         except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
             log.error("ensemble %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, replies, exc)

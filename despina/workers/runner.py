@@ -19,7 +19,7 @@ from ..contract.errors import Code, ConfigError, DespinaError, Unavailable
 from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
-from ..resp import Batch, Resp
+from ..resp import Batch, ReadAlong, Resp
 from . import answers, stats
 from .backends import Backend, backend_class
 from .batcher import DynamicBatcher, Item, QueueFull
@@ -94,9 +94,7 @@ class ModelRunner:
         self._stopping = False
         self._row_us: float | None = None  # moving average of a batch's cost per row (µs)
         self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
-        # while set, the read loop waits to send its next read with a batch's replies (_send): the
-        # future gets the read as sent, or None (read alone)
-        self._next_read: asyncio.Future[asyncio.Future[Any] | None] | None = None
+        self._read_along = ReadAlong()  # the read loop's next read, waiting for a batch's replies
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -189,20 +187,7 @@ class ModelRunner:
         await asyncio.sleep(0)  # the batcher's turn: it takes what was just accepted
         if self.batcher.pending or not self.batcher.executing:
             return None
-        loop = asyncio.get_running_loop()
-        waiting = self._next_read = loop.create_future()
-        timer = loop.call_later(READ_WAITS_S, self._read_alone)
-        try:
-            return await waiting
-        finally:
-            timer.cancel()
-            self._next_read = None
-
-    def _read_alone(self) -> None:
-        """The read waiting for replies to ride with goes now (a batch on a thread, one with no replies
-        for Redis)."""
-        if self._next_read is not None and not self._next_read.done():
-            self._next_read.set_result(None)
+        return await self._read_along.wait(READ_WAITS_S)
 
     async def _reclaim_loop(self) -> None:
         """Redeliver entries left pending past the visibility timeout: their consumer died."""
@@ -421,7 +406,7 @@ class ModelRunner:
         if self._count == 1 and self._row_us is not None and self._row_us * rows < INLINE_BELOW_US:
             out, took = _timed(backend.execute, inputs, names)
         else:
-            self._read_alone()  # the loop is free meanwhile: the next batch forms as this one runs
+            self._read_along.release()  # the loop is free meanwhile: the next batch forms as this one runs
             out, took = await asyncio.get_running_loop().run_in_executor(self._executor, _timed,
                                                                          backend.execute, inputs, names)
         row_us = took * 1e6 / max(rows, 1)
@@ -470,7 +455,7 @@ class ModelRunner:
             # only requests made in this process (an ensemble's steps): nothing to send but counters,
             # which wait for the next pipeline
             self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings))
-            self._read_alone()
+            self._read_along.release()  # nothing goes to Redis for it to ride with
         else:
             await self._send(replies, requests, pendings, by_gateway, done, rows, started, timings, quiet)
         self._in_flight -= len(pendings)
@@ -497,18 +482,13 @@ class ModelRunner:
             self.streams.ack_into(pipe, done)
         if any(p.alone for p in pendings):
             self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
-        waiting = self._next_read
-        sent = None
-        if waiting is not None and not waiting.done():
-            # the read loop's next read goes with these replies (_read_with_replies)
-            sent = self.streams.send_with(pipe.commands, self._room_entries(self._in_flight - len(pendings)),
-                                          1000)
-            waiting.set_result(None if sent is None else sent[1])
+        room = self._room_entries(self._in_flight - len(pendings))
+        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room, 1000))
         try:
             if sent is None:
                 await self._out.execute(pipe.commands)
             else:
-                await self.streams.replies(sent[0])
+                await self.streams.replies(sent)
         except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
             log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, len(replies), exc)

@@ -63,14 +63,13 @@ class ModelStreams:
         return len(self.streams) == 1 and self._reader is not None and self._reader.connected
 
     def send_with(self, commands: list[Command], count: int, block_ms: int
-                  ) -> tuple[asyncio.Future[list[Any]], asyncio.Future[list[Any]]] | None:
+                  ) -> list[asyncio.Future[list[Any]]] | None:
         """`commands`, then the next read (as `read` would block), in one write on the reading connection:
         one wake-up of Redis where two writes would make two. Their futures, or None when that cannot be
         (`can_send_with`, or not connected): then `read` as usual. Read the entries with `sent_read`."""
         if not self.can_send_with:
             return None
-        sent = self._reader.send(commands, [self._command({self.streams[0]: ">"}, count, block_ms)])  # type: ignore[union-attr]
-        return None if sent is None else (sent[0], sent[1])
+        return self._reader.send(commands, [self._command({self.streams[0]: ">"}, count, block_ms)])  # type: ignore[union-attr]
 
     async def replies(self, fut: asyncio.Future[list[Any]]) -> list[Any]:
         """The replies to `send_with`'s commands (raises as Resp.execute does)."""
