@@ -16,13 +16,14 @@ import tritonclient.http as httpclient
 from onnx import TensorProto
 
 from despina.contract import records
+from despina.contract.errors import Code, DespinaError
 from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.modelconfig import ModelSpec
-from despina.contract.records import InferRequest, Tensor
+from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.examples import build_identity, build_mlp
 from despina.workers.runner import ModelRunner
-from despina.workers.stats import DEFER_S, Deferred
+from despina.workers.stats import DEFER_S, Deferred, ensemble_counts, tally
 
 from .conftest import FULL_QUEUE_DELAY, Server, module_server
 
@@ -220,3 +221,17 @@ async def test_counters_go_with_a_lone_reply_and_a_bursts_within_defer_s(tmp_pat
         await batching
         await deferred.close()
         await client.aclose()
+
+
+@pytest.mark.parametrize("us", [0, 99, 100, 2_600, 12_000_000])
+def test_an_ensemble_requests_counters_are_a_requests_as_a_model_counts_it(us: int) -> None:
+    """ensemble_counts adds its few fields itself (it runs per request): the same as `tally` of one reply
+    queued for no time, with one execution of its rows when it succeeded; added into what is given."""
+    ok = tally([InferReply("", (), None, 0, us)], 0, 0.0)
+    ok.update(inference_count=3, execution_count=1)
+    assert ensemble_counts(None, us, 3) == ok
+    failed = DespinaError("late", Code.DEADLINE_EXCEEDED)
+    assert ensemble_counts(failed, us, 0) == tally([InferReply("", (), (failed.code, "late"), 0, us)], 0, 0.0)
+    into = ensemble_counts(None, us, 3)
+    assert ensemble_counts(failed, us, 0, ensemble_counts(None, us, 3, into)) is into
+    assert into["success_count"] == 2 and into["inference_count"] == 6 and into["fail_count"] == 1
