@@ -21,7 +21,7 @@ from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.examples import build_mlp
-from despina.workers import ensembles, stats
+from despina.workers import ensembles
 from despina.workers import runner as runner_module
 from despina.workers.ensembles import EnsembleHost
 from despina.workers.redelivery import DeliveryPolicy
@@ -208,55 +208,5 @@ async def test_an_ensemble_reads_with_its_replies_only_while_all_that_is_out_is_
         await asyncio.sleep(0.05)
         await enqueue(worker.redis, stream, gateway.stream, "b", b"2")
         assert sorted(r.id for r in await gateway.next(2)) == ["a", "b"]
-    finally:
-        await host.stop(drain_s=0)
-
-
-async def test_an_ensembles_counters_go_with_a_lone_reply_and_later_while_more_are_out(
-        worker: Worker, tmp_path: Path, key_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An ensemble run in the worker: the counters of a request that came alone (the ensemble's own and
-    its step's) go with its reply, for the client may read them next; a reply written while the gateway
-    still has requests out leaves them for a later write (at most DEFER_S), and the replies after it
-    take everything counted."""
-    monkeypatch.setattr(stats, "DEFER_S", 0.5)  # longer than the steps between a reply and the look
-    folder = tmp_path / "ens"
-    (folder / "1").mkdir(parents=True)
-    (folder / "config.pbtxt").write_text(ENSEMBLE)
-    config = load_model(folder).config
-    runner = worker.runner
-    keys = Keys(key_prefix)
-    host = EnsembleHost(worker.redis, keys, ModelSpec.from_config(config), Ensemble.from_config(config),
-                        1, lambda step: runner, "w", DeliveryPolicy(), deferred=runner.deferred)
-    gateway = Replies(worker.redis, f"{key_prefix}:ens-replies")
-    stream = host.streams.streams[0]
-
-    async def counts(model: str) -> dict[str, int]:
-        raw = await worker.redis.hgetall(keys.stats(model, 1))
-        return {k.decode(): int(v) for k, v in raw.items()}
-
-    await host.start()
-    try:
-        await enqueue(worker.redis, stream, gateway.stream, "alone")
-        await gateway.next(1)
-        own, step = await counts("ens"), await counts("mlp")
-        assert own["success_count"] == 1 and own["inference_count"] == 1 and own["queue_count"] == 1
-        assert step["inference_count"] == 1 and step["execution_count"] == 1
-        # "a" waits in its step's batch for the second request its gateway has out; "late", past its
-        # deadline, is answered meanwhile: its failure is not written with that reply
-        await enqueue(worker.redis, stream, gateway.stream, "a", b"2")
-        await asyncio.sleep(0.05)
-        await enqueue(worker.redis, stream, gateway.stream, "late", b"2", deadline_s=-1)
-        (late,) = await gateway.next(1)
-        assert late.id == "late" and late.error is not None
-        assert "fail_count" not in await counts("ens")
-        started = time.monotonic()
-        while "fail_count" not in await counts("ens"):  # it goes alone within DEFER_S
-            assert time.monotonic() - started < 10 * stats.DEFER_S, "the deferred counters never went out"
-            await asyncio.sleep(0.002)
-        await enqueue(worker.redis, stream, gateway.stream, "b", b"2")
-        assert sorted(r.id for r in await gateway.next(2)) == ["a", "b"]
-        own, step = await counts("ens"), await counts("mlp")
-        assert own["success_count"] == 3 and own["fail_count"] == 1 and own["fail:REJECTED"] == 1
-        assert step["inference_count"] == 3 and step["execution_count"] == 2
     finally:
         await host.stop(drain_s=0)

@@ -230,17 +230,9 @@ class EnsembleHost:
         replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
         if self._bounded:
             count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, answered)
-        if self.deferred is None:
-            record_counts(pipe, self.stats_key, counts)
-        else:
-            # Nothing else running here and every gateway's requests here: the clients of these replies
-            # may look at the statistics next, so everything counted so far goes with them. Otherwise
-            # more replies follow, and the ensemble's counters and its steps' go later together
-            # (stats.Deferred): one statistics update per model for several flushes, where each flush
-            # wrote one per model (three for the example ensemble, ~35 µs of Valkey's time each).
-            self.deferred.add(self.stats_key, counts)
-            if not self._in_flight and self._gateways.all_here():
-                self.deferred.into(pipe)
+        record_counts(pipe, self.stats_key, counts)
+        if self.deferred is not None:
+            self.deferred.into(pipe)  # the steps' counters
         if acks:
             self.streams.ack_into(pipe, acks)
         task = asyncio.get_running_loop().create_task(self._write(pipe, len(answered)))
