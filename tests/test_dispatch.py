@@ -157,42 +157,6 @@ async def test_the_next_requests_of_answered_clients_go_out_together(client_fact
     assert (await c.entries())[-1] == ["i"]  # what was held went out before it stopped
 
 
-async def test_requests_that_come_while_a_write_is_out_are_held_for_the_rest(
-        client_factory: Callable[[int], Awaitable[Client]]) -> None:
-    """Under load a write is nearly always in flight: what comes meanwhile is held after it, as any
-    request is, while answered clients are still expected, and goes with them."""
-    c = await client_factory(300_000)
-    await c.convoy_answered()
-    gate = asyncio.Event()
-    write = c.d._write
-
-    async def slow(outbox: object, bounded: object) -> None:
-        await gate.wait()
-        await write(outbox, bounded)  # type: ignore[arg-type]
-    c.d._write = slow  # type: ignore[method-assign]
-    c.submit("d")  # held, then goes alone when the hold's cap ends it (0.3 s) ...
-    await _until(lambda: asyncio.sleep(0, c.d._writing))
-    c.submit("e")  # ... and comes while d's write is out
-    gate.set()
-    await c.until_entries(2)
-    await asyncio.sleep(0.1)
-    assert len(await c.entries()) == 2  # e is held: c's client is still expected
-    c.submit("f")  # the last: the two go together
-    await c.until_entries(3)
-    assert (await c.entries())[1:] == [["d"], ["e", "f"]]
-
-    await c.answer("d", "e", "f")
-    c.submit("g")
-    gate.clear()
-    await asyncio.sleep(0.4)  # g's write is out (the cap)
-    c.submit("h")
-    closing = asyncio.create_task(c.d.close())
-    await asyncio.sleep(0.05)
-    gate.set()
-    await closing  # h is not held when the gateway stops: it goes
-    assert (await c.entries())[-2:] == [["g"], ["h"]]
-
-
 async def test_a_lone_clients_next_request_is_not_held(client_factory: Callable[[int], Awaitable[Client]]) -> None:
     c = await client_factory(30_000_000)
     c.submit("a")

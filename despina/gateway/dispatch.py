@@ -109,7 +109,6 @@ class Dispatcher:
         # when the latest went)
         self._owed: dict[str, tuple[int, float]] = {}
         self._holding = False
-        self._closing = False  # no hold starts once the gateway is stopping
         self._hold_until = 0.0  # when the current hold ends at the latest
         self._gap_until = 0.0   # when it ends unless another request comes first
         self._alarm: Alarm | None = None  # ends a hold; without one (not Linux) nothing is held
@@ -125,7 +124,6 @@ class Dispatcher:
             self._alarm = Alarm.create(self._hold_over)
 
     async def close(self) -> None:
-        self._closing = True
         if self._holding and not self._flush_scheduled and not self._writing:
             self._flush()  # what was held goes out before the gateway stops
         self._holding = False  # (a spinning hold stops turning)
@@ -171,8 +169,7 @@ class Dispatcher:
         in one stream entry if they go together, one read and one batch there instead of one each. So
         while every model version with requests waiting here has had answers delivered within OWED_S
         and not yet as many new requests, they are held: until a request has not been followed by
-        another for HOLD_GAP_S, and for at most `hold_us`; those that come while a pipeline is in flight
-        are held the same way once it is back (_write_all). While every request waiting is one of those
+        another for HOLD_GAP_S, and for at most `hold_us`. While every request waiting is one of those
         held here, the event loop spins until the hold ends (_spin) instead of sleeping on the alarm."""
         now = time.monotonic()
         self._waiting[request.id] = (done, now + timeout, stats)
@@ -193,24 +190,19 @@ class Dispatcher:
                 self._release()
             else:  # still coming back: wait for the next one (the alarm looks again when it fires)
                 self._gap_until = now + HOLD_GAP_S
-        elif not self._flush_scheduled and not self._writing and not self._hold(now):
-            self._release()
+        elif not self._flush_scheduled and not self._writing:
+            if self._alarm is not None and self._expecting(now):
+                self._holding = True
+                self._hold_until = now + self.hold_s
+                self._gap_until = now + HOLD_GAP_S
+                if len(self._waiting) == sum(map(len, self._outbox.values())) + len(self._bounded):
+                    asyncio.get_running_loop().call_soon(self._spin)
+                else:
+                    self._alarm.arm(min(self._hold_until, self._gap_until))
+            else:
+                self._release()
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
-
-    def _hold(self, now: float) -> bool:
-        """Start holding what waits to go out, if the clients of answers just delivered are expected back
-        (`submit`); whether it does."""
-        if self._alarm is None or self._closing or not self._expecting(now):
-            return False
-        self._holding = True
-        self._hold_until = now + self.hold_s
-        self._gap_until = now + HOLD_GAP_S
-        if len(self._waiting) == sum(map(len, self._outbox.values())) + len(self._bounded):
-            asyncio.get_running_loop().call_soon(self._spin)
-        else:
-            self._alarm.arm(min(self._hold_until, self._gap_until))
-        return True
 
     def _expecting(self, now: float) -> bool:
         """Whether every model version with requests waiting to go out has answers out lately that no new
@@ -298,19 +290,12 @@ class Dispatcher:
 
     async def _write_all(self) -> None:
         """One pipeline in flight at a time: what arrives meanwhile goes out together next, so the
-        busier the gateway, the more requests share a round trip (idle, none waits for another). Unless
-        answered clients are still expected back then: what arrived is held as `submit` holds it, and
-        goes out with them. (Under load a write is nearly always in flight, and without this the
-        requests of one convoy went out in several small entries, each a wake-up of Redis and of the
-        worker, the worker's batches cut short by its queue delay in between: at c=32 batches of 13
-        where Triton's are 16, 19 with it.)"""
+        busier the gateway, the more requests share a round trip (idle, none waits for another)."""
         try:
             while self._outbox or self._bounded:
                 outbox, self._outbox = self._outbox, defaultdict(list)
                 bounded, self._bounded = self._bounded, []
                 await self._write(outbox, bounded)
-                if (self._outbox or self._bounded) and self._hold(time.monotonic()):
-                    break  # the hold's end flushes
         finally:
             self._writing = False  # no await since the loop's last check: nothing is left behind
 
