@@ -8,8 +8,8 @@
 # the statistics before and after the point). TREE is a checkout of Despina (a git worktree of another
 # commit, say) run with this checkout's venv; ENV=V pairs are set for that tree's server. TREE
 # `@triton` is real Triton instead (the peers kit's tritonserver, run as the kit runs it, on core 0)
-# serving bench/out/triton: W1 as the kit's Python-backend `mlp`, W2 `mlp_heavy` as the same model.py
-# on W2's ONNX file, and W3's `classify_post` and `mlp_classify` unchanged from model_repository/.
+# serving bench/out/triton: W1 as the kit's Python-backend `mlp`, W2 `mlp_heavy` and `conv_heavy` as the
+# same model.py on W2's ONNX files, and W3's `classify_post` and `mlp_classify` unchanged from model_repository/.
 # Pinning: the server on core 0 as a whole, unless the label's ENV has DESPINA_WORKER_CPUS=0 (Despina
 # runs its workers on core 0 and everything else, with the load generator, on core 1) or, for
 # @triton, STUB_CPUS=0 (tritonserver on core 1, each model's Python-backend stub moved to core 0 once
@@ -79,7 +79,8 @@ point() {  # label round model conc -> one line
     line=$("$PY" "$ROOT/bench/loadgen.py" "$URL" --cpu 1 --model "$3" --format binary --conc "$4" --duration 4 \
       --out /dev/null | "$PY" -c 'import json, sys
 r = [json.loads(l) for l in sys.stdin if l.startswith("{")][-1]
-print("%.0f %.2f %.2f" % (r["rps"], r["p50_ms"], r["p99_ms"]))')
+bad = "  errors %d wrong %d/%d" % (r["errors"], r["wrong"], r["checked"]) if r["errors"] or r["wrong"] else ""
+print("%.0f %.2f %.2f%s" % (r["rps"], r["p50_ms"], r["p99_ms"], bad))')
   fi
   cpu=$(busy "$cpu" "$(core0)") after=$(stats "$3")
   printf "%-10s round %s  %-12s c=%-4s %s  batch/queue_us %s  core0 %s  load %s\n" "$1" "$2" "$3" "$4" "$line" \
@@ -92,9 +93,12 @@ triton_repo() {  # bench/out/triton: the kit's W1 for Triton, and W3's models as
   rm -rf "$repo" && mkdir -p "$repo/mlp_classify/1" || return 1  # Triton wants the ensemble's version folder
   cp -r "$PEERS_DIR/triton/models/mlp" "$repo/" && cp -r "$ROOT/model_repository/classify_post" "$repo/" &&
     cp "$ROOT/model_repository/mlp_classify/config.pbtxt" "$repo/mlp_classify/" || return 1
-  # W2: the kit's Python-backend model (Triton's batcher, onnxruntime on one thread) on W2's ONNX file
-  cp -r "$repo/mlp" "$repo/mlp_heavy" && cp "$ROOT/bench/out/repo/mlp_heavy/1/model.onnx" "$repo/mlp_heavy/1/" &&
-    sed -i 's/^name: "mlp"/name: "mlp_heavy"/' "$repo/mlp_heavy/config.pbtxt"
+  # W2: the kit's Python-backend model (Triton's batcher, onnxruntime on one thread) on W2's ONNX files
+  local w2
+  for w2 in mlp_heavy conv_heavy; do
+    cp -r "$repo/mlp" "$repo/$w2" && cp "$ROOT/bench/out/repo/$w2/1/model.onnx" "$repo/$w2/1/" &&
+      sed -i "s/^name: \"mlp\"/name: \"$w2\"/" "$repo/$w2/config.pbtxt" || return 1
+  done
 }
 
 start() {  # tree envs log: a server on core 0 in its own process group, its pid in $serve

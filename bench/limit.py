@@ -1,6 +1,6 @@
 """The model's own limit: each workload called with onnxruntime in a tight loop, no server.
 
-    python bench/limit.py [--repo bench/out/repo] [--seconds 2] [--cpu 0]
+    python bench/limit.py [--repo bench/out/repo] [--seconds 2] [--cpu 0] [--model conv_heavy ...]
 
 One thread, sequential: the session settings of despina/workers/backends/onnxruntime.py. W3
 (`mlp_classify`, the ensemble) is W1's session followed by its post-processing in numpy, in one loop.
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from models import DEFAULT_REPO, WORKLOADS, classify_post, measure, session
+from models import CONV_WORKLOADS, DEFAULT_REPO, WORKLOADS, classify_post, measure, session
 
 BATCHES = (1, 8, 32, 128)
-
+MODELS = [*WORKLOADS, *CONV_WORKLOADS, "mlp_classify"]
 
 
 class Chained:
@@ -40,10 +40,11 @@ def main() -> None:
     p.add_argument("--repo", type=Path, default=DEFAULT_REPO)
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--cpu", type=int, help="pin this process to one core")
+    p.add_argument("--model", nargs="+", choices=MODELS, default=MODELS, help="these workloads only")
     args = p.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    for model in [*WORKLOADS, "mlp_classify"]:
+    for model in args.model:
         sess = session(args.repo / ("mlp" if model == "mlp_classify" else model) / "1" / "model.onnx")
         if model == "mlp_classify":
             sess = Chained(sess)

@@ -19,6 +19,7 @@ from typing import Any
 Row = dict[str, Any]
 NAMES = {"despina": "Despina", "triton": "Triton", "litserve": "LitServe", "mlserver": "MLServer"}
 W1, W2 = "mlp", "mlp_heavy"
+W2S = (W2, "conv_heavy")  # W2 as bench/models.py builds it: memory-bound at batch 1, and compute-bound
 # W2's layouts (bench/run.sh): everything on core 0, or the worker alone there (serve --worker-cpus 0)
 LAYOUTS = {"despina": "all on core 0", "despina-pool": "worker alone on core 0"}
 
@@ -123,7 +124,7 @@ def limit_table(rows: list[Row]) -> list[str]:
     lim = [r for r in rows if r["peer"] == "limit"]
     batches = sorted({r["batch"] for r in lim})
     cells = []
-    for model in (W1, W2):
+    for model in (W1, *W2S):
         by = {r["batch"]: r for r in lim if r["model"] == model}
         cells.append((model, [f"{by[b]['rps']:,.0f} ({by[b]['p50_ms']:.3f})" if b in by else ""
                               for b in batches]))
@@ -131,17 +132,19 @@ def limit_table(rows: list[Row]) -> list[str]:
                  [f"batch {b}" for b in batches], cells)
 
 
-def w2_table(rows: list[Row]) -> list[str]:
-    top = [r for r in rows if r["peer"] == "limit" and r["model"] == W2]
+def w2_table(rows: list[Row], model: str) -> list[str]:
+    top = [r for r in rows if r["peer"] == "limit" and r["model"] == model]
     limit = max(top, key=lambda r: r["batch"])["rps"] if top else None
     served = []
     for r in rows:
-        if r["peer"] in LAYOUTS and r.get("model") == W2 and r.get("rps") is not None:
+        if r["peer"] in LAYOUTS and r.get("model") == model and r.get("rps") is not None:
             share = f"{r['rps'] / limit:.2f}" if limit else "-"
             served.append((f"{r['client']}, {LAYOUTS[r['peer']]}",
                            [str(r["conc"]), f"{r['rps']:,.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
                             str(r["mean_batch"]), str(r["errors"]), share]))
-    title = f"W2 `mlp_heavy`: Despina at saturation vs the limit at max batch, {limit or 0:,.0f} rows/s"
+    if not served:
+        return []
+    title = f"W2 `{model}`: Despina at saturation vs the limit at max batch, {limit or 0:,.0f} rows/s"
     columns = ["conc", "req/s", "p50 ms", "p99 ms", "mean batch", "errors", "served / limit"]
     return table(title, "client", columns, served)
 
@@ -182,7 +185,8 @@ def main() -> None:
     rows = best_of(runs)
     print(f"{len(runs)} run(s): {', '.join(str(path) for path in args.results)}\n")
     spread = spread_table(runs) + per_run_table(runs, args.results) if len(runs) > 1 else []
-    print("\n".join(w1_tables(rows) + spread + limit_table(rows) + w2_table(rows)))
+    print("\n".join(w1_tables(rows) + spread + limit_table(rows) +
+                    [line for m in W2S for line in w2_table(rows, m)]))
     if args.png:
         plot(rows, args.png)
         print(f"\nwrote {args.png}")

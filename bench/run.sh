@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # usage: bench/run.sh            (from anywhere; ~11 min; writes bench/out/<UTC time>/)
 # Despina vs its peers on this machine, server processes on core 0, load on core 1:
-#   1. despina serve (embedded Valkey) on core 0: W1 `mlp` and W2 `mlp_heavy` from bench/models.py
+#   1. despina serve (embedded Valkey) on core 0: W1 `mlp`, W2 `mlp_heavy` and `conv_heavy` from
+#      bench/models.py
 #   2. bench/loadgen.py on W1, JSON and binary; py-spy on the gateway and the worker at c=64
 #   3. the peers kit against Despina (perf_analyzer binary + aiohttp JSON), then W2 at saturation;
 #      3b. W2 again with the worker alone on core 0 (serve --worker-cpus 0; the rest of Despina and the
@@ -68,12 +69,13 @@ MONITOR=$!  # load average every 5 s: the other users of this machine
 phase "1. despina serve on core 0, $URL"
 if curl -s -m 1 -o /dev/null "$URL/v2/health/live"; then echo "something already answers at $URL" >&2; exit 1; fi
 redis=(); [ -n "${BENCH_REDIS_URL:-}" ] && redis=(--redis-url "$BENCH_REDIS_URL")
-start_despina() {  # CORES [ARGS...]: despina serve pinned to CORES, its pid in $SERVE, once both models are ready
+start_despina() {  # CORES [ARGS...]: despina serve pinned to CORES, its pid in $SERVE, once its models are ready
   local cores=$1 t0=$SECONDS; shift
   setsid taskset -c "$cores" env -u REDIS_URL "$ROOT/.venv/bin/despina" serve "${redis[@]}" --key-prefix bench \
     --http-port "$PORT" --model-repository bench/out/repo "$@" >> "$OUT/despina.log" 2>&1 &
   SERVE=$!
   until [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/mlp_heavy/ready")" = 200 ] &&
+        [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/conv_heavy/ready")" = 200 ] &&
         [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/mlp/ready")" = 200 ]; do
     if ! kill -0 "$SERVE" 2>/dev/null || [ $((SECONDS - t0)) -gt 120 ]; then
       echo "despina did not get ready; see $OUT/despina.log" >&2; tail -5 "$OUT/despina.log" >&2; exit 1
@@ -112,14 +114,18 @@ wait "$load"; cat "$OUT/profile-load.jsonl"
 
 phase "3. the peers kit against Despina; W2 at saturation"
 peers --target "$URL"
-timeout 300 "$PY" bench/loadgen.py "$URL" --cpu 1 --model mlp_heavy --format binary json --conc $W2_CONCS \
-  --duration $((DURATION * 2)) --out "$RESULTS"  # replies checked against W2's own ONNX file (loadgen's default)
+for w2 in mlp_heavy conv_heavy; do  # replies checked against each model's own ONNX file (loadgen's default)
+  timeout 300 "$PY" bench/loadgen.py "$URL" --cpu 1 --model $w2 --format binary json --conc $W2_CONCS \
+    --duration $((DURATION * 2)) --out "$RESULTS"
+done
 stop_despina
 
 phase "3b. W2 with the worker alone on core 0 (serve --worker-cpus 0, the rest on core 1)"
 start_despina 0-1 --worker-cpus 0
-timeout 300 "$PY" bench/loadgen.py "$URL" --cpu 1 --model mlp_heavy --format binary --conc $W2_CONCS \
-  --duration $((DURATION * 2)) --peer despina-pool --out "$RESULTS"
+for w2 in mlp_heavy conv_heavy; do
+  timeout 300 "$PY" bench/loadgen.py "$URL" --cpu 1 --model $w2 --format binary --conc $W2_CONCS \
+    --duration $((DURATION * 2)) --peer despina-pool --out "$RESULTS"
+done
 stop_despina
 
 phase "4. the peers: $PEERS"
