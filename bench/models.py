@@ -72,7 +72,7 @@ def build_conv(path: Path, channels: int, convs: int, seed: int = 0) -> None:
     channels -> 10 (input x, output y). About 4,600 x channels^2 multiply-adds per row per conv."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from despina.examples import _save
+    from despina.examples import save_onnx
 
     rng = np.random.default_rng(seed)
     inits = [numpy_helper.from_array(np.array([-1, 1, SIDE, SIDE], np.int64), "image_shape")]
@@ -96,7 +96,7 @@ def build_conv(path: Path, channels: int, convs: int, seed: int = 0) -> None:
     graph = helper.make_graph(
         nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", SIDE * SIDE])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", D_OUT])], inits)
-    _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
 def build(repo: Path) -> Path:

@@ -20,6 +20,7 @@ PEERS_RUN=${PEERS_RUN:-/work/shared/peers/run.sh}
 PEERS=${BENCH_PEERS:-triton litserve mlserver}
 CONCS=${BENCH_CONCS:-1 8 32 64 128}
 W2_CONCS=${BENCH_W2_CONCS:-64 128 256}
+W2_MODELS="mlp_heavy conv_heavy"  # bench/models.py's W2 builds
 DURATION=${BENCH_DURATION:-5}
 PORT=${BENCH_PORT:-18000}
 URL=http://127.0.0.1:$PORT
@@ -69,14 +70,16 @@ MONITOR=$!  # load average every 5 s: the other users of this machine
 phase "1. despina serve on core 0, $URL"
 if curl -s -m 1 -o /dev/null "$URL/v2/health/live"; then echo "something already answers at $URL" >&2; exit 1; fi
 redis=(); [ -n "${BENCH_REDIS_URL:-}" ] && redis=(--redis-url "$BENCH_REDIS_URL")
+ready() {  # MODEL...: whether every one answers ready
+  local m
+  for m in "$@"; do [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/$m/ready")" = 200 ] || return 1; done
+}
 start_despina() {  # CORES [ARGS...]: despina serve pinned to CORES, its pid in $SERVE, once its models are ready
   local cores=$1 t0=$SECONDS; shift
   setsid taskset -c "$cores" env -u REDIS_URL "$ROOT/.venv/bin/despina" serve "${redis[@]}" --key-prefix bench \
     --http-port "$PORT" --model-repository bench/out/repo "$@" >> "$OUT/despina.log" 2>&1 &
   SERVE=$!
-  until [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/mlp_heavy/ready")" = 200 ] &&
-        [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/conv_heavy/ready")" = 200 ] &&
-        [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/mlp/ready")" = 200 ]; do
+  until ready mlp $W2_MODELS; do
     if ! kill -0 "$SERVE" 2>/dev/null || [ $((SECONDS - t0)) -gt 120 ]; then
       echo "despina did not get ready; see $OUT/despina.log" >&2; tail -5 "$OUT/despina.log" >&2; exit 1
     fi
@@ -114,7 +117,7 @@ wait "$load"; cat "$OUT/profile-load.jsonl"
 
 phase "3. the peers kit against Despina; W2 at saturation"
 peers --target "$URL"
-for w2 in mlp_heavy conv_heavy; do  # replies checked against each model's own ONNX file (loadgen's default)
+for w2 in $W2_MODELS; do  # replies checked against each model's own ONNX file (loadgen's default)
   timeout 300 "$PY" bench/loadgen.py "$URL" --cpu 1 --model $w2 --format binary json --conc $W2_CONCS \
     --duration $((DURATION * 2)) --out "$RESULTS"
 done
@@ -122,7 +125,7 @@ stop_despina
 
 phase "3b. W2 with the worker alone on core 0 (serve --worker-cpus 0, the rest on core 1)"
 start_despina 0-1 --worker-cpus 0
-for w2 in mlp_heavy conv_heavy; do
+for w2 in $W2_MODELS; do
   timeout 300 "$PY" bench/loadgen.py "$URL" --cpu 1 --model $w2 --format binary --conc $W2_CONCS \
     --duration $((DURATION * 2)) --peer despina-pool --out "$RESULTS"
 done

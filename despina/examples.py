@@ -35,7 +35,8 @@ def mlp_numpy(x: np.ndarray) -> np.ndarray:
     return (np.maximum(x @ w1 + b1, 0.0) @ w2 + b2).astype(np.float32)
 
 
-def _save(model: object, path: Path) -> None:
+def save_onnx(model: object, path: Path) -> None:
+    """Check an ONNX model and write it to `path` (its folders made), at IR version 8."""
     import onnx
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +70,7 @@ def build_mlp(path: Path, layers: tuple[int, ...] = (D_IN, D_HIDDEN, D_OUT), see
     graph = helper.make_graph(
         nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", layers[0]])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", layers[-1]])], inits)
-    _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
 def build_add_sub(path: Path, dims: int = 4) -> None:
@@ -79,7 +80,7 @@ def build_add_sub(path: Path, dims: int = 4) -> None:
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", dims]) for n in ("a", "b")]
     out = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", dims]) for n in ("sum", "diff")]
     nodes = [helper.make_node("Add", ["a", "b"], ["sum"]), helper.make_node("Sub", ["a", "b"], ["diff"])]
-    _save(helper.make_model(helper.make_graph(nodes, "add_sub", io, out),
+    save_onnx(helper.make_model(helper.make_graph(nodes, "add_sub", io, out),
                             opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
@@ -91,7 +92,7 @@ def build_identity(path: Path, onnx_type: int, dims: int = 3) -> None:
         [helper.make_node("Identity", ["in"], ["out"])], "identity",
         [helper.make_tensor_value_info("in", onnx_type, ["N", dims])],
         [helper.make_tensor_value_info("out", onnx_type, ["N", dims])])
-    _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
 def _torch_mlp() -> Any:
