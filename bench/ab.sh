@@ -14,6 +14,10 @@
 # runs its workers on core 0 and everything else, with the load generator, on core 1) or, for
 # @triton, STUB_CPUS=0 (tritonserver on core 1, each model's Python-backend stub moved to core 0 once
 # ready): the model's core does nothing else, in both systems the same way.
+# The interpreter: SERVER_PYTHON=PATH in a Despina label's ENV runs its server with that Python (a venv's,
+# Despina's dependencies installed there; the tree still comes first on PYTHONPATH); PEERS_DIR=DIR in a
+# @triton label's runs Triton from that peers kit (set up with its PYTHON=...: the model's stub embeds
+# that venv's libpython and imports onnxruntime from it).
 # Not a record by itself: bench/RESULTS.md says what each comparison was and quotes the command. At
 # the end, bench/ab_summary.py's table (each label's rounds, and the ratio of its sum to the first
 # label's) goes to the screen and summary.md.
@@ -106,18 +110,22 @@ start() {  # tree envs log: a server on core 0 in its own process group, its pid
   case ",$2," in *,DESPINA_WORKER_CPUS=*|*,STUB_CPUS=*) cores=0-1 ;; esac
   [ "$1" = @triton ] && [ "$cores" = 0-1 ] && cores=1
   if [ "$1" = @triton ]; then
-    local py=$PEERS_DIR/venv/triton/bin/python site libdir ts
+    local kit py site libdir ts
+    kit=$(echo ",$2," | sed -n 's/.*,PEERS_DIR=\([^,]*\),.*/\1/p')
+    kit=${kit:-$PEERS_DIR} py=$kit/venv/triton/bin/python
     site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     libdir=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
     ts=$site/pytriton/tritonserver
-    setsid taskset -c "$cores" env LD_LIBRARY_PATH="$libdir:$site/nvidia_pytriton.libs" PATH="$PEERS_DIR/venv/triton/bin:$PATH" \
-      "$ts/bin/tritonserver" --model-repository "$ROOT/bench/out/triton" --backend-directory "$PEERS_DIR/triton/backends" \
+    setsid taskset -c "$cores" env LD_LIBRARY_PATH="$libdir:$site/nvidia_pytriton.libs" PATH="$kit/venv/triton/bin:$PATH" \
+      "$ts/bin/tritonserver" --model-repository "$ROOT/bench/out/triton" --backend-directory "$kit/triton/backends" \
       --cache-directory "$ts/caches" --http-address 127.0.0.1 --http-port "$PORT" --grpc-address 127.0.0.1 \
       --grpc-port $((PORT + 1)) --metrics-address 127.0.0.1 --metrics-port $((PORT + 2)) --allow-gpu-metrics false \
       > "$3" 2>&1 &
   else
+    local py
+    py=$(echo ",$2," | sed -n 's/.*,SERVER_PYTHON=\([^,]*\),.*/\1/p')
     # shellcheck disable=SC2086
-    (cd "$1" && exec setsid taskset -c "$cores" env -u REDIS_URL PYTHONPATH="$1" ${2//,/ } "$PY" -m despina serve \
+    (cd "$1" && exec setsid taskset -c "$cores" env -u REDIS_URL PYTHONPATH="$1" ${2//,/ } "${py:-$PY}" -m despina serve \
       --key-prefix bench --http-port "$PORT" --model-repository "$ROOT/bench/out/repo") > "$3" 2>&1 &
   fi
   serve=$!

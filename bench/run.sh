@@ -11,11 +11,14 @@
 #   5. the limit: each model in a loop on core 0; then tables.md and throughput.png of this run
 #      (bench/plot.py RUN... --png bench/throughput.png combines runs)
 # Knobs: BENCH_PEERS="triton litserve mlserver", BENCH_CONCS="1 8 32 64 128", BENCH_W2_CONCS="64 128 256",
-# BENCH_DURATION=5 (s per point), BENCH_PORT=18000, BENCH_REDIS_URL (default: embedded Valkey, on core 0).
+# BENCH_DURATION=5 (s per point), BENCH_PORT=18000, BENCH_REDIS_URL (default: embedded Valkey, on core 0),
+# BENCH_VENV (default .venv: the Python that runs Despina and bench/; `pip install -e '.[onnx,examples,bench]'`
+# there), and PEERS_DIR, which the kit reads (a kit set up with PYTHON=... runs every peer on that Python).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
-PY=$ROOT/.venv/bin/python
+VENV=${BENCH_VENV:-$ROOT/.venv}
+PY=$VENV/bin/python
 PEERS_RUN=${PEERS_RUN:-/work/shared/peers/run.sh}
 PEERS=${BENCH_PEERS:-triton litserve mlserver}
 CONCS=${BENCH_CONCS:-1 8 32 64 128}
@@ -61,6 +64,7 @@ peers() {  # ARGS...: run the peers kit, keep its log, add its JSON lines (Despi
 
 { date -u; echo "nproc --all: $(nproc --all)"; lscpu | grep -E 'Model name|^CPU\(s\)|L3'; echo "git $(git rev-parse --short HEAD)"
   echo "despina/ sources sha1 (others edit the tree): $(find despina -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"
+  echo "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])'); peers kit: ${PEERS_DIR:-default}"
   git status --short despina | head -40; uptime; } > "$OUT/machine.txt"
 cat "$OUT/machine.txt"
 for _ in $(seq 1200); do echo "$(date -u +%T) $(cut -d' ' -f1-3 /proc/loadavg)"; sleep 5; done > "$OUT/loadavg.txt" &
@@ -76,7 +80,7 @@ ready() {  # MODEL...: whether every one answers ready
 }
 start_despina() {  # CORES [ARGS...]: despina serve pinned to CORES, its pid in $SERVE, once its models are ready
   local cores=$1 t0=$SECONDS; shift
-  setsid taskset -c "$cores" env -u REDIS_URL "$ROOT/.venv/bin/despina" serve "${redis[@]}" --key-prefix bench \
+  setsid taskset -c "$cores" env -u REDIS_URL "$VENV/bin/despina" serve "${redis[@]}" --key-prefix bench \
     --http-port "$PORT" --model-repository bench/out/repo "$@" >> "$OUT/despina.log" 2>&1 &
   SERVE=$!
   until ready mlp $W2_MODELS; do
@@ -100,7 +104,7 @@ load=$!
 sleep 2
 taskset -c 1 "$PY" bench/profile.py cpu "$SERVE" "$URL" --model mlp --seconds 8 --core 0 | tee "$OUT/cpu-split.txt"
 for role in gateway worker; do
-  timeout 30 taskset -c 1 "$ROOT/.venv/bin/py-spy" record --pid "$(child_pid $role)" --duration 10 --rate 100 \
+  timeout 30 taskset -c 1 "$VENV/bin/py-spy" record --pid "$(child_pid $role)" --duration 10 --rate 100 \
     --format raw --threads --nonblocking -o "$OUT/pyspy-$role.txt" 2>&1 | grep -v flamegraph
   for exclude in "" Resp.execute; do  # the hot loops' socket writes to Valkey: preempted, not busy
     "$PY" bench/profile.py summary "$OUT/pyspy-$role.txt" --rate 100 --seconds 10 ${exclude:+--exclude $exclude}

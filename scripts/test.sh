@@ -2,9 +2,10 @@
 # Install Despina with its test extras into .venv and run the whole test suite twice over:
 # against a Redis server (REDIS_URL, default 127.0.0.1:6379, started here if it is installed and
 # not running), then the end-to-end gateway tests against the embedded Valkey of `despina serve`.
+# PYTHON=path picks the interpreter .venv is made with (when there is no .venv yet; default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || python3 -m venv .venv
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
 # the status page test renders it in Debian's headless chromium (Playwright never downloads a browser)
 if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
