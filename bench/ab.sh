@@ -56,6 +56,7 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 if curl -s -m 1 -o /dev/null "$URL/v2/health/live"; then echo "something already answers at $URL" >&2; exit 1; fi
 
 stats() { curl -s "$URL/v2/models/$1/stats"; }
+env_value() { echo ",$2," | sed -n "s/.*,$1=\([^,]*\),.*/\1/p"; }  # KEY ENVS -> KEY's value in a label's ENV
 batch_and_queue() {  # stats JSON before, after -> "mean_batch queue_us"
   "$PY" -c 'import json, sys
 a, b = (json.loads(s)["model_stats"][0] for s in sys.argv[1:])
@@ -111,7 +112,7 @@ start() {  # tree envs log: a server on core 0 in its own process group, its pid
   [ "$1" = @triton ] && [ "$cores" = 0-1 ] && cores=1
   if [ "$1" = @triton ]; then
     local kit py site libdir ts
-    kit=$(echo ",$2," | sed -n 's/.*,PEERS_DIR=\([^,]*\),.*/\1/p')
+    kit=$(env_value PEERS_DIR "$2")
     kit=${kit:-$PEERS_DIR} py=$kit/venv/triton/bin/python
     site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     libdir=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
@@ -123,7 +124,7 @@ start() {  # tree envs log: a server on core 0 in its own process group, its pid
       > "$3" 2>&1 &
   else
     local py
-    py=$(echo ",$2," | sed -n 's/.*,SERVER_PYTHON=\([^,]*\),.*/\1/p')
+    py=$(env_value SERVER_PYTHON "$2")
     # shellcheck disable=SC2086
     (cd "$1" && exec setsid taskset -c "$cores" env -u REDIS_URL PYTHONPATH="$1" ${2//,/ } "${py:-$PY}" -m despina serve \
       --key-prefix bench --http-port "$PORT" --model-repository "$ROOT/bench/out/repo") > "$3" 2>&1 &
@@ -148,7 +149,7 @@ for round in $(seq "$ROUNDS"); do
         sleep 0.25
       done
     done
-    stubs=$(echo ",$envs," | sed -n 's/.*,STUB_CPUS=\([^,]*\),.*/\1/p')
+    stubs=$(env_value STUB_CPUS "$envs")
     if [ -n "$stubs" ]; then  # each model's stub process (and its threads) onto the model's core
       for p in $(pgrep -f triton_python_backend_stub); do taskset -apc "$stubs" "$p" > /dev/null; done
     fi

@@ -8,14 +8,15 @@ pipeline in C (hiredis) and in Python, one XADD + HINCRBY round trip through red
 against despina/resp.py (client CPU, process_time), the batcher's wait (wait_for against a timer), a
 call_later made and cancelled (uvicorn's keep-alive timer, per request), the timerfd Alarm armed 500 µs
 and 5 s ahead, how late uvloop's call_later fires below a millisecond, a wake-up through epoll with and
-without a timeout (two processes, pipes), and the server's CPU for one batch's statistics as the workers'
-EVAL against plain HINCRBYs (the Redis at --redis-url must run on this machine), and the Python backend's
-hop: one execute call to a model's own process (W3's classify_post, and a model that returns constant
-outputs: the hop alone) with 0, 1, 3 and 8 requests, against classify_post's execute run in this process,
-and pb_utils.Tensor() as a model makes one per output; and a worker's own CPU per request, W1 in batches
-of 128 from 16-request entries, and per batch of one request, replies written to that Redis (also
-answered at once, not sent, and with one more round trip before them: what a round trip costs the
-worker itself) (bench/out/repo must exist: bench/models.py).
+without a timeout (two processes, pipes; also both on one core, and across two), and the server's CPU for
+one batch's statistics as the workers' EVAL against plain HINCRBYs (the Redis at --redis-url must run on
+this machine), and the Python backend's hop: one execute call to a model's own process (W3's
+classify_post, and a model that returns constant outputs: the hop alone) with 0, 1, 3 and 8 requests,
+against classify_post's execute run in this process, and pb_utils.Tensor() as a model makes one per
+output; and a worker's own CPU per request, W1 in batches of 128 from 16-request entries, and per batch
+of one request, replies written to that Redis (also answered at once, not sent, and with one more round
+trip before them: what a round trip costs the worker itself) (bench/out/repo must exist:
+bench/models.py).
 Figures quoted in bench/RESULTS.md and in commit messages come from here; run it pinned
 (`taskset -c 1`) on a quiet machine.
 """
@@ -188,14 +189,23 @@ async def timers(n: int = 20_000) -> None:
 
 def wakeups(n: int = 20_000) -> None:
     """One wake-up's cost with and without a timeout: two processes pass a byte back and forth through
-    pipes, each waiting in epoll (as an event loop does, a timer pending or not); per round trip."""
+    pipes, each waiting in epoll (as an event loop does, a timer pending or not); per round trip. Then
+    with both processes on CPU 0, and on CPUs 0 and 1: the round trip and the CPU of the side that
+    measures (a switch between processes on one core, against a wake-up of another core)."""
     import select
 
-    for timeout in (-1, 0.05):
+    home = os.sched_getaffinity(0)
+    runs: list[tuple[str, float, tuple[set[int], set[int]] | None]] = [
+        (f"epoll timeout {t}", t, None) for t in (-1, 0.05)]
+    if {0, 1} <= set(range(os.cpu_count() or 1)):
+        runs += [("on one core", -1, ({0}, {0})), ("across two cores", -1, ({0}, {1}))]
+    for label, timeout, cpus in runs:
         a_r, a_w = os.pipe()
         b_r, b_w = os.pipe()
         pid = os.fork()
         if pid == 0:
+            if cpus:
+                os.sched_setaffinity(0, cpus[1])
             poll = select.epoll()
             poll.register(a_r, select.EPOLLIN)
             for _ in range(n):
@@ -203,18 +213,22 @@ def wakeups(n: int = 20_000) -> None:
                 os.read(a_r, 1)
                 os.write(b_w, b"x")
             os._exit(0)
+        if cpus:
+            os.sched_setaffinity(0, cpus[0])
         poll = select.epoll()
         poll.register(b_r, select.EPOLLIN)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             os.write(a_w, b"x")
             poll.poll(timeout)
             os.read(b_r, 1)
-        per = (time.perf_counter() - t0) / n * 1e6
+        per, cpu = ((time.perf_counter() - t0) / n * 1e6, (time.process_time() - c0) / n * 1e6)
         os.waitpid(pid, 0)
+        os.sched_setaffinity(0, home)
         for fd in (a_r, a_w, b_r, b_w):
             os.close(fd)
-        print(f"{f'pipe round trip, epoll timeout {timeout}':44s} {per:8.2f} us")
+        extra = f", {cpu:.2f} us of this side's CPU" if cpus else ""
+        print(f"{'pipe round trip, ' + label:44s} {per:8.2f} us{extra}")
 
 
 def statistics_record(url: str, batches: int = 10_000) -> None:
