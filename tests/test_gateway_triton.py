@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlsplit
 
-import httpx
 import numpy as np
 import onnxruntime as ort
 import orjson
@@ -106,19 +106,33 @@ async def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(
         client: httpclient.InferenceServerClient, example_server: Server) -> None:
     before = client.get_inference_statistics("mlp")["model_stats"][0]
     rows = [np.full((1, 256), i / 100, dtype=np.float32) for i in range(64)]
+    address = urlsplit(example_server.url)
 
-    async def call(http: httpx.AsyncClient, x: np.ndarray) -> np.ndarray:
+    def request(x: np.ndarray) -> bytes:
         header = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
                                            "parameters": {"binary_data_size": x.nbytes}}],
                                "outputs": [{"name": "y", "parameters": {"binary_data": True}}]})
-        r = await http.post(f"{example_server.url}/v2/models/mlp/infer", content=header + x.tobytes(),
-                            headers={"Inference-Header-Content-Length": str(len(header))})
-        assert r.status_code == 200, r.text
-        offset = int(r.headers["inference-header-content-length"])
-        return np.frombuffer(r.content[offset:], dtype=np.float32).reshape(1, 10)
+        body = header + x.tobytes()
+        return (b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: %s\r\nInference-Header-Content-Length: %d\r\n"
+                b"Content-Length: %d\r\n\r\n" % (address.netloc.encode(), len(header), len(body))) + body
 
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as http:
-        results = await asyncio.gather(*(call(http, x) for x in rows))
+    async def answer(reader: asyncio.StreamReader) -> np.ndarray:
+        status, *lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines if line)
+        body = await reader.readexactly(int(headers["content-length"]))
+        assert status.split()[1] == "200", body
+        offset = int(headers["inference-header-content-length"])
+        return np.frombuffer(body[offset:], dtype=np.float32).reshape(1, 10)
+
+    # every connection open, then every request written in one go: a burst the gateway reads together (an
+    # HTTP client library sends one request at a time, slower than a fast host answers each alone)
+    connections = await asyncio.gather(*(asyncio.open_connection(address.hostname, address.port)
+                                         for _ in rows))
+    for (_, writer), x in zip(connections, rows, strict=True):
+        writer.write(request(x))
+    results = await asyncio.gather(*(answer(reader) for reader, _ in connections))
+    for _, writer in connections:
+        writer.close()
     for x, y in zip(rows, results, strict=True):
         np.testing.assert_allclose(y, mlp_numpy(x), rtol=1e-4, atol=1e-5)
     after = settled_stats(example_server.url, "mlp")
