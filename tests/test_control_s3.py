@@ -139,6 +139,23 @@ def test_loading_from_a_dead_store_fails_clearly(serve: Callable[..., Server], t
     assert r.status_code == 503 and "unreachable" in r.json()["error"]
 
 
+def test_a_repository_never_read_is_not_ready(serve: Callable[..., Server], tmp_path: Path) -> None:
+    """Until the control plane has read the repository once, the empty catalog means nothing: live, not
+    ready (the first read of a dead store never succeeds here)."""
+    from despina.embedded import free_port
+
+    server = serve("s3://models/nowhere", "--model-control-mode", "poll", health="live",
+                   env={"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "x",
+                        "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
+                        "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    wait_until(lambda: "unreachable" in server.logs(), 30)
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        assert httpx.get(f"{server.url}/v2/health/ready").status_code == 400  # as Triton says not ready
+        time.sleep(0.1)
+    assert httpx.get(f"{server.url}/v2/health/live").status_code == 200
+
+
 def test_a_worker_keeps_the_files_it_serves_and_the_cache_lets_the_rest_go(
         serve: Callable[..., Server], s3_env: Weed, tmp_path: Path) -> None:
     """A cache limit of ~1 KB: always full. The folder a worker serves from stays however old its

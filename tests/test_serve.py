@@ -274,3 +274,22 @@ def test_sigterm_while_a_model_hangs_in_initialize_leaves_nothing_behind(
         time.sleep(0.1)
     assert not alive(family), [cmdline(p) for p in alive(family)]
     assert "stuck in model code" in server.logs()
+
+
+def test_ready_only_once_the_catalog_is_published(serve: Callable[..., Server], example_repository: Path) -> None:
+    """/v2/health/ready answers 200 only when every model of the repository would be served: not in the
+    moment after the gateway starts and before the control plane has read the repository."""
+    server = serve(example_repository, health="live")
+    deadline = time.monotonic() + 60
+    with httpx.Client(timeout=2) as client:
+        while client.get(f"{server.url}/v2/health/ready").status_code != 200:
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.005)
+        index = client.post(f"{server.url}/v2/repository/index", json={}).json()
+        r = client.post(f"{server.url}/fn/mlp", content=ROW)
+        assert r.status_code == 200, r.text
+    # every model is known, and settled: loaded, or failed with its reason (the backends this test run
+    # lacks), none still on its way
+    assert sorted(m["name"] for m in index) == sorted(m.name for m in example_repository.iterdir())
+    assert {m["state"] for m in index} <= {"READY", "UNAVAILABLE"}, index
+    assert all(m.get("reason") for m in index if m["state"] != "READY"), index

@@ -50,6 +50,13 @@ class Keys:
         return f"{self.prefix}:catalog"
 
     @property
+    def catalog_published(self) -> str:
+        """String set by the control plane once it has read the repository, in the transaction that
+        publishes the catalog: until then an empty catalog means "not read yet", and gateways are not
+        ready."""
+        return f"{self.prefix}:catalog:published"
+
+    @property
     def events(self) -> str:
         """Pub/sub channel announcing catalog and worker changes, so readers refresh at once."""
         return f"{self.prefix}:events"

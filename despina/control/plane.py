@@ -241,8 +241,11 @@ class ControlPlane:
             try:
                 if mode == "explicit":
                     await self._load_at_start()
+                    await self._published()
                     return
                 await self.sync_registry(first)
+                if first:
+                    await self._published()
                 first = False
                 if mode == "none":
                     return
@@ -253,6 +256,10 @@ class ControlPlane:
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: Redis unreachable (%s)", exc)
             await self._sleep(self.settings.repository_poll_secs if mode == "poll" and not first else 2.0)
+
+    async def _published(self) -> None:
+        self.catalog.mark_complete()
+        await self.catalog.flush()
 
     def _ready_check(self, name: str) -> Callable[[int], bool]:
         return lambda version: bool(self.workers.ready_on(name, version))

@@ -21,6 +21,8 @@ class Catalog:
         self.entries: dict[str, CatalogEntry] = {}
         self._dirty: set[str] = set()
         self._removed: set[str] = set()
+        self.complete = False  # the repository has been read: flushes set the published marker
+        self._mark = False
         # one flush at a time: two in flight on two connections can reach Redis in either order, and an
         # older entry written last would stay there (nothing is dirty any more to write it again)
         self._flushing = asyncio.Lock()
@@ -47,29 +49,37 @@ class Catalog:
     def republish(self) -> None:
         """Write every entry again at the next flush (the hash was lost)."""
         self._dirty |= set(self.entries)
+        self._mark = self.complete
+
+    def mark_complete(self) -> None:
+        """The repository has been read once: the next flush tells gateways the catalog is whole."""
+        self.complete = self._mark = True
 
     @property
     def changed(self) -> bool:
-        return bool(self._dirty or self._removed)
+        return bool(self._dirty or self._removed or self._mark)
 
     async def flush(self) -> None:
         """Write what changed in one transaction and announce it."""
         async with self._flushing:
             if not self.changed:
                 return
-            dirty, removed = self._dirty, self._removed
-            self._dirty, self._removed = set(), set()
+            dirty, removed, mark = self._dirty, self._removed, self._mark
+            self._dirty, self._removed, self._mark = set(), set(), False
             pipe = self.redis.pipeline(transaction=True)
             if dirty:
                 pipe.hset(self.keys.catalog, mapping={n: self.entries[n].dumps() for n in dirty})
             if removed:
                 pipe.hdel(self.keys.catalog, *removed)
+            if self.complete:
+                pipe.set(self.keys.catalog_published, b"1")
             pipe.publish(self.keys.events, b"catalog")
             try:
                 await pipe.execute()
             except BaseException:
                 self._dirty |= dirty - self._removed
                 self._removed |= removed - self._dirty
+                self._mark |= mark
                 raise
 
 

@@ -51,6 +51,7 @@ class ModelView:
         # resolve()'s answers while models and ready stay as they are: (name, version asked) -> them
         self._resolved: dict[tuple[str, str | None], tuple[Model, int]] = {}
         self.connected = False
+        self.published = False  # the control plane has read the repository: the catalog is whole
         self._blobs: dict[str, bytes] = {}
         self._task: asyncio.Task[None] | None = None
         self._waking: dict[tuple[str, int | None], asyncio.Future[int]] = {}
@@ -94,7 +95,8 @@ class ModelView:
         pipe.hgetall(self.keys.catalog)
         pipe.smembers(self.keys.workers)
         pipe.exists(self.keys.control_leader)
-        catalog, workers, led = await pipe.execute()
+        pipe.exists(self.keys.catalog_published)
+        catalog, workers, led, published = await pipe.execute()
         if not catalog and not led and self.models:
             # Redis lost its data (a restart without persistence): keep routing as before, report not
             # ready, until the control plane publishes the catalog again
@@ -136,7 +138,7 @@ class ModelView:
                 for v, s in versions.items():
                     if s == "READY":
                         ready.setdefault(name, set()).add(int(v))
-        self.models, self.ready, self.connected = models, ready, True
+        self.models, self.ready, self.connected, self.published = models, ready, True, bool(published)
         self._resolved = {}
 
     def get(self, name: str) -> Model:
@@ -231,8 +233,9 @@ class ModelView:
             for s in model.ensemble.steps)
 
     def server_ready(self) -> bool:
-        """Connected, and every model that should be loaded has a READY version (or failed to load)."""
-        if not self.connected:
+        """Connected, the control plane has published the catalog, and every model that should be loaded
+        has a READY version (or failed to load)."""
+        if not self.connected or not self.published:
             return False
         for name, m in self.models.items():
             e = m.entry
