@@ -14,6 +14,8 @@
 # runs its workers on core 0 and everything else, with the load generator, on core 1) or, for
 # @triton, STUB_CPUS=0 (tritonserver on core 1, each model's Python-backend stub moved to core 0 once
 # ready): the model's core does nothing else, in both systems the same way.
+# W2's conv_heavy is built as bench/models.py says: BENCH_W2_CONV=CHANNELSxCONVS in ab.sh's own
+# environment sizes it for this machine, for both systems alike.
 # The interpreter: SERVER_PYTHON=PATH in a Despina label's ENV runs its server with that Python (a venv's,
 # Despina's dependencies installed there; the tree still comes first on PYTHONPATH); PEERS_DIR=DIR in a
 # @triton label's runs Triton from that peers kit (set up with its PYTHON=...: the model's stub embeds

@@ -2,6 +2,7 @@
 
     python bench/models.py [REPOSITORY]      # default bench/out/repo
     python bench/models.py --calibrate       # time W2 candidates at batch 1 on one thread
+    BENCH_W2_CONV=96x2 python bench/models.py  # conv_heavy with other channels x convolutions
 
 W1 `mlp`: the example MLP, float32 [N, 256] -> 1024 relu -> 10 (the peers' model, same weights).
 W2 `mlp_heavy`: the same interface, deep enough that one row costs about 0.5 ms on one
@@ -10,7 +11,10 @@ it is bound by reading its 24 MB of weights, not by arithmetic: batching cuts it
 about 5x (116 us at batch 128), and the serving path's cost per request weighs as much again.
 W2 `conv_heavy`: the same interface, compute-bound: the 256 floats as one 16 x 16 image through
 3x3 convolutions (weights of a few hundred KB, in cache), so a row costs about 0.5 ms at every
-batch size, as a compute-bound model's does.
+batch size, as a compute-bound model's does. How much a row costs depends on the CPU (0.54 ms with
+the default on one host, 0.27 on one with AVX-512, 0.36 on another): BENCH_W2_CONV=CHANNELSxCONVS
+builds it from another candidate that --calibrate timed closer to 0.5 ms on the machine at hand
+(bench/ab.sh and bench/run.sh pass it through; RESULTS says which one each figure used).
 All: dynamic batching, max_batch_size 128, max_queue_delay 500 us, one CPU instance.
 W3 `mlp_classify`: the example ensemble, copied unchanged from model_repository/: W1's `mlp`, then
 `classify_post` (Python backend: softmax and arg-max) on its logits.
@@ -18,6 +22,7 @@ W3 `mlp_classify`: the example ensemble, copied unchanged from model_repository/
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -33,11 +38,24 @@ DEFAULT_REPO = HERE / "out" / "repo"
 # Chosen with --calibrate on the benchmark machine (AMD EPYC, 2 cores): ~0.5 ms per call at batch 1.
 W2_HIDDEN = (1024,) * 6
 W2_CONV = (64, 3)  # channels, 3x3 convolutions after the first: chosen with --calibrate, as W2_HIDDEN
+
+
+def w2_conv(setting: str | None) -> tuple[int, int]:
+    """conv_heavy's (channels, convolutions after the first): BENCH_W2_CONV's "CHANNELSxCONVS" or the
+    default."""
+    if not setting:
+        return W2_CONV
+    parts = setting.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and 0 < int(p) <= 1024 for p in parts):
+        raise SystemExit(f"BENCH_W2_CONV must be CHANNELSxCONVS, as 96x2, got {setting!r}")
+    return int(parts[0]), int(parts[1])
+
+
 WORKLOADS: dict[str, tuple[int, ...]] = {
     "mlp": (D_IN, D_HIDDEN, D_OUT),
     "mlp_heavy": (D_IN, *W2_HIDDEN, D_OUT),
 }
-CONV_WORKLOADS: dict[str, tuple[int, int]] = {"conv_heavy": W2_CONV}
+CONV_WORKLOADS: dict[str, tuple[int, int]] = {"conv_heavy": w2_conv(os.environ.get("BENCH_W2_CONV"))}
 CANDIDATES = [(1024,) * k for k in (5, 6, 7, 8)] + [(1280,) * 4, (1536,) * 3, (2048,) * 2]
 CONV_CANDIDATES = [(32, 2), (48, 2), (64, 1), (64, 2), (64, 3), (96, 1), (96, 2)]
 SIDE = 16  # the 256 inputs as one SIDE x SIDE image
@@ -166,7 +184,9 @@ def main() -> None:
     if args.calibrate:
         calibrate()
     else:
-        print(f"built {', '.join([*WORKLOADS, *CONV_WORKLOADS, *W3])} in {build(args.repo)}")
+        channels, convs = CONV_WORKLOADS["conv_heavy"]
+        print(f"built {', '.join([*WORKLOADS, *CONV_WORKLOADS, *W3])} in {build(args.repo)} "
+              f"(conv_heavy: {channels} channels, 1 + {convs} convolutions)")
 
 
 if __name__ == "__main__":

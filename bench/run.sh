@@ -65,6 +65,7 @@ peers() {  # ARGS...: run the peers kit, keep its log, add its JSON lines (Despi
 { date -u; echo "nproc --all: $(nproc --all)"; lscpu | grep -E 'Model name|^CPU\(s\)|L3'; echo "git $(git rev-parse --short HEAD)"
   echo "despina/ sources sha1 (others edit the tree): $(find despina -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"
   echo "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])'); peers kit: ${PEERS_DIR:-default}"
+  echo "conv_heavy (BENCH_W2_CONV): ${BENCH_W2_CONV:-64x3, the default}"
   git status --short despina | head -40; uptime; } > "$OUT/machine.txt"
 cat "$OUT/machine.txt"
 for _ in $(seq 1200); do echo "$(date -u +%T) $(cut -d' ' -f1-3 /proc/loadavg)"; sleep 5; done > "$OUT/loadavg.txt" &
