@@ -51,7 +51,7 @@ Result = InferReply | BaseException
 Callback = Callable[[Result], None]  # called once: the reply, TimeoutError, or the error that stopped it
 SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
 COUNTS_S = 0.05  # the gateway's own statistics reach Redis at most this late
-OWED_S = 0.002  # answers delivered this recently are expected back as new requests (see Dispatcher.submit);
+OWED_S = 0.004  # answers delivered this recently are expected back as new requests (see Dispatcher.submit);
 # a hold ends at the first request after it, whatever hold_us says
 HOLD_GAP_S = 0.0002  # a hold ends when no request came for this long: the answered clients are not coming
 LOG_EVERY_S = 5.0  # while Redis is down, a failure of the same kind is logged at most this often
@@ -78,7 +78,7 @@ class Throttled:
 
 class Dispatcher:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str | None = None,
-                 reply_ttl_ms: int = 120_000, hold_us: int = 2000) -> None:
+                 reply_ttl_ms: int = 120_000, hold_us: int = 4000) -> None:
         # requests go out on one lean connection; the reply stream is read, blocking, on another
         self._out, self._in = Resp.like(redis), Resp.like(redis)
         self.keys = keys
