@@ -121,7 +121,7 @@ async def client_factory(redis_url: str, key_prefix: str, monkeypatch: pytest.Mo
     made: list[Client] = []
 
     async def make(hold_us: int) -> Client:
-        client = Client(redis, Keys(f"{key_prefix}{len(made)}"), hold_us)
+        client = Client(redis, Keys(f"{key_prefix}:c{len(made)}"), hold_us)  # under key_prefix: cleaned up
         await client.d.start()
         made.append(client)
         return client
