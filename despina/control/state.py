@@ -21,8 +21,8 @@ class Catalog:
         self.entries: dict[str, CatalogEntry] = {}
         self._dirty: set[str] = set()
         self._removed: set[str] = set()
-        self.complete = False  # the repository has been read: flushes set the published marker
-        self._mark = False
+        self.complete = False  # the repository has been read once (republish() writes the marker again)
+        self._mark = False     # the published marker is to be written at the next flush
         # one flush at a time: two in flight on two connections can reach Redis in either order, and an
         # older entry written last would stay there (nothing is dirty any more to write it again)
         self._flushing = asyncio.Lock()
@@ -71,7 +71,7 @@ class Catalog:
                 pipe.hset(self.keys.catalog, mapping={n: self.entries[n].dumps() for n in dirty})
             if removed:
                 pipe.hdel(self.keys.catalog, *removed)
-            if self.complete:
+            if mark:
                 pipe.set(self.keys.catalog_published, b"1")
             pipe.publish(self.keys.events, b"catalog")
             try:
