@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # usage: bench/ab.sh [-r ROUNDS] [-c "1 8 32 64"] [-m "mlp ..."] [-l perf_analyzer|loadgen] LABEL=TREE[:ENV=V,...] ...
 #
-# A B A B: each round starts `despina serve` from each tree in turn (server on core 0, embedded Valkey,
-# bench/out/repo) and drives each model (default W1 `mlp`; binary tensors) at each concurrency from
-# core 1, with Triton's perf_analyzer (the peers kit's) or bench/loadgen.py (W1 and W2 only). One line
-# per point: label, round, model, concurrency, req/s, p50/p99 ms, mean batch and mean queue µs (from
-# the statistics before and after the point). TREE is a checkout of Despina (a git worktree of another
-# commit, say) run with this checkout's venv; ENV=V pairs are set for that tree's server. TREE
+# A B B A: each round starts `despina serve` from each tree in turn, even rounds in reverse order (server
+# on core 0, embedded Valkey, bench/out/repo), and drives each model (default W1 `mlp`; binary tensors)
+# at each concurrency from core 1, with Triton's perf_analyzer (the peers kit's) or bench/loadgen.py
+# (W1 and W2 only). One line per point: label, round, model, concurrency, req/s, p50/p99 ms, mean
+# batch and mean queue µs (from the statistics before and after the point). TREE is a checkout of
+# Despina (a git worktree of another commit, say) run with this checkout's venv; ENV=V pairs are set for that tree's server. TREE
 # `@triton` is real Triton instead (the peers kit's tritonserver, run as the kit runs it, on core 0)
 # serving bench/out/triton: W1 as the kit's Python-backend `mlp`, W2 `mlp_heavy` and `conv_heavy` as the
 # same model.py on W2's ONNX files, and W3's `classify_post` and `mlp_classify` unchanged from model_repository/.
@@ -134,8 +134,12 @@ start() {  # tree envs log: a server on core 0 in its own process group, its pid
   serve=$!
 }
 
+labels=("$@") reversed=()
+for ((i = $# - 1; i >= 0; i--)); do reversed+=("${labels[i]}"); done
 for round in $(seq "$ROUNDS"); do
-  for spec in "$@"; do
+  order=("${labels[@]}")
+  [ $((round % 2)) = 0 ] && order=("${reversed[@]}")  # A B, B A, A B: a drift or a slot's luck evens out
+  for spec in "${order[@]}"; do
     label=${spec%%=*}; rest=${spec#*=}; tree=${rest%%:*}; envs=""
     [ "$rest" != "$tree" ] && envs=${rest#*:}
     if [ "$tree" = @triton ]; then
