@@ -1,9 +1,7 @@
 """How a worker reads its model's stream, against a real Redis: the next read goes out with a batch's
 replies when nothing read could join a batch before them, and at once whenever it could (a batch on a
 thread, one with nothing to send), so that no request waits for a read that is not coming; and the same
-for an ensemble run in the worker, whose read waits for replies only while every request out is here.
-And when a batch need not wait for company: what the gateways say they have in flight, less what is
-here and what this worker answered that they had not read yet (workers/inflight.py)."""
+for an ensemble run in the worker, whose read waits for replies only while every request out is here."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +16,7 @@ import redis.asyncio as aioredis
 
 from despina.contract import records
 from despina.contract.ensemble import Ensemble
-from despina.contract.keys import FIELD, IN_FLIGHT, SEEN, Keys
+from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
@@ -26,7 +24,6 @@ from despina.examples import build_mlp
 from despina.workers import ensembles
 from despina.workers import runner as runner_module
 from despina.workers.ensembles import EnsembleHost
-from despina.workers.inflight import Gateways
 from despina.workers.redelivery import DeliveryPolicy
 from despina.workers.runner import ModelRunner
 from despina.workers.stats import Deferred
@@ -66,13 +63,11 @@ def counted(streams: Any) -> list[int]:
 
 
 async def enqueue(redis: aioredis.Redis, stream: str, reply_stream: str, rid: str, in_flight: bytes = b"1",
-                  deadline_s: float = 60.0, seen: bytes | None = None) -> None:
-    """A gateway's entry of one request (W1's row), saying it has `in_flight` out for the model (and,
-    with `seen`, the last reply entry it has read)."""
+                  deadline_s: float = 60.0) -> None:
+    """A gateway's entry of one request (W1's row), saying it has `in_flight` out for the model."""
     req = InferRequest(rid, reply_stream, time.time() + deadline_s,
                        (Tensor("x", "FP32", (1, 256), ROW.tobytes()),), enqueued=time.time())
-    extra = {} if seen is None else {SEEN: seen}
-    await redis.xadd(stream, {FIELD: records.encode([req]), IN_FLIGHT: in_flight, **extra})
+    await redis.xadd(stream, {FIELD: records.encode([req]), IN_FLIGHT: in_flight})
 
 
 class Worker:
@@ -83,10 +78,8 @@ class Worker:
         self.gateway = Replies(redis, reply_stream)
         self.sent_with_replies = counted(runner.streams)
 
-    async def enqueue(self, rid: str, deadline_s: float = 60.0, in_flight: bytes = b"1",
-                      seen: bytes | None = None) -> None:
-        await enqueue(self.redis, self.runner.streams.streams[0], self.gateway.stream, rid, in_flight,
-                      deadline_s, seen)
+    async def enqueue(self, rid: str, deadline_s: float = 60.0) -> None:
+        await enqueue(self.redis, self.runner.streams.streams[0], self.gateway.stream, rid, deadline_s=deadline_s)
 
     async def replies(self, n: int) -> list[InferReply]:
         return await self.gateway.next(n)
@@ -122,56 +115,6 @@ async def test_the_next_read_goes_out_with_a_batchs_replies(worker: Worker) -> N
         assert reply.id == f"r{i}" and reply.error is None
     # the first batch ran on a thread (the model's cost was not known yet): its read went alone
     assert worker.sent_with_replies[0] >= 10
-
-
-async def test_a_batch_does_not_wait_for_requests_whose_answers_are_on_their_way(worker: Worker) -> None:
-    """The model's delay is 30 s: a request answered within seconds went because nothing could join it."""
-    await worker.enqueue("a", seen=b"0-0")
-    (a,) = await worker.replies(1)
-    # the gateway has not read a's answer yet when it sends b: it counts both, but a is answered
-    await worker.enqueue("b", in_flight=b"2", seen=b"0-0")
-    (b,) = await worker.replies(1)
-    assert (a.id, b.id) == ("a", "b")
-    # it has read b's answer, and counts c and two more that are not here: c waits for them
-    await worker.enqueue("c", in_flight=b"3", seen=worker.gateway.last)
-    with pytest.raises(TimeoutError):
-        await worker.gateway.next(1, timeout=0.5)
-    await worker.enqueue("d", in_flight=b"3", seen=worker.gateway.last)
-    with pytest.raises(TimeoutError):
-        await worker.gateway.next(1, timeout=0.3)
-    await worker.enqueue("e", in_flight=b"3", seen=worker.gateway.last)
-    assert sorted(r.id for r in await worker.replies(3)) == ["c", "d", "e"]
-    # a gateway that does not say what it has read (an older one): its count stands as it is
-    await worker.enqueue("f", in_flight=b"1")
-    await worker.replies(1)
-    await worker.enqueue("g", in_flight=b"2")
-    with pytest.raises(TimeoutError):
-        await worker.gateway.next(1, timeout=0.5)
-    await worker.enqueue("h", in_flight=b"2")
-    assert sorted(r.id for r in await worker.replies(2)) == ["g", "h"]
-
-
-def test_unread_answers_count_only_after_what_the_gateway_read() -> None:
-    g = Gateways(replies=True)
-    g.replied("gw", b"5-0", 3)
-    g.replied("gw", b"7-1", 1)
-    g.announce("gw", {IN_FLIGHT: b"4", SEEN: b"5-0"})  # it read the first entry: the second is its own
-    g.opened("gw")
-    g.opened("gw")
-    assert not g.all_here()  # 2 here + 1 unread < 4
-    g.opened("gw")
-    assert g.all_here()
-    g.replied("gw", b"4-9", 5)  # written before what it read (the id came back late): not counted
-    g.announce("gw", {IN_FLIGHT: b"9", SEEN: b"5-0"})
-    assert not g.all_here()
-    g.announce("gw", {IN_FLIGHT: b"4", SEEN: b"7-1"})  # read everything: nothing unread
-    assert not g.all_here() and "gw" not in g.unread
-    # kept only where requests are read in the order written (one stream)
-    g = Gateways()
-    g.replied("gw", b"5-0", 3)
-    g.announce("gw", {IN_FLIGHT: b"2", SEEN: b"0-0"})
-    g.opened("gw")
-    assert not g.all_here()
 
 
 async def slow_on_a_thread(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:

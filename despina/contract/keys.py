@@ -14,9 +14,6 @@ ATTEMPTS = b"a"  # on a redelivered request entry: deliveries of it that ended w
 # On a gateway's request entry: the requests for that model version the gateway had queued and not yet
 # seen answered when it wrote the entry, the entry's own included (workers/inflight.py)
 IN_FLIGHT = b"n"
-# On a gateway's request entry: the last entry of its reply stream it had read when it wrote the entry.
-# Replies a worker wrote after that one answer requests the entry's IN_FLIGHT still counted.
-SEEN = b"s"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from ..alarm import Alarm
 from ..contract import records
 from ..contract.errors import Code, DespinaError, Unavailable
-from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, SEEN, Keys
+from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
 from ..contract.records import InferReply, InferRequest
 from ..resp import Batch, ReadAlong, Resp, fields
 
@@ -40,7 +40,7 @@ if n >= tonumber(ARGV[1]) then
   redis.call('HINCRBY', KEYS[3], 'refused', 1)
   return 0
 end
-redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7])
+redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3], ARGV[4], ARGV[5])
 redis.call('INCR', KEYS[2])
 redis.call('HINCRBY', KEYS[3], 'enqueued', 1)
 return 1
@@ -114,7 +114,7 @@ class Dispatcher:
         self._gap_until = 0.0   # when it ends unless another request comes first
         self._alarm: Alarm | None = None  # ends a hold; without one (not Linux) nothing is held
         self._read_along = ReadAlong()  # the reply reader's next read, waiting for the next requests
-        self._last_reply: str | bytes = "0-0"  # the reply stream's last entry read
+        self._last_reply = "0-0"  # the reply stream's last entry read
 
     def new_id(self) -> str:
         return f"{next(self._ids):x}"
@@ -304,20 +304,17 @@ class Dispatcher:
                      bounded: list[tuple[str, Bound, InferRequest]]) -> None:
         pipe = Batch()
         plain = 0  # commands before the bounded ones
-        seen = self._last_reply
         for stream, batch in outbox.items():
             in_flight = self._in_flight.get(self._stats[stream], 0)
             for i in range(0, len(batch), ENTRY_REQUESTS):
-                pipe.xadd(stream, {FIELD: records.encode(batch[i:i + ENTRY_REQUESTS]), IN_FLIGHT: in_flight,
-                                   SEEN: seen})
+                pipe.xadd(stream, {FIELD: records.encode(batch[i:i + ENTRY_REQUESTS]), IN_FLIGHT: in_flight})
                 plain += 1
             pipe.hincrby(self._stats[stream], "enqueued", len(batch))
             plain += 1
         plain += self._counts_into(pipe)  # what the gateway counted itself rides along
         for stream, (counter, limit), req in bounded:
             pipe.eval(BOUNDED_XADD, 3, stream, counter, self._stats[stream], limit, FIELD,
-                      records.encode([req]), IN_FLIGHT, self._in_flight.get(self._stats[stream], 0),
-                      SEEN, seen)
+                      records.encode([req]), IN_FLIGHT, self._in_flight.get(self._stats[stream], 0))
         sent = self._read_along.send(pipe.commands, lambda c: self._in.send(c, [self._read_command()]))
         try:
             results = await (self._out.execute(pipe.commands) if sent is None else self._in.replies(sent))

@@ -103,10 +103,6 @@ class DynamicBatcher:
         """Batches handed to `execute` and not yet returned from it (their instance still taken)."""
         return self._instances - self._idle
 
-    def reconsider(self) -> None:
-        """Look at the queued items again: what `nothing_coming` says may have changed."""
-        self._wake.set()
-
     def close(self) -> None:
         """Stop taking items; run() returns once everything queued has been executed."""
         self._closed = True

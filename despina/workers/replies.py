@@ -31,12 +31,8 @@ def count_dequeued(pipe: Batch, keys: Keys, spec: ModelSpec, version: int, bound
         pipe.decrby(keys.queued(spec.name, version, level), n)
 
 
-def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: int) -> list[int]:
-    """One reply entry per gateway's reply stream, which expires if its gateway is gone; where each
-    XADD is in `pipe` (its result is the entry's id), in by_gateway's order."""
-    at = []
+def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: int) -> None:
+    """One reply entry per gateway's reply stream, which expires if its gateway is gone."""
     for stream, group in by_gateway.items():
-        at.append(len(pipe))
         pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
         pipe.pexpire(stream, ttl_ms)
-    return at

@@ -85,9 +85,7 @@ class ModelRunner:
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
         # id() of a submitted request -> where its reply goes, and who says whether more may come
         self._local: dict[int, tuple[Answer, Settled | None]] = {}
-        # what each gateway has in flight: is anything still coming? (its replies count where the
-        # requests come in one stream, read in the order written)
-        self._gateways = Gateways(replies=len(self.streams.streams) == 1)
+        self._gateways = Gateways()  # what each gateway has in flight: is anything still coming?
         self._in_flight = 0
         self._room = asyncio.Event()
         self._room.set()
@@ -470,7 +468,7 @@ class ModelRunner:
         if self._out is None:
             self._out = Resp.like(self.redis)
         pipe = Batch()
-        written = replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
+        replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
         if self._bounded:
             count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, requests)
         counts = stats.tally(replies, rows, started, timings)
@@ -488,17 +486,12 @@ class ModelRunner:
         sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room, 1000))
         try:
             if sent is None:
-                results = await self._out.execute(pipe.commands)
+                await self._out.execute(pipe.commands)
             else:
-                results = await self.streams.replies(sent)
+                await self.streams.replies(sent)
         except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
             log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, len(replies), exc)
-            return
-        for (gateway, group), at in zip(by_gateway.items(), written):
-            self._gateways.replied(gateway, results[at], len(group))
-        if self.batcher.pending:  # a batch waiting for company may now know that none is coming
-            self.batcher.reconsider()
 
     async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
         try:
