@@ -7,8 +7,8 @@
 # (W1 and W2 only). One line per point: label, round, model, concurrency, req/s, p50/p99 ms, mean
 # batch and mean queue µs (from the statistics before and after the point). TREE is a checkout of
 # Despina (a git worktree of another commit, say) run with this checkout's venv; ENV=V pairs are set
-# for that tree's server. TREE `@triton` is real Triton instead (the peers kit's tritonserver, run as the kit runs it, on core 0)
-# serving bench/out/triton: W1 as the kit's Python-backend `mlp`, W2 `mlp_heavy` and `conv_heavy` as the
+# for that tree's server. TREE `@triton` is real Triton instead (the peers kit's tritonserver, run as
+# the kit runs it, on core 0) serving bench/out/triton: W1 as the kit's Python-backend `mlp`, W2 `mlp_heavy` and `conv_heavy` as the
 # same model.py on W2's ONNX files, and W3's `classify_post` and `mlp_classify` unchanged from model_repository/.
 # Pinning: the server on core 0 as a whole, unless the label's ENV has DESPINA_WORKER_CPUS=0 (Despina
 # runs its workers on core 0 and everything else, with the load generator, on core 1) or, for

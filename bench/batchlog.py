@@ -31,9 +31,12 @@ def summarize(path: str, model: str) -> None:
         for line in log:
             if "batch formed" not in line or f"model={model} " not in line:
                 continue
-            n = int(REQUESTS.search(line).group(1))  # type: ignore[union-attr]
-            queue = [int(x) for x in QUEUE.search(line).group(1).split(",")]  # type: ignore[union-attr]
-            transit = [int(x) for x in TRANSIT.search(line).group(1).split(",")]  # type: ignore[union-attr]
+            found = [p.search(line) for p in (REQUESTS, QUEUE, TRANSIT)]
+            if not all(found):
+                continue  # cut short (a log rotated or killed mid-line)
+            n = int(found[0].group(1))  # type: ignore[union-attr]
+            queue, transit = ([int(x) for x in m.group(1).split(",")]  # type: ignore[union-attr]
+                              for m in found[1:])
             sizes[n] += 1
             order.append(n)
             after[n].append(max(q - t for q, t in zip(queue, transit)))
