@@ -25,7 +25,7 @@ from ..settings import Settings
 from .auth import AuthPolicy, Guard
 from .dispatch import Dispatcher
 from .http import error_parts
-from .infer import FunctionRoute, InferRoute, asgi
+from .infer import AsgiEndpoint, FunctionRoute, InferRoute
 from .models import ModelView
 from .openapi import document
 from .protocol import HotRoutes
@@ -172,9 +172,9 @@ def create_app(settings: Settings) -> Starlette:
         Route("/v2/models/{model}/versions/{version}/config", model_config, methods=["GET"]),
         Route("/v2/models/{model}/stats", stats, methods=["GET"]),
         Route("/v2/models/{model}/versions/{version}/stats", stats, methods=["GET"]),
-        Route("/v2/models/{model}/infer", asgi(infer), methods=["POST"]),
-        Route("/v2/models/{model}/versions/{version}/infer", asgi(infer), methods=["POST"]),
-        Route("/fn/{model}", asgi(fn), methods=["POST"]),
+        Route("/v2/models/{model}/infer", AsgiEndpoint(infer), methods=["POST"]),
+        Route("/v2/models/{model}/versions/{version}/infer", AsgiEndpoint(infer), methods=["POST"]),
+        Route("/fn/{model}", AsgiEndpoint(fn), methods=["POST"]),
         *repository_routes(gw),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],

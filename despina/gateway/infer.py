@@ -2,7 +2,7 @@
 
 A route is called with an exchange whose body is complete and answers it through `respond`, at once
 (an error) or when the worker's reply comes back: no task and no coroutine per request. The gateway's
-HTTP protocol (protocol.py) calls the routes straight from its parser; `asgi()` serves the same routes
+HTTP protocol (protocol.py) calls the routes straight from its parser; `AsgiEndpoint` serves the same routes
 under any ASGI server.
 """
 from __future__ import annotations
@@ -97,23 +97,32 @@ class InferRoute(Route):
     def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
               timeout: float | None) -> None:
         gw = self.gateway
-        raw_length = http.header(ex.headers, b"inference-header-content-length")
-        header_length = _int_header(raw_length) if raw_length is not None else None
-        decoded = decode_infer(ex.body, header_length, model.spec, gw.settings.max_tensor_elements)
+        decoded = decode_infer(ex.body, self.header_length(ex), model.spec, gw.settings.max_tensor_elements)
         priority, timeout_us = schedule_parameters(decoded.parameters)
         echo = [(b"x-request-id", trace)] if trace else []
+        respond = self.respond
 
         def answer(reply: InferReply) -> None:
             out, json_length = encode_infer(model.spec.name, version, decoded.id, reply.outputs,
                                             decoded.binary_outputs, decoded.binary_all, decoded.heads)
-            if json_length is None:
-                ex.respond(200, out, http.JSON, echo)
-            else:
-                length = (b"inference-header-content-length", b"%d" % json_length)
-                ex.respond(200, out, OCTETS, [length, *echo])
+            respond(ex, out, json_length, echo)
 
         submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace,
                answering(ex, trace, answer), priority, timeout_us, timeout)
+
+    def header_length(self, ex: Exchange) -> int | None:
+        """The JSON header's length in a body with binary tensors (None: the body is all JSON)."""
+        raw = http.header(ex.headers, b"inference-header-content-length")
+        return _int_header(raw) if raw is not None else None
+
+    @staticmethod
+    def respond(ex: Exchange, out: bytes, json_length: int | None, echo: Headers) -> None:
+        """The answer as encode_infer made it: all JSON, or a JSON header of json_length and tensors."""
+        if json_length is None:
+            ex.respond(200, out, http.JSON, echo)
+        else:
+            length = (b"inference-header-content-length", b"%d" % json_length)
+            ex.respond(200, out, OCTETS, [length, *echo])
 
 
 class FunctionRoute(Route):
@@ -243,10 +252,15 @@ class AsgiExchange:
             self.answer.set_result((status, body, content_type, extra))
 
 
-def asgi(route: Route) -> Callable[[Scope, Receive, Send], object]:
-    """The route as an ASGI endpoint (for Starlette's router)."""
-    async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
-        limit = route.gateway.settings.max_body_bytes
+class AsgiEndpoint:
+    """A route as an ASGI endpoint (for Starlette's router). An instance, not a function: Starlette's
+    Route calls a function as request -> response, an instance as the ASGI app it is."""
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.route.gateway.settings.max_body_bytes
         try:
             body = await http.read_body(scope, receive, limit)
         except DespinaError as exc:
@@ -255,7 +269,6 @@ def asgi(route: Route) -> Callable[[Scope, Receive, Send], object]:
         except ConnectionResetError:
             return
         ex = AsgiExchange(scope, body)
-        route(ex)
+        self.route(ex)
         status, out, content_type, extra = await ex.answer
         await http.send(send, status, out, content_type, extra)
-    return endpoint
