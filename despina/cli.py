@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--http-restricted-api", dest="http_restricted_api", action="append",
                         metavar="API[,API...]:HEADER=VALUE",
                         help="as Triton's: these APIs need the header HEADER: VALUE (repeatable)")
+        sp.add_argument("--sagemaker", dest="sagemaker", action=argparse.BooleanOptionalAction,
+                        help="serve SageMaker's container contract too: /ping, /invocations, /models "
+                             "(and take SageMaker's defaults: port 8080, /opt/ml/model)")
+        sp.add_argument("--sagemaker-model", dest="sagemaker_model", metavar="NAME",
+                        help="the model /invocations runs (default: the repository's only model)")
 
     def worker(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--intra-op-threads", dest="intra_op_threads", type=int,

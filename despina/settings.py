@@ -61,6 +61,9 @@ class Settings:
     auth_inference: bool = False            # with keys configured, inference needs a key too
     # Triton's --http-restricted-api: <api>[,<api>...]:<header>=<value>, groups separated by ';'
     http_restricted_api: str | None = field(default=None, repr=False)
+    # SageMaker's container contract (gateway/sagemaker.py): /ping, /invocations and the multi-model /models
+    sagemaker: bool = False
+    sagemaker_model: str | None = None      # what /invocations runs; else the repository's only model
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -96,10 +99,38 @@ class Settings:
         for key, value in (args or {}).items():
             if value is not None and key in cls.__dataclass_fields__:
                 values[key] = value
+        if values.get("sagemaker"):
+            _sagemaker_defaults(values, environ)
         return cls(**values)
 
     def with_(self, **changes: Any) -> Settings:
         return replace(self, **changes)
+
+
+SAGEMAKER_MODEL_DIR = "/opt/ml/model"             # where SageMaker puts a single-model endpoint's artifacts
+SAGEMAKER_MME_REPOSITORY = "/tmp/despina-sagemaker"  # a multi-model endpoint's models, staged as loaded
+
+
+def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """What SageMaker's own variables say, where no DESPINA_* variable or option said otherwise: the
+    port (SAGEMAKER_BIND_TO_PORT, else 8080), every address, the artifacts' folder, the model that
+    /invocations runs (Triton's SAGEMAKER_TRITON_DEFAULT_MODEL_NAME), and for a multi-model endpoint
+    (SAGEMAKER_MULTI_MODEL=true) explicit model control over a folder the endpoint's loads fill."""
+    try:
+        values.setdefault("http_port", int(environ.get("SAGEMAKER_BIND_TO_PORT") or 8080))
+    except ValueError:
+        raise BadSetting(f"SAGEMAKER_BIND_TO_PORT={environ['SAGEMAKER_BIND_TO_PORT']!r}: expected a port "
+                         "number") from None
+    values.setdefault("host", "0.0.0.0")
+    if environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"):
+        values.setdefault("sagemaker_model", environ["SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"])
+    if environ.get("SAGEMAKER_MULTI_MODEL", "").strip().lower() in _TRUE:
+        values.setdefault("model_control_mode", "explicit")
+        if "model_repository" not in values:  # empty until the first load: it must exist to be read
+            os.makedirs(SAGEMAKER_MME_REPOSITORY, exist_ok=True)
+            values["model_repository"] = SAGEMAKER_MME_REPOSITORY
+    else:
+        values.setdefault("model_repository", SAGEMAKER_MODEL_DIR)
 
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -32,14 +32,21 @@ def test_document_is_valid_openapi() -> None:
     validate(document(__version__))
 
 
-def test_document_names_every_route() -> None:
-    app = create_app(Settings(redis_url="redis://127.0.0.1:1"))  # nothing connects before start-up
-    paths = document(__version__)["paths"]
+@pytest.mark.parametrize("sagemaker", [False, True])
+def test_document_names_every_route(sagemaker: bool) -> None:
+    # nothing connects before start-up
+    app = create_app(Settings(redis_url="redis://127.0.0.1:1", sagemaker=sagemaker))
+    doc = document(__version__, sagemaker)
+    validate(doc)
+    paths = doc["paths"]
+    methods: dict[str, set[str]] = {}
     for route in app.routes:
         assert isinstance(route, Route)
         assert route.path in paths, f"{route.path} is not in the OpenAPI document"
-        documented = {m.upper() for m in paths[route.path] if m != "parameters"}
-        assert set(route.methods or ()) - {"HEAD"} <= documented, route.path
+        methods.setdefault(route.path, set()).update(set(route.methods or ()) - {"HEAD"})
+    for path, served in methods.items():
+        assert served == {m.upper() for m in paths[path] if m != "parameters"}, path
+    assert set(paths) == set(methods), "the document names routes the server does not serve"
 
 
 def fuzz_document() -> dict[str, Any]:

@@ -45,6 +45,11 @@ class Keys:
         return f"{self.prefix}:executing:{worker_id}"
 
     @property
+    def sagemaker_models(self) -> str:
+        """Hash: a SageMaker multi-model endpoint's model name -> {"url": where SageMaker unpacked it}."""
+        return f"{self.prefix}:sagemaker:models"
+
+    @property
     def catalog(self) -> str:
         """Hash: model name -> catalog entry (JSON), written by the control plane."""
         return f"{self.prefix}:catalog"

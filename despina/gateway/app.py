@@ -31,6 +31,7 @@ from .openapi import document
 from .protocol import HotRoutes
 from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
 from .repository import repository_routes
+from .sagemaker import sagemaker_routes
 from .stats import model_statistics
 
 log = logging.getLogger("despina.gateway")
@@ -94,7 +95,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 def create_app(settings: Settings) -> Starlette:
     policy = AuthPolicy.from_settings(settings)  # a bad key file stops the gateway here, before it listens
     gw = Gateway(settings)
-    openapi = orjson.dumps(document(__version__))
+    openapi = orjson.dumps(document(__version__, settings.sagemaker))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -176,6 +177,7 @@ def create_app(settings: Settings) -> Starlette:
         Route("/v2/models/{model}/versions/{version}/infer", AsgiEndpoint(infer), methods=["POST"]),
         Route("/fn/{model}", AsgiEndpoint(fn), methods=["POST"]),
         *repository_routes(gw),
+        *(sagemaker_routes(gw) if settings.sagemaker else []),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],
                     exception_handlers={404: _http_error, 405: _http_error, RedisError: _redis_error,

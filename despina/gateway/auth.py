@@ -57,6 +57,11 @@ ROUTES: tuple[tuple[str, str], ...] = (  # (path pattern, API group); the router
     (rf"/v2/models/{_MODEL}/stats", "statistics"),
     (r"/v2/repository/index", "model-repository"),
     (r"/v2/repository/models/(?P<model{i}>[^/]+)/(?:load|unload)", "model-repository"),
+    # SageMaker's contract (gateway/sagemaker.py): /invocations runs the endpoint's model, named nowhere
+    (r"/invocations", "inference"),
+    (r"/ping", "health"),
+    (r"/models/(?P<model{i}>[^/]+)/invoke", "inference"),
+    (r"/models(?:/(?P<model{i}>[^/]+))?", "model-repository"),
 )
 # One regular expression for all: a request pays one match, not one per route.
 _ROUTE = re.compile("|".join(f"(?P<r{i}>{p.replace('{i}', str(i))})" for i, (p, _) in enumerate(ROUTES)))

@@ -128,6 +128,14 @@ def _schemas() -> Doc:
             {"type": "array", "description": "The only input of a single-input model"}]},
         "FunctionResponse": {"type": "object", "additionalProperties": {},
                              "description": "Output name -> nested list"},
+        "SageMakerLoad": {"type": "object", "required": ["model_name", "url"], "properties": {
+            "model_name": {"type": "string", "pattern": MODEL_NAME},
+            "url": {"type": "string", "description": "Where SageMaker unpacked the model's archive"}}},
+        "SageMakerModel": {"type": "object", "required": ["modelName", "modelUrl"], "properties": {
+            "modelName": {"type": "string"}, "modelUrl": {"type": "string"}}},
+        "SageMakerModels": {"type": "object", "required": ["models"], "properties": {
+            "models": {"type": "array", "items": _ref("SageMakerModel")},
+            "nextPageToken": {"type": "string", "description": "next_page_token of the next page"}}},
     }
 
 
@@ -211,6 +219,52 @@ def _paths() -> Doc:
     return paths
 
 
+SAGEMAKER_BINARY = """SageMaker's framing of Triton's binary tensor extension: the JSON header's length in
+the content type, `application/vnd.sagemaker-triton.binary+json;json-header-size=N`, not in a header."""
+
+
+def _sagemaker_infer_op(op_id: str, summary: str) -> Doc:
+    op = _infer_op(op_id)
+    op["summary"], op["parameters"] = summary, []
+    op["description"] = SAGEMAKER_BINARY
+    binary = {"schema": {"type": "string", "format": "binary"}}
+    op["requestBody"]["content"] = {"application/json": op["requestBody"]["content"]["application/json"],
+                                    "application/vnd.sagemaker-triton.binary+json": binary}
+    ok = op["responses"]["200"]
+    ok.pop("headers")
+    ok["content"] = {"application/json": ok["content"]["application/json"],
+                     "application/vnd.sagemaker-triton.binary+json": binary}
+    return op
+
+
+def _sagemaker_paths() -> Doc:
+    """SageMaker's container contract (`--sagemaker`; gateway/sagemaker.py)."""
+    name = {**MODEL, "description": "The model's name on the multi-model endpoint"}
+    page = [{"name": "max_results", "in": "query", "required": False,
+             "schema": {"type": "integer", "minimum": 1}},
+            {"name": "next_page_token", "in": "query", "required": False, "schema": {"type": "string"}}]
+    return {
+        "/ping": {"get": _ready_op("sagemaker_ping", "SageMaker's health check: server readiness")},
+        "/invocations": {"post": _sagemaker_infer_op(
+            "sagemaker_invocations", "SageMaker: run the endpoint's model (a V2 infer request)")},
+        "/models": {
+            "get": _op("sagemaker_list", "SageMaker: the multi-model endpoint's loaded models",
+                       "model-repository", _ok("Models", _ref("SageMakerModels")), (400, 401, 403),
+                       parameters=page),
+            "post": _op("sagemaker_load", "SageMaker: load a model from the folder SageMaker unpacked",
+                        "model-repository", _ok("Loaded"), (400, 401, 403, 503),
+                        requestBody={"required": True, "content": _json(_ref("SageMakerLoad"))})},
+        "/models/{model}": {
+            "parameters": [name],
+            "get": _op("sagemaker_describe", "SageMaker: one loaded model", "model-repository",
+                       _ok("The model", _ref("SageMakerModel")), (401, 403, 404)),
+            "delete": _op("sagemaker_unload", "SageMaker: unload a model", "model-repository",
+                          _ok("Unloaded"), (401, 403, 404, 503))},
+        "/models/{model}/invoke": {"parameters": [name], "post": _sagemaker_infer_op(
+            "sagemaker_invoke", "SageMaker: run one model of a multi-model endpoint")},
+    }
+
+
 DESCRIPTION = """Despina serves the models of a Triton model repository over the KServe V2 / Open
 Inference Protocol with Triton's extensions (binary tensors, statistics, model repository), plus
 function URLs (`POST /fn/{model}`). Errors are `{"error": "..."}`.
@@ -220,8 +274,8 @@ Keys: when API keys are configured, the model-repository, model-config and stati
 and this document stay open. Triton's restricted-API headers (`DESPINA_HTTP_RESTRICTED_API`) work too."""
 
 
-def document(version: str) -> Doc:
-    """The OpenAPI 3.0 document of the gateway's HTTP API."""
+def document(version: str, sagemaker: bool = False) -> Doc:
+    """The OpenAPI 3.0 document of the gateway's HTTP API (with SageMaker's routes when it serves them)."""
     return {
         "openapi": "3.0.3",
         "info": {"title": "Despina", "version": version, "description": DESCRIPTION,
@@ -229,7 +283,7 @@ def document(version: str) -> Doc:
         "tags": [{"name": t} for t in ("health", "metadata", "inference", "model-config", "statistics",
                                        "model-repository")],
         "security": [{}, {"bearer": []}],
-        "paths": _paths(),
+        "paths": {**_paths(), **(_sagemaker_paths() if sagemaker else {})},
         "components": {"schemas": _schemas(),
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                                       "description": "An API key"}}},

@@ -26,27 +26,27 @@ EXTENSIONS = ["model_repository", "model_repository(unload_dependents)"]
 def repository_routes(gw: Gateway) -> list[Route]:
     async def index(request: Request) -> Response:
         try:
-            doc = await _json_body(request, gw.settings.max_body_bytes)
+            doc = await json_body(request, gw.settings.max_body_bytes)
             ready = doc.get("ready")
             if ready is not None and not isinstance(ready, bool):
                 raise InvalidArgument("'ready' must be true or false")
             rows = await gw.view.control.call(INDEX, "", {"ready": ready}, INDEX_TIMEOUT_S)
         except DespinaError as exc:
-            return _error(exc)
+            return error(exc)
         return Response(orjson.dumps(rows), 200, media_type="application/json")
 
     async def load(request: Request) -> Response:
         try:
-            params = _parameters(await _json_body(request, gw.settings.max_body_bytes))
+            params = _parameters(await json_body(request, gw.settings.max_body_bytes))
             await gw.view.control.call(LOAD, request.path_params["model"], params, gw.settings.load_timeout_s)
             await gw.view.refresh()  # a readiness call right after the answer must see the model
         except DespinaError as exc:
-            return _error(exc)
+            return error(exc)
         return Response(b"", 200)
 
     async def unload(request: Request) -> Response:
         try:
-            params = _parameters(await _json_body(request, gw.settings.max_body_bytes))
+            params = _parameters(await json_body(request, gw.settings.max_body_bytes))
             dependents = params.get("unload_dependents", False)
             if not isinstance(dependents, bool):
                 raise InvalidArgument("'unload_dependents' must be true or false")
@@ -54,7 +54,7 @@ def repository_routes(gw: Gateway) -> list[Route]:
                                        {"unload_dependents": dependents}, gw.settings.load_timeout_s)
             await gw.view.refresh()
         except DespinaError as exc:
-            return _error(exc)
+            return error(exc)
         return Response(b"", 200)
 
     return [
@@ -64,7 +64,7 @@ def repository_routes(gw: Gateway) -> list[Route]:
     ]
 
 
-async def _json_body(request: Request, limit: int) -> dict[str, Any]:
+async def json_body(request: Request, limit: int) -> dict[str, Any]:
     body = await read_body(request.scope, request.receive, limit)
     if not body.strip():
         return {}
@@ -78,6 +78,6 @@ def _parameters(doc: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _error(exc: DespinaError) -> Response:
+def error(exc: DespinaError) -> Response:
     status, body, extra = error_parts(exc)
     return Response(body, status, {k.decode(): v.decode() for k, v in extra}, media_type="application/json")

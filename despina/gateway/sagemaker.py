@@ -1,0 +1,237 @@
+"""SageMaker's inference container contract, as Triton's SageMaker front end speaks it.
+
+An endpoint built for Triton's SageMaker image works unchanged: the same routes, request bodies, content
+types and model variables. Served when `sagemaker` is set (`despina serve --sagemaker`, which also takes
+SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
+
+- GET /ping: 200 once the server is ready (as /v2/health/ready), else 400 as Triton answers.
+- POST /invocations: a V2 inference request for the endpoint's model (`sagemaker_model`, Triton's
+  SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, else the repository's only model): JSON, or binary tensors with
+  the content type `application/vnd.sagemaker-triton.binary+json;json-header-size=N` in place of the
+  Inference-Header-Content-Length header. The answer comes back the same way.
+- Multi-model endpoints (SAGEMAKER_MULTI_MODEL=true: explicit model control): POST /models
+  {"model_name", "url"} copies the model folder SageMaker unpacked at `url` into the model repository
+  as `model_name` and loads it (409 when that name is loaded); GET /models (paged: max_results,
+  next_page_token), GET /models/{name}, DELETE /models/{name} (404 when not loaded), and
+  POST /models/{name}/invoke. The endpoint's models are kept in one Redis hash, so that every gateway
+  of the endpoint answers for them alike.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from google.protobuf import text_format
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route as HttpRoute
+
+from ..contract.commands import LOAD, UNLOAD
+from ..contract.ensemble import PLATFORM
+from ..contract.errors import Code, DespinaError, InvalidArgument, NotFound
+from ..contract.modelconfig import check_model_name, parse_text
+from ..registry import open_registry
+from ..registry.transfer import plan
+from . import http
+from .infer import AsgiEndpoint, Exchange, InferRoute, fail
+from .repository import error, json_body
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+    from .app import Gateway
+
+log = logging.getLogger("despina.gateway")
+
+BINARY = b"application/vnd.sagemaker-triton.binary+json;json-header-size="
+FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")  # as Triton: a load never reads from these
+PAGE_MAX = 1000  # models in one GET /models answer at most
+
+
+class SageMakerInfer(InferRoute):
+    """A V2 inference request in SageMaker's framing: the JSON header's length in the content type."""
+
+    def header_length(self, ex: Exchange) -> int | None:
+        raw = http.header(ex.headers, b"content-type")
+        if raw is None:
+            return None
+        ctype = raw.replace(b" ", b"").lower()
+        at = ctype.find(BINARY)
+        if at < 0:
+            return None
+        if at > 0:
+            raise InvalidArgument(f"the content type of binary data must start with "
+                                  f"'{BINARY.decode()}', got '{raw.decode('latin-1')}'")
+        size = ctype[len(BINARY):].split(b";", 1)[0]
+        if not size.isdigit() or not 0 < int(size) <= len(ex.body):
+            raise InvalidArgument(f"json-header-size must be a number from 1 to the body's length "
+                                  f"({len(ex.body)}), got '{size.decode('latin-1')}'")
+        return int(size)
+
+    @staticmethod
+    def respond(ex: Exchange, out: bytes, json_length: int | None, echo: http.Headers) -> None:
+        ex.respond(200, out, http.JSON if json_length is None else BINARY + b"%d" % json_length, echo)
+
+
+class Invocations(SageMakerInfer):
+    """POST /invocations: the endpoint's one model."""
+
+    def __call__(self, ex: Exchange) -> None:
+        try:
+            ex.params = {"model": endpoint_model(self.gateway)}
+        except DespinaError as exc:
+            fail(ex, exc, http.header(ex.headers, b"x-request-id"))
+            return
+        super().__call__(ex)
+
+
+def endpoint_model(gw: Gateway) -> str:
+    """The model /invocations runs: the one configured, else the only one there is."""
+    if gw.settings.sagemaker_model:
+        return gw.settings.sagemaker_model
+    names = sorted(gw.view.models)
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise NotFound("no model to run: the model repository has none (SageMaker puts a single-model "
+                       "endpoint's models in /opt/ml/model)")
+    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    raise InvalidArgument(f"the repository has {len(names)} models ({shown}): name the one /invocations "
+                          "runs with SAGEMAKER_TRITON_DEFAULT_MODEL_NAME or DESPINA_SAGEMAKER_MODEL")
+
+
+def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
+    key = gw.keys.sagemaker_models
+
+    async def ping(request: Request) -> Response:
+        return Response(b"", 200 if gw.view.server_ready() else 400)
+
+    async def load(request: Request) -> Response:
+        try:
+            doc = await json_body(request, gw.settings.max_body_bytes)
+            name, url = doc.get("model_name"), doc.get("url")
+            if not isinstance(name, str) or not isinstance(url, str) or not name or not url:
+                raise InvalidArgument("the body must be {\"model_name\": \"...\", \"url\": \"...\"} "
+                                      "with both strings")
+            check_model_name(name)
+            if await gw.redis.hexists(key, name):
+                raise DespinaError(f"model '{name}' is already loaded", Code.FAILED_PRECONDITION)
+            folder = model_folder(url)
+            await asyncio.to_thread(stage, folder, name, gw.settings)
+            await gw.view.control.call(LOAD, name, {}, gw.settings.load_timeout_s)
+            await gw.redis.hset(key, name, orjson.dumps({"url": url}))
+            await gw.view.refresh()
+        except DespinaError as exc:
+            return _load_error(exc)
+        log.info("SageMaker model %s loaded from %s", name, url)
+        return Response(b"", 200)
+
+    async def listing(request: Request) -> Response:
+        try:
+            size = _int_param(request, "max_results", PAGE_MAX)
+            start = _int_param(request, "next_page_token", 0)
+        except DespinaError as exc:
+            return error(exc)
+        models = await _models(gw, key)
+        page = models[start:start + min(max(size, 1), PAGE_MAX)]
+        doc: dict[str, Any] = {"models": page}
+        if start + len(page) < len(models):
+            doc["nextPageToken"] = str(start + len(page))
+        return Response(orjson.dumps(doc), 200, media_type="application/json")
+
+    async def describe(request: Request) -> Response:
+        name = request.path_params["model"]
+        raw = await gw.redis.hget(key, name)
+        if raw is None:
+            return error(NotFound(f"model '{name}' is not loaded"))
+        return Response(orjson.dumps({"modelName": name, "modelUrl": orjson.loads(raw)["url"]}), 200,
+                        media_type="application/json")
+
+    async def unload(request: Request) -> Response:
+        name = request.path_params["model"]
+        try:
+            if not await gw.redis.hexists(key, name):
+                raise NotFound(f"model '{name}' is not loaded")
+            await gw.view.control.call(UNLOAD, name, {"unload_dependents": False},
+                                       gw.settings.load_timeout_s)
+            await gw.redis.hdel(key, name)
+            await gw.view.refresh()
+        except DespinaError as exc:
+            return error(exc)
+        log.info("SageMaker model %s unloaded", name)
+        return Response(b"", 200)
+
+    return [
+        HttpRoute("/ping", ping, methods=["GET"]),
+        HttpRoute("/invocations", AsgiEndpoint(Invocations(gw)), methods=["POST"]),
+        HttpRoute("/models", load, methods=["POST"]),
+        HttpRoute("/models", listing, methods=["GET"]),
+        HttpRoute("/models/{model}", describe, methods=["GET"]),
+        HttpRoute("/models/{model}", unload, methods=["DELETE"]),
+        HttpRoute("/models/{model}/invoke", AsgiEndpoint(SageMakerInfer(gw)), methods=["POST"]),
+    ]
+
+
+async def _models(gw: Gateway, key: str) -> list[dict[str, str]]:
+    """The endpoint's models that serve now, by name."""
+    rows = await gw.redis.hgetall(key)
+    out = []
+    for raw_name, raw in sorted(rows.items()):
+        name = raw_name.decode()
+        if gw.view.is_ready(name, None):
+            out.append({"modelName": name, "modelUrl": orjson.loads(raw)["url"]})
+    return out
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    if not raw.isdigit():
+        raise InvalidArgument(f"'{name}' must be a whole number, got '{raw[:32]}'")
+    return int(raw)
+
+
+def _load_error(exc: DespinaError) -> Response:
+    """SageMaker reads 409 as "loaded already" and 507 as "no room: unload another and retry"."""
+    response = error(exc)
+    if exc.code == Code.FAILED_PRECONDITION and "already loaded" in exc.message:
+        response.status_code = 409
+    elif exc.code == Code.RESOURCE_EXHAUSTED or "MiB free, the model needs" in exc.message:
+        response.status_code = 507
+    return response
+
+
+def model_folder(url: str) -> Path:
+    """The model folder in what SageMaker unpacked at `url`: the folder itself when it holds a model
+    (config.pbtxt, version folders or model files), else its one sub-folder."""
+    path = Path(os.path.normpath(os.path.abspath(url)))
+    if any(str(path).startswith(root) or str(path) + "/" == root for root in FORBIDDEN_ROOTS):
+        raise InvalidArgument(f"'url' cannot be under /dev, /proc or /sys, got '{url}'")
+    if not path.is_dir():
+        raise InvalidArgument(f"'url' must be a folder on the endpoint's machine, got '{url}'")
+    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
+    if any(p.is_file() or p.name.isdigit() for p in entries):
+        return path
+    folders = [p for p in entries if p.is_dir()]
+    if len(folders) == 1:
+        return folders[0]
+    raise InvalidArgument(f"'{url}' holds {len(folders)} folders and no model of its own: a multi-model "
+                          "endpoint loads one model folder (config.pbtxt and version folders) per model")
+
+
+def stage(folder: Path, name: str, settings: Settings) -> None:
+    """Copy a model folder into the model repository as model `name`: its files, then its config with
+    that name (the folder SageMaker unpacked is named after the archive, the config after the model)."""
+    config = folder / "config.pbtxt"
+    parsed = parse_text(name, config.read_text()) if config.is_file() else None
+    registry = open_registry(settings.model_repository, settings)
+    for item in plan(folder, None, parsed is not None and parsed.platform == PLATFORM):
+        if item.path != "config.pbtxt":
+            registry.upload(name, item.path, item.source)
+    if parsed is not None:
+        parsed.name = name
+        registry.put(name, "config.pbtxt", text_format.MessageToString(parsed).encode())

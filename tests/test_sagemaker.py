@@ -1,0 +1,213 @@
+"""SageMaker's container contract (gateway/sagemaker.py): /ping, /invocations, the multi-model /models API,
+against a real `despina serve --sagemaker`, driven the way SageMaker and Triton's own SageMaker tests do
+(tritonclient builds and parses the binary bodies)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from despina.gateway.auth import classify
+from despina.settings import BadSetting, Settings
+
+from .conftest import Server
+
+BINARY = "application/vnd.sagemaker-triton.binary+json;json-header-size="
+A = [1.0, 2.0, 3.0, 4.0]
+B = [1.0, 1.0, 1.0, 1.0]
+
+
+def v2_body(a: list[float] = A, b: list[float] = B) -> dict:
+    return {"inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 4], "data": a},
+                       {"name": "b", "datatype": "FP32", "shape": [1, 4], "data": b}]}
+
+
+def outputs(doc: dict) -> dict[str, list[float]]:
+    return {o["name"]: o["data"] for o in doc["outputs"]}
+
+
+def binary_request() -> tuple[bytes, int]:
+    inputs = []
+    for name, data in (("a", A), ("b", B)):
+        t = httpclient.InferInput(name, [1, 4], "FP32")
+        t.set_data_from_numpy(np.array([data], np.float32), binary_data=True)
+        inputs.append(t)
+    wanted = [httpclient.InferRequestedOutput(n, binary_data=True) for n in ("sum", "diff")]
+    body, json_size = httpclient.InferenceServerClient.generate_request_body(inputs, outputs=wanted)
+    return body, json_size
+
+
+def one_model_repo(example_repository: Path, root: Path, name: str = "add_sub") -> Path:
+    shutil.copytree(example_repository / "add_sub", root / name)
+    return root
+
+
+# -- settings and routing, no server ---------------------------------------------------------------
+
+def test_sagemaker_takes_its_port_folder_and_default_model_from_sagemakers_variables() -> None:
+    s = Settings.from_sources({"sagemaker": True}, {})
+    assert (s.http_port, s.host, s.model_repository, s.model_control_mode) == \
+        (8080, "0.0.0.0", "/opt/ml/model", "none")
+    s = Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_BIND_TO_PORT": "9090",
+                                                    "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "mlp"})
+    assert (s.http_port, s.sagemaker_model) == (9090, "mlp")
+    # an option or a DESPINA_* variable wins over what SageMaker's variables say
+    s = Settings.from_sources({"sagemaker": True, "http_port": 8000},
+                              {"SAGEMAKER_BIND_TO_PORT": "9090", "DESPINA_SAGEMAKER_MODEL": "add_sub",
+                               "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "mlp"})
+    assert (s.http_port, s.sagemaker_model) == (8000, "add_sub")
+    s = Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_MULTI_MODEL": "true"})
+    assert (s.model_control_mode, s.model_repository) == ("explicit", "/tmp/despina-sagemaker")
+    assert Path(s.model_repository).is_dir()
+    # without --sagemaker, SageMaker's variables change nothing
+    assert Settings.from_sources({}, {"SAGEMAKER_BIND_TO_PORT": "9090"}).http_port == 8000
+    with pytest.raises(BadSetting, match="SAGEMAKER_BIND_TO_PORT"):
+        Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_BIND_TO_PORT": "eighty"})
+
+
+def test_sagemaker_paths_fall_under_the_api_groups_keys_and_restrictions_name() -> None:
+    assert classify("/invocations") == ("inference", None, None)
+    assert classify("/ping") == ("health", None, None)
+    assert classify("/models/m1/invoke") == ("inference", "m1", None)
+    assert classify("/models") == ("model-repository", None, None)
+    assert classify("/models/m1") == ("model-repository", "m1", None)
+
+
+# -- a single-model endpoint -------------------------------------------------------------------------
+
+def test_a_single_model_endpoint_answers_ping_and_invocations_json_and_binary(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    repo = one_model_repo(example_repository, tmp_path / "model")
+    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1")
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+
+    r = httpx.post(f"{server.url}/invocations", json=v2_body())
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.json()["model_name"] == "add_sub"
+    assert outputs(r.json()) == {"sum": [2.0, 3.0, 4.0, 5.0], "diff": [0.0, 1.0, 2.0, 3.0]}
+
+    body, json_size = binary_request()
+    r = httpx.post(f"{server.url}/invocations", content=body,
+                   headers={"content-type": f"{BINARY}{json_size}"})
+    assert r.status_code == 200, r.text
+    ctype = r.headers["content-type"]
+    assert ctype.startswith(BINARY)
+    result = httpclient.InferenceServerClient.parse_response_body(
+        r.content, header_length=int(ctype[len(BINARY):]))
+    np.testing.assert_array_equal(result.as_numpy("sum"), [[2, 3, 4, 5]])
+    np.testing.assert_array_equal(result.as_numpy("diff"), [[0, 1, 2, 3]])
+
+    # bad framing: a clear 400, never a 500
+    for ctype, content in ((f"text/plain;{BINARY}{json_size}", body),   # the binary type not first
+                           (f"{BINARY}many", body),
+                           (f"{BINARY}{len(body) + 1}", body),          # past the body
+                           (f"{BINARY}0", body),
+                           ("application/json", b"{not json")):
+        r = httpx.post(f"{server.url}/invocations", content=content, headers={"content-type": ctype})
+        assert r.status_code == 400, (ctype, r.status_code, r.text)
+        assert r.json()["error"]
+    bad = v2_body()
+    bad["inputs"][0]["shape"] = [1, 5]
+    r = httpx.post(f"{server.url}/invocations", json=bad)
+    assert r.status_code == 400 and "a" in r.json()["error"]
+    assert httpx.get(f"{server.url}/invocations").status_code == 405
+    # the V2 routes serve as ever beside the contract
+    assert httpx.post(f"{server.url}/v2/models/add_sub/infer", json=v2_body()).status_code == 200
+
+
+def test_invocations_needs_a_default_model_when_the_repository_has_several(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    repo = one_model_repo(example_repository, tmp_path / "model")
+    shutil.copytree(example_repository / "add_sub", repo / "add_sub_too")
+    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1", wait_models=("add_sub_too",))
+    r = httpx.post(f"{server.url}/invocations", json=v2_body())
+    assert r.status_code == 400
+    assert "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME" in r.json()["error"]
+
+    other: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1",
+                          env={"SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "add_sub_too"})
+    r = httpx.post(f"{other.url}/invocations", json=v2_body())
+    assert r.status_code == 200, r.text
+    assert r.json()["model_name"] == "add_sub_too"
+
+
+# -- a multi-model endpoint --------------------------------------------------------------------------
+
+def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "staged"
+    repo.mkdir()
+    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1",
+                           env={"SAGEMAKER_MULTI_MODEL": "true"})
+    url = server.url
+    assert httpx.get(f"{url}/ping").status_code == 200
+    assert httpx.get(f"{url}/models").json() == {"models": []}
+
+    # as SageMaker unpacks an archive: /opt/ml/models/<hash>/model/<the model's folder>
+    archive = tmp_path / "models" / "0a1b2c" / "model"
+    shutil.copytree(example_repository / "add_sub", archive / "add_sub")
+    r = httpx.post(f"{url}/models", json={"model_name": "m1", "url": str(archive)}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.post(f"{url}/models", json={"model_name": "m1", "url": str(archive)}).status_code == 409
+
+    r = httpx.post(f"{url}/models/m1/invoke", json=v2_body(),
+                   headers={"X-Amzn-SageMaker-Target-Model": "add_sub.tar.gz"})
+    assert r.status_code == 200, r.text
+    assert outputs(r.json())["sum"] == [2.0, 3.0, 4.0, 5.0]
+    assert httpx.get(f"{url}/v2/models/m1/config").json()["name"] == "m1"  # the config takes the name
+    body, json_size = binary_request()
+    r = httpx.post(f"{url}/models/m1/invoke", content=body, headers={"content-type": f"{BINARY}{json_size}"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith(BINARY)
+
+    # a second model, from a folder that is the model itself; the list pages
+    second = tmp_path / "models" / "3d4e5f" / "model"
+    shutil.copytree(example_repository / "add_sub", second)
+    assert httpx.post(f"{url}/models", json={"model_name": "m2", "url": str(second)},
+                      timeout=60).status_code == 200
+    both = [{"modelName": "m1", "modelUrl": str(archive)}, {"modelName": "m2", "modelUrl": str(second)}]
+    assert httpx.get(f"{url}/models").json() == {"models": both}
+    first = httpx.get(f"{url}/models", params={"max_results": 1}).json()
+    assert first == {"models": both[:1], "nextPageToken": "1"}
+    assert httpx.get(f"{url}/models", params={"max_results": 1, "next_page_token": 1}).json() == \
+        {"models": both[1:]}
+    assert httpx.get(f"{url}/models", params={"max_results": "x"}).status_code == 400
+    assert httpx.get(f"{url}/models/m1").json() == both[0]
+
+    assert httpx.delete(f"{url}/models/m1", timeout=60).status_code == 200
+    assert httpx.get(f"{url}/models/m1").status_code == 404
+    assert httpx.delete(f"{url}/models/m1").status_code == 404
+    assert httpx.post(f"{url}/models/m1/invoke", json=v2_body()).status_code != 200
+    assert httpx.get(f"{url}/models").json() == {"models": both[1:]}
+    # loaded again after its unload
+    assert httpx.post(f"{url}/models", json={"model_name": "m1", "url": str(archive)},
+                      timeout=60).status_code == 200
+    assert httpx.post(f"{url}/models/m1/invoke", json=v2_body()).status_code == 200
+
+
+def test_a_multi_model_endpoint_refuses_bad_loads_with_400(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "staged"
+    repo.mkdir()
+    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1",
+                           env={"SAGEMAKER_MULTI_MODEL": "true"})
+    two = tmp_path / "two"
+    for name in ("x", "y"):
+        shutil.copytree(example_repository / "add_sub", two / name)
+    good = str(two / "x")
+    for doc in ({}, {"model_name": "m"}, {"url": good}, {"model_name": 5, "url": good},
+                {"model_name": "a b/c", "url": good},
+                {"model_name": "m", "url": "/proc/self"},
+                {"model_name": "m", "url": str(tmp_path / "missing")},
+                {"model_name": "m", "url": str(two)}):               # two models, neither the archive's
+        r = httpx.post(f"{server.url}/models", json=doc)
+        assert r.status_code == 400, (doc, r.status_code, r.text)
+        assert r.json()["error"]
+    r = httpx.post(f"{server.url}/models", content=b"{oops")
+    assert r.status_code == 400
+    assert httpx.get(f"{server.url}/models").json() == {"models": []}
+    assert httpx.post(f"{server.url}/models/nothing/invoke", json=v2_body()).status_code == 404
