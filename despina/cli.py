@@ -82,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="a name for this worker; each process adds a suffix of its own")
     ctl = sub.add_parser("control", help="run the control plane against a shared Redis")
     common(ctl), repo(ctl), metrics(ctl)
+    ctl.add_argument("--host", dest="host", help="address the metrics port binds (default 127.0.0.1)")
     push = sub.add_parser("push", help="upload a model folder to a registry (s3://bucket/prefix or a folder)")
     push.add_argument("path", help="the model folder: config.pbtxt and version folders (or model files)")
     push.add_argument("registry", help="s3://bucket/prefix, or a local model repository")
