@@ -203,10 +203,12 @@ def test_a_multi_model_endpoint_refuses_bad_loads_with_400(
                 {"model_name": "a b/c", "url": good},
                 {"model_name": "m", "url": "/proc/self"},
                 {"model_name": "m", "url": str(tmp_path / "missing")},
-                {"model_name": "m", "url": str(two)}):               # two models, neither the archive's
+                {"model_name": "m", "url": str(two)},                # two models, neither the archive's
+                {"model_name": "m", "url": str(tmp_path)}):          # no model at all: nothing is copied
         r = httpx.post(f"{server.url}/models", json=doc)
         assert r.status_code == 400, (doc, r.status_code, r.text)
         assert r.json()["error"]
+    assert not (repo / "m").exists()  # refused before anything was copied
     r = httpx.post(f"{server.url}/models", content=b"{oops")
     assert r.status_code == 400
     assert httpx.get(f"{server.url}/models").json() == {"models": []}

@@ -51,6 +51,10 @@ FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")  # as Triton: a load never reads 
 PAGE_MAX = 1000  # models in one GET /models answer at most
 
 
+class AlreadyLoaded(DespinaError):
+    code = Code.FAILED_PRECONDITION  # 409 on SageMaker's routes
+
+
 class SageMakerInfer(InferRoute):
     """A V2 inference request in SageMaker's framing: the JSON header's length in the content type."""
 
@@ -118,7 +122,7 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
                                       "with both strings")
             check_model_name(name)
             if await gw.redis.hexists(key, name):
-                raise DespinaError(f"model '{name}' is already loaded", Code.FAILED_PRECONDITION)
+                raise AlreadyLoaded(f"model '{name}' is already loaded")
             folder = model_folder(url)
             await asyncio.to_thread(stage, folder, name, gw.settings)
             await gw.view.control.call(LOAD, name, {}, gw.settings.load_timeout_s)
@@ -198,7 +202,7 @@ def _int_param(request: Request, name: str, default: int) -> int:
 def _load_error(exc: DespinaError) -> Response:
     """SageMaker reads 409 as "loaded already" and 507 as "no room: unload another and retry"."""
     response = error(exc)
-    if exc.code == Code.FAILED_PRECONDITION and "already loaded" in exc.message:
+    if isinstance(exc, AlreadyLoaded):
         response.status_code = 409
     elif exc.code == Code.RESOURCE_EXHAUSTED or "MiB free, the model needs" in exc.message:
         response.status_code = 507
@@ -206,21 +210,27 @@ def _load_error(exc: DespinaError) -> Response:
 
 
 def model_folder(url: str) -> Path:
-    """The model folder in what SageMaker unpacked at `url`: the folder itself when it holds a model
-    (config.pbtxt, version folders or model files), else its one sub-folder."""
+    """The model folder in what SageMaker unpacked at `url`: the folder itself when it is one (it has a
+    config.pbtxt or a version folder), else its only sub-folder when that is one. Nothing else is
+    copied: a load never takes a folder that is not a model's."""
     path = Path(os.path.normpath(os.path.abspath(url)))
     if any(str(path).startswith(root) or str(path) + "/" == root for root in FORBIDDEN_ROOTS):
         raise InvalidArgument(f"'url' cannot be under /dev, /proc or /sys, got '{url}'")
     if not path.is_dir():
         raise InvalidArgument(f"'url' must be a folder on the endpoint's machine, got '{url}'")
-    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
-    if any(p.is_file() or p.name.isdigit() for p in entries):
+    if _is_model(path):
         return path
-    folders = [p for p in entries if p.is_dir()]
-    if len(folders) == 1:
+    folders = [p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    if len(folders) == 1 and _is_model(folders[0]):
         return folders[0]
-    raise InvalidArgument(f"'{url}' holds {len(folders)} folders and no model of its own: a multi-model "
-                          "endpoint loads one model folder (config.pbtxt and version folders) per model")
+    raise InvalidArgument(f"'{url}' is not a model folder (config.pbtxt and version folders) and does not "
+                          f"hold exactly one ({len(folders)} folders): a multi-model endpoint loads one "
+                          "model per archive")
+
+
+def _is_model(folder: Path) -> bool:
+    return (folder / "config.pbtxt").is_file() or any(
+        p.is_dir() and p.name.isdigit() for p in folder.iterdir())
 
 
 def stage(folder: Path, name: str, settings: Settings) -> None:
