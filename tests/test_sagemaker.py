@@ -213,3 +213,28 @@ def test_a_multi_model_endpoint_refuses_bad_loads_with_400(
     assert r.status_code == 400
     assert httpx.get(f"{server.url}/models").json() == {"models": []}
     assert httpx.post(f"{server.url}/models/nothing/invoke", json=v2_body()).status_code == 404
+
+
+def test_a_model_no_worker_has_room_for_gets_507_and_leaves_the_endpoint_healthy(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # SageMaker answers 507 by unloading other models and trying again; a load left waiting for a worker
+    # would keep /ping failing, and SageMaker would replace the instance
+    repo = tmp_path / "staged"
+    repo.mkdir()
+    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1",
+                           env={"SAGEMAKER_MULTI_MODEL": "true", "DESPINA_WORKER_MEMORY_MB": "512",
+                                "DESPINA_LOAD_TIMEOUT_S": "3"})
+    big = tmp_path / "big" / "model" / "add_sub"
+    shutil.copytree(example_repository / "add_sub", big)
+    with (big / "config.pbtxt").open("a") as f:
+        f.write('parameters { key: "memory_mb" value { string_value: "100000" } }\n')
+    r = httpx.post(f"{server.url}/models", json={"model_name": "big", "url": str(big.parent)}, timeout=30)
+    assert r.status_code == 507, r.text
+    assert "MiB" in r.json()["error"]
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+    assert httpx.get(f"{server.url}/models").json() == {"models": []}
+    small = tmp_path / "small" / "model"
+    shutil.copytree(example_repository / "add_sub", small)
+    r = httpx.post(f"{server.url}/models", json={"model_name": "small", "url": str(small)}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{server.url}/ping").status_code == 200

@@ -125,11 +125,15 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
                 raise AlreadyLoaded(f"model '{name}' is already loaded")
             folder = model_folder(url)
             await asyncio.to_thread(stage, folder, name, gw.settings)
-            await gw.view.control.call(LOAD, name, {}, gw.settings.load_timeout_s)
-            await gw.redis.hset(key, name, orjson.dumps({"url": url}))
-            await gw.view.refresh()
         except DespinaError as exc:
             return _load_error(exc)
+        try:
+            await gw.view.control.call(LOAD, name, {}, gw.settings.load_timeout_s)
+        except DespinaError as exc:
+            await _give_up(gw, name)
+            return _load_error(exc)
+        await gw.redis.hset(key, name, orjson.dumps({"url": url}))
+        await gw.view.refresh()
         log.info("SageMaker model %s loaded from %s", name, url)
         return Response(b"", 200)
 
@@ -188,6 +192,16 @@ async def _models(gw: Gateway, key: str) -> list[dict[str, str]]:
         if gw.view.is_ready(name, None):
             out.append({"modelName": name, "modelUrl": orjson.loads(raw)["url"]})
     return out
+
+
+async def _give_up(gw: Gateway, name: str) -> None:
+    """After a failed load, unload what it left: a model still waiting for a worker with room would keep
+    the server not ready, and SageMaker would take /ping's answer for a sick container."""
+    try:
+        await gw.view.control.call(UNLOAD, name, {"unload_dependents": False}, gw.settings.load_timeout_s)
+        await gw.view.refresh()
+    except DespinaError as exc:
+        log.warning("SageMaker model %s: unloading after its failed load failed too: %s", name, exc.message)
 
 
 def _int_param(request: Request, name: str, default: int) -> int:
