@@ -138,13 +138,16 @@ def test_invocations_needs_a_default_model_when_the_repository_has_several(
 
 # -- a multi-model endpoint --------------------------------------------------------------------------
 
+def multi_model_endpoint(serve, tmp_path: Path, **env: str) -> Server:
+    """A server as SageMaker starts one for a multi-model endpoint, staging into tmp_path/staged."""
+    (tmp_path / "staged").mkdir()
+    return serve(tmp_path / "staged", "--sagemaker", "--host", "127.0.0.1",
+                 env={"SAGEMAKER_MULTI_MODEL": "true", **env})
+
+
 def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
         serve, example_repository: Path, tmp_path: Path) -> None:
-    repo = tmp_path / "staged"
-    repo.mkdir()
-    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1",
-                           env={"SAGEMAKER_MULTI_MODEL": "true"})
-    url = server.url
+    url = multi_model_endpoint(serve, tmp_path).url
     assert httpx.get(f"{url}/ping").status_code == 200
     assert httpx.get(f"{url}/models").json() == {"models": []}
 
@@ -191,10 +194,8 @@ def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
 
 def test_a_multi_model_endpoint_refuses_bad_loads_with_400(
         serve, example_repository: Path, tmp_path: Path) -> None:
+    server = multi_model_endpoint(serve, tmp_path)
     repo = tmp_path / "staged"
-    repo.mkdir()
-    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1",
-                           env={"SAGEMAKER_MULTI_MODEL": "true"})
     two = tmp_path / "two"
     for name in ("x", "y"):
         shutil.copytree(example_repository / "add_sub", two / name)
@@ -219,11 +220,8 @@ def test_a_model_no_worker_has_room_for_gets_507_and_leaves_the_endpoint_healthy
         serve, example_repository: Path, tmp_path: Path) -> None:
     # SageMaker answers 507 by unloading other models and trying again; a load left waiting for a worker
     # would keep /ping failing, and SageMaker would replace the instance
-    repo = tmp_path / "staged"
-    repo.mkdir()
-    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1",
-                           env={"SAGEMAKER_MULTI_MODEL": "true", "DESPINA_WORKER_MEMORY_MB": "512",
-                                "DESPINA_LOAD_TIMEOUT_S": "3"})
+    server = multi_model_endpoint(serve, tmp_path, DESPINA_WORKER_MEMORY_MB="512",
+                                  DESPINA_LOAD_TIMEOUT_S="3")
     big = tmp_path / "big" / "model" / "add_sub"
     shutil.copytree(example_repository / "add_sub", big)
     with (big / "config.pbtxt").open("a") as f:
