@@ -52,7 +52,7 @@ def test_document_names_every_route(sagemaker: bool) -> None:
 def fuzz_document() -> dict[str, Any]:
     """The document with model names and versions narrowed to a few, so that most cases reach real
     models; the repository routes keep free names (a fuzzer must not unload the models it calls)."""
-    doc = document(__version__)
+    doc = document(__version__, sagemaker=True)
     for path, item in doc["paths"].items():
         if path.startswith("/v2/repository/"):
             continue
@@ -73,12 +73,15 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
     root = tmp_path_factory.mktemp("fuzz")
     for model in ("mlp", "add_sub"):
         shutil.copytree(example_repository / model, root / "repo" / model)
-    yield from module_server(root / "repo", tmp_path_factory, redis_url, ("mlp", "add_sub"))
+    # with SageMaker's routes too (its defaults would bind every address: not a test's to do)
+    yield from module_server(root / "repo", tmp_path_factory, redis_url, ("mlp", "add_sub"),
+                             env={"DESPINA_SAGEMAKER": "true", "DESPINA_SAGEMAKER_MODEL": "add_sub",
+                                  "DESPINA_HOST": "127.0.0.1"})
 
 
 def test_served_document(fuzz_server: Server) -> None:
     r = httpx.get(f"{fuzz_server.url}/openapi.json")
-    assert r.status_code == 200 and r.json() == document(__version__)
+    assert r.status_code == 200 and r.json() == document(__version__, sagemaker=True)
 
 
 @SCHEMA.parametrize()
@@ -95,6 +98,8 @@ def test_server_healthy_after_fuzzing(fuzz_server: Server) -> None:
     assert httpx.get(f"{fuzz_server.url}/v2/health/ready").status_code == 200
     r = httpx.post(f"{fuzz_server.url}/fn/add_sub", json={"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]})
     assert r.status_code == 200 and r.json()["sum"] == [2, 3, 4, 5]
+    assert httpx.get(f"{fuzz_server.url}/ping").status_code == 200
+    assert httpx.get(f"{fuzz_server.url}/models").json() == {"models": []}  # nothing the fuzzer sent loaded
     assert "Traceback" not in fuzz_server.logs()
     assert not [status for status in STATS if status >= 500]
     print(f"\nschemathesis: {sum(STATS.values())} cases; answers by status: {dict(sorted(STATS.items()))}")
