@@ -23,6 +23,7 @@ import yaml
 
 from despina import cli
 from despina.control.http import create_app as control_app
+from despina.gateway.app import create_app as gateway_app
 from despina.settings import BadSetting, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,6 @@ KUBE = DEPLOY / "kubernetes"
 SETTINGS = frozenset(f"DESPINA_{f.name.upper()}" for f in fields(Settings))
 DEFAULTS = Settings()
 NEEDS_REDIS = {"gateway", "worker", "control"}  # cli.main refuses to start these without a Redis URL
-GATEWAY_HEALTH = {"/v2/health/live", "/v2/health/ready"}  # Triton's, README's route table
 NOT_IN_KUSTOMIZATION = {"kustomization.yaml", "keda.yaml", "secrets.example.yaml"}
 
 
@@ -161,9 +161,16 @@ def control_routes() -> frozenset[str]:
     return frozenset(route.path for route in app.routes)
 
 
+@functools.cache
+def gateway_routes(sagemaker: bool) -> frozenset[str]:
+    # nothing connects before start-up: only the routes are read
+    app = gateway_app(Settings(redis_url="redis://127.0.0.1:1", sagemaker=sagemaker))
+    return frozenset(route.path for route in app.routes)
+
+
 def role_paths(role: str, settings: Settings) -> dict[str, frozenset[str]]:
     """The HTTP paths a role serves, by the setting that names their port."""
-    gateway = frozenset(GATEWAY_HEALTH | ({"/ping"} if settings.sagemaker else set()))
+    gateway = gateway_routes(settings.sagemaker)
     if role == "gateway":
         return {"http_port": gateway}
     if role == "control":

@@ -152,6 +152,7 @@ def test_a_repository_never_read_is_not_ready(serve: Callable[..., Server], tmp_
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline:
         assert httpx.get(f"{server.url}/v2/health/ready").status_code == 400  # as Triton says not ready
+        assert httpx.get(f"{server.url}/readyz").status_code == 503  # nothing this gateway could route
         time.sleep(0.1)
     assert httpx.get(f"{server.url}/v2/health/live").status_code == 200
 

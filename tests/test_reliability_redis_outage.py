@@ -55,6 +55,7 @@ async def test_redis_stopped_under_load_gives_503s_then_everything_recovers(
         down = time.monotonic()
         await asyncio.sleep(1.0)
         ready_while_down = await ready(server.url)
+        gateway_ready_while_down = await get(f"{server.url}/readyz")
         stats_while_down = await get(f"{server.url}/v2/models/mlp/stats")
         await asyncio.sleep(1.0)
         restarting = time.monotonic()
@@ -95,6 +96,7 @@ async def test_redis_stopped_under_load_gives_503s_then_everything_recovers(
             np.testing.assert_allclose(mlp_output(a), mlp_numpy(x[a.index:a.index + 1])[0], rtol=1e-4,
                                        atol=1e-5)
     assert ready_while_down != 200 and ready_again is not None
+    assert gateway_ready_while_down == 503
     assert stats_while_down == 503  # every API, not only inference
     assert pids_after == pids, "a process was restarted"
     assert serving

@@ -276,6 +276,21 @@ def test_sigterm_while_a_model_hangs_in_initialize_leaves_nothing_behind(
     assert "stuck in model code" in server.logs()
 
 
+def test_a_gateway_is_ready_to_take_requests_while_a_model_has_no_worker(
+        serve: Callable[..., Server], example_repository: Path, tmp_path: Path) -> None:
+    """/readyz (a load balancer's probe) says whether this gateway can take requests; /v2/health/ready
+    (Triton's) whether every model is loaded. With no worker, no model loads: every gateway would leave
+    a Kubernetes Service on the second, none on the first."""
+    shutil.copytree(example_repository / "add_sub", tmp_path / "repo" / "add_sub")
+    server = serve(tmp_path / "repo", "--workers", "0", health="live")
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/readyz").status_code != 200:
+        assert time.monotonic() < deadline, server.logs()
+        time.sleep(0.05)
+    assert httpx.get(f"{server.url}/v2/health/ready").status_code == 400
+    assert httpx.get(f"{server.url}/v2/models/add_sub/ready").status_code == 400
+
+
 def test_ready_only_once_the_catalog_is_published(serve: Callable[..., Server], example_repository: Path) -> None:
     """/v2/health/ready answers 200 only when every model of the repository would be served: not in the
     moment after the gateway starts and before the control plane has read the repository."""

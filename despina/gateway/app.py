@@ -115,6 +115,12 @@ def create_app(settings: Settings) -> Starlette:
         ok = view.server_ready()
         return Response(b"", 200 if ok else 400)
 
+    async def gateway_ready(request: Request) -> Response:
+        # this gateway can take requests (Redis answers, the catalog is published), whatever the models'
+        # states: the probe for a load balancer, which /v2/health/ready's "every model loaded" is not
+        view = gw.view
+        return Response(b"", 200 if view.connected and view.published else 503)
+
     async def openapi_document(request: Request) -> Response:
         return Response(openapi, 200, media_type="application/json")
 
@@ -162,6 +168,7 @@ def create_app(settings: Settings) -> Starlette:
     routes = [
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
+        Route("/readyz", gateway_ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
         Route("/openapi.json", openapi_document, methods=["GET"]),
         Route("/v2/models/stats", stats, methods=["GET"]),

@@ -48,6 +48,7 @@ ROUTES: tuple[tuple[str, str], ...] = (  # (path pattern, API group); the router
     (rf"/v2/models/{_MODEL}/infer", "inference"),
     (r"/fn/(?P<model{i}>[^/]+)", "inference"),
     (r"/v2/health/(?:live|ready)", "health"),
+    (r"/readyz", "health"),
     (rf"/v2/models/{_MODEL}/ready", "health"),
     (r"/v2", "metadata"),
     (r"/openapi\.json", OPEN),

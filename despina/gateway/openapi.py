@@ -184,6 +184,11 @@ def _paths() -> Doc:
     paths: Doc = {
         "/v2/health/live": {"get": _ready_op("server_live", "Server liveness (always open)")},
         "/v2/health/ready": {"get": _ready_op("server_ready", "Server readiness (always open)")},
+        "/readyz": {"get": {
+            "operationId": "gateway_ready", "tags": ["health"],
+            "summary": "This gateway can take requests (always open): a load balancer's probe",
+            "responses": {"200": {"description": "Redis answers and the catalog is published"},
+                          "503": {"description": "Not yet, or Redis is unreachable"}}}},
         "/v2": {"get": _op("server_metadata", "Server metadata and extensions", "metadata",
                            _ok("Server metadata", _ref("ServerMetadata")), (401, 403))},
         "/openapi.json": {"get": {"operationId": "openapi", "summary": "This document", "tags": ["metadata"],
