@@ -8,7 +8,7 @@ import pytest
 from despina.contract.catalog import IDLE, LOADED, CatalogEntry
 from despina.contract.cluster import VersionStatus, WorkerInfo, WorkerStatus
 from despina.contract.errors import ConfigError
-from despina.control.placement import committed, need, partners, place, replicas
+from despina.control.placement import committed, need, out_of_memory, partners, place, replicas
 from despina.control.versions import transition
 
 MB = 1024 * 1024
@@ -50,6 +50,20 @@ def test_memory_is_honoured_and_load_spread() -> None:
     assert chosen == () and "50 MiB free, the model needs 60 MiB" in why
     assert place(entry(), pool, {"a": 5 * MB}, 1)[0] == ("b",)
     assert place(entry(), pool, {}, 0)[0] == ("a", "b")                   # 0: every eligible worker
+
+
+def test_out_of_memory_only_when_memory_alone_keeps_the_model_off_every_worker() -> None:
+    # what a load with fail_without_room answers at once (507 on SageMaker's routes), where a worker with
+    # room, one still to come, or a GPU it lacks mean waiting
+    pool = workers(("a", 0, 100), ("b", 0, 100))
+    assert out_of_memory(entry(footprint=60 * MB), pool, {"a": 50 * MB, "b": 50 * MB})
+    assert out_of_memory(entry(footprint=600 * MB), pool, {})             # bigger than any worker
+    assert not out_of_memory(entry(footprint=60 * MB), pool, {"a": 50 * MB})   # b has room
+    assert not out_of_memory(entry(footprint=60 * MB), {}, {})            # no worker yet: one may come
+    gpu = entry(groups=[{"kind": "KIND_GPU"}], footprint=600 * MB)
+    assert not out_of_memory(gpu, pool, {})                               # a GPU it lacks, not memory
+    assert not out_of_memory(entry(footprint=600 * MB), workers(("a", 0, 0)), {})  # 0: no limit known
+    assert not out_of_memory(entry(footprint=60 * MB), pool, {"a": 50 * MB, "b": 50 * MB}, exclude=("a", "b"))
 
 
 def test_placement_keeps_live_workers_and_replaces_dead_ones() -> None:

@@ -112,6 +112,31 @@ def test_load_can_carry_the_model_files(serve: Callable[..., Server], repo: Path
     assert infer(server.url, "uploaded").status_code == 200   # a failed reload leaves it serving
 
 
+def test_a_load_that_no_worker_has_room_for_fails_at_once_when_asked(
+        serve: Callable[..., Server], repo: Path) -> None:
+    # Despina's extension of the load API: "fail_without_room" answers at once when memory alone keeps the
+    # model off every worker (SageMaker's multi-model routes use it for their 507), instead of waiting
+    # for a worker with room until the load timeout
+    big = repo / "big"
+    shutil.copytree(repo / "add_sub", big)
+    (big / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\n'
+                                      'parameters { key: "memory_mb" value { string_value: "100000" } }\n')
+    server = serve(repo, "--model-control-mode", "explicit", env={"DESPINA_WORKER_MEMORY_MB": "512"})
+    started = time.monotonic()
+    r = httpx.post(f"{server.url}/v2/repository/models/big/load",
+                   json={"parameters": {"fail_without_room": True}}, timeout=60)
+    assert r.status_code == 503 and "does not fit on any worker" in r.json()["error"], r.text
+    assert "MiB free, the model needs 100000 MiB" in r.json()["error"]
+    assert time.monotonic() - started < 20  # not the load timeout (300 s)
+    r = httpx.post(f"{server.url}/v2/repository/models/big/load",
+                   json={"parameters": {"fail_without_room": "yes"}}, timeout=30)
+    assert r.status_code == 400 and "fail_without_room" in r.json()["error"]
+    # a model that fits loads as ever with it
+    r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load",
+                   json={"parameters": {"fail_without_room": True}}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_load_and_unload_are_refused_outside_explicit_mode(serve: Callable[..., Server], repo: Path) -> None:
     server = serve(repo, wait_models=("mlp",))  # mode none: everything loaded at start
     client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))

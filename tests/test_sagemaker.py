@@ -4,6 +4,7 @@ against a real `despina serve --sagemaker`, driven the way SageMaker and Triton'
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -220,14 +221,15 @@ def test_a_model_no_worker_has_room_for_gets_507_and_leaves_the_endpoint_healthy
         serve, example_repository: Path, tmp_path: Path) -> None:
     # SageMaker answers 507 by unloading other models and trying again; a load left waiting for a worker
     # would keep /ping failing, and SageMaker would replace the instance
-    server = multi_model_endpoint(serve, tmp_path, DESPINA_WORKER_MEMORY_MB="512",
-                                  DESPINA_LOAD_TIMEOUT_S="3")
+    server = multi_model_endpoint(serve, tmp_path, DESPINA_WORKER_MEMORY_MB="512")
     big = tmp_path / "big" / "model" / "add_sub"
     shutil.copytree(example_repository / "add_sub", big)
     with (big / "config.pbtxt").open("a") as f:
         f.write('parameters { key: "memory_mb" value { string_value: "100000" } }\n')
+    started = time.monotonic()
     r = httpx.post(f"{server.url}/models", json={"model_name": "big", "url": str(big.parent)}, timeout=30)
     assert r.status_code == 507, r.text
+    assert time.monotonic() - started < 20  # at once, not after the load timeout (300 s)
     assert "MiB" in r.json()["error"]
     assert httpx.get(f"{server.url}/ping").status_code == 200
     assert httpx.get(f"{server.url}/models").json() == {"models": []}

@@ -116,6 +116,9 @@ class Commands:
         An ensemble loads the models it calls first (those not loaded yet), as Triton does."""
         plane = self.plane
         check_model_name(name)
+        no_room_fails = params.get("fail_without_room", False)
+        if not isinstance(no_room_fails, bool):
+            raise InvalidArgument("'fail_without_room' must be true or false")
         override = _config(name, params.get("config"))
         files = {k[5:]: v for k, v in params.items() if k.startswith("file:")}
         if files and override is None:
@@ -144,7 +147,7 @@ class Commands:
             log.info("model %s: loading version %s", name, ",".join(map(str, entry.versions)))
             plane.kick()
         if wait:
-            await plane.lifecycle.wait(name, "load", None, timeout)
+            await plane.lifecycle.wait(name, "load", None, timeout, no_room_fails)
 
     async def _load_steps(self, entry: CatalogEntry, timeout: float, calling: tuple[str, ...]) -> None:
         """Load what an ensemble calls and is not loaded (an idle model stays idle: a request wakes it)."""

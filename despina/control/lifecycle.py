@@ -13,13 +13,13 @@ from redis.exceptions import RedisError
 
 from ..contract.catalog import IDLE, LOADED, CatalogEntry
 from ..contract.ensemble import is_ensemble
-from ..contract.errors import DespinaError, FailedPrecondition, NotFound, Unavailable
+from ..contract.errors import Code, DespinaError, FailedPrecondition, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..settings import Settings
 from ..workers.redelivery import DeliveryPolicy, Queue
 from .backlog import requeue
 from .ensembles import Ensembles
-from .placement import committed, partners, place, replicas
+from .placement import committed, out_of_memory, partners, place, replicas
 from .repository import parameter
 from .state import Catalog, Workers
 
@@ -35,6 +35,7 @@ class Waiter:
     kind: str                     # "wake": one READY version; "load": every version settled; "unload"
     version: int | None
     future: asyncio.Future[int]
+    no_room_fails: bool = False   # "load": fail at once when memory alone keeps it off every worker
 
 
 class Lifecycle:
@@ -49,6 +50,7 @@ class Lifecycle:
         self.cold: dict[str, float] = {}            # model -> when its cold start began (monotonic)
         self.awake_since: dict[str, float] = {}     # model -> when it was last brought up (wall clock)
         self.shortfall: dict[str, str] = {}         # model -> why it has fewer workers than it should
+        self.no_room: set[str] = set()              # models that memory alone keeps off every worker
         self.delivery = DeliveryPolicy.from_settings(settings)
         self._idle_checked = 0.0
         self._held_until = 0.0
@@ -100,6 +102,10 @@ class Lifecycle:
             self.shortfall[e.name] = why
         else:
             self.shortfall.pop(e.name, None)
+        if not workers and why and out_of_memory(kept, self.workers.infos, used, excluded):
+            self.no_room.add(e.name)
+        else:
+            self.no_room.discard(e.name)
         return self._switch_versions(replace(e, workers=workers), now)
 
     def _note_failures(self, e: CatalogEntry) -> CatalogEntry:
@@ -176,9 +182,10 @@ class Lifecycle:
         """A new revision of the model: workers that failed the old one may try again."""
         self.excluded.pop(name, None)
 
-    async def wait(self, name: str, kind: str, version: int | None, timeout: float) -> int:
+    async def wait(self, name: str, kind: str, version: int | None, timeout: float,
+                   no_room_fails: bool = False) -> int:
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        waiter = Waiter(name, kind, version, future)
+        waiter = Waiter(name, kind, version, future, no_room_fails)
         self.waiters.append(waiter)
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
@@ -250,6 +257,10 @@ class Lifecycle:
                    and not (live and all(self.workers.status[x].ready(w.name, v, e.revisions.get(v))
                                          for x in live))]
         if pending:
+            if w.no_room_fails and w.name in self.no_room:
+                why = self.shortfall.get(w.name, "")
+                raise DespinaError(f"model '{w.name}' does not fit on any worker: {why}",
+                                   Code.RESOURCE_EXHAUSTED)
             return None
         failed = [v for v in current if v in e.failed]
         if failed:

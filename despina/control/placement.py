@@ -68,6 +68,17 @@ def eligible(n: Need, worker: WorkerInfo, used: int) -> str | None:
     return None
 
 
+def out_of_memory(entry: CatalogEntry, workers: Mapping[str, WorkerInfo], used: Mapping[str, int],
+                  exclude: Iterable[str] = ()) -> bool:
+    """Whether memory alone keeps the model off every live worker: each has the GPUs it needs and would
+    take it, but for the room its other models take (or it is too big for the worker altogether)."""
+    n = need(entry)
+    excluded = set(exclude)
+    live = [(wid, info) for wid, info in workers.items() if wid not in excluded]
+    return bool(live) and all(n.gpus <= info.gpus and bool(info.memory_bytes)
+                              and used.get(wid, 0) + n.memory > info.memory_bytes for wid, info in live)
+
+
 def partners(name: str, entries: Iterable[CatalogEntry]) -> dict[str, int]:
     """Per worker, how many of the models that share an ensemble with model `name` it has: a worker with
     every model an ensemble calls runs the ensemble itself (one trip through Redis, not one per step)."""

@@ -128,7 +128,8 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
         except DespinaError as exc:
             return _load_error(exc)
         try:
-            await gw.view.control.call(LOAD, name, {}, gw.settings.load_timeout_s)
+            # no room on any worker: 507 at once, SageMaker's cue to unload others and retry
+            await gw.view.control.call(LOAD, name, {"fail_without_room": True}, gw.settings.load_timeout_s)
         except DespinaError as exc:
             await _give_up(gw, name)
             return _load_error(exc)
@@ -218,7 +219,7 @@ def _load_error(exc: DespinaError) -> Response:
     response = error(exc)
     if isinstance(exc, AlreadyLoaded):
         response.status_code = 409
-    elif exc.code == Code.RESOURCE_EXHAUSTED or "MiB free, the model needs" in exc.message:
+    elif exc.code == Code.RESOURCE_EXHAUSTED:
         response.status_code = 507
     return response
 
