@@ -117,7 +117,9 @@ def _schemas() -> Doc:
             "reason": {"type": "string"}}}},
         "LoadRequest": {"type": "object", "properties": {"parameters": {
             "type": "object", "additionalProperties": {"type": "string"}, "properties": {
-                "config": {"type": "string", "description": "Model config JSON, overriding config.pbtxt"}},
+                "config": {"type": "string", "description": "Model config JSON, overriding config.pbtxt"},
+                "fail_without_room": {"type": "boolean", "description": "Despina's: answer 503 at once when "
+                                      "memory alone keeps the model off every worker, not wait for room"}},
             "description": "`file:<version>/<name>` entries carry base64 file contents (need `config`)"}}},
         "UnloadRequest": {"type": "object", "properties": {"parameters": {
             "type": "object", "additionalProperties": True,
