@@ -113,7 +113,8 @@ SAGEMAKER_MME_REPOSITORY = "/tmp/despina-sagemaker"  # a multi-model endpoint's 
 
 def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> None:
     """What SageMaker's own variables say, where no DESPINA_* variable or option said otherwise: the
-    port (SAGEMAKER_BIND_TO_PORT, else 8080), every address, the artifacts' folder, the model that
+    port (SAGEMAKER_BIND_TO_PORT, else 8080), every address, the metrics port (the first of
+    SAGEMAKER_SAFE_PORT_RANGE), the artifacts' folder, the model that
     /invocations runs (Triton's SAGEMAKER_TRITON_DEFAULT_MODEL_NAME), and for a multi-model endpoint
     (SAGEMAKER_MULTI_MODEL=true) explicit model control over a folder the endpoint's loads fill."""
     try:
@@ -122,6 +123,13 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
         raise BadSetting(f"SAGEMAKER_BIND_TO_PORT={environ['SAGEMAKER_BIND_TO_PORT']!r}: expected a port "
                          "number") from None
     values.setdefault("host", "0.0.0.0")
+    if environ.get("SAGEMAKER_SAFE_PORT_RANGE") and "metrics_port" not in values:
+        # the ports besides SageMaker's own that a container may listen on ("23000-23999"): 8002 may not be
+        low, _, high = environ["SAGEMAKER_SAFE_PORT_RANGE"].partition("-")
+        if not (low.strip().isdigit() and high.strip().isdigit() and int(low) <= int(high)):
+            raise BadSetting(f"SAGEMAKER_SAFE_PORT_RANGE={environ['SAGEMAKER_SAFE_PORT_RANGE']!r}: expected "
+                             "LOW-HIGH, two port numbers")
+        values["metrics_port"] = int(low)
     if environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"):
         values.setdefault("sagemaker_model", environ["SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"])
     if environ.get("SAGEMAKER_MULTI_MODEL", "").strip().lower() in _TRUE:

@@ -68,6 +68,14 @@ def test_sagemaker_takes_its_port_folder_and_default_model_from_sagemakers_varia
     assert Settings.from_sources({}, {"SAGEMAKER_BIND_TO_PORT": "9090"}).http_port == 8000
     with pytest.raises(BadSetting, match="SAGEMAKER_BIND_TO_PORT"):
         Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_BIND_TO_PORT": "eighty"})
+    # SageMaker lets a container listen on its port and on SAGEMAKER_SAFE_PORT_RANGE only: metrics go there
+    assert Settings.from_sources({"sagemaker": True}, {}).metrics_port == 8002
+    assert Settings.from_sources({"sagemaker": True},
+                                 {"SAGEMAKER_SAFE_PORT_RANGE": "23000-23999"}).metrics_port == 23000
+    assert Settings.from_sources({"sagemaker": True, "metrics_port": 0},
+                                 {"SAGEMAKER_SAFE_PORT_RANGE": "23000-23999"}).metrics_port == 0
+    with pytest.raises(BadSetting, match="SAGEMAKER_SAFE_PORT_RANGE"):
+        Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_SAFE_PORT_RANGE": "23000"})
 
 
 def test_sagemaker_paths_fall_under_the_api_groups_keys_and_restrictions_name() -> None:
