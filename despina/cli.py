@@ -5,13 +5,15 @@ import argparse
 import faulthandler
 import signal
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from . import cpus, logs
 from .settings import BadSetting, Settings
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """Every command and option of `despina` (deploy/'s command lines are checked against it)."""
     p = argparse.ArgumentParser(prog="despina", description="Serverless ML model serving, Triton-compatible.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -108,15 +110,21 @@ def _registry_command(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    values: dict[str, Any] = vars(args)
+def settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings a command line starts with (raises BadSetting): its options over DESPINA_* variables
+    (os.environ unless given), the repeatable options joined as their variables spell them."""
+    values: dict[str, Any] = dict(vars(args))
     if values.get("load_model"):
         values["load_model"] = ",".join(values["load_model"])
     if values.get("http_restricted_api"):
         values["http_restricted_api"] = ";".join(values["http_restricted_api"])
+    return Settings.from_sources(values, environ)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
-        settings = Settings.from_sources(values)
+        settings = settings_of(args)
     except BadSetting as exc:
         print(f"despina {args.command}: {exc}", file=sys.stderr)
         return 2

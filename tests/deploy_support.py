@@ -123,7 +123,7 @@ def options_of(command: str) -> frozenset[str]:
     """Every long option `despina COMMAND` takes, as its --help spells them (no abbreviations)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        cli._parser().parse_args([command, "--help"])
+        cli.parser().parse_args([command, "--help"])
     return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", out.getvalue()))
 
 
@@ -133,7 +133,7 @@ def run_role(argv: list[str], env: dict[str, str], where: str) -> tuple[str, Set
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            args = cli._parser().parse_args(argv)
+            args = cli.parser().parse_args(argv)
     except SystemExit:
         pytest.fail(f"{where}: `despina {shlex.join(argv)}`: {err.getvalue().strip()}")
     for token in argv:
@@ -142,12 +142,8 @@ def run_role(argv: list[str], env: dict[str, str], where: str) -> tuple[str, Set
             f"{where}: `despina {args.command}` has no option {option} (argparse took it as an abbreviation)"
     unknown = sorted(name for name in env if name.startswith("DESPINA_") and name not in SETTINGS)
     assert not unknown, f"{where}: not settings: {unknown}"
-    values = dict(vars(args))
-    for name, sep in (("load_model", ","), ("http_restricted_api", ";")):  # as cli.main joins them
-        if values.get(name):
-            values[name] = sep.join(values[name])
     try:
-        settings = Settings.from_sources(values, environ=env)
+        settings = cli.settings_of(args, env)
     except BadSetting as exc:
         pytest.fail(f"{where}: `despina {shlex.join(argv)}` would not start: {exc}")
     if args.command in NEEDS_REDIS:
