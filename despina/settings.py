@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -125,11 +126,11 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
     values.setdefault("host", "0.0.0.0")
     if environ.get("SAGEMAKER_SAFE_PORT_RANGE") and "metrics_port" not in values:
         # the ports besides SageMaker's own that a container may listen on ("23000-23999"): 8002 may not be
-        low, _, high = environ["SAGEMAKER_SAFE_PORT_RANGE"].partition("-")
-        if not (low.strip().isdigit() and high.strip().isdigit() and int(low) <= int(high)):
+        ports = re.fullmatch(r"\s*([0-9]{1,5})\s*-\s*([0-9]{1,5})\s*", environ["SAGEMAKER_SAFE_PORT_RANGE"])
+        if ports is None or int(ports[1]) > int(ports[2]):
             raise BadSetting(f"SAGEMAKER_SAFE_PORT_RANGE={environ['SAGEMAKER_SAFE_PORT_RANGE']!r}: expected "
                              "LOW-HIGH, two port numbers")
-        values["metrics_port"] = int(low)
+        values["metrics_port"] = int(ports[1])
     if environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"):
         values.setdefault("sagemaker_model", environ["SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"])
     if environ.get("SAGEMAKER_MULTI_MODEL", "").strip().lower() in _TRUE:

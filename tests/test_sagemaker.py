@@ -74,8 +74,9 @@ def test_sagemaker_takes_its_port_folder_and_default_model_from_sagemakers_varia
                                  {"SAGEMAKER_SAFE_PORT_RANGE": "23000-23999"}).metrics_port == 23000
     assert Settings.from_sources({"sagemaker": True, "metrics_port": 0},
                                  {"SAGEMAKER_SAFE_PORT_RANGE": "23000-23999"}).metrics_port == 0
-    with pytest.raises(BadSetting, match="SAGEMAKER_SAFE_PORT_RANGE"):
-        Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_SAFE_PORT_RANGE": "23000"})
+    for bad in ("23000", "\u00b2-5", "24000-23000"):
+        with pytest.raises(BadSetting, match="SAGEMAKER_SAFE_PORT_RANGE"):
+            Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_SAFE_PORT_RANGE": bad})
 
 
 def test_sagemaker_paths_fall_under_the_api_groups_keys_and_restrictions_name() -> None:
@@ -163,6 +164,8 @@ def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
     # as SageMaker unpacks an archive: /opt/ml/models/<hash>/model/<the model's folder>
     archive = tmp_path / "models" / "0a1b2c" / "model"
     shutil.copytree(example_repository / "add_sub", archive / "add_sub")
+    config = archive / "add_sub" / "config.pbtxt"
+    config.write_text('name: "add_sub"\n' + config.read_text())  # the model's name, not the one it loads as
     r = httpx.post(f"{url}/models", json={"model_name": "m1", "url": str(archive)}, timeout=60)
     assert r.status_code == 200, r.text
     assert httpx.post(f"{url}/models", json={"model_name": "m1", "url": str(archive)}).status_code == 409
@@ -187,7 +190,9 @@ def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
     assert first == {"models": both[:1], "nextPageToken": "1"}
     assert httpx.get(f"{url}/models", params={"max_results": 1, "next_page_token": 1}).json() == \
         {"models": both[1:]}
-    assert httpx.get(f"{url}/models", params={"max_results": "x"}).status_code == 400
+    for bad in ("x", "\u00b2", "-1"):  # a superscript digit once gave 500 (str.isdigit takes it)
+        assert httpx.get(f"{url}/models", params={"max_results": bad}).status_code == 400
+        assert httpx.get(f"{url}/models", params={"next_page_token": bad}).status_code == 400
     assert httpx.get(f"{url}/models/m1").json() == both[0]
 
     assert httpx.delete(f"{url}/models/m1", timeout=60).status_code == 200
@@ -209,12 +214,16 @@ def test_a_multi_model_endpoint_refuses_bad_loads_with_400(
     for name in ("x", "y"):
         shutil.copytree(example_repository / "add_sub", two / name)
     good = str(two / "x")
+    odd = tmp_path / "odd" / "\u00b2"  # str.isdigit() takes '²' for a version folder; int() does not
+    odd.mkdir(parents=True)
+    (odd / "model.onnx").write_bytes(b"x")
     for doc in ({}, {"model_name": "m"}, {"url": good}, {"model_name": 5, "url": good},
                 {"model_name": "a b/c", "url": good},
                 {"model_name": "m", "url": "/proc/self"},
                 {"model_name": "m", "url": str(tmp_path / "missing")},
                 {"model_name": "m", "url": str(two)},                # two models, neither the archive's
-                {"model_name": "m", "url": str(tmp_path)}):          # no model at all: nothing is copied
+                {"model_name": "m", "url": str(tmp_path)},           # no model at all: nothing is copied
+                {"model_name": "m", "url": str(odd.parent)}):
         r = httpx.post(f"{server.url}/models", json=doc)
         assert r.status_code == 400, (doc, r.status_code, r.text)
         assert r.json()["error"]

@@ -24,13 +24,13 @@ from ..redis_client import connect
 from ..settings import Settings
 from .auth import AuthPolicy, Guard
 from .dispatch import Dispatcher
-from .http import error_parts
 from .infer import AsgiEndpoint, FunctionRoute, InferRoute
 from .models import ModelView
 from .openapi import document
 from .protocol import HotRoutes
 from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
 from .repository import repository_routes
+from .responses import error_response, json_response
 from .sagemaker import sagemaker_routes
 from .stats import model_statistics
 
@@ -63,15 +63,6 @@ class Gateway:
         await asyncio.gather(*self.ensembles, return_exceptions=True)
         await self.view.close()
         await self.redis.aclose()
-
-
-def json_response(doc: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(doc), status, media_type="application/json")
-
-
-def error_response(exc: DespinaError) -> Response:
-    status, body, extra = error_parts(exc)
-    return Response(body, status, {k.decode(): v.decode() for k, v in extra}, media_type="application/json")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from ..contract.commands import INDEX, LOAD, UNLOAD
 from ..contract.errors import DespinaError, InvalidArgument
-from .http import error_parts, json_object, read_body
+from .responses import error_response, json_body, json_response
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -32,8 +31,8 @@ def repository_routes(gw: Gateway) -> list[Route]:
                 raise InvalidArgument("'ready' must be true or false")
             rows = await gw.view.control.call(INDEX, "", {"ready": ready}, INDEX_TIMEOUT_S)
         except DespinaError as exc:
-            return error(exc)
-        return Response(orjson.dumps(rows), 200, media_type="application/json")
+            return error_response(exc)
+        return json_response(rows)
 
     async def load(request: Request) -> Response:
         try:
@@ -41,7 +40,7 @@ def repository_routes(gw: Gateway) -> list[Route]:
             await gw.view.control.call(LOAD, request.path_params["model"], params, gw.settings.load_timeout_s)
             await gw.view.refresh()  # a readiness call right after the answer must see the model
         except DespinaError as exc:
-            return error(exc)
+            return error_response(exc)
         return Response(b"", 200)
 
     async def unload(request: Request) -> Response:
@@ -54,7 +53,7 @@ def repository_routes(gw: Gateway) -> list[Route]:
                                        {"unload_dependents": dependents}, gw.settings.load_timeout_s)
             await gw.view.refresh()
         except DespinaError as exc:
-            return error(exc)
+            return error_response(exc)
         return Response(b"", 200)
 
     return [
@@ -64,20 +63,8 @@ def repository_routes(gw: Gateway) -> list[Route]:
     ]
 
 
-async def json_body(request: Request, limit: int) -> dict[str, Any]:
-    body = await read_body(request.scope, request.receive, limit)
-    if not body.strip():
-        return {}
-    return json_object(body)
-
-
 def _parameters(doc: dict[str, Any]) -> dict[str, Any]:
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidArgument("'parameters' must be a JSON object")
     return params
-
-
-def error(exc: DespinaError) -> Response:
-    status, body, extra = error_parts(exc)
-    return Response(body, status, {k.decode(): v.decode() for k, v in extra}, media_type="application/json")

@@ -19,26 +19,25 @@ SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from google.protobuf import text_format
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as HttpRoute
 
 from ..contract.commands import LOAD, UNLOAD
-from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DespinaError, InvalidArgument, NotFound
-from ..contract.modelconfig import check_model_name, parse_text
-from ..registry import open_registry
-from ..registry.transfer import plan
+from ..contract.modelconfig import check_model_name
+from ..registry.base import is_version
+from ..registry.transfer import push
 from . import http
 from .infer import AsgiEndpoint, Exchange, InferRoute, fail
-from .repository import error, json_body
+from .responses import error_response, json_body, json_response
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -96,9 +95,10 @@ def endpoint_model(gw: Gateway) -> str:
     """The model /invocations runs: the one configured, else the only one there is."""
     if gw.settings.sagemaker_model:
         return gw.settings.sagemaker_model
-    names = sorted(gw.view.models)
-    if len(names) == 1:
-        return names[0]
+    models = gw.view.models
+    if len(models) == 1:  # every request asks: no more work than that here
+        return next(iter(models))
+    names = sorted(models)
     if not names:
         raise NotFound("no model to run: the model repository has none (SageMaker puts a single-model "
                        "endpoint's models in /opt/ml/model)")
@@ -143,21 +143,20 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
             size = _int_param(request, "max_results", PAGE_MAX)
             start = _int_param(request, "next_page_token", 0)
         except DespinaError as exc:
-            return error(exc)
+            return error_response(exc)
         models = await _models(gw, key)
         page = models[start:start + min(max(size, 1), PAGE_MAX)]
         doc: dict[str, Any] = {"models": page}
         if start + len(page) < len(models):
             doc["nextPageToken"] = str(start + len(page))
-        return Response(orjson.dumps(doc), 200, media_type="application/json")
+        return json_response(doc)
 
     async def describe(request: Request) -> Response:
         name = request.path_params["model"]
         raw = await gw.redis.hget(key, name)
         if raw is None:
-            return error(NotFound(f"model '{name}' is not loaded"))
-        return Response(orjson.dumps({"modelName": name, "modelUrl": orjson.loads(raw)["url"]}), 200,
-                        media_type="application/json")
+            return error_response(NotFound(f"model '{name}' is not loaded"))
+        return json_response({"modelName": name, "modelUrl": orjson.loads(raw)["url"]})
 
     async def unload(request: Request) -> Response:
         name = request.path_params["model"]
@@ -169,7 +168,7 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
             await gw.redis.hdel(key, name)
             await gw.view.refresh()
         except DespinaError as exc:
-            return error(exc)
+            return error_response(exc)
         log.info("SageMaker model %s unloaded", name)
         return Response(b"", 200)
 
@@ -209,14 +208,14 @@ def _int_param(request: Request, name: str, default: int) -> int:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):  # str.isdigit() takes '²', which int() refuses
         raise InvalidArgument(f"'{name}' must be a whole number, got '{raw[:32]}'")
     return int(raw)
 
 
 def _load_error(exc: DespinaError) -> Response:
     """SageMaker reads 409 as "loaded already" and 507 as "no room: unload another and retry"."""
-    response = error(exc)
+    response = error_response(exc)
     if isinstance(exc, AlreadyLoaded):
         response.status_code = 409
     elif exc.code == Code.RESOURCE_EXHAUSTED:
@@ -245,18 +244,12 @@ def model_folder(url: str) -> Path:
 
 def _is_model(folder: Path) -> bool:
     return (folder / "config.pbtxt").is_file() or any(
-        p.is_dir() and p.name.isdigit() for p in folder.iterdir())
+        p.is_dir() and is_version(p.name) for p in folder.iterdir())
 
 
 def stage(folder: Path, name: str, settings: Settings) -> None:
-    """Copy a model folder into the model repository as model `name`: its files, then its config with
-    that name (the folder SageMaker unpacked is named after the archive, the config after the model)."""
-    config = folder / "config.pbtxt"
-    parsed = parse_text(name, config.read_text()) if config.is_file() else None
-    registry = open_registry(settings.model_repository, settings)
-    for item in plan(folder, None, parsed is not None and parsed.platform == PLATFORM):
-        if item.path != "config.pbtxt":
-            registry.upload(name, item.path, item.source)
-    if parsed is not None:
-        parsed.name = name
-        registry.put(name, "config.pbtxt", text_format.MessageToString(parsed).encode())
+    """Push a model folder into the model repository as model `name` (its config renamed: the folder
+    SageMaker unpacked is named after the archive, the config after the model), as `despina push` does."""
+    out = io.StringIO()
+    push(folder, settings.model_repository, settings, name=name, out=out, rename=True)
+    log.info("SageMaker model %s: %s", name, out.getvalue().strip().splitlines()[-1])  # "pushed ..."

@@ -26,6 +26,11 @@ class FileInfo:
         return (self.path, self.size, self.etag)
 
 
+def is_version(folder: str) -> bool:
+    """A version folder's name: ASCII digits (str.isdigit() also takes '²', which int() refuses)."""
+    return folder.isascii() and folder.isdigit()
+
+
 @dataclass(frozen=True)
 class ModelFiles:
     """Every file of one model folder in a registry."""
@@ -38,7 +43,7 @@ class ModelFiles:
     @property
     def versions(self) -> list[int]:
         tops = {f.path.split("/", 1)[0] for f in self.files if "/" in f.path} | set(self.folders)
-        return sorted(int(t) for t in tops if t.isdigit() and int(t) > 0)
+        return sorted(int(t) for t in tops if is_version(t) and int(t) > 0)
 
     def of_versions(self, versions: Iterable[int]) -> tuple[FileInfo, ...]:
         """The files a folder holding `versions` needs: theirs and those outside every version folder."""
@@ -46,7 +51,7 @@ class ModelFiles:
         out = []
         for f in self.files:
             top = f.path.split("/", 1)[0] if "/" in f.path else ""
-            if top in wanted or not (top.isdigit() and int(top) > 0):
+            if top in wanted or not (is_version(top) and int(top) > 0):
                 out.append(f)
         return tuple(out)
 

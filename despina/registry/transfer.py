@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from google.protobuf import text_format
+
 from ..contract.ensemble import PLATFORM
 from ..contract.errors import ConfigError, InvalidArgument
 from ..contract.modelconfig import check_model_name, parse_text
 from ..settings import Settings
 from . import open_registry
-from .base import FileInfo
+from .base import FileInfo, is_version
 
 SHARED_DIRS = ("warmup",)  # folders that stay beside the versions when a flat folder is pushed
 
@@ -30,12 +32,13 @@ def plan(folder: Path, version: int | None, ensemble: bool = False) -> list[Plan
     """
     files = sorted(p for p in folder.rglob("*") if p.is_file() and not _hidden(p.relative_to(folder)))
     rel = [(p, p.relative_to(folder).as_posix()) for p in files]
-    versions = sorted({int(r.split("/", 1)[0]) for _, r in rel if "/" in r and r.split("/", 1)[0].isdigit()})
+    tops = {r.split("/", 1)[0] for _, r in rel if "/" in r}
+    versions = sorted(int(t) for t in tops if is_version(t))
     out: list[Planned] = []
     for p, r in rel:
         top = r.split("/", 1)[0] if "/" in r else ""
         if versions:
-            if top.isdigit():
+            if is_version(top):
                 if version is None:
                     out.append(Planned(p, r))
                 elif int(top) == versions[-1]:  # the newest version folder becomes `version`
@@ -46,7 +49,7 @@ def plan(folder: Path, version: int | None, ensemble: bool = False) -> list[Plan
             out.append(Planned(p, r))
         else:
             out.append(Planned(p, f"{version or 1}/{r}"))
-    if not ensemble and not any("/" in x.path and x.path.split("/", 1)[0].isdigit() for x in out):
+    if not ensemble and not any("/" in x.path and is_version(x.path.split("/", 1)[0]) for x in out):
         raise InvalidArgument(f"{folder} holds no model files to push")
     return sorted(out, key=lambda x: (x.path == "config.pbtxt", "/" not in x.path, x.path))
 
@@ -85,20 +88,27 @@ class ProgressBar:
 
 
 def push(folder: str | Path, url: str, settings: Settings, version: int | None = None,
-         name: str | None = None, out: TextIO = sys.stderr) -> list[FileInfo]:
-    """Upload one model folder to the registry at `url`, then check what landed (sizes and ETags)."""
+         name: str | None = None, out: TextIO = sys.stderr, rename: bool = False) -> list[FileInfo]:
+    """Upload one model folder to the registry at `url`, then check what landed (sizes and ETags).
+    With `rename`, a config naming another model is uploaded with its name field set to `name` (a
+    folder named after something else, as SageMaker unpacks an archive); without, that is an error."""
     folder = Path(folder)
     if not folder.is_dir():
         raise InvalidArgument(f"{folder} is not a folder")
     name = check_model_name(name or folder.resolve().name)
     config = folder / "config.pbtxt"
-    ensemble = False
+    ensemble, renamed = False, None
     if config.exists():
         parsed = parse_text(name, config.read_text())  # a typo fails here, not on every worker
         if parsed.name and parsed.name != name:
-            raise ConfigError(f"model '{name}': field 'name' is '{parsed.name}', the folder is '{name}'")
+            if not rename:
+                raise ConfigError(f"model '{name}': field 'name' is '{parsed.name}', the folder is '{name}'")
+            parsed.name = name
+            renamed = text_format.MessageToString(parsed).encode()
         ensemble = parsed.platform == PLATFORM
     planned = plan(folder, version, ensemble)
+    if renamed is not None:
+        planned = [p for p in planned if p.path != "config.pbtxt"]
     registry = open_registry(url, settings)
     bar = ProgressBar(sum(p.source.stat().st_size for p in planned), out)
     landed = []
@@ -107,7 +117,9 @@ def push(folder: str | Path, url: str, settings: Settings, version: int | None =
         landed.append(registry.upload(name, item.path, item.source, bar))
     bar.close()
     verify(planned, landed, registry.remote, settings)
-    versions = sorted({int(x.path.split("/", 1)[0]) for x in planned if x.path.split("/", 1)[0].isdigit()})
+    if renamed is not None:  # last, as plan() orders it: a poll never sees a config without its files
+        registry.put(name, "config.pbtxt", renamed)
+    versions = sorted({int(x.path.split("/", 1)[0]) for x in planned if is_version(x.path.split("/", 1)[0])})
     what = f"version {', '.join(map(str, versions))}" if versions else "(an ensemble: its config)"
     print(f"pushed {name} {what} to {registry.model_url(name)}: "
           f"{len(landed)} files, {sum(f.size for f in landed) / 1e6:.1f} MB, verified", file=out)
