@@ -147,8 +147,14 @@ def validate(config: Any) -> None:
                 raise ConfigError(f"{where}: field 'data_type' {dtype} is not supported")
             if any(d < -1 or d == 0 for d in t.dims):
                 raise ConfigError(f"{where}: field 'dims' must hold positive sizes or -1, got {list(t.dims)}")
-            if t.HasField("reshape") and -1 not in t.dims and -1 not in t.reshape.shape:
-                if _count(t.dims) != _count(t.reshape.shape):
+            if t.HasField("reshape"):
+                shape = list(t.reshape.shape)
+                if any(d < -1 or d == 0 for d in shape):
+                    raise ConfigError(f"{where}: field 'reshape' must hold positive sizes or -1, got {shape}")
+                if shape.count(-1) != list(t.dims).count(-1):
+                    raise ConfigError(f"{where}: field 'reshape' {shape} must leave as many sizes open (-1) "
+                                      f"as 'dims' {list(t.dims)}")
+                if -1 not in t.dims and _count(t.dims) != _count(shape):
                     raise ConfigError(f"{where}: field 'reshape' changes the element count")
     if scheduling == "dynamic_batching":
         db = config.dynamic_batching
@@ -161,6 +167,13 @@ def validate(config: Any) -> None:
     for group in config.instance_group:
         if group.count < 0:
             raise ConfigError(f"model '{model}': field 'instance_group.count' must be >= 0")
+
+
+def _reshape_of(tensor: dict[str, Any]) -> tuple[int, ...] | None:
+    """A tensor's reshape in the JSON form (present, maybe empty, only when the config sets it)."""
+    if "reshape" not in tensor:
+        return None
+    return tuple(int(d) for d in (tensor["reshape"] or {}).get("shape", []))
 
 
 def _count(dims: Any) -> int:
@@ -176,6 +189,7 @@ class TensorSpec:
     datatype: str             # V2 name
     dims: tuple[int, ...]     # without the batch dimension
     optional: bool = False
+    reshape: tuple[int, ...] | None = None  # the shape the model itself has (Triton's reshape), if other
 
     def metadata(self, batched: bool) -> dict[str, Any]:
         shape = [-1, *self.dims] if batched else list(self.dims)
@@ -206,7 +220,8 @@ class ModelSpec:
         def tensors(items: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
             return tuple(
                 TensorSpec(t["name"], CONFIG_TO_V2[t.get("data_type", "TYPE_FP32")],
-                           tuple(int(d) for d in t.get("dims", [])), bool(t.get("optional", False)))
+                           tuple(int(d) for d in t.get("dims", [])), bool(t.get("optional", False)),
+                           _reshape_of(t))
                 for t in items)
 
         return cls(config["name"], config.get("platform", ""), config.get("backend", ""),
@@ -259,6 +274,28 @@ def check_shape(spec: ModelSpec, expected: TensorSpec, shape: list[int]) -> None
             expect = ([-1] if spec.batched else []) + dims
             raise InvalidArgument(f"input '{expected.name}': shape {shape} does not match the model's "
                                   f"{expect}")
+    if expected.reshape is not None and -1 in dims and not _fits(rest, expected.dims, expected.reshape):
+        raise InvalidArgument(f"input '{expected.name}': shape {shape} cannot take the shape "
+                              f"{list(expected.reshape)} the model has (reshape)")
+
+
+def reshaped(shape: tuple[int, ...], source: tuple[int, ...], target: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` (laid out as `source`, -1 where sizes are open) as `target` (Triton's reshape, the batch
+    dimension left out): a lone -1 of `target` is left for numpy to work out; several take the open sizes
+    of `shape` in order (the config's check keeps their counts equal)."""
+    if target.count(-1) == 1:
+        return target
+    sizes = [size for size, d in zip(shape, source) if d == -1] if len(shape) == len(source) else []
+    open_sizes = iter(sizes)
+    return tuple(next(open_sizes, -1) if d == -1 else d for d in target)
+
+
+def _fits(shape: list[int], source: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a tensor of `shape` can take the shape `target` (as numpy.reshape would)."""
+    count = _count(shape)
+    want = reshaped(tuple(shape), source, target)
+    fixed = _count([d for d in want if d != -1])
+    return count == fixed if -1 not in want else fixed > 0 and count % fixed == 0
 
 
 def check_inputs(spec: ModelSpec, inputs: Sequence[Any]) -> None:

@@ -27,6 +27,7 @@ from .inflight import Gateways
 from .instances import plan as plan_instances
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
+from .reshape import Reshapes
 from .streams import Entry, ModelStreams
 from .warmup import run as warmup
 from .warmup import samples
@@ -70,6 +71,7 @@ class ModelRunner:
         self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
         self._bounded = bounded_levels(spec)
         self.stats_key = keys.stats(spec.name, version)
+        self._reshape = Reshapes.of(spec)  # None: the model takes and gives the config's dims
         self.consumer = consumer
         self.threads = threads
         count = spec.instance_count()
@@ -384,6 +386,9 @@ class ModelRunner:
         asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every
                  for p in live]
         arrays = [p.inputs for p in live]
+        reshape = self._reshape
+        if reshape is not None:
+            arrays = [reshape.to_model(a) for a in arrays]
         if backend.awaitable and backend.quick():  # it waits on its model's process: no thread needed
             results = await backend.execute_requests_async(arrays, asked)
         else:
@@ -393,6 +398,8 @@ class ModelRunner:
             msg = f"model '{self.spec.name}' returned {len(results)} results for {len(live)} requests"
             return [answers.error(p.request, Code.BACKEND, msg) for p in live]
         compute_us = int((time.time() - started) * 1e6)
+        if reshape is not None:
+            results = [r if isinstance(r, DespinaError) else _reshaped(reshape, r) for r in results]
         return [answers.error(p.request, r.code, r.message) if isinstance(r, DespinaError)
                 else answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
 
@@ -403,6 +410,8 @@ class ModelRunner:
         loop's other work until it resumed this coroutine, the estimate would grow with the load, and
         ever more batches would pay the hand-off to a thread and back (W3 at c=32 with the worker under a
         profiler, which slows the loop: 63 % of `mlp`'s)."""
+        if self._reshape is not None:
+            inputs = self._reshape.to_model(inputs)
         if self._count == 1 and self._row_us is not None and self._row_us * rows < INLINE_BELOW_US:
             out, took = _timed(backend.execute, inputs, names)
         else:
@@ -411,7 +420,7 @@ class ModelRunner:
                                                                          backend.execute, inputs, names)
         row_us = took * 1e6 / max(rows, 1)
         self._row_us = row_us if self._row_us is None else 0.8 * self._row_us + 0.2 * row_us
-        return out
+        return out if self._reshape is None else self._reshape.from_model(out)
 
     def _output_names(self, live: list[Pending]) -> list[str]:
         every = [o.name for o in self.spec.outputs]
@@ -499,6 +508,14 @@ class ModelRunner:
         except (RedisError, OSError) as exc:
             log.error("model %s: acknowledging failed: %s; the entries will be reclaimed",
                       self.spec.name, exc)
+
+
+def _reshaped(reshape: Reshapes, out: dict[str, np.ndarray]) -> dict[str, np.ndarray] | DespinaError:
+    """One request's outputs in the config's dims, or why they cannot be."""
+    try:
+        return reshape.from_model(out)
+    except DespinaError as exc:
+        return exc
 
 
 def _timed(execute: Callable[[dict[str, np.ndarray], list[str]], dict[str, np.ndarray]],

@@ -1,7 +1,7 @@
 """Triton's model_warmup: samples run on every instance at load, before the model is READY."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ from ..contract.datatypes import CONFIG_TO_V2, V2_TO_NUMPY, deserialize_bytes, e
 from ..contract.errors import ConfigError, DespinaError, InvalidArgument
 from ..contract.modelconfig import ModelSpec
 from .backends.base import Backend
+from .reshape import Reshapes
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,12 @@ def _data(data: dict[str, Any], model_dir: Path, rng: np.random.Generator) -> np
 def run(backend: Backend, spec: ModelSpec, warmups: list[Sample]) -> None:
     """Execute each sample on one instance; a failure is a load error that names the sample."""
     outputs = [o.name for o in spec.outputs]
+    reshape = Reshapes.of(spec)
+    if reshape is not None:  # the samples are in the config's dims, as requests are
+        try:
+            warmups = [replace(s, inputs=reshape.to_model(s.inputs)) for s in warmups]
+        except DespinaError as exc:
+            raise ConfigError(f"model '{spec.name}': a warmup sample: {exc.message}") from None
     for sample in warmups:
         for _ in range(sample.count):
             try:
