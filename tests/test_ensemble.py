@@ -367,15 +367,31 @@ def test_explicit_mode_loading_an_ensemble_loads_what_it_calls(
     assert "state" not in {r["name"]: r for r in index(server.url)}["add_sub"]  # not called: not loaded
     x = np.zeros((1, 256), np.float32)
     assert outputs(infer(server, "nested", {"x": x}))["label"].ravel().tolist() == [int(mlp_numpy(x).argmax())]
-    # unloading a model it calls, with its dependents, unloads the ensembles on top of it too
-    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=60)
     try:
+        # a model an ensemble calls, unloaded: the ensembles on top cannot serve, and say why (Triton's
+        # unload_dependents unloads what the model calls, and classify_post calls nothing)
         client.unload_model("classify_post", unload_dependents=True)
+        states = {r["name"]: (r.get("state"), r.get("reason", "")) for r in index(server.url)}
+        assert states["classify_post"] == ("UNAVAILABLE", "unloaded")
+        for name in ("mlp_classify", "nested"):
+            assert states[name][0] == "UNAVAILABLE" and states[name][1] != "unloaded", states[name]
+        assert "classify_post" in states["mlp_classify"][1]
+        assert states["mlp"] == ("READY", "")
+        assert infer(server, "nested", {"x": x}).status_code == 503
+        # loaded again (by name this time), the ensembles serve again
+        client.load_model("classify_post")
+        wait_until(lambda: httpx.get(f"{server.url}/v2/models/nested/ready").status_code == 200, 30,
+                   what="the ensembles to serve again")
+        # unload_dependents on the ensemble unloads the models it loaded as its steps (mlp_classify and
+        # mlp), not one loaded by name (classify_post), nor one nothing loaded for it (add_sub)
+        client.load_model("add_sub")
+        client.unload_model("nested", unload_dependents=True)
     finally:
         client.close()
-    states = {r["name"]: (r.get("state"), r.get("reason")) for r in index(server.url)}
-    assert states["mlp_classify"] == ("UNAVAILABLE", "unloaded") == states["classify_post"] == states["nested"]
-    assert states["mlp"] == ("READY", "")
+    states = {r["name"]: (r.get("state"), r.get("reason", "")) for r in index(server.url)}
+    assert states["nested"] == states["mlp_classify"] == states["mlp"] == ("UNAVAILABLE", "unloaded")
+    assert states["classify_post"] == states["add_sub"] == ("READY", "")
 
 
 def test_a_step_scaled_to_zero_is_woken_by_the_ensemble(serve: Callable[..., Server], repo: Path,

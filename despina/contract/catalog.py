@@ -29,6 +29,7 @@ class CatalogEntry:
     retiring: tuple[int, ...] = ()    # still loaded while newer versions come up; not the default
     failed: dict[int, str] = field(default_factory=dict)  # version -> why its current files failed
     footprint: int = 0                # estimated bytes of memory the loaded versions take
+    step_only: bool = False           # loaded only as a step of an ensemble, never asked for by name
 
     @property
     def serving(self) -> bool:
@@ -46,7 +47,7 @@ class CatalogEntry:
             "revisions": {str(v): r for v, r in self.revisions.items()},
             "files": [list(f) for f in self.files], "target": self.target, "workers": list(self.workers),
             "retiring": list(self.retiring), "failed": {str(v): r for v, r in self.failed.items()},
-            "footprint": self.footprint})
+            "footprint": self.footprint, "step_only": self.step_only})
 
     @classmethod
     def loads(cls, raw: bytes | str) -> CatalogEntry:
@@ -56,4 +57,5 @@ class CatalogEntry:
                    {int(v): r for v, r in (d.get("revisions") or {}).items()},
                    tuple((f[0], int(f[1]), f[2]) for f in d.get("files", ())), d.get("target", LOADED),
                    tuple(d.get("workers", ())), tuple(d.get("retiring", ())),
-                   {int(v): r for v, r in (d.get("failed") or {}).items()}, int(d.get("footprint", 0)))
+                   {int(v): r for v, r in (d.get("failed") or {}).items()}, int(d.get("footprint", 0)),
+                   bool(d.get("step_only", False)))

@@ -143,7 +143,10 @@ class Commands:
             plane.lifecycle.forget(name)
             if old is None or old.target != LOADED:
                 plane.lifecycle.awake_since[name] = time.time()
-            plane.catalog.put(transition(old, entry, LOADED, lambda v: bool(plane.workers.ready_on(name, v))))
+            # Triton's unload_dependents unloads the steps an ensemble loaded, not those asked for by name
+            step_only = bool(calling) and (old is None or old.target == UNLOADED or old.step_only)
+            entry = transition(old, entry, LOADED, lambda v: bool(plane.workers.ready_on(name, v)))
+            plane.catalog.put(replace(entry, step_only=step_only))
             log.info("model %s: loading version %s", name, ",".join(map(str, entry.versions)))
             plane.kick()
         if wait:
@@ -183,7 +186,7 @@ class Commands:
             if name in await asyncio.to_thread(plane.registry.names):
                 return  # in the repository, not loaded: nothing to do
             raise NotFound(f"failed to unload '{name}': no such model")
-        names = [name] + (self._dependents(name) if dependents else [])
+        names = [name] + (self._steps_loaded_for(name) if dependents else [])
         for n in names:
             async with plane.lock(n):
                 e = plane.catalog.get(n)
@@ -210,6 +213,26 @@ class Commands:
                                              f"'{name}' was unloaded"):
                         log.warning("ensemble %s: %d queued requests answered: model %s was unloaded", d,
                                     count, name)
+
+    def _steps_loaded_for(self, name: str) -> list[str]:
+        """What unload_dependents unloads with a model, as Triton does: the models its ensemble graph calls
+        (through nested ensembles too) that were loaded only as its steps, and that no other ensemble
+        still loaded calls."""
+        entries = self.plane.catalog.entries
+        going = {name}
+        todo = [name]
+        while todo:
+            e = entries.get(todo.pop())
+            for step in sorted(called_by(e.config)) if e is not None and is_ensemble(e.config) else ():
+                s = entries.get(step)
+                if s is None or step in going or not s.step_only or s.target == UNLOADED:
+                    continue
+                if any(step in called_by(o.config) for o in entries.values()
+                       if o.name not in going and o.target != UNLOADED and is_ensemble(o.config)):
+                    continue  # another ensemble still calls it
+                going.add(step)
+                todo.append(step)
+        return sorted(going - {name})
 
     def _dependents(self, name: str) -> list[str]:
         """Ensembles with a step that calls the model, and the ensembles that call those."""

@@ -95,7 +95,7 @@ class Ensembles:
             return "UNAVAILABLE", e.failed[v]
         if e.target == UNLOADED:
             return "UNAVAILABLE", "unloaded"
-        loading, idle = [], []
+        loading, idle, unloaded = [], [], []
         for step in self.graph(e).steps:
             model = self.catalog.get(step.model)
             if model is None:
@@ -104,7 +104,11 @@ class Ensembles:
                 return "UNAVAILABLE", f"{step}: ensembles nested more than 8 deep"
             if self._step_ready(model, step.version, depth):
                 continue
-            (idle if model.target == IDLE else loading).append(step.model)
+            (idle if model.target == IDLE else unloaded if model.target == UNLOADED else loading).append(
+                step.model)
+        if unloaded:
+            return "UNAVAILABLE", (f"model(s) {', '.join(sorted(set(unloaded)))} it calls were unloaded; it "
+                                   "serves again once they are loaded")
         if loading:
             return "LOADING", f"waiting for model(s) {', '.join(sorted(set(loading)))} to load"
         if idle:
