@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from despina.examples import mlp_numpy
 from despina.gateway.auth import classify
 from despina.settings import BadSetting, Settings
 
@@ -206,6 +207,36 @@ def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
     assert httpx.post(f"{url}/models/m1/invoke", json=v2_body()).status_code == 200
 
 
+def test_an_archive_of_an_ensemble_and_its_models_loads_as_one_endpoint_model(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # as Triton's SageMaker front end reads an archive of several models: the ensemble is the endpoint's
+    # model, the models it calls load beside it under their own names, and go with it
+    url = multi_model_endpoint(serve, tmp_path).url
+    archive = tmp_path / "models" / "9f8e7d" / "model"
+    for name in ("mlp_classify", "mlp", "classify_post"):
+        shutil.copytree(example_repository / name, archive / name)
+    r = httpx.post(f"{url}/models", json={"model_name": "pipeline", "url": str(archive)}, timeout=120)
+    assert r.status_code == 200, r.text
+    x = np.ones((1, 256), np.float32)
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": x.ravel().tolist()}]}
+    r = httpx.post(f"{url}/models/pipeline/invoke", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert outputs(r.json())["label"] == [int(mlp_numpy(x).argmax())]
+    assert httpx.get(f"{url}/models").json() == {"models": [{"modelName": "pipeline", "modelUrl": str(archive)}]}
+    # the same models again under another name: Triton's 409, nothing loaded twice
+    r = httpx.post(f"{url}/models", json={"model_name": "again", "url": str(archive)}, timeout=60)
+    assert r.status_code == 409 and "classify_post" in r.json()["error"]
+
+    assert httpx.delete(f"{url}/models/pipeline", timeout=60).status_code == 200
+    states = {row["name"]: row.get("state") for row in httpx.post(f"{url}/v2/repository/index").json()}
+    assert states["pipeline"] == states["mlp"] == states["classify_post"] == "UNAVAILABLE"
+    assert httpx.get(f"{url}/ping").status_code == 200
+    # and loaded again after that
+    r = httpx.post(f"{url}/models", json={"model_name": "pipeline", "url": str(archive)}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert httpx.post(f"{url}/models/pipeline/invoke", json=body, timeout=30).status_code == 200
+
+
 def test_a_multi_model_endpoint_refuses_bad_loads_with_400(
         serve, example_repository: Path, tmp_path: Path) -> None:
     server = multi_model_endpoint(serve, tmp_path)
@@ -214,6 +245,11 @@ def test_a_multi_model_endpoint_refuses_bad_loads_with_400(
     for name in ("x", "y"):
         shutil.copytree(example_repository / "add_sub", two / name)
     good = str(two / "x")
+    twice = tmp_path / "twice"  # two ensembles: which is the endpoint's model?
+    for name in ("mlp_classify", "other"):
+        shutil.copytree(example_repository / "mlp_classify", twice / name)
+    (twice / "other" / "config.pbtxt").write_text(
+        (twice / "other" / "config.pbtxt").read_text().replace('name: "mlp_classify"', 'name: "other"'))
     odd = tmp_path / "odd" / "\u00b2"  # str.isdigit() takes '²' for a version folder; int() does not
     odd.mkdir(parents=True)
     (odd / "model.onnx").write_bytes(b"x")
@@ -222,6 +258,7 @@ def test_a_multi_model_endpoint_refuses_bad_loads_with_400(
                 {"model_name": "m", "url": "/proc/self"},
                 {"model_name": "m", "url": str(tmp_path / "missing")},
                 {"model_name": "m", "url": str(two)},                # two models, neither the archive's
+                {"model_name": "m", "url": str(twice)},              # two ensembles
                 {"model_name": "m", "url": str(tmp_path)},           # no model at all: nothing is copied
                 {"model_name": "m", "url": str(odd.parent)}):
         r = httpx.post(f"{server.url}/models", json=doc)

@@ -11,7 +11,8 @@ SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
   Inference-Header-Content-Length header. The answer comes back the same way.
 - Multi-model endpoints (SAGEMAKER_MULTI_MODEL=true: explicit model control): POST /models
   {"model_name", "url"} copies the model folder SageMaker unpacked at `url` into the model repository
-  as `model_name` and loads it (409 when that name is loaded); GET /models (paged: max_results,
+  as `model_name` and loads it (409 when that name is loaded; an archive of an ensemble and the models
+  it calls loads them under their own names, and DELETE unloads them with it); GET /models (paged: max_results,
   next_page_token), GET /models/{name}, DELETE /models/{name} (404 when not loaded), and
   POST /models/{name}/invoke. The endpoint's models are kept in one Redis hash, so that every gateway
   of the endpoint answers for them alike.
@@ -22,6 +23,7 @@ import asyncio
 import io
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +33,9 @@ from starlette.responses import Response
 from starlette.routing import Route as HttpRoute
 
 from ..contract.commands import LOAD, UNLOAD
+from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DespinaError, InvalidArgument, NotFound
-from ..contract.modelconfig import check_model_name
+from ..contract.modelconfig import check_model_name, parse_text
 from ..registry.base import is_version
 from ..registry.transfer import push
 from . import http
@@ -123,8 +126,11 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
             check_model_name(name)
             if await gw.redis.hexists(key, name):
                 raise AlreadyLoaded(f"model '{name}' is already loaded")
-            folder = model_folder(url)
-            await asyncio.to_thread(stage, folder, name, gw.settings)
+            folder, steps = model_folders(url)
+            for step in steps:  # as Triton: an archive's other models keep their names, once
+                if step.name == name or gw.view.is_ready(step.name, None):
+                    raise AlreadyLoaded(f"model '{step.name}' of the archive at '{url}' is already loaded")
+            await asyncio.to_thread(stage, folder, name, gw.settings, steps)
         except DespinaError as exc:
             return _load_error(exc)
         try:
@@ -163,7 +169,7 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
         try:
             if not await gw.redis.hexists(key, name):
                 raise NotFound(f"model '{name}' is not loaded")
-            await gw.view.control.call(UNLOAD, name, {"unload_dependents": False},
+            await gw.view.control.call(UNLOAD, name, {"unload_dependents": True},  # an ensemble's steps too
                                        gw.settings.load_timeout_s)
             await gw.redis.hdel(key, name)
             await gw.view.refresh()
@@ -198,7 +204,7 @@ async def _give_up(gw: Gateway, name: str) -> None:
     """After a failed load, unload what it left: a model still waiting for a worker with room would keep
     the server not ready, and SageMaker would take /ping's answer for a sick container."""
     try:
-        await gw.view.control.call(UNLOAD, name, {"unload_dependents": False}, gw.settings.load_timeout_s)
+        await gw.view.control.call(UNLOAD, name, {"unload_dependents": True}, gw.settings.load_timeout_s)
         await gw.view.refresh()
     except DespinaError as exc:
         log.warning("SageMaker model %s: unloading after its failed load failed too: %s", name, exc.message)
@@ -223,23 +229,42 @@ def _load_error(exc: DespinaError) -> Response:
     return response
 
 
-def model_folder(url: str) -> Path:
-    """The model folder in what SageMaker unpacked at `url`: the folder itself when it is one (it has a
-    config.pbtxt or a version folder), else its only sub-folder when that is one. Nothing else is
-    copied: a load never takes a folder that is not a model's."""
+def model_folders(url: str) -> tuple[Path, list[Path]]:
+    """The model folder in what SageMaker unpacked at `url`, and the archive's other models: the folder
+    itself when it is a model's (it has a config.pbtxt or a version folder), else its only model
+    sub-folder, else, as Triton's SageMaker front end reads an archive of several, its one ensemble
+    (loaded as the endpoint's model) with the models it calls beside it (loaded under their own names).
+    Nothing that is not a model's folder is copied."""
     path = Path(os.path.normpath(os.path.abspath(url)))
     if any(str(path).startswith(root) or str(path) + "/" == root for root in FORBIDDEN_ROOTS):
         raise InvalidArgument(f"'url' cannot be under /dev, /proc or /sys, got '{url}'")
     if not path.is_dir():
         raise InvalidArgument(f"'url' must be a folder on the endpoint's machine, got '{url}'")
     if _is_model(path):
-        return path
-    folders = [p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    if len(folders) == 1 and _is_model(folders[0]):
-        return folders[0]
-    raise InvalidArgument(f"'{url}' is not a model folder (config.pbtxt and version folders) and does not "
-                          f"hold exactly one ({len(folders)} folders): a multi-model endpoint loads one "
-                          "model per archive")
+        return path, []
+    models = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".") and _is_model(p))
+    if len(models) == 1:
+        return models[0], []
+    ensembles = [p for p in models if _is_ensemble(p)]
+    if len(ensembles) == 1:
+        return ensembles[0], [p for p in models if p != ensembles[0]]
+    if not models:
+        raise InvalidArgument(f"'{url}' is not a model folder (config.pbtxt and version folders) and holds "
+                              "none")
+    raise InvalidArgument(f"'{url}' holds {len(models)} model folders and {len(ensembles) or 'no'} "
+                          f"ensemble{'' if len(ensembles) == 1 else 's'}: an archive of several models "
+                          "needs exactly one ensemble, the model the endpoint loads")
+
+
+def _is_ensemble(folder: Path) -> bool:
+    config = folder / "config.pbtxt"
+    if not config.is_file():
+        return False
+    try:
+        parsed = parse_text(folder.name, config.read_text())
+    except (DespinaError, OSError, UnicodeDecodeError):
+        return False  # not this one: its own load says what is wrong with it
+    return PLATFORM in (parsed.platform, parsed.backend)
 
 
 def _is_model(folder: Path) -> bool:
@@ -247,9 +272,14 @@ def _is_model(folder: Path) -> bool:
         p.is_dir() and is_version(p.name) for p in folder.iterdir())
 
 
-def stage(folder: Path, name: str, settings: Settings) -> None:
+def stage(folder: Path, name: str, settings: Settings, steps: Sequence[Path] = ()) -> None:
     """Push a model folder into the model repository as model `name` (its config renamed: the folder
-    SageMaker unpacked is named after the archive, the config after the model), as `despina push` does."""
+    SageMaker unpacked is named after the archive, the config after the model), as `despina push` does;
+    an ensemble's `steps` first, each under its own folder's name."""
+    for step in steps:
+        out = io.StringIO()
+        push(step, settings.model_repository, settings, out=out)
+        log.info("SageMaker model %s: %s", name, out.getvalue().strip().splitlines()[-1])
     out = io.StringIO()
     push(folder, settings.model_repository, settings, name=name, out=out, rename=True)
     log.info("SageMaker model %s: %s", name, out.getvalue().strip().splitlines()[-1])  # "pushed ..."
