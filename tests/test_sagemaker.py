@@ -147,6 +147,29 @@ def test_invocations_needs_a_default_model_when_the_repository_has_several(
     assert r.json()["model_name"] == "add_sub_too"
 
 
+def test_a_key_limited_to_the_endpoints_model_may_call_invocations(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # /invocations names no model in its path: the key's scope is checked against the model it runs
+    repo = one_model_repo(example_repository, tmp_path / "model")
+    shutil.copytree(example_repository / "mlp", repo / "mlp")
+    mine, other = "k" * 24 + "-add-sub", "k" * 24 + "-mlp"
+    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1", "--sagemaker-model", "add_sub",
+                           wait_models=("add_sub", "mlp"),
+                           env={"DESPINA_API_KEYS": f"{mine}: add_sub; {other}: mlp",
+                                "DESPINA_AUTH_INFERENCE": "true"})
+    call = f"{server.url}/invocations"
+    r = httpx.post(call, json=v2_body(), headers={"authorization": f"Bearer {mine}"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(call, json=v2_body(), headers={"authorization": f"Bearer {other}"})
+    assert r.status_code == 403 and "add_sub" in r.json()["error"]
+    assert httpx.post(call, json=v2_body()).status_code == 401
+    # the key's other routes are as before: its own model's V2 route, not another's
+    assert httpx.post(f"{server.url}/v2/models/add_sub/infer", json=v2_body(),
+                      headers={"authorization": f"Bearer {mine}"}).status_code == 200
+    assert httpx.post(f"{server.url}/v2/models/mlp/infer", json=v2_body(),
+                      headers={"authorization": f"Bearer {mine}"}).status_code == 403
+
+
 # -- a multi-model endpoint --------------------------------------------------------------------------
 
 def multi_model_endpoint(serve, tmp_path: Path, **env: str) -> Server:

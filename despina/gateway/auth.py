@@ -39,6 +39,7 @@ INFERENCE_APIS = frozenset({"inference", "metadata"})
 OPEN = "open"          # the OpenAPI document: never restricted
 UNLISTED = "unlisted"  # a path no API group names: needs an unrestricted key when keys are configured
 SERVER_WIDE_OK = frozenset({"metadata"})  # server-wide APIs a model-limited key may still call
+KEY_MODELS = "despina.key_models"  # in the ASGI scope: the models the caller's key is limited to
 
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")      # RFC 6750 b64token
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]+")  # RFC 9110 token
@@ -215,25 +216,26 @@ class AuthPolicy:
                      ", ".join(sorted(policy.restricted)) or "none")
         return policy
 
-    def check(self, target: Target, headers: list[tuple[bytes, bytes]]) -> None:
-        """Returns when the request may go on; raises Unauthenticated or PermissionDenied."""
+    def check(self, target: Target, headers: list[tuple[bytes, bytes]]) -> ApiKey | None:
+        """Returns when the request may go on (with the key it came with, when one was needed and
+        given); raises Unauthenticated or PermissionDenied."""
         if not self.active or target.api == OPEN:
-            return
+            return None
         restriction = self.restricted.get(target.api)
         needs_key = bool(self.keys) and (target.api == UNLISTED or target.api in self.key_apis)
         if restriction is None and not needs_key:
-            return
+            return None
         if restriction is not None:
             given = _header(headers, restriction.header)
             if given is not None and hmac.compare_digest(_digest(given), restriction.digest):
-                return
+                return None
         token = _bearer(headers)
         if self.keys and token is not None:
             key = self._match(token)
             if key is None:
                 raise Unauthenticated("the API key is not valid")
             self._check_scope(key, target)
-            return
+            return key
         if restriction is not None:
             alternative = " or 'Authorization: Bearer <key>'" if self.keys else ""
             raise Unauthenticated(f"This API is restricted, expecting header "
@@ -255,6 +257,8 @@ class AuthPolicy:
         if key.models is None:
             return
         if target.model is None:
+            if target.api == "inference":
+                return  # SageMaker's /invocations: the endpoint names its model, and checks the key's scope
             if target.api not in SERVER_WIDE_OK:
                 raise PermissionDenied(f"this API key is limited to some models; the server-wide "
                                        f"{target.api} API needs a key for every model")
@@ -293,9 +297,18 @@ class Guard:
                 path = path[len(root):]
             target = classify(path)
             try:
-                self.policy.check(target, scope["headers"])
+                key = self.policy.check(target, scope["headers"])
                 check_target(target)
             except DespinaError as exc:
                 await http.send_error(send, exc)
                 return
+            if key is not None and key.models is not None:
+                scope[KEY_MODELS] = key.models  # for a route whose model the path does not name
         await self.app(scope, receive, send)  # type: ignore[operator]
+
+
+def check_key_scope(scope: Scope, model: str) -> None:
+    """For a route that names its model itself (SageMaker's /invocations): the caller's key may use it."""
+    allowed = scope.get(KEY_MODELS)
+    if allowed is not None and model not in allowed:
+        raise PermissionDenied(f"this API key may not use model '{model}'")

@@ -12,9 +12,9 @@ SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
 - Multi-model endpoints (SAGEMAKER_MULTI_MODEL=true: explicit model control): POST /models
   {"model_name", "url"} copies the model folder SageMaker unpacked at `url` into the model repository
   as `model_name` and loads it (409 when that name is loaded; an archive of an ensemble and the models
-  it calls loads them under their own names, and DELETE unloads them with it); GET /models (paged: max_results,
-  next_page_token), GET /models/{name}, DELETE /models/{name} (404 when not loaded), and
-  POST /models/{name}/invoke. The endpoint's models are kept in one Redis hash, so that every gateway
+  it calls loads them under their own names, and DELETE unloads them with it); GET /models (paged:
+  max_results, next_page_token), GET /models/{name}, DELETE /models/{name} (404 when not loaded),
+  and POST /models/{name}/invoke. The endpoint's models are kept in one Redis hash, so that every gateway
   of the endpoint answers for them alike.
 """
 from __future__ import annotations
@@ -39,6 +39,8 @@ from ..contract.modelconfig import check_model_name, parse_text
 from ..registry.base import is_version
 from ..registry.transfer import push
 from . import http
+from .auth import KEY_MODELS, check_key_scope
+from .http import Receive, Scope, Send
 from .infer import AsgiEndpoint, Exchange, InferRoute, fail
 from .responses import error_response, json_body, json_response
 
@@ -92,6 +94,20 @@ class Invocations(SageMakerInfer):
             fail(ex, exc, http.header(ex.headers, b"x-request-id"))
             return
         super().__call__(ex)
+
+
+class InvocationsEndpoint(AsgiEndpoint):
+    """/invocations under ASGI: its path names no model, so the key's scope is checked here (auth.Guard
+    left it in the scope) against the model it runs."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if KEY_MODELS in scope:
+            try:
+                check_key_scope(scope, endpoint_model(self.route.gateway))
+            except DespinaError as exc:
+                await http.send_error(send, exc)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def endpoint_model(gw: Gateway) -> str:
@@ -180,7 +196,7 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
 
     return [
         HttpRoute("/ping", ping, methods=["GET"]),
-        HttpRoute("/invocations", AsgiEndpoint(Invocations(gw)), methods=["POST"]),
+        HttpRoute("/invocations", InvocationsEndpoint(Invocations(gw)), methods=["POST"]),
         HttpRoute("/models", load, methods=["POST"]),
         HttpRoute("/models", listing, methods=["GET"]),
         HttpRoute("/models/{model}", describe, methods=["GET"]),
