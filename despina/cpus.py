@@ -13,13 +13,17 @@ def parse(text: str) -> frozenset[int]:
     cpus: set[int] = set()
     for part in text.replace(" ", "").split(","):
         first, dash, last = part.partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()):
+        if not _number(first) or (dash and not _number(last)):
             raise CpuListError(f"expected a CPU list such as 0-3,8, got {text!r}")
         low, high = int(first), int(last) if dash else int(first)
         if high < low:
             raise CpuListError(f"the range {part!r} runs backwards")
         cpus.update(range(low, high + 1))
     return frozenset(cpus)
+
+
+def _number(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # str.isdigit() alone takes '²', which int() refuses
 
 
 def format_list(cpus: frozenset[int] | set[int]) -> str:

@@ -16,7 +16,7 @@ def test_parse(text: str, expected: set[int]) -> None:
     assert cpus.parse(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "a", "-1", "1-", "1--2", "0,,1", "3-1", "1.5"])
+@pytest.mark.parametrize("text", ["", "a", "-1", "1-", "1--2", "0,,1", "3-1", "1.5", "\u00b2", "0-\u00b2"])
 def test_parse_refuses_what_is_not_a_cpu_list(text: str) -> None:
     with pytest.raises(cpus.CpuListError):
         cpus.parse(text)
