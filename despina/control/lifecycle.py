@@ -73,9 +73,14 @@ class Lifecycle:
         if now < self._held_until:
             await self.catalog.flush()
             return
+        placed: dict[tuple[tuple[str, ...], str], list[str]] = {}  # (workers, why) -> models newly so
         for entry in list(self.catalog.entries.values()):
             if entry.serving and not is_ensemble(entry.config):
-                self.catalog.put(self._reconcile(entry, now))
+                self.catalog.put(self._reconcile(entry, now, placed))
+        for (workers, why), names in placed.items():  # one line for all the models when the workers stop
+            log.log(logging.WARNING if why else logging.INFO, "model%s %s placed on %s%s",
+                    "s" if len(names) > 1 else "", ", ".join(names), ", ".join(workers) or "no worker",
+                    f" ({why})" if why else "")
         self.ensembles.check()
         if now - self._idle_checked >= min(1.0, max(self.settings.idle_timeout_s / 4, 0.1)):
             self._idle_checked = now
@@ -83,7 +88,8 @@ class Lifecycle:
         await self.catalog.flush()
         await self._answer(now)
 
-    def _reconcile(self, e: CatalogEntry, now: float) -> CatalogEntry:
+    def _reconcile(self, e: CatalogEntry, now: float,
+                   placed: dict[tuple[tuple[str, ...], str], list[str]]) -> CatalogEntry:
         e = self._note_failures(e)
         excluded = self.excluded.get(e.name, set())
         used = committed(x for x in self.catalog.entries.values() if x.name != e.name)
@@ -96,8 +102,7 @@ class Lifecycle:
         near = partners(e.name, self.catalog.entries.values())
         workers, why = place(kept, self.workers.infos, used, count, excluded, near)
         if workers != e.workers or why != self.shortfall.get(e.name, ""):
-            log.log(logging.WARNING if why else logging.INFO, "model %s placed on %s%s", e.name,
-                    ", ".join(workers) or "no worker", f" ({why})" if why else "")
+            placed.setdefault((workers, why), []).append(e.name)
         if why:
             self.shortfall[e.name] = why
         else:
