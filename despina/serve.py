@@ -25,6 +25,7 @@ log = logging.getLogger("despina.serve")
 
 RESTART_BACKOFF_S = 1.0
 SETTLED_S = 5.0  # a gateway that dies sooner after its start failed to start (its port, say): stop
+LAST_S = 2.0  # what a stage of the drain gets, at least, once the drain's time is spent
 
 
 class Child:
@@ -151,19 +152,22 @@ class Supervisor:
         return 0
 
     def shutdown(self) -> None:
+        """Drain within one budget, drain_timeout_s (a container's stop gives a fixed time before SIGKILL:
+        Kubernetes' and Docker's grace period, 30 s and 10 s by default): the gateways answer what is
+        in flight, then the workers finish what they read in the time left (at least LAST_S)."""
         self._stopping = True
-        drain = self.settings.drain_timeout_s
+        deadline = time.monotonic() + self.settings.drain_timeout_s
         for g in self.gateways:
             g.terminate()
         for g in self.gateways:
-            g.wait(drain + 5)
+            g.wait(max(deadline - time.monotonic(), LAST_S))
         for w in self.workers:
             w.terminate()
         for w in self.workers:
-            w.wait(drain + 5)
+            w.wait(max(deadline - time.monotonic(), LAST_S))
         if self.control:
             self.control.terminate()
-            self.control.wait(10)
+            self.control.wait(LAST_S)
         if self.valkey:
             self.valkey.stop()
         log.info("stopped")
