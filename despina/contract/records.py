@@ -6,7 +6,7 @@ a worker writes every reply of one batch for one gateway as one entry.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -18,6 +18,26 @@ from .errors import Code, InvalidArgument
 # What unpacking a record of the wrong shape can raise: wrong types or lengths, a map where a list
 # belongs (KeyError), a float infinity where an integer belongs (OverflowError).
 MALFORMED = (TypeError, ValueError, KeyError, IndexError, OverflowError)
+
+# A request's or a response's custom parameters (V2 "parameters"): names to scalars.
+Parameters = dict[str, str | int | float | bool]
+# The parameters of every record that has none: shared, so read and never changed. A record packs its
+# parameters only when it has some, as a last element an older reader never sees.
+NO_PARAMETERS: Parameters = {}
+_SCALARS = (str, int, float, bool)
+
+
+def _no_parameters() -> Parameters:
+    return NO_PARAMETERS
+
+
+def _parameters(raw: Any) -> Parameters:
+    if type(raw) is not dict:
+        raise TypeError("parameters must be a map")
+    for name, value in raw.items():
+        if type(name) is not str or type(value) not in _SCALARS:
+            raise TypeError("parameters must map names to strings, numbers or booleans")
+    return raw or NO_PARAMETERS
 
 
 @dataclass(slots=True)
@@ -58,22 +78,38 @@ class InferRequest:
     timeout_us: int = 0          # queue timeout asked for by the client (0 = the model's default)
     enqueued: float = 0.0        # wall-clock seconds when the gateway wrote it
     trace: str = ""              # X-Request-Id, for logs
+    parameters: Parameters = field(default_factory=_no_parameters)  # for the model (Python backend)
+    request_id: str = ""         # the client's V2 "id", for the model (Python backend)
 
     def pack(self) -> list[Any]:
-        return [self.id, self.reply_to, self.deadline, [t.pack() for t in self.inputs],
-                list(self.outputs), self.priority, self.timeout_us, self.enqueued, self.trace]
+        packed = [self.id, self.reply_to, self.deadline, [t.pack() for t in self.inputs],
+                  list(self.outputs), self.priority, self.timeout_us, self.enqueued, self.trace]
+        if self.request_id:
+            packed += [self.parameters, self.request_id]
+        elif self.parameters:
+            packed.append(self.parameters)
+        return packed
 
     @classmethod
     def unpack(cls, raw: Any) -> InferRequest:
         try:
-            rid, reply_to, deadline, inputs, outputs, priority, timeout_us, enqueued, trace = raw
+            n = len(raw)  # 9; a newer gateway's may end with its parameters and then its request_id
+            head = raw if n == 9 else raw[:9]
+            rid, reply_to, deadline, inputs, outputs, priority, timeout_us, enqueued, trace = head
             if type(rid) is not str or type(reply_to) is not str or type(trace) is not str:
                 raise TypeError("id, reply_to and trace must be strings")
             for o in outputs:
                 if type(o) is not str:
                     raise TypeError("output names must be strings")
+            parameters, request_id = NO_PARAMETERS, ""
+            if n > 9:
+                if n > 11 or (n == 11 and type(raw[10]) is not str):
+                    raise TypeError("a request record ends with its parameters and its request_id")
+                parameters = _parameters(raw[9])
+                request_id = raw[10] if n == 11 else ""
             return cls(rid, reply_to, float(deadline), tuple([Tensor.unpack(t) for t in inputs]),
-                       tuple(outputs), int(priority), int(timeout_us), float(enqueued), trace)
+                       tuple(outputs), int(priority), int(timeout_us), float(enqueued), trace,
+                       parameters, request_id)
         except MALFORMED as exc:
             raise InvalidArgument(f"malformed request record: {exc}") from None
 
@@ -87,19 +123,28 @@ class InferReply:
     error: tuple[Code, str] | None = None
     queue_us: int = 0
     compute_us: int = 0
+    parameters: Parameters = field(default_factory=_no_parameters)  # the model's response parameters
 
     def pack(self) -> list[Any]:
         err = [self.error[0].value, self.error[1]] if self.error else None
-        return [self.id, [t.pack() for t in self.outputs], err, self.queue_us, self.compute_us]
+        packed = [self.id, [t.pack() for t in self.outputs], err, self.queue_us, self.compute_us]
+        if self.parameters:
+            packed.append(self.parameters)
+        return packed
 
     @classmethod
     def unpack(cls, raw: Any) -> InferReply:
         try:
-            rid, outputs, err, queue_us, compute_us = raw
+            n = len(raw)  # 5; a newer worker's may end with the response's parameters
+            if n > 6:
+                raise TypeError(f"a reply record has 5 or 6 elements, not {n}")
+            rid, outputs, err, queue_us, compute_us = raw if n == 5 else raw[:5]
             if type(rid) is not str:
                 raise TypeError("the id must be a string")
             error = (Code(err[0]), str(err[1])) if err else None
-            return cls(rid, tuple([Tensor.unpack(t) for t in outputs]), error, int(queue_us), int(compute_us))
+            parameters = _parameters(raw[5]) if n == 6 else NO_PARAMETERS
+            return cls(rid, tuple([Tensor.unpack(t) for t in outputs]), error, int(queue_us), int(compute_us),
+                       parameters)
         except MALFORMED as exc:
             raise InvalidArgument(f"malformed reply record: {exc}") from None
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
 from ..contract.modelconfig import ModelSpec
-from ..contract.records import InferReply, InferRequest, Tensor
+from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from . import ensemble, http
 from .dispatch import Result
 from .fn import decode_fn, encode_fn
@@ -104,11 +104,13 @@ class InferRoute(Route):
 
         def answer(reply: InferReply) -> None:
             out, json_length = encode_infer(model.spec.name, version, decoded.id, reply.outputs,
-                                            decoded.binary_outputs, decoded.binary_all, decoded.heads)
+                                            decoded.binary_outputs, decoded.binary_all, decoded.heads,
+                                            reply.parameters)
             respond(ex, out, json_length, echo)
 
         submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace,
-               answering(ex, trace, answer), priority, timeout_us, timeout)
+               answering(ex, trace, answer), priority, timeout_us, timeout, decoded.model_parameters,
+               decoded.id or "")
 
     def header_length(self, ex: Exchange) -> int | None:
         """The JSON header's length in a body with binary tensors (None: the body is all JSON)."""
@@ -193,10 +195,12 @@ def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
 
 def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], outputs: tuple[str, ...],
            trace: bytes | None, done: Callable[[InferReply | DespinaError], None], priority: int = 0,
-           timeout_us: int = 0, timeout: float | None = None) -> None:
+           timeout_us: int = 0, timeout: float | None = None, parameters: Parameters = NO_PARAMETERS,
+           request_id: str = "") -> None:
     """Queue one request on the model version's stream (its priority level's); `done` gets the reply,
     or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down).
-    `timeout` (default: request_timeout_s) is how long it may still take."""
+    `timeout` (default: request_timeout_s) is how long it may still take; `parameters` and `request_id`
+    (the client's V2 "id") are for the model (an ensemble's steps get neither)."""
     model = spec.name
     timeout = gw.settings.request_timeout_s if timeout is None else timeout
     if spec.platform == PLATFORM and version not in gw.view.ready.get(model, ()):
@@ -210,7 +214,7 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     now = time.time()
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,
                            tuple(inputs), outputs, priority, timeout_us, now,
-                           trace.decode("latin-1") if trace else "")
+                           trace.decode("latin-1") if trace else "", parameters, request_id)
     level = spec.policy.level(priority)
     stream = gw.keys.request_stream(model, version, level)
     if stream in gw.view.full:  # refused now rather than accepted and then trimmed away

@@ -88,7 +88,9 @@ def _schemas() -> Doc:
                 "binary_data": {"type": "boolean"}}}}},
         "InferRequest": {"type": "object", "required": ["inputs"], "properties": {
             "id": {"type": "string"},
-            "parameters": {"type": "object", "additionalProperties": True, "properties": {
+            "parameters": {"type": "object", "additionalProperties": True,
+                           "description": "The others (string, number or boolean) reach a Python model as "
+                                          "request.parameters()", "properties": {
                 "binary_data_output": {"type": "boolean"},
                 "priority": {"type": "integer", "minimum": 0, "description": "1 = highest; 0 = default"},
                 "timeout": {"type": "integer", "minimum": 0, "description": "queue timeout, µs"}}},

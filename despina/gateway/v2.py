@@ -14,11 +14,14 @@ import orjson
 from ..contract.datatypes import V2_TO_NUMPY, element_count, serialize_bytes, to_numpy
 from ..contract.errors import InvalidArgument
 from ..contract.modelconfig import ModelSpec, check_inputs, check_shape
-from ..contract.records import Tensor
+from ..contract.records import NO_PARAMETERS, Parameters, Tensor
 from ..settings import Settings
 from .http import json_object
 
 MAX_ELEMENTS: int = Settings.max_tensor_elements  # per tensor, unless the caller passes its setting
+# Request parameters Despina reads itself (Triton's reserved ones): they never reach the model.
+CONSUMED = frozenset({"priority", "timeout", "binary_data_output", "sequence_id", "sequence_start",
+                      "sequence_end"})
 
 
 @dataclass
@@ -29,6 +32,7 @@ class Decoded:
     binary_outputs: set[str] = field(default_factory=set)
     binary_all: bool = False
     parameters: dict[str, Any] = field(default_factory=dict)
+    model_parameters: Parameters = field(default_factory=dict)  # but those in CONSUMED
     # the requests of one remembered header share this: their reply headers by the outputs' shapes
     heads: dict[tuple[Any, ...], bytes] | None = field(default=None, compare=False, repr=False)
 
@@ -53,7 +57,8 @@ class _Plan:
             inputs.append(Tensor(name, datatype, shape, body[offset:offset + size]))
             offset += size
         d = self.decoded  # its outputs, binary outputs and parameters are read, never changed
-        return Decoded(d.id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters, d.heads)
+        return Decoded(d.id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters,
+                       d.model_parameters, d.heads)
 
 
 PLANS_MAX, PLAN_HEADER_MAX = 512, 4096
@@ -124,7 +129,22 @@ def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: in
     if req_id is not None and not isinstance(req_id, str):
         raise InvalidArgument("field 'id' must be a string")
     binary_all = params.get("binary_data_output") is True
-    return Decoded(req_id, inputs, outputs, binary_outputs, binary_all, params), from_binary
+    return Decoded(req_id, inputs, outputs, binary_outputs, binary_all, params,
+                   model_parameters(params)), from_binary
+
+
+def model_parameters(params: dict[str, Any]) -> Parameters:
+    """A request's parameters as its model gets them: all but those Despina reads itself (CONSUMED).
+    Every value must be a string, a number or a boolean, as in Triton."""
+    if not params:
+        return NO_PARAMETERS
+    for name, value in params.items():
+        if type(value) not in (str, int, float, bool):
+            kind = "null" if value is None else "an object" if isinstance(value, dict) else "an array"
+            raise InvalidArgument(f"parameter '{name}' must be a string, a number or a boolean, not {kind}")
+    if params.keys() <= CONSUMED:  # tritonclient sends binary_data_output with every request
+        return NO_PARAMETERS
+    return {name: value for name, value in params.items() if name not in CONSUMED}
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -245,12 +265,16 @@ HEADS_MAX = 64  # reply headers remembered per request header (BYTES outputs var
 
 
 def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Tensor, ...],
-                 binary: set[str], binary_all: bool, heads: dict[tuple[Any, ...], bytes] | None = None
-                 ) -> tuple[bytes, int | None]:
-    """Reply tensors -> (body, JSON header length or None when the body is all JSON).
+                 binary: set[str], binary_all: bool, heads: dict[tuple[Any, ...], bytes] | None = None,
+                 parameters: Parameters = NO_PARAMETERS) -> tuple[bytes, int | None]:
+    """Reply tensors (and the model's response parameters) -> (body, JSON header length or None when
+    the body is all JSON).
 
     `heads` (Decoded.heads) remembers the JSON header of replies whose outputs are all binary: it
-    depends only on the outputs' names, shapes and sizes, the same for every reply of a shape."""
+    depends only on the outputs' names, shapes and sizes, the same for every reply of a shape; a reply
+    with response parameters is encoded afresh."""
+    if parameters:
+        heads = None
     if heads is not None:
         key = tuple([(t.name, t.datatype, t.shape, len(t.data)) for t in outputs])
         header = heads.get(key)
@@ -269,6 +293,8 @@ def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Te
     doc: dict[str, Any] = {"model_name": model, "model_version": str(version)}
     if req_id is not None:
         doc["id"] = req_id
+    if parameters:
+        doc["parameters"] = parameters
     doc["outputs"] = described
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:

@@ -7,6 +7,7 @@ import numpy as np
 from ..contract.datatypes import numpy_to_v2, to_bytes
 from ..contract.errors import Code
 from ..contract.records import InferReply, InferRequest, Tensor
+from .backends.base import response_parameters
 
 
 def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[str, np.ndarray],
@@ -53,14 +54,14 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
 
 
 def answer(req: InferRequest, out: dict[str, np.ndarray], started: float, compute_us: int) -> InferReply:
-    """One request's own execution: all of its outputs, as they are."""
+    """One request's own execution: all of its outputs, as they are, and its response parameters."""
     tensors = []
     for name in req.outputs or tuple(out):
         array = out[name]
         datatype = numpy_to_v2(array.dtype)
         tensors.append(Tensor(name, datatype, tuple(array.shape), to_bytes(array, datatype)))
     queue_us = max(0, int((started - req.enqueued) * 1e6))
-    return InferReply(req.id, tuple(tensors), None, queue_us, compute_us)
+    return InferReply(req.id, tuple(tensors), None, queue_us, compute_us, response_parameters(out))
 
 
 def error(req: InferRequest, code: Code, message: str) -> InferReply:

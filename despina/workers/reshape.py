@@ -7,7 +7,7 @@ nothing: `Reshapes.of` is None.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,17 +33,17 @@ class Reshapes:
             return None
         return cls(spec.name, spec.batched, inputs, outputs)
 
-    def to_model(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def to_model(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A request's or a batch's inputs, as the model takes them."""
         return self._apply(inputs, self.inputs, "input")
 
-    def from_model(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def from_model(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The model's outputs, as the config's `dims` say clients get them."""
         return self._apply(outputs, self.outputs, "output")
 
-    def _apply(self, arrays: Mapping[str, np.ndarray], layouts: dict[str, Layout], kind: str
+    def _apply(self, arrays: dict[str, np.ndarray], layouts: dict[str, Layout], kind: str
                ) -> dict[str, np.ndarray]:
-        out = dict(arrays)
+        out = copy.copy(arrays)  # of its type: a Request or Outputs keeps its parameters (backends.base)
         for name, (source, target) in layouts.items():
             array = out.get(name)
             if array is None:

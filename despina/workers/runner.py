@@ -22,6 +22,7 @@ from ..contract.records import InferReply, InferRequest, Tensor
 from ..resp import Batch, ReadAlong, Resp
 from . import answers, stats
 from .backends import Backend, backend_class
+from .backends.base import request_inputs
 from .batcher import DynamicBatcher, Item, QueueFull
 from .inflight import Gateways
 from .instances import plan as plan_instances
@@ -227,7 +228,7 @@ class ModelRunner:
                     fail(req, entry, Code.DEADLINE_EXCEEDED, TIMED_OUT)
                     continue
                 try:
-                    inputs = {t.name: t.numpy() for t in req.inputs}
+                    inputs = request_inputs(req)
                 except DespinaError as exc:
                     fail(req, entry, exc.code, exc.message)
                     continue

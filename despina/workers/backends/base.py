@@ -7,6 +7,8 @@ A backend instance is one loaded copy of one model version. The worker calls `lo
 A backend whose model answers each request on its own (Triton's Python backend) defines
 `execute_requests()` instead of `execute()`: the worker then hands it the requests of a batch one by
 one, unconcatenated, and takes one result per request, where an error fails only its own request.
+A request with custom parameters or a V2 id comes as a `Request` (its inputs, and those), and a result
+may be an `Outputs` carrying the model's response parameters; the others are plain dicts.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import numpy as np
 from ...contract._schema import model_config_pb2 as pb
 from ...contract.errors import ConfigError, DespinaError
 from ...contract.modelconfig import ModelSpec
+from ...contract.records import NO_PARAMETERS, InferRequest, Parameters
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,40 @@ class Instance:
     kind: str = "CPU"
     device: int = 0
     threads: int = 1
+
+
+class Request(dict[str, np.ndarray]):
+    """A request's inputs by name, with its custom parameters and its V2 id (per_request backends)."""
+
+    __slots__ = ("parameters", "request_id")
+
+    def __init__(self, inputs: dict[str, np.ndarray], parameters: Parameters, request_id: str) -> None:
+        super().__init__(inputs)
+        self.parameters = parameters
+        self.request_id = request_id
+
+
+class Outputs(dict[str, np.ndarray]):
+    """A request's outputs by name, with the response parameters its model set (per_request backends)."""
+
+    __slots__ = ("parameters",)
+
+    def __init__(self, outputs: dict[str, np.ndarray], parameters: Parameters) -> None:
+        super().__init__(outputs)
+        self.parameters = parameters
+
+
+def request_inputs(req: InferRequest) -> dict[str, np.ndarray]:
+    """A request's inputs as arrays; a Request when it has parameters or an id (else none is made)."""
+    inputs = {t.name: t.numpy() for t in req.inputs}
+    if req.parameters or req.request_id:
+        return Request(inputs, req.parameters, req.request_id)
+    return inputs
+
+
+def response_parameters(result: dict[str, np.ndarray]) -> Parameters:
+    """The response parameters a per_request backend's result carries (none: NO_PARAMETERS)."""
+    return result.parameters if isinstance(result, Outputs) else NO_PARAMETERS
 
 
 class Backend:

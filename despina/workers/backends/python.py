@@ -25,7 +25,7 @@ from google.protobuf import json_format
 
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
 from ...contract.modelconfig import ModelConfig, to_dict
-from .base import Backend, visible_gpus
+from .base import Backend, Outputs, visible_gpus
 from .python_stub import _despina_wire as wire
 
 log = logging.getLogger("despina.worker")
@@ -215,10 +215,16 @@ class PythonBackend(Backend):
             return [exc] * len(requests)
         return self._results(answers)
 
-    def _results(self, answers: list[tuple[str, Any]]) -> list[dict[str, np.ndarray] | DespinaError]:
-        return [wire.unpack_all(out) if status == "ok" else
-                DespinaError(f"model '{self.spec.name}': {out[0]}", ERROR_CODES.get(out[1], Code.BACKEND))
-                for status, out in answers]
+    def _results(self, answers: list[tuple[str, Any, Any]]) -> list[dict[str, np.ndarray] | DespinaError]:
+        return [self._result(*a) for a in answers]
+
+    def _result(self, status: str, out: Any, parameters: Any) -> dict[str, np.ndarray] | DespinaError:
+        """One request's answer from the stub: ("ok", outputs, response parameters or None), or
+        ("error", (message, code), None)."""
+        if status != "ok":
+            return DespinaError(f"model '{self.spec.name}': {out[0]}", ERROR_CODES.get(out[1], Code.BACKEND))
+        outputs = wire.unpack_all(out)
+        return Outputs(outputs, parameters) if parameters else outputs
 
     def _died(self, exc: StubDied) -> BackendError:
         """The process died under a batch: restart it on a thread; the batch's error."""
@@ -296,7 +302,9 @@ def _dumps(message: Any) -> bytes:
 
 
 def _payload(requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Sequence[str]]) -> list[Any]:
-    return [(wire.pack_all(r), list(o)) for r, o in zip(requests, outputs)]
+    """Per request: its inputs, the outputs asked for, its parameters and its V2 id (base.Request)."""
+    return [(wire.pack_all(r), list(o), getattr(r, "parameters", None), getattr(r, "request_id", ""))
+            for r, o in zip(requests, outputs)]
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

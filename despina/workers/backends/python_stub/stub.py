@@ -112,18 +112,21 @@ class Stub:
         if hasattr(self.model, "initialize"):
             self._await(self.model.initialize(payload["args"]))
 
-    def execute(self, payload: list[tuple[dict[str, Any], list[str]]]) -> list[tuple[str, Any]]:
-        """Run one batch; one ("ok", outputs) or ("error", (message, code)) per request, in order."""
+    def execute(self, payload: list[tuple[dict[str, Any], list[str], dict[str, Any] | None, str]]
+                ) -> list[tuple[str, Any, Any]]:
+        """Run one batch of (inputs, asked outputs, parameters, request id); one ("ok", outputs, response
+        parameters or None) or ("error", (message, code), None) per request, in order."""
         requests = [pb_utils.InferenceRequest(
+                        request_id=request_id,
                         inputs=[pb_utils.Tensor(n, wire.unpack(a)) for n, a in inputs.items()],
-                        requested_output_names=asked)
-                    for inputs, asked in payload]
+                        requested_output_names=asked, parameters=parameters)
+                    for inputs, asked, parameters, request_id in payload]
         responses = self._await(self.model.execute(requests))
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             count = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
             raise pb_utils.TritonModelException(f"execute returned {count} responses for "
                                                 f"{len(requests)} requests")
-        return [_answer(r, asked) for r, (_, asked) in zip(responses, payload)]
+        return [_answer(r, asked) for r, (_, asked, _, _) in zip(responses, payload)]
 
     def finalize(self, payload: Any) -> None:
         if self.model is not None and hasattr(self.model, "finalize"):
@@ -137,20 +140,22 @@ class Stub:
         return self.loop.run_until_complete(result)
 
 
-def _answer(response: Any, asked: list[str]) -> tuple[str, Any]:
+def _answer(response: Any, asked: list[str]) -> tuple[str, Any, Any]:
     if not isinstance(response, pb_utils.InferenceResponse):
         return ("error", (f"execute returned {type(response).__name__} instead of an "
-                          "InferenceResponse", pb_utils.TritonError.INTERNAL))
+                          "InferenceResponse", pb_utils.TritonError.INTERNAL), None)
     if response.has_error():
         error = response.error()
         return ("error", (str(error.message() if hasattr(error, "message") else error),
-                          error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL))
+                          error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL), None)
     outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
     missing = [n for n in asked if n not in outputs]
     if missing:
         return ("error", (f"the response lacks output {', '.join(missing)}",
-                          pb_utils.TritonError.INTERNAL))
-    return ("ok", {n: wire.pack(np.asarray(outputs[n])) for n in asked})
+                          pb_utils.TritonError.INTERNAL), None)
+    parameters = response.parameters()
+    return ("ok", {n: wire.pack(np.asarray(outputs[n])) for n in asked},
+            json.loads(parameters) if parameters != "{}" else None)
 
 
 if __name__ == "__main__":

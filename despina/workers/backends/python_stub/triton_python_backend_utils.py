@@ -201,7 +201,10 @@ class InferenceRequest:
         self._requested = list(requested_output_names or ())
         self._model_name = model_name
         self._flags = flags
-        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        if isinstance(parameters, str):
+            self._parameters = parameters
+        else:  # a dict, as the stub passes the request's: JSON, as Triton's parameters() returns
+            self._parameters = json.dumps(parameters) if parameters else "{}"
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -246,7 +249,7 @@ class InferenceResponse:
             raise TritonModelException('"output_tensors" must be a list.')
         self._output_tensors = output_tensors
         self._error = error
-        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        self._parameters = _response_parameters(parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return self._output_tensors
@@ -259,6 +262,24 @@ class InferenceResponse:
 
     def parameters(self) -> str:
         return self._parameters
+
+
+def _response_parameters(parameters: Any) -> str:
+    """A response's parameters as Triton's Python backend takes them (a dict of str to bool, int or
+    str; None: none), as JSON."""
+    if parameters is None:
+        return "{}"
+    if not isinstance(parameters, dict):
+        raise TritonModelException(f"response parameters must be a dict, not {type(parameters).__name__}")
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise TritonModelException(f"response parameter names must be str, not {type(key).__name__}")
+        if not isinstance(value, (bool, int, str)):
+            raise TritonModelException(f"response parameter '{key}' must be a bool, int or str, not "
+                                       f"{type(value).__name__}")
+        if isinstance(value, int) and not -2**63 <= value < 2**63:
+            raise TritonModelException(f"response parameter '{key}' is out of the int64 range")
+    return json.dumps(parameters) if parameters else "{}"
 
 
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
