@@ -3,7 +3,8 @@
 Workers count into one statistics hash per model version (workers/stats.py); gateways count what
 they enqueue and refuse. Rendering those hashes gives Triton's `nv_inference_*` families summed over
 every process on every host, the same numbers the statistics API answers. Host metrics (CPU,
-memory, GPUs through NVML when present) describe the machine of the process serving /metrics.
+memory) describe the machine of the process serving /metrics; GPU metrics (through NVML) describe its
+GPUs and those every live worker reports with its heartbeat.
 """
 from __future__ import annotations
 
@@ -80,10 +81,11 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     workers = results.pop()
     pipe = redis.pipeline(transaction=False)
     for wid in workers:
-        pipe.hget(keys.worker(wid.decode()), "cache")
-    caches = await pipe.execute() if workers else []
-    alive = sum(1 for c in caches if c is not None)  # the heartbeat hash is there: it has not expired
-    cache = {wid.decode(): orjson.loads(c) for wid, c in zip(workers, caches) if c}
+        pipe.hmget(keys.worker(wid.decode()), "cache", "gpus")
+    fields = await pipe.execute() if workers else []
+    alive = sum(1 for c, _ in fields if c is not None)  # the heartbeat hash is there: it has not expired
+    cache = {wid.decode(): orjson.loads(c) for wid, (c, _) in zip(workers, fields) if c}
+    gpus = [reading for _, g in fields if g for reading in orjson.loads(g)]
     models = []
     cursor = 0
     for name, version, streams in targets:
@@ -91,7 +93,7 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
         backlog = results[cursor + 1: cursor + 1 + len(streams)]
         cursor += 1 + len(streams)
         models.append({"model": name, "version": str(version), "stats": stats, "backlog": backlog})
-    return {"models": models, "workers_alive": alive, "cache": cache}
+    return {"models": models, "workers_alive": alive, "cache": cache, "gpus": gpus}
 
 
 # the artifact cache (models fetched from S3) of each worker and of the control plane, counted since
@@ -105,7 +107,7 @@ CACHE_COUNTERS = (
 )
 
 
-def render(data: dict[str, Any], host: Iterable[tuple[str, str, str, dict[str, str], float]] = ()) -> bytes:
+def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
     out = Exposition()
     models = data["models"]
     for name, help_, field, scale in COUNTERS:
@@ -150,12 +152,13 @@ def render(data: dict[str, Any], host: Iterable[tuple[str, str, str, dict[str, s
         out.family(name, "counter", help_)
         for process, stats in sorted(data.get("cache", {}).items()):
             out.sample(name, {"process": process}, stats.get(field, 0))
-    families: dict[str, tuple[str, str]] = {}
-    for name, kind, help_, labels, value in host:
-        if name not in families:
-            families[name] = (kind, help_)
-            out.family(name, kind, help_)
-        out.sample(name, labels, value)
+    families: dict[str, list[Sample]] = {}  # a family's samples together, as the text format wants them
+    for sample in host:
+        families.setdefault(sample[0], []).append(sample)
+    for name, samples in families.items():
+        out.family(name, samples[0][1], samples[0][2])
+        for _, _, _, labels, value in samples:
+            out.sample(name, labels, value)
     return out.text()
 
 
@@ -191,11 +194,25 @@ def _latency_histogram(out: Exposition, models: list[dict[str, Any]], name: str,
         out.sample(f"{name}_count", _labels(m), sum(counts))
 
 
-class HostMetrics:
-    """Triton's CPU and GPU metrics for this machine (GPU only where NVML answers)."""
+# Triton's GPU metrics: (name, type, help, the GpuReader reading it shows)
+GPU_FAMILIES = (
+    ("nv_gpu_utilization", "gauge", "GPU utilization rate [0.0 - 1.0)", "utilization"),
+    ("nv_gpu_memory_total_bytes", "gauge", "GPU total memory, in bytes", "memory_total"),
+    ("nv_gpu_memory_used_bytes", "gauge", "GPU used memory, in bytes", "memory_used"),
+    ("nv_gpu_power_usage", "gauge", "GPU power usage in watts", "power_usage"),
+    ("nv_gpu_power_limit", "gauge", "GPU power management limit in watts", "power_limit"),
+    ("nv_energy_consumption", "counter", "GPU energy consumption in joules since the driver loaded",
+     "energy"),
+)
+Sample = tuple[str, str, str, dict[str, str], float]  # (family, type, help, labels, value)
+
+
+class GpuReader:
+    """This machine's NVIDIA GPUs as NVML reads them (the `gpu` extra: nvidia-ml-py); no readings where
+    NVML does not answer (no library, no driver, no GPU). Workers publish theirs with each heartbeat,
+    so that the control plane's /metrics shows the GPUs of every worker's machine."""
 
     def __init__(self) -> None:
-        self._last: tuple[int, int] | None = None
         self._nvml: Any = None
         try:
             import pynvml
@@ -205,8 +222,65 @@ class HostMetrics:
         except Exception:  # no NVML library or no GPU: no GPU metrics
             self._nvml = None
 
-    def samples(self) -> list[tuple[str, str, str, dict[str, str], float]]:
-        out: list[tuple[str, str, str, dict[str, str], float]] = []
+    @property
+    def active(self) -> bool:
+        return self._nvml is not None
+
+    def readings(self) -> list[dict[str, Any]]:
+        """Per GPU: uuid, and what NVML answers of utilization (0-1), memory_total and memory_used (bytes),
+        power_usage and power_limit (W), energy (J); a reading this GPU does not support is left out."""
+        nv = self._nvml
+        if nv is None:
+            return []
+        out = []
+        try:
+            count = nv.nvmlDeviceGetCount()
+        except Exception:
+            return []
+        for i in range(count):
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                uuid = nv.nvmlDeviceGetUUID(h)
+            except Exception:
+                continue
+            reading: dict[str, Any] = {"uuid": uuid.decode() if isinstance(uuid, bytes) else str(uuid)}
+            for key, read in (("utilization", lambda h: nv.nvmlDeviceGetUtilizationRates(h).gpu / 100),
+                              ("memory_total", lambda h: nv.nvmlDeviceGetMemoryInfo(h).total),
+                              ("memory_used", lambda h: nv.nvmlDeviceGetMemoryInfo(h).used),
+                              ("power_usage", lambda h: nv.nvmlDeviceGetPowerUsage(h) / 1000),
+                              ("power_limit", lambda h: nv.nvmlDeviceGetPowerManagementLimit(h) / 1000),
+                              ("energy", lambda h: nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1000)):
+                try:
+                    reading[key] = float(read(h))
+                except Exception:  # NVML_ERROR_NOT_SUPPORTED and the like: that metric is not there
+                    pass
+            out.append(reading)
+        return out
+
+
+def gpu_samples(readings: Iterable[dict[str, Any]]) -> list[Sample]:
+    """Readings of GPUs (from several machines; one GPU read by several processes counts once, by its
+    UUID) -> Triton's GPU families, labelled by gpu_uuid."""
+    by_uuid = {r["uuid"]: r for r in readings if isinstance(r, dict) and isinstance(r.get("uuid"), str)}
+    out: list[Sample] = []
+    for name, kind, help_, key in GPU_FAMILIES:
+        for uuid, reading in sorted(by_uuid.items()):
+            value = reading.get(key)
+            if isinstance(value, (int, float)):
+                out.append((name, kind, help_, {"gpu_uuid": uuid}, value))
+    return out
+
+
+class HostMetrics:
+    """Triton's CPU metrics for this machine, and GPU metrics for its GPUs and those workers report."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, int] | None = None
+        self.gpus = GpuReader()
+
+    def samples(self, reported: Iterable[dict[str, Any]] = ()) -> list[Sample]:
+        """`reported`: the GPU readings the workers published (metrics.collect)."""
+        out: list[Sample] = []
         util = self._cpu_utilization()
         if util is not None:
             out.append(("nv_cpu_utilization", "gauge", "CPU utilization rate [0.0 - 1.0]", {}, util))
@@ -216,9 +290,7 @@ class HostMetrics:
             out.append(("nv_cpu_memory_total_bytes", "gauge", "CPU total memory (RAM), in bytes", {}, total))
             out.append(("nv_cpu_memory_used_bytes", "gauge", "CPU used memory (RAM), in bytes", {},
                         total - available))
-        if self._nvml is not None:
-            out += self._gpu()
-        return out
+        return out + gpu_samples([*reported, *self.gpus.readings()])
 
     def _cpu_utilization(self) -> float | None:
         try:
@@ -230,27 +302,6 @@ class HostMetrics:
         if last is None or total == last[1]:
             return 0.0
         return 1.0 - (idle - last[0]) / (total - last[1])
-
-    def _gpu(self) -> list[tuple[str, str, str, dict[str, str], float]]:
-        nv = self._nvml
-        out: list[tuple[str, str, str, dict[str, str], float]] = []
-        for i in range(nv.nvmlDeviceGetCount()):
-            h = nv.nvmlDeviceGetHandleByIndex(i)
-            labels = {"gpu_uuid": str(nv.nvmlDeviceGetUUID(h))}
-            mem = nv.nvmlDeviceGetMemoryInfo(h)
-            out += [
-                ("nv_gpu_utilization", "gauge", "GPU utilization rate [0.0 - 1.0)", labels,
-                 nv.nvmlDeviceGetUtilizationRates(h).gpu / 100),
-                ("nv_gpu_memory_total_bytes", "gauge", "GPU total memory, in bytes", labels, mem.total),
-                ("nv_gpu_memory_used_bytes", "gauge", "GPU used memory, in bytes", labels, mem.used),
-                ("nv_gpu_power_usage", "gauge", "GPU power usage in watts", labels,
-                 nv.nvmlDeviceGetPowerUsage(h) / 1000),
-                ("nv_gpu_power_limit", "gauge", "GPU power management limit in watts", labels,
-                 nv.nvmlDeviceGetPowerManagementLimit(h) / 1000),
-                ("nv_energy_consumption", "counter", "GPU energy consumption in joules since the driver "
-                 "loaded", labels, nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1000),
-            ]
-        return out
 
 
 def _meminfo() -> tuple[int, int] | None:
@@ -268,4 +319,4 @@ async def metrics_text(redis: aioredis.Redis, keys: Keys, host: HostMetrics,
     data = await collect(redis, keys)
     if own_cache is not None:
         data["cache"]["control"] = own_cache
-    return render(data, host.samples())
+    return render(data, host.samples(data["gpus"]))

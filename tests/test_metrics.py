@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -22,10 +23,12 @@ from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.examples import build_identity, build_mlp
+from despina.metrics import gpu_samples
 from despina.workers.runner import ModelRunner
 from despina.workers.stats import DEFER_S, Deferred, ensemble_counts, tally
 
 from .conftest import FULL_QUEUE_DELAY, Server, module_server
+from .control_support import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +238,38 @@ def test_an_ensemble_requests_counters_are_a_requests_as_a_model_counts_it(us: i
     into = ensemble_counts(None, us, 3)
     assert ensemble_counts(failed, us, 0, ensemble_counts(None, us, 3, into)) is into
     assert into["success_count"] == 2 and into["inference_count"] == 6 and into["fail_count"] == 1
+
+
+def test_gpu_metrics_cover_every_workers_gpus_each_family_together(serve, tmp_path: Path) -> None:
+    """Workers publish NVML's readings of their machine's GPUs with each heartbeat; the control plane's
+    /metrics shows them beside its own machine's, one family's samples together however many GPUs.
+    NVML is tests/fake_nvml (no GPU here): two GPUs per process, named after its role."""
+    repo = tmp_path / "repo"
+    build_mlp(repo / "m" / "1" / "model.onnx")
+    fake = Path(__file__).parent / "fake_nvml"
+    server = serve(repo, wait_models=("m",),
+                   env={"PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    text = wait_until(lambda: next((t for t in [httpx.get(server.metrics_url).text]
+                                    if 'gpu_uuid="GPU-worker-1"' in t), None), 10, what="the worker's GPUs")
+    metrics = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    for role in ("worker", "control"):  # the worker's machine, and the control plane's own
+        assert metrics[f'nv_gpu_utilization{{gpu_uuid="GPU-{role}-0"}}'] == 0.25
+        assert metrics[f'nv_gpu_utilization{{gpu_uuid="GPU-{role}-1"}}'] == 0.5
+        assert metrics[f'nv_gpu_memory_used_bytes{{gpu_uuid="GPU-{role}-1"}}'] == 2 * 2**30
+        assert metrics[f'nv_gpu_power_usage{{gpu_uuid="GPU-{role}-0"}}'] == 150.0
+        assert metrics[f'nv_energy_consumption{{gpu_uuid="GPU-{role}-1"}}'] == 2000.0
+        # a reading the GPU does not support is left out, not made up
+        assert f'nv_gpu_power_usage{{gpu_uuid="GPU-{role}-1"}}' not in metrics
+    # the text format: each family's samples in one run, after its one TYPE line
+    families = [line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines()
+                if line and not line.startswith("#")]
+    runs = [name for i, name in enumerate(families) if i == 0 or families[i - 1] != name]
+    assert len(runs) == len(set(runs)), [n for n in runs if runs.count(n) > 1]
+
+
+def test_gpu_readings_count_a_gpu_once_whoever_reported_it() -> None:
+    reading = {"uuid": "GPU-a", "utilization": 0.5}
+    samples = gpu_samples([reading, dict(reading), {"uuid": "GPU-b", "memory_used": 3.0}, {"no": "uuid"}])
+    assert [(name, labels["gpu_uuid"], value) for name, _, _, labels, value in samples] == \
+        [("nv_gpu_utilization", "GPU-a", 0.5), ("nv_gpu_memory_used_bytes", "GPU-b", 3.0)]

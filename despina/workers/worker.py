@@ -26,6 +26,7 @@ from ..contract.ensemble import Ensemble, Step, is_ensemble
 from ..contract.errors import ConfigError, DespinaError
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
+from ..metrics import GpuReader
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
 from ..registry.cache import touch
 from ..settings import Settings
@@ -70,6 +71,7 @@ class Worker:
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
         self.delivery = DeliveryPolicy.from_settings(settings)
         self.deferred = Deferred(redis)  # counters of ensemble steps run here
+        self.gpus = GpuReader()  # this machine's GPUs, for the control plane's /metrics
 
     async def run(self) -> None:
         await self.redis.sadd(self.keys.workers, self.id)
@@ -367,6 +369,7 @@ class Worker:
                                     "detail": pack_detail(self.detail()),
                                     "ensembles": orjson.dumps(ensembles),
                                     "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
+                                    "gpus": orjson.dumps(self.gpus.readings()),
                                     "seen": time.time()})
             pipe.pexpire(key, int(self.settings.worker_ttl_s * 1000))
             pipe.sadd(self.keys.workers, self.id)
