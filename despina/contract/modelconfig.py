@@ -17,6 +17,8 @@ from ._schema import model_config_pb2 as pb
 from .datatypes import CONFIG_TO_V2
 from .errors import ConfigError, InvalidArgument
 from .policy import BatchPolicy, batch_policy
+from .sequence import SequencePolicy, sequence_policy
+from .sequence import validate as validate_sequence
 
 ModelConfig = pb.ModelConfig
 
@@ -130,7 +132,7 @@ def validate(config: Any) -> None:
     scheduling = config.WhichOneof("scheduling_choice")
     if scheduling not in (None, "dynamic_batching"):
         if scheduling == "sequence_batching":
-            raise ConfigError(f"model '{model}': field 'sequence_batching' is not supported yet")
+            validate_sequence(config)
         if scheduling == "ensemble_scheduling" and config.platform != "ensemble":
             raise ConfigError(f"model '{model}': field 'ensemble_scheduling' needs platform \"ensemble\"")
     seen: set[str] = set()
@@ -209,6 +211,7 @@ class ModelSpec:
     policy: BatchPolicy
     config: dict[str, Any]
     by_name: dict[str, TensorSpec] = field(default_factory=dict, repr=False, compare=False)
+    sequence: SequencePolicy | None = None  # sequence_batching: a stateful model (contract/sequence.py)
 
     def __post_init__(self) -> None:
         # inputs and outputs by name ("in:x", "out:y"): looked up for every request
@@ -226,7 +229,8 @@ class ModelSpec:
 
         return cls(config["name"], config.get("platform", ""), config.get("backend", ""),
                    int(config.get("max_batch_size", 0)), tensors(config.get("input", [])),
-                   tensors(config.get("output", [])), batch_policy(config), config)
+                   tensors(config.get("output", [])), batch_policy(config), config,
+                   sequence=sequence_policy(config))
 
     @property
     def batched(self) -> bool:

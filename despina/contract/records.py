@@ -40,6 +40,13 @@ def _parameters(raw: Any) -> Parameters:
     return raw or NO_PARAMETERS
 
 
+def _sequence(raw: Any) -> tuple[int | str, int]:
+    correlation, flags = raw
+    if type(correlation) not in (int, str) or type(flags) is not int or not 0 <= flags <= 3:
+        raise TypeError("a sequence is [correlation ID, flags]")
+    return correlation, flags
+
+
 @dataclass(slots=True)
 class Tensor:
     name: str
@@ -80,11 +87,14 @@ class InferRequest:
     trace: str = ""              # X-Request-Id, for logs
     parameters: Parameters = field(default_factory=_no_parameters)  # for the model (Python backend)
     request_id: str = ""         # the client's V2 "id", for the model (Python backend)
+    sequence: tuple[int | str, int] | None = None  # (correlation ID, START|END flags): contract/sequence.py
 
     def pack(self) -> list[Any]:
         packed = [self.id, self.reply_to, self.deadline, [t.pack() for t in self.inputs],
                   list(self.outputs), self.priority, self.timeout_us, self.enqueued, self.trace]
-        if self.request_id:
+        if self.sequence is not None:
+            packed += [self.parameters, self.request_id, list(self.sequence)]
+        elif self.request_id:
             packed += [self.parameters, self.request_id]
         elif self.parameters:
             packed.append(self.parameters)
@@ -93,7 +103,7 @@ class InferRequest:
     @classmethod
     def unpack(cls, raw: Any) -> InferRequest:
         try:
-            n = len(raw)  # 9; a newer gateway's may end with its parameters and then its request_id
+            n = len(raw)  # 9; a newer gateway's may end with its parameters, request_id and sequence
             head = raw if n == 9 else raw[:9]
             rid, reply_to, deadline, inputs, outputs, priority, timeout_us, enqueued, trace = head
             if type(rid) is not str or type(reply_to) is not str or type(trace) is not str:
@@ -101,15 +111,16 @@ class InferRequest:
             for o in outputs:
                 if type(o) is not str:
                     raise TypeError("output names must be strings")
-            parameters, request_id = NO_PARAMETERS, ""
+            parameters, request_id, sequence = NO_PARAMETERS, "", None
             if n > 9:
-                if n > 11 or (n == 11 and type(raw[10]) is not str):
-                    raise TypeError("a request record ends with its parameters and its request_id")
+                if n > 12 or (n >= 11 and type(raw[10]) is not str):
+                    raise TypeError("a request record ends with its parameters, request_id and sequence")
                 parameters = _parameters(raw[9])
-                request_id = raw[10] if n == 11 else ""
+                request_id = raw[10] if n >= 11 else ""
+                sequence = _sequence(raw[11]) if n == 12 else None
             return cls(rid, reply_to, float(deadline), tuple([Tensor.unpack(t) for t in inputs]),
                        tuple(outputs), int(priority), int(timeout_us), float(enqueued), trace,
-                       parameters, request_id)
+                       parameters, request_id, sequence)
         except MALFORMED as exc:
             raise InvalidArgument(f"malformed request record: {exc}") from None
 

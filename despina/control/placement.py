@@ -34,8 +34,14 @@ def need(entry: CatalogEntry) -> Need:
 
 
 def replicas(entry: CatalogEntry, default: int) -> int:
-    """How many workers should load the model: its `replicas` parameter, else the default; 0 = all."""
+    """How many workers should load the model: its `replicas` parameter, else the default; 0 = all. A
+    stateful model (sequence_batching) loads on one: a sequence's requests must meet its state there."""
     raw = parameter(entry.config, "replicas")
+    if "sequence_batching" in entry.config:
+        if raw is not None and str(raw).strip() != "1":
+            raise ConfigError(f"model '{entry.name}': a model with sequence_batching runs on one worker "
+                              f"(its sequences keep their state there); parameter 'replicas' must be 1")
+        return 1
     if raw is None:
         return default
     try:

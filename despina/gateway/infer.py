@@ -17,6 +17,7 @@ from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
+from ..contract.sequence import request_sequence
 from . import ensemble, http
 from .dispatch import Result
 from .fn import decode_fn, encode_fn
@@ -99,6 +100,7 @@ class InferRoute(Route):
         gw = self.gateway
         decoded = decode_infer(ex.body, self.header_length(ex), model.spec, gw.settings.max_tensor_elements)
         priority, timeout_us = schedule_parameters(decoded.parameters)
+        sequence = request_sequence(decoded.parameters, model.spec.name) if model.spec.sequence else None
         echo = [(b"x-request-id", trace)] if trace else []
         respond = self.respond
 
@@ -110,7 +112,7 @@ class InferRoute(Route):
 
         submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace,
                answering(ex, trace, answer), priority, timeout_us, timeout, decoded.model_parameters,
-               decoded.id or "")
+               decoded.id or "", sequence)
 
     def header_length(self, ex: Exchange) -> int | None:
         """The JSON header's length in a body with binary tensors (None: the body is all JSON)."""
@@ -196,11 +198,12 @@ def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
 def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], outputs: tuple[str, ...],
            trace: bytes | None, done: Callable[[InferReply | DespinaError], None], priority: int = 0,
            timeout_us: int = 0, timeout: float | None = None, parameters: Parameters = NO_PARAMETERS,
-           request_id: str = "") -> None:
+           request_id: str = "", sequence: tuple[int | str, int] | None = None) -> None:
     """Queue one request on the model version's stream (its priority level's); `done` gets the reply,
     or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down).
     `timeout` (default: request_timeout_s) is how long it may still take; `parameters` and `request_id`
-    (the client's V2 "id") are for the model (an ensemble's steps get neither)."""
+    (the client's V2 "id") are for the model (an ensemble's steps get neither), as is `sequence` (its
+    correlation ID and flags) for a model with sequence batching."""
     model = spec.name
     timeout = gw.settings.request_timeout_s if timeout is None else timeout
     if spec.platform == PLATFORM and version not in gw.view.ready.get(model, ()):
@@ -214,7 +217,7 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     now = time.time()
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,
                            tuple(inputs), outputs, priority, timeout_us, now,
-                           trace.decode("latin-1") if trace else "", parameters, request_id)
+                           trace.decode("latin-1") if trace else "", parameters, request_id, sequence)
     level = spec.policy.level(priority)
     stream = gw.keys.request_stream(model, version, level)
     if stream in gw.view.full:  # refused now rather than accepted and then trimmed away

@@ -29,6 +29,7 @@ from .instances import plan as plan_instances
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
 from .reshape import Reshapes
+from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
 from .warmup import run as warmup
 from .warmup import samples
@@ -79,10 +80,9 @@ class ModelRunner:
         self.instances: asyncio.Queue[Backend] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"{spec.name}-")
         self._count = count
-        policy = spec.policy
         # with full_queue_delay a batch waits out its delay even when no other request can join it
         self._coming = None if full_queue_delay else self._nothing_coming
-        self.batcher = DynamicBatcher(policy, self._execute, count, self._on_timeout, self._coming)
+        self.batcher = self._batcher(count)
         limit = max(spec.max_batch_size, 1) * count * 4
         self._read_ahead = read_ahead or max(limit, 64)
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
@@ -98,6 +98,7 @@ class ModelRunner:
         self._row_us: float | None = None  # moving average of a batch's cost per row (µs)
         self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
         self._read_along = ReadAlong()  # the read loop's next read, waiting for a batch's replies
+        self._backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -115,13 +116,13 @@ class ModelRunner:
             self._executor = ThreadPoolExecutor(max_workers=len(instances),
                                                 thread_name_prefix=f"{self.spec.name}-")
             self._count = len(instances)
-            self.batcher = DynamicBatcher(self.batcher.policy, self._execute, self._count,
-                                          self._on_timeout, self._coming)
+            self.batcher = self._batcher(self._count)
         for instance in instances:
             backend = cls(self.spec, version_dir, instance)
             try:
                 await loop.run_in_executor(self._executor, backend.load)
                 self.instances.put_nowait(backend)
+                self._backends.append(backend)
                 await loop.run_in_executor(self._executor, warmup, backend, self.spec, warmups)
             except DespinaError:
                 raise
@@ -245,6 +246,9 @@ class ModelRunner:
                 except QueueFull as exc:
                     fail(req, entry, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}")
                     continue
+                except DespinaError as exc:  # the sequence batcher's: a sequence that never started
+                    fail(req, entry, exc.code, exc.message)
+                    continue
                 self._gateways.opened(req.reply_to)
                 self._in_flight += 1
         if len(self._entries) and self._in_flight >= self._read_ahead:
@@ -316,7 +320,12 @@ class ModelRunner:
 
     # -- executing -------------------------------------------------------------------------------
 
-    async def _execute(self, batch: list[Item]) -> None:
+    def _batcher(self, instances: int) -> DynamicBatcher | SequenceBatcher:
+        if self.spec.sequence is not None:  # a stateful model: Triton's sequence batcher
+            return SequenceBatcher(self.spec, self._execute, instances, self._on_timeout)
+        return DynamicBatcher(self.spec.policy, self._execute, instances, self._on_timeout, self._coming)
+
+    async def _execute(self, batch: list[Item], instance: int | None = None) -> None:
         pendings: list[Pending] = [item.payload for item in batch]
         started = time.time()
         live_items = [item for item in batch if item.payload.request.deadline >= started]
@@ -336,7 +345,7 @@ class ModelRunner:
             await self.streams.mark_executing([p.entry for p in live if p.entry is not None])
         sizes = [item.rows for item in live_items]  # rows per request
         if live:
-            replies.extend(await self._run_batch(live, sizes, started, marks))
+            replies.extend(await self._run_batch(live, sizes, started, marks, instance))
         rows = sum(sizes)
         timings = _timings(marks, time.perf_counter_ns())
         # the instance is free as soon as the model ran: replies go out in the background
@@ -349,10 +358,12 @@ class ModelRunner:
         task.add_done_callback(self._background.discard)
 
     async def _run_batch(self, live: list[Pending], sizes: list[int], started: float,
-                         marks: dict[str, int]) -> list[InferReply]:
-        """Run one batch; `marks` records when its inputs were ready and when the model returned."""
+                         marks: dict[str, int], instance: int | None = None) -> list[InferReply]:
+        """Run one batch (on the instance the sequence batcher names, else the first free one); `marks`
+        records when its inputs were ready and when the model returned."""
         names = self._output_names(live)
-        backend = await self.instances.get()
+        # a sequence batcher runs one batch at a time per instance: the instance it names is free
+        backend = await self.instances.get() if instance is None else self._backends[instance]
         try:
             if backend.per_request:
                 return await self._run_requests(backend, live, started)
@@ -373,7 +384,8 @@ class ModelRunner:
             failed = f"model '{self.spec.name}' failed: {exc}"
             return [answers.error(p.request, Code.BACKEND, failed) for p in live]
         finally:
-            self.instances.put_nowait(backend)
+            if instance is None:
+                self.instances.put_nowait(backend)
         compute_us = int((time.time() - started) * 1e6)
         if len(results) > 1:
             return [answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]

@@ -1,0 +1,127 @@
+"""Triton's sequence batcher (stateful models): its settings, and a request's place in its sequence.
+
+A model with `sequence_batching` gets the requests of one sequence (one correlation ID, the request
+parameter `sequence_id`) in order, each on the model instance that got the sequence's first, at most
+one of them per batch; `sequence_start` must mark the first and `sequence_end` marks the last. The
+control inputs the config names tell the model which rows start, end, or carry a request at all, and
+each row's correlation ID. A sequence with nothing queued for `max_sequence_idle_microseconds` is
+released. Implicit state (`state`) is not supported: such a config is refused at load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._schema import model_config_pb2 as pb
+from .datatypes import CONFIG_TO_V2
+from .errors import ConfigError, InvalidArgument
+
+START, END = 1, 2  # request flags, as Triton's TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END
+DEFAULT_IDLE_US = 1_000_000  # Triton's default max_sequence_idle_microseconds
+KINDS = {"CONTROL_SEQUENCE_START": "START", "CONTROL_SEQUENCE_END": "END",
+         "CONTROL_SEQUENCE_READY": "READY", "CONTROL_SEQUENCE_CORRID": "CORRID"}
+CORRID_TYPES = ("TYPE_UINT64", "TYPE_INT64", "TYPE_UINT32", "TYPE_INT32", "TYPE_STRING")
+Correlation = int | str
+
+
+@dataclass(frozen=True)
+class Control:
+    """A control input: the model input `name` gets `kind` (START, END, READY, CORRID) for each row."""
+
+    name: str
+    kind: str
+    datatype: str                      # V2 name
+    false_true: tuple[Any, Any] = (0, 1)  # START, END, READY: the values of false and true
+
+
+@dataclass(frozen=True)
+class SequencePolicy:
+    idle_us: int = DEFAULT_IDLE_US
+    controls: tuple[Control, ...] = ()
+    oldest: bool = False               # Triton's Oldest strategy, else Direct
+    max_queue_delay_us: int = 0        # how long a batch may wait for more sequences' requests
+    preferred: tuple[int, ...] = ()    # Oldest's preferred batch sizes
+
+
+def sequence_policy(config: dict[str, Any]) -> SequencePolicy | None:
+    """The config's sequence_batching (Triton's JSON form, already validated), or None."""
+    raw = config.get("sequence_batching")
+    if raw is None:
+        return None
+    controls = []
+    for entry in raw.get("control_input") or ():
+        for c in entry.get("control") or ():
+            kind = KINDS[c["kind"]]
+            if kind == "CORRID":
+                controls.append(Control(entry["name"], kind, CONFIG_TO_V2[c["data_type"]], (0, 0)))
+            else:
+                for key, datatype in (("int32_false_true", "INT32"), ("fp32_false_true", "FP32"),
+                                      ("bool_false_true", "BOOL")):
+                    values = c.get(key) or []
+                    if values:
+                        controls.append(Control(entry["name"], kind, datatype, (values[0], values[1])))
+    oldest = raw.get("oldest")
+    strategy = oldest if oldest is not None else raw.get("direct") or {}
+    return SequencePolicy(int(raw.get("max_sequence_idle_microseconds") or DEFAULT_IDLE_US), tuple(controls),
+                          oldest is not None, int(strategy.get("max_queue_delay_microseconds") or 0),
+                          tuple(int(p) for p in (oldest or {}).get("preferred_batch_size") or ()))
+
+
+def validate(config: Any) -> None:
+    """Triton's load-time checks of sequence_batching (a ModelConfig message)."""
+    model = config.name
+    sb = config.sequence_batching
+    where = f"model '{model}': field 'sequence_batching"
+    if len(sb.state):
+        raise ConfigError(f"{where}.state': implicit state is not supported by Despina yet; keep a "
+                          "sequence's state in the model (a Python model can key it by "
+                          "request.correlation_id())")
+    if sb.iterative_sequence:
+        raise ConfigError(f"{where}.iterative_sequence' is not supported by Despina yet")
+    names: set[str] = set()
+    inputs = {t.name for t in config.input}
+    for entry in sb.control_input:
+        if not entry.name:
+            raise ConfigError(f"{where}.control_input': an entry has no field 'name'")
+        if entry.name in names or entry.name in inputs:
+            raise ConfigError(f"{where}.control_input': '{entry.name}' is named twice")
+        names.add(entry.name)
+        if len(entry.control) != 1:
+            raise ConfigError(f"{where}.control_input' '{entry.name}': needs exactly one 'control'")
+        control = entry.control[0]
+        kind = pb.ModelSequenceBatching.Control.Kind.Name(control.kind)
+        if kind == "CONTROL_SEQUENCE_CORRID":
+            datatype = pb.DataType.Name(control.data_type)
+            if datatype not in CORRID_TYPES:
+                raise ConfigError(f"{where}.control_input' '{entry.name}': a CORRID control needs a "
+                                  f"data_type of {', '.join(CORRID_TYPES)}, got {datatype}")
+            continue
+        given = [values for values in (control.int32_false_true, control.fp32_false_true,
+                                       control.bool_false_true) if len(values)]
+        if len(given) != 1 or len(given[0]) != 2:
+            raise ConfigError(f"{where}.control_input' '{entry.name}': {kind} needs exactly one of "
+                              "int32_false_true, fp32_false_true, bool_false_true, with two values")
+    if sb.WhichOneof("strategy_choice") == "oldest":
+        for size in sb.oldest.preferred_batch_size:
+            if size <= 0 or size > max(config.max_batch_size, 1):
+                raise ConfigError(f"{where}.oldest.preferred_batch_size' {size} is outside "
+                                  f"1..max_batch_size ({config.max_batch_size})")
+
+
+def request_sequence(parameters: dict[str, Any], model: str) -> tuple[Correlation, int]:
+    """A request's (correlation ID, flags) from its V2 parameters, for a model with sequence batching:
+    Triton's errors for a missing or malformed ID."""
+    raw = parameters.get("sequence_id")
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)) or raw == 0 or raw == "":
+        raise InvalidArgument(f"inference request to model '{model}' must specify a non-zero or non-empty "
+                              "correlation ID (the parameter 'sequence_id')")
+    if isinstance(raw, int) and not 0 < raw < 2**64:
+        raise InvalidArgument(f"parameter 'sequence_id' {raw} is outside the range of a uint64")
+    flags = 0
+    for name, flag in (("sequence_start", START), ("sequence_end", END)):
+        value = parameters.get(name, False)
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"parameter '{name}' must be true or false")
+        if value:
+            flags |= flag
+    return raw, flags

@@ -1,0 +1,163 @@
+"""Triton's sequence batcher on a worker (contract/sequence.py says what the config and requests mean).
+
+Each sequence (correlation ID) is bound to one model instance when its first request comes, the
+instance with the fewest sequences, and stays there: a model that keeps a sequence's state keeps it
+where the next request runs. A sequence has at most one request in the instance's batcher at a time,
+so its requests run in the order they came and no batch holds two of them; the instance's batcher
+(Triton's dynamic batching rules, max_queue_delay from the strategy) puts requests of several
+sequences together. Each request carries the control inputs the config names: START, END, READY
+(always true: a row is a request) and CORRID. A sequence ends after its END request, or once it has
+had nothing queued or running for max_sequence_idle_microseconds; a request for a sequence that is not
+running and does not START one is refused, as Triton refuses it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from ..contract.errors import InvalidArgument
+from ..contract.modelconfig import ModelSpec
+from ..contract.policy import BatchPolicy
+from ..contract.sequence import END, START, Control, Correlation, SequencePolicy
+from .batcher import DynamicBatcher, Item, Reject
+
+ExecuteOn = Callable[[list[Item], int], Awaitable[None]]  # a batch, and the instance to run it on
+NUMPY = {"INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_, "UINT64": np.uint64, "INT64": np.int64,
+         "UINT32": np.uint32}
+
+
+@dataclass
+class _Sequence:
+    instance: int
+    queued: deque[Item] = field(default_factory=deque)
+    running: bool = False       # one of its requests is in its instance's batcher, or executing
+    last: float = 0.0           # when it last had a request queued or running (monotonic)
+
+
+class SequenceBatcher:
+    """The runner's batcher for a model with sequence_batching: put(), run(), close(), pending and
+    executing as DynamicBatcher's; `execute` is told which instance runs each batch."""
+
+    def __init__(self, spec: ModelSpec, execute: ExecuteOn, instances: int, reject: Reject | None = None
+                 ) -> None:
+        assert spec.sequence is not None
+        self.spec, self.sequence = spec, spec.sequence
+        self.policy = BatchPolicy(max_batch_size=spec.max_batch_size,
+                                  preferred=self.sequence.preferred if spec.max_batch_size else (),
+                                  max_queue_delay_us=self.sequence.max_queue_delay_us, dynamic=True)
+        self._execute = execute
+        self._batchers = [DynamicBatcher(self.policy, partial(self._run, i), 1, reject)
+                          for i in range(instances)]
+        self._bound = [0] * instances  # sequences on each instance
+        self._sequences: dict[Correlation, _Sequence] = {}
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        return sum(b.pending for b in self._batchers) + sum(len(s.queued) for s in self._sequences.values())
+
+    @property
+    def executing(self) -> int:
+        return sum(b.executing for b in self._batchers)
+
+    def put(self, item: Item) -> None:
+        if self._closed:
+            raise RuntimeError("batcher is closed")
+        request = item.payload.request
+        correlation, flags = request.sequence if request.sequence is not None else ("", 0)
+        seq = self._sequences.get(correlation)
+        if seq is None:
+            if not flags & START:
+                raise InvalidArgument(f"inference request for sequence {correlation} to model "
+                                      f"'{self.spec.name}' must specify the START flag on the first "
+                                      "request of the sequence")
+            instance = min(range(len(self._bound)), key=self._bound.__getitem__)
+            seq = self._sequences[correlation] = _Sequence(instance)
+            self._bound[instance] += 1
+        controls = control_tensors(self.sequence, self.spec.batched, item.rows, correlation, flags)
+        item.payload.inputs.update(controls)
+        seq.queued.append(item)
+        seq.last = time.monotonic()
+        self._feed(seq)
+
+    def _feed(self, seq: _Sequence) -> None:
+        if not seq.running and seq.queued:
+            seq.running = True
+            self._batchers[seq.instance].put(seq.queued.popleft())
+
+    async def _run(self, instance: int, batch: list[Item]) -> None:
+        try:
+            await self._execute(batch, instance)
+        finally:
+            now = time.monotonic()
+            for item in batch:
+                correlation, flags = item.payload.request.sequence
+                seq = self._sequences.get(correlation)
+                if seq is None:
+                    continue
+                seq.running, seq.last = False, now
+                if flags & END and not seq.queued:
+                    self._release(correlation)
+                else:
+                    self._feed(seq)
+            if self._closed and not any(s.queued or s.running for s in self._sequences.values()):
+                for b in self._batchers:
+                    b.close()
+
+    def _release(self, correlation: Correlation) -> None:
+        seq = self._sequences.pop(correlation)
+        self._bound[seq.instance] -= 1
+
+    def close(self) -> None:
+        """Stop taking requests; run() returns once every sequence's queued requests have run."""
+        self._closed = True
+        if not any(s.queued or s.running for s in self._sequences.values()):
+            for b in self._batchers:
+                b.close()
+
+    async def run(self) -> None:
+        idle = asyncio.create_task(self._release_idle())
+        try:
+            await asyncio.gather(*(b.run() for b in self._batchers))
+        finally:
+            idle.cancel()
+            await asyncio.gather(idle, return_exceptions=True)
+
+    async def _release_idle(self) -> None:
+        """Sequences with nothing queued or running for max_sequence_idle_microseconds end."""
+        limit = self.sequence.idle_us / 1e6
+        while True:
+            await asyncio.sleep(min(max(limit / 4, 0.01), 1.0))
+            now = time.monotonic()
+            for correlation in [c for c, s in self._sequences.items()
+                                if not s.running and not s.queued and now - s.last >= limit]:
+                self._release(correlation)
+
+
+def control_tensors(policy: SequencePolicy, batched: bool, rows: int, correlation: Correlation, flags: int
+                    ) -> dict[str, np.ndarray]:
+    """The control inputs of one request: each row gets its value (shape [rows, 1], or [1] unbatched)."""
+    shape = (rows, 1) if batched else (1,)
+    out = {}
+    for control in policy.controls:
+        out[control.name] = _control(control, shape, correlation, flags)
+    return out
+
+
+def _control(control: Control, shape: tuple[int, ...], correlation: Correlation, flags: int) -> np.ndarray:
+    if control.kind == "CORRID":
+        if control.datatype == "BYTES":
+            return np.full(shape, str(correlation).encode(), dtype=np.object_)
+        if isinstance(correlation, str):
+            raise InvalidArgument(f"the correlation ID of control input '{control.name}' must be a number "
+                                  f"({control.datatype}), got '{correlation}'")
+        return np.full(shape, correlation, dtype=NUMPY[control.datatype])
+    on = {"START": bool(flags & START), "END": bool(flags & END), "READY": True}[control.kind]
+    value = control.false_true[1] if on else control.false_true[0]
+    return np.full(shape, value, dtype=NUMPY[control.datatype])

@@ -1,0 +1,230 @@
+"""Triton's sequence batcher (contract/sequence.py, workers/sequences.py): stateful models get each
+sequence's requests in order, on one instance, with its control inputs; against a real `despina serve`
+of an ONNX model that shows its controls and a Python model that keeps a running sum per sequence."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from onnx import TensorProto, helper
+
+from despina.contract.errors import ConfigError
+from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
+from despina.examples import save_onnx
+
+from .conftest import Server, module_server
+
+CONTROLS = """
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "END" control [ { kind: CONTROL_SEQUENCE_END fp32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]
+"""
+# shows: y = x + 100 START + 10 END + READY, and the row's correlation ID
+SHOWS = f"""
+name: "shows"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ {{ name: "x" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "y" data_type: TYPE_FP32 dims: [ 1 ] }}, {{ name: "corr" data_type: TYPE_UINT64 dims: [ 1 ] }} ]
+sequence_batching {{
+  max_sequence_idle_microseconds: 500000
+  {CONTROLS}
+  oldest {{ max_candidate_sequences: 8 max_queue_delay_microseconds: 20000 }}
+}}
+"""
+# a running sum per sequence, kept in the instance (two instances: each sequence must stay on its own)
+SUMS = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            corr = int(pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy().ravel()[0])
+            if pb_utils.get_input_tensor_by_name(request, "START").as_numpy().ravel()[0]:
+                self.sums[corr] = 0.0
+            self.sums[corr] += float(x.ravel()[0])
+            out = np.array([[self.sums[corr]]], dtype=np.float32)
+            if pb_utils.get_input_tensor_by_name(request, "END").as_numpy().ravel()[0]:
+                del self.sums[corr]
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("sum", out)]))
+        return responses
+'''
+SUMS_CONFIG = f"""
+name: "sums"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "x" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "sum" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+instance_group [ {{ count: 2 kind: KIND_CPU }} ]
+sequence_batching {{
+  {CONTROLS}
+  direct {{ }}
+}}
+"""
+
+
+def build_shows(path: Path) -> None:
+    def value(name: str, onnx_type: int) -> Any:
+        return helper.make_tensor_value_info(name, onnx_type, ["N", 1])
+
+    nodes = [helper.make_node("Cast", ["START"], ["s"], to=TensorProto.FLOAT),
+             helper.make_node("Cast", ["READY"], ["r"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["s", "hundred"], ["s100"]),
+             helper.make_node("Mul", ["END", "ten"], ["e10"]),
+             helper.make_node("Add", ["x", "s100"], ["a"]), helper.make_node("Add", ["a", "e10"], ["b"]),
+             helper.make_node("Add", ["b", "r"], ["y"]), helper.make_node("Identity", ["CORRID"], ["corr"])]
+    consts = [helper.make_tensor("hundred", TensorProto.FLOAT, [], [100.0]),
+              helper.make_tensor("ten", TensorProto.FLOAT, [], [10.0])]
+    graph = helper.make_graph(
+        nodes, "shows",
+        [value("x", TensorProto.FLOAT), value("START", TensorProto.INT32), value("END", TensorProto.FLOAT),
+         value("READY", TensorProto.INT32), value("CORRID", TensorProto.UINT64)],
+        [value("y", TensorProto.FLOAT), value("corr", TensorProto.UINT64)], consts)
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("sequence-repo")
+    build_shows(root / "shows" / "1" / "model.onnx")
+    (root / "shows" / "config.pbtxt").write_text(SHOWS)
+    (root / "sums" / "1").mkdir(parents=True)
+    (root / "sums" / "1" / "model.py").write_text(SUMS)
+    (root / "sums" / "config.pbtxt").write_text(SUMS_CONFIG)
+    yield from module_server(root, tmp_path_factory, redis_url, ("shows", "sums"))
+
+
+def infer(server: Server, model: str, x: float, client: httpx.Client | None = None, **parameters: Any
+          ) -> httpx.Response:
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [x]}],
+            "parameters": parameters}
+    return (client or httpx).post(f"{server.url}/v2/models/{model}/infer", json=body, timeout=30)
+
+
+def out(r: httpx.Response, name: str) -> float:
+    assert r.status_code == 200, r.text
+    return next(o for o in r.json()["outputs"] if o["name"] == name)["data"][0]
+
+
+def test_the_model_gets_each_requests_control_inputs(server: Server) -> None:
+    assert out(infer(server, "shows", 1.0, sequence_id=42, sequence_start=True), "y") == 102.0  # 1+100+1
+    r = infer(server, "shows", 2.0, sequence_id=42)
+    assert out(r, "y") == 3.0 and out(r, "corr") == 42
+    assert out(infer(server, "shows", 3.0, sequence_id=42, sequence_end=True), "y") == 14.0  # 3+10+1
+    # ended: the next request must start a sequence again
+    r = infer(server, "shows", 1.0, sequence_id=42)
+    assert r.status_code == 400 and "START" in r.json()["error"], r.text
+    assert out(infer(server, "shows", 1.0, sequence_id=42, sequence_start=True, sequence_end=True), "y") == 112
+
+
+def test_requests_without_a_sequence_or_of_one_never_started_are_refused(server: Server) -> None:
+    for params in ({}, {"sequence_id": 0}, {"sequence_id": ""}, {"sequence_start": True}):
+        r = infer(server, "shows", 1.0, **params)
+        assert r.status_code == 400 and "correlation ID" in r.json()["error"], (params, r.text)
+    r = infer(server, "shows", 1.0, sequence_id=7)
+    assert r.status_code == 400 and "sequence 7" in r.json()["error"] and "START" in r.json()["error"]
+    for bad in ({"sequence_id": -3}, {"sequence_id": 2**64}, {"sequence_id": 5, "sequence_start": "yes"}):
+        r = infer(server, "shows", 1.0, **bad)
+        assert r.status_code == 400, (bad, r.text)
+    # a string ID where the model's CORRID control is a number
+    r = infer(server, "shows", 1.0, sequence_id="abc", sequence_start=True)
+    assert r.status_code == 400 and "CORRID" in r.json()["error"], r.text
+
+
+def test_a_sequence_idle_past_its_limit_is_released(server: Server) -> None:
+    assert infer(server, "shows", 1.0, sequence_id=99, sequence_start=True).status_code == 200
+    time.sleep(1.2)  # max_sequence_idle_microseconds: 500 ms
+    r = infer(server, "shows", 1.0, sequence_id=99)
+    assert r.status_code == 400 and "START" in r.json()["error"]
+
+
+def test_many_sequences_at_once_keep_their_order_and_their_instance(server: Server) -> None:
+    """Twelve sequences of six requests, each sent as soon as the one before is answered, all at once:
+    each running sum is right only if every request ran in order on the instance that holds its sum."""
+    def run(corr: int) -> list[float]:
+        sums = []
+        with httpx.Client() as client:  # one connection each, as a streaming client keeps
+            for i in range(6):
+                r = infer(server, "sums", float(corr * 10 + i), client, sequence_id=corr,
+                          sequence_start=i == 0, sequence_end=i == 5)
+                sums.append(out(r, "sum"))
+        return sums
+
+    with ThreadPoolExecutor(12) as pool:
+        got = dict(zip(range(1, 13), pool.map(run, range(1, 13))))
+    for corr, sums in got.items():
+        values = [corr * 10 + i for i in range(6)]
+        assert sums == [float(sum(values[:i + 1])) for i in range(6)], (corr, sums)
+    # and an ONNX model's requests of several sequences share batches
+    def shows(corr: int) -> None:
+        with httpx.Client() as client:
+            for i in range(4):
+                out(infer(server, "shows", 1.0, client, sequence_id=1000 + corr, sequence_start=i == 0,
+                          sequence_end=i == 3), "y")
+
+    before = httpx.get(f"{server.url}/v2/models/shows/stats").json()["model_stats"][0]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(shows, range(8)))
+    after = httpx.get(f"{server.url}/v2/models/shows/stats").json()["model_stats"][0]
+    assert after["inference_count"] - before["inference_count"] == 32
+    assert after["execution_count"] - before["execution_count"] < 32
+
+
+def spec(sequence: str, extra: str = "") -> ModelSpec:
+    config = normalize("m", parse_text("m", f'name: "m"\nbackend: "onnxruntime"\nmax_batch_size: 4\n'
+                                            f'input [{{ name: "x" data_type: TYPE_FP32 dims: [ 1 ] }}]\n'
+                                            f'{extra}sequence_batching {{ {sequence} }}\n'))
+    validate(config)
+    return ModelSpec.from_config(to_dict(config))
+
+
+def test_sequence_batching_configs_are_checked_at_load() -> None:
+    s = spec(CONTROLS + "oldest { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 50 }")
+    assert s.sequence is not None and s.sequence.oldest and s.sequence.preferred == (2,)
+    assert s.sequence.idle_us == 1_000_000 and [c.kind for c in s.sequence.controls] == \
+        ["START", "END", "READY", "CORRID"]
+    assert spec("").sequence.controls == ()  # no controls: the model keys nothing, fine
+    for bad, why in (
+            ('state [ { input_name: "IN_STATE" output_name: "OUT_STATE" data_type: TYPE_FP32 dims: [ 1 ] } ]',
+             "implicit state"),
+            ('control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START } ] } ]', "exactly one of"),
+            ('control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] } ]',
+             "CORRID"),
+            ('control_input [ { name: "x" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] } ]',
+             "named twice"),
+            ("oldest { preferred_batch_size: [ 9 ] }", "preferred_batch_size")):
+        with pytest.raises(ConfigError, match=why):
+            spec(bad)
+
+
+def test_request_records_carry_the_sequence_and_older_ones_still_decode() -> None:
+    from despina.contract import records
+    from despina.contract.errors import InvalidArgument
+    from despina.contract.records import InferRequest
+
+    req = InferRequest("1", "r", 1.0, (), sequence=(42, 3))
+    assert records.decode_requests(records.encode([req]))[0].sequence == (42, 3)
+    named = InferRequest("1", "r", 1.0, (), sequence=("abc", 1))
+    assert records.decode_requests(records.encode([named]))[0].sequence == ("abc", 1)
+    plain = records.decode_requests(records.encode([InferRequest("1", "r", 1.0, ())]))[0]
+    assert plain.sequence is None
+    for bad in ([1.5, 1], ["a", 9], ["a"]):
+        raw = req.pack()
+        raw[11] = bad
+        with pytest.raises(InvalidArgument):
+            InferRequest.unpack(raw)
