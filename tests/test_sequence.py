@@ -78,6 +78,42 @@ sequence_batching {{
 """
 
 
+# a running sum per sequence keyed by request.correlation_id(), reset and dropped by request.flags()
+KEYED = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            key, flags = request.correlation_id(), request.flags()
+            if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+                self.sums[key] = 0.0
+            self.sums[key] += float(pb_utils.get_input_tensor_by_name(request, "x").as_numpy().ravel()[0])
+            out = [pb_utils.Tensor("sum", np.array([[self.sums[key]]], dtype=np.float32)),
+                   pb_utils.Tensor("flags", np.array([[flags]], dtype=np.int32)),
+                   pb_utils.Tensor("key", np.array([[str(key).encode()]], dtype=np.object_))]
+            if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+                del self.sums[key]
+            responses.append(pb_utils.InferenceResponse(out))
+        return responses
+'''
+KEYED_CONFIG = """
+name: "keyed"
+backend: "python"
+max_batch_size: 4
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "sum" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "flags" data_type: TYPE_INT32 dims: [ 1 ] },
+         { name: "key" data_type: TYPE_STRING dims: [ 1 ] } ]
+sequence_batching { }
+"""
+
+
 def build_shows(path: Path) -> None:
     def value(name: str, onnx_type: int) -> Any:
         return helper.make_tensor_value_info(name, onnx_type, ["N", 1])
@@ -106,7 +142,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (root / "sums" / "1").mkdir(parents=True)
     (root / "sums" / "1" / "model.py").write_text(SUMS)
     (root / "sums" / "config.pbtxt").write_text(SUMS_CONFIG)
-    yield from module_server(root, tmp_path_factory, redis_url, ("shows", "sums"))
+    (root / "keyed" / "1").mkdir(parents=True)
+    (root / "keyed" / "1" / "model.py").write_text(KEYED)
+    (root / "keyed" / "config.pbtxt").write_text(KEYED_CONFIG)
+    yield from module_server(root, tmp_path_factory, redis_url, ("shows", "sums", "keyed"))
 
 
 def infer(server: Server, model: str, x: float, client: httpx.Client | None = None, **parameters: Any
@@ -130,6 +169,16 @@ def test_the_model_gets_each_requests_control_inputs(server: Server) -> None:
     r = infer(server, "shows", 1.0, sequence_id=42)
     assert r.status_code == 400 and "START" in r.json()["error"], r.text
     assert out(infer(server, "shows", 1.0, sequence_id=42, sequence_start=True, sequence_end=True), "y") == 112
+
+
+def test_a_python_model_reads_the_correlation_id_and_the_flags(server: Server) -> None:
+    with httpx.Client() as client:
+        got = [infer(server, "keyed", x, client, sequence_id=corr, sequence_start=start, sequence_end=end)
+               for x, corr, start, end in ((1.0, "alpha", True, False), (5.0, 77, True, False),
+                                           (2.0, "alpha", False, False), (3.0, "alpha", False, True),
+                                           (4.0, 77, False, True))]
+    assert [(out(r, "sum"), out(r, "flags"), out(r, "key")) for r in got] == \
+        [(1.0, 1, "alpha"), (5.0, 1, "77"), (3.0, 0, "alpha"), (6.0, 2, "alpha"), (9.0, 2, "77")]
 
 
 def test_requests_without_a_sequence_or_of_one_never_started_are_refused(server: Server) -> None:

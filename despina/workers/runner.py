@@ -8,7 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -18,7 +18,7 @@ from ..contract import records
 from ..contract.errors import Code, ConfigError, DespinaError, Unavailable
 from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, Keys
 from ..contract.modelconfig import ModelSpec
-from ..contract.records import InferReply, InferRequest, Tensor
+from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..resp import Batch, ReadAlong, Resp
 from . import answers, stats
 from .backends import Backend, backend_class
@@ -33,6 +33,9 @@ from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
 from .warmup import run as warmup
 from .warmup import samples
+
+if TYPE_CHECKING:
+    from .bls import ModelCaller
 
 log = logging.getLogger("despina.worker")
 
@@ -65,8 +68,9 @@ class ModelRunner:
     def __init__(self, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, version: int, path: Path,
                  consumer: str, threads: int = 1, read_ahead: int | None = None,
                  delivery: DeliveryPolicy | None = None, deferred: stats.Deferred | None = None,
-                 full_queue_delay: bool = False) -> None:
+                 full_queue_delay: bool = False, caller: ModelCaller | None = None) -> None:
         self.redis, self.keys, self.spec, self.version = redis, keys, spec, version
+        self.caller = caller  # how its models call other models (workers/bls.py); None: they cannot
         self.deferred = deferred  # the worker's: counters that need no round trip of their own
         self.delivery = delivery or DeliveryPolicy()
         self.path = path
@@ -119,6 +123,7 @@ class ModelRunner:
             self.batcher = self._batcher(self._count)
         for instance in instances:
             backend = cls(self.spec, version_dir, instance)
+            backend.caller = self.caller
             try:
                 await loop.run_in_executor(self._executor, backend.load)
                 self.instances.put_nowait(backend)
@@ -293,19 +298,21 @@ class ModelRunner:
         return tuple(sorted((t.name, t.datatype, t.shape[1:]) for t in req.inputs))
 
     def submit(self, inputs: list[Tensor], outputs: tuple[str, ...], deadline: float, answer: Answer,
-               priority: int = 0, timeout_us: int = 0, trace: str = "", settled: Settled | None = None
-               ) -> None:
+               priority: int = 0, timeout_us: int = 0, trace: str = "", settled: Settled | None = None,
+               parameters: Parameters = NO_PARAMETERS) -> None:
         """Queue a request made in this process (an ensemble's step, workers/ensembles.py): batched with
         the stream's requests and counted in the statistics like them; `answer` gets its reply (an error
         reply included), on the event loop, before the batch's replies go out to Redis. `deadline` is
         wall-clock seconds; `settled()` True says the submitter has nothing else on its way here (None:
-        unknown, so a batch holding it waits out its delay)."""
+        unknown, so a batch holding it waits out its delay). `parameters` are for the model (a model
+        calling another one passes them, workers/bls.py)."""
         now = time.time()
-        request = InferRequest("", "", deadline, tuple(inputs), outputs, priority, timeout_us, now, trace)
+        request = InferRequest("", "", deadline, tuple(inputs), outputs, priority, timeout_us, now, trace,
+                               parameters)
         try:
             if self._stopping:
                 raise Unavailable(f"model '{self.spec.name}' version {self.version} is unloading")
-            arrays = {t.name: t.numpy() for t in inputs}
+            arrays = request_inputs(request)
             pending = Pending(request, None, arrays, received=now)
             self.batcher.put(Item(self._rows(arrays), self._shape_key(request), pending, time.monotonic(),
                                   priority=priority, timeout_us=timeout_us))

@@ -31,6 +31,7 @@ from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model
 from ..registry.cache import touch
 from ..settings import Settings
 from .backends.base import visible_gpus
+from .bls import ModelCaller
 from .ensembles import EnsembleHost
 from .redelivery import DeliveryPolicy
 from .runner import ModelRunner
@@ -71,6 +72,7 @@ class Worker:
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
         self.delivery = DeliveryPolicy.from_settings(settings)
         self.deferred = Deferred(redis)  # counters of ensemble steps run here
+        self.caller = ModelCaller(self)  # models calling models (workers/bls.py)
         self.gpus = GpuReader()  # this machine's GPUs, for the control plane's /metrics
 
     async def run(self) -> None:
@@ -116,6 +118,7 @@ class Worker:
         runners, self.runners = self.runners, {}
         self._steps.clear()
         await asyncio.gather(*(r.stop() for r in runners.values()), return_exceptions=True)
+        await self.caller.close()
         await self.deferred.close()
 
     # -- following the catalog ---------------------------------------------------------------------
@@ -235,7 +238,8 @@ class Worker:
             path = self._loading_from[key] = await self._folder(entry, key[1])
             runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
                                  self.id, self.settings.intra_op_threads, delivery=self.delivery,
-                                 deferred=self.deferred, full_queue_delay=self.settings.full_queue_delay)
+                                 deferred=self.deferred, full_queue_delay=self.settings.full_queue_delay,
+                                 caller=self.caller)
             await runner.load()
             await runner.start()
         except asyncio.CancelledError:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from ...contract._schema import model_config_pb2 as pb
 from ...contract.errors import ConfigError, DespinaError
 from ...contract.modelconfig import ModelSpec
 from ...contract.records import NO_PARAMETERS, InferRequest, Parameters
+
+if TYPE_CHECKING:
+    from ..bls import ModelCaller
 
 
 @dataclass(frozen=True)
@@ -37,14 +40,17 @@ class Instance:
 
 
 class Request(dict[str, np.ndarray]):
-    """A request's inputs by name, with its custom parameters and its V2 id (per_request backends)."""
+    """A request's inputs by name, with its custom parameters, its V2 id and its place in a sequence
+    (correlation ID, START|END flags; contract/sequence.py) (per_request backends)."""
 
-    __slots__ = ("parameters", "request_id")
+    __slots__ = ("parameters", "request_id", "sequence")
 
-    def __init__(self, inputs: dict[str, np.ndarray], parameters: Parameters, request_id: str) -> None:
+    def __init__(self, inputs: dict[str, np.ndarray], parameters: Parameters, request_id: str,
+                 sequence: tuple[int | str, int] | None = None) -> None:
         super().__init__(inputs)
         self.parameters = parameters
         self.request_id = request_id
+        self.sequence = sequence
 
 
 class Outputs(dict[str, np.ndarray]):
@@ -58,10 +64,11 @@ class Outputs(dict[str, np.ndarray]):
 
 
 def request_inputs(req: InferRequest) -> dict[str, np.ndarray]:
-    """A request's inputs as arrays; a Request when it has parameters or an id (else none is made)."""
+    """A request's inputs as arrays; a Request when it has parameters, an id or a sequence (else none is
+    made)."""
     inputs = {t.name: t.numpy() for t in req.inputs}
-    if req.parameters or req.request_id:
-        return Request(inputs, req.parameters, req.request_id)
+    if req.parameters or req.request_id or req.sequence is not None:
+        return Request(inputs, req.parameters, req.request_id, req.sequence)
     return inputs
 
 
@@ -78,6 +85,8 @@ class Backend:
     #: True when it also has `execute_requests_async`, which the worker awaits on its event loop (the
     #: work happens in another process: no thread needed).
     awaitable: ClassVar[bool] = False
+    #: How its model calls other models (workers/bls.py), set by the worker before load(); None: it cannot.
+    caller: ModelCaller | None = None
 
     def __init__(self, spec: ModelSpec, version_dir: Path, instance: Instance) -> None:
         self.spec = spec

@@ -4,6 +4,12 @@ Each instance runs the model in its own process (the stub, python_stub/stub.py),
 user code cannot take the worker down. `execute` receives the requests of a batch and answers each
 one; an error in one response fails only that request. If the process dies, the requests it was
 running get errors and a new process is started (initialize runs again) for the next batch.
+
+While an execute is outstanding, the model may call other models (`InferenceRequest.exec()`, Triton's
+business logic scripting): the process sends ("bls", (call id, model, version, inputs, asked outputs,
+timeout µs, parameters)) as often as it likes, and the worker runs each call on its event loop
+(workers/bls.py) and answers ("bls", (call id, ("ok", outputs) | ("error", (message, code))))
+whenever it is done, in any order; the execute's own answer ends the exchange as before.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from google.protobuf import json_format
@@ -28,6 +34,9 @@ from ...contract.modelconfig import ModelConfig, to_dict
 from .base import Backend, Outputs, visible_gpus
 from .python_stub import _despina_wire as wire
 
+if TYPE_CHECKING:
+    from ..bls import ModelCaller
+
 log = logging.getLogger("despina.worker")
 
 STUB = Path(__file__).parent / "python_stub" / "stub.py"
@@ -36,6 +45,11 @@ FINALIZE_TIMEOUT_S = 10.0
 AUTO_COMPLETE_TIMEOUT_S = 60.0
 # TritonError codes -> Despina codes; the rest (INTERNAL, UNKNOWN, UNSUPPORTED...) are backend errors.
 ERROR_CODES = {2: Code.NOT_FOUND, 3: Code.INVALID_ARGUMENT, 4: Code.UNAVAILABLE}
+# and back, for a model call's error; the rest are INTERNAL (1)
+TRITON_CODES = {Code.NOT_FOUND: 2, Code.INVALID_ARGUMENT: 3, Code.UNAVAILABLE: 4,
+                Code.DEADLINE_EXCEEDED: 4, Code.RESOURCE_EXHAUSTED: 4}
+NO_CALLS = "model calls are not available here"
+CALLER_GONE = "the request that made this call was given up"
 
 
 class StubDied(Exception):
@@ -50,6 +64,8 @@ class Stub:
         self.name = name
         self.conn: Connection = ours
         self._owed = 0  # answers of cancelled calls still to read
+        self._writing = threading.Lock()  # a model call's answer may go out while a thread reads
+        self._calls: dict[int, Any] = {}  # call id -> the model call running it (a task, or a future)
         try:
             self.process = subprocess.Popen([sys.executable, str(STUB), str(theirs.fileno())],
                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
@@ -84,43 +100,105 @@ class Stub:
         self.wait(5)
         self.conn.close()
 
-    def call(self, op: str, payload: Any, timeout: float | None = None) -> Any:
+    def call(self, op: str, payload: Any, timeout: float | None = None,
+             caller: ModelCaller | None = None) -> Any:
+        """Send `op` and wait for its answer, on a thread; the model's calls meanwhile go to `caller`."""
         try:
             self._catch_up()
-            self.conn.send_bytes(_dumps((op, payload)))
-            if timeout is not None and not self.conn.poll(timeout):
-                raise StubDied(f"no answer to {op} within {timeout:.0f} s")
-            status, answer = self.conn.recv()
+            self._send((op, payload))
+            while True:
+                if timeout is not None and not self.conn.poll(timeout):
+                    raise StubDied(f"no answer to {op} within {timeout:.0f} s")
+                message = self.conn.recv()
+                if message[0] != "bls":
+                    break
+                self._serve(message[1], caller, None)
+            status, answer = message
         except (EOFError, OSError) as exc:
             raise StubDied(f"its process ended (exit code {self.wait(5)})") from exc
         return self._answer(op, status, answer)
 
-    async def call_async(self, op: str, payload: Any) -> Any:
+    async def call_async(self, op: str, payload: Any, caller: ModelCaller | None = None) -> Any:
         """call(), the answer awaited on the event loop (the process works while the loop goes on)."""
         loop = asyncio.get_running_loop()
         try:
             self._catch_up()
-            self.conn.send_bytes(_dumps((op, payload)))
-            readable = loop.create_future()
+            self._send((op, payload))
             fd = self.conn.fileno()
-            loop.add_reader(fd, _resolve, readable)
-            try:
-                await readable
-            except asyncio.CancelledError:
-                self._owed += 1  # its answer will come: the next call reads it first
-                raise
-            finally:
-                loop.remove_reader(fd)
-            status, answer = self.conn.recv()  # the stub writes an answer whole: the rest follows at once
+            while True:
+                readable = loop.create_future()
+                loop.add_reader(fd, _resolve, readable)
+                try:
+                    await readable
+                except asyncio.CancelledError:
+                    self._owed += 1  # its answer will come: the next call reads it first
+                    self._give_up_calls()
+                    raise
+                finally:
+                    loop.remove_reader(fd)
+                message = self.conn.recv()  # the stub writes a message whole: the rest follows at once
+                if message[0] != "bls":
+                    break
+                self._serve(message[1], caller, loop)
+            status, answer = message
         except (EOFError, OSError) as exc:
             raise StubDied(f"its process ended (exit code {self.wait(5)})") from exc
         return self._answer(op, status, answer)
 
     def _catch_up(self) -> None:
-        """Read the answers of calls whose callers went away, so that the next answer is the next call's."""
+        """Read the answers of calls whose callers went away, so that the next answer is the next call's
+        (their model calls meanwhile are refused: nobody waits for what they were for)."""
         while self._owed:
-            self.conn.recv()
-            self._owed -= 1
+            message = self.conn.recv()
+            if message[0] == "bls":
+                self._send(("bls", (message[1][0], ("error", (CALLER_GONE, 4)))))
+            else:
+                self._owed -= 1
+
+    def _send(self, message: Any) -> None:
+        with self._writing:
+            self.conn.send_bytes(_dumps(message))
+
+    def _serve(self, request: tuple[Any, ...], caller: ModelCaller | None,
+               loop: asyncio.AbstractEventLoop | None) -> None:
+        """Start a model call the process made: on the worker's event loop (`loop` when this runs on it,
+        None from a thread)."""
+        if caller is None:
+            self._send(("bls", (request[0], ("error", (NO_CALLS, 4)))))
+            return
+        call_id = request[0]
+        coroutine = self._model_call(caller, request)
+        running: Any = (loop.create_task(coroutine) if loop is not None
+                        else asyncio.run_coroutine_threadsafe(coroutine, caller.loop))
+        self._calls[call_id] = running
+        running.add_done_callback(lambda _: self._calls.pop(call_id, None))
+
+    def _give_up_calls(self) -> None:
+        """The awaited call was cancelled: its model calls are answered now, so that the process finishes
+        the execute and the next call can read past its answer without waiting on the event loop."""
+        for call_id, running in list(self._calls.items()):
+            running.cancel()
+            try:
+                self._send(("bls", (call_id, ("error", (CALLER_GONE, 4)))))
+            except (OSError, ValueError):
+                return  # the process is gone
+        self._calls.clear()
+
+    async def _model_call(self, caller: ModelCaller, request: tuple[Any, ...]) -> None:
+        """Run one model call and send its answer. The answer is written from a thread: the process may be
+        writing a call of its own just then, and only the loop, reading, lets that write end."""
+        call_id, model, version, inputs, outputs, timeout_us, parameters = request
+        result = await caller.infer(model, None if version is None or version < 0 else int(version),
+                                    wire.unpack_all(inputs), list(outputs), timeout_us / 1e6,
+                                    parameters or {})
+        if isinstance(result, DespinaError):
+            answer: tuple[str, Any] = ("error", (result.message, TRITON_CODES.get(result.code, 1)))
+        else:
+            answer = ("ok", wire.pack_all(result))
+        try:
+            await asyncio.to_thread(self._send, ("bls", (call_id, answer)))
+        except (OSError, ValueError):  # the process died, or was replaced: nobody waits for this answer
+            pass
 
     def _answer(self, op: str, status: str, answer: Any) -> Any:
         if status == "error":
@@ -196,7 +274,7 @@ class PythonBackend(Backend):
             if failure is not None:
                 return [failure] * len(requests)
             try:
-                answers = self.stub.call("execute", _payload(requests, outputs))
+                answers = self.stub.call("execute", _payload(requests, outputs), caller=self.caller)
             except StubDied as exc:
                 return [self._died(exc)] * len(requests)
             except BackendError as exc:  # execute raised: the whole batch fails, as in Triton
@@ -208,7 +286,7 @@ class PythonBackend(Backend):
                                      ) -> list[dict[str, np.ndarray] | DespinaError]:
         """The same, the process's answer awaited on the event loop; only when quick() (no restart)."""
         try:
-            answers = await self.stub.call_async("execute", _payload(requests, outputs))
+            answers = await self.stub.call_async("execute", _payload(requests, outputs), self.caller)
         except StubDied as exc:
             return [self._died(exc)] * len(requests)
         except BackendError as exc:
@@ -302,9 +380,10 @@ def _dumps(message: Any) -> bytes:
 
 
 def _payload(requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Sequence[str]]) -> list[Any]:
-    """Per request: its inputs, the outputs asked for, its parameters and its V2 id (base.Request)."""
-    return [(wire.pack_all(r), list(o), getattr(r, "parameters", None), getattr(r, "request_id", ""))
-            for r, o in zip(requests, outputs)]
+    """Per request: its inputs, the outputs asked for, its parameters, its V2 id and its sequence
+    (base.Request)."""
+    return [(wire.pack_all(r), list(o), getattr(r, "parameters", None), getattr(r, "request_id", ""),
+             getattr(r, "sequence", None)) for r, o in zip(requests, outputs)]
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -2,10 +2,11 @@
 
 It says ("hello", pid) on the connection on <fd> once it is up, then answers its worker one message at
 a time:
-("auto_complete", ...), ("initialize", ...), ("execute", requests), ("finalize", None). Whatever the
-model does, the worst it can do is end this process; the worker then fails the requests in flight
-and starts another. The stub also ends when its worker does (the connection closes, or the parent
-changes).
+("auto_complete", ...), ("initialize", ...), ("execute", requests), ("finalize", None). Inside execute
+the model may call other models (_despina_calls.py): those messages go both ways until the execute's
+answer. Whatever the model does, the worst it can do is end this process; the worker then fails the
+requests in flight and starts another. The stub also ends when its worker does (the connection closes,
+or the parent changes).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Any
 import _despina_wire as wire  # this folder is first on sys.path: a name no model's module would have
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from _despina_calls import ModelCalls
 
 PARENT_CHECK_S = 1.0
 OPERATIONS = ("auto_complete", "initialize", "execute", "finalize")
@@ -39,13 +41,15 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when this process stops
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: the model's stacks to the log
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    stub = Stub()
+    stub = Stub(ModelCalls(conn))
     conn.send(("hello", os.getpid()))
     while True:
         try:
             op, payload = conn.recv()
         except (EOFError, OSError):
             break
+        if op == "bls":
+            continue  # the answer to a call the model did not wait for
         try:
             if op not in OPERATIONS:
                 raise pb_utils.TritonModelException(f"unknown operation {op!r}")
@@ -91,9 +95,10 @@ def _load_module(model_file: str) -> Any:
 
 
 class Stub:
-    def __init__(self) -> None:
+    def __init__(self, calls: ModelCalls) -> None:
         self.model: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.calls = calls
 
     def auto_complete(self, payload: dict[str, Any]) -> str | None:
         """The config JSON after the model's auto_complete_config, or None when it has none."""
@@ -112,21 +117,27 @@ class Stub:
         if hasattr(self.model, "initialize"):
             self._await(self.model.initialize(payload["args"]))
 
-    def execute(self, payload: list[tuple[dict[str, Any], list[str], dict[str, Any] | None, str]]
-                ) -> list[tuple[str, Any, Any]]:
-        """Run one batch of (inputs, asked outputs, parameters, request id); one ("ok", outputs, response
-        parameters or None) or ("error", (message, code), None) per request, in order."""
+    def execute(self, payload: list[tuple[dict[str, Any], list[str], dict[str, Any] | None, str,
+                                          tuple[int | str, int] | None]]) -> list[tuple[str, Any, Any]]:
+        """Run one batch of (inputs, asked outputs, parameters, request id, (correlation ID, flags) or
+        None); one ("ok", outputs, response parameters or None) or ("error", (message, code), None) per
+        request, in order."""
         requests = [pb_utils.InferenceRequest(
                         request_id=request_id,
+                        correlation_id=sequence[0] if sequence else 0, flags=sequence[1] if sequence else 0,
                         inputs=[pb_utils.Tensor(n, wire.unpack(a)) for n, a in inputs.items()],
                         requested_output_names=asked, parameters=parameters)
-                    for inputs, asked, parameters, request_id in payload]
-        responses = self._await(self.model.execute(requests))
+                    for inputs, asked, parameters, request_id, sequence in payload]
+        pb_utils._model_calls = self.calls  # exec() works in execute only, as in Triton
+        try:
+            responses = self._await(self.model.execute(requests))
+        finally:
+            pb_utils._model_calls = None
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             count = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
             raise pb_utils.TritonModelException(f"execute returned {count} responses for "
                                                 f"{len(requests)} requests")
-        return [_answer(r, asked) for r, (_, asked, _, _) in zip(responses, payload)]
+        return [_answer(r, asked) for r, (_, asked, *_) in zip(responses, payload)]
 
     def finalize(self, payload: Any) -> None:
         if self.model is not None and hasattr(self.model, "finalize"):

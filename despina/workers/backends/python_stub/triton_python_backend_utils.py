@@ -37,6 +37,7 @@ TRITONSERVER_MEMORY_CPU = 0
 TRITONSERVER_MEMORY_GPU = 2
 
 _model_name = ""  # set by the stub; Logger prefixes it
+_model_calls: Any = None  # set by the stub while execute runs (_despina_calls.ModelCalls): exec() uses it
 
 
 def triton_to_numpy_type(data_type: int) -> Any:
@@ -189,7 +190,9 @@ class _Capsule:
 
 
 class InferenceRequest:
-    """One request of a batch, as `execute(requests)` receives it."""
+    """One request of a batch, as `execute(requests)` receives it; or, made by a model inside execute, a
+    call of another model: `exec()` runs it and returns its InferenceResponse (an error response when
+    it failed), `await async_exec()` lets several run at once. `timeout` is in microseconds."""
 
     def __init__(self, request_id: str = "", correlation_id: int | str = 0,
                  inputs: list[Tensor] | None = None, requested_output_names: list[str] | None = None,
@@ -200,6 +203,8 @@ class InferenceRequest:
         self._inputs = list(inputs or ())
         self._requested = list(requested_output_names or ())
         self._model_name = model_name
+        self._model_version = model_version
+        self._timeout = timeout
         self._flags = flags
         if isinstance(parameters, str):
             self._parameters = parameters
@@ -224,18 +229,35 @@ class InferenceRequest:
     def parameters(self) -> str:
         return self._parameters
 
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def timeout(self) -> int:
+        return self._timeout
+
     def is_cancelled(self) -> bool:
         return False
 
     def get_response_sender(self) -> Any:
         raise TritonModelException("decoupled models are not supported by Despina yet")
 
-    def exec(self, decoupled: bool = False) -> Any:
-        raise TritonModelException("business logic scripting (InferenceRequest.exec) is not "
-                                   "supported by Despina yet")
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        return _calls(decoupled).call(self)
 
-    async def async_exec(self, decoupled: bool = False) -> Any:
-        return self.exec(decoupled)
+    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
+        return await _calls(decoupled).call_async(self)
+
+
+def _calls(decoupled: bool) -> Any:
+    if decoupled:
+        raise TritonModelException("decoupled model calls (exec(decoupled=True)) are not supported by "
+                                   "Despina yet")
+    if _model_calls is None:
+        raise TritonModelException("InferenceRequest.exec and async_exec work only inside execute")
+    return _model_calls
 
 
 class InferenceResponse:

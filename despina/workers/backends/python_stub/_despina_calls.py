@@ -1,0 +1,120 @@
+"""Model calls from inside execute (Triton's business logic scripting), over the stub's connection.
+
+`InferenceRequest.exec()` sends ("bls", (call id, model, version, inputs, asked outputs, timeout µs,
+parameters)) and reads the worker's messages until its own answer comes; answers to other calls read
+meanwhile are kept for them. `async_exec()` sends the same and awaits a future that a reader on the
+stub's event loop resolves, so that several calls are in flight at once. The worker answers every call,
+by its deadline at the latest: a call waits as long as that, and no longer.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import pickle
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+import _despina_wire as wire
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+Answer = tuple[str, Any]  # ("ok", packed outputs) or ("error", (message, TritonError code))
+
+
+class ModelCalls:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._ids = itertools.count(1)
+        self._waiting: set[int] = set()          # exec() calls not yet answered
+        self._answers: dict[int, Answer] = {}    # their answers, read by whoever was reading
+        self._futures: dict[int, asyncio.Future[Answer]] = {}  # async_exec() calls not yet answered
+        self._reading = threading.Lock()         # one reader of the connection at a time
+        self._writing = threading.Lock()
+
+    def call(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        call_id = next(self._ids)
+        self._waiting.add(call_id)  # before it goes: another reader may get its answer first
+        try:
+            self._send(call_id, request)
+            with self._reading:
+                while call_id not in self._answers:
+                    self._read()
+        finally:
+            self._waiting.discard(call_id)
+        return _response(self._answers.pop(call_id))
+
+    async def call_async(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        loop = asyncio.get_running_loop()
+        call_id = next(self._ids)
+        future: asyncio.Future[Answer] = loop.create_future()
+        self._futures[call_id] = future
+        if len(self._futures) == 1:
+            loop.add_reader(self.conn.fileno(), self._readable)
+        try:
+            self._send(call_id, request)
+            answer = await future
+        finally:
+            del self._futures[call_id]
+            if not self._futures:
+                loop.remove_reader(self.conn.fileno())
+        return _response(answer)
+
+    def _readable(self) -> None:
+        if not self._reading.acquire(blocking=False):
+            return  # a thread's exec() is reading: it hands the answers on
+        try:
+            self._read()
+        except (EOFError, OSError) as exc:  # the worker is gone: this process ends soon too
+            for future in self._futures.values():
+                if not future.done():
+                    future.set_exception(pb_utils.TritonModelException(f"lost the worker: {exc}"))
+        finally:
+            self._reading.release()
+
+    def _read(self) -> None:
+        kind, (call_id, answer) = self.conn.recv()
+        if kind != "bls":
+            raise pb_utils.TritonModelException(f"unexpected message {kind!r} from the worker in execute")
+        future = self._futures.get(call_id)
+        if future is not None:
+            future.get_loop().call_soon_threadsafe(_settle, future, answer)
+        elif call_id in self._waiting:
+            self._answers[call_id] = answer
+        # else: a call whose caller went away (a task the model did not await)
+
+    def _send(self, call_id: int, request: pb_utils.InferenceRequest) -> None:
+        if not request.model_name():
+            raise pb_utils.TritonModelException("InferenceRequest needs a model_name to be executed")
+        inputs = {t.name(): wire.pack(np.asarray(t.as_numpy())) for t in request.inputs()}
+        message = ("bls", (call_id, request.model_name(), request.model_version(), inputs,
+                           request.requested_output_names(), request.timeout(),
+                           _parameters(request.parameters())))
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._writing:
+            self.conn.send_bytes(data)
+
+
+def _parameters(raw: str) -> dict[str, Any]:
+    parameters = json.loads(raw) if raw else {}
+    if not isinstance(parameters, dict):
+        raise pb_utils.TritonModelException("request parameters must be a dict")
+    for key, value in parameters.items():
+        if not isinstance(value, (bool, int, float, str)):
+            raise pb_utils.TritonModelException(f"request parameter '{key}' must be a bool, int, float or "
+                                                f"str, not {type(value).__name__}")
+    return parameters
+
+
+def _settle(future: asyncio.Future[Answer], answer: Answer) -> None:
+    if not future.done():
+        future.set_result(answer)
+
+
+def _response(answer: Answer) -> pb_utils.InferenceResponse:
+    status, value = answer
+    if status == "ok":
+        return pb_utils.InferenceResponse([pb_utils.Tensor(n, wire.unpack(a)) for n, a in value.items()])
+    message, code = value
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))

@@ -1,0 +1,173 @@
+"""Models calling models: Triton's business logic scripting, a Python model's `InferenceRequest.exec()`.
+
+A call goes to a READY runner on this worker when it has the version asked for (the latest serving one
+when none is), queued into that runner's batcher as an ensemble's step is (workers/ensembles.py);
+otherwise onto the model's request stream, as a gateway queues it, with a Dispatcher of this worker's
+own and a view of which versions serve. Either way it is batched and counted in the called model's
+statistics like any request, and its answer, or its error, comes by its deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..contract.datatypes import numpy_to_v2, to_bytes
+from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
+from ..contract.modelconfig import ModelSpec, check_inputs, check_shape
+from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
+from ..gateway.dispatch import Dispatcher, Result
+from ..gateway.models import ModelView
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
+    from .worker import Worker
+
+log = logging.getLogger("despina.worker")
+
+GRACE_S = 0.5  # past the deadline, the call's own wait still leaves the runner or the worker time to answer
+Outputs = dict[str, np.ndarray]
+
+
+class ModelCaller:
+    """One per worker, made on its event loop: `infer` runs there (`loop` is for callers on threads)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.loop = asyncio.get_running_loop()
+        self._remote: tuple[Dispatcher, ModelView] | None = None  # made by the first call that needs them
+        self._opening = asyncio.Lock()
+
+    async def infer(self, model: str, version: int | None, inputs: dict[str, np.ndarray], outputs: list[str],
+                    timeout_s: float = 0.0, parameters: Parameters = NO_PARAMETERS) -> Outputs | DespinaError:
+        """Run `model` (`version`, None: the latest) on `inputs`; the asked `outputs` (none: all), or the
+        error that ended the call. `timeout_s` (0: the server's request_timeout_s) bounds the whole call."""
+        timeout = timeout_s if timeout_s > 0 else self.worker.settings.request_timeout_s
+        try:
+            tensors = [_tensor(name, array) for name, array in inputs.items()]
+            runner = self._local(model, version)
+            if runner is not None:
+                call = self._here(runner, tensors, tuple(outputs), timeout, parameters)
+            else:
+                call = self._through_redis(model, version, tensors, tuple(outputs), timeout, parameters)
+            reply = await asyncio.wait_for(call, timeout + GRACE_S)
+        except DespinaError as exc:
+            return exc
+        except TimeoutError:
+            return DeadlineExceeded(f"no answer from model '{model}' within {timeout:g} s")
+        except Exception as exc:  # a fault here must reach the calling model as an error, never hang it
+            log.exception("worker %s: calling model %s failed", self.worker.id, model)
+            return DespinaError(f"calling model '{model}' failed: {exc}", Code.INTERNAL)
+        if reply.error is not None:
+            return DespinaError(reply.error[1], reply.error[0])
+        return {t.name: t.numpy() for t in reply.outputs}
+
+    def _local(self, model: str, version: int | None) -> ModelRunner | None:
+        """The READY runner here for the version a gateway would pick, if this worker has it."""
+        entry = self.worker.catalog.get(model)
+        if entry is None or not entry.versions:
+            return None
+        if version is None:
+            current = [v for v in entry.versions if v not in entry.retiring]
+            version = max(current or entry.versions)
+        runner = self.worker.runners.get((model, version))
+        return runner if runner is not None and runner.state == "READY" else None
+
+    async def _here(self, runner: ModelRunner, tensors: list[Tensor], outputs: tuple[str, ...],
+                    timeout: float, parameters: Parameters) -> InferReply:
+        _check(runner.spec, tensors, outputs)
+        answered: asyncio.Future[InferReply] = self.loop.create_future()
+
+        def answer(reply: InferReply) -> None:
+            if not answered.done():
+                answered.set_result(reply)
+
+        runner.submit(tensors, outputs, time.time() + timeout, answer, parameters=parameters)
+        return await answered
+
+    async def _through_redis(self, model: str, version: int | None, tensors: list[Tensor],
+                             outputs: tuple[str, ...], timeout: float, parameters: Parameters) -> InferReply:
+        dispatcher, view = await self._open()
+        keys = self.worker.keys
+        found, v = await view.serving(model, None if version is None else str(version), timeout)
+        if found.ensemble is not None and v not in view.ready.get(model, ()):
+            raise Unavailable(f"ensemble '{model}' runs on no worker (its models are apart, or scaled to "
+                              "zero): a model may call it only where one runs it")
+        spec = found.spec
+        _check(spec, tensors, outputs)
+        level = spec.policy.level(0)
+        stream = keys.request_stream(model, v, level)
+        stats = keys.stats(model, v)
+        if stream in view.full:
+            dispatcher.refused(stats)
+            raise DespinaError(f"model '{model}' has too many requests queued (max_stream_length); retry "
+                               "later", Code.RESOURCE_EXHAUSTED)
+        limit = spec.policy.queue_policy(level).max_queue_size
+        bound = (keys.queued(model, v, level), limit) if limit else None
+        now = time.time()
+        request = InferRequest(dispatcher.new_id(), dispatcher.reply_stream, now + timeout, tuple(tensors),
+                               outputs, enqueued=now, parameters=parameters)
+        answered: asyncio.Future[Result] = self.loop.create_future()
+
+        def settle(result: Result) -> None:
+            if not answered.done():
+                answered.set_result(result)
+
+        dispatcher.submit(stream, stats, request, timeout + GRACE_S, settle, bound)
+        result = await answered
+        if isinstance(result, InferReply):
+            return result
+        if isinstance(result, DespinaError):
+            raise result
+        if isinstance(result, TimeoutError):
+            raise DeadlineExceeded(f"no answer from model '{model}' within {timeout:g} s")
+        raise DespinaError(f"queueing the request failed: {result}", Code.INTERNAL)
+
+    async def _open(self) -> tuple[Dispatcher, ModelView]:
+        async with self._opening:
+            if self._remote is None:
+                worker = self.worker
+                dispatcher = Dispatcher(worker.redis, worker.keys, f"{worker.id}.calls",
+                                        worker.delivery.reply_ttl_ms, hold_us=0)
+                view = ModelView(worker.redis, worker.keys, worker.settings.max_stream_length)
+                await dispatcher.start()
+                await view.start()
+                self._remote = (dispatcher, view)
+            return self._remote
+
+    async def close(self) -> None:
+        """After the runners stopped: calls still waiting on Redis are answered UNAVAILABLE."""
+        if self._remote is not None:
+            dispatcher, view = self._remote
+            self._remote = None
+            await view.close()
+            await dispatcher.close()
+
+
+def _tensor(name: str, array: np.ndarray) -> Tensor:
+    datatype = numpy_to_v2(array.dtype)
+    return Tensor(name, datatype, tuple(array.shape), to_bytes(array, datatype))
+
+
+def _check(spec: ModelSpec, tensors: list[Tensor], outputs: tuple[str, ...]) -> None:
+    """The call's inputs and asked outputs against the called model's config, as a gateway checks them."""
+    try:
+        for t in tensors:
+            expected = spec.input(t.name)
+            if expected is None:
+                known = ", ".join(i.name for i in spec.inputs)
+                raise InvalidArgument(f"it has no input '{t.name}' (inputs: {known})")
+            if t.datatype != expected.datatype:
+                raise InvalidArgument(f"input '{t.name}': datatype {t.datatype} given, the model expects "
+                                      f"{expected.datatype}")
+            check_shape(spec, expected, list(t.shape))
+        check_inputs(spec, tensors)
+        for name in outputs:
+            if spec.output(name) is None:
+                known = ", ".join(o.name for o in spec.outputs)
+                raise InvalidArgument(f"it has no output '{name}' (outputs: {known})")
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"calling model '{spec.name}': {exc.message}") from None

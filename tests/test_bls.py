@@ -1,0 +1,346 @@
+"""Models calling models (Triton's business logic scripting): a Python model's `InferenceRequest.exec()`
+and `async_exec()` against a real `despina serve`, on one worker (the call is queued into the called
+model's runner in the same process) and on two (through the called model's Redis stream); then the
+pipe protocol on its own, on the worker's thread path.
+
+Every model.py here is written against Triton's documented `triton_python_backend_utils` API only.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from despina.contract.catalog import CatalogEntry
+from despina.contract.errors import Code, DespinaError
+from despina.contract.keys import Keys
+from despina.examples import build_add_sub
+from despina.workers.backends.base import Request
+
+from .conftest import Server, module_server, settled_stats
+from .test_backend_python import backend_for, write_model
+
+# exec(): add_sub (or the model named by the request's parameter "target") on X and ones; an error of
+# the call becomes this request's error, its code in the message.
+CALLER = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            params = json.loads(request.parameters())
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if params.get("bad_shape"):
+                x = x.reshape(-1)
+            call = pb_utils.InferenceRequest(
+                model_name=params.get("target", "add_sub"), requested_output_names=["sum", "diff"],
+                inputs=[pb_utils.Tensor("a", x), pb_utils.Tensor("b", np.ones_like(x))],
+                timeout=params.get("call_timeout", 0), parameters={"sleep_ms": params.get("sleep_ms", 0)})
+            response = call.exec()
+            if response.has_error():
+                error = response.error()
+                message = f"the call failed ({error.code()}): {error.message()}"
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)))
+                continue
+            outputs = [pb_utils.Tensor(name.upper(), pb_utils.get_output_tensor_by_name(response, name).as_numpy())
+                       for name in ("sum", "diff")]
+            responses.append(pb_utils.InferenceResponse(outputs))
+        return responses
+'''
+
+# async_exec(): two calls of add_sub at once, each asking for one output.
+ASYNC_CALLER = '''
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            twice = pb_utils.InferenceRequest(model_name="add_sub", requested_output_names=["sum"],
+                                              inputs=[pb_utils.Tensor("a", x), pb_utils.Tensor("b", x)])
+            less = pb_utils.InferenceRequest(model_name="add_sub", requested_output_names=["diff"],
+                                             inputs=[pb_utils.Tensor("a", x), pb_utils.Tensor("b", np.ones_like(x))],
+                                             model_version=1, timeout=10_000_000)
+            first, second = await asyncio.gather(twice.async_exec(), less.async_exec())
+            if first.has_error() or second.has_error():
+                failed = first if first.has_error() else second
+                responses.append(pb_utils.InferenceResponse(error=failed.error()))
+                continue
+            assert [t.name() for t in first.output_tensors()] == ["sum"]
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("SUM", pb_utils.get_output_tensor_by_name(first, "sum").as_numpy()),
+                pb_utils.Tensor("DIFF", pb_utils.get_output_tensor_by_name(second, "diff").as_numpy())]))
+        return responses
+'''
+
+# add_sub as a Python model, for a Python model calling a Python model; it sleeps as asked.
+ADD_SUB_PY = '''
+import json
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            time.sleep(json.loads(request.parameters()).get("sleep_ms", 0) / 1000)
+            a = pb_utils.get_input_tensor_by_name(request, "a").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "b").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("sum", a + b),
+                                                         pb_utils.Tensor("diff", a - b)]))
+        return responses
+'''
+
+# A call from initialize: refused, as in Triton.
+EARLY_CALLER = CALLER.replace("    def execute", '''    def initialize(self, args):
+        try:
+            pb_utils.InferenceRequest(model_name="add_sub", requested_output_names=["sum"], inputs=[]).exec()
+        except pb_utils.TritonModelException as exc:
+            assert "only inside execute" in exc.message(), exc.message()
+        else:
+            raise RuntimeError("a call from initialize went through")
+
+    def execute''')
+
+
+def caller_config(name: str, memory_mb: int = 0) -> str:
+    memory = f'parameters {{ key: "memory_mb" value: {{ string_value: "{memory_mb}" }} }}\n' if memory_mb else ""
+    return f'''
+name: "{name}"
+backend: "python"
+max_batch_size: 8
+input [ {{ name: "X", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+output [
+  {{ name: "SUM", data_type: TYPE_FP32, dims: [ 4 ] }},
+  {{ name: "DIFF", data_type: TYPE_FP32, dims: [ 4 ] }}
+]
+{memory}'''
+
+
+ADD_SUB_PY_CONFIG = '''
+name: "add_sub_py"
+backend: "python"
+max_batch_size: 8
+input [ { name: "a", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "b", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "sum", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "diff", data_type: TYPE_FP32, dims: [ 4 ] } ]
+'''
+
+
+def add_onnx_add_sub(root: Path, memory_mb: int = 0) -> None:
+    (root / "add_sub" / "1").mkdir(parents=True)
+    memory = f'parameters {{ key: "memory_mb" value: {{ string_value: "{memory_mb}" }} }}\n' if memory_mb else ""
+    (root / "add_sub" / "config.pbtxt").write_text(f'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n{memory}')
+    build_add_sub(root / "add_sub" / "1" / "model.onnx")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("bls-repo")
+    write_model(root, "caller", CALLER, caller_config("caller"))
+    write_model(root, "async_caller", ASYNC_CALLER, caller_config("async_caller"))
+    write_model(root, "add_sub_py", ADD_SUB_PY, ADD_SUB_PY_CONFIG)
+    add_onnx_add_sub(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
+    yield from module_server(repo, tmp_path_factory, redis_url,
+                             ("caller", "async_caller", "add_sub_py", "add_sub"))
+
+
+def infer(server: Server, model: str, x: np.ndarray, **parameters: Any) -> httpx.Response:
+    body: dict[str, Any] = {"inputs": [{"name": "X", "datatype": "FP32", "shape": list(x.shape),
+                                        "data": x.ravel().tolist()}]}
+    if parameters:
+        body["parameters"] = parameters
+    return httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, timeout=30)
+
+
+def outputs(response: httpx.Response) -> dict[str, np.ndarray]:
+    assert response.status_code == 200, response.text
+    return {o["name"]: np.array(o["data"], dtype=np.float32).reshape(o["shape"])
+            for o in response.json()["outputs"]}
+
+
+X = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+
+def test_exec_calls_an_onnx_model(server: Server) -> None:
+    out = outputs(infer(server, "caller", X))
+    np.testing.assert_array_equal(out["SUM"], X + 1)
+    np.testing.assert_array_equal(out["DIFF"], X - 1)
+
+
+def test_async_exec_runs_two_calls_at_once(server: Server) -> None:
+    out = outputs(infer(server, "async_caller", X))
+    np.testing.assert_array_equal(out["SUM"], X * 2)
+    np.testing.assert_array_equal(out["DIFF"], X - 1)
+
+
+def test_a_python_model_calls_a_python_model(server: Server) -> None:
+    out = outputs(infer(server, "caller", X, target="add_sub_py"))
+    np.testing.assert_array_equal(out["SUM"], X + 1)
+    np.testing.assert_array_equal(out["DIFF"], X - 1)
+
+
+def test_calling_a_missing_model_is_an_error_response(server: Server) -> None:
+    response = infer(server, "caller", X, target="nope")
+    assert response.status_code == 500
+    assert "the call failed (2): unknown model 'nope'" in response.json()["error"]
+
+
+def test_a_call_with_a_wrong_shape_is_an_error_response(server: Server) -> None:
+    response = infer(server, "caller", X, bad_shape=True)
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert "the call failed (3): calling model 'add_sub': input 'a': shape [8]" in error
+    np.testing.assert_array_equal(outputs(infer(server, "caller", X))["SUM"], X + 1)  # and it goes on
+
+
+def test_a_call_that_cannot_be_answered_in_time_is_an_error_response(server: Server) -> None:
+    """The called model takes 1.5 s (the call's parameters tell it to); the call's timeout, 300 ms (in µs
+    as Triton takes it), ends the wait."""
+    response = infer(server, "caller", X, target="add_sub_py", call_timeout=300_000, sleep_ms=1500)
+    assert response.status_code == 500
+    assert "the call failed (4): no answer from model 'add_sub_py' within 0.3 s" in response.json()["error"]
+    # (after the slow one: the next test counts add_sub_py's requests)
+    np.testing.assert_array_equal(outputs(infer(server, "caller", X, target="add_sub_py"))["SUM"], X + 1)
+
+
+def test_the_called_model_counts_the_calls(server: Server) -> None:
+    def count() -> int:
+        return int(settled_stats(server.url, "add_sub_py")["inference_stats"]["success"]["count"])
+
+    before = count()
+    for _ in range(3):
+        outputs(infer(server, "caller", X, target="add_sub_py"))
+    assert count() == before + 3
+
+
+def test_calls_go_through_redis_to_a_model_on_another_worker(
+        serve: Any, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """Two workers with room for one model each: the caller and add_sub land apart, and the call goes
+    through add_sub's request stream."""
+    write_model(tmp_path / "repo", "caller", CALLER, caller_config("caller", memory_mb=100))
+    write_model(tmp_path / "repo", "async_caller", ASYNC_CALLER, caller_config("async_caller", memory_mb=100))
+    add_onnx_add_sub(tmp_path / "repo", memory_mb=100)
+    server = serve(tmp_path / "repo", "--workers", "3", env={"DESPINA_WORKER_MEMORY_MB": "150"},
+                   wait_models=("caller", "async_caller", "add_sub"))
+    client = redis.Redis.from_url(redis_url)
+    try:
+        placed = {name: CatalogEntry.loads(client.hget(Keys(key_prefix).catalog, name)).workers
+                  for name in ("caller", "async_caller", "add_sub")}
+    finally:
+        client.close()
+    assert len({w for ws in placed.values() for w in ws}) == 3, placed
+    before = int(settled_stats(server.url, "add_sub")["inference_stats"]["success"]["count"])
+    out = outputs(infer(server, "caller", X))
+    np.testing.assert_array_equal(out["SUM"], X + 1)
+    out = outputs(infer(server, "async_caller", X))
+    np.testing.assert_array_equal(out["SUM"], X * 2)
+    np.testing.assert_array_equal(out["DIFF"], X - 1)
+    response = infer(server, "caller", X, bad_shape=True)
+    assert "the call failed (3): calling model 'add_sub': input 'a'" in response.json()["error"]
+    after = int(settled_stats(server.url, "add_sub")["inference_stats"]["success"]["count"])
+    assert after == before + 3
+
+
+# -- the pipe on its own -----------------------------------------------------------------------------
+
+
+class LoopCaller:
+    """A worker's ModelCaller as the pipe sees it (its event loop, `infer`), serving add_sub's sums
+    itself on a loop of its own thread: what is tested is the backend's side of the pipe."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.calls: list[tuple[str, int | None, float]] = []
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    async def infer(self, model: str, version: int | None, inputs: dict[str, np.ndarray], outputs: list[str],
+                    timeout_s: float, parameters: Any) -> dict[str, np.ndarray] | DespinaError:
+        self.calls.append((model, version, timeout_s))
+        if model == "slow":
+            await asyncio.sleep(30)
+        if model != "add_sub":
+            return DespinaError(f"unknown model '{model}'", Code.NOT_FOUND)
+        a, b = inputs["a"], inputs["b"]
+        return {name: value for name, value in (("sum", a + b), ("diff", a - b)) if name in outputs}
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self.loop.close()
+
+
+def test_the_thread_path_serves_calls_and_initialize_may_not_call(tmp_path: Path) -> None:
+    backend: Any = backend_for(write_model(tmp_path, "caller", EARLY_CALLER, caller_config("caller")))
+    caller = LoopCaller()
+    backend.caller = caller
+    backend.load()
+    try:
+        x = np.ones((1, 4), np.float32)
+        [out] = backend.execute_requests([{"X": x}], [["SUM", "DIFF"]])  # the thread way
+        assert isinstance(out, dict), out
+        np.testing.assert_array_equal(out["SUM"], x + 1)
+        assert caller.calls == [("add_sub", None, 0.0)]
+    finally:
+        backend.unload()
+        caller.close()
+
+
+def test_without_a_caller_a_call_is_an_unavailable_error_response(tmp_path: Path) -> None:
+    backend: Any = backend_for(write_model(tmp_path, "caller", CALLER, caller_config("caller")))
+    backend.load()
+    try:
+        [out] = backend.execute_requests([{"X": np.ones((1, 4), np.float32)}], [["SUM", "DIFF"]])
+        assert isinstance(out, DespinaError)
+        assert "the call failed (4): model calls are not available here" in out.message
+    finally:
+        backend.unload()
+
+
+def test_a_cancelled_execute_gives_up_its_calls_and_the_next_one_runs(tmp_path: Path) -> None:
+    """The worker gave up on a batch (cancelled) while its model waited for a call: the call is answered
+    at once, the process finishes that execute, and the next batch gets its own answer."""
+    backend: Any = backend_for(write_model(tmp_path, "caller", CALLER, caller_config("caller")))
+    caller = LoopCaller()
+    backend.caller = caller
+    backend.load()
+    x = np.ones((1, 4), np.float32)
+
+    async def scenario() -> None:
+        slow = asyncio.ensure_future(backend.execute_requests_async(
+            [Request({"X": x}, {"target": "slow"}, "")], [["SUM", "DIFF"]]))
+        await asyncio.sleep(0.3)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        [out] = await asyncio.wait_for(backend.execute_requests_async([{"X": x}], [["SUM", "DIFF"]]), 5)
+        assert isinstance(out, dict), out
+        np.testing.assert_array_equal(out["DIFF"], x - 1)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        backend.unload()
+        caller.close()
