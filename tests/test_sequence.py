@@ -114,6 +114,31 @@ sequence_batching { }
 """
 
 
+# calls `shows` without a sequence, as a model's call (BLS) does, and answers with what it got
+CALLS = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            call = pb_utils.InferenceRequest(model_name="shows", requested_output_names=["y"],
+                                             inputs=[pb_utils.get_input_tensor_by_name(request, "x")])
+            got = call.exec()
+            responses.append(pb_utils.InferenceResponse([], error=got.error()) if got.has_error()
+                             else pb_utils.InferenceResponse([got.output_tensors()[0]]))
+        return responses
+'''
+CALLS_CONFIG = """
+name: "calls"
+backend: "python"
+max_batch_size: 4
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+
 def build_shows(path: Path) -> None:
     def value(name: str, onnx_type: int) -> Any:
         return helper.make_tensor_value_info(name, onnx_type, ["N", 1])
@@ -145,7 +170,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (root / "keyed" / "1").mkdir(parents=True)
     (root / "keyed" / "1" / "model.py").write_text(KEYED)
     (root / "keyed" / "config.pbtxt").write_text(KEYED_CONFIG)
-    yield from module_server(root, tmp_path_factory, redis_url, ("shows", "sums", "keyed"))
+    (root / "calls" / "1").mkdir(parents=True)
+    (root / "calls" / "1" / "model.py").write_text(CALLS)
+    (root / "calls" / "config.pbtxt").write_text(CALLS_CONFIG)
+    yield from module_server(root, tmp_path_factory, redis_url, ("shows", "sums", "keyed", "calls"))
 
 
 def infer(server: Server, model: str, x: float, client: httpx.Client | None = None, **parameters: Any
@@ -193,6 +221,11 @@ def test_requests_without_a_sequence_or_of_one_never_started_are_refused(server:
     # a string ID where the model's CORRID control is a number
     r = infer(server, "shows", 1.0, sequence_id="abc", sequence_start=True)
     assert r.status_code == 400 and "CORRID" in r.json()["error"], r.text
+
+
+def test_a_call_without_a_sequence_gets_a_clear_error(server: Server) -> None:
+    r = infer(server, "calls", 1.0)
+    assert r.status_code != 200 and "correlation ID" in r.json()["error"], r.text
 
 
 def test_a_sequence_idle_past_its_limit_is_released(server: Server) -> None:

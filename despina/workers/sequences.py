@@ -70,7 +70,11 @@ class SequenceBatcher:
         if self._closed:
             raise RuntimeError("batcher is closed")
         request = item.payload.request
-        correlation, flags = request.sequence if request.sequence is not None else ("", 0)
+        if request.sequence is None:  # a step of an ensemble, or a model's call: they carry no sequence
+            raise InvalidArgument(f"inference request to model '{self.spec.name}' must specify a non-zero "
+                                  "or non-empty correlation ID (an ensemble's step or a model's call of a "
+                                  "stateful model cannot yet)")
+        correlation, flags = request.sequence
         seq = self._sequences.get(correlation)
         if seq is None:
             if not flags & START:
