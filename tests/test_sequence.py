@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
@@ -139,6 +140,54 @@ output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
 """
 
 
+# implicit state: y = x + the state, and the state becomes y; ONNX (initial state 10, from a file,
+# batched) and Python (initial state zeros, per request)
+ACC = """
+name: "acc"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+sequence_batching {
+  state [ { input_name: "IN_STATE" output_name: "OUT_STATE" data_type: TYPE_FP32 dims: [ 1 ]
+            initial_state: { data_type: TYPE_FP32 dims: [ 1 ] data_file: "ten" name: "ten" } } ]
+  oldest { max_candidate_sequences: 8 max_queue_delay_microseconds: 20000 }
+}
+"""
+PACC = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            y = (pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+                 + pb_utils.get_input_tensor_by_name(request, "IN_STATE").as_numpy())
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", y),
+                                                         pb_utils.Tensor("OUT_STATE", y)]))
+        return responses
+'''
+PACC_CONFIG = """
+name: "pacc"
+backend: "python"
+max_batch_size: 4
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+sequence_batching { state [ { input_name: "IN_STATE" output_name: "OUT_STATE" data_type: TYPE_FP32 dims: [ 1 ] } ] }
+"""
+
+
+def build_acc(path: Path) -> None:
+    def value(name: str) -> Any:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["N", 1])
+
+    graph = helper.make_graph([helper.make_node("Add", ["x", "IN_STATE"], ["y"]),
+                               helper.make_node("Identity", ["y"], ["OUT_STATE"])], "acc",
+                              [value("x"), value("IN_STATE")], [value("y"), value("OUT_STATE")])
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
 def build_shows(path: Path) -> None:
     def value(name: str, onnx_type: int) -> Any:
         return helper.make_tensor_value_info(name, onnx_type, ["N", 1])
@@ -173,7 +222,15 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (root / "calls" / "1").mkdir(parents=True)
     (root / "calls" / "1" / "model.py").write_text(CALLS)
     (root / "calls" / "config.pbtxt").write_text(CALLS_CONFIG)
-    yield from module_server(root, tmp_path_factory, redis_url, ("shows", "sums", "keyed", "calls"))
+    build_acc(root / "acc" / "1" / "model.onnx")
+    (root / "acc" / "config.pbtxt").write_text(ACC)
+    (root / "acc" / "initial_state").mkdir()
+    (root / "acc" / "initial_state" / "ten").write_bytes(np.array([10.0], np.float32).tobytes())
+    (root / "pacc" / "1").mkdir(parents=True)
+    (root / "pacc" / "1" / "model.py").write_text(PACC)
+    (root / "pacc" / "config.pbtxt").write_text(PACC_CONFIG)
+    yield from module_server(root, tmp_path_factory, redis_url,
+                             ("shows", "sums", "keyed", "calls", "acc", "pacc"))
 
 
 def infer(server: Server, model: str, x: float, client: httpx.Client | None = None, **parameters: Any
@@ -221,6 +278,31 @@ def test_requests_without_a_sequence_or_of_one_never_started_are_refused(server:
     # a string ID where the model's CORRID control is a number
     r = infer(server, "shows", 1.0, sequence_id="abc", sequence_start=True)
     assert r.status_code == 400 and "CORRID" in r.json()["error"], r.text
+
+
+def test_implicit_state_carries_each_sequences_state_to_its_next_request(server: Server) -> None:
+    """Eight sequences at once on each model: each running sum is right only if every request got its
+    own sequence's state, batched with the others' (the ONNX model) or one by one (the Python one)."""
+    def run(model: str, corr: int) -> list[float]:
+        got = []
+        with httpx.Client() as client:
+            for i in range(5):
+                r = infer(server, model, float(corr), client, sequence_id=corr, sequence_start=i in (0, 3),
+                          sequence_end=i == 4)
+                got.append(out(r, "y"))
+                assert [o["name"] for o in r.json()["outputs"]] == ["y"]  # the state stays inside
+        return got
+
+    for model, initial in (("acc", 10.0), ("pacc", 0.0)):
+        before = httpx.get(f"{server.url}/v2/models/{model}/stats").json()["model_stats"][0]
+        with ThreadPoolExecutor(8) as pool:
+            results = dict(zip(range(1, 9), pool.map(run, [model] * 8, range(1, 9))))
+        for corr, got in results.items():  # a START (requests 0 and 3) begins again from the initial state
+            assert got == [initial + corr, initial + 2 * corr, initial + 3 * corr, initial + corr,
+                           initial + 2 * corr], (model, corr, got)
+        after = httpx.get(f"{server.url}/v2/models/{model}/stats").json()["model_stats"][0]
+        if model == "acc":
+            assert after["execution_count"] - before["execution_count"] < 40  # sequences shared batches
 
 
 def test_a_call_without_a_sequence_gets_a_clear_error(server: Server) -> None:
@@ -281,9 +363,16 @@ def test_sequence_batching_configs_are_checked_at_load() -> None:
     assert s.sequence.idle_us == 1_000_000 and [c.kind for c in s.sequence.controls] == \
         ["START", "END", "READY", "CORRID"]
     assert spec("").sequence.controls == ()  # no controls: the model keys nothing, fine
+    states = spec('state [ { input_name: "S" output_name: "T" data_type: TYPE_INT32 dims: [ -1, 2 ] } ]')
+    assert [(st.input, st.output, st.datatype, st.dims) for st in states.sequence.states] == \
+        [("S", "T", "INT32", (-1, 2))]
     for bad, why in (
-            ('state [ { input_name: "IN_STATE" output_name: "OUT_STATE" data_type: TYPE_FP32 dims: [ 1 ] } ]',
-             "implicit state"),
+            ('state [ { input_name: "S" data_type: TYPE_FP32 dims: [ 1 ] } ]', "output_name"),
+            ('state [ { input_name: "x" output_name: "T" data_type: TYPE_FP32 dims: [ 1 ] } ]', "named twice"),
+            ('state [ { input_name: "S" output_name: "T" data_type: TYPE_FP32 dims: [ 1 ] '
+             'initial_state: { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } } ]', "data_type"),
+            ('state [ { input_name: "S" output_name: "T" data_type: TYPE_FP32 dims: [ 1 ] '
+             'initial_state: { data_type: TYPE_FP32 dims: [ 1 ] data_file: "../x" } } ]', "initial_state/"),
             ('control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START } ] } ]', "exactly one of"),
             ('control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] } ]',
              "CORRID"),

@@ -5,7 +5,9 @@ parameter `sequence_id`) in order, each on the model instance that got the seque
 one of them per batch; `sequence_start` must mark the first and `sequence_end` marks the last. The
 control inputs the config names tell the model which rows start, end, or carry a request at all, and
 each row's correlation ID. A sequence with nothing queued for `max_sequence_idle_microseconds` is
-released. Implicit state (`state`) is not supported: such a config is refused at load.
+released. Implicit state (`state`): what the model gives as a state output with one request of a
+sequence is its state input with the next; the first takes the initial state (`initial_state`: zeros,
+or a file under <model>/initial_state/; else zeros, an open size taken as 1).
 """
 from __future__ import annotations
 
@@ -35,9 +37,22 @@ class Control:
 
 
 @dataclass(frozen=True)
+class State:
+    """An implicit state: the model's output `output` with one request is its input `input` with the next."""
+
+    input: str
+    output: str
+    datatype: str                      # V2 name
+    dims: tuple[int, ...]              # without the batch dimension; -1 where the size is open
+    initial_dims: tuple[int, ...] = ()  # the initial state's, when the config gives one
+    initial_file: str = ""             # under <model>/initial_state/; empty: zeros
+
+
+@dataclass(frozen=True)
 class SequencePolicy:
     idle_us: int = DEFAULT_IDLE_US
     controls: tuple[Control, ...] = ()
+    states: tuple[State, ...] = ()
     oldest: bool = False               # Triton's Oldest strategy, else Direct
     max_queue_delay_us: int = 0        # how long a batch may wait for more sequences' requests
     preferred: tuple[int, ...] = ()    # Oldest's preferred batch sizes
@@ -60,10 +75,17 @@ def sequence_policy(config: dict[str, Any]) -> SequencePolicy | None:
                     values = c.get(key) or []
                     if values:
                         controls.append(Control(entry["name"], kind, datatype, (values[0], values[1])))
+    states = []
+    for st in raw.get("state") or ():
+        initial = (st.get("initial_state") or [{}])[0]
+        states.append(State(st["input_name"], st["output_name"], CONFIG_TO_V2[st["data_type"]],
+                            tuple(int(d) for d in st.get("dims") or ()),
+                            tuple(int(d) for d in initial.get("dims") or ()), initial.get("data_file") or ""))
     oldest = raw.get("oldest")
     strategy = oldest if oldest is not None else raw.get("direct") or {}
     return SequencePolicy(int(raw.get("max_sequence_idle_microseconds") or DEFAULT_IDLE_US), tuple(controls),
-                          oldest is not None, int(strategy.get("max_queue_delay_microseconds") or 0),
+                          tuple(states), oldest is not None,
+                          int(strategy.get("max_queue_delay_microseconds") or 0),
                           tuple(int(p) for p in (oldest or {}).get("preferred_batch_size") or ()))
 
 
@@ -72,10 +94,7 @@ def validate(config: Any) -> None:
     model = config.name
     sb = config.sequence_batching
     where = f"model '{model}': field 'sequence_batching"
-    if len(sb.state):
-        raise ConfigError(f"{where}.state': implicit state is not supported by Despina yet; keep a "
-                          "sequence's state in the model (a Python model can key it by "
-                          "request.correlation_id())")
+    _validate_states(config, where)
     if sb.iterative_sequence:
         raise ConfigError(f"{where}.iterative_sequence' is not supported by Despina yet")
     names: set[str] = set()
@@ -106,6 +125,35 @@ def validate(config: Any) -> None:
             if size <= 0 or size > max(config.max_batch_size, 1):
                 raise ConfigError(f"{where}.oldest.preferred_batch_size' {size} is outside "
                                   f"1..max_batch_size ({config.max_batch_size})")
+
+
+def _validate_states(config: Any, where: str) -> None:
+    inputs = {t.name for t in config.input}
+    seen: set[str] = set()
+    for st in config.sequence_batching.state:
+        name = f"{where}.state' '{st.input_name or '?'}'"
+        if not st.input_name or not st.output_name:
+            raise ConfigError(f"{name}: needs both 'input_name' and 'output_name'")
+        if st.input_name in inputs or st.input_name in seen:
+            raise ConfigError(f"{name}: '{st.input_name}' is named twice")
+        seen.add(st.input_name)
+        datatype = pb.DataType.Name(st.data_type)
+        if datatype not in CONFIG_TO_V2 or datatype == "TYPE_STRING":
+            raise ConfigError(f"{name}: field 'data_type' {datatype} cannot be a state")
+        if any(d < -1 or d == 0 for d in st.dims):
+            raise ConfigError(f"{name}: field 'dims' must hold positive sizes or -1, got {list(st.dims)}")
+        if len(st.initial_state) > 1:
+            raise ConfigError(f"{name}: at most one 'initial_state'")
+        for initial in st.initial_state:
+            if initial.data_type != st.data_type:
+                raise ConfigError(f"{name}: its initial_state's data_type must be the state's, {datatype}")
+            if any(d <= 0 for d in initial.dims):
+                raise ConfigError(f"{name}: its initial_state's dims must be positive sizes")
+            if initial.WhichOneof("state_data") is None:
+                raise ConfigError(f"{name}: its initial_state needs 'zero_data' or 'data_file'")
+            if initial.data_file and ("/" in initial.data_file or initial.data_file.startswith(".")):
+                raise ConfigError(f"{name}: its initial_state's data_file must name a file in the "
+                                  "model's initial_state/ folder")
 
 
 def request_sequence(parameters: dict[str, Any], model: str) -> tuple[Correlation, int]:

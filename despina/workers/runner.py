@@ -103,6 +103,8 @@ class ModelRunner:
         self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
         self._read_along = ReadAlong()  # the read loop's next read, waiting for a batch's replies
         self._backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
+        # implicit states' outputs: asked of the model with every batch, kept by the sequence batcher
+        self._state_outputs = tuple(st.output for st in spec.sequence.states) if spec.sequence else ()
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -329,7 +331,7 @@ class ModelRunner:
 
     def _batcher(self, instances: int) -> DynamicBatcher | SequenceBatcher:
         if self.spec.sequence is not None:  # a stateful model: Triton's sequence batcher
-            return SequenceBatcher(self.spec, self._execute, instances, self._on_timeout)
+            return SequenceBatcher(self.spec, self._execute, instances, self._on_timeout, self.path)
         return DynamicBatcher(self.spec.policy, self._execute, instances, self._on_timeout, self._coming)
 
     async def _execute(self, batch: list[Item], instance: int | None = None) -> None:
@@ -369,6 +371,8 @@ class ModelRunner:
         """Run one batch (on the instance the sequence batcher names, else the first free one); `marks`
         records when its inputs were ready and when the model returned."""
         names = self._output_names(live)
+        if self._state_outputs:
+            names += [n for n in self._state_outputs if n not in names]
         # a sequence batcher runs one batch at a time per instance: the instance it names is free
         backend = await self.instances.get() if instance is None else self._backends[instance]
         try:
@@ -394,6 +398,8 @@ class ModelRunner:
             if instance is None:
                 self.instances.put_nowait(backend)
         compute_us = int((time.time() - started) * 1e6)
+        if self._state_outputs:
+            results = self.batcher.keep(live, sizes, results)  # type: ignore[union-attr]
         if len(results) > 1:
             return [answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
         return answers.split(self.spec.name, [p.request for p in live], sizes, results[0], started,
@@ -405,6 +411,8 @@ class ModelRunner:
         every = [o.name for o in self.spec.outputs]
         asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every
                  for p in live]
+        if self._state_outputs:
+            asked = [a + [n for n in self._state_outputs if n not in a] for a in asked]
         arrays = [p.inputs for p in live]
         reshape = self._reshape
         if reshape is not None:
@@ -417,6 +425,8 @@ class ModelRunner:
         if len(results) != len(live):
             msg = f"model '{self.spec.name}' returned {len(results)} results for {len(live)} requests"
             return [answers.error(p.request, Code.BACKEND, msg) for p in live]
+        if self._state_outputs:
+            results = self.batcher.keep(live, [1] * len(live), results)  # type: ignore[union-attr]
         compute_us = int((time.time() - started) * 1e6)
         if reshape is not None:
             results = [r if isinstance(r, DespinaError) else _reshaped(reshape, r) for r in results]

@@ -6,9 +6,11 @@ where the next request runs. A sequence has at most one request in the instance'
 so its requests run in the order they came and no batch holds two of them; the instance's batcher
 (Triton's dynamic batching rules, max_queue_delay from the strategy) puts requests of several
 sequences together. Each request carries the control inputs the config names: START, END, READY
-(always true: a row is a request) and CORRID. A sequence ends after its END request, or once it has
-had nothing queued or running for max_sequence_idle_microseconds; a request for a sequence that is not
-running and does not START one is refused, as Triton refuses it.
+(always true: a row is a request) and CORRID, and each implicit state's input: the state output the
+model gave with the sequence's request before (`keep`), or the initial state with a START. A batch
+mixes sequences whose states have the same shape only. A sequence ends after its END request, or once
+it has had nothing queued or running for max_sequence_idle_microseconds; a request for a sequence
+that is not running and does not START one is refused, as Triton refuses it.
 """
 from __future__ import annotations
 
@@ -18,13 +20,16 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ..contract.errors import InvalidArgument
+from ..contract.datatypes import V2_TO_NUMPY, element_count
+from ..contract.errors import ConfigError, InvalidArgument
 from ..contract.modelconfig import ModelSpec
 from ..contract.policy import BatchPolicy
-from ..contract.sequence import END, START, Control, Correlation, SequencePolicy
+from ..contract.sequence import END, START, Control, Correlation, SequencePolicy, State
 from .batcher import DynamicBatcher, Item, Reject
 
 ExecuteOn = Callable[[list[Item], int], Awaitable[None]]  # a batch, and the instance to run it on
@@ -38,16 +43,20 @@ class _Sequence:
     queued: deque[Item] = field(default_factory=deque)
     running: bool = False       # one of its requests is in its instance's batcher, or executing
     last: float = 0.0           # when it last had a request queued or running (monotonic)
+    state: dict[str, np.ndarray] = field(default_factory=dict)  # state input -> its next value
 
 
 class SequenceBatcher:
     """The runner's batcher for a model with sequence_batching: put(), run(), close(), pending and
     executing as DynamicBatcher's; `execute` is told which instance runs each batch."""
 
-    def __init__(self, spec: ModelSpec, execute: ExecuteOn, instances: int, reject: Reject | None = None
-                 ) -> None:
+    def __init__(self, spec: ModelSpec, execute: ExecuteOn, instances: int, reject: Reject | None = None,
+                 model_dir: Path | None = None) -> None:
         assert spec.sequence is not None
         self.spec, self.sequence = spec, spec.sequence
+        self._initial = {st.input: initial_state(spec.name, st, model_dir) for st in self.sequence.states}
+        # the state outputs a client does not see (the config's outputs do not list them)
+        self.hidden = tuple(st.output for st in self.sequence.states if spec.output(st.output) is None)
         self.policy = BatchPolicy(max_batch_size=spec.max_batch_size,
                                   preferred=self.sequence.preferred if spec.max_batch_size else (),
                                   max_queue_delay_us=self.sequence.max_queue_delay_us, dynamic=True)
@@ -93,7 +102,52 @@ class SequenceBatcher:
     def _feed(self, seq: _Sequence) -> None:
         if not seq.running and seq.queued:
             seq.running = True
-            self._batchers[seq.instance].put(seq.queued.popleft())
+            item = seq.queued.popleft()
+            if self._initial:
+                self._with_state(item, seq)
+            self._batchers[seq.instance].put(item)
+
+    def _with_state(self, item: Item, seq: _Sequence) -> None:
+        """The request's state inputs: what the sequence's last request left, or the initial state."""
+        starts = item.payload.request.sequence[1] & START
+        inputs = item.payload.inputs
+        shapes = []
+        for name, initial in self._initial.items():
+            value = None if starts else seq.state.get(name)
+            if value is None:
+                value = initial
+                if self.spec.batched:  # one row of it for each row of the request
+                    value = np.broadcast_to(initial, (item.rows, *initial.shape))
+            inputs[name] = value
+            shapes.append((name, value.shape[1:] if self.spec.batched else value.shape))
+        item.shape_key = (item.shape_key, tuple(shapes))
+
+    def keep(self, live: list[Any], sizes: list[int], results: list[dict[str, np.ndarray]]
+             ) -> list[dict[str, np.ndarray]]:
+        """After a batch ran: each sequence's state outputs become its next state inputs; `results` are
+        the batch's outputs (one dict), or each request's. The results come back without the state
+        outputs that clients do not see."""
+        if not self._initial:
+            return results
+        each = results if len(results) == len(live) else None
+        offset = 0
+        for i, (pending, rows) in enumerate(zip(live, sizes)):
+            seq = self._sequences.get(pending.request.sequence[0])
+            out = each[i] if each is not None else results[0]
+            if seq is not None and isinstance(out, dict):
+                for st in self.sequence.states:
+                    value = out.get(st.output)
+                    if value is None:
+                        continue
+                    if each is None and self.spec.batched:
+                        value = value[offset:offset + rows]
+                    seq.state[st.input] = np.array(value)  # a copy: not a view that keeps the batch
+            offset += rows
+        for out in results:
+            if isinstance(out, dict):
+                for name in self.hidden:
+                    out.pop(name, None)
+        return results
 
     async def _run(self, instance: int, batch: list[Item]) -> None:
         try:
@@ -142,6 +196,25 @@ class SequenceBatcher:
             for correlation in [c for c, s in self._sequences.items()
                                 if not s.running and not s.queued and now - s.last >= limit]:
                 self._release(correlation)
+
+
+def initial_state(model: str, state: State, model_dir: Path | None) -> np.ndarray:
+    """A state's initial value (without the batch dimension): its initial_state's file, or zeros (in the
+    initial_state's dims, else the state's, an open size taken as 1)."""
+    dims = state.initial_dims or tuple(1 if d == -1 else d for d in state.dims)
+    dtype = V2_TO_NUMPY[state.datatype]
+    if not state.initial_file:
+        return np.zeros(dims, dtype=dtype)
+    path = (model_dir or Path(".")) / "initial_state" / state.initial_file
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"model '{model}': the initial state of '{state.input}': {exc}") from None
+    need = element_count(dims) * np.dtype(dtype).itemsize
+    if len(raw) != need:
+        raise ConfigError(f"model '{model}': the initial state of '{state.input}': {path.name} holds "
+                          f"{len(raw)} bytes; {list(dims)} of {state.datatype} is {need}")
+    return np.frombuffer(raw, dtype=dtype).reshape(dims)
 
 
 def control_tensors(policy: SequencePolicy, batched: bool, rows: int, correlation: Correlation, flags: int
