@@ -178,6 +178,29 @@ sequence_batching { state [ { input_name: "IN_STATE" output_name: "OUT_STATE" da
 """
 
 
+# drives a sequence of `acc` through model calls (BLS): three calls under one correlation ID
+DRIVES = '''
+import triton_python_backend_utils as pb_utils
+
+START, END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START, pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x")
+            for flags in (START, 0, END):
+                got = pb_utils.InferenceRequest(model_name="acc", requested_output_names=["y"], inputs=[x],
+                                                correlation_id=555, flags=flags).exec()
+                if got.has_error():
+                    break
+            responses.append(pb_utils.InferenceResponse([], error=got.error()) if got.has_error()
+                             else pb_utils.InferenceResponse([got.output_tensors()[0]]))
+        return responses
+'''
+
+
 def build_acc(path: Path) -> None:
     def value(name: str) -> Any:
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["N", 1])
@@ -229,8 +252,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (root / "pacc" / "1").mkdir(parents=True)
     (root / "pacc" / "1" / "model.py").write_text(PACC)
     (root / "pacc" / "config.pbtxt").write_text(PACC_CONFIG)
+    (root / "drives" / "1").mkdir(parents=True)
+    (root / "drives" / "1" / "model.py").write_text(DRIVES)
+    (root / "drives" / "config.pbtxt").write_text(CALLS_CONFIG.replace('name: "calls"', 'name: "drives"'))
     yield from module_server(root, tmp_path_factory, redis_url,
-                             ("shows", "sums", "keyed", "calls", "acc", "pacc"))
+                             ("shows", "sums", "keyed", "calls", "acc", "pacc", "drives"))
 
 
 def infer(server: Server, model: str, x: float, client: httpx.Client | None = None, **parameters: Any
@@ -308,6 +334,12 @@ def test_implicit_state_carries_each_sequences_state_to_its_next_request(server:
 def test_a_call_without_a_sequence_gets_a_clear_error(server: Server) -> None:
     r = infer(server, "calls", 1.0)
     assert r.status_code != 200 and "correlation ID" in r.json()["error"], r.text
+
+
+def test_a_model_drives_a_sequence_through_its_calls(server: Server) -> None:
+    # correlation_id and flags of pb_utils.InferenceRequest reach the called model: 10 + 2 + 2 + 2
+    assert out(infer(server, "drives", 2.0), "y") == 16.0
+    assert out(infer(server, "drives", 1.0), "y") == 13.0  # ended: the next START begins from 10 again
 
 
 def test_a_sequence_idle_past_its_limit_is_released(server: Server) -> None:

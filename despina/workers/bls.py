@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("despina.worker")
 
+Sequence = tuple[int | str, int]  # (correlation ID, START|END flags): contract/sequence.py
 GRACE_S = 0.5  # past the deadline, the call's own wait still leaves the runner or the worker time to answer
 Outputs = dict[str, np.ndarray]
 
@@ -42,17 +43,20 @@ class ModelCaller:
         self._opening = asyncio.Lock()
 
     async def infer(self, model: str, version: int | None, inputs: dict[str, np.ndarray], outputs: list[str],
-                    timeout_s: float = 0.0, parameters: Parameters = NO_PARAMETERS) -> Outputs | DespinaError:
+                    timeout_s: float = 0.0, parameters: Parameters = NO_PARAMETERS,
+                    sequence: Sequence | None = None) -> Outputs | DespinaError:
         """Run `model` (`version`, None: the latest) on `inputs`; the asked `outputs` (none: all), or the
-        error that ended the call. `timeout_s` (0: the server's request_timeout_s) bounds the whole call."""
+        error that ended the call. `timeout_s` (0: the server's request_timeout_s) bounds the whole call;
+        `sequence` (correlation ID, flags) places it in a sequence of a stateful model."""
         timeout = timeout_s if timeout_s > 0 else self.worker.settings.request_timeout_s
         try:
             tensors = [_tensor(name, array) for name, array in inputs.items()]
             runner = self._local(model, version)
             if runner is not None:
-                call = self._here(runner, tensors, tuple(outputs), timeout, parameters)
+                call = self._here(runner, tensors, tuple(outputs), timeout, parameters, sequence)
             else:
-                call = self._through_redis(model, version, tensors, tuple(outputs), timeout, parameters)
+                call = self._through_redis(model, version, tensors, tuple(outputs), timeout, parameters,
+                                           sequence)
             reply = await asyncio.wait_for(call, timeout + GRACE_S)
         except DespinaError as exc:
             return exc
@@ -77,7 +81,7 @@ class ModelCaller:
         return runner if runner is not None and runner.state == "READY" else None
 
     async def _here(self, runner: ModelRunner, tensors: list[Tensor], outputs: tuple[str, ...],
-                    timeout: float, parameters: Parameters) -> InferReply:
+                    timeout: float, parameters: Parameters, sequence: Sequence | None) -> InferReply:
         _check(runner.spec, tensors, outputs)
         answered: asyncio.Future[InferReply] = self.loop.create_future()
 
@@ -85,11 +89,13 @@ class ModelCaller:
             if not answered.done():
                 answered.set_result(reply)
 
-        runner.submit(tensors, outputs, time.time() + timeout, answer, parameters=parameters)
+        runner.submit(tensors, outputs, time.time() + timeout, answer, parameters=parameters,
+                      sequence=sequence)
         return await answered
 
     async def _through_redis(self, model: str, version: int | None, tensors: list[Tensor],
-                             outputs: tuple[str, ...], timeout: float, parameters: Parameters) -> InferReply:
+                             outputs: tuple[str, ...], timeout: float, parameters: Parameters,
+                             sequence: Sequence | None) -> InferReply:
         dispatcher, view = await self._open()
         keys = self.worker.keys
         found, v = await view.serving(model, None if version is None else str(version), timeout)
@@ -109,7 +115,7 @@ class ModelCaller:
         bound = (keys.queued(model, v, level), limit) if limit else None
         now = time.time()
         request = InferRequest(dispatcher.new_id(), dispatcher.reply_stream, now + timeout, tuple(tensors),
-                               outputs, enqueued=now, parameters=parameters)
+                               outputs, enqueued=now, parameters=parameters, sequence=sequence)
         answered: asyncio.Future[Result] = self.loop.create_future()
 
         def settle(result: Result) -> None:

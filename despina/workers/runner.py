@@ -301,16 +301,17 @@ class ModelRunner:
 
     def submit(self, inputs: list[Tensor], outputs: tuple[str, ...], deadline: float, answer: Answer,
                priority: int = 0, timeout_us: int = 0, trace: str = "", settled: Settled | None = None,
-               parameters: Parameters = NO_PARAMETERS) -> None:
+               parameters: Parameters = NO_PARAMETERS, sequence: tuple[int | str, int] | None = None
+               ) -> None:
         """Queue a request made in this process (an ensemble's step, workers/ensembles.py): batched with
         the stream's requests and counted in the statistics like them; `answer` gets its reply (an error
         reply included), on the event loop, before the batch's replies go out to Redis. `deadline` is
         wall-clock seconds; `settled()` True says the submitter has nothing else on its way here (None:
         unknown, so a batch holding it waits out its delay). `parameters` are for the model (a model
-        calling another one passes them, workers/bls.py)."""
+        calling another one passes them, workers/bls.py), as is `sequence` for a stateful one."""
         now = time.time()
         request = InferRequest("", "", deadline, tuple(inputs), outputs, priority, timeout_us, now, trace,
-                               parameters)
+                               parameters, sequence=sequence)
         try:
             if self._stopping:
                 raise Unavailable(f"model '{self.spec.name}' version {self.version} is unloading")

@@ -7,9 +7,10 @@ running get errors and a new process is started (initialize runs again) for the 
 
 While an execute is outstanding, the model may call other models (`InferenceRequest.exec()`, Triton's
 business logic scripting): the process sends ("bls", (call id, model, version, inputs, asked outputs,
-timeout µs, parameters)) as often as it likes, and the worker runs each call on its event loop
-(workers/bls.py) and answers ("bls", (call id, ("ok", outputs) | ("error", (message, code))))
-whenever it is done, in any order; the execute's own answer ends the exchange as before.
+timeout µs, parameters, (correlation ID, flags) or None)) as often as it likes, and the worker runs
+each call on its event loop (workers/bls.py) and answers ("bls", (call id, ("ok", outputs) |
+("error", (message, code)))) whenever it is done, in any order; the execute's own answer ends the
+exchange as before.
 """
 from __future__ import annotations
 
@@ -187,10 +188,10 @@ class Stub:
     async def _model_call(self, caller: ModelCaller, request: tuple[Any, ...]) -> None:
         """Run one model call and send its answer. The answer is written from a thread: the process may be
         writing a call of its own just then, and only the loop, reading, lets that write end."""
-        call_id, model, version, inputs, outputs, timeout_us, parameters = request
+        call_id, model, version, inputs, outputs, timeout_us, parameters, sequence = request
         result = await caller.infer(model, None if version is None or version < 0 else int(version),
                                     wire.unpack_all(inputs), list(outputs), timeout_us / 1e6,
-                                    parameters or {})
+                                    parameters or {}, sequence)
         if isinstance(result, DespinaError):
             answer: tuple[str, Any] = ("error", (result.message, TRITON_CODES.get(result.code, 1)))
         else:

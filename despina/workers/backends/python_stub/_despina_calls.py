@@ -1,10 +1,11 @@
 """Model calls from inside execute (Triton's business logic scripting), over the stub's connection.
 
 `InferenceRequest.exec()` sends ("bls", (call id, model, version, inputs, asked outputs, timeout µs,
-parameters)) and reads the worker's messages until its own answer comes; answers to other calls read
-meanwhile are kept for them. `async_exec()` sends the same and awaits a future that a reader on the
-stub's event loop resolves, so that several calls are in flight at once. The worker answers every call,
-by its deadline at the latest: a call waits as long as that, and no longer.
+parameters, (correlation ID, flags) or None)) and reads the worker's messages until its own answer
+comes; answers to other calls read meanwhile are kept for them. `async_exec()` sends the same and
+awaits a future that a reader on the stub's event loop resolves, so that several calls are in flight at
+once. The worker answers every call, by its deadline at the latest: a call waits as long as that, and
+no longer.
 """
 from __future__ import annotations
 
@@ -88,9 +89,11 @@ class ModelCalls:
         if not request.model_name():
             raise pb_utils.TritonModelException("InferenceRequest needs a model_name to be executed")
         inputs = {t.name(): wire.pack(np.asarray(t.as_numpy())) for t in request.inputs()}
+        correlation = request.correlation_id()
+        sequence = (correlation, request.flags()) if correlation not in (0, "") else None
         message = ("bls", (call_id, request.model_name(), request.model_version(), inputs,
                            request.requested_output_names(), request.timeout(),
-                           _parameters(request.parameters())))
+                           _parameters(request.parameters()), sequence))
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._writing:
             self.conn.send_bytes(data)
