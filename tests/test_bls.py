@@ -276,8 +276,11 @@ class LoopCaller:
         self.thread.start()
 
     async def infer(self, model: str, version: int | None, inputs: dict[str, np.ndarray], outputs: list[str],
-                    timeout_s: float, parameters: Any) -> dict[str, np.ndarray] | DespinaError:
+                    timeout_s: float, parameters: Any, sequence: Any = None
+                    ) -> dict[str, np.ndarray] | DespinaError:
         self.calls.append((model, version, timeout_s))
+        if model == "boom":  # a fault of the worker's side: the model must hear of it, not wait forever
+            raise RuntimeError("the caller broke")
         if model == "slow":
             await asyncio.sleep(30)
         if model != "add_sub":
@@ -303,6 +306,22 @@ def test_the_thread_path_serves_calls_and_initialize_may_not_call(tmp_path: Path
         assert isinstance(out, dict), out
         np.testing.assert_array_equal(out["SUM"], x + 1)
         assert caller.calls == [("add_sub", None, 0.0)]
+    finally:
+        backend.unload()
+        caller.close()
+
+
+def test_a_fault_in_the_workers_side_of_a_call_is_an_error_response_not_a_hang(tmp_path: Path) -> None:
+    from despina.workers.backends.base import Request
+
+    backend: Any = backend_for(write_model(tmp_path, "caller", CALLER, caller_config("caller")))
+    caller = LoopCaller()
+    backend.caller = caller
+    backend.load()
+    try:
+        request = Request({"X": np.ones((1, 4), np.float32)}, {"target": "boom"}, "")
+        [out] = backend.execute_requests([request], [["SUM", "DIFF"]])
+        assert isinstance(out, DespinaError) and "the caller broke" in out.message, out
     finally:
         backend.unload()
         caller.close()

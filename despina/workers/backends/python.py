@@ -189,9 +189,13 @@ class Stub:
         """Run one model call and send its answer. The answer is written from a thread: the process may be
         writing a call of its own just then, and only the loop, reading, lets that write end."""
         call_id, model, version, inputs, outputs, timeout_us, parameters, sequence = request
-        result = await caller.infer(model, None if version is None or version < 0 else int(version),
-                                    wire.unpack_all(inputs), list(outputs), timeout_us / 1e6,
-                                    parameters or {}, sequence)
+        try:
+            result = await caller.infer(model, None if version is None or version < 0 else int(version),
+                                        wire.unpack_all(inputs), list(outputs), timeout_us / 1e6,
+                                        parameters or {}, sequence)
+        except Exception as exc:  # whatever went wrong, the model must hear of it, not wait forever
+            log.exception("model %s: its call of model %s failed", self.name, model)
+            result = DespinaError(f"calling model '{model}' failed: {exc}", Code.INTERNAL)
         if isinstance(result, DespinaError):
             answer: tuple[str, Any] = ("error", (result.message, TRITON_CODES.get(result.code, 1)))
         else:
