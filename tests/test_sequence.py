@@ -201,6 +201,20 @@ class TritonPythonModel:
 '''
 
 
+# an ensemble of both accumulators: x -> acc -> pacc; its request's sequence reaches both
+CHAIN = """
+name: "chain"
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "z" data_type: TYPE_FP32 dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "acc" model_version: -1 input_map { key: "x" value: "x" } output_map { key: "y" value: "y1" } },
+  { model_name: "pacc" model_version: -1 input_map { key: "x" value: "y1" } output_map { key: "y" value: "z" } }
+] }
+"""
+
+
 def build_acc(path: Path) -> None:
     def value(name: str) -> Any:
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["N", 1])
@@ -232,7 +246,13 @@ def build_shows(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+    yield from module_server(repository, tmp_path_factory, redis_url,
+                             ("shows", "sums", "keyed", "calls", "acc", "pacc", "drives", "chain"))
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("sequence-repo")
     build_shows(root / "shows" / "1" / "model.onnx")
     (root / "shows" / "config.pbtxt").write_text(SHOWS)
@@ -255,8 +275,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (root / "drives" / "1").mkdir(parents=True)
     (root / "drives" / "1" / "model.py").write_text(DRIVES)
     (root / "drives" / "config.pbtxt").write_text(CALLS_CONFIG.replace('name: "calls"', 'name: "drives"'))
-    yield from module_server(root, tmp_path_factory, redis_url,
-                             ("shows", "sums", "keyed", "calls", "acc", "pacc", "drives"))
+    (root / "chain").mkdir()
+    (root / "chain" / "config.pbtxt").write_text(CHAIN)
+    return root
 
 
 def infer(server: Server, model: str, x: float, client: httpx.Client | None = None, **parameters: Any
@@ -334,6 +355,30 @@ def test_implicit_state_carries_each_sequences_state_to_its_next_request(server:
 def test_a_call_without_a_sequence_gets_a_clear_error(server: Server) -> None:
     r = infer(server, "calls", 1.0)
     assert r.status_code != 200 and "correlation ID" in r.json()["error"], r.text
+
+
+def run_chain(url: str, corr: int) -> list[float]:
+    got = []
+    with httpx.Client() as client:
+        for i in range(3):
+            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}],
+                    "parameters": {"sequence_id": corr, "sequence_start": i == 0, "sequence_end": i == 2}}
+            r = client.post(f"{url}/v2/models/chain/infer", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["outputs"][0]["data"][0])
+    return got
+
+
+def test_an_ensembles_sequence_reaches_the_stateful_models_it_calls(server: Server, serve,
+                                                                    repository: Path) -> None:
+    # acc: 10 + 1, + 1, + 1 = 11, 12, 13; pacc sums those: 11, 23, 36
+    assert run_chain(server.url, 777) == [11.0, 23.0, 36.0]  # the worker runs the ensemble
+    r = httpx.post(f"{server.url}/v2/models/chain/infer", timeout=30,
+                   json={"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]})
+    assert r.status_code == 400 and "correlation ID" in r.json()["error"], r.text
+    # and where the gateway runs it, step by step
+    gateway_runs = serve(repository, env={"DESPINA_HOST_ENSEMBLES": "false"}, wait_models=("chain",))
+    assert run_chain(gateway_runs.url, 778) == [11.0, 23.0, 36.0]
 
 
 def test_a_model_drives_a_sequence_through_its_calls(server: Server) -> None:

@@ -156,6 +156,14 @@ def _validate_states(config: Any, where: str) -> None:
                                   "model's initial_state/ folder")
 
 
+def optional_sequence(parameters: dict[str, Any], model: str) -> tuple[Correlation, int] | None:
+    """An ensemble request's sequence, when it names one: its steps carry it to the stateful models
+    they call, as Triton's ensemble scheduler passes the correlation ID and flags on."""
+    if not parameters or "sequence_id" not in parameters:
+        return None
+    return request_sequence(parameters, model)
+
+
 def request_sequence(parameters: dict[str, Any], model: str) -> tuple[Correlation, int]:
     """A request's (correlation ID, flags) from its V2 parameters, for a model with sequence batching:
     Triton's errors for a missing or malformed ID."""

@@ -30,22 +30,24 @@ Submit = Callable[..., None]  # infer.submit: queue one request on a model's str
 
 def run(submit: Submit, gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int,
         inputs: list[Tensor], outputs: tuple[str, ...], trace: bytes | None, done: Done, priority: int,
-        timeout_us: int, timeout: float) -> None:
+        timeout_us: int, timeout: float, sequence: tuple[int | str, int] | None = None) -> None:
     """Start the ensemble on `inputs`, queueing each step with `submit` (infer.submit); `done` gets a
     reply with the requested outputs (all when none are named), or the error of the step that failed.
     Like a plain request, a run is callbacks on the dispatcher's replies: no task of its own, unless a
-    step has to wake its model."""
-    _GatewayRun(submit, gw, spec, ensemble, version, trace, done, priority, timeout_us, timeout).start(
-        inputs, outputs)
+    step has to wake its model. Every step carries the request's `sequence`, if any."""
+    _GatewayRun(submit, gw, spec, ensemble, version, trace, done, priority, timeout_us, timeout,
+                sequence).start(inputs, outputs)
 
 
 class _GatewayRun(Run):
     def __init__(self, submit: Submit, gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int,
-                 trace: bytes | None, done: Done, priority: int, timeout_us: int, timeout: float) -> None:
+                 trace: bytes | None, done: Done, priority: int, timeout_us: int, timeout: float,
+                 sequence: tuple[int | str, int] | None = None) -> None:
         super().__init__(spec, ensemble, timeout)
         self.submit, self.gw, self.version = submit, gw, version
         self.trace, self.done = trace, done
         self.priority, self.timeout_us = priority, timeout_us
+        self.sequence = sequence
 
     def _call(self, step: Step) -> None:
         version = None if step.version is None else str(step.version)
@@ -74,7 +76,7 @@ class _GatewayRun(Run):
         completes go out in that tick's pipeline)."""
         self.submit(self.gw, spec, v, self.step_inputs(step, spec), tuple(o for o, _ in step.outputs),
                     self.trace, lambda result: self.settled(step, result), self.priority, self.timeout_us,
-                    self.left())
+                    self.left(), sequence=self.sequence)
 
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
         us = int((time.monotonic() - self.started) * 1e6)

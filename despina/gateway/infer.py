@@ -17,7 +17,7 @@ from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
-from ..contract.sequence import request_sequence
+from ..contract.sequence import optional_sequence, request_sequence
 from . import ensemble, http
 from .dispatch import Result
 from .fn import decode_fn, encode_fn
@@ -100,7 +100,9 @@ class InferRoute(Route):
         gw = self.gateway
         decoded = decode_infer(ex.body, self.header_length(ex), model.spec, gw.settings.max_tensor_elements)
         priority, timeout_us = schedule_parameters(decoded.parameters)
-        sequence = request_sequence(decoded.parameters, model.spec.name) if model.spec.sequence else None
+        spec = model.spec
+        sequence = (request_sequence(decoded.parameters, spec.name) if spec.sequence else
+                    optional_sequence(decoded.parameters, spec.name) if spec.platform == PLATFORM else None)
         echo = [(b"x-request-id", trace)] if trace else []
         respond = self.respond
 
@@ -212,7 +214,7 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
         if graph is None:
             raise Unavailable(f"ensemble '{model}' cannot be read by this gateway")
         ensemble.run(submit, gw, spec, graph, version, inputs, outputs, trace, done, priority, timeout_us,
-                     timeout)
+                     timeout, sequence)
         return
     now = time.time()
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,

@@ -274,7 +274,7 @@ class _HostRun(Run):
         req = self.request
         runner.submit(self.step_inputs(step, runner.spec), tuple(o for o, _ in step.outputs), req.deadline,
                       lambda reply: self._answered(step, reply), req.priority, req.timeout_us, req.trace,
-                      self.host.vouch(step.model))
+                      self.host.vouch(step.model), sequence=req.sequence)
 
     def _answered(self, step: Step, reply: InferReply) -> None:
         if reply.error is None:
