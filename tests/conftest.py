@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from despina.embedded import EmbeddedValkey, free_port
+from despina.embedded import EmbeddedValkey, die_with_parent, free_port
 from despina.examples import build_repository
 from despina.workers.stats import DEFER_S
 
@@ -130,8 +130,9 @@ def _start_server(repo: Path, log_dir: Path, redis_url: str | None, key_prefix: 
     environ.update(env or {})
     log = log_dir / f"serve-{port}.log"
     with log.open("wb") as out:
+        # dies with pytest, even a pytest killed before its fixtures could stop it (a timeout's SIGTERM)
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=die_with_parent)
     server = Server(f"http://127.0.0.1:{port}", process, log, f"http://127.0.0.1:{metrics_port}/metrics")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
