@@ -110,12 +110,13 @@ class Settings:
 
 SAGEMAKER_MODEL_DIR = "/opt/ml/model"             # where SageMaker puts a single-model endpoint's artifacts
 SAGEMAKER_MME_REPOSITORY = "/tmp/despina-sagemaker"  # a multi-model endpoint's models, staged as loaded
+SAGEMAKER_REQUEST_TIMEOUT_S = 55.0  # under the 60 s SageMaker waits for an invocation
 
 
 def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> None:
     """What SageMaker's own variables say, where no DESPINA_* variable or option said otherwise: the
-    port (SAGEMAKER_BIND_TO_PORT, else 8080), every address, the metrics port (the first of
-    SAGEMAKER_SAFE_PORT_RANGE), the artifacts' folder, the model that
+    port (SAGEMAKER_BIND_TO_PORT, else 8080), every address, a request timeout under SageMaker's 60 s,
+    the metrics port (the first of SAGEMAKER_SAFE_PORT_RANGE), the artifacts' folder, the model that
     /invocations runs (Triton's SAGEMAKER_TRITON_DEFAULT_MODEL_NAME), and for a multi-model endpoint
     (SAGEMAKER_MULTI_MODEL=true) explicit model control over a folder the endpoint's loads fill."""
     try:
@@ -124,6 +125,9 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
         raise BadSetting(f"SAGEMAKER_BIND_TO_PORT={environ['SAGEMAKER_BIND_TO_PORT']!r}: expected a port "
                          "number") from None
     values.setdefault("host", "0.0.0.0")
+    # SageMaker gives an invocation 60 s: a request that cannot make it gets Despina's 504 (saying why)
+    # before SageMaker's own timeout answers the client with nothing of the kind
+    values.setdefault("request_timeout_s", SAGEMAKER_REQUEST_TIMEOUT_S)
     if environ.get("SAGEMAKER_SAFE_PORT_RANGE") and "metrics_port" not in values:
         # the ports besides SageMaker's own that a container may listen on ("23000-23999"): 8002 may not be
         ports = re.fullmatch(r"\s*([0-9]{1,5})\s*-\s*([0-9]{1,5})\s*", environ["SAGEMAKER_SAFE_PORT_RANGE"])

@@ -54,6 +54,10 @@ def test_sagemaker_takes_its_port_folder_and_default_model_from_sagemakers_varia
     s = Settings.from_sources({"sagemaker": True}, {})
     assert (s.http_port, s.host, s.model_repository, s.model_control_mode) == \
         (8080, "0.0.0.0", "/opt/ml/model", "none")
+    # SageMaker gives an invocation 60 s: Despina's own timeout (and its 504) comes first
+    assert s.request_timeout_s == 55.0
+    assert Settings.from_sources({"sagemaker": True}, {"DESPINA_REQUEST_TIMEOUT_S": "30"}).request_timeout_s == 30
+    assert Settings.from_sources({}, {}).request_timeout_s == 60.0
     s = Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_BIND_TO_PORT": "9090",
                                                     "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "mlp"})
     assert (s.http_port, s.sagemaker_model) == (9090, "mlp")
