@@ -215,13 +215,30 @@ ensemble_scheduling { step [
 """
 
 
-def build_acc(path: Path) -> None:
-    def value(name: str) -> Any:
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["N", 1])
+# the ONNX accumulator without a batch dimension (max_batch_size 0): each request runs alone
+ACC0 = """
+name: "acc0"
+backend: "onnxruntime"
+max_batch_size: 0
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+sequence_batching {
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
+  state [ { input_name: "IN_STATE" output_name: "OUT_STATE" data_type: TYPE_FP32 dims: [ 1 ] } ]
+}
+"""
 
-    graph = helper.make_graph([helper.make_node("Add", ["x", "IN_STATE"], ["y"]),
-                               helper.make_node("Identity", ["y"], ["OUT_STATE"])], "acc",
-                              [value("x"), value("IN_STATE")], [value("y"), value("OUT_STATE")])
+
+def build_acc(path: Path, batched: bool = True) -> None:
+    def value(name: str, onnx_type: int = TensorProto.FLOAT) -> Any:
+        return helper.make_tensor_value_info(name, onnx_type, ["N", 1] if batched else [1])
+
+    inputs = [value("x"), value("IN_STATE")] + ([] if batched else [value("START", TensorProto.INT32)])
+    nodes = [helper.make_node("Add", ["x", "IN_STATE"], ["y"]), helper.make_node("Identity", ["y"], ["OUT_STATE"])]
+    if not batched:  # a control input the graph reads, so that it is one of the model's inputs
+        nodes += [helper.make_node("Identity", ["START"], ["started"])]
+    outputs = [value("y"), value("OUT_STATE")] + ([] if batched else [value("started", TensorProto.INT32)])
+    graph = helper.make_graph(nodes, "acc", inputs, outputs)
     save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
@@ -248,7 +265,7 @@ def build_shows(path: Path) -> None:
 @pytest.fixture(scope="module")
 def server(repository: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
     yield from module_server(repository, tmp_path_factory, redis_url,
-                             ("shows", "sums", "keyed", "calls", "acc", "pacc", "drives", "chain"))
+                             ("shows", "sums", "keyed", "calls", "acc", "pacc", "drives", "chain", "acc0"))
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +292,8 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "drives" / "1").mkdir(parents=True)
     (root / "drives" / "1" / "model.py").write_text(DRIVES)
     (root / "drives" / "config.pbtxt").write_text(CALLS_CONFIG.replace('name: "calls"', 'name: "drives"'))
+    build_acc(root / "acc0" / "1" / "model.onnx", batched=False)
+    (root / "acc0" / "config.pbtxt").write_text(ACC0)
     (root / "chain").mkdir()
     (root / "chain" / "config.pbtxt").write_text(CHAIN)
     return root
@@ -350,6 +369,18 @@ def test_implicit_state_carries_each_sequences_state_to_its_next_request(server:
         after = httpx.get(f"{server.url}/v2/models/{model}/stats").json()["model_stats"][0]
         if model == "acc":
             assert after["execution_count"] - before["execution_count"] < 40  # sequences shared batches
+
+
+def test_a_stateful_model_without_a_batch_dimension(server: Server) -> None:
+    with httpx.Client() as client:
+        got = []
+        for i in range(3):
+            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [2.0]}],
+                    "parameters": {"sequence_id": 31, "sequence_start": i == 0}}
+            r = client.post(f"{server.url}/v2/models/acc0/infer", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            got.append(next(o for o in r.json()["outputs"] if o["name"] == "y"))
+    assert [(o["shape"], o["data"]) for o in got] == [([1], [2.0]), ([1], [4.0]), ([1], [6.0])]
 
 
 def test_a_call_without_a_sequence_gets_a_clear_error(server: Server) -> None:
