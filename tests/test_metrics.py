@@ -119,6 +119,8 @@ def test_counts_are_exact_and_match_statistics(server: Server) -> None:
     assert stats["inference_stats"]["success"]["count"] == 17
     assert sum(b["compute_infer"]["count"] for b in stats["batch_stats"]) == executions
     assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in stats["batch_stats"]) == 19
+    for step in ("compute_input", "compute_infer", "compute_output"):  # each batch size's own times
+        assert all(b[step]["ns"] > 0 for b in stats["batch_stats"]), (step, stats["batch_stats"])
     assert stats["inference_stats"]["queue"]["ns"] // 1000 == pytest.approx(
         metrics[f"nv_inference_queue_duration_us{m}"], abs=1)
 

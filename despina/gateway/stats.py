@@ -42,8 +42,9 @@ def _one(name: str, version: int, h: dict[bytes, bytes]) -> dict[str, Any]:
         "execution_count": c.get("execution_count", 0),
         "inference_stats": stats,
         "batch_stats": [{"batch_size": b,
-                         "compute_input": {"count": c[f"batch:{b}"], "ns": 0},
+                         "compute_input": {"count": c[f"batch:{b}"], "ns": c.get(f"batch_in_ns:{b}", 0)},
                          "compute_infer": {"count": c[f"batch:{b}"], "ns": c.get(f"batch_ns:{b}", 0)},
-                         "compute_output": {"count": c[f"batch:{b}"], "ns": 0}} for b in batches],
+                         "compute_output": {"count": c[f"batch:{b}"], "ns": c.get(f"batch_out_ns:{b}", 0)}}
+                        for b in batches],
         "memory_usage": [],
     }

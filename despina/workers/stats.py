@@ -8,7 +8,8 @@ burst takes everything with it. Field names:
   inference_count, execution_count, last_inference (ms)
   {success,fail,queue,compute_input,compute_infer,compute_output}_{count,ns}
   fail:{REJECTED,CANCELED,BACKEND,OTHER}     failures by Triton's reason
-  batch:{n}, batch_ns:{n}                    executions and compute time per batch size
+  batch:{n}, batch_{in,,out}_ns:{n}           executions, and their compute input / infer / output time,
+                                             per batch size
   lat:{i}, qlat:{i}                          request / queue latency histogram bucket counts
 """
 from __future__ import annotations
@@ -74,6 +75,10 @@ def tally(replies: list[InferReply], rows: int, started: float,
         counts["execution_count"] = 1
         counts[f"batch:{rows}"] = 1
         counts[f"batch_ns:{rows}"] = infer_ns
+        if input_ns:
+            counts[f"batch_in_ns:{rows}"] = input_ns
+        if output_ns:
+            counts[f"batch_out_ns:{rows}"] = output_ns
         if n:
             counts["compute_input_count"] = counts["compute_infer_count"] = counts["compute_output_count"] = n
             counts["compute_input_ns"] = input_ns * n
