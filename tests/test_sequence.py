@@ -376,11 +376,31 @@ def test_a_stateful_model_without_a_batch_dimension(server: Server) -> None:
         got = []
         for i in range(3):
             body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [2.0]}],
-                    "parameters": {"sequence_id": 31, "sequence_start": i == 0}}
+                    "parameters": {"sequence_id": 31, "sequence_start": i == 0, "sequence_end": i == 2}}
             r = client.post(f"{server.url}/v2/models/acc0/infer", json=body, timeout=30)
             assert r.status_code == 200, r.text
             got.append(next(o for o in r.json()["outputs"] if o["name"] == "y"))
     assert [(o["shape"], o["data"]) for o in got] == [([1], [2.0]), ([1], [4.0]), ([1], [6.0])]
+
+
+def test_a_sequence_with_no_free_slot_waits_for_one(server: Server) -> None:
+    """acc0 has one instance and Direct's one slot (max_batch_size 0): a second sequence waits, its
+    requests queued, until the first ends; then it runs from its own initial state."""
+    def send(client: httpx.Client, corr: int, x: float, **flags: bool) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [x]}],
+                "parameters": {"sequence_id": corr, **flags}}
+        return client.post(f"{server.url}/v2/models/acc0/infer", json=body, timeout=30)
+
+    with httpx.Client() as first, httpx.Client() as second, ThreadPoolExecutor(1) as pool:
+        assert send(first, 41, 1.0, sequence_start=True).status_code == 200
+        waiting = pool.submit(send, second, 42, 5.0, sequence_start=True)
+        time.sleep(0.4)
+        assert not waiting.done()  # no slot: sequence 41 holds it
+        r = send(first, 41, 1.0, sequence_end=True)
+        assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2.0]
+        r = waiting.result(timeout=10)
+        assert r.status_code == 200 and next(o for o in r.json()["outputs"] if o["name"] == "y")["data"] == [5.0]
+        assert send(second, 42, 1.0, sequence_end=True).json()["outputs"][0]["data"] == [6.0]
 
 
 def test_a_call_without_a_sequence_gets_a_clear_error(server: Server) -> None:
@@ -470,6 +490,9 @@ def test_sequence_batching_configs_are_checked_at_load() -> None:
     assert s.sequence is not None and s.sequence.oldest and s.sequence.preferred == (2,)
     assert s.sequence.idle_us == 1_000_000 and [c.kind for c in s.sequence.controls] == \
         ["START", "END", "READY", "CORRID"]
+    assert s.sequence.slots == 0  # Oldest without max_candidate_sequences: no limit
+    assert spec("direct { }").sequence.slots == 4  # Direct: a slot per row of a batch
+    assert spec("oldest { max_candidate_sequences: 3 }").sequence.slots == 3
     assert spec("").sequence.controls == ()  # no controls: the model keys nothing, fine
     states = spec('state [ { input_name: "S" output_name: "T" data_type: TYPE_INT32 dims: [ -1, 2 ] } ]')
     assert [(st.input, st.output, st.datatype, st.dims) for st in states.sequence.states] == \

@@ -2,15 +2,21 @@
 
 Each sequence (correlation ID) is bound to one model instance when its first request comes, the
 instance with the fewest sequences, and stays there: a model that keeps a sequence's state keeps it
-where the next request runs. A sequence has at most one request in the instance's batcher at a time,
-so its requests run in the order they came and no batch holds two of them; the instance's batcher
-(Triton's dynamic batching rules, max_queue_delay from the strategy) puts requests of several
-sequences together. Each request carries the control inputs the config names: START, END, READY
-(always true: a row is a request) and CORRID, and each implicit state's input: the state output the
-model gave with the sequence's request before (`keep`), or the initial state with a START. A batch
-mixes sequences whose states have the same shape only. A sequence ends after its END request, or once
-it has had nothing queued or running for max_sequence_idle_microseconds; a request for a sequence
-that is not running and does not START one is refused, as Triton refuses it.
+where the next request runs. An instance runs as many sequences at once as it has slots (Direct: one
+per row of a batch; Oldest: max_candidate_sequences); a sequence that finds none free waits, its
+requests queued, until one ends, as in Triton's backlog.
+
+A sequence has at most one request in its instance's batcher at a time, so its requests run in the
+order they came and no batch holds two of them; the instance's batcher (Triton's dynamic batching
+rules, max_queue_delay from the strategy) puts requests of several sequences together. Each request
+carries the control inputs the config names (START, END, READY, always true since a row is a request,
+and CORRID) and each implicit state's input: the state output the model gave with the sequence's
+request before (`keep`), or the initial state with a START. A batch mixes sequences whose states have
+the same shape only.
+
+A sequence ends after its END request, or once it has had nothing queued or running for
+max_sequence_idle_microseconds; a request for a sequence that is not running and does not START one
+is refused, as Triton refuses it.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ NUMPY = {"INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_, "UINT64": np.u
 
 @dataclass
 class _Sequence:
-    instance: int
+    instance: int               # -1: waiting for a free slot
     queued: deque[Item] = field(default_factory=deque)
     running: bool = False       # one of its requests is in its instance's batcher, or executing
     last: float = 0.0           # when it last had a request queued or running (monotonic)
@@ -65,6 +71,7 @@ class SequenceBatcher:
                           for i in range(instances)]
         self._bound = [0] * instances  # sequences on each instance
         self._sequences: dict[Correlation, _Sequence] = {}
+        self._waiting: deque[Correlation] = deque()  # sequences waiting for a slot, oldest first
         self._closed = False
 
     @property
@@ -90,17 +97,25 @@ class SequenceBatcher:
                 raise InvalidArgument(f"inference request for sequence {correlation} to model "
                                       f"'{self.spec.name}' must specify the START flag on the first "
                                       "request of the sequence")
-            instance = min(range(len(self._bound)), key=self._bound.__getitem__)
-            seq = self._sequences[correlation] = _Sequence(instance)
-            self._bound[instance] += 1
+            seq = self._sequences[correlation] = _Sequence(self._free_instance())
+            if seq.instance < 0:
+                self._waiting.append(correlation)
+            else:
+                self._bound[seq.instance] += 1
         controls = control_tensors(self.sequence, self.spec.batched, item.rows, correlation, flags)
         item.payload.inputs.update(controls)
         seq.queued.append(item)
         seq.last = time.monotonic()
         self._feed(seq)
 
+    def _free_instance(self) -> int:
+        """The instance with the fewest sequences, or -1 when every instance's slots are taken."""
+        instance = min(range(len(self._bound)), key=self._bound.__getitem__)
+        slots = self.sequence.slots
+        return -1 if slots and self._bound[instance] >= slots else instance
+
     def _feed(self, seq: _Sequence) -> None:
-        if not seq.running and seq.queued:
+        if not seq.running and seq.queued and seq.instance >= 0:
             seq.running = True
             item = seq.queued.popleft()
             if self._initial:
@@ -169,8 +184,21 @@ class SequenceBatcher:
                     b.close()
 
     def _release(self, correlation: Correlation) -> None:
+        """The sequence ends: its slot goes to the sequence that has waited longest, if any."""
         seq = self._sequences.pop(correlation)
+        if seq.instance < 0:
+            return
         self._bound[seq.instance] -= 1
+        while self._waiting:
+            instance = self._free_instance()
+            if instance < 0:
+                break
+            waiting = self._sequences.get(self._waiting.popleft())
+            if waiting is None:
+                continue
+            waiting.instance = instance
+            self._bound[instance] += 1
+            self._feed(waiting)
 
     def close(self) -> None:
         """Stop taking requests; run() returns once every sequence's queued requests have run."""
