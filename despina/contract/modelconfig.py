@@ -258,6 +258,28 @@ class ModelSpec:
 
 # -- a request's tensors against the spec ----------------------------------------------------------
 
+def known_input(spec: ModelSpec, name: str) -> TensorSpec:
+    """The model's input `name`, or the error a client gets for naming one it lacks."""
+    expected = spec.input(name)
+    if expected is None:
+        known = ", ".join(t.name for t in spec.inputs)
+        raise InvalidArgument(f"model '{spec.name}' has no input '{name}' (inputs: {known})")
+    return expected
+
+
+def check_datatype(expected: TensorSpec, datatype: Any) -> None:
+    if datatype != expected.datatype:
+        raise InvalidArgument(f"input '{expected.name}': datatype {datatype!r} given, the model expects "
+                              f"{expected.datatype}")
+
+
+def known_output(spec: ModelSpec, name: str) -> None:
+    """The error a client gets for asking for an output the model lacks."""
+    if spec.output(name) is None:
+        known = ", ".join(t.name for t in spec.outputs)
+        raise InvalidArgument(f"model '{spec.name}' has no output '{name}' (outputs: {known})")
+
+
 def check_shape(spec: ModelSpec, expected: TensorSpec, shape: list[int]) -> None:
     dims = list(expected.dims)
     if spec.batched:

@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 
 from ..contract.errors import InvalidArgument
-from ..contract.modelconfig import ModelSpec, check_inputs, check_shape
+from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_input
 from ..contract.records import Tensor
 from .v2 import MAX_ELEMENTS, check_count, json_data_to_bytes
 
@@ -35,10 +35,7 @@ def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) ->
     tensors: list[Tensor] = []
     added = False
     for name, data in doc.items():
-        expected = spec.input(name)
-        if expected is None:
-            known = ", ".join(t.name for t in spec.inputs)
-            raise InvalidArgument(f"model '{spec.name}' has no input '{name}' (inputs: {known})")
+        expected = known_input(spec, name)
         shape = _shape_of(name, data, len(expected.dims) + (1 if spec.batched else 0))
         if spec.batched and len(shape) == len(expected.dims):
             shape = [1, *shape]

@@ -13,7 +13,14 @@ import orjson
 
 from ..contract.datatypes import V2_TO_NUMPY, element_count, serialize_bytes, to_numpy
 from ..contract.errors import InvalidArgument
-from ..contract.modelconfig import ModelSpec, check_inputs, check_shape
+from ..contract.modelconfig import (
+    ModelSpec,
+    check_datatype,
+    check_inputs,
+    check_shape,
+    known_input,
+    known_output,
+)
 from ..contract.records import NO_PARAMETERS, Parameters, Tensor
 from ..settings import Settings
 from .http import json_object
@@ -161,14 +168,9 @@ def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: i
     name = raw.get("name")
     if not isinstance(name, str):
         raise InvalidArgument("an input has no 'name'")
-    expected = spec.input(name)
-    if expected is None:
-        known = ", ".join(t.name for t in spec.inputs)
-        raise InvalidArgument(f"model '{spec.name}' has no input '{name}' (inputs: {known})")
+    expected = known_input(spec, name)
     datatype = raw.get("datatype")
-    if datatype != expected.datatype:
-        raise InvalidArgument(f"input '{name}': datatype {datatype!r} given, the model expects "
-                              f"{expected.datatype}")
+    check_datatype(expected, datatype)
     shape = raw.get("shape")
     if type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):
         raise InvalidArgument(f"input '{name}': 'shape' must be a list of non-negative integers")
@@ -252,9 +254,7 @@ def _decode_outputs(raw: Any, spec: ModelSpec) -> tuple[list[str], set[str]]:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
         name = item["name"]
-        if spec.output(name) is None:
-            known = ", ".join(t.name for t in spec.outputs)
-            raise InvalidArgument(f"model '{spec.name}' has no output '{name}' (outputs: {known})")
+        known_output(spec, name)
         names.append(name)
         if _object(item.get("parameters"), f"outputs[{name}].parameters").get("binary_data") is True:
             binary.add(name)

@@ -17,7 +17,14 @@ import numpy as np
 
 from ..contract.datatypes import numpy_to_v2, to_bytes
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
-from ..contract.modelconfig import ModelSpec, check_inputs, check_shape
+from ..contract.modelconfig import (
+    ModelSpec,
+    check_datatype,
+    check_inputs,
+    check_shape,
+    known_input,
+    known_output,
+)
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..gateway.dispatch import Dispatcher, Result
 from ..gateway.models import ModelView
@@ -162,18 +169,11 @@ def _check(spec: ModelSpec, tensors: list[Tensor], outputs: tuple[str, ...]) -> 
     """The call's inputs and asked outputs against the called model's config, as a gateway checks them."""
     try:
         for t in tensors:
-            expected = spec.input(t.name)
-            if expected is None:
-                known = ", ".join(i.name for i in spec.inputs)
-                raise InvalidArgument(f"it has no input '{t.name}' (inputs: {known})")
-            if t.datatype != expected.datatype:
-                raise InvalidArgument(f"input '{t.name}': datatype {t.datatype} given, the model expects "
-                                      f"{expected.datatype}")
+            expected = known_input(spec, t.name)
+            check_datatype(expected, t.datatype)
             check_shape(spec, expected, list(t.shape))
         check_inputs(spec, tensors)
         for name in outputs:
-            if spec.output(name) is None:
-                known = ", ".join(o.name for o in spec.outputs)
-                raise InvalidArgument(f"it has no output '{name}' (outputs: {known})")
+            known_output(spec, name)
     except InvalidArgument as exc:
         raise InvalidArgument(f"calling model '{spec.name}': {exc.message}") from None
