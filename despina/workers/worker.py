@@ -359,6 +359,8 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         async with self._beating:
+            # NVML's calls block (a few per GPU): off the loop the batches run on, and only where it answers
+            gpus = await asyncio.to_thread(self.gpus.readings) if self.gpus.active else []
             models: dict[str, dict[str, str]] = {}
             for (name, version), runner in self.runners.items():
                 models.setdefault(name, {})[str(version)] = runner.state
@@ -373,7 +375,7 @@ class Worker:
                                     "detail": pack_detail(self.detail()),
                                     "ensembles": orjson.dumps(ensembles),
                                     "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
-                                    "gpus": orjson.dumps(self.gpus.readings()),
+                                    "gpus": orjson.dumps(gpus),
                                     "seen": time.time()})
             pipe.pexpire(key, int(self.settings.worker_ttl_s * 1000))
             pipe.sadd(self.keys.workers, self.id)
