@@ -129,6 +129,11 @@ def validate(config: Any) -> None:
     model = config.name
     if config.max_batch_size < 0:
         raise ConfigError(f"model '{model}': field 'max_batch_size' must be >= 0")
+    if config.model_transaction_policy.decoupled:
+        # such a model answers through a response sender, any number of times; loaded, every request
+        # would fail at the model's first send
+        raise ConfigError(f"model '{model}': decoupled models (model_transaction_policy.decoupled) are "
+                          "not supported by Despina yet: each request gets exactly one response")
     scheduling = config.WhichOneof("scheduling_choice")
     if scheduling not in (None, "dynamic_batching"):
         if scheduling == "sequence_batching":
