@@ -48,6 +48,7 @@ _MODEL = r"(?P<model{i}>[^/]+)(?:/versions/(?P<version{i}>[^/]+))?"
 ROUTES: tuple[tuple[str, str], ...] = (  # (path pattern, API group); the router's routes, most used first
     (rf"/v2/models/{_MODEL}/infer", "inference"),
     (r"/fn/(?P<model{i}>[^/]+)", "inference"),
+    (rf"/v2/models/{_MODEL}/generate(?:_stream)?", "inference"),
     (r"/v2/health/(?:live|ready)", "health"),
     (r"/readyz", "health"),
     (rf"/v2/models/{_MODEL}/ready", "health"),

@@ -36,7 +36,7 @@ def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) ->
     added = False
     for name, data in doc.items():
         expected = known_input(spec, name)
-        shape = _shape_of(name, data, len(expected.dims) + (1 if spec.batched else 0))
+        shape = shape_of(name, data, len(expected.dims) + (1 if spec.batched else 0))
         if spec.batched and len(shape) == len(expected.dims):
             shape = [1, *shape]
             added = True
@@ -48,7 +48,9 @@ def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) ->
     return tensors, added
 
 
-def _shape_of(name: str, data: Any, max_rank: int) -> list[int]:
+def shape_of(name: str, data: Any, max_rank: int) -> list[int]:
+    """The shape that nested lists make (a scalar: []), at most `max_rank` deep; InvalidArgument when
+    they are ragged."""
     shape: list[int] = []
     level = data
     while isinstance(level, list):
@@ -82,12 +84,15 @@ def encode_fn(outputs: tuple[Tensor, ...], squeeze: bool) -> bytes:
         array = t.numpy()
         if squeeze and array.ndim and array.shape[0] == 1:
             array = array[0]
-        if t.datatype == "BYTES":
-            doc[t.name] = np.vectorize(lambda b: b.decode("utf-8", "replace"), otypes=[object])(
-                array).tolist() if array.size else []
-        elif t.datatype == "FP16":
-            doc[t.name] = array.astype(np.float32).tolist()
-        else:
-            doc[t.name] = array.tolist()
+        doc[t.name] = plain(array, t.datatype)
     return orjson.dumps(doc)
 
+
+def plain(array: np.ndarray, datatype: str) -> Any:
+    """A tensor as JSON takes it: nested lists of numbers, booleans or (BYTES) text."""
+    if datatype == "BYTES":
+        text = np.vectorize(lambda b: b.decode("utf-8", "replace"), otypes=[object])
+        return text(array).tolist() if array.size else []
+    if datatype == "FP16":
+        return array.astype(np.float32).tolist()
+    return array.tolist()

@@ -101,8 +101,7 @@ class InferRoute(Route):
         decoded = decode_infer(ex.body, self.header_length(ex), model.spec, gw.settings.max_tensor_elements)
         priority, timeout_us = schedule_parameters(decoded.parameters)
         spec = model.spec
-        sequence = (request_sequence(decoded.parameters, spec.name) if spec.sequence else
-                    optional_sequence(decoded.parameters, spec.name) if spec.platform == PLATFORM else None)
+        sequence = sequence_of(spec, decoded.parameters)
         echo = [(b"x-request-id", trace)] if trace else []
         respond = self.respond
 
@@ -195,6 +194,14 @@ def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
             raise InvalidArgument(f"parameter '{name}' must be a non-negative integer")
         values.append(value)
     return values[0], values[1]
+
+
+def sequence_of(spec: ModelSpec, parameters: dict[str, object]) -> tuple[int | str, int] | None:
+    """The sequence a request names in its parameters: required by a stateful model, carried through an
+    ensemble to its stateful steps, ignored by the rest."""
+    if spec.sequence:
+        return request_sequence(parameters, spec.name)
+    return optional_sequence(parameters, spec.name) if spec.platform == PLATFORM else None
 
 
 def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], outputs: tuple[str, ...],

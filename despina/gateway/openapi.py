@@ -132,6 +132,15 @@ def _schemas() -> Doc:
             {"type": "array", "description": "The only input of a single-input model"}]},
         "FunctionResponse": {"type": "object", "additionalProperties": {},
                              "description": "Output name -> nested list"},
+        "GenerateRequest": {"type": "object", "additionalProperties": {}, "properties": {
+            "text_input": {"type": "string", "description": "An input named text_input, when the model has one"},
+            "parameters": {"type": "object", "additionalProperties": {}}},
+            "description": "Triton's generate extension: input name -> value (a scalar or a list); "
+                           "'parameters' and any other key are request parameters"},
+        "GenerateResponse": {"type": "object", "required": ["model_name", "model_version"],
+                             "additionalProperties": {}, "properties": {
+                                 "model_name": {"type": "string"}, "model_version": {"type": "string"}},
+                             "description": "Output name -> value (one element as a scalar)"},
         "SageMakerLoad": {"type": "object", "required": ["model_name", "url"], "properties": {
             "model_name": {"type": "string", "pattern": MODEL_NAME},
             "url": {"type": "string", "description": "Where SageMaker unpacked the model's archive"}}},
@@ -216,6 +225,15 @@ def _paths() -> Doc:
         _ok("The outputs", _ref("FunctionResponse")), INFER_ERRORS,
         requestBody={"required": True, "content": {"application/json": {
             "schema": _ref("FunctionRequest"), "example": {"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]}}}})}
+    for name, text, content in (
+            ("generate", "Triton's generate extension: a flat JSON object in and out",
+             _json(_ref("GenerateResponse"))),
+            ("generate_stream", "Triton's generate extension: the answer as server-sent events",
+             {"text/event-stream": {"schema": {"type": "string"}}})):
+        _per_model(paths, f"/{name}", "post", lambda s, name=name, text=text, content=content: _op(
+            f"{name}{s}", text, "inference", {"description": "The outputs", "content": content},
+            INFER_ERRORS, requestBody={"required": True, "content": {"application/json": {
+                "schema": _ref("GenerateRequest"), "example": {"text_input": "hello"}}}}))
     paths["/v2/repository/index"] = {"post": _op(
         "repository_index", "Models in the repository and their states", "model-repository",
         _ok("Index", _ref("RepositoryIndex")), (400, 401, 403, 503),

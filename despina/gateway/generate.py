@@ -1,0 +1,128 @@
+"""Triton's generate extension: `POST /v2/models/{m}[/versions/{v}]/generate` and `.../generate_stream`.
+
+A flat JSON object in, as Triton maps one ("exact mapping"): a key that names one of the model's inputs is
+that input (a string, number or boolean is one element, a list its elements, shaped to the model's dims
+with the batch dimension of one added); "parameters" and every other key are request parameters. A flat
+JSON object out: model_name, model_version and each output by name (one element as a scalar, more as a
+list, leading dimensions of one dropped; BYTES as text).
+
+/generate answers that object as application/json. /generate_stream answers it as one server-sent event
+(`data: {...}`, text/event-stream) per response of the model, here exactly one (decoupled models, which
+could send several, are refused at load). A request refused before it reaches the model gets a JSON
+error with its status from either route; the model's own failure comes from /generate_stream as an
+event `data: {"error": "..."}` under status 200, as Triton sends it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from ..contract.errors import Code, DespinaError, InvalidArgument
+from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_input
+from ..contract.records import InferReply, Parameters, Tensor
+from . import http
+from .fn import plain, shape_of
+from .infer import Exchange, Route, answering, schedule_parameters, sequence_of, submit
+from .models import Model
+from .v2 import MAX_ELEMENTS, check_count, json_data_to_bytes, model_parameters
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+EVENT_STREAM = b"text/event-stream; charset=utf-8"
+_SCALARS = (str, int, float, bool)
+
+
+class GenerateRoute(Route):
+    """POST /v2/models/{model}[/versions/{version}]/generate, or /generate_stream with `stream`."""
+
+    def __init__(self, gateway: Gateway, stream: bool) -> None:
+        super().__init__(gateway)
+        self.stream = stream
+
+    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
+              timeout: float | None) -> None:
+        spec = model.spec
+        inputs, parameters = decode_generate(ex.body, spec, self.gateway.settings.max_tensor_elements)
+        priority, timeout_us = schedule_parameters(parameters)
+        sequence = sequence_of(spec, parameters)
+        echo = [(b"x-request-id", trace)] if trace else []
+        stream = self.stream
+
+        def answer(reply: InferReply) -> None:
+            doc = encode_generate(spec.name, version, reply.outputs, reply.parameters)
+            if stream:
+                ex.respond(200, event(doc), EVENT_STREAM, echo)
+            else:
+                ex.respond(200, orjson.dumps(doc), http.JSON, echo)
+
+        answered = answering(ex, trace, answer)
+
+        def done(result: InferReply | DespinaError) -> None:
+            if stream and isinstance(result, DespinaError) and result.code == Code.BACKEND:
+                # the model ran, and failed: an event
+                ex.respond(200, event({"error": result.message}), EVENT_STREAM, echo)
+            else:
+                answered(result)
+
+        submit(self.gateway, spec, version, inputs, (), trace, done, priority, timeout_us, timeout,
+               model_parameters(parameters), "", sequence)
+
+
+def decode_generate(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS
+                    ) -> tuple[list[Tensor], dict[str, Any]]:
+    """The body -> (input tensors, request parameters); InvalidArgument, and nothing else, on any input."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"malformed JSON in request body: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("a generate request is a JSON object: {input_name: value, ..., "
+                              "\"parameters\": {...}}")
+    parameters = doc.pop("parameters", None)
+    if parameters is None:
+        parameters = {}
+    elif not isinstance(parameters, dict):
+        raise InvalidArgument("field 'parameters' must be an object")
+    tensors: list[Tensor] = []
+    for name, value in doc.items():
+        if spec.input(name) is None:  # not an input: a parameter, as Triton takes it
+            if type(value) not in _SCALARS:
+                raise InvalidArgument(f"field '{name}' is not an input of model '{spec.name}', and as a "
+                                      "parameter it must be a string, a number or a boolean")
+            if name in parameters:
+                raise InvalidArgument(f"parameter '{name}' is given twice (in 'parameters' and beside it)")
+            parameters[name] = value
+            continue
+        tensors.append(_tensor(spec, name, value, max_elements))
+    check_inputs(spec, tensors)
+    return tensors, parameters
+
+
+def _tensor(spec: ModelSpec, name: str, value: Any, max_elements: int) -> Tensor:
+    expected = known_input(spec, name)
+    rank = len(expected.dims) + (1 if spec.batched else 0)
+    shape = shape_of(name, value, rank)
+    shape = [1] * (rank - len(shape)) + shape  # a scalar is one element; a batch of one is added
+    check_shape(spec, expected, shape)
+    check_count(name, shape, max_elements)
+    return Tensor(name, expected.datatype, tuple(shape), json_data_to_bytes(name, expected.datatype, shape,
+                                                                           value))
+
+
+def encode_generate(model: str, version: int, outputs: tuple[Tensor, ...], parameters: Parameters
+                    ) -> dict[str, Any]:
+    doc: dict[str, Any] = {"model_name": model, "model_version": str(version)}
+    for t in outputs:
+        array = t.numpy()
+        ones = next((i for i, d in enumerate(array.shape) if d != 1), array.ndim)
+        doc[t.name] = plain(array.reshape(array.shape[ones:]), t.datatype)  # one element: a scalar
+    if parameters:
+        doc["parameters"] = parameters
+    return doc
+
+
+def event(doc: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `doc` (JSON has no raw newlines, so one data line)."""
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
