@@ -5,7 +5,8 @@
 # on core 0, embedded Valkey, bench/out/repo), and drives each model (default W1 `mlp`; binary tensors)
 # at each concurrency from core 1, with Triton's perf_analyzer (the peers kit's) or bench/loadgen.py
 # (W1 and W2 only). One line per point: label, round, model, concurrency, req/s, p50/p99 ms, mean
-# batch and mean queue µs (from the statistics before and after the point). TREE is a checkout of
+# batch and mean queue µs (from the statistics before and after the point), and how busy core 0 (the
+# server's) and core 1 (the client's: a point where it is full measures the client) were. TREE is a checkout of
 # Despina (a git worktree of another commit, say) run with this checkout's venv; ENV=V pairs are set
 # for that tree's server. TREE `@triton` is real Triton instead (the peers kit's tritonserver, run as
 # the kit runs it, on core 0) serving bench/out/triton: W1 as the kit's Python-backend `mlp`, W2 `mlp_heavy` and `conv_heavy` as the
@@ -68,14 +69,15 @@ print("%.1f %.0f" % ((b["inference_count"] - a["inference_count"]) / max(runs, 1
                      (q["ns"] - q0["ns"]) / max(q["count"] - q0["count"], 1) / 1000))' "$1" "$2"
 }
 
-core0() { awk '$1 == "cpu0" {print $2 + $3 + $4 + $7 + $8, $5 + $6}' /proc/stat; }  # busy, idle jiffies
-busy() {  # core0 before, after -> per cent of core 0's time busy in between (anyone's work)
-  echo "$1 $2" | awk '{b = $3 - $1; i = $4 - $2; printf "%.0f%%", 100 * b / (b + i + (b + i == 0))}'
+cores() { awk '$1 == "cpu0" || $1 == "cpu1" {printf "%d %d ", $2 + $3 + $4 + $7 + $8, $5 + $6}' /proc/stat; }
+busy() {  # cores before, after -> per cent of core 0's and core 1's time busy in between (anyone's work)
+  echo "$1 $2" | awk '{for (c = 0; c < 2; c++) {b = $(5 + 2 * c) - $(1 + 2 * c); i = $(6 + 2 * c) - $(2 + 2 * c)
+    printf "%s%.0f%%", (c ? " core1 " : ""), 100 * b / (b + i + (b + i == 0))}}'
 }
 
 point() {  # label round model conc -> one line
   local before after line cpu
-  before=$(stats "$3") cpu=$(core0)
+  before=$(stats "$3") cpu=$(cores)
   if [ "$CLIENT" = perf_analyzer ]; then
     local out
     out=$(taskset -c 1 "$PA" -m "$3" -u "127.0.0.1:$PORT" -i http --concurrency-range "$4:$4" \
@@ -89,7 +91,7 @@ r = [json.loads(l) for l in sys.stdin if l.startswith("{")][-1]
 bad = "  errors %d wrong %d/%d" % (r["errors"], r["wrong"], r["checked"]) if r["errors"] or r["wrong"] else ""
 print("%.0f %.2f %.2f%s" % (r["rps"], r["p50_ms"], r["p99_ms"], bad))')
   fi
-  cpu=$(busy "$cpu" "$(core0)") after=$(stats "$3")
+  cpu=$(busy "$cpu" "$(cores)") after=$(stats "$3")
   printf "%-10s round %s  %-12s c=%-4s %s  batch/queue_us %s  core0 %s  load %s\n" "$1" "$2" "$3" "$4" "$line" \
     "$(batch_and_queue "$before" "$after")" "$cpu" "$(cut -d' ' -f1 /proc/loadavg)"
 }
