@@ -52,6 +52,36 @@ async def test_deadlines_are_swept_and_replies_matched(redis_url: str, key_prefi
         await redis.aclose()
 
 
+async def test_a_decoupled_models_responses_reach_the_request_in_order_once(redis_url: str,
+                                                                             key_prefix: str) -> None:
+    """Responses before the last go to the request as they come; a worker that runs the request again
+    (another died with it) sends the first ones again, and those are dropped; the final one ends it."""
+    redis = aioredis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    d = Dispatcher(redis, keys)
+    await d.start()
+    got: list[object] = []
+    try:
+        d.submit(keys.request_stream("m", 1, 1), keys.stats("m", 1),
+                 InferRequest("s", d.reply_stream, time.time() + 5, ()), 5.0, got.append)
+        first_run = [InferReply("s", index=0, final=False), InferReply("s", index=1, final=False)]
+        await redis.xadd(d.reply_stream, {FIELD: records.encode(first_run)})
+        # the worker died; another runs the request from the start, and finishes it
+        rerun = [InferReply("s", index=i, final=False) for i in range(3)] + [InferReply("s", index=3)]
+        await redis.xadd(d.reply_stream, {FIELD: records.encode(rerun[:2])})
+        await redis.xadd(d.reply_stream, {FIELD: records.encode(rerun[2:])})
+        await _until(lambda: _true(len(got) == 4))
+        assert [(r.index, r.final) for r in got] == [(0, False), (1, False), (2, False), (3, True)]
+        assert d.waiting == 0 and d.dropped == 2 and not d._next
+    finally:
+        await d.close()
+        await redis.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 def test_a_recurring_failure_is_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
     throttled = Throttled(logging.ERROR)
     with caplog.at_level(logging.ERROR, logger="despina.gateway"):

@@ -1,17 +1,20 @@
 """Triton's generate extension (/generate and /generate_stream) on a real `despina serve`: a text model in
-Python, batched and not, an ONNX model with numeric inputs, the errors, and a decoupled model refused at
-load with its reason."""
+Python, batched and not, an ONNX model with numeric inputs, the errors; and a decoupled Python model that
+streams its responses from a thread, errs, and dies."""
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from despina.contract.errors import InvalidArgument
+from despina.contract.records import InferReply, Tensor
 from despina.examples import build_add_sub
 
-from .conftest import Server, module_server
+from .conftest import Server, module_server, settled_stats
 
 # text_output: the text it got, "|", and the parameters it got (sorted JSON); "fail" fails the request
 TEXT = '''
@@ -48,10 +51,77 @@ output [
 ]
 '''
 
-DECOUPLED_CONFIG = TEXT_CONFIG.format(name="streamer", batch=0) + '''
-model_transaction_policy { decoupled: true }
+# Answers from a thread after execute returned, as decoupled models do: a response per word of its
+# text_input ("length" is the word's place), the last one flagged final; the words below do otherwise.
+STREAMER = '''
+import os
+import threading
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def response(word, i):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("text_output", np.array([word.encode()], dtype=np.object_)),
+                                       pb_utils.Tensor("length", np.array([i], dtype=np.int32))])
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0].decode()
+            if text == "raise":
+                raise pb_utils.TritonModelException("execute refused")
+            threading.Thread(target=self.stream, args=(text, request.get_response_sender())).start()
+        return None
+
+    def stream(self, text, sender):
+        words = text.split()
+        if words[0] == "bare":  # two responses, then the final flag alone
+            sender.send(response("x", 0))
+            sender.send(response("y", 1))
+            sender.send(flags=FINAL)
+            try:
+                sender.send(response("late", 2), flags=FINAL)
+            except pb_utils.TritonModelException:
+                return
+            os._exit(3)  # a send after the final one must raise
+        if words[0] == "oops":  # an error response, then a good final one
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("bad word")))
+            sender.send(response("after", 1), flags=FINAL)
+            return
+        for i, word in enumerate(words):
+            if word == "crash":
+                os._exit(1)
+            time.sleep(0.02)
+            sender.send(response(word, i), flags=FINAL if i == len(words) - 1 else 0)
 '''
 
+# Calls the decoupled model with exec(), and answers with what it got
+CALLER = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            call = pb_utils.InferenceRequest(model_name="streamer", requested_output_names=["text_output"],
+                                             inputs=[pb_utils.get_input_tensor_by_name(request, "text_input")])
+            got = call.exec()
+            said = got.error().message() if got.has_error() else "no error"
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("text_output", np.array([said.encode()], dtype=np.object_)),
+                pb_utils.Tensor("length", np.array([0], dtype=np.int32))]))
+        return out
+'''
+
+STREAMER_CONFIG = TEXT_CONFIG.format(name="streamer", batch=0) + '''
+model_transaction_policy { decoupled: true }
+'''
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
@@ -61,12 +131,17 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
         (root / name / "1" / "model.py").write_text(TEXT)
         (root / name / "config.pbtxt").write_text(TEXT_CONFIG.format(name=name, batch=batch))
     (root / "streamer" / "1").mkdir(parents=True)
-    (root / "streamer" / "1" / "model.py").write_text(TEXT)
-    (root / "streamer" / "config.pbtxt").write_text(DECOUPLED_CONFIG)
-    (root / "add_sub" / "1").mkdir(parents=True)
-    (root / "add_sub" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
-    build_add_sub(root / "add_sub" / "1" / "model.onnx")
-    yield from module_server(root, tmp_path_factory, redis_url, ("text", "text_unbatched", "add_sub"))
+    (root / "streamer" / "1" / "model.py").write_text(STREAMER)
+    (root / "streamer" / "config.pbtxt").write_text(STREAMER_CONFIG)
+    (root / "caller" / "1").mkdir(parents=True)
+    (root / "caller" / "1" / "model.py").write_text(CALLER)
+    (root / "caller" / "config.pbtxt").write_text(TEXT_CONFIG.format(name="caller", batch=0))
+    for name, extra in (("add_sub", ""), ("add_sub_decoupled", "model_transaction_policy { decoupled: true }\n")):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(f'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n{extra}')
+        build_add_sub(root / name / "1" / "model.onnx")
+    yield from module_server(root, tmp_path_factory, redis_url,
+                             ("text", "text_unbatched", "add_sub", "streamer", "caller"))
 
 
 def post(server: Server, path: str, body: object) -> httpx.Response:
@@ -162,10 +237,104 @@ def test_a_model_failure_is_an_error_event_from_generate_stream_and_an_error_fro
     assert r.status_code == 500 and r.json() == {"error": "model 'text': asked to fail"}
 
 
-def test_a_decoupled_model_is_refused_at_load_with_its_reason(server: Server) -> None:
+def test_a_decoupled_model_other_than_python_is_refused_at_load_with_its_reason(server: Server) -> None:
     index = httpx.post(f"{server.url}/v2/repository/index", timeout=30).json()
-    row = next(row for row in index if row["name"] == "streamer")
+    row = next(row for row in index if row["name"] == "add_sub_decoupled")
     assert row["state"] == "UNAVAILABLE"
-    assert "decoupled models (model_transaction_policy.decoupled) are not supported" in row["reason"]
-    r = post(server, "streamer/generate_stream", {"text_input": "a"})
-    assert r.status_code == 503 and "decoupled" in r.json()["error"]
+    assert "model_transaction_policy.decoupled needs backend \"python\"" in row["reason"]
+
+
+def test_a_decoupled_model_streams_each_response_as_it_sends_it(server: Server) -> None:
+    with httpx.stream("POST", f"{server.url}/v2/models/streamer/generate_stream", timeout=30,
+                      json={"text_input": "one two three"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+        assert "content-length" not in r.headers  # chunked: each event goes when the model sends it
+        chunks = [c for c in r.iter_raw() if c]
+    assert len(chunks) >= 2  # the events came apart, not as one body
+    body = b"".join(chunks).decode()
+    docs = [json.loads(e.removeprefix("data: ")) for e in body.split("\n\n") if e]
+    assert docs == [{"model_name": "streamer", "model_version": "1", "text_output": w, "length": i}
+                    for i, w in enumerate(["one", "two", "three"])]
+
+
+def test_concurrent_streams_each_get_their_own_responses(server: Server) -> None:
+    texts = [" ".join(f"w{k}-{i}" for i in range(4)) for k in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda t: post(server, "streamer/generate_stream", {"text_input": t}), texts))
+    for text, r in zip(texts, answers):
+        assert r.status_code == 200, r.text
+        assert [d["text_output"] for d in events(r)] == text.split()
+
+
+def test_a_bare_final_flag_ends_the_stream_and_sends_after_it_raise(server: Server) -> None:
+    r = post(server, "streamer/generate_stream", {"text_input": "bare"})
+    assert [d["text_output"] for d in events(r)] == ["x", "y"]
+    assert post(server, "streamer/generate_stream", {"text_input": "go on"}).status_code == 200  # still up
+
+
+def test_an_error_response_is_an_event_and_the_stream_goes_on(server: Server) -> None:
+    r = post(server, "streamer/generate_stream", {"text_input": "oops"})
+    docs = events(r)
+    assert docs[0] == {"error": "model 'streamer': bad word"}
+    assert docs[1]["text_output"] == "after"
+
+
+def test_execute_failing_and_the_process_dying_end_the_stream_with_an_error(server: Server) -> None:
+    r = post(server, "streamer/generate_stream", {"text_input": "raise"})
+    assert r.status_code == 200
+    assert events(r) == [{"error": "model 'streamer': execute failed: execute refused"}]
+    r = post(server, "streamer/generate_stream", {"text_input": "first crash"})
+    docs = events(r)
+    assert docs[0]["text_output"] == "first"
+    assert "error" in docs[-1] and "process ended" in docs[-1]["error"], docs
+    for _ in range(50):  # the instance is started again, and serves the next request
+        r = post(server, "streamer/generate_stream", {"text_input": "back again"})
+        if r.status_code == 200 and "error" not in events(r)[0]:
+            break
+    assert [d["text_output"] for d in events(r)] == ["back", "again"]
+
+
+def test_generate_takes_a_decoupled_models_single_response_and_refuses_several(server: Server) -> None:
+    r = post(server, "streamer/generate", {"text_input": "alone"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"model_name": "streamer", "model_version": "1", "text_output": "alone", "length": 0}
+    r = post(server, "streamer/generate", {"text_input": "a b"})
+    assert r.status_code == 400
+    assert r.json()["error"] == ("model 'streamer' sent 2 responses to this request: /generate answers with "
+                                 "one, /generate_stream with all")
+
+
+def test_infer_and_fn_refuse_a_decoupled_model(server: Server) -> None:
+    body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["a"]}]}
+    for path, doc in (("v2/models/streamer/infer", body), ("fn/streamer", {"text_input": ["a"]})):
+        r = httpx.post(f"{server.url}/{path}", json=doc, timeout=30)
+        assert r.status_code == 400, r.text
+        assert "is decoupled" in r.json()["error"] and "generate_stream" in r.json()["error"]
+
+
+def test_a_model_calling_a_decoupled_one_gets_an_error(server: Server) -> None:
+    r = post(server, "caller/generate", {"text_input": "a"})
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == ("calling model 'streamer': it is decoupled, and exec(decoupled=True) is "
+                                       "not supported by Despina yet")
+
+
+def test_a_streams_statistics_count_it_once(server: Server) -> None:
+    before = settled_stats(server.url, "streamer")
+    assert post(server, "streamer/generate_stream", {"text_input": "p q r"}).status_code == 200
+    after = settled_stats(server.url, "streamer")
+    assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 1
+    assert after["execution_count"] == before["execution_count"] + 1
+    assert after["inference_count"] == before["inference_count"] + 1
+
+
+def test_reply_records_carry_a_responses_place() -> None:
+    reply = InferReply("r1", (Tensor("y", "FP32", (1,), b"\0" * 4),), index=2, final=False)
+    again = InferReply.unpack(reply.pack())
+    assert (again.index, again.final, again.empty) == (2, False, False)
+    bare = InferReply.unpack(InferReply("r1", index=3, empty=True).pack())
+    assert (bare.index, bare.final, bare.empty) == (3, True, True)
+    assert len(InferReply("r1").pack()) == 5  # one response, as every other model's: as before
+    with pytest.raises(InvalidArgument):
+        InferReply.unpack(["r1", [], None, 0, 0, {}, [-1, True, False]])

@@ -134,6 +134,8 @@ class Ensemble:
                 return f"{step}: {why}"
             if is_ensemble(spec.config) and self._reaches(step.model, lookup):
                 return f"{step}: the ensembles call each other in a cycle"
+            if spec.decoupled:
+                return f"{step}: the model is decoupled (several responses to a request): not in an ensemble"
             if own.batched and spec.batched and spec.max_batch_size < own.max_batch_size:
                 return (f"{step}: its max_batch_size {spec.max_batch_size} is below the ensemble's "
                         f"{own.max_batch_size}")

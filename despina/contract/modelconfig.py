@@ -129,11 +129,9 @@ def validate(config: Any) -> None:
     model = config.name
     if config.max_batch_size < 0:
         raise ConfigError(f"model '{model}': field 'max_batch_size' must be >= 0")
-    if config.model_transaction_policy.decoupled:
-        # such a model answers through a response sender, any number of times; loaded, every request
-        # would fail at the model's first send
-        raise ConfigError(f"model '{model}': decoupled models (model_transaction_policy.decoupled) are "
-                          "not supported by Despina yet: each request gets exactly one response")
+    if config.model_transaction_policy.decoupled and config.backend != "python":
+        raise ConfigError(f"model '{model}': model_transaction_policy.decoupled needs backend \"python\" "
+                          "(a model that answers through a response sender)")
     scheduling = config.WhichOneof("scheduling_choice")
     if scheduling not in (None, "dynamic_batching"):
         if scheduling == "sequence_batching":
@@ -240,6 +238,11 @@ class ModelSpec:
     @property
     def batched(self) -> bool:
         return self.max_batch_size > 0
+
+    @property
+    def decoupled(self) -> bool:
+        """A model that answers each request through a response sender, any number of times."""
+        return bool(self.config.get("model_transaction_policy", {}).get("decoupled", False))
 
     def input(self, name: str) -> TensorSpec | None:
         return self.by_name.get(f"in:{name}")

@@ -127,7 +127,11 @@ class InferRequest:
 
 @dataclass(slots=True)
 class InferReply:
-    """A worker's answer to one request: outputs, or an error code and message."""
+    """A worker's answer to one request: outputs, or an error code and message.
+
+    A decoupled model answers a request with any number of responses: `index` counts them from 0 and
+    `final` marks the last (which may carry no response at all: `empty`). Every other answer is one
+    response, index 0, final."""
 
     id: str
     outputs: tuple[Tensor, ...] = ()
@@ -135,27 +139,37 @@ class InferReply:
     queue_us: int = 0
     compute_us: int = 0
     parameters: Parameters = field(default_factory=_no_parameters)  # the model's response parameters
+    index: int = 0
+    final: bool = True
+    empty: bool = False  # a decoupled model's last word with no response in it (only the FINAL flag)
 
     def pack(self) -> list[Any]:
         err = [self.error[0].value, self.error[1]] if self.error else None
-        packed = [self.id, [t.pack() for t in self.outputs], err, self.queue_us, self.compute_us]
-        if self.parameters:
+        packed: list[Any] = [self.id, [t.pack() for t in self.outputs], err, self.queue_us, self.compute_us]
+        if self.index or not self.final or self.empty:
+            packed += [self.parameters, [self.index, self.final, self.empty]]
+        elif self.parameters:
             packed.append(self.parameters)
         return packed
 
     @classmethod
     def unpack(cls, raw: Any) -> InferReply:
         try:
-            n = len(raw)  # 5; a newer worker's may end with the response's parameters
-            if n > 6:
-                raise TypeError(f"a reply record has 5 or 6 elements, not {n}")
+            n = len(raw)  # 5; a newer worker's may end with the response's parameters and its place
+            if n > 7:
+                raise TypeError(f"a reply record has 5 to 7 elements, not {n}")
             rid, outputs, err, queue_us, compute_us = raw if n == 5 else raw[:5]
             if type(rid) is not str:
                 raise TypeError("the id must be a string")
             error = (Code(err[0]), str(err[1])) if err else None
-            parameters = _parameters(raw[5]) if n == 6 else NO_PARAMETERS
+            parameters = _parameters(raw[5]) if n >= 6 else NO_PARAMETERS
+            index, final, empty = 0, True, False
+            if n == 7:
+                index, final, empty = raw[6]
+                if type(index) is not int or index < 0 or type(final) is not bool or type(empty) is not bool:
+                    raise TypeError("a reply's place is [index, final, empty]")
             return cls(rid, tuple([Tensor.unpack(t) for t in outputs]), error, int(queue_us), int(compute_us),
-                       parameters)
+                       parameters, index, final, empty)
         except MALFORMED as exc:
             raise InvalidArgument(f"malformed reply record: {exc}") from None
 

@@ -24,7 +24,7 @@ from ..redis_client import connect
 from ..settings import Settings
 from .auth import AuthPolicy, Guard
 from .dispatch import Dispatcher
-from .generate import GenerateRoute
+from .generate import GenerateRoute, StreamEndpoint
 from .infer import AsgiEndpoint, FunctionRoute, InferRoute
 from .models import ModelView
 from .openapi import document
@@ -175,8 +175,9 @@ def create_app(settings: Settings) -> Starlette:
         Route("/v2/models/{model}/infer", AsgiEndpoint(infer), methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/infer", AsgiEndpoint(infer), methods=["POST"]),
         Route("/fn/{model}", AsgiEndpoint(fn), methods=["POST"]),
-        *[Route(f"/v2/models/{{model}}{v}/{name}", AsgiEndpoint(GenerateRoute(gw, stream)), methods=["POST"])
-          for name, stream in (("generate", False), ("generate_stream", True))
+        *[Route(f"/v2/models/{{model}}{v}/{name}", endpoint(GenerateRoute(gw, stream)), methods=["POST"])
+          for name, stream, endpoint in (("generate", False, AsgiEndpoint),
+                                         ("generate_stream", True, StreamEndpoint))
           for v in ("", "/versions/{version}")],
         *repository_routes(gw),
         *(sagemaker_routes(gw) if settings.sagemaker else []),

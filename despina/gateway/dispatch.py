@@ -48,7 +48,9 @@ return 1
 
 Bound = tuple[str, int]  # (counter key, max_queue_size)
 Result = InferReply | BaseException
-Callback = Callable[[Result], None]  # called once: the reply, TimeoutError, or the error that stopped it
+# called once with the reply, TimeoutError, or the error that stopped it; before that, a decoupled
+# model's responses to it that are not its last (InferReply.final False), in order, each once
+Callback = Callable[[Result], None]
 SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
 COUNTS_S = 0.05  # the gateway's own statistics reach Redis at most this late
 OWED_S = 0.004  # answers delivered this recently are expected back as new requests (see Dispatcher.submit);
@@ -115,6 +117,10 @@ class Dispatcher:
         self._alarm: Alarm | None = None  # ends a hold; without one (not Linux) nothing is held
         self._read_along = ReadAlong()  # the reply reader's next read, waiting for the next requests
         self._last_reply = "0-0"  # the reply stream's last entry read
+        # request id -> the index of the next response expected, for requests a decoupled model has
+        # answered but not finished: a worker that runs the request again after another died sends
+        # those before it again
+        self._next: dict[str, int] = {}
 
     def new_id(self) -> str:
         return f"{next(self._ids):x}"
@@ -271,6 +277,8 @@ class Dispatcher:
         waiter = self._waiting.pop(request_id, None)
         if waiter is None:
             return None
+        if self._next:
+            self._next.pop(request_id, None)
         left = self._in_flight[waiter[2]] - 1
         if left:
             self._in_flight[waiter[2]] = left
@@ -427,6 +435,9 @@ class Dispatcher:
             return
         delivered: dict[str, int] = {}
         for reply in replies:
+            if not reply.final:
+                self._partial(reply)
+                continue
             stats = self._finish(reply.id, reply)
             if stats is None:
                 self.dropped += 1
@@ -437,6 +448,18 @@ class Dispatcher:
             for key, n in delivered.items():
                 owed = self._owed.get(key)
                 self._owed[key] = (n + (owed[0] if owed and now - owed[1] <= OWED_S else 0), now)
+
+    def _partial(self, reply: InferReply) -> None:
+        """A decoupled model's response that is not its last: to the waiting request, unless it had it."""
+        waiter = self._waiting.get(reply.id)
+        if waiter is None or reply.index < self._next.get(reply.id, 0):
+            self.dropped += 1
+            return
+        self._next[reply.id] = reply.index + 1
+        try:
+            waiter[0](reply)
+        except Exception:
+            log.exception("gateway %s: passing on a response of request %s failed", self.id, reply.id)
 
     async def _trim(self, last: str | bytes) -> None:
         last_id = last.decode() if isinstance(last, bytes) else last

@@ -6,14 +6,17 @@ with the batch dimension of one added); "parameters" and every other key are req
 JSON object out: model_name, model_version and each output by name (one element as a scalar, more as a
 list, leading dimensions of one dropped; BYTES as text).
 
-/generate answers that object as application/json. /generate_stream answers it as one server-sent event
-(`data: {...}`, text/event-stream) per response of the model, here exactly one (decoupled models, which
-could send several, are refused at load). A request refused before it reaches the model gets a JSON
-error with its status from either route; the model's own failure comes from /generate_stream as an
-event `data: {"error": "..."}` under status 200, as Triton sends it.
+/generate answers that object as application/json. /generate_stream answers it as a server-sent event
+(`data: {...}`, text/event-stream) per response of the model: one, or, from a decoupled model, each as it
+sends it until its last (the stream then ends; a bare final flag adds no event). A request refused before
+it reaches the model gets a JSON error with its status from either route; the model's own failure comes
+from /generate_stream as an event `data: {"error": "..."}` under status 200, as Triton sends it. /generate
+takes a decoupled model's answer when it is one response, and says to use /generate_stream otherwise.
 """
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -23,7 +26,17 @@ from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_i
 from ..contract.records import InferReply, Parameters, Tensor
 from . import http
 from .fn import plain, shape_of
-from .infer import Exchange, Route, answering, schedule_parameters, sequence_of, submit
+from .http import Headers, Receive, Scope, Send
+from .infer import (
+    AsgiEndpoint,
+    AsgiExchange,
+    Exchange,
+    Route,
+    answering,
+    schedule_parameters,
+    sequence_of,
+    submit,
+)
 from .models import Model
 from .v2 import MAX_ELEMENTS, check_count, json_data_to_bytes, model_parameters
 
@@ -36,6 +49,8 @@ _SCALARS = (str, int, float, bool)
 
 class GenerateRoute(Route):
     """POST /v2/models/{model}[/versions/{version}]/generate, or /generate_stream with `stream`."""
+
+    decoupled = True
 
     def __init__(self, gateway: Gateway, stream: bool) -> None:
         super().__init__(gateway)
@@ -50,24 +65,109 @@ class GenerateRoute(Route):
         echo = [(b"x-request-id", trace)] if trace else []
         stream = self.stream
 
+        def document(reply: InferReply) -> dict[str, Any]:
+            if reply.error is not None:
+                return {"error": reply.error[1]}
+            return encode_generate(spec.name, version, reply.outputs, reply.parameters)
+
         def answer(reply: InferReply) -> None:
-            doc = encode_generate(spec.name, version, reply.outputs, reply.parameters)
             if stream:
-                ex.respond(200, event(doc), EVENT_STREAM, echo)
+                ex.respond(200, event(document(reply)), EVENT_STREAM, echo)
             else:
-                ex.respond(200, orjson.dumps(doc), http.JSON, echo)
+                ex.respond(200, orjson.dumps(document(reply)), http.JSON, echo)
 
         answered = answering(ex, trace, answer)
+        partial: Callable[[InferReply], None] | None = None
+        if spec.decoupled and stream:
+            if not isinstance(ex, EventExchange):
+                raise DespinaError("streamed answers are not available on this route", Code.INTERNAL)
+            events = ex
+            sent = [0]  # events so far
 
-        def done(result: InferReply | DespinaError) -> None:
-            if stream and isinstance(result, DespinaError) and result.code == Code.BACKEND:
-                # the model ran, and failed: an event
-                ex.respond(200, event({"error": result.message}), EVENT_STREAM, echo)
-            else:
-                answered(result)
+            def send_event(reply: InferReply) -> None:
+                events.event(event(document(reply)), False)
+                sent[0] += 1
+
+            partial = send_event
+
+            def done(result: InferReply | DespinaError) -> None:
+                if isinstance(result, DespinaError):
+                    if not sent[0] and result.code != Code.BACKEND:  # nothing reached the model
+                        answered(result)
+                    else:
+                        events.event(event({"error": result.message}), True)
+                else:
+                    events.event(b"" if result.empty else event(document(result)), True)
+        elif spec.decoupled:
+            responses: list[InferReply] = []
+            partial = responses.append
+
+            def done(result: InferReply | DespinaError) -> None:
+                if isinstance(result, InferReply) and not result.empty:
+                    responses.append(result)
+                if isinstance(result, DespinaError) or len(responses) == 1:
+                    answered(result if isinstance(result, DespinaError) else responses[0])
+                    return
+                answered(InvalidArgument(f"model '{spec.name}' sent {len(responses)} responses to this "
+                                         "request: /generate answers with one, /generate_stream with all"))
+        else:
+            def done(result: InferReply | DespinaError) -> None:
+                if stream and isinstance(result, DespinaError) and result.code == Code.BACKEND:
+                    # the model ran, and failed: an event
+                    ex.respond(200, event({"error": result.message}), EVENT_STREAM, echo)
+                else:
+                    answered(result)
 
         submit(self.gateway, spec, version, inputs, (), trace, done, priority, timeout_us, timeout,
-               model_parameters(parameters), "", sequence)
+               model_parameters(parameters), "", sequence, partial)
+
+
+class EventExchange(AsgiExchange):
+    """An exchange whose answer may be server-sent events, as many as the model sends, instead of one
+    whole response."""
+
+    def __init__(self, scope: Scope, body: bytes, echo: Headers) -> None:
+        super().__init__(scope, body)
+        self.echo = echo
+        self.events: asyncio.Queue[tuple[bytes, bool]] = asyncio.Queue()
+
+    def event(self, data: bytes, last: bool) -> None:
+        self.events.put_nowait((data, last))
+
+
+class StreamEndpoint(AsgiEndpoint):
+    """/generate_stream as an ASGI endpoint: a whole answer (an error before the model ran, a model that
+    answers once), or a 200 whose body is each event as it comes, until the last."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.route.gateway.settings.max_body_bytes
+        try:
+            body = await http.read_body(scope, receive, limit)
+        except DespinaError as exc:
+            await http.send_error(send, exc)
+            return
+        except ConnectionResetError:
+            return
+        trace = http.header(scope["headers"], b"x-request-id")
+        ex = EventExchange(scope, body, [(b"x-request-id", trace)] if trace else [])
+        self.route(ex)
+        whole = asyncio.ensure_future(ex.answer)
+        first = asyncio.ensure_future(ex.events.get())
+        await asyncio.wait((whole, first), return_when=asyncio.FIRST_COMPLETED)
+        if whole.done():
+            first.cancel()
+            status, out, content_type, extra = whole.result()
+            await http.send(send, status, out, content_type, extra)
+            return
+        whole.cancel()
+        headers = [(b"content-type", EVENT_STREAM), (b"cache-control", b"no-cache"), *ex.echo]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        data, last = first.result()
+        while True:
+            await send({"type": "http.response.body", "body": data, "more_body": not last})
+            if last:
+                return
+            data, last = await ex.events.get()
 
 
 def decode_generate(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS

@@ -79,9 +79,14 @@ class Route:
         # the wait for the model counts: the request has what is left of its timeout, not a new one
         self._queue(ex, model, version, trace, max(woken_by - time.monotonic(), 0.001))
 
+    decoupled = False  # whether it takes a decoupled model's several responses to a request
+
     def _queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
                timeout: float | None = None) -> None:
         try:
+            if model.spec.decoupled and not self.decoupled:
+                raise InvalidArgument(f"model '{model.spec.name}' is decoupled (it may answer a request with "
+                                      "several responses): call it through .../generate_stream")
             self.queue(ex, model, version, trace, timeout)
         except DespinaError as exc:
             fail(ex, exc, trace)
@@ -207,9 +212,11 @@ def sequence_of(spec: ModelSpec, parameters: dict[str, object]) -> tuple[int | s
 def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], outputs: tuple[str, ...],
            trace: bytes | None, done: Callable[[InferReply | DespinaError], None], priority: int = 0,
            timeout_us: int = 0, timeout: float | None = None, parameters: Parameters = NO_PARAMETERS,
-           request_id: str = "", sequence: tuple[int | str, int] | None = None) -> None:
+           request_id: str = "", sequence: tuple[int | str, int] | None = None,
+           partial: Callable[[InferReply], None] | None = None) -> None:
     """Queue one request on the model version's stream (its priority level's); `done` gets the reply,
-    or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down).
+    or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down), and
+    `partial` a decoupled model's responses before its last one (an error among them included).
     `timeout` (default: request_timeout_s) is how long it may still take; `parameters` and `request_id`
     (the client's V2 "id") are for the model (an ensemble's steps get neither), as is `sequence` (its
     correlation ID and flags) for a model with sequence batching."""
@@ -238,6 +245,10 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
 
     def settled(result: Result) -> None:
         if isinstance(result, InferReply):
+            if not result.final:
+                if partial is not None:
+                    partial(result)
+                return
             if result.error is None:
                 done(result)
                 return

@@ -133,7 +133,7 @@ def _schemas() -> Doc:
         "FunctionResponse": {"type": "object", "additionalProperties": {},
                              "description": "Output name -> nested list"},
         "GenerateRequest": {"type": "object", "additionalProperties": {}, "properties": {
-            "text_input": {"type": "string", "description": "An input named text_input, when the model has one"},
+            "text_input": {"type": "string", "description": "The input text_input, of a model that has one"},
             "parameters": {"type": "object", "additionalProperties": {}}},
             "description": "Triton's generate extension: input name -> value (a scalar or a list); "
                            "'parameters' and any other key are request parameters"},

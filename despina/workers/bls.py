@@ -167,6 +167,9 @@ def _tensor(name: str, array: np.ndarray) -> Tensor:
 
 def _check(spec: ModelSpec, tensors: list[Tensor], outputs: tuple[str, ...]) -> None:
     """The call's inputs and asked outputs against the called model's config, as a gateway checks them."""
+    if spec.decoupled:  # its several responses would need exec(decoupled=True)
+        raise InvalidArgument(f"calling model '{spec.name}': it is decoupled, and exec(decoupled=True) "
+                              "is not supported by Despina yet")
     try:
         for t in tensors:
             expected = known_input(spec, t.name)

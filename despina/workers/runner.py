@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -49,6 +50,7 @@ INLINE_BELOW_US = 1000
 # a safety net, every batch that does not reply to Redis lets it go at once.
 READ_WAITS_S = 0.01
 TIMED_OUT = "request timed out in the queue before it could run"
+STREAMS_END_S = 10.0  # how long an unload waits for a decoupled model's open requests to end (then they fail)
 Answer = Callable[[InferReply], None]
 Settled = Callable[[], bool]  # whether no other request of the submitter's can join a batch now
 
@@ -62,6 +64,15 @@ class Pending:
     inputs: dict[str, np.ndarray]
     alone: bool = False          # redelivered after a worker died with it: runs as a batch of one
     received: float = 0.0        # wall-clock seconds when this worker read it
+
+
+@dataclass(slots=True)
+class Stream:
+    """A decoupled model's request between its execute and its final response."""
+
+    pending: Pending
+    started: float   # wall-clock seconds when its batch started
+    sent: int = 0    # responses so far: the next one's index
 
 
 class ModelRunner:
@@ -105,6 +116,8 @@ class ModelRunner:
         self._backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
         # implicit states' outputs: asked of the model with every batch, kept by the sequence batcher
         self._state_outputs = tuple(st.output for st in spec.sequence.states) if spec.sequence else ()
+        self._streams: dict[int, Stream] = {}  # a decoupled model's open requests, by stream id
+        self._stream_ids = itertools.count(1)
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -126,6 +139,8 @@ class ModelRunner:
         for instance in instances:
             backend = cls(self.spec, version_dir, instance)
             backend.caller = self.caller
+            if self.spec.decoupled:  # a Python model (checked at load)
+                cast(Any, backend).on_response = self._from_thread(loop)
             try:
                 await loop.run_in_executor(self._executor, backend.load)
                 self.instances.put_nowait(backend)
@@ -155,6 +170,10 @@ class ModelRunner:
         self.batcher.close()
         if self._tasks:
             await asyncio.gather(self._tasks[0], return_exceptions=True)
+        for _ in range(int(STREAMS_END_S / 0.05)):  # a decoupled model's requests still streaming
+            if not self._streams:
+                break
+            await asyncio.sleep(0.05)
         while self._background:  # replies still being written
             await asyncio.gather(*list(self._background), return_exceptions=True)
         while not self.instances.empty():
@@ -193,8 +212,8 @@ class ModelRunner:
         join a batch before that one is done: the next read then goes out with its replies (_send), in
         one write, instead of a round trip to Redis of its own (on a shared core, each wakes Redis and
         hands it the core). The read as sent, or None: read now."""
-        if not self.streams.can_send_with or self._count != 1:
-            return None
+        if not self.streams.can_send_with or self._count != 1 or self.spec.decoupled:
+            return None  # (a decoupled model's replies go out in the order it sent them: one connection)
         await asyncio.sleep(0)  # the batcher's turn: it takes what was just accepted
         if self.batcher.pending or not self.batcher.executing:
             return None
@@ -354,6 +373,13 @@ class ModelRunner:
         if any(p.alone for p in live):
             await self.streams.mark_executing([p.entry for p in live if p.entry is not None])
         sizes = [item.rows for item in live_items]  # rows per request
+        if self.spec.decoupled and live:
+            if expired:
+                self._spawn(self._reply(replies, [p.request for p in expired], expired))
+            await self._run_streams(live, started)
+            self._spawn(self._reply([], [], [], rows=sum(sizes), started=started,  # the execution's counters
+                                    timings=_timings(marks, time.perf_counter_ns())))
+            return
         if live:
             replies.extend(await self._run_batch(live, sizes, started, marks, instance))
         rows = sum(sizes)
@@ -433,6 +459,83 @@ class ModelRunner:
             results = [r if isinstance(r, DespinaError) else _reshaped(reshape, r) for r in results]
         return [answers.error(p.request, r.code, r.message) if isinstance(r, DespinaError)
                 else answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
+
+    def _from_thread(self, loop: asyncio.AbstractEventLoop) -> Callable[..., None]:
+        """A decoupled model's responses come on a thread: they are handled on the loop (while it runs)."""
+        def on_response(*args: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(self._stream_response, *args)
+            except RuntimeError:  # the loop is closed: the worker is gone, and these requests with it
+                pass
+        return on_response
+
+    async def _run_streams(self, live: list[Pending], started: float) -> None:
+        """A decoupled model's batch: each request becomes a stream its responses come back on
+        (_stream_response), whenever the model sends them; the instance is free when execute returns."""
+        ids = []
+        for p in live:
+            ids.append(next(self._stream_ids))
+            self._streams[ids[-1]] = Stream(p, started)
+        every = [o.name for o in self.spec.outputs]
+        asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every for p in live]
+        arrays = [p.inputs for p in live]
+        if self._reshape is not None:
+            arrays = [self._reshape.to_model(a) for a in arrays]
+        backend: Any = await self.instances.get()
+        try:
+            if backend.quick():
+                results = await backend.execute_streams_async(arrays, asked, ids)
+            else:
+                results = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, backend.execute_streams, arrays, asked, ids)
+        finally:
+            self.instances.put_nowait(backend)
+        for stream, result in zip(ids, results):
+            if result is not None:  # execute failed: the requests it did not finish end with its error
+                self._stream_response(stream, result, True)
+
+    def _stream_response(self, stream: int | None, result: dict[str, np.ndarray] | DespinaError | None,
+                         final: bool) -> None:
+        """A decoupled model's response to one of its requests, on the loop: a reply to its gateway now,
+        and with the final one the request is done (acknowledged, counted). Stream None: the model's
+        process ended, and with it every request still open."""
+        if stream is None:
+            ended = DespinaError(f"model '{self.spec.name}': its process ended before the final response",
+                                 Code.BACKEND)
+            for open_stream in list(self._streams):
+                self._stream_response(open_stream, ended, True)
+            return
+        state = self._streams.get(stream)
+        if state is None:
+            return  # ended already (a final response, then the error of a failed execute or process)
+        p, index = state.pending, state.sent
+        state.sent += 1
+        if self._reshape is not None and result is not None and not isinstance(result, DespinaError):
+            result = _reshaped(self._reshape, result)
+        if result is None:
+            reply = InferReply(p.request.id, empty=True)
+        elif isinstance(result, DespinaError):
+            reply = answers.error(p.request, result.code, result.message)
+        else:
+            compute_us = int((time.time() - state.started) * 1e6)
+            reply = answers.answer(p.request, result, state.started, compute_us)
+        reply.index, reply.final = index, final
+        if final:
+            del self._streams[stream]
+            self._spawn(self._reply([reply], [p.request], [p]))
+        else:
+            self._spawn(self._send_replies({p.request.reply_to: [reply]}))
+
+    async def _send_replies(self, by_gateway: dict[str, list[InferReply]]) -> None:
+        """Replies alone: a decoupled model's responses before its final one."""
+        if self._out is None:
+            self._out = Resp.like(self.redis)
+        pipe = Batch()
+        replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
+        try:
+            await self._out.execute(pipe.commands)
+        except Exception as exc:  # the final reply's pipeline tells of it again, or the entry is reclaimed
+            log.error("model %s: writing a response failed: %s", self.spec.name, exc)
 
     async def _call(self, backend: Backend, inputs: dict[str, np.ndarray], names: list[str], rows: int
                     ) -> dict[str, np.ndarray]:

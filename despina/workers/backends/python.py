@@ -15,13 +15,15 @@ exchange as before.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -84,15 +86,15 @@ class Stub:
         raise StubDied(f"its process did not start within {STARTUP_TIMEOUT_S:.0f} s")
 
     @classmethod
-    def start(cls, name: str) -> Stub:
+    def start(cls, name: str, *args: Any) -> Stub:
         """A started model process; if the first never came up, a second; ConfigError if neither did.
         (A process that never said hello says nothing about the model.)"""
         try:
-            return cls(name)
+            return cls(name, *args)
         except StubDied as exc:
             log.warning("model %s: %s; starting it again", name, exc)
         try:
-            return cls(name)
+            return cls(name, *args)
         except StubDied as exc:
             raise ConfigError(f"model '{name}': {exc}") from None
 
@@ -232,6 +234,69 @@ class Stub:
         self.conn.close()
 
 
+# A decoupled model's word on one of its requests, on the reader's thread: (stream id, the response
+# (outputs, or the error), or None for a bare final flag; final). Stream id None: the process ended.
+OnResponse = Callable[[int | None, "dict[str, np.ndarray] | DespinaError | None", bool], None]
+
+
+class DecoupledStub(Stub):
+    """A decoupled model's process. It answers its requests whenever it likes, during an execute or long
+    after it, so one thread reads all it says: a call's answer goes to the call that waits for it (calls
+    are answered in the order they were made), a model call to the event loop, a response to
+    `on_response`, and the end of the process to `on_response(None, ...)`."""
+
+    def __init__(self, name: str, on_response: Callable[[Any], None]) -> None:
+        super().__init__(name)
+        self._on_response = on_response
+        self._asked: deque[concurrent.futures.Future[Any]] = deque()
+        self._caller: ModelCaller | None = None
+        threading.Thread(target=self._read_all, name=f"{name}-responses", daemon=True).start()
+
+    def call(self, op: str, payload: Any, timeout: float | None = None,
+             caller: ModelCaller | None = None) -> Any:
+        try:
+            status, answer = self._ask(op, payload, caller).result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise StubDied(f"no answer to {op} within {timeout:.0f} s") from None
+        return self._answer(op, status, answer)
+
+    async def call_async(self, op: str, payload: Any, caller: ModelCaller | None = None) -> Any:
+        status, answer = await asyncio.wrap_future(self._ask(op, payload, caller))
+        return self._answer(op, status, answer)
+
+    def _ask(self, op: str, payload: Any, caller: ModelCaller | None) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._caller = caller  # one call at a time: its model calls are served with its caller
+        self._asked.append(future)
+        try:
+            self._send((op, payload))
+        except (OSError, ValueError) as exc:
+            self._asked.remove(future)
+            raise StubDied(f"its process is gone ({exc})") from None
+        return future
+
+    def _read_all(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "response":
+                self._on_response(message[1])
+            elif message[0] == "bls":
+                self._serve(message[1], self._caller, None)
+            elif self._asked:
+                future = self._asked.popleft()
+                if future.set_running_or_notify_cancel():  # else its caller went away
+                    future.set_result(message)
+        ended = StubDied(f"its process ended (exit code {self.process.poll()})")
+        while self._asked:
+            future = self._asked.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(ended)
+        self._on_response(None)
+
+
 class PythonBackend(Backend):
     per_request = True
     awaitable = True
@@ -250,8 +315,14 @@ class PythonBackend(Backend):
         self._restart_error = ""
         self.stub = self._start()
 
+    #: A decoupled model's responses go here (set by the worker before load; called on a thread).
+    on_response: OnResponse | None = None
+
     def _start(self) -> Stub:
-        stub = Stub.start(self.spec.name)
+        if self.spec.decoupled:
+            stub: Stub = DecoupledStub.start(self.spec.name, self._response)
+        else:
+            stub = Stub.start(self.spec.name)
         try:
             stub.call("initialize", {"model_file": str(self.model_path()), "args": self._args()})
         except (StubDied, BackendError) as exc:
@@ -297,6 +368,44 @@ class PythonBackend(Backend):
         except BackendError as exc:
             return [exc] * len(requests)
         return self._results(answers)
+
+    def execute_streams(self, requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Sequence[str]],
+                        streams: Sequence[int]) -> list[DespinaError | None]:
+        """A decoupled model's execute: its answers come to on_response by stream id; here, per request,
+        None or the error that ended it (execute raised, the process died)."""
+        with self._lock:
+            failure = self._ready()
+            if failure is not None:
+                return [failure] * len(requests)
+            try:
+                self.stub.call("execute", _payload(requests, outputs, streams), caller=self.caller)
+            except StubDied as exc:
+                return [self._died(exc)] * len(requests)
+            except BackendError as exc:
+                return [exc] * len(requests)
+        return [None] * len(requests)
+
+    async def execute_streams_async(self, requests: Sequence[Mapping[str, np.ndarray]],
+                                    outputs: Sequence[Sequence[str]], streams: Sequence[int]
+                                    ) -> list[DespinaError | None]:
+        """The same, awaited on the event loop; only when quick() (no restart)."""
+        try:
+            await self.stub.call_async("execute", _payload(requests, outputs, streams), self.caller)
+        except StubDied as exc:
+            return [self._died(exc)] * len(requests)
+        except BackendError as exc:
+            return [exc] * len(requests)
+        return [None] * len(requests)
+
+    def _response(self, message: tuple[int, Any, bool] | None) -> None:
+        """On the reader's thread: a decoupled model's response (or the end of its process), passed on."""
+        if self.on_response is None:
+            return
+        if message is None:
+            self.on_response(None, None, True)
+            return
+        stream, answer, final = message
+        self.on_response(stream, None if answer is None else self._result(*answer), final)
 
     def _results(self, answers: list[tuple[str, Any, Any]]) -> list[dict[str, np.ndarray] | DespinaError]:
         return [self._result(*a) for a in answers]
@@ -384,11 +493,13 @@ def _dumps(message: Any) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _payload(requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Sequence[str]]) -> list[Any]:
+def _payload(requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Sequence[str]],
+             streams: Sequence[int] = ()) -> list[Any]:
     """Per request: its inputs, the outputs asked for, its parameters, its V2 id and its sequence
-    (base.Request)."""
-    return [(wire.pack_all(r), list(o), getattr(r, "parameters", None), getattr(r, "request_id", ""),
-             getattr(r, "sequence", None)) for r, o in zip(requests, outputs)]
+    (base.Request), and a decoupled model's stream id."""
+    payload = [(wire.pack_all(r), list(o), getattr(r, "parameters", None), getattr(r, "request_id", ""),
+                getattr(r, "sequence", None)) for r, o in zip(requests, outputs)]
+    return [(*p, s) for p, s in zip(payload, streams)] if streams else payload
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -94,6 +94,10 @@ class ModelCalls:
         message = ("bls", (call_id, request.model_name(), request.model_version(), inputs,
                            request.requested_output_names(), request.timeout(),
                            _parameters(request.parameters()), sequence))
+        self.send(message)
+
+    def send(self, message: Any) -> None:
+        """Send a message to the worker, from any thread: one write at a time."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._writing:
             self.conn.send_bytes(data)

@@ -4,9 +4,10 @@ It says ("hello", pid) on the connection on <fd> once it is up, then answers its
 a time:
 ("auto_complete", ...), ("initialize", ...), ("execute", requests), ("finalize", None). Inside execute
 the model may call other models (_despina_calls.py): those messages go both ways until the execute's
-answer. Whatever the model does, the worst it can do is end this process; the worker then fails the
-requests in flight and starts another. The stub also ends when its worker does (the connection closes,
-or the parent changes).
+answer. A decoupled model answers through each request's response sender instead, from any thread and
+whenever it likes: ("response", (stream id, answer or None, final)). Whatever the model does, the worst
+it can do is end this process; the worker then fails the requests in flight and starts another. The
+stub also ends when its worker does (the connection closes, or the parent changes).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import importlib.util
 import inspect
 import json
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -56,10 +56,10 @@ def main() -> None:
             answer: tuple[str, Any] = ("ok", getattr(stub, op)(payload))
         except BaseException as exc:  # the model's failure goes back to the worker, not up here
             answer = ("error", _describe(exc))
-        try:  # plain pickle: Connection.send's ForkingPickler costs several times more
-            conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+        try:  # plain pickle (Connection.send's ForkingPickler costs several times more), one write at a
+            stub.calls.send(answer)  # time: a decoupled model's threads send responses meanwhile
         except Exception as exc:  # e.g. an output that cannot be pickled
-            conn.send(("error", f"cannot send the answer of {op}: {exc}"))
+            stub.calls.send(("error", f"cannot send the answer of {op}: {exc}"))
         if op == "finalize":
             break
 
@@ -99,6 +99,7 @@ class Stub:
         self.model: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.calls = calls
+        self.decoupled = False
 
     def auto_complete(self, payload: dict[str, Any]) -> str | None:
         """The config JSON after the model's auto_complete_config, or None when it has none."""
@@ -113,26 +114,37 @@ class Stub:
 
     def initialize(self, payload: dict[str, Any]) -> None:
         pb_utils._model_name = payload["args"]["model_name"]
+        config = json.loads(payload["args"]["model_config"])
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.model = _load_module(payload["model_file"]).TritonPythonModel()
         if hasattr(self.model, "initialize"):
             self._await(self.model.initialize(payload["args"]))
 
-    def execute(self, payload: list[tuple[dict[str, Any], list[str], dict[str, Any] | None, str,
-                                          tuple[int | str, int] | None]]) -> list[tuple[str, Any, Any]]:
+    def execute(self, payload: list[tuple[Any, ...]]) -> list[tuple[str, Any, Any]] | None:
         """Run one batch of (inputs, asked outputs, parameters, request id, (correlation ID, flags) or
-        None); one ("ok", outputs, response parameters or None) or ("error", (message, code), None) per
-        request, in order."""
-        requests = [pb_utils.InferenceRequest(
-                        request_id=request_id,
-                        correlation_id=sequence[0] if sequence else 0, flags=sequence[1] if sequence else 0,
-                        inputs=[pb_utils.Tensor(n, wire.unpack(a)) for n, a in inputs.items()],
-                        requested_output_names=asked, parameters=parameters)
-                    for inputs, asked, parameters, request_id, sequence in payload]
+        None, and for a decoupled model its stream id); one ("ok", outputs, response parameters or None)
+        or ("error", (message, code), None) per request, in order. A decoupled model answers through
+        its response senders instead: None."""
+        requests = []
+        for inputs, asked, parameters, request_id, sequence, *stream in payload:
+            request = pb_utils.InferenceRequest(
+                request_id=request_id,
+                correlation_id=sequence[0] if sequence else 0, flags=sequence[1] if sequence else 0,
+                inputs=[pb_utils.Tensor(n, wire.unpack(a)) for n, a in inputs.items()],
+                requested_output_names=asked, parameters=parameters)
+            if self.decoupled:
+                request._response_sender = ResponseSender(stream[0], asked, self.calls)
+            requests.append(request)
         pb_utils._model_calls = self.calls  # exec() works in execute only, as in Triton
         try:
             responses = self._await(self.model.execute(requests))
         finally:
             pb_utils._model_calls = None
+        if self.decoupled:
+            if responses is not None:
+                raise pb_utils.TritonModelException("a decoupled model's execute must return None: it "
+                                                    "answers through each request's response sender")
+            return None
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             count = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
             raise pb_utils.TritonModelException(f"execute returned {count} responses for "
@@ -149,6 +161,32 @@ class Stub:
         if self.loop is None:
             self.loop = asyncio.new_event_loop()
         return self.loop.run_until_complete(result)
+
+
+class ResponseSender:
+    """How a decoupled model answers one request (Triton's InferenceResponseSender): any number of
+    responses, from any thread, the last one flagged TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
+
+    def __init__(self, stream: int, asked: list[str], calls: ModelCalls) -> None:
+        self._stream, self._asked, self._calls = stream, asked, calls
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        final = bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise pb_utils.TritonModelException("send() needs a response, the flag "
+                                                "TRITONSERVER_RESPONSE_COMPLETE_FINAL, or both")
+        answer = None if response is None else _answer(response, self._asked)
+        with self._lock:  # responses go in the order they were sent, none after the final one
+            if self._closed:
+                raise pb_utils.TritonModelException("Unable to send a response: this request's response "
+                                                    "sender is closed (its final response was sent)")
+            self._closed = final
+            self._calls.send(("response", (self._stream, answer, final)))
+
+    def is_cancelled(self) -> bool:
+        return False
 
 
 def _answer(response: Any, asked: list[str]) -> tuple[str, Any, Any]:

@@ -241,8 +241,15 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return False
 
+    _response_sender: Any = None  # the stub sets one on each request of a decoupled model
+
     def get_response_sender(self) -> Any:
-        raise TritonModelException("decoupled models are not supported by Despina yet")
+        """How a decoupled model answers this request: `send(response=None, flags=0)`, any number of
+        times, the last with flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
+        if self._response_sender is None:
+            raise TritonModelException("get_response_sender() needs a decoupled model "
+                                       "(model_transaction_policy { decoupled: true })")
+        return self._response_sender
 
     def exec(self, decoupled: bool = False) -> InferenceResponse:
         return _calls(decoupled).call(self)
