@@ -215,6 +215,7 @@ class ModelSpec:
     config: dict[str, Any]
     by_name: dict[str, TensorSpec] = field(default_factory=dict, repr=False, compare=False)
     sequence: SequencePolicy | None = None  # sequence_batching: a stateful model (contract/sequence.py)
+    decoupled: bool = False  # it answers a request through a response sender, any number of times
 
     def __post_init__(self) -> None:
         # inputs and outputs by name ("in:x", "out:y"): looked up for every request
@@ -233,16 +234,13 @@ class ModelSpec:
         return cls(config["name"], config.get("platform", ""), config.get("backend", ""),
                    int(config.get("max_batch_size", 0)), tensors(config.get("input", [])),
                    tensors(config.get("output", [])), batch_policy(config), config,
-                   sequence=sequence_policy(config))
+                   sequence=sequence_policy(config),
+                   decoupled=bool(config.get("model_transaction_policy", {}).get("decoupled", False)))
 
     @property
     def batched(self) -> bool:
         return self.max_batch_size > 0
 
-    @property
-    def decoupled(self) -> bool:
-        """A model that answers each request through a response sender, any number of times."""
-        return bool(self.config.get("model_transaction_policy", {}).get("decoupled", False))
 
     def input(self, name: str) -> TensorSpec | None:
         return self.by_name.get(f"in:{name}")
