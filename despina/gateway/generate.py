@@ -26,7 +26,7 @@ from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_i
 from ..contract.records import InferReply, Parameters, Tensor
 from . import http
 from .fn import plain, shape_of
-from .http import Headers, Receive, Scope, Send
+from .http import Headers, Scope, Send
 from .infer import (
     AsgiEndpoint,
     AsgiExchange,
@@ -139,18 +139,12 @@ class StreamEndpoint(AsgiEndpoint):
     """/generate_stream as an ASGI endpoint: a whole answer (an error before the model ran, a model that
     answers once), or a 200 whose body is each event as it comes, until the last."""
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit = self.route.gateway.settings.max_body_bytes
-        try:
-            body = await http.read_body(scope, receive, limit)
-        except DespinaError as exc:
-            await http.send_error(send, exc)
-            return
-        except ConnectionResetError:
-            return
+    def exchange(self, scope: Scope, body: bytes) -> AsgiExchange:
         trace = http.header(scope["headers"], b"x-request-id")
-        ex = EventExchange(scope, body, [(b"x-request-id", trace)] if trace else [])
-        self.route(ex)
+        return EventExchange(scope, body, [(b"x-request-id", trace)] if trace else [])
+
+    async def answer(self, ex: AsgiExchange, send: Send) -> None:
+        assert isinstance(ex, EventExchange)
         whole = asyncio.ensure_future(ex.answer)
         first = asyncio.ensure_future(ex.events.get())
         await asyncio.wait((whole, first), return_when=asyncio.FIRST_COMPLETED)

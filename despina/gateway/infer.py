@@ -295,7 +295,13 @@ class AsgiEndpoint:
             return
         except ConnectionResetError:
             return
-        ex = AsgiExchange(scope, body)
+        ex = self.exchange(scope, body)
         self.route(ex)
+        await self.answer(ex, send)
+
+    def exchange(self, scope: Scope, body: bytes) -> AsgiExchange:
+        return AsgiExchange(scope, body)
+
+    async def answer(self, ex: AsgiExchange, send: Send) -> None:
         status, out, content_type, extra = await ex.answer
         await http.send(send, status, out, content_type, extra)
