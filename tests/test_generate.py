@@ -4,17 +4,24 @@ streams its responses from a thread, errs, and dies."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+import signal
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
+import orjson
 import pytest
+import redis
 
 from despina.contract.errors import InvalidArgument
+from despina.contract.keys import GROUP, Keys
 from despina.contract.records import InferReply, Tensor
 from despina.examples import build_add_sub
 
 from .conftest import Server, module_server, settled_stats
+from .control_support import wait_until, worker_hashes
 
 # text_output: the text it got, "|", and the parameters it got (sorted JSON); "fail" fails the request
 TEXT = '''
@@ -338,3 +345,40 @@ def test_reply_records_carry_a_responses_place() -> None:
     assert len(InferReply("r1").pack()) == 5  # one response, as every other model's: as before
     with pytest.raises(InvalidArgument):
         InferReply.unpack(["r1", [], None, 0, 0, {}, [-1, True, False]])
+
+
+def test_a_stream_whose_worker_dies_is_rerun_and_the_client_gets_each_response_once(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """Two workers; the one running a stream is killed after its second response. The control plane
+    requeues what it held, the other worker runs the request from the start, and the gateway passes on
+    only the responses past those the client had: every word once, in order."""
+    (tmp_path / "repo" / "streamer" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "streamer" / "1" / "model.py").write_text(STREAMER.replace("0.02", "0.25"))
+    (tmp_path / "repo" / "streamer" / "config.pbtxt").write_text(STREAMER_CONFIG)
+    server = serve(tmp_path / "repo", "--workers", "2", "--model-replicas", "0", wait_models=("streamer",),
+                   env={"DESPINA_WORKER_TTL_S": "2"})
+    wait_until(lambda: len(worker_hashes(redis_url, key_prefix)) == 2, what="two workers")
+    pids = {wid: orjson.loads(h[b"info"])["pid"] for wid, h in worker_hashes(redis_url, key_prefix).items()}
+    client = redis.Redis.from_url(redis_url)
+    stream = Keys(key_prefix).request_stream("streamer", 1)
+    words = [f"w{i}" for i in range(8)]
+    got: list[dict] = []
+    try:
+        with httpx.stream("POST", f"{server.url}/v2/models/streamer/generate_stream", timeout=60,
+                          json={"text_input": " ".join(words)}) as r:
+            assert r.status_code == 200
+            buffer = ""
+            for text in r.iter_text():
+                buffer += text
+                while "\n\n" in buffer:
+                    chunk, buffer = buffer.split("\n\n", 1)
+                    got.append(json.loads(chunk.removeprefix("data: ")))
+                if len(got) == 2 and len(pids) == 2:
+                    holder = next(c["name"].decode() for c in client.xpending(stream, GROUP)["consumers"]
+                                  if c["pending"])
+                    os.kill(pids.pop(holder), signal.SIGKILL)
+    finally:
+        client.close()
+    assert len(pids) == 1, "no worker was killed"
+    assert [d.get("text_output", d) for d in got] == words
+    assert "requeued" in server.logs()
