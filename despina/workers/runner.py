@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from .instances import plan as plan_instances
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
 from .reshape import Reshapes
+from .responses import OpenRequests
 from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
 from .warmup import run as warmup
@@ -64,15 +64,6 @@ class Pending:
     inputs: dict[str, np.ndarray]
     alone: bool = False          # redelivered after a worker died with it: runs as a batch of one
     received: float = 0.0        # wall-clock seconds when this worker read it
-
-
-@dataclass(slots=True)
-class Stream:
-    """A decoupled model's request between its execute and its final response."""
-
-    pending: Pending
-    started: float   # wall-clock seconds when its batch started
-    sent: int = 0    # responses so far: the next one's index
 
 
 class ModelRunner:
@@ -116,8 +107,10 @@ class ModelRunner:
         self._backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
         # implicit states' outputs: asked of the model with every batch, kept by the sequence batcher
         self._state_outputs = tuple(st.output for st in spec.sequence.states) if spec.sequence else ()
-        self._streams: dict[int, Stream] = {}  # a decoupled model's open requests, by stream id
-        self._stream_ids = itertools.count(1)
+        # a decoupled model's requests between their execute and their final response
+        self._open = OpenRequests(spec.name, self._reshape,
+                                  lambda r, p: self._spawn(self._send_replies({p.request.reply_to: [r]})),
+                                  lambda r, p: self._spawn(self._reply([r], [p.request], [p])))
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -171,7 +164,7 @@ class ModelRunner:
         if self._tasks:
             await asyncio.gather(self._tasks[0], return_exceptions=True)
         for _ in range(int(STREAMS_END_S / 0.05)):  # a decoupled model's requests still streaming
-            if not self._streams:
+            if not self._open:
                 break
             await asyncio.sleep(0.05)
         while self._background:  # replies still being written
@@ -464,18 +457,15 @@ class ModelRunner:
         """A decoupled model's responses come on a thread: they are handled on the loop (while it runs)."""
         def on_response(*args: Any) -> None:
             try:
-                loop.call_soon_threadsafe(self._stream_response, *args)
+                loop.call_soon_threadsafe(self._open.response, *args)
             except RuntimeError:  # the loop is closed: the worker is gone, and these requests with it
                 pass
         return on_response
 
     async def _run_streams(self, live: list[Pending], started: float) -> None:
-        """A decoupled model's batch: each request becomes a stream its responses come back on
-        (_stream_response), whenever the model sends them; the instance is free when execute returns."""
-        ids = []
-        for p in live:
-            ids.append(next(self._stream_ids))
-            self._streams[ids[-1]] = Stream(p, started)
+        """A decoupled model's batch: its requests stay open for the responses the model sends whenever it
+        likes (self._open); the instance is free when execute returns."""
+        ids = self._open.open(live, started)
         every = [o.name for o in self.spec.outputs]
         asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every for p in live]
         arrays = [p.inputs for p in live]
@@ -492,39 +482,7 @@ class ModelRunner:
             self.instances.put_nowait(backend)
         for stream, result in zip(ids, results):
             if result is not None:  # execute failed: the requests it did not finish end with its error
-                self._stream_response(stream, result, True)
-
-    def _stream_response(self, stream: int | None, result: dict[str, np.ndarray] | DespinaError | None,
-                         final: bool) -> None:
-        """A decoupled model's response to one of its requests, on the loop: a reply to its gateway now,
-        and with the final one the request is done (acknowledged, counted). Stream None: the model's
-        process ended, and with it every request still open."""
-        if stream is None:
-            ended = DespinaError(f"model '{self.spec.name}': its process ended before the final response",
-                                 Code.BACKEND)
-            for open_stream in list(self._streams):
-                self._stream_response(open_stream, ended, True)
-            return
-        state = self._streams.get(stream)
-        if state is None:
-            return  # ended already (a final response, then the error of a failed execute or process)
-        p, index = state.pending, state.sent
-        state.sent += 1
-        if self._reshape is not None and result is not None and not isinstance(result, DespinaError):
-            result = _reshaped(self._reshape, result)
-        if result is None:
-            reply = InferReply(p.request.id, empty=True)
-        elif isinstance(result, DespinaError):
-            reply = answers.error(p.request, result.code, result.message)
-        else:
-            compute_us = int((time.time() - state.started) * 1e6)
-            reply = answers.answer(p.request, result, state.started, compute_us)
-        reply.index, reply.final = index, final
-        if final:
-            del self._streams[stream]
-            self._spawn(self._reply([reply], [p.request], [p]))
-        else:
-            self._spawn(self._send_replies({p.request.reply_to: [reply]}))
+                self._open.response(stream, result, True)
 
     async def _send_replies(self, by_gateway: dict[str, list[InferReply]]) -> None:
         """Replies alone: a decoupled model's responses before its final one."""

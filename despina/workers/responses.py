@@ -1,0 +1,85 @@
+"""A decoupled model's requests between their execute and their final response.
+
+Such a model answers each request through a response sender, any number of times and whenever it
+likes: each response becomes a reply to the request's gateway at once, numbered from 0, and the final
+one ends the request. Which requests are open, and what each response becomes, is kept here; the runner
+sends the replies and, with a final one, acknowledges and counts the request.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..contract.errors import Code, DespinaError
+from ..contract.records import InferReply
+from . import answers
+from .reshape import Reshapes
+
+if TYPE_CHECKING:
+    from .runner import Pending
+
+Result = dict[str, np.ndarray] | DespinaError | None  # outputs, an error, or None: the final flag alone
+Send = Callable[[InferReply, "Pending"], None]
+
+
+@dataclass(slots=True)
+class Open:
+    pending: Pending
+    started: float   # wall-clock seconds when its batch started
+    sent: int = 0    # responses so far: the next one's index
+
+
+class OpenRequests:
+    def __init__(self, model: str, reshape: Reshapes | None, send: Send, finish: Send) -> None:
+        self.model, self.reshape = model, reshape
+        self._send, self._finish = send, finish  # a response before the last, and the last
+        self._open: dict[int, Open] = {}
+        self._ids = itertools.count(1)  # 0 is no request's: warmup samples answer on it
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def open(self, pending: list[Pending], started: float) -> list[int]:
+        """The batch's requests open; their stream ids, which the model's responses name."""
+        ids = [next(self._ids) for _ in pending]
+        for stream, p in zip(ids, pending):
+            self._open[stream] = Open(p, started)
+        return ids
+
+    def response(self, stream: int | None, result: Result, final: bool) -> None:
+        """A response to request `stream` (ignored once it ended). Stream None: the model's process
+        ended, and every request still open with it."""
+        if stream is None:
+            ended = DespinaError(f"model '{self.model}': its process ended before the final response",
+                                 Code.BACKEND)
+            for open_stream in list(self._open):
+                self.response(open_stream, ended, True)
+            return
+        state = self._open.get(stream)
+        if state is None:
+            return  # ended already (a final response, then the error of a failed execute or process)
+        p, index = state.pending, state.sent
+        state.sent += 1
+        if self.reshape is not None and result is not None and not isinstance(result, DespinaError):
+            try:
+                result = self.reshape.from_model(result)
+            except DespinaError as exc:
+                result = exc
+        if result is None:
+            reply = InferReply(p.request.id, empty=True)
+        elif isinstance(result, DespinaError):
+            reply = answers.error(p.request, result.code, result.message)
+        else:
+            compute_us = int((time.time() - state.started) * 1e6)
+            reply = answers.answer(p.request, result, state.started, compute_us)
+        reply.index, reply.final = index, final
+        if final:
+            del self._open[stream]
+            self._finish(reply, p)
+        else:
+            self._send(reply, p)
