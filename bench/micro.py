@@ -292,7 +292,7 @@ def python_model(n: int = 2000) -> None:
 
     from despina.contract.modelconfig import ModelSpec
     from despina.control.repository import load_model
-    from despina.workers.backends.python import STUB, Stub
+    from despina.workers.backends.python_process import STUB, Stub
     try:  # arrays cross as raw bytes since 5d4fa53; before, as pickled ndarrays
         from despina.workers.backends.python_stub import _despina_wire as wire
     except ImportError:

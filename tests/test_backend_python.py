@@ -361,7 +361,7 @@ def test_model_process_ends_with_unload(tmp_path: Path) -> None:
 def test_a_model_process_that_does_not_start_is_a_load_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stub: str, message: str) -> None:
     """Triton's stub timeout: a process that dies or says nothing while starting fails the load."""
-    from despina.workers.backends import python
+    from despina.workers.backends import python_process as python
 
     (tmp_path / "stub.py").write_text(stub)
     monkeypatch.setattr(python, "STUB", tmp_path / "stub.py")
@@ -376,7 +376,7 @@ def test_a_model_process_that_does_not_start_is_a_load_error(
 def test_a_model_process_that_does_not_start_the_first_time_is_started_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stub that hangs before its hello the first time only: the second process serves."""
-    from despina.workers.backends import python
+    from despina.workers.backends import python_process as python
 
     marker = tmp_path / "tried"
     real = Path(python.__file__).parent / "python_stub" / "stub.py"
