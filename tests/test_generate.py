@@ -382,3 +382,13 @@ def test_a_stream_whose_worker_dies_is_rerun_and_the_client_gets_each_response_o
     assert len(pids) == 1, "no worker was killed"
     assert [d.get("text_output", d) for d in got] == words
     assert "requeued" in server.logs()
+
+
+def test_the_example_streaming_model(example_server: Server) -> None:
+    wait_until(lambda: httpx.get(f"{example_server.url}/v2/models/text_stream/ready").status_code == 200,
+               what="text_stream ready")
+    r = httpx.post(f"{example_server.url}/v2/models/text_stream/generate_stream", timeout=30,
+                   json={"text_input": "one two three", "word_delay_ms": 1})
+    assert [(d["text_output"], d["index"]) for d in events(r)] == [("one", 0), ("two", 1), ("three", 2)]
+    r = httpx.post(f"{example_server.url}/v2/models/text_stream/generate", json={"text_input": "hi"}, timeout=30)
+    assert r.json() == {"model_name": "text_stream", "model_version": "1", "text_output": "hi", "index": 0}
