@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -95,6 +96,17 @@ class TritonPythonModel:
             except pb_utils.TritonModelException:
                 return
             os._exit(3)  # a send after the final one must raise
+        if words[0] == "patient":  # a word every 50 ms until its client goes away, then it says so
+            for i in range(400):
+                if sender.is_cancelled():
+                    with open(words[1], "w") as f:
+                        f.write(str(i))
+                    sender.send(flags=FINAL)
+                    return
+                sender.send(response(f"p{i}", i))
+                time.sleep(0.05)
+            sender.send(flags=FINAL)
+            return
         if words[0] == "oops":  # an error response, then a good final one
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("bad word")))
             sender.send(response("after", 1), flags=FINAL)
@@ -318,6 +330,29 @@ def test_infer_and_fn_refuse_a_decoupled_model(server: Server) -> None:
         r = httpx.post(f"{server.url}/{path}", json=doc, timeout=30)
         assert r.status_code == 400, r.text
         assert "is decoupled" in r.json()["error"] and "generate_stream" in r.json()["error"]
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_it(server: Server, tmp_path: Path) -> None:
+    """The model sees request.is_cancelled() and stops; the request counts as CANCELED."""
+    marker = tmp_path / "stopped-at"
+    with httpx.stream("POST", f"{server.url}/v2/models/streamer/generate_stream", timeout=30,
+                      json={"text_input": f"patient {marker}"}) as r:
+        assert r.status_code == 200
+        seen = 0
+        for chunk in r.iter_text():
+            seen += chunk.count("data: ")
+            if seen >= 3:
+                break  # and the connection closes
+    closed = time.monotonic()
+    wait_until(marker.exists, 10, every=0.02, what="the model to see the cancellation")
+    stopped_at = int(marker.read_text())
+    assert time.monotonic() - closed < 5 and stopped_at < 100, stopped_at  # not the whole 400 words
+    failures = wait_until(lambda: settled_stats(server.url, "streamer")["inference_stats"]["fail"]["count"],
+                          10, what="the request counted")
+    assert failures >= 1
+    metrics = httpx.get(server.metrics_url, timeout=10).text
+    assert 'nv_inference_request_failure{model="streamer",version="1",reason="CANCELED"} 1' in metrics, \
+        [line for line in metrics.splitlines() if "failure" in line and "streamer" in line]
 
 
 def test_a_model_calling_a_decoupled_one_gets_an_error(server: Server) -> None:

@@ -16,6 +16,7 @@ class Code(str, enum.Enum):
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     BACKEND = "BACKEND"
     INTERNAL = "INTERNAL"
+    CANCELLED = "CANCELLED"  # its client went away (Triton's CANCELED failure reason)
 
 
 class DespinaError(Exception):
@@ -67,3 +68,7 @@ class FailedPrecondition(DespinaError):
 
 class ResourceExhausted(DespinaError):
     code = Code.RESOURCE_EXHAUSTED
+
+
+class Cancelled(DespinaError):
+    code = Code.CANCELLED

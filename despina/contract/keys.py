@@ -39,6 +39,13 @@ class Keys:
     def reply_stream(self, gateway_id: str) -> str:
         return f"{self.prefix}:rep:{gateway_id}"
 
+    @staticmethod
+    def cancelled(reply_stream: str) -> str:
+        """Set of the ids of a gateway's requests whose clients went away (a decoupled model's worker asks
+        with each response); it expires with the gateway's replies. Named after the reply stream, which
+        a worker knows from the request."""
+        return f"{reply_stream}:cancelled"
+
     def executing(self, worker_id: str) -> str:
         """Set of the redelivered entries a worker is running (each alone): should it die, only they
         are charged an attempt."""

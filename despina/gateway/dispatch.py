@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from ..alarm import Alarm
 from ..contract import records
-from ..contract.errors import Code, DespinaError, Unavailable
+from ..contract.errors import Cancelled, Code, DespinaError, Unavailable
 from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
 from ..contract.records import InferReply, InferRequest
 from ..resp import Batch, ReadAlong, Resp, fields
@@ -266,8 +266,11 @@ class Dispatcher:
             if deadline > now:
                 break
             expired.append(request_id)
+        streaming = [r for r in expired if r in self._next]  # a decoupled model's: its worker hears of it
         for request_id in expired:
             self._finish(request_id, TimeoutError())
+        if streaming:
+            self._tell_cancelled(streaming)
         if self._waiting:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
@@ -448,6 +451,25 @@ class Dispatcher:
             for key, n in delivered.items():
                 owed = self._owed.get(key)
                 self._owed[key] = (n + (owed[0] if owed and now - owed[1] <= OWED_S else 0), now)
+
+    def cancel(self, request_id: str) -> None:
+        """The request's client went away: stop waiting for it, and tell a decoupled model that runs it
+        (its worker asks with each response it sends, and the model sees request.is_cancelled())."""
+        if self._finish(request_id, Cancelled("the client went away")) is not None:
+            self._tell_cancelled([request_id])
+
+    def _tell_cancelled(self, request_ids: list[str]) -> None:
+        key = self.keys.cancelled(self.reply_stream)
+        task = asyncio.create_task(self._write_commands(
+            [["SADD", key, *request_ids], ["PEXPIRE", key, self.reply_ttl_ms]], "its cancellations"))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write_commands(self, commands: list[list[str | int]], what: str) -> None:
+        try:
+            await self._out.execute(commands)
+        except Exception as exc:  # best effort: the model finishes the request, its answer is dropped
+            log.debug("gateway %s: writing %s failed: %s", self.id, what, exc)
 
     def _partial(self, reply: InferReply) -> None:
         """A decoupled model's response that is not its last: to the waiting request, unless it had it."""

@@ -26,7 +26,7 @@ from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_i
 from ..contract.records import InferReply, Parameters, Tensor
 from . import http
 from .fn import plain, shape_of
-from .http import Headers, Scope, Send
+from .http import Headers, Receive, Scope, Send
 from .infer import (
     AsgiEndpoint,
     AsgiExchange,
@@ -118,8 +118,10 @@ class GenerateRoute(Route):
                 else:
                     answered(result)
 
-        submit(self.gateway, spec, version, inputs, (), trace, done, priority, timeout_us, timeout,
-               model_parameters(parameters), "", sequence, partial)
+        request_id = submit(self.gateway, spec, version, inputs, (), trace, done, priority, timeout_us,
+                            timeout, model_parameters(parameters), "", sequence, partial)
+        if isinstance(ex, EventExchange):
+            ex.request_id = request_id
 
 
 class EventExchange(AsgiExchange):
@@ -130,6 +132,7 @@ class EventExchange(AsgiExchange):
         super().__init__(scope, body)
         self.echo = echo
         self.events: asyncio.Queue[tuple[bytes, bool]] = asyncio.Queue()
+        self.request_id: str | None = None  # with the dispatcher, once queued
 
     def event(self, data: bytes, last: bool) -> None:
         self.events.put_nowait((data, last))
@@ -143,7 +146,7 @@ class StreamEndpoint(AsgiEndpoint):
         trace = http.header(scope["headers"], b"x-request-id")
         return EventExchange(scope, body, [(b"x-request-id", trace)] if trace else [])
 
-    async def answer(self, ex: AsgiExchange, send: Send) -> None:
+    async def answer(self, ex: AsgiExchange, receive: Receive, send: Send) -> None:
         assert isinstance(ex, EventExchange)
         whole = asyncio.ensure_future(ex.answer)
         first = asyncio.ensure_future(ex.events.get())
@@ -156,12 +159,28 @@ class StreamEndpoint(AsgiEndpoint):
         whole.cancel()
         headers = [(b"content-type", EVENT_STREAM), (b"cache-control", b"no-cache"), *ex.echo]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
+        gone = asyncio.ensure_future(_disconnected(receive))
         data, last = first.result()
-        while True:
-            await send({"type": "http.response.body", "body": data, "more_body": not last})
-            if last:
-                return
-            data, last = await ex.events.get()
+        try:
+            while True:
+                await send({"type": "http.response.body", "body": data, "more_body": not last})
+                if last:
+                    return
+                following = asyncio.ensure_future(ex.events.get())
+                await asyncio.wait((following, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():  # the client went away mid-stream: the model may stop
+                    following.cancel()
+                    if ex.request_id is not None:
+                        self.route.gateway.dispatcher.cancel(ex.request_id)
+                    return
+                data, last = following.result()
+        finally:
+            gone.cancel()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def decode_generate(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS

@@ -26,6 +26,7 @@ STATUS = {
     Code.DEADLINE_EXCEEDED: 504,
     Code.BACKEND: 500,
     Code.INTERNAL: 500,
+    Code.CANCELLED: 499,  # nobody reads it: the client is gone
 }
 EXTRA_HEADERS = {
     Code.UNAVAILABLE: [(b"retry-after", b"1")],

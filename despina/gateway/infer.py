@@ -213,10 +213,11 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
            trace: bytes | None, done: Callable[[InferReply | DespinaError], None], priority: int = 0,
            timeout_us: int = 0, timeout: float | None = None, parameters: Parameters = NO_PARAMETERS,
            request_id: str = "", sequence: tuple[int | str, int] | None = None,
-           partial: Callable[[InferReply], None] | None = None) -> None:
+           partial: Callable[[InferReply], None] | None = None) -> str | None:
     """Queue one request on the model version's stream (its priority level's); `done` gets the reply,
     or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down), and
-    `partial` a decoupled model's responses before its last one (an error among them included).
+    `partial` a decoupled model's responses before its last one (an error among them included). The
+    request's id with the dispatcher (for Dispatcher.cancel), or None for an ensemble run from here.
     `timeout` (default: request_timeout_s) is how long it may still take; `parameters` and `request_id`
     (the client's V2 "id") are for the model (an ensemble's steps get neither), as is `sequence` (its
     correlation ID and flags) for a model with sequence batching."""
@@ -229,7 +230,7 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
             raise Unavailable(f"ensemble '{model}' cannot be read by this gateway")
         ensemble.run(submit, gw, spec, graph, version, inputs, outputs, trace, done, priority, timeout_us,
                      timeout, sequence)
-        return
+        return None
     now = time.time()
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,
                            tuple(inputs), outputs, priority, timeout_us, now,
@@ -263,6 +264,7 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
             done(DespinaError(f"queueing the request failed: {result}", Code.INTERNAL))
 
     gw.dispatcher.submit(stream, gw.keys.stats(model, version), request, timeout + GRACE_S, settled, bound)
+    return request.id
 
 
 class AsgiExchange:
@@ -297,11 +299,13 @@ class AsgiEndpoint:
             return
         ex = self.exchange(scope, body)
         self.route(ex)
-        await self.answer(ex, send)
+        await self.answer(ex, receive, send)
 
     def exchange(self, scope: Scope, body: bytes) -> AsgiExchange:
         return AsgiExchange(scope, body)
 
-    async def answer(self, ex: AsgiExchange, send: Send) -> None:
+    async def answer(self, ex: AsgiExchange, receive: Receive, send: Send) -> None:
+        """Send the exchange's answer once the route gives it (`receive`: what the client says after its
+        body, that it went away)."""
         status, out, content_type, extra = await ex.answer
         await http.send(send, status, out, content_type, extra)

@@ -11,7 +11,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,14 +24,17 @@ if TYPE_CHECKING:
     from .runner import Pending
 
 Result = dict[str, np.ndarray] | DespinaError | None  # outputs, an error, or None: the final flag alone
-Send = Callable[[InferReply, "Pending"], None]
+Send = Callable[[int, InferReply, "Pending"], None]  # (stream id, reply, its request)
+CLIENT_GONE = "the client went away"
 
 
 @dataclass(slots=True)
 class Open:
     pending: Pending
-    started: float   # wall-clock seconds when its batch started
-    sent: int = 0    # responses so far: the next one's index
+    started: float            # wall-clock seconds when its batch started
+    backend: Any              # the instance that runs it: it hears of a cancellation
+    sent: int = 0             # responses so far: the next one's index
+    cancelled: bool = False   # its client went away: what the model still sends goes nowhere
 
 
 class OpenRequests:
@@ -44,12 +47,21 @@ class OpenRequests:
     def __len__(self) -> int:
         return len(self._open)
 
-    def open(self, pending: list[Pending], started: float) -> list[int]:
-        """The batch's requests open; their stream ids, which the model's responses name."""
+    def open(self, pending: list[Pending], started: float, backend: Any) -> list[int]:
+        """The batch's requests open on `backend`; their stream ids, which the model's responses name."""
         ids = [next(self._ids) for _ in pending]
         for stream, p in zip(ids, pending):
-            self._open[stream] = Open(p, started)
+            self._open[stream] = Open(p, started, backend)
         return ids
+
+    def cancel(self, stream: int) -> None:
+        """Its client went away: the model is told (request.is_cancelled()), and its responses but the
+        last are dropped; the last one ends the request as CANCELLED."""
+        state = self._open.get(stream)
+        if state is None or state.cancelled:
+            return
+        state.cancelled = True
+        state.backend.cancel(stream)
 
     def response(self, stream: int | None, result: Result, final: bool) -> None:
         """A response to request `stream` (ignored once it ended). Stream None: the model's process
@@ -65,6 +77,10 @@ class OpenRequests:
             return  # ended already (a final response, then the error of a failed execute or process)
         p, index = state.pending, state.sent
         state.sent += 1
+        if state.cancelled:
+            if not final:
+                return
+            result = DespinaError(f"model '{self.model}': {CLIENT_GONE}", Code.CANCELLED)
         if self.reshape is not None and result is not None and not isinstance(result, DespinaError):
             try:
                 result = self.reshape.from_model(result)
@@ -80,6 +96,6 @@ class OpenRequests:
         reply.index, reply.final = index, final
         if final:
             del self._open[stream]
-            self._finish(reply, p)
+            self._finish(stream, reply, p)
         else:
-            self._send(reply, p)
+            self._send(stream, reply, p)

@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from ..contract import records
 from ..contract.errors import Code, ConfigError, DespinaError, Unavailable
-from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, Keys
+from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, GROUP, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..resp import Batch, ReadAlong, Resp
@@ -109,8 +109,8 @@ class ModelRunner:
         self._state_outputs = tuple(st.output for st in spec.sequence.states) if spec.sequence else ()
         # a decoupled model's requests between their execute and their final response
         self._open = OpenRequests(spec.name, self._reshape,
-                                  lambda r, p: self._spawn(self._send_replies({p.request.reply_to: [r]})),
-                                  lambda r, p: self._spawn(self._reply([r], [p.request], [p])))
+                                  lambda s, r, p: self._spawn(self._send_response(s, r, p)),
+                                  lambda s, r, p: self._spawn(self._reply([r], [p.request], [p])))
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -465,13 +465,13 @@ class ModelRunner:
     async def _run_streams(self, live: list[Pending], started: float) -> None:
         """A decoupled model's batch: its requests stay open for the responses the model sends whenever it
         likes (self._open); the instance is free when execute returns."""
-        ids = self._open.open(live, started)
         every = [o.name for o in self.spec.outputs]
         asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every for p in live]
         arrays = [p.inputs for p in live]
         if self._reshape is not None:
             arrays = [self._reshape.to_model(a) for a in arrays]
         backend: Any = await self.instances.get()
+        ids = self._open.open(live, started, backend)
         try:
             if backend.quick():
                 results = await backend.execute_streams_async(arrays, asked, ids)
@@ -484,16 +484,24 @@ class ModelRunner:
             if result is not None:  # execute failed: the requests it did not finish end with its error
                 self._open.response(stream, result, True)
 
-    async def _send_replies(self, by_gateway: dict[str, list[InferReply]]) -> None:
-        """Replies alone: a decoupled model's responses before its final one."""
+    async def _send_response(self, stream: int, reply: InferReply, p: Pending) -> None:
+        """A decoupled model's response before its last one, alone to its gateway. The same round trip
+        asks whether the request's client went away (then the model is told), and keeps its stream entry
+        from looking abandoned (its idle time starts again): a long stream is not redelivered."""
         if self._out is None:
             self._out = Resp.like(self.redis)
         pipe = Batch()
-        replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
+        replies_into(pipe, {p.request.reply_to: [reply]}, self.delivery.reply_ttl_ms)
+        pipe.commands.append(["SISMEMBER", self.keys.cancelled(p.request.reply_to), p.request.id])
+        if p.entry is not None:
+            pipe.commands.append(["XCLAIM", p.entry[0], GROUP, self.consumer, 0, p.entry[1], "JUSTID"])
         try:
-            await self._out.execute(pipe.commands)
+            results = await self._out.execute(pipe.commands)
         except Exception as exc:  # the final reply's pipeline tells of it again, or the entry is reclaimed
             log.error("model %s: writing a response failed: %s", self.spec.name, exc)
+            return
+        if results[len(pipe.commands) - (2 if p.entry is not None else 1)]:
+            self._open.cancel(stream)
 
     async def _call(self, backend: Backend, inputs: dict[str, np.ndarray], names: list[str], rows: int
                     ) -> dict[str, np.ndarray]:

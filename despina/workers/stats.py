@@ -41,7 +41,8 @@ end
 
 DEFER_S = 0.02  # how long counters may wait for a pipeline to ride along with
 
-REASON = {Code.RESOURCE_EXHAUSTED: "REJECTED", Code.DEADLINE_EXCEEDED: "REJECTED", Code.BACKEND: "BACKEND"}
+REASON = {Code.RESOURCE_EXHAUSTED: "REJECTED", Code.DEADLINE_EXCEEDED: "REJECTED", Code.BACKEND: "BACKEND",
+          Code.CANCELLED: "CANCELED"}
 
 
 def failure_reason(code: Code) -> str:

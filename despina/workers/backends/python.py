@@ -136,6 +136,13 @@ class PythonBackend(Backend):
             return [exc] * len(requests)
         return [None] * len(requests)
 
+    def cancel(self, stream: int) -> None:
+        """A decoupled model's request whose client went away: its response sender says is_cancelled()."""
+        try:
+            self.stub._send(("cancel", stream))
+        except (OSError, ValueError):
+            pass  # the process is gone, and the request with it
+
     def _response(self, message: tuple[int, Any, bool] | None) -> None:
         """On the reader's thread: a decoupled model's response (or the end of its process), passed on."""
         if self.on_response is None:

@@ -33,6 +33,7 @@ class ModelCalls:
         self._futures: dict[int, asyncio.Future[Answer]] = {}  # async_exec() calls not yet answered
         self._reading = threading.Lock()         # one reader of the connection at a time
         self._writing = threading.Lock()
+        self.on_cancel: Any = None  # the stub's: a decoupled model's request whose client went away
 
     def call(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         call_id = next(self._ids)
@@ -75,9 +76,13 @@ class ModelCalls:
             self._reading.release()
 
     def _read(self) -> None:
-        kind, (call_id, answer) = self.conn.recv()
+        kind, payload = self.conn.recv()
+        if kind == "cancel" and self.on_cancel is not None:
+            self.on_cancel(payload)
+            return
         if kind != "bls":
             raise pb_utils.TritonModelException(f"unexpected message {kind!r} from the worker in execute")
+        call_id, answer = payload
         future = self._futures.get(call_id)
         if future is not None:
             future.get_loop().call_soon_threadsafe(_settle, future, answer)

@@ -50,6 +50,9 @@ def main() -> None:
             break
         if op == "bls":
             continue  # the answer to a call the model did not wait for
+        if op == "cancel":  # a decoupled model's request whose client went away: nothing to answer
+            stub.cancel(payload)
+            continue
         try:
             if op not in OPERATIONS:
                 raise pb_utils.TritonModelException(f"unknown operation {op!r}")
@@ -99,7 +102,14 @@ class Stub:
         self.model: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.calls = calls
+        calls.on_cancel = self.cancel  # a cancellation may come while execute waits for a model call
         self.decoupled = False
+        self.senders: dict[int, ResponseSender] = {}  # a decoupled model's requests not yet finished
+
+    def cancel(self, stream: int) -> None:
+        sender = self.senders.get(stream)
+        if sender is not None:
+            sender.cancelled = True
 
     def auto_complete(self, payload: dict[str, Any]) -> str | None:
         """The config JSON after the model's auto_complete_config, or None when it has none."""
@@ -133,7 +143,7 @@ class Stub:
                 inputs=[pb_utils.Tensor(n, wire.unpack(a)) for n, a in inputs.items()],
                 requested_output_names=asked, parameters=parameters)
             if self.decoupled:
-                request._response_sender = ResponseSender(stream[0], asked, self.calls)
+                request._response_sender = ResponseSender(stream[0], asked, self.calls, self.senders)
             requests.append(request)
         pb_utils._model_calls = self.calls  # exec() works in execute only, as in Triton
         try:
@@ -167,10 +177,14 @@ class ResponseSender:
     """How a decoupled model answers one request (Triton's InferenceResponseSender): any number of
     responses, from any thread, the last one flagged TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
 
-    def __init__(self, stream: int, asked: list[str], calls: ModelCalls) -> None:
-        self._stream, self._asked, self._calls = stream, asked, calls
+    def __init__(self, stream: int, asked: list[str], calls: ModelCalls, open_: dict[int, ResponseSender]
+                 ) -> None:
+        self._stream, self._asked, self._calls, self._open = stream, asked, calls, open_
         self._closed = False
         self._lock = threading.Lock()
+        self.cancelled = False  # its client went away (the worker said so)
+        if stream:  # (0: a warmup sample's, nobody's to cancel)
+            open_[stream] = self
 
     def send(self, response: Any = None, flags: int = 0) -> None:
         final = bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -183,10 +197,13 @@ class ResponseSender:
                 raise pb_utils.TritonModelException("Unable to send a response: this request's response "
                                                     "sender is closed (its final response was sent)")
             self._closed = final
+            if final:
+                self._open.pop(self._stream, None)
             self._calls.send(("response", (self._stream, answer, final)))
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the request's client went away: the model may stop, and send its final flag."""
+        return self.cancelled
 
 
 def _answer(response: Any, asked: list[str]) -> tuple[str, Any, Any]:

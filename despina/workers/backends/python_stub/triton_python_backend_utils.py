@@ -239,7 +239,8 @@ class InferenceRequest:
         return self._timeout
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the request's client went away (a decoupled model's request; False for the rest)."""
+        return self._response_sender is not None and self._response_sender.is_cancelled()
 
     _response_sender: Any = None  # the stub sets one on each request of a decoupled model
 
