@@ -427,3 +427,19 @@ def test_the_example_streaming_model(example_server: Server) -> None:
     assert [(d["text_output"], d["index"]) for d in events(r)] == [("one", 0), ("two", 1), ("three", 2)]
     r = httpx.post(f"{example_server.url}/v2/models/text_stream/generate", json={"text_input": "hi"}, timeout=30)
     assert r.json() == {"model_name": "text_stream", "model_version": "1", "text_output": "hi", "index": 0}
+
+
+def test_a_stream_longer_than_the_visibility_timeout_is_not_redelivered(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """Each response keeps the request's entry from looking abandoned: a 3 s stream under a 1 s
+    visibility timeout runs once."""
+    (tmp_path / "repo" / "streamer" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "streamer" / "1" / "model.py").write_text(STREAMER.replace("0.02", "0.25"))
+    (tmp_path / "repo" / "streamer" / "config.pbtxt").write_text(STREAMER_CONFIG)
+    server = serve(tmp_path / "repo", wait_models=("streamer",), env={"DESPINA_VISIBILITY_TIMEOUT_S": "1"})
+    words = [f"w{i}" for i in range(12)]
+    r = post(server, "streamer/generate_stream", {"text_input": " ".join(words)})
+    assert [d["text_output"] for d in events(r)] == words
+    stats = settled_stats(server.url, "streamer")
+    assert stats["execution_count"] == 1, stats
+    assert "redeliver" not in server.logs().lower()
