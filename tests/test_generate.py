@@ -107,6 +107,10 @@ class TritonPythonModel:
                 time.sleep(0.05)
             sender.send(flags=FINAL)
             return
+        if words[0] == "refuse":  # an error response, then the final flag alone
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("no such word")))
+            sender.send(flags=FINAL)
+            return
         if words[0] == "oops":  # an error response, then a good final one
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("bad word")))
             sender.send(response("after", 1), flags=FINAL)
@@ -318,6 +322,8 @@ def test_generate_takes_a_decoupled_models_single_response_and_refuses_several(s
     r = post(server, "streamer/generate", {"text_input": "alone"})
     assert r.status_code == 200, r.text
     assert r.json() == {"model_name": "streamer", "model_version": "1", "text_output": "alone", "length": 0}
+    r = post(server, "streamer/generate", {"text_input": "refuse"})  # its one response an error
+    assert r.status_code == 500 and r.json() == {"error": "model 'streamer': no such word"}
     r = post(server, "streamer/generate", {"text_input": "a b"})
     assert r.status_code == 400
     assert r.json()["error"] == ("model 'streamer' sent 2 responses to this request: /generate answers with "

@@ -105,8 +105,12 @@ class GenerateRoute(Route):
             def done(result: InferReply | DespinaError) -> None:
                 if isinstance(result, InferReply) and not result.empty:
                     responses.append(result)
-                if isinstance(result, DespinaError) or len(responses) == 1:
-                    answered(result if isinstance(result, DespinaError) else responses[0])
+                if isinstance(result, DespinaError):
+                    answered(result)
+                    return
+                if len(responses) == 1:
+                    error = responses[0].error  # an error response that the final flag followed alone
+                    answered(responses[0] if error is None else DespinaError(error[1], error[0]))
                     return
                 answered(InvalidArgument(f"model '{spec.name}' sent {len(responses)} responses to this "
                                          "request: /generate answers with one, /generate_stream with all"))
