@@ -156,6 +156,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (root / "streamer" / "1").mkdir(parents=True)
     (root / "streamer" / "1" / "model.py").write_text(STREAMER)
     (root / "streamer" / "config.pbtxt").write_text(STREAMER_CONFIG)
+    (root / "streamer_sequence" / "1").mkdir(parents=True)
+    (root / "streamer_sequence" / "1" / "model.py").write_text(STREAMER)
+    (root / "streamer_sequence" / "config.pbtxt").write_text(
+        STREAMER_CONFIG.replace('name: "streamer"', 'name: "streamer_sequence"') + "sequence_batching { }\n")
     (root / "caller" / "1").mkdir(parents=True)
     (root / "caller" / "1" / "model.py").write_text(CALLER)
     (root / "caller" / "config.pbtxt").write_text(TEXT_CONFIG.format(name="caller", batch=0))
@@ -260,11 +264,14 @@ def test_a_model_failure_is_an_error_event_from_generate_stream_and_an_error_fro
     assert r.status_code == 500 and r.json() == {"error": "model 'text': asked to fail"}
 
 
-def test_a_decoupled_model_other_than_python_is_refused_at_load_with_its_reason(server: Server) -> None:
+def test_decoupled_models_despina_cannot_serve_are_refused_at_load_with_their_reason(server: Server) -> None:
     index = httpx.post(f"{server.url}/v2/repository/index", timeout=30).json()
     row = next(row for row in index if row["name"] == "add_sub_decoupled")
     assert row["state"] == "UNAVAILABLE"
     assert "model_transaction_policy.decoupled needs backend \"python\"" in row["reason"]
+    row = next(row for row in index if row["name"] == "streamer_sequence")
+    assert row["state"] == "UNAVAILABLE"
+    assert "a decoupled model with sequence_batching is not supported" in row["reason"]
 
 
 def test_a_decoupled_model_streams_each_response_as_it_sends_it(server: Server) -> None:

@@ -133,6 +133,9 @@ def validate(config: Any) -> None:
         raise ConfigError(f"model '{model}': model_transaction_policy.decoupled needs backend \"python\" "
                           "(a model that answers through a response sender)")
     scheduling = config.WhichOneof("scheduling_choice")
+    if config.model_transaction_policy.decoupled and scheduling == "sequence_batching":
+        raise ConfigError(f"model '{model}': a decoupled model with sequence_batching is not supported by "
+                          "Despina yet")
     if scheduling not in (None, "dynamic_batching"):
         if scheduling == "sequence_batching":
             validate_sequence(config)
@@ -240,7 +243,6 @@ class ModelSpec:
     @property
     def batched(self) -> bool:
         return self.max_batch_size > 0
-
 
     def input(self, name: str) -> TensorSpec | None:
         return self.by_name.get(f"in:{name}")

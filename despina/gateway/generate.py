@@ -77,55 +77,76 @@ class GenerateRoute(Route):
                 ex.respond(200, orjson.dumps(document(reply)), http.JSON, echo)
 
         answered = answering(ex, trace, answer)
-        partial: Callable[[InferReply], None] | None = None
+        partial: Partial | None = None
         if spec.decoupled and stream:
             if not isinstance(ex, EventExchange):
                 raise DespinaError("streamed answers are not available on this route", Code.INTERNAL)
-            events = ex
-            sent = [0]  # events so far
-
-            def send_event(reply: InferReply) -> None:
-                events.event(event(document(reply)), False)
-                sent[0] += 1
-
-            partial = send_event
-
-            def done(result: InferReply | DespinaError) -> None:
-                if isinstance(result, DespinaError):
-                    if not sent[0] and result.code != Code.BACKEND:  # nothing reached the model
-                        answered(result)
-                    else:
-                        events.event(event({"error": result.message}), True)
-                else:
-                    events.event(b"" if result.empty else event(document(result)), True)
+            done, partial = _streamed(ex, document, answered)
         elif spec.decoupled:
-            responses: list[InferReply] = []
-            partial = responses.append
-
-            def done(result: InferReply | DespinaError) -> None:
-                if isinstance(result, InferReply) and not result.empty:
-                    responses.append(result)
-                if isinstance(result, DespinaError):
-                    answered(result)
-                    return
-                if len(responses) == 1:
-                    error = responses[0].error  # an error response that the final flag followed alone
-                    answered(responses[0] if error is None else DespinaError(error[1], error[0]))
-                    return
-                answered(InvalidArgument(f"model '{spec.name}' sent {len(responses)} responses to this "
-                                         "request: /generate answers with one, /generate_stream with all"))
+            done, partial = _collected(spec.name, answered)
         else:
-            def done(result: InferReply | DespinaError) -> None:
-                if stream and isinstance(result, DespinaError) and result.code == Code.BACKEND:
-                    # the model ran, and failed: an event
-                    ex.respond(200, event({"error": result.message}), EVENT_STREAM, echo)
-                else:
-                    answered(result)
+            done = _once(ex, stream, echo, answered)
 
         request_id = submit(self.gateway, spec, version, inputs, (), trace, done, priority, timeout_us,
                             timeout, model_parameters(parameters), "", sequence, partial)
         if isinstance(ex, EventExchange):
             ex.request_id = request_id
+
+
+Done = Callable[[InferReply | DespinaError], None]
+Partial = Callable[[InferReply], None]
+
+
+def _once(ex: Exchange, stream: bool, echo: Headers, answered: Done) -> Done:
+    """A model that answers once: the answer, or the error; from /generate_stream the model's own failure
+    is an event (it ran, and failed)."""
+    def done(result: InferReply | DespinaError) -> None:
+        if stream and isinstance(result, DespinaError) and result.code == Code.BACKEND:
+            ex.respond(200, event({"error": result.message}), EVENT_STREAM, echo)
+        else:
+            answered(result)
+    return done
+
+
+def _streamed(ex: EventExchange, document: Callable[[InferReply], dict[str, Any]], answered: Done
+              ) -> tuple[Done, Partial]:
+    """A decoupled model's answers as events, each as it comes; an error before any of them that did not
+    come from the model (a full queue, a timeout) is a whole JSON answer with its status."""
+    sent = [0]  # events so far
+
+    def partial(reply: InferReply) -> None:
+        ex.event(event(document(reply)), False)
+        sent[0] += 1
+
+    def done(result: InferReply | DespinaError) -> None:
+        if isinstance(result, DespinaError):
+            if not sent[0] and result.code != Code.BACKEND:
+                answered(result)
+            else:
+                ex.event(event({"error": result.message}), True)
+        else:
+            ex.event(b"" if result.empty else event(document(result)), True)
+    return done, partial
+
+
+def _collected(model: str, answered: Done) -> tuple[Done, Partial]:
+    """A decoupled model's answers to /generate: one response is the answer (an error one, its error);
+    several are a 400 that names /generate_stream."""
+    responses: list[InferReply] = []
+
+    def done(result: InferReply | DespinaError) -> None:
+        if isinstance(result, DespinaError):
+            answered(result)
+            return
+        if not result.empty:
+            responses.append(result)
+        if len(responses) == 1:
+            error = responses[0].error
+            answered(responses[0] if error is None else DespinaError(error[1], error[0]))
+            return
+        answered(InvalidArgument(f"model '{model}' sent {len(responses)} responses to this request: "
+                                 "/generate answers with one, /generate_stream with all"))
+    return done, responses.append
 
 
 class EventExchange(AsgiExchange):

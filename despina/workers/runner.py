@@ -425,18 +425,24 @@ class ModelRunner:
         return answers.split(self.spec.name, [p.request for p in live], sizes, results[0], started,
                              compute_us)
 
-    async def _run_requests(self, backend: Backend, live: list[Pending], started: float
-                            ) -> list[InferReply]:
-        """A per-request backend: each request keeps its own inputs, and its own error."""
+    def _each_request(self, live: list[Pending]) -> tuple[list[dict[str, np.ndarray]], list[list[str]]]:
+        """A per-request backend's batch: each request's inputs in the model's shapes, and the outputs it
+        asks for (with the implicit states' always)."""
         every = [o.name for o in self.spec.outputs]
         asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every
                  for p in live]
         if self._state_outputs:
             asked = [a + [n for n in self._state_outputs if n not in a] for a in asked]
         arrays = [p.inputs for p in live]
+        if self._reshape is not None:
+            arrays = [self._reshape.to_model(a) for a in arrays]
+        return arrays, asked
+
+    async def _run_requests(self, backend: Backend, live: list[Pending], started: float
+                            ) -> list[InferReply]:
+        """A per-request backend: each request keeps its own inputs, and its own error."""
+        arrays, asked = self._each_request(live)
         reshape = self._reshape
-        if reshape is not None:
-            arrays = [reshape.to_model(a) for a in arrays]
         if backend.awaitable and backend.quick():  # it waits on its model's process: no thread needed
             results = await backend.execute_requests_async(arrays, asked)
         else:
@@ -465,11 +471,7 @@ class ModelRunner:
     async def _run_streams(self, live: list[Pending], started: float) -> None:
         """A decoupled model's batch: its requests stay open for the responses the model sends whenever it
         likes (self._open); the instance is free when execute returns."""
-        every = [o.name for o in self.spec.outputs]
-        asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every for p in live]
-        arrays = [p.inputs for p in live]
-        if self._reshape is not None:
-            arrays = [self._reshape.to_model(a) for a in arrays]
+        arrays, asked = self._each_request(live)
         backend: Any = await self.instances.get()
         ids = self._open.open(live, started, backend)
         try:
@@ -492,6 +494,7 @@ class ModelRunner:
             self._out = Resp.like(self.redis)
         pipe = Batch()
         replies_into(pipe, {p.request.reply_to: [reply]}, self.delivery.reply_ttl_ms)
+        asked = len(pipe.commands)  # the answer that says whether it was cancelled
         pipe.commands.append(["SISMEMBER", self.keys.cancelled(p.request.reply_to), p.request.id])
         if p.entry is not None:
             pipe.commands.append(["XCLAIM", p.entry[0], GROUP, self.consumer, 0, p.entry[1], "JUSTID"])
@@ -500,7 +503,7 @@ class ModelRunner:
         except Exception as exc:  # the final reply's pipeline tells of it again, or the entry is reclaimed
             log.error("model %s: writing a response failed: %s", self.spec.name, exc)
             return
-        if results[len(pipe.commands) - (2 if p.entry is not None else 1)]:
+        if results[asked]:
             self._open.cancel(stream)
 
     async def _call(self, backend: Backend, inputs: dict[str, np.ndarray], names: list[str], rows: int

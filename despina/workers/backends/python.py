@@ -84,57 +84,51 @@ class PythonBackend(Backend):
 
     def execute_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
                          outputs: Sequence[Sequence[str]]) -> list[dict[str, np.ndarray] | DespinaError]:
-        with self._lock:
-            failure = self._ready()
-            if failure is not None:
-                return [failure] * len(requests)
-            try:
-                answers = self.stub.call("execute", _payload(requests, outputs), caller=self.caller)
-            except StubDied as exc:
-                return [self._died(exc)] * len(requests)
-            except BackendError as exc:  # execute raised: the whole batch fails, as in Triton
-                return [exc] * len(requests)
-        return self._results(answers)
+        answers = self._execute(_payload(requests, outputs))
+        return [answers] * len(requests) if isinstance(answers, DespinaError) else self._results(answers)
 
     async def execute_requests_async(self, requests: Sequence[Mapping[str, np.ndarray]],
                                      outputs: Sequence[Sequence[str]]
                                      ) -> list[dict[str, np.ndarray] | DespinaError]:
         """The same, the process's answer awaited on the event loop; only when quick() (no restart)."""
-        try:
-            answers = await self.stub.call_async("execute", _payload(requests, outputs), self.caller)
-        except StubDied as exc:
-            return [self._died(exc)] * len(requests)
-        except BackendError as exc:
-            return [exc] * len(requests)
-        return self._results(answers)
+        answers = await self._execute_async(_payload(requests, outputs))
+        return [answers] * len(requests) if isinstance(answers, DespinaError) else self._results(answers)
 
     def execute_streams(self, requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Sequence[str]],
                         streams: Sequence[int]) -> list[DespinaError | None]:
         """A decoupled model's execute: its answers come to on_response by stream id; here, per request,
         None or the error that ended it (execute raised, the process died)."""
-        with self._lock:
-            failure = self._ready()
-            if failure is not None:
-                return [failure] * len(requests)
-            try:
-                self.stub.call("execute", _payload(requests, outputs, streams), caller=self.caller)
-            except StubDied as exc:
-                return [self._died(exc)] * len(requests)
-            except BackendError as exc:
-                return [exc] * len(requests)
-        return [None] * len(requests)
+        failed = self._execute(_payload(requests, outputs, streams))
+        return [failed if isinstance(failed, DespinaError) else None] * len(requests)
 
     async def execute_streams_async(self, requests: Sequence[Mapping[str, np.ndarray]],
                                     outputs: Sequence[Sequence[str]], streams: Sequence[int]
                                     ) -> list[DespinaError | None]:
         """The same, awaited on the event loop; only when quick() (no restart)."""
+        failed = await self._execute_async(_payload(requests, outputs, streams))
+        return [failed if isinstance(failed, DespinaError) else None] * len(requests)
+
+    def _execute(self, payload: list[Any]) -> Any:
+        """The process's answer to one execute, or the error that takes its place for the whole batch (a
+        restart that failed, the process dying under it, execute raising, as in Triton)."""
+        with self._lock:
+            failure = self._ready()
+            if failure is not None:
+                return failure
+            try:
+                return self.stub.call("execute", payload, caller=self.caller)
+            except StubDied as exc:
+                return self._died(exc)
+            except BackendError as exc:
+                return exc
+
+    async def _execute_async(self, payload: list[Any]) -> Any:
         try:
-            await self.stub.call_async("execute", _payload(requests, outputs, streams), self.caller)
+            return await self.stub.call_async("execute", payload, self.caller)
         except StubDied as exc:
-            return [self._died(exc)] * len(requests)
+            return self._died(exc)
         except BackendError as exc:
-            return [exc] * len(requests)
-        return [None] * len(requests)
+            return exc
 
     def cancel(self, stream: int) -> None:
         """A decoupled model's request whose client went away: its response sender says is_cancelled()."""
