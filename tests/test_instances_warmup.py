@@ -355,15 +355,24 @@ async def test_a_quick_model_runs_inline_whatever_else_held_the_loop_while_a_thr
 
     backend.execute = recorded  # type: ignore[method-assign]
     inputs = {"a": np.ones((2, 4), np.float32), "b": np.ones((2, 4), np.float32)}
-    execute(inputs, ["sum", "diff"])  # onnxruntime's first run allocates (over 1 ms once in CI): not timed
     loop = asyncio.get_running_loop()
+    # onnxruntime's first run, on this thread and on the runner's, allocates (over 1 ms in CI): not timed
+    execute(inputs, ["sum", "diff"])
+    await loop.run_in_executor(runner._executor, execute, inputs, ["sum", "diff"])
     try:
         loop.call_soon(time.sleep, 0.05)  # the loop busy elsewhere while the first batch runs on a thread
         out = await runner._call(backend, inputs, ["sum", "diff"], 2)
         assert ran_on[-1] != threading.get_ident()  # nothing known of its cost yet: on a thread
         assert out["sum"].tolist() == [[2.0] * 4] * 2
-        assert runner._row_us is not None and runner._row_us * 2 < INLINE_BELOW_US  # not the 50 ms
-        await runner._call(backend, inputs, ["sum", "diff"], 2)
+        assert runner._row_us is not None and runner._row_us * 2 < 50_000  # the call, not the loop's 50 ms
+        # A shared CI host can stall that one call for milliseconds; the average then comes down with
+        # the next ones, and once it says short the batch runs on the loop, and only then.
+        for _ in range(50):
+            expected_us = runner._row_us * 2
+            await runner._call(backend, inputs, ["sum", "diff"], 2)
+            assert (ran_on[-1] == threading.get_ident()) == (expected_us < INLINE_BELOW_US)
+            if ran_on[-1] == threading.get_ident():
+                break
         assert ran_on[-1] == threading.get_ident()  # on the loop: the hand-off would cost more
     finally:
         await runner.stop()
