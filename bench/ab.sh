@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# usage: bench/ab.sh [-r ROUNDS] [-c "1 8 32 64"] [-m "mlp ..."] [-l perf_analyzer|loadgen] LABEL=TREE[:ENV=V,...] ...
+# usage: bench/ab.sh [-r ROUNDS] [-c "1 8 32 64"] [-m "mlp ..."] [-l perf_analyzer|loadgen|aiohttp] LABEL=TREE[:ENV=V,...] ...
 #
 # A B B A: each round starts `despina serve` from each tree in turn, even rounds in reverse order (server
 # on core 0, embedded Valkey, bench/out/repo), and drives each model (default W1 `mlp`; binary tensors)
-# at each concurrency from core 1, with Triton's perf_analyzer (the peers kit's) or bench/loadgen.py
-# (W1 and W2 only). One line per point: label, round, model, concurrency, req/s, p50/p99 ms, mean
+# at each concurrency from core 1, with Triton's perf_analyzer (the peers kit's), bench/loadgen.py
+# (W1 and W2 only), or the kit's aiohttp client (W1, JSON bodies: `aiohttp`). One line per point: label, round, model, concurrency, req/s, p50/p99 ms, mean
 # batch and mean queue µs (from the statistics before and after the point), and how busy core 0 (the
 # server's) and core 1 (the client's: a point where it is full measures the client) were. TREE is a checkout of
 # Despina (a git worktree of another commit, say) run with this checkout's venv; ENV=V pairs are set
@@ -35,6 +35,7 @@ PA=${PERF_ANALYZER:-$HOME/.cache/despina-peers/bin/perf_analyzer}
 PORT=${BENCH_PORT:-18000}
 URL=http://127.0.0.1:$PORT
 PEERS_DIR=${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/despina-peers}
+KIT=${PEERS_KIT:-$ROOT/../shared/peers}  # the kit's scripts (its aiohttp client)
 ROUNDS=2 CONCS="1 8 32 64" CLIENT=perf_analyzer MODELS=mlp
 while getopts "r:c:m:l:" opt; do
   case $opt in
@@ -50,7 +51,8 @@ shift $((OPTIND - 1))
 case $CLIENT in
   perf_analyzer) [ -x "$PA" ] || { echo "no perf_analyzer at $PA: run /work/shared/peers/setup.sh" >&2; exit 1; } ;;
   loadgen) ;;
-  *) echo "-l perf_analyzer or loadgen" >&2; exit 2 ;;
+  aiohttp) [ -x "$PEERS_DIR/venv/loadgen/bin/python" ] || { echo "no peers kit in $PEERS_DIR: run /work/shared/peers/setup.sh" >&2; exit 1; } ;;
+  *) echo "-l perf_analyzer, loadgen or aiohttp" >&2; exit 2 ;;
 esac
 OUT=$ROOT/bench/out/ab-$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p "$OUT"
@@ -84,6 +86,13 @@ point() {  # label round model conc -> one line
       --measurement-interval 3000 --max-trials 10 --stability-percentage 20 2>&1)
     line=$(echo "$out" | awk '/Throughput:/ {t = $2} /p50 latency:/ {p50 = $3 / 1000} /p99 latency:/ {p99 = $3 / 1000}
       END {if (t == "") print "failed - -"; else printf "%.0f %.2f %.2f\n", t, p50, p99}')
+  elif [ "$CLIENT" = aiohttp ]; then
+    line=$(taskset -c 1 "$PEERS_DIR/venv/loadgen/bin/python" "$KIT/bench/loadgen.py" "$URL/v2/models/$3/infer" \
+      --kind kserve --conc "$4" --duration 4 --triton-stats "$URL/v2/models/$3/stats" | "$PY" -c 'import json, sys
+r = json.loads(sys.stdin.read())
+if "error" in r: print("failed - -  %s" % r["error"]); sys.exit()
+bad = "  errors %d output_ok %s" % (r["errors"], r["output_ok"]) if r["errors"] or not r["output_ok"] else ""
+print("%.0f %.2f %.2f%s" % (r["rps"], r["p50_ms"], r["p99_ms"], bad))')
   else
     line=$("$PY" "$ROOT/bench/loadgen.py" "$URL" --cpu 1 --model "$3" --format binary --conc "$4" --duration 4 \
       --out /dev/null | "$PY" -c 'import json, sys

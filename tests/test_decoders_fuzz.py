@@ -22,7 +22,7 @@ from despina.contract.errors import InvalidArgument
 from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.gateway.fn import decode_fn
-from despina.gateway.v2 import Decoded, decode_infer
+from despina.gateway.v2 import PACKED, Decoded, converted, decode_infer, holds_no_booleans, json_data_to_bytes
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -312,6 +312,51 @@ def test_fn_decoder_never_crashes(body: bytes, spec: ModelSpec) -> None:
         return
     for t in tensors:
         assert to_numpy(t.datatype, t.shape, t.data).shape == t.shape
+
+
+numbers = (int64s | st.integers(-300, 300) | st.floats(allow_nan=False, allow_infinity=False)
+           | st.floats(-70000, 70000) | st.sampled_from([0.0, -0.0, 65504.0, 65520.0, 3.4e38, 2.0**53 + 1]))
+tensor_data = st.recursive(numbers | scalars, lambda inner: st.lists(inner, max_size=5), max_leaves=24)
+
+
+def _bytes_or_error(convert: Any) -> bytes | str:
+    try:
+        return convert()  # type: ignore[no-any-return]
+    except InvalidArgument as exc:
+        return f"refused: {exc}"
+
+
+@st.composite
+def shaped_data(draw: st.DrawFn) -> tuple[Any, list[int]]:
+    """JSON data and a shape: mostly one that fits (flat, or nested in rows), now and then any."""
+    if draw(st.integers(0, 3)) == 0:
+        return draw(tensor_data), draw(st.lists(st.integers(0, 5), max_size=3))
+    rows, width = draw(st.integers(1, 3)), draw(st.integers(0, 6))
+    flat = draw(st.lists(numbers | (scalars if draw(st.integers(0, 4)) == 0 else numbers),
+                         min_size=rows * width, max_size=rows * width))
+    if draw(st.booleans()):
+        return flat, [rows * width]
+    return [flat[r * width:(r + 1) * width] for r in range(rows)], [rows, width]
+
+
+@FUZZ
+@given(st.sampled_from(sorted(PACKED)), shaped_data())
+def test_json_numbers_packed_by_struct_are_what_numpy_makes_of_them(datatype: str,
+                                                                     case: tuple[Any, list[int]]) -> None:
+    """The quick conversion of JSON numbers (struct) gives the bytes numpy's gives, or its error, for
+    any data; and the type check it skips when the document holds no booleans changes nothing then."""
+    data, shape = case
+    slow = _bytes_or_error(lambda: converted("x", datatype, shape, data))
+    event("converted" if isinstance(slow, bytes) else "refused")
+    assert _bytes_or_error(lambda: json_data_to_bytes("x", datatype, shape, data)) == slow
+    if holds_no_booleans(orjson.dumps(data)):
+        assert _bytes_or_error(lambda: json_data_to_bytes("x", datatype, shape, data, booleans=False)) == slow
+
+
+def test_a_document_without_r_or_l_holds_no_booleans_or_nulls() -> None:
+    assert holds_no_booleans(b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}')
+    for literal in (b"true", b"false", b"null"):
+        assert not holds_no_booleans(b'{"data": [1, ' + literal + b"]}")
 
 
 @pytest.mark.parametrize("depth", [3, 200, 1000])

@@ -13,7 +13,7 @@ import orjson
 from ..contract.errors import InvalidArgument
 from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_input
 from ..contract.records import Tensor
-from .v2 import MAX_ELEMENTS, check_count, json_data_to_bytes
+from .v2 import MAX_ELEMENTS, check_count, holds_no_booleans, json_data_to_bytes
 
 
 def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) -> tuple[list[Tensor], bool]:
@@ -34,6 +34,7 @@ def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) ->
                               "single-input model")
     tensors: list[Tensor] = []
     added = False
+    booleans = not holds_no_booleans(body)
     for name, data in doc.items():
         expected = known_input(spec, name)
         shape = shape_of(name, data, len(expected.dims) + (1 if spec.batched else 0))
@@ -43,7 +44,7 @@ def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) ->
         check_shape(spec, expected, shape)
         check_count(name, shape, max_elements)
         tensors.append(Tensor(name, expected.datatype, tuple(shape),
-                              json_data_to_bytes(name, expected.datatype, shape, data)))
+                              json_data_to_bytes(name, expected.datatype, shape, data, booleans)))
     check_inputs(spec, tensors)
     return tensors, added
 

@@ -5,6 +5,7 @@ Pure functions from bytes to records and back; no HTTP framework here.
 from __future__ import annotations
 
 import itertools
+import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -119,8 +120,9 @@ def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: in
     inputs: list[Tensor] = []
     from_binary: list[bool] = []
     seen: set[str] = set()
+    booleans = not holds_no_booleans(header)
     for raw in raw_inputs:
-        tensor, used = _decode_input(raw, spec, binary[offset:], max_elements)
+        tensor, used = _decode_input(raw, spec, binary[offset:], max_elements, booleans)
         if tensor.name in seen:
             raise InvalidArgument(f"input '{tensor.name}' is given twice")
         seen.add(tensor.name)
@@ -162,7 +164,8 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: int) -> tuple[Tensor, int]:
+def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: int, booleans: bool
+                  ) -> tuple[Tensor, int]:
     if not isinstance(raw, dict):
         raise InvalidArgument("each entry of 'inputs' must be an object")
     name = raw.get("name")
@@ -195,7 +198,8 @@ def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: i
         return Tensor(name, datatype, tuple(shape), data), size
     if "data" not in raw:
         raise InvalidArgument(f"input '{name}' has neither 'data' nor binary_data_size")
-    return Tensor(name, datatype, tuple(shape), json_data_to_bytes(name, datatype, shape, raw["data"])), 0
+    return Tensor(name, datatype, tuple(shape), json_data_to_bytes(name, datatype, shape, raw["data"],
+                                                                  booleans)), 0
 
 
 def check_count(name: str, shape: list[int], max_elements: int) -> None:
@@ -218,7 +222,36 @@ def _flatten(data: Any) -> tuple[list[Any], set[type]]:
     return flat, kinds
 
 
-def json_data_to_bytes(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
+# struct's codes for the numeric datatypes: struct.pack converts a list of Python numbers in one C
+# pass, twice as fast as numpy does (the float to float32 rounding the same), and refuses any other
+# object, but for booleans, which it takes as ints
+PACKED = {"UINT8": "B", "UINT16": "H", "UINT32": "I", "UINT64": "Q", "INT8": "b", "INT16": "h",
+          "INT32": "i", "INT64": "q", "FP16": "e", "FP32": "f", "FP64": "d"}
+
+
+def holds_no_booleans(raw: bytes) -> bool:
+    """True when a JSON document has no true, false (or null) anywhere: every such literal has an r or
+    an l, and these bytes are found at memchr's speed. A document with them may still have none."""
+    return b"r" not in raw and b"l" not in raw
+
+
+def json_data_to_bytes(name: str, datatype: str, shape: list[int], data: Any, booleans: bool = True
+                       ) -> bytes:
+    """An input's JSON data (nested lists or a flat list, row-major) -> its raw little-endian bytes;
+    InvalidArgument when it is not `shape`'s count of values of `datatype`. `booleans=False` says the
+    document holds none (holds_no_booleans), sparing the numbers' type check."""
+    code = PACKED.get(datatype)
+    if code is not None:
+        packed = _packed(code, element_count(shape), data, booleans)
+        if packed is not None:
+            return packed
+    # anything the quick way does not take goes the long way, which says what is wrong with it, or
+    # converts it as numpy does (a float for an integer datatype, a value out of a float's range)
+    return converted(name, datatype, shape, data)
+
+
+def converted(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
+    """json_data_to_bytes the long way, by numpy: any datatype, any data, the error for each."""
     flat, kinds = _flatten(data)
     count = element_count(shape)
     if len(flat) != count:
@@ -237,10 +270,24 @@ def json_data_to_bytes(name: str, datatype: str, shape: list[int], data: Any) ->
     elif not kinds <= {int, float}:
         raise InvalidArgument(f"input '{name}': {datatype} data must be numbers")
     try:
-        array = np.asarray(flat, dtype=V2_TO_NUMPY[datatype])
+        with np.errstate(over="ignore"):  # past a float's range is its infinity, as in Triton
+            array = np.asarray(flat, dtype=V2_TO_NUMPY[datatype])
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidArgument(f"input '{name}': data does not fit {datatype}: {exc}") from None
     return array.tobytes()
+
+
+def _packed(code: str, count: int, data: Any, booleans: bool) -> bytes | None:
+    """Numbers packed by struct, or None where they are not plainly `count` ints and floats."""
+    flat = data
+    try:
+        while type(flat) is list and flat and type(flat[0]) is list:
+            flat = list(itertools.chain.from_iterable(flat))
+        if type(flat) is not list or len(flat) != count or (booleans and bool in set(map(type, flat))):
+            return None
+        return struct.pack(f"<{count}{code}", *flat)
+    except (struct.error, TypeError, OverflowError):  # a string, a null, a level that mixes, a range
+        return None
 
 
 def _decode_outputs(raw: Any, spec: ModelSpec) -> tuple[list[str], set[str]]:
