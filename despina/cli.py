@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--host", dest="host", help="address to bind (default 127.0.0.1)")
         sp.add_argument("--request-timeout", dest="request_timeout_s", type=float,
                         help="default deadline of a request in seconds (default 60)")
+        sp.add_argument("--response-cache-bytes", dest="response_cache_bytes", type=int, metavar="BYTES",
+                        help="memory each gateway keeps answers in for models with response_cache "
+                             "{ enable: true } (Triton's --cache-config local,size=BYTES; default 0: off)")
         sp.add_argument("--api-keys-file", dest="api_keys_file",
                         help="API keys, one a line: KEY or KEY: model1,model2 (keys themselves only "
                              "through this file or $DESPINA_API_KEYS, never on the command line)")

@@ -36,6 +36,13 @@ COUNTERS = (  # Triton's counter, help, statistics field, scale from the field's
      "compute_infer_ns", 1e-3),
     ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in "
      "microseconds", "compute_output_ns", 1e-3),
+    # the response cache (gateway/cache.py), as Triton names its counters
+    ("nv_cache_num_hits_per_model", "Number of response cache hits per model", "cache_hit_count", 1),
+    ("nv_cache_num_misses_per_model", "Number of response cache misses per model", "cache_miss_count", 1),
+    ("nv_cache_hit_duration_per_model", "Cumulative time requests spend retrieving a cached response "
+     "per model on cache hits (microseconds)", "cache_hit_ns", 1e-3),
+    ("nv_cache_miss_duration_per_model", "Cumulative time requests spend looking up and inserting "
+     "responses into the cache on a cache miss (microseconds)", "cache_miss_ns", 1e-3),
 )
 REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
@@ -124,8 +131,10 @@ def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
                "Instantaneous number of pending requests awaiting execution per-model")
     for m in models:
         s = m["stats"]
-        # requests a gateway refused (queue full) were never enqueued
-        answered = s.get("success_count", 0) + s.get("fail_count", 0) - s.get("refused", 0)
+        # requests a gateway refused (queue full) were never enqueued, nor were those it answered from its
+        # response cache
+        answered = s.get("success_count", 0) + s.get("fail_count", 0) - s.get("refused", 0) \
+            - s.get("cache_hit_count", 0)
         out.sample("nv_inference_pending_request_count", _labels(m), max(0, s.get("enqueued", 0) - answered))
     out.family("despina_stream_backlog", "gauge", "Entries in a model version's request streams "
                "(queued or being worked on; one entry may carry several requests)")

@@ -133,6 +133,9 @@ def validate(config: Any) -> None:
         raise ConfigError(f"model '{model}': model_transaction_policy.decoupled needs backend \"python\" "
                           "(a model that answers through a response sender)")
     scheduling = config.WhichOneof("scheduling_choice")
+    if config.model_transaction_policy.decoupled and config.response_cache.enable:
+        raise ConfigError(f"model '{model}': the response cache does not support a decoupled model (one "
+                          "request, several responses): remove response_cache or its enable: true")
     if config.model_transaction_policy.decoupled and scheduling == "sequence_batching":
         raise ConfigError(f"model '{model}': a decoupled model with sequence_batching is not supported by "
                           "Despina yet")
@@ -219,6 +222,7 @@ class ModelSpec:
     by_name: dict[str, TensorSpec] = field(default_factory=dict, repr=False, compare=False)
     sequence: SequencePolicy | None = None  # sequence_batching: a stateful model (contract/sequence.py)
     decoupled: bool = False  # it answers a request through a response sender, any number of times
+    response_cache: bool = False  # response_cache { enable: true }: gateways keep its answers (cache.py)
 
     def __post_init__(self) -> None:
         # inputs and outputs by name ("in:x", "out:y"): looked up for every request
@@ -238,7 +242,8 @@ class ModelSpec:
                    int(config.get("max_batch_size", 0)), tensors(config.get("input", [])),
                    tensors(config.get("output", [])), batch_policy(config), config,
                    sequence=sequence_policy(config),
-                   decoupled=bool(config.get("model_transaction_policy", {}).get("decoupled", False)))
+                   decoupled=bool(config.get("model_transaction_policy", {}).get("decoupled", False)),
+                   response_cache=bool(config.get("response_cache", {}).get("enable", False)))
 
     @property
     def batched(self) -> bool:

@@ -23,6 +23,7 @@ from ..logs import dump_tasks_on_sigusr2
 from ..redis_client import connect
 from ..settings import Settings
 from .auth import AuthPolicy, Guard
+from .cache import ResponseCache
 from .dispatch import Dispatcher
 from .generate import GenerateRoute, StreamEndpoint
 from .infer import AsgiEndpoint, FunctionRoute, InferRoute
@@ -52,6 +53,8 @@ class Gateway:
         self.dispatcher = Dispatcher(self.redis, self.keys, reply_ttl_ms=int(settings.reply_ttl_s * 1000),
                                      hold_us=settings.gateway_hold_us)
         self.ensembles: set[asyncio.Task[None]] = set()  # ensemble steps waiting for a model to wake
+        # Triton's response cache (models with response_cache { enable: true }), when given its memory
+        self.cache = ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None
 
     async def start(self) -> None:
         await self.view.start()

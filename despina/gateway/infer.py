@@ -19,6 +19,7 @@ from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..contract.sequence import optional_sequence, request_sequence
 from . import ensemble, http
+from .cache import cache_key
 from .dispatch import Result
 from .fn import decode_fn, encode_fn
 from .http import Headers, Receive, Scope, Send
@@ -222,6 +223,10 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     (the client's V2 "id") are for the model (an ensemble's steps get neither), as is `sequence` (its
     correlation ID and flags) for a model with sequence batching."""
     model = spec.name
+    if gw.cache is not None and spec.response_cache and sequence is None and spec.sequence is None:
+        done = cached(gw, spec, version, inputs, outputs, parameters, done)  # type: ignore[assignment]
+        if done is None:  # answered from the cache
+            return None
     timeout = gw.settings.request_timeout_s if timeout is None else timeout
     if spec.platform == PLATFORM and version not in gw.view.ready.get(model, ()):
         # no worker runs the ensemble (its models are apart, or scaled to zero): its steps go from here
@@ -265,6 +270,40 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
 
     gw.dispatcher.submit(stream, gw.keys.stats(model, version), request, timeout + GRACE_S, settled, bound)
     return request.id
+
+
+def cached(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], outputs: tuple[str, ...],
+           parameters: Parameters, done: Callable[[InferReply | DespinaError], None]
+           ) -> Callable[[InferReply | DespinaError], None] | None:
+    """Answer from the response cache (then None), or the callback that keeps the answer as well as
+    giving it (cache.py). Counted as Triton counts: a hit is a success that ran nothing (cache_hit, its
+    lookup's time; no inference or execution), a miss adds its lookup's and insert's time to cache_miss."""
+    cache = gw.cache
+    assert cache is not None
+    revision = gw.view.revision(spec.name, version)
+    if revision is None:  # a rollout under way: the answer may come from either side
+        return done
+    started = time.perf_counter_ns()
+    key = cache_key(spec.name, version, revision, inputs, outputs, parameters)
+    hit = cache.get(key)
+    stats = gw.keys.stats(spec.name, version)
+    if hit is not None:
+        took = time.perf_counter_ns() - started
+        gw.dispatcher.count(stats, {"success_count": 1, "success_ns": took, "queue_count": 1,
+                                    "cache_hit_count": 1, "cache_hit_ns": took}, int(time.time() * 1000))
+        done(hit)
+        return None
+    lookup = time.perf_counter_ns() - started
+
+    def keeping(result: InferReply | DespinaError) -> None:
+        took = lookup
+        if isinstance(result, InferReply) and gw.view.revision(spec.name, version) == revision:
+            started = time.perf_counter_ns()
+            cache.put(key, result)
+            took += time.perf_counter_ns() - started
+        gw.dispatcher.count(stats, {"cache_miss_count": 1, "cache_miss_ns": took})
+        done(result)
+    return keeping
 
 
 class AsgiExchange:

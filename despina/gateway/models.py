@@ -18,7 +18,14 @@ import redis.asyncio as aioredis
 from ..contract.catalog import LOADED, UNLOADED, CatalogEntry
 from ..contract.commands import WAKE
 from ..contract.ensemble import Ensemble, is_ensemble
-from ..contract.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ..contract.errors import (
+    ConfigError,
+    DespinaError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
 from .control import ControlClient
@@ -50,6 +57,8 @@ class ModelView:
         self.ready: dict[str, set[int]] = {}     # model -> versions READY on some live worker
         # resolve()'s answers while models and ready stay as they are: (name, version asked) -> them
         self._resolved: dict[tuple[str, str | None], tuple[Model, int]] = {}
+        self._served: dict[tuple[str, int], set[str]] = {}
+        self._revisions: dict[tuple[str, int], str | None] = {}  # revision()'s answers since the refresh
         self.connected = False
         self.published = False  # the control plane has read the repository: the catalog is whole
         self._blobs: dict[str, bytes] = {}
@@ -106,7 +115,7 @@ class ModelView:
                    for v in self.ready.get(name, ()) for s in m.entry.streams(self.keys, v)]
         pipe = self.redis.pipeline(transaction=False)
         for wid in workers:
-            pipe.hget(self.keys.worker(wid.decode()), "models")
+            pipe.hmget(self.keys.worker(wid.decode()), "models", "detail")
         if self.max_stream_length:
             for stream in streams:
                 pipe.xlen(stream)
@@ -131,14 +140,20 @@ class ModelView:
             models[name] = Model(entry, spec, ensemble)  # type: ignore[arg-type]
             self._blobs[name] = blob
         ready: dict[str, set[int]] = {}
-        for state in states:
-            if not state:
-                continue
-            for name, versions in orjson.loads(state).items():
-                for v, s in versions.items():
-                    if s == "READY":
-                        ready.setdefault(name, set()).add(int(v))
+        served: dict[tuple[str, int], set[str]] = {}  # the revisions workers serve or load, per version
+        for state, detail in states:
+            if state:
+                for name, versions in orjson.loads(state).items():
+                    for v, s in versions.items():
+                        if s == "READY":
+                            ready.setdefault(name, set()).add(int(v))
+            if detail:
+                for name, versions in orjson.loads(detail).items():
+                    for v, d in versions.items():
+                        revs = served.setdefault((name, int(v)), set())
+                        revs.update(r for r in (d.get("revision"), d.get("loading"), d.get("retiring")) if r)
         self.models, self.ready, self.connected, self.published = models, ready, True, bool(published)
+        self._served, self._revisions = served, {}
         self._resolved = {}
 
     def get(self, name: str) -> Model:
@@ -218,6 +233,38 @@ class ModelView:
         self._waking.pop(key, None)
         if not call.cancelled():
             call.exception()  # retrieved here too: every request that waited may have gone
+
+    def revision(self, name: str, version: int, depth: int = 0) -> str | None:
+        """What a cached answer of a model version is keyed by (gateway/cache.py): the revision of its
+        files and config, while every worker that has it serves that one and loads no other. During a
+        rollout, None: an answer then may come from the files going or the files coming, and none is
+        kept. An ensemble's is its own with its steps' (the versions they resolve to now)."""
+        key = (name, version)
+        if key in self._revisions:
+            return self._revisions[key]
+        found = self._revision(name, version, depth)
+        if depth == 0:
+            self._revisions[key] = found
+        return found
+
+    def _revision(self, name: str, version: int, depth: int) -> str | None:
+        model = self.models.get(name)
+        rev = model.entry.revisions.get(version) if model is not None else None
+        if not rev:
+            return None
+        if model.ensemble is None:  # type: ignore[union-attr]
+            return rev if self._served.get((name, version), {rev}) == {rev} else None
+        parts = [rev]
+        for step in model.ensemble.steps:  # type: ignore[union-attr]
+            try:
+                _, v = self.resolve(step.model, None if step.version is None else str(step.version))
+            except DespinaError:
+                return None
+            part = self.revision(step.model, v, depth + 1) if depth < 8 else None
+            if part is None:
+                return None
+            parts.append(f"{step.model}/{v}/{part}")
+        return " ".join(parts)
 
     def is_ready(self, name: str, version: str | None, depth: int = 0) -> bool:
         """Whether a request would be served now, without loading anything: an ensemble when every

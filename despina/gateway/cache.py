@@ -1,0 +1,70 @@
+"""Triton's response cache, in each gateway: a model with `response_cache { enable: true }` answers a
+request it has answered before from memory, without a worker.
+
+An answer is kept under everything that decides it: the model, the version, the revision of its files
+(ModelView.revision: nothing is kept while a rollout may answer from either side), the inputs (name,
+datatype, shape, bytes), the outputs asked for and the request's parameters. The key is that tuple
+itself, so two requests share an answer only when all of it is equal: unlike Triton's 64-bit hash, a
+collision cannot answer one request with another's outputs. Only successful answers are kept, at most
+`max_bytes` of them per gateway (Triton's `--cache-config local,size=`), the least recently used going
+first. Requests of a sequence (stateful models) are never cached, as in Triton; decoupled models are
+refused at load.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from ..contract.records import InferReply, Parameters, Tensor
+
+ENTRY_BYTES = 400  # what an entry costs besides its tensors' bytes (the key's and the reply's objects)
+
+Key = tuple[Any, ...]
+
+
+def cache_key(model: str, version: int, revision: str, inputs: list[Tensor], outputs: tuple[str, ...],
+              parameters: Parameters) -> Key:
+    """What an answer depends on. Inputs in name order (a client may list them in any); parameters by
+    name and value (a Python model may read them)."""
+    tensors = tuple(sorted((t.name, t.datatype, t.shape, bytes(t.data)) for t in inputs))
+    return (model, version, revision, tensors, outputs,
+            tuple(sorted(parameters.items())) if parameters else ())
+
+
+class ResponseCache:
+    """A least-recently-used map from cache_key to the reply, bounded by bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.evictions = 0
+        self._entries: OrderedDict[Key, tuple[InferReply, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Key) -> InferReply | None:
+        found = self._entries.get(key)
+        if found is None:
+            return None
+        self._entries.move_to_end(key)
+        return found[0]
+
+    def put(self, key: Key, reply: InferReply) -> bool:
+        """Keep the reply (its outputs and parameters); False when it alone is larger than the cache."""
+        size = ENTRY_BYTES + sum(len(t[3]) for t in key[3]) + sum(len(t.data) for t in reply.outputs)
+        if size > self.max_bytes:
+            return False
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        # its own bytes: an output may be a view of the whole reply record it came in
+        outputs = tuple(Tensor(t.name, t.datatype, t.shape, bytes(t.data)) for t in reply.outputs)
+        kept = InferReply("", outputs, None, parameters=reply.parameters)
+        self._entries[key] = (kept, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, gone) = self._entries.popitem(last=False)
+            self.bytes -= gone
+            self.evictions += 1
+        return True
