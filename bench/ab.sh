@@ -15,6 +15,9 @@
 # runs its workers on core 0 and everything else, with the load generator, on core 1) or, for
 # @triton, STUB_CPUS=0 (tritonserver on core 1, each model's Python-backend stub moved to core 0 once
 # ready): the model's core does nothing else, in both systems the same way.
+# The response cache: model `mlp_cached` is W1 with `response_cache { enable: true }`; a Despina label with
+# DESPINA_RESPONSE_CACHE_BYTES=N and a @triton label with TRITON_CACHE=N (--cache-config local,size=N)
+# serve it from their caches.
 # W2's conv_heavy is built as bench/models.py says: BENCH_W2_CONV=CHANNELSxCONVS in ab.sh's own
 # environment sizes it for this machine, for both systems alike.
 # The interpreter: SERVER_PYTHON=PATH in a Despina label's ENV runs its server with that Python (a venv's,
@@ -111,6 +114,9 @@ triton_repo() {  # bench/out/triton: the kit's W1 for Triton, and W3's models as
   rm -rf "$repo" && mkdir -p "$repo/mlp_classify/1" || return 1  # Triton wants the ensemble's version folder
   cp -r "$PEERS_DIR/triton/models/mlp" "$repo/" && cp -r "$ROOT/model_repository/classify_post" "$repo/" &&
     cp "$ROOT/model_repository/mlp_classify/config.pbtxt" "$repo/mlp_classify/" || return 1
+  # W1 with the response cache (served from it when tritonserver has one: TRITON_CACHE=BYTES in the label)
+  cp -r "$repo/mlp" "$repo/mlp_cached" && sed -i 's/^name: "mlp"/name: "mlp_cached"/' "$repo/mlp_cached/config.pbtxt" &&
+    printf '\nresponse_cache { enable: true }\n' >> "$repo/mlp_cached/config.pbtxt" || return 1
   # W2: the kit's Python-backend model (Triton's batcher, onnxruntime on one thread) on W2's ONNX files
   local w2
   for w2 in mlp_heavy conv_heavy; do
@@ -124,8 +130,8 @@ start() {  # tree envs log: a server on core 0 in its own process group, its pid
   case ",$2," in *,DESPINA_WORKER_CPUS=*|*,STUB_CPUS=*) cores=0-1 ;; esac
   [ "$1" = @triton ] && [ "$cores" = 0-1 ] && cores=1
   if [ "$1" = @triton ]; then
-    local kit py site libdir ts
-    kit=$(env_value PEERS_DIR "$2")
+    local kit py site libdir ts cache
+    kit=$(env_value PEERS_DIR "$2") cache=$(env_value TRITON_CACHE "$2")
     kit=${kit:-$PEERS_DIR} py=$kit/venv/triton/bin/python
     site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     libdir=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
@@ -134,7 +140,7 @@ start() {  # tree envs log: a server on core 0 in its own process group, its pid
       "$ts/bin/tritonserver" --model-repository "$ROOT/bench/out/triton" --backend-directory "$kit/triton/backends" \
       --cache-directory "$ts/caches" --http-address 127.0.0.1 --http-port "$PORT" --grpc-address 127.0.0.1 \
       --grpc-port $((PORT + 1)) --metrics-address 127.0.0.1 --metrics-port $((PORT + 2)) --allow-gpu-metrics false \
-      > "$3" 2>&1 &
+      ${cache:+--cache-config "local,size=$cache"} > "$3" 2>&1 &
   else
     local py
     py=$(env_value SERVER_PYTHON "$2")

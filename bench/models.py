@@ -121,6 +121,11 @@ def build(repo: Path) -> Path:
     for name, layers in WORKLOADS.items():
         build_mlp(repo / name / "1" / "model.onnx", layers=layers)
         (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name, d_in=layers[0], d_out=layers[-1]))
+    # W1 with Triton's response cache on (served from the cache when the gateway has memory for it)
+    shutil.rmtree(repo / "mlp_cached", ignore_errors=True)
+    shutil.copytree(repo / "mlp", repo / "mlp_cached")
+    (repo / "mlp_cached" / "config.pbtxt").write_text(
+        CONFIG.format(name="mlp_cached", d_in=D_IN, d_out=D_OUT) + "response_cache { enable: true }\n")
     for name, (channels, convs) in CONV_WORKLOADS.items():
         build_conv(repo / name / "1" / "model.onnx", channels, convs)
         (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name, d_in=D_IN, d_out=D_OUT))
