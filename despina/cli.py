@@ -46,9 +46,6 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--host", dest="host", help="address to bind (default 127.0.0.1)")
         sp.add_argument("--request-timeout", dest="request_timeout_s", type=float,
                         help="default deadline of a request in seconds (default 60)")
-        sp.add_argument("--response-cache-bytes", dest="response_cache_bytes", type=int, metavar="BYTES",
-                        help="memory each gateway keeps answers in for models with response_cache "
-                             "{ enable: true } (Triton's --cache-config local,size=BYTES; default 0: off)")
         sp.add_argument("--api-keys-file", dest="api_keys_file",
                         help="API keys, one a line: KEY or KEY: model1,model2 (keys themselves only "
                              "through this file or $DESPINA_API_KEYS, never on the command line)")
@@ -70,19 +67,25 @@ def parser() -> argparse.ArgumentParser:
                         help="run workers on these CPUs only, as taskset -c lists them (0-3,8); serve "
                              "runs its other processes on the remaining CPUs")
 
+    def cache(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--response-cache-bytes", dest="response_cache_bytes", type=int, metavar="BYTES",
+                        help="memory each gateway and worker keeps answers in, for models with "
+                             "response_cache { enable: true } (Triton's --cache-config local,size=BYTES; "
+                             "default 0: off)")
+
     def metrics(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--metrics-port", dest="metrics_port", type=int,
                         help="Prometheus /metrics port of the control plane (default 8002; 0 = off)")
 
     serve = sub.add_parser("serve", help="start control plane, workers and gateway on this machine")
-    common(serve), repo(serve), http(serve), worker(serve), metrics(serve)
+    common(serve), repo(serve), http(serve), worker(serve), cache(serve), metrics(serve)
     serve.add_argument("--workers", dest="workers", type=int, help="worker processes (default 1)")
     serve.add_argument("--gateways", dest="gateways", type=int,
                        help="gateway processes, sharing the HTTP port (default 1)")
     gw = sub.add_parser("gateway", help="run one HTTP gateway against a shared Redis")
-    common(gw), http(gw)
+    common(gw), http(gw), cache(gw)
     wk = sub.add_parser("worker", help="run one worker process against a shared Redis")
-    common(wk), worker(wk)
+    common(wk), worker(wk), cache(wk)
     wk.add_argument("--worker-id", dest="worker_id",
                     help="a name for this worker; each process adds a suffix of its own")
     ctl = sub.add_parser("control", help="run the control plane against a shared Redis")

@@ -36,7 +36,7 @@ COUNTERS = (  # Triton's counter, help, statistics field, scale from the field's
      "compute_infer_ns", 1e-3),
     ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in "
      "microseconds", "compute_output_ns", 1e-3),
-    # the response cache (gateway/cache.py), as Triton names its counters
+    # the response cache (response_cache.py), as Triton names its counters
     ("nv_cache_num_hits_per_model", "Number of response cache hits per model", "cache_hit_count", 1),
     ("nv_cache_num_misses_per_model", "Number of response cache misses per model", "cache_miss_count", 1),
     ("nv_cache_hit_duration_per_model", "Cumulative time requests spend retrieving a cached response "

@@ -1,7 +1,7 @@
 """Triton's response cache on a real `despina serve` with DESPINA_RESPONSE_CACHE_BYTES: a model with
 response_cache { enable: true } answers a repeated request without running, counts hits and misses as
 Triton does, keeps nothing that failed, and answers from its new files after a reload; and the cache
-itself (gateway/cache.py), its key and its bound."""
+itself (response_cache.py), its key and its bound."""
 from __future__ import annotations
 
 import struct
@@ -15,7 +15,7 @@ import pytest
 from despina.contract.errors import ConfigError
 from despina.contract.modelconfig import normalize, parse_text, validate
 from despina.contract.records import InferReply, Tensor
-from despina.gateway.cache import ENTRY_BYTES, ResponseCache, cache_key
+from despina.response_cache import ENTRY_BYTES, ResponseCache, cache_key
 
 from .conftest import Server, module_server, settled_stats
 
@@ -59,6 +59,24 @@ output [
 
 CACHED = "response_cache { enable: true }"
 
+# an ensemble of one step, the cached model, itself without the cache: the worker that runs it asks
+# that model from its own process
+CHAIN = '''
+name: "chain"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 2 ] } ]
+output [
+  { name: "y", data_type: TYPE_FP32, dims: [ 2 ] },
+  { name: "calls", data_type: TYPE_INT64, dims: [ 1 ] }
+]
+ensemble_scheduling { step [ {
+  model_name: "cached" model_version: -1
+  input_map { key: "x" value: "x" }
+  output_map [ { key: "y" value: "y" }, { key: "calls" value: "calls" } ]
+} ] }
+'''
+
 
 def write_model(root: Path, name: str, extra: str, source: str = COUNTER) -> None:
     (root / name / "1").mkdir(parents=True, exist_ok=True)
@@ -72,12 +90,14 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_model(root, "cached", CACHED)
     write_model(root, "reloaded", CACHED)
     write_model(root, "plain", "")
+    (root / "chain").mkdir()
+    (root / "chain" / "config.pbtxt").write_text(CHAIN)
     return root
 
 
 @pytest.fixture(scope="module")
 def server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
-    yield from module_server(repo, tmp_path_factory, redis_url, ("cached", "reloaded", "plain"),
+    yield from module_server(repo, tmp_path_factory, redis_url, ("cached", "reloaded", "plain", "chain"),
                              env={"DESPINA_RESPONSE_CACHE_BYTES": str(1 << 20),
                                   "DESPINA_MODEL_CONTROL_MODE": "explicit", "DESPINA_LOAD_MODEL": "*"})
 
@@ -153,6 +173,19 @@ def test_function_urls_and_generate_use_the_cache_too(server: Server) -> None:
     assert httpx.post(f"{server.url}/fn/cached", json={"x": [7.0, 8.0]}, timeout=30).json() == first
     gen = httpx.post(f"{server.url}/v2/models/cached/generate", json={"x": [7.0, 8.0]}, timeout=30).json()
     assert gen["calls"] == first["calls"][0]  # the same inputs, shaped the same: the same answer
+
+
+def test_an_ensemble_step_run_by_the_worker_is_answered_from_the_worker_s_cache(server: Server) -> None:
+    before = settled_stats(server.url, "cached")
+    first = answer(infer(server, "chain", [11.0, 12.0]))
+    again = answer(infer(server, "chain", [11.0, 12.0]))
+    assert first["y"] == [22.0, 24.0] and again == first  # the step ran once
+    stats = settled_stats(server.url, "cached")
+    assert stats["execution_count"] - before["execution_count"] == 1
+    assert stats["inference_stats"]["cache_hit"]["count"] - before["inference_stats"]["cache_hit"]["count"] == 1
+    chain = settled_stats(server.url, "chain")
+    assert chain["inference_stats"]["cache_hit"]["count"] == 0  # the ensemble itself has no cache: it ran
+    assert chain["inference_stats"]["success"]["count"] >= 2
 
 
 def test_the_metrics_count_hits_and_misses(server: Server) -> None:

@@ -21,9 +21,9 @@ from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..logs import dump_tasks_on_sigusr2
 from ..redis_client import connect
+from ..response_cache import ResponseCache
 from ..settings import Settings
 from .auth import AuthPolicy, Guard
-from .cache import ResponseCache
 from .dispatch import Dispatcher
 from .generate import GenerateRoute, StreamEndpoint
 from .infer import AsgiEndpoint, FunctionRoute, InferRoute

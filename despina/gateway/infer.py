@@ -18,8 +18,8 @@ from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgum
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..contract.sequence import optional_sequence, request_sequence
+from ..response_cache import cache_key
 from . import ensemble, http
-from .cache import cache_key
 from .dispatch import Result
 from .fn import decode_fn, encode_fn
 from .http import Headers, Receive, Scope, Send
@@ -276,8 +276,9 @@ def cached(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
            parameters: Parameters, done: Callable[[InferReply | DespinaError], None]
            ) -> Callable[[InferReply | DespinaError], None] | None:
     """Answer from the response cache (then None), or the callback that keeps the answer as well as
-    giving it (cache.py). Counted as Triton counts: a hit is a success that ran nothing (cache_hit, its
-    lookup's time; no inference or execution), a miss adds its lookup's and insert's time to cache_miss."""
+    giving it (response_cache.py). Counted as Triton counts: a hit is a success that ran nothing
+    (cache_hit, its lookup's time; no inference or execution), a miss adds its lookup's and insert's
+    time to cache_miss."""
     cache = gw.cache
     assert cache is not None
     revision = gw.view.revision(spec.name, version)

@@ -235,7 +235,7 @@ class ModelView:
             call.exception()  # retrieved here too: every request that waited may have gone
 
     def revision(self, name: str, version: int, depth: int = 0) -> str | None:
-        """What a cached answer of a model version is keyed by (gateway/cache.py): the revision of its
+        """What a cached answer of a model version is keyed by (response_cache.py): the revision of its
         files and config, while every worker that has it serves that one and loads no other. During a
         rollout, None: an answer then may come from the files going or the files coming, and none is
         kept. An ensemble's is its own with its steps' (the versions they resolve to now)."""

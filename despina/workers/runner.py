@@ -20,6 +20,7 @@ from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, GROUP, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..resp import Batch, ReadAlong, Resp
+from ..response_cache import LOADS, ResponseCache, cache_key
 from . import answers, stats
 from .backends import Backend, backend_class
 from .backends.base import request_inputs
@@ -71,8 +72,13 @@ class ModelRunner:
     def __init__(self, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, version: int, path: Path,
                  consumer: str, threads: int = 1, read_ahead: int | None = None,
                  delivery: DeliveryPolicy | None = None, deferred: stats.Deferred | None = None,
-                 full_queue_delay: bool = False, caller: ModelCaller | None = None) -> None:
+                 full_queue_delay: bool = False, caller: ModelCaller | None = None,
+                 response_cache: ResponseCache | None = None) -> None:
         self.redis, self.keys, self.spec, self.version = redis, keys, spec, version
+        # the worker's response cache, for requests made in this process (response_cache.py)
+        use_cache = response_cache is not None and spec.response_cache and spec.sequence is None
+        self.response_cache = response_cache if use_cache else None
+        self._load_id = f"load-{next(LOADS)}"  # its answers are its files': another load keys its own
         self.caller = caller  # how its models call other models (workers/bls.py); None: they cannot
         self.deferred = deferred  # the worker's: counters that need no round trip of their own
         self.delivery = delivery or DeliveryPolicy()
@@ -185,6 +191,36 @@ class ModelRunner:
         if self._out is not None:
             self._out.close()
         self.state = "UNAVAILABLE"
+
+    def _cached(self, inputs: list[Tensor], outputs: tuple[str, ...], parameters: Parameters, answer: Answer
+                ) -> Answer | None:
+        """submit()'s answer from the response cache (then None), or the answer that keeps the reply as
+        well; counted as the gateway counts them (gateway/infer.py cached)."""
+        cache = self.response_cache
+        assert cache is not None
+        started = time.perf_counter_ns()
+        key = cache_key(self.spec.name, self.version, self._load_id, inputs, outputs, parameters)
+        hit = cache.get(key)
+        if hit is not None:
+            took = time.perf_counter_ns() - started
+            if self.deferred is not None:
+                self.deferred.add(self.stats_key, {"success_count": 1, "success_ns": took, "queue_count": 1,
+                                                   "cache_hit_count": 1, "cache_hit_ns": took,
+                                                   "last_inference": int(time.time() * 1000)})
+            answer(hit)
+            return None
+        lookup = time.perf_counter_ns() - started
+
+        def keeping(reply: InferReply) -> None:
+            took = lookup
+            if reply.error is None:
+                started = time.perf_counter_ns()
+                cache.put(key, reply)  # type: ignore[union-attr]
+                took += time.perf_counter_ns() - started
+            if self.deferred is not None:
+                self.deferred.add(self.stats_key, {"cache_miss_count": 1, "cache_miss_ns": took})
+            answer(reply)
+        return keeping
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -331,6 +367,10 @@ class ModelRunner:
         wall-clock seconds; `settled()` True says the submitter has nothing else on its way here (None:
         unknown, so a batch holding it waits out its delay). `parameters` are for the model (a model
         calling another one passes them, workers/bls.py), as is `sequence` for a stateful one."""
+        if self.response_cache is not None and sequence is None:
+            answer = self._cached(inputs, outputs, parameters, answer)  # type: ignore[assignment]
+            if answer is None:
+                return
         now = time.time()
         request = InferRequest("", "", deadline, tuple(inputs), outputs, priority, timeout_us, now, trace,
                                parameters, sequence=sequence)

@@ -29,6 +29,7 @@ from ..contract.modelconfig import ModelSpec
 from ..metrics import GpuReader
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
 from ..registry.cache import touch
+from ..response_cache import ResponseCache
 from ..settings import Settings
 from .backends.base import visible_gpus
 from .bls import ModelCaller
@@ -73,6 +74,9 @@ class Worker:
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
         self.delivery = DeliveryPolicy.from_settings(settings)
         self.deferred = Deferred(redis)  # counters of ensemble steps run here
+        # the answers of models with response_cache to requests made here (ensemble steps, BLS calls)
+        size = settings.response_cache_bytes
+        self.response_cache = ResponseCache(size) if size else None
         self.caller = ModelCaller(self)  # models calling models (workers/bls.py)
         self.gpus = GpuReader()  # this machine's GPUs, for the control plane's /metrics
 
@@ -240,7 +244,7 @@ class Worker:
             runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
                                  self.id, self.settings.intra_op_threads, delivery=self.delivery,
                                  deferred=self.deferred, full_queue_delay=self.settings.full_queue_delay,
-                                 caller=self.caller)
+                                 caller=self.caller, response_cache=self.response_cache)
             await runner.load()
             await runner.start()
         except asyncio.CancelledError:

@@ -1,29 +1,34 @@
-"""Triton's response cache, in each gateway: a model with `response_cache { enable: true }` answers a
-request it has answered before from memory, without a worker.
+"""Triton's response cache: a model with `response_cache { enable: true }` answers a request it has
+answered before from memory, without running.
 
-An answer is kept under everything that decides it: the model, the version, the revision of its files
-(ModelView.revision: nothing is kept while a rollout may answer from either side), the inputs (name,
-datatype, shape, bytes), the outputs asked for and the request's parameters. The key is that tuple
-itself, so two requests share an answer only when all of it is equal: unlike Triton's 64-bit hash, a
-collision cannot answer one request with another's outputs. Only successful answers are kept, at most
-`max_bytes` of them per gateway (Triton's `--cache-config local,size=`), the least recently used going
-first. Requests of a sequence (stateful models) are never cached, as in Triton; decoupled models are
-refused at load.
+Two places keep answers, each process its own, bounded by DESPINA_RESPONSE_CACHE_BYTES: a gateway, for
+the requests it takes (gateway/infer.py); a worker, for the requests its own ensembles and Python
+models make of a model it runs (workers/runner.py: what Triton does for an ensemble's composing models).
+An answer is kept under everything that decides it: the model, the version, which files answered it
+(a gateway: the revision, ModelView.revision, and nothing kept while a rollout may answer from either
+side; a worker: the runner that loaded them), the inputs (name, datatype, shape, bytes), the outputs
+asked for and the request's parameters. The key is that tuple itself, so two requests share an answer
+only when all of it is equal: unlike Triton's 64-bit hash, a collision cannot answer one request with
+another's outputs. Only successful answers are kept, the least recently used going first past the
+bound (Triton's `--cache-config local,size=`). Requests of a sequence (stateful models) are never
+cached, as in Triton; decoupled models are refused at load.
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Any
 
-from ..contract.records import InferReply, Parameters, Tensor
+from .contract.records import InferReply, Parameters, Tensor
 
 ENTRY_BYTES = 400  # what an entry costs besides its tensors' bytes (the key's and the reply's objects)
 
 Key = tuple[Any, ...]
+LOADS = itertools.count(1)  # a worker's runners: each load of a model's files keys its answers apart
 
 
-def cache_key(model: str, version: int, revision: str, inputs: list[Tensor], outputs: tuple[str, ...],
-              parameters: Parameters) -> Key:
+def cache_key(model: str, version: int, revision: str, inputs: list[Tensor] | tuple[Tensor, ...],
+              outputs: tuple[str, ...], parameters: Parameters) -> Key:
     """What an answer depends on. Inputs in name order (a client may list them in any); parameters by
     name and value (a Python model may read them)."""
     tensors = tuple(sorted((t.name, t.datatype, t.shape, bytes(t.data)) for t in inputs))
