@@ -16,7 +16,9 @@ cached, as in Triton; decoupled models are refused at load.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from .contract.records import InferReply, Parameters, Tensor
@@ -73,3 +75,31 @@ class ResponseCache:
             self.bytes -= gone
             self.evictions += 1
         return True
+
+
+def through(cache: ResponseCache, key: Key, answer: Callable[[Any], None],
+            count: Callable[[dict[str, int]], None], keeps: Callable[[Any], bool]
+            ) -> Callable[[Any], None] | None:
+    """A request's way through the cache: answered from it (then None), or the answer that also keeps
+    the result where `keeps(result)` says so. `count` gets what to add to the model's statistics, as
+    Triton counts: a hit is a success that ran nothing (cache_hit, the lookup's time, and queue; no
+    inference or execution), a miss adds its lookup's and insert's time to cache_miss."""
+    started = time.perf_counter_ns()
+    hit = cache.get(key)
+    if hit is not None:
+        took = time.perf_counter_ns() - started
+        count({"success_count": 1, "success_ns": took, "queue_count": 1, "cache_hit_count": 1,
+               "cache_hit_ns": took, "last_inference": int(time.time() * 1000)})
+        answer(hit)
+        return None
+    lookup = time.perf_counter_ns() - started
+
+    def keeping(result: Any) -> None:
+        took = lookup
+        if keeps(result):
+            started = time.perf_counter_ns()
+            cache.put(key, result)
+            took += time.perf_counter_ns() - started
+        count({"cache_miss_count": 1, "cache_miss_ns": took})
+        answer(result)
+    return keeping

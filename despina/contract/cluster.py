@@ -38,7 +38,7 @@ class VersionStatus:
     state: str = "UNAVAILABLE"     # READY (a runner serves `revision`), LOADING, UNAVAILABLE
     revision: str = ""             # the revision that serves (READY), else the one being loaded
     loading: str = ""              # a newer revision being loaded while `revision` serves
-    retiring: str = ""             # the revision replaced by `revision`, still answering what it read
+    replaced: str = ""             # the revision `revision` replaced, still answering what it read
     error: str = ""                # why `failed` could not be loaded
     failed: str = ""               # the revision that failed
     load_ms: float = 0.0           # how long the serving runner took to load

@@ -18,7 +18,7 @@ from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgum
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..contract.sequence import optional_sequence, request_sequence
-from ..response_cache import cache_key
+from ..response_cache import cache_key, through
 from . import ensemble, http
 from .dispatch import Result
 from .fn import decode_fn, encode_fn
@@ -276,35 +276,23 @@ def cached(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
            parameters: Parameters, done: Callable[[InferReply | DespinaError], None]
            ) -> Callable[[InferReply | DespinaError], None] | None:
     """Answer from the response cache (then None), or the callback that keeps the answer as well as
-    giving it (response_cache.py). Counted as Triton counts: a hit is a success that ran nothing
-    (cache_hit, its lookup's time; no inference or execution), a miss adds its lookup's and insert's
-    time to cache_miss."""
+    giving it (response_cache.py), keyed by the files' revision (ModelView.revision)."""
     cache = gw.cache
     assert cache is not None
     revision = gw.view.revision(spec.name, version)
     if revision is None:  # a rollout under way: the answer may come from either side
         return done
-    started = time.perf_counter_ns()
-    key = cache_key(spec.name, version, revision, inputs, outputs, parameters)
-    hit = cache.get(key)
     stats = gw.keys.stats(spec.name, version)
-    if hit is not None:
-        took = time.perf_counter_ns() - started
-        gw.dispatcher.count(stats, {"success_count": 1, "success_ns": took, "queue_count": 1,
-                                    "cache_hit_count": 1, "cache_hit_ns": took}, int(time.time() * 1000))
-        done(hit)
-        return None
-    lookup = time.perf_counter_ns() - started
 
-    def keeping(result: InferReply | DespinaError) -> None:
-        took = lookup
-        if isinstance(result, InferReply) and gw.view.revision(spec.name, version) == revision:
-            started = time.perf_counter_ns()
-            cache.put(key, result)
-            took += time.perf_counter_ns() - started
-        gw.dispatcher.count(stats, {"cache_miss_count": 1, "cache_miss_ns": took})
-        done(result)
-    return keeping
+    def count(counts: dict[str, int]) -> None:
+        last = counts.pop("last_inference", 0)
+        gw.dispatcher.count(stats, counts, last)
+
+    def keeps(result: InferReply | DespinaError) -> bool:  # and the files did not change meanwhile
+        return isinstance(result, InferReply) and gw.view.revision(spec.name, version) == revision
+
+    return through(cache, cache_key(spec.name, version, revision, inputs, outputs, parameters), done, count,
+                   keeps)
 
 
 class AsgiExchange:

@@ -151,7 +151,7 @@ class ModelView:
                 for name, versions in orjson.loads(detail).items():
                     for v, d in versions.items():
                         revs = served.setdefault((name, int(v)), set())
-                        revs.update(r for r in (d.get("revision"), d.get("loading"), d.get("retiring")) if r)
+                        revs.update(r for r in (d.get("revision"), d.get("loading"), d.get("replaced")) if r)
         self.models, self.ready, self.connected, self.published = models, ready, True, bool(published)
         self._served, self._revisions = served, {}
         self._resolved = {}

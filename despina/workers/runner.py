@@ -20,7 +20,7 @@ from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, GROUP, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..resp import Batch, ReadAlong, Resp
-from ..response_cache import LOADS, ResponseCache, cache_key
+from ..response_cache import LOADS, ResponseCache, cache_key, through
 from . import answers, stats
 from .backends import Backend, backend_class
 from .backends.base import request_inputs
@@ -195,32 +195,13 @@ class ModelRunner:
     def _cached(self, inputs: list[Tensor], outputs: tuple[str, ...], parameters: Parameters, answer: Answer
                 ) -> Answer | None:
         """submit()'s answer from the response cache (then None), or the answer that keeps the reply as
-        well; counted as the gateway counts them (gateway/infer.py cached)."""
-        cache = self.response_cache
-        assert cache is not None
-        started = time.perf_counter_ns()
+        well (response_cache.py), keyed by this runner's load of the files."""
+        assert self.response_cache is not None
+        deferred = self.deferred
         key = cache_key(self.spec.name, self.version, self._load_id, inputs, outputs, parameters)
-        hit = cache.get(key)
-        if hit is not None:
-            took = time.perf_counter_ns() - started
-            if self.deferred is not None:
-                self.deferred.add(self.stats_key, {"success_count": 1, "success_ns": took, "queue_count": 1,
-                                                   "cache_hit_count": 1, "cache_hit_ns": took,
-                                                   "last_inference": int(time.time() * 1000)})
-            answer(hit)
-            return None
-        lookup = time.perf_counter_ns() - started
-
-        def keeping(reply: InferReply) -> None:
-            took = lookup
-            if reply.error is None:
-                started = time.perf_counter_ns()
-                cache.put(key, reply)  # type: ignore[union-attr]
-                took += time.perf_counter_ns() - started
-            if self.deferred is not None:
-                self.deferred.add(self.stats_key, {"cache_miss_count": 1, "cache_miss_ns": took})
-            answer(reply)
-        return keeping
+        return through(self.response_cache, key, answer,
+                       lambda counts: deferred.add(self.stats_key, counts) if deferred is not None else None,
+                       lambda reply: reply.error is None)
 
     # -- reading ---------------------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ class Worker:
         self.catalog: dict[str, CatalogEntry] = {}   # as of the last sync
         self._steps: dict[tuple[str, int | None], ModelRunner | None] = {}  # step_runner's answers
         self.revision: dict[Key, str] = {}            # of the serving runner
-        self.retiring: dict[Key, str] = {}            # of a runner it replaced, while that one stops
+        self.replaced: dict[Key, str] = {}            # of a runner replaced, while that one stops
         self.load_ms: dict[Key, float] = {}
         self.loading: dict[Key, tuple[str, asyncio.Task[None]]] = {}
         self._loading_from: dict[Key, Path] = {}     # the folder each load in progress reads
@@ -269,12 +269,12 @@ class Worker:
             await self._count_load(key)
             self._kick.set()  # an ensemble may now run here
             if old is not None:
-                self.retiring[key] = old_rev  # until it has answered all it read (gateways' caches ask)
+                self.replaced[key] = old_rev  # until it has answered all it read (gateways' caches ask)
                 try:
                     await self._announce()
                     await old.stop()  # after the new one serves: no gap
                 finally:
-                    self.retiring.pop(key, None)
+                    self.replaced.pop(key, None)
         finally:
             slow.cancel()
             self._loading_from.pop(key, None)
@@ -359,7 +359,7 @@ class Worker:
             failed_rev, error = self.failures.get(key, ("", ""))
             if runner is not None:
                 status = VersionStatus(runner.state, self.revision.get(key, ""), loading,
-                                       self.retiring.get(key, ""), error=error, failed=failed_rev,
+                                       self.replaced.get(key, ""), error=error, failed=failed_rev,
                                        load_ms=round(self.load_ms.get(key, 0.0), 1))
             else:
                 state = "LOADING" if loading else "UNAVAILABLE"
