@@ -31,7 +31,7 @@ from ..resp import Batch, ReadAlong, Resp
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
-from .runner import READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
+from .runner import READ_BLOCK_MS, READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
 from .stats import Deferred, ensemble_counts, record_counts
 from .streams import Entry, ModelStreams
 
@@ -72,6 +72,7 @@ class EnsembleHost:
         self._flush_soon: asyncio.Handle | None = None
         self._writes: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         self._out: Resp | None = None
         self._read_along = ReadAlong()  # the read loop's next read, waiting for the next replies
         self.state = "LOADING"
@@ -87,6 +88,10 @@ class EnsembleHost:
         self.state = "UNLOADING"
         if drain_s:
             await asyncio.sleep(drain_s)
+        if self._tasks:  # the read in flight brings what Redis delivered to it: ours to run (runner.py stop)
+            self._stopping = True
+            self._room.set()
+            await asyncio.wait(self._tasks[:1], timeout=READ_BLOCK_MS / 1000 + 1.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -111,12 +116,14 @@ class EnsembleHost:
     # -- reading ---------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await self._room.wait()
+            if self._stopping:
+                break
             try:
                 sent = await self._read_with_replies()
                 if sent is None:
-                    entries = await self.streams.read(max(1, READ_AHEAD - self._in_flight), 1000)
+                    entries = await self.streams.read(max(1, READ_AHEAD - self._in_flight), READ_BLOCK_MS)
                 else:
                     entries = await self.streams.sent_read(sent)
             except (RedisError, OSError) as exc:
@@ -243,7 +250,7 @@ class EnsembleHost:
         if self._out is None:
             self._out = Resp.like(self.redis)
         room = max(1, READ_AHEAD - self._in_flight)
-        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room, 1000))
+        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room, READ_BLOCK_MS))
         try:
             if sent is None:
                 await self._out.execute(pipe.commands)
