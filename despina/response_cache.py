@@ -32,10 +32,10 @@ LOADS = itertools.count(1)  # a worker's runners: each load of a model's files k
 def cache_key(model: str, version: int, revision: str, inputs: list[Tensor] | tuple[Tensor, ...],
               outputs: tuple[str, ...], parameters: Parameters) -> Key:
     """What an answer depends on. Inputs in name order (a client may list them in any); parameters by
-    name and value (a Python model may read them)."""
+    name, type and value (a Python model may read them, and True, 1 and 1.0 are equal keys in Python)."""
     tensors = tuple(sorted((t.name, t.datatype, t.shape, bytes(t.data)) for t in inputs))
     return (model, version, revision, tensors, outputs,
-            tuple(sorted(parameters.items())) if parameters else ())
+            tuple(sorted((k, type(v).__name__, v) for k, v in parameters.items())) if parameters else ())
 
 
 class ResponseCache:

@@ -271,6 +271,8 @@ def test_the_key_holds_everything_an_answer_depends_on() -> None:
                     key(b"", inputs=[Tensor("x", "INT8", (2,), b"\x01\x02")]),
                     key(b"", inputs=[Tensor("x", "UINT8", (1, 2), b"\x01\x02")])):
         assert changed != base
+    ones = [key(b"", parameters={"p": v}) for v in (True, 1, 1.0, "1")]  # equal in Python, not to a model
+    assert len(set(ones)) == 4
     two = [Tensor("a", "UINT8", (1,), b"\x01"), Tensor("b", "UINT8", (1,), b"\x02")]
     assert key(b"", inputs=two) == key(b"", inputs=two[::-1])  # the order a client lists them in
 
