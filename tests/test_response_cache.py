@@ -136,7 +136,9 @@ def test_what_differs_in_inputs_outputs_or_parameters_runs_again(server: Server)
     assert ran != calls  # a Python model may read its parameters: they are part of the key
 
 
-def test_a_binary_request_shares_a_json_one_s_answer(server: Server) -> None:
+def test_binary_and_json_requests_share_an_answer(server: Server) -> None:
+    """A binary request asking for `calls` alone is another key than all outputs (it runs); asked
+    again, binary or JSON, it is answered from the cache."""
     calls = answer(infer(server, "cached", [5.0, 6.0]))["calls"]
     header = (b'{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","parameters":{"binary_data_size":8}}],'
               b'"outputs":[{"name":"calls","parameters":{"binary_data":true}}]}')

@@ -224,9 +224,10 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     correlation ID and flags) for a model with sequence batching."""
     model = spec.name
     if gw.cache is not None and spec.response_cache and sequence is None and spec.sequence is None:
-        done = cached(gw, spec, version, inputs, outputs, parameters, done)  # type: ignore[assignment]
-        if done is None:  # answered from the cache
+        keeping = cached(gw, spec, version, inputs, outputs, parameters, done)
+        if keeping is None:  # answered from the cache
             return None
+        done = keeping
     timeout = gw.settings.request_timeout_s if timeout is None else timeout
     if spec.platform == PLATFORM and version not in gw.view.ready.get(model, ()):
         # no worker runs the ensemble (its models are apart, or scaled to zero): its steps go from here

@@ -250,12 +250,12 @@ class ModelView:
     def _revision(self, name: str, version: int, depth: int) -> str | None:
         model = self.models.get(name)
         rev = model.entry.revisions.get(version) if model is not None else None
-        if not rev:
+        if model is None or not rev:
             return None
-        if model.ensemble is None:  # type: ignore[union-attr]
+        if model.ensemble is None:
             return rev if self._served.get((name, version), {rev}) == {rev} else None
         parts = [rev]
-        for step in model.ensemble.steps:  # type: ignore[union-attr]
+        for step in model.ensemble.steps:
             try:
                 _, v = self.resolve(step.model, None if step.version is None else str(step.version))
             except DespinaError:

@@ -349,9 +349,10 @@ class ModelRunner:
         unknown, so a batch holding it waits out its delay). `parameters` are for the model (a model
         calling another one passes them, workers/bls.py), as is `sequence` for a stateful one."""
         if self.response_cache is not None and sequence is None:
-            answer = self._cached(inputs, outputs, parameters, answer)  # type: ignore[assignment]
-            if answer is None:
+            keeping = self._cached(inputs, outputs, parameters, answer)
+            if keeping is None:  # answered from the cache
                 return
+            answer = keeping
         now = time.time()
         request = InferRequest("", "", deadline, tuple(inputs), outputs, priority, timeout_us, now, trace,
                                parameters, sequence=sequence)
