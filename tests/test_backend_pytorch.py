@@ -5,6 +5,7 @@ Outputs are compared with what torch itself computes from the same file.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +74,28 @@ output [ { name: "difference", data_type: TYPE_FP32, dims: [ 2 ] } ]
 '''
 
 
+# Ragged batching (workers/ragged.py): x comes flat, the requests end to end, and `ends` (a batch input,
+# forward()'s first argument) says where each request's part ends; each request gets its sum.
+RAGGED_SUM = '''
+name: "ragged_sum"
+platform: "pytorch_libtorch"
+max_batch_size: 8
+dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 2000000 }
+input [ { name: "x", data_type: TYPE_FP32, dims: [ -1 ], allow_ragged_batch: true } ]
+batch_input [ { kind: BATCH_ACCUMULATED_ELEMENT_COUNT, target_name: "ends", data_type: TYPE_INT32,
+                source_input: "x" } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+'''
+
+
+class RaggedSum(torch.nn.Module):
+    def forward(self, ends: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        prefix = torch.cat([torch.zeros(1), torch.cumsum(x, 0)])
+        upper = ends.long()
+        lower = torch.cat([torch.zeros(1, dtype=torch.long), upper[:-1]])
+        return (prefix[upper] - prefix[lower]).unsqueeze(1)
+
+
 class Pair(torch.nn.Module):
     def forward(self, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return first * 10 + second, first - second
@@ -96,6 +119,12 @@ def build_pair(path: Path) -> None:
         torch.jit.script(Pair()).save(str(path))
 
 
+def build_ragged_sum(path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(RaggedSum()).save(str(path))
+
+
 def build_named(path: Path) -> None:
     batch = torch.export.Dim("batch", min=1, max=64)
     program = torch.export.export(Difference(), (torch.zeros(2, 2), torch.zeros(2, 2)),
@@ -110,13 +139,15 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_torch_export_mlp(write_config(root, "mlp_torch_export", MLP_EXPORT) / "1" / "model.pt2")
     build_pair(write_config(root, "pair", PAIR) / "1" / "model.pt")
     build_named(write_config(root, "named", NAMED) / "1" / "model.pt2")
+    build_ragged_sum(write_config(root, "ragged_sum", RAGGED_SUM) / "1" / "model.pt")
     return root
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("mlp_torchscript", "mlp_torch_export", "pair", "named"), env=FULL_QUEUE_DELAY)
+                             ("mlp_torchscript", "mlp_torch_export", "pair", "named", "ragged_sum"),
+                             env=FULL_QUEUE_DELAY)
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +224,20 @@ def test_forward_argument_names_bind_by_name(server: Server) -> None:
     r = httpx.post(f"{server.url}/fn/named", json={"b": [[1.0, 1.0]], "a": [[5.0, 7.0]]})
     assert r.status_code == 200, r.text
     assert r.json() == {"difference": [[4.0, 6.0]]}
+
+
+def test_ragged_requests_share_a_batch_and_the_batch_input_binds_by_name(server: Server) -> None:
+    before = settled_stats(server.url, "ragged_sum")
+
+    def infer(x: list[float]) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "shape": [1, len(x)], "datatype": "FP32", "data": x}]}
+        return httpx.post(f"{server.url}/v2/models/ragged_sum/infer", json=body, timeout=30)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(infer, [[1.0, 2.0], [10.0, 20.0, 30.0]]))
+    assert [r.json()["outputs"][0]["data"] for r in replies] == [[3.0], [60.0]], [r.text for r in replies]
+    after = settled_stats(server.url, "ragged_sum")
+    assert after["execution_count"] - before["execution_count"] == 1  # two lengths, one batch
 
 
 # -- the backend on its own ------------------------------------------------------------------------

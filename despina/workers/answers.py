@@ -2,22 +2,37 @@
 asked for, as V2 bytes; or an error reply."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..contract.datatypes import numpy_to_v2, to_bytes
-from ..contract.errors import Code
+from ..contract.errors import Code, DespinaError
 from ..contract.records import InferReply, InferRequest, Tensor
+from . import ragged
 from .backends.base import response_parameters
 
 
 def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[str, np.ndarray],
-          started: float, compute_us: int) -> list[InferReply]:
-    """One batched execution's outputs cut into the requests' replies; `sizes` are their rows."""
-    if len(requests) == 1:
+          started: float, compute_us: int, shapes: dict[str, list[tuple[int, ...]]] | None = None
+          ) -> list[InferReply]:
+    """One batched execution's outputs cut into the requests' replies; `sizes` are their rows. The
+    outputs in `shapes` (a ragged model's batch outputs, workers/ragged.py) are cut into parts of the
+    requests' shapes instead."""
+    if len(requests) == 1 and shapes is None:
         return [answer(requests[0], out, started, compute_us)]
     total = sum(sizes)
-    outputs = []  # (name, datatype, shape of one row, all rows' bytes, bytes per row)
+    # (name, datatype, shape of one row, all rows' bytes (BYTES: the array), bytes per row)
+    outputs: list[tuple[str, str, tuple[int, ...], Any, int]] = []
+    scattered: dict[str, list[np.ndarray]] = {}  # a batch output's part for each request
     for name, array in out.items():
+        if shapes is not None and name in shapes:
+            try:
+                scattered[name] = ragged.scatter(model, name, array, shapes[name])
+            except DespinaError as exc:
+                return [error(req, exc.code, exc.message) for req in requests]
+            outputs.append((name, numpy_to_v2(array.dtype), (), b"", 0))
+            continue
         if array.ndim == 0 or array.shape[0] != total:
             msg = (f"model '{model}' returned {name} with batch dimension "
                    f"{array.shape[0] if array.ndim else 'none'} for a batch of {total}")
@@ -30,10 +45,14 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
             outputs.append((name, datatype, array.shape[1:], data, len(data) // total))
     replies = []
     offset = 0
-    for req, n in zip(requests, sizes):
+    for i, (req, n) in enumerate(zip(requests, sizes)):
         tensors = []
         for name, datatype, row_shape, data, row_bytes in outputs:
             if req.outputs and name not in req.outputs:
+                continue
+            if name in scattered:
+                piece = scattered[name][i]
+                tensors.append(Tensor(name, datatype, piece.shape, to_bytes(piece, datatype)))
                 continue
             if row_bytes:
                 part = data[offset * row_bytes:(offset + n) * row_bytes]

@@ -27,6 +27,7 @@ from .backends.base import request_inputs
 from .batcher import DynamicBatcher, Item, QueueFull
 from .inflight import Gateways
 from .instances import plan as plan_instances
+from .ragged import BatchIO
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
 from .reshape import Reshapes
@@ -87,6 +88,8 @@ class ModelRunner:
         self._bounded = bounded_levels(spec)
         self.stats_key = keys.stats(spec.name, version)
         self._reshape = Reshapes.of(spec)  # None: the model takes and gives the config's dims
+        self._batch_io = BatchIO.of(spec)  # None: no ragged inputs, batch inputs or batch outputs
+        self._ragged = self._batch_io.ragged if self._batch_io is not None else frozenset()
         self.consumer = consumer
         self.threads = threads
         count = spec.instance_count()
@@ -333,6 +336,9 @@ class ModelRunner:
         return int(next(iter(inputs.values())).shape[0])
 
     def _shape_key(self, req: InferRequest) -> tuple[Any, ...]:
+        if self._ragged:  # a ragged input's shape does not keep a request out of a batch
+            return tuple(sorted((t.name, t.datatype, None if t.name in self._ragged else t.shape[1:])
+                                for t in req.inputs))
         if len(req.inputs) == 1:
             t = req.inputs[0]
             return ((t.name, t.datatype, t.shape[1:]),)
@@ -430,13 +436,18 @@ class ModelRunner:
         try:
             if backend.per_request:
                 return await self._run_requests(backend, live, started)
-            if self.spec.batched and len(live) > 1:
+            batch_io = self._batch_io
+            if batch_io is not None:  # ragged inputs end to end, and the batch inputs made for them
+                one_call = self.spec.batched or len(live) == 1
+                inputs = batch_io.assemble([p.inputs for p in live]) if one_call else {}
+            elif self.spec.batched and len(live) > 1:
                 inputs = {n: np.concatenate([p.inputs[n] for p in live]) for n in live[0].inputs}
             else:
                 inputs = live[0].inputs if len(live) == 1 else {}
             marks["input"] = time.perf_counter_ns()
             if len(live) > 1 and not self.spec.batched:  # no batch dimension: one request at a time
-                results = [await self._call(backend, p.inputs, names, 1) for p in live]
+                results = [await self._call(backend, batch_io.assemble([p.inputs]) if batch_io else p.inputs,
+                                            names, 1) for p in live]
             else:
                 results = [await self._call(backend, inputs, names, sum(sizes))]
             marks["infer"] = time.perf_counter_ns()
@@ -452,10 +463,29 @@ class ModelRunner:
         compute_us = int((time.time() - started) * 1e6)
         if self._state_outputs:
             results = self.batcher.keep(live, sizes, results)  # type: ignore[union-attr]
+        if self._batch_io is not None:
+            return self._scattered(live, sizes, results, started, compute_us)
         if len(results) > 1:
             return [answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
         return answers.split(self.spec.name, [p.request for p in live], sizes, results[0], started,
                              compute_us)
+
+    def _scattered(self, live: list[Pending], sizes: list[int], results: list[dict[str, np.ndarray]],
+                   started: float, compute_us: int) -> list[InferReply]:
+        """A ragged model's replies: its batch outputs cut by the requests' input shapes (ragged.py)."""
+        assert self._batch_io is not None
+        runs = [(live, sizes, results[0])] if len(results) == 1 else \
+            [([p], [n], r) for p, n, r in zip(live, sizes, results)]  # no batch dimension: one each
+        replies: list[InferReply] = []
+        for batch, rows, out in runs:
+            try:
+                shapes = self._batch_io.shapes([p.inputs for p in batch])
+            except DespinaError as exc:
+                replies.extend(answers.error(p.request, exc.code, exc.message) for p in batch)
+                continue
+            replies.extend(answers.split(self.spec.name, [p.request for p in batch], rows, out, started,
+                                         compute_us, shapes))
+        return replies
 
     def _each_request(self, live: list[Pending]) -> tuple[list[dict[str, np.ndarray]], list[list[str]]]:
         """A per-request backend's batch: each request's inputs in the model's shapes, and the outputs it

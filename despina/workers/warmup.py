@@ -11,6 +11,7 @@ from ..contract.datatypes import CONFIG_TO_V2, V2_TO_NUMPY, deserialize_bytes, e
 from ..contract.errors import ConfigError, DespinaError, InvalidArgument
 from ..contract.modelconfig import ModelSpec
 from .backends.base import Backend
+from .ragged import BatchIO
 from .reshape import Reshapes
 
 
@@ -114,8 +115,10 @@ def _run_one(backend: Backend, sample: Sample, outputs: list[str]) -> None:
             if isinstance(result, DespinaError):
                 raise result
         return
+    inputs = sample.inputs
     if sample.batch_size > 1:
-        backend.execute({n: np.concatenate([a] * sample.batch_size) for n, a in sample.inputs.items()},
-                        outputs)
-    else:
-        backend.execute(sample.inputs, outputs)
+        inputs = {n: np.concatenate([a] * sample.batch_size) for n, a in inputs.items()}
+    batch_io = BatchIO.of(backend.spec)
+    if batch_io is not None:  # one request of batch_size rows, as the model gets it (ragged.py)
+        inputs = batch_io.assemble([inputs])
+    backend.execute(inputs, outputs)

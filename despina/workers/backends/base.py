@@ -184,6 +184,8 @@ def complete_config(config: Any, inputs: list[Declared], outputs: list[Declared]
         if not config.HasField("dynamic_batching"):
             config.dynamic_batching.SetInParent()
     skip = 1 if config.max_batch_size > 0 else 0
+    made = {n for b in config.batch_input for n in b.target_name}  # the batch inputs: not the client's
+    inputs = [t for t in inputs if t.name not in made]
     for declared, found in ((config.input, inputs), (config.output, outputs)):
         if declared:
             continue

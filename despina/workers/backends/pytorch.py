@@ -87,7 +87,8 @@ class PyTorchBackend(Backend):
         if bytes_inputs:
             raise ConfigError(f"model '{self.spec.name}': the pytorch backend takes no BYTES inputs "
                               f"({', '.join(bytes_inputs)})")
-        self.arguments = _order([t.name for t in self.spec.inputs], names, "input", self.spec.name)
+        made = [n for b in self.spec.batch_inputs for n in b.targets]  # the batch inputs (workers/ragged.py)
+        self.arguments = _order([t.name for t in self.spec.inputs] + made, names, "input", self.spec.name)
         self.results = _order([t.name for t in self.spec.outputs], [], "output", self.spec.name)
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
