@@ -32,11 +32,7 @@ class OnnxRuntimeBackend(Backend):
         return "CUDAExecutionProvider" in ort.get_available_providers()
 
     def load(self) -> None:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self.instance.threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options = session_options(self.spec.name, self.spec.config, self.instance.threads)
         providers: list[Any] = ["CPUExecutionProvider"]
         if self.instance.kind == "GPU":
             providers.insert(0, ("CUDAExecutionProvider", {"device_id": self.instance.device}))
@@ -71,6 +67,63 @@ class OnnxRuntimeBackend(Backend):
                               ) from None
         complete_config(config, [_declared(t) for t in session.get_inputs()],
                         [_declared(t) for t in session.get_outputs()])
+
+
+# Triton's onnxruntime backend: optimization { graph { level } } -> the session's optimization level
+GRAPH_LEVELS = {-1: ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                1: ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                2: ort.GraphOptimizationLevel.ORT_DISABLE_ALL}
+SESSION_ENTRIES = ("session.use_device_allocator_for_initializers",)  # passed to onnxruntime as they are
+
+
+def session_options(model: str, config: dict[str, Any], threads: int) -> ort.SessionOptions:
+    """The session options a config asks for, as Triton's onnxruntime backend reads them: the graph
+    optimization level, and the parameters execution_mode (0 sequential, 1 parallel),
+    intra_op_thread_count and inter_op_thread_count (0: the worker's choice, `threads` and 1),
+    enable_mem_arena, enable_mem_pattern and session.use_device_allocator_for_initializers. A value
+    onnxruntime cannot take is the model's load error, naming the parameter."""
+    params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()
+              if isinstance(v, dict)}
+    options = ort.SessionOptions()
+    level = int((config.get("optimization") or {}).get("graph", {}).get("level", 0))
+    options.graph_optimization_level = GRAPH_LEVELS.get(level, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    mode = _int(model, params, "execution_mode", 0)
+    if mode not in (0, 1):
+        raise ConfigError(f"model '{model}': parameter execution_mode must be 0 (sequential) or 1 "
+                          f"(parallel), got {mode}")
+    options.execution_mode = ort.ExecutionMode.ORT_PARALLEL if mode else ort.ExecutionMode.ORT_SEQUENTIAL
+    options.intra_op_num_threads = _int(model, params, "intra_op_thread_count", 0) or threads
+    options.inter_op_num_threads = _int(model, params, "inter_op_thread_count", 0) or 1
+    for name, attribute in (("enable_mem_arena", "enable_cpu_mem_arena"), ("enable_mem_pattern",
+                                                                            "enable_mem_pattern")):
+        if name in params:
+            setattr(options, attribute, _bool(model, params, name))
+    for key in SESSION_ENTRIES:
+        if key in params:
+            options.add_session_config_entry(key, params[key])
+    return options
+
+
+def _int(model: str, params: dict[str, str], name: str, default: int) -> int:
+    if name not in params:
+        return default
+    try:
+        value = int(params[name])
+    except ValueError:
+        raise ConfigError(f"model '{model}': parameter {name} must be an integer, got {params[name]!r}"
+                          ) from None
+    if value < 0:
+        raise ConfigError(f"model '{model}': parameter {name} must be >= 0, got {value}")
+    return value
+
+
+def _bool(model: str, params: dict[str, str], name: str) -> bool:
+    value = params[name].strip().lower()
+    if value in ("true", "1", "on", "yes"):
+        return True
+    if value in ("false", "0", "off", "no"):
+        return False
+    raise ConfigError(f"model '{model}': parameter {name} must be true or false, got {params[name]!r}")
 
 
 def _declared(t: Any) -> Declared:
