@@ -2,6 +2,7 @@
 to import), and the signature reader that auto-completes configs without TensorFlow."""
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import subprocess
 import sys
@@ -36,6 +37,30 @@ default_model_filename: "exported"
 max_batch_size: 8
 '''
 
+# Ragged batching (workers/ragged.py): x comes flat, the requests end to end, and `counts` (a batch input
+# in the signature, not in the config's inputs) says how many elements each has; each request gets its sum.
+RAGGED = '''
+name: "ragged_tf"
+platform: "tensorflow_savedmodel"
+max_batch_size: 8
+dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 2000000 }
+input [ { name: "x", data_type: TYPE_FP32, dims: [ -1 ], allow_ragged_batch: true } ]
+batch_input [ { kind: BATCH_ELEMENT_COUNT, target_name: "counts", data_type: TYPE_INT32, source_input: "x" } ]
+output [ { name: "sums", data_type: TYPE_FP32, dims: [ 1 ] } ]
+'''
+
+
+def build_ragged(path: Path) -> None:
+    class Ragged(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x"),
+                                      tf.TensorSpec([None], tf.int32, name="counts")])
+        def serve(self, x: Any, counts: Any) -> dict[str, Any]:
+            owners = tf.repeat(tf.range(tf.shape(counts)[0]), counts)
+            return {"sums": tf.expand_dims(tf.math.segment_sum(x, owners), 1)}
+
+    module = Ragged()
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
+
 
 def build_text(path: Path) -> None:
     class Text(tf.Module):
@@ -52,17 +77,19 @@ def build_text(path: Path) -> None:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tf-repo")
-    for name, config in (("mlp_savedmodel", MLP), ("text", TEXT)):
+    for name, config in (("mlp_savedmodel", MLP), ("text", TEXT), ("ragged_tf", RAGGED)):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(config)
     build_tf_mlp(root / "mlp_savedmodel" / "1" / "model.savedmodel")
     build_text(root / "text" / "1" / "exported")
+    build_ragged(root / "ragged_tf" / "1" / "model.savedmodel")
     return root
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
-    yield from module_server(repo, tmp_path_factory, redis_url, ("mlp_savedmodel", "text"), env=FULL_QUEUE_DELAY)
+    yield from module_server(repo, tmp_path_factory, redis_url, ("mlp_savedmodel", "text", "ragged_tf"),
+                             env=FULL_QUEUE_DELAY)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +153,20 @@ def test_bytes_tensors(client: httpclient.InferenceServerClient, server: Server,
     r = httpx.post(f"{server.url}/fn/text", json={"words": ["hi", "there"], "scale": [0.5]})
     assert r.status_code == 200, r.text
     assert r.json() == {"upper": ["HI", "THERE"], "lengths": [1.0, 2.5]}
+
+
+def test_ragged_requests_share_a_batch_and_the_batch_input_is_fed(server: Server) -> None:
+    before = settled_stats(server.url, "ragged_tf")
+
+    def infer(x: list[float]) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "shape": [1, len(x)], "datatype": "FP32", "data": x}]}
+        return httpx.post(f"{server.url}/v2/models/ragged_tf/infer", json=body, timeout=30)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(infer, [[1.0, 2.0, 3.0], [10.0, 20.0]]))
+    assert [r.json()["outputs"][0]["data"] for r in replies] == [[6.0], [30.0]], [r.text for r in replies]
+    after = settled_stats(server.url, "ragged_tf")
+    assert after["execution_count"] - before["execution_count"] == 1  # two lengths, one batch
 
 
 def test_auto_complete_needs_no_tensorflow(repo: Path) -> None:
