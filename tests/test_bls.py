@@ -107,6 +107,102 @@ class TritonPythonModel:
         return responses
 '''
 
+# A decoupled model, as Triton's square_int32 example: for IN = n it sends n responses (OUT = 0..n-1), then
+# the final flag alone, or with the last response when the parameter "final_with_last" says so; the
+# parameter "fail_at" makes that response an error (the stream goes on).
+COUNTER = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            params = json.loads(request.parameters())
+            sender = request.get_response_sender()
+            for i in range(n):
+                last = params.get("final_with_last") and i == n - 1
+                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0
+                if i == params.get("fail_at", -1):
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"no {i}")), flags=flags)
+                else:
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i], np.int32))]),
+                                flags=flags)
+            if not (params.get("final_with_last") and n):
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+COUNTER_CONFIG = '''
+name: "counter"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+model_transaction_policy { decoupled: true }
+{memory}
+'''
+
+# exec(decoupled=True) of counter (or of the model the parameter "target" names), or async_exec with the
+# parameter "use_async": the sum of the OUTs, how many responses came, how many were empty (the last,
+# when the final flag came alone) and how many were errors; exec() without decoupled=True when asked
+# ("plain"), whose error becomes this request's.
+STREAM_CALLER = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            params = json.loads(request.parameters())
+            n = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            target = params.get("target", "counter")
+            inputs = [pb_utils.Tensor("IN", n)] if target == "counter" else \\
+                [pb_utils.Tensor("a", np.ones((1, 4), np.float32)), pb_utils.Tensor("b", np.ones((1, 4), np.float32))]
+            call = pb_utils.InferenceRequest(
+                model_name=target, inputs=inputs,
+                requested_output_names=["OUT"] if target == "counter" else ["sum"],
+                parameters={k: v for k, v in params.items() if k in ("final_with_last", "fail_at")})
+            if params.get("plain"):
+                response = call.exec()
+                responses.append(pb_utils.InferenceResponse(error=response.error()))
+                continue
+            stream = await call.async_exec(decoupled=True) if params.get("use_async") else call.exec(decoupled=True)
+            total = count = empty = errors = 0
+            for response in stream:
+                count += 1
+                if response.has_error():
+                    errors += 1
+                elif len(response.output_tensors()) == 0:
+                    empty += 1
+                else:
+                    total += int(response.output_tensors()[0].as_numpy().sum())
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor(name, np.array([value], np.int32))
+                for name, value in (("SUM", total), ("RESPONSES", count), ("EMPTY", empty), ("ERRORS", errors))]))
+        return responses
+'''
+STREAM_CALLER_CONFIG = '''
+name: "stream_caller"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [
+  { name: "SUM", data_type: TYPE_INT32, dims: [ 1 ] }, { name: "RESPONSES", data_type: TYPE_INT32, dims: [ 1 ] },
+  { name: "EMPTY", data_type: TYPE_INT32, dims: [ 1 ] }, { name: "ERRORS", data_type: TYPE_INT32, dims: [ 1 ] }
+]
+{memory}
+'''
+
+
+def memory(memory_mb: int) -> str:
+    return f'parameters {{ key: "memory_mb" value: {{ string_value: "{memory_mb}" }} }}' if memory_mb else ""
+
+
 # A call from initialize: refused, as in Triton.
 EARLY_CALLER = CALLER.replace("    def execute", '''    def initialize(self, args):
         try:
@@ -155,6 +251,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_model(root, "caller", CALLER, caller_config("caller"))
     write_model(root, "async_caller", ASYNC_CALLER, caller_config("async_caller"))
     write_model(root, "add_sub_py", ADD_SUB_PY, ADD_SUB_PY_CONFIG)
+    write_model(root, "counter", COUNTER, COUNTER_CONFIG.replace("{memory}", ""))
+    write_model(root, "stream_caller", STREAM_CALLER, STREAM_CALLER_CONFIG.replace("{memory}", ""))
     add_onnx_add_sub(root)
     return root
 
@@ -162,7 +260,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("caller", "async_caller", "add_sub_py", "add_sub"))
+                             ("caller", "async_caller", "add_sub_py", "add_sub", "counter", "stream_caller"))
 
 
 def infer(server: Server, model: str, x: np.ndarray, **parameters: Any) -> httpx.Response:
@@ -234,6 +332,61 @@ def test_the_called_model_counts_the_calls(server: Server) -> None:
     assert count() == before + 3
 
 
+def stream_call(server: Server, n: int, **parameters: Any) -> dict[str, int]:
+    body: dict[str, Any] = {"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [n]}],
+                            "parameters": parameters}
+    r = httpx.post(f"{server.url}/v2/models/stream_caller/infer", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return {o["name"]: o["data"][0] for o in r.json()["outputs"]}
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_exec_decoupled_iterates_a_decoupled_models_responses(server: Server, use_async: bool) -> None:
+    """Each response in order, then an empty last one for the final flag alone, as Triton's iterator
+    gives it; with the final flag on the last response, no empty one."""
+    assert stream_call(server, 4, use_async=use_async) == {"SUM": 6, "RESPONSES": 5, "EMPTY": 1, "ERRORS": 0}
+    assert stream_call(server, 4, use_async=use_async, final_with_last=True) == \
+        {"SUM": 6, "RESPONSES": 4, "EMPTY": 0, "ERRORS": 0}
+    assert stream_call(server, 0, use_async=use_async) == {"SUM": 0, "RESPONSES": 1, "EMPTY": 1, "ERRORS": 0}
+    # an error response on the way is one of the responses; the stream goes on past it
+    assert stream_call(server, 4, use_async=use_async, fail_at=1) == \
+        {"SUM": 5, "RESPONSES": 5, "EMPTY": 1, "ERRORS": 1}
+
+
+def test_exec_decoupled_of_a_model_that_answers_once_gives_its_one_response(server: Server) -> None:
+    assert stream_call(server, 1, target="add_sub") == {"SUM": 8, "RESPONSES": 1, "EMPTY": 0, "ERRORS": 0}
+
+
+def test_a_decoupled_model_called_without_decoupled_is_an_error_response(server: Server) -> None:
+    body = {"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1], "data": [2]}],
+            "parameters": {"plain": True}}
+    r = httpx.post(f"{server.url}/v2/models/stream_caller/infer", json=body, timeout=30)
+    # the call's error passed on as this request's, its code with it (INVALID_ARGUMENT: 400)
+    assert r.status_code == 400 and "call it with exec(decoupled=True)" in r.json()["error"], r.text
+
+
+def test_exec_decoupled_through_redis_to_a_decoupled_model_on_another_worker(
+        serve: Any, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """The caller and counter land apart (room for one model each): the responses come back through the
+    worker's own reply stream, in order."""
+    write_model(tmp_path / "repo", "counter", COUNTER, COUNTER_CONFIG.replace("{memory}", memory(100)))
+    write_model(tmp_path / "repo", "stream_caller", STREAM_CALLER,
+                STREAM_CALLER_CONFIG.replace("{memory}", memory(100)))
+    server = serve(tmp_path / "repo", "--workers", "2", env={"DESPINA_WORKER_MEMORY_MB": "150"},
+                   wait_models=("counter", "stream_caller"))
+    client = redis.Redis.from_url(redis_url)
+    try:
+        placed = {name: CatalogEntry.loads(client.hget(Keys(key_prefix).catalog, name)).workers
+                  for name in ("counter", "stream_caller")}
+    finally:
+        client.close()
+    assert len({w for ws in placed.values() for w in ws}) == 2, placed
+    for use_async in (False, True):
+        assert stream_call(server, 5, use_async=use_async) == {"SUM": 10, "RESPONSES": 6, "EMPTY": 1, "ERRORS": 0}
+        assert stream_call(server, 3, use_async=use_async, fail_at=0, final_with_last=True) == \
+            {"SUM": 3, "RESPONSES": 3, "EMPTY": 0, "ERRORS": 1}
+
+
 def test_calls_go_through_redis_to_a_model_on_another_worker(
         serve: Any, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
     """Two workers with room for one model each: the caller and add_sub land apart, and the call goes
@@ -276,7 +429,7 @@ class LoopCaller:
         self.thread.start()
 
     async def infer(self, model: str, version: int | None, inputs: dict[str, np.ndarray], outputs: list[str],
-                    timeout_s: float, parameters: Any, sequence: Any = None
+                    timeout_s: float, parameters: Any, sequence: Any = None, partial: Any = None
                     ) -> dict[str, np.ndarray] | DespinaError:
         self.calls.append((model, version, timeout_s))
         if model == "boom":  # a fault of the worker's side: the model must hear of it, not wait forever

@@ -368,11 +368,11 @@ def test_a_client_that_goes_away_mid_stream_cancels_it(server: Server, tmp_path:
         [line for line in metrics.splitlines() if "failure" in line and "streamer" in line]
 
 
-def test_a_model_calling_a_decoupled_one_gets_an_error(server: Server) -> None:
+def test_a_model_calling_a_decoupled_one_without_decoupled_gets_an_error(server: Server) -> None:
     r = post(server, "caller/generate", {"text_input": "a"})
     assert r.status_code == 200, r.text
-    assert r.json()["text_output"] == ("calling model 'streamer': it is decoupled, and exec(decoupled=True) is "
-                                       "not supported by Despina yet")
+    assert r.json()["text_output"] == ("calling model 'streamer': it is decoupled (several responses to a "
+                                       "request): call it with exec(decoupled=True)")
 
 
 def test_a_streams_statistics_count_it_once(server: Server) -> None:

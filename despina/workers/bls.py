@@ -4,13 +4,16 @@ A call goes to a READY runner on this worker when it has the version asked for (
 when none is), queued into that runner's batcher as an ensemble's step is (workers/ensembles.py);
 otherwise onto the model's request stream, as a gateway queues it, with a Dispatcher of this worker's
 own and a view of which versions serve. Either way it is batched and counted in the called model's
-statistics like any request, and its answer, or its error, comes by its deadline.
+statistics like any request, and its answer, or its error, comes by its deadline. A decoupled model is
+called with exec(decoupled=True): `partial` gets each of its responses but the last, in order, and the
+call returns the last (no outputs when the model ended with the final flag alone).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,6 +41,7 @@ log = logging.getLogger("despina.worker")
 Sequence = tuple[int | str, int]  # (correlation ID, START|END flags): contract/sequence.py
 GRACE_S = 0.5  # past the deadline, the call's own wait still leaves the runner or the worker time to answer
 Outputs = dict[str, np.ndarray]
+Partial = Callable[[Outputs | DespinaError], None]  # a decoupled model's response before its last
 
 
 class ModelCaller:
@@ -51,19 +55,21 @@ class ModelCaller:
 
     async def infer(self, model: str, version: int | None, inputs: dict[str, np.ndarray], outputs: list[str],
                     timeout_s: float = 0.0, parameters: Parameters = NO_PARAMETERS,
-                    sequence: Sequence | None = None) -> Outputs | DespinaError:
+                    sequence: Sequence | None = None, partial: Partial | None = None
+                    ) -> Outputs | DespinaError:
         """Run `model` (`version`, None: the latest) on `inputs`; the asked `outputs` (none: all), or the
         error that ended the call. `timeout_s` (0: the server's request_timeout_s) bounds the whole call;
-        `sequence` (correlation ID, flags) places it in a sequence of a stateful model."""
+        `sequence` (correlation ID, flags) places it in a sequence of a stateful model. With `partial`
+        (exec(decoupled=True)) a decoupled model may be called: its responses before the last go there."""
         timeout = timeout_s if timeout_s > 0 else self.worker.settings.request_timeout_s
         try:
             tensors = [_tensor(name, array) for name, array in inputs.items()]
             runner = self._local(model, version)
             if runner is not None:
-                call = self._here(runner, tensors, tuple(outputs), timeout, parameters, sequence)
+                call = self._here(runner, tensors, tuple(outputs), timeout, parameters, sequence, partial)
             else:
                 call = self._through_redis(model, version, tensors, tuple(outputs), timeout, parameters,
-                                           sequence)
+                                           sequence, partial)
             reply = await asyncio.wait_for(call, timeout + GRACE_S)
         except DespinaError as exc:
             return exc
@@ -88,13 +94,18 @@ class ModelCaller:
         return runner if runner is not None and runner.state == "READY" else None
 
     async def _here(self, runner: ModelRunner, tensors: list[Tensor], outputs: tuple[str, ...],
-                    timeout: float, parameters: Parameters, sequence: Sequence | None) -> InferReply:
-        _check(runner.spec, tensors, outputs)
+                    timeout: float, parameters: Parameters, sequence: Sequence | None,
+                    partial: Partial | None) -> InferReply:
+        _check(runner.spec, tensors, outputs, partial is not None)
         answered: asyncio.Future[InferReply] = self.loop.create_future()
 
         def answer(reply: InferReply) -> None:
-            if not answered.done():
-                answered.set_result(reply)
+            if answered.done():
+                return
+            if not reply.final:  # a decoupled model's response before its last
+                _pass_on(partial, reply)
+                return
+            answered.set_result(reply)
 
         runner.submit(tensors, outputs, time.time() + timeout, answer, parameters=parameters,
                       sequence=sequence)
@@ -102,7 +113,7 @@ class ModelCaller:
 
     async def _through_redis(self, model: str, version: int | None, tensors: list[Tensor],
                              outputs: tuple[str, ...], timeout: float, parameters: Parameters,
-                             sequence: Sequence | None) -> InferReply:
+                             sequence: Sequence | None, partial: Partial | None) -> InferReply:
         dispatcher, view = await self._open()
         keys = self.worker.keys
         found, v = await view.serving(model, None if version is None else str(version), timeout)
@@ -110,7 +121,7 @@ class ModelCaller:
             raise Unavailable(f"ensemble '{model}' runs on no worker (its models are apart, or scaled to "
                               "zero): a model may call it only where one runs it")
         spec = found.spec
-        _check(spec, tensors, outputs)
+        _check(spec, tensors, outputs, partial is not None)
         level = spec.policy.level(0)
         stream = keys.request_stream(model, v, level)
         stats = keys.stats(model, v)
@@ -126,8 +137,12 @@ class ModelCaller:
         answered: asyncio.Future[Result] = self.loop.create_future()
 
         def settle(result: Result) -> None:
-            if not answered.done():
-                answered.set_result(result)
+            if answered.done():
+                return
+            if isinstance(result, InferReply) and not result.final:  # the Dispatcher keeps their order
+                _pass_on(partial, result)
+                return
+            answered.set_result(result)
 
         dispatcher.submit(stream, stats, request, timeout + GRACE_S, settle, bound)
         result = await answered
@@ -165,11 +180,22 @@ def _tensor(name: str, array: np.ndarray) -> Tensor:
     return Tensor(name, datatype, tuple(array.shape), to_bytes(array, datatype))
 
 
-def _check(spec: ModelSpec, tensors: list[Tensor], outputs: tuple[str, ...]) -> None:
+def _pass_on(partial: Partial | None, reply: InferReply) -> None:
+    """A response before the last to the caller that takes them (a decoupled call always has one)."""
+    if partial is None:
+        return
+    try:
+        partial(DespinaError(reply.error[1], reply.error[0]) if reply.error is not None
+                else {t.name: t.numpy() for t in reply.outputs})
+    except Exception:  # the caller's fault must not stop the call's other responses
+        log.exception("passing on a response of a model call failed")
+
+
+def _check(spec: ModelSpec, tensors: list[Tensor], outputs: tuple[str, ...], decoupled: bool = False) -> None:
     """The call's inputs and asked outputs against the called model's config, as a gateway checks them."""
-    if spec.decoupled:  # its several responses would need exec(decoupled=True)
-        raise InvalidArgument(f"calling model '{spec.name}': it is decoupled, and exec(decoupled=True) "
-                              "is not supported by Despina yet")
+    if spec.decoupled and not decoupled:  # its several responses need exec(decoupled=True)
+        raise InvalidArgument(f"calling model '{spec.name}': it is decoupled (several responses to a "
+                              "request): call it with exec(decoupled=True)")
     try:
         for t in tensors:
             expected = known_input(spec, t.name)

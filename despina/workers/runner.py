@@ -551,7 +551,13 @@ class ModelRunner:
     async def _send_response(self, stream: int, reply: InferReply, p: Pending) -> None:
         """A decoupled model's response before its last one, alone to its gateway. The same round trip
         asks whether the request's client went away (then the model is told), and keeps its stream entry
-        from looking abandoned (its idle time starts again): a long stream is not redelivered."""
+        from looking abandoned (its idle time starts again): a long stream is not redelivered. A request
+        made in this process (a model's exec(decoupled=True), workers/bls.py) gets it on the loop."""
+        if p.entry is None:
+            local = self._local.get(id(p.request))
+            if local is not None:
+                local[0](reply)
+            return
         if self._out is None:
             self._out = Resp.like(self.redis)
         pipe = Batch()

@@ -172,23 +172,43 @@ class Stub:
 
     async def _model_call(self, caller: ModelCaller, request: tuple[Any, ...]) -> None:
         """Run one model call and send its answer. The answer is written from a thread: the process may be
-        writing a call of its own just then, and only the loop, reading, lets that write end."""
-        call_id, model, version, inputs, outputs, timeout_us, parameters, sequence = request
+        writing a call of its own just then, and only the loop, reading, lets that write end. A call made
+        with exec(decoupled=True) (its ninth field) gets each response before the last as ("more", answer),
+        in order, then the last as any call's answer."""
+        call_id, model, version, inputs, outputs, timeout_us, parameters, sequence, *more = request
+        sends: asyncio.Queue[Any] | None = None
+        partial = None
+        if more and more[0]:
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+            sends = queue
+            sender = asyncio.create_task(self._send_in_order(queue))
+
+            def partial(part: dict[str, np.ndarray] | DespinaError) -> None:
+                queue.put_nowait(("bls", (call_id, ("more", _answer_of(part)))))
         try:
             result = await caller.infer(model, None if version is None or version < 0 else int(version),
                                         wire.unpack_all(inputs), list(outputs), timeout_us / 1e6,
-                                        parameters or {}, sequence)
+                                        parameters or {}, sequence, partial)
         except Exception as exc:  # whatever went wrong, the model must hear of it, not wait forever
             log.exception("model %s: its call of model %s failed", self.name, model)
             result = DespinaError(f"calling model '{model}' failed: {exc}", Code.INTERNAL)
-        if isinstance(result, DespinaError):
-            answer: tuple[str, Any] = ("error", (result.message, TRITON_CODES.get(result.code, 1)))
-        else:
-            answer = ("ok", wire.pack_all(result))
+        message = ("bls", (call_id, _answer_of(result)))
+        if sends is not None:  # after the responses before it
+            sends.put_nowait(message)
+            sends.put_nowait(None)
+            await sender
+            return
         try:
-            await asyncio.to_thread(self._send, ("bls", (call_id, answer)))
+            await asyncio.to_thread(self._send, message)
         except (OSError, ValueError):  # the process died, or was replaced: nobody waits for this answer
             pass
+
+    async def _send_in_order(self, sends: asyncio.Queue[Any]) -> None:
+        while (message := await sends.get()) is not None:
+            try:
+                await asyncio.to_thread(self._send, message)
+            except (OSError, ValueError):  # the process is gone: nobody waits for the rest
+                return
 
     def _answer(self, op: str, status: str, answer: Any) -> Any:
         if status == "error":
@@ -278,6 +298,14 @@ class DecoupledStub(Stub):
             if future.set_running_or_notify_cancel():
                 future.set_exception(ended)
         self._on_response(None)
+
+
+def _answer_of(result: dict[str, np.ndarray] | DespinaError) -> tuple[str, Any]:
+    """A model call's outcome as the process reads it: ("ok", packed outputs) or ("error", (message,
+    TritonError code))."""
+    if isinstance(result, DespinaError):
+        return ("error", (result.message, TRITON_CODES.get(result.code, 1)))
+    return ("ok", wire.pack_all(result))
 
 
 def _dumps(message: Any) -> bytes:

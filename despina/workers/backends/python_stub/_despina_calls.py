@@ -1,8 +1,10 @@
 """Model calls from inside execute (Triton's business logic scripting), over the stub's connection.
 
 `InferenceRequest.exec()` sends ("bls", (call id, model, version, inputs, asked outputs, timeout µs,
-parameters, (correlation ID, flags) or None)) and reads the worker's messages until its own answer
-comes; answers to other calls read meanwhile are kept for them. `async_exec()` sends the same and
+parameters, (correlation ID, flags) or None, decoupled)) and reads the worker's messages until its own
+answer comes; answers to other calls read meanwhile are kept for them. exec(decoupled=True) returns an
+iterator at once: each response of the called model comes as ("more", answer) but the last, which is
+any call's answer; the iterator reads them as it is iterated. `async_exec()` sends the same and
 awaits a future that a reader on the stub's event loop resolves, so that several calls are in flight at
 once. The worker answers every call, by its deadline at the latest: a call waits as long as that, and
 no longer.
@@ -29,8 +31,9 @@ class ModelCalls:
         self.conn = conn
         self._ids = itertools.count(1)
         self._waiting: set[int] = set()          # exec() calls not yet answered
-        self._answers: dict[int, Answer] = {}    # their answers, read by whoever was reading
+        self._answers: dict[int, list[Answer]] = {}  # their answers, read by whoever was reading
         self._futures: dict[int, asyncio.Future[Answer]] = {}  # async_exec() calls not yet answered
+        self._parts: dict[int, list[Answer]] = {}  # async_exec(decoupled=True): the responses before the last
         self._reading = threading.Lock()         # one reader of the connection at a time
         self._writing = threading.Lock()
         self.on_cancel: Any = None  # the stub's: a decoupled model's request whose client went away
@@ -40,27 +43,53 @@ class ModelCalls:
         self._waiting.add(call_id)  # before it goes: another reader may get its answer first
         try:
             self._send(call_id, request)
-            with self._reading:
-                while call_id not in self._answers:
-                    self._read()
+            answer = self._next(call_id)[1]
         finally:
-            self._waiting.discard(call_id)
-        return _response(self._answers.pop(call_id))
+            self.forget(call_id)
+        return _response(answer)
 
-    async def call_async(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+    def stream(self, request: pb_utils.InferenceRequest) -> Any:
+        """exec(decoupled=True): the called model's responses, read as the iterator is iterated."""
+        call_id = next(self._ids)
+        self._waiting.add(call_id)
+        try:
+            self._send(call_id, request, decoupled=True)
+        except BaseException:
+            self._waiting.discard(call_id)
+            raise
+        return Responses(self, call_id)
+
+    def forget(self, call_id: int) -> None:
+        """The call's answers are no longer wanted: those that come later are dropped."""
+        self._waiting.discard(call_id)
+        self._answers.pop(call_id, None)
+
+    def _next(self, call_id: int) -> tuple[str, Answer]:
+        """The call's next answer: ("more", answer) for a response before the last, else ("last", answer)."""
+        with self._reading:
+            while not self._answers.get(call_id):
+                self._read()
+        return self._answers[call_id].pop(0)
+
+    async def call_async(self, request: pb_utils.InferenceRequest, decoupled: bool = False) -> Any:
         loop = asyncio.get_running_loop()
         call_id = next(self._ids)
         future: asyncio.Future[Answer] = loop.create_future()
         self._futures[call_id] = future
+        if decoupled:
+            self._parts[call_id] = []
         if len(self._futures) == 1:
             loop.add_reader(self.conn.fileno(), self._readable)
         try:
-            self._send(call_id, request)
+            self._send(call_id, request, decoupled)
             answer = await future
         finally:
             del self._futures[call_id]
+            parts = self._parts.pop(call_id, [])
             if not self._futures:
                 loop.remove_reader(self.conn.fileno())
+        if decoupled:
+            return iter([*map(_response, parts), _response(answer)])
         return _response(answer)
 
     def _readable(self) -> None:
@@ -83,14 +112,18 @@ class ModelCalls:
         if kind != "bls":
             raise pb_utils.TritonModelException(f"unexpected message {kind!r} from the worker in execute")
         call_id, answer = payload
+        more = answer[0] == "more"  # a decoupled model's response before its last: ("more", answer)
         future = self._futures.get(call_id)
         if future is not None:
-            future.get_loop().call_soon_threadsafe(_settle, future, answer)
+            if more:
+                self._parts[call_id].append(answer[1])
+            else:
+                future.get_loop().call_soon_threadsafe(_settle, future, answer)
         elif call_id in self._waiting:
-            self._answers[call_id] = answer
-        # else: a call whose caller went away (a task the model did not await)
+            self._answers.setdefault(call_id, []).append(("more", answer[1]) if more else ("last", answer))
+        # else: a call whose caller went away (a task the model did not await, an iterator let go)
 
-    def _send(self, call_id: int, request: pb_utils.InferenceRequest) -> None:
+    def _send(self, call_id: int, request: pb_utils.InferenceRequest, decoupled: bool = False) -> None:
         if not request.model_name():
             raise pb_utils.TritonModelException("InferenceRequest needs a model_name to be executed")
         inputs = {t.name(): wire.pack(np.asarray(t.as_numpy())) for t in request.inputs()}
@@ -98,7 +131,7 @@ class ModelCalls:
         sequence = (correlation, request.flags()) if correlation not in (0, "") else None
         message = ("bls", (call_id, request.model_name(), request.model_version(), inputs,
                            request.requested_output_names(), request.timeout(),
-                           _parameters(request.parameters()), sequence))
+                           _parameters(request.parameters()), sequence, decoupled))
         self.send(message)
 
     def send(self, message: Any) -> None:
@@ -106,6 +139,38 @@ class ModelCalls:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._writing:
             self.conn.send_bytes(data)
+
+
+class Responses:
+    """exec(decoupled=True)'s iterator: each response of the called model as it comes, the last one
+    included. Let go before the end (or never iterated), it stops keeping what comes later."""
+
+    def __init__(self, calls: ModelCalls, call_id: int) -> None:
+        self._calls, self._id = calls, call_id
+        self._ended = False
+
+    def __iter__(self) -> Responses:
+        return self
+
+    def __next__(self) -> pb_utils.InferenceResponse:
+        if self._ended:
+            raise StopIteration
+        try:
+            kind, answer = self._calls._next(self._id)
+        except BaseException:
+            self._end()
+            raise
+        if kind != "more":
+            self._end()
+        return _response(answer)
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._calls.forget(self._id)
+
+    def __del__(self) -> None:
+        self._end()
 
 
 def _parameters(raw: str) -> dict[str, Any]:

@@ -252,17 +252,19 @@ class InferenceRequest:
                                        "(model_transaction_policy { decoupled: true })")
         return self._response_sender
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
-        return _calls(decoupled).call(self)
+    def exec(self, decoupled: bool = False) -> Any:
+        """The called model's response; with decoupled=True an iterator of its responses, each as it
+        comes (a decoupled model's, the last one empty when it ended with the final flag alone)."""
+        calls = _calls()
+        return calls.stream(self) if decoupled else calls.call(self)
 
-    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
-        return await _calls(decoupled).call_async(self)
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        """exec() awaited; with decoupled=True, once the called model sent its last response, an iterator
+        of them all."""
+        return await _calls().call_async(self, decoupled)
 
 
-def _calls(decoupled: bool) -> Any:
-    if decoupled:
-        raise TritonModelException("decoupled model calls (exec(decoupled=True)) are not supported by "
-                                   "Despina yet")
+def _calls() -> Any:
     if _model_calls is None:
         raise TritonModelException("InferenceRequest.exec and async_exec work only inside execute")
     return _model_calls
