@@ -30,6 +30,7 @@ class CatalogEntry:
     failed: dict[int, str] = field(default_factory=dict)  # version -> why its current files failed
     footprint: int = 0                # estimated bytes of memory the loaded versions take
     step_only: bool = False           # loaded only as a step of an ensemble, never asked for by name
+    labels: dict[str, tuple[str, ...]] = field(default_factory=dict)  # output -> its label_filename's lines
 
     @property
     def serving(self) -> bool:
@@ -47,7 +48,8 @@ class CatalogEntry:
             "revisions": {str(v): r for v, r in self.revisions.items()},
             "files": [list(f) for f in self.files], "target": self.target, "workers": list(self.workers),
             "retiring": list(self.retiring), "failed": {str(v): r for v, r in self.failed.items()},
-            "footprint": self.footprint, "step_only": self.step_only})
+            "footprint": self.footprint, "step_only": self.step_only,
+            **({"labels": {k: list(v) for k, v in self.labels.items()}} if self.labels else {})})
 
     @classmethod
     def loads(cls, raw: bytes | str) -> CatalogEntry:
@@ -58,4 +60,5 @@ class CatalogEntry:
                    tuple((f[0], int(f[1]), f[2]) for f in d.get("files", ())), d.get("target", LOADED),
                    tuple(d.get("workers", ())), tuple(d.get("retiring", ())),
                    {int(v): r for v, r in (d.get("failed") or {}).items()}, int(d.get("footprint", 0)),
-                   bool(d.get("step_only", False)))
+                   bool(d.get("step_only", False)),
+                   {k: tuple(v) for k, v in (d.get("labels") or {}).items()})

@@ -20,6 +20,7 @@ from ..contract.modelconfig import (
     validate,
 )
 from ..registry import ModelFiles, Registry
+from ..registry.base import check_relative
 from ..workers.backends import backend_class
 
 log = logging.getLogger("despina.control")
@@ -82,7 +83,29 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
         name, model.url, as_dict, tuple(selected), available=tuple(available),
         revisions={v: model.revision(v, canonical) for v in selected},
         files=tuple(f.pack() for f in model.files) if registry.remote else (),
-        footprint=footprint(as_dict, model.size(selected)))
+        footprint=footprint(as_dict, model.size(selected)), labels=_labels(registry, model, config, paths))
+
+
+def _labels(registry: Registry, model: ModelFiles, config: Any, paths: set[str]
+            ) -> dict[str, tuple[str, ...]]:
+    """Each output's labels, a line each, from its label_filename in the model's folder (Triton's
+    classification extension names a class by them)."""
+    named = {o.name: o.label_filename for o in config.output if o.label_filename}
+    if not named:
+        return {}
+    where = f"model '{config.name}'"
+    for output, filename in named.items():
+        try:
+            named[output] = check_relative(filename)
+        except DespinaError:
+            raise ConfigError(f"{where}: output '{output}': label_filename {filename!r} is not a path "
+                              "inside the model's folder") from None
+        if named[output] not in paths:
+            raise ConfigError(f"{where}: output '{output}': label_filename {filename!r} is not in the "
+                              "model's folder")
+    folder = registry.folder(model, [])
+    return {output: tuple((folder / path).read_text(encoding="utf-8", errors="replace").splitlines())
+            for output, path in named.items()}
 
 
 def _check_ensemble(config: Any) -> None:

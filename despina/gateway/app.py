@@ -38,7 +38,7 @@ from .stats import model_statistics
 
 log = logging.getLogger("despina.gateway")
 
-EXTENSIONS = ["binary_tensor_data", "statistics", "parameters", *REPOSITORY_EXTENSIONS]
+EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "parameters", *REPOSITORY_EXTENSIONS]
 
 
 class Gateway:

@@ -20,6 +20,7 @@ from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Paramete
 from ..contract.sequence import optional_sequence, request_sequence
 from ..response_cache import cache_key, through
 from . import ensemble, http
+from .classification import classify
 from .dispatch import Result
 from .fn import decode_fn, encode_fn
 from .http import Headers, Receive, Scope, Send
@@ -112,7 +113,10 @@ class InferRoute(Route):
         respond = self.respond
 
         def answer(reply: InferReply) -> None:
-            out, json_length = encode_infer(model.spec.name, version, decoded.id, reply.outputs,
+            outputs = reply.outputs
+            if decoded.classes:  # Triton's classification extension: their top classes instead
+                outputs = classify(spec, outputs, decoded.classes, model.entry.labels)
+            out, json_length = encode_infer(model.spec.name, version, decoded.id, outputs,
                                             decoded.binary_outputs, decoded.binary_all, decoded.heads,
                                             reply.parameters)
             respond(ex, out, json_length, echo)

@@ -43,6 +43,7 @@ class Decoded:
     model_parameters: Parameters = field(default_factory=dict)  # but those in CONSUMED
     # the requests of one remembered header share this: their reply headers by the outputs' shapes
     heads: dict[tuple[Any, ...], bytes] | None = field(default=None, compare=False, repr=False)
+    classes: dict[str, int] = field(default_factory=dict)  # output -> top classes asked (classification)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,7 @@ class _Plan:
             offset += size
         d = self.decoded  # its outputs, binary outputs and parameters are read, never changed
         return Decoded(d.id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters,
-                       d.model_parameters, d.heads)
+                       d.model_parameters, d.heads, d.classes)
 
 
 PLANS_MAX, PLAN_HEADER_MAX = 512, 4096
@@ -133,13 +134,13 @@ def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: in
         raise InvalidArgument(f"the body carries {len(binary) - offset} bytes of binary data that no "
                               "input claims (check binary_data_size)")
     check_inputs(spec, inputs)
-    outputs, binary_outputs = _decode_outputs(doc.get("outputs"), spec)
+    outputs, binary_outputs, classes = _decode_outputs(doc.get("outputs"), spec)
     req_id = doc.get("id")
     if req_id is not None and not isinstance(req_id, str):
         raise InvalidArgument("field 'id' must be a string")
     binary_all = params.get("binary_data_output") is True
     return Decoded(req_id, inputs, outputs, binary_outputs, binary_all, params,
-                   model_parameters(params)), from_binary
+                   model_parameters(params), classes=classes), from_binary
 
 
 def model_parameters(params: dict[str, Any]) -> Parameters:
@@ -290,24 +291,45 @@ def _packed(code: str, count: int, data: Any, booleans: bool) -> bytes | None:
         return None
 
 
-def _decode_outputs(raw: Any, spec: ModelSpec) -> tuple[list[str], set[str]]:
+def _decode_outputs(raw: Any, spec: ModelSpec) -> tuple[list[str], set[str], dict[str, int]]:
+    """The outputs asked for, those asked as binary data, and those asked as their top classes."""
     if raw is None:
-        return [], set()
+        return [], set(), {}
     if not isinstance(raw, list):
         raise InvalidArgument("field 'outputs' must be a list")
     names: list[str] = []
     binary: set[str] = set()
+    classes: dict[str, int] = {}
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
         name = item["name"]
         known_output(spec, name)
         names.append(name)
-        if _object(item.get("parameters"), f"outputs[{name}].parameters").get("binary_data") is True:
+        params = _object(item.get("parameters"), f"outputs[{name}].parameters")
+        if params.get("binary_data") is True:
             binary.add(name)
-    return names, binary
+        count = params.get("classification")
+        if count is not None:
+            classes[name] = classification_count(spec, name, count)
+    return names, binary, classes
 
 
+def classification_count(spec: ModelSpec, name: str, count: Any) -> int:
+    """An output's `classification` parameter (Triton's classification extension), checked against the
+    output's datatype before anything runs."""
+    if type(count) is not int or count < 1:
+        raise InvalidArgument(f"output '{name}': parameter 'classification' must be a positive integer")
+    output = spec.output(name)
+    datatype = output.datatype if output is not None else ""
+    if datatype not in CLASSIFIABLE:
+        raise InvalidArgument(f"output '{name}': class result not available for output due to unsupported "
+                              f"type '{datatype}'")
+    return count
+
+
+CLASSIFIABLE = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP32",
+                          "FP64"})
 HEADS_MAX = 64  # reply headers remembered per request header (BYTES outputs vary in size)
 
 
