@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -9,9 +10,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import orjson
+import pytest
 import redis.asyncio as aioredis
 
+from despina.contract.errors import ConfigError
 from despina.contract.keys import Keys
+from despina.contract.modelconfig import normalize, parse_text, validate
 from despina.examples import build_mlp
 
 from .conftest import FULL_QUEUE_DELAY, Server, stop_server
@@ -194,3 +198,75 @@ def test_a_lone_ensemble_request_does_not_wait_out_its_steps_delays(serve: Calla
     for step in ("head", "tail"):  # two requests that waited out the delay would have queued 3 s
         stats = httpx.get(f"{server.url}/v2/models/{step}/stats").json()["model_stats"][0]
         assert stats["inference_count"] == 2 and stats["inference_stats"]["queue"]["ns"] < 1e9, stats
+
+
+# Sleeps for the request's parameter sleep_ms, on one of its two instances (processes): a request that came
+# later but sleeps less finishes first.
+SLEEPY = '''
+import json
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            time.sleep(json.loads(request.parameters()).get("sleep_ms", 0) / 1000)
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", x)]))
+        return responses
+'''
+
+
+def sleepy(root: Path, name: str, preserve: bool) -> None:
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "1" / "model.py").write_text(SLEEPY)
+    (root / name / "config.pbtxt").write_text(
+        f'backend: "python"\nmax_batch_size: 1\n'
+        'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n'
+        f'dynamic_batching {{ preserve_ordering: {str(preserve).lower()} }}\n'
+        'instance_group [{ count: 2, kind: KIND_CPU }]\n')
+
+
+def test_preserve_ordering_answers_in_the_order_requests_came(serve: Callable[..., Server],
+                                                               tmp_path: Path) -> None:
+    """A slow request, then a quick one on the other instance: without preserve_ordering the quick one
+    is answered first; with it, after the slow one, as Triton's dynamic batcher orders its responses."""
+    sleepy(tmp_path, "ordered", True)
+    sleepy(tmp_path, "unordered", False)
+    server = serve(tmp_path, wait_models=("ordered", "unordered"))
+
+    async def scenario(model: str) -> list[str]:
+        finished: list[str] = []
+
+        async def call(client: httpx.AsyncClient, name: str, sleep_ms: int, after_s: float) -> None:
+            await asyncio.sleep(after_s)
+            r = await client.post(f"{server.url}/v2/models/{model}/infer", json={
+                "inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}],
+                "parameters": {"sleep_ms": sleep_ms}})
+            assert r.status_code == 200, r.text
+            finished.append(name)
+
+        async with httpx.AsyncClient(timeout=30) as client:
+            await asyncio.gather(call(client, "slow", 1000, 0.0), call(client, "quick", 0, 0.3))
+        return finished
+
+    assert asyncio.run(scenario("unordered")) == ["quick", "slow"]  # the other instance was free
+    assert asyncio.run(scenario("ordered")) == ["slow", "quick"]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ("dynamic_batching { preserve_ordering: true priority_levels: 2 default_priority_level: 1 }",
+     "only one priority level is allowed when 'preserve_ordering' is true"),
+    ("dynamic_batching { preserve_ordering: true default_queue_policy { timeout_action: DELAY "
+     "default_timeout_microseconds: 1000 } }", "cannot have DELAY as its timeout action"),
+    ("dynamic_batching { preserve_ordering: true } model_transaction_policy { decoupled: true }",
+     "'preserve_ordering' for a decoupled model is not supported"),
+])
+def test_preserve_ordering_is_refused_where_triton_refuses_it(extra: str, message: str) -> None:
+    base = ('backend: "python" max_batch_size: 4 input [{ name: "x" data_type: TYPE_FP32 dims: [1] }] '
+            'output [{ name: "y" data_type: TYPE_FP32 dims: [1] }] ')
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(normalize("m", parse_text("m", base + extra)))

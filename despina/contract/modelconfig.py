@@ -175,6 +175,18 @@ def validate(config: Any) -> None:
             if size <= 0 or size > config.max_batch_size:
                 raise ConfigError(f"model '{model}': field 'dynamic_batching.preferred_batch_size' "
                                   f"{size} is outside 1..max_batch_size ({config.max_batch_size})")
+        if db.preserve_ordering:  # Triton's rules: one queue, and nothing moved behind the others
+            if config.model_transaction_policy.decoupled:
+                raise ConfigError(f"model '{model}': 'preserve_ordering' for a decoupled model is not "
+                                  "supported by Despina yet")
+            if db.priority_levels > 1:
+                raise ConfigError(f"model '{model}': only one priority level is allowed when "
+                                  "'preserve_ordering' is true")
+            policies = [db.default_queue_policy, *db.priority_queue_policy.values()]
+            if any(p.default_timeout_microseconds and p.timeout_action == pb.ModelQueuePolicy.DELAY
+                   for p in policies):
+                raise ConfigError(f"model '{model}': a queue policy cannot have DELAY as its timeout "
+                                  "action when 'preserve_ordering' is true")
     for group in config.instance_group:
         if group.count < 0:
             raise ConfigError(f"model '{model}': field 'instance_group.count' must be >= 0")

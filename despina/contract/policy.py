@@ -32,6 +32,7 @@ class BatchPolicy:
     default_priority: int = 0
     default_queue_policy: QueuePolicy = QueuePolicy()
     priority_queue_policy: dict[int, QueuePolicy] = field(default_factory=dict)
+    preserve_ordering: bool = False         # replies go out in the order the requests were taken
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0:
@@ -87,4 +88,5 @@ def batch_policy(config: dict[str, Any]) -> BatchPolicy:
         default_queue_policy=_queue_policy(db.get("default_queue_policy")),
         priority_queue_policy={int(k): _queue_policy(v)
                                for k, v in (db.get("priority_queue_policy") or {}).items()},
+        preserve_ordering=bool(db.get("preserve_ordering", False)),
     )

@@ -56,6 +56,8 @@ TIMED_OUT = "request timed out in the queue before it could run"
 STREAMS_END_S = 10.0  # how long an unload waits for a decoupled model's open requests to end (then they fail)
 Answer = Callable[[InferReply], None]
 Settled = Callable[[], bool]  # whether no other request of the submitter's can join a batch now
+# preserve_ordering: (the previous batch's replies sent, or None for the first; this batch's)
+Turn = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 
 
 @dataclass(slots=True)
@@ -112,6 +114,7 @@ class ModelRunner:
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._row_us: float | None = None  # moving average of a batch's cost per row (µs)
+        self._last_turn: asyncio.Future[None] | None = None  # preserve_ordering: the last batch's replies
         self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
         self._read_along = ReadAlong()  # the read loop's next read, waiting for a batch's replies
         self._backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
@@ -386,6 +389,15 @@ class ModelRunner:
         return DynamicBatcher(self.spec.policy, self._execute, instances, self._on_timeout, self._coming)
 
     async def _execute(self, batch: list[Item], instance: int | None = None) -> None:
+        turn = self._take_turn()  # before any await: batches start in the order the batcher formed them
+        try:
+            await self._run_and_reply(batch, instance, turn)
+        except BaseException:  # its replies will not go out: the batches after it must not wait for them
+            if turn is not None and not turn[1].done():
+                turn[1].set_result(None)
+            raise
+
+    async def _run_and_reply(self, batch: list[Item], instance: int | None, turn: Turn | None) -> None:
         pendings: list[Pending] = [item.payload for item in batch]
         started = time.time()
         live_items = [item for item in batch if item.payload.request.deadline >= started]
@@ -416,8 +428,29 @@ class ModelRunner:
         rows = sum(sizes)
         timings = _timings(marks, time.perf_counter_ns())
         # the instance is free as soon as the model ran: replies go out in the background
-        self._spawn(self._reply(replies, [p.request for p in expired + live], pendings,
-                                rows=rows if live else 0, started=started, timings=timings))
+        reply = self._reply(replies, [p.request for p in expired + live], pendings,
+                            rows=rows if live else 0, started=started, timings=timings)
+        self._spawn(reply if turn is None else self._in_turn(turn, reply))
+
+    def _take_turn(self) -> Turn | None:
+        """preserve_ordering: (the previous batch's replies sent, this batch's), else None."""
+        if not self.spec.policy.preserve_ordering:
+            return None
+        previous, mine = self._last_turn, asyncio.get_running_loop().create_future()
+        self._last_turn = mine
+        return previous, mine
+
+    async def _in_turn(self, turn: Turn, reply: Any) -> None:
+        """Send a batch's replies once the batch before it sent its own (Triton's preserve_ordering: with
+        several instances a later batch may finish first)."""
+        previous, mine = turn
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)
+            await reply
+        finally:
+            if not mine.done():
+                mine.set_result(None)
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
