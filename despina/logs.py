@@ -11,9 +11,12 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import orjson
+
+from .contract.errors import InvalidArgument
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
@@ -21,7 +24,16 @@ def _fields(record: logging.LogRecord) -> dict[str, Any]:
     return fields if isinstance(fields, dict) else {}
 
 
-class JsonFormatter(logging.Formatter):
+class _Times(logging.Formatter):
+    iso = False  # Triton's log_format ISO8601: UTC timestamps, 2026-12-03T12:00:00.123Z
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        if not self.iso:
+            return super().formatTime(record, datefmt)
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+
+
+class JsonFormatter(_Times):
     def __init__(self, role: str) -> None:
         super().__init__()
         self.role = role
@@ -35,7 +47,7 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(doc, default=str).decode()
 
 
-class TextFormatter(logging.Formatter):
+class TextFormatter(_Times):
     def __init__(self, role: str) -> None:
         super().__init__(f"%(asctime)s {role}[%(process)d] %(levelname)s %(message)s")
 
@@ -51,6 +63,89 @@ def setup(level: str = "info", role: str = "despina", json: bool = False) -> Non
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    global _started_level
+    _started_level = root.level
+
+
+# -- Triton's logging extension: settings every process follows ------------------------------------
+
+EVENT = b"logging"  # on the events channel: the log settings changed
+FORMATS = ("default", "ISO8601")
+_started_level = logging.INFO  # the level the process started with (--log-level)
+
+
+def defaults(level: str) -> dict[str, Any]:
+    """The settings a process starts with, as Triton's logging extension names them."""
+    n = logging.getLevelName(level.upper())
+    n = n if isinstance(n, int) else logging.INFO
+    return {"log_file": "", "log_info": n <= logging.INFO, "log_warnings": n <= logging.WARNING,
+            "log_errors": n <= logging.ERROR, "log_verbose_level": 1 if n <= logging.DEBUG else 0,
+            "log_format": "default"}
+
+
+def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
+    """`current` with the settings a POST /v2/logging gives; InvalidArgument names a bad one."""
+    if not isinstance(update, dict):
+        raise InvalidArgument("the log settings must be a JSON object")
+    out = dict(current)
+    for name, value in update.items():
+        if name in ("log_info", "log_warnings", "log_errors"):
+            if type(value) is not bool:
+                raise InvalidArgument(f"log setting '{name}' must be a boolean")
+        elif name == "log_verbose_level":
+            if type(value) is not int or not 0 <= value < 1 << 32:
+                raise InvalidArgument("log setting 'log_verbose_level' must be an unsigned integer")
+        elif name == "log_format":
+            if value not in FORMATS:
+                raise InvalidArgument(f"log setting 'log_format' must be one of {', '.join(FORMATS)}")
+        elif name == "log_file":
+            if not isinstance(value, str):
+                raise InvalidArgument("log setting 'log_file' must be a string")
+            if value:
+                raise InvalidArgument("log setting 'log_file': every Despina process logs to standard error "
+                                      "(a container's log); a log file is not supported")
+        else:
+            raise InvalidArgument(f"unknown log setting '{name}' (known: {', '.join(defaults('info'))})")
+        out[name] = value
+    return out
+
+
+class _Levels(logging.Filter):
+    """Which levels pass: Triton's switches are one each, not a threshold."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        super().__init__()
+        self.passes = {logging.DEBUG: settings["log_verbose_level"] > 0, logging.INFO: settings["log_info"],
+                       logging.WARNING: settings["log_warnings"], logging.ERROR: settings["log_errors"],
+                       logging.CRITICAL: settings["log_errors"]}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.passes.get(record.levelno, True)
+
+
+def apply(settings: dict[str, Any]) -> None:
+    """Follow the settings in this process: verbose level 1 opens Despina's own debug lines, 2 and more
+    every library's too; ISO8601 timestamps the lines in UTC."""
+    root = logging.getLogger()
+    verbose = int(settings.get("log_verbose_level", 0))
+    root.setLevel(logging.DEBUG if verbose >= 2 else min(_started_level, logging.INFO))
+    logging.getLogger("despina").setLevel(logging.DEBUG if verbose >= 1 else logging.NOTSET)
+    iso = settings.get("log_format") == "ISO8601"
+    for handler in root.handlers:
+        handler.filters[:] = [_Levels({**defaults("info"), **settings})]
+        formatter = handler.formatter
+        if isinstance(formatter, (TextFormatter, JsonFormatter)):
+            formatter.iso = iso
+
+
+async def follow(redis: Any, keys: Any) -> None:
+    """Read the cluster's log settings and follow them (when a POST /v2/logging set some)."""
+    raw = await redis.get(keys.log_settings)
+    if raw:
+        try:
+            apply(orjson.loads(raw))
+        except (ValueError, TypeError, KeyError) as exc:
+            logging.getLogger("despina").warning("ignoring unreadable log settings (%s)", exc)
 
 
 def dump_tasks() -> None:

@@ -74,6 +74,12 @@ class Keys:
         return f"{self.prefix}:events"
 
     @property
+    def log_settings(self) -> str:
+        """String: the log settings every process follows (Triton's logging extension, JSON), set through
+        POST /v2/logging; its change is announced on the events channel as b"logging"."""
+        return f"{self.prefix}:logging"
+
+    @property
     def workers(self) -> str:
         """Set of worker ids; each one's liveness is its own key's TTL."""
         return f"{self.prefix}:workers"

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from .. import logs
 from ..contract.catalog import LOADED
 from ..contract.commands import Command
 from ..contract.errors import ConfigError, DespinaError, Unavailable
@@ -173,9 +174,12 @@ class ControlPlane:
             try:
                 async with self.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self.keys.events)
+                    await logs.follow(self.redis, self.keys)  # what was set while this one was away
                     while not self._stop.is_set():
                         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                        if message is not None and message.get("data") != b"catalog":
+                        if message is not None and message.get("data") == logs.EVENT:
+                            await logs.follow(self.redis, self.keys)
+                        elif message is not None and message.get("data") != b"catalog":
                             self.kick()
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: event subscription lost (%s); retrying", exc)

@@ -27,6 +27,8 @@ from .auth import AuthPolicy, Guard
 from .dispatch import Dispatcher
 from .generate import GenerateRoute, StreamEndpoint
 from .infer import AsgiEndpoint, FunctionRoute, InferRoute
+from .logging_api import EXTENSION as LOGGING_EXTENSION
+from .logging_api import logging_routes
 from .models import ModelView
 from .openapi import document
 from .protocol import HotRoutes
@@ -38,7 +40,8 @@ from .stats import model_statistics
 
 log = logging.getLogger("despina.gateway")
 
-EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "parameters", *REPOSITORY_EXTENSIONS]
+EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "parameters", LOGGING_EXTENSION,
+              *REPOSITORY_EXTENSIONS]
 
 
 class Gateway:
@@ -183,6 +186,7 @@ def create_app(settings: Settings) -> Starlette:
                                          ("generate_stream", True, StreamEndpoint))
           for v in ("", "/versions/{version}")],
         *repository_routes(gw),
+        *logging_routes(gw),
         *(sagemaker_routes(gw) if settings.sagemaker else []),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],

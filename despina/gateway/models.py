@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import orjson
 import redis.asyncio as aioredis
 
+from .. import logs
 from ..contract.catalog import LOADED, UNLOADED, CatalogEntry
 from ..contract.commands import WAKE
 from ..contract.ensemble import Ensemble, is_ensemble
@@ -85,8 +86,12 @@ class ModelView:
             try:
                 async with self.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self.keys.events)
+                    await logs.follow(self.redis, self.keys)  # what was set while this one was away
                     while True:
-                        await pubsub.get_message(ignore_subscribe_messages=True, timeout=REFRESH_S)
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=REFRESH_S)
+                        if message is not None and message.get("data") == logs.EVENT:
+                            await logs.follow(self.redis, self.keys)
+                            continue
                         await self.refresh()
             except asyncio.CancelledError:
                 raise

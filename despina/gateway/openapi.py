@@ -114,6 +114,14 @@ def _schemas() -> Doc:
         "Statistics": {"type": "object", "required": ["model_stats"], "properties": {
             "model_stats": {"type": "array", "items": _ref("ModelStatistics")}}},
         "RepositoryIndexRequest": {"type": "object", "properties": {"ready": {"type": "boolean"}}},
+        "LogSettings": {"type": "object", "properties": {
+            "log_file": {"type": "string", "description": "Only \"\": every process logs to standard error"},
+            "log_info": {"type": "boolean"}, "log_warnings": {"type": "boolean"},
+            "log_errors": {"type": "boolean"},
+            "log_verbose_level": {"type": "integer", "minimum": 0,
+                                  "description": "1: Despina's debug lines; 2 and more: every library's"},
+            "log_format": {"type": "string", "enum": ["default", "ISO8601"]}},
+            "additionalProperties": False},
         "RepositoryIndex": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
             "name": {"type": "string"}, "version": {"type": "string"}, "state": {"type": "string"},
             "reason": {"type": "string"}}}},
@@ -238,6 +246,12 @@ def _paths() -> Doc:
         "repository_index", "Models in the repository and their states", "model-repository",
         _ok("Index", _ref("RepositoryIndex")), (400, 401, 403, 503),
         requestBody={"required": False, "content": _json(_ref("RepositoryIndexRequest"))})}
+    paths["/v2/logging"] = {
+        "get": _op("log_settings", "The log settings every process follows", "logging",
+                   _ok("Log settings", _ref("LogSettings")), (401, 403)),
+        "post": _op("update_log_settings", "Change the log settings it names, in every process", "logging",
+                    _ok("Log settings, all of them", _ref("LogSettings")), (400, 401, 403),
+                    requestBody={"required": True, "content": _json(_ref("LogSettings"))})}
     for action, schema, text in (("load", "LoadRequest", "Load or reload a model"),
                                  ("unload", "UnloadRequest", "Unload a model")):
         paths[f"/v2/repository/models/{{model}}/{action}"] = {"parameters": [MODEL], "post": _op(
@@ -308,7 +322,7 @@ def document(version: str, sagemaker: bool = False) -> Doc:
         "info": {"title": "Despina", "version": version, "description": DESCRIPTION,
                  "license": {"name": "Apache-2.0"}},
         "tags": [{"name": t} for t in ("health", "metadata", "inference", "model-config", "statistics",
-                                       "model-repository")],
+                                       "model-repository", "logging")],
         "security": [{}, {"bearer": []}],
         "paths": {**_paths(), **(_sagemaker_paths() if sagemaker else {})},
         "components": {"schemas": _schemas(),

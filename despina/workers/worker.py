@@ -19,7 +19,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .. import cpus
+from .. import cpus, logs
 from ..contract.catalog import CatalogEntry
 from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail
 from ..contract.ensemble import Ensemble, Step, is_ensemble
@@ -302,8 +302,12 @@ class Worker:
             try:
                 async with self.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self.keys.events)
+                    await logs.follow(self.redis, self.keys)  # what was set while this one was away
                     while True:
                         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                        if message is not None and message.get("data") == logs.EVENT:
+                            await logs.follow(self.redis, self.keys)
+                            continue
                         if message is not None and message.get("data") == b"catalog":
                             self._kick.set()
             except asyncio.CancelledError:

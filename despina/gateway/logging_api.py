@@ -1,0 +1,49 @@
+"""Triton's logging extension: `GET /v2/logging` answers the log settings, `POST /v2/logging` changes
+those it names (log_info, log_warnings, log_errors, log_verbose_level, log_format; log_file only as "",
+every process logging to standard error) and answers them all.
+
+The settings are the cluster's, not one process's: they are kept in Redis (Keys.log_settings) and
+announced on the events channel, and every gateway, worker and control plane follows them at once
+(logs.apply), as it does when it starts or reconnects (logs.follow).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .. import logs
+from ..contract.errors import DespinaError
+from .responses import error_response, json_body, json_response
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+EXTENSION = "logging"
+
+
+def logging_routes(gw: Gateway) -> list[Route]:
+    async def current() -> dict[str, Any]:
+        raw = await gw.redis.get(gw.keys.log_settings)
+        settings = logs.defaults(gw.settings.log_level)
+        return {**settings, **orjson.loads(raw)} if raw else settings
+
+    async def get(request: Request) -> Response:
+        return json_response(await current())
+
+    async def post(request: Request) -> Response:
+        try:
+            settings = logs.merged(await current(), await json_body(request, gw.settings.max_body_bytes))
+        except DespinaError as exc:
+            return error_response(exc)
+        pipe = gw.redis.pipeline(transaction=True)
+        pipe.set(gw.keys.log_settings, orjson.dumps(settings))
+        pipe.publish(gw.keys.events, logs.EVENT)
+        await pipe.execute()
+        logs.apply(settings)  # this process at once; the others as the event reaches them
+        return json_response(settings)
+
+    return [Route("/v2/logging", get, methods=["GET"]), Route("/v2/logging", post, methods=["POST"])]
