@@ -17,6 +17,7 @@ exchange as before. A decoupled model's execute answers nothing: its responses c
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ from google.protobuf import json_format
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
 from ...contract.modelconfig import ModelConfig, to_dict
 from .base import Backend, Outputs, visible_gpus
+from .python_env import interpreter
 from .python_process import DecoupledStub, OnResponse, Stub, StubDied, log
 from .python_stub import _despina_wire as wire
 
@@ -58,10 +60,12 @@ class PythonBackend(Backend):
     on_response: OnResponse | None = None
 
     def _start(self) -> Stub:
+        python = interpreter(self.spec.name, self.spec.config.get("parameters") or {},
+                             self.version_dir.parent, sys.executable)
         if self.spec.decoupled:
-            stub: Stub = DecoupledStub.start(self.spec.name, self._response)
+            stub: Stub = DecoupledStub.start(self.spec.name, self._response, python=python)
         else:
-            stub = Stub.start(self.spec.name)
+            stub = Stub.start(self.spec.name, python=python)
         try:
             stub.call("initialize", {"model_file": str(self.model_path()), "args": self._args()})
         except (StubDied, BackendError) as exc:
@@ -207,7 +211,9 @@ class PythonBackend(Backend):
             raise ConfigError(f"model '{config.name}': model file {path} does not exist")
         if "auto_complete_config" not in path.read_text(errors="replace"):
             return
-        stub = Stub.start(config.name)
+        parameters = {k: {"string_value": v.string_value} for k, v in config.parameters.items()}
+        stub = Stub.start(config.name, python=interpreter(config.name, parameters, version_dir.parent,
+                                                           sys.executable))
         try:
             answer = stub.call("auto_complete", {"model_file": str(path),
                                                  "config": json.dumps(to_dict(config))},

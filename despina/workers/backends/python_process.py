@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
+from .python_env import Interpreter
 from .python_stub import _despina_wire as wire
 
 if TYPE_CHECKING:
@@ -45,16 +46,18 @@ class StubDied(Exception):
 class Stub:
     """One model process and the connection to it; every call is a request and its answer."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, python: Interpreter | None = None) -> None:
         ours, theirs = Pipe()
         self.name = name
+        python = python or Interpreter(sys.executable)
         self.conn: Connection = ours
         self._owed = 0  # answers of cancelled calls still to read
         self._writing = threading.Lock()  # a model call's answer may go out while a thread reads
         self._calls: dict[int, Any] = {}  # call id -> the model call running it (a task, or a future)
         try:
-            self.process = subprocess.Popen([sys.executable, str(STUB), str(theirs.fileno())],
-                                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen([python.python, str(STUB), str(theirs.fileno())],
+                                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                            env=python.environ())
         finally:
             theirs.close()
         try:  # the stub's first message, once Python and numpy are up: ("hello", pid)
@@ -69,17 +72,19 @@ class Stub:
         raise StubDied(f"its process did not start within {STARTUP_TIMEOUT_S:.0f} s")
 
     @classmethod
-    def start(cls, name: str, *args: Any) -> Stub:
+    def start(cls, name: str, *args: Any, python: Interpreter | None = None) -> Stub:
         """A started model process; if the first never came up, a second; ConfigError if neither did.
         (A process that never said hello says nothing about the model.)"""
         try:
-            return cls(name, *args)
+            return cls(name, *args, python=python)
         except StubDied as exc:
             log.warning("model %s: %s; starting it again", name, exc)
         try:
-            return cls(name, *args)
+            return cls(name, *args, python=python)
         except StubDied as exc:
-            raise ConfigError(f"model '{name}': {exc}") from None
+            own = f" (on {python.python}, EXECUTION_ENV_PATH's: it needs numpy)" if python and python.env \
+                else ""
+            raise ConfigError(f"model '{name}': {exc}{own}") from None
 
     def _abandon(self) -> None:
         self.process.kill()
@@ -248,8 +253,9 @@ class DecoupledStub(Stub):
     are answered in the order they were made), a model call to the event loop, a response to
     `on_response`, and the end of the process to `on_response(None, ...)`."""
 
-    def __init__(self, name: str, on_response: Callable[[Any], None]) -> None:
-        super().__init__(name)
+    def __init__(self, name: str, on_response: Callable[[Any], None], *, python: Interpreter | None = None
+                 ) -> None:
+        super().__init__(name, python=python)
         self._on_response = on_response
         self._asked: deque[concurrent.futures.Future[Any]] = deque()
         self._caller: ModelCaller | None = None

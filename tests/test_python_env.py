@@ -1,0 +1,115 @@
+"""A Python model on its own environment (Triton's EXECUTION_ENV_PATH) through a real `despina serve`:
+a packed environment (a tarball in the model's folder) or an unpacked one, whose interpreter runs the
+model's process and whose packages it imports; and the load errors for what cannot be used.
+
+The environments here are made for the test: bin/python3 is a script that puts the environment's own
+package folder on the path and runs this test's interpreter (which has numpy), as a conda-pack or venv
+environment's interpreter would run with its own packages."""
+from __future__ import annotations
+
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import Server, module_server
+
+MODEL = '''
+import os
+import numpy as np
+import only_in_env  # the environment's package: not in the worker's
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        first_on_path = os.environ["PATH"].split(os.pathsep)[0]
+        return [pb_utils.InferenceResponse([
+            pb_utils.Tensor("value", np.array([only_in_env.VALUE], np.int64)),
+            pb_utils.Tensor("where", np.array([first_on_path.encode()], np.object_))]) for _ in requests]
+'''
+CONFIG = '''
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "x", data_type: TYPE_FP32, dims: [ 1 ] }} ]
+output [ {{ name: "value", data_type: TYPE_INT64, dims: [ 1 ] }}, {{ name: "where", data_type: TYPE_STRING, dims: [ 1 ] }} ]
+parameters {{ key: "EXECUTION_ENV_PATH", value: {{ string_value: "{env}" }} }}
+'''
+
+
+def make_env(folder: Path, value: int, numpy: bool = True) -> None:
+    (folder / "bin").mkdir(parents=True)
+    (folder / "site").mkdir()
+    (folder / "site" / "only_in_env.py").write_text(f"VALUE = {value}\n")
+    if not numpy:  # an environment without numpy: the model's process cannot start on it
+        (folder / "site" / "numpy.py").write_text("raise ImportError('no numpy in this environment')\n")
+    python = folder / "bin" / "python3"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="$(dirname "$0")/../site" exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+
+
+def write_model(root: Path, name: str, env: str) -> Path:
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "1" / "model.py").write_text(MODEL)
+    (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, env=env))
+    return root / name
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("env-repo")
+    packed = write_model(root, "packed", "$$TRITON_MODEL_DIRECTORY/env.tar.gz")
+    source = tmp_path_factory.mktemp("env") / "env"
+    make_env(source, 42)
+    with tarfile.open(packed / "env.tar.gz", "w:gz") as tar:  # its contents at the top, as conda-pack's
+        tar.add(source, arcname=".")
+    folder = write_model(root, "folder", "$$TRITON_MODEL_DIRECTORY/myenv")
+    make_env(folder / "myenv", 7)
+    write_model(root, "missing", "$$TRITON_MODEL_DIRECTORY/nope.tar.gz")
+    no_numpy = write_model(root, "no_numpy", "$$TRITON_MODEL_DIRECTORY/env")
+    make_env(no_numpy / "env", 1, numpy=False)
+    write_model(root, "no_python", "$$TRITON_MODEL_DIRECTORY")  # the model's folder: no bin/python3
+    yield from module_server(root, tmp_path_factory, redis_url, ("packed", "folder"))
+
+
+def infer(server: Server, model: str) -> dict[str, list]:
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", timeout=30,
+                   json={"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]})
+    assert r.status_code == 200, r.text
+    return {o["name"]: o["data"] for o in r.json()["outputs"]}
+
+
+def test_a_packed_environment_runs_the_model_with_its_packages(server: Server) -> None:
+    out = infer(server, "packed")
+    assert out["value"] == [42]
+    assert "despina-python-envs" in out["where"][0] and out["where"][0].endswith("/bin")  # unpacked, first
+
+
+def test_an_unpacked_environment_is_used_where_it_is(server: Server) -> None:
+    out = infer(server, "folder")
+    assert out["value"] == [7] and out["where"][0].endswith("/folder/myenv/bin")
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ("missing", "parameter EXECUTION_ENV_PATH '$$TRITON_MODEL_DIRECTORY/nope.tar.gz': no such file or folder"),
+    ("no_numpy", "EXECUTION_ENV_PATH's: it needs numpy"),
+    ("no_python", "the environment has no bin/python3 or bin/python"),
+])
+def test_an_environment_that_cannot_be_used_keeps_the_model_from_loading(server: Server, model: str,
+                                                                         message: str) -> None:
+    rows: list[dict] = []
+    for _ in range(100):  # the model's load fails a moment after the others loaded
+        rows = [row for row in httpx.post(f"{server.url}/v2/repository/index", timeout=10).json()
+                if row["name"] == model]
+        if rows and rows[0].get("state") == "UNAVAILABLE" and message in rows[0].get("reason", ""):
+            r = httpx.post(f"{server.url}/v2/models/{model}/infer", timeout=10, json={
+                "inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]})
+            assert r.status_code == 503 and message in r.json()["error"], r.text
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{model}: {rows}")
