@@ -110,6 +110,7 @@ def test_settings_hide_secrets_and_read_booleans() -> None:
     ("/fn/add_sub", Target("inference", "add_sub")),
     ("/v2/repository/index", Target("model-repository")),
     ("/v2/repository/models/mlp/unload", Target("model-repository", "mlp")),
+    ("/v2/logging", Target("logging")),
     ("/v2/models/../../etc/infer", Target("unlisted")),
     ("/admin", Target("unlisted")),
 ])
@@ -173,6 +174,12 @@ MATRIX = [
     ({**KEYS, **TRITON}, "/v2/models/stats", ADMIN_H, OK),                  # a key opens it too
     ({**KEYS, **TRITON}, "/v2/models/mlp/config", h(admin_key=TRITON_VALUE), DENIED),
     ({"http_restricted_api": "health:k=v"}, "/v2/health/live", [], DENIED),  # as Triton allows
+    (KEYS, "/v2/logging", [], DENIED),                                      # every process's log settings
+    (KEYS, "/v2/logging", ADMIN_H, OK),
+    (KEYS, "/v2/logging", SCOPED_H, FORBIDDEN),                             # server-wide
+    ({"http_restricted_api": f"logging:{TRITON_HEADER}={TRITON_VALUE}"}, "/v2/logging", [], DENIED),
+    ({"http_restricted_api": f"logging:{TRITON_HEADER}={TRITON_VALUE}"}, "/v2/logging",
+     h(admin_key=TRITON_VALUE), OK),
 ]
 
 
