@@ -84,15 +84,26 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
         for stream in streams:
             pipe.xlen(stream)
     pipe.smembers(keys.workers)
+    pipe.smembers(keys.gateways)
     results = await pipe.execute()
+    gateways = results.pop()
     workers = results.pop()
     pipe = redis.pipeline(transaction=False)
     for wid in workers:
-        pipe.hmget(keys.worker(wid.decode()), "cache", "gpus")
-    fields = await pipe.execute() if workers else []
-    alive = sum(1 for c, _ in fields if c is not None)  # the heartbeat hash is there: it has not expired
-    cache = {wid.decode(): orjson.loads(c) for wid, (c, _) in zip(workers, fields) if c}
-    gpus = [reading for _, g in fields if g for reading in orjson.loads(g)]
+        pipe.hmget(keys.worker(wid.decode()), "cache", "gpus", "response_cache")
+    for gid in gateways:
+        pipe.hget(keys.gateway(gid.decode()), "response_cache")
+    got = await pipe.execute() if workers or gateways else []
+    fields, reports = got[:len(workers)], got[len(workers):]
+    alive = sum(1 for c, _, _ in fields if c is not None)  # the heartbeat hash is there: it has not expired
+    cache = {wid.decode(): orjson.loads(c) for wid, (c, _, _) in zip(workers, fields) if c}
+    gpus = [reading for _, g, _ in fields if g for reading in orjson.loads(g)]
+    # response caches: each worker's (its heartbeat) and each gateway's (its report, gone when it is)
+    responses = {wid.decode(): orjson.loads(r) for wid, (_, _, r) in zip(workers, fields) if r}
+    responses.update({f"gateway:{gid.decode()}": orjson.loads(r) for gid, r in zip(gateways, reports) if r})
+    stale = [gid for gid, r in zip(gateways, reports) if r is None]
+    if stale:
+        await redis.srem(keys.gateways, *stale)
     models = []
     cursor = 0
     for name, version, streams in targets:
@@ -100,7 +111,8 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
         backlog = results[cursor + 1: cursor + 1 + len(streams)]
         cursor += 1 + len(streams)
         models.append({"model": name, "version": str(version), "stats": stats, "backlog": backlog})
-    return {"models": models, "workers_alive": alive, "cache": cache, "gpus": gpus}
+    return {"models": models, "workers_alive": alive, "cache": cache, "gpus": gpus,
+            "response_cache": {p: f for p, f in responses.items() if f}}
 
 
 # the artifact cache (models fetched from S3) of each worker and of the control plane, counted since
@@ -111,6 +123,17 @@ CACHE_COUNTERS = (
     ("despina_artifact_cache_reused", "reused", "Files a process found in its artifact cache"),
     ("despina_artifact_cache_evicted_bytes", "evicted_bytes",
      "Bytes a process's cache trims removed (model folders used least recently, past the cache limit)"),
+)
+
+
+# each process's response cache (DESPINA_RESPONSE_CACHE_BYTES): `process` is "gateway:<id>" or a worker's id
+RESPONSE_CACHE = (
+    ("despina_response_cache_entries", "gauge", "entries", "Answers a process's response cache holds"),
+    ("despina_response_cache_bytes", "gauge", "bytes", "Bytes a process's response cache holds"),
+    ("despina_response_cache_capacity_bytes", "gauge", "capacity_bytes",
+     "The bound of a process's response cache, in bytes"),
+    ("despina_response_cache_evictions_total", "counter", "evictions",
+     "Answers a process's response cache let go for room (least recently used first)"),
 )
 
 
@@ -161,6 +184,10 @@ def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
         out.family(name, "counter", help_)
         for process, stats in sorted(data.get("cache", {}).items()):
             out.sample(name, {"process": process}, stats.get(field, 0))
+    for name, kind, field, help_ in RESPONSE_CACHE:
+        out.family(name, kind, help_)
+        for process, figures in sorted(data.get("response_cache", {}).items()):
+            out.sample(name, {"process": process}, figures.get(field, 0))
     families: dict[str, list[Sample]] = {}  # a family's samples together, as the text format wants them
     for sample in host:
         families.setdefault(sample[0], []).append(sample)

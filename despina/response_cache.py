@@ -50,6 +50,11 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def figures(self) -> dict[str, int]:
+        """What the metrics show of it (despina_response_cache_*)."""
+        return {"entries": len(self._entries), "bytes": self.bytes, "capacity_bytes": self.max_bytes,
+                "evictions": self.evictions}
+
     def get(self, key: Key) -> InferReply | None:
         found = self._entries.get(key)
         if found is None:

@@ -208,6 +208,27 @@ def test_the_metrics_count_hits_and_misses(server: Server) -> None:
     assert values['nv_cache_num_hits_per_model{model="plain",version="1"}'] == 0
 
 
+def test_each_processs_cache_figures_reach_the_metrics(server: Server) -> None:
+    """The gateway's cache (its report, every few seconds) and the worker's (the chain ensemble's step, in
+    its heartbeat): entries, bytes, the bound and evictions, by process."""
+    answer(infer(server, "cached", [8.0, 8.0]))
+    answer(infer(server, "chain", [8.5, 8.5]))
+    deadline = time.monotonic() + 15
+    while True:
+        text = httpx.get(server.metrics_url, timeout=10).text
+        entries = {line.split('process="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                   for line in text.splitlines() if line.startswith("despina_response_cache_entries{")}
+        gateway = [v for p, v in entries.items() if p.startswith("gateway:")]
+        worker = [v for p, v in entries.items() if not p.startswith("gateway:")]
+        if (gateway and gateway[0] >= 1 and worker and worker[0] >= 1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert gateway and gateway[0] >= 1, text
+    assert worker and worker[0] >= 1, entries  # the chain's step, answered in the worker
+    assert f'despina_response_cache_capacity_bytes{{process="{next(iter(entries))}"}} {1 << 20}' in text
+    assert "# TYPE despina_response_cache_evictions_total counter" in text
+
+
 def test_new_files_answer_after_a_reload_never_the_old_answer(server: Server, repo: Path) -> None:
     assert answer(infer(server, "reloaded", [1.0, 1.0]))["y"] == [2.0, 2.0]
     assert answer(infer(server, "reloaded", [1.0, 1.0]))["y"] == [2.0, 2.0]  # cached now

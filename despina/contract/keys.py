@@ -80,6 +80,15 @@ class Keys:
         return f"{self.prefix}:logging"
 
     @property
+    def gateways(self) -> str:
+        """Set of gateway ids that report their response cache; each one's report expires (gateway())."""
+        return f"{self.prefix}:gateways"
+
+    def gateway(self, gateway_id: str) -> str:
+        """Hash: a gateway's response cache figures (field response_cache, JSON); expires unless renewed."""
+        return f"{self.prefix}:gateway:{gateway_id}"
+
+    @property
     def workers(self) -> str:
         """Set of worker ids; each one's liveness is its own key's TTL."""
         return f"{self.prefix}:workers"

@@ -40,6 +40,7 @@ from .stats import model_statistics
 
 log = logging.getLogger("despina.gateway")
 
+CACHE_REPORT_S = 5.0  # how often a gateway reports its response cache's figures (the metrics' gauges)
 EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "parameters", LOGGING_EXTENSION,
               *REPOSITORY_EXTENSIONS]
 
@@ -58,12 +59,33 @@ class Gateway:
         self.ensembles: set[asyncio.Task[None]] = set()  # ensemble steps waiting for a model to wake
         # Triton's response cache (models with response_cache { enable: true }), when given its memory
         self.cache = ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None
+        self._reporting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.view.start()
         await self.dispatcher.start()
+        if self.cache is not None:
+            self._reporting = asyncio.create_task(self._report_cache())
+
+    async def _report_cache(self) -> None:
+        """Every CACHE_REPORT_S, this gateway's response cache figures where the metrics read them."""
+        assert self.cache is not None
+        key = self.keys.gateway(self.dispatcher.id)
+        while True:
+            try:
+                pipe = self.redis.pipeline(transaction=True)
+                pipe.hset(key, "response_cache", orjson.dumps(self.cache.figures()))
+                pipe.pexpire(key, int(CACHE_REPORT_S * 3000))
+                pipe.sadd(self.keys.gateways, self.dispatcher.id)
+                await pipe.execute()
+            except (RedisError, OSError) as exc:  # the next round tries again; the figures are not urgent
+                log.debug("gateway: reporting the response cache failed (%s)", exc)
+            await asyncio.sleep(CACHE_REPORT_S)
 
     async def close(self) -> None:
+        if self._reporting is not None:
+            self._reporting.cancel()
+            await asyncio.gather(self._reporting, return_exceptions=True)
         await self.dispatcher.close()  # every step still waiting hears that the gateway is going
         for task in self.ensembles:
             task.cancel()

@@ -389,6 +389,8 @@ class Worker:
                                     "detail": pack_detail(self.detail()),
                                     "ensembles": orjson.dumps(ensembles),
                                     "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
+                                    "response_cache": orjson.dumps(self.response_cache.figures()
+                                                                   if self.response_cache else {}),
                                     "gpus": orjson.dumps(gpus),
                                     "seen": time.time()})
             pipe.pexpire(key, int(self.settings.worker_ttl_s * 1000))
