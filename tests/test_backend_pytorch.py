@@ -5,7 +5,6 @@ Outputs are compared with what torch itself computes from the same file.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from despina.workers.backends import Instance, backend_class
 from despina.workers.runner import ModelRunner
 
 from .conftest import FULL_QUEUE_DELAY, Server, module_server, settled_stats
+from .test_ragged import answers_of_one_batch
 
 torch = pytest.importorskip("torch")
 
@@ -227,17 +227,7 @@ def test_forward_argument_names_bind_by_name(server: Server) -> None:
 
 
 def test_ragged_requests_share_a_batch_and_the_batch_input_binds_by_name(server: Server) -> None:
-    before = settled_stats(server.url, "ragged_sum")
-
-    def infer(x: list[float]) -> httpx.Response:
-        body = {"inputs": [{"name": "x", "shape": [1, len(x)], "datatype": "FP32", "data": x}]}
-        return httpx.post(f"{server.url}/v2/models/ragged_sum/infer", json=body, timeout=30)
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        replies = list(pool.map(infer, [[1.0, 2.0], [10.0, 20.0, 30.0]]))
-    assert [r.json()["outputs"][0]["data"] for r in replies] == [[3.0], [60.0]], [r.text for r in replies]
-    after = settled_stats(server.url, "ragged_sum")
-    assert after["execution_count"] - before["execution_count"] == 1  # two lengths, one batch
+    assert answers_of_one_batch(server, "ragged_sum", [[1.0, 2.0], [10.0, 20.0, 30.0]]) == [[3.0], [60.0]]
 
 
 # -- the backend on its own ------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 to import), and the signature reader that auto-completes configs without TensorFlow."""
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from despina.control.repository import load_model
 from despina.examples import build_tf_mlp, mlp_numpy
 
 from .conftest import FULL_QUEUE_DELAY, Server, module_server, settled_stats
+from .test_ragged import answers_of_one_batch
 
 tf = pytest.importorskip("tensorflow")
 
@@ -156,17 +156,7 @@ def test_bytes_tensors(client: httpclient.InferenceServerClient, server: Server,
 
 
 def test_ragged_requests_share_a_batch_and_the_batch_input_is_fed(server: Server) -> None:
-    before = settled_stats(server.url, "ragged_tf")
-
-    def infer(x: list[float]) -> httpx.Response:
-        body = {"inputs": [{"name": "x", "shape": [1, len(x)], "datatype": "FP32", "data": x}]}
-        return httpx.post(f"{server.url}/v2/models/ragged_tf/infer", json=body, timeout=30)
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        replies = list(pool.map(infer, [[1.0, 2.0, 3.0], [10.0, 20.0]]))
-    assert [r.json()["outputs"][0]["data"] for r in replies] == [[6.0], [30.0]], [r.text for r in replies]
-    after = settled_stats(server.url, "ragged_tf")
-    assert after["execution_count"] - before["execution_count"] == 1  # two lengths, one batch
+    assert answers_of_one_batch(server, "ragged_tf", [[1.0, 2.0, 3.0], [10.0, 20.0]]) == [[6.0], [30.0]]
 
 
 def test_auto_complete_needs_no_tensorflow(repo: Path) -> None:

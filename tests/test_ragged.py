@@ -265,6 +265,23 @@ def test_requests_of_different_lengths_run_as_one_batch_and_each_gets_its_own_pa
     assert [start for start, _ in parts] == [0, *(end for _, end in parts[:-1])] and parts[-1][1] == 12
 
 
+def answers_of_one_batch(server: Server, model: str, xs: list[list[float]]) -> list[list]:
+    """Requests of model's ragged input x, one per list, sent at once: each one's first output, checking
+    that they ran as one execution (the model batches them, FULL_QUEUE_DELAY and a preferred size)."""
+    before = settled_stats(server.url, model)
+
+    def infer(x: list[float]) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "shape": [1, len(x)], "datatype": "FP32", "data": x}]}
+        return httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, timeout=30)
+
+    with concurrent.futures.ThreadPoolExecutor(len(xs)) as pool:
+        replies = list(pool.map(infer, xs))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    after = settled_stats(server.url, model)
+    assert after["execution_count"] - before["execution_count"] == 1  # several lengths, one batch
+    return [r.json()["outputs"][0]["data"] for r in replies]
+
+
 def test_a_request_alone_is_served_the_same_way(server: Server) -> None:
     reply = outputs(infer(server, [4.0, 5.0], outputs=[{"name": "sum"}, {"name": "doubled"}]))
     assert reply == {"sum": ([1, 1], [9.0]), "doubled": ([1, 2], [8.0, 10.0])}
