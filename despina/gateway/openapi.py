@@ -85,7 +85,9 @@ def _schemas() -> Doc:
         "InferRequestOutput": {"type": "object", "required": ["name"], "properties": {
             "name": {"type": "string"},
             "parameters": {"type": "object", "additionalProperties": True, "properties": {
-                "binary_data": {"type": "boolean"}}}}},
+                "binary_data": {"type": "boolean"},
+                "classification": {"type": "integer", "minimum": 1, "description": "Triton's classification "
+                                   "extension: the output's k highest values as \"value:index[:label]\""}}}}},
         "InferRequest": {"type": "object", "required": ["inputs"], "properties": {
             "id": {"type": "string"},
             "parameters": {"type": "object", "additionalProperties": True,
