@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from despina import logs
 from despina.contract.errors import InvalidArgument
@@ -58,6 +60,18 @@ def test_verbose_logging_is_switched_on_in_every_process_and_off_again(server: S
         assert httpx.post(f"{server.url}/v2/models/mlp/infer", json=ROW, timeout=30).status_code == 200
     time.sleep(0.5)
     assert server.logs().count("batch formed") == before
+
+
+def test_tritonclient_reads_and_changes_the_settings(server: Server) -> None:
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        assert client.update_log_settings({"log_info": False})["log_info"] is False
+        assert client.get_log_settings() == {**DEFAULTS, "log_info": False}
+        with pytest.raises(InferenceServerException, match="must be a boolean"):
+            client.update_log_settings({"log_warnings": "no"})
+        assert client.update_log_settings({"log_info": True}) == DEFAULTS
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize(("body", "message"), [
