@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -13,6 +15,7 @@ import tritonclient.http as httpclient
 from despina.examples import mlp_numpy
 
 from .conftest import Server, settled_stats
+from .reliability_support import role_pids
 
 
 @pytest.fixture(scope="module")
@@ -124,12 +127,19 @@ async def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(
         offset = int(headers["inference-header-content-length"])
         return np.frombuffer(body[offset:], dtype=np.float32).reshape(1, 10)
 
-    # every connection open, then every request written in one go: a burst the gateway reads together (an
-    # HTTP client library sends one request at a time, slower than a fast host answers each alone)
+    # every connection open, then every request written in one go, with the worker stopped meanwhile: the
+    # burst waits in the stream and the worker finds it there together (on a host that answers each request
+    # before the client writes the next, a burst would otherwise run one request at a time, as it should)
     connections = await asyncio.gather(*(asyncio.open_connection(address.hostname, address.port)
                                          for _ in rows))
-    for (_, writer), x in zip(connections, rows, strict=True):
-        writer.write(request(x))
+    (worker,) = role_pids(example_server, "worker")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        for (_, writer), x in zip(connections, rows, strict=True):
+            writer.write(request(x))
+        await asyncio.sleep(0.3)  # the gateway queues them all
+    finally:
+        os.kill(worker, signal.SIGCONT)
     results = await asyncio.gather(*(answer(reader) for reader, _ in connections))
     for _, writer in connections:
         writer.close()
