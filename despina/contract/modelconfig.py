@@ -14,6 +14,7 @@ from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from ._schema import model_config_pb2 as pb
+from .batchio import BatchInputSpec, BatchOutputSpec, batch_inputs, batch_outputs, validate_batch_io
 from .datatypes import CONFIG_TO_V2
 from .errors import ConfigError, InvalidArgument
 from .policy import BatchPolicy, batch_policy
@@ -190,74 +191,7 @@ def validate(config: Any) -> None:
     for group in config.instance_group:
         if group.count < 0:
             raise ConfigError(f"model '{model}': field 'instance_group.count' must be >= 0")
-    _validate_batch_io(config, scheduling)
-
-
-# Triton's kinds of batch input (each derived from one source input) and what each gives the model
-BATCH_INPUT_KINDS = ("BATCH_ELEMENT_COUNT", "BATCH_ACCUMULATED_ELEMENT_COUNT",
-                     "BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO", "BATCH_MAX_ELEMENT_COUNT_AS_SHAPE",
-                     "BATCH_ITEM_SHAPE", "BATCH_ITEM_SHAPE_FLATTEN")
-
-
-def _validate_batch_io(config: Any, scheduling: str | None) -> None:
-    """Ragged inputs, batch inputs and batch outputs (Triton's ragged batching), checked as Triton
-    checks them, and refused where Despina cannot make them: each error names the field."""
-    model = config.name
-    inputs = {t.name: t for t in config.input}
-    outputs = {t.name: t for t in config.output}
-    ragged = [t.name for t in config.input if t.allow_ragged_batch]
-    if not ragged and not config.batch_input and not config.batch_output:
-        return
-    where = f"model '{model}'"
-    if config.backend not in ("onnxruntime", "pytorch", "tensorflow"):
-        # the Python backend hands each request's own tensors to the model: nothing is concatenated
-        if config.batch_input or config.batch_output:
-            raise ConfigError(f"{where}: field 'batch_input'/'batch_output' needs a backend that batches "
-                              "tensors (onnxruntime, pytorch or tensorflow); a Python model gets each "
-                              "request's own tensors")
-    if scheduling == "sequence_batching":
-        raise ConfigError(f"{where}: ragged batching (allow_ragged_batch, batch_input, batch_output) with "
-                          "sequence_batching is not supported by Despina yet")
-    for name in ragged:
-        if inputs[name].HasField("reshape"):
-            raise ConfigError(f"{where}: input '{name}': allow_ragged_batch with a reshape is not "
-                              "supported by Despina yet")
-    targets: set[str] = set()
-    for b in config.batch_input:
-        kind = pb.BatchInput.Kind.Name(b.kind)
-        field_ = f"{where}: batch_input {kind}"
-        if len(b.source_input) != 1:
-            raise ConfigError(f"{field_}: expects 1 source input, got {len(b.source_input)}")
-        if b.source_input[0] not in inputs:
-            raise ConfigError(f"{field_}: unknown source input name '{b.source_input[0]}'")
-        if b.data_type not in (pb.TYPE_INT32, pb.TYPE_FP32):
-            raise ConfigError(f"{field_}: field 'data_type' must be TYPE_INT32 or TYPE_FP32, got "
-                              f"{pb.DataType.Name(b.data_type)}")
-        if not b.target_name:
-            raise ConfigError(f"{field_}: field 'target_name' is empty")
-        for target in b.target_name:
-            if target in inputs:
-                raise ConfigError(f"{field_}: target name '{target}' is one of the config's inputs, which "
-                                  "requests give")
-            if target in targets:
-                raise ConfigError(f"{field_}: target name '{target}' is given by two batch inputs")
-            targets.add(target)
-    scattered: set[str] = set()
-    for b in config.batch_output:
-        field_ = f"{where}: batch_output {pb.BatchOutput.Kind.Name(b.kind)}"
-        if len(b.source_input) != 1:
-            raise ConfigError(f"{field_}: expects 1 source input, got {len(b.source_input)}")
-        if b.source_input[0] not in inputs:
-            raise ConfigError(f"{field_}: unknown source input name '{b.source_input[0]}'")
-        for target in b.target_name:
-            if target not in outputs:
-                raise ConfigError(f"{field_}: unknown target output name '{target}'")
-            if target in scattered:
-                raise ConfigError(f"{field_}: target output name '{target}' can only be specified once")
-            if outputs[target].HasField("reshape"):
-                raise ConfigError(f"{field_}: output '{target}' has a reshape, which Despina does not "
-                                  "support for a batch output yet")
-            scattered.add(target)
+    validate_batch_io(config, scheduling)
 
 
 def _reshape_of(tensor: dict[str, Any]) -> tuple[int, ...] | None:
@@ -286,24 +220,6 @@ class TensorSpec:
     def metadata(self, batched: bool) -> dict[str, Any]:
         shape = [-1, *self.dims] if batched else list(self.dims)
         return {"name": self.name, "datatype": self.datatype, "shape": shape}
-
-
-@dataclass(frozen=True, slots=True)
-class BatchInputSpec:
-    """A tensor the backend makes for each batch from one of its inputs (Triton's `batch_input`)."""
-
-    kind: str                    # one of BATCH_INPUT_KINDS
-    targets: tuple[str, ...]     # the model's inputs that get it
-    datatype: str                # V2 name: INT32 or FP32
-    source: str                  # the request input it describes
-
-
-@dataclass(frozen=True, slots=True)
-class BatchOutputSpec:
-    """Outputs cut into the requests' parts by the shapes of one input (BATCH_SCATTER_WITH_INPUT_SHAPE)."""
-
-    targets: tuple[str, ...]
-    source: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,14 +255,6 @@ class ModelSpec:
                            _reshape_of(t), bool(t.get("allow_ragged_batch", False)))
                 for t in items)
 
-        batch_inputs = tuple(
-            BatchInputSpec(b.get("kind", "BATCH_ELEMENT_COUNT"), tuple(b.get("target_name", [])),
-                           CONFIG_TO_V2.get(b.get("data_type", ""), "INT32"),
-                           (b.get("source_input") or [""])[0])
-            for b in config.get("batch_input", []))
-        batch_outputs = tuple(
-            BatchOutputSpec(tuple(b.get("target_name", [])), (b.get("source_input") or [""])[0])
-            for b in config.get("batch_output", []))
 
         return cls(config["name"], config.get("platform", ""), config.get("backend", ""),
                    int(config.get("max_batch_size", 0)), tensors(config.get("input", [])),
@@ -354,7 +262,7 @@ class ModelSpec:
                    sequence=sequence_policy(config),
                    decoupled=bool(config.get("model_transaction_policy", {}).get("decoupled", False)),
                    response_cache=bool(config.get("response_cache", {}).get("enable", False)),
-                   batch_inputs=batch_inputs, batch_outputs=batch_outputs)
+                   batch_inputs=batch_inputs(config), batch_outputs=batch_outputs(config))
 
     @property
     def batched(self) -> bool:

@@ -72,6 +72,24 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
     return replies
 
 
+def scattered(model: str, batch_io: ragged.BatchIO, requests: list[InferRequest],
+              inputs: list[dict[str, np.ndarray]], sizes: list[int], results: list[dict[str, np.ndarray]],
+              started: float, compute_us: int) -> list[InferReply]:
+    """A ragged model's replies (split with its batch outputs' shapes): one execution's for the batch, or,
+    for a model without a batch dimension, one per request."""
+    runs = [(requests, inputs, sizes, results[0])] if len(results) == 1 else \
+        [([r], [i], [n], out) for r, i, n, out in zip(requests, inputs, sizes, results)]
+    replies: list[InferReply] = []
+    for reqs, ins, rows, out in runs:
+        try:
+            shapes = batch_io.shapes(ins)
+        except DespinaError as exc:
+            replies.extend(error(r, exc.code, exc.message) for r in reqs)
+            continue
+        replies.extend(split(model, reqs, rows, out, started, compute_us, shapes))
+    return replies
+
+
 def answer(req: InferRequest, out: dict[str, np.ndarray], started: float, compute_us: int) -> InferReply:
     """One request's own execution: all of its outputs, as they are, and its response parameters."""
     tensors = []

@@ -25,9 +25,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..contract.batchio import BatchInputSpec
 from ..contract.datatypes import V2_TO_NUMPY
 from ..contract.errors import BackendError, InvalidArgument
-from ..contract.modelconfig import BatchInputSpec, ModelSpec
+from ..contract.modelconfig import ModelSpec
 
 Arrays = dict[str, np.ndarray]
 

@@ -27,6 +27,7 @@ from .backends.base import request_inputs
 from .batcher import DynamicBatcher, Item, QueueFull
 from .inflight import Gateways
 from .instances import plan as plan_instances
+from .ordering import ReplyOrder, Turn
 from .ragged import BatchIO
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
@@ -56,8 +57,6 @@ TIMED_OUT = "request timed out in the queue before it could run"
 STREAMS_END_S = 10.0  # how long an unload waits for a decoupled model's open requests to end (then they fail)
 Answer = Callable[[InferReply], None]
 Settled = Callable[[], bool]  # whether no other request of the submitter's can join a batch now
-# preserve_ordering: (the previous batch's replies sent, or None for the first; this batch's)
-Turn = tuple["asyncio.Future[None] | None", "asyncio.Future[None]"]
 
 
 @dataclass(slots=True)
@@ -92,6 +91,8 @@ class ModelRunner:
         self._reshape = Reshapes.of(spec)  # None: the model takes and gives the config's dims
         self._batch_io = BatchIO.of(spec)  # None: no ragged inputs, batch inputs or batch outputs
         self._ragged = self._batch_io.ragged if self._batch_io is not None else frozenset()
+        # the requests' inputs -> one execution's (ragged ones end to end, with their batch inputs)
+        self._assemble = self._batch_io.assemble if self._batch_io is not None else _concatenated
         self.consumer = consumer
         self.threads = threads
         count = spec.instance_count()
@@ -114,7 +115,7 @@ class ModelRunner:
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._row_us: float | None = None  # moving average of a batch's cost per row (µs)
-        self._last_turn: asyncio.Future[None] | None = None  # preserve_ordering: the last batch's replies
+        self._order = ReplyOrder() if spec.policy.preserve_ordering else None
         self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
         self._read_along = ReadAlong()  # the read loop's next read, waiting for a batch's replies
         self._backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
@@ -389,12 +390,12 @@ class ModelRunner:
         return DynamicBatcher(self.spec.policy, self._execute, instances, self._on_timeout, self._coming)
 
     async def _execute(self, batch: list[Item], instance: int | None = None) -> None:
-        turn = self._take_turn()  # before any await: batches start in the order the batcher formed them
+        turn = self._order.take() if self._order is not None else None  # before any await (ordering.py)
         try:
             await self._run_and_reply(batch, instance, turn)
         except BaseException:  # its replies will not go out: the batches after it must not wait for them
-            if turn is not None and not turn[1].done():
-                turn[1].set_result(None)
+            if turn is not None:
+                turn.end()
             raise
 
     async def _run_and_reply(self, batch: list[Item], instance: int | None, turn: Turn | None) -> None:
@@ -430,27 +431,7 @@ class ModelRunner:
         # the instance is free as soon as the model ran: replies go out in the background
         reply = self._reply(replies, [p.request for p in expired + live], pendings,
                             rows=rows if live else 0, started=started, timings=timings)
-        self._spawn(reply if turn is None else self._in_turn(turn, reply))
-
-    def _take_turn(self) -> Turn | None:
-        """preserve_ordering: (the previous batch's replies sent, this batch's), else None."""
-        if not self.spec.policy.preserve_ordering:
-            return None
-        previous, mine = self._last_turn, asyncio.get_running_loop().create_future()
-        self._last_turn = mine
-        return previous, mine
-
-    async def _in_turn(self, turn: Turn, reply: Any) -> None:
-        """Send a batch's replies once the batch before it sent its own (Triton's preserve_ordering: with
-        several instances a later batch may finish first)."""
-        previous, mine = turn
-        try:
-            if previous is not None:
-                await asyncio.shield(previous)
-            await reply
-        finally:
-            if not mine.done():
-                mine.set_result(None)
+        self._spawn(reply if turn is None else turn.send(reply))
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -469,19 +450,12 @@ class ModelRunner:
         try:
             if backend.per_request:
                 return await self._run_requests(backend, live, started)
-            batch_io = self._batch_io
-            if batch_io is not None:  # ragged inputs end to end, and the batch inputs made for them
-                one_call = self.spec.batched or len(live) == 1
-                inputs = batch_io.assemble([p.inputs for p in live]) if one_call else {}
-            elif self.spec.batched and len(live) > 1:
-                inputs = {n: np.concatenate([p.inputs[n] for p in live]) for n in live[0].inputs}
-            else:
-                inputs = live[0].inputs if len(live) == 1 else {}
-            marks["input"] = time.perf_counter_ns()
             if len(live) > 1 and not self.spec.batched:  # no batch dimension: one request at a time
-                results = [await self._call(backend, batch_io.assemble([p.inputs]) if batch_io else p.inputs,
-                                            names, 1) for p in live]
+                marks["input"] = time.perf_counter_ns()
+                results = [await self._call(backend, self._assemble([p.inputs]), names, 1) for p in live]
             else:
+                inputs = self._assemble([p.inputs for p in live])
+                marks["input"] = time.perf_counter_ns()
                 results = [await self._call(backend, inputs, names, sum(sizes))]
             marks["infer"] = time.perf_counter_ns()
         except DespinaError as exc:
@@ -496,29 +470,13 @@ class ModelRunner:
         compute_us = int((time.time() - started) * 1e6)
         if self._state_outputs:
             results = self.batcher.keep(live, sizes, results)  # type: ignore[union-attr]
-        if self._batch_io is not None:
-            return self._scattered(live, sizes, results, started, compute_us)
+        if self._batch_io is not None:  # its batch outputs cut by the requests' input shapes
+            return answers.scattered(self.spec.name, self._batch_io, [p.request for p in live],
+                                     [p.inputs for p in live], sizes, results, started, compute_us)
         if len(results) > 1:
             return [answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
         return answers.split(self.spec.name, [p.request for p in live], sizes, results[0], started,
                              compute_us)
-
-    def _scattered(self, live: list[Pending], sizes: list[int], results: list[dict[str, np.ndarray]],
-                   started: float, compute_us: int) -> list[InferReply]:
-        """A ragged model's replies: its batch outputs cut by the requests' input shapes (ragged.py)."""
-        assert self._batch_io is not None
-        runs = [(live, sizes, results[0])] if len(results) == 1 else \
-            [([p], [n], r) for p, n, r in zip(live, sizes, results)]  # no batch dimension: one each
-        replies: list[InferReply] = []
-        for batch, rows, out in runs:
-            try:
-                shapes = self._batch_io.shapes([p.inputs for p in batch])
-            except DespinaError as exc:
-                replies.extend(answers.error(p.request, exc.code, exc.message) for p in batch)
-                continue
-            replies.extend(answers.split(self.spec.name, [p.request for p in batch], rows, out, started,
-                                         compute_us, shapes))
-        return replies
 
     def _each_request(self, live: list[Pending]) -> tuple[list[dict[str, np.ndarray]], list[list[str]]]:
         """A per-request backend's batch: each request's inputs in the model's shapes, and the outputs it
@@ -712,6 +670,13 @@ class ModelRunner:
         except (RedisError, OSError) as exc:
             log.error("model %s: acknowledging failed: %s; the entries will be reclaimed",
                       self.spec.name, exc)
+
+
+def _concatenated(requests: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One execution's inputs: the requests' along the batch dimension (one request's as they are)."""
+    if len(requests) == 1:
+        return requests[0]
+    return {n: np.concatenate([r[n] for r in requests]) for n in requests[0]}
 
 
 def _reshaped(reshape: Reshapes, out: dict[str, np.ndarray]) -> dict[str, np.ndarray] | DespinaError:
