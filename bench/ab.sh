@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bench/ab.sh [-r ROUNDS] [-c "1 8 32 64"] [-m "mlp ..."] [-l perf_analyzer|loadgen|aiohttp] LABEL=TREE[:ENV=V,...] ...
+# usage: bench/ab.sh [-r ROUNDS] [-c "1 8 32 64"] [-m "mlp ..."] [-l perf_analyzer|loadgen|aiohttp] [-x "PA ARGS"] LABEL=TREE[:ENV=V,...] ...
 #
 # A B B A: each round starts `despina serve` from each tree in turn, even rounds in reverse order (server
 # on core 0, embedded Valkey, bench/out/repo), and drives each model (default W1 `mlp`; binary tensors)
@@ -15,6 +15,8 @@
 # runs its workers on core 0 and everything else, with the load generator, on core 1) or, for
 # @triton, STUB_CPUS=0 (tritonserver on core 1, each model's Python-backend stub moved to core 0 once
 # ready): the model's core does nothing else, in both systems the same way.
+# -x adds arguments to perf_analyzer's: -x "--shared-memory system --output-shared-memory-size 40" passes W1's
+# tensors through system shared memory (a Despina label needs DESPINA_ALLOW_CLIENT_SHM=1 for it).
 # The response cache: model `mlp_cached` is W1 with `response_cache { enable: true }`; a Despina label with
 # DESPINA_RESPONSE_CACHE_BYTES=N and a @triton label with TRITON_CACHE=N (--cache-config local,size=N)
 # serve it from their caches.
@@ -39,13 +41,14 @@ PORT=${BENCH_PORT:-18000}
 URL=http://127.0.0.1:$PORT
 PEERS_DIR=${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/despina-peers}
 KIT=${PEERS_KIT:-$ROOT/../shared/peers}  # the kit's scripts (its aiohttp client)
-ROUNDS=2 CONCS="1 8 32 64" CLIENT=perf_analyzer MODELS=mlp
-while getopts "r:c:m:l:" opt; do
+ROUNDS=2 CONCS="1 8 32 64" CLIENT=perf_analyzer MODELS=mlp PA_ARGS=""
+while getopts "r:c:m:l:x:" opt; do
   case $opt in
     r) ROUNDS=$OPTARG ;;
     c) CONCS=$OPTARG ;;
     m) MODELS=$OPTARG ;;
     l) CLIENT=$OPTARG ;;
+    x) PA_ARGS=$OPTARG ;;
     *) sed -n 2,3p "$0" >&2; exit 2 ;;
   esac
 done
@@ -85,8 +88,9 @@ point() {  # label round model conc -> one line
   before=$(stats "$3") cpu=$(cores)
   if [ "$CLIENT" = perf_analyzer ]; then
     local out
+    # shellcheck disable=SC2086  # PA_ARGS: words for perf_analyzer
     out=$(taskset -c 1 "$PA" -m "$3" -u "127.0.0.1:$PORT" -i http --concurrency-range "$4:$4" \
-      --measurement-interval 3000 --max-trials 10 --stability-percentage 20 2>&1)
+      --measurement-interval 3000 --max-trials 10 --stability-percentage 20 $PA_ARGS 2>&1)
     line=$(echo "$out" | awk '/Throughput:/ {t = $2} /p50 latency:/ {p50 = $3 / 1000} /p99 latency:/ {p99 = $3 / 1000}
       END {if (t == "") print "failed - -"; else printf "%.0f %.2f %.2f\n", t, p50, p99}')
   elif [ "$CLIENT" = aiohttp ]; then

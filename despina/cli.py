@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--api-keys-file", dest="api_keys_file",
                         help="API keys, one a line: KEY or KEY: model1,model2 (keys themselves only "
                              "through this file or $DESPINA_API_KEYS, never on the command line)")
+        sp.add_argument("--allow-client-shm", dest="allow_client_shm", action=argparse.BooleanOptionalAction,
+                        help="as Triton's: clients on this host may register system shared memory and "
+                             "pass tensors through it (default off)")
         sp.add_argument("--auth-inference", dest="auth_inference", action=argparse.BooleanOptionalAction,
                         help="with API keys configured, inference and metadata need a key too")
         sp.add_argument("--http-restricted-api", dest="http_restricted_api", action="append",

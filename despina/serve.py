@@ -19,6 +19,7 @@ from dataclasses import fields
 
 from .cpus import available, format_list, parse
 from .embedded import EmbeddedValkey, child_setup
+from .gateway.shm import Registry
 from .settings import Settings
 
 log = logging.getLogger("despina.serve")
@@ -77,6 +78,7 @@ class Supervisor:
         self.control: Child | None = None
         self.workers: list[Child] = []
         self.gateways: list[Child] = []
+        self.shm: Registry | None = None
         self._stopping = False
 
     def run(self) -> int:
@@ -94,7 +96,12 @@ class Supervisor:
                               f"worker {i}") for i in range(settings.workers)]
         many = settings.gateways > 1
         shared = settings.with_(reuse_port=many or settings.reuse_port)
-        self.gateways = [Child("gateway", child_env(shared), f"gateway {i}" if many else "gateway", others)
+        # the gateways share the server's shared memory registrations, which live as long as serve does
+        self.shm = Registry.of(settings.key_prefix, settings.http_port) if settings.allow_client_shm else None
+        if self.shm is not None:
+            self.shm.clear()
+        gateway_env = child_env(shared, DESPINA_SUPERVISED="1")
+        self.gateways = [Child("gateway", gateway_env, f"gateway {i}" if many else "gateway", others)
                          for i in range(settings.gateways)]
         for child in (self.control, *self.workers, *self.gateways):
             child.start()
@@ -170,4 +177,6 @@ class Supervisor:
             self.control.wait(LAST_S)
         if self.valkey:
             self.valkey.stop()
+        if self.shm is not None:
+            self.shm.clear()
         log.info("stopped")

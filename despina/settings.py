@@ -51,6 +51,7 @@ class Settings:
     full_queue_delay: bool = False          # batches wait out max_queue_delay even when nothing can join
     gateway_hold_us: int = 4000             # the longest a gateway holds answered clients' next requests
     response_cache_bytes: int = 0           # per gateway: memory for models with response_cache; 0 = off
+    allow_client_shm: bool = False          # Triton's --allow-client-shm: clients' system shared memory
     intra_op_threads: int = 1               # per backend instance; 1 is fastest on a loaded machine
     worker_cpus: str | None = None          # CPUs the workers run on ("0-3,8"); serve's others run elsewhere
     worker_id: str | None = None

@@ -17,6 +17,7 @@ class Code(str, enum.Enum):
     BACKEND = "BACKEND"
     INTERNAL = "INTERNAL"
     CANCELLED = "CANCELLED"  # its client went away (Triton's CANCELED failure reason)
+    ALREADY_EXISTS = "ALREADY_EXISTS"  # a name taken already (a shared memory region's)
 
 
 class DespinaError(Exception):

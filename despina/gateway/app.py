@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,6 +37,9 @@ from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
 from .repository import repository_routes
 from .responses import error_response, json_response
 from .sagemaker import sagemaker_routes
+from .shm import Registry
+from .shm_api import EXTENSION as SHM_EXTENSION
+from .shm_api import shm_routes
 from .stats import model_statistics
 
 log = logging.getLogger("despina.gateway")
@@ -59,9 +63,15 @@ class Gateway:
         self.ensembles: set[asyncio.Task[None]] = set()  # ensemble steps waiting for a model to wake
         # Triton's response cache (models with response_cache { enable: true }), when given its memory
         self.cache = ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None
+        # clients' shared memory regions (Triton's --allow-client-shm), the server's: its gateways share them
+        self.shm = Registry.of(settings.key_prefix, settings.http_port) if settings.allow_client_shm else None
+        # one of `serve`'s gateways: serve starts and ends the server's registrations, not each gateway
+        self._own_shm = os.environ.get("DESPINA_SUPERVISED") != "1"
         self._reporting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        if self.shm is not None and self._own_shm:
+            self.shm.clear()  # a server starts with no regions, as Triton does
         await self.view.start()
         await self.dispatcher.start()
         if self.cache is not None:
@@ -92,6 +102,8 @@ class Gateway:
         await asyncio.gather(*self.ensembles, return_exceptions=True)
         await self.view.close()
         await self.redis.aclose()
+        if self.shm is not None and self._own_shm:
+            self.shm.clear()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -145,7 +157,7 @@ def create_app(settings: Settings) -> Starlette:
         return Response(openapi, 200, media_type="application/json")
 
     async def server_metadata(request: Request) -> Response:
-        return json_response({"name": "despina", "version": __version__, "extensions": EXTENSIONS})
+        return json_response({"name": "despina", "version": __version__, "extensions": extensions})
 
     async def model_metadata(request: Request) -> Response:
         try:
@@ -184,6 +196,7 @@ def create_app(settings: Settings) -> Starlette:
                 raise NotFound(f"unknown version {version} of model '{model.entry.name}'")
         return model, version
 
+    extensions = [*EXTENSIONS, SHM_EXTENSION] if gw.shm is not None else EXTENSIONS
     infer, fn = InferRoute(gw), FunctionRoute(gw)
     routes = [
         Route("/v2/health/live", live, methods=["GET"]),
@@ -209,6 +222,7 @@ def create_app(settings: Settings) -> Starlette:
           for v in ("", "/versions/{version}")],
         *repository_routes(gw),
         *logging_routes(gw),
+        *shm_routes(gw),
         *(sagemaker_routes(gw) if settings.sagemaker else []),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],

@@ -27,6 +27,7 @@ STATUS = {
     Code.BACKEND: 500,
     Code.INTERNAL: 500,
     Code.CANCELLED: 499,  # nobody reads it: the client is gone
+    Code.ALREADY_EXISTS: 409,
 }
 EXTRA_HEADERS = {
     Code.UNAVAILABLE: [(b"retry-after", b"1")],

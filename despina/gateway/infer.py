@@ -105,7 +105,8 @@ class InferRoute(Route):
     def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
               timeout: float | None) -> None:
         gw = self.gateway
-        decoded = decode_infer(ex.body, self.header_length(ex), model.spec, gw.settings.max_tensor_elements)
+        decoded = decode_infer(ex.body, self.header_length(ex), model.spec, gw.settings.max_tensor_elements,
+                               gw.shm)
         priority, timeout_us = schedule_parameters(decoded.parameters)
         spec = model.spec
         sequence = sequence_of(spec, decoded.parameters)
@@ -118,7 +119,7 @@ class InferRoute(Route):
                 outputs = classify(spec, outputs, decoded.classes, model.entry.labels)
             out, json_length = encode_infer(model.spec.name, version, decoded.id, outputs,
                                             decoded.binary_outputs, decoded.binary_all, decoded.heads,
-                                            reply.parameters)
+                                            reply.parameters, decoded.shm_outputs)
             respond(ex, out, json_length, echo)
 
         submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace,

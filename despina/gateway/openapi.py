@@ -25,8 +25,9 @@ def _json(schema: Doc) -> Doc:
 def _errors(*statuses: int) -> Doc:
     words = {400: "Bad request", 401: "No valid API key (see `WWW-Authenticate`)",
              403: "The API key may not use this model or API", 404: "Unknown model or version",
-             413: "Body over the size limit", 503: "Not ready, or the queue is unavailable "
-             "(with `Retry-After`)", 504: "No answer before the request's deadline"}
+             409: "The name is registered already", 413: "Body over the size limit",
+             503: "Not ready, or the queue is unavailable (with `Retry-After`)",
+             504: "No answer before the request's deadline"}
     return {str(s): {"description": words[s], "content": _json(_ref("Error"))} for s in statuses}
 
 
@@ -124,6 +125,13 @@ def _schemas() -> Doc:
                                   "description": "1: Despina's debug lines; 2 and more: every library's"},
             "log_format": {"type": "string", "enum": ["default", "ISO8601"]}},
             "additionalProperties": False},
+        "ShmRegion": {"type": "object", "required": ["key", "byte_size"], "properties": {
+            "key": {"type": "string", "description": "The POSIX shared memory object's key (shm_open's)"},
+            "offset": {"type": "integer", "minimum": 0, "description": "Where the region starts in it"},
+            "byte_size": {"type": "integer", "minimum": 0}}},
+        "ShmStatus": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "key": {"type": "string"}, "offset": {"type": "integer"},
+            "byte_size": {"type": "integer"}}}},
         "RepositoryIndex": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
             "name": {"type": "string"}, "version": {"type": "string"}, "state": {"type": "string"},
             "reason": {"type": "string"}}}},
@@ -254,6 +262,23 @@ def _paths() -> Doc:
         "post": _op("update_log_settings", "Change the log settings it names, in every process", "logging",
                     _ok("Log settings, all of them", _ref("LogSettings")), (400, 401, 403),
                     requestBody={"required": True, "content": _json(_ref("LogSettings"))})}
+    region = {"name": "region", "in": "path", "required": True, "schema": {"type": "string"},
+              "description": "The region's name"}
+    for kind, what in (("system", "System"), ("cuda", "CUDA")):
+        base = f"/v2/{kind}sharedmemory"
+        for one, where in (("", ""), ("_region", "/region/{region}")):
+            paths[f"{base}{where}/status"] = {"parameters": [region] if one else [], "get": _op(
+                f"{kind}_shm{one}_status", f"{what} shared memory region{'' if one else 's'} registered "
+                "(--allow-client-shm)", "shared-memory", _ok("Regions", _ref("ShmStatus")),
+                (400, 401, 403, 404))}
+            paths[f"{base}{where}/unregister"] = {"parameters": [region] if one else [], "post": _op(
+                f"{kind}_shm{one}_unregister", f"Unregister {'the' if one else 'every'} {what} shared memory "
+                "region", "shared-memory", _ok("Done (also when none was registered)"), (400, 401, 403))}
+        paths[f"{base}/region/{{region}}/register"] = {"parameters": [region], "post": _op(
+            f"{kind}_shm_register", f"Register a {what} shared memory region" +
+            (" (refused: not supported)" if kind == "cuda" else ""), "shared-memory", _ok("Registered"),
+            (400, 401, 403, 409), requestBody={"required": True, "content": _json(
+                _ref("ShmRegion") if kind == "system" else {"type": "object"})})}
     for action, schema, text in (("load", "LoadRequest", "Load or reload a model"),
                                  ("unload", "UnloadRequest", "Unload a model")):
         paths[f"/v2/repository/models/{{model}}/{action}"] = {"parameters": [MODEL], "post": _op(
@@ -324,7 +349,7 @@ def document(version: str, sagemaker: bool = False) -> Doc:
         "info": {"title": "Despina", "version": version, "description": DESCRIPTION,
                  "license": {"name": "Apache-2.0"}},
         "tags": [{"name": t} for t in ("health", "metadata", "inference", "model-config", "statistics",
-                                       "model-repository", "logging")],
+                                       "model-repository", "logging", "shared-memory")],
         "security": [{}, {"bearer": []}],
         "paths": {**_paths(), **(_sagemaker_paths() if sagemaker else {})},
         "components": {"schemas": _schemas(),

@@ -25,6 +25,7 @@ from ..contract.modelconfig import (
 from ..contract.records import NO_PARAMETERS, Parameters, Tensor
 from ..settings import Settings
 from .http import json_object
+from .shm import Region, Registry, ShmOutput, tensor_parameters
 
 MAX_ELEMENTS: int = Settings.max_tensor_elements  # per tensor, unless the caller passes its setting
 # Request parameters Despina reads itself (Triton's reserved ones): they never reach the model.
@@ -44,30 +45,53 @@ class Decoded:
     # the requests of one remembered header share this: their reply headers by the outputs' shapes
     heads: dict[tuple[Any, ...], bytes] | None = field(default=None, compare=False, repr=False)
     classes: dict[str, int] = field(default_factory=dict)  # output -> top classes asked (classification)
+    shm_outputs: dict[str, ShmOutput] = field(default_factory=dict)  # outputs to write in shared memory
+
+
+InShm = tuple[str, int, int]  # (region, byte size, offset): where a tensor is in shared memory
+
+
+@dataclass(frozen=True, slots=True)
+class _FromShm:
+    """A planned input read from shared memory each time (what the region holds then)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    where: InShm
 
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """What a binary request's JSON header decides, checked once: clients such as tritonclient and
-    perf_analyzer send the same header with every request of a shape."""
+    """What a request's JSON header decides, checked once: clients such as tritonclient and perf_analyzer
+    send the same header with every request of a shape (a body all header when the tensors are in shared
+    memory). Regions are looked up by name with each request: one registered again is the new one."""
 
     spec: ModelSpec                                  # held, so that its id is not reused while cached
-    inputs: tuple[Tensor | tuple[str, str, tuple[int, ...], int], ...]  # JSON ones, or where binary goes
+    # JSON ones, where binary ones go (name, datatype, shape, size), or where shared memory ones are
+    inputs: tuple[Tensor | tuple[str, str, tuple[int, ...], int] | _FromShm, ...]
     size: int                                        # the binary part's length
     decoded: Decoded                                 # the rest (id, outputs, parameters), no inputs
+    shm_outputs: tuple[tuple[str, InShm], ...] = ()  # the outputs asked into shared memory
 
-    def apply(self, body: bytes, offset: int) -> Decoded:
+    def apply(self, body: bytes, offset: int, shm: Registry | None) -> Decoded:
         inputs = []
         for t in self.inputs:
             if type(t) is Tensor:  # its data was in the header
                 inputs.append(t)
-                continue
-            name, datatype, shape, size = t
-            inputs.append(Tensor(name, datatype, shape, body[offset:offset + size]))
-            offset += size
+            elif type(t) is _FromShm:
+                region, size, at = t.where
+                inputs.append(Tensor(t.name, t.datatype, t.shape,
+                                     _region(shm, region).read(at, size, f"input '{t.name}'")))
+            else:
+                name, datatype, shape, size = t  # type: ignore[misc]
+                inputs.append(Tensor(name, datatype, shape, body[offset:offset + size]))
+                offset += size
         d = self.decoded  # its outputs, binary outputs and parameters are read, never changed
+        outputs = {name: ShmOutput(_region(shm, region), size, at)
+                   for name, (region, size, at) in self.shm_outputs} if self.shm_outputs else {}
         return Decoded(d.id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters,
-                       d.model_parameters, d.heads, d.classes)
+                       d.model_parameters, d.heads, d.classes, outputs)
 
 
 PLANS_MAX, PLAN_HEADER_MAX = 512, 4096
@@ -75,43 +99,53 @@ _plans: dict[tuple[int, int, bytes], _Plan] = {}
 
 
 def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
-                 max_elements: int = MAX_ELEMENTS) -> Decoded:
+                 max_elements: int = MAX_ELEMENTS, shm: Registry | None = None) -> Decoded:
     """A V2 infer body (JSON, optionally followed by binary tensors) -> validated tensors.
 
     Raises InvalidArgument, and nothing else, on any input; a tensor of more than `max_elements`
-    elements is refused before anything is allocated for it."""
+    elements is refused before anything is allocated for it. `shm`: the server's shared memory regions,
+    which inputs may be read from and outputs asked into (None: the server allows none)."""
     if header_length is None:
-        return _decode(body, memoryview(b""), spec, max_elements)[0]
+        if shm is not None and len(body) <= PLAN_HEADER_MAX and b"shared_memory_" in body:
+            return _planned(body, len(body), spec, max_elements, shm)  # all header: the data is elsewhere
+        return _decode(body, memoryview(b""), spec, max_elements, shm)[0]
     if header_length < 0 or header_length > len(body):
         raise InvalidArgument(f"Inference-Header-Content-Length {header_length} is past the end "
                               f"of the {len(body)}-byte body")
     if header_length > PLAN_HEADER_MAX:
-        return _decode(body[:header_length], memoryview(body)[header_length:], spec, max_elements)[0]
-    return _planned(body, header_length, spec, max_elements)
+        return _decode(body[:header_length], memoryview(body)[header_length:], spec, max_elements, shm)[0]
+    return _planned(body, header_length, spec, max_elements, shm)
 
 
-def _planned(body: bytes, header_length: int, spec: ModelSpec, max_elements: int) -> Decoded:
+def _planned(body: bytes, header_length: int, spec: ModelSpec, max_elements: int, shm: Registry | None
+             ) -> Decoded:
     """A binary request decoded by its header's remembered plan, made on the header's first sight."""
     header = body[:header_length]
     key = (id(spec), max_elements, header)
     plan = _plans.get(key)
     if plan is None or plan.spec is not spec or plan.size != len(body) - header_length:
-        decoded, from_binary = _decode(header, memoryview(body)[header_length:], spec, max_elements)
+        decoded, sources = _decode(header, memoryview(body)[header_length:], spec, max_elements, shm)
         if any(t.datatype == "BYTES" for t in decoded.inputs):  # BYTES framing is data: checked each time
             return decoded
-        heads = {} if decoded.binary_all or decoded.binary_outputs else None  # only binary replies': kept
-        plan = _Plan(spec, tuple((t.name, t.datatype, t.shape, len(t.data)) if b else t
-                                 for t, b in zip(decoded.inputs, from_binary)),
-                     len(body) - header_length, replace(decoded, inputs=[], heads=heads))  # not its data
+        # only replies without JSON data are kept: binary ones, those into shared memory
+        heads: dict[tuple[Any, ...], bytes] | None = \
+            {} if decoded.binary_all or decoded.binary_outputs or decoded.shm_outputs else None
+        plan = _Plan(spec, tuple(_FromShm(t.name, t.datatype, t.shape, b) if type(b) is tuple
+                                 else (t.name, t.datatype, t.shape, len(t.data)) if b else t
+                                 for t, b in zip(decoded.inputs, sources)),
+                     len(body) - header_length, replace(decoded, inputs=[], heads=heads, shm_outputs={}),
+                     tuple((name, (o.region.reg.name, o.byte_size, o.offset))
+                           for name, o in decoded.shm_outputs.items()))  # not its data
         if len(_plans) >= PLANS_MAX:
             del _plans[next(iter(_plans))]
         _plans[key] = plan
-    return plan.apply(body, header_length)
+    return plan.apply(body, header_length, shm)
 
 
-def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: int
-            ) -> tuple[Decoded, list[bool]]:
-    """The body decoded, and for each input whether its data came from the binary part."""
+def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: int, shm: Registry | None = None
+            ) -> tuple[Decoded, list[bool | InShm]]:
+    """The body decoded, and for each input whether its data came from the binary part, or where in
+    shared memory it was."""
     doc = json_object(header)
     params = _object(doc.get("parameters"), "parameters")
     raw_inputs = doc.get("inputs")
@@ -119,28 +153,31 @@ def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: in
         raise InvalidArgument("field 'inputs' must be a non-empty list")
     offset = 0
     inputs: list[Tensor] = []
-    from_binary: list[bool] = []
+    sources: list[bool | InShm] = []
     seen: set[str] = set()
     booleans = not holds_no_booleans(header)
     for raw in raw_inputs:
-        tensor, used = _decode_input(raw, spec, binary[offset:], max_elements, booleans)
+        tensor, used = _decode_input(raw, spec, binary[offset:], max_elements, booleans, shm)
         if tensor.name in seen:
             raise InvalidArgument(f"input '{tensor.name}' is given twice")
         seen.add(tensor.name)
         inputs.append(tensor)
-        from_binary.append("data" not in raw)  # else binary_data_size: the bytes follow the header
+        if isinstance(used, tuple):  # from shared memory
+            sources.append(used)
+            continue
+        sources.append("data" not in raw)  # else binary_data_size: the bytes follow the header
         offset += used
     if offset != len(binary):
         raise InvalidArgument(f"the body carries {len(binary) - offset} bytes of binary data that no "
                               "input claims (check binary_data_size)")
     check_inputs(spec, inputs)
-    outputs, binary_outputs, classes = _decode_outputs(doc.get("outputs"), spec)
+    outputs, binary_outputs, classes, shm_outputs = _decode_outputs(doc.get("outputs"), spec, shm)
     req_id = doc.get("id")
     if req_id is not None and not isinstance(req_id, str):
         raise InvalidArgument("field 'id' must be a string")
     binary_all = params.get("binary_data_output") is True
     return Decoded(req_id, inputs, outputs, binary_outputs, binary_all, params,
-                   model_parameters(params), classes=classes), from_binary
+                   model_parameters(params), classes=classes, shm_outputs=shm_outputs), sources
 
 
 def model_parameters(params: dict[str, Any]) -> Parameters:
@@ -165,8 +202,9 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: int, booleans: bool
-                  ) -> tuple[Tensor, int]:
+def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: int, booleans: bool,
+                  shm: Registry | None) -> tuple[Tensor, int | InShm]:
+    """An input, and how many bytes of the binary part it took, or where in shared memory it was."""
     if not isinstance(raw, dict):
         raise InvalidArgument("each entry of 'inputs' must be an object")
     name = raw.get("name")
@@ -182,6 +220,14 @@ def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: i
     check_count(name, shape, max_elements)
     params = _object(raw.get("parameters"), f"inputs[{name}].parameters")
     size = params.get("binary_data_size")
+    in_shm = tensor_parameters(params, f"input '{name}'")
+    if in_shm is not None:
+        if size is not None or "data" in raw:
+            raise InvalidArgument(f"input '{name}': give one of 'data', binary_data_size and shared memory")
+        region, size, offset = in_shm
+        data = _region(shm, region).read(offset, size, f"input '{name}'")
+        _check_size(name, datatype, shape, data)
+        return Tensor(name, datatype, tuple(shape), data), in_shm
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InvalidArgument(f"input '{name}': binary_data_size must be a non-negative integer")
@@ -190,17 +236,28 @@ def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: i
         if "data" in raw:
             raise InvalidArgument(f"input '{name}': give either 'data' or binary_data_size, not both")
         data = bytes(binary[:size])
-        if datatype == "BYTES":
-            to_numpy(datatype, shape, data)  # validates the framing
-        elif size != element_count(shape) * V2_TO_NUMPY[datatype].itemsize:
-            raise InvalidArgument(f"input '{name}': binary_data_size {size} does not match shape {shape} "
-                                  f"of {datatype} ({element_count(shape) * V2_TO_NUMPY[datatype].itemsize} "
-                                  "bytes)")
+        _check_size(name, datatype, shape, data)
         return Tensor(name, datatype, tuple(shape), data), size
     if "data" not in raw:
         raise InvalidArgument(f"input '{name}' has neither 'data' nor binary_data_size")
     return Tensor(name, datatype, tuple(shape), json_data_to_bytes(name, datatype, shape, raw["data"],
                                                                   booleans)), 0
+
+
+def _check_size(name: str, datatype: str, shape: list[int], data: bytes) -> None:
+    """Raw bytes of an input (binary data or shared memory) fit its shape and datatype."""
+    if datatype == "BYTES":
+        to_numpy(datatype, shape, data)  # validates the framing
+    elif len(data) != element_count(shape) * V2_TO_NUMPY[datatype].itemsize:
+        raise InvalidArgument(f"input '{name}': {len(data)} bytes of data do not match shape {shape} of "
+                              f"{datatype} ({element_count(shape) * V2_TO_NUMPY[datatype].itemsize} bytes)")
+
+
+def _region(shm: Registry | None, name: str) -> Region:
+    if shm is None:
+        raise InvalidArgument("shared memory is not allowed on this server: start it with --allow-client-shm "
+                              "(DESPINA_ALLOW_CLIENT_SHM=1)")
+    return shm.region(name)
 
 
 def check_count(name: str, shape: list[int], max_elements: int) -> None:
@@ -291,15 +348,18 @@ def _packed(code: str, count: int, data: Any, booleans: bool) -> bytes | None:
         return None
 
 
-def _decode_outputs(raw: Any, spec: ModelSpec) -> tuple[list[str], set[str], dict[str, int]]:
-    """The outputs asked for, those asked as binary data, and those asked as their top classes."""
+def _decode_outputs(raw: Any, spec: ModelSpec, shm: Registry | None
+                    ) -> tuple[list[str], set[str], dict[str, int], dict[str, ShmOutput]]:
+    """The outputs asked for, those asked as binary data, those asked as their top classes, and those to
+    be written in shared memory."""
     if raw is None:
-        return [], set(), {}
+        return [], set(), {}, {}
     if not isinstance(raw, list):
         raise InvalidArgument("field 'outputs' must be a list")
     names: list[str] = []
     binary: set[str] = set()
     classes: dict[str, int] = {}
+    in_shm: dict[str, ShmOutput] = {}
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
@@ -312,7 +372,14 @@ def _decode_outputs(raw: Any, spec: ModelSpec) -> tuple[list[str], set[str], dic
         count = params.get("classification")
         if count is not None:
             classes[name] = classification_count(spec, name, count)
-    return names, binary, classes
+        where = tensor_parameters(params, f"output '{name}'")
+        if where is not None:
+            if count is not None:
+                raise InvalidArgument(f"output '{name}': shared memory can't be set on a classification "
+                                      "output")
+            region, size, offset = where
+            in_shm[name] = ShmOutput(_region(shm, region), size, offset)
+    return names, binary, classes, in_shm
 
 
 def classification_count(spec: ModelSpec, name: str, count: Any) -> int:
@@ -335,25 +402,34 @@ HEADS_MAX = 64  # reply headers remembered per request header (BYTES outputs var
 
 def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Tensor, ...],
                  binary: set[str], binary_all: bool, heads: dict[tuple[Any, ...], bytes] | None = None,
-                 parameters: Parameters = NO_PARAMETERS) -> tuple[bytes, int | None]:
+                 parameters: Parameters = NO_PARAMETERS, shm: dict[str, ShmOutput] | None = None
+                 ) -> tuple[bytes, int | None]:
     """Reply tensors (and the model's response parameters) -> (body, JSON header length or None when
-    the body is all JSON).
+    the body is all JSON). The outputs in `shm` are written into their shared memory instead.
 
-    `heads` (Decoded.heads) remembers the JSON header of replies whose outputs are all binary: it
-    depends only on the outputs' names, shapes and sizes, the same for every reply of a shape; a reply
-    with response parameters is encoded afresh."""
+    `heads` (Decoded.heads) remembers the JSON header of replies whose outputs are all binary or in
+    shared memory: it depends only on the outputs' names, shapes and sizes, the same for every reply of a
+    shape; a reply with response parameters is encoded afresh."""
     if parameters:
         heads = None
     if heads is not None:
         key = tuple([(t.name, t.datatype, t.shape, len(t.data)) for t in outputs])
         header = heads.get(key)
         if header is not None:
-            return b"".join([header, *[t.data for t in outputs]]), len(header)
+            if not shm:
+                return b"".join([header, *[t.data for t in outputs]]), len(header)
+            chunks = [t.data for t in outputs if t.name not in shm]
+            for t in outputs:
+                if t.name in shm:
+                    shm[t.name].write(t.name, t.data)
+            return (b"".join([header, *chunks]), len(header)) if chunks else (header, None)
     described: list[dict[str, Any]] = []
-    chunks: list[bytes] = []
+    chunks = []
     for t in outputs:
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
-        if binary_all or t.name in binary:
+        if shm and t.name in shm:  # its name, datatype and shape alone, as Triton answers it (tritonclient's
+            shm[t.name].write(t.name, t.data)  # C++ client reads binary_data_size from any parameters)
+        elif binary_all or t.name in binary:
             entry["parameters"] = {"binary_data_size": len(t.data)}
             chunks.append(t.data)
         else:
@@ -366,11 +442,10 @@ def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Te
         doc["parameters"] = parameters
     doc["outputs"] = described
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    if not chunks:
-        return header, None
-    if heads is not None and len(chunks) == len(outputs) and len(heads) < HEADS_MAX:
+    no_json = len(chunks) + sum(1 for t in outputs if shm and t.name in shm) == len(outputs)
+    if heads is not None and no_json and len(heads) < HEADS_MAX:
         heads[key] = header
-    return b"".join([header, *chunks]), len(header)
+    return (b"".join([header, *chunks]), len(header)) if chunks else (header, None)
 
 
 def json_data(t: Tensor) -> Any:

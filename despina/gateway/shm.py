@@ -1,0 +1,258 @@
+"""Triton's system shared-memory extension: a client on the gateway's host hands tensors over in a POSIX
+shared-memory object (tritonclient.utils.shared_memory, perf_analyzer --shared-memory system) instead of
+the HTTP body, and gets outputs written there.
+
+A region is a name for (key, offset, byte_size): `key` is the object's shm_open name, the region its
+bytes from `offset` on. Registrations are the server's, not one process's: every gateway of a server
+(`serve --gateways N` shares one port) sees the same ones, as a client of Triton's one process does. They
+are kept where the objects are, in a file in /dev/shm named after the server (key prefix and port):
+written whole under a lock and renamed into place, read again by a gateway whenever it changed (one
+stat per request that uses shared memory). A server starts with none (Registry.clear) and drops them
+when it stops, as Triton does.
+
+Each gateway maps a region on its first use and keeps the mapping while the region stays registered. A
+request holds the mapping it was decoded with: a region unregistered while a request is under way still
+gets that request's outputs, as in Triton.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import mmap
+import os
+import stat
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..contract.errors import Code, DespinaError, InvalidArgument, NotFound
+
+SHM_DIR = Path("/dev/shm")
+PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+
+
+class AlreadyExists(DespinaError):
+    code = Code.ALREADY_EXISTS
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    id: str  # this registration's own: a name registered again is another region
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+def object_path(key: str) -> Path:
+    """Where shm_open(key) finds the object: /dev/shm/NAME for key /NAME (or NAME), as glibc's."""
+    name = key[1:] if key.startswith("/") else key
+    if not name or "/" in name or name in (".", "..") or "\0" in name:
+        raise InvalidArgument(f"Unable to open shared memory region: '{key}' (not a shared memory key)")
+    return SHM_DIR / name
+
+
+class Region:
+    """A registration mapped into this process. Reads and writes check first that the object is still as
+    large as the region (one that shrank would fault the process), then copy."""
+
+    def __init__(self, reg: Registration) -> None:
+        self.reg = reg
+        try:
+            # O_NOFOLLOW as shm_open has it: a link in /dev/shm does not lead elsewhere
+            fd = os.open(object_path(reg.key), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InvalidArgument(f"Unable to open shared memory region: '{reg.key}' "
+                                  f"({exc.strerror})") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise InvalidArgument(f"Unable to open shared memory region: '{reg.key}' (not a shared "
+                                      "memory object)")
+            if reg.offset + reg.byte_size > info.st_size:
+                raise InvalidArgument(f"failed to register shared memory region '{reg.name}': invalid args "
+                                      f"(offset {reg.offset} + byte_size {reg.byte_size} is past the end of "
+                                      f"'{reg.key}', {info.st_size} bytes)")
+            self.map = mmap.mmap(fd, info.st_size) if info.st_size else None
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def __del__(self) -> None:  # the mapping goes with its last holder; the descriptor with it
+        fd = getattr(self, "fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def _span(self, offset: int, size: int, what: str) -> int:
+        reg = self.reg
+        if offset < 0 or size < 0 or offset + size > reg.byte_size:
+            raise InvalidArgument(f"{what}: offset {offset} and byte size {size} do not fit shared memory "
+                                  f"region '{reg.name}' of {reg.byte_size} bytes")
+        if os.fstat(self.fd).st_size < reg.offset + reg.byte_size:
+            raise InvalidArgument(f"{what}: shared memory object '{reg.key}' of region '{reg.name}' is "
+                                  "smaller than the region now (was it truncated?)")
+        return reg.offset + offset
+
+    def read(self, offset: int, size: int, what: str) -> bytes:
+        start = self._span(offset, size, what)
+        return self.map[start:start + size] if self.map is not None and size else b""
+
+    def write(self, offset: int, data: bytes, what: str) -> None:
+        start = self._span(offset, len(data), what)
+        if self.map is not None and data:
+            self.map[start:start + len(data)] = data
+
+
+class Registry:
+    """The regions of one server, shared by its gateways on this host (the module's docstring)."""
+
+    def __init__(self, server: str, folder: Path = SHM_DIR) -> None:
+        digest = hashlib.sha256(server.encode()).hexdigest()[:16]
+        self.path = folder / f"despina-shm-regions-{digest}.json"
+        self._lock_path = folder / f"despina-shm-regions-{digest}.lock"
+        self.available = folder.is_dir() and os.access(folder, os.W_OK)
+        self._seen: tuple[int, int] | None = None  # (inode, mtime) of the file last read
+        self._registered: dict[str, Registration] = {}
+        self._mapped: dict[str, Region] = {}  # name -> its mapping here, for the registration it has now
+
+    @classmethod
+    def of(cls, key_prefix: str, port: int) -> Registry:
+        return cls(f"{key_prefix}\0{port}")
+
+    # -- what is registered ----------------------------------------------------------------------
+
+    def _current(self) -> dict[str, Registration]:
+        """The registrations as the file has them now, read again only when it changed."""
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            self._seen, self._registered, self._mapped = None, {}, {}
+            return self._registered
+        seen = (info.st_ino, info.st_mtime_ns)
+        if seen != self._seen:
+            try:
+                raw = orjson.loads(self.path.read_bytes())
+                registered = {name: Registration(name, r["key"], r["offset"], r["byte_size"], r["id"])
+                              for name, r in raw.items()}
+            except FileNotFoundError:
+                registered = {}
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise DespinaError(f"the shared memory registrations ({self.path}) are unreadable: {exc}",
+                                   Code.INTERNAL) from None
+            self._seen, self._registered = seen, registered
+            self._mapped = {n: r for n, r in self._mapped.items()
+                            if n in registered and registered[n].id == r.reg.id}
+        return self._registered
+
+    def region(self, name: str) -> Region:
+        """The registered region `name`, mapped here; InvalidArgument when there is none."""
+        reg = self._current().get(name)
+        if reg is None:
+            raise InvalidArgument(f"Unable to find shared memory region: '{name}'")
+        region = self._mapped.get(name)
+        if region is None:
+            region = self._mapped[name] = Region(reg)
+        return region
+
+    def status(self, name: str = "") -> list[dict[str, Any]]:
+        registered = self._current()
+        if not name:
+            return [r.status() for r in registered.values()]
+        if name not in registered:
+            raise NotFound(f"Unable to find system shared memory region: '{name}'")
+        return [registered[name].status()]
+
+    # -- changes ---------------------------------------------------------------------------------
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        with self._locked() as registered:
+            if name in registered:
+                raise AlreadyExists(f"shared memory region '{name}' already in manager")
+            if any(r.key == key for r in registered.values()):
+                raise InvalidArgument(f"registering an active shared memory key, \"{key}\", under a "
+                                      "different name is not currently supported")
+            reg = Registration(name, key, offset, byte_size, uuid.uuid4().hex)
+            region = Region(reg)  # it opens and fits, or the error says why
+            registered[name] = reg
+        self._mapped[name] = region
+
+    def unregister(self, name: str = "") -> None:
+        """Unregister `name`, or every region (''); a name that is not registered is no error."""
+        with self._locked() as registered:
+            if name:
+                registered.pop(name, None)
+            else:
+                registered.clear()
+
+    def clear(self) -> None:
+        """No regions: a server starting, or stopping."""
+        for path in (self.path, self._lock_path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        self._seen, self._registered, self._mapped = None, {}, {}
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, Registration]]:
+        """The registrations to change, under the server's lock; written back when the block ends well."""
+        if not self.available:
+            raise DespinaError(f"system shared memory is not available here: {SHM_DIR} is missing or "
+                               "read-only", Code.FAILED_PRECONDITION)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._seen = None  # read afresh: another gateway may have written it a moment ago
+            registered = dict(self._current())
+            yield registered
+            doc = {n: {"key": r.key, "offset": r.offset, "byte_size": r.byte_size, "id": r.id}
+                   for n, r in registered.items()}
+            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_bytes(orjson.dumps(doc))
+            os.replace(partial, self.path)  # whole or not at all, for the readers without the lock
+        finally:
+            os.close(fd)  # (and its lock with it)
+        self._current()
+
+
+def tensor_parameters(params: dict[str, Any], what: str) -> tuple[str, int, int] | None:
+    """An input's or a requested output's shared memory parameters: (region, byte size, offset), or None
+    when it names none. The region and its byte size come together, as Triton asks."""
+    if not any(p in params for p in PARAMETERS):
+        return None
+    region = params.get("shared_memory_region")
+    size = params.get("shared_memory_byte_size")
+    offset = params.get("shared_memory_offset", 0)
+    if region is None or size is None:
+        raise InvalidArgument(f"{what}: shared_memory_region and shared_memory_byte_size must be given "
+                              "together")
+    if type(region) is not str or not region:
+        raise InvalidArgument(f"{what}: shared_memory_region must be a region's name")
+    for field, value in (("shared_memory_byte_size", size), ("shared_memory_offset", offset)):
+        if type(value) is not int or value < 0:
+            raise InvalidArgument(f"{what}: {field} must be a non-negative integer")
+    return region, size, offset
+
+
+@dataclass(frozen=True, slots=True)
+class ShmOutput:
+    """A requested output the reply writes into shared memory."""
+
+    region: Region
+    byte_size: int
+    offset: int
+
+    def write(self, name: str, data: bytes) -> None:
+        """Write the output's bytes, if they fit."""
+        if len(data) > self.byte_size:
+            raise InvalidArgument(f"shared memory size specified with the request for output '{name}' "
+                                  f"({self.byte_size} bytes) should be at least {len(data)} bytes to hold "
+                                  "the results")
+        self.region.write(self.offset, data, f"output '{name}'")

@@ -1,0 +1,280 @@
+"""Triton's system shared-memory extension on a real `despina serve` (two gateways on one port), driven by
+tritonclient and its shared memory utilities: regions registered, listed and unregistered; inputs read
+from them and outputs written into them; the server's regions seen by each of its gateways; the errors
+for every bad registration and request; the CUDA API's refusal; the extension off by default."""
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from despina.contract.errors import InvalidArgument
+from despina.gateway.shm import Registry
+
+from .conftest import Server, module_server, start_server, stop_server
+
+A = np.arange(8, dtype=np.float32).reshape(2, 4)
+B = np.full((2, 4), 0.5, dtype=np.float32)
+SIZE = A.nbytes  # 32 bytes a tensor
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, example_repository: Path) -> Iterator[Server]:
+    yield from module_server(example_repository, tmp_path_factory, redis_url, ("add_sub",),
+                             env={"DESPINA_ALLOW_CLIENT_SHM": "1", "DESPINA_GATEWAYS": "2"})
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[httpclient.InferenceServerClient]:
+    c = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    yield c
+    c.unregister_system_shared_memory()  # each test starts with none
+    c.close()
+
+
+class Objects(dict[str, shm.SharedMemoryRegion]):
+    """The test's shared memory objects by name, each of 64 bytes, made on first mention."""
+
+    def __missing__(self, name: str) -> shm.SharedMemoryRegion:
+        handle = self[name] = shm.create_shared_memory_region(name, f"/despina-test-{uuid.uuid4().hex[:12]}",
+                                                              2 * SIZE)
+        return handle
+
+
+@pytest.fixture
+def regions() -> Iterator[Objects]:
+    made = Objects()
+    yield made
+    for handle in made.values():
+        shm.destroy_shared_memory_region(handle)
+
+
+def key_of(handle: shm.SharedMemoryRegion) -> str:
+    return handle._shm_key
+
+
+def shm_inputs(region: str) -> list[httpclient.InferInput]:
+    a, b = httpclient.InferInput("a", [2, 4], "FP32"), httpclient.InferInput("b", [2, 4], "FP32")
+    a.set_shared_memory(region, SIZE)
+    b.set_shared_memory(region, SIZE, offset=SIZE)
+    return [a, b]
+
+
+def shm_outputs(region: str) -> list[httpclient.InferRequestedOutput]:
+    total, diff = httpclient.InferRequestedOutput("sum"), httpclient.InferRequestedOutput("diff")
+    total.set_shared_memory(region, SIZE)
+    diff.set_shared_memory(region, SIZE, offset=SIZE)
+    return [total, diff]
+
+
+def test_inputs_from_and_outputs_into_registered_regions(client: httpclient.InferenceServerClient,
+                                                         regions: Objects) -> None:
+    assert "system_shared_memory" in client.get_server_metadata()["extensions"]
+    inp, out = regions["in"], regions["out"]
+    client.register_system_shared_memory("in", key_of(inp), 2 * SIZE)
+    client.register_system_shared_memory("out", key_of(out), 2 * SIZE)
+    status = {r["name"]: r for r in client.get_system_shared_memory_status()}
+    assert status == {"in": {"name": "in", "key": key_of(inp), "offset": 0, "byte_size": 64},
+                      "out": {"name": "out", "key": key_of(out), "offset": 0, "byte_size": 64}}
+    assert client.get_system_shared_memory_status("in") == [status["in"]]
+    for scale in (1.0, 3.0):  # the same request again reads the region's new contents
+        shm.set_shared_memory_region(inp, [A * scale, B])
+        result = client.infer("add_sub", shm_inputs("in"), outputs=shm_outputs("out"))
+        # as Triton answers: no data, no parameters (tritonclient's C++ client reads binary_data_size from any)
+        assert result.get_output("sum") == {"name": "sum", "datatype": "FP32", "shape": [2, 4]}
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [2, 4]), A * scale + B)
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [2, 4], offset=SIZE), A * scale - B)
+    client.unregister_system_shared_memory("in")
+    assert [r["name"] for r in client.get_system_shared_memory_status()] == ["out"]
+    with pytest.raises(InferenceServerException, match="Unable to find shared memory region: 'in'"):
+        client.infer("add_sub", shm_inputs("in"), outputs=shm_outputs("out"))
+    other = regions["other"]  # the name again, on another object: the same request reads that one
+    shm.set_shared_memory_region(other, [B, A])
+    client.register_system_shared_memory("in", key_of(other), 2 * SIZE)
+    client.infer("add_sub", shm_inputs("in"), outputs=shm_outputs("out"))
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.float32, [2, 4], offset=SIZE), B - A)
+    client.unregister_system_shared_memory()
+    assert client.get_system_shared_memory_status() == []
+
+
+def test_a_region_inside_an_object_and_binary_inputs_beside_it(client: httpclient.InferenceServerClient,
+                                                               regions: Objects) -> None:
+    handle = regions["both"]
+    shm.set_shared_memory_region(handle, [A], offset=SIZE)  # the region is the object's second half
+    client.register_system_shared_memory("half", key_of(handle), SIZE, offset=SIZE)
+    a = httpclient.InferInput("a", [2, 4], "FP32")
+    a.set_shared_memory("half", SIZE)
+    for b_value in (B, B * 4):  # b in the body's binary part, a in shared memory, twice with one header
+        b = httpclient.InferInput("b", [2, 4], "FP32")
+        b.set_data_from_numpy(b_value, binary_data=True)
+        result = client.infer("add_sub", [a, b], outputs=[httpclient.InferRequestedOutput("sum", binary_data=True)])
+        np.testing.assert_array_equal(result.as_numpy("sum"), A + b_value)
+    shm.set_shared_memory_region(handle, [A * 2], offset=SIZE)
+    b = httpclient.InferInput("b", [2, 4], "FP32")
+    b.set_data_from_numpy(B, binary_data=True)
+    np.testing.assert_array_equal(client.infer("add_sub", [a, b]).as_numpy("sum"), A * 2 + B)
+
+
+def test_every_gateway_of_the_server_sees_its_regions(server: Server, client: httpclient.InferenceServerClient,
+                                                      regions: Objects) -> None:
+    inp = regions["in"]
+    shm.set_shared_memory_region(inp, [A, B])
+    client.register_system_shared_memory("in", key_of(inp), 2 * SIZE)
+    body = {"inputs": [{"name": n, "shape": [2, 4], "datatype": "FP32",
+                        "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": SIZE,
+                                       "shared_memory_offset": offset}} for n, offset in (("a", 0), ("b", SIZE))]}
+    for _ in range(12):  # a new connection each time: the kernel spreads them over both gateways
+        with httpx.Client() as fresh:
+            r = fresh.post(f"{server.url}/v2/models/add_sub/infer", json=body, headers={"connection": "close"})
+        assert r.status_code == 200, r.text
+        assert r.json()["outputs"][0]["data"] == (A + B).reshape(-1).tolist()
+
+
+def test_registrations_are_shared_through_the_servers_file(tmp_path: Path) -> None:
+    """Two registries of one server (as two gateway processes have): what one registers, the other reads;
+    an unregistration, a registration again under the name, and the server's clear the same."""
+    first, second = Registry("s", tmp_path), Registry("s", tmp_path)
+    other = Registry("another server", tmp_path)
+    data = tmp_path / "obj"
+    data.write_bytes(bytes(range(64)))
+
+    import despina.gateway.shm as shm_module
+    shm_module.SHM_DIR, saved = tmp_path, shm_module.SHM_DIR  # keys resolve in tmp_path
+    try:
+        first.register("r", "/obj", 16, 32)
+        assert second.region("r").read(4, 4, "x") == bytes([20, 21, 22, 23])
+        assert other.status() == []
+        second.region("r").write(0, b"\xff\xff", "y")
+        assert data.read_bytes()[16:18] == b"\xff\xff"
+        first.unregister("r")
+        with pytest.raises(InvalidArgument, match="Unable to find shared memory region: 'r'"):
+            second.region("r")
+        second.register("r", "/obj", 0, 8)  # the name again, another region
+        assert first.region("r").read(0, 2, "z") == bytes([0, 1])
+        with pytest.raises(InvalidArgument, match="do not fit"):
+            first.region("r").read(4, 8, "z")
+        second.clear()
+        assert first.status() == [] and not second.path.exists()
+    finally:
+        shm_module.SHM_DIR = saved
+
+
+def http_error(call: object, *args: object, **kwargs: object) -> str:
+    with pytest.raises(InferenceServerException) as caught:
+        call(*args, **kwargs)  # type: ignore[operator]
+    return str(caught.value)
+
+
+def test_bad_registrations(server: Server, client: httpclient.InferenceServerClient,
+                           regions: Objects) -> None:
+    handle = regions["r"]
+    client.register_system_shared_memory("r", key_of(handle), 2 * SIZE)
+    assert "already in manager" in http_error(client.register_system_shared_memory, "r", key_of(handle), 8)
+    assert "under a different name" in http_error(client.register_system_shared_memory, "r2", key_of(handle), 8)
+    assert "Unable to open shared memory region" in http_error(
+        client.register_system_shared_memory, "gone", "/despina-test-no-such-object", 8)
+    assert "invalid args" in http_error(client.register_system_shared_memory, "big", key_of(regions["s"]), 65)
+    assert "invalid args" in http_error(client.register_system_shared_memory, "far", key_of(regions["t"]), 8,
+                                        offset=60)
+    assert "not a shared memory key" in http_error(client.register_system_shared_memory, "up", "/../etc/passwd", 8)
+    with httpx.Client(base_url=server.url) as h:
+        r = h.post("/v2/systemsharedmemory/region/x/register", json={"key": key_of(regions["u"])})
+        assert r.status_code == 400 and "byte_size" in r.json()["error"]
+        r = h.post("/v2/systemsharedmemory/region/x/register", json={"key": 3, "byte_size": 8})
+        assert r.status_code == 400 and "key" in r.json()["error"]
+        r = h.post("/v2/systemsharedmemory/region/x/register", content=b"{not json")
+        assert r.status_code == 400
+        r = h.post("/v2/systemsharedmemory/region/r/register", json={"key": key_of(handle), "byte_size": 8})
+        assert r.status_code == 409
+        r = h.get("/v2/systemsharedmemory/region/nope/status")
+        assert r.status_code == 404 and "Unable to find system shared memory region: 'nope'" in r.json()["error"]
+        assert h.post("/v2/systemsharedmemory/region/nope/unregister").status_code == 200  # nothing to do
+    assert [r["name"] for r in client.get_system_shared_memory_status()] == ["r"]
+
+
+def test_bad_requests_through_shared_memory(server: Server, client: httpclient.InferenceServerClient,
+                                            regions: Objects) -> None:
+    handle = regions["r"]
+    shm.set_shared_memory_region(handle, [A, B])
+    client.register_system_shared_memory("r", key_of(handle), 2 * SIZE)
+
+    def infer(a_params: dict[str, object], *, a_data: bool = False, outputs: object = None) -> httpx.Response:
+        a = {"name": "a", "shape": [2, 4], "datatype": "FP32", "parameters": a_params}
+        if a_data:
+            a["data"] = A.reshape(-1).tolist()
+        body = {"inputs": [a, {"name": "b", "shape": [2, 4], "datatype": "FP32", "data": B.reshape(-1).tolist()}]}
+        if outputs is not None:
+            body["outputs"] = outputs
+        return httpx.post(f"{server.url}/v2/models/add_sub/infer", json=body)
+
+    cases = [
+        ({"shared_memory_region": "r"}, {}, "must be given together"),
+        ({"shared_memory_byte_size": SIZE}, {}, "must be given together"),
+        ({"shared_memory_region": "r", "shared_memory_byte_size": 16}, {}, "16 bytes of data do not match"),
+        ({"shared_memory_region": "r", "shared_memory_byte_size": SIZE, "shared_memory_offset": 40}, {},
+         "do not fit shared memory region 'r' of 64 bytes"),
+        ({"shared_memory_region": "r", "shared_memory_byte_size": -1}, {}, "non-negative integer"),
+        ({"shared_memory_region": 5, "shared_memory_byte_size": SIZE}, {}, "region's name"),
+        ({"shared_memory_region": "r", "shared_memory_byte_size": SIZE}, {"a_data": True}, "give one of"),
+        ({"shared_memory_region": "nope", "shared_memory_byte_size": SIZE}, {}, "Unable to find shared memory"),
+    ]
+    for params, extra, message in cases:
+        r = infer(params, **extra)  # type: ignore[arg-type]
+        assert r.status_code == 400 and message in r.json()["error"], (params, r.text)
+    ok = {"shared_memory_region": "r", "shared_memory_byte_size": SIZE}
+    small = [{"name": "sum", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8}}]
+    r = infer(ok, outputs=small)
+    assert r.status_code == 400 and "should be at least 32 bytes" in r.json()["error"]
+    both = [{"name": "sum", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": SIZE,
+                                           "classification": 2}}]
+    r = infer(ok, outputs=both)
+    assert r.status_code == 400 and "classification" in r.json()["error"]
+    # the client truncates the object under its region: an error, not a fault of the gateway
+    os.truncate(f"/dev/shm/{key_of(handle).lstrip('/')}", 8)
+    r = infer(ok)
+    assert r.status_code == 400 and "smaller than the region now" in r.json()["error"]
+    assert httpx.get(f"{server.url}/v2/health/live").status_code == 200
+
+
+def test_cuda_shared_memory_is_refused_with_the_reason(client: httpclient.InferenceServerClient) -> None:
+    assert client.get_cuda_shared_memory_status() == []
+    assert "CUDA shared memory is not supported" in http_error(client.register_cuda_shared_memory, "c", b"x" * 64, 0, 8)
+    assert "Unable to find cuda shared memory region: 'c'" in http_error(client.get_cuda_shared_memory_status, "c")
+    client.unregister_cuda_shared_memory()
+
+
+def test_off_unless_allowed_and_gone_when_the_server_stops(tmp_path: Path, redis_url: str, example_repository: Path,
+                                                           regions: Objects) -> None:
+    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
+    plain = start_server(example_repository, tmp_path, redis_url, prefix, wait_models=("add_sub",))
+    try:
+        r = httpx.get(f"{plain.url}/v2/systemsharedmemory/status")
+        assert r.status_code == 400 and "--allow-client-shm" in r.json()["error"]
+        body = {"inputs": [{"name": n, "shape": [2, 4], "datatype": "FP32",
+                            "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": SIZE}}
+                           for n in ("a", "b")]}
+        r = httpx.post(f"{plain.url}/v2/models/add_sub/infer", json=body)
+        assert r.status_code == 400 and "--allow-client-shm" in r.json()["error"]
+        assert "system_shared_memory" not in httpx.get(f"{plain.url}/v2").json()["extensions"]
+    finally:
+        stop_server(plain)
+    allowed = start_server(example_repository, tmp_path, redis_url, prefix, "--allow-client-shm",
+                           wait_models=("add_sub",))
+    port = int(allowed.url.rsplit(":", 1)[1])
+    registry = Registry.of(prefix, port)
+    try:
+        c = httpclient.InferenceServerClient(allowed.url.removeprefix("http://"))
+        c.register_system_shared_memory("r", key_of(regions["r"]), 8)
+        c.close()
+        assert registry.path.exists()
+    finally:
+        stop_server(allowed)
+    assert not registry.path.exists()
