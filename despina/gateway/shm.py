@@ -153,9 +153,10 @@ class Registry:
                             if n in registered and registered[n].id == r.reg.id}
         return self._registered
 
-    def region(self, name: str) -> Region:
-        """The registered region `name`, mapped here; InvalidArgument when there is none."""
-        reg = self._current().get(name)
+    def region(self, name: str, looked: bool = False) -> Region:
+        """The registered region `name`, mapped here; InvalidArgument when there is none. `looked`: the
+        registrations were read for this request already (a request's second region needs no stat)."""
+        reg = (self._registered if looked else self._current()).get(name)
         if reg is None:
             raise InvalidArgument(f"Unable to find shared memory region: '{name}'")
         region = self._mapped.get(name)

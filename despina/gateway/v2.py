@@ -76,20 +76,24 @@ class _Plan:
 
     def apply(self, body: bytes, offset: int, shm: Registry | None) -> Decoded:
         inputs = []
+        looked = False  # the registrations are read once for all of a request's regions
         for t in self.inputs:
             if type(t) is Tensor:  # its data was in the header
                 inputs.append(t)
             elif type(t) is _FromShm:
                 region, size, at = t.where
                 inputs.append(Tensor(t.name, t.datatype, t.shape,
-                                     _region(shm, region).read(at, size, f"input '{t.name}'")))
+                                     _region(shm, region, looked).read(at, size, f"input '{t.name}'")))
+                looked = True
             else:
                 name, datatype, shape, size = t  # type: ignore[misc]
                 inputs.append(Tensor(name, datatype, shape, body[offset:offset + size]))
                 offset += size
         d = self.decoded  # its outputs, binary outputs and parameters are read, never changed
-        outputs = {name: ShmOutput(_region(shm, region), size, at)
-                   for name, (region, size, at) in self.shm_outputs} if self.shm_outputs else {}
+        outputs = {}
+        for name, (region, size, at) in self.shm_outputs:
+            outputs[name] = ShmOutput(_region(shm, region, looked), size, at)
+            looked = True
         return Decoded(d.id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters,
                        d.model_parameters, d.heads, d.classes, outputs)
 
@@ -253,11 +257,11 @@ def _check_size(name: str, datatype: str, shape: list[int], data: bytes) -> None
                               f"{datatype} ({element_count(shape) * V2_TO_NUMPY[datatype].itemsize} bytes)")
 
 
-def _region(shm: Registry | None, name: str) -> Region:
+def _region(shm: Registry | None, name: str, looked: bool = False) -> Region:
     if shm is None:
         raise InvalidArgument("shared memory is not allowed on this server: start it with --allow-client-shm "
                               "(DESPINA_ALLOW_CLIENT_SHM=1)")
-    return shm.region(name)
+    return shm.region(name, looked)
 
 
 def check_count(name: str, shape: list[int], max_elements: int) -> None:
