@@ -100,8 +100,10 @@ class Supervisor:
         self.shm = Registry.of(settings.key_prefix, settings.http_port) if settings.allow_client_shm else None
         if self.shm is not None:
             self.shm.clear()
-        gateway_env = child_env(shared, DESPINA_SUPERVISED="1")
-        self.gateways = [Child("gateway", gateway_env, f"gateway {i}" if many else "gateway", others)
+        # (of several gateways each knows its index: each writes its own trace files)
+        self.gateways = [Child("gateway", child_env(shared, DESPINA_SUPERVISED="1",
+                                                    **({"DESPINA_GATEWAY_INDEX": str(i)} if many else {})),
+                               f"gateway {i}" if many else "gateway", others)
                          for i in range(settings.gateways)]
         for child in (self.control, *self.workers, *self.gateways):
             child.start()

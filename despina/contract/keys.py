@@ -80,6 +80,13 @@ class Keys:
         return f"{self.prefix}:logging"
 
     @property
+    def trace_settings(self) -> str:
+        """String: the trace settings (Triton's trace extension, JSON {"global": ..., "models": {...}}), set
+        through POST /v2[/models/{m}]/trace/setting; a change is announced on the events channel as
+        b"trace"."""
+        return f"{self.prefix}:trace"
+
+    @property
     def gateways(self) -> str:
         """Set of gateway ids that report their response cache; each one's report expires (gateway())."""
         return f"{self.prefix}:gateways"

@@ -41,12 +41,15 @@ from .shm import Registry
 from .shm_api import EXTENSION as SHM_EXTENSION
 from .shm_api import shm_routes
 from .stats import model_statistics
+from .trace import Tracer
+from .trace_api import EXTENSION as TRACE_EXTENSION
+from .trace_api import trace_routes
 
 log = logging.getLogger("despina.gateway")
 
 CACHE_REPORT_S = 5.0  # how often a gateway reports its response cache's figures (the metrics' gauges)
 EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "parameters", LOGGING_EXTENSION,
-              *REPOSITORY_EXTENSIONS]
+              TRACE_EXTENSION, *REPOSITORY_EXTENSIONS]
 
 
 class Gateway:
@@ -67,6 +70,9 @@ class Gateway:
         self.shm = Registry.of(settings.key_prefix, settings.http_port) if settings.allow_client_shm else None
         # one of `serve`'s gateways: serve starts and ends the server's registrations, not each gateway
         self._own_shm = os.environ.get("DESPINA_SUPERVISED") != "1"
+        # Triton's tracing; of serve's gateways, each writes its own files (trace.py)
+        index = os.environ.get("DESPINA_GATEWAY_INDEX")
+        self.tracer = Tracer(int(index) if index and index.isdigit() else None)
         self._reporting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -102,6 +108,7 @@ class Gateway:
         await asyncio.gather(*self.ensembles, return_exceptions=True)
         await self.view.close()
         await self.redis.aclose()
+        self.tracer.flush()  # log_frequency 0: the traces go to trace_file when the gateway stops
         if self.shm is not None and self._own_shm:
             self.shm.clear()
 
@@ -223,6 +230,7 @@ def create_app(settings: Settings) -> Starlette:
         *repository_routes(gw),
         *logging_routes(gw),
         *shm_routes(gw),
+        *trace_routes(gw),
         *(sagemaker_routes(gw) if settings.sagemaker else []),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],

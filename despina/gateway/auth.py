@@ -4,9 +4,9 @@
 with Triton's names (health, metadata, inference, model-config, model-repository, statistics), checks
 the model name and version the path carries, then the credentials that group needs:
 
-- With API keys configured, model-repository, model-config, statistics, logging and shared-memory need a
-  key, and so does every path not listed here (deny by default); inference and metadata need one only
-  with `auth_inference`. Health and the OpenAPI document stay open.
+- With API keys configured, model-repository, model-config, statistics, logging, shared-memory and trace
+  need a key, and so does every path not listed here (deny by default); inference and metadata need one
+  only with `auth_inference`. Health and the OpenAPI document stay open.
 - A Triton restriction (`<apis>:<header>=<value>`) makes its APIs need that header; where keys are
   configured too, a valid key opens them as well.
 
@@ -34,7 +34,7 @@ log = logging.getLogger("despina.gateway")
 
 TRITON_APIS = frozenset({"health", "metadata", "inference", "shared-memory", "model-config",
                          "model-repository", "statistics", "trace", "logging"})
-KEY_APIS = frozenset({"model-repository", "model-config", "statistics", "logging", "shared-memory"})
+KEY_APIS = frozenset({"model-repository", "model-config", "statistics", "logging", "shared-memory", "trace"})
 INFERENCE_APIS = frozenset({"inference", "metadata"})
 OPEN = "open"          # the OpenAPI document: never restricted
 UNLISTED = "unlisted"  # a path no API group names: needs an unrestricted key when keys are configured
@@ -60,6 +60,7 @@ ROUTES: tuple[tuple[str, str], ...] = (  # (path pattern, API group); the router
     (rf"/v2/models/{_MODEL}/stats", "statistics"),
     (r"/v2/repository/index", "model-repository"),
     (r"/v2/logging", "logging"),
+    (rf"/v2(?:/models/{_MODEL})?/trace/setting", "trace"),
     (r"/v2/(?:system|cuda)sharedmemory(?:/region/[^/]+)?/(?:status|register|unregister)", "shared-memory"),
     (r"/v2/repository/models/(?P<model{i}>[^/]+)/(?:load|unload)", "model-repository"),
     # SageMaker's contract (gateway/sagemaker.py): /invocations runs the endpoint's model, named nowhere

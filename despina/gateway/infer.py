@@ -105,6 +105,7 @@ class InferRoute(Route):
     def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
               timeout: float | None) -> None:
         gw = self.gateway
+        arrived = time.time_ns() if gw.tracer.on else 0  # Triton's tracing: REQUEST_START
         decoded = decode_infer(ex.body, self.header_length(ex), model.spec, gw.settings.max_tensor_elements,
                                gw.shm)
         priority, timeout_us = schedule_parameters(decoded.parameters)
@@ -122,9 +123,13 @@ class InferRoute(Route):
                                             reply.parameters, decoded.shm_outputs)
             respond(ex, out, json_length, echo)
 
-        submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace,
-               answering(ex, trace, answer), priority, timeout_us, timeout, decoded.model_parameters,
-               decoded.id or "", sequence)
+        done = answering(ex, trace, answer)
+        traced = gw.tracer.begin(spec.name, version, decoded.id or "", arrived) if arrived else None
+        if traced is not None:
+            done = gw.tracer.ending(traced, done)
+            traced.stamp("QUEUE_START")
+        submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace, done, priority,
+               timeout_us, timeout, decoded.model_parameters, decoded.id or "", sequence)
 
     def header_length(self, ex: Exchange) -> int | None:
         """The JSON header's length in a body with binary tensors (None: the body is all JSON)."""

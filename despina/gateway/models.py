@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import orjson
@@ -68,6 +69,10 @@ class ModelView:
         # one refresh at a time: the background one and one after a load command could otherwise end
         # in either order, the older view last (a model just loaded would look not ready)
         self._refreshing = asyncio.Lock()
+        # settings announced on the events channel (data -> how to follow them), read again whenever the
+        # subscription starts: what was set while this gateway was away
+        self.followers: dict[bytes, Callable[[], Awaitable[None]]] = {
+            logs.EVENT: lambda: logs.follow(self.redis, self.keys)}
 
     async def start(self) -> None:
         try:
@@ -86,11 +91,13 @@ class ModelView:
             try:
                 async with self.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self.keys.events)
-                    await logs.follow(self.redis, self.keys)  # what was set while this one was away
+                    for follow in self.followers.values():
+                        await follow()
                     while True:
                         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=REFRESH_S)
-                        if message is not None and message.get("data") == logs.EVENT:
-                            await logs.follow(self.redis, self.keys)
+                        follow = self.followers.get(message.get("data")) if message is not None else None
+                        if follow is not None:
+                            await follow()
                             continue
                         await self.refresh()
             except asyncio.CancelledError:

@@ -125,6 +125,12 @@ def _schemas() -> Doc:
                                   "description": "1: Despina's debug lines; 2 and more: every library's"},
             "log_format": {"type": "string", "enum": ["default", "ISO8601"]}},
             "additionalProperties": False},
+        "TraceSettings": {"type": "object", "description": "Values are strings (trace_level a list of them)",
+                          "properties": {
+            "trace_file": {"type": "string"}, "trace_level": {"type": "array", "items": {
+                "type": "string", "enum": ["OFF", "TIMESTAMPS"]}},
+            "trace_rate": {"type": "string"}, "trace_count": {"type": "string"},
+            "log_frequency": {"type": "string"}, "trace_mode": {"type": "string", "enum": ["triton"]}}},
         "ShmRegion": {"type": "object", "required": ["key", "byte_size"], "properties": {
             "key": {"type": "string", "description": "The POSIX shared memory object's key (shm_open's)"},
             "offset": {"type": "integer", "minimum": 0, "description": "Where the region starts in it"},
@@ -262,6 +268,14 @@ def _paths() -> Doc:
         "post": _op("update_log_settings", "Change the log settings it names, in every process", "logging",
                     _ok("Log settings, all of them", _ref("LogSettings")), (400, 401, 403),
                     requestBody={"required": True, "content": _json(_ref("LogSettings"))})}
+    for where, params, one in (("/v2", [], ""), ("/v2/models/{model}", [MODEL], "model_")):
+        paths[f"{where}/trace/setting"] = {"parameters": params, "get": _op(
+            f"{one}trace_settings", "The trace settings that apply" + (" to the model" if one else ""),
+            "trace", _ok("Trace settings", _ref("TraceSettings")), (401, 403, 404)), "post": _op(
+            f"update_{one}trace_settings", "Change the trace settings it names" +
+            (" for the model (null: back to the global one; {}: all of them)" if one else ""), "trace",
+            _ok("Trace settings, all of them", _ref("TraceSettings")), (400, 401, 403, 404),
+            requestBody={"required": True, "content": _json(_ref("TraceSettings"))})}
     region = {"name": "region", "in": "path", "required": True, "schema": {"type": "string"},
               "description": "The region's name"}
     for kind, what in (("system", "System"), ("cuda", "CUDA")):
@@ -349,7 +363,7 @@ def document(version: str, sagemaker: bool = False) -> Doc:
         "info": {"title": "Despina", "version": version, "description": DESCRIPTION,
                  "license": {"name": "Apache-2.0"}},
         "tags": [{"name": t} for t in ("health", "metadata", "inference", "model-config", "statistics",
-                                       "model-repository", "logging", "shared-memory")],
+                                       "model-repository", "logging", "shared-memory", "trace")],
         "security": [{}, {"bearer": []}],
         "paths": {**_paths(), **(_sagemaker_paths() if sagemaker else {})},
         "components": {"schemas": _schemas(),

@@ -1,0 +1,239 @@
+"""Triton's request tracing (the trace extension, `--trace-config`): one request in every `trace_rate` of a
+model is traced at level TIMESTAMPS, `trace_count` of them at most (-1: no limit), and written to
+`trace_file` as Triton writes it, a JSON array of
+
+    {"id": N, "model_name": ..., "model_version": V, "request_id": ...,
+     "timestamps": [{"name": ..., "ns": ...}, ...]}
+
+with the timestamps REQUEST_START (the gateway has the request), QUEUE_START (it goes to the model's
+stream), COMPUTE_START and COMPUTE_END (the batch that ran it, as the worker timed it: on the gateway's
+clock when they share a host) and REQUEST_END (the answer written). With `log_frequency` N a gateway
+writes each N traces to `${trace_file}.0`, `.1`, ...; with 0, all it collected to `${trace_file}` when
+its settings change and when it stops. Each gateway traces and writes its own requests; of `serve
+--gateways N` gateway i writes `${trace_file}-i` (and `-i.0`, ...), and counts its own trace_count.
+
+The settings are the deployment's: global ones and each model's own, kept in Redis (Keys.trace_settings)
+and announced on the events channel, as the log settings are. A model's settings start as a copy of the
+global ones and override them; a null clears one. TENSORS (tensor contents) and trace_mode opentelemetry
+are refused: not supported.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..contract.errors import InvalidArgument
+from ..contract.records import InferReply
+
+log = logging.getLogger("despina.gateway")
+
+EVENT = b"trace"  # on the events channel: the trace settings changed
+DEFAULTS: dict[str, Any] = {"trace_file": "", "trace_level": ["OFF"], "trace_rate": "1000",
+                            "trace_count": "-1", "log_frequency": "0", "trace_mode": "triton"}
+LEVELS = ("OFF", "TIMESTAMPS")
+KEPT_MAX = 100_000  # traces a gateway keeps for a log_frequency of 0; past it they are counted, not kept
+
+
+def _number(name: str, value: Any, least: int) -> str:
+    raw = value[0] if type(value) is list and len(value) == 1 else value
+    if type(raw) is int and not isinstance(raw, bool):
+        raw = str(raw)
+    if type(raw) is not str or not raw.lstrip("-").isdigit() or int(raw) < least:
+        raise InvalidArgument(f"trace setting '{name}' must be an integer of at least {least} (as a string)")
+    return str(int(raw))
+
+
+def checked(name: str, value: Any) -> Any:
+    """A setting's value as kept (strings, trace_level a list); InvalidArgument names a bad one."""
+    if name == "trace_level":
+        levels = [value] if type(value) is str else value
+        if type(levels) is not list or not levels or any(type(v) is not str for v in levels):
+            raise InvalidArgument("trace setting 'trace_level' must be a list of levels (OFF, TIMESTAMPS)")
+        if "TENSORS" in levels:
+            raise InvalidArgument("trace level TENSORS (tensor contents) is not supported; use TIMESTAMPS")
+        bad = [v for v in levels if v not in LEVELS]
+        if bad:
+            raise InvalidArgument(f"unknown trace level {bad[0]!r} (known: OFF, TIMESTAMPS)")
+        return ["OFF"] if levels == ["OFF"] else [v for v in levels if v != "OFF"] or ["OFF"]
+    if name == "trace_rate":
+        return _number(name, value, 1)
+    if name == "trace_count":
+        return _number(name, value, -1)
+    if name == "log_frequency":
+        return _number(name, value, 0)
+    if name == "trace_file":
+        raw = value[0] if type(value) is list and len(value) == 1 else value
+        if type(raw) is not str:
+            raise InvalidArgument("trace setting 'trace_file' must be a string (a path)")
+        return raw
+    if name == "trace_mode":
+        if value not in ("triton", ["triton"]):
+            raise InvalidArgument("trace setting 'trace_mode': only \"triton\" is supported (not "
+                                  "opentelemetry)")
+        return "triton"
+    raise InvalidArgument(f"unknown trace setting '{name}' (known: {', '.join(DEFAULTS)})")
+
+
+def merged(current: dict[str, Any], update: Any, model_level: bool) -> dict[str, Any]:
+    """`current` with the settings a POST gives; a null (a model's only) clears one."""
+    if not isinstance(update, dict):
+        raise InvalidArgument("the trace settings must be a JSON object")
+    out = dict(current)
+    for name, value in update.items():
+        if value is None:
+            if not model_level:
+                raise InvalidArgument(f"trace setting '{name}': null clears a model's setting only")
+            checked(name, DEFAULTS.get(name))  # an unknown name is still an error
+            out.pop(name, None)
+        else:
+            out[name] = checked(name, value)
+    return out
+
+
+def effective(doc: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """The settings that apply: the global ones, under a model's own."""
+    settings = {**DEFAULTS, **doc.get("global", {})}
+    if model is not None:
+        settings.update(doc.get("models", {}).get(model, {}))
+    return settings
+
+
+def problem(settings: dict[str, Any]) -> str:
+    """Why these settings cannot trace ('' when they can, or trace nothing)."""
+    if settings["trace_level"] != ["OFF"] and not settings["trace_file"]:
+        return "tracing needs trace_file: set it with the level"
+    return ""
+
+
+@dataclass
+class _Sampling:
+    """One model's settings as this gateway follows them, and its counts."""
+
+    on: bool
+    rate: int
+    left: int  # traces still to take; -1: no limit
+    seen: int = 0
+
+
+@dataclass
+class Trace:
+    """One traced request's timestamps."""
+
+    id: int
+    model: str
+    version: int
+    request_id: str
+    stamps: list[tuple[str, int]] = field(default_factory=list)
+
+    def stamp(self, name: str, ns: int | None = None) -> None:
+        self.stamps.append((name, time.time_ns() if ns is None else ns))
+
+
+class Tracer:
+    """This gateway's tracing: which requests, and where their traces go (each trace_file its own)."""
+
+    def __init__(self, index: int | None = None) -> None:
+        self.on = False  # any model traced: the hot path looks at this alone
+        self._doc: dict[str, Any] = {}
+        self._sampling: dict[str, _Sampling] = {}
+        self._ids = itertools.count(1)
+        self._kept: dict[str, list[dict[str, Any]]] = {}  # trace_file -> traces not yet written
+        self._parts: dict[str, int] = {}  # trace_file -> the next ${trace_file}.N
+        self._dropped = 0
+        self._suffix = f"-{index}" if index is not None else ""
+
+    def follow(self, doc: dict[str, Any]) -> None:
+        """New settings (global and per model): what was kept under the old ones is written first; a
+        trace_file no longer named starts its index again, as Triton's does. The same settings again (the
+        event of this gateway's own change) change nothing: the counts go on."""
+        if doc == self._doc:
+            return
+        self.flush()
+        self._doc = doc
+        models = doc.get("models", {})
+        files = {effective(doc, m)["trace_file"] for m in [None, *models]}
+        self._parts = {f: n for f, n in self._parts.items() if f in files}
+        self._sampling = {}
+        self.on = any(effective(doc, m)["trace_level"] != ["OFF"] for m in [None, *models])
+
+    def _of(self, model: str) -> _Sampling:
+        sampling = self._sampling.get(model)
+        if sampling is None:
+            s = effective(self._doc, model)
+            sampling = self._sampling[model] = _Sampling(s["trace_level"] != ["OFF"] and not problem(s),
+                                                         int(s["trace_rate"]), int(s["trace_count"]))
+        return sampling
+
+    def begin(self, model: str, version: int, request_id: str, started_ns: int) -> Trace | None:
+        """A trace of this request (REQUEST_START when it arrived), when it is one to trace, else None."""
+        sampling = self._of(model)
+        if not sampling.on or sampling.left == 0:
+            return None
+        sampling.seen += 1
+        if (sampling.seen - 1) % sampling.rate:
+            return None
+        if sampling.left > 0:
+            sampling.left -= 1
+        trace = Trace(next(self._ids), model, version, request_id)
+        trace.stamp("REQUEST_START", started_ns)
+        return trace
+
+    def ending(self, trace: Trace, done: Callable[[Any], None]) -> Callable[[Any], None]:
+        """`done` that records the request's end (and its batch's compute, from a reply) after answering."""
+        def end(result: Any) -> None:
+            try:
+                done(result)
+            finally:
+                if isinstance(result, InferReply) and result.compute_us and len(trace.stamps) > 1:
+                    queued = trace.stamps[1][1]  # QUEUE_START: the worker's queue time counts from there
+                    start = queued + result.queue_us * 1000
+                    trace.stamp("COMPUTE_START", start)
+                    trace.stamp("COMPUTE_END", start + result.compute_us * 1000)
+                trace.stamp("REQUEST_END")
+                self._finished(trace)
+        return end
+
+    def _finished(self, trace: Trace) -> None:
+        record: dict[str, Any] = {"id": trace.id, "model_name": trace.model, "model_version": trace.version}
+        if trace.request_id:
+            record["request_id"] = trace.request_id
+        record["timestamps"] = [{"name": n, "ns": ns} for n, ns in sorted(trace.stamps, key=lambda s: s[1])]
+        settings = effective(self._doc, trace.model)
+        base, frequency = settings["trace_file"], int(settings["log_frequency"])
+        kept = self._kept.setdefault(base, [])
+        if not frequency and len(kept) >= KEPT_MAX:
+            self._dropped += 1
+            if self._dropped == 1:
+                log.warning("trace: %d traces kept for %s already (log_frequency 0); further ones are "
+                            "dropped until the settings change or the gateway stops", KEPT_MAX, base)
+            return
+        kept.append(record)
+        if frequency and len(kept) >= frequency:
+            part = self._parts.get(base, 0)
+            self._parts[base] = part + 1
+            self._write(base, f".{part}")
+
+    def flush(self) -> None:
+        """Write what is kept (log_frequency 0: every trace since the last write) to ${trace_file}."""
+        for base in [b for b, kept in self._kept.items() if kept]:
+            self._write(base, "")
+        self._dropped = 0
+
+    def _write(self, base: str, part: str) -> None:
+        records = self._kept.pop(base, [])
+        path = Path(f"{base}{self._suffix}{part}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            partial.write_bytes(orjson.dumps(records))
+            os.replace(partial, path)
+        except OSError as exc:
+            log.error("trace: writing %d traces to %s failed: %s", len(records), path, exc)

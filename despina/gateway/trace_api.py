@@ -1,0 +1,80 @@
+"""Triton's trace extension: `GET /v2[/models/{m}]/trace/setting` answers the trace settings that apply
+(a model's over the global ones), `POST` changes those it names and answers them all; a model's first
+POST copies the global settings, a null clears one of its own, an empty body all of them. The settings
+are kept in Redis and followed by every gateway (trace.py)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..contract.errors import DespinaError, InvalidArgument
+from . import trace
+from .responses import error_response, json_body, json_response
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+EXTENSION = "trace"
+
+
+def trace_routes(gw: Gateway) -> list[Route]:
+    async def current() -> dict[str, Any]:
+        raw = await gw.redis.get(gw.keys.trace_settings)
+        return orjson.loads(raw) if raw else {}
+
+    async def follow() -> None:
+        try:
+            gw.tracer.follow(await current())
+        except (ValueError, TypeError, AttributeError) as exc:
+            trace.log.warning("ignoring unreadable trace settings (%s)", exc)
+
+    gw.view.followers[trace.EVENT] = follow
+
+    def model_of(request: Request) -> str | None:
+        model = request.path_params.get("model")
+        if model is not None:
+            gw.view.get(model)  # NotFound for a model the repository does not have
+        return model
+
+    async def get(request: Request) -> Response:
+        try:
+            return json_response(trace.effective(await current(), model_of(request)))
+        except DespinaError as exc:
+            return error_response(exc)
+
+    async def post(request: Request) -> Response:
+        try:
+            model = model_of(request)
+            update = await json_body(request, gw.settings.max_body_bytes)
+            doc = await current()
+            if model is None:
+                doc["global"] = trace.merged(doc.get("global", {}), update, model_level=False)
+            elif not update:  # the model follows the global settings again
+                doc.get("models", {}).pop(model, None)
+            else:
+                models = doc.setdefault("models", {})
+                own = models.get(model)
+                if own is None:  # its first settings: a copy of the global ones, as in Triton
+                    own = {k: v for k, v in trace.effective(doc, None).items()}
+                models[model] = trace.merged(own, update, model_level=True)
+            for name in [None, *doc.get("models", {})]:
+                why = trace.problem(trace.effective(doc, name))
+                if why:
+                    raise InvalidArgument(why if name is None else f"model '{name}': {why}")
+        except DespinaError as exc:
+            return error_response(exc)
+        pipe = gw.redis.pipeline(transaction=True)
+        pipe.set(gw.keys.trace_settings, orjson.dumps(doc))
+        pipe.publish(gw.keys.events, trace.EVENT)
+        await pipe.execute()
+        gw.tracer.follow(doc)  # this gateway at once; the others as the event reaches them
+        return json_response(trace.effective(doc, model))
+
+    routes = []
+    for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting"):
+        routes += [Route(path, get, methods=["GET"]), Route(path, post, methods=["POST"])]
+    return routes
