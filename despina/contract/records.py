@@ -174,6 +174,34 @@ class InferReply:
             raise InvalidArgument(f"malformed reply record: {exc}") from None
 
 
+# A gateway sends the requests of one tick that differ in nothing but their ids and data as one request:
+# its id names them all, GROUPED then "id:rows" for each, comma-separated (a gateway's own ids are hex),
+# its tensors hold their rows end to end. A worker runs it as one request of that many rows; every answer
+# to it (an error included) goes back under that id, and the gateway cuts it into each one's answer.
+GROUPED = "*"
+
+
+def grouped_id(members: list[tuple[str, int]]) -> str:
+    return GROUPED + ",".join(f"{rid}:{rows}" for rid, rows in members)
+
+
+def members(rid: str) -> list[tuple[str, int]]:
+    """The (id, rows) of the requests a grouped id names; InvalidArgument when it is malformed."""
+    try:
+        out = []
+        for part in rid[1:].split(","):
+            one, rows = part.rsplit(":", 1)
+            out.append((one, int(rows)))
+        return out
+    except ValueError:
+        raise InvalidArgument(f"malformed grouped request id {rid[:40]!r}") from None
+
+
+def requests_in(rid: str) -> int:
+    """How many requests an id answers for: 1, or the members of a grouped one."""
+    return rid.count(",") + 1 if rid[:1] == GROUPED else 1
+
+
 def encode(records: list[InferRequest] | list[InferReply]) -> bytes:
     return msgpack.packb([r.pack() for r in records], use_bin_type=True)
 

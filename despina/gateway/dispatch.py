@@ -24,7 +24,7 @@ from ..alarm import Alarm
 from ..contract import records
 from ..contract.errors import Cancelled, Code, DespinaError, Unavailable
 from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
-from ..contract.records import InferReply, InferRequest
+from ..contract.records import GROUPED, NO_PARAMETERS, InferReply, InferRequest, Tensor
 from ..resp import Batch, ReadAlong, Resp, fields
 
 log = logging.getLogger("despina.gateway")
@@ -103,6 +103,8 @@ class Dispatcher:
         self._outbox: dict[str, list[InferRequest]] = defaultdict(list)
         self._bounded: list[tuple[str, Bound, InferRequest]] = []
         self._stats: dict[str, str] = {}  # request stream -> its model version's statistics hash
+        # request stream -> the most rows its requests may be grouped into (records.GROUPED); 0: never
+        self._group_rows: dict[str, int] = {}
         self._flush_scheduled = False
         self._writing = False
         self._reader: asyncio.Task[None] | None = None
@@ -162,13 +164,14 @@ class Dispatcher:
         return len(self._waiting)
 
     def submit(self, stream: str, stats: str, request: InferRequest, timeout: float, done: Callback,
-               bound: Bound | None = None) -> None:
+               bound: Bound | None = None, group_rows: int = 0) -> None:
         """Queue the request; `done` gets its reply, or TimeoutError after `timeout` seconds, or the
         error that kept it from being queued.
 
         `stats` is the model version's statistics hash: it counts what was enqueued (answered minus
         enqueued is what is pending). With a bound, the request is refused (RESOURCE_EXHAUSTED)
-        when its queue is full.
+        when its queue is full. With `group_rows`, plain requests that go out together go as one request of
+        at most that many rows (their model batches them anyway: records.GROUPED), answered as one.
 
         A request goes out at once, in the next pipeline, except right after answers went out: their
         clients, if they send their next request as soon as they have an answer (a closed loop, as
@@ -182,6 +185,7 @@ class Dispatcher:
         self._waiting[request.id] = (done, now + timeout, stats)
         self._in_flight[stats] = self._in_flight.get(stats, 0) + 1
         self._stats[stream] = stats
+        self._group_rows[stream] = group_rows
         if bound is None:
             self._outbox[stream].append(request)
         else:
@@ -317,8 +321,11 @@ class Dispatcher:
         plain = 0  # commands before the bounded ones
         for stream, batch in outbox.items():
             in_flight = self._in_flight.get(self._stats[stream], 0)
-            for i in range(0, len(batch), ENTRY_REQUESTS):
-                pipe.xadd(stream, {FIELD: records.encode(batch[i:i + ENTRY_REQUESTS]), IN_FLIGHT: in_flight})
+            limit = self._group_rows[stream]
+            entries = _entries(_grouped(batch, limit)) if limit and len(batch) > 1 else \
+                [batch[i:i + ENTRY_REQUESTS] for i in range(0, len(batch), ENTRY_REQUESTS)]
+            for entry in entries:
+                pipe.xadd(stream, {FIELD: records.encode(entry), IN_FLIGHT: in_flight})
                 plain += 1
             pipe.hincrby(self._stats[stream], "enqueued", len(batch))
             plain += 1
@@ -437,6 +444,8 @@ class Dispatcher:
             log.error("gateway %s: undecodable reply entry: %s", self.id, exc)
             return
         delivered: dict[str, int] = {}
+        if any(r.id[:1] == GROUPED for r in replies):
+            replies = [one for r in replies for one in (_ungrouped(r) if r.id[:1] == GROUPED else (r,))]
         for reply in replies:
             if not reply.final:
                 self._partial(reply)
@@ -490,3 +499,96 @@ class Dispatcher:
                                     ["PEXPIRE", self.reply_stream, self.reply_ttl_ms]])
         except Exception:
             pass
+
+
+def _group_key(req: InferRequest) -> tuple[object, ...] | None:
+    """What requests must share to go as one: their outputs asked and their inputs' names, datatypes and
+    shapes past the batch dimension. None: the request goes alone (it carries what the model sees of it,
+    or BYTES, whose rows are not of one size)."""
+    if req.parameters is not NO_PARAMETERS or req.sequence is not None or req.priority or req.timeout_us \
+            or req.trace or req.request_id or not req.inputs:
+        return None
+    rows = req.inputs[0].shape[0] if req.inputs[0].shape else 0
+    key = []
+    for t in req.inputs:
+        if t.datatype == "BYTES" or not t.shape or t.shape[0] != rows or not rows:
+            return None
+        key.append((t.name, t.datatype, t.shape[1:]))
+    return req.outputs, tuple(key)
+
+
+def _grouped(batch: list[InferRequest], limit: int) -> list[InferRequest]:
+    """The requests, each run of alike ones (at most ENTRY_REQUESTS of them, `limit` rows) as one."""
+    out: list[InferRequest] = []
+    run: list[InferRequest] = []
+    key: tuple[object, ...] | None = None
+    rows = 0
+    for req in batch:
+        k = _group_key(req)
+        n = req.inputs[0].shape[0] if k is not None else 0
+        if run and (k != key or rows + n > limit or len(run) == ENTRY_REQUESTS):
+            out.append(_merged(run))
+            run, rows = [], 0
+        if k is None:
+            out.append(req)
+            continue
+        key = k
+        run.append(req)
+        rows += n
+    if run:
+        out.append(_merged(run))
+    return out
+
+
+def _merged(run: list[InferRequest]) -> InferRequest:
+    if len(run) == 1:
+        return run[0]
+    first = run[0]
+    rows = sum(r.inputs[0].shape[0] for r in run)
+    inputs = tuple(Tensor(t.name, t.datatype, (rows, *t.shape[1:]), b"".join([r.inputs[i].data for r in run]))
+                   for i, t in enumerate(first.inputs))
+    return InferRequest(records.grouped_id([(r.id, r.inputs[0].shape[0]) for r in run]), first.reply_to,
+                        min(r.deadline for r in run), inputs, first.outputs, enqueued=first.enqueued)
+
+
+def _entries(requests: list[InferRequest]) -> list[list[InferRequest]]:
+    """Stream entries of at most ENTRY_REQUESTS requests each, a grouped one counted as all it holds."""
+    entries: list[list[InferRequest]] = [[]]
+    held = 0
+    for req in requests:
+        n = records.requests_in(req.id)
+        if entries[-1] and held + n > ENTRY_REQUESTS:
+            entries.append([])
+            held = 0
+        entries[-1].append(req)
+        held += n
+    return entries
+
+
+def _ungrouped(reply: InferReply) -> tuple[InferReply, ...]:
+    """A grouped request's answer cut into each of its requests': their rows of every output, or its
+    error for each."""
+    try:
+        members = records.members(reply.id)
+    except DespinaError as exc:
+        log.error("dropping a reply with a malformed grouped id: %s", exc)
+        return ()
+    error = reply.error
+    total = sum(rows for _, rows in members)
+    if error is None:
+        for t in reply.outputs:
+            if not t.shape or t.shape[0] != total or len(t.data) % total:
+                error = (Code.BACKEND, f"the model returned {t.name} with batch dimension "
+                                       f"{t.shape[0] if t.shape else 'none'} for a batch of {total}")
+                break
+    if error is not None:
+        return tuple(InferReply(rid, (), error) for rid, _ in members)
+    cut = [(t, len(t.data) // total) for t in reply.outputs]
+    out = []
+    row = 0
+    for rid, rows in members:
+        out.append(InferReply(rid, tuple(Tensor(t.name, t.datatype, (rows, *t.shape[1:]),
+                                                t.data[row * size:(row + rows) * size]) for t, size in cut),
+                              None, reply.queue_us, reply.compute_us))
+        row += rows
+    return tuple(out)

@@ -33,13 +33,13 @@ class Gateways:
         except ValueError:
             self.announced.pop(gateway, None)  # not a count: as if it had never said anything
 
-    def opened(self, gateway: str) -> None:
-        self.open[gateway] = self.open.get(gateway, 0) + 1
+    def opened(self, gateway: str, n: int = 1) -> None:
+        self.open[gateway] = self.open.get(gateway, 0) + n
 
-    def closed(self, gateway: str) -> None:
-        """One of the gateway's requests is answered; with none left open, what it said is forgotten."""
-        if self.open[gateway] > 1:
-            self.open[gateway] -= 1
+    def closed(self, gateway: str, n: int = 1) -> None:
+        """`n` of the gateway's requests are answered; with none left open, what it said is forgotten."""
+        if self.open[gateway] > n:
+            self.open[gateway] -= n
         else:
             del self.open[gateway]
             self.announced.pop(gateway, None)

@@ -68,6 +68,7 @@ class Pending:
     inputs: dict[str, np.ndarray]
     alone: bool = False          # redelivered after a worker died with it: runs as a batch of one
     received: float = 0.0        # wall-clock seconds when this worker read it
+    members: int = 1             # the requests it answers for (a gateway's grouped ones: records.GROUPED)
 
 
 class ModelRunner:
@@ -286,7 +287,8 @@ class ModelRunner:
                 except DespinaError as exc:
                     fail(req, entry, exc.code, exc.message)
                     continue
-                pending = Pending(req, entry, inputs, alone, now)
+                members = records.requests_in(req.id)
+                pending = Pending(req, entry, inputs, alone, now, members)
                 try:
                     # the queue delay counts from here, as Triton's from its scheduler's queue (time
                     # in the stream is the gateway's and Valkey's work, not a wait for batch-mates);
@@ -302,8 +304,8 @@ class ModelRunner:
                 except DespinaError as exc:  # the sequence batcher's: a sequence that never started
                     fail(req, entry, exc.code, exc.message)
                     continue
-                self._gateways.opened(req.reply_to)
-                self._in_flight += 1
+                self._gateways.opened(req.reply_to, members)
+                self._in_flight += members
         if len(self._entries) and self._in_flight >= self._read_ahead:
             self._room.clear()
         if failures:
@@ -614,10 +616,12 @@ class ModelRunner:
         # go together (stats.Deferred), one statistics update for several batches.
         quiet = not self.batcher.pending and not self.batcher.executing and self._gateways.all_here()
         done = []
+        answered = 0  # requests: a grouped one counts as all it holds
         for p in pendings:
+            answered += p.members
             if p.entry is None:
                 continue
-            self._gateways.closed(p.request.reply_to)
+            self._gateways.closed(p.request.reply_to, p.members)
             self._entries[p.entry] -= 1
             if self._entries[p.entry] == 0:
                 del self._entries[p.entry]
@@ -628,14 +632,15 @@ class ModelRunner:
             self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings))
             self._read_along.release()  # nothing goes to Redis for it to ride with
         else:
-            await self._send(replies, requests, pendings, by_gateway, done, rows, started, timings, quiet)
-        self._in_flight -= len(pendings)
+            await self._send(replies, requests, pendings, by_gateway, done, rows, started, timings, quiet,
+                             answered)
+        self._in_flight -= answered
         if self._in_flight < self._read_ahead:
             self._room.set()
 
     async def _send(self, replies: list[InferReply], requests: list[InferRequest], pendings: list[Pending],
                     by_gateway: dict[str, list[InferReply]], done: list[tuple[str, bytes]], rows: int,
-                    started: float, timings: tuple[int, int, int], quiet: bool) -> None:
+                    started: float, timings: tuple[int, int, int], quiet: bool, answered: int) -> None:
         if self._out is None:
             self._out = Resp.like(self.redis)
         pipe = Batch()
@@ -653,7 +658,7 @@ class ModelRunner:
             self.streams.ack_into(pipe, done)
         if any(p.alone for p in pendings):
             self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
-        room = self._room_entries(self._in_flight - len(pendings))
+        room = self._room_entries(self._in_flight - answered)
         sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room, READ_BLOCK_MS))
         try:
             if sent is None:

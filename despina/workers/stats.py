@@ -22,7 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from ..contract.errors import Code, DespinaError
-from ..contract.records import InferReply
+from ..contract.records import GROUPED, InferReply, requests_in
 from ..resp import Batch, Resp
 
 log = logging.getLogger("despina.worker")
@@ -70,6 +70,9 @@ def tally(replies: list[InferReply], rows: int, started: float,
     counts: dict[str, int] = {}
     ok = [r for r in replies if r.error is None]
     n = len(ok)
+    grouped = any(r.id[:1] == GROUPED for r in replies)  # a gateway's several requests sent as one
+    if grouped:
+        n = sum(requests_in(r.id) for r in ok)
     if rows:
         input_ns, infer_ns, output_ns = timings_ns
         counts["inference_count"] = rows
@@ -90,12 +93,13 @@ def tally(replies: list[InferReply], rows: int, started: float,
         lat: dict[int, int] = {}
         qlat: dict[int, int] = {}
         for r in ok:  # per request: locals, one pass
-            total_us += r.queue_us + r.compute_us
-            queue_us += r.queue_us
+            k = requests_in(r.id) if grouped else 1
+            total_us += (r.queue_us + r.compute_us) * k
+            queue_us += r.queue_us * k
             b = bisect.bisect_left(LATENCY_BUCKETS_US, r.queue_us + r.compute_us)
-            lat[b] = lat.get(b, 0) + 1
+            lat[b] = lat.get(b, 0) + k
             b = bisect.bisect_left(LATENCY_BUCKETS_US, r.queue_us)
-            qlat[b] = qlat.get(b, 0) + 1
+            qlat[b] = qlat.get(b, 0) + k
         counts["success_count"] = counts["queue_count"] = n
         counts["success_ns"] = total_us * 1000
         counts["queue_ns"] = queue_us * 1000
@@ -103,12 +107,13 @@ def tally(replies: list[InferReply], rows: int, started: float,
             counts[f"lat:{b}"] = k
         for b, k in qlat.items():
             counts[f"qlat:{b}"] = k
-    if n < len(replies):
+    if len(ok) < len(replies):
         for r in replies:
             if r.error is not None:
+                k = requests_in(r.id) if grouped else 1
                 reason = f"fail:{failure_reason(r.error[0])}"
-                counts["fail_count"] = counts.get("fail_count", 0) + 1
-                counts[reason] = counts.get(reason, 0) + 1
+                counts["fail_count"] = counts.get("fail_count", 0) + k
+                counts[reason] = counts.get(reason, 0) + k
     if rows:
         counts["last_inference"] = int(started * 1000)
     return counts
