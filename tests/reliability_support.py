@@ -41,6 +41,18 @@ def children(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+@contextmanager
+def worker_paused(server: Server) -> Iterator[None]:
+    """The server's one worker stopped (SIGSTOP) while the block runs: what is sent meanwhile waits in
+    the stream, and the worker finds it there together when it continues."""
+    (worker,) = role_pids(server, "worker")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(worker, signal.SIGCONT)
+
+
 def role_pids(server: Server, role: str) -> list[int]:
     """The pids of a serve's children of one role (`despina worker`, `despina gateway`...)."""
     return sorted(pid for pid, cmd in children(server.process.pid) if f"-m despina {role}" in cmd)

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -15,7 +13,7 @@ import tritonclient.http as httpclient
 from despina.examples import mlp_numpy
 
 from .conftest import Server, settled_stats
-from .reliability_support import role_pids
+from .reliability_support import worker_paused
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +130,10 @@ async def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(
     # before the client writes the next, a burst would otherwise run one request at a time, as it should)
     connections = await asyncio.gather(*(asyncio.open_connection(address.hostname, address.port)
                                          for _ in rows))
-    (worker,) = role_pids(example_server, "worker")
-    os.kill(worker, signal.SIGSTOP)
-    try:
+    with worker_paused(example_server):
         for (_, writer), x in zip(connections, rows, strict=True):
             writer.write(request(x))
         await asyncio.sleep(0.3)  # the gateway queues them all
-    finally:
-        os.kill(worker, signal.SIGCONT)
     results = await asyncio.gather(*(answer(reader) for reader, _ in connections))
     for _, writer in connections:
         writer.close()

@@ -4,8 +4,6 @@ serve`, a burst of requests of one and of two rows each answered with its own ro
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -23,7 +21,7 @@ from despina.gateway.infer import group_rows
 from despina.workers.stats import tally
 
 from .conftest import Server, settled_stats
-from .reliability_support import role_pids
+from .reliability_support import worker_paused
 
 
 def request(rid: str, rows: int = 1, value: float = 0.0, **kw: object) -> InferRequest:
@@ -136,14 +134,10 @@ async def test_a_burst_is_answered_each_with_its_rows_and_counted_once(example_s
         return np.frombuffer(body[int(headers["inference-header-content-length"]):], np.float32).reshape(shape)
 
     connections = await asyncio.gather(*(asyncio.open_connection(address.hostname, address.port) for _ in rows))
-    (worker,) = role_pids(example_server, "worker")
-    os.kill(worker, signal.SIGSTOP)
-    try:
+    with worker_paused(example_server):
         for (_, writer), x in zip(connections, rows, strict=True):
             writer.write(http(x))
         await asyncio.sleep(0.3)
-    finally:
-        os.kill(worker, signal.SIGCONT)
     results = await asyncio.gather(*(answer(reader) for reader, _ in connections))
     for _, writer in connections:
         writer.close()

@@ -39,10 +39,7 @@ def logging_routes(gw: Gateway) -> list[Route]:
             settings = logs.merged(await current(), await json_body(request, gw.settings.max_body_bytes))
         except DespinaError as exc:
             return error_response(exc)
-        pipe = gw.redis.pipeline(transaction=True)
-        pipe.set(gw.keys.log_settings, orjson.dumps(settings))
-        pipe.publish(gw.keys.events, logs.EVENT)
-        await pipe.execute()
+        await gw.view.announce(gw.keys.log_settings, orjson.dumps(settings), logs.EVENT)
         logs.apply(settings)  # this process at once; the others as the event reaches them
         return json_response(settings)
 

@@ -107,6 +107,13 @@ class ModelView:
                 log.warning("gateway: refreshing the model view failed (%s)", exc)
                 await asyncio.sleep(REFRESH_S)
 
+    async def announce(self, key: str, value: bytes, event: bytes) -> None:
+        """Keep a deployment-wide setting in Redis and announce it on the events channel (followers)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(key, value)
+        pipe.publish(self.keys.events, event)
+        await pipe.execute()
+
     async def refresh(self) -> None:
         async with self._refreshing:
             await self._refresh()

@@ -67,10 +67,7 @@ def trace_routes(gw: Gateway) -> list[Route]:
                     raise InvalidArgument(why if name is None else f"model '{name}': {why}")
         except DespinaError as exc:
             return error_response(exc)
-        pipe = gw.redis.pipeline(transaction=True)
-        pipe.set(gw.keys.trace_settings, orjson.dumps(doc))
-        pipe.publish(gw.keys.events, trace.EVENT)
-        await pipe.execute()
+        await gw.view.announce(gw.keys.trace_settings, orjson.dumps(doc), trace.EVENT)
         gw.tracer.follow(doc)  # this gateway at once; the others as the event reaches them
         return json_response(trace.effective(doc, model))
 
