@@ -48,6 +48,16 @@ def test_alike_requests_go_as_one_and_each_gets_its_rows_back() -> None:
     assert records.decode_requests(records.encode([one]))[0] == one
 
 
+def test_each_output_is_cut_by_rows() -> None:
+    rid = records.grouped_id([("a", 2), ("b", 1)])
+    y = np.arange(6, dtype=np.float32).reshape(3, 2)
+    z = np.arange(3, dtype=np.int64).reshape(3, 1)
+    a, b = _ungrouped(InferReply(rid, (Tensor("y", "FP32", (3, 2), y.tobytes()), Tensor("z", "INT64", (3, 1), z.tobytes()))))
+    assert [t.shape for t in a.outputs] == [(2, 2), (2, 1)] and [t.shape for t in b.outputs] == [(1, 2), (1, 1)]
+    assert np.frombuffer(b.outputs[0].data, np.float32).tolist() == [4.0, 5.0]
+    assert np.frombuffer(a.outputs[1].data, np.int64).tolist() == [0, 1]
+
+
 def test_what_goes_alone_and_where_a_group_ends() -> None:
     alone = [request("p", parameters={"k": 1}), request("t", trace="req-1"), request("q", priority=1),
              request("o", timeout_us=5), request("i", request_id="client"), request("s", sequence=(1, 1)),

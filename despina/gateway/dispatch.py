@@ -508,13 +508,20 @@ def _group_key(req: InferRequest) -> tuple[object, ...] | None:
     if req.parameters is not NO_PARAMETERS or req.sequence is not None or req.priority or req.timeout_us \
             or req.trace or req.request_id or not req.inputs:
         return None
-    rows = req.inputs[0].shape[0] if req.inputs[0].shape else 0
-    key = []
-    for t in req.inputs:
+    inputs = req.inputs
+    if len(inputs) == 1:  # the usual case, without a list
+        t = inputs[0]
+        shape = t.shape
+        if t.datatype == "BYTES" or not shape or not shape[0]:
+            return None
+        return req.outputs, t.name, t.datatype, shape[1:]
+    rows = inputs[0].shape[0] if inputs[0].shape else 0
+    key: list[object] = [req.outputs]
+    for t in inputs:
         if t.datatype == "BYTES" or not t.shape or t.shape[0] != rows or not rows:
             return None
         key.append((t.name, t.datatype, t.shape[1:]))
-    return req.outputs, tuple(key)
+    return tuple(key)
 
 
 def _grouped(batch: list[InferRequest], limit: int) -> list[InferRequest]:
@@ -583,12 +590,21 @@ def _ungrouped(reply: InferReply) -> tuple[InferReply, ...]:
                 break
     if error is not None:
         return tuple(InferReply(rid, (), error) for rid, _ in members)
-    cut = [(t, len(t.data) // total) for t in reply.outputs]
+    cut = [(t.name, t.datatype, t.shape[1:], len(t.data) // total) for t in reply.outputs]
+    queue_us, compute_us = reply.queue_us, reply.compute_us
     out = []
     row = 0
+    if len(cut) == 1:  # the usual case: one output, one tensor each
+        name, datatype, rest, size = cut[0]
+        data = reply.outputs[0].data
+        for rid, rows in members:
+            tensor = Tensor(name, datatype, (rows, *rest), data[row * size:(row + rows) * size])
+            out.append(InferReply(rid, (tensor,), None, queue_us, compute_us))
+            row += rows
+        return tuple(out)
     for rid, rows in members:
-        out.append(InferReply(rid, tuple(Tensor(t.name, t.datatype, (rows, *t.shape[1:]),
-                                                t.data[row * size:(row + rows) * size]) for t, size in cut),
-                              None, reply.queue_us, reply.compute_us))
+        tensors = [Tensor(name, datatype, (rows, *rest), t.data[row * size:(row + rows) * size])
+                   for (name, datatype, rest, size), t in zip(cut, reply.outputs)]
+        out.append(InferReply(rid, tuple(tensors), None, queue_us, compute_us))
         row += rows
     return tuple(out)
