@@ -251,9 +251,9 @@ def test_cuda_shared_memory_is_refused_with_the_reason(client: httpclient.Infere
     client.unregister_cuda_shared_memory()
 
 
-def test_off_unless_allowed_and_gone_when_the_server_stops(tmp_path: Path, redis_url: str, example_repository: Path,
-                                                           regions: Objects) -> None:
-    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
+def test_off_unless_allowed_and_gone_when_the_server_stops(tmp_path: Path, redis_url: str, key_prefix: str,
+                                                           example_repository: Path, regions: Objects) -> None:
+    prefix = key_prefix
     plain = start_server(example_repository, tmp_path, redis_url, prefix, wait_models=("add_sub",))
     try:
         r = httpx.get(f"{plain.url}/v2/systemsharedmemory/status")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,9 +143,8 @@ def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, 
 
 
 def test_every_gateway_follows_the_settings_and_writes_its_own_file(
-        tmp_path: Path, redis_url: str, example_repository: Path) -> None:
-    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
-    served = start_server(example_repository, tmp_path, redis_url, prefix, "--gateways", "2",
+        tmp_path: Path, redis_url: str, key_prefix: str, example_repository: Path) -> None:
+    served = start_server(example_repository, tmp_path, redis_url, key_prefix, "--gateways", "2",
                           wait_models=("add_sub",))
     base = tmp_path / "traces" / "gw.json"
     try:
