@@ -99,16 +99,16 @@ def codecs() -> None:
     timed("records.decode_replies, 20 (per entry)", lambda: records.decode_replies(answers), 2000)
     # the same 16 requests grouped as one (records.GROUPED): the gateway's grouping and encoding, and its
     # decoding and cutting of the one answer, against encoding and decoding each
-    from despina.gateway.dispatch import _grouped, _ungrouped
+    from despina.gateway.grouping import grouped, ungrouped
     sixteen = reqs[:16]
-    grouped = _grouped(sixteen, 128)
-    answer = InferReply(grouped[0].id, (Tensor("y", "FP32", (16, 10), bytes(640)),), None, 10, 20)
+    one_request = grouped(sixteen, 128)[0]
+    answer = InferReply(one_request.id, (Tensor("y", "FP32", (16, 10), bytes(640)),), None, 10, 20)
     one = records.encode([answer])
     plain = records.encode(reps[:16])
     timed("16 requests out: encoded each", lambda: records.encode(sixteen), 2000)
-    timed("16 requests out: grouped, encoded", lambda: records.encode(_grouped(sixteen, 128)), 2000)
+    timed("16 requests out: grouped, encoded", lambda: records.encode(grouped(sixteen, 128)), 2000)
     timed("16 answers in: decoded each", lambda: records.decode_replies(plain), 2000)
-    timed("16 answers in: decoded, cut", lambda: [_ungrouped(r) for r in records.decode_replies(one)], 2000)
+    timed("16 answers in: decoded, cut", lambda: [ungrouped(r) for r in records.decode_replies(one)], 2000)
 
 
 async def round_trips(url: str, n: int = 3000) -> None:

@@ -16,8 +16,7 @@ from despina.contract.keys import ENTRY_REQUESTS
 from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.examples import mlp_numpy
-from despina.gateway.dispatch import _entries, _grouped, _ungrouped
-from despina.gateway.infer import group_rows
+from despina.gateway.grouping import entries, group_rows, grouped, ungrouped
 from despina.workers.stats import tally
 
 from .conftest import Server, settled_stats
@@ -31,7 +30,7 @@ def request(rid: str, rows: int = 1, value: float = 0.0, **kw: object) -> InferR
 
 def test_alike_requests_go_as_one_and_each_gets_its_rows_back() -> None:
     batch = [request("a", 1, 1.0), request("b", 2, 2.0), request("c", 1, 3.0)]
-    (one,) = _grouped(batch, 8)
+    (one,) = grouped(batch, 8)
     assert one.id == "*a:1,b:2,c:1" and records.members(one.id) == [("a", 1), ("b", 2), ("c", 1)]
     assert records.requests_in(one.id) == 3 and records.requests_in("a") == 1
     assert one.inputs[0].shape == (4, 3) and one.deadline == 101.0 and one.reply_to == "gw"
@@ -39,7 +38,7 @@ def test_alike_requests_go_as_one_and_each_gets_its_rows_back() -> None:
     assert x[:, 0].tolist() == [1.0, 2.0, 2.0, 3.0]
     # the model's answer for the four rows, cut into each request's
     y = (x * 10).astype(np.float32)
-    replies = _ungrouped(InferReply(one.id, (Tensor("y", "FP32", (4, 3), y.tobytes()),), None, 7, 9))
+    replies = ungrouped(InferReply(one.id, (Tensor("y", "FP32", (4, 3), y.tobytes()),), None, 7, 9))
     assert [r.id for r in replies] == ["a", "b", "c"]
     assert [r.outputs[0].shape for r in replies] == [(1, 3), (2, 3), (1, 3)]
     assert np.frombuffer(replies[1].outputs[0].data, np.float32).tolist() == [20.0] * 6
@@ -52,7 +51,7 @@ def test_each_output_is_cut_by_rows() -> None:
     rid = records.grouped_id([("a", 2), ("b", 1)])
     y = np.arange(6, dtype=np.float32).reshape(3, 2)
     z = np.arange(3, dtype=np.int64).reshape(3, 1)
-    a, b = _ungrouped(InferReply(rid, (Tensor("y", "FP32", (3, 2), y.tobytes()), Tensor("z", "INT64", (3, 1), z.tobytes()))))
+    a, b = ungrouped(InferReply(rid, (Tensor("y", "FP32", (3, 2), y.tobytes()), Tensor("z", "INT64", (3, 1), z.tobytes()))))
     assert [t.shape for t in a.outputs] == [(2, 2), (2, 1)] and [t.shape for t in b.outputs] == [(1, 2), (1, 1)]
     assert np.frombuffer(b.outputs[0].data, np.float32).tolist() == [4.0, 5.0]
     assert np.frombuffer(a.outputs[1].data, np.int64).tolist() == [0, 1]
@@ -62,29 +61,29 @@ def test_what_goes_alone_and_where_a_group_ends() -> None:
     alone = [request("p", parameters={"k": 1}), request("t", trace="req-1"), request("q", priority=1),
              request("o", timeout_us=5), request("i", request_id="client"), request("s", sequence=(1, 1)),
              InferRequest("w", "gw", 1.0, (Tensor("x", "BYTES", (1, 1), b"\x01\x00\x00\x00a"),))]
-    assert [r.id for r in _grouped(alone, 8)] == [r.id for r in alone]
+    assert [r.id for r in grouped(alone, 8)] == [r.id for r in alone]
     other_outputs = request("d", outputs=("y",))
     wide = InferRequest("e", "gw", 1.0, (Tensor("x", "FP32", (1, 4), bytes(16)),))
     batch = [request("a"), request("b"), other_outputs, request("c"), wide, request("f")]
-    assert [r.id for r in _grouped(batch, 8)] == ["*a:1,b:1", "d", "c", "e", "f"]  # runs of alike ones
-    assert [r.id for r in _grouped([request("a", 3), request("b", 3), request("c", 3)], 7)] == ["*a:3,b:3", "c"]
-    many = _grouped([request(f"{i:x}") for i in range(ENTRY_REQUESTS + 3)], 128)
+    assert [r.id for r in grouped(batch, 8)] == ["*a:1,b:1", "d", "c", "e", "f"]  # runs of alike ones
+    assert [r.id for r in grouped([request("a", 3), request("b", 3), request("c", 3)], 7)] == ["*a:3,b:3", "c"]
+    many = grouped([request(f"{i:x}") for i in range(ENTRY_REQUESTS + 3)], 128)
     assert [records.requests_in(r.id) for r in many] == [ENTRY_REQUESTS, 3]
     # stream entries hold at most ENTRY_REQUESTS requests, a grouped one counted as all it holds
     mixed = [request("z"), *many]
-    assert [[records.requests_in(r.id) for r in e] for e in _entries(mixed)] == [[1], [ENTRY_REQUESTS], [3]]
-    assert [len(e) for e in _entries([request("y"), request("z"), many[1]])] == [3]
+    assert [[records.requests_in(r.id) for r in e] for e in entries(mixed)] == [[1], [ENTRY_REQUESTS], [3]]
+    assert [len(e) for e in entries([request("y"), request("z"), many[1]])] == [3]
 
 
 def test_an_error_answers_each_and_so_does_a_bad_batch_dimension() -> None:
     rid = records.grouped_id([("a", 1), ("b", 2)])
-    failed = _ungrouped(InferReply(rid, (), (Code.DEADLINE_EXCEEDED, "too late")))
+    failed = ungrouped(InferReply(rid, (), (Code.DEADLINE_EXCEEDED, "too late")))
     assert [(r.id, r.error) for r in failed] == [("a", (Code.DEADLINE_EXCEEDED, "too late")),
                                                   ("b", (Code.DEADLINE_EXCEEDED, "too late"))]
-    scalar = _ungrouped(InferReply(rid, (Tensor("y", "FP32", (2,), bytes(8)),)))
+    scalar = ungrouped(InferReply(rid, (Tensor("y", "FP32", (2,), bytes(8)),)))
     assert {r.error[0] for r in scalar if r.error} == {Code.BACKEND} and len(scalar) == 2
     assert "batch dimension 2 for a batch of 3" in scalar[0].error[1]  # type: ignore[index]
-    assert _ungrouped(InferReply("*a:x")) == ()  # malformed: dropped, logged
+    assert ungrouped(InferReply("*a:x")) == ()  # malformed: dropped, logged
     with pytest.raises(InvalidArgument):
         records.members("*a")
 

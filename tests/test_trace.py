@@ -152,14 +152,23 @@ def test_every_gateway_follows_the_settings_and_writes_its_own_file(
         c.update_trace_settings(settings={"trace_file": str(base), "trace_level": ["TIMESTAMPS"],
                                           "trace_rate": "1", "log_frequency": "1"})
         c.close()
-        time.sleep(0.5)  # the other gateway hears of it through the events channel
         body = {"inputs": [{"name": n, "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]} for n in "ab"]}
-        for _ in range(16):  # new connections, spread over both gateways
-            with httpx.Client() as fresh:
-                assert fresh.post(f"{served.url}/v2/models/add_sub/infer", json=body,
-                                  headers={"connection": "close"}).status_code == 200
-        names = {p.name.split(".json")[1].split(".")[0] for p in base.parent.iterdir()}
-        assert names == {"-0", "-1"}  # gw.json-0.N and gw.json-1.N
-        assert len(traces(base)) == 16
+
+        def send(n: int) -> None:
+            for _ in range(n):  # a new connection each time: the kernel spreads them over both gateways
+                with httpx.Client() as fresh:
+                    assert fresh.post(f"{served.url}/v2/models/add_sub/infer", json=body,
+                                      headers={"connection": "close"}).status_code == 200
+
+        def writers() -> set[str]:  # gw.json-0.N and gw.json-1.N
+            return {p.name.split(".json")[1].split(".")[0] for p in base.parent.glob("gw.json*")}
+
+        deadline = time.monotonic() + 20
+        while writers() != {"-0", "-1"}:  # the other gateway hears of it through the events channel
+            assert time.monotonic() < deadline, writers()
+            send(1)
+        before = len(traces(base))
+        send(16)  # both follow the settings now: every request is traced, by whichever gateway had it
+        assert len(traces(base)) == before + 16
     finally:
         stop_server(served)

@@ -24,8 +24,9 @@ from ..alarm import Alarm
 from ..contract import records
 from ..contract.errors import Cancelled, Code, DespinaError, Unavailable
 from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
-from ..contract.records import GROUPED, NO_PARAMETERS, InferReply, InferRequest, Tensor
+from ..contract.records import GROUPED, InferReply, InferRequest
 from ..resp import Batch, ReadAlong, Resp, fields
+from . import grouping
 
 log = logging.getLogger("despina.gateway")
 
@@ -322,7 +323,7 @@ class Dispatcher:
         for stream, batch in outbox.items():
             in_flight = self._in_flight.get(self._stats[stream], 0)
             limit = self._group_rows[stream]
-            entries = _entries(_grouped(batch, limit)) if limit and len(batch) > 1 else \
+            entries = grouping.entries(grouping.grouped(batch, limit)) if limit and len(batch) > 1 else \
                 [batch[i:i + ENTRY_REQUESTS] for i in range(0, len(batch), ENTRY_REQUESTS)]
             for entry in entries:
                 pipe.xadd(stream, {FIELD: records.encode(entry), IN_FLIGHT: in_flight})
@@ -445,7 +446,8 @@ class Dispatcher:
             return
         delivered: dict[str, int] = {}
         if any(r.id[:1] == GROUPED for r in replies):
-            replies = [one for r in replies for one in (_ungrouped(r) if r.id[:1] == GROUPED else (r,))]
+            replies = [one for r in replies
+                       for one in (grouping.ungrouped(r) if r.id[:1] == GROUPED else (r,))]
         for reply in replies:
             if not reply.final:
                 self._partial(reply)
@@ -500,111 +502,3 @@ class Dispatcher:
         except Exception:
             pass
 
-
-def _group_key(req: InferRequest) -> tuple[object, ...] | None:
-    """What requests must share to go as one: their outputs asked and their inputs' names, datatypes and
-    shapes past the batch dimension. None: the request goes alone (it carries what the model sees of it,
-    or BYTES, whose rows are not of one size)."""
-    if req.parameters is not NO_PARAMETERS or req.sequence is not None or req.priority or req.timeout_us \
-            or req.trace or req.request_id or not req.inputs:
-        return None
-    inputs = req.inputs
-    if len(inputs) == 1:  # the usual case, without a list
-        t = inputs[0]
-        shape = t.shape
-        if t.datatype == "BYTES" or not shape or not shape[0]:
-            return None
-        return req.outputs, t.name, t.datatype, shape[1:]
-    rows = inputs[0].shape[0] if inputs[0].shape else 0
-    key: list[object] = [req.outputs]
-    for t in inputs:
-        if t.datatype == "BYTES" or not t.shape or t.shape[0] != rows or not rows:
-            return None
-        key.append((t.name, t.datatype, t.shape[1:]))
-    return tuple(key)
-
-
-def _grouped(batch: list[InferRequest], limit: int) -> list[InferRequest]:
-    """The requests, each run of alike ones (at most ENTRY_REQUESTS of them, `limit` rows) as one."""
-    out: list[InferRequest] = []
-    run: list[InferRequest] = []
-    key: tuple[object, ...] | None = None
-    rows = 0
-    for req in batch:
-        k = _group_key(req)
-        n = req.inputs[0].shape[0] if k is not None else 0
-        if run and (k != key or rows + n > limit or len(run) == ENTRY_REQUESTS):
-            out.append(_merged(run))
-            run, rows = [], 0
-        if k is None:
-            out.append(req)
-            continue
-        key = k
-        run.append(req)
-        rows += n
-    if run:
-        out.append(_merged(run))
-    return out
-
-
-def _merged(run: list[InferRequest]) -> InferRequest:
-    if len(run) == 1:
-        return run[0]
-    first = run[0]
-    rows = sum(r.inputs[0].shape[0] for r in run)
-    inputs = tuple(Tensor(t.name, t.datatype, (rows, *t.shape[1:]), b"".join([r.inputs[i].data for r in run]))
-                   for i, t in enumerate(first.inputs))
-    return InferRequest(records.grouped_id([(r.id, r.inputs[0].shape[0]) for r in run]), first.reply_to,
-                        min(r.deadline for r in run), inputs, first.outputs, enqueued=first.enqueued)
-
-
-def _entries(requests: list[InferRequest]) -> list[list[InferRequest]]:
-    """Stream entries of at most ENTRY_REQUESTS requests each, a grouped one counted as all it holds."""
-    entries: list[list[InferRequest]] = [[]]
-    held = 0
-    for req in requests:
-        n = records.requests_in(req.id)
-        if entries[-1] and held + n > ENTRY_REQUESTS:
-            entries.append([])
-            held = 0
-        entries[-1].append(req)
-        held += n
-    return entries
-
-
-def _ungrouped(reply: InferReply) -> tuple[InferReply, ...]:
-    """A grouped request's answer cut into each of its requests': their rows of every output, or its
-    error for each."""
-    try:
-        members = records.members(reply.id)
-    except DespinaError as exc:
-        log.error("dropping a reply with a malformed grouped id: %s", exc)
-        return ()
-    error = reply.error
-    total = sum(rows for _, rows in members)
-    if error is None:
-        for t in reply.outputs:
-            if not t.shape or t.shape[0] != total or len(t.data) % total:
-                error = (Code.BACKEND, f"the model returned {t.name} with batch dimension "
-                                       f"{t.shape[0] if t.shape else 'none'} for a batch of {total}")
-                break
-    if error is not None:
-        return tuple(InferReply(rid, (), error) for rid, _ in members)
-    cut = [(t.name, t.datatype, t.shape[1:], len(t.data) // total) for t in reply.outputs]
-    queue_us, compute_us = reply.queue_us, reply.compute_us
-    out = []
-    row = 0
-    if len(cut) == 1:  # the usual case: one output, one tensor each
-        name, datatype, rest, size = cut[0]
-        data = reply.outputs[0].data
-        for rid, rows in members:
-            tensor = Tensor(name, datatype, (rows, *rest), data[row * size:(row + rows) * size])
-            out.append(InferReply(rid, (tensor,), None, queue_us, compute_us))
-            row += rows
-        return tuple(out)
-    for rid, rows in members:
-        tensors = [Tensor(name, datatype, (rows, *rest), t.data[row * size:(row + rows) * size])
-                   for (name, datatype, rest, size), t in zip(cut, reply.outputs)]
-        out.append(InferReply(rid, tuple(tensors), None, queue_us, compute_us))
-        row += rows
-    return tuple(out)

@@ -59,7 +59,7 @@ def trace_routes(gw: Gateway) -> list[Route]:
                 models = doc.setdefault("models", {})
                 own = models.get(model)
                 if own is None:  # its first settings: a copy of the global ones, as in Triton
-                    own = {k: v for k, v in trace.effective(doc, None).items()}
+                    own = trace.effective(doc, None)
                 models[model] = trace.merged(own, update, model_level=True)
             for name in [None, *doc.get("models", {})]:
                 why = trace.problem(trace.effective(doc, name))
