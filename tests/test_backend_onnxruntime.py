@@ -4,17 +4,24 @@ inter_op_thread_count, enable_mem_arena and enable_mem_pattern; what onnxruntime
 model's load error. The config goes through the control plane's reading (load_model), as a worker gets it."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import orjson
 import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from despina.contract.errors import ConfigError
 from despina.contract.modelconfig import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_mlp, mlp_numpy
 from despina.workers.backends import Instance, backend_class
+from despina.workers.backends.ort_providers import CPU, CUDA, OPENVINO, TENSORRT, providers
+
+from .conftest import Server
 
 CONFIG = """
 name: "m"
@@ -81,3 +88,115 @@ def test_the_parameters_reach_the_session(tmp_path: Path) -> None:
 def test_a_value_onnxruntime_cannot_take_is_the_load_error(tmp_path: Path, extra: str, message: str) -> None:
     with pytest.raises(ConfigError, match=f"model 'm': parameter {message}"):
         loaded(tmp_path, extra)
+
+
+# -- execution providers: optimization { execution_accelerators }, as Triton's onnxruntime backend --------
+
+ACCELERATED = """
+optimization { execution_accelerators {
+  gpu_execution_accelerator [
+    { name: "tensorrt" parameters { key: "precision_mode" value: "FP16" }
+      parameters { key: "max_workspace_size_bytes" value: "1073741824" }
+      parameters { key: "trt_engine_cache_enable" value: "true" }
+      parameters { key: "trt_engine_cache_path" value: "/tmp/engines" } },
+    { name: "cuda" parameters { key: "do_copy_in_default_stream" value: "false" }
+      parameters { key: "cudnn_conv_use_max_workspace" value: "1" } } ] } }
+parameters { key: "cudnn_conv_algo_search" value: { string_value: "1" } }
+parameters { key: "arena_extend_strategy" value: { string_value: "1" } }
+parameters { key: "do_copy_in_default_stream" value: { string_value: "1" } }
+"""
+EVERY = [TENSORRT, CUDA, OPENVINO, CPU]
+
+
+def config_of(tmp_path: Path, extra: str) -> dict[str, object]:
+    folder = tmp_path / "m"
+    if not (folder / "1" / "model.onnx").exists():
+        build_mlp(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text(CONFIG + extra)
+    return ModelSpec.from_config(load_model(folder).config).config
+
+
+def test_gpu_accelerators_become_providers_in_tritons_order(tmp_path: Path) -> None:
+    config = config_of(tmp_path, ACCELERATED)
+    assert providers("m", config, "GPU", 1, EVERY) == [
+        (TENSORRT, {"trt_fp16_enable": "True", "trt_max_workspace_size": "1073741824",
+                    "trt_engine_cache_enable": "True", "trt_engine_cache_path": "/tmp/engines",
+                    "device_id": "1"}),
+        # the model's own parameters, then the "cuda" accelerator's, which win
+        (CUDA, {"device_id": "1", "cudnn_conv_algo_search": "HEURISTIC", "arena_extend_strategy": "kSameAsRequested",
+                "do_copy_in_default_stream": "0", "cudnn_conv_use_max_workspace": "1"}),
+        (CPU, {})]
+    assert providers("m", config_of(tmp_path, ""), "GPU", 0, EVERY) == [(CUDA, {"device_id": "0"}), (CPU, {})]
+
+
+def test_a_cpu_instance_does_not_consult_the_gpu_accelerators(tmp_path: Path) -> None:
+    """As Triton: the model loads on onnxruntime's CPU provider and answers."""
+    options = loaded(tmp_path, ACCELERATED)
+    assert options.intra_op_num_threads == 1
+    assert providers("m", config_of(tmp_path, ACCELERATED), "CPU", 0, [CPU]) == [(CPU, {})]
+
+
+def test_openvino_comes_before_the_cpu_provider(tmp_path: Path) -> None:
+    config = config_of(tmp_path, 'optimization { execution_accelerators { cpu_execution_accelerator [ '
+                                 '{ name: "openvino" parameters { key: "num_of_threads" value: "2" } } ] } }')
+    assert providers("m", config, "CPU", 0, EVERY) == [
+        (OPENVINO, {"device_type": "CPU", "num_of_threads": "2"}), (CPU, {})]
+    assert providers("m", config, "GPU", 0, EVERY) == [
+        (CUDA, {"device_id": "0"}), (OPENVINO, {"device_type": "CPU", "num_of_threads": "2"}), (CPU, {})]
+
+
+@pytest.mark.skipif("OpenVINOExecutionProvider" in ort.get_available_providers(), reason="it has OpenVINO")
+def test_an_accelerator_this_onnxruntime_lacks_is_the_load_error(tmp_path: Path) -> None:
+    """Not a silent run on the CPU provider: the load fails, naming what to install."""
+    with pytest.raises(ConfigError, match="OpenVINOExecutionProvider is asked for .* but this onnxruntime has "
+                                          "only .*CPUExecutionProvider.*; install onnxruntime-openvino"):
+        loaded(tmp_path, 'optimization { execution_accelerators { cpu_execution_accelerator [ '
+                         '{ name: "openvino" } ] } }')
+
+
+@pytest.mark.parametrize(("kind", "extra", "message"), [
+    ("CPU", 'optimization { execution_accelerators { cpu_execution_accelerator [ { name: "mkl" } ] } }',
+     "unknown Execution Accelerator 'mkl' is requested"),
+    ("GPU", 'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "gpu_io" } ] } }',
+     "unknown Execution Accelerator 'gpu_io' is requested"),
+    ("GPU", 'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt" '
+            'parameters { key: "segment_size" value: "3" } } ] } }',
+     "unknown parameter 'segment_size' is provided for TensorRT Execution Accelerator"),
+    ("GPU", 'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt" '
+            'parameters { key: "precision_mode" value: "FP8" } } ] } }',
+     "unsupported precision mode 'FP8' is requested"),
+    ("GPU", 'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt" '
+            'parameters { key: "max_workspace_size_bytes" value: "abc" } } ] } }',
+     "parameter max_workspace_size_bytes must be an integer, got 'abc'"),
+    ("GPU", 'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt" '
+            'parameters { key: "trt_engine_cache_enable" value: "sometimes" } } ] } }',
+     "parameter trt_engine_cache_enable must be true or false, got 'sometimes'"),
+    ("GPU", 'parameters { key: "cudnn_conv_algo_search" value: { string_value: "3" } }',
+     "unsupported cudnn_conv_algo_search value '3' is requested"),
+])
+def test_what_triton_would_refuse_is_the_load_error(tmp_path: Path, kind: str, extra: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"model 'm': {message}"):
+        providers("m", config_of(tmp_path, extra), kind, 0, EVERY)
+
+
+def test_a_load_that_asks_for_a_missing_provider_says_so(serve: Callable[..., Server], tmp_path: Path) -> None:
+    """Through the repository API with a config override (its JSON form): the reason reaches the client."""
+    if "OpenVINOExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has OpenVINO")
+    folder = tmp_path / "repo" / "m"
+    build_mlp(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text(CONFIG)
+    server = serve(tmp_path / "repo", "--model-control-mode", "explicit")
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        config = {"name": "m", "backend": "onnxruntime", "max_batch_size": 8,
+                  "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [256]}],
+                  "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [10]}],
+                  "optimization": {"execution_accelerators": {"cpu_execution_accelerator": [{"name": "openvino"}]}}}
+        with pytest.raises(InferenceServerException, match="OpenVINOExecutionProvider .*onnxruntime-openvino"):
+            client.load_model("m", config=orjson.dumps(config).decode())
+        assert not client.is_model_ready("m")
+        client.load_model("m")  # the repository's own config has no accelerator
+        assert client.is_model_ready("m")
+    finally:
+        client.close()

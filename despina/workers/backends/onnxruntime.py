@@ -10,6 +10,7 @@ import onnxruntime as ort
 
 from ...contract.errors import BackendError, ConfigError
 from .base import Backend, Declared, complete_config
+from .ort_providers import parse_bool, parse_int, providers
 
 ONNX_TO_CONFIG = {
     "tensor(bool)": "TYPE_BOOL", "tensor(uint8)": "TYPE_UINT8", "tensor(uint16)": "TYPE_UINT16",
@@ -33,15 +34,17 @@ class OnnxRuntimeBackend(Backend):
 
     def load(self) -> None:
         options = session_options(self.spec.name, self.spec.config, self.instance.threads)
-        providers: list[Any] = ["CPUExecutionProvider"]
-        if self.instance.kind == "GPU":
-            providers.insert(0, ("CUDAExecutionProvider", {"device_id": self.instance.device}))
+        chosen = providers(self.spec.name, self.spec.config, self.instance.kind, self.instance.device,
+                           ort.get_available_providers())
         try:
-            self.session = ort.InferenceSession(str(self.model_path()), options, providers=providers)
-        except ConfigError:
-            raise
+            self.session = ort.InferenceSession(str(self.model_path()), options, providers=chosen)
         except Exception as exc:
             raise ConfigError(f"model '{self.spec.name}': onnxruntime cannot load it: {exc}") from None
+        started = self.session.get_providers()
+        missing = [name for name, _ in chosen if name not in started]
+        if missing:  # onnxruntime falls back to the next provider when one cannot start, and only logs it
+            raise ConfigError(f"model '{self.spec.name}': onnxruntime could not start {', '.join(missing)} "
+                              f"(it started {', '.join(started)}; its log above says why)")
         self._strings = {i.name for i in self.session.get_inputs() if i.type == "tensor(string)"}
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
@@ -105,25 +108,11 @@ def session_options(model: str, config: dict[str, Any], threads: int) -> ort.Ses
 
 
 def _int(model: str, params: dict[str, str], name: str, default: int) -> int:
-    if name not in params:
-        return default
-    try:
-        value = int(params[name])
-    except ValueError:
-        raise ConfigError(f"model '{model}': parameter {name} must be an integer, got {params[name]!r}"
-                          ) from None
-    if value < 0:
-        raise ConfigError(f"model '{model}': parameter {name} must be >= 0, got {value}")
-    return value
+    return parse_int(model, name, params[name]) if name in params else default
 
 
 def _bool(model: str, params: dict[str, str], name: str) -> bool:
-    value = params[name].strip().lower()
-    if value in ("true", "1", "on", "yes"):
-        return True
-    if value in ("false", "0", "off", "no"):
-        return False
-    raise ConfigError(f"model '{model}': parameter {name} must be true or false, got {params[name]!r}")
+    return parse_bool(model, name, params[name])
 
 
 def _declared(t: Any) -> Declared:
