@@ -105,6 +105,27 @@ def _convert(fd: Any, item: Any) -> Any:
     return item
 
 
+def parameter_bool(model: str, key: str, value: str) -> bool:
+    """A config parameter's true or false, as Triton's backends spell them; else the load error."""
+    lowered = value.strip().lower()
+    if lowered in ("true", "1", "on", "yes"):
+        return True
+    if lowered in ("false", "0", "off", "no"):
+        return False
+    raise ConfigError(f"model '{model}': parameter {key} must be true or false, got {value!r}")
+
+
+def parameter_int(model: str, key: str, value: str) -> int:
+    """A config parameter's integer, at least 0; else the load error."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"model '{model}': parameter {key} must be an integer, got {value!r}") from None
+    if number < 0:
+        raise ConfigError(f"model '{model}': parameter {key} must be >= 0, got {number}")
+    return number
+
+
 def normalize(model: str, config: Any) -> Any:
     """Fill what Triton fills before auto-complete: name, the platform/backend pair, version policy."""
     if not config.name:

@@ -12,6 +12,7 @@ from ..contract.catalog import CatalogEntry
 from ..contract.cluster import WorkerInfo
 from ..contract.ensemble import called_by, is_ensemble
 from ..contract.errors import ConfigError
+from ..contract.modelconfig import parameter_int
 from .repository import parameter
 
 
@@ -44,13 +45,7 @@ def replicas(entry: CatalogEntry, default: int) -> int:
         return 1
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"model '{entry.name}': parameter 'replicas' must be an integer") from None
-    if value < 0:
-        raise ConfigError(f"model '{entry.name}': parameter 'replicas' must be >= 0")
-    return value
+    return parameter_int(entry.name, "'replicas'", str(raw))
 
 
 def committed(entries: Iterable[CatalogEntry]) -> dict[str, int]:

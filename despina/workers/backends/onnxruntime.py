@@ -9,8 +9,9 @@ import numpy as np
 import onnxruntime as ort
 
 from ...contract.errors import BackendError, ConfigError
+from ...contract.modelconfig import parameter_bool, parameter_int
 from .base import Backend, Declared, complete_config
-from .ort_providers import parse_bool, parse_int, providers
+from .ort_providers import providers
 
 ONNX_TO_CONFIG = {
     "tensor(bool)": "TYPE_BOOL", "tensor(uint8)": "TYPE_UINT8", "tensor(uint16)": "TYPE_UINT16",
@@ -108,11 +109,11 @@ def session_options(model: str, config: dict[str, Any], threads: int) -> ort.Ses
 
 
 def _int(model: str, params: dict[str, str], name: str, default: int) -> int:
-    return parse_int(model, name, params[name]) if name in params else default
+    return parameter_int(model, name, params[name]) if name in params else default
 
 
 def _bool(model: str, params: dict[str, str], name: str) -> bool:
-    return parse_bool(model, name, params[name])
+    return parameter_bool(model, name, params[name])
 
 
 def _declared(t: Any) -> Declared:

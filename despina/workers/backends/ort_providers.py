@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...contract.errors import ConfigError
+from ...contract.modelconfig import parameter_bool, parameter_int
 
 TENSORRT, CUDA, OPENVINO, CPU = ("TensorrtExecutionProvider", "CUDAExecutionProvider",
                                  "OpenVINOExecutionProvider", "CPUExecutionProvider")
@@ -89,9 +90,9 @@ def _tensorrt(model: str, params: dict[str, str]) -> dict[str, str]:
                 raise ConfigError(f"model '{model}': unsupported precision mode '{value}' is requested "
                                   "(FP32, FP16 or INT8)")
         elif key in _TRT_BOOL:
-            options[option] = "True" if parse_bool(model, key, value) else "False"
+            options[option] = "True" if parameter_bool(model, key, value) else "False"
         elif key in _TRT_INT:
-            options[option] = str(parse_int(model, key, value))
+            options[option] = str(parameter_int(model, key, value))
         elif key in _TRT_STR:
             options[option] = value
         else:
@@ -103,7 +104,7 @@ def _tensorrt(model: str, params: dict[str, str]) -> dict[str, str]:
 def _cuda(model: str, params: dict[str, str]) -> dict[str, str]:
     """The "cuda" accelerator's parameters are the CUDA provider's own options, booleans checked here and
     the rest by onnxruntime when the session starts."""
-    return {key: (("1" if parse_bool(model, key, value) else "0") if key in _CUDA_BOOL else value)
+    return {key: (("1" if parameter_bool(model, key, value) else "0") if key in _CUDA_BOOL else value)
             for key, value in params.items() if value}
 
 
@@ -120,34 +121,13 @@ def _legacy_cuda(model: str, config: dict[str, Any]) -> dict[str, str]:
                                   f"({', '.join(f'{n} {v}' for n, v in names.items())})")
             options[key] = names[params[key]]
     if "gpu_mem_limit" in params:
-        options["gpu_mem_limit"] = str(parse_int(model, "gpu_mem_limit", params["gpu_mem_limit"]))
+        options["gpu_mem_limit"] = str(parameter_int(model, "gpu_mem_limit", params["gpu_mem_limit"]))
     key = "do_copy_in_default_stream"
     if key in params:
-        options[key] = "1" if parse_bool(model, key, params[key]) else "0"
+        options[key] = "1" if parameter_bool(model, key, params[key]) else "0"
     return options
 
 
 def _unknown(model: str, name: str) -> ConfigError:
     return ConfigError(f"model '{model}': unknown Execution Accelerator '{name}' is requested (onnxruntime "
                        "takes tensorrt and cuda on GPU instances, openvino on the CPU)")
-
-
-def parse_bool(model: str, key: str, value: str) -> bool:
-    """A parameter's true or false, as Triton's backends spell them; else the load error."""
-    lowered = value.strip().lower()
-    if lowered in ("true", "1", "on", "yes"):
-        return True
-    if lowered in ("false", "0", "off", "no"):
-        return False
-    raise ConfigError(f"model '{model}': parameter {key} must be true or false, got {value!r}")
-
-
-def parse_int(model: str, key: str, value: str) -> int:
-    """A parameter's integer, at least 0; else the load error."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise ConfigError(f"model '{model}': parameter {key} must be an integer, got {value!r}") from None
-    if number < 0:
-        raise ConfigError(f"model '{model}': parameter {key} must be >= 0, got {number}")
-    return number
