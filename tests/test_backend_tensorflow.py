@@ -15,8 +15,11 @@ import pytest
 import tritonclient.http as httpclient
 
 from despina.contract.errors import ConfigError
+from despina.contract.modelconfig import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_tf_mlp, mlp_numpy
+from despina.workers.backends import Instance, backend_class
+from despina.workers.backends.tensorflow import check_accelerators
 
 from .conftest import FULL_QUEUE_DELAY, Server, module_server, settled_stats
 from .test_ragged import answers_of_one_batch
@@ -179,3 +182,47 @@ def test_missing_savedmodel_or_signature_is_a_config_error(repo: Path, tmp_path:
     (folder / "1" / "exported").symlink_to(repo / "text" / "1" / "exported")
     with pytest.raises(ConfigError, match="signature 'nope'"):
         load_model(folder)
+
+
+@pytest.mark.parametrize(("kind", "accelerators", "message"), [
+    ("GPU", 'gpu_execution_accelerator [ { name: "tensorrt" parameters { key: "precision_mode" value: "FP16" } } ]',
+     "execution accelerator 'tensorrt' is not applied by Despina's tensorflow backend"),
+    ("GPU", 'gpu_execution_accelerator [ { name: "gpu_io" }, { name: "auto_mixed_precision" } ]',
+     "execution accelerator 'auto_mixed_precision' is not applied"),
+    ("GPU", 'gpu_execution_accelerator [ { name: "openvino" } ]', "unknown Execution Accelerator 'openvino'"),
+    ("CPU", 'cpu_execution_accelerator [ { name: "openvino" } ]', "unknown Execution Accelerator 'openvino'"),
+    ("CPU", 'gpu_execution_accelerator [ { name: "tensorrt" } ] cpu_execution_accelerator [ { name: "gpu_io" } ]',
+     "unknown Execution Accelerator 'gpu_io'"),
+])
+def test_an_accelerator_it_does_not_apply_is_the_load_error(repo: Path, tmp_path: Path, kind: str,
+                                                            accelerators: str, message: str) -> None:
+    """Through the control plane's reading of the config and a real load on this machine's CPU where the
+    instance is one; a GPU instance's check runs before TensorFlow would look for the GPU."""
+    folder = tmp_path / "m"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.savedmodel").symlink_to(repo / "mlp_savedmodel" / "1" / "model.savedmodel")
+    (folder / "config.pbtxt").write_text(MLP.replace('"mlp_savedmodel"', '"m"')
+                                         + f"optimization {{ execution_accelerators {{ {accelerators} }} }}\n")
+    spec = ModelSpec.from_config(load_model(folder).config)
+    with pytest.raises(ConfigError, match=f"model 'm': {message}"):
+        backend_class("tensorflow")(spec, folder / "1", Instance("m_0", kind)).load()
+
+
+def test_gpu_io_and_gpu_accelerators_on_a_cpu_instance_are_taken(repo: Path, tmp_path: Path) -> None:
+    config = {"optimization": {"execution_accelerators": {"gpu_execution_accelerator": [
+        {"name": "gpu_io"}, {"name": "tensorrt"}]}}}
+    check_accelerators("m", config, "CPU")  # not consulted there, as in Triton
+    check_accelerators("m", {"optimization": {"execution_accelerators": {"gpu_execution_accelerator": [
+        {"name": "gpu_io"}]}}}, "GPU")
+    folder = tmp_path / "m"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.savedmodel").symlink_to(repo / "mlp_savedmodel" / "1" / "model.savedmodel")
+    (folder / "config.pbtxt").write_text(MLP.replace('"mlp_savedmodel"', '"m"') + 'optimization { '
+                                         'execution_accelerators { gpu_execution_accelerator [ { name: '
+                                         '"tensorrt" } ] } }\n')
+    backend = backend_class("tensorflow")(ModelSpec.from_config(load_model(folder).config), folder / "1",
+                                          Instance("m_0"))
+    backend.load()
+    x = np.random.default_rng(3).standard_normal((2, 256)).astype(np.float32)
+    np.testing.assert_allclose(backend.execute({"x": x}, ["y"])["y"], mlp_numpy(x), rtol=1e-4, atol=1e-5)
+    backend.unload()

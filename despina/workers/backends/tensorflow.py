@@ -55,6 +55,7 @@ class TensorFlowBackend(Backend):
         return len(_tf().config.list_physical_devices("GPU"))
 
     def load(self) -> None:
+        check_accelerators(self.spec.name, self.spec.config, self.instance.kind)
         tf = _tf()
         try:
             tf.config.threading.set_intra_op_parallelism_threads(max(1, self.instance.threads))
@@ -116,6 +117,27 @@ class TensorFlowBackend(Backend):
             raise ConfigError(f"model '{config.name}': cannot read signature '{name}' from {path} to "
                               f"complete the config: {exc}") from None
         _complete(config, signature)
+
+
+def check_accelerators(model: str, config: Mapping[str, Any], kind: str) -> None:
+    """Triton's TensorFlow backend reads `optimization { execution_accelerators }`: on a GPU instance
+    "gpu_io" (a hint: TensorFlow places the inputs on the device anyway, so it is taken), "tensorrt" and
+    "auto_mixed_precision", which this backend does not apply; those, any other name, and any CPU
+    accelerator are the load error, so a config never runs without what it asked for unnoticed. A GPU
+    accelerator on a CPU instance is not consulted."""
+    accelerators = (config.get("optimization") or {}).get("execution_accelerators") or {}
+    asked = [a.get("name", "") for a in accelerators.get("cpu_execution_accelerator") or []]
+    if kind == "GPU":
+        asked += [a.get("name", "") for a in accelerators.get("gpu_execution_accelerator") or []]
+    for name in asked:
+        if name == "gpu_io" and kind == "GPU":
+            continue
+        if name in ("tensorrt", "auto_mixed_precision"):
+            raise ConfigError(f"model '{model}': execution accelerator '{name}' is not applied by Despina's "
+                              "tensorflow backend; convert the SavedModel ahead of time (TF-TRT, mixed "
+                              "precision) and leave it out of the config")
+        raise ConfigError(f"model '{model}': unknown Execution Accelerator '{name}' is requested "
+                          "(tensorflow takes gpu_io on GPU instances)")
 
 
 def _signature_name(config: Mapping[str, Any]) -> str:
