@@ -105,6 +105,12 @@ def _convert(fd: Any, item: Any) -> Any:
     return item
 
 
+def string_parameters(config: dict[str, Any]) -> dict[str, str]:
+    """The config's `parameters { key: ... value: { string_value: ... } }` entries, by key."""
+    return {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()
+            if isinstance(v, dict)}
+
+
 def parameter_bool(model: str, key: str, value: str) -> bool:
     """A config parameter's true or false, as Triton's backends spell them; else the load error."""
     lowered = value.strip().lower()

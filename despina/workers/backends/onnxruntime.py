@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...contract.errors import BackendError, ConfigError
-from ...contract.modelconfig import parameter_bool, parameter_int
+from ...contract.modelconfig import parameter_bool, parameter_int, string_parameters
 from .base import Backend, Declared, complete_config
 from .ort_providers import providers
 
@@ -86,8 +86,7 @@ def session_options(model: str, config: dict[str, Any], threads: int) -> ort.Ses
     intra_op_thread_count and inter_op_thread_count (0: the worker's choice, `threads` and 1),
     enable_mem_arena, enable_mem_pattern and session.use_device_allocator_for_initializers. A value
     onnxruntime cannot take is the model's load error, naming the parameter."""
-    params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()
-              if isinstance(v, dict)}
+    params = string_parameters(config)
     options = ort.SessionOptions()
     level = int((config.get("optimization") or {}).get("graph", {}).get("level", 0))
     options.graph_optimization_level = GRAPH_LEVELS.get(level, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)

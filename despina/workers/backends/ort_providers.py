@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...contract.errors import ConfigError
-from ...contract.modelconfig import parameter_bool, parameter_int
+from ...contract.modelconfig import parameter_bool, parameter_int, string_parameters
 
 TENSORRT, CUDA, OPENVINO, CPU = ("TensorrtExecutionProvider", "CUDAExecutionProvider",
                                  "OpenVINOExecutionProvider", "CPUExecutionProvider")
@@ -111,8 +111,7 @@ def _cuda(model: str, params: dict[str, str]) -> dict[str, str]:
 def _legacy_cuda(model: str, config: dict[str, Any]) -> dict[str, str]:
     """cudnn_conv_algo_search, gpu_mem_limit, arena_extend_strategy and do_copy_in_default_stream from
     the model's parameters, which Triton still honours (the "cuda" accelerator's win over them)."""
-    params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()
-              if isinstance(v, dict)}
+    params = string_parameters(config)
     options: dict[str, str] = {}
     for key, names in (("cudnn_conv_algo_search", _CUDNN_SEARCH), ("arena_extend_strategy", _ARENA_STRATEGY)):
         if key in params:
