@@ -4,6 +4,8 @@ pipelining order, 100-continue, chunked bodies, early 413, HTTP/1.0, keep-alive 
 client that goes away before its answer."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ import pytest
 from despina.examples import mlp_numpy
 
 from .conftest import EMBEDDED, Server, module_server
+from .reliability_support import role_pids
 
 LIMIT = 200_000  # DESPINA_MAX_BODY_BYTES of this module's server
 ROW = [0.25] * 256
@@ -195,6 +198,28 @@ def test_idle_connections_close_after_the_keep_alive_timeout(server: Server) -> 
         idle.settimeout(5)
         assert idle_reader.closed()
         assert 4.5 < time.monotonic() - answered < 10
+
+
+def test_a_request_arriving_as_the_keep_alive_timeout_falls_is_answered(server: Server) -> None:
+    """The timeout and the client's next request at the same moment (here: the gateway stopped past
+    the timeout, the request waiting in its socket when it continues). The request is read and
+    answered; closing then would have reset the connection under it, the request lost."""
+    (gateway,) = role_pids(server, "gateway")
+    with connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(post("/v2/models/mlp/infer", infer_body()))
+        assert reader.response()[0] == 200
+        os.kill(gateway, signal.SIGSTOP)
+        try:
+            time.sleep(5.5)
+            sock.sendall(post("/v2/models/mlp/infer", infer_body()))
+            time.sleep(0.2)
+        finally:
+            os.kill(gateway, signal.SIGCONT)
+        status, _, body = reader.response()
+        assert status == 200, body
+        sock.sendall(post("/v2/models/mlp/infer", infer_body()))  # and the connection stays usable
+        assert reader.response()[0] == 200
 
 
 def test_keep_alive_after_errors(server: Server) -> None:

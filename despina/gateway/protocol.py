@@ -12,7 +12,10 @@ protocol reads of one.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import struct
+import termios
 from typing import Any
 
 import httptools
@@ -172,8 +175,10 @@ class GatewayProtocol(HttpToolsProtocol):
         left = self._idle_since + self.timeout_keep_alive - self.loop.time()
         if left > 0:
             self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_check)
-        else:
+        elif not _unread(self.transport):
             self.timeout_keep_alive_handler()
+        # else a request reached the socket as the timeout fell, not yet read (the loop runs its timers
+        # before it reads): closing now would reset the connection under it, and it is read next
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -208,6 +213,15 @@ class GatewayProtocol(HttpToolsProtocol):
             cycle.start()
         else:
             super()._start_asgi_task(cycle, app)
+
+
+def _unread(transport: asyncio.BaseTransport) -> int:
+    """Bytes the kernel holds for this connection that the loop has not read yet."""
+    sock = transport.get_extra_info("socket")
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0])
+    except (AttributeError, OSError, ValueError):  # no socket left: nothing to read
+        return 0
 
 
 class HotRequest:
