@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
@@ -74,3 +75,46 @@ def test_round_trip(server: Server, datatype: str, binary: bool) -> None:
             np.testing.assert_array_equal(y, x)
     finally:
         client.close()
+
+
+NONFINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+def test_nan_and_infinities_round_trip_as_json_as_triton_writes_them(server: Server, datatype: str) -> None:
+    """tritonclient writes a non-finite float as NaN / Infinity / -Infinity (Python's json), as Triton
+    reads and writes them; the reply carries them back, not null."""
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        x = np.array([NONFINITE, [1.5, -0.0, 2.0]], dtype=TYPES[datatype][2])
+        inp = httpclient.InferInput("in", list(x.shape), datatype)
+        inp.set_data_from_numpy(x, binary_data=False)
+        result = client.infer(f"id_{datatype.lower()}", [inp],
+                              outputs=[httpclient.InferRequestedOutput("out", binary_data=False)])
+        np.testing.assert_array_equal(result.as_numpy("out"), x)  # NaN equal to NaN here
+    finally:
+        client.close()
+
+
+def test_nan_and_infinities_are_written_as_literals_on_every_json_path(server: Server) -> None:
+    """The bodies themselves: V2 JSON, /fn and /generate write NaN, Infinity and -Infinity where a tensor
+    holds them, and read them."""
+    literal = b"[NaN,Infinity,-Infinity]"
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        v2 = http.post("/v2/models/id_fp32/infer", content=b'{"inputs":[{"name":"in","datatype":"FP32",'
+                       b'"shape":[1,3],"data":' + literal + b"}]}")
+        assert v2.status_code == 200, v2.text
+        assert b'"data":' + literal in v2.content
+        fn = http.post("/fn/id_fp64", content=literal)
+        assert fn.status_code == 200, fn.text
+        assert fn.content == b'{"out":' + literal + b"}"
+        generate = http.post("/v2/models/id_fp32/generate", content=b'{"in":' + literal + b"}")
+        assert generate.status_code == 200, generate.text
+        assert b'"out":' + literal in generate.content
+        for body in (b'{"inputs":[{"name":"in","datatype":"INT32","shape":[1,3],"data":[NaN,1,2]}]}',
+                     b'{"inputs":[{"name":"in","datatype":"FP32","shape":[1,3],"data":[nan,1,2]}]}',
+                     b'{"inputs":[{"name":"in","datatype":"FP32","shape":[1,3],"data":[NaN,1,2]}],'
+                     b'"id":"\\ud800"}'):
+            model = "id_int32" if b"INT32" in body else "id_fp32"
+            refused = http.post(f"/v2/models/{model}/infer", content=body)
+            assert refused.status_code == 400, refused.text

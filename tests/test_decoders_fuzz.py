@@ -4,6 +4,7 @@ or InvalidArgument, never another exception; and nothing is unpickled or evaluat
 from __future__ import annotations
 
 import ast
+import json
 import pickle
 import struct
 from pathlib import Path
@@ -22,7 +23,15 @@ from despina.contract.errors import InvalidArgument
 from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.gateway.fn import decode_fn
-from despina.gateway.v2 import PACKED, Decoded, converted, decode_infer, holds_no_booleans, json_data_to_bytes
+from despina.gateway.v2 import (
+    PACKED,
+    Decoded,
+    converted,
+    decode_infer,
+    encode_infer,
+    holds_no_booleans,
+    json_data_to_bytes,
+)
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -359,11 +368,66 @@ def test_a_document_without_r_or_l_holds_no_booleans_or_nulls() -> None:
         assert not holds_no_booleans(b'{"data": [1, ' + literal + b"]}")
 
 
-@pytest.mark.parametrize("depth", [3, 200, 1000])
-def test_fn_deep_nesting_is_refused_without_recursion(depth: int) -> None:
-    body = b"[" * depth + b"1" + b"]" * depth
+@pytest.mark.parametrize("leaf", [b"1", b"NaN"])
+@pytest.mark.parametrize("depth", [3, 200, 1000, 100_000])
+def test_fn_deep_nesting_is_refused_without_recursion(depth: int, leaf: bytes) -> None:
+    """Also where a NaN sends the document to the standard library's parser, which recurses."""
+    body = b"[" * depth + leaf + b"]" * depth
     with pytest.raises(InvalidArgument):
         decode_fn(b'{"x": ' + body + b"}", BATCHED)
+    with pytest.raises(InvalidArgument):
+        decode_infer(b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1, 3], "data": ' + body
+                     + b"}]}", None, BATCHED)
+
+
+# ---- NaN, Infinity and -Infinity: Triton reads them, tritonclient and Python's json write them --------
+
+nonfinite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+nonfinite_values = st.recursive(scalars | nonfinite, lambda inner: st.lists(inner, max_size=6)
+                                | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=30)
+
+
+@st.composite
+def nonfinite_infer_bodies(draw: st.DrawFn) -> bytes:
+    """A V2 body as Python's json writes it, with NaN and infinities in the data or anywhere else."""
+    rows = draw(st.integers(1, 3))
+    data = draw(st.lists(st.floats(width=32) | nonfinite, min_size=rows * 3, max_size=rows * 3)
+                | nonfinite_values)
+    entry = {"name": draw(st.sampled_from(["x", "i", "b"]) | names), "shape": [rows, 1, 3], "data": data,
+             "datatype": draw(st.sampled_from(["FP32", "INT64", "BOOL"]) | datatypes)}
+    doc: Any = {"inputs": [entry], "parameters": draw(st.dictionaries(st.text(max_size=3), nonfinite_values,
+                                                                      max_size=2))}
+    if draw(st.integers(0, 5)) == 0:
+        doc = draw(nonfinite_values)
+    return json.dumps(doc).encode()
+
+
+@FUZZ
+@given(nonfinite_infer_bodies(), SPECS)
+def test_documents_with_nan_and_infinities_are_read_or_refused(body: bytes, spec: ModelSpec) -> None:
+    decoded = _decode_or_refuse(body, None, spec)
+    doc = json.loads(body)
+    if decoded is not None and decoded.inputs[0].datatype == "FP32":  # the values themselves, NaN included
+        expected = np.asarray(doc["inputs"][0]["data"], np.float64).astype(np.float32).reshape(-1)
+        np.testing.assert_array_equal(np.frombuffer(decoded.inputs[0].data, np.float32), expected)
+    try:
+        tensors, _ = decode_fn(body, spec, max_elements=1000)
+    except InvalidArgument:
+        return
+    for t in tensors:
+        assert to_numpy(t.datatype, t.shape, t.data).shape == t.shape
+
+
+@FUZZ
+@given(st.lists(st.floats(width=32) | nonfinite, max_size=12), st.sampled_from(["FP16", "FP32", "FP64"]))
+def test_replies_write_nan_and_infinities_as_literals(values: list[float], datatype: str) -> None:
+    """What encode_infer writes, Python's json reads back as the same values; none becomes null."""
+    with np.errstate(over="ignore"):  # past FP16's range is its infinity
+        array = np.asarray(values, V2_TO_NUMPY[datatype])
+    body, _ = encode_infer("m", 1, None, (Tensor("y", datatype, (len(values),), array.tobytes()),), set(), False)
+    assert b"null" not in body
+    data = json.loads(body)["outputs"][0]["data"]
+    np.testing.assert_array_equal(np.asarray(data, np.float64).astype(array.dtype), array)
 
 
 # ---- msgpack records -------------------------------------------------------------------------------

@@ -13,16 +13,14 @@ import orjson
 from ..contract.errors import InvalidArgument
 from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_input
 from ..contract.records import Tensor
-from .v2 import MAX_ELEMENTS, check_count, holds_no_booleans, json_data_to_bytes
+from .http import loads
+from .v2 import MAX_ELEMENTS, check_count, holds_no_booleans, json_data_to_bytes, nonfinite_json
 
 
 def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) -> tuple[list[Tensor], bool]:
     """The body -> (input tensors, whether a batch dimension of 1 was added); InvalidArgument, and
     nothing else, on any input."""
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"malformed JSON in request body: {exc}") from None
+    doc = loads(body)
     if isinstance(doc, list):
         if len(spec.inputs) != 1:
             names = ", ".join(t.name for t in spec.inputs)
@@ -85,7 +83,7 @@ def encode_fn(outputs: tuple[Tensor, ...], squeeze: bool) -> bytes:
         array = t.numpy()
         if squeeze and array.ndim and array.shape[0] == 1:
             array = array[0]
-        doc[t.name] = plain(array, t.datatype)
+        doc[t.name] = nonfinite_json(plain(array, t.datatype), array)
     return orjson.dumps(doc)
 
 

@@ -26,7 +26,7 @@ from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_i
 from ..contract.records import InferReply, Parameters, Tensor
 from . import http
 from .fn import plain, shape_of
-from .http import Headers, Receive, Scope, Send
+from .http import Headers, Receive, Scope, Send, loads
 from .infer import (
     AsgiEndpoint,
     AsgiExchange,
@@ -38,7 +38,7 @@ from .infer import (
     submit,
 )
 from .models import Model
-from .v2 import MAX_ELEMENTS, check_count, json_data_to_bytes, model_parameters
+from .v2 import MAX_ELEMENTS, check_count, json_data_to_bytes, model_parameters, nonfinite_json
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -211,10 +211,7 @@ async def _disconnected(receive: Receive) -> None:
 def decode_generate(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS
                     ) -> tuple[list[Tensor], dict[str, Any]]:
     """The body -> (input tensors, request parameters); InvalidArgument, and nothing else, on any input."""
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"malformed JSON in request body: {exc}") from None
+    doc = loads(body)
     if not isinstance(doc, dict):
         raise InvalidArgument("a generate request is a JSON object: {input_name: value, ..., "
                               "\"parameters\": {...}}")
@@ -255,7 +252,8 @@ def encode_generate(model: str, version: int, outputs: tuple[Tensor, ...], param
     for t in outputs:
         array = t.numpy()
         ones = next((i for i, d in enumerate(array.shape) if d != 1), array.ndim)
-        doc[t.name] = plain(array.reshape(array.shape[ones:]), t.datatype)  # one element: a scalar
+        array = array.reshape(array.shape[ones:])  # one element: a scalar
+        doc[t.name] = nonfinite_json(plain(array, t.datatype), array)
     if parameters:
         doc["parameters"] = parameters
     return doc

@@ -1,6 +1,7 @@
 """HTTP helpers for the hot path, and the one place where error codes become HTTP statuses."""
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -116,12 +117,31 @@ async def send(send_: Send, status: int, body: bytes, content_type: bytes = JSON
     await send_({"type": "http.response.body", "body": body})
 
 
+def loads(raw: bytes | memoryview) -> Any:
+    """A request body's JSON; InvalidArgument when it is not JSON.
+
+    NaN, Infinity and -Infinity are taken as numbers, as Triton takes them (rapidjson's NaN and Inf
+    flag) and as tritonclient and Python's json write a non-finite float. orjson refuses them, so a
+    document it refuses that holds one is read again by the standard library: the cost falls on those
+    documents alone."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        error = exc
+    data = raw if isinstance(raw, bytes) else bytes(raw)
+    if b"NaN" in data or b"Infinity" in data:
+        try:
+            doc = json.loads(data.decode("utf-8"))
+            orjson.dumps(doc)  # what orjson would have refused for another reason (a lone surrogate)
+            return doc
+        except (ValueError, RecursionError, orjson.JSONEncodeError):
+            pass  # orjson's message says where the document is wrong
+    raise InvalidArgument(f"malformed JSON in request body: {error}")
+
+
 def json_object(raw: bytes | memoryview) -> dict[str, Any]:
     """A request body that must be one JSON object; InvalidArgument otherwise."""
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"malformed JSON in request body: {exc}") from None
+    doc = loads(raw)
     if not isinstance(doc, dict):
         raise InvalidArgument("the request body must be a JSON object")
     return doc

@@ -446,10 +446,29 @@ def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Te
         doc["parameters"] = parameters
     doc["outputs"] = described
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if b"null" in header:  # orjson writes a non-finite float as null: written again, as Triton writes it
+        for entry in described:
+            data = entry.get("data")
+            if isinstance(data, np.ndarray):
+                entry["data"] = nonfinite_json(data, data)
+        header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     no_json = len(chunks) + sum(1 for t in outputs if shm and t.name in shm) == len(outputs)
     if heads is not None and no_json and len(heads) < HEADS_MAX:
         heads[key] = header
     return (b"".join([header, *chunks]), len(header)) if chunks else (header, None)
+
+
+def nonfinite_json(value: Any, array: np.ndarray) -> Any:
+    """`value` (`array`, or its nested lists) as orjson writes it, or where the array holds a NaN or an
+    infinity, its JSON with those written as NaN, Infinity and -Infinity: what Triton's rapidjson writes
+    and tritonclient, perf_analyzer and Python's json read. orjson would write null, and the value
+    would be lost."""
+    if array.dtype.kind != "f" or np.isfinite(array).all():
+        return value
+    odd = array[~np.isfinite(array)].tolist()  # in the order JSON writes them: row-major
+    parts = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).split(b"null")  # numbers: nulls are those
+    words = [b"NaN" if v != v else b"Infinity" if v > 0 else b"-Infinity" for v in odd]
+    return orjson.Fragment(b"".join(itertools.chain.from_iterable(zip(parts, [*words, b""]))))
 
 
 def json_data(t: Tensor) -> Any:
