@@ -34,6 +34,31 @@ def repository(root: Path, name: str, dynamic_batching: str, max_batch_size: int
     return root
 
 
+# ten milliseconds a batch whatever the host: an ONNX model's time varies tenfold from one host to another
+SLEEPER = """
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.01)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy()[:, :10].copy())]) for r in requests]
+"""
+
+
+def sleeper_repository(root: Path, name: str, dynamic_batching: str, max_batch_size: int) -> Path:
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "1" / "model.py").write_text(SLEEPER)
+    (root / name / "config.pbtxt").write_text(
+        f'backend: "python"\nmax_batch_size: {max_batch_size}\n'
+        'input [{ name: "x", data_type: TYPE_FP32, dims: [256] }]\n'
+        'output [{ name: "y", data_type: TYPE_FP32, dims: [10] }]\n'
+        f"dynamic_batching {{ {dynamic_batching} }}\n")
+    return root
+
+
 def body(priority: int = 0, timeout_us: int = 0) -> bytes:
     params = {k: v for k, v in (("priority", priority), ("timeout", timeout_us)) if v}
     return orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
@@ -72,9 +97,9 @@ def test_full_queue_refuses_at_once_and_loses_nothing_accepted(serve: Callable[.
 
 def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], tmp_path: Path,
                                                    redis_url: str, key_prefix: str) -> None:
-    # one request per batch, ~10 ms each: 80 requests are a backlog of most of a second
-    repo = repository(tmp_path, "p", "priority_levels: 2 default_priority_level: 2", max_batch_size=1,
-                      layers=(256, 4096, 4096, 10))
+    # one request per batch, 10 ms each: 80 requests are a backlog of most of a second (an ONNX model
+    # sized for 10 ms took 1 ms on a fast host, and the backlog was gone before the priority-1 requests came)
+    repo = sleeper_repository(tmp_path, "p", "priority_levels: 2 default_priority_level: 2", max_batch_size=1)
     server = serve(repo, wait_models=("p",), env=FULL_QUEUE_DELAY)
     url = f"{server.url}/v2/models/p/infer"
     stats = Keys(key_prefix).stats("p", 1)
