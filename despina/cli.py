@@ -82,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start control plane, workers and gateway on this machine")
     common(serve), repo(serve), http(serve), worker(serve), cache(serve), metrics(serve)
+    serve.add_argument("--worker-nice", dest="worker_nice", type=int, metavar="N",
+                       help="the niceness of workers that share CPUs with the gateways, 0-19 (default 5: "
+                            "a gateway's reads come before a batch's work, and batches form larger)")
     serve.add_argument("--workers", dest="workers", type=int, help="worker processes (default 1)")
     serve.add_argument("--gateways", dest="gateways", type=int,
                        help="gateway processes, sharing the HTTP port (default 1)")

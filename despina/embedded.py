@@ -36,12 +36,18 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def child_setup(cpus: frozenset[int] | None = None) -> Callable[[], None]:
-    """preexec_fn of a child: it dies with this process, and runs on `cpus` only (None: anywhere)."""
+def child_setup(cpus: frozenset[int] | None = None, nice: int = 0) -> Callable[[], None]:
+    """preexec_fn of a child: it dies with this process, runs on `cpus` only (None: anywhere), and
+    `nice` lower (before it starts a thread: each of its threads inherits both)."""
     def setup() -> None:
         die_with_parent()
         if cpus:
             pin(cpus)
+        if nice:
+            try:
+                os.nice(nice)
+            except OSError:  # a sandbox that forbids it: the child runs as it would have without
+                pass
     return setup
 
 

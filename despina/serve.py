@@ -30,9 +30,11 @@ LAST_S = 2.0  # what a stage of the drain gets, at least, once the drain's time 
 
 
 class Child:
-    def __init__(self, role: str, env: dict[str, str], name: str, cpus: frozenset[int] | None = None) -> None:
+    def __init__(self, role: str, env: dict[str, str], name: str, cpus: frozenset[int] | None = None,
+                 nice: int = 0) -> None:
         self.role, self.env, self.name = role, env, name
         self.cpus = cpus  # None: wherever this process may run
+        self.nice = nice
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self.started = 0.0
@@ -40,7 +42,7 @@ class Child:
     def start(self) -> None:
         self.started = time.monotonic()
         self.process = subprocess.Popen([sys.executable, "-m", "despina", self.role], env=self.env,
-                                        preexec_fn=child_setup(self.cpus), process_group=0)
+                                        preexec_fn=child_setup(self.cpus, self.nice), process_group=0)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -92,8 +94,11 @@ class Supervisor:
             settings = settings.with_(redis_url=self.valkey.url)
             log.info("embedded Valkey on %s", self.valkey.url)
         self.control = Child("control", child_env(settings), "control", others)
+        # sharing a core, the gateway and the worker take turns: the sooner a gateway reads what came, the
+        # more requests each batch takes, and the less both spend per request (bench/RESULTS.md, 2026-12-04)
+        nice = settings.worker_nice if others is None else 0
         self.workers = [Child("worker", child_env(settings, DESPINA_WORKER_ID=f"{os.uname().nodename}-w{i}"),
-                              f"worker {i}") for i in range(settings.workers)]
+                              f"worker {i}", nice=nice) for i in range(settings.workers)]
         many = settings.gateways > 1
         shared = settings.with_(reuse_port=many or settings.reuse_port)
         # the gateways share the server's shared memory registrations, which live as long as serve does

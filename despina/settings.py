@@ -54,6 +54,9 @@ class Settings:
     allow_client_shm: bool = False          # Triton's --allow-client-shm: clients' system shared memory
     intra_op_threads: int = 1               # per backend instance; 1 is fastest on a loaded machine
     worker_cpus: str | None = None          # CPUs the workers run on ("0-3,8"); serve's others run elsewhere
+    # the niceness serve starts its workers at where they share CPUs with its gateways (no --worker-cpus):
+    # a gateway's reads come before a batch's work, and batches form larger (bench/RESULTS.md); 0: the same
+    worker_nice: int = 5
     worker_id: str | None = None
     log_level: str = "info"
     log_format: str = "text"                # or "json"
@@ -76,6 +79,9 @@ class Settings:
                 cpus.parse(self.worker_cpus)
             except cpus.CpuListError as exc:
                 raise BadSetting(f"DESPINA_WORKER_CPUS (or --worker-cpus): {exc}") from None
+        if self.worker_nice > 19:
+            raise BadSetting(f"DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got "
+                             f"{self.worker_nice}")
         # every number here is a size, a count, a port or a duration
         for f in fields(self):
             value = getattr(self, f.name)

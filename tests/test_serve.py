@@ -134,6 +134,7 @@ def test_roles_need_a_redis_url(role: str) -> None:
     ({"DESPINA_WORKER_CPUS": "first"}, [], "expected a CPU list such as 0-3,8, got 'first'"),
     ({}, ["--worker-cpus", "3-1"], "the range '3-1' runs backwards"),
     ({}, ["--worker-cpus", "0,99999"], "--worker-cpus: CPU 99999 is not available here"),
+    ({}, ["--worker-nice", "20"], "DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got 20"),
 ])
 def test_a_bad_setting_is_named_and_nothing_starts(env: dict[str, str], args: list[str], said: str) -> None:
     r = subprocess.run([sys.executable, "-m", "despina", "serve", *args], capture_output=True, text=True,
@@ -201,6 +202,30 @@ def affinity(pid: int) -> set[frozenset[int]]:
     return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
+def niceness(pid: int) -> set[int]:
+    """The nice values of a process's threads (one when all agree)."""
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_workers_sharing_the_cpus_run_nicer_than_the_gateway(serve: Callable[..., Server],
+                                                              example_repository: Path) -> None:
+    """Every thread of a worker and of its Python models' processes, and only theirs, at DESPINA_WORKER_NICE
+    above serve's own niceness."""
+    server = serve(example_repository, "--worker-nice", "3", use_redis=False, wait_models=("mlp", "classify_post"))
+    assert httpx.post(f"{server.url}/fn/mlp", content=ROW).status_code == 200
+    base = os.getpriority(os.PRIO_PROCESS, server.process.pid)
+    roles = {p: cmdline(p) for p in descendants(server.process.pid)}
+    workers = [p for p, c in roles.items() if "despina worker" in c or "python_stub/stub.py" in c]
+    others = [p for p, c in roles.items() if any(r in c for r in ("despina gateway", "despina control", "valkey"))]
+    assert len([p for p in workers if "despina worker" in roles[p]]) == 1 and len(workers) > 1, roles
+    assert len(others) == 3, roles
+    for pid in workers:
+        assert niceness(pid) == {min(base + 3, 19)}, roles[pid]
+    for pid in others:
+        assert niceness(pid) == {base}, roles[pid]
+    assert stop_server(server) == 0
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to split")
 def test_worker_cpus_pin_every_worker_thread_and_the_other_processes_elsewhere(
         serve: Callable[..., Server], example_repository: Path) -> None:
@@ -218,6 +243,7 @@ def test_worker_cpus_pin_every_worker_thread_and_the_other_processes_elsewhere(
     assert len([p for p in workers if "despina worker" in roles[p]]) == 2 and len(others) == 3, roles
     for pid in workers:  # the backends' threads included: they started after the worker pinned itself
         assert affinity(pid) == {frozenset({first})}, roles[pid]
+        assert niceness(pid) == niceness(server.process.pid)  # on CPUs of their own: no need to be nicer
     for pid in others:
         assert affinity(pid) == {frozenset(mine - {first})}, roles[pid]
     assert affinity(server.process.pid) == {frozenset(mine)}  # restarts a worker with every CPU to pick from
