@@ -48,14 +48,11 @@ class TritonPythonModel:
 """
 
 
-def sleeper_repository(root: Path, name: str, dynamic_batching: str, max_batch_size: int) -> Path:
+def python_model(root: Path, name: str, source: str, config: str) -> Path:
+    """A Python model `name` in the repository `root`: its model.py, and its config after the backend line."""
     (root / name / "1").mkdir(parents=True)
-    (root / name / "1" / "model.py").write_text(SLEEPER)
-    (root / name / "config.pbtxt").write_text(
-        f'backend: "python"\nmax_batch_size: {max_batch_size}\n'
-        'input [{ name: "x", data_type: TYPE_FP32, dims: [256] }]\n'
-        'output [{ name: "y", data_type: TYPE_FP32, dims: [10] }]\n'
-        f"dynamic_batching {{ {dynamic_batching} }}\n")
+    (root / name / "1" / "model.py").write_text(source)
+    (root / name / "config.pbtxt").write_text('backend: "python"\n' + config)
     return root
 
 
@@ -99,7 +96,10 @@ def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], 
                                                    redis_url: str, key_prefix: str) -> None:
     # one request per batch, 10 ms each: 80 requests are a backlog of most of a second (an ONNX model
     # sized for 10 ms took 1 ms on a fast host, and the backlog was gone before the priority-1 requests came)
-    repo = sleeper_repository(tmp_path, "p", "priority_levels: 2 default_priority_level: 2", max_batch_size=1)
+    repo = python_model(tmp_path, "p", SLEEPER, 'max_batch_size: 1\n'
+                        'input [{ name: "x", data_type: TYPE_FP32, dims: [256] }]\n'
+                        'output [{ name: "y", data_type: TYPE_FP32, dims: [10] }]\n'
+                        "dynamic_batching { priority_levels: 2 default_priority_level: 2 }\n")
     server = serve(repo, wait_models=("p",), env=FULL_QUEUE_DELAY)
     url = f"{server.url}/v2/models/p/infer"
     stats = Keys(key_prefix).stats("p", 1)
@@ -245,14 +245,11 @@ class TritonPythonModel:
 
 
 def sleepy(root: Path, name: str, preserve: bool) -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "1" / "model.py").write_text(SLEEPY)
-    (root / name / "config.pbtxt").write_text(
-        f'backend: "python"\nmax_batch_size: 1\n'
-        'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
-        'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n'
-        f'dynamic_batching {{ preserve_ordering: {str(preserve).lower()} }}\n'
-        'instance_group [{ count: 2, kind: KIND_CPU }]\n')
+    python_model(root, name, SLEEPY, 'max_batch_size: 1\n'
+                 'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
+                 'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n'
+                 f'dynamic_batching {{ preserve_ordering: {str(preserve).lower()} }}\n'
+                 'instance_group [{ count: 2, kind: KIND_CPU }]\n')
 
 
 def test_preserve_ordering_answers_in_the_order_requests_came(serve: Callable[..., Server],
