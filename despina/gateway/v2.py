@@ -447,11 +447,13 @@ def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Te
     doc["outputs"] = described
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if b"null" in header:  # orjson writes a non-finite float as null: written again, as Triton writes it
+        again = False
         for entry in described:
             data = entry.get("data")
-            if isinstance(data, np.ndarray):
-                entry["data"] = nonfinite_json(data, data)
-        header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+            if isinstance(data, np.ndarray) and (written := nonfinite_json(data, data)) is not data:
+                entry["data"], again = written, True
+        if again:  # (not for a "null" in a string)
+            header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     no_json = len(chunks) + sum(1 for t in outputs if shm and t.name in shm) == len(outputs)
     if heads is not None and no_json and len(heads) < HEADS_MAX:
         heads[key] = header
