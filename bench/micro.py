@@ -42,7 +42,8 @@ from despina.contract import records
 from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.gateway.fn import decode_fn
-from despina.gateway.v2 import decode_infer, encode_infer, json_data_to_bytes
+from despina.gateway.jsondata import json_data_to_bytes
+from despina.gateway.v2 import decode_infer, encode_infer
 from despina.resp import Batch, Resp, _pack_slowly, pack
 from despina.workers.stats import HINCRBY_MANY
 

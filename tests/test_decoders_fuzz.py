@@ -23,15 +23,8 @@ from despina.contract.errors import InvalidArgument
 from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.gateway.fn import decode_fn
-from despina.gateway.v2 import (
-    PACKED,
-    Decoded,
-    converted,
-    decode_infer,
-    encode_infer,
-    holds_no_booleans,
-    json_data_to_bytes,
-)
+from despina.gateway.jsondata import PACKED, converted, holds_no_booleans, json_data_to_bytes
+from despina.gateway.v2 import Decoded, decode_infer, encode_infer
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -37,8 +37,9 @@ from .infer import (
     sequence_of,
     submit,
 )
+from .jsondata import json_data_to_bytes, nonfinite_json
 from .models import Model
-from .v2 import MAX_ELEMENTS, check_count, json_data_to_bytes, model_parameters, nonfinite_json
+from .v2 import MAX_ELEMENTS, check_count, model_parameters
 
 if TYPE_CHECKING:
     from .app import Gateway

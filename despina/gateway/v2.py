@@ -4,15 +4,13 @@ Pure functions from bytes to records and back; no HTTP framework here.
 """
 from __future__ import annotations
 
-import itertools
-import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import orjson
 
-from ..contract.datatypes import V2_TO_NUMPY, element_count, serialize_bytes, to_numpy
+from ..contract.datatypes import V2_TO_NUMPY, element_count, to_numpy
 from ..contract.errors import InvalidArgument
 from ..contract.modelconfig import (
     ModelSpec,
@@ -25,6 +23,7 @@ from ..contract.modelconfig import (
 from ..contract.records import NO_PARAMETERS, Parameters, Tensor
 from ..settings import Settings
 from .http import json_object
+from .jsondata import holds_no_booleans, json_data_to_bytes, nonfinite_json
 from .shm import Region, Registry, ShmOutput, tensor_parameters
 
 MAX_ELEMENTS: int = Settings.max_tensor_elements  # per tensor, unless the caller passes its setting
@@ -271,87 +270,6 @@ def check_count(name: str, shape: list[int], max_elements: int) -> None:
                               "(DESPINA_MAX_TENSOR_ELEMENTS)")
 
 
-def _flatten(data: Any) -> tuple[list[Any], set[type]]:
-    """Nested lists -> (one flat list, the types in it), a level at a time in C (chain); a level that
-    mixes lists and scalars stays as it is, for the caller's count and type checks to refuse."""
-    if type(data) is not list:
-        return [data], {type(data)}
-    flat = data
-    kinds = set(map(type, flat))
-    while flat and kinds == {list}:
-        flat = list(itertools.chain.from_iterable(flat))
-        kinds = set(map(type, flat))
-    return flat, kinds
-
-
-# struct's codes for the numeric datatypes: struct.pack converts a list of Python numbers in one C
-# pass, twice as fast as numpy does (the float to float32 rounding the same), and refuses any other
-# object, but for booleans, which it takes as ints
-PACKED = {"UINT8": "B", "UINT16": "H", "UINT32": "I", "UINT64": "Q", "INT8": "b", "INT16": "h",
-          "INT32": "i", "INT64": "q", "FP16": "e", "FP32": "f", "FP64": "d"}
-
-
-def holds_no_booleans(raw: bytes) -> bool:
-    """True when a JSON document has no true, false (or null) anywhere: every such literal has an r or
-    an l, and these bytes are found at memchr's speed. A document with them may still have none."""
-    return b"r" not in raw and b"l" not in raw
-
-
-def json_data_to_bytes(name: str, datatype: str, shape: list[int], data: Any, booleans: bool = True
-                       ) -> bytes:
-    """An input's JSON data (nested lists or a flat list, row-major) -> its raw little-endian bytes;
-    InvalidArgument when it is not `shape`'s count of values of `datatype`. `booleans=False` says the
-    document holds none (holds_no_booleans), sparing the numbers' type check."""
-    code = PACKED.get(datatype)
-    if code is not None:
-        packed = _packed(code, element_count(shape), data, booleans)
-        if packed is not None:
-            return packed
-    # anything the quick way does not take goes the long way, which says what is wrong with it, or
-    # converts it as numpy does (a float for an integer datatype, a value out of a float's range)
-    return converted(name, datatype, shape, data)
-
-
-def converted(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
-    """json_data_to_bytes the long way, by numpy: any datatype, any data, the error for each."""
-    flat, kinds = _flatten(data)
-    count = element_count(shape)
-    if len(flat) != count:
-        raise InvalidArgument(f"input '{name}': 'data' has {len(flat)} elements; shape {shape} needs "
-                              f"{count}")
-    # bool is its own type here, not an int
-    if datatype == "BYTES":
-        if not kinds <= {str}:
-            raise InvalidArgument(f"input '{name}': BYTES data must be strings")
-        array = np.empty(count, dtype=np.object_)
-        array[:] = [x.encode() for x in flat]
-        return serialize_bytes(array)
-    if datatype == "BOOL":
-        if not kinds <= {bool}:
-            raise InvalidArgument(f"input '{name}': BOOL data must be true or false")
-    elif not kinds <= {int, float}:
-        raise InvalidArgument(f"input '{name}': {datatype} data must be numbers")
-    try:
-        with np.errstate(over="ignore"):  # past a float's range is its infinity, as in Triton
-            array = np.asarray(flat, dtype=V2_TO_NUMPY[datatype])
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidArgument(f"input '{name}': data does not fit {datatype}: {exc}") from None
-    return array.tobytes()
-
-
-def _packed(code: str, count: int, data: Any, booleans: bool) -> bytes | None:
-    """Numbers packed by struct, or None where they are not plainly `count` ints and floats."""
-    flat = data
-    try:
-        while type(flat) is list and flat and type(flat[0]) is list:
-            flat = list(itertools.chain.from_iterable(flat))
-        if type(flat) is not list or len(flat) != count or (booleans and bool in set(map(type, flat))):
-            return None
-        return struct.pack(f"<{count}{code}", *flat)
-    except (struct.error, TypeError, OverflowError):  # a string, a null, a level that mixes, a range
-        return None
-
-
 def _decode_outputs(raw: Any, spec: ModelSpec, shm: Registry | None
                     ) -> tuple[list[str], set[str], dict[str, int], dict[str, ShmOutput]]:
     """The outputs asked for, those asked as binary data, those asked as their top classes, and those to
@@ -458,19 +376,6 @@ def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Te
     if heads is not None and no_json and len(heads) < HEADS_MAX:
         heads[key] = header
     return (b"".join([header, *chunks]), len(header)) if chunks else (header, None)
-
-
-def nonfinite_json(value: Any, array: np.ndarray) -> Any:
-    """`value` (`array`, or its nested lists) as orjson writes it, or where the array holds a NaN or an
-    infinity, its JSON with those written as NaN, Infinity and -Infinity: what Triton's rapidjson writes
-    and tritonclient, perf_analyzer and Python's json read. orjson would write null, and the value
-    would be lost."""
-    if array.dtype.kind != "f" or np.isfinite(array).all():
-        return value
-    odd = array[~np.isfinite(array)].tolist()  # in the order JSON writes them: row-major
-    parts = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).split(b"null")  # numbers: nulls are those
-    words = [b"NaN" if v != v else b"Infinity" if v > 0 else b"-Infinity" for v in odd]
-    return orjson.Fragment(b"".join(itertools.chain.from_iterable(zip(parts, [*words, b""]))))
 
 
 def json_data(t: Tensor) -> Any:
