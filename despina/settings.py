@@ -54,8 +54,8 @@ class Settings:
     allow_client_shm: bool = False          # Triton's --allow-client-shm: clients' system shared memory
     intra_op_threads: int = 1               # per backend instance; 1 is fastest on a loaded machine
     worker_cpus: str | None = None          # CPUs the workers run on ("0-3,8"); serve's others run elsewhere
-    # the niceness serve starts its workers at where they share CPUs with its gateways (no --worker-cpus):
-    # a gateway's reads come before a batch's work, and batches form larger (bench/RESULTS.md); 0: the same
+    # how much nicer serve starts its workers where they share CPUs with its gateways (no --worker-cpus, or
+    # one naming every CPU): a gateway's reads come before a batch's work, and batches form larger; 0: alike
     worker_nice: int = 5
     worker_id: str | None = None
     log_level: str = "info"

@@ -202,6 +202,14 @@ def affinity(pid: int) -> set[frozenset[int]]:
     return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
+def serve_processes(server: Server) -> tuple[dict[int, str], list[int], list[int]]:
+    """serve's descendants by command line; its workers with their Python models' processes; the rest."""
+    roles = {p: cmdline(p) for p in descendants(server.process.pid)}
+    workers = [p for p, c in roles.items() if "despina worker" in c or "python_stub/stub.py" in c]
+    others = [p for p, c in roles.items() if any(r in c for r in ("despina gateway", "despina control", "valkey"))]
+    return roles, workers, others
+
+
 def niceness(pid: int) -> set[int]:
     """The nice values of a process's threads (one when all agree)."""
     return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
@@ -214,9 +222,7 @@ def test_workers_sharing_the_cpus_run_nicer_than_the_gateway(serve: Callable[...
     server = serve(example_repository, "--worker-nice", "3", use_redis=False, wait_models=("mlp", "classify_post"))
     assert httpx.post(f"{server.url}/fn/mlp", content=ROW).status_code == 200
     base = os.getpriority(os.PRIO_PROCESS, server.process.pid)
-    roles = {p: cmdline(p) for p in descendants(server.process.pid)}
-    workers = [p for p, c in roles.items() if "despina worker" in c or "python_stub/stub.py" in c]
-    others = [p for p, c in roles.items() if any(r in c for r in ("despina gateway", "despina control", "valkey"))]
+    roles, workers, others = serve_processes(server)
     assert len([p for p in workers if "despina worker" in roles[p]]) == 1 and len(workers) > 1, roles
     assert len(others) == 3, roles
     for pid in workers:
@@ -234,12 +240,9 @@ def test_worker_cpus_pin_every_worker_thread_and_the_other_processes_elsewhere(
     server = serve(example_repository, "--worker-cpus", str(first), "--workers", "2", use_redis=False,
                    wait_models=("mlp", "classify_post"))
     assert httpx.post(f"{server.url}/fn/mlp", content=ROW).status_code == 200
-    family = descendants(server.process.pid)
-    roles = {p: cmdline(p) for p in family}
+    roles, workers, others = serve_processes(server)
     # a worker's Python models run in processes of their own, which it started after it pinned itself
-    workers = [p for p, c in roles.items() if "despina worker" in c or "python_stub/stub.py" in c]
     assert any("stub.py" in roles[p] for p in workers), roles
-    others = [p for p, c in roles.items() if any(r in c for r in ("despina gateway", "despina control", "valkey"))]
     assert len([p for p in workers if "despina worker" in roles[p]]) == 2 and len(others) == 3, roles
     for pid in workers:  # the backends' threads included: they started after the worker pinned itself
         assert affinity(pid) == {frozenset({first})}, roles[pid]
