@@ -293,6 +293,6 @@ async def test_kind_gpu_without_cuda_is_a_load_error(repo: Path, tmp_path: Path)
     auto = ModelRunner(None, Keys("unused"), ModelSpec.from_config(  # type: ignore[arg-type]
         {**spec.config, "instance_group": [{"count": 1, "kind": "KIND_AUTO"}]}), 1, folder, "test")
     await auto.load()  # KIND_AUTO falls back to the CPU
-    backend = await asyncio.wait_for(auto.instances.get(), 1)
+    backend = await asyncio.wait_for(auto.execution.instances.get(), 1)
     assert backend.instance.kind == "CPU" and str(backend.device) == "cpu"
     backend.unload()

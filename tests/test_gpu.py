@@ -167,7 +167,7 @@ async def test_kind_auto_takes_the_gpu(repo: Path) -> None:
     runner = ModelRunner(None, Keys("unused"), ModelSpec.from_config(  # type: ignore[arg-type]
         load_model(folder).config), 1, folder, "test")
     await runner.load()
-    backend = await asyncio.wait_for(runner.instances.get(), 5)
+    backend = await asyncio.wait_for(runner.execution.instances.get(), 5)
     assert backend.instance.kind == "GPU" and str(backend.device) == "cuda:0"
     backend.unload()
 

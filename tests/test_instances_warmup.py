@@ -22,8 +22,9 @@ from despina.control.repository import load_model
 from despina.examples import build_add_sub
 from despina.workers.backends import backend_class
 from despina.workers.backends.base import visible_gpus
+from despina.workers.execution import INLINE_BELOW_US
 from despina.workers.instances import plan
-from despina.workers.runner import INLINE_BELOW_US, ModelRunner
+from despina.workers.runner import ModelRunner
 
 from .conftest import Server, module_server
 
@@ -337,7 +338,7 @@ async def test_failing_warmup_is_a_load_error(tmp_path: Path) -> None:
 
 
 async def test_a_quick_model_runs_inline_whatever_else_held_the_loop_while_a_thread_ran_it(tmp_path: Path) -> None:
-    """A batch runs on the event loop when the model's cost per row says it is short (runner.py,
+    """A batch runs on the event loop when the model's cost per row says it is short (execution.py,
     INLINE_BELOW_US); the cost counts the model's call, not the loop's other work meanwhile."""
     folder = tmp_path / "add_sub"
     (folder / "1").mkdir(parents=True)
@@ -345,7 +346,7 @@ async def test_a_quick_model_runs_inline_whatever_else_held_the_loop_while_a_thr
     (folder / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
     runner = runner_for(folder)
     await runner.load()
-    backend = runner.instances.get_nowait()
+    backend = runner.execution.instances.get_nowait()
     ran_on: list[int] = []
     execute = backend.execute
 
@@ -358,18 +359,18 @@ async def test_a_quick_model_runs_inline_whatever_else_held_the_loop_while_a_thr
     loop = asyncio.get_running_loop()
     # onnxruntime's first run, on this thread and on the runner's, allocates (over 1 ms in CI): not timed
     execute(inputs, ["sum", "diff"])
-    await loop.run_in_executor(runner._executor, execute, inputs, ["sum", "diff"])
+    await loop.run_in_executor(runner.execution.executor, execute, inputs, ["sum", "diff"])
     try:
         loop.call_soon(time.sleep, 0.05)  # the loop busy elsewhere while the first batch runs on a thread
-        out = await runner._call(backend, inputs, ["sum", "diff"], 2)
+        out = await runner.execution.call(backend, inputs, ["sum", "diff"], 2)
         assert ran_on[-1] != threading.get_ident()  # nothing known of its cost yet: on a thread
         assert out["sum"].tolist() == [[2.0] * 4] * 2
-        assert runner._row_us is not None and runner._row_us * 2 < 50_000  # the call, not the loop's 50 ms
+        assert runner.execution.row_us is not None and runner.execution.row_us * 2 < 50_000  # the call, not the loop's 50 ms
         # A shared CI host can stall that one call for milliseconds; the average then comes down with
         # the next ones, and once it says short the batch runs on the loop, and only then.
         for _ in range(50):
-            expected_us = runner._row_us * 2
-            await runner._call(backend, inputs, ["sum", "diff"], 2)
+            expected_us = runner.execution.row_us * 2
+            await runner.execution.call(backend, inputs, ["sum", "diff"], 2)
             assert (ran_on[-1] == threading.get_ident()) == (expected_us < INLINE_BELOW_US)
             if ran_on[-1] == threading.get_ident():
                 break

@@ -120,15 +120,15 @@ async def test_the_next_read_goes_out_with_a_batchs_replies(worker: Worker) -> N
 async def slow_on_a_thread(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """The model takes 0.3 s a batch, on the instance's thread (its cost per row said to be long); the
     function returned makes it quick again."""
-    backend = await runner.instances.get()
+    backend = await runner.execution.instances.get()
     execute = backend.execute
 
     def slow(*args: Any) -> Any:
         time.sleep(0.3)
         return execute(*args)
     monkeypatch.setattr(backend, "execute", slow)
-    runner.instances.put_nowait(backend)
-    monkeypatch.setattr(runner, "_row_us", 1e9)
+    runner.execution.instances.put_nowait(backend)
+    monkeypatch.setattr(runner.execution, "row_us", 1e9)
     return lambda: monkeypatch.setattr(backend, "execute", execute)
 
 

@@ -5,7 +5,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -15,40 +14,28 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..contract import records
-from ..contract.errors import Code, ConfigError, DespinaError, Unavailable
+from ..contract.errors import Code, DespinaError, Unavailable
 from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, GROUP, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..resp import Batch, ReadAlong, Resp
 from ..response_cache import LOADS, ResponseCache, cache_key, through
 from . import answers, stats
-from .backends import Backend, backend_class
 from .backends.base import request_inputs
 from .batcher import DynamicBatcher, Item, QueueFull
+from .execution import Execution, durations
 from .inflight import Gateways
-from .instances import plan as plan_instances
 from .ordering import ReplyOrder, Turn
-from .ragged import BatchIO
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
-from .reshape import Reshapes
-from .responses import OpenRequests
 from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
-from .warmup import run as warmup
-from .warmup import samples
 
 if TYPE_CHECKING:
     from .bls import ModelCaller
 
 log = logging.getLogger("despina.worker")
 
-# A batch expected to take less than this runs on the event loop itself: handing it to a thread and
-# back costs tens of microseconds of CPU (as much as a small model's batch), and with one instance
-# batches run one at a time anyway. The loop (the other models of this worker included) then pauses
-# at most about this long, Triton's usual queue delay. Longer batches, and models with several
-# instances, run on the instances' threads.
-INLINE_BELOW_US = 1000
 # The longest a read waits to go out with replies (_read_with_replies of ModelRunner and EnsembleHost):
 # a safety net, every batch that does not reply to Redis lets it go at once.
 READ_WAITS_S = 0.01
@@ -82,24 +69,23 @@ class ModelRunner:
         use_cache = response_cache is not None and spec.response_cache and spec.sequence is None
         self.response_cache = response_cache if use_cache else None
         self._load_id = f"load-{next(LOADS)}"  # its answers are its files': another load keys its own
-        self.caller = caller  # how its models call other models (workers/bls.py); None: they cannot
         self.deferred = deferred  # the worker's: counters that need no round trip of their own
         self.delivery = delivery or DeliveryPolicy()
         self.path = path
         self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
         self._bounded = bounded_levels(spec)
         self.stats_key = keys.stats(spec.name, version)
-        self._reshape = Reshapes.of(spec)  # None: the model takes and gives the config's dims
-        self._batch_io = BatchIO.of(spec)  # None: no ragged inputs, batch inputs or batch outputs
-        self._ragged = self._batch_io.ragged if self._batch_io is not None else frozenset()
-        # the requests' inputs -> one execution's (ragged ones end to end, with their batch inputs)
-        self._assemble = self._batch_io.assemble if self._batch_io is not None else _concatenated
         self.consumer = consumer
-        self.threads = threads
-        count = spec.instance_count()
-        self.instances: asyncio.Queue[Backend] = asyncio.Queue()
-        self._executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"{spec.name}-")
-        self._count = count
+        self._read_along = ReadAlong()  # the read loop's next read, waiting for a batch's replies
+        # its instances, and how a batch runs on them
+        self.execution = Execution(spec, path, version, threads, caller,
+                                   lambda s, r, p: self._spawn(self._send_response(s, r, p)),
+                                   lambda s, r, p: self._spawn(self._reply([r], [p.request], [p])),
+                                   self._read_along.release)
+        self._open = self.execution.streams  # a decoupled model's requests still answering
+        batch_io = self.execution.batch_io
+        self._ragged = batch_io.ragged if batch_io is not None else frozenset()
+        count = self.execution.count
         # with full_queue_delay a batch waits out its delay even when no other request can join it
         self._coming = None if full_queue_delay else self._nothing_coming
         self.batcher = self._batcher(count)
@@ -115,50 +101,18 @@ class ModelRunner:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
-        self._row_us: float | None = None  # moving average of a batch's cost per row (µs)
         self._order = ReplyOrder() if spec.policy.preserve_ordering else None
         self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
-        self._read_along = ReadAlong()  # the read loop's next read, waiting for a batch's replies
-        self._backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
-        # implicit states' outputs: asked of the model with every batch, kept by the sequence batcher
-        self._state_outputs = tuple(st.output for st in spec.sequence.states) if spec.sequence else ()
-        # a decoupled model's requests between their execute and their final response
-        self._open = OpenRequests(spec.name, self._reshape,
-                                  lambda s, r, p: self._spawn(self._send_response(s, r, p)),
-                                  lambda s, r, p: self._spawn(self._reply([r], [p.request], [p])))
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def load(self) -> None:
         """Load every instance of the instance groups, then run the warmup samples on each."""
-        cls = backend_class(self.spec.backend)
-        version_dir = self.path / str(self.version)
-        loop = asyncio.get_running_loop()
-        gpus = await loop.run_in_executor(self._executor, cls.gpu_count)
-        instances = plan_instances(self.spec, gpus, self.threads)
-        warmups = samples(self.spec, self.path)
-        if len(instances) != self._count:  # e.g. KIND_GPU without `gpus`: count on every GPU
-            self._executor.shutdown(wait=False)
-            self._executor = ThreadPoolExecutor(max_workers=len(instances),
-                                                thread_name_prefix=f"{self.spec.name}-")
-            self._count = len(instances)
-            self.batcher = self._batcher(self._count)
-        for instance in instances:
-            backend = cls(self.spec, version_dir, instance)
-            backend.caller = self.caller
-            if self.spec.decoupled:  # a Python model (checked at load)
-                cast(Any, backend).on_response = self._from_thread(loop)
-            try:
-                await loop.run_in_executor(self._executor, backend.load)
-                self.instances.put_nowait(backend)
-                self._backends.append(backend)
-                await loop.run_in_executor(self._executor, warmup, backend, self.spec, warmups)
-            except DespinaError:
-                raise
-            except Exception as exc:  # a backend bug must fail this model, not the worker
-                log.exception("model %s: loading instance %s failed", self.spec.name, instance.name)
-                raise ConfigError(f"model '{self.spec.name}': loading failed: {exc}") from None
+        count = self.execution.count
+        await self.execution.load()
+        if self.execution.count != count:  # e.g. KIND_GPU without `gpus`: count on every GPU
+            self.batcher = self._batcher(self.execution.count)
 
     async def start(self) -> None:
         await self.streams.ensure_groups()
@@ -191,10 +145,7 @@ class ModelRunner:
             await asyncio.sleep(0.05)
         while self._background:  # replies still being written
             await asyncio.gather(*list(self._background), return_exceptions=True)
-        while not self.instances.empty():
-            backend = self.instances.get_nowait()
-            await asyncio.get_running_loop().run_in_executor(self._executor, backend.unload)
-        self._executor.shutdown(wait=False)
+        await self.execution.unload()
         self.streams.close()
         if self._out is not None:
             self._out.close()
@@ -240,7 +191,7 @@ class ModelRunner:
         join a batch before that one is done: the next read then goes out with its replies (_send), in
         one write, instead of a round trip to Redis of its own (on a shared core, each wakes Redis and
         hands it the core). The read as sent, or None: read now."""
-        if not self.streams.can_send_with or self._count != 1 or self.spec.decoupled:
+        if not self.streams.can_send_with or self.execution.count != 1 or self.spec.decoupled:
             return None  # (a decoupled model's replies go out in the order it sent them: one connection)
         await asyncio.sleep(0)  # the batcher's turn: it takes what was just accepted
         if self.batcher.pending or not self.batcher.executing:
@@ -422,124 +373,23 @@ class ModelRunner:
         if self.spec.decoupled and live:
             if expired:
                 self._spawn(self._reply(replies, [p.request for p in expired], expired))
-            await self._run_streams(live, started)
+            await self.execution.run_streams(live, started)
             self._spawn(self._reply([], [], [], rows=sum(sizes), started=started,  # the execution's counters
-                                    timings=_timings(marks, time.perf_counter_ns())))
+                                    timings=durations(marks, time.perf_counter_ns())))
             return
         if live:
-            replies.extend(await self._run_batch(live, sizes, started, marks, instance))
+            keep = cast(SequenceBatcher, self.batcher).keep if self.execution.state_outputs else None
+            replies.extend(await self.execution.run_batch(live, sizes, started, marks, instance, keep))
         rows = sum(sizes)
-        timings = _timings(marks, time.perf_counter_ns())
         # the instance is free as soon as the model ran: replies go out in the background
-        reply = self._reply(replies, [p.request for p in expired + live], pendings,
-                            rows=rows if live else 0, started=started, timings=timings)
+        reply = self._reply(replies, [p.request for p in expired + live], pendings, rows=rows if live else 0,
+                            started=started, timings=durations(marks, time.perf_counter_ns()))
         self._spawn(reply if turn is None else turn.send(reply))
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _run_batch(self, live: list[Pending], sizes: list[int], started: float,
-                         marks: dict[str, int], instance: int | None = None) -> list[InferReply]:
-        """Run one batch (on the instance the sequence batcher names, else the first free one); `marks`
-        records when its inputs were ready and when the model returned."""
-        names = self._output_names(live)
-        if self._state_outputs:
-            names += [n for n in self._state_outputs if n not in names]
-        # a sequence batcher runs one batch at a time per instance: the instance it names is free
-        backend = await self.instances.get() if instance is None else self._backends[instance]
-        try:
-            if backend.per_request:
-                return await self._run_requests(backend, live, started)
-            if len(live) > 1 and not self.spec.batched:  # no batch dimension: one request at a time
-                marks["input"] = time.perf_counter_ns()
-                results = [await self._call(backend, self._assemble([p.inputs]), names, 1) for p in live]
-            else:
-                inputs = self._assemble([p.inputs for p in live])
-                marks["input"] = time.perf_counter_ns()
-                results = [await self._call(backend, inputs, names, sum(sizes))]
-            marks["infer"] = time.perf_counter_ns()
-        except DespinaError as exc:
-            return [answers.error(p.request, exc.code, exc.message) for p in live]
-        except Exception as exc:  # a backend bug must fail the batch, not the worker
-            log.exception("model %s: backend raised", self.spec.name)
-            failed = f"model '{self.spec.name}' failed: {exc}"
-            return [answers.error(p.request, Code.BACKEND, failed) for p in live]
-        finally:
-            if instance is None:
-                self.instances.put_nowait(backend)
-        compute_us = int((time.time() - started) * 1e6)
-        if self._state_outputs:
-            results = self.batcher.keep(live, sizes, results)  # type: ignore[union-attr]
-        if self._batch_io is not None:  # its batch outputs cut by the requests' input shapes
-            return answers.scattered(self.spec.name, self._batch_io, [p.request for p in live],
-                                     [p.inputs for p in live], sizes, results, started, compute_us)
-        if len(results) > 1:
-            return [answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
-        return answers.split(self.spec.name, [p.request for p in live], sizes, results[0], started,
-                             compute_us)
-
-    def _each_request(self, live: list[Pending]) -> tuple[list[dict[str, np.ndarray]], list[list[str]]]:
-        """A per-request backend's batch: each request's inputs in the model's shapes, and the outputs it
-        asks for (with the implicit states' always)."""
-        every = [o.name for o in self.spec.outputs]
-        asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every
-                 for p in live]
-        if self._state_outputs:
-            asked = [a + [n for n in self._state_outputs if n not in a] for a in asked]
-        arrays = [p.inputs for p in live]
-        if self._reshape is not None:
-            arrays = [self._reshape.to_model(a) for a in arrays]
-        return arrays, asked
-
-    async def _run_requests(self, backend: Backend, live: list[Pending], started: float
-                            ) -> list[InferReply]:
-        """A per-request backend: each request keeps its own inputs, and its own error."""
-        arrays, asked = self._each_request(live)
-        reshape = self._reshape
-        if backend.awaitable and backend.quick():  # it waits on its model's process: no thread needed
-            results = await backend.execute_requests_async(arrays, asked)
-        else:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self._executor, backend.execute_requests, arrays, asked)
-        if len(results) != len(live):
-            msg = f"model '{self.spec.name}' returned {len(results)} results for {len(live)} requests"
-            return [answers.error(p.request, Code.BACKEND, msg) for p in live]
-        if self._state_outputs:
-            results = self.batcher.keep(live, [1] * len(live), results)  # type: ignore[union-attr]
-        compute_us = int((time.time() - started) * 1e6)
-        if reshape is not None:
-            results = [r if isinstance(r, DespinaError) else _reshaped(reshape, r) for r in results]
-        return [answers.error(p.request, r.code, r.message) if isinstance(r, DespinaError)
-                else answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
-
-    def _from_thread(self, loop: asyncio.AbstractEventLoop) -> Callable[..., None]:
-        """A decoupled model's responses come on a thread: they are handled on the loop (while it runs)."""
-        def on_response(*args: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(self._open.response, *args)
-            except RuntimeError:  # the loop is closed: the worker is gone, and these requests with it
-                pass
-        return on_response
-
-    async def _run_streams(self, live: list[Pending], started: float) -> None:
-        """A decoupled model's batch: its requests stay open for the responses the model sends whenever it
-        likes (self._open); the instance is free when execute returns."""
-        arrays, asked = self._each_request(live)
-        backend: Any = await self.instances.get()
-        ids = self._open.open(live, started, backend)
-        try:
-            if backend.quick():
-                results = await backend.execute_streams_async(arrays, asked, ids)
-            else:
-                results = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, backend.execute_streams, arrays, asked, ids)
-        finally:
-            self.instances.put_nowait(backend)
-        for stream, result in zip(ids, results):
-            if result is not None:  # execute failed: the requests it did not finish end with its error
-                self._open.response(stream, result, True)
 
     async def _send_response(self, stream: int, reply: InferReply, p: Pending) -> None:
         """A decoupled model's response before its last one, alone to its gateway. The same round trip
@@ -566,32 +416,6 @@ class ModelRunner:
             return
         if results[asked]:
             self._open.cancel(stream)
-
-    async def _call(self, backend: Backend, inputs: dict[str, np.ndarray], names: list[str], rows: int
-                    ) -> dict[str, np.ndarray]:
-        """Run the backend, inline when the batch is expected to be short (INLINE_BELOW_US). What is timed
-        is the backend's call alone: timed around the await, a batch run on a thread would count the
-        loop's other work until it resumed this coroutine, the estimate would grow with the load, and
-        ever more batches would pay the hand-off to a thread and back (W3 at c=32 with the worker under a
-        profiler, which slows the loop: 63 % of `mlp`'s)."""
-        if self._reshape is not None:
-            inputs = self._reshape.to_model(inputs)
-        if self._count == 1 and self._row_us is not None and self._row_us * rows < INLINE_BELOW_US:
-            out, took = _timed(backend.execute, inputs, names)
-        else:
-            self._read_along.release()  # the loop is free meanwhile: the next batch forms as this one runs
-            out, took = await asyncio.get_running_loop().run_in_executor(self._executor, _timed,
-                                                                         backend.execute, inputs, names)
-        row_us = took * 1e6 / max(rows, 1)
-        self._row_us = row_us if self._row_us is None else 0.8 * self._row_us + 0.2 * row_us
-        return out if self._reshape is None else self._reshape.from_model(out)
-
-    def _output_names(self, live: list[Pending]) -> list[str]:
-        every = [o.name for o in self.spec.outputs]
-        if any(not p.request.outputs for p in live):
-            return every
-        wanted = {o for p in live for o in p.request.outputs}
-        return [n for n in every if n in wanted]
 
     # -- replying --------------------------------------------------------------------------------
 
@@ -677,32 +501,3 @@ class ModelRunner:
                       self.spec.name, exc)
 
 
-def _concatenated(requests: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """One execution's inputs: the requests' along the batch dimension (one request's as they are)."""
-    if len(requests) == 1:
-        return requests[0]
-    return {n: np.concatenate([r[n] for r in requests]) for n in requests[0]}
-
-
-def _reshaped(reshape: Reshapes, out: dict[str, np.ndarray]) -> dict[str, np.ndarray] | DespinaError:
-    """One request's outputs in the config's dims, or why they cannot be."""
-    try:
-        return reshape.from_model(out)
-    except DespinaError as exc:
-        return exc
-
-
-def _timed(execute: Callable[[dict[str, np.ndarray], list[str]], dict[str, np.ndarray]],
-           inputs: dict[str, np.ndarray], names: list[str]) -> tuple[dict[str, np.ndarray], float]:
-    """execute(inputs, names), and the seconds it took."""
-    t0 = time.perf_counter()
-    out = execute(inputs, names)
-    return out, time.perf_counter() - t0
-
-
-def _timings(marks: dict[str, int], end: int) -> tuple[int, int, int]:
-    """(input, infer, output) nanoseconds of one execution; per-request backends report all as infer."""
-    start = marks["start"]
-    ready = marks.get("input", start)
-    ran = marks.get("infer", end)
-    return ready - start, ran - ready, end - ran

@@ -1,0 +1,262 @@
+"""How one model version's batches run: its instances loaded and warmed up, a batch's inputs put
+together, the backend called on a free instance (on the event loop when the batch is short, else on the
+instance's thread), and the outputs cut into each request's reply. The runner (runner.py) reads the
+stream, forms the batches and sends the replies; what happens in between is here."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from ..contract.errors import Code, ConfigError, DespinaError
+from ..contract.modelconfig import ModelSpec
+from ..contract.records import InferReply
+from . import answers
+from .backends import Backend, backend_class
+from .instances import plan as plan_instances
+from .ragged import BatchIO
+from .reshape import Reshapes
+from .responses import OpenRequests, Send
+from .warmup import run as warmup
+from .warmup import samples
+
+if TYPE_CHECKING:
+    from .bls import ModelCaller
+    from .runner import Pending
+
+log = logging.getLogger("despina.worker")
+
+# A batch expected to take less than this runs on the event loop itself: handing it to a thread and
+# back costs tens of microseconds of CPU (as much as a small model's batch), and with one instance
+# batches run one at a time anyway. The loop (the other models of this worker included) then pauses
+# at most about this long, Triton's usual queue delay. Longer batches, and models with several
+# instances, run on the instances' threads.
+INLINE_BELOW_US = 1000
+# the implicit states' outputs of a stateful model's batch kept by its sequence batcher: (requests, rows
+# per request, results) -> the results without them
+Keep = Callable[[list["Pending"], list[int], list[Any]], list[Any]]
+
+
+class Execution:
+    def __init__(self, spec: ModelSpec, path: Path, version: int, threads: int, caller: ModelCaller | None,
+                 send: Send, finish: Send, release: Callable[[], None]) -> None:
+        """`send` and `finish`: how a decoupled model's responses go out, one before its last and the
+        last (responses.py); `release` is called when a batch goes to a thread: the loop is free
+        meanwhile."""
+        self.spec, self.path, self.version, self.threads = spec, path, version, threads
+        self.caller = caller  # how its models call other models (workers/bls.py); None: they cannot
+        self._release = release
+        self.reshape = Reshapes.of(spec)  # None: the model takes and gives the config's dims
+        # a decoupled model's requests between their execute and their final response
+        self.streams = OpenRequests(spec.name, self.reshape, send, finish)
+        self.batch_io = BatchIO.of(spec)  # None: no ragged inputs, batch inputs or batch outputs
+        # the requests' inputs -> one execution's (ragged ones end to end, with their batch inputs)
+        self._assemble = self.batch_io.assemble if self.batch_io is not None else _concatenated
+        # implicit states' outputs: asked of the model with every batch, kept by the sequence batcher
+        self.state_outputs = tuple(st.output for st in spec.sequence.states) if spec.sequence else ()
+        self.count = spec.instance_count()
+        self.instances: asyncio.Queue[Backend] = asyncio.Queue()  # those free now
+        self.backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
+        self.executor = ThreadPoolExecutor(max_workers=self.count, thread_name_prefix=f"{spec.name}-")
+        self.row_us: float | None = None  # moving average of a batch's cost per row (µs)
+
+    async def load(self) -> None:
+        """Load every instance of the instance groups, then run the warmup samples on each. `count` may
+        change: the config's count on every GPU for KIND_GPU without `gpus`, say."""
+        cls = backend_class(self.spec.backend)
+        version_dir = self.path / str(self.version)
+        loop = asyncio.get_running_loop()
+        gpus = await loop.run_in_executor(self.executor, cls.gpu_count)
+        instances = plan_instances(self.spec, gpus, self.threads)
+        warmups = samples(self.spec, self.path)
+        if len(instances) != self.count:
+            self.executor.shutdown(wait=False)
+            self.executor = ThreadPoolExecutor(max_workers=len(instances),
+                                               thread_name_prefix=f"{self.spec.name}-")
+            self.count = len(instances)
+        for instance in instances:
+            backend = cls(self.spec, version_dir, instance)
+            backend.caller = self.caller
+            if self.spec.decoupled:  # a Python model (checked at load)
+                cast(Any, backend).on_response = self._from_thread(loop)
+            try:
+                await loop.run_in_executor(self.executor, backend.load)
+                self.instances.put_nowait(backend)
+                self.backends.append(backend)
+                await loop.run_in_executor(self.executor, warmup, backend, self.spec, warmups)
+            except DespinaError:
+                raise
+            except Exception as exc:  # a backend bug must fail this model, not the worker
+                log.exception("model %s: loading instance %s failed", self.spec.name, instance.name)
+                raise ConfigError(f"model '{self.spec.name}': loading failed: {exc}") from None
+
+    async def unload(self) -> None:
+        while not self.instances.empty():
+            backend = self.instances.get_nowait()
+            await asyncio.get_running_loop().run_in_executor(self.executor, backend.unload)
+        self.executor.shutdown(wait=False)
+
+    def _from_thread(self, loop: asyncio.AbstractEventLoop) -> Callable[..., None]:
+        """A decoupled model's responses come on a thread: they are handled on the loop (while it runs)."""
+        def on_response(*args: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(self.streams.response, *args)
+            except RuntimeError:  # the loop is closed: the worker is gone, and these requests with it
+                pass
+        return on_response
+
+    async def run_batch(self, live: list[Pending], sizes: list[int], started: float, marks: dict[str, int],
+                        instance: int | None = None, keep: Keep | None = None) -> list[InferReply]:
+        """Run one batch (on the instance the sequence batcher names, else the first free one); `marks`
+        records when its inputs were ready and when the model returned. `keep`: a stateful model's
+        sequence batcher, which takes the implicit states' outputs."""
+        names = self._output_names(live)
+        if self.state_outputs:
+            names += [n for n in self.state_outputs if n not in names]
+        # a sequence batcher runs one batch at a time per instance: the instance it names is free
+        backend = await self.instances.get() if instance is None else self.backends[instance]
+        try:
+            if backend.per_request:
+                return await self._run_requests(backend, live, started, keep)
+            if len(live) > 1 and not self.spec.batched:  # no batch dimension: one request at a time
+                marks["input"] = time.perf_counter_ns()
+                results = [await self.call(backend, self._assemble([p.inputs]), names, 1) for p in live]
+            else:
+                inputs = self._assemble([p.inputs for p in live])
+                marks["input"] = time.perf_counter_ns()
+                results = [await self.call(backend, inputs, names, sum(sizes))]
+            marks["infer"] = time.perf_counter_ns()
+        except DespinaError as exc:
+            return [answers.error(p.request, exc.code, exc.message) for p in live]
+        except Exception as exc:  # a backend bug must fail the batch, not the worker
+            log.exception("model %s: backend raised", self.spec.name)
+            failed = f"model '{self.spec.name}' failed: {exc}"
+            return [answers.error(p.request, Code.BACKEND, failed) for p in live]
+        finally:
+            if instance is None:
+                self.instances.put_nowait(backend)
+        compute_us = int((time.time() - started) * 1e6)
+        if keep is not None:
+            results = keep(live, sizes, results)
+        if self.batch_io is not None:  # its batch outputs cut by the requests' input shapes
+            return answers.scattered(self.spec.name, self.batch_io, [p.request for p in live],
+                                     [p.inputs for p in live], sizes, results, started, compute_us)
+        if len(results) > 1:
+            return [answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
+        return answers.split(self.spec.name, [p.request for p in live], sizes, results[0], started,
+                             compute_us)
+
+    def _each_request(self, live: list[Pending]) -> tuple[list[dict[str, np.ndarray]], list[list[str]]]:
+        """A per-request backend's batch: each request's inputs in the model's shapes, and the outputs it
+        asks for (with the implicit states' always)."""
+        every = [o.name for o in self.spec.outputs]
+        asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every
+                 for p in live]
+        if self.state_outputs:
+            asked = [a + [n for n in self.state_outputs if n not in a] for a in asked]
+        arrays = [p.inputs for p in live]
+        if self.reshape is not None:
+            arrays = [self.reshape.to_model(a) for a in arrays]
+        return arrays, asked
+
+    async def _run_requests(self, backend: Backend, live: list[Pending], started: float, keep: Keep | None
+                            ) -> list[InferReply]:
+        """A per-request backend: each request keeps its own inputs, and its own error."""
+        arrays, asked = self._each_request(live)
+        reshape = self.reshape
+        if backend.awaitable and backend.quick():  # it waits on its model's process: no thread needed
+            results = await backend.execute_requests_async(arrays, asked)
+        else:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.executor, backend.execute_requests, arrays, asked)
+        if len(results) != len(live):
+            msg = f"model '{self.spec.name}' returned {len(results)} results for {len(live)} requests"
+            return [answers.error(p.request, Code.BACKEND, msg) for p in live]
+        if keep is not None:
+            results = keep(live, [1] * len(live), results)
+        compute_us = int((time.time() - started) * 1e6)
+        if reshape is not None:
+            results = [r if isinstance(r, DespinaError) else _reshaped(reshape, r) for r in results]
+        return [answers.error(p.request, r.code, r.message) if isinstance(r, DespinaError)
+                else answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
+
+    async def run_streams(self, live: list[Pending], started: float) -> None:
+        """A decoupled model's batch: its requests stay open for the responses the model sends whenever it
+        likes (self.streams); the instance is free when execute returns."""
+        arrays, asked = self._each_request(live)
+        backend: Any = await self.instances.get()
+        ids = self.streams.open(live, started, backend)
+        try:
+            if backend.quick():
+                results = await backend.execute_streams_async(arrays, asked, ids)
+            else:
+                results = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, backend.execute_streams, arrays, asked, ids)
+        finally:
+            self.instances.put_nowait(backend)
+        for stream, result in zip(ids, results):
+            if result is not None:  # execute failed: the requests it did not finish end with its error
+                self.streams.response(stream, result, True)
+
+    async def call(self, backend: Backend, inputs: dict[str, np.ndarray], names: list[str], rows: int
+                   ) -> dict[str, np.ndarray]:
+        """Run the backend, inline when the batch is expected to be short (INLINE_BELOW_US). What is timed
+        is the backend's call alone: timed around the await, a batch run on a thread would count the
+        loop's other work until it resumed this coroutine, the estimate would grow with the load, and
+        ever more batches would pay the hand-off to a thread and back (W3 at c=32 with the worker under a
+        profiler, which slows the loop: 63 % of `mlp`'s)."""
+        if self.reshape is not None:
+            inputs = self.reshape.to_model(inputs)
+        if self.count == 1 and self.row_us is not None and self.row_us * rows < INLINE_BELOW_US:
+            out, took = _timed(backend.execute, inputs, names)
+        else:
+            self._release()  # the loop is free meanwhile: the next batch forms as this one runs
+            out, took = await asyncio.get_running_loop().run_in_executor(self.executor, _timed,
+                                                                         backend.execute, inputs, names)
+        row_us = took * 1e6 / max(rows, 1)
+        self.row_us = row_us if self.row_us is None else 0.8 * self.row_us + 0.2 * row_us
+        return out if self.reshape is None else self.reshape.from_model(out)
+
+    def _output_names(self, live: list[Pending]) -> list[str]:
+        every = [o.name for o in self.spec.outputs]
+        if any(not p.request.outputs for p in live):
+            return every
+        wanted = {o for p in live for o in p.request.outputs}
+        return [n for n in every if n in wanted]
+
+
+def _concatenated(requests: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One execution's inputs: the requests' along the batch dimension (one request's as they are)."""
+    if len(requests) == 1:
+        return requests[0]
+    return {n: np.concatenate([r[n] for r in requests]) for n in requests[0]}
+
+
+def _reshaped(reshape: Reshapes, out: dict[str, np.ndarray]) -> dict[str, np.ndarray] | DespinaError:
+    """One request's outputs in the config's dims, or why they cannot be."""
+    try:
+        return reshape.from_model(out)
+    except DespinaError as exc:
+        return exc
+
+
+def _timed(execute: Callable[[dict[str, np.ndarray], list[str]], dict[str, np.ndarray]],
+           inputs: dict[str, np.ndarray], names: list[str]) -> tuple[dict[str, np.ndarray], float]:
+    """execute(inputs, names), and the seconds it took."""
+    t0 = time.perf_counter()
+    out = execute(inputs, names)
+    return out, time.perf_counter() - t0
+
+
+def durations(marks: dict[str, int], end: int) -> tuple[int, int, int]:
+    """(input, infer, output) nanoseconds of one execution; per-request backends report all as infer."""
+    start = marks["start"]
+    ready = marks.get("input", start)
+    ran = marks.get("infer", end)
+    return ready - start, ran - ready, end - ran
