@@ -41,11 +41,11 @@ import uvloop
 from despina.contract import records
 from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict
 from despina.contract.records import InferReply, InferRequest, Tensor
+from despina.counters import HINCRBY_MANY
 from despina.gateway.fn import decode_fn
 from despina.gateway.jsondata import json_data_to_bytes
 from despina.gateway.v2 import decode_infer, encode_infer
 from despina.resp import Batch, Resp, _pack_slowly, pack
-from despina.workers.stats import HINCRBY_MANY
 
 CONFIG = """name: "mlp" backend: "onnxruntime" max_batch_size: 128
 input [ { name: "x", data_type: TYPE_FP32, dims: [ 256 ] } ]

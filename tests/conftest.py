@@ -17,9 +17,9 @@ import httpx
 import pytest
 import redis
 
+from despina.counters import DEFER_S
 from despina.embedded import EmbeddedValkey, die_with_parent, free_port
 from despina.examples import build_repository
-from despina.workers.stats import DEFER_S
 
 from .seaweed import s3_env, s3_store  # noqa: F401  (SeaweedFS fixtures for the S3 tests)
 
@@ -54,7 +54,7 @@ def redis_url() -> Iterator[str]:
 
 def settled_stats(url: str, model: str, timeout: float = 5.0) -> dict:
     """A model's statistics (model_stats[0]) once they stop changing. After a burst, a worker's last
-    counters may reach Redis up to DEFER_S after the answers (despina/workers/stats.py): a test that
+    counters may reach Redis up to DEFER_S after the answers (despina/counters.py): a test that
     counts a burst reads them through this."""
     deadline = time.monotonic() + timeout
     last = None

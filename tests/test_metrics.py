@@ -22,10 +22,11 @@ from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
+from despina.counters import DEFER_S, Deferred
 from despina.examples import build_identity, build_mlp
 from despina.metrics import gpu_samples
 from despina.workers.runner import ModelRunner
-from despina.workers.stats import DEFER_S, Deferred, ensemble_counts, tally
+from despina.workers.stats import ensemble_counts, tally
 
 from .conftest import FULL_QUEUE_DELAY, Server, module_server
 from .control_support import wait_until
@@ -57,7 +58,7 @@ def v2(name: str, rows: int, width: int) -> bytes:
 
 def settled_scrape(server: Server, expected: dict[str, float]) -> dict[str, float]:
     """The metrics once they show `expected`: a burst's last counters may still be on their way, at
-    most DEFER_S behind its replies (workers/stats.py)."""
+    most DEFER_S behind its replies (counters.py)."""
     deadline = time.monotonic() + 2
     while True:
         metrics = scrape(server)

@@ -20,13 +20,13 @@ from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
+from despina.counters import Deferred
 from despina.examples import build_mlp
 from despina.workers import ensembles
 from despina.workers import runner as runner_module
 from despina.workers.ensembles import EnsembleHost
 from despina.workers.redelivery import DeliveryPolicy
 from despina.workers.runner import ModelRunner
-from despina.workers.stats import Deferred
 
 ROW = np.ones((1, 256), np.float32)
 

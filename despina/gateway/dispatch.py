@@ -25,6 +25,7 @@ from ..contract import records
 from ..contract.errors import Cancelled, Code, DespinaError, Unavailable
 from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
 from ..contract.records import GROUPED, InferReply, InferRequest
+from ..counters import Deferred
 from ..resp import Batch, ReadAlong, Resp, fields
 from . import grouping
 
@@ -53,7 +54,6 @@ Result = InferReply | BaseException
 # model's responses to it that are not its last (InferReply.final False), in order, each once
 Callback = Callable[[Result], None]
 SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
-COUNTS_S = 0.05  # the gateway's own statistics reach Redis at most this late
 OWED_S = 0.004  # answers delivered this recently are expected back as new requests (see Dispatcher.submit);
 # a hold ends at the first request after it, whatever hold_us says
 HOLD_GAP_S = 0.0002  # a hold ends when no request came for this long: the answered clients are not coming
@@ -87,8 +87,7 @@ class Dispatcher:
         self.keys = keys
         self.reply_ttl_ms = reply_ttl_ms
         self.dropped = 0  # replies nobody waited for: duplicates, or past their deadline
-        self._counts: dict[str, dict[str, int]] = {}  # statistics hash -> field -> not yet written
-        self._counter: asyncio.TimerHandle | None = None
+        self._counts = Deferred(redis)  # what the gateway counts itself (count)
         self.id = gateway_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.reply_stream = keys.reply_stream(self.id)
         self._ids = itertools.count()
@@ -147,9 +146,7 @@ class Dispatcher:
         self._fail_waiting(Unavailable("the gateway is shutting down"))
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._counter is not None:
-            self._counter.cancel()
-        await self._write_counts()
+        await self._counts.close()
         if self.dropped:
             log.info("gateway %s: dropped %d replies nobody waited for (duplicates, or past their deadline)",
                      self.id, self.dropped)
@@ -330,7 +327,7 @@ class Dispatcher:
                 plain += 1
             pipe.hincrby(self._stats[stream], "enqueued", len(batch))
             plain += 1
-        plain += self._counts_into(pipe)  # what the gateway counted itself rides along
+        plain += self._counts.into(pipe)  # what the gateway counted itself rides along
         for stream, (counter, limit), req in bounded:
             pipe.eval(BOUNDED_XADD, 3, stream, counter, self._stats[stream], limit, FIELD,
                       records.encode([req]), IN_FLIGHT, self._in_flight.get(self._stats[stream], 0))
@@ -353,48 +350,11 @@ class Dispatcher:
         """Count a request refused before it was queued (Triton's REJECTED)."""
         self.count(stats, {"fail_count": 1, "fail:REJECTED": 1, "refused": 1})
 
-    def count(self, stats: str, counts: dict[str, int], last_inference_ms: int = 0) -> None:
-        """Add to a statistics hash's counters (and set its last_inference): what the gateway itself
-        counts. The sums ride along with the next requests' pipeline, or go alone after COUNTS_S: no
+    def count(self, stats: str, counts: dict[str, int]) -> None:
+        """Add to a statistics hash's counters (last_inference, in ms, is set): what the gateway itself
+        counts. The sums ride along with the next requests' pipeline, or go alone after DEFER_S: no
         round trip of their own while requests flow."""
-        if not self._counts and self._counter is None:
-            self._counter = asyncio.get_running_loop().call_later(COUNTS_S, self._flush_counts)
-        mine = self._counts.setdefault(stats, {})
-        for field, n in counts.items():
-            mine[field] = mine.get(field, 0) + n
-        if last_inference_ms:
-            mine["last_inference"] = max(mine.get("last_inference", 0), last_inference_ms)
-
-    def _flush_counts(self) -> None:
-        self._counter = None
-        if self._counts:
-            task = asyncio.create_task(self._write_counts())
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
-
-    def _counts_into(self, pipe: Batch) -> int:
-        """Move the pending counts into `pipe`; how many commands that added."""
-        if not self._counts:
-            return 0  # the usual case on the hot path: nothing counted since the last write
-        counts, self._counts = self._counts, {}
-        before = len(pipe)
-        for stats, added in counts.items():
-            for field, n in added.items():
-                if field == "last_inference":
-                    pipe.commands.append(["HSET", stats, field, n])
-                else:
-                    pipe.hincrby(stats, field, n)
-        return len(pipe) - before
-
-    async def _write_counts(self) -> None:
-        pipe = Batch()
-        self._counts_into(pipe)
-        if not pipe.commands:
-            return
-        try:
-            await self._out.execute(pipe.commands)
-        except Exception as exc:  # statistics are best effort: never the reason a close or a tick fails
-            log.debug("gateway %s: writing its statistics failed: %s", self.id, exc)
+        self._counts.add(stats, counts)
 
     def _fail_waiting(self, error: Exception) -> None:
         for request_id in list(self._waiting):

@@ -81,6 +81,7 @@ class _GatewayRun(Run):
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
         us = int((time.monotonic() - self.started) * 1e6)
         counts = ensemble_counts(result if isinstance(result, DespinaError) else None, us, rows)
-        self.gw.dispatcher.count(self.gw.keys.stats(self.spec.name, self.version), counts,
-                                 int(time.time() * 1000) if rows else 0)
+        if rows:
+            counts["last_inference"] = int(time.time() * 1000)
+        self.gw.dispatcher.count(self.gw.keys.stats(self.spec.name, self.version), counts)
         self.done(result)

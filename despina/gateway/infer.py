@@ -297,15 +297,11 @@ def cached(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
         return done
     stats = gw.keys.stats(spec.name, version)
 
-    def count(counts: dict[str, int]) -> None:
-        last = counts.pop("last_inference", 0)
-        gw.dispatcher.count(stats, counts, last)
-
     def keeps(result: InferReply | DespinaError) -> bool:  # and the files did not change meanwhile
         return isinstance(result, InferReply) and gw.view.revision(spec.name, version) == revision
 
-    return through(cache, cache_key(spec.name, version, revision, inputs, outputs, parameters), done, count,
-                   keeps)
+    return through(cache, cache_key(spec.name, version, revision, inputs, outputs, parameters), done,
+                   lambda counts: gw.dispatcher.count(stats, counts), keeps)
 
 
 class AsgiExchange:

@@ -27,12 +27,13 @@ from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
 from ..contract.keys import FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
+from ..counters import Deferred, record_counts
 from ..resp import Batch, ReadAlong, Resp
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
 from .runner import READ_BLOCK_MS, READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
-from .stats import Deferred, ensemble_counts, record_counts
+from .stats import ensemble_counts
 from .streams import Entry, ModelStreams
 
 log = logging.getLogger("despina.worker")

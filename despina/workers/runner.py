@@ -18,6 +18,7 @@ from ..contract.errors import Code, DespinaError, Unavailable
 from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, GROUP, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
+from ..counters import Deferred, record_counts
 from ..resp import Batch, ReadAlong, Resp
 from ..response_cache import LOADS, ResponseCache, cache_key, through
 from . import answers, stats
@@ -61,7 +62,7 @@ class Pending:
 class ModelRunner:
     def __init__(self, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, version: int, path: Path,
                  consumer: str, threads: int = 1, read_ahead: int | None = None,
-                 delivery: DeliveryPolicy | None = None, deferred: stats.Deferred | None = None,
+                 delivery: DeliveryPolicy | None = None, deferred: Deferred | None = None,
                  full_queue_delay: bool = False, caller: ModelCaller | None = None,
                  response_cache: ResponseCache | None = None) -> None:
         self.redis, self.keys, self.spec, self.version = redis, keys, spec, version
@@ -437,7 +438,7 @@ class ModelRunner:
                 log.exception("model %s: answering a request made in this worker failed", self.spec.name)
         # Nothing else to run, and every gateway's requests here: the client of these replies may look
         # at the statistics next, so they go now. Otherwise more batches follow, and their counters
-        # go together (stats.Deferred), one statistics update for several batches.
+        # go together (counters.Deferred), one statistics update for several batches.
         quiet = not self.batcher.pending and not self.batcher.executing and self._gateways.all_here()
         done = []
         answered = 0  # requests: a grouped one counts as all it holds
@@ -473,7 +474,7 @@ class ModelRunner:
             count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, requests)
         counts = stats.tally(replies, rows, started, timings)
         if self.deferred is None:
-            stats.record_counts(pipe, self.stats_key, counts)
+            record_counts(pipe, self.stats_key, counts)
         else:
             self.deferred.add(self.stats_key, counts)
             if quiet:  # everything counted so far goes with these replies

@@ -2,8 +2,8 @@
 
 HINCRBY sums them over every worker; the statistics API and the Prometheus metrics both read that
 hash, so the two always agree. A batch's counters go out with its replies; while more batches follow
-at once, several batches' counters go out together (at most DEFER_S late), and the last batch of a
-burst takes everything with it. Field names:
+at once, several batches' counters go out together (counters.Deferred, at most DEFER_S late), and the
+last batch of a burst takes everything with it. Field names:
 
   inference_count, execution_count, last_inference (ms)
   {success,fail,queue,compute_input,compute_infer,compute_output}_{count,ns}
@@ -14,32 +14,16 @@ burst takes everything with it. Field names:
 """
 from __future__ import annotations
 
-import asyncio
 import bisect
-import logging
 from typing import Any
-
-import redis.asyncio as aioredis
 
 from ..contract.errors import Code, DespinaError
 from ..contract.records import GROUPED, InferReply, requests_in
-from ..resp import Batch, Resp
-
-log = logging.getLogger("despina.worker")
+from ..counters import record_counts
 
 # upper bounds in microseconds of the latency histogram buckets (the last one is +Inf)
 LATENCY_BUCKETS_US = (100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 50_000, 100_000, 250_000,
                       500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000)
-
-# One command for all of a batch's counters; last_inference is set, not added.
-HINCRBY_MANY = """
-for i = 1, #ARGV, 2 do
-  if ARGV[i] == 'last_inference' then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-  else redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-end
-"""
-
-DEFER_S = 0.02  # how long counters may wait for a pipeline to ride along with
 
 REASON = {Code.RESOURCE_EXHAUSTED: "REJECTED", Code.DEADLINE_EXCEEDED: "REJECTED", Code.BACKEND: "BACKEND",
           Code.CANCELLED: "CANCELED"}
@@ -53,13 +37,6 @@ def record(pipe: Any, key: str, replies: list[InferReply], rows: int, started: f
            timings_ns: tuple[int, int, int] = (0, 0, 0)) -> None:
     """Count one batch's replies into the statistics hash `key`, in one command of `pipe`."""
     record_counts(pipe, key, tally(replies, rows, started, timings_ns))
-
-
-def record_counts(pipe: Any, key: str, counts: dict[str, int]) -> None:
-    """Add `counts` to the statistics hash `key` (last_inference is set), in one command of `pipe`."""
-    if counts:
-        args = [x for field, n in counts.items() for x in (field, n)]
-        pipe.eval(HINCRBY_MANY, 1, key, *args)
 
 
 def tally(replies: list[InferReply], rows: int, started: float,
@@ -141,62 +118,3 @@ def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[s
 
 
 _QLAT_NONE = f"qlat:{bisect.bisect_left(LATENCY_BUCKETS_US, 0)}"  # the queue latency bucket of no wait
-
-
-class Deferred:
-    """Counters that need not go out at once: of executions that sent nothing to Redis (batches of
-    ensemble steps run in this worker), and of batches another batch follows at once (a busy model).
-    They ride along with the next pipeline this worker sends anyway (`into`), or go alone after
-    DEFER_S, instead of a round trip, or a statistics update, of their own per batch."""
-
-    def __init__(self, redis: aioredis.Redis) -> None:
-        self.redis = redis
-        self._counts: dict[str, dict[str, int]] = {}  # statistics hash -> counters
-        self._timer: asyncio.TimerHandle | None = None
-        self._writes: set[asyncio.Task[None]] = set()
-        self._out: Resp | None = None
-
-    def add(self, key: str, counts: dict[str, int]) -> None:
-        if not counts:
-            return
-        mine = self._counts.setdefault(key, {})
-        for field, n in counts.items():
-            mine[field] = max(mine.get(field, 0), n) if field == "last_inference" else mine.get(field, 0) + n
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(DEFER_S, self._flush)
-
-    def into(self, pipe: Any) -> None:
-        """Move every counter waiting into `pipe`."""
-        if not self._counts:
-            return  # the usual case
-        counts, self._counts = self._counts, {}
-        for key, added in counts.items():
-            record_counts(pipe, key, added)
-
-    def _flush(self) -> None:
-        self._timer = None
-        if self._counts:
-            task = asyncio.get_running_loop().create_task(self._write())
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
-
-    async def _write(self) -> None:
-        pipe = Batch()
-        self.into(pipe)
-        if self._out is None:
-            self._out = Resp.like(self.redis)
-        try:
-            await self._out.execute(pipe.commands)
-        except Exception as exc:  # statistics only: the requests were answered
-            log.warning("writing statistics failed: %s", exc)
-
-    async def close(self) -> None:
-        """Write what is left; then nothing more."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._counts:
-            await self._write()
-        await asyncio.gather(*self._writes, return_exceptions=True)
-        if self._out is not None:
-            self._out.close()

@@ -26,6 +26,7 @@ from ..contract.ensemble import Ensemble, Step, is_ensemble
 from ..contract.errors import ConfigError, DespinaError
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
+from ..counters import Deferred
 from ..metrics import GpuReader
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
 from ..registry.cache import touch
@@ -36,7 +37,6 @@ from .bls import ModelCaller
 from .ensembles import EnsembleHost
 from .redelivery import DeliveryPolicy
 from .runner import ModelRunner
-from .stats import Deferred
 
 log = logging.getLogger("despina.worker")
 
