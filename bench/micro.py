@@ -71,13 +71,17 @@ def codecs() -> None:
                                         "data": x[0].tolist()}]})
     timed("decode_infer, binary", lambda: decode_infer(binary, len(header), spec))
     timed("decode_infer, JSON", lambda: decode_infer(as_json, None, spec))
-    # perf_analyzer's JSON body: random float32 bit patterns (the finite ones here) at full precision
+    # perf_analyzer's JSON body as it sends it (strace of a gateway, 2026-12-04): random float32 bit patterns
+    # (the finite ones here) at full precision, the output asked with "binary_data":false (so the body holds
+    # an r and an l: the check that no boolean hides among the numbers runs), and an
+    # Inference-Header-Content-Length of the whole body
     bits = np.random.default_rng(0).integers(0, 2**32, 256, dtype=np.uint32).view(np.float32)
     bits = np.where(np.isfinite(bits), bits, np.float32(1.5))
     as_pa = (b'{"id":"","inputs":[{"name":"x","datatype":"FP32","shape":[1,256],"data":['
-             + b",".join(repr(float(v)).encode() for v in bits) + b"]}]}")
+             + b",".join(repr(float(v)).encode() for v in bits)
+             + b']}],"outputs":[{"name":"y","parameters":{"binary_data":false}}]}')
     timed("orjson.loads, perf_analyzer's JSON", lambda: orjson.loads(as_pa))
-    timed("decode_infer, perf_analyzer's JSON", lambda: decode_infer(as_pa, None, spec))
+    timed("decode_infer, perf_analyzer's JSON", lambda: decode_infer(as_pa, len(as_pa), spec))
     row = x[0].tolist()
     timed("json_data_to_bytes, 256 floats", lambda: json_data_to_bytes("x", "FP32", [1, 256], [row]))
     timed("decode_fn, 256 floats", lambda: decode_fn(orjson.dumps(x[0].tolist()), spec))
