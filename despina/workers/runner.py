@@ -83,7 +83,6 @@ class ModelRunner:
                                    lambda s, r, p: self._spawn(self._send_response(s, r, p)),
                                    lambda s, r, p: self._spawn(self._reply([r], [p.request], [p])),
                                    self._read_along.release)
-        self._open = self.execution.streams  # a decoupled model's requests still answering
         batch_io = self.execution.batch_io
         self._ragged = batch_io.ragged if batch_io is not None else frozenset()
         count = self.execution.count
@@ -141,7 +140,7 @@ class ModelRunner:
         if self._tasks:
             await asyncio.gather(self._tasks[0], return_exceptions=True)
         for _ in range(int(STREAMS_END_S / 0.05)):  # a decoupled model's requests still streaming
-            if not self._open:
+            if not self.execution.streams:
                 break
             await asyncio.sleep(0.05)
         while self._background:  # replies still being written
@@ -416,7 +415,7 @@ class ModelRunner:
             log.error("model %s: writing a response failed: %s", self.spec.name, exc)
             return
         if results[asked]:
-            self._open.cancel(stream)
+            self.execution.streams.cancel(stream)
 
     # -- replying --------------------------------------------------------------------------------
 
