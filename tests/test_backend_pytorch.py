@@ -90,9 +90,9 @@ output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 1 ] } ]
 
 class RaggedSum(torch.nn.Module):
     def forward(self, ends: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        prefix = torch.cat([torch.zeros(1), torch.cumsum(x, 0)])
+        prefix = torch.cat([torch.zeros(1, device=x.device), torch.cumsum(x, 0)])  # where the instance is
         upper = ends.long()
-        lower = torch.cat([torch.zeros(1, dtype=torch.long), upper[:-1]])
+        lower = torch.cat([torch.zeros(1, dtype=torch.long, device=x.device), upper[:-1]])
         return (prefix[upper] - prefix[lower]).unsqueeze(1)
 
 
