@@ -2,13 +2,14 @@
 # usage: bench/gpu.sh [OUTDIR]     (on a machine with an NVIDIA GPU, from anywhere; ~5 min)
 # The GPU paths and W2 on CUDA, in one go (the device machine's lease is short):
 #   1. tests/test_gpu.py and the PyTorch backend's tests, on the GPU
-#   2. W2's weights as TorchScript on KIND_GPU (bench/gpu.py build); its limit with torch on CUDA
+#   2. W2 on KIND_GPU (bench/gpu.py build): its weights as TorchScript, or with GPU_BACKEND=onnxruntime
+#      its ONNX file on onnxruntime's CUDA provider (onnxruntime-gpu); its limit through that backend
 #   3. for each worker count: Valkey, `despina serve --workers W --model-replicas 0` (each worker with
 #      the model on GPU 0) and more gateways, on cores 0-11; one bench/loadgen.py per gateway in use
 #      (binary tensors) on cores 12-15, the total concurrency split between them; CPU per process per
 #      inference at the end
 #      (nvidia-smi.csv: utilization and memory every 500 ms through step 3)
-# Knobs: PY (default python3, or .venv/bin/python here), GPU_WORKERS="1", GPU_GATEWAYS="1 4", GPU_CONCS="64 128 256",
+# Knobs: PY (default python3, or .venv/bin/python here), GPU_BACKEND=pytorch, GPU_WORKERS="1", GPU_GATEWAYS="1 4", GPU_CONCS="64 128 256",
 # GPU_DURATION=5, GPU_TESTS=1 (0 skips step 1), GPU_SERVE_GATEWAYS=1 (`serve --gateways` on one port
 # instead of separate `despina gateway` processes on ports of their own), GPU_DRY_RUN=1 (no GPU: the model on the CPU, server on
 # core 0 and every load on core 1, to check this script). Writes OUTDIR (default bench/out/gpu-<UTC time>).
@@ -52,7 +53,7 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
 fi
 
 phase "2. W2 on CUDA: build, limit"
-"$PY" bench/models.py > /dev/null && "$PY" bench/gpu.py build --kind $KIND || exit 1
+"$PY" bench/models.py > /dev/null && "$PY" bench/gpu.py build --kind $KIND --backend "${GPU_BACKEND:-pytorch}" || exit 1
 "$PY" bench/gpu.py limit --seconds 2 --device $DEVICE | tee -a "$RESULTS"
 
 phase "3. served: Valkey on $REDIS, despina serve and gateways on cores $SERVER_CPUS, load on $LOAD_CPU-"

@@ -200,3 +200,30 @@ def test_a_load_that_asks_for_a_missing_provider_says_so(serve: Callable[..., Se
         assert client.is_model_ready("m")
     finally:
         client.close()
+
+
+def test_the_cuda_libraries_preload_once_and_what_it_prints_is_logged(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """onnxruntime-gpu's preload_dlls prints what it could not load; a server logs it instead. Its own
+    behaviour needs a GPU (tests/test_gpu.py); here, a stand-in that prints and then raises."""
+    from despina.workers.backends import onnxruntime as backend
+
+    calls = []
+
+    def preload() -> None:
+        calls.append(1)
+        print("Failed to load libcudnn.so.9: not found")
+        raise RuntimeError("no CUDA version recorded")
+
+    monkeypatch.setattr(ort, "preload_dlls", preload, raising=False)
+    backend.preload_cuda_libraries.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="despina.backends.onnxruntime"):
+            backend.preload_cuda_libraries()
+            backend.preload_cuda_libraries()
+    finally:
+        backend.preload_cuda_libraries.cache_clear()
+    assert calls == [1]
+    assert [r.getMessage() for r in caplog.records] == [
+        "onnxruntime could not preload the CUDA libraries: no CUDA version recorded",
+        "onnxruntime: Failed to load libcudnn.so.9: not found"]

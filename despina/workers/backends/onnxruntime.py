@@ -1,7 +1,11 @@
 """ONNX Runtime: the CPU execution provider always; CUDA when onnxruntime-gpu and a GPU are present."""
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 from collections.abc import Mapping, Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +15,9 @@ import onnxruntime as ort
 from ...contract.errors import BackendError, ConfigError
 from ...contract.modelconfig import parameter_bool, parameter_int, string_parameters
 from .base import Backend, Declared, complete_config
-from .ort_providers import providers
+from .ort_providers import CUDA, providers
+
+log = logging.getLogger("despina.backends.onnxruntime")
 
 ONNX_TO_CONFIG = {
     "tensor(bool)": "TYPE_BOOL", "tensor(uint8)": "TYPE_UINT8", "tensor(uint16)": "TYPE_UINT16",
@@ -37,6 +43,8 @@ class OnnxRuntimeBackend(Backend):
         options = session_options(self.spec.name, self.spec.config, self.instance.threads)
         chosen = providers(self.spec.name, self.spec.config, self.instance.kind, self.instance.device,
                            ort.get_available_providers())
+        if any(name == CUDA for name, _ in chosen):
+            preload_cuda_libraries()
         try:
             self.session = ort.InferenceSession(str(self.model_path()), options, providers=chosen)
         except Exception as exc:
@@ -71,6 +79,26 @@ class OnnxRuntimeBackend(Backend):
                               ) from None
         complete_config(config, [_declared(t) for t in session.get_inputs()],
                         [_declared(t) for t in session.get_outputs()])
+
+
+@cache
+def preload_cuda_libraries() -> None:
+    """Once per process, before the first session with the CUDA provider: onnxruntime-gpu's own
+    preload_dlls (1.21 and later), which loads the CUDA and cuDNN libraries from the nvidia-* packages
+    beside it (`pip install onnxruntime-gpu[cuda,cudnn]`), where the dynamic loader does not look, and
+    otherwise from its usual paths (a system CUDA). What it prints about a library it could not load goes
+    to the log; the session then says whether its provider started (load)."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):
+            preload()
+    except Exception as exc:  # e.g. a build without the CUDA version recorded
+        log.warning("onnxruntime could not preload the CUDA libraries: %s", exc)
+    for line in filter(None, said.getvalue().splitlines()):
+        log.warning("onnxruntime: %s", line)
 
 
 # Triton's onnxruntime backend: optimization { graph { level } } -> the session's optimization level
