@@ -11,6 +11,9 @@
 # for that tree's server. TREE `@triton` is real Triton instead (the peers kit's tritonserver, run as
 # the kit runs it, on core 0) serving bench/out/triton: W1 as the kit's Python-backend `mlp`, W2 `mlp_heavy` and `conv_heavy` as the
 # same model.py on W2's ONNX files, and W3's `classify_post` and `mlp_classify` unchanged from model_repository/.
+# TREE `@limit` is no server: the model's own rate (bench/limit.py, onnxruntime in a loop on core 0, rows/s at
+# max batch 128, 4 s) at each point, in the rounds' order like the servers, so that served / limit comes from
+# one run even where the host's speed drifts (W2's limit moved 39 % within ten minutes on 2026-12-04).
 # Pinning: the server on core 0 as a whole, unless the label's ENV has DESPINA_WORKER_CPUS=0 (Despina
 # runs its workers on core 0 and everything else, with the load generator, on core 1) or, for
 # @triton, STUB_CPUS=0 (tritonserver on core 1, each model's Python-backend stub moved to core 0 once
@@ -33,6 +36,7 @@
 #   git worktree add /tmp/base HEAD~1
 #   bench/ab.sh -r 2 base=/tmp/base new=.            # then: git worktree remove /tmp/base
 #   bench/ab.sh -m "mlp_classify mlp" despina=. triton=@triton     # W3 against Triton's ensemble
+#   bench/ab.sh -l loadgen -c "64 128 256" -m conv_heavy limit=@limit despina=.   # W2: despina / limit
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=$ROOT/.venv/bin/python
@@ -83,10 +87,14 @@ busy() {  # cores before, after -> per cent of core 0's and core 1's time busy i
     printf "%s%.0f%%", (c ? " core1 " : ""), 100 * b / (b + i + (b + i == 0))}}'
 }
 
-point() {  # label round model conc -> one line
+point() {  # label round model conc -> one line; $tree is the label's (@limit: the model in a loop, no server)
   local before after line cpu
   before=$(stats "$3") cpu=$(cores)
-  if [ "$CLIENT" = perf_analyzer ]; then
+  if [ "$tree" = @limit ]; then
+    line=$("$PY" "$ROOT/bench/limit.py" --cpu 0 --model "$3" --batch 128 --seconds 4 2>&1 | "$PY" -c 'import json, sys
+r = [json.loads(l) for l in sys.stdin if l.startswith("{")]
+print("%.0f %.2f %.2f" % (r[-1]["rps"], r[-1]["p50_ms"], r[-1]["p99_ms"]) if r else "failed - -")')
+  elif [ "$CLIENT" = perf_analyzer ]; then
     local out
     # shellcheck disable=SC2086  # PA_ARGS: words for perf_analyzer
     out=$(taskset -c 1 "$PA" -m "$3" -u "127.0.0.1:$PORT" -i http --concurrency-range "$4:$4" \
@@ -108,8 +116,10 @@ bad = "  errors %d wrong %d/%d" % (r["errors"], r["wrong"], r["checked"]) if r["
 print("%.0f %.2f %.2f%s" % (r["rps"], r["p50_ms"], r["p99_ms"], bad))')
   fi
   cpu=$(busy "$cpu" "$(cores)") after=$(stats "$3")
+  local bq="128.0 0"  # the limit's batch; no queue
+  [ "$tree" = @limit ] || bq=$(batch_and_queue "$before" "$after")
   printf "%-10s round %s  %-12s c=%-4s %s  batch/queue_us %s  core0 %s  load %s\n" "$1" "$2" "$3" "$4" "$line" \
-    "$(batch_and_queue "$before" "$after")" "$cpu" "$(cut -d' ' -f1 /proc/loadavg)"
+    "$bq" "$cpu" "$(cut -d' ' -f1 /proc/loadavg)"
 }
 
 triton_repo() {  # bench/out/triton: the kit's W1 for Triton, and W3's models as they are in model_repository/
@@ -165,28 +175,32 @@ for round in $(seq "$ROUNDS"); do
     [ "$rest" != "$tree" ] && envs=${rest#*:}
     if [ "$tree" = @triton ]; then
       [ "$round" = 1 ] && { triton_repo || exit 1; }
-    else
+    elif [ "$tree" != @limit ]; then
       tree=$(cd "$tree" && pwd) || exit 1
     fi
-    start "$tree" "$envs" "$OUT/$label-$round.log"
-    for model in $MODELS; do
-      for _ in $(seq 480); do
-        [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/$model/ready")" = 200 ] && break
-        kill -0 "$serve" 2>/dev/null || { tail -5 "$OUT/$label-$round.log" >&2; exit 1; }
-        sleep 0.25
+    if [ "$tree" != @limit ]; then
+      start "$tree" "$envs" "$OUT/$label-$round.log"
+      for model in $MODELS; do
+        for _ in $(seq 480); do
+          [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/$model/ready")" = 200 ] && break
+          kill -0 "$serve" 2>/dev/null || { tail -5 "$OUT/$label-$round.log" >&2; exit 1; }
+          sleep 0.25
+        done
       done
-    done
-    stubs=$(env_value STUB_CPUS "$envs")
-    if [ -n "$stubs" ]; then  # each model's stub process (and its threads) onto the model's core
-      for p in $(pgrep -f triton_python_backend_stub); do taskset -apc "$stubs" "$p" > /dev/null; done
+      stubs=$(env_value STUB_CPUS "$envs")
+      if [ -n "$stubs" ]; then  # each model's stub process (and its threads) onto the model's core
+        for p in $(pgrep -f triton_python_backend_stub); do taskset -apc "$stubs" "$p" > /dev/null; done
+      fi
     fi
     for model in $MODELS; do
       for conc in $CONCS; do
         point "$label" "$round" "$model" "$conc" | tee -a "$OUT/ab.txt"
       done
     done
-    kill -TERM -- -"$serve" 2>/dev/null; wait "$serve" 2>/dev/null
-    sleep 1
+    if [ "$tree" != @limit ]; then
+      kill -TERM -- -"$serve" 2>/dev/null; wait "$serve" 2>/dev/null
+      sleep 1
+    fi
   done
 done
 echo "lines: $OUT/ab.txt"

@@ -1,6 +1,7 @@
 """The model's own limit: each workload called with onnxruntime in a tight loop, no server.
 
     python bench/limit.py [--repo bench/out/repo] [--seconds 2] [--cpu 0] [--model conv_heavy ...]
+                          [--batch 128 ...]
 
 One thread, sequential: the session settings of despina/workers/backends/onnxruntime.py. W3
 (`mlp_classify`, the ensemble) is W1's session followed by its post-processing in numpy, in one loop.
@@ -41,6 +42,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--cpu", type=int, help="pin this process to one core")
     p.add_argument("--model", nargs="+", choices=MODELS, default=MODELS, help="these workloads only")
+    p.add_argument("--batch", nargs="+", type=int, default=BATCHES, help="these batch sizes only")
     args = p.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
@@ -48,7 +50,7 @@ def main() -> None:
         sess = session(args.repo / ("mlp" if model == "mlp_classify" else model) / "1" / "model.onnx")
         if model == "mlp_classify":
             sess = Chained(sess)
-        for batch in BATCHES:
+        for batch in args.batch:
             x = np.random.default_rng(0).standard_normal((batch, 256)).astype(np.float32)
             elapsed, lat = measure(sess, x, args.seconds)  # type: ignore[arg-type]
             print(json.dumps({"peer": "limit", "client": "loop", "model": model, "batch": batch, "conc": 1,
