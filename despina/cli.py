@@ -81,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
                         help="Prometheus /metrics port of the control plane (default 8002; 0 = off)")
 
     serve = sub.add_parser("serve", help="start control plane, workers and gateway on this machine")
-    common(serve), repo(serve), http(serve), worker(serve), cache(serve), metrics(serve)
+    for add in (common, repo, http, worker, cache, metrics):
+        add(serve)
     serve.add_argument("--worker-nice", dest="worker_nice", type=int, metavar="N",
                        help="the niceness of workers that share CPUs with the gateways, 0-19 (default 5: "
                             "a gateway's reads come before a batch's work, and batches form larger)")
@@ -89,13 +90,16 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--gateways", dest="gateways", type=int,
                        help="gateway processes, sharing the HTTP port (default 1)")
     gw = sub.add_parser("gateway", help="run one HTTP gateway against a shared Redis")
-    common(gw), http(gw), cache(gw)
+    for add in (common, http, cache):
+        add(gw)
     wk = sub.add_parser("worker", help="run one worker process against a shared Redis")
-    common(wk), worker(wk), cache(wk)
+    for add in (common, worker, cache):
+        add(wk)
     wk.add_argument("--worker-id", dest="worker_id",
                     help="a name for this worker; each process adds a suffix of its own")
     ctl = sub.add_parser("control", help="run the control plane against a shared Redis")
-    common(ctl), repo(ctl), metrics(ctl)
+    for add in (common, repo, metrics):
+        add(ctl)
     ctl.add_argument("--host", dest="host", help="address the metrics port binds (default 127.0.0.1)")
     push = sub.add_parser("push", help="upload a model folder to a registry (s3://bucket/prefix or a folder)")
     push.add_argument("path", help="the model folder: config.pbtxt and version folders (or model files)")

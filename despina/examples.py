@@ -54,9 +54,9 @@ def build_mlp(path: Path, layers: tuple[int, ...] = (D_IN, D_HIDDEN, D_OUT), see
     else:
         rng = np.random.default_rng(seed)
         weights = []
-        for a, b in zip(layers, layers[1:]):
-            weights += [(rng.standard_normal((a, b)) * (1 / np.sqrt(a))).astype(np.float32),
-                        (rng.standard_normal((b,)) * 0.01).astype(np.float32)]
+        for n_in, n_out in zip(layers, layers[1:]):
+            weights += [(rng.standard_normal((n_in, n_out)) * (1 / np.sqrt(n_in))).astype(np.float32),
+                        (rng.standard_normal((n_out,)) * 0.01).astype(np.float32)]
     inits, nodes, prev = [], [], "x"
     for i in range(len(layers) - 1):
         w, b = weights[2 * i], weights[2 * i + 1]

@@ -91,8 +91,8 @@ class ModelView:
             try:
                 async with self.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self.keys.events)
-                    for follow in self.followers.values():
-                        await follow()
+                    for each in self.followers.values():
+                        await each()
                     while True:
                         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=REFRESH_S)
                         follow = self.followers.get(message.get("data")) if message is not None else None
