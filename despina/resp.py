@@ -280,7 +280,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.commands)
 
-    def xadd(self, stream: str, fields: dict[str, bytes], maxlen: int | None = None,
+    def xadd(self, stream: str, fields: dict[bytes | str, Arg], maxlen: int | None = None,
              approximate: bool = True) -> None:
         trim: tuple[Arg, ...] = ("MAXLEN", "~" if approximate else "=", maxlen) if maxlen else ()
         self.commands.append(("XADD", stream, *trim, "*", *(x for kv in fields.items() for x in kv)))

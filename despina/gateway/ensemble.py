@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .app import Gateway
 
 Done = Callable[[InferReply | DespinaError], None]
-Submit = Callable[..., None]  # infer.submit: queue one request on a model's stream
+Submit = Callable[..., str | None]  # infer.submit: queue one request on a model's stream
 
 
 def run(submit: Submit, gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int,

@@ -98,6 +98,8 @@ def protocol_class(routes: HotRoutes) -> type[HttpToolsProtocol]:
 
 class GatewayProtocol(HttpToolsProtocol):
     routes: HotRoutes
+    headers: Headers
+    cycle: Any  # uvicorn's RequestResponseCycle, or a HotRequest in its place
 
     def on_message_begin(self) -> None:
         # uvicorn builds the ASGI scope here; a hot request needs none, the others get it below
@@ -131,7 +133,7 @@ class GatewayProtocol(HttpToolsProtocol):
         request = HotRequest(self, match, self.headers,
                              parser.get_http_version() != "1.0" and parser.should_keep_alive(),
                              self.expect_100_continue)
-        previous, self.cycle = self.cycle, request  # type: ignore[assignment]
+        previous, self.cycle = self.cycle, request
         if previous is None or previous.response_complete:
             request.start()
         else:  # pipelined behind a request not yet answered: it starts when that one is
@@ -236,7 +238,8 @@ class HotRequest:
         self.headers = headers
         self.keep_alive = keep_alive
         self.expect_100 = expect_100
-        self.body = bytearray()   # the protocol appends what it parses
+        # typed as the routes take it: set() makes it bytes once the message is complete
+        self.body: bytes = bytearray()  # type: ignore[assignment]  # the protocol appends what it parses
         self.more_body = True     # ... and sets this when the message is complete
         self.started = False
         self.queued = False
@@ -278,7 +281,7 @@ class HotRequest:
             self.protocol.flow.resume_reading()  # paused past uvicorn's high-water mark
         else:
             self.queued = True
-            self.body = bytes(self.body)  # type: ignore[assignment]
+            self.body = bytes(self.body)
             try:
                 self.route(self)
             except Exception:  # a fault here would otherwise end up in the parser, the client hanging

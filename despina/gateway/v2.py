@@ -214,7 +214,7 @@ def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: i
     if not isinstance(name, str):
         raise InvalidArgument("an input has no 'name'")
     expected = known_input(spec, name)
-    datatype = raw.get("datatype")
+    datatype: Any = raw.get("datatype")  # JSON; check_datatype has it equal to the model's str
     check_datatype(expected, datatype)
     shape = raw.get("shape")
     if type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):

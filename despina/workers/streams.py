@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from ..contract.keys import GROUP, Keys
-from ..resp import Command, Resp, fields
+from ..resp import Arg, Command, Resp, fields
 from .redelivery import EXECUTING_TTL_S, DeliveryPolicy, Queue, marker, redeliver
 
 log = logging.getLogger("despina.worker")
@@ -90,7 +90,7 @@ class ModelStreams:
         return []
 
     def _command(self, streams: dict[str, str], count: int, block_ms: int | None) -> Command:
-        block = ["BLOCK", block_ms] if block_ms is not None else []
+        block: list[Arg] = ["BLOCK", block_ms] if block_ms is not None else []
         return ["XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *block, "STREAMS", *streams,
                 *streams.values()]
 
