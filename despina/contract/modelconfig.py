@@ -172,7 +172,7 @@ def validate(config: Any) -> None:
             validate_sequence(config)
         if scheduling == "ensemble_scheduling" and config.platform != "ensemble":
             raise ConfigError(f"model '{model}': field 'ensemble_scheduling' needs platform \"ensemble\"")
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     for kind, tensors in (("input", config.input), ("output", config.output)):
         for t in tensors:
             where = f"model '{model}': {kind} '{t.name}'"

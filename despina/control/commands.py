@@ -199,7 +199,9 @@ class Commands:
         for n in names:
             await plane.lifecycle.wait(n, "unload", None, timeout)
             e = plane.catalog.get(n)
-            for v in e.versions if e is not None and e.target == UNLOADED else ():
+            if e is None or e.target != UNLOADED:
+                continue
+            for v in e.versions:
                 for stream in e.streams(plane.keys, v):
                     if count := await refuse(plane.redis, stream, f"model '{n}' was unloaded"):
                         log.warning("model %s: %d queued requests answered: it was unloaded", n, count)
@@ -207,7 +209,9 @@ class Commands:
         # the model unloaded), so what is still on its stream would wait for nobody
         for d in self._dependents(name):
             e = plane.catalog.get(d)
-            for v in e.versions if e is not None and d not in names else ():
+            if e is None or d in names:
+                continue
+            for v in e.versions:
                 for stream in e.streams(plane.keys, v):
                     if count := await refuse(plane.redis, stream, f"ensemble '{d}' cannot run: model "
                                              f"'{name}' was unloaded"):

@@ -95,7 +95,9 @@ class Ensembles:
             return "UNAVAILABLE", e.failed[v]
         if e.target == UNLOADED:
             return "UNAVAILABLE", "unloaded"
-        loading, idle, unloaded = [], [], []
+        loading: list[str] = []
+        idle: list[str] = []
+        unloaded: list[str] = []
         for step in self.graph(e).steps:
             model = self.catalog.get(step.model)
             if model is None:

@@ -68,7 +68,7 @@ class EnsembleHost:
         self._room.set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._done: list[tuple[InferRequest, InferReply, tuple[str, bytes] | None]] = []
+        self._done: list[tuple[InferRequest | None, InferReply | None, tuple[str, bytes]]] = []
         self._counts: dict[str, int] = {}
         self._flush_soon: asyncio.Handle | None = None
         self._writes: set[asyncio.Task[None]] = set()
@@ -212,7 +212,7 @@ class EnsembleHost:
 
     def _finished(self, req: InferRequest | None, reply: InferReply | None, entry: tuple[str, bytes]) -> None:
         """Queue a reply (None: an entry to acknowledge only) for this tick's pipeline."""
-        self._done.append((req, reply, entry))  # type: ignore[arg-type]
+        self._done.append((req, reply, entry))
         if self._flush_soon is None:
             self._flush_soon = asyncio.get_running_loop().call_soon(self._flush)
 

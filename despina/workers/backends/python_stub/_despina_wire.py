@@ -7,6 +7,7 @@ objects (BYTES) go as they are.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ def unpack(packed: Any) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def pack_all(arrays: dict[str, np.ndarray]) -> dict[str, Packed]:
+def pack_all(arrays: Mapping[str, np.ndarray]) -> dict[str, Packed]:
     return {name: pack(a) for name, a in arrays.items()}
 
 
