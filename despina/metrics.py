@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis.asyncio as aioredis
@@ -71,7 +71,8 @@ def _escape(value: str) -> str:
 
 async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     """One consistent read of what the metrics need: catalog, statistics, backlogs, workers."""
-    catalog = {k.decode(): CatalogEntry.loads(v) for k, v in (await redis.hgetall(keys.catalog)).items()}
+    raw = cast(dict[bytes, bytes], await redis.hgetall(keys.catalog))
+    catalog = {k.decode(): CatalogEntry.loads(v) for k, v in raw.items()}
     targets: list[tuple[str, int, list[str]]] = []
     for name, entry in sorted(catalog.items()):
         levels = max(batch_policy(entry.config).priority_levels, 1) if entry.config else 1

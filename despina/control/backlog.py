@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -50,7 +51,8 @@ async def refuse(redis: aioredis.Redis, stream: str, message: str) -> int:
     """Answer every request still on `stream` with UNAVAILABLE `message`, and empty it."""
     refused = 0
     while True:
-        entries = await redis.xrange(stream, count=500)
+        # XRANGE's entries all have an id and fields (only XCLAIM's deleted ones have none)
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], await redis.xrange(stream, count=500))
         if not entries:
             return refused
         replies: defaultdict[str, list[InferReply]] = defaultdict(list)

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -94,7 +95,8 @@ class ControlPlane:
                 task.cancel()
             await asyncio.gather(*tasks, *self._tasks, return_exceptions=True)
             try:
-                if (await self.redis.get(self.keys.control_leader) or b"").decode() == self.id:
+                leader = cast(bytes | None, await self.redis.get(self.keys.control_leader))
+                if (leader or b"").decode() == self.id:
                     await self.redis.delete(self.keys.control_leader)
             except (RedisError, ConnectionError, OSError):
                 pass
@@ -201,7 +203,7 @@ class ControlPlane:
                 while not self._stop.is_set():
                     resp = await self.redis.xreadgroup(CONTROL_GROUP, self.id, {stream: ">"}, count=32,
                                                        block=1000)
-                    for _, entries in resp or ():
+                    for _, entries in cast(list[list[Any]], resp) or ():  # RESP2: [[stream, entries]]
                         self._dispatch(entries)
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: reading commands failed (%s); retrying", exc)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -29,7 +30,7 @@ class Catalog:
 
     async def load(self) -> None:
         """Adopt what a previous control plane published: placement and targets survive a restart."""
-        raw = await self.redis.hgetall(self.keys.catalog)
+        raw = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.catalog))
         self.entries = {k.decode(): CatalogEntry.loads(v) for k, v in raw.items()}
 
     def get(self, name: str) -> CatalogEntry | None:
@@ -96,7 +97,7 @@ class Workers:
 
     async def refresh(self) -> list[str]:
         """Read every worker's hash; returns the ids whose heartbeat key expired (now forgotten)."""
-        members = sorted(m.decode() for m in await self.redis.smembers(self.keys.workers))
+        members = sorted(m.decode() for m in cast(set[bytes], await self.redis.smembers(self.keys.workers)))
         pipe = self.redis.pipeline(transaction=False)
         for wid in members:
             pipe.hgetall(self.keys.worker(wid))

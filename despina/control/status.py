@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 
@@ -41,9 +41,9 @@ class StatusTracker:
         self.samples.append((now, stats))
         while self.samples and now - self.samples[0][0] > WINDOW_S:
             self.samples.popleft()
-        raw = await self.redis.hgetall(self.keys.catalog)
+        raw = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.catalog))
         self.catalog = {k.decode(): CatalogEntry.loads(v) for k, v in raw.items()}
-        members = sorted(m.decode() for m in await self.redis.smembers(self.keys.workers))
+        members = sorted(m.decode() for m in cast(set[bytes], await self.redis.smembers(self.keys.workers)))
         pipe = self.redis.pipeline(transaction=False)
         for wid in members:
             pipe.hgetall(self.keys.worker(wid))

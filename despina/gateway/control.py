@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -33,4 +33,4 @@ class ControlClient:
         if got is None:
             raise Unavailable(f"the control plane did not answer '{op}' within {timeout:g} s "
                               "(is `despina control` running?)")
-        return Answer.loads(got[1]).result()
+        return Answer.loads(cast(bytes, got[1])).result()

@@ -25,7 +25,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from starlette.requests import Request
@@ -207,7 +207,7 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
 
 async def _models(gw: Gateway, key: str) -> list[dict[str, str]]:
     """The endpoint's models that serve now, by name."""
-    rows = await gw.redis.hgetall(key)
+    rows = cast(dict[bytes, bytes], await gw.redis.hgetall(key))
     out = []
     for raw_name, raw in sorted(rows.items()):
         name = raw_name.decode()
