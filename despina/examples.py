@@ -13,9 +13,12 @@ import warnings
 from collections.abc import Collection
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
 
 D_IN, D_HIDDEN, D_OUT = 256, 1024, 10
 
@@ -35,12 +38,12 @@ def mlp_numpy(x: np.ndarray) -> np.ndarray:
     return (np.maximum(x @ w1 + b1, 0.0) @ w2 + b2).astype(np.float32)
 
 
-def save_onnx(model: object, path: Path) -> None:
+def save_onnx(model: ModelProto, path: Path) -> None:
     """Check an ONNX model and write it to `path` (its folders made), at IR version 8."""
     import onnx
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    model.ir_version = 8  # type: ignore[attr-defined]
+    model.ir_version = 8
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
 

@@ -16,7 +16,7 @@ import itertools
 import numbers
 import ssl
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import hiredis
@@ -39,8 +39,9 @@ def pack(commands: Iterable[Command]) -> bytes:
     integer) is packed here, each argument as its int or float value."""
     out = []
     for command in commands:
-        try:
-            out.append(pack_command(command if type(command) is tuple else tuple(command)))
+        try:  # the ignore: hiredis's stub types the command as a 1-tuple
+            out.append(pack_command(command if type(command) is tuple  # type: ignore[arg-type,unused-ignore]
+                                    else tuple(command)))
         except TypeError:
             out.append(_pack_slowly(command))
     return b"".join(out)
@@ -109,7 +110,7 @@ class Resp:
     """One lazily (re)connected Redis connection. `execute` sends a pipeline and returns its replies;
     an error reply raises ResponseError unless `errors` is False (then it is in the list)."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: Mapping[str, Any]) -> None:
         self.options = options  # as redis-py's parse_url gives them
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
