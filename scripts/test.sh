@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install Despina with its test extras into .venv and run the whole test suite twice over:
-# against a Redis server (REDIS_URL, default 127.0.0.1:6379, started here if it is installed and
-# not running), then the end-to-end gateway tests against the embedded Valkey of `despina serve`.
+# Install Despina with its test extras into .venv, lint (ruff) and type-check (mypy) it, and run the whole
+# test suite twice over: against a Redis server (REDIS_URL, default 127.0.0.1:6379, started here if it is
+# installed and not running), then the end-to-end gateway tests against the embedded Valkey of `despina serve`.
+# Arguments go to the first pytest run (and skip the lint: a chosen test runs at once).
 # PYTHON=path picks the interpreter .venv is made with (when there is no .venv yet; default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,10 @@ if command -v redis-cli >/dev/null && ! redis-cli -u "$REDIS_URL" ping >/dev/nul
   fi
 fi  # if no Redis answers, the fixtures fall back to an embedded Valkey
 
+if [ $# = 0 ]; then  # the whole suite: lint and type-check first (pyproject.toml's settings)
+  .venv/bin/ruff check despina bench tests
+  .venv/bin/mypy despina
+fi
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 DESPINA_TEST_REDIS=embedded .venv/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_gateway_triton.py tests/test_gateway_errors.py
