@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--cpu", type=int, help="pin this process to one core")
     p.add_argument("--model", nargs="+", choices=MODELS, default=MODELS, help="these workloads only")
     p.add_argument("--batch", nargs="+", type=int, default=BATCHES, help="these batch sizes only")
+    p.add_argument("--peer", default="limit", help="the lines' peer (bench/run.sh: limit-beside)")
     args = p.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
@@ -53,7 +54,7 @@ def main() -> None:
         for batch in args.batch:
             x = np.random.default_rng(0).standard_normal((batch, 256)).astype(np.float32)
             elapsed, lat = measure(sess, x, args.seconds)  # type: ignore[arg-type]
-            print(json.dumps({"peer": "limit", "client": "loop", "model": model, "batch": batch, "conc": 1,
+            print(json.dumps({"peer": args.peer, "client": "loop", "model": model, "batch": batch, "conc": 1,
                               "n": len(lat), "rps": round(len(lat) * batch / elapsed, 1),
                               "p50_ms": ms(lat, 0.5), "p90_ms": ms(lat, 0.9), "p99_ms": ms(lat, 0.99),
                               "errors": 0, "mean_batch": float(batch)}), flush=True)

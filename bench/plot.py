@@ -133,8 +133,12 @@ def limit_table(rows: list[Row]) -> list[str]:
 
 
 def w2_table(rows: list[Row], model: str) -> list[str]:
+    """W2's served / limit, by the limit taken beside its points (bench/run.sh's limit-beside lines: the
+    best of them) where the run has them, else by the one at max batch."""
     top = [r for r in rows if r["peer"] == "limit" and r["model"] == model]
-    limit = max(top, key=lambda r: r["batch"])["rps"] if top else None
+    at_end = max(top, key=lambda r: r["batch"])["rps"] if top else None
+    beside = [r["rps"] for r in rows if r["peer"] == "limit-beside" and r["model"] == model]
+    limit = max(beside) if beside else at_end
     served = []
     for r in rows:
         if r["peer"] in LAYOUTS and r.get("model") == model and r.get("rps") is not None:
@@ -145,6 +149,8 @@ def w2_table(rows: list[Row], model: str) -> list[str]:
     if not served:
         return []
     title = f"W2 `{model}`: Despina at saturation vs the limit at max batch, {limit or 0:,.0f} rows/s"
+    if beside:
+        title += f" beside its points (step 5's: {at_end or 0:,.0f})"
     columns = ["conc", "req/s", "p50 ms", "p99 ms", "mean batch", "errors", "served / limit"]
     return table(title, "client", columns, served)
 

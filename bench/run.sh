@@ -8,7 +8,8 @@
 #      3b. W2 again with the worker alone on core 0 (serve --worker-cpus 0; the rest of Despina and the
 #      load generator on core 1), as peer "despina-pool"
 #   4. Despina stopped; the peers kit runs the peers (Triton, LitServe, MLServer) the same way
-#   5. the limit: each model in a loop on core 0; then tables.md and throughput.png of this run
+#   5. the limit: each model in a loop on core 0 (W2's served / limit divides by its limit taken just
+#      before and after its points in 3 and 3b); then tables.md and throughput.png of this run
 #      (bench/plot.py RUN... --png bench/throughput.png combines runs)
 # Knobs: BENCH_PEERS="triton litserve mlserver", BENCH_CONCS="1 8 32 64 128", BENCH_W2_CONCS="64 128 256",
 # BENCH_DURATION=5 (s per point), BENCH_PORT=18000, BENCH_REDIS_URL (default: embedded Valkey, on core 0),
@@ -120,19 +121,29 @@ if command -v perf > /dev/null; then  # CPU samples (py-spy's include time spent
 fi
 wait "$load"; cat "$OUT/profile-load.jsonl"
 
+# the model's own rate at max batch on core 0 (Despina idle), just before and after its W2 points: the
+# host's speed drifts (W2's limit moved 39 % in ten minutes on 2026-12-04), so W2's served / limit divides
+# by these (plot.py takes the better), not by step 5's
+limit_beside() { timeout 60 "$PY" bench/limit.py --cpu 0 --model "$1" --batch 128 --seconds 3 --peer limit-beside \
+  | tee -a "$RESULTS"; }
+
 phase "3. the peers kit against Despina; W2 at saturation"
 peers --target "$URL"
 for w2 in $W2_MODELS; do  # replies checked against each model's own ONNX file (loadgen's default)
+  limit_beside $w2
   timeout 300 "$PY" bench/loadgen.py "$URL" --cpu 1 --model $w2 --format binary json --conc $W2_CONCS \
     --duration $((DURATION * 2)) --out "$RESULTS"
+  limit_beside $w2
 done
 stop_despina
 
 phase "3b. W2 with the worker alone on core 0 (serve --worker-cpus 0, the rest on core 1)"
 start_despina 0-1 --worker-cpus 0
 for w2 in $W2_MODELS; do
+  limit_beside $w2
   timeout 300 "$PY" bench/loadgen.py "$URL" --cpu 1 --model $w2 --format binary --conc $W2_CONCS \
     --duration $((DURATION * 2)) --peer despina-pool --out "$RESULTS"
+  limit_beside $w2
 done
 stop_despina
 
