@@ -22,6 +22,8 @@ W1, W2 = "mlp", "mlp_heavy"
 W2S = (W2, "conv_heavy")  # W2 as bench/models.py builds it: memory-bound at batch 1, and compute-bound
 # W2's layouts (bench/run.sh): everything on core 0, or the worker alone there (serve --worker-cpus 0)
 LAYOUTS = {"despina": "all on core 0", "despina-pool": "worker alone on core 0"}
+# the limit taken just before and after each layout's W2 points (bench/run.sh: limit.py --peer)
+BESIDE = {"despina": "limit-beside", "despina-pool": "limit-beside-pool"}
 
 
 def load(path: Path) -> list[Row]:
@@ -133,25 +135,26 @@ def limit_table(rows: list[Row]) -> list[str]:
 
 
 def w2_table(rows: list[Row], model: str) -> list[str]:
-    """W2's served / limit, by the limit taken beside its points (bench/run.sh's limit-beside lines: the
-    best of them) where the run has them, else by the one at max batch."""
+    """W2's served / limit: each layout's points by the limit taken beside them (bench/run.sh's
+    limit-beside lines, the better of before and after) where the run has it, else by the one at max
+    batch from the run's end."""
     top = [r for r in rows if r["peer"] == "limit" and r["model"] == model]
     at_end = max(top, key=lambda r: r["batch"])["rps"] if top else None
-    beside = [r["rps"] for r in rows if r["peer"] == "limit-beside" and r["model"] == model]
-    limit = max(beside) if beside else at_end
+    beside = {layout: max((r["rps"] for r in rows if r["peer"] == peer and r["model"] == model), default=None)
+              for layout, peer in BESIDE.items()}
     served = []
     for r in rows:
         if r["peer"] in LAYOUTS and r.get("model") == model and r.get("rps") is not None:
+            limit = beside[r["peer"]] or at_end
             share = f"{r['rps'] / limit:.2f}" if limit else "-"
             served.append((f"{r['client']}, {LAYOUTS[r['peer']]}",
                            [str(r["conc"]), f"{r['rps']:,.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
-                            str(r["mean_batch"]), str(r["errors"]), share]))
+                            str(r["mean_batch"]), str(r["errors"]), f"{limit or 0:,.0f}", share]))
     if not served:
         return []
-    title = f"W2 `{model}`: Despina at saturation vs the limit at max batch, {limit or 0:,.0f} rows/s"
-    if beside:
-        title += f" beside its points (step 5's: {at_end or 0:,.0f})"
-    columns = ["conc", "req/s", "p50 ms", "p99 ms", "mean batch", "errors", "served / limit"]
+    title = f"W2 `{model}`: Despina at saturation vs the model's own rows/s at max batch (the run's end: " \
+            f"{at_end or 0:,.0f})"
+    columns = ["conc", "req/s", "p50 ms", "p99 ms", "mean batch", "errors", "limit", "served / limit"]
     return table(title, "client", columns, served)
 
 

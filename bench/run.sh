@@ -124,26 +124,27 @@ wait "$load"; cat "$OUT/profile-load.jsonl"
 # the model's own rate at max batch on core 0 (Despina idle), just before and after its W2 points: the
 # host's speed drifts (W2's limit moved 39 % in ten minutes on 2026-12-04), so W2's served / limit divides
 # by these (plot.py takes the better), not by step 5's
-limit_beside() { timeout 60 "$PY" bench/limit.py --cpu 0 --model "$1" --batch 128 --seconds 3 --peer limit-beside \
-  | tee -a "$RESULTS"; }
+limit_beside() {  # model peer: limit-beside (beside step 3's points) or limit-beside-pool (3b's)
+  timeout 60 "$PY" bench/limit.py --cpu 0 --model "$1" --batch 128 --seconds 3 --peer "$2" | tee -a "$RESULTS"
+}
 
 phase "3. the peers kit against Despina; W2 at saturation"
 peers --target "$URL"
 for w2 in $W2_MODELS; do  # replies checked against each model's own ONNX file (loadgen's default)
-  limit_beside $w2
+  limit_beside $w2 limit-beside
   timeout 300 "$PY" bench/loadgen.py "$URL" --cpu 1 --model $w2 --format binary json --conc $W2_CONCS \
     --duration $((DURATION * 2)) --out "$RESULTS"
-  limit_beside $w2
+  limit_beside $w2 limit-beside
 done
 stop_despina
 
 phase "3b. W2 with the worker alone on core 0 (serve --worker-cpus 0, the rest on core 1)"
 start_despina 0-1 --worker-cpus 0
 for w2 in $W2_MODELS; do
-  limit_beside $w2
+  limit_beside $w2 limit-beside-pool
   timeout 300 "$PY" bench/loadgen.py "$URL" --cpu 1 --model $w2 --format binary --conc $W2_CONCS \
     --duration $((DURATION * 2)) --peer despina-pool --out "$RESULTS"
-  limit_beside $w2
+  limit_beside $w2 limit-beside-pool
 done
 stop_despina
 
