@@ -11,7 +11,8 @@
 #              back 30 s after a call) that each copy one part to /tmp/parts
 #              (`mkdir -p /tmp/parts && cp .oN/ort.part* /tmp/parts/`, carry [".oN"], N = 1, 2, 3), then
 #              this with carry [".o4", ".whl"]: onnxruntime-gpu in place of the image's CPU onnxruntime,
-#              a probe of its CUDA provider with and without preload_dlls, tests/test_gpu.py, and
+#              float32's precision with use_tf32 unset, off and on, a probe of its CUDA provider with and
+#              without preload_dlls, tests/test_gpu.py, and
 #              bench/gpu.sh with GPU_BACKEND=onnxruntime (W2's ONNX file on the CUDA provider) into /tmp/g
 # Each folder named here is ignored through .git/info/exclude (added when missing).
 set -uo pipefail
@@ -52,6 +53,17 @@ case ${1:-} in
       .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$ROOT
     python3 -c 'from pathlib import Path; from despina.examples import build_mlp; build_mlp(Path("/tmp/p.onnx"))'
+    # float32's precision on the CUDA provider with its use_tf32 option left alone, off and on, against numpy
+    timeout 60 python3 -c "
+import numpy as np, onnxruntime as o
+from despina.examples import mlp_numpy
+x = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
+for opt in ({}, {'use_tf32': '0'}, {'use_tf32': '1'}):
+    s = o.InferenceSession('/tmp/p.onnx', providers=[('CUDAExecutionProvider', opt), 'CPUExecutionProvider'])
+    y = s.run(None, {'x': x})[0]
+    ok = np.isclose(y, mlp_numpy(x), rtol=1e-3, atol=1e-4).all(axis=1).mean()
+    print('use_tf32', opt.get('use_tf32', 'unset'), 'max abs error', float(np.abs(y - mlp_numpy(x)).max()),
+          'rows within rtol 1e-3', ok)" 2>&1 | grep -v 'plugin EP'
     for pre in 0 1; do  # does the provider start on its own, or only after preload_dlls (as the backend does)?
       timeout 60 python3 -c "
 import onnxruntime as o
@@ -61,7 +73,7 @@ s = o.InferenceSession('/tmp/p.onnx', providers=['CUDAExecutionProvider', 'CPUEx
 print('with preload_dlls' if $pre else 'without preload_dlls', '-> started', s.get_providers())" 2>&1 | tail -4
     done
     timeout 120 python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -o timeout=100 \
-      tests/test_gpu.py 2>&1 | tail -4
+      tests/test_gpu.py tests/test_backend_onnxruntime.py 2>&1 | tail -15
     GPU_BACKEND=onnxruntime GPU_TESTS=0 GPU_SERVE_GATEWAYS=1 GPU_WORKERS="1 2" GPU_GATEWAYS=8 \
       GPU_CONCS="256 512" GPU_DURATION=4 PY=python3 timeout 200 bash bench/gpu.sh /tmp/g ;;
   *) sed -n 2,17p "$0"; exit 2 ;;

@@ -19,6 +19,7 @@ from despina.contract.modelconfig import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_mlp, mlp_numpy
 from despina.workers.backends import Instance, backend_class
+from despina.workers.backends.onnxruntime import has_tf32_option
 from despina.workers.backends.ort_providers import CPU, CUDA, OPENVINO, TENSORRT, providers
 
 from .conftest import Server
@@ -123,10 +124,30 @@ def test_gpu_accelerators_become_providers_in_tritons_order(tmp_path: Path) -> N
                     "trt_engine_cache_enable": "True", "trt_engine_cache_path": "/tmp/engines",
                     "device_id": "1"}),
         # the model's own parameters, then the "cuda" accelerator's, which win
-        (CUDA, {"device_id": "1", "cudnn_conv_algo_search": "HEURISTIC", "arena_extend_strategy": "kSameAsRequested",
-                "do_copy_in_default_stream": "0", "cudnn_conv_use_max_workspace": "1"}),
+        (CUDA, {"device_id": "1", "use_tf32": "0", "cudnn_conv_algo_search": "HEURISTIC",
+                "arena_extend_strategy": "kSameAsRequested", "do_copy_in_default_stream": "0",
+                "cudnn_conv_use_max_workspace": "1"}),
         (CPU, {})]
-    assert providers("m", config_of(tmp_path, ""), "GPU", 0, EVERY) == [(CUDA, {"device_id": "0"}), (CPU, {})]
+    assert providers("m", config_of(tmp_path, ""), "GPU", 0, EVERY) == [
+        (CUDA, {"device_id": "0", "use_tf32": "0"}), (CPU, {})]
+
+
+def test_float32_keeps_its_precision_on_the_gpu_unless_the_config_takes_tf32(tmp_path: Path) -> None:
+    """The CUDA provider's TF32 is off unless the "cuda" accelerator turns it on; an onnxruntime older
+    than use_tf32 (1.18) is not given the option, which it would refuse."""
+    def cuda(extra: str, tf32_option: bool = True) -> dict[str, str]:
+        return providers("m", config_of(tmp_path, extra), "GPU", 0, EVERY, tf32_option)[0][1]
+
+    take = ('optimization { execution_accelerators { gpu_execution_accelerator [ '
+            '{ name: "cuda" parameters { key: "use_tf32" value: "%s" } } ] } }')
+    assert cuda("")["use_tf32"] == "0"
+    assert cuda(take % "true")["use_tf32"] == "1"
+    assert cuda(take % "0")["use_tf32"] == "0"
+    assert "use_tf32" not in cuda("", tf32_option=False)
+    with pytest.raises(ConfigError, match="use_tf32 must be true or false"):
+        cuda(take % "fast")
+    assert [has_tf32_option(v) for v in ("1.17.3", "1.18.0", "1.32.0", "2.0.0", "main")] == \
+        [False, True, True, True, True]
 
 
 def test_a_cpu_instance_does_not_consult_the_gpu_accelerators(tmp_path: Path) -> None:
@@ -142,7 +163,8 @@ def test_openvino_comes_before_the_cpu_provider(tmp_path: Path) -> None:
     assert providers("m", config, "CPU", 0, EVERY) == [
         (OPENVINO, {"device_type": "CPU", "num_of_threads": "2"}), (CPU, {})]
     assert providers("m", config, "GPU", 0, EVERY) == [
-        (CUDA, {"device_id": "0"}), (OPENVINO, {"device_type": "CPU", "num_of_threads": "2"}), (CPU, {})]
+        (CUDA, {"device_id": "0", "use_tf32": "0"}), (OPENVINO, {"device_type": "CPU", "num_of_threads": "2"}),
+        (CPU, {})]
 
 
 @pytest.mark.skipif("OpenVINOExecutionProvider" in ort.get_available_providers(), reason="it has OpenVINO")

@@ -42,7 +42,7 @@ class OnnxRuntimeBackend(Backend):
     def load(self) -> None:
         options = session_options(self.spec.name, self.spec.config, self.instance.threads)
         chosen = providers(self.spec.name, self.spec.config, self.instance.kind, self.instance.device,
-                           ort.get_available_providers())
+                           ort.get_available_providers(), has_tf32_option())
         if any(name == CUDA for name, _ in chosen):
             preload_cuda_libraries()
         try:
@@ -79,6 +79,15 @@ class OnnxRuntimeBackend(Backend):
                               ) from None
         complete_config(config, [_declared(t) for t in session.get_inputs()],
                         [_declared(t) for t in session.get_outputs()])
+
+
+def has_tf32_option(version: str = ort.__version__) -> bool:
+    """Whether this onnxruntime's CUDA provider takes use_tf32 (1.18 on; an older one refuses the option)."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return True  # a development build: a current one
+    return (major, minor) >= (1, 18)
 
 
 @cache
