@@ -40,7 +40,7 @@ def pack(commands: Iterable[Command]) -> bytes:
     out = []
     for command in commands:
         try:  # the ignore: hiredis's stub types the command as a 1-tuple
-            out.append(pack_command(command if type(command) is tuple  # type: ignore[arg-type,unused-ignore]
+            out.append(pack_command(command if type(command) is tuple  # type: ignore[arg-type]
                                     else tuple(command)))
         except TypeError:
             out.append(_pack_slowly(command))

@@ -104,6 +104,4 @@ def nonfinite_json(value: Any, array: np.ndarray) -> Any:
     odd = array[~np.isfinite(array)].tolist()  # in the order JSON writes them: row-major
     parts = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).split(b"null")  # numbers: nulls are those
     words = [b"NaN" if v != v else b"Infinity" if v > 0 else b"-Infinity" for v in odd]
-    # orjson >= 3.9 (pyproject's floor) has Fragment; an older orjson's stubs, where mypy finds one, lack it
-    return orjson.Fragment(  # type: ignore[attr-defined,unused-ignore]
-        b"".join(itertools.chain.from_iterable(zip(parts, [*words, b""]))))
+    return orjson.Fragment(b"".join(itertools.chain.from_iterable(zip(parts, [*words, b""]))))
