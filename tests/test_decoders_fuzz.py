@@ -7,6 +7,7 @@ import ast
 import json
 import pickle
 import struct
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,13 @@ from despina.contract.errors import InvalidArgument
 from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.gateway.fn import decode_fn
-from despina.gateway.jsondata import PACKED, converted, holds_no_booleans, json_data_to_bytes
+from despina.gateway.jsondata import (
+    PACKED,
+    converted,
+    data_holds_no_booleans,
+    holds_no_booleans,
+    json_data_to_bytes,
+)
 from despina.gateway.v2 import Decoded, decode_infer, encode_infer
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -363,6 +370,88 @@ def test_a_document_without_r_or_l_holds_no_booleans_or_nulls() -> None:
     assert holds_no_booleans(b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}')
     for literal in (b"true", b"false", b"null"):
         assert not holds_no_booleans(b'{"data": [1, ' + literal + b"]}")
+
+
+def _data_values(value: Any) -> list[Any]:
+    """Every value of a "data" member anywhere in a parsed document."""
+    found = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            found += [v["data"]] if "data" in v else []
+            stack += v.values()
+        elif isinstance(v, list):
+            stack += v
+    return found
+
+
+def _holds(value: Any, kind: type) -> bool:
+    """Whether a parsed JSON value holds a `kind` anywhere (an object's keys are strings)."""
+    if type(value) is kind or (kind is str and isinstance(value, dict) and value):
+        return True
+    if isinstance(value, dict):
+        return any(_holds(v, kind) for v in value.values())
+    return isinstance(value, list) and any(_holds(v, kind) for v in value)
+
+
+v2_like = st.recursive(scalars | st.sampled_from(["data", "true", 'a"b', "t\\f"]),
+                       lambda inner: st.lists(inner, max_size=6)
+                       | st.dictionaries(st.sampled_from(["data", "name", "parameters", "x", "dat"]) | st.text(max_size=6),
+                                         inner, max_size=4), max_leaves=30)
+
+
+@FUZZ
+@given(v2_like, st.sampled_from(["orjson", "json", "json-ascii", "json-spaced"]))
+def test_data_holds_no_booleans_is_never_wrong(doc: Any, writer: str) -> None:
+    """Whatever the document and however it is written (escapes, spaces): where the quick look says that
+    no "data" value holds a boolean, none does, but for values that hold a string (or an object), which
+    never pack as numbers; and the numbers packed with its help are those packed without."""
+    if writer == "orjson":
+        raw = orjson.dumps(doc)
+    else:
+        raw = json.dumps(doc, ensure_ascii=writer == "json-ascii",
+                         separators=(" , ", " : ") if writer == "json-spaced" else None).encode()
+    quick = data_holds_no_booleans(raw)
+    values = _data_values(json.loads(raw))
+    truth = not any(_holds(v, bool) and not _holds(v, str) for v in values)
+    event(f"quick {quick}, truth {truth}")
+    assert truth or not quick
+    for value in values:
+        shape = [len(value) if isinstance(value, list) else 1]
+        for datatype in ("FP32", "INT64"):
+            quick_way = partial(json_data_to_bytes, "x", datatype, shape, value, booleans=not quick)
+            assert _bytes_or_error(quick_way) == _bytes_or_error(partial(json_data_to_bytes, "x", datatype,
+                                                                         shape, value))
+
+
+def test_data_holds_no_booleans_where_only_parameters_hold_them() -> None:
+    """perf_analyzer's JSON body asks for its output with "binary_data": false: its 256 numbers need no
+    type check; a boolean among them, or one the document hides from a plain reading, is still found."""
+    numbers = b",".join(repr(v).encode() for v in np.linspace(-3, 3, 256).tolist())
+    head = b'{"id":"","inputs":[{"name":"x","datatype":"FP32","shape":[1,256],"data":['
+    tail = b']}],"outputs":[{"name":"y","parameters":{"binary_data":false}}]}'
+    assert data_holds_no_booleans(head + numbers + tail)
+    assert data_holds_no_booleans(head.replace(b'"data":[', b'"data" :\n [[') + numbers + b"]" + tail)
+    for odd in (b"true", b"false", b"[true]"):
+        assert not data_holds_no_booleans(head + numbers + b"," + odd + tail)
+        assert not data_holds_no_booleans(head.replace(b'"data"', b'"d\\u0061ta"') + numbers + b"," + odd + tail)
+    two = (b'{"inputs":[{"name":"data","datatype":"FP32","shape":[2],"data":[1,2]},'
+           b'{"name":"b","datatype":"FP32","shape":[2],"data":[1,true]}],"parameters":{"flag":true}}')
+    assert not data_holds_no_booleans(two)
+    assert data_holds_no_booleans(two.replace(b"[1,true]", b"[1,2]"))
+
+
+def test_a_boolean_among_json_numbers_is_refused_where_the_document_has_others() -> None:
+    """The decoder's answer to a boolean in FP32 data, with and without the quick look's help."""
+    for output in (b'"binary_data":false', b'"binary_data":true'):
+        body = (b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,1,3],"data":[1.5,true,2]},'
+                b'{"name":"s","datatype":"BYTES","shape":[1,2],"data":["a","b"]}],'
+                b'"outputs":[{"name":"y","parameters":{' + output + b"}}]}")
+        with pytest.raises(InvalidArgument, match="FP32 data must be numbers"):
+            decode_infer(body, None, BATCHED)
+        fine = decode_infer(body.replace(b"true,", b"1,"), None, BATCHED)
+        assert fine.inputs[0].data == struct.pack("<3f", 1.5, 1, 2)
 
 
 @pytest.mark.parametrize("leaf", [b"1", b"NaN"])

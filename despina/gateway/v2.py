@@ -23,7 +23,7 @@ from ..contract.modelconfig import (
 from ..contract.records import NO_PARAMETERS, Parameters, Tensor
 from ..settings import Settings
 from .http import json_object
-from .jsondata import holds_no_booleans, json_data_to_bytes, nonfinite_json
+from .jsondata import data_holds_no_booleans, json_data_to_bytes, nonfinite_json
 from .shm import Region, Registry, ShmOutput, tensor_parameters
 
 MAX_ELEMENTS: int = Settings.max_tensor_elements  # per tensor, unless the caller passes its setting
@@ -158,7 +158,7 @@ def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: in
     inputs: list[Tensor] = []
     sources: list[bool | InShm] = []
     seen: set[str] = set()
-    booleans = not holds_no_booleans(header)
+    booleans = not data_holds_no_booleans(header)
     for raw in raw_inputs:
         tensor, used = _decode_input(raw, spec, binary[offset:], max_elements, booleans, shm)
         if tensor.name in seen:
