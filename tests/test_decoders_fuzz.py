@@ -300,9 +300,53 @@ def test_a_remembered_header_decodes_every_body_as_a_first_decode_would(data: st
                                                    v2.MAX_ELEMENTS)[0])
         assert cached == first
         accepted = accepted or not isinstance(first, str)
-    if accepted:
-        assert any(k[2] == header for k in v2._plans)  # the header is remembered
+    if accepted:  # the header is remembered (one with no binary part, as a JSON document's template)
+        assert any(k[2] == header for k in v2._plans) or v2._json_template(header) is not None
     assert all(not plan.decoded.inputs for plan in v2._plans.values())  # and no request's data
+
+
+json_numbers = (st.floats(width=32, allow_nan=False, allow_infinity=False) | st.integers(-9, 9)
+                | st.sampled_from([1e39, -1e39, 2**63, 2**64, 1.5, -0.0, True, False, None, "1", float("nan"),
+                                   float("inf"), []]))
+
+
+@FUZZ
+@given(st.data())
+def test_a_remembered_json_document_decodes_every_body_as_a_first_decode_would(data: st.DataObject) -> None:
+    """decode_infer remembers what an all-JSON request decided but for its "data" arrays (clients resend
+    the same document with other numbers): a body that keeps the document and changes the numbers (any
+    count, any JSON value among them, written compactly or spaced, with or without Inference-Header-
+    Content-Length) decodes, or is refused, exactly as an uncached decode of it would."""
+    from despina.gateway import v2
+
+    rows, width = data.draw(st.integers(1, 3)), data.draw(st.integers(0, 3))
+    inputs: list[dict[str, Any]] = [{"name": "x", "datatype": "FP32", "shape": [rows, width, 3]}]
+    counts = [rows * width * 3]
+    if data.draw(st.booleans()):  # the optional input, before or after x
+        inputs.insert(data.draw(st.integers(0, 1)), {"name": "i", "datatype": "INT64", "shape": [rows, 2]})
+        counts.insert(inputs.index(next(i for i in inputs if i["name"] == "i")), rows * 2)
+    doc: dict[str, Any] = {"inputs": inputs}
+    if data.draw(st.booleans()):
+        doc["outputs"] = [{"name": "y", "parameters": {"binary_data": data.draw(st.booleans())}}]
+    if data.draw(st.booleans()):
+        doc["id"] = data.draw(st.sampled_from(["", "data", "7"]))
+    spaced = data.draw(st.booleans())
+    decoded = 0
+    for _ in range(4):
+        for tensor, count in zip(inputs, counts, strict=True):
+            odd = data.draw(st.integers(0, 3)) == 0  # now and then a value of any kind, or another count
+            n = data.draw(st.sampled_from([count, count, max(0, count - 1), count + 1])) if odd else count
+            kind = json_numbers if odd else (st.floats(width=32, allow_nan=False, allow_infinity=False)
+                                             if tensor["datatype"] == "FP32" else st.integers(-2**63, 2**63 - 1))
+            tensor["data"] = data.draw(st.lists(kind, min_size=n, max_size=n))
+        body = json.dumps(doc, separators=(", ", ": ") if spaced else (",", ":")).encode()
+        length = data.draw(st.sampled_from([None, len(body)]))
+        cached = _outcome(lambda b=body, n=length: decode_infer(b, n, NUMERIC))
+        first = _outcome(lambda b=body: v2._decode(b, memoryview(b""), NUMERIC, v2.MAX_ELEMENTS)[0])
+        assert cached == first
+        decoded += not isinstance(first, str)
+    assert all(not plan.decoded.inputs for plan in v2._json_plans.values())  # no request's data is kept
+    event(f"{decoded} of 4 decoded")
 
 
 # ---- function URLs ---------------------------------------------------------------------------------

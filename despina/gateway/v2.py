@@ -4,6 +4,7 @@ Pure functions from bytes to records and back; no HTTP framework here.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from ..contract.modelconfig import (
 from ..contract.records import NO_PARAMETERS, Parameters, Tensor
 from ..settings import Settings
 from .http import json_object
-from .jsondata import data_holds_no_booleans, json_data_to_bytes, nonfinite_json
+from .jsondata import PACKED, data_holds_no_booleans, json_data_to_bytes, nonfinite_json
 from .shm import Region, Registry, ShmOutput, tensor_parameters
 
 MAX_ELEMENTS: int = Settings.max_tensor_elements  # per tensor, unless the caller passes its setting
@@ -108,6 +109,10 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
     Raises InvalidArgument, and nothing else, on any input; a tensor of more than `max_elements`
     elements is refused before anything is allocated for it. `shm`: the server's shared memory regions,
     which inputs may be read from and outputs asked into (None: the server allows none)."""
+    if header_length is None or header_length == len(body):  # all JSON (perf_analyzer says so)
+        decoded = _json_planned(body, spec, max_elements, shm)
+        if decoded is not None:
+            return decoded
     if header_length is None:
         if shm is not None and len(body) <= PLAN_HEADER_MAX and b"shared_memory_" in body:
             return _planned(body, len(body), spec, max_elements, shm)  # all header: the data is elsewhere
@@ -143,6 +148,100 @@ def _planned(body: bytes, header_length: int, spec: ModelSpec, max_elements: int
             del _plans[next(iter(_plans))]
         _plans[key] = plan
     return plan.apply(body, header_length, shm)
+
+
+@dataclass(frozen=True, slots=True)
+class _JsonPlan:
+    """What a JSON request decides but for its numbers, checked once: a client sends the same document
+    with other numbers in its inputs' "data" arrays, request after request. Each input's numbers are
+    parsed and packed alone (orjson, struct); anything the plan cannot vouch for (a boolean or a null
+    among them, a NaN, their count, a number out of its datatype's range) sends the request the long
+    way, which says what is wrong or converts it as it always does."""
+
+    spec: ModelSpec                                        # held, as _Plan's
+    inputs: tuple[tuple[str, str, tuple[int, ...], int, struct.Struct], ...]  # and count, packer
+    decoded: Decoded                                       # the rest (id, outputs, parameters), no inputs
+
+    def apply(self, doc: bytes, spans: list[tuple[int, int]]) -> Decoded | None:
+        inputs = []
+        find = doc.find
+        view = memoryview(doc)
+        for (start, end), (name, datatype, shape, count, packer) in zip(spans, self.inputs):
+            if find(b"t", start, end) >= 0 or find(b"f", start, end) >= 0:  # true, false (or Infinity)
+                return None
+            try:
+                values = orjson.loads(view[start:end])
+                if len(values) != count:
+                    return None
+                inputs.append(Tensor(name, datatype, shape, packer.pack(*values)))
+            except (orjson.JSONDecodeError, struct.error, TypeError, OverflowError):
+                return None
+        d = self.decoded
+        return Decoded(d.id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters,
+                       d.model_parameters, d.heads, d.classes)
+
+
+_json_plans: dict[tuple[int, int, int, bytes], _JsonPlan] = {}
+DATA_KEY = b'"data"'
+
+
+def _json_template(doc: bytes) -> tuple[bytes, list[tuple[int, int]]] | None:
+    """The document with each "data" member's array emptied, and where the arrays are; None unless it is
+    of the plain kind: no escape (each '"data"' is then a whole string), each "data" a key whose value is
+    a flat array with no string in it, and the rest no longer than PLAN_HEADER_MAX. Equal templates
+    differ in those arrays alone: the arrays hold no bracket or quote that could move what is found."""
+    if b"\\" in doc:
+        return None
+    find = doc.find
+    spans: list[tuple[int, int]] = []
+    pieces: list[bytes] = []
+    last = 0
+    at = find(DATA_KEY)
+    while at >= 0:
+        key_end = at + len(DATA_KEY)
+        start = find(b"[", key_end)
+        if start < 0 or doc[key_end:start].strip() != b":":
+            return None
+        end = find(b"]", start) + 1
+        if end <= 0 or find(b"[", start + 1, end) >= 0 or find(b'"', start, end) >= 0:
+            return None
+        spans.append((start, end))
+        pieces += (doc[last:start], b"[]")
+        last = end
+        at = find(DATA_KEY, end)
+    if not spans:
+        return None
+    pieces.append(doc[last:])
+    template = b"".join(pieces)
+    return (template, spans) if len(template) <= PLAN_HEADER_MAX else None
+
+
+def _json_planned(doc: bytes, spec: ModelSpec, max_elements: int, shm: Registry | None) -> Decoded | None:
+    """An all-JSON request decoded by its document's remembered plan (made on the first sight of its
+    template), or None where no plan applies: the caller decodes it the long way."""
+    found = _json_template(doc)
+    if found is None:
+        return None
+    template, spans = found
+    if b"shared_memory_" in template:  # regions are read each time: the binary plan's kind
+        return None
+    key = (id(spec), max_elements, len(spans), template)
+    plan = _json_plans.get(key)
+    if plan is not None and plan.spec is spec:
+        return plan.apply(doc, spans)
+    decoded = _decode(doc, memoryview(b""), spec, max_elements, shm)[0]
+    if len(decoded.inputs) == len(spans) and all(t.datatype in PACKED for t in decoded.inputs):
+        inputs = []
+        for t in decoded.inputs:
+            count = element_count(t.shape)
+            packer = struct.Struct(f"<{count}{PACKED[t.datatype]}")
+            inputs.append((t.name, t.datatype, t.shape, count, packer))
+        heads: dict[tuple[Any, ...], bytes] | None = \
+            {} if decoded.binary_all or decoded.binary_outputs else None
+        if len(_json_plans) >= PLANS_MAX:
+            del _json_plans[next(iter(_json_plans))]
+        _json_plans[key] = _JsonPlan(spec, tuple(inputs), replace(decoded, inputs=[], heads=heads))
+    return decoded
 
 
 def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: int, shm: Registry | None = None
