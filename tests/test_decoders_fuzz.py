@@ -313,10 +313,11 @@ json_numbers = (st.floats(width=32, allow_nan=False, allow_infinity=False) | st.
 @FUZZ
 @given(st.data())
 def test_a_remembered_json_document_decodes_every_body_as_a_first_decode_would(data: st.DataObject) -> None:
-    """decode_infer remembers what an all-JSON request decided but for its "data" arrays (clients resend
-    the same document with other numbers): a body that keeps the document and changes the numbers (any
-    count, any JSON value among them, written compactly or spaced, with or without Inference-Header-
-    Content-Length) decodes, or is refused, exactly as an uncached decode of it would."""
+    """decode_infer remembers what an all-JSON request decided but for its "data" arrays and its id
+    (clients resend the same document with other numbers, often with an id of their own): a body that keeps
+    the document and changes the numbers (any count, any JSON value among them) and the id (any text, one in
+    the parameters too), written compactly or spaced, escaped or not, with or without Inference-Header-
+    Content-Length, decodes, or is refused, exactly as an uncached decode of it would."""
     from despina.gateway import v2
 
     rows, width = data.draw(st.integers(1, 3)), data.draw(st.integers(0, 3))
@@ -328,18 +329,24 @@ def test_a_remembered_json_document_decodes_every_body_as_a_first_decode_would(d
     doc: dict[str, Any] = {"inputs": inputs}
     if data.draw(st.booleans()):
         doc["outputs"] = [{"name": "y", "parameters": {"binary_data": data.draw(st.booleans())}}]
-    if data.draw(st.booleans()):
+    ids = data.draw(st.sampled_from(["none", "same", "each", "nested"]))  # a client's own id each time, say
+    if ids == "same":
         doc["id"] = data.draw(st.sampled_from(["", "data", "7"]))
-    spaced = data.draw(st.booleans())
+    spaced, ascii_only = data.draw(st.booleans()), data.draw(st.booleans())
     decoded = 0
     for _ in range(4):
+        if ids in ("each", "nested"):
+            doc["id"] = data.draw(st.text(max_size=6) | st.sampled_from(['"id": "', "[1]", "data", ""]))
+        if ids == "nested":
+            doc["parameters"] = {"id": data.draw(st.text(max_size=3))}
         for tensor, count in zip(inputs, counts, strict=True):
             odd = data.draw(st.integers(0, 3)) == 0  # now and then a value of any kind, or another count
             n = data.draw(st.sampled_from([count, count, max(0, count - 1), count + 1])) if odd else count
             kind = json_numbers if odd else (st.floats(width=32, allow_nan=False, allow_infinity=False)
                                              if tensor["datatype"] == "FP32" else st.integers(-2**63, 2**63 - 1))
             tensor["data"] = data.draw(st.lists(kind, min_size=n, max_size=n))
-        body = json.dumps(doc, separators=(", ", ": ") if spaced else (",", ":")).encode()
+        body = json.dumps(doc, separators=(", ", ": ") if spaced else (",", ":"), ensure_ascii=ascii_only
+                          ).encode("utf-8", "surrogatepass")
         length = data.draw(st.sampled_from([None, len(body)]))
         cached = _outcome(lambda b=body, n=length: decode_infer(b, n, NUMERIC))
         first = _outcome(lambda b=body: v2._decode(b, memoryview(b""), NUMERIC, v2.MAX_ELEMENTS)[0])

@@ -152,50 +152,53 @@ def _planned(body: bytes, header_length: int, spec: ModelSpec, max_elements: int
 
 @dataclass(frozen=True, slots=True)
 class _JsonPlan:
-    """What a JSON request decides but for its numbers, checked once: a client sends the same document
-    with other numbers in its inputs' "data" arrays, request after request. Each input's numbers are
-    parsed and packed alone (orjson, struct); anything the plan cannot vouch for (a boolean or a null
-    among them, a NaN, their count, a number out of its datatype's range) sends the request the long
-    way, which says what is wrong or converts it as it always does."""
+    """What a JSON request decides but for its numbers and its id, checked once: a client sends the same
+    document with other numbers in its inputs' "data" arrays, request after request, often with an id of
+    its own each time. Each input's numbers are parsed and packed alone (orjson, struct); anything the plan
+    cannot vouch for (a boolean or a null among them, a NaN, their count, a number out of its datatype's
+    range, an id that is not a JSON string) sends the request the long way, which says what is wrong or
+    converts it as it always does."""
 
     spec: ModelSpec                                        # held, as _Plan's
     inputs: tuple[tuple[str, str, tuple[int, ...], int, struct.Struct], ...]  # and count, packer
-    decoded: Decoded                                       # the rest (id, outputs, parameters), no inputs
+    decoded: Decoded                                       # the rest (outputs, parameters), no inputs
 
-    def apply(self, doc: bytes, spans: list[tuple[int, int]]) -> Decoded | None:
+    def apply(self, doc: bytes, spans: list[tuple[int, int]], own_id: bytes | None) -> Decoded | None:
         inputs = []
         find = doc.find
         view = memoryview(doc)
-        for (start, end), (name, datatype, shape, count, packer) in zip(spans, self.inputs):
-            if find(b"t", start, end) >= 0 or find(b"f", start, end) >= 0:  # true, false (or Infinity)
-                return None
-            try:
+        d = self.decoded
+        try:
+            req_id = d.id if own_id is None else orjson.loads(b'"%s"' % own_id)  # checked as JSON text
+            for (start, end), (name, datatype, shape, count, packer) in zip(spans, self.inputs):
+                if find(b"t", start, end) >= 0 or find(b"f", start, end) >= 0:  # true, false (or Infinity)
+                    return None
                 values = orjson.loads(view[start:end])
                 if len(values) != count:
                     return None
                 inputs.append(Tensor(name, datatype, shape, packer.pack(*values)))
-            except (orjson.JSONDecodeError, struct.error, TypeError, OverflowError):
-                return None
-        d = self.decoded
-        return Decoded(d.id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters,
+        except (orjson.JSONDecodeError, struct.error, TypeError, OverflowError):
+            return None
+        return Decoded(req_id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters,
                        d.model_parameters, d.heads, d.classes)
 
 
-_json_plans: dict[tuple[int, int, int, bytes], _JsonPlan] = {}
-DATA_KEY = b'"data"'
+_json_plans: dict[tuple[int, int, int, bool, bytes], _JsonPlan] = {}
+DATA_KEY, ID_KEY = b'"data"', b'"id"'
+Template = tuple[bytes, list[tuple[int, int]], bytes | None]
 
 
-def _json_template(doc: bytes) -> tuple[bytes, list[tuple[int, int]]] | None:
-    """The document with each "data" member's array emptied, and where the arrays are; None unless it is
-    of the plain kind: no escape (each '"data"' is then a whole string), each "data" a key whose value is
-    a flat array with no string in it, and the rest no longer than PLAN_HEADER_MAX. Equal templates
-    differ in those arrays alone: the arrays hold no bracket or quote that could move what is found."""
+def _json_template(doc: bytes) -> Template | None:
+    """The document with each "data" member's array emptied, and where the arrays are; with them the
+    string of its one "id" member emptied too, and what it held (None where the document has no "id"
+    string, or more than one). None unless the document is of the plain kind: no escape (each '"data"'
+    and '"id"' is then a whole string), each "data" a key whose value is a flat array with no string in
+    it, and the rest no longer than PLAN_HEADER_MAX. Equal templates differ in what was emptied alone:
+    the arrays hold no bracket or quote, the id no quote, that could move what is found."""
     if b"\\" in doc:
         return None
     find = doc.find
     spans: list[tuple[int, int]] = []
-    pieces: list[bytes] = []
-    last = 0
     at = find(DATA_KEY)
     while at >= 0:
         key_end = at + len(DATA_KEY)
@@ -206,14 +209,29 @@ def _json_template(doc: bytes) -> tuple[bytes, list[tuple[int, int]]] | None:
         if end <= 0 or find(b"[", start + 1, end) >= 0 or find(b'"', start, end) >= 0:
             return None
         spans.append((start, end))
-        pieces += (doc[last:start], b"[]")
-        last = end
         at = find(DATA_KEY, end)
     if not spans:
         return None
+    pieces: list[bytes] = []
+    last = 0
+    for start, end in spans:
+        pieces += (doc[last:start], b"[]")
+        last = end
     pieces.append(doc[last:])
-    template = b"".join(pieces)
-    return (template, spans) if len(template) <= PLAN_HEADER_MAX else None
+    template = b"".join(pieces)  # every string of the document is whole in it: the arrays held none
+    strings = []  # of "id" keys: the request's own, or another's (in its parameters, say)
+    at = template.find(ID_KEY)
+    while at >= 0:
+        at += len(ID_KEY)
+        quote = template.find(b'"', at)
+        if quote > 0 and template[at:quote].strip() == b":":
+            strings.append((quote + 1, template.find(b'"', quote + 1)))
+        at = template.find(ID_KEY, at)
+    own_id = None
+    if len(strings) == 1 and strings[0][1] > strings[0][0]:  # an empty one stays (perf_analyzer's "id": "")
+        begin, end = strings[0]
+        own_id, template = template[begin:end], template[:begin] + template[end:]
+    return (template, spans, own_id) if len(template) <= PLAN_HEADER_MAX else None
 
 
 def _json_planned(doc: bytes, spec: ModelSpec, max_elements: int, shm: Registry | None) -> Decoded | None:
@@ -222,15 +240,17 @@ def _json_planned(doc: bytes, spec: ModelSpec, max_elements: int, shm: Registry 
     found = _json_template(doc)
     if found is None:
         return None
-    template, spans = found
+    template, spans, own_id = found
     if b"shared_memory_" in template:  # regions are read each time: the binary plan's kind
         return None
-    key = (id(spec), max_elements, len(spans), template)
+    key = (id(spec), max_elements, len(spans), own_id is not None, template)
     plan = _json_plans.get(key)
     if plan is not None and plan.spec is spec:
-        return plan.apply(doc, spans)
+        return plan.apply(doc, spans, own_id)
     decoded = _decode(doc, memoryview(b""), spec, max_elements, shm)[0]
-    if len(decoded.inputs) == len(spans) and all(t.datatype in PACKED for t in decoded.inputs):
+    if (len(decoded.inputs) == len(spans) and all(t.datatype in PACKED for t in decoded.inputs)
+            # the one "id" string is the request's own, not one in its parameters
+            and (own_id is None or decoded.id == own_id.decode("utf-8", "replace"))):
         inputs = []
         for t in decoded.inputs:
             count = element_count(t.shape)
