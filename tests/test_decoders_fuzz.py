@@ -23,7 +23,7 @@ from despina.contract.datatypes import V2_TO_NUMPY, deserialize_bytes, serialize
 from despina.contract.errors import InvalidArgument
 from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
 from despina.contract.records import InferReply, InferRequest, Tensor
-from despina.gateway.fn import decode_fn
+from despina.gateway.fn import decode_fn, shape_of
 from despina.gateway.jsondata import (
     PACKED,
     converted,
@@ -361,6 +361,38 @@ def test_a_remembered_json_document_decodes_every_body_as_a_first_decode_would(d
 fn_bodies = (json_values.map(orjson.dumps)
              | st.dictionaries(names, json_values, max_size=4).map(orjson.dumps)
              | st.binary(max_size=64))
+
+
+nested = st.recursive(st.floats(allow_nan=False) | st.integers(-3, 3) | st.text(alphabet="[]x", max_size=2),
+                      lambda inner: st.lists(inner, max_size=4), max_leaves=24)
+
+
+def _shape_or_error(data: Any, brackets: int) -> list[int] | str:
+    try:
+        return shape_of("x", data, 4, brackets)
+    except InvalidArgument as exc:
+        return f"refused: {exc}"
+
+
+@FUZZ
+@given(nested)
+def test_counting_brackets_finds_every_ragged_nesting_the_values_look_would(data: Any) -> None:
+    """shape_of told how many "[" the document has (a string may hold some too) says what it says without
+    being told: the shape, or that the lists are too deep, or ragged (where they are ragged in two ways,
+    perhaps the other one: [[0.0], [[]], 0.0])."""
+    counted, looked = _shape_or_error(data, orjson.dumps(data).count(b"[")), _shape_or_error(data, -1)
+    if isinstance(looked, str) and "ragged" in looked:
+        assert isinstance(counted, str) and "ragged" in counted
+    else:
+        assert counted == looked
+    event("refused" if isinstance(counted, str) else "a shape")
+
+
+def test_a_list_among_a_function_url_s_numbers_is_refused() -> None:
+    for body, spec in ((b'{"x": [1.5, [2], 3]}', PLAIN), (b'{"x": [[1, 2, 3], [4, [5], 6]]}', PLAIN),
+                       (b'{"x": [[[1, 2, 3]], [[4, 5, [6]]]]}', BATCHED)):
+        with pytest.raises(InvalidArgument, match="ragged"):
+            decode_fn(body, spec)
 
 
 def _fn_decode_or_refuse(body: bytes, spec: ModelSpec) -> None:
