@@ -71,6 +71,9 @@ def codecs() -> None:
                                         "data": x[0].tolist()}]})
     timed("decode_infer, binary", lambda: decode_infer(binary, len(header), spec))
     timed("decode_infer, JSON", lambda: decode_infer(as_json, None, spec))
+    # the same with an id of its own each request, as clients that trace their requests send it
+    own_ids = iter([as_json.replace(b'{"inputs"', b'{"id":"req-%d","inputs"' % i) for i in range(20_001)])
+    timed("decode_infer, JSON, its own id each time", lambda: decode_infer(next(own_ids), None, spec))
     # perf_analyzer's JSON body as it sends it (strace of a gateway, 2026-12-04): random float32 bit patterns
     # (the finite ones here) at full precision, the output asked with "binary_data":false (so the body holds
     # an r and an l: the check that no boolean hides among the numbers runs), and an

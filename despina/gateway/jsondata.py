@@ -39,7 +39,9 @@ def holds_no_booleans(raw: bytes) -> bool:
     return b"r" not in raw and b"l" not in raw
 
 
-DATA = b'"data"'
+DATA, ID = b'"data"', b'"id"'
+# a V2 document with its arrays and its id emptied, where the arrays were, and the id (data_template)
+Template = tuple[bytes, list[tuple[int, int]], bytes | None]
 
 
 def data_holds_no_booleans(doc: bytes) -> bool:
@@ -67,6 +69,52 @@ def data_holds_no_booleans(doc: bytes) -> bool:
             return False
         at = find(DATA, end)
     return True
+
+
+def data_template(doc: bytes, longest: int) -> Template | None:
+    """The document with each "data" member's array emptied, and where the arrays are; with them the
+    string of its one "id" member emptied too, and what it held (None where the document has no "id"
+    string, or more than one). None unless the document is of the plain kind: no escape (each '"data"'
+    and '"id"' is then a whole string), each "data" a key whose value is a flat array with no string in
+    it, and the rest no longer than `longest`. Equal templates differ in what was emptied alone:
+    the arrays hold no bracket or quote, the id no quote, that could move what is found."""
+    if b"\\" in doc:
+        return None
+    find = doc.find
+    spans: list[tuple[int, int]] = []
+    at = find(DATA)
+    while at >= 0:
+        key_end = at + len(DATA)
+        start = find(b"[", key_end)
+        if start < 0 or doc[key_end:start].strip() != b":":
+            return None
+        end = find(b"]", start) + 1
+        if end <= 0 or find(b"[", start + 1, end) >= 0 or find(b'"', start, end) >= 0:
+            return None
+        spans.append((start, end))
+        at = find(DATA, end)
+    if not spans:
+        return None
+    pieces: list[bytes] = []
+    last = 0
+    for start, end in spans:
+        pieces += (doc[last:start], b"[]")
+        last = end
+    pieces.append(doc[last:])
+    template = b"".join(pieces)  # every string of the document is whole in it: the arrays held none
+    strings = []  # of "id" keys: the request's own, or another's (in its parameters, say)
+    at = template.find(ID)
+    while at >= 0:
+        at += len(ID)
+        quote = template.find(b'"', at)
+        if quote > 0 and template[at:quote].strip() == b":":
+            strings.append((quote + 1, template.find(b'"', quote + 1)))
+        at = template.find(ID, at)
+    own_id = None
+    if len(strings) == 1 and strings[0][1] > strings[0][0]:  # an empty one stays (perf_analyzer's "id": "")
+        begin, end = strings[0]
+        own_id, template = template[begin:end], template[:begin] + template[end:]
+    return (template, spans, own_id) if len(template) <= longest else None
 
 
 def json_data_to_bytes(name: str, datatype: str, shape: list[int], data: Any, booleans: bool = True

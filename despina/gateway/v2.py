@@ -24,7 +24,7 @@ from ..contract.modelconfig import (
 from ..contract.records import NO_PARAMETERS, Parameters, Tensor
 from ..settings import Settings
 from .http import json_object
-from .jsondata import PACKED, data_holds_no_booleans, json_data_to_bytes, nonfinite_json
+from .jsondata import PACKED, data_holds_no_booleans, data_template, json_data_to_bytes, nonfinite_json
 from .shm import Region, Registry, ShmOutput, tensor_parameters
 
 MAX_ELEMENTS: int = Settings.max_tensor_elements  # per tensor, unless the caller passes its setting
@@ -183,67 +183,20 @@ class _JsonPlan:
                        d.model_parameters, d.heads, d.classes)
 
 
-_json_plans: dict[tuple[int, int, int, bool, bytes], _JsonPlan] = {}
-DATA_KEY, ID_KEY = b'"data"', b'"id"'
-Template = tuple[bytes, list[tuple[int, int]], bytes | None]
-
-
-def _json_template(doc: bytes) -> Template | None:
-    """The document with each "data" member's array emptied, and where the arrays are; with them the
-    string of its one "id" member emptied too, and what it held (None where the document has no "id"
-    string, or more than one). None unless the document is of the plain kind: no escape (each '"data"'
-    and '"id"' is then a whole string), each "data" a key whose value is a flat array with no string in
-    it, and the rest no longer than PLAN_HEADER_MAX. Equal templates differ in what was emptied alone:
-    the arrays hold no bracket or quote, the id no quote, that could move what is found."""
-    if b"\\" in doc:
-        return None
-    find = doc.find
-    spans: list[tuple[int, int]] = []
-    at = find(DATA_KEY)
-    while at >= 0:
-        key_end = at + len(DATA_KEY)
-        start = find(b"[", key_end)
-        if start < 0 or doc[key_end:start].strip() != b":":
-            return None
-        end = find(b"]", start) + 1
-        if end <= 0 or find(b"[", start + 1, end) >= 0 or find(b'"', start, end) >= 0:
-            return None
-        spans.append((start, end))
-        at = find(DATA_KEY, end)
-    if not spans:
-        return None
-    pieces: list[bytes] = []
-    last = 0
-    for start, end in spans:
-        pieces += (doc[last:start], b"[]")
-        last = end
-    pieces.append(doc[last:])
-    template = b"".join(pieces)  # every string of the document is whole in it: the arrays held none
-    strings = []  # of "id" keys: the request's own, or another's (in its parameters, say)
-    at = template.find(ID_KEY)
-    while at >= 0:
-        at += len(ID_KEY)
-        quote = template.find(b'"', at)
-        if quote > 0 and template[at:quote].strip() == b":":
-            strings.append((quote + 1, template.find(b'"', quote + 1)))
-        at = template.find(ID_KEY, at)
-    own_id = None
-    if len(strings) == 1 and strings[0][1] > strings[0][0]:  # an empty one stays (perf_analyzer's "id": "")
-        begin, end = strings[0]
-        own_id, template = template[begin:end], template[:begin] + template[end:]
-    return (template, spans, own_id) if len(template) <= PLAN_HEADER_MAX else None
+# (id(spec), max_elements, whether the id was emptied, template): the arrays' count is the template's
+_json_plans: dict[tuple[int, int, bool, bytes], _JsonPlan] = {}
 
 
 def _json_planned(doc: bytes, spec: ModelSpec, max_elements: int, shm: Registry | None) -> Decoded | None:
     """An all-JSON request decoded by its document's remembered plan (made on the first sight of its
     template), or None where no plan applies: the caller decodes it the long way."""
-    found = _json_template(doc)
+    found = data_template(doc, PLAN_HEADER_MAX)
     if found is None:
         return None
     template, spans, own_id = found
     if b"shared_memory_" in template:  # regions are read each time: the binary plan's kind
         return None
-    key = (id(spec), max_elements, len(spans), own_id is not None, template)
+    key = (id(spec), max_elements, own_id is not None, template)
     plan = _json_plans.get(key)
     if plan is not None and plan.spec is spec:
         return plan.apply(doc, spans, own_id)
