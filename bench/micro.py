@@ -332,7 +332,9 @@ def python_model(n: int = 2000) -> None:
             "model_instance_name": "bench", "model_instance_device_id": "0", "model_repository": str(folder),
             "model_version": "1", "model_name": "classify_post"}
     logits = np.random.default_rng(0).standard_normal((1, 10)).astype(np.float32)
-    one = ({"logits": wire.pack(logits) if wire else logits}, ["probabilities", "label"])
+    # a request as the worker sends it (backends/python.py _payload): inputs, asked outputs, parameters,
+    # request id, sequence
+    one = ({"logits": wire.pack(logits) if wire else logits}, ["probabilities", "label"], None, "", None)
     with tempfile.TemporaryDirectory() as tmp:
         constant = Path(tmp) / "model.py"  # the same outputs, computed once: the hop alone
         constant.write_text(CONSTANT_MODEL)
@@ -347,8 +349,8 @@ def python_model(n: int = 2000) -> None:
                 stub.stop()
     sys.path.insert(0, str(STUB.parent))
     import stub as in_process  # the same code the model's process runs
-
-    local = in_process.Stub()
+    from _despina_calls import ModelCalls  # beside stub.py: the model's calls to others (none here)
+    local = in_process.Stub(ModelCalls(None))  # type: ignore[arg-type]  # no connection: classify_post calls no model
     local.initialize({"model_file": model_file, "args": args})
     for k in (1, 3):
         timed(f"python model: classify_post, {k} requests, in here", lambda k=k: local.execute([one] * k), n)
