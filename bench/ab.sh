@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# usage: bench/ab.sh [-r ROUNDS] [-c "1 8 32 64"] [-m "mlp ..."] [-l perf_analyzer|loadgen|aiohttp] [-x "PA ARGS"] LABEL=TREE[:ENV=V,...] ...
+# usage: bench/ab.sh [-i] [-r ROUNDS] [-c "1 8 32 64"] [-m "mlp ..."] [-l perf_analyzer|loadgen|aiohttp] [-x "PA ARGS"] LABEL=TREE[:ENV=V,...] ...
 #
 # A B B A: each round starts `despina serve` from each tree in turn, even rounds in reverse order (server
 # on core 0, embedded Valkey, bench/out/repo), and drives each model (default W1 `mlp`; binary tensors)
@@ -29,6 +29,13 @@
 # Despina's dependencies installed there; the tree still comes first on PYTHONPATH); PEERS_DIR=DIR in a
 # @triton label's runs Triton from that peers kit (set up with its PYTHON=...: the model's stub embeds
 # that venv's libpython and imports onnxruntime from it).
+# -i interleaves by point instead of by server: every label's server starts once, each on its own port (the
+# first on 18000, the next 10 ports up, ...), all on core 0, and at each model and concurrency the labels
+# take their turns one after the other (A B, then B A in the next round), so that the two figures of a
+# pair are seconds apart, not minutes: on a host whose speed drifts within minutes (the EPYC guests) this
+# is the comparison to trust. The servers not being driven idle beside the one that is: what each uses of
+# core 0 while all idle is measured first (10 s) and written at the top of ab.txt, and each point's line ends
+# with what the others took meanwhile ("beside", in per cent of one core).
 # Not a record by itself: bench/RESULTS.md says what each comparison was and quotes the command. At
 # the end, bench/ab_summary.py's table (each label's rounds, and the ratio of its sum to the first
 # label's) goes to the screen and summary.md.
@@ -45,9 +52,10 @@ PORT=${BENCH_PORT:-18000}
 URL=http://127.0.0.1:$PORT
 PEERS_DIR=${PEERS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/despina-peers}
 KIT=${PEERS_KIT:-$ROOT/../shared/peers}  # the kit's scripts (its aiohttp client)
-ROUNDS=2 CONCS="1 8 32 64" CLIENT=perf_analyzer MODELS=mlp PA_ARGS=""
-while getopts "r:c:m:l:x:" opt; do
+ROUNDS=2 CONCS="1 8 32 64" CLIENT=perf_analyzer MODELS=mlp PA_ARGS="" INTERLEAVE=0
+while getopts "ir:c:m:l:x:" opt; do
   case $opt in
+    i) INTERLEAVE=1 ;;
     r) ROUNDS=$OPTARG ;;
     c) CONCS=$OPTARG ;;
     m) MODELS=$OPTARG ;;
@@ -165,43 +173,111 @@ start() {  # tree envs log: a server on core 0 in its own process group, its pid
   serve=$!
 }
 
+parse() {  # LABEL=TREE[:ENV=V,...] -> $label $tree (absolute, or @triton / @limit) $envs
+  label=${1%%=*}; local rest=${1#*=}; tree=${rest%%:*}; envs=""
+  [ "$rest" != "$tree" ] && envs=${rest#*:}
+  if [ "$tree" != @triton ] && [ "$tree" != @limit ]; then tree=$(cd "$tree" && pwd) || exit 1; fi
+}
+
+ready() {  # log: wait until $serve (at $URL) has every model ready; then Triton's stubs to their core
+  local model stubs p
+  for model in $MODELS; do
+    for _ in $(seq 480); do
+      [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/$model/ready")" = 200 ] && break
+      kill -0 "$serve" 2>/dev/null || { tail -5 "$1" >&2; return 1; }
+      sleep 0.25
+    done
+  done
+  stubs=$(env_value STUB_CPUS "$envs")
+  if [ -n "$stubs" ]; then  # each model's stub process (and its threads) onto the model's core
+    for p in $(pgrep -f triton_python_backend_stub); do taskset -apc "$stubs" "$p" > /dev/null; done
+  fi
+}
+
+group_ticks() {  # process group -> CPU time of its processes so far, in clock ticks
+  local p t=0
+  for p in $(ps -o pid= -g "$1"); do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0))); done
+  echo "$t"
+}
+
+others_ticks() {  # label -> CPU ticks so far of every other label's server
+  local other t=0
+  for other in "${!pid_of[@]}"; do
+    [ "$other" = "$1" ] || t=$((t + $(group_ticks "${pid_of[$other]}")))
+  done
+  echo "$t"
+}
+
 labels=("$@") reversed=()
 for ((i = $# - 1; i >= 0; i--)); do reversed+=("${labels[i]}"); done
-for round in $(seq "$ROUNDS"); do
-  order=("${labels[@]}")
-  [ $((round % 2)) = 0 ] && order=("${reversed[@]}")  # A B, B A, A B: a drift or a slot's luck evens out
-  for spec in "${order[@]}"; do
-    label=${spec%%=*}; rest=${spec#*=}; tree=${rest%%:*}; envs=""
-    [ "$rest" != "$tree" ] && envs=${rest#*:}
-    if [ "$tree" = @triton ]; then
-      [ "$round" = 1 ] && { triton_repo || exit 1; }
-    elif [ "$tree" != @limit ]; then
-      tree=$(cd "$tree" && pwd) || exit 1
-    fi
-    if [ "$tree" != @limit ]; then
-      start "$tree" "$envs" "$OUT/$label-$round.log"
-      for model in $MODELS; do
-        for _ in $(seq 480); do
-          [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "$URL/v2/models/$model/ready")" = 200 ] && break
-          kill -0 "$serve" 2>/dev/null || { tail -5 "$OUT/$label-$round.log" >&2; exit 1; }
-          sleep 0.25
-        done
-      done
-      stubs=$(env_value STUB_CPUS "$envs")
-      if [ -n "$stubs" ]; then  # each model's stub process (and its threads) onto the model's core
-        for p in $(pgrep -f triton_python_backend_stub); do taskset -apc "$stubs" "$p" > /dev/null; done
-      fi
-    fi
+BASE_PORT=$PORT
+if [ "$INTERLEAVE" = 1 ]; then
+  # every server up at once, each on its own port; then each point's turns back to back
+  declare -A port_of pid_of
+  i=0
+  for spec in "${labels[@]}"; do
+    parse "$spec"
+    PORT=$((BASE_PORT + 10 * i)) URL=http://127.0.0.1:$PORT i=$((i + 1))
+    port_of[$label]=$PORT
+    [ "$tree" = @limit ] && continue
+    if [ "$tree" = @triton ] && [ ! -e "$OUT/triton-repo" ]; then triton_repo && touch "$OUT/triton-repo" || exit 1; fi
+    if curl -s -m 1 -o /dev/null "$URL/v2/health/live"; then echo "something already answers at $URL" >&2; exit 1; fi
+    start "$tree" "$envs" "$OUT/$label.log"
+    pid_of[$label]=$serve
+    trap 'for g in "${pid_of[@]}"; do kill -TERM -- -"$g" 2>/dev/null; done; wait' EXIT
+    ready "$OUT/$label.log" || exit 1
+  done
+  sleep 2
+  declare -A ticks_of
+  for label in "${!pid_of[@]}"; do ticks_of[$label]=$(group_ticks "${pid_of[$label]}"); done
+  sleep 10
+  for label in "${!pid_of[@]}"; do
+    printf "idle: %s uses %.1f%% of a core with every server idle (10 s)\n" "$label" \
+      "$(($(group_ticks "${pid_of[$label]}") - ticks_of[$label]))e-1" | tee -a "$OUT/ab.txt"
+  done
+  for round in $(seq "$ROUNDS"); do
+    order=("${labels[@]}")
+    [ $((round % 2)) = 0 ] && order=("${reversed[@]}")
     for model in $MODELS; do
       for conc in $CONCS; do
-        point "$label" "$round" "$model" "$conc" | tee -a "$OUT/ab.txt"
+        for spec in "${order[@]}"; do
+          parse "$spec"
+          PORT=${port_of[$label]} URL=http://127.0.0.1:${port_of[$label]}
+          # what the idle servers beside it took of the cores meanwhile, in per cent of one core
+          local_before=$(others_ticks "$label") t0=$(date +%s%N)
+          line=$(point "$label" "$round" "$model" "$conc")
+          ms=$((($(date +%s%N) - t0) / 1000000))
+          beside=$(($(others_ticks "$label") - local_before))
+          printf "%s  beside %.1f%%\n" "$line" "$((beside * 10000 / (ms + 1)))e-1" | tee -a "$OUT/ab.txt"
+        done
       done
     done
-    if [ "$tree" != @limit ]; then
-      kill -TERM -- -"$serve" 2>/dev/null; wait "$serve" 2>/dev/null
-      sleep 1
-    fi
   done
-done
+  for g in "${pid_of[@]}"; do kill -TERM -- -"$g" 2>/dev/null; done
+  wait
+  trap - EXIT
+else
+  for round in $(seq "$ROUNDS"); do
+    order=("${labels[@]}")
+    [ $((round % 2)) = 0 ] && order=("${reversed[@]}")  # A B, B A, A B: a drift or a slot's luck evens out
+    for spec in "${order[@]}"; do
+      parse "$spec"
+      [ "$tree" = @triton ] && [ "$round" = 1 ] && { triton_repo || exit 1; }
+      if [ "$tree" != @limit ]; then
+        start "$tree" "$envs" "$OUT/$label-$round.log"
+        ready "$OUT/$label-$round.log" || exit 1
+      fi
+      for model in $MODELS; do
+        for conc in $CONCS; do
+          point "$label" "$round" "$model" "$conc" | tee -a "$OUT/ab.txt"
+        done
+      done
+      if [ "$tree" != @limit ]; then
+        kill -TERM -- -"$serve" 2>/dev/null; wait "$serve" 2>/dev/null
+        sleep 1
+      fi
+    done
+  done
+fi
 echo "lines: $OUT/ab.txt"
 "$PY" "$ROOT/bench/ab_summary.py" "$OUT/ab.txt" | tee "$OUT/summary.md"
