@@ -168,7 +168,7 @@ start() {  # tree envs log: a server on core 0 in its own process group, its pid
     py=$(env_value SERVER_PYTHON "$2")
     # shellcheck disable=SC2086
     (cd "$1" && exec setsid taskset -c "$cores" env -u REDIS_URL PYTHONPATH="$1" ${2//,/ } "${py:-$PY}" -m despina serve \
-      --key-prefix bench --http-port "$PORT" --model-repository "$ROOT/bench/out/repo") > "$3" 2>&1 &
+      --key-prefix bench --http-port "$PORT" --metrics-port $((PORT + 2)) --model-repository "$ROOT/bench/out/repo") > "$3" 2>&1 &
   fi
   serve=$!
 }
