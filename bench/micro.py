@@ -74,6 +74,10 @@ def codecs() -> None:
     # the same with an id of its own each request, as clients that trace their requests send it
     own_ids = iter([as_json.replace(b'{"inputs"', b'{"id":"req-%d","inputs"' % i) for i in range(20_001)])
     timed("decode_infer, JSON, its own id each time", lambda: decode_infer(next(own_ids), None, spec))
+    # and with a parameter of its own each request: a document that no remembered plan fits
+    own_tags = iter([as_json.replace(b'{"inputs"', b'{"parameters":{"tag":%d},"inputs"' % i)
+                     for i in range(20_001)])
+    timed("decode_infer, JSON, its own parameter each time", lambda: decode_infer(next(own_tags), None, spec))
     # perf_analyzer's JSON body as it sends it (strace of a gateway, 2026-12-04): random float32 bit patterns
     # (the finite ones here) at full precision, the output asked with "binary_data":false (so the body holds
     # an r and an l: the check that no boolean hides among the numbers runs), and an

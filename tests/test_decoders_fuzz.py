@@ -357,6 +357,45 @@ def test_a_remembered_json_document_decodes_every_body_as_a_first_decode_would(d
     event(f"{decoded} of 4 decoded")
 
 
+def test_a_json_document_is_planned_on_its_second_sight_and_never_when_each_one_differs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template's first sight only notes it; its second makes the plan, which the third uses. Documents
+    that differ each time beyond their numbers (a parameter of the client's own per request) make no plan
+    at all, and every one decodes as an uncached decode would."""
+    from despina.gateway import v2
+
+    monkeypatch.setattr(v2, "_json_plans", {})
+    monkeypatch.setattr(v2, "_json_seen", {})
+    rng = np.random.default_rng(0)
+
+    def body(numbers: np.ndarray, parameters: dict[str, Any] | None = None) -> bytes:
+        doc: dict[str, Any] = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2, 3],
+                                           "data": numbers.tolist()}]}
+        if parameters is not None:
+            doc["parameters"] = parameters
+        return json.dumps(doc).encode()
+
+    def uncached(b: bytes) -> Decoded:
+        return v2._decode(b, memoryview(b""), NUMERIC, v2.MAX_ELEMENTS)[0]
+
+    same = [body(rng.standard_normal(6).astype(np.float32)) for _ in range(3)]
+    assert decode_infer(same[0], None, NUMERIC) == uncached(same[0])
+    assert not v2._json_plans
+    assert decode_infer(same[1], None, NUMERIC) == uncached(same[1])
+    assert len(v2._json_plans) == 1
+    (plan,) = v2._json_plans.values()
+    found = data_template(same[2], v2.PLAN_HEADER_MAX)
+    assert found is not None
+    assert plan.apply(same[2], found[1], found[2]) == uncached(same[2])  # the plan itself, on new numbers
+    assert decode_infer(same[2], None, NUMERIC) == uncached(same[2])
+
+    for i in range(3 * v2.PLANS_MAX):
+        each = body(rng.standard_normal(6).astype(np.float32), {"client_tag": f"t{i}"})
+        assert decode_infer(each, None, NUMERIC) == uncached(each)
+    assert len(v2._json_plans) == 1
+    assert len(v2._json_seen) <= v2.PLANS_MAX
+
+
 # ---- function URLs ---------------------------------------------------------------------------------
 
 fn_bodies = (json_values.map(orjson.dumps)

@@ -185,10 +185,13 @@ class _JsonPlan:
 
 # (id(spec), max_elements, whether the id was emptied, template): the arrays' count is the template's
 _json_plans: dict[tuple[int, int, bool, bytes], _JsonPlan] = {}
+# the keys seen once: a plan is made on a template's second sight, so that a client whose documents differ
+# each time (a parameter of its own per request) pays the template's scan, not a plan's making, per request
+_json_seen: dict[tuple[int, int, bool, bytes], None] = {}
 
 
 def _json_planned(doc: bytes, spec: ModelSpec, max_elements: int, shm: Registry | None) -> Decoded | None:
-    """An all-JSON request decoded by its document's remembered plan (made on the first sight of its
+    """An all-JSON request decoded by its document's remembered plan (made on the second sight of its
     template), or None where no plan applies: the caller decodes it the long way."""
     found = data_template(doc, PLAN_HEADER_MAX)
     if found is None:
@@ -200,6 +203,12 @@ def _json_planned(doc: bytes, spec: ModelSpec, max_elements: int, shm: Registry 
     plan = _json_plans.get(key)
     if plan is not None and plan.spec is spec:
         return plan.apply(doc, spans, own_id)
+    if key not in _json_seen:
+        if len(_json_seen) >= PLANS_MAX:
+            del _json_seen[next(iter(_json_seen))]
+        _json_seen[key] = None
+        return None
+    del _json_seen[key]
     decoded = _decode(doc, memoryview(b""), spec, max_elements, shm)[0]
     if (len(decoded.inputs) == len(spans) and all(t.datatype in PACKED for t in decoded.inputs)
             # the one "id" string is the request's own, not one in its parameters
