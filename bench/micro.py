@@ -70,6 +70,10 @@ def codecs() -> None:
     as_json = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
                                         "data": x[0].tolist()}]})
     timed("decode_infer, binary", lambda: decode_infer(binary, len(header), spec))
+    # a header with an id of its own each request: a header no remembered plan fits
+    headers = [header.replace(b'{"inputs"', b'{"id":"req-%d","inputs"' % i) for i in range(20_001)]
+    own_headers = iter([(h + x.tobytes(), len(h)) for h in headers])
+    timed("decode_infer, binary, its own id each time", lambda: decode_infer(*next(own_headers), spec))
     timed("decode_infer, JSON", lambda: decode_infer(as_json, None, spec))
     # the same with an id of its own each request, as clients that trace their requests send it
     own_ids = iter([as_json.replace(b'{"inputs"', b'{"id":"req-%d","inputs"' % i) for i in range(20_001)])

@@ -301,8 +301,10 @@ def test_a_remembered_header_decodes_every_body_as_a_first_decode_would(data: st
                                                    v2.MAX_ELEMENTS)[0])
         assert cached == first
         accepted = accepted or not isinstance(first, str)
-    if accepted:  # the header is remembered (one with no binary part, as a JSON document's template)
-        assert any(k[2] == header for k in v2._plans) or data_template(header, v2.PLAN_HEADER_MAX) is not None
+    if accepted:  # the header is remembered, or noted for a plan on its next sight (one with no binary part,
+        # as a JSON document's template)
+        assert (any(k[2] == header for k in v2._plans) or any(k[-1] == header for k in v2._seen)
+                or data_template(header, v2.PLAN_HEADER_MAX) is not None)
     assert all(not plan.decoded.inputs for plan in v2._plans.values())  # and no request's data
 
 
@@ -365,7 +367,7 @@ def test_a_json_document_is_planned_on_its_second_sight_and_never_when_each_one_
     from despina.gateway import v2
 
     monkeypatch.setattr(v2, "_json_plans", {})
-    monkeypatch.setattr(v2, "_json_seen", {})
+    monkeypatch.setattr(v2, "_seen", {})
     rng = np.random.default_rng(0)
 
     def body(numbers: np.ndarray, parameters: dict[str, Any] | None = None) -> bytes:
@@ -393,7 +395,36 @@ def test_a_json_document_is_planned_on_its_second_sight_and_never_when_each_one_
         each = body(rng.standard_normal(6).astype(np.float32), {"client_tag": f"t{i}"})
         assert decode_infer(each, None, NUMERIC) == uncached(each)
     assert len(v2._json_plans) == 1
-    assert len(v2._json_seen) <= v2.PLANS_MAX
+    assert len(v2._seen) <= v2.PLANS_MAX
+
+
+def test_a_binary_header_is_planned_on_its_second_sight_and_never_when_each_one_differs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for binary requests' headers: a client sending its own id with each request makes no plan
+    (each header is new), one resending its header gets the plan from the second request on."""
+    from despina.gateway import v2
+
+    monkeypatch.setattr(v2, "_plans", {})
+    monkeypatch.setattr(v2, "_seen", {})
+    rng = np.random.default_rng(0)
+
+    def body(request_id: str) -> tuple[bytes, int]:
+        header = orjson.dumps({"id": request_id, "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2, 3],
+                                                             "parameters": {"binary_data_size": 24}}]})
+        return header + rng.standard_normal(6).astype(np.float32).tobytes(), len(header)
+
+    def uncached(b: bytes, n: int) -> Decoded:
+        return v2._decode(b[:n], memoryview(b)[n:], NUMERIC, v2.MAX_ELEMENTS)[0]
+
+    for i in range(3 * v2.PLANS_MAX):
+        b, n = body(f"req-{i}")
+        assert decode_infer(b, n, NUMERIC) == uncached(b, n)
+    assert not v2._plans
+    assert len(v2._seen) <= v2.PLANS_MAX
+    for i in range(3):
+        b, n = body("again")
+        assert decode_infer(b, n, NUMERIC) == uncached(b, n)
+        assert len(v2._plans) == (0 if i == 0 else 1)
 
 
 # ---- function URLs ---------------------------------------------------------------------------------

@@ -100,6 +100,20 @@ class _Plan:
 
 PLANS_MAX, PLAN_HEADER_MAX = 512, 4096
 _plans: dict[tuple[int, int, bytes], _Plan] = {}
+# what the plans' keys (binary headers, JSON templates) have been seen without a plan: a plan is made on a
+# key's second sight, so that requests that differ each time (an id or a parameter of the client's own in a
+# binary header, a parameter in a JSON document) pay a look-up each, not a plan's making
+_seen: dict[tuple[Any, ...], None] = {}
+
+
+def _seen_before(key: tuple[Any, ...]) -> bool:
+    """Whether a plan's key was seen before; it is noted now if not (the oldest forgotten past PLANS_MAX)."""
+    if key in _seen:
+        return True
+    if len(_seen) >= PLANS_MAX:
+        del _seen[next(iter(_seen))]
+    _seen[key] = None
+    return False
 
 
 def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
@@ -127,13 +141,14 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
 
 def _planned(body: bytes, header_length: int, spec: ModelSpec, max_elements: int, shm: Registry | None
              ) -> Decoded:
-    """A binary request decoded by its header's remembered plan, made on the header's first sight."""
+    """A binary request decoded by its header's remembered plan, made on the header's second sight."""
     header = body[:header_length]
     key = (id(spec), max_elements, header)
     plan = _plans.get(key)
     if plan is None or plan.spec is not spec or plan.size != len(body) - header_length:
         decoded, sources = _decode(header, memoryview(body)[header_length:], spec, max_elements, shm)
-        if any(t.datatype == "BYTES" for t in decoded.inputs):  # BYTES framing is data: checked each time
+        # the header's first sight; or BYTES, whose framing is data: checked each time
+        if not _seen_before(key) or any(t.datatype == "BYTES" for t in decoded.inputs):
             return decoded
         # only replies without JSON data are kept: binary ones, those into shared memory
         heads: dict[tuple[Any, ...], bytes] | None = \
@@ -185,9 +200,6 @@ class _JsonPlan:
 
 # (id(spec), max_elements, whether the id was emptied, template): the arrays' count is the template's
 _json_plans: dict[tuple[int, int, bool, bytes], _JsonPlan] = {}
-# the keys seen once: a plan is made on a template's second sight, so that a client whose documents differ
-# each time (a parameter of its own per request) pays the template's scan, not a plan's making, per request
-_json_seen: dict[tuple[int, int, bool, bytes], None] = {}
 
 
 def _json_planned(doc: bytes, spec: ModelSpec, max_elements: int, shm: Registry | None) -> Decoded | None:
@@ -203,12 +215,8 @@ def _json_planned(doc: bytes, spec: ModelSpec, max_elements: int, shm: Registry 
     plan = _json_plans.get(key)
     if plan is not None and plan.spec is spec:
         return plan.apply(doc, spans, own_id)
-    if key not in _json_seen:
-        if len(_json_seen) >= PLANS_MAX:
-            del _json_seen[next(iter(_json_seen))]
-        _json_seen[key] = None
-        return None
-    del _json_seen[key]
+    if not _seen_before(key):
+        return None  # the caller's long way: the first sight of this template
     decoded = _decode(doc, memoryview(b""), spec, max_elements, shm)[0]
     if (len(decoded.inputs) == len(spans) and all(t.datatype in PACKED for t in decoded.inputs)
             # the one "id" string is the request's own, not one in its parameters
