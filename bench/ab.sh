@@ -220,7 +220,7 @@ if [ "$INTERLEAVE" = 1 ]; then
     PORT=$((BASE_PORT + 10 * i)) URL=http://127.0.0.1:$PORT i=$((i + 1))
     port_of[$label]=$PORT
     [ "$tree" = @limit ] && continue
-    if [ "$tree" = @triton ] && [ ! -e "$OUT/triton-repo" ]; then triton_repo && touch "$OUT/triton-repo" || exit 1; fi
+    if [ "$tree" = @triton ] && [ -z "${repo_made:-}" ]; then triton_repo && repo_made=1 || exit 1; fi
     if curl -s -m 1 -o /dev/null "$URL/v2/health/live"; then echo "something already answers at $URL" >&2; exit 1; fi
     start "$tree" "$envs" "$OUT/$label.log"
     pid_of[$label]=$serve
@@ -244,10 +244,10 @@ if [ "$INTERLEAVE" = 1 ]; then
           parse "$spec"
           PORT=${port_of[$label]} URL=http://127.0.0.1:${port_of[$label]}
           # what the idle servers beside it took of the cores meanwhile, in per cent of one core
-          local_before=$(others_ticks "$label") t0=$(date +%s%N)
+          others_before=$(others_ticks "$label") t0=$(date +%s%N)
           line=$(point "$label" "$round" "$model" "$conc")
           ms=$((($(date +%s%N) - t0) / 1000000))
-          beside=$(($(others_ticks "$label") - local_before))
+          beside=$(($(others_ticks "$label") - others_before))
           printf "%s  beside %.1f%%\n" "$line" "$((beside * 10000 / (ms + 1)))e-1" | tee -a "$OUT/ab.txt"
         done
       done

@@ -34,7 +34,8 @@ def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) ->
     tensors: list[Tensor] = []
     added = False
     booleans = not holds_no_booleans(body)
-    # one input's body: its lists are all the body's brackets, less any in a key (counted at memchr's speed)
+    # one input's body: its lists are the body's brackets (counted at memchr's speed); a bracket in a key
+    # or a string only makes the count differ from the shape's, and then every value is looked at
     brackets = body.count(b"[") if len(doc) == 1 else -1
     for name, data in doc.items():
         expected = known_input(spec, name)
