@@ -89,6 +89,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", dest="workers", type=int, help="worker processes (default 1)")
     serve.add_argument("--gateways", dest="gateways", type=int,
                        help="gateway processes, sharing the HTTP port (default 1)")
+    serve.add_argument("--colocate", dest="colocate", action=argparse.BooleanOptionalAction,
+                       help="run each worker inside a gateway's process (gateway i runs worker i; workers "
+                            "beyond the gateways run alone): one process fewer taking turns on a small "
+                            "machine's cores; requests still go through the Redis streams")
     gw = sub.add_parser("gateway", help="run one HTTP gateway against a shared Redis")
     for add in (common, http, cache):
         add(gw)

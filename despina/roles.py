@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import uvicorn
 
@@ -21,6 +24,7 @@ from .workers.worker import Worker
 
 log = logging.getLogger("despina.worker")
 STUCK_GRACE_S = 5.0
+COLOCATED_SWITCH_S = 0.0002  # a colocated worker's GIL switch interval (colocated_worker)
 
 
 def quiet_collector() -> None:
@@ -35,7 +39,7 @@ def run_gateway(settings: Settings) -> None:
     from .gateway.app import create_app
     from .gateway.protocol import protocol_class
 
-    app = create_app(settings)
+    app = create_app(settings, alongside=(lambda: colocated_worker(settings)) if settings.colocate else None)
     config = uvicorn.Config(app, host=settings.host, port=settings.http_port,
                             loop="uvloop", http=protocol_class(app.state.hot_routes), lifespan="on",
                             access_log=False,
@@ -45,6 +49,45 @@ def run_gateway(settings: Settings) -> None:
     sockets = [reuse_port_socket(settings.host, settings.http_port)] if settings.reuse_port else None
     quiet_collector()
     uvicorn.Server(config).run(sockets=sockets)
+    if settings.colocate:
+        _leave_stuck_threads()
+
+
+@contextlib.asynccontextmanager
+async def colocated_worker(settings: Settings) -> AsyncIterator[None]:
+    """A worker in the gateway's process and event loop (serve --colocate), for as long as the gateway
+    serves: it still reads its models' streams through the consumer groups and replies through Redis, as
+    a worker process does, so that on a machine with few cores one process fewer takes turns on them.
+    On the way out it stops after the gateway has answered what was in flight, then drains as a worker
+    does. If it ends while the gateway still serves, the process stops (serve starts it again): a
+    gateway whose worker is gone must not go on as if it had one."""
+    assert settings.redis_url
+    # the model threads hand their batches back through the GIL while the loop serves HTTP: waiting out
+    # the default 5 ms switch interval each time, W3 at c=64 lost 6-10 % against a worker process of its
+    # own; at 0.2 ms it is level (bench/RESULTS.md, 2026-12-04)
+    sys.setswitchinterval(COLOCATED_SWITCH_S)
+    redis = connect(settings.redis_url)
+    worker = Worker(settings, redis)
+    task = asyncio.create_task(worker.run())
+    leaving = False
+
+    def ended(task: asyncio.Task[None]) -> None:
+        if leaving:
+            return
+        reason = "cancelled" if task.cancelled() else repr(task.exception() or "returned")
+        log.error("worker %s ended while its gateway serves (%s): stopping the process", worker.id, reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    task.add_done_callback(ended)
+    try:
+        yield
+    finally:
+        leaving = True
+        worker.stop()
+        try:
+            await task
+        finally:
+            await redis.aclose()
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:

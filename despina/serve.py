@@ -63,6 +63,10 @@ class Child:
             self.process.wait()
 
 
+def worker_id(i: int) -> str:
+    return f"{os.uname().nodename}-w{i}"
+
+
 def child_env(settings: Settings, **overrides: str) -> dict[str, str]:
     env = dict(os.environ)
     for f in fields(Settings):
@@ -97,8 +101,10 @@ class Supervisor:
         # sharing a core, the gateway and the worker take turns: the sooner a gateway reads what came, the
         # more requests each batch takes, and the less both spend per request (bench/RESULTS.md, 2026-12-04)
         nice = settings.worker_nice if others is None else 0
-        self.workers = [Child("worker", child_env(settings, DESPINA_WORKER_ID=f"{os.uname().nodename}-w{i}"),
-                              f"worker {i}", nice=nice) for i in range(settings.workers)]
+        # with --colocate gateway i runs worker i in its process (roles.colocated_worker); the rest run alone
+        inside = min(settings.workers, settings.gateways) if settings.colocate else 0
+        self.workers = [Child("worker", child_env(settings, DESPINA_WORKER_ID=worker_id(i)), f"worker {i}",
+                              nice=nice) for i in range(inside, settings.workers)]
         many = settings.gateways > 1
         shared = settings.with_(reuse_port=many or settings.reuse_port)
         # the gateways share the server's shared memory registrations, which live as long as serve does
@@ -107,13 +113,17 @@ class Supervisor:
             self.shm.clear()
         # (of several gateways each knows its index: each writes its own trace files)
         self.gateways = [Child("gateway", child_env(shared, DESPINA_SUPERVISED="1",
-                                                    **({"DESPINA_GATEWAY_INDEX": str(i)} if many else {})),
+                                                    **({"DESPINA_GATEWAY_INDEX": str(i)} if many else {}),
+                                                    **({"DESPINA_WORKER_ID": worker_id(i)} if i < inside
+                                                       else {"DESPINA_COLOCATE": "0"})),
                                f"gateway {i}" if many else "gateway", others)
                          for i in range(settings.gateways)]
         for child in (self.control, *self.workers, *self.gateways):
             child.start()
-        log.info("serving %s on http://%s:%d with %d worker(s) and %d gateway(s)", settings.model_repository,
-                 settings.host, settings.http_port, settings.workers, settings.gateways)
+        log.info("serving %s on http://%s:%d with %d worker(s) and %d gateway(s)%s",
+                 settings.model_repository, settings.host, settings.http_port, settings.workers,
+                 settings.gateways,
+                 f", {inside} worker(s) inside gateways" if inside else "")
         code = 0
         while not self._stopping:
             time.sleep(0.2)

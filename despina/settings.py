@@ -25,6 +25,7 @@ class Settings:
     metrics_port: int = 8002                # Prometheus /metrics of the control plane; 0 = off
     workers: int = 1
     gateways: int = 1                       # serve: gateway processes sharing the HTTP port
+    colocate: bool = False                  # a gateway runs a worker in its own process (roles.run_gateway)
     reuse_port: bool = False                # bind the HTTP port with SO_REUSEPORT (serve sets it for 2+)
     request_timeout_s: float = 60.0         # default deadline of a request
     max_body_bytes: int = 64 * 1024 * 1024
@@ -79,6 +80,9 @@ class Settings:
                 cpus.parse(self.worker_cpus)
             except cpus.CpuListError as exc:
                 raise BadSetting(f"DESPINA_WORKER_CPUS (or --worker-cpus): {exc}") from None
+        if self.colocate and self.worker_cpus is not None:
+            raise BadSetting("DESPINA_COLOCATE and DESPINA_WORKER_CPUS (--colocate, --worker-cpus) do not go "
+                             "together: a colocated worker runs where its gateway does")
         if self.worker_nice > 19:
             raise BadSetting(f"DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got "
                              f"{self.worker_nice}")

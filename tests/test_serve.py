@@ -135,6 +135,8 @@ def test_roles_need_a_redis_url(role: str) -> None:
     ({}, ["--worker-cpus", "3-1"], "the range '3-1' runs backwards"),
     ({}, ["--worker-cpus", "0,99999"], "--worker-cpus: CPU 99999 is not available here"),
     ({}, ["--worker-nice", "20"], "DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got 20"),
+    ({}, ["--colocate", "--worker-cpus", "0"], "(--colocate, --worker-cpus) do not go together"),
+    ({"DESPINA_COLOCATE": "sometimes"}, [], "DESPINA_COLOCATE='sometimes': expected true or false"),
 ])
 def test_a_bad_setting_is_named_and_nothing_starts(env: dict[str, str], args: list[str], said: str) -> None:
     r = subprocess.run([sys.executable, "-m", "despina", "serve", *args], capture_output=True, text=True,
@@ -337,3 +339,75 @@ def test_ready_only_once_the_catalog_is_published(serve: Callable[..., Server], 
     assert sorted(m["name"] for m in index) == sorted(m.name for m in example_repository.iterdir())
     assert {m["state"] for m in index} <= {"READY", "UNAVAILABLE"}, index
     assert all(m.get("reason") for m in index if m["state"] != "READY"), index
+
+
+def test_a_colocated_worker_serves_from_the_gateways_process_and_drains_with_it(
+        serve: Callable[..., Server], example_repository: Path, tmp_path: Path, redis_url: str,
+        key_prefix: str) -> None:
+    """--colocate: the worker runs in the gateway's process (no `despina worker`), still registered and
+    read through the streams; its Python model's process is the gateway's child; the ensemble runs
+    there too. SIGTERM answers every request in flight (20 waiting in the batcher), and nothing is left."""
+    repo = tmp_path / "slow"
+    for name in ("mlp", "classify_post", "mlp_classify"):
+        shutil.copytree(example_repository / name, repo / name)
+    config = (repo / "mlp" / "config.pbtxt").read_text()
+    (repo / "mlp" / "config.pbtxt").write_text(
+        config.replace("max_queue_delay_microseconds: 500", "max_queue_delay_microseconds: 700000"))
+    server = serve(repo, "--colocate", wait_models=("mlp", "mlp_classify"), env=FULL_QUEUE_DELAY)
+    roles, _, _ = serve_processes(server)
+    gateways = [p for p, c in roles.items() if "despina gateway" in c]
+    assert len(gateways) == 1 and not any("despina worker" in c for c in roles.values()), roles
+    stubs = [p for p, c in roles.items() if "python_stub/stub.py" in c]
+    assert stubs and all(f"PPid:\t{gateways[0]}\n" in Path(f"/proc/{p}/status").read_text() for p in stubs)
+    r = redis.Redis.from_url(redis_url)
+    assert len(r.smembers(f"{key_prefix}:workers")) == 1
+    assert "1 worker(s) inside gateways" in server.logs()
+    ensemble = httpx.post(f"{server.url}/v2/models/mlp_classify/infer", timeout=30, json={"inputs": [
+        {"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [0.25] * 256}]})
+    assert ensemble.status_code == 200, ensemble.text
+    assert {o["name"] for o in ensemble.json()["outputs"]} >= {"label"}
+    family = descendants(server.process.pid)
+
+    async def scenario() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            calls = [asyncio.create_task(client.post(f"{server.url}/fn/mlp", content=ROW)) for _ in range(20)]
+            await asyncio.sleep(0.3)  # all 20 now wait in the batcher for the 0.7 s queue delay
+            server.process.send_signal(signal.SIGTERM)
+            return [r.status_code for r in await asyncio.gather(*calls)]
+
+    assert asyncio.run(scenario()) == [200] * 20
+    assert server.process.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while alive(family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(family), [cmdline(p) for p in alive(family)]
+    assert not r.smembers(f"{key_prefix}:workers")  # it said goodbye as a worker process does
+
+
+def test_colocated_workers_beyond_the_gateways_run_as_their_own_processes(
+        serve: Callable[..., Server], example_repository: Path, redis_url: str, key_prefix: str) -> None:
+    """--colocate --workers 3 --gateways 2: gateway 0 and 1 each run a worker, the third runs alone, and
+    a model replicated on every worker answers from all three."""
+    server = serve(example_repository, "--colocate", "--workers", "3", "--gateways", "2", "--model-replicas",
+                   "0", wait_models=("mlp",))
+    roles, _, _ = serve_processes(server)
+    assert len([p for p, c in roles.items() if "despina gateway" in c]) == 2, roles
+    assert len([p for p, c in roles.items() if "despina worker" in c]) == 1, roles
+    r = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 60
+    while True:  # every worker reports mlp READY
+        states = [r.hget(f"{key_prefix}:worker:{w.decode()}", "models") for w in r.smembers(f"{key_prefix}:workers")]
+        if len(states) == 3 and all(s and orjson.loads(s).get("mlp", {}).get("1") == "READY" for s in states):
+            break
+        assert time.monotonic() < deadline, (states, server.logs())
+        time.sleep(0.2)
+    names = {w.decode().rsplit(".", 1)[0].rsplit("-", 1)[-1] for w in r.smembers(f"{key_prefix}:workers")}
+    assert names == {"w0", "w1", "w2"}  # serve's names, the colocated ones too
+
+    async def many() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return [r.status_code for r in await asyncio.gather(
+                *(client.post(f"{server.url}/fn/mlp", content=ROW) for _ in range(60)))]
+
+    assert asyncio.run(many()) == [200] * 60
+    assert stop_server(server) == 0

@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -131,7 +131,13 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return json_response({"error": "internal error (the gateway's log has the details)"}, 500)
 
 
-def create_app(settings: Settings) -> Starlette:
+Alongside = Callable[[], contextlib.AbstractAsyncContextManager[None]]
+
+
+def create_app(settings: Settings, alongside: Alongside | None = None) -> Starlette:
+    """The gateway's app; `alongside`, when given, runs for as long as the gateway serves: entered once
+    the gateway has started, left before it closes, after uvicorn has answered what was in flight
+    (a colocated worker, roles.run_gateway)."""
     policy = AuthPolicy.from_settings(settings)  # a bad key file stops the gateway here, before it listens
     gw = Gateway(settings)
     openapi = orjson.dumps(document(__version__, settings.sagemaker))
@@ -142,7 +148,11 @@ def create_app(settings: Settings) -> Starlette:
         await gw.start()
         app.state.gateway = gw
         try:
-            yield
+            if alongside is None:
+                yield
+            else:
+                async with alongside():
+                    yield
         finally:
             await gw.close()
 
