@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -24,7 +23,6 @@ from .workers.worker import Worker
 
 log = logging.getLogger("despina.worker")
 STUCK_GRACE_S = 5.0
-COLOCATED_SWITCH_S = 0.0002  # a colocated worker's GIL switch interval (colocated_worker)
 
 
 def quiet_collector() -> None:
@@ -62,10 +60,6 @@ async def colocated_worker(settings: Settings) -> AsyncIterator[None]:
     does. If it ends while the gateway still serves, the process stops (serve starts it again): a
     gateway whose worker is gone must not go on as if it had one."""
     assert settings.redis_url
-    # the model threads hand their batches back through the GIL while the loop serves HTTP: waiting out
-    # the default 5 ms switch interval each time, W3 at c=64 lost 6-10 % against a worker process of its
-    # own; at 0.2 ms it is level (bench/RESULTS.md, 2026-12-04)
-    sys.setswitchinterval(COLOCATED_SWITCH_S)
     redis = connect(settings.redis_url)
     worker = Worker(settings, redis)
     task = asyncio.create_task(worker.run())
