@@ -60,14 +60,18 @@ def test_embedded_valkey_serves_and_sigkill_leaves_nothing_behind(
     assert not alive(family), [cmdline(p) for p in alive(family)]
 
 
-def test_sigterm_drains_requests_in_flight(serve: Callable[..., Server], example_repository: Path,
-                                           tmp_path: Path) -> None:
-    repo = tmp_path / "slow"
-    shutil.copytree(example_repository / "mlp", repo / "mlp")
+def slow_repository(example_repository: Path, repo: Path, *more: str) -> Path:
+    """The example mlp (and `more` of the examples) in `repo`, mlp's batches waiting 0.7 s to fill."""
+    for name in ("mlp", *more):
+        shutil.copytree(example_repository / name, repo / name)
     config = (repo / "mlp" / "config.pbtxt").read_text()
     (repo / "mlp" / "config.pbtxt").write_text(
         config.replace("max_queue_delay_microseconds: 500", "max_queue_delay_microseconds: 700000"))
-    server = serve(repo, wait_models=("mlp",), env=FULL_QUEUE_DELAY)
+    return repo
+
+
+def sigterm_answers_twenty_in_flight(server: Server) -> None:
+    """20 requests wait in mlp's batcher when serve gets SIGTERM: all answered, exit 0, nothing left."""
     family = descendants(server.process.pid)
 
     async def scenario() -> list[int]:
@@ -77,13 +81,19 @@ def test_sigterm_drains_requests_in_flight(serve: Callable[..., Server], example
             server.process.send_signal(signal.SIGTERM)
             return [r.status_code for r in await asyncio.gather(*calls)]
 
-    statuses = asyncio.run(scenario())
-    assert statuses == [200] * 20
+    assert asyncio.run(scenario()) == [200] * 20
     assert server.process.wait(30) == 0
     deadline = time.monotonic() + 10
     while alive(family) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(family)
+    assert not alive(family), [cmdline(p) for p in alive(family)]
+
+
+def test_sigterm_drains_requests_in_flight(serve: Callable[..., Server], example_repository: Path,
+                                           tmp_path: Path) -> None:
+    server = serve(slow_repository(example_repository, tmp_path / "slow"), wait_models=("mlp",),
+                   env=FULL_QUEUE_DELAY)
+    sigterm_answers_twenty_in_flight(server)
 
 
 def test_broken_config_is_reported_and_other_models_serve(serve: Callable[..., Server],
@@ -347,12 +357,7 @@ def test_a_colocated_worker_serves_from_the_gateways_process_and_drains_with_it(
     """--colocate: the worker runs in the gateway's process (no `despina worker`), still registered and
     read through the streams; its Python model's process is the gateway's child; the ensemble runs
     there too. SIGTERM answers every request in flight (20 waiting in the batcher), and nothing is left."""
-    repo = tmp_path / "slow"
-    for name in ("mlp", "classify_post", "mlp_classify"):
-        shutil.copytree(example_repository / name, repo / name)
-    config = (repo / "mlp" / "config.pbtxt").read_text()
-    (repo / "mlp" / "config.pbtxt").write_text(
-        config.replace("max_queue_delay_microseconds: 500", "max_queue_delay_microseconds: 700000"))
+    repo = slow_repository(example_repository, tmp_path / "slow", "classify_post", "mlp_classify")
     server = serve(repo, "--colocate", wait_models=("mlp", "mlp_classify"), env=FULL_QUEUE_DELAY)
     roles, _, _ = serve_processes(server)
     gateways = [p for p, c in roles.items() if "despina gateway" in c]
@@ -366,21 +371,7 @@ def test_a_colocated_worker_serves_from_the_gateways_process_and_drains_with_it(
         {"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [0.25] * 256}]})
     assert ensemble.status_code == 200, ensemble.text
     assert {o["name"] for o in ensemble.json()["outputs"]} >= {"label"}
-    family = descendants(server.process.pid)
-
-    async def scenario() -> list[int]:
-        async with httpx.AsyncClient(timeout=30) as client:
-            calls = [asyncio.create_task(client.post(f"{server.url}/fn/mlp", content=ROW)) for _ in range(20)]
-            await asyncio.sleep(0.3)  # all 20 now wait in the batcher for the 0.7 s queue delay
-            server.process.send_signal(signal.SIGTERM)
-            return [r.status_code for r in await asyncio.gather(*calls)]
-
-    assert asyncio.run(scenario()) == [200] * 20
-    assert server.process.wait(30) == 0
-    deadline = time.monotonic() + 10
-    while alive(family) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(family), [cmdline(p) for p in alive(family)]
+    sigterm_answers_twenty_in_flight(server)
     assert not r.smembers(f"{key_prefix}:workers")  # it said goodbye as a worker process does
 
 
