@@ -161,6 +161,14 @@ def test_registrations_are_shared_through_the_servers_file(tmp_path: Path) -> No
         assert first.region("r").read(0, 2, "z") == bytes([0, 1])
         with pytest.raises(InvalidArgument, match="do not fit"):
             first.region("r").read(4, 8, "z")
+        # the client truncates the object: a gateway that maps the region only now (a request's first use
+        # there) says so as one that had it mapped does, not as a registration would
+        data.write_bytes(b"\0" * 4)
+        third = Registry("s", tmp_path)
+        with pytest.raises(InvalidArgument, match="'/obj' of region 'r' is smaller than the region now"):
+            third.region("r")
+        with pytest.raises(InvalidArgument, match="'/obj' of region 'r' is smaller than the region now"):
+            first.region("r").read(0, 2, "z")
         second.clear()
         assert first.status() == [] and not second.path.exists()
     finally:

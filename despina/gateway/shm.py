@@ -64,7 +64,9 @@ class Region:
     """A registration mapped into this process. Reads and writes check first that the object is still as
     large as the region (one that shrank would fault the process), then copy."""
 
-    def __init__(self, reg: Registration) -> None:
+    def __init__(self, reg: Registration, registering: bool = True) -> None:
+        """`registering`: mapped for its registration; else for a request, in a gateway that had not mapped
+        it yet (another gateway registered it): an object that shrank since is the request's error."""
         self.reg = reg
         try:
             # O_NOFOLLOW as shm_open has it: a link in /dev/shm does not lead elsewhere
@@ -77,6 +79,9 @@ class Region:
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidArgument(f"Unable to open shared memory region: '{reg.key}' (not a shared "
                                       "memory object)")
+            if reg.offset + reg.byte_size > info.st_size and not registering:
+                raise InvalidArgument(f"shared memory object '{reg.key}' of region '{reg.name}' is smaller "
+                                      "than the region now (was it truncated?)")
             if reg.offset + reg.byte_size > info.st_size:
                 raise InvalidArgument(f"failed to register shared memory region '{reg.name}': invalid args "
                                       f"(offset {reg.offset} + byte_size {reg.byte_size} is past the end of "
@@ -161,7 +166,7 @@ class Registry:
             raise InvalidArgument(f"Unable to find shared memory region: '{name}'")
         region = self._mapped.get(name)
         if region is None:
-            region = self._mapped[name] = Region(reg)
+            region = self._mapped[name] = Region(reg, registering=False)
         return region
 
     def status(self, name: str = "") -> list[dict[str, Any]]:
