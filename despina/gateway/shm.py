@@ -60,6 +60,12 @@ def object_path(key: str) -> Path:
     return SHM_DIR / name
 
 
+def _shrunk(reg: Registration) -> str:
+    """A mapped region's object that shrank under it (the client truncated it): the request's error."""
+    return (f"shared memory object '{reg.key}' of region '{reg.name}' is smaller than the region now "
+            "(was it truncated?)")
+
+
 class Region:
     """A registration mapped into this process. Reads and writes check first that the object is still as
     large as the region (one that shrank would fault the process), then copy."""
@@ -79,13 +85,12 @@ class Region:
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidArgument(f"Unable to open shared memory region: '{reg.key}' (not a shared "
                                       "memory object)")
-            if reg.offset + reg.byte_size > info.st_size and not registering:
-                raise InvalidArgument(f"shared memory object '{reg.key}' of region '{reg.name}' is smaller "
-                                      "than the region now (was it truncated?)")
             if reg.offset + reg.byte_size > info.st_size:
-                raise InvalidArgument(f"failed to register shared memory region '{reg.name}': invalid args "
-                                      f"(offset {reg.offset} + byte_size {reg.byte_size} is past the end of "
-                                      f"'{reg.key}', {info.st_size} bytes)")
+                raise InvalidArgument(
+                    f"failed to register shared memory region '{reg.name}': invalid args (offset "
+                    f"{reg.offset} + byte_size {reg.byte_size} is past the end of '{reg.key}', "
+                    f"{info.st_size} bytes)"
+                    if registering else _shrunk(reg))
             self.map = mmap.mmap(fd, info.st_size) if info.st_size else None
         except BaseException:
             os.close(fd)
@@ -103,8 +108,7 @@ class Region:
             raise InvalidArgument(f"{what}: offset {offset} and byte size {size} do not fit shared memory "
                                   f"region '{reg.name}' of {reg.byte_size} bytes")
         if os.fstat(self.fd).st_size < reg.offset + reg.byte_size:
-            raise InvalidArgument(f"{what}: shared memory object '{reg.key}' of region '{reg.name}' is "
-                                  "smaller than the region now (was it truncated?)")
+            raise InvalidArgument(f"{what}: {_shrunk(reg)}")
         return reg.offset + offset
 
     def read(self, offset: int, size: int, what: str) -> bytes:
