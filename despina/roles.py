@@ -68,7 +68,8 @@ async def colocated_worker(settings: Settings) -> AsyncIterator[None]:
     def ended(task: asyncio.Task[None]) -> None:
         if leaving:
             return
-        reason = "cancelled" if task.cancelled() else repr(task.exception() or "returned")
+        exc = None if task.cancelled() else task.exception()
+        reason = "cancelled" if task.cancelled() else f"{type(exc).__name__}: {exc}" if exc else "returned"
         log.error("worker %s ended while its gateway serves (%s): stopping the process", worker.id, reason)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -76,10 +77,11 @@ async def colocated_worker(settings: Settings) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        reported = task.done()  # ended() has said why: not raised again as the gateway stops
         leaving = True
         worker.stop()
         try:
-            await task
+            await (asyncio.gather(task, return_exceptions=True) if reported else task)
         finally:
             await redis.aclose()
 

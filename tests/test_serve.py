@@ -18,6 +18,7 @@ import orjson
 import pytest
 import redis
 
+from despina.embedded import free_port
 from despina.serve import SETTLED_S
 
 from .conftest import FULL_QUEUE_DELAY, Server, descendants, dump_stacks, stop_server
@@ -402,3 +403,35 @@ def test_colocated_workers_beyond_the_gateways_run_as_their_own_processes(
 
     assert asyncio.run(many()) == [200] * 60
     assert stop_server(server) == 0
+
+
+def test_a_colocated_worker_that_cannot_start_stops_serve_with_its_reason(
+        example_repository: Path, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A gateway whose worker ends does not go on without it: here the worker's first write to Redis is
+    refused (the workers' set is a string: another program's key where Despina's belongs), the gateway
+    says why and stops, and, since it had only just started, serve stops everything (exit 1), nothing left
+    running, the worker's error said once and not as a traceback."""
+    r = redis.Redis.from_url(redis_url)
+    r.set(f"{key_prefix}:workers", "not a set")
+    mlp = tmp_path / "repo"
+    shutil.copytree(example_repository / "mlp", mlp / "mlp")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "despina", "serve", "--colocate", "--model-repository", str(mlp),
+         "--redis-url", redis_url, "--key-prefix", key_prefix, "--http-port", str(free_port()),
+         "--metrics-port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    family: set[int] = set()
+    deadline = time.monotonic() + 60
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            family |= descendants(process.pid)  # what it started, seen while it runs
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    out = process.communicate()[0]
+    assert process.returncode == 1, out
+    said = re.findall(r"worker \S+ ended while its gateway serves \((.*)\): stopping the process", out)
+    assert said == ["ResponseError: WRONGTYPE Operation against a key holding the wrong kind of value"], out
+    assert "stopping everything" in out and "Traceback" not in out, out
+    assert not alive(family), [cmdline(p) for p in alive(family)]
