@@ -13,10 +13,11 @@ one batch's statistics as the workers' EVAL against plain HINCRBYs (the Redis at
 this machine), and the Python backend's hop: one execute call to a model's own process (W3's
 classify_post, and a model that returns constant outputs: the hop alone) with 0, 1, 3 and 8 requests,
 against classify_post's execute run in this process, and pb_utils.Tensor() as a model makes one per
-output; and a worker's own CPU per request, W1 in batches of 128 from 16-request entries, and per batch
+output; a worker's own CPU per request, W1 in batches of 128 from 16-request entries, and per batch
 of one request, replies written to that Redis (also answered at once, not sent, and with one more round
-trip before them: what a round trip costs the worker itself) (bench/out/repo must exist:
-bench/models.py).
+trip before them: what a round trip costs the worker itself); and the same for W3 (`ensemble_path`): the
+ensemble run in the worker over its two steps' batchers, with the Python model's process's CPU apart
+(bench/out/repo must exist: bench/models.py).
 Figures quoted in bench/RESULTS.md and in commit messages come from here; run it pinned
 (`taskset -c 1`) on a quiet machine.
 """
@@ -381,6 +382,23 @@ def ensemble_check(n: int = 2000) -> None:
     timed("control plane: check one ensemble (per tick)", ensembles.check, n)
 
 
+def _entry(row: bytes, first: int, n: int, reply_to: str) -> tuple[str, bytes, dict[bytes, bytes]]:
+    """A stream entry of `n` W1 requests (ids from `first`) as a gateway writes it, 256 said in flight."""
+    from despina.contract.keys import FIELD, IN_FLIGHT
+
+    reqs = [InferRequest(f"r{first + i}", reply_to, time.time() + 600,
+                         (Tensor("x", "FP32", (1, 256), row),), enqueued=time.time()) for i in range(n)]
+    return "stream", f"{first}-0".encode(), {FIELD: records.encode(reqs), IN_FLIGHT: b"256"}
+
+
+async def _forget(redis_client: aioredis.Redis, prefix: str) -> None:
+    """A run's keys go with it, and its connection."""
+    keys_left = [k async for k in redis_client.scan_iter(f"{prefix}*")]
+    if keys_left:
+        await redis_client.delete(*keys_left)
+    await redis_client.aclose()
+
+
 async def worker_path(url: str, rounds: int = 160, entry_requests: int = 16) -> None:
     """A worker's own CPU per request, no gateway: W1 (bench/out/repo's `mlp`, max batch 128) in a
     ModelRunner, 256 requests a round in entries of 16 as a gateway writes them, batched, run, and
@@ -395,19 +413,14 @@ async def worker_path(url: str, rounds: int = 160, entry_requests: int = 16) -> 
     folder = Path(__file__).resolve().parent / "out" / "repo" / "mlp"
     redis_client = connect(url)
     keys = Keys(f"micro-{uuid.uuid4().hex[:8]}")
+    reply_to = keys.reply_stream("micro")  # under the run's prefix: it goes with the run's other keys
     runner = ModelRunner(redis_client, keys, ModelSpec.from_config(load_model(folder).config), 1, folder,
                          "micro")
     await runner.load()
     batcher = asyncio.get_running_loop().create_task(runner.batcher.run())
     row = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32).tobytes()
 
-    def entry(first: int) -> tuple[str, bytes, dict[bytes, bytes]]:
-        reqs = [InferRequest(f"r{first + i}", "micro-gateway", time.time() + 600,
-                             (Tensor("x", "FP32", (1, 256), row),), enqueued=time.time())
-                for i in range(entry_requests)]
-        return "stream", f"{first}-0".encode(), {FIELD: records.encode(reqs), IN_FLIGHT: b"256"}
-
-    entries = [entry(i) for i in range(0, 256, entry_requests)]
+    entries = [_entry(row, i, entry_requests, reply_to) for i in range(0, 256, entry_requests)]
 
     async def one_round() -> None:
         for e in entries:
@@ -432,7 +445,7 @@ async def worker_path(url: str, rounds: int = 160, entry_requests: int = 16) -> 
     # one request per batch: what a batch costs the worker whatever its size (entry, batcher, run,
     # reply pipeline and its round trip), the cost that dominates at low concurrency
     def lone(k: int) -> tuple[str, bytes, dict[bytes, bytes]]:
-        req = InferRequest(f"l{k}", "micro-gateway", time.time() + 600, (Tensor("x", "FP32", (1, 256), row),),
+        req = InferRequest(f"l{k}", reply_to, time.time() + 600, (Tensor("x", "FP32", (1, 256), row),),
                            enqueued=time.time())
         return "stream", f"{k}-1".encode(), {FIELD: records.encode([req]), IN_FLIGHT: b"1"}
 
@@ -475,10 +488,74 @@ async def worker_path(url: str, rounds: int = 160, entry_requests: int = 16) -> 
     out.execute = execute  # type: ignore[method-assign]
     runner.batcher.close()
     await batcher
-    keys_left = [k async for k in redis_client.scan_iter(f"{keys.prefix}*")]
-    if keys_left:
-        await redis_client.delete(*keys_left)
-    await redis_client.aclose()
+    await _forget(redis_client, keys.prefix)
+
+
+async def ensemble_path(url: str, rounds: int = 60, entry_requests: int = 16) -> None:
+    """A worker's own CPU per request on W3, no gateway: bench/out/repo's `mlp_classify` run by an
+    EnsembleHost over a `mlp` runner (onnxruntime) and a `classify_post` runner (the Python model in its
+    own process), 256 requests a round in entries of 16 as a gateway writes them, each request's two
+    steps batched with the others', the replies, statistics and acknowledgements written to the Redis
+    at `url`. The Python model's process is counted apart (its own /proc stat)."""
+    import uuid
+
+    from despina.contract.ensemble import Ensemble
+    from despina.contract.keys import Keys
+    from despina.control.repository import load_model
+    from despina.counters import Deferred
+    from despina.redis_client import connect
+    from despina.workers.ensembles import EnsembleHost
+    from despina.workers.redelivery import DeliveryPolicy
+    from despina.workers.runner import ModelRunner
+
+    repo = Path(__file__).resolve().parent / "out" / "repo"
+    redis_client = connect(url)
+    keys = Keys(f"micro-{uuid.uuid4().hex[:8]}")
+    reply_to = keys.reply_stream("micro")
+    deferred = Deferred(redis_client)
+    runners = {}
+    for name in ("mlp", "classify_post"):
+        model = load_model(repo / name)
+        runners[name] = ModelRunner(redis_client, keys, ModelSpec.from_config(model.config), 1, repo / name,
+                                    "micro", deferred=deferred)
+        await runners[name].load()
+    batchers = [asyncio.get_running_loop().create_task(r.batcher.run()) for r in runners.values()]
+    config = load_model(repo / "mlp_classify").config
+    host = EnsembleHost(redis_client, keys, ModelSpec.from_config(config), Ensemble.from_config(config), 1,
+                        lambda step: runners[step.model], "micro", DeliveryPolicy(), deferred=deferred)
+    host.state = "READY"  # its streams are not read: entries are handed to it as its read loop would
+    row = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32).tobytes()
+    children = [int(c) for task in Path(f"/proc/{os.getpid()}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+
+    def children_cpu() -> float:
+        ticks = 0
+        for pid in children:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    async def one_round() -> None:
+        host._accept([_entry(row, i, entry_requests, reply_to) for i in range(0, 256, entry_requests)])
+        await host._idle.wait()
+        while host._writes or host._flush_soon is not None:
+            await asyncio.sleep(0.0002)
+
+    for _ in range(10):
+        await one_round()
+    cpu, stub = time.process_time(), children_cpu()
+    for _ in range(rounds):
+        await one_round()
+    n = rounds * 256
+    per, stub_per = (time.process_time() - cpu) / n * 1e6, (children_cpu() - stub) / n * 1e6
+    print(f"{'ensemble path, W3 in entries of 16 (process CPU)':44s} {per:8.2f} us per request, "
+          f"the Python model's process {stub_per:.2f}")
+    for runner in runners.values():
+        runner.batcher.close()
+    await asyncio.gather(*batchers)
+    for runner in runners.values():
+        await runner.execution.unload()
+    await _forget(redis_client, keys.prefix)
 
 
 def main() -> None:
@@ -486,7 +563,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--only", nargs="+", choices=["codecs", "round_trips", "timers", "wakeups",
-                                                      "statistics", "python_model", "ensemble", "worker"])
+                                                      "statistics", "python_model", "ensemble", "worker",
+                                                      "ensemble_path"])
     args = parser.parse_args()
     url = args.redis_url
     pieces: dict[str, Callable[[], object]] = {
@@ -494,7 +572,8 @@ def main() -> None:
         "timers": lambda: uvloop.run(timers()), "wakeups": wakeups,
         "statistics": lambda: statistics_record(url),
         "python_model": python_model, "ensemble": ensemble_check,
-        "worker": lambda: uvloop.run(worker_path(url))}
+        "worker": lambda: uvloop.run(worker_path(url)),
+        "ensemble_path": lambda: uvloop.run(ensemble_path(url))}
     for name, run in pieces.items():
         if not args.only or name in args.only:
             run()
