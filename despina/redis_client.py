@@ -4,7 +4,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError
+from redis.exceptions import ConnectionError, ResponseError
 
 # A dead Redis must fail a request within a second, not hang it: connecting gives up after this.
 CONNECT_TIMEOUT_S = 0.5
@@ -19,3 +19,14 @@ def connect(url: str, max_connections: int = 64) -> aioredis.Redis:
         health_check_interval=0, retry_on_timeout=False,
         retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)))
     return aioredis.Redis(connection_pool=pool)
+
+
+def trouble(exc: BaseException) -> str:
+    """What a failed Redis call says in a log. Redis that answered with an error is not unreachable: a
+    WRONGTYPE error means a key where Despina keeps its own holds another kind of value, most likely
+    another program's key under the same key prefix."""
+    if isinstance(exc, ResponseError):
+        wrong_type = "WRONGTYPE" in str(exc)
+        hint = ": another program's key under this key prefix? (--key-prefix)" if wrong_type else ""
+        return f"Redis refused a command ({exc}){hint}"
+    return f"Redis unreachable ({exc})"

@@ -25,6 +25,7 @@ from ..contract.catalog import LOADED
 from ..contract.commands import Command
 from ..contract.errors import ConfigError, DespinaError, Unavailable
 from ..contract.keys import CONTROL_GROUP, FIELD, Keys
+from ..redis_client import trouble
 from ..registry import ArtifactCache, ModelFiles, open_registry
 from ..settings import Settings
 from .commands import Commands
@@ -112,7 +113,7 @@ class ControlPlane:
                              self.settings.model_control_mode, self.registry.url)
                     return True
             except (RedisError, ConnectionError, OSError) as exc:
-                log.warning("control: Redis unreachable (%s)", exc)
+                log.warning("control: %s", trouble(exc))
             if not waiting:
                 log.info("control plane %s: another one leads; standing by", self.id)
                 waiting = True
@@ -161,7 +162,7 @@ class ControlPlane:
                     await self._recover()
                 await self.lifecycle.tick()
             except (RedisError, ConnectionError, OSError) as exc:
-                log.warning("control: Redis unreachable (%s)", exc)
+                log.warning("control: %s", trouble(exc))
             except Exception:  # a bug must not stop the control plane's heart
                 log.exception("control: a lifecycle tick failed")
             try:
@@ -260,7 +261,7 @@ class ControlPlane:
                 log.error("repository %s: %s; models already loaded keep serving", self.registry.url,
                           exc.message)
             except (RedisError, ConnectionError, OSError) as exc:
-                log.warning("control: Redis unreachable (%s)", exc)
+                log.warning("control: %s", trouble(exc))
             await self._sleep(self.settings.repository_poll_secs if mode == "poll" and not first else 2.0)
 
     async def _published(self) -> None:

@@ -30,6 +30,7 @@ from ..contract.errors import (
 )
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
+from ..redis_client import trouble
 from .control import ControlClient
 
 log = logging.getLogger("despina.gateway")
@@ -78,7 +79,7 @@ class ModelView:
         try:
             await self.refresh()
         except Exception as exc:
-            log.warning("gateway: Redis unreachable at start (%s)", exc)
+            log.warning("gateway: at start, %s", trouble(exc))
         self._task = asyncio.create_task(self._loop())
 
     async def close(self) -> None:

@@ -28,6 +28,7 @@ from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
 from ..counters import Deferred
 from ..metrics import GpuReader
+from ..redis_client import trouble
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
 from ..registry.cache import touch
 from ..response_cache import ResponseCache
@@ -91,7 +92,7 @@ class Worker:
                 try:
                     await self.sync()
                 except (RedisError, ConnectionError, OSError) as exc:
-                    log.warning("worker %s: Redis unreachable (%s)", self.id, exc)
+                    log.warning("worker %s: %s", self.id, trouble(exc))
                 try:
                     await asyncio.wait_for(self._kick.wait(), 1.0)
                 except TimeoutError:
