@@ -68,8 +68,12 @@ async def colocated_worker(settings: Settings) -> AsyncIterator[None]:
     def ended(task: asyncio.Task[None]) -> None:
         if leaving:
             return
-        exc = None if task.cancelled() else task.exception()
-        reason = "cancelled" if task.cancelled() else f"{type(exc).__name__}: {exc}" if exc else "returned"
+        if task.cancelled():
+            reason = "cancelled"
+        elif (exc := task.exception()) is not None:
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            reason = "returned"
         log.error("worker %s ended while its gateway serves (%s): stopping the process", worker.id, reason)
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
+import redis
+import redis.asyncio as aioredis
 
 from despina.examples import mlp_numpy
-from despina.redis_client import CONNECT_TIMEOUT_S
+from despina.redis_client import CONNECT_TIMEOUT_S, trouble
 
 from .conftest import Server, stop_server
 from .control_support import mlp_folder
@@ -109,3 +112,25 @@ async def test_redis_stopped_under_load_gives_503s_then_everything_recovers(
            refused_latency=percentiles([a.latency for a in refused]),
            recovered_after_restart_s=round(recovered, 2), ready_after_restart_s=round(ready_again, 2),
            processes_restarted=0)
+
+
+def test_a_redis_error_says_whether_redis_answered(redis_url: str, key_prefix: str) -> None:
+    """What the roles log when a Redis call fails: unreachable only when it is; a key of the wrong type
+    (another program's, under the same prefix) is Redis refusing a command."""
+    async def failures() -> tuple[BaseException, BaseException]:
+        answered, nobody = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url("redis://127.0.0.1:1")
+        try:
+            await answered.set(f"{key_prefix}:workers", "not a set")
+            with pytest.raises(redis.RedisError) as refused:
+                await answered.sadd(f"{key_prefix}:workers", "w0")
+            with pytest.raises((redis.RedisError, OSError)) as unreachable:
+                await nobody.ping()
+            return refused.value, unreachable.value
+        finally:
+            await answered.aclose()
+            await nobody.aclose()
+
+    refused, unreachable = asyncio.run(failures())
+    assert trouble(refused).startswith("Redis refused a command (WRONGTYPE")
+    assert trouble(refused).endswith("another program's key under this key prefix? (--key-prefix)")
+    assert trouble(unreachable).startswith("Redis unreachable (")

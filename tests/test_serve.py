@@ -17,10 +17,8 @@ import httpx
 import orjson
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from despina.embedded import free_port
-from despina.redis_client import trouble
 from despina.serve import SETTLED_S
 
 from .conftest import FULL_QUEUE_DELAY, Server, descendants, dump_stacks, stop_server
@@ -440,23 +438,3 @@ def test_a_colocated_worker_that_cannot_start_stops_serve_with_its_reason(
     assert "Redis refused a command (WRONGTYPE" in out and "another program's key under this key prefix?" in out
     assert "Redis unreachable" not in out, out
     assert not alive(family), [cmdline(p) for p in alive(family)]
-
-
-def test_a_redis_error_says_whether_redis_answered(redis_url: str, key_prefix: str) -> None:
-    async def failures() -> tuple[BaseException, BaseException]:
-        answered, nobody = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url("redis://127.0.0.1:1")
-        try:
-            await answered.set(f"{key_prefix}:workers", "not a set")
-            with pytest.raises(redis.RedisError) as refused:
-                await answered.sadd(f"{key_prefix}:workers", "w0")
-            with pytest.raises((redis.RedisError, OSError)) as unreachable:
-                await nobody.ping()
-            return refused.value, unreachable.value
-        finally:
-            await answered.aclose()
-            await nobody.aclose()
-
-    refused, unreachable = asyncio.run(failures())
-    assert trouble(refused).startswith("Redis refused a command (WRONGTYPE")
-    assert trouble(refused).endswith("another program's key under this key prefix? (--key-prefix)")
-    assert trouble(unreachable).startswith("Redis unreachable (")
