@@ -16,6 +16,7 @@ import uvicorn
 
 from .control.plane import ControlPlane
 from .cpus import parse, pin
+from .http_server import Server
 from .logs import dump_tasks_on_sigusr2
 from .redis_client import connect
 from .settings import Settings
@@ -46,7 +47,7 @@ def run_gateway(settings: Settings) -> None:
                             timeout_graceful_shutdown=int(settings.drain_timeout_s))
     sockets = [reuse_port_socket(settings.host, settings.http_port)] if settings.reuse_port else None
     quiet_collector()
-    uvicorn.Server(config).run(sockets=sockets)
+    Server(config).run(sockets=sockets)
     if settings.colocate:
         _leave_stuck_threads()
 

@@ -9,12 +9,15 @@ control, then Valkey.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from .cpus import available, format_list, parse
@@ -27,6 +30,8 @@ log = logging.getLogger("despina.serve")
 RESTART_BACKOFF_S = 1.0
 SETTLED_S = 5.0  # a gateway that dies sooner after its start failed to start (its port, say): stop
 LAST_S = 2.0  # what a stage of the drain gets, at least, once the drain's time is spent
+# how often the children are looked at besides when a signal comes (a child's end is SIGCHLD): a net only
+LOOK_S = 5.0
 
 
 class Child:
@@ -125,11 +130,12 @@ class Supervisor:
                  settings.gateways,
                  f", {inside} worker(s) inside gateways" if inside else "")
         code = 0
-        while not self._stopping:
-            time.sleep(0.2)
-            code = self._check_children()
-            if code:
-                break
+        with _woken_by_signals() as wait:
+            while not self._stopping:
+                wait(LOOK_S)
+                code = self._check_children()
+                if code:
+                    break
         self.shutdown()
         return code
 
@@ -197,3 +203,29 @@ class Supervisor:
         if self.shm is not None:
             self.shm.clear()
         log.info("stopped")
+
+
+@contextlib.contextmanager
+def _woken_by_signals() -> Iterator[Callable[[float], None]]:
+    """A wait (at most its timeout) that a signal ends: a child's end (SIGCHLD) or a stop (SIGTERM,
+    SIGINT, whose handlers are already set). Idle, the supervisor then wakes only for them, not five
+    times a second."""
+    read, write = os.pipe()
+    for fd in (read, write):
+        os.set_blocking(fd, False)
+    before = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    child = signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler: the byte is written
+
+    def wait(timeout: float) -> None:
+        if select.select([read], [], [], timeout)[0]:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(read, 512):
+                    pass
+
+    try:
+        yield wait
+    finally:
+        signal.signal(signal.SIGCHLD, child)
+        signal.set_wakeup_fd(before)
+        os.close(read)
+        os.close(write)

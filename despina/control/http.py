@@ -16,6 +16,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from ..contract.keys import Keys
+from ..http_server import Server
 from ..metrics import HostMetrics, metrics_text
 from ..registry import ArtifactCache
 from ..settings import Settings
@@ -80,7 +81,7 @@ async def _sample_forever(tracker: StatusTracker) -> None:
         await asyncio.sleep(PERIOD_S)
 
 
-class _InLoopServer(uvicorn.Server):
+class _InLoopServer(Server):
     """uvicorn inside a loop that already handles signals: the role stops it, not a signal."""
 
     @contextlib.contextmanager

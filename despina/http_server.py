@@ -1,0 +1,48 @@
+"""uvicorn's server without its tenth-of-a-second tick.
+
+uvicorn's main loop wakes ten times a second to see whether it should stop and, once a second, to
+renew the Date header. An idle gateway or control plane then spends most of its wake-ups on that
+loop: a platform that scales models to zero still runs both, and on a shared core every wake-up
+costs. Here the loop sleeps until it is told to stop (a signal, or the role setting `should_exit`),
+and wakes once a second only where a Date header is sent.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import uvicorn
+
+DATE_S = 1.0  # how often the Date header is renewed, as uvicorn does
+
+
+class Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        super().__init__(config)
+
+    @property  # type: ignore[override]
+    def should_exit(self) -> bool:
+        return self._should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        # set from a signal handler, or from the loop's own code: either way the loop wakes through
+        # call_soon_threadsafe, which only queues the call and writes to the loop's wake-up pipe
+        self._should_exit = value
+        if value and self._loop is not None and self._stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing waits any more
+                self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def main_loop(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        every = DATE_S if self.config.date_header else None
+        # on_tick renews the headers when its counter is a multiple of 10 (uvicorn's tenths of a second)
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 10) % 864_000
+            if self._should_exit:  # set between the tick and this wait's start
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), every)
