@@ -2,9 +2,15 @@
 
     python bench/profile.py summary PROFILE.txt [--rate 100 --seconds 10] [--top 10]
     python bench/profile.py cpu SERVE_PID http://127.0.0.1:PORT [--model mlp --seconds 10 --core 0]
+    python bench/profile.py idle SERVER_PID [--seconds 30]
 
 cpu: CPU time per inference of `despina serve` and each of its children over a window, and how
 often each process's main thread gave up the core (voluntary) or was preempted (involuntary).
+
+idle: what a server costs while nobody calls it (a platform that scales models to zero still runs its
+gateway, control plane and Redis): CPU time as a percentage of one core, and wake-ups a second (the
+main thread's voluntary context switches), of the server and every process below it, over a window.
+Any server: `despina serve`, tritonserver (its models' Python stubs are its children).
 
 summary reads `py-spy record --format raw --threads` output and prints, as percentages of all
 samples: the split by thread, by package (self time), the top frames by self time, and the top
@@ -89,18 +95,27 @@ def summarize(stacks: list[tuple[str, list[str], int]], rate: float, seconds: fl
     return "\n".join(out)
 
 
-def processes(serve_pid: int) -> dict[int, str]:
-    """`despina serve` and its children, by pid, named by role."""
+def processes(serve_pid: int, below: bool = False) -> dict[int, str]:
+    """`despina serve` and its children (`below`: every process under it), by pid, named by role."""
     found = {serve_pid: "serve (supervisor)"}
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
     for entry in os.listdir("/proc"):
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == serve_pid:
+        if entry.isdigit() and cmd[0]:
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
             words = [w.decode() for w in cmd if w]
-            found[int(entry)] = " ".join(words[-2:]) if "despina" in words else Path(words[0].split()[0]).name
+            names[int(entry)] = " ".join(words[-2:]) if "despina" in words else Path(words[0].split()[0]).name
+    level = {serve_pid}
+    while level:
+        level = {pid for pid, parent in parents.items() if parent in level}
+        found.update((pid, names[pid]) for pid in sorted(level))
+        if not below:
+            break
     return found
 
 
@@ -152,6 +167,36 @@ def cpu_split(serve_pid: int, url: str, model: str, seconds: float, core: int) -
     return "\n".join(out)
 
 
+def wakeups(pid: int) -> int:
+    """Voluntary context switches of every thread of a process: each is a sleep, woken up later."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # the thread ended
+            continue
+        total += int(status.split("voluntary_ctxt_switches:", 1)[1].split()[0])
+    return total
+
+
+def idle(server_pid: int, seconds: float) -> str:
+    procs = processes(server_pid, below=True)
+    before = {p: (*cpu_seconds(p)[:2], wakeups(p)) for p in procs}
+    time.sleep(seconds)
+    after = {p: (*cpu_seconds(p)[:2], wakeups(p)) for p in procs if Path(f"/proc/{p}").exists()}
+    out = [f"idle for {seconds:g} s", "process                     % core   wake-ups/s (all threads)"]
+    total = woken = 0.0
+    for pid, name in procs.items():
+        if pid not in after:
+            continue
+        user, sys_, vol = (after[pid][i] - before[pid][i] for i in range(3))
+        total += user + sys_
+        woken += vol
+        out.append(f"{name[:26]:<26} {100 * (user + sys_) / seconds:7.2f}   {vol / seconds:10.1f}")
+    out.append(f"{'all of them':<26} {100 * total / seconds:7.2f}   {woken / seconds:10.1f}")
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -167,11 +212,16 @@ def main() -> None:
     cpu.add_argument("--model", default="mlp")
     cpu.add_argument("--seconds", type=float, default=10)
     cpu.add_argument("--core", type=int, default=0)
+    quiet = sub.add_parser("idle")
+    quiet.add_argument("server_pid", type=int)
+    quiet.add_argument("--seconds", type=float, default=30)
     args = p.parse_args()
     if args.command == "cpu" and not args.url.startswith("http://127.0.0.1:"):
         p.error("only http://127.0.0.1:PORT: all traffic stays on loopback")
     if args.command == "summary":
         print(summarize(load(args.profile), args.rate, args.seconds, args.top, args.exclude))
+    elif args.command == "idle":
+        print(idle(args.server_pid, args.seconds))
     else:
         print(cpu_split(args.serve_pid, args.url, args.model, args.seconds, args.core))
 
