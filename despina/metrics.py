@@ -70,7 +70,8 @@ def _escape(value: str) -> str:
 
 
 async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
-    """One consistent read of what the metrics need: catalog, statistics, backlogs, workers."""
+    """One consistent read of what the metrics need: catalog, statistics, backlogs, workers (and, for the
+    status page, the catalog's entries and the live workers' heartbeat hashes as read)."""
     raw = cast(dict[bytes, bytes], await redis.hgetall(keys.catalog))
     catalog = {k.decode(): CatalogEntry.loads(v) for k, v in raw.items()}
     targets: list[tuple[str, int, list[str]]] = []
@@ -89,18 +90,21 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     results = await pipe.execute()
     gateways = results.pop()
     workers = results.pop()
+    workers = sorted(workers)
     pipe = redis.pipeline(transaction=False)
     for wid in workers:
-        pipe.hmget(keys.worker(wid.decode()), "cache", "gpus", "response_cache")
+        pipe.hgetall(keys.worker(wid.decode()))
     for gid in gateways:
         pipe.hget(keys.gateway(gid.decode()), "response_cache")
     got = await pipe.execute() if workers or gateways else []
-    fields, reports = got[:len(workers)], got[len(workers):]
-    alive = sum(1 for c, _, _ in fields if c is not None)  # the heartbeat hash is there: it has not expired
-    cache = {wid.decode(): orjson.loads(c) for wid, (c, _, _) in zip(workers, fields) if c}
-    gpus = [reading for _, g, _ in fields if g for reading in orjson.loads(g)]
+    hashes, reports = got[:len(workers)], got[len(workers):]
+    # a worker's hash is there while its heartbeat has not expired
+    heartbeats = {wid.decode(): h for wid, h in zip(workers, hashes) if h}
+    cache = {wid: orjson.loads(h[b"cache"]) for wid, h in heartbeats.items() if h.get(b"cache")}
+    gpus = [reading for h in heartbeats.values() if h.get(b"gpus") for reading in orjson.loads(h[b"gpus"])]
     # response caches: each worker's (its heartbeat) and each gateway's (its report, gone when it is)
-    responses = {wid.decode(): orjson.loads(r) for wid, (_, _, r) in zip(workers, fields) if r}
+    responses = {wid: orjson.loads(h[b"response_cache"]) for wid, h in heartbeats.items()
+                 if h.get(b"response_cache")}
     responses.update({f"gateway:{gid.decode()}": orjson.loads(r) for gid, r in zip(gateways, reports) if r})
     stale = [gid for gid, r in zip(gateways, reports) if r is None]
     if stale:
@@ -112,8 +116,9 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
         backlog = results[cursor + 1: cursor + 1 + len(streams)]
         cursor += 1 + len(streams)
         models.append({"model": name, "version": str(version), "stats": stats, "backlog": backlog})
-    return {"models": models, "workers_alive": alive, "cache": cache, "gpus": gpus,
-            "response_cache": {p: f for p, f in responses.items() if f}}
+    return {"models": models, "workers_alive": len(heartbeats), "cache": cache, "gpus": gpus,
+            "response_cache": {p: f for p, f in responses.items() if f},
+            "catalog": catalog, "heartbeats": heartbeats}  # as read, for the status page
 
 
 # the artifact cache (models fetched from S3) of each worker and of the control plane, counted since

@@ -43,8 +43,9 @@ def test_an_idle_serve_wakes_for_its_work_alone(serve: Callable[..., Server], tm
     time.sleep(WINDOW_S)
     per_s = {role: (sum(wakeups(p) for p in ps) - before[role]) / WINDOW_S for role, ps in pids.items()}
 
-    # against the machine's Redis, before: 5.0, 14-16 and 21 a second; now 0.2, 6 and 11 (the control
-    # plane's are its lifecycle tick's and status sample's round trips, three and six, and its reads)
+    # against the machine's Redis, before: 5.0, 14-16 and 21 a second; now 0.2, 4-6 and 7-8 (the control
+    # plane's are its lifecycle tick's round trips, three a second, its status sample's, three every two
+    # seconds, and its blocking reads)
     assert per_s["serve"] < 1, per_s
     assert per_s["gateway"] < 10, per_s
     assert per_s["control"] < 16, per_s

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, cast
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -41,14 +41,8 @@ class StatusTracker:
         self.samples.append((now, stats))
         while self.samples and now - self.samples[0][0] > WINDOW_S:
             self.samples.popleft()
-        raw = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.catalog))
-        self.catalog = {k.decode(): CatalogEntry.loads(v) for k, v in raw.items()}
-        members = sorted(m.decode() for m in cast(set[bytes], await self.redis.smembers(self.keys.workers)))
-        pipe = self.redis.pipeline(transaction=False)
-        for wid in members:
-            pipe.hgetall(self.keys.worker(wid))
-        hashes = await pipe.execute() if members else []
-        self.workers = [WorkerStatus.from_hash(wid, h) for wid, h in zip(members, hashes, strict=True) if h]
+        self.catalog = data["catalog"]
+        self.workers = [WorkerStatus.from_hash(wid, h) for wid, h in data["heartbeats"].items()]
 
     def _since(self, seconds: float) -> tuple[float, dict[str, dict[str, int]]] | None:
         if not self.samples:
