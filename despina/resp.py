@@ -110,8 +110,12 @@ class Resp:
     """One lazily (re)connected Redis connection. `execute` sends a pipeline and returns its replies;
     an error reply raises ResponseError unless `errors` is False (then it is in the list)."""
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
+    def __init__(self, options: Mapping[str, Any], identify: bool = False) -> None:
         self.options = options  # as redis-py's parse_url gives them
+        # with `identify`, the connection's CLIENT ID once connected, where another connection may end
+        # its blocking command with CLIENT UNBLOCK (None: not known, or the server does not allow it)
+        self.identify = identify
+        self.client_id: int | None = None
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
 
@@ -120,10 +124,10 @@ class Resp:
         return cls(parse_url(url))
 
     @classmethod
-    def like(cls, redis: aioredis.Redis) -> Resp:
+    def like(cls, redis: aioredis.Redis, identify: bool = False) -> Resp:
         """A connection to the server a redis-py client talks to, with its credentials and database."""
         pool = redis.connection_pool
-        return cls({**pool.connection_kwargs, "connection_class": pool.connection_class})
+        return cls({**pool.connection_kwargs, "connection_class": pool.connection_class}, identify)
 
     async def execute(self, commands: Sequence[Command], errors: bool = True) -> list[Any]:
         if not commands:
@@ -214,6 +218,10 @@ class Resp:
             hello.append(["SELECT", o["db"]])
         if hello:
             await self.execute(hello)
+        self.client_id = None
+        if self.identify:  # UNBLOCK of id 0 (no client) answers 0 where this user may unblock at all
+            known, allowed = await self.execute([["CLIENT", "ID"], ["CLIENT", "UNBLOCK", 0]], errors=False)
+            self.client_id = known if type(known) is int and type(allowed) is int else None
         return protocol
 
     def _ssl(self) -> ssl.SSLContext | None:

@@ -27,6 +27,7 @@ from despina.workers import runner as runner_module
 from despina.workers.ensembles import EnsembleHost
 from despina.workers.redelivery import DeliveryPolicy
 from despina.workers.runner import ModelRunner
+from despina.workers.streams import LONG_BLOCK_MS, READ_BLOCK_MS
 
 ROW = np.ones((1, 256), np.float32)
 
@@ -91,21 +92,80 @@ async def worker(tmp_path: Path, redis_url: str, key_prefix: str, monkeypatch: p
     # a read left waiting for replies that never go would wait this long: the tests would time out
     monkeypatch.setattr(runner_module, "READ_WAITS_S", 60.0)
     monkeypatch.setattr(ensembles, "READ_WAITS_S", 60.0)
+    redis = aioredis.Redis.from_url(redis_url)
+    deferred = Deferred(redis)
+    runner = await mlp_runner(tmp_path, redis, key_prefix, deferred)
+    yield Worker(runner, redis, f"{key_prefix}:replies")
+    await runner.stop()
+    await deferred.close()
+    await redis.aclose()
+
+
+async def mlp_runner(tmp_path: Path, redis: aioredis.Redis, key_prefix: str, deferred: Deferred | None = None
+                     ) -> ModelRunner:
+    """The reference MLP's runner, loaded and reading its stream."""
     folder = tmp_path / "mlp"
     build_mlp(folder / "1" / "model.onnx")
     # a batch that may still be joined waits 30 s: a read that does not go out shows as a timeout
     (folder / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n'
                                          'dynamic_batching { max_queue_delay_microseconds: 30000000 }\n')
-    redis = aioredis.Redis.from_url(redis_url)
-    deferred = Deferred(redis)
     runner = ModelRunner(redis, Keys(key_prefix), ModelSpec.from_config(load_model(folder).config), 1,
                          folder, "w", deferred=deferred)
     await runner.load()
     await runner.start()
-    yield Worker(runner, redis, f"{key_prefix}:replies")
-    await runner.stop()
-    await deferred.close()
-    await redis.aclose()
+    return runner
+
+
+async def test_a_stop_ends_the_read_blocked_on_an_empty_stream_at_once(tmp_path: Path, redis_url: str,
+                                                                       key_prefix: str) -> None:
+    """An idle runner's read blocks LONG_BLOCK_MS (each end of a block wakes the worker and Redis for
+    nothing); a stop ends it with CLIENT UNBLOCK instead of waiting it out, and what came before is
+    answered."""
+    redis = aioredis.Redis.from_url(redis_url)
+    runner = await mlp_runner(tmp_path, redis, key_prefix)
+    worker = Worker(runner, redis, f"{key_prefix}:replies")
+    try:
+        await worker.enqueue("before")
+        (reply,) = await worker.replies(1)
+        assert reply.id == "before" and reply.error is None
+        # the first read blocked READ_BLOCK_MS (the connection's id is known once it is open); the one
+        # in flight now blocks LONG_BLOCK_MS
+        await asyncio.sleep(READ_BLOCK_MS / 1000 + 0.3)
+        assert runner.streams.block_ms == LONG_BLOCK_MS
+        reader = runner._tasks[1]
+        started = time.monotonic()
+        await runner.stop()
+        # the read ended by itself, not cancelled: whatever it had brought would have been answered
+        assert reader.done() and not reader.cancelled()
+        assert time.monotonic() - started < LONG_BLOCK_MS / 1000 / 3
+    finally:
+        await redis.aclose()
+
+
+async def test_where_redis_refuses_client_unblock_the_read_blocks_a_second(tmp_path: Path, redis_url: str,
+                                                                           key_prefix: str) -> None:
+    """A user that may not run CLIENT UNBLOCK (an ACL, a managed Redis): reads block READ_BLOCK_MS, as a
+    stop has to wait them out, and a stop still ends the runner."""
+    admin = aioredis.Redis.from_url(redis_url)
+    user = f"{key_prefix}-user"
+    await admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                            commands=["+@all", "-client|unblock"])
+    redis = aioredis.Redis.from_url(redis_url, username=user, password="pw")
+    try:
+        runner = await mlp_runner(tmp_path, redis, key_prefix)
+        worker = Worker(runner, redis, f"{key_prefix}:replies")
+        await worker.enqueue("r")
+        (reply,) = await worker.replies(1)
+        assert reply.id == "r" and reply.error is None
+        await asyncio.sleep(READ_BLOCK_MS / 1000 + 0.3)  # the first read's block is over: the next one's
+        assert runner.streams.block_ms == READ_BLOCK_MS
+        reader = runner._tasks[1]
+        await runner.stop()
+        assert reader.done() and not reader.cancelled()
+    finally:
+        await redis.aclose()
+        await admin.acl_deluser(user)
+        await admin.aclose()
 
 
 async def test_the_next_read_goes_out_with_a_batchs_replies(worker: Worker) -> None:

@@ -32,7 +32,7 @@ from ..resp import Batch, ReadAlong, Resp
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
 from .replies import bounded_levels, count_dequeued, replies_into
-from .runner import READ_BLOCK_MS, READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
+from .runner import READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
 from .stats import ensemble_counts
 from .streams import Entry, ModelStreams
 
@@ -92,7 +92,7 @@ class EnsembleHost:
         if self._tasks:  # the read in flight brings what Redis delivered to it: ours to run (runner.py stop)
             self._stopping = True
             self._room.set()
-            await asyncio.wait(self._tasks[:1], timeout=READ_BLOCK_MS / 1000 + 1.0)
+            await self.streams.end_read(self._tasks[0], self.streams.block_ms / 1000 + 1.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -124,7 +124,8 @@ class EnsembleHost:
             try:
                 sent = await self._read_with_replies()
                 if sent is None:
-                    entries = await self.streams.read(max(1, READ_AHEAD - self._in_flight), READ_BLOCK_MS)
+                    entries = await self.streams.read(max(1, READ_AHEAD - self._in_flight),
+                                                      self.streams.block_ms)
                 else:
                     entries = await self.streams.sent_read(sent)
             except (RedisError, OSError) as exc:
@@ -251,7 +252,7 @@ class EnsembleHost:
         if self._out is None:
             self._out = Resp.like(self.redis)
         room = max(1, READ_AHEAD - self._in_flight)
-        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room, READ_BLOCK_MS))
+        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room))
         try:
             if sent is None:
                 await self._out.execute(pipe.commands)

@@ -40,7 +40,6 @@ log = logging.getLogger("despina.worker")
 # The longest a read waits to go out with replies (_read_with_replies of ModelRunner and EnsembleHost):
 # a safety net, every batch that does not reply to Redis lets it go at once.
 READ_WAITS_S = 0.01
-READ_BLOCK_MS = 1000  # how long a read of the request streams blocks when they are empty
 TIMED_OUT = "request timed out in the queue before it could run"
 STREAMS_END_S = 10.0  # how long an unload waits for a decoupled model's open requests to end (then they fail)
 Answer = Callable[[InferReply], None]
@@ -126,12 +125,12 @@ class ModelRunner:
         self.state = "UNLOADING"
         reader, reclaimer = self._tasks[1:] if self._tasks else (None, None)
         if reader:
-            # The read in flight ends within its block (READ_BLOCK_MS), and what it brings is this
+            # The read in flight is ended (or ends within its block), and what it brings is this
             # runner's to answer: Redis has delivered it to this consumer. Cancelled, the read would
             # leave such requests pending until the visibility timeout (a reload's first request
             # waited a minute). A reader waiting for room is cancelled: it has nothing in flight.
             self._room.set()
-            await asyncio.wait([reader], timeout=READ_BLOCK_MS / 1000 + 1.0)
+            await self.streams.end_read(reader, self.streams.block_ms / 1000 + 1.0)
         for task in (reader, reclaimer):
             if task:
                 task.cancel()
@@ -172,7 +171,8 @@ class ModelRunner:
             try:
                 sent = await self._read_with_replies()
                 if sent is None:
-                    entries = await self.streams.read(self._room_entries(self._in_flight), READ_BLOCK_MS)
+                    entries = await self.streams.read(self._room_entries(self._in_flight),
+                                                      self.streams.block_ms)
                 else:
                     entries = await self.streams.sent_read(sent)
             except (RedisError, OSError) as exc:
@@ -483,7 +483,7 @@ class ModelRunner:
         if any(p.alone for p in pendings):
             self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
         room = self._room_entries(self._in_flight - answered)
-        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room, READ_BLOCK_MS))
+        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room))
         try:
             if sent is None:
                 await self._out.execute(pipe.commands)

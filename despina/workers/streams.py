@@ -17,6 +17,12 @@ log = logging.getLogger("despina.worker")
 
 Entry = tuple[str, bytes, dict[bytes, bytes]]   # (stream, entry id, fields)
 
+# How long a read of empty streams blocks. Each end of a block wakes the worker and Redis for nothing, an
+# idle worker's main cost; a stop that cannot end the read at once waits it out (end_read).
+READ_BLOCK_MS = 1000     # where it cannot
+LONG_BLOCK_MS = 30_000   # where it can: CLIENT UNBLOCK of the reading connection
+UNBLOCK_EVERY_S = 0.05   # a read sent just after an UNBLOCK is unblocked again this soon
+
 
 class ModelStreams:
     def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, version: int, levels: int,
@@ -31,6 +37,33 @@ class ModelStreams:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
+
+    @property
+    def block_ms(self) -> int:
+        """How long the next read blocks when the streams are empty: LONG_BLOCK_MS where end_read can end
+        it at once (the reading connection's id is known), else READ_BLOCK_MS."""
+        reader = self._reader
+        return LONG_BLOCK_MS if reader is not None and reader.connected and reader.client_id is not None \
+            else READ_BLOCK_MS
+
+    async def end_read(self, reading: asyncio.Task[None], limit_s: float) -> None:
+        """Wait, at most `limit_s`, for the task that reads (`reading`) to end, ending its blocked read at
+        once where the connection allows: CLIENT UNBLOCK from another connection answers the read as a
+        timeout would, and what Redis had delivered to it stays its own to answer. A read sent after an
+        UNBLOCK (the loop had not yet seen that it stops) is unblocked again UNBLOCK_EVERY_S later."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        unblock = True
+        while not reading.done() and (left := deadline - loop.time()) > 0:
+            reader = self._reader
+            if unblock and reader is not None and reader.connected and reader.client_id is not None:
+                try:
+                    await self.redis.client_unblock(reader.client_id)
+                except (RedisError, OSError) as exc:  # waited for as a short block would be, then cancelled
+                    log.warning("ending a blocked read of %s failed (%s)", self.streams[0], exc)
+                    unblock = False
+                    deadline = min(deadline, loop.time() + READ_BLOCK_MS / 1000 + 1.0)
+            await asyncio.wait([reading], timeout=min(UNBLOCK_EVERY_S, left))
 
     async def ensure_groups(self) -> None:
         for stream in self.streams:
@@ -62,14 +95,13 @@ class ModelStreams:
         """Whether a read may go out behind other commands (`send_with`): one priority level, connected."""
         return len(self.streams) == 1 and self._reader is not None and self._reader.connected
 
-    def send_with(self, commands: list[Command], count: int, block_ms: int
-                  ) -> list[asyncio.Future[list[Any]]] | None:
-        """`commands`, then the next read (as `read` would block), in one write on the reading connection:
+    def send_with(self, commands: list[Command], count: int) -> list[asyncio.Future[list[Any]]] | None:
+        """`commands`, then the next read (blocking `block_ms`), in one write on the reading connection:
         one wake-up of Redis where two writes would make two. Their futures, or None when that cannot be
         (`can_send_with`, or not connected): then `read` as usual. Read the entries with `sent_read`."""
         if not self.can_send_with:
             return None
-        return self._reader.send(commands, [self._command({self.streams[0]: ">"}, count, block_ms)])  # type: ignore[union-attr]
+        return self._reader.send(commands, [self._command({self.streams[0]: ">"}, count, self.block_ms)])  # type: ignore[union-attr]
 
     async def replies(self, fut: asyncio.Future[list[Any]]) -> list[Any]:
         """The replies to `send_with`'s commands (raises as Resp.execute does)."""
@@ -96,7 +128,7 @@ class ModelStreams:
 
     async def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> Any:
         if self._reader is None:
-            self._reader = Resp.like(self.redis)
+            self._reader = Resp.like(self.redis, identify=True)
         return (await self._reader.execute([self._command(streams, count, block_ms)]))[0]
 
     async def reclaim(self, policy: DeliveryPolicy, count: int = 100) -> int:
