@@ -20,15 +20,10 @@ WINDOW_S = 5.0
 
 
 def wakeups(pid: int) -> int:
-    """How often every thread of a process went to sleep and was woken (voluntary context switches)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-        except OSError:  # the thread ended
-            continue
-        total += int(status.split("voluntary_ctxt_switches:", 1)[1].split()[0])
-    return total
+    """How often a process's main thread (its event loop) went to sleep and was woken: its voluntary context
+    switches. (bench/profile.py idle counts every thread's.)"""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:", 1)[1].split()[0])
 
 
 def test_an_idle_serve_wakes_for_its_work_alone(serve: Callable[..., Server], tmp_path: Path) -> None:
@@ -43,7 +38,7 @@ def test_an_idle_serve_wakes_for_its_work_alone(serve: Callable[..., Server], tm
     time.sleep(WINDOW_S)
     per_s = {role: (sum(wakeups(p) for p in ps) - before[role]) / WINDOW_S for role, ps in pids.items()}
 
-    # against the machine's Redis, before: 5.0, 14-16 and 21 a second; now 0.2, 4-6 and 7-8 (the control
+    # against the machine's Redis, before: 5.0, 14-16 and 20-21 a second; now 0.2, 4-6 and 7-9 (the control
     # plane's are its lifecycle tick's round trips, three a second, its status sample's, three every two
     # seconds, and its blocking reads)
     assert per_s["serve"] < 1, per_s
