@@ -8,9 +8,9 @@ cpu: CPU time per inference of `despina serve` and each of its children over a w
 often each process's main thread gave up the core (voluntary) or was preempted (involuntary).
 
 idle: what a server costs while nobody calls it (a platform that scales models to zero still runs its
-gateway, control plane and Redis): CPU time as a percentage of one core, and wake-ups a second (the
-main thread's voluntary context switches), of the server and every process below it, over a window.
-Any server: `despina serve`, tritonserver (its models' Python stubs are its children).
+gateway, control plane and Redis): CPU time as a percentage of one core, and wake-ups a second (every
+thread's voluntary context switches), of the server and every process below it, over a window. Any
+server: `despina serve`, tritonserver (its models' Python stubs are its children).
 
 summary reads `py-spy record --format raw --threads` output and prints, as percentages of all
 samples: the split by thread, by package (self time), the top frames by self time, and the top
@@ -96,10 +96,12 @@ def summarize(stacks: list[tuple[str, list[str], int]], rate: float, seconds: fl
 
 
 def processes(serve_pid: int, below: bool = False) -> dict[int, str]:
-    """`despina serve` and its children (`below`: every process under it), by pid, named by role."""
+    """`despina serve` (or another server) and its children (`below`: every process under it), by pid,
+    named by role."""
     found = {serve_pid: "serve (supervisor)"}
     parents: dict[int, int] = {}
     names: dict[int, str] = {}
+    ours: set[int] = set()  # Despina's processes
     for entry in os.listdir("/proc"):
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
@@ -109,7 +111,11 @@ def processes(serve_pid: int, below: bool = False) -> dict[int, str]:
         if entry.isdigit() and cmd[0]:
             parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
             words = [w.decode() for w in cmd if w]
+            if "despina" in words:
+                ours.add(int(entry))
             names[int(entry)] = " ".join(words[-2:]) if "despina" in words else Path(words[0].split()[0]).name
+    if serve_pid in names and serve_pid not in ours:  # another server (tritonserver): its own name
+        found[serve_pid] = names[serve_pid]
     level = {serve_pid}
     while level:
         level = {pid for pid, parent in parents.items() if parent in level}

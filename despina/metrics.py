@@ -89,8 +89,7 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     pipe.smembers(keys.gateways)
     results = await pipe.execute()
     gateways = results.pop()
-    workers = results.pop()
-    workers = sorted(workers)
+    workers = sorted(results.pop())
     pipe = redis.pipeline(transaction=False)
     for wid in workers:
         pipe.hgetall(keys.worker(wid.decode()))

@@ -92,7 +92,7 @@ class EnsembleHost:
         if self._tasks:  # the read in flight brings what Redis delivered to it: ours to run (runner.py stop)
             self._stopping = True
             self._room.set()
-            await self.streams.end_read(self._tasks[0], self.streams.block_ms / 1000 + 1.0)
+            await self.streams.end_read(self._tasks[0])
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -130,7 +130,7 @@ class ModelRunner:
             # leave such requests pending until the visibility timeout (a reload's first request
             # waited a minute). A reader waiting for room is cancelled: it has nothing in flight.
             self._room.set()
-            await self.streams.end_read(reader, self.streams.block_ms / 1000 + 1.0)
+            await self.streams.end_read(reader)
         for task in (reader, reclaimer):
             if task:
                 task.cancel()

@@ -46,13 +46,14 @@ class ModelStreams:
         return LONG_BLOCK_MS if reader is not None and reader.connected and reader.client_id is not None \
             else READ_BLOCK_MS
 
-    async def end_read(self, reading: asyncio.Task[None], limit_s: float) -> None:
-        """Wait, at most `limit_s`, for the task that reads (`reading`) to end, ending its blocked read at
-        once where the connection allows: CLIENT UNBLOCK from another connection answers the read as a
-        timeout would, and what Redis had delivered to it stays its own to answer. A read sent after an
-        UNBLOCK (the loop had not yet seen that it stops) is unblocked again UNBLOCK_EVERY_S later."""
+    async def end_read(self, reading: asyncio.Task[None]) -> None:
+        """Wait for the task that reads (`reading`) to end, ending its blocked read at once where the
+        connection allows: CLIENT UNBLOCK from another connection answers the read as a timeout would, and
+        what Redis had delivered to it stays its own to answer. A read sent after an UNBLOCK (the loop had
+        not yet seen that it stops) is unblocked again UNBLOCK_EVERY_S later. At most a second more than
+        the read's block: then the caller cancels it."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + limit_s
+        deadline = loop.time() + self.block_ms / 1000 + 1.0
         unblock = True
         while not reading.done() and (left := deadline - loop.time()) > 0:
             reader = self._reader
