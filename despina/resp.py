@@ -118,6 +118,9 @@ class Resp:
         self.client_id: int | None = None
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
+        # callers that found no connection, in the order they came: written first, in one write, when it
+        # opens (a later caller must not overtake them: a decoupled model's responses keep their order)
+        self._queued: deque[tuple[Sequence[Command], asyncio.Future[asyncio.Future[list[Any]]]]] = deque()
 
     @classmethod
     def from_url(cls, url: str) -> Resp:
@@ -134,10 +137,10 @@ class Resp:
             return []
         sent = self.send(commands)
         if sent is None:
-            await self._connect()
-            sent = self.send(commands)
-            if sent is None:
-                raise ConnectionError("lost the connection to Redis")
+            turn: asyncio.Future[asyncio.Future[list[Any]]] = asyncio.get_running_loop().create_future()
+            self._queued.append((commands, turn))
+            self._connect()
+            sent = [await turn]
         return await self.replies(sent[0], errors)
 
     @property
@@ -151,19 +154,31 @@ class Resp:
         others' replies. None while not connected: `execute` connects."""
         if not self.connected:
             return None
-        protocol = self._protocol
-        assert protocol is not None and protocol.transport is not None
-        loop = asyncio.get_running_loop()
-        futures = []
-        for commands in pipelines:
-            fut: asyncio.Future[list[Any]] = loop.create_future()
-            if commands:
-                protocol.waiting.append(([], len(commands), fut))
-            else:
-                fut.set_result([])
-            futures.append(fut)
-        protocol.transport.write(pack(itertools.chain(*pipelines)))
-        return futures
+        assert self._protocol is not None
+        return _write(self._protocol, pipelines)
+
+    def _connect(self) -> None:
+        """Open the connection (one attempt at a time); `_opened` writes what was queued meanwhile."""
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._open())
+            self._connecting.add_done_callback(self._opened)
+
+    def _opened(self, connecting: asyncio.Future[_Protocol]) -> None:
+        self._connecting = None
+        queued = [(commands, turn) for commands, turn in self._queued if not turn.done()]  # not cancelled
+        self._queued.clear()
+        if connecting.cancelled():
+            error: BaseException | None = ConnectionError("lost the connection to Redis")
+        else:
+            error = connecting.exception()
+        if error is None:
+            self._protocol = connecting.result()
+            if queued:
+                for (_, turn), fut in zip(queued, _write(self._protocol, [c for c, _ in queued])):
+                    turn.set_result(fut)
+            return
+        for _, turn in queued:  # every caller of this attempt fails with it, at once
+            turn.set_exception(error)
 
     async def replies(self, fut: asyncio.Future[list[Any]], errors: bool = True, shield: bool = False
                       ) -> list[Any]:
@@ -185,17 +200,6 @@ class Resp:
                     raise ResponseError(str(reply))
         return replies
 
-    async def _connect(self) -> _Protocol:
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._open())
-        connecting = self._connecting
-        try:
-            protocol = await asyncio.shield(connecting)
-        finally:
-            if connecting.done() and self._connecting is connecting:
-                self._connecting = None
-        return protocol
-
     async def _open(self) -> _Protocol:
         o = self.options
         loop = asyncio.get_running_loop()
@@ -209,19 +213,24 @@ class Resp:
         except OSError as exc:  # the built-in TimeoutError (asyncio.timeout's) is one too
             kind = RedisTimeoutError if isinstance(exc, TimeoutError) else ConnectionError
             raise kind(f"cannot connect to Redis: {exc or 'timed out'}") from None
-        self._protocol = protocol
+        # the connection's own commands first; it is this Resp's (connected) only after them (_opened)
         hello: list[Command] = []
         if o.get("password"):
             user = [o["username"]] if o.get("username") else []
             hello.append(["AUTH", *user, o["password"]])
         if o.get("db"):
             hello.append(["SELECT", o["db"]])
-        if hello:
-            await self.execute(hello)
-        self.client_id = None
-        if self.identify:  # UNBLOCK of id 0 (no client) answers 0 where this user may unblock at all
-            known, allowed = await self.execute([["CLIENT", "ID"], ["CLIENT", "UNBLOCK", 0]], errors=False)
-            self.client_id = known if type(known) is int and type(allowed) is int else None
+        try:
+            if hello:
+                await self.replies(_write(protocol, [hello])[0])
+            self.client_id = None
+            if self.identify:  # UNBLOCK of id 0 (no client) answers 0 where this user may unblock at all
+                known, allowed = await self.replies(
+                    _write(protocol, [[["CLIENT", "ID"], ["CLIENT", "UNBLOCK", 0]]])[0], errors=False)
+                self.client_id = known if type(known) is int and type(allowed) is int else None
+        except BaseException:
+            protocol.fail(ConnectionError("closed"))
+            raise
         return protocol
 
     def _ssl(self) -> ssl.SSLContext | None:
@@ -235,9 +244,27 @@ class Resp:
         return context
 
     def close(self) -> None:
+        if self._connecting is not None:  # the callers waiting for it fail (_opened)
+            self._connecting.cancel()
         if self._protocol is not None:
             self._protocol.fail(ConnectionError("closed"))
             self._protocol = None
+
+
+def _write(protocol: _Protocol, pipelines: Sequence[Sequence[Command]]) -> list[asyncio.Future[list[Any]]]:
+    """Pipelines in one write on a connection, each answered by a future of its own."""
+    assert protocol.transport is not None
+    loop = asyncio.get_running_loop()
+    futures = []
+    for commands in pipelines:
+        fut: asyncio.Future[list[Any]] = loop.create_future()
+        if commands:
+            protocol.waiting.append(([], len(commands), fut))
+        else:
+            fut.set_result([])
+        futures.append(fut)
+    protocol.transport.write(pack(itertools.chain(*pipelines)))
+    return futures
 
 
 class ReadAlong:

@@ -144,3 +144,21 @@ async def test_database_and_password_come_from_the_url(redis: aioredis.Redis, re
     with pytest.raises(ResponseError):  # AUTH refused (no password set, or a different one)
         await wrong.execute([["PING"]])
     wrong.close()
+
+
+async def test_commands_keep_their_order_across_the_connect(redis: aioredis.Redis, redis_url: str,
+                                                            key_prefix: str) -> None:
+    """A caller that found no connection waits for it; one that comes once the connection is up, before
+    the first has sent, goes after it (a decoupled model's first response was overtaken by its last, and
+    its caller, done at the final flag, never saw it)."""
+    key = f"{key_prefix}:order"
+    resp = Resp.from_url(redis_url)
+    try:
+        first = asyncio.create_task(resp.execute([["RPUSH", key, "first"]]))
+        while not resp.connected:
+            await asyncio.sleep(0)
+        await resp.execute([["RPUSH", key, "second"]])
+        await first
+        assert await redis.lrange(key, 0, -1) == [b"first", b"second"]
+    finally:
+        resp.close()
