@@ -131,8 +131,9 @@ async def test_no_server_is_a_connection_error() -> None:
 
 async def test_database_and_password_come_from_the_url(redis: aioredis.Redis, redis_url: str,
                                                        key_prefix: str) -> None:
-    base = redis_url.rsplit("/", 1)[0]
-    conn = Resp.from_url(f"{base}/9")
+    # redis://host:port/0, or unix:///path?db=0 (the embedded Valkey)
+    db9 = redis_url.replace("?db=0", "?db=9") if "?db=" in redis_url else redis_url.rsplit("/", 1)[0] + "/9"
+    conn = Resp.from_url(db9)
     try:
         await conn.execute([["SET", f"{key_prefix}:db9", "x", "EX", 60]])
         assert await redis.get(f"{key_prefix}:db9") is None  # not in the test database
@@ -140,7 +141,8 @@ async def test_database_and_password_come_from_the_url(redis: aioredis.Redis, re
         await conn.execute([["DEL", f"{key_prefix}:db9"]])
     finally:
         conn.close()
-    wrong = Resp.from_url(base.replace("redis://", "redis://:wrong-password@") + "/0")
+    wrong = Resp.from_url(redis_url.replace("redis://", "redis://:wrong-password@")
+                          .replace("unix://", "unix://:wrong-password@"))
     with pytest.raises(ResponseError):  # AUTH refused (no password set, or a different one)
         await wrong.execute([["PING"]])
     wrong.close()
