@@ -4,6 +4,9 @@ inter_op_thread_count, enable_mem_arena and enable_mem_pattern; what onnxruntime
 model's load error. The config goes through the control plane's reading (load_model), as a worker gets it."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -249,3 +252,37 @@ def test_the_cuda_libraries_preload_once_and_what_it_prints_is_logged(
     assert [r.getMessage() for r in caplog.records] == [
         "onnxruntime could not preload the CUDA libraries: no CUDA version recorded",
         "onnxruntime: Failed to load libcudnn.so.9: not found"]
+
+
+# what onnxruntime's telemetry takes for a CI run, where it stays quiet by itself
+CI_MARKS = ("CI", "TF_BUILD", "GITHUB_ACTIONS", "GITLAB_CI", "JENKINS_URL", "BUILD_BUILDID", "TEAMCITY_VERSION",
+            "TRAVIS", "CIRCLECI", "BUILDKITE", "CODEBUILD_BUILD_ID", "APPVEYOR", "ORT_RUNNING_UNIT_TESTS")
+
+
+def telemetry_files(tmp_path: Path, code: str, **env: str) -> list[str]:
+    """The files a fresh process leaves under its home's cache after it runs `code` and a session of
+    the MLP, as on a user's machine (no CI marks, no opt-out of its own unless `env` gives one)."""
+    home = tmp_path / "home"
+    home.mkdir(parents=True)
+    build_mlp(tmp_path / "model.onnx")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in CI_MARKS and not k.startswith("ORT_") and k != "XDG_CACHE_HOME"}
+    script = f"{code}\nimport onnxruntime\nonnxruntime.InferenceSession({str(tmp_path / 'model.onnx')!r})\n"
+    subprocess.run([sys.executable, "-c", script], env={**clean, "HOME": str(home), **env}, check=True,
+                   timeout=60)
+    return sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file())
+
+
+def test_onnxruntime_telemetry_is_off_in_despinas_processes(tmp_path: Path) -> None:
+    """onnxruntime 1.29+ keeps a device id and an upload queue under ~/.cache/Microsoft and sends to
+    Microsoft from Linux too; a process that imported despina first (every Despina process does) and the
+    processes it starts leave nothing there. A user's own setting of the variable stands."""
+    alone = telemetry_files(tmp_path / "alone", "")
+    if not alone:
+        pytest.skip(f"onnxruntime {ort.__version__} keeps no telemetry files here")
+    assert any("Microsoft" in f for f in alone), alone
+    assert telemetry_files(tmp_path / "despina", "import despina") == []
+    inner = f"import onnxruntime; onnxruntime.InferenceSession({str(tmp_path / 'child' / 'model.onnx')!r})"
+    child = f"import despina, subprocess, sys\nsubprocess.run([sys.executable, '-c', {inner!r}], check=True)"
+    assert telemetry_files(tmp_path / "child", child) == []
+    assert telemetry_files(tmp_path / "asked", "import despina", ORT_DISABLE_TELEMETRY="0") == alone
