@@ -1,6 +1,8 @@
 """One way to connect to Redis, used by every role."""
 from __future__ import annotations
 
+import re
+
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -21,12 +23,18 @@ def connect(url: str, max_connections: int = 64) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
+_PIPELINED = re.compile(r"Command # \d+ \((.*)\) of pipeline caused error: (.*)", re.DOTALL)
+
+
 def trouble(exc: BaseException) -> str:
     """What a failed Redis call says in a log. Redis that answered with an error is not unreachable: a
     WRONGTYPE error means a key where Despina keeps its own holds another kind of value, most likely
     another program's key under the same key prefix."""
     if isinstance(exc, ResponseError):
-        wrong_type = "WRONGTYPE" in str(exc)
-        hint = ": another program's key under this key prefix? (--key-prefix)" if wrong_type else ""
-        return f"Redis refused a command ({exc}){hint}"
+        said = str(exc)
+        piped = _PIPELINED.match(said)  # redis-py's words for a pipeline's: the command, then the error
+        if piped:
+            said = f"{piped[2]}; the command: {piped[1]}"
+        hint = ": another program's key under this key prefix? (--key-prefix)" if "WRONGTYPE" in said else ""
+        return f"Redis refused a command ({said}){hint}"
     return f"Redis unreachable ({exc})"

@@ -117,20 +117,28 @@ async def test_redis_stopped_under_load_gives_503s_then_everything_recovers(
 def test_a_redis_error_says_whether_redis_answered(redis_url: str, key_prefix: str) -> None:
     """What the roles log when a Redis call fails: unreachable only when it is; a key of the wrong type
     (another program's, under the same prefix) is Redis refusing a command."""
-    async def failures() -> tuple[BaseException, BaseException]:
+    async def failures() -> tuple[BaseException, BaseException, BaseException]:
         answered, nobody = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url("redis://127.0.0.1:1")
         try:
             await answered.set(f"{key_prefix}:workers", "not a set")
             with pytest.raises(redis.RedisError) as refused:
                 await answered.sadd(f"{key_prefix}:workers", "w0")
+            pipe = answered.pipeline(transaction=False)
+            pipe.exists(f"{key_prefix}:workers")
+            pipe.smembers(f"{key_prefix}:workers")
+            with pytest.raises(redis.RedisError) as piped:
+                await pipe.execute()
             with pytest.raises((redis.RedisError, OSError)) as unreachable:
                 await nobody.ping()
-            return refused.value, unreachable.value
+            return refused.value, piped.value, unreachable.value
         finally:
             await answered.aclose()
             await nobody.aclose()
 
-    refused, unreachable = asyncio.run(failures())
-    assert trouble(refused).startswith("Redis refused a command (WRONGTYPE")
-    assert trouble(refused).endswith("another program's key under this key prefix? (--key-prefix)")
+    refused, piped, unreachable = asyncio.run(failures())
+    for error in (refused, piped):
+        assert trouble(error).startswith("Redis refused a command (WRONGTYPE"), trouble(error)
+        assert trouble(error).endswith("another program's key under this key prefix? (--key-prefix)")
+    # a pipeline's error names its command, after what Redis said
+    assert f"; the command: SMEMBERS {key_prefix}:workers)" in trouble(piped), trouble(piped)
     assert trouble(unreachable).startswith("Redis unreachable (")

@@ -66,8 +66,9 @@ class Lifecycle:
         """Place nothing and unload nothing for a while: the workers are not all known yet."""
         self._held_until = time.monotonic() + seconds
 
-    async def tick(self) -> None:
-        for wid in await self.workers.refresh():
+    async def tick(self, members: set[bytes] | None = None) -> None:
+        """Place, version, scale and answer; `members` is the workers' set where the caller read it."""
+        for wid in await self.workers.refresh(members):
             await self._requeue_from(wid)
         now = time.monotonic()
         if now < self._held_until:

@@ -39,6 +39,8 @@ log = logging.getLogger("despina.control")
 MODES = ("none", "explicit", "poll")
 LEASE_MS = 10_000
 REPLY_TTL_S = 60
+# how long the command and event reads wait on Redis before they look again; a stop cancels them
+IDLE_WAIT_S = 30.0
 # 1: renewed; 0: another holds it; -1: nobody does (Redis lost its data, or this one stalled past the
 # lease): the lifecycle loop republishes the catalog before it leads again.
 _RENEW = """
@@ -157,10 +159,14 @@ class ControlPlane:
 
     async def _ticks(self) -> None:
         while not self._stop.is_set():
-            try:
-                if not await self.redis.exists(self.keys.control_leader):
+            try:  # the lease's key and the workers' set in one round trip: an idle plane ticks a second
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.exists(self.keys.control_leader)
+                pipe.smembers(self.keys.workers)
+                leads, members = await pipe.execute()
+                if not leads:
                     await self._recover()
-                await self.lifecycle.tick()
+                await self.lifecycle.tick(members if leads else None)  # the set may be new too
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: %s", trouble(exc))
             except Exception:  # a bug must not stop the control plane's heart
@@ -179,7 +185,8 @@ class ControlPlane:
                     await pubsub.subscribe(self.keys.events)
                     await logs.follow(self.redis, self.keys)  # what was set while this one was away
                     while not self._stop.is_set():
-                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                        message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                           timeout=IDLE_WAIT_S)
                         if message is not None and message.get("data") == logs.EVENT:
                             await logs.follow(self.redis, self.keys)
                         elif message is not None and message.get("data") != b"catalog":
@@ -203,7 +210,7 @@ class ControlPlane:
                 self._dispatch(claimed[1])  # what a previous leader read and never answered
                 while not self._stop.is_set():
                     resp = await self.redis.xreadgroup(CONTROL_GROUP, self.id, {stream: ">"}, count=32,
-                                                       block=1000)
+                                                       block=int(IDLE_WAIT_S * 1000))
                     for _, entries in cast(list[list[Any]], resp) or ():  # RESP2: [[stream, entries]]
                         self._dispatch(entries)
             except (RedisError, ConnectionError, OSError) as exc:

@@ -95,15 +95,18 @@ class Workers:
     def infos(self) -> dict[str, WorkerInfo]:
         return {wid: s.info for wid, s in self.status.items()}
 
-    async def refresh(self) -> list[str]:
-        """Read every worker's hash; returns the ids whose heartbeat key expired (now forgotten)."""
-        members = sorted(m.decode() for m in cast(set[bytes], await self.redis.smembers(self.keys.workers)))
+    async def refresh(self, members: set[bytes] | None = None) -> list[str]:
+        """Read every worker's hash (of `members`, the workers' set where the caller read it already);
+        returns the ids whose heartbeat key expired (now forgotten)."""
+        if members is None:
+            members = cast(set[bytes], await self.redis.smembers(self.keys.workers))
+        ids = sorted(m.decode() for m in members)
         pipe = self.redis.pipeline(transaction=False)
-        for wid in members:
+        for wid in ids:
             pipe.hgetall(self.keys.worker(wid))
-        hashes = await pipe.execute() if members else []
+        hashes = await pipe.execute() if ids else []
         status, dead = {}, []
-        for wid, h in zip(members, hashes):
+        for wid, h in zip(ids, hashes):
             if h:
                 status[wid] = WorkerStatus.from_hash(wid, h)
             else:
