@@ -14,6 +14,9 @@ import json
 import os
 from pathlib import Path
 
+# isort: off
+import despina  # noqa: F401  before onnxruntime: its telemetry off, as in Despina's worker
+# isort: on
 import numpy as np
 import onnxruntime as ort
 from models import CONV_WORKLOADS, DEFAULT_REPO, WORKLOADS, classify_post, measure, session

@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# isort: off
+import despina  # noqa: F401  before onnxruntime: its telemetry off, as in Despina's worker
+# isort: on
 import numpy as np
 import onnxruntime as ort
 
