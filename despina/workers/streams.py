@@ -39,12 +39,16 @@ class ModelStreams:
             self._reader.close()
 
     @property
+    def _reader_id(self) -> int | None:
+        """The reading connection's CLIENT ID where CLIENT UNBLOCK may end its read (connected, allowed)."""
+        reader = self._reader
+        return reader.client_id if reader is not None and reader.connected else None
+
+    @property
     def block_ms(self) -> int:
         """How long the next read blocks when the streams are empty: LONG_BLOCK_MS where end_read can end
         it at once (the reading connection's id is known), else READ_BLOCK_MS."""
-        reader = self._reader
-        return LONG_BLOCK_MS if reader is not None and reader.connected and reader.client_id is not None \
-            else READ_BLOCK_MS
+        return READ_BLOCK_MS if self._reader_id is None else LONG_BLOCK_MS
 
     async def end_read(self, reading: asyncio.Task[None]) -> None:
         """Wait for the task that reads (`reading`) to end, ending its blocked read at once where the
@@ -56,10 +60,10 @@ class ModelStreams:
         deadline = loop.time() + self.block_ms / 1000 + 1.0
         unblock = True
         while not reading.done() and (left := deadline - loop.time()) > 0:
-            reader = self._reader
-            if unblock and reader is not None and reader.connected and reader.client_id is not None:
+            client_id = self._reader_id
+            if unblock and client_id is not None:
                 try:
-                    await self.redis.client_unblock(reader.client_id)
+                    await self.redis.client_unblock(client_id)
                 except (RedisError, OSError) as exc:  # waited for as a short block would be, then cancelled
                     log.warning("ending a blocked read of %s failed (%s)", self.streams[0], exc)
                     unblock = False
