@@ -1,7 +1,10 @@
-"""The worker's instructions per batch, counted by valgrind's callgrind: a figure that does not move with
-the host's load, its steal or its clock, where a timed one on these shared machines moves by 10-50 %.
+"""Instructions per batch in the worker, or per request in the gateway, counted by valgrind's callgrind: a
+figure that does not move with the host's load, its steal or its clock, where a timed one on these shared
+machines moves by 10-50 %.
 
     python bench/instructions.py [--tree DIR] [--batches 200 1200]
+    python bench/instructions.py --gateway [--tree DIR] [--conc 1 8 64] [--requests 3000]
+        [--format binary json fn] [--redis-url redis://127.0.0.1:6379/0]
 
 W1 (bench/out/repo's `mlp`: bench/models.py) in a ModelRunner, one request per batch, as at low
 concurrency: the entry decoded, the batcher, onnxruntime, the reply pipeline built and packed (not
@@ -9,6 +12,18 @@ sent: no Redis is needed, and a round trip's cost is the kernel's and Redis's). 
 under callgrind twice, with the two batch counts, and prints the difference over the difference in
 batches: start-up (imports, the model's load and warm-up) cancels out. `--tree` measures another
 checkout of Despina (a git worktree of another commit, say) with this venv. About a minute a run.
+
+--gateway: a real `despina gateway` under callgrind, with a real control plane and worker (not under it) on
+the Redis at --redis-url (its own key prefix, deleted after) serving W1. This script is the client, CONC
+keep-alive connections in a closed loop, as perf_analyzer (binary tensors), the JSON format, or /fn. After a
+warm-up, the gateway's instruction counter (`callgrind_control -e Ir`) is read before and after REQUESTS
+answers, and once across an idle stretch: the idle rate (the model view's refresh, the Date header) times
+the measured stretch's length is taken off. Everything the gateway process runs counts: parsing HTTP, the
+routes, the codecs, the dispatcher, redis' replies, uvloop; not the kernel's side of its system calls. The
+gateway's hold (gateway_hold_us) is off: under callgrind its timing would decide how much spinning counts.
+Under callgrind the gateway runs ~50x slower than the worker and Redis, so each answer's batch is back
+before the gateway reads its next requests: a busy gateway's regime, where c requests share a pipeline.
+About two minutes for the start, and ~15 s per 1,000 requests.
 """
 from __future__ import annotations
 
@@ -74,13 +89,171 @@ def counted(tree: Path, n: int) -> int:
     return int(found.group(1))
 
 
+GATEWAY_MODEL = "mlp"
+IDLE_S = 4.0  # the idle stretch that measures the gateway's background rate
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def bodies(fmt: str, port: int) -> list[bytes]:
+    """16 requests of W1 as the client sends them: perf_analyzer's binary tensors, JSON as perf_analyzer
+    writes it (one flat "data" array), or /fn."""
+    import json
+
+    import numpy as np
+    sys.path.insert(0, str(ROOT / "bench"))
+    from loadgen import request
+    rows = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32)
+    host = f"127.0.0.1:{port}"
+    if fmt == "binary":
+        return [request(host, f"/v2/models/{GATEWAY_MODEL}/infer", fmt, rows[k:k + 1]) for k in range(16)]
+    out = []
+    for row in rows:
+        if fmt == "json":
+            path = f"/v2/models/{GATEWAY_MODEL}/infer"
+            body = json.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                                           "data": row.tolist()}]}).encode()
+        else:
+            path, body = f"/fn/{GATEWAY_MODEL}", json.dumps({"x": row.tolist()}).encode()
+        out.append(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return out
+
+
+async def drive(port: int, requests: list[bytes], conc: int, total: int) -> None:
+    """`total` requests over `conc` connections, each sending its next as soon as its answer is in; every
+    answer must be a 200."""
+    left = total
+
+    async def connection(k: int) -> None:
+        nonlocal left
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while left > 0:
+                left -= 1
+                writer.write(requests[(left + k) % len(requests)])
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+                body = await reader.readexactly(length)
+                if not head.startswith(b"HTTP/1.1 200"):
+                    raise SystemExit(f"the gateway answered {head[:12]!r}: {body[:300]!r}")
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(connection(k) for k in range(conc)))
+
+
+def counter(pid: int) -> int:
+    """The gateway's instructions so far (all its threads), as callgrind counts them."""
+    done = subprocess.run(["callgrind_control", "-e", "Ir", str(pid)], capture_output=True, text=True,
+                          timeout=120)
+    found = re.findall(r"^ *Th +\d+ +([\d,]+) *$", done.stdout, re.MULTILINE)  # "Th 1  2,224,855,924"
+    if not found:
+        raise SystemExit(f"no instruction count from callgrind_control:\n{done.stdout}{done.stderr}")
+    return sum(int(n.replace(",", "")) for n in found)
+
+
+def dump(pid: int, hint: str, folder: Path) -> int:
+    """Have callgrind write what it counted since the last dump (and zero it); the instructions in it."""
+    subprocess.run(["callgrind_control", f"--dump={hint}", str(pid)], capture_output=True, check=True)
+    latest = max(folder.glob("callgrind.out.*"), key=lambda f: int(f.suffix[1:]))
+    return int(re.search(r"^totals: (\d+)", latest.read_text(errors="replace"), re.MULTILINE).group(1))  # type: ignore[union-attr]
+
+
+def gateway(args: argparse.Namespace) -> None:
+    import json
+    import urllib.request
+    tree = args.tree.resolve()
+    prefix = f"instructions-{os.getpid()}"
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", PYTHONHASHSEED="0",
+               REDIS_URL=args.redis_url, DESPINA_KEY_PREFIX=prefix, DESPINA_GATEWAY_HOLD_US="0",
+               DESPINA_LOG_LEVEL="warning")
+    python = [sys.executable, "-m", "despina"]
+    out = "/dev/null" if args.profile is None else str(args.profile.resolve() / "callgrind.out")
+    procs = [
+        subprocess.Popen([*python, "control", "--model-repository", str(ROOT / "bench" / "out" / "repo"),
+                          "--model-control-mode", "explicit", "--load-model", GATEWAY_MODEL,
+                          "--metrics-port", "0"], env=env, cwd=tree),
+        subprocess.Popen([*python, "worker"], env=env, cwd=tree),
+        subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *python, "gateway",
+                          "--http-port", str(port)], env=env, cwd=tree, stderr=subprocess.DEVNULL),
+    ]
+    gw = procs[-1]
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{GATEWAY_MODEL}/ready",
+                                            timeout=30) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise SystemExit("the gateway did not become ready")
+            time.sleep(2)
+        before = counter(gw.pid)
+        time.sleep(IDLE_S)
+        idle_rate = (counter(gw.pid) - before) / IDLE_S
+        for fmt in args.format:
+            requests = bodies(fmt, port)
+            for conc in args.conc:
+                asyncio.run(drive(port, requests, conc, max(conc * 20, args.requests // 5)))  # warm-up
+                if args.profile is None:
+                    before, t0 = counter(gw.pid), time.monotonic()
+                    asyncio.run(drive(port, requests, conc, args.requests))
+                    elapsed = time.monotonic() - t0
+                    spent = counter(gw.pid) - before - idle_rate * elapsed
+                else:  # a dump zeroes the counters: one before the point, one after it (the point's own)
+                    dump(gw.pid, "warm-up", args.profile)
+                    t0 = time.monotonic()
+                    asyncio.run(drive(port, requests, conc, args.requests))
+                    elapsed = time.monotonic() - t0
+                    spent = dump(gw.pid, f"{fmt} c={conc}", args.profile) - idle_rate * elapsed
+                idle = idle_rate * elapsed
+                point = {"tree": str(args.tree), "format": fmt, "conc": conc, "requests": args.requests,
+                         "instructions_per_request": round(spent / args.requests),
+                         "idle_share": round(idle / (spent + idle), 4), "seconds": round(elapsed, 1)}
+                print(json.dumps(point), flush=True)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        import redis
+        r = redis.Redis.from_url(args.redis_url)
+        keys = list(r.scan_iter(f"{prefix}*", count=1000))
+        if keys:
+            r.delete(*keys)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout of Despina to measure")
     parser.add_argument("--batches", type=int, nargs=2, default=[200, 1200], metavar=("FEW", "MANY"))
     parser.add_argument("--run", type=int, help=argparse.SUPPRESS)  # the measured run itself
+    parser.add_argument("--gateway", action="store_true", help="the gateway's instructions per request")
+    parser.add_argument("--conc", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--requests", type=int, default=3000, help="measured requests per point")
+    parser.add_argument("--format", nargs="+", choices=["binary", "json", "fn"], default=["binary"])
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="--gateway: keep a callgrind dump of each point in DIR (callgrind.out.N, one "
+                             "per point, in order) for callgrind_annotate")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     args = parser.parse_args()
+    if args.gateway:
+        gateway(args)
+        return
     if args.run is not None:
         import uvloop
         uvloop.run(batches(args.run))
