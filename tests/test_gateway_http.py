@@ -172,6 +172,24 @@ def test_chunked_body_is_answered(server: Server) -> None:
         assert status == 200 and len(output(answer)) == 10
 
 
+def test_a_body_in_parts_and_a_query_string(server: Server) -> None:
+    # the body's first part is kept as it came, later ones appended (protocol.py's on_body); the route is
+    # remembered by the whole URL, query string and all: the second request with it takes that path
+    body = infer_body([0.5] * 256)
+    want = mlp_numpy(np.array([[0.5] * 256], np.float32))[0]
+    with connect(server) as sock:
+        reader = Reader(sock)
+        for path in ("/v2/models/mlp/infer?trace=1", "/v2/models/mlp/infer?trace=1", "/v2/models/mlp/infer"):
+            request = post(path, body)
+            cut = len(request) - len(body)
+            for part in (request[:cut + 100], request[cut + 100:cut + 3000], request[cut + 3000:]):
+                sock.sendall(part)
+                time.sleep(0.02)
+            status, _, answer = reader.response()
+            assert status == 200, answer
+            np.testing.assert_allclose(output(answer), want, rtol=1e-5)
+
+
 def test_http_10_closes_after_the_answer(server: Server) -> None:
     with connect(server) as sock:
         sock.sendall(post("/v2/models/mlp/infer", infer_body(), version="1.0"))

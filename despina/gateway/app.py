@@ -20,6 +20,7 @@ from starlette.routing import Route
 from .. import __version__
 from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.keys import Keys
+from ..contract.modelconfig import ModelSpec
 from ..logs import dump_tasks_on_sigusr2
 from ..redis_client import connect
 from ..response_cache import ResponseCache
@@ -27,7 +28,7 @@ from ..settings import Settings
 from .auth import AuthPolicy, Guard
 from .dispatch import Dispatcher
 from .generate import GenerateRoute, StreamEndpoint
-from .infer import AsgiEndpoint, FunctionRoute, InferRoute
+from .infer import AsgiEndpoint, FunctionRoute, InferRoute, Lane
 from .logging_api import EXTENSION as LOGGING_EXTENSION
 from .logging_api import logging_routes
 from .models import ModelView
@@ -64,6 +65,8 @@ class Gateway:
         self.dispatcher = Dispatcher(self.redis, self.keys, reply_ttl_ms=int(settings.reply_ttl_s * 1000),
                                      hold_us=settings.gateway_hold_us)
         self.ensembles: set[asyncio.Task[None]] = set()  # ensemble steps waiting for a model to wake
+        # (model, version, priority) -> (its spec, where its requests go): infer.lane
+        self.lanes: dict[tuple[str, int, int], tuple[ModelSpec, Lane]] = {}
         # Triton's response cache (models with response_cache { enable: true }), when given its memory
         self.cache = ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None
         # clients' shared memory regions (Triton's --allow-client-shm), the server's: its gateways share them

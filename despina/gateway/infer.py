@@ -252,14 +252,11 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,
                            tuple(inputs), outputs, priority, timeout_us, now,
                            trace.decode("latin-1") if trace else "", parameters, request_id, sequence)
-    level = spec.policy.level(priority)
-    stream = gw.keys.request_stream(model, version, level)
+    stream, stats, bound, rows = lane(gw, spec, version, priority)
     if stream in gw.view.full:  # refused now rather than accepted and then trimmed away
-        gw.dispatcher.refused(gw.keys.stats(model, version))
+        gw.dispatcher.refused(stats)
         raise DespinaError(f"model '{model}' has {gw.settings.max_stream_length} or more entries queued "
                            "(max_stream_length); retry later", Code.RESOURCE_EXHAUSTED)
-    limit = spec.policy.queue_policy(level).max_queue_size
-    bound = (gw.keys.queued(model, version, level), limit) if limit else None
 
     def settled(result: Result) -> None:
         if isinstance(result, InferReply):
@@ -280,9 +277,30 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
         else:
             done(DespinaError(f"queueing the request failed: {result}", Code.INTERNAL))
 
-    gw.dispatcher.submit(stream, gw.keys.stats(model, version), request, timeout + GRACE_S, settled, bound,
-                         group_rows(spec))
+    gw.dispatcher.submit(stream, stats, request, timeout + GRACE_S, settled, bound, rows)
     return request.id
+
+
+Lane = tuple[str, str, tuple[str, int] | None, int]  # lane(): stream, statistics hash, bound, group rows
+LANES_MAX = 1024
+
+
+def lane(gw: Gateway, spec: ModelSpec, version: int, priority: int) -> Lane:
+    """Where a model version's requests of a priority go, worked out once (a model loaded again has a new
+    spec): the request stream of its level, its statistics hash, its queue's bound (the counter and
+    max_queue_size) or None, and the most rows its requests may be grouped into."""
+    key = (spec.name, version, priority)
+    known = gw.lanes.get(key)
+    if known is not None and known[0] is spec:
+        return known[1]
+    level = spec.policy.level(priority)
+    limit = spec.policy.queue_policy(level).max_queue_size
+    found = (gw.keys.request_stream(spec.name, version, level), gw.keys.stats(spec.name, version),
+             (gw.keys.queued(spec.name, version, level), limit) if limit else None, group_rows(spec))
+    if len(gw.lanes) >= LANES_MAX:
+        gw.lanes.clear()
+    gw.lanes[key] = (spec, found)
+    return found
 
 
 def cached(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], outputs: tuple[str, ...],

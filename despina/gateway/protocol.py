@@ -41,16 +41,20 @@ class HotRoutes:
 
     def __init__(self, infer: Route, fn: Route, policy: AuthPolicy, max_body_bytes: int) -> None:
         self.infer, self.fn, self.policy, self.max_body_bytes = infer, fn, policy, max_body_bytes
-        # path -> its route, path parameters, path as text, and what it names (checked): clients send
-        # the same few paths again and again
+        # URL -> its route, path parameters, path as text, and what it names (checked)
         self._matched: dict[bytes, Match] = {}
 
-    def match(self, path: bytes) -> Match | None:
-        """The route of a hot path, or None. A path whose model name or version is invalid still
-        matches: the request is refused in its turn (HotRequest.start)."""
-        hit = self._matched.get(path)
+    def match(self, url: bytes) -> Match | None:
+        """The route of a request's URL when its path is a hot one, or None: ASGI serves it (escaped names
+        too: uvicorn's path, and the router's checks). A path whose model name or version is invalid still
+        matches: the request is refused in its turn (HotRequest.start). Raises httptools' error on a
+        URL it cannot parse, as uvicorn's parsing does."""
+        hit = self._matched.get(url)  # the raw URL: clients send the same few again and again
         if hit is not None:
             return hit
+        path = httptools.parse_url(url).path
+        if path.find(b"%") >= 0:
+            return None
         found = self._route(path)
         if found is None:
             return None
@@ -63,7 +67,7 @@ class HotRoutes:
         hit = Match(found[0], found[1], text, target, checked=True)
         if len(self._matched) >= self.MATCHES_MAX:
             self._matched.clear()
-        self._matched[path] = hit
+        self._matched[url] = hit
         return hit
 
     def _route(self, path: bytes) -> tuple[Route, dict[str, str]] | None:
@@ -117,16 +121,12 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         # a request answered while its buffer was parsed armed the keep-alive timer: this one is next
-        self._unset_keepalive_if_required()
+        self._idle_since = None  # (_unset_keepalive_if_required, without the call)
         parser = self.parser
         if parser.get_method() != b"POST" or self.root_path or parser.should_upgrade():
             self._asgi()
             return
-        path = httptools.parse_url(self.url).path
-        if b"%" in path:  # escaped names: uvicorn's path, and the router's checks
-            self._asgi()
-            return
-        match = self.routes.match(path)
+        match = self.routes.match(self.url)
         if match is None:
             self._asgi()
             return
@@ -148,10 +148,17 @@ class GatewayProtocol(HttpToolsProtocol):
             return
         if cycle.response_complete:
             return
-        cycle.body += body
-        if len(cycle.body) > HIGH_WATER_LIMIT:
+        if not cycle.body:  # the first part (usually all of it) is kept as it is, not copied
+            cycle.body = body
+        elif type(cycle.body) is bytes:
+            cycle.body = bytearray(cycle.body) + body  # type: ignore[assignment]  # bytes once complete
+        else:
+            cycle.body += body
+        if cycle.started:  # read whole, up to the limit: nothing to pause for, nothing paused
+            if len(cycle.body) > self.routes.max_body_bytes:
+                cycle.set()  # refused
+        elif len(cycle.body) > HIGH_WATER_LIMIT:  # pipelined: read on when its turn comes (start)
             self.flow.pause_reading()
-        cycle.set()
 
     def on_message_complete(self) -> None:
         cycle = self.cycle
@@ -230,16 +237,20 @@ class HotRequest:
     """One hot request: in the protocol, its request cycle; to its route, the exchange it answers."""
 
     method = "POST"
+    __slots__ = ("protocol", "match", "route", "params", "path", "headers", "keep_alive", "expect_100",
+                 "body", "more_body", "started", "queued", "disconnected", "response_complete")
 
     def __init__(self, protocol: GatewayProtocol, match: Match, headers: Headers, keep_alive: bool,
                  expect_100: bool) -> None:
         self.protocol, self.match = protocol, match
-        self.route, self.params, self.path = match.route, match.params, match.path
+        # the route's __call__, bound: calling it so costs less than calling the route object
+        self.route, self.params, self.path = match.route.__call__, match.params, match.path
         self.headers = headers
         self.keep_alive = keep_alive
         self.expect_100 = expect_100
-        # typed as the routes take it: set() makes it bytes once the message is complete
-        self.body: bytes = bytearray()  # type: ignore[assignment]  # the protocol appends what it parses
+        # the protocol's parts: the first as it came, the rest appended to a bytearray; bytes once the
+        # message is complete (set)
+        self.body = b""
         self.more_body = True     # ... and sets this when the message is complete
         self.started = False
         self.queued = False
@@ -265,8 +276,13 @@ class HotRequest:
         except DespinaError as exc:
             self._refuse(exc)
             return
-        if self.more_body and self.expect_100 and not self.protocol.transport.is_closing():
-            self.protocol.transport.write(CONTINUE)
+        if self.more_body:
+            if self.expect_100 and not self.protocol.transport.is_closing():
+                self.protocol.transport.write(CONTINUE)
+            flow = self.protocol.flow
+            if flow.read_paused:  # pipelined behind another request, or past uvicorn's high-water mark
+                flow.resume_reading()
+            return
         self.set()
 
     def set(self) -> None:
@@ -277,9 +293,7 @@ class HotRequest:
             return
         if len(self.body) > self.protocol.routes.max_body_bytes:
             self._refuse(http.too_large(self.protocol.routes.max_body_bytes))
-        elif self.more_body:
-            self.protocol.flow.resume_reading()  # paused past uvicorn's high-water mark
-        else:
+        elif not self.more_body:
             self.queued = True
             self.body = bytes(self.body)
             try:

@@ -128,7 +128,7 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
         if decoded is not None:
             return decoded
     if header_length is None:
-        if shm is not None and len(body) <= PLAN_HEADER_MAX and b"shared_memory_" in body:
+        if shm is not None and len(body) <= PLAN_HEADER_MAX and body.find(b"shared_memory_") >= 0:
             return _planned(body, len(body), spec, max_elements, shm)  # all header: the data is elsewhere
         return _decode(body, memoryview(b""), spec, max_elements, shm)[0]
     if header_length < 0 or header_length > len(body):
@@ -209,7 +209,7 @@ def _json_planned(doc: bytes, spec: ModelSpec, max_elements: int, shm: Registry 
     if found is None:
         return None
     template, spans, own_id = found
-    if b"shared_memory_" in template:  # regions are read each time: the binary plan's kind
+    if template.find(b"shared_memory_") >= 0:  # regions are read each time: the binary plan's kind
         return None
     key = (id(spec), max_elements, own_id is not None, template)
     plan = _json_plans.get(key)
@@ -424,10 +424,16 @@ def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Te
     if parameters:
         heads = None
     if heads is not None:
-        key = tuple([(t.name, t.datatype, t.shape, len(t.data)) for t in outputs])
+        if len(outputs) == 1:  # the usual case, without a comprehension's function made and called
+            t = outputs[0]
+            key: tuple[Any, ...] = ((t.name, t.datatype, t.shape, len(t.data)),)
+        else:
+            key = tuple([(t.name, t.datatype, t.shape, len(t.data)) for t in outputs])
         header = heads.get(key)
         if header is not None:
             if not shm:
+                if len(outputs) == 1:
+                    return header + outputs[0].data, len(header)
                 return b"".join([header, *[t.data for t in outputs]]), len(header)
             chunks = [t.data for t in outputs if t.name not in shm]
             for t in outputs:
@@ -453,7 +459,7 @@ def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Te
         doc["parameters"] = parameters
     doc["outputs"] = described
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    if b"null" in header:  # orjson writes a non-finite float as null: written again, as Triton writes it
+    if header.find(b"null") >= 0:  # orjson writes a non-finite float as null: written again as Triton does
         again = False
         for entry in described:
             data = entry.get("data")
