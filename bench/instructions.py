@@ -15,7 +15,8 @@ checkout of Despina (a git worktree of another commit, say) with this venv. Abou
 
 --gateway: a real `despina gateway` under callgrind, with a real control plane and worker (not under it) on
 the Redis at --redis-url (its own key prefix, deleted after) serving W1. This script is the client, CONC
-keep-alive connections in a closed loop, as perf_analyzer (binary tensors), the JSON format, or /fn. After a
+keep-alive connections in a closed loop, as perf_analyzer (binary tensors), the JSON format (flat, or in
+rows: json-rows), or /fn. After a
 warm-up, the gateway's instruction counter (`callgrind_control -e Ir`) is read before and after REQUESTS
 answers, and once across an idle stretch: the idle rate (the model view's refresh, the Date header) times
 the measured stretch's length is taken off. Everything the gateway process runs counts: parsing HTTP, the
@@ -102,7 +103,8 @@ def free_port() -> int:
 
 def bodies(fmt: str, port: int) -> list[bytes]:
     """16 requests of W1 as the client sends them: perf_analyzer's binary tensors, JSON as perf_analyzer
-    writes it (one flat "data" array), or /fn."""
+    writes it (one flat "data" array), JSON as bench/loadgen.py and numpy's tolist() write it (`[[...]]`:
+    json-rows), or /fn."""
     import json
 
     import numpy as np
@@ -114,10 +116,11 @@ def bodies(fmt: str, port: int) -> list[bytes]:
         return [request(host, f"/v2/models/{GATEWAY_MODEL}/infer", fmt, rows[k:k + 1]) for k in range(16)]
     out = []
     for row in rows:
-        if fmt == "json":
+        if fmt in ("json", "json-rows"):
             path = f"/v2/models/{GATEWAY_MODEL}/infer"
-            body = json.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
-                                           "data": row.tolist()}]}).encode()
+            data = row.tolist() if fmt == "json" else [row.tolist()]
+            body = json.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": data}]}
+                              ).encode()
         else:
             path, body = f"/fn/{GATEWAY_MODEL}", json.dumps({"x": row.tolist()}).encode()
         out.append(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -245,7 +248,8 @@ def main() -> None:
     parser.add_argument("--gateway", action="store_true", help="the gateway's instructions per request")
     parser.add_argument("--conc", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--requests", type=int, default=3000, help="measured requests per point")
-    parser.add_argument("--format", nargs="+", choices=["binary", "json", "fn"], default=["binary"])
+    parser.add_argument("--format", nargs="+", choices=["binary", "json", "json-rows", "fn"],
+                        default=["binary"])
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="--gateway: keep a callgrind dump of each point in DIR (callgrind.out.N, one "
                              "per point, in order) for callgrind_annotate")

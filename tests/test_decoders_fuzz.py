@@ -318,9 +318,10 @@ json_numbers = (st.floats(width=32, allow_nan=False, allow_infinity=False) | st.
 def test_a_remembered_json_document_decodes_every_body_as_a_first_decode_would(data: st.DataObject) -> None:
     """decode_infer remembers what an all-JSON request decided but for its "data" arrays and its id
     (clients resend the same document with other numbers, often with an id of their own): a body that keeps
-    the document and changes the numbers (any count, any JSON value among them) and the id (any text, one in
-    the parameters too), written compactly or spaced, escaped or not, with or without Inference-Header-
-    Content-Length, decodes, or is refused, exactly as an uncached decode of it would."""
+    the document and changes the numbers (any count, any JSON value among them, flat, in one row or in
+    rows) and the id (any text, one in the parameters too), written compactly or spaced, escaped or not,
+    with or without Inference-Header-Content-Length, decodes, or is refused, exactly as an uncached decode
+    of it would."""
     from despina.gateway import v2
 
     rows, width = data.draw(st.integers(1, 3)), data.draw(st.integers(0, 3))
@@ -347,7 +348,16 @@ def test_a_remembered_json_document_decodes_every_body_as_a_first_decode_would(d
             n = data.draw(st.sampled_from([count, count, max(0, count - 1), count + 1])) if odd else count
             kind = json_numbers if odd else (st.floats(width=32, allow_nan=False, allow_infinity=False)
                                              if tensor["datatype"] == "FP32" else st.integers(-2**63, 2**63 - 1))
-            tensor["data"] = data.draw(st.lists(kind, min_size=n, max_size=n))
+            values = data.draw(st.lists(kind, min_size=n, max_size=n))
+            # flat, as perf_analyzer writes it; in one row, as numpy's tolist() writes a one-row batch (and
+            # any count in it); or in rows of the shape's last dimension
+            nesting = data.draw(st.sampled_from(["flat", "flat", "one row", "rows"]))
+            if nesting == "one row":
+                values = [values]
+            elif nesting == "rows" and tensor["shape"][-1] and len(values) % tensor["shape"][-1] == 0:
+                last = tensor["shape"][-1]
+                values = [values[i:i + last] for i in range(0, len(values), last)]
+            tensor["data"] = values
         body = json.dumps(doc, separators=(", ", ": ") if spaced else (",", ":"), ensure_ascii=ascii_only
                           ).encode("utf-8", "surrogatepass")
         length = data.draw(st.sampled_from([None, len(body)]))
@@ -396,6 +406,34 @@ def test_a_json_document_is_planned_on_its_second_sight_and_never_when_each_one_
         assert decode_infer(each, None, NUMERIC) == uncached(each)
     assert len(v2._json_plans) == 1
     assert len(v2._seen) <= v2.PLANS_MAX
+
+
+def test_a_one_row_batch_written_by_tolist_is_planned_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`x.tolist()` of a one-row batch writes its "data" as `[[...]]`: such documents get a plan of their
+    own (their template says `[[]]`, a flat one's `[]`), which parses the inner array; a batch of several
+    rows takes the long way each time."""
+    from despina.gateway import v2
+
+    monkeypatch.setattr(v2, "_json_plans", {})
+    monkeypatch.setattr(v2, "_seen", {})
+    rng = np.random.default_rng(0)
+
+    def body(rows: int) -> bytes:
+        x = rng.standard_normal((rows, 6)).astype(np.float32)
+        return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [rows, 2, 3],
+                                       "data": x.tolist()}]}).encode()
+
+    def uncached(b: bytes) -> Decoded:
+        return v2._decode(b, memoryview(b""), NUMERIC, v2.MAX_ELEMENTS)[0]
+
+    for b in [body(1) for _ in range(4)]:
+        assert decode_infer(b, None, NUMERIC) == uncached(b)
+    (key,) = v2._json_plans
+    assert key[-1].endswith(b'"data": [[]]}]}')
+    for b in [body(2) for _ in range(3)]:
+        assert data_template(b, v2.PLAN_HEADER_MAX) is None
+        assert decode_infer(b, None, NUMERIC) == uncached(b)
+    assert len(v2._json_plans) == 1
 
 
 def test_a_binary_header_is_planned_on_its_second_sight_and_never_when_each_one_differs(

@@ -72,16 +72,19 @@ def data_holds_no_booleans(doc: bytes) -> bool:
 
 
 def data_template(doc: bytes, longest: int) -> Template | None:
-    """The document with each "data" member's array emptied, and where the arrays are; with them the
-    string of its one "id" member emptied too, and what it held (None where the document has no "id"
-    string, or more than one). None unless the document is of the plain kind: no escape (each '"data"'
-    and '"id"' is then a whole string), each "data" a key whose value is a flat array with no string in
-    it, and the rest no longer than `longest`. Equal templates differ in what was emptied alone:
-    the arrays hold no bracket or quote, the id no quote, that could move what is found."""
+    """The document with each "data" member's array emptied, and where the arrays of numbers are; with
+    them the string of its one "id" member emptied too, and what it held (None where the document has no
+    "id" string, or more than one). None unless the document is of the plain kind: no escape (each
+    '"data"' and '"id"' is then a whole string), each "data" a key whose value is a flat array with no
+    string in it, or one such array inside another (`[[...]]`: a one-row batch as numpy's tolist() writes
+    it; the span is the inner array's, and the template says `[[]]`), and the rest no longer than
+    `longest`. Equal templates differ in what was emptied alone: the arrays hold no bracket or quote, the
+    id no quote, that could move what is found."""
     if doc.find(b"\\") >= 0:
         return None
     find = doc.find
     spans: list[tuple[int, int]] = []
+    emptied: list[tuple[int, int, bytes]] = []  # what the template leaves out, and what it says instead
     at = find(DATA)
     while at >= 0:
         key_end = at + len(DATA)
@@ -89,16 +92,27 @@ def data_template(doc: bytes, longest: int) -> Template | None:
         if start < 0 or doc[key_end:start].strip() != b":":
             return None
         end = find(b"]", start) + 1
-        if end <= 0 or find(b"[", start + 1, end) >= 0 or find(b'"', start, end) >= 0:
+        if end <= 0 or find(b'"', start, end) >= 0:
             return None
-        spans.append((start, end))
+        inner = find(b"[", start + 1, end)
+        if inner < 0:
+            spans.append((start, end))
+            emptied.append((start, end, b"[]"))
+        else:  # one row: nothing but space around the inner array, and no third bracket in it
+            close = find(b"]", end)
+            if (doc[start + 1:inner].strip() or find(b"[", inner + 1, end) >= 0 or close < 0
+                    or doc[end:close].strip()):
+                return None
+            spans.append((inner, end))
+            emptied.append((start, close + 1, b"[[]]"))
+            end = close + 1
         at = find(DATA, end)
     if not spans:
         return None
     pieces: list[bytes] = []
     last = 0
-    for start, end in spans:
-        pieces += (doc[last:start], b"[]")
+    for start, end, instead in emptied:
+        pieces += (doc[last:start], instead)
         last = end
     pieces.append(doc[last:])
     template = b"".join(pieces)  # every string of the document is whole in it: the arrays held none
