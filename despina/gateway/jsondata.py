@@ -71,6 +71,9 @@ def data_holds_no_booleans(doc: bytes) -> bool:
     return True
 
 
+JSON_SPACE = b" \t\n\r"  # what JSON takes for space (bytes.strip() would take \v and \f as well)
+
+
 def data_template(doc: bytes, longest: int) -> Template | None:
     """The document with each "data" member's array emptied, and where the arrays of numbers are; with
     them the string of its one "id" member emptied too, and what it held (None where the document has no
@@ -98,10 +101,10 @@ def data_template(doc: bytes, longest: int) -> Template | None:
         if inner < 0:
             spans.append((start, end))
             emptied.append((start, end, b"[]"))
-        else:  # one row: nothing but space around the inner array, and no third bracket in it
+        else:  # one row: nothing but JSON's space around the inner array (emptied with it), no third bracket
             close = find(b"]", end)
-            if (doc[start + 1:inner].strip() or find(b"[", inner + 1, end) >= 0 or close < 0
-                    or doc[end:close].strip()):
+            if (doc[start + 1:inner].strip(JSON_SPACE) or find(b"[", inner + 1, end) >= 0 or close < 0
+                    or doc[end:close].strip(JSON_SPACE)):
                 return None
             spans.append((inner, end))
             emptied.append((start, close + 1, b"[[]]"))
