@@ -4,7 +4,7 @@ machines moves by 10-50 %.
 
     python bench/instructions.py [--tree DIR] [--batches 200 1200]
     python bench/instructions.py --gateway [--tree DIR] [--conc 1 8 64] [--requests 3000]
-        [--format binary json fn] [--redis-url redis://127.0.0.1:6379/0]
+        [--format binary json json-rows fn] [--profile DIR] [--redis-url redis://127.0.0.1:6379/0]
 
 W1 (bench/out/repo's `mlp`: bench/models.py) in a ModelRunner, one request per batch, as at low
 concurrency: the entry decoded, the batcher, onnxruntime, the reply pipeline built and packed (not
@@ -14,9 +14,9 @@ batches: start-up (imports, the model's load and warm-up) cancels out. `--tree` 
 checkout of Despina (a git worktree of another commit, say) with this venv. About a minute a run.
 
 --gateway: a real `despina gateway` under callgrind, with a real control plane and worker (not under it) on
-the Redis at --redis-url (its own key prefix, deleted after) serving W1. This script is the client, CONC
-keep-alive connections in a closed loop, as perf_analyzer (binary tensors), the JSON format (flat, or in
-rows: json-rows), or /fn. After a
+the Redis at --redis-url (its own key prefix, deleted after) serving W1 from bench/out/repo. This script is
+the client: CONC keep-alive connections in a closed loop, sending perf_analyzer's binary tensors, its
+flat JSON, JSON in rows as numpy's tolist() writes a one-row batch (json-rows), or /fn's body. After a
 warm-up, the gateway's instruction counter (`callgrind_control -e Ir`) is read before and after REQUESTS
 answers, and once across an idle stretch: the idle rate (the model view's refresh, the Date header) times
 the measured stretch's length is taken off. Everything the gateway process runs counts: parsing HTTP, the
@@ -24,7 +24,10 @@ routes, the codecs, the dispatcher, redis' replies, uvloop; not the kernel's sid
 gateway's hold (gateway_hold_us) is off: under callgrind its timing would decide how much spinning counts.
 Under callgrind the gateway runs ~50x slower than the worker and Redis, so each answer's batch is back
 before the gateway reads its next requests: a busy gateway's regime, where c requests share a pipeline.
-About two minutes for the start, and ~15 s per 1,000 requests.
+--profile DIR keeps a callgrind dump of each point (callgrind.out.N, in order); `--summary DUMP [--per N]`
+prints a dump's self cost by shared object and by function (divided by N: the point's requests), where
+callgrind_annotate 3.19 put the whole of such a dump under one frame. About 30 s for the start, and 2-4 s
+per 1,000 requests.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +172,50 @@ def dump(pid: int, hint: str, folder: Path) -> int:
     return int(re.search(r"^totals: (\d+)", latest.read_text(errors="replace"), re.MULTILINE).group(1))  # type: ignore[union-attr]
 
 
+def summary(dump: Path, per: int, top: int = 40) -> None:
+    """A callgrind dump's self cost (Ir) by shared object and by function, per `per` (requests, say). A
+    cost line belongs to the function of the last fn= line, unless it follows a calls= line: then it is
+    that call's inclusive cost, the callee's, not the caller's own."""
+    names: dict[str, dict[str, str]] = {"fn": {}, "ob": {}}
+    own: Counter[str] = Counter()
+    objects: dict[str, str] = {}
+    fn = obj = ""
+    after_call = False
+    for line in dump.read_text(errors="replace").splitlines():
+        kind, _, rest = line.partition("=")
+        if kind in ("fn", "ob", "cfn", "cob"):
+            found = re.match(r"\((\d+)\)(?: (.*))?", rest)
+            if found is None:
+                continue
+            table = names["fn" if kind.endswith("fn") else "ob"]
+            if found.group(2):
+                table[found.group(1)] = found.group(2)
+            if kind == "fn":
+                fn = table.get(found.group(1), "?")
+                objects.setdefault(fn, obj)
+            elif kind == "ob":
+                obj = table.get(found.group(1), "?")
+        elif kind == "calls":
+            after_call = True
+        elif line[:1].isdigit() or line[:1] in "+-*":
+            if after_call:
+                after_call = False
+            else:
+                parts = line.split()
+                if len(parts) > 1:
+                    own[fn] += int(parts[1])
+    total = sum(own.values())
+    by_object: Counter[str] = Counter()
+    for name, cost in own.items():
+        by_object[objects.get(name, "?").rsplit("/", 1)[-1]] += cost
+    print(f"{dump}: {total / per:,.0f} instructions per {per:,} ({total:,} in all)")
+    for name, cost in by_object.most_common(8):
+        print(f"{100 * cost / total:6.1f} %  {name}")
+    print()
+    for name, cost in own.most_common(top):
+        print(f"{100 * cost / total:6.1f} %  {cost / per:10,.0f}  {name}")
+
+
 def gateway(args: argparse.Namespace) -> None:
     import json
     import urllib.request
@@ -252,9 +300,15 @@ def main() -> None:
                         default=["binary"])
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="--gateway: keep a callgrind dump of each point in DIR (callgrind.out.N, one "
-                             "per point, in order) for callgrind_annotate")
+                             "per point, in order) for --summary")
+    parser.add_argument("--summary", type=Path, metavar="DUMP",
+                        help="a callgrind dump's self cost by object and function (--profile's, say)")
+    parser.add_argument("--per", type=int, default=1, help="--summary: divide by this (the point's requests)")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     args = parser.parse_args()
+    if args.summary is not None:
+        summary(args.summary, args.per)
+        return
     if args.gateway:
         gateway(args)
         return
