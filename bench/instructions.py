@@ -26,7 +26,8 @@ Under callgrind the gateway runs ~50x slower than the worker and Redis, so each 
 before the gateway reads its next requests: a busy gateway's regime, where c requests share a pipeline.
 --profile DIR keeps a callgrind dump of each point (callgrind.out.N, in order); `--summary DUMP [--per N]`
 prints a dump's self cost by shared object and by function (divided by N: the point's requests), where
-callgrind_annotate 3.19 put the whole of such a dump under one frame. About 30 s for the start, and 2-4 s
+callgrind_annotate 3.19 put the whole of such a dump under one frame; `--callers NAME` with it, who calls
+the functions whose name holds NAME, how often and at what inclusive cost. About 30 s for the start, and 2-4 s
 per 1,000 requests.
 """
 from __future__ import annotations
@@ -98,13 +99,6 @@ GATEWAY_MODEL = "mlp"
 IDLE_S = 4.0  # the idle stretch that measures the gateway's background rate
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def bodies(fmt: str, port: int) -> list[bytes]:
     """16 requests of W1 as the client sends them: perf_analyzer's binary tensors, JSON as perf_analyzer
     writes it (one flat "data" array), JSON as bench/loadgen.py and numpy's tolist() write it (`[[...]]`:
@@ -172,15 +166,18 @@ def dump(pid: int, hint: str, folder: Path) -> int:
     return int(re.search(r"^totals: (\d+)", latest.read_text(errors="replace"), re.MULTILINE).group(1))  # type: ignore[union-attr]
 
 
-def summary(dump: Path, per: int, top: int = 40) -> None:
-    """A callgrind dump's self cost (Ir) by shared object and by function, per `per` (requests, say). A
-    cost line belongs to the function of the last fn= line, unless it follows a calls= line: then it is
-    that call's inclusive cost, the callee's, not the caller's own."""
+def summary(dump: Path, per: int, callee: str | None = None, top: int = 40) -> None:
+    """A callgrind dump's self cost (Ir) by shared object and by function, per `per` (requests, say); or,
+    with `callee`, who calls the functions whose name holds it: calls and their inclusive cost, per `per`.
+    A cost line belongs to the function of the last fn= line, unless it follows a calls= line: then it
+    is that call's inclusive cost (of the last cfn=), not the caller's own."""
     names: dict[str, dict[str, str]] = {"fn": {}, "ob": {}}
     own: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    spent: Counter[str] = Counter()
     objects: dict[str, str] = {}
-    fn = obj = ""
-    after_call = False
+    fn = obj = called = ""
+    count = -1  # the calls= line's count, until its cost line
     for line in dump.read_text(errors="replace").splitlines():
         kind, _, rest = line.partition("=")
         if kind in ("fn", "ob", "cfn", "cob"):
@@ -193,22 +190,33 @@ def summary(dump: Path, per: int, top: int = 40) -> None:
             if kind == "fn":
                 fn = table.get(found.group(1), "?")
                 objects.setdefault(fn, obj)
+            elif kind == "cfn":
+                called = table.get(found.group(1), "?")
             elif kind == "ob":
                 obj = table.get(found.group(1), "?")
         elif kind == "calls":
-            after_call = True
+            count = int(rest.split()[0])
         elif line[:1].isdigit() or line[:1] in "+-*":
-            if after_call:
-                after_call = False
+            parts = line.split()
+            if len(parts) < 2:
+                continue
+            if count < 0:
+                own[fn] += int(parts[1])
             else:
-                parts = line.split()
-                if len(parts) > 1:
-                    own[fn] += int(parts[1])
+                if callee is not None and callee in called and called != fn:
+                    calls[fn] += count
+                    spent[fn] += int(parts[1])
+                count = -1
     total = sum(own.values())
+    print(f"{dump}: {total / per:,.0f} instructions per {per:,} ({total:,} in all)")
+    if callee is not None:
+        print(f"callers of *{callee}*: calls and their inclusive instructions, per {per:,}")
+        for name, cost in spent.most_common(top):
+            print(f"{calls[name] / per:10,.2f}  {cost / per:10,.0f}  {name}")
+        return
     by_object: Counter[str] = Counter()
     for name, cost in own.items():
         by_object[objects.get(name, "?").rsplit("/", 1)[-1]] += cost
-    print(f"{dump}: {total / per:,.0f} instructions per {per:,} ({total:,} in all)")
     for name, cost in by_object.most_common(8):
         print(f"{100 * cost / total:6.1f} %  {name}")
     print()
@@ -220,6 +228,7 @@ def gateway(args: argparse.Namespace) -> None:
     import json
     import urllib.request
     tree = args.tree.resolve()
+    from despina.embedded import free_port
     prefix = f"instructions-{os.getpid()}"
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", PYTHONHASHSEED="0",
@@ -304,10 +313,12 @@ def main() -> None:
     parser.add_argument("--summary", type=Path, metavar="DUMP",
                         help="a callgrind dump's self cost by object and function (--profile's, say)")
     parser.add_argument("--per", type=int, default=1, help="--summary: divide by this (the point's requests)")
+    parser.add_argument("--callers", metavar="NAME",
+                        help="--summary: who calls the functions whose name holds NAME, instead")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     args = parser.parse_args()
     if args.summary is not None:
-        summary(args.summary, args.per)
+        summary(args.summary, args.per, args.callers)
         return
     if args.gateway:
         gateway(args)

@@ -267,9 +267,20 @@ def wakeups(n: int = 20_000) -> None:
         print(f"{'pipe round trip, ' + label:44s} {per:8.2f} us{extra}")
 
 
+# the counters as one "field=n field=n ..." argument: tried against HINCRBY_MANY's pairs on 2026-12-05
+# (hiredis formats each argument's length with sprintf); not landed: see bench/RESULTS.md
+ONE_ARGUMENT = """
+for field, n in string.gmatch(ARGV[1], '(%S+)=(%S+)') do
+  if field == 'last_inference' then redis.call('HSET', KEYS[1], field, n)
+  else redis.call('HINCRBY', KEYS[1], field, n) end
+end
+"""
+
+
 def statistics_record(url: str, batches: int = 10_000) -> None:
     """Valkey/Redis CPU (its /proc stat) per batch's statistics: the EVAL the workers send against the
-    same counters as plain HINCRBYs. Needs the server on this machine."""
+    same counters as plain HINCRBYs, and as an EVAL of one "field=n ..." argument (ONE_ARGUMENT); and this
+    process's time to pack each EVAL. Needs the server on this machine."""
     client = redis.Redis.from_url(url)
     key = "despina-micro:stats"
     fields = {"inference_count": 3, "execution_count": 1, "batch:3": 1, "batch_ns:3": 90_000,
@@ -292,8 +303,17 @@ def statistics_record(url: str, batches: int = 10_000) -> None:
             pipe.hincrby(key, field, n)
         pipe.hset(key, "last_inference", args[-1])
 
+    counts = {**fields, "last_inference": args[-1]}
+
+    def as_one_argument(pipe: Any) -> None:
+        pipe.eval(ONE_ARGUMENT, 1, key, " ".join([f"{field}={n}" for field, n in counts.items()]))
+
+    timed("statistics EVAL packed, field/value pairs", lambda: pack([("EVAL", HINCRBY_MANY, 1, key, *args)]))
+    timed("statistics EVAL packed, one argument",
+          lambda: pack([("EVAL", ONE_ARGUMENT, 1, key, " ".join([f"{f}={n}" for f, n in counts.items()]))]))
     try:
-        for name, add in (("EVAL", as_eval), ("HINCRBY x16 + HSET", as_hincrby)) * 2:
+        for name, add in (("EVAL", as_eval), ("HINCRBY x16 + HSET", as_hincrby),
+                          ("EVAL, one argument", as_one_argument)) * 2:
             c0 = cpu()
             for _ in range(batches // 100):
                 pipe = client.pipeline(transaction=False)

@@ -21,27 +21,20 @@ from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Tensor
 log = logging.getLogger("despina.gateway")
 
 GROUPING_BACKENDS = frozenset({"onnxruntime", "pytorch", "tensorflow"})
-_grouping: dict[int, tuple[ModelSpec, int]] = {}  # id(spec) -> (spec, group_rows(spec))
 
 
 def group_rows(spec: ModelSpec) -> int:
     """The most rows this gateway may send a model's plain requests in as one (records.GROUPED): for a
     model that dynamic-batches its requests as the rows of one tensor, its largest batch (its largest
     preferred one, so that batches form as they would); 0 for every other (one that sees each request:
-    Python; states, streams, ensembles, ragged batches, a response cache, BYTES outputs)."""
-    known = _grouping.get(id(spec))
-    if known is not None and known[0] is spec:
-        return known[1]
+    Python; states, streams, ensembles, ragged batches, a response cache, BYTES outputs). Worked out once
+    per spec by infer.lane, which keeps it."""
     policy = spec.policy
     plain = (policy.batching and spec.backend in GROUPING_BACKENDS and spec.platform != PLATFORM
              and spec.sequence is None and not spec.decoupled and not spec.response_cache
              and not spec.batch_inputs and not spec.batch_outputs and not any(t.ragged for t in spec.inputs)
              and all(t.datatype != "BYTES" for t in spec.outputs))
-    rows = (max(policy.preferred) if policy.preferred else spec.max_batch_size) if plain else 0
-    if len(_grouping) >= 1024:
-        _grouping.clear()
-    _grouping[id(spec)] = (spec, rows)
-    return rows
+    return (max(policy.preferred) if policy.preferred else spec.max_batch_size) if plain else 0
 
 
 def group_key(req: InferRequest) -> tuple[object, ...] | None:
