@@ -224,6 +224,15 @@ def summary(dump: Path, per: int, callee: str | None = None, top: int = 40) -> N
         print(f"{100 * cost / total:6.1f} %  {cost / per:10,.0f}  {name}")
 
 
+def statistics(port: int) -> tuple[int, int]:
+    """W1's inference and execution counts so far, from the gateway's statistics extension."""
+    import json
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{GATEWAY_MODEL}/stats", timeout=60) as r:
+        model = json.load(r)["model_stats"][0]
+    return model["inference_count"], model["execution_count"]
+
+
 def gateway(args: argparse.Namespace) -> None:
     import json
     import urllib.request
@@ -236,15 +245,21 @@ def gateway(args: argparse.Namespace) -> None:
                DESPINA_LOG_LEVEL="warning")
     python = [sys.executable, "-m", "despina"]
     out = "/dev/null" if args.profile is None else str(args.profile.resolve() / "callgrind.out")
+    counted_role = "worker" if args.worker else "gateway"
+    callgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+
+    def role(name: str, *extra: str) -> subprocess.Popen[bytes]:
+        under = callgrind if name == counted_role else []
+        return subprocess.Popen([*under, *python, name, *extra], env=env, cwd=tree,
+                                stderr=subprocess.DEVNULL if under else None)
+
     procs = [
-        subprocess.Popen([*python, "control", "--model-repository", str(ROOT / "bench" / "out" / "repo"),
-                          "--model-control-mode", "explicit", "--load-model", GATEWAY_MODEL,
-                          "--metrics-port", "0"], env=env, cwd=tree),
-        subprocess.Popen([*python, "worker"], env=env, cwd=tree),
-        subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *python, "gateway",
-                          "--http-port", str(port)], env=env, cwd=tree, stderr=subprocess.DEVNULL),
+        role("control", "--model-repository", str(ROOT / "bench" / "out" / "repo"), "--model-control-mode",
+             "explicit", "--load-model", GATEWAY_MODEL, "--metrics-port", "0"),
+        role("worker"),
+        role("gateway", "--http-port", str(port)),
     ]
-    gw = procs[-1]
+    gw = procs[1] if args.worker else procs[2]  # the process counted
     try:
         deadline = time.monotonic() + 600
         while True:
@@ -265,6 +280,7 @@ def gateway(args: argparse.Namespace) -> None:
             requests = bodies(fmt, port)
             for conc in args.conc:
                 asyncio.run(drive(port, requests, conc, max(conc * 20, args.requests // 5)))  # warm-up
+                runs = statistics(port)[1] if args.worker else 0
                 if args.profile is None:
                     before, t0 = counter(gw.pid), time.monotonic()
                     asyncio.run(drive(port, requests, conc, args.requests))
@@ -277,9 +293,13 @@ def gateway(args: argparse.Namespace) -> None:
                     elapsed = time.monotonic() - t0
                     spent = dump(gw.pid, f"{fmt} c={conc}", args.profile) - idle_rate * elapsed
                 idle = idle_rate * elapsed
-                point = {"tree": str(args.tree), "format": fmt, "conc": conc, "requests": args.requests,
-                         "instructions_per_request": round(spent / args.requests),
+                point = {"tree": str(args.tree), "counted": counted_role, "format": fmt, "conc": conc,
+                         "requests": args.requests, "instructions_per_request": round(spent / args.requests),
                          "idle_share": round(idle / (spent + idle), 4), "seconds": round(elapsed, 1)}
+                if args.worker:
+                    executions = statistics(port)[1] - runs
+                    point["mean_batch"] = round(args.requests / executions, 2)
+                    point["instructions_per_batch"] = round(spent / executions)
                 print(json.dumps(point), flush=True)
     finally:
         for p in reversed(procs):
@@ -303,6 +323,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs=2, default=[200, 1200], metavar=("FEW", "MANY"))
     parser.add_argument("--run", type=int, help=argparse.SUPPRESS)  # the measured run itself
     parser.add_argument("--gateway", action="store_true", help="the gateway's instructions per request")
+    parser.add_argument("--worker", action="store_true",
+                        help="with --gateway: count the worker's instructions instead (per request and per "
+                             "batch), the gateway running beside it uncounted")
     parser.add_argument("--conc", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--requests", type=int, default=3000, help="measured requests per point")
     parser.add_argument("--format", nargs="+", choices=["binary", "json", "json-rows", "fn"],
