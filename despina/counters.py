@@ -12,16 +12,22 @@ import logging
 from typing import Any
 
 import redis.asyncio as aioredis
+from msgpack import packb
 
-from .resp import Batch, Resp
+from .resp import Batch, Prefix, Resp
 
 log = logging.getLogger("despina.counters")
 
-# One command for all of a batch's counters; last_inference is set, not added.
+# One command for all of a batch's counters, in one argument: the counters as a msgpack map, which
+# Redis's Lua reads with its cmsgpack. As field/value arguments (two per counter, some forty a batch),
+# packing them cost a worker ~75,000 instructions a batch, hiredis formatting each argument's length
+# with sprintf; msgpack packs the map in ~3,000. Lua's numbers are doubles: a counter's value in one
+# update is exact below 2^53 (104 days in nanoseconds). last_inference is set, not added.
 HINCRBY_MANY = """
-for i = 1, #ARGV, 2 do
-  if ARGV[i] == 'last_inference' then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-  else redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for field, n in pairs(cmsgpack.unpack(ARGV[1])) do
+  n = string.format('%d', n)
+  if field == 'last_inference' then redis.call('HSET', KEYS[1], field, n)
+  else redis.call('HINCRBY', KEYS[1], field, n) end
 end
 """
 
@@ -30,9 +36,21 @@ DEFER_S = 0.02  # how long counters may wait for a pipeline to ride along with
 
 def record_counts(pipe: Any, key: str, counts: dict[str, int]) -> None:
     """Add `counts` to the statistics hash `key` (last_inference is set), in one command of `pipe`."""
-    if counts:
-        args = [x for field, n in counts.items() for x in (field, n)]
-        pipe.eval(HINCRBY_MANY, 1, key, *args)
+    if not counts:
+        return
+    if type(pipe) is not Batch:  # a redis-py pipeline
+        pipe.eval(HINCRBY_MANY, 1, key, packb(counts))
+        return
+    prefix = _PREFIXES.get(key)
+    if prefix is None:
+        if len(_PREFIXES) >= PREFIXES_KEPT:
+            _PREFIXES.clear()
+        prefix = _PREFIXES[key] = Prefix("EVAL", HINCRBY_MANY, 1, key)
+    pipe.commands.append(prefix.command(packb(counts)))
+
+
+PREFIXES_KEPT = 1024  # statistics hashes whose EVAL is kept packed but for its counters (resp.Prefix)
+_PREFIXES: dict[str, Prefix] = {}
 
 
 class Deferred:

@@ -10,7 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, ResponseError
 
-from despina.resp import Batch, Resp, fields, pack
+from despina.counters import record_counts
+from despina.resp import Batch, Prefix, Resp, fields, pack
 
 
 @pytest.fixture
@@ -26,6 +27,44 @@ def test_pack_is_resp() -> None:
     assert pack([("INCRBYFLOAT", "k", 0.1)]) == b"*3\r\n$11\r\nINCRBYFLOAT\r\n$1\r\nk\r\n$3\r\n0.1\r\n"
     assert pack([("SET", "k", True), ["SET", "k", np.int64(7)]]) == (
         b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n1\r\n*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n7\r\n")
+
+
+def test_a_prefix_packs_as_the_whole_command_would() -> None:
+    prefix = Prefix("XADD", "s", "MAXLEN", "~", 100_000, "*", "m")
+    for tail in [b"", b"\x00\r\n", b"x" * 70_000]:
+        assert prefix.command(tail) == pack([("XADD", "s", "MAXLEN", "~", 100_000, "*", "m", tail)])
+    assert Prefix("PING").command() == pack([("PING",)])
+    assert Prefix("XACK", "s").command(b"1-0", b"2-0") == pack([("XACK", "s", b"1-0", b"2-0")])
+    # commands packed already go as they are, among the others
+    assert pack([("PING",), Prefix("GET", "k").command(), ["INCR", "n"]]) == pack(
+        [("PING",), ("GET", "k"), ("INCR", "n")])
+
+
+async def test_counters_packed_as_one_argument_add_up(redis: aioredis.Redis, redis_url: str,
+                                                      key_prefix: str) -> None:
+    """record_counts' one msgpack argument, from the lean connection's Batch (its EVAL packed by a Prefix)
+    and from redis-py's pipeline alike: counters added, last_inference set, values as HINCRBY keeps them
+    (the largest a Lua number holds exactly, negative ones)."""
+    conn = Resp.from_url(redis_url)
+    key = f"{key_prefix}:stats"
+    counts = {"inference_count": 3, "batch:3": 1, "compute_infer_ns": 2**53 - 1, "fail:OTHER": -2,
+              "last_inference": 1_796_461_277_129}
+    try:
+        for _ in range(2):
+            batch = Batch()
+            record_counts(batch, key, counts)
+            record_counts(batch, key, {})  # nothing to count: no command
+            assert len(batch.commands) == 1
+            await conn.execute(batch.commands)
+        pipe = redis.pipeline(transaction=False)
+        record_counts(pipe, key, {**counts, "last_inference": 1_796_461_277_130})
+        await pipe.execute()
+        assert await redis.hgetall(key) == {b"inference_count": b"9", b"batch:3": b"3",
+                                            b"compute_infer_ns": b"%d" % (3 * (2**53 - 1)),
+                                            b"fail:OTHER": b"-6", b"last_inference": b"1796461277130"}
+    finally:
+        await redis.delete(key)
+        conn.close()
 
 
 async def test_pipeline_replies_in_order_and_errors(redis_url: str, key_prefix: str) -> None:
