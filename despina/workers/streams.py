@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from ..contract.keys import GROUP, Keys
-from ..resp import Arg, Command, Resp, fields
+from ..resp import Arg, Batch, Command, Prefix, Resp, fields, pack
 from .redelivery import EXECUTING_TTL_S, DeliveryPolicy, Queue, marker, redeliver
 
 log = logging.getLogger("despina.worker")
@@ -22,6 +22,7 @@ Entry = tuple[str, bytes, dict[bytes, bytes]]   # (stream, entry id, fields)
 READ_BLOCK_MS = 1000     # where it cannot
 LONG_BLOCK_MS = 30_000   # where it can: CLIENT UNBLOCK of the reading connection
 UNBLOCK_EVERY_S = 0.05   # a read sent just after an UNBLOCK is unblocked again this soon
+READS_KEPT = 64          # reads kept packed (send_with), by count and block
 
 
 class ModelStreams:
@@ -33,6 +34,8 @@ class ModelStreams:
         self.streams = [q.stream for q in self.queues]
         self.executing = keys.executing(consumer)
         self._reader: Resp | None = None  # reads block: they get a lean connection of their own
+        self._reads: dict[tuple[int, int | None], Command] = {}  # the read, packed, by (count, block)
+        self._acks: dict[str, tuple[Prefix, Prefix]] = {}  # a stream's XACK and XDEL, packed but the ids
 
     def close(self) -> None:
         if self._reader is not None:
@@ -83,15 +86,15 @@ class ModelStreams:
         only when all are empty."""
         try:
             if len(self.streams) == 1:
-                return _flatten(await self._xread({self.streams[0]: ">"}, count, block_ms))
+                return _flatten(await self._xread(self._read_command(count, block_ms)))
             found: list[Entry] = []
             for stream in self.streams:
-                found += _flatten(await self._xread({stream: ">"}, count - len(found), None))
+                found += _flatten(await self._xread(self._command({stream: ">"}, count - len(found), None)))
                 if len(found) >= count:
                     return found
             if found:
                 return found
-            return _flatten(await self._xread({s: ">" for s in self.streams}, count, block_ms))
+            return _flatten(await self._xread(self._command({s: ">" for s in self.streams}, count, block_ms)))
         except ResponseError as exc:
             return await self._vanished(exc)
 
@@ -106,7 +109,7 @@ class ModelStreams:
         (`can_send_with`, or not connected): then `read` as usual. Read the entries with `sent_read`."""
         if not self.can_send_with:
             return None
-        return self._reader.send(commands, [self._command({self.streams[0]: ">"}, count, self.block_ms)])  # type: ignore[union-attr]
+        return self._reader.send(commands, [self._read_command(count, self.block_ms)])  # type: ignore[union-attr]
 
     async def replies(self, fut: asyncio.Future[list[Any]]) -> list[Any]:
         """The replies to `send_with`'s commands (raises as Resp.execute does)."""
@@ -126,15 +129,26 @@ class ModelStreams:
         await self.ensure_groups()
         return []
 
+    def _read_command(self, count: int, block_ms: int | None) -> Command:
+        """The read of the one stream's new entries, packed once: the same few counts come back batch
+        after batch."""
+        read = self._reads.get((count, block_ms))
+        if read is None:
+            if len(self._reads) >= READS_KEPT:
+                self._reads.clear()
+            read = pack([self._command({self.streams[0]: ">"}, count, block_ms)])
+            self._reads[count, block_ms] = read
+        return read
+
     def _command(self, streams: dict[str, str], count: int, block_ms: int | None) -> Command:
         block: list[Arg] = ["BLOCK", block_ms] if block_ms is not None else []
         return ["XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count, *block, "STREAMS", *streams,
                 *streams.values()]
 
-    async def _xread(self, streams: dict[str, str], count: int, block_ms: int | None) -> Any:
+    async def _xread(self, command: Command) -> Any:
         if self._reader is None:
             self._reader = Resp.like(self.redis, identify=True)
-        return (await self._reader.execute([self._command(streams, count, block_ms)]))[0]
+        return (await self._reader.execute([command]))[0]
 
     async def reclaim(self, policy: DeliveryPolicy, count: int = 100) -> int:
         """Redeliver what any consumer left unacknowledged past the visibility timeout (see redelivery);
@@ -169,15 +183,21 @@ class ModelStreams:
         self.ack_into(pipe, entries)
         await pipe.execute()
 
-    @staticmethod
-    def ack_into(pipe: Any, entries: list[tuple[str, bytes]]) -> None:
-        """Acknowledge and delete: a request stream's length is then its backlog."""
+    def ack_into(self, pipe: Any, entries: list[tuple[str, bytes]]) -> None:
+        """Acknowledge and delete: a request stream's length is then its backlog. Into a Batch, each
+        command is packed but for its ids (resp.Prefix)."""
         by_stream: dict[str, list[bytes]] = {}
         for stream, entry_id in entries:
             by_stream.setdefault(stream, []).append(entry_id)
         for stream, ids in by_stream.items():
-            pipe.xack(stream, GROUP, *ids)
-            pipe.xdel(stream, *ids)
+            if type(pipe) is not Batch:  # a redis-py pipeline
+                pipe.xack(stream, GROUP, *ids)
+                pipe.xdel(stream, *ids)
+                continue
+            prefixes = self._acks.get(stream)
+            if prefixes is None:
+                prefixes = self._acks[stream] = (Prefix("XACK", stream, GROUP), Prefix("XDEL", stream))
+            pipe.commands += (prefixes[0].command(*ids), prefixes[1].command(*ids))
 
 
 def _flatten(response: Any) -> list[Entry]:
