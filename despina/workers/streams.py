@@ -22,7 +22,7 @@ Entry = tuple[str, bytes, dict[bytes, bytes]]   # (stream, entry id, fields)
 READ_BLOCK_MS = 1000     # where it cannot
 LONG_BLOCK_MS = 30_000   # where it can: CLIENT UNBLOCK of the reading connection
 UNBLOCK_EVERY_S = 0.05   # a read sent just after an UNBLOCK is unblocked again this soon
-READS_KEPT = 64          # reads kept packed (send_with), by count and block
+READS_KEPT = 64          # one-stream reads kept packed, by count and block (_read_command)
 
 
 class ModelStreams:
