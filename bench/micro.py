@@ -38,11 +38,12 @@ import orjson
 import redis
 import redis.asyncio as aioredis
 import uvloop
+from msgpack import packb
 
 from despina.contract import records
 from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict
 from despina.contract.records import InferReply, InferRequest, Tensor
-from despina.counters import HINCRBY_MANY
+from despina.counters import HINCRBY_MANY, record_counts
 from despina.gateway.fn import decode_fn
 from despina.gateway.jsondata import json_data_to_bytes
 from despina.gateway.v2 import decode_infer, encode_infer
@@ -109,15 +110,24 @@ def codecs() -> None:
     heads: dict = {}
     timed("encode_infer, binary output, header kept", lambda: encode_infer("mlp", 1, None, reps[0].outputs,
                                                                            {"y"}, False, heads))
-    pipe = Batch()  # a worker's reply pipeline for a batch of 20, as runner._send builds it
-    pipe.xadd("despina:rep:gw-1-abcdef", {b"m": answers}, maxlen=100_000)
-    pipe.pexpire("despina:rep:gw-1-abcdef", 120_000)
-    counters = (x for i in range(17) for x in (f"field_{i}", 1234 * i))  # a batch's statistics
-    pipe.eval(HINCRBY_MANY, 1, "despina:stats:mlp:1", *counters)
-    pipe.xack("despina:req:mlp:1", "workers", b"1764547200000-0")
-    pipe.xdel("despina:req:mlp:1", b"1764547200000-0")
-    timed("resp.pack, a reply pipeline (hiredis, C)", lambda: pack(pipe.commands))
-    timed("resp.pack, the same in Python", lambda: [_pack_slowly(c) for c in pipe.commands])
+    rep, req, stats = "despina:rep:gw-1-abcdef", "despina:req:mlp:1", "despina:stats:mlp:1"
+    done = b"1764547200000-0"
+    counts = {f"field_{i}": 1234 * i for i in range(17)}  # a batch's statistics
+
+    def reply_pipeline() -> bytes:  # a worker's for a batch of 20, as runner._send builds it
+        pipe = Batch()
+        pipe.xadd(rep, {b"m": answers}, maxlen=100_000)
+        pipe.pexpire(rep, 120_000)
+        record_counts(pipe, stats, counts)
+        pipe.xack(req, "workers", done)
+        pipe.xdel(req, done)
+        return pack(pipe.commands)
+    commands = [("XADD", rep, "MAXLEN", "~", 100_000, "*", b"m", answers), ("PEXPIRE", rep, 120_000),
+                ("EVAL", HINCRBY_MANY, 1, stats, packb(counts)), ("XACK", req, "workers", done),
+                ("XDEL", req, done)]
+    timed("a reply pipeline, Batch (kept prefixes) + pack", reply_pipeline)
+    timed("the same commands, resp.pack (hiredis, C)", lambda: pack(commands))
+    timed("the same commands, packed in Python", lambda: [_pack_slowly(c) for c in commands])
     timed("records.encode, 20 requests (per entry)", lambda: records.encode(reqs), 2000)
     timed("records.decode_requests, 20 (per entry)", lambda: records.decode_requests(entry), 2000)
     timed("records.decode_replies, 20 (per entry)", lambda: records.decode_replies(answers), 2000)
@@ -267,8 +277,14 @@ def wakeups(n: int = 20_000) -> None:
         print(f"{'pipe round trip, ' + label:44s} {per:8.2f} us{extra}")
 
 
-# the counters as one "field=n field=n ..." argument: tried against HINCRBY_MANY's pairs on 2026-12-05
-# (hiredis formats each argument's length with sprintf); not landed: see bench/RESULTS.md
+# the counters as field/value pairs (HINCRBY_MANY until 2026-12-05, when it took them as one msgpack map)
+# and as one "field=n field=n ..." argument (tried that day, not landed): see bench/RESULTS.md
+PAIRS = """
+for i = 1, #ARGV, 2 do
+  if ARGV[i] == 'last_inference' then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  else redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+"""
 ONE_ARGUMENT = """
 for field, n in string.gmatch(ARGV[1], '(%S+)=(%S+)') do
   if field == 'last_inference' then redis.call('HSET', KEYS[1], field, n)
@@ -278,9 +294,10 @@ end
 
 
 def statistics_record(url: str, batches: int = 10_000) -> None:
-    """Valkey/Redis CPU (its /proc stat) per batch's statistics: the EVAL the workers send against the
-    same counters as plain HINCRBYs, and as an EVAL of one "field=n ..." argument (ONE_ARGUMENT); and this
-    process's time to pack each EVAL. Needs the server on this machine."""
+    """Valkey/Redis CPU (its /proc stat) per batch's statistics: the EVAL the workers send (one msgpack
+    argument, counters.record_counts) against the same counters as plain HINCRBYs, as field/value pairs
+    (PAIRS) and as one "field=n ..." argument (ONE_ARGUMENT); and this process's time to pack each EVAL.
+    Needs the server on this machine."""
     client = redis.Redis.from_url(url)
     key = "despina-micro:stats"
     fields = {"inference_count": 3, "execution_count": 1, "batch:3": 1, "batch_ns:3": 90_000,
@@ -288,7 +305,8 @@ def statistics_record(url: str, batches: int = 10_000) -> None:
               "compute_infer_ns": 270_000, "compute_output_count": 3, "compute_output_ns": 60_000,
               "success_count": 3, "success_ns": 3_000_000, "queue_count": 3, "queue_ns": 2_700_000,
               "lat:3": 3, "qlat:3": 3}
-    args = [x for kv in fields.items() for x in kv] + ["last_inference", int(time.time() * 1000)]
+    counts = {**fields, "last_inference": int(time.time() * 1000)}
+    args = [x for kv in counts.items() for x in kv]
     pid = int(client.info("server")["process_id"])
 
     def cpu() -> float:
@@ -296,24 +314,30 @@ def statistics_record(url: str, batches: int = 10_000) -> None:
         return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
     def as_eval(pipe: Any) -> None:
-        pipe.eval(HINCRBY_MANY, 1, key, *args)
+        record_counts(pipe, key, counts)
+
+    def as_pairs(pipe: Any) -> None:
+        pipe.eval(PAIRS, 1, key, *args)
 
     def as_hincrby(pipe: Any) -> None:
         for field, n in fields.items():
             pipe.hincrby(key, field, n)
-        pipe.hset(key, "last_inference", args[-1])
-
-    counts = {**fields, "last_inference": args[-1]}
+        pipe.hset(key, "last_inference", counts["last_inference"])
 
     def as_one_argument(pipe: Any) -> None:
         pipe.eval(ONE_ARGUMENT, 1, key, " ".join([f"{field}={n}" for field, n in counts.items()]))
 
-    timed("statistics EVAL packed, field/value pairs", lambda: pack([("EVAL", HINCRBY_MANY, 1, key, *args)]))
-    timed("statistics EVAL packed, one argument",
-          lambda: pack([("EVAL", ONE_ARGUMENT, 1, key, " ".join([f"{f}={n}" for f, n in counts.items()]))]))
+    def packed(add: Any) -> bytes:
+        pipe = Batch()
+        add(pipe)
+        return pack(pipe.commands)
+    timed("statistics EVAL packed, msgpack (Batch)", lambda: packed(as_eval))
+    timed("statistics EVAL packed, field/value pairs", lambda: pack([("EVAL", PAIRS, 1, key, *args)]))
+    timed("statistics EVAL packed, one argument", lambda: pack([("EVAL", ONE_ARGUMENT, 1, key, " ".join(
+        [f"{f}={n}" for f, n in counts.items()]))]))
     try:
-        for name, add in (("EVAL", as_eval), ("HINCRBY x16 + HSET", as_hincrby),
-                          ("EVAL, one argument", as_one_argument)) * 2:
+        for name, add in (("EVAL, msgpack", as_eval), ("EVAL, pairs", as_pairs),
+                          ("HINCRBY x16 + HSET", as_hincrby), ("EVAL, one argument", as_one_argument)) * 2:
             c0 = cpu()
             for _ in range(batches // 100):
                 pipe = client.pipeline(transaction=False)

@@ -14,7 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from msgpack import packb
 
-from .resp import Batch, Prefix, Resp
+from .resp import Batch, Resp
 
 log = logging.getLogger("despina.counters")
 
@@ -37,21 +37,8 @@ DEFER_S = 0.02  # how long counters may wait for a pipeline to ride along with
 
 def record_counts(pipe: Any, key: str, counts: dict[str, int]) -> None:
     """Add `counts` to the statistics hash `key` (last_inference is set), in one command of `pipe`."""
-    if not counts:
-        return
-    if type(pipe) is not Batch:  # a redis-py pipeline
+    if counts:
         pipe.eval(HINCRBY_MANY, 1, key, packb(counts))
-        return
-    prefix = _PREFIXES.get(key)
-    if prefix is None:
-        if len(_PREFIXES) >= PREFIXES_KEPT:
-            _PREFIXES.clear()
-        prefix = _PREFIXES[key] = Prefix("EVAL", HINCRBY_MANY, 1, key)
-    pipe.commands.append(prefix.command(packb(counts)))
-
-
-PREFIXES_KEPT = 1024  # statistics hashes whose EVAL is kept packed but for its counters (resp.Prefix)
-_PREFIXES: dict[str, Prefix] = {}
 
 
 class Deferred:

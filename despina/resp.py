@@ -12,6 +12,7 @@ other use of Redis stays on redis-py (redis_client.connect).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import numbers
 import ssl
@@ -55,35 +56,55 @@ class Prefix:
     """A command's leading arguments, packed once, for a command a hot loop sends again and again with
     only its last arguments new (a reply stream's XADD, a statistics hash's EVAL): `command(*rest)`
     packs just those. hiredis spends ~1,800 instructions an argument, most of them in sprintf writing
-    its length; a worker's pipeline repeats some 25 of its arguments every batch."""
+    its length; a worker's pipeline repeats some 25 of its arguments every batch. `prefix` keeps them."""
 
     __slots__ = ("_count", "_packed")
 
     def __init__(self, *args: Arg) -> None:
         self._count = len(args)
-        # the arguments, without "*N" (the ignore: hiredis's stub types the command as a 1-tuple)
-        self._packed = pack_command(args).split(b"\r\n", 1)[1]  # type: ignore[arg-type]
+        self._packed = pack([args]).split(b"\r\n", 1)[1]  # the arguments, without "*N"
 
-    def command(self, *rest: bytes) -> bytes:
+    def command(self, *rest: Arg) -> bytes:
         out = [b"*%d\r\n" % (self._count + len(rest)), self._packed]
         for arg in rest:
-            out += (b"$%d\r\n" % len(arg), arg, b"\r\n")
+            data = arg if type(arg) is bytes else _data(arg)
+            if len(data) < 1024:  # a small one formatted in one go; a large one not copied for it
+                out.append(b"$%d\r\n%b\r\n" % (len(data), data))
+            else:
+                out += (b"$%d\r\n" % len(data), data, b"\r\n")
         return b"".join(out)
+
+
+@functools.lru_cache(maxsize=1024, typed=True)  # typed: 1 and 1.0 are packed apart
+def prefix(*args: Arg) -> Prefix:
+    """The Prefix of these leading arguments, kept for the next command that repeats them (Batch's)."""
+    return Prefix(*args)
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def packed(*command: Arg) -> bytes:
+    """A command with nothing new in it, packed once and kept (a reply stream's PEXPIRE, a worker's read)."""
+    return pack([command])
 
 
 def _pack_slowly(command: Sequence[Arg]) -> bytes:
     out = [b"*%d\r\n" % len(command)]
     for arg in command:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
-            data = arg.encode()
-        elif isinstance(arg, numbers.Integral):
-            data = b"%d" % int(arg)
-        else:
-            data = repr(float(arg)).encode()
+        data = _data(arg)
         out += (b"$%d\r\n" % len(data), data, b"\r\n")
     return b"".join(out)
+
+
+def _data(arg: Arg) -> bytes:
+    """An argument's bytes: str as UTF-8, an integer (a bool, a numpy one) as its value, anything else as
+    a float's repr."""
+    if isinstance(arg, bytes):
+        return arg
+    if isinstance(arg, str):
+        return arg.encode()
+    if isinstance(arg, numbers.Integral):
+        return b"%d" % int(arg)
+    return repr(float(arg)).encode()
 
 
 class _Protocol(asyncio.Protocol):
@@ -332,7 +353,8 @@ class ReadAlong:
 
 class Batch:
     """Commands gathered for one `Resp.execute`, named as redis-py's pipeline names them (the subset
-    the hot loops use), so that helpers fill either."""
+    the hot loops use), so that helpers fill either. Each is packed as it is added, its leading
+    arguments (the command, its keys: the same batch after batch) from a kept `prefix`."""
 
     def __init__(self) -> None:
         self.commands: list[Command] = []
@@ -343,25 +365,28 @@ class Batch:
     def xadd(self, stream: str, fields: dict[bytes | str, Arg], maxlen: int | None = None,
              approximate: bool = True) -> None:
         trim: tuple[Arg, ...] = ("MAXLEN", "~" if approximate else "=", maxlen) if maxlen else ()
-        self.commands.append(("XADD", stream, *trim, "*", *(x for kv in fields.items() for x in kv)))
+        rest: list[Arg] = []
+        for kv in fields.items():
+            rest += kv
+        self.commands.append(prefix("XADD", stream, *trim, "*").command(*rest))
 
     def pexpire(self, key: str, ms: int) -> None:
-        self.commands.append(("PEXPIRE", key, ms))
+        self.commands.append(packed("PEXPIRE", key, ms))
 
     def hincrby(self, key: str, field: str, n: int) -> None:
-        self.commands.append(("HINCRBY", key, field, n))
+        self.commands.append(prefix("HINCRBY", key, field).command(n))
 
     def decrby(self, key: str, n: int) -> None:
-        self.commands.append(("DECRBY", key, n))
+        self.commands.append(prefix("DECRBY", key).command(n))
 
     def eval(self, script: str, numkeys: int, *args: Arg) -> None:
-        self.commands.append(("EVAL", script, numkeys, *args))
+        self.commands.append(prefix("EVAL", script, numkeys, *args[:numkeys]).command(*args[numkeys:]))
 
     def xack(self, stream: str, group: str, *ids: bytes) -> None:
-        self.commands.append(("XACK", stream, group, *ids))
+        self.commands.append(prefix("XACK", stream, group).command(*ids))
 
     def xdel(self, stream: str, *ids: bytes) -> None:
-        self.commands.append(("XDEL", stream, *ids))
+        self.commands.append(prefix("XDEL", stream).command(*ids))
 
     def srem(self, key: str, *members: Arg) -> None:
         self.commands.append(("SREM", key, *members))

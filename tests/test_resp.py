@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, ResponseError
 
 from despina.counters import record_counts
-from despina.resp import Batch, Prefix, Resp, fields, pack
+from despina.resp import Batch, Prefix, Resp, fields, pack, packed, prefix
 
 
 @pytest.fixture
@@ -30,20 +30,39 @@ def test_pack_is_resp() -> None:
 
 
 def test_a_prefix_packs_as_the_whole_command_would() -> None:
-    prefix = Prefix("XADD", "s", "MAXLEN", "~", 100_000, "*", "m")
+    xadd = Prefix("XADD", "s", "MAXLEN", "~", 100_000, "*", "m")
     for tail in [b"", b"\x00\r\n", b"x" * 70_000]:
-        assert prefix.command(tail) == pack([("XADD", "s", "MAXLEN", "~", 100_000, "*", "m", tail)])
+        assert xadd.command(tail) == pack([("XADD", "s", "MAXLEN", "~", 100_000, "*", "m", tail)])
     assert Prefix("PING").command() == pack([("PING",)])
-    assert Prefix("XACK", "s").command(b"1-0", b"2-0") == pack([("XACK", "s", b"1-0", b"2-0")])
+    # the rest as pack takes it: str, int, float, what hiredis refuses (a bool, a numpy integer)
+    assert Prefix("SET", "k").command("é", 7, 0.1, True, np.int64(3)) == pack([("SET", "k", "é", 7, 0.1, True, 3)])
     # commands packed already go as they are, among the others
     assert pack([("PING",), Prefix("GET", "k").command(), ["INCR", "n"]]) == pack(
         [("PING",), ("GET", "k"), ("INCR", "n")])
+    # kept by its arguments and their types (1 and 1.0 pack apart)
+    assert prefix("GET", "k") is prefix("GET", "k") and prefix("A", 1) is not prefix("A", 1.0)
+    assert packed("SET", "k", 1.0) == pack([("SET", "k", 1.0)]) and packed("SET", "k", 1) == pack([("SET", "k", 1)])
+    # Batch packs each command from a kept prefix, as the whole command would pack
+    batch = Batch()
+    batch.xadd("s", {b"m": b"v", "n": 3}, maxlen=10)
+    batch.xadd("s", {"m": b"w"})
+    batch.pexpire("s", 60_000)
+    batch.hincrby("h", "f", 2)
+    batch.decrby("q", 4)
+    batch.eval("return 1", 2, "k1", "k2", 5, b"x")
+    batch.xack("s", "g", b"1-0", b"2-0")
+    batch.xdel("s", b"1-0")
+    assert pack(batch.commands) == pack([
+        ("XADD", "s", "MAXLEN", "~", 10, "*", b"m", b"v", "n", 3), ("XADD", "s", "*", "m", b"w"),
+        ("PEXPIRE", "s", 60_000), ("HINCRBY", "h", "f", 2), ("DECRBY", "q", 4),
+        ("EVAL", "return 1", 2, "k1", "k2", 5, b"x"), ("XACK", "s", "g", b"1-0", b"2-0"),
+        ("XDEL", "s", b"1-0")])
 
 
 async def test_counters_packed_as_one_argument_add_up(redis: aioredis.Redis, redis_url: str,
                                                       key_prefix: str) -> None:
-    """record_counts' one msgpack argument, from the lean connection's Batch (its EVAL packed by a Prefix)
-    and from redis-py's pipeline alike: counters added, last_inference set, values as HINCRBY keeps them
+    """record_counts' one msgpack argument, from the lean connection's Batch (its EVAL packed from a kept
+    prefix) and from redis-py's pipeline alike: counters added, last_inference set, values as HINCRBY keeps them
     (the largest a Lua number holds exactly, negative ones)."""
     conn = Resp.from_url(redis_url)
     key = f"{key_prefix}:stats"

@@ -6,7 +6,7 @@ from ..contract import records
 from ..contract.keys import FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest
-from ..resp import Batch, Prefix, pack
+from ..resp import Batch
 
 REPLY_MAXLEN = 100_000       # backstop: gateways trim what they have read
 
@@ -32,18 +32,7 @@ def count_dequeued(pipe: Batch, keys: Keys, spec: ModelSpec, version: int, bound
 
 
 def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: int) -> None:
-    """One reply entry per gateway's reply stream, which expires if its gateway is gone. The commands'
-    arguments but the reply are packed once per stream (`Prefix`): a worker's few gateways' streams
-    come back batch after batch."""
+    """One reply entry per gateway's reply stream, which expires if its gateway is gone."""
     for stream, group in by_gateway.items():
-        packed = _PACKED.get((stream, ttl_ms))
-        if packed is None:
-            if len(_PACKED) >= PACKED_KEPT:
-                _PACKED.clear()
-            xadd = Prefix("XADD", stream, "MAXLEN", "~", REPLY_MAXLEN, "*", FIELD)
-            packed = _PACKED[stream, ttl_ms] = (xadd, pack([("PEXPIRE", stream, ttl_ms)]))
-        pipe.commands += (packed[0].command(records.encode(group)), packed[1])
-
-
-PACKED_KEPT = 1024  # reply streams whose commands are kept packed (a gateway's stream is new each start)
-_PACKED: dict[tuple[str, int], tuple[Prefix, bytes]] = {}  # (stream, ttl): its XADD's prefix, its PEXPIRE
+        pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
+        pipe.pexpire(stream, ttl_ms)

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from ..contract.keys import GROUP, Keys
-from ..resp import Arg, Batch, Command, Prefix, Resp, fields, pack
+from ..resp import Arg, Command, Resp, fields, packed
 from .redelivery import EXECUTING_TTL_S, DeliveryPolicy, Queue, marker, redeliver
 
 log = logging.getLogger("despina.worker")
@@ -22,7 +22,6 @@ Entry = tuple[str, bytes, dict[bytes, bytes]]   # (stream, entry id, fields)
 READ_BLOCK_MS = 1000     # where it cannot
 LONG_BLOCK_MS = 30_000   # where it can: CLIENT UNBLOCK of the reading connection
 UNBLOCK_EVERY_S = 0.05   # a read sent just after an UNBLOCK is unblocked again this soon
-READS_KEPT = 64          # one-stream reads kept packed, by count and block (_read_command)
 
 
 class ModelStreams:
@@ -34,8 +33,6 @@ class ModelStreams:
         self.streams = [q.stream for q in self.queues]
         self.executing = keys.executing(consumer)
         self._reader: Resp | None = None  # reads block: they get a lean connection of their own
-        self._reads: dict[tuple[int, int | None], Command] = {}  # the read, packed, by (count, block)
-        self._acks: dict[str, tuple[Prefix, Prefix]] = {}  # a stream's XACK and XDEL, packed but the ids
 
     def close(self) -> None:
         if self._reader is not None:
@@ -130,15 +127,9 @@ class ModelStreams:
         return []
 
     def _read_command(self, count: int, block_ms: int | None) -> Command:
-        """The read of the one stream's new entries, packed once: the same few counts come back batch
-        after batch."""
-        read = self._reads.get((count, block_ms))
-        if read is None:
-            if len(self._reads) >= READS_KEPT:
-                self._reads.clear()
-            read = pack([self._command({self.streams[0]: ">"}, count, block_ms)])
-            self._reads[count, block_ms] = read
-        return read
+        """The read of the one stream's new entries, packed once and kept: the same few counts come back
+        batch after batch."""
+        return packed(*self._command({self.streams[0]: ">"}, count, block_ms))
 
     def _command(self, streams: dict[str, str], count: int, block_ms: int | None) -> Command:
         block: list[Arg] = ["BLOCK", block_ms] if block_ms is not None else []
@@ -183,21 +174,15 @@ class ModelStreams:
         self.ack_into(pipe, entries)
         await pipe.execute()
 
-    def ack_into(self, pipe: Any, entries: list[tuple[str, bytes]]) -> None:
-        """Acknowledge and delete: a request stream's length is then its backlog. Into a Batch, each
-        command is packed but for its ids (resp.Prefix)."""
+    @staticmethod
+    def ack_into(pipe: Any, entries: list[tuple[str, bytes]]) -> None:
+        """Acknowledge and delete: a request stream's length is then its backlog."""
         by_stream: dict[str, list[bytes]] = {}
         for stream, entry_id in entries:
             by_stream.setdefault(stream, []).append(entry_id)
         for stream, ids in by_stream.items():
-            if type(pipe) is not Batch:  # a redis-py pipeline
-                pipe.xack(stream, GROUP, *ids)
-                pipe.xdel(stream, *ids)
-                continue
-            prefixes = self._acks.get(stream)
-            if prefixes is None:
-                prefixes = self._acks[stream] = (Prefix("XACK", stream, GROUP), Prefix("XDEL", stream))
-            pipe.commands += (prefixes[0].command(*ids), prefixes[1].command(*ids))
+            pipe.xack(stream, GROUP, *ids)
+            pipe.xdel(stream, *ids)
 
 
 def _flatten(response: Any) -> list[Entry]:
