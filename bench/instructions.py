@@ -250,6 +250,8 @@ def gateway(args: argparse.Namespace) -> None:
                REDIS_URL=args.redis_url, DESPINA_KEY_PREFIX=prefix, DESPINA_GATEWAY_HOLD_US="0",
                DESPINA_LOG_LEVEL="warning")
     python = [sys.executable, "-m", "despina"]
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)  # valgrind writes nothing into a missing folder
     out = "/dev/null" if args.profile is None else str(args.profile.resolve() / "callgrind.out")
     counted_role = "worker" if args.worker else "gateway"
     callgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
