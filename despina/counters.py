@@ -12,8 +12,8 @@ import logging
 from typing import Any
 
 import redis.asyncio as aioredis
-from msgpack import packb
 
+from .contract.records import packb
 from .resp import Batch, Resp
 
 log = logging.getLogger("despina.counters")
@@ -56,9 +56,13 @@ class Deferred:
     def add(self, key: str, counts: dict[str, int]) -> None:
         if not counts:
             return
-        mine = self._counts.setdefault(key, {})
-        for field, n in counts.items():
-            mine[field] = max(mine.get(field, 0), n) if field == "last_inference" else mine.get(field, 0) + n
+        mine = self._counts.get(key)
+        if mine is None:  # the usual case when batches are far apart: copied in C, not summed field by field
+            self._counts[key] = dict(counts)
+        else:
+            get = mine.get
+            for field, n in counts.items():
+                mine[field] = max(get(field, 0), n) if field == "last_inference" else get(field, 0) + n
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(DEFER_S, self._flush)
 

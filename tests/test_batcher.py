@@ -173,8 +173,11 @@ async def test_queue_timeout_rejects_or_delays() -> None:
     batcher.put(Item(1, "k", "busy"))
     await asyncio.sleep(0.01)
     batcher.put(Item(1, "k", "late"))
-    await asyncio.sleep(0.05)                       # "late" times out while the instance is busy
-    assert rejected == ["late"]
+    batcher.put(Item(1, "k", "later"))
+    assert batcher.pending == 2 and batcher.executing == 1
+    await asyncio.sleep(0.05)                       # both time out while the instance is busy
+    assert rejected == ["late", "later"]
+    assert batcher.pending == 0                     # rejected: no longer queued
     hold.set()
     batcher.close()
     await asyncio.wait_for(task, 5)
@@ -194,10 +197,12 @@ async def test_delay_action_moves_timed_out_requests_behind_the_others() -> None
     batcher.put(Item(1, "k", "urgent-but-late", priority=1))
     await asyncio.sleep(0.03)
     batcher.put(Item(1, "k", "normal", priority=2))
+    assert batcher.pending == 2                     # the delayed one still counts
     hold.set()
     batcher.close()
     await asyncio.wait_for(task, 5)
     assert rec.batches == [["busy"], ["normal"], ["urgent-but-late"]]
+    assert batcher.pending == 0
 
 
 def test_timeout_override_may_only_shorten() -> None:

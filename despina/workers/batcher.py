@@ -70,6 +70,7 @@ class DynamicBatcher:
         self._queues: list[deque[Item]] = [deque() for _ in range(levels)]
         self._delayed: deque[Item] = deque()
         self._timed = 0                     # queued items that carry a timeout
+        self._pending = 0                   # queued items in all queues (`pending`: asked 5 times a batch)
         self._wake = asyncio.Event()
         self._instances = self._idle = instances
         self._running: set[asyncio.Task[None]] = set()
@@ -92,11 +93,12 @@ class DynamicBatcher:
             item.expires = (item.arrived if item.since is None else item.since) + timeout / 1e6
             self._timed += 1
         queue.append(item)
+        self._pending += 1
         self._wake.set()
 
     @property
     def pending(self) -> int:
-        return sum(map(len, self._queues)) + len(self._delayed)
+        return self._pending
 
     @property
     def executing(self) -> int:
@@ -175,6 +177,7 @@ class DynamicBatcher:
                 if item.expires is not None and queue is not self._delayed:
                     self._timed -= 1
                 taken.append(item)
+        self._pending -= len(taken)
         return taken
 
     def _expire(self, now: float) -> float | None:
@@ -194,6 +197,7 @@ class DynamicBatcher:
                         item.expires = None
                         self._delayed.append(item)
                     else:
+                        self._pending -= 1
                         self._reject(item)
                 else:
                     keep.append(item)
