@@ -120,6 +120,21 @@ def test_records_round_trip() -> None:
     assert records.decode_replies(records.encode([rep])) == [rep]
 
 
+def test_the_kept_packer_packs_as_msgpack_does_after_a_failure_and_a_large_message() -> None:
+    import msgpack
+    small = [b"id", "reply", 3, 2.5, [["y", "FP32", [1, 10], b"\1" * 40]], {"a": True}]
+    assert records.packb(small) == msgpack.packb(small, use_bin_type=True)
+    for bad in ([1, object()], [2**70]):  # a failed pack leaves nothing behind for the next one
+        with pytest.raises((TypeError, OverflowError)):
+            records.packb(bad)
+        assert records.packb(small) == msgpack.packb(small, use_bin_type=True)
+    kept = records._packer[0]
+    large = [b"\2" * (records.KEPT_BYTES + 1)]
+    assert records.packb(large) == msgpack.packb(large, use_bin_type=True)
+    assert records._packer[0] is not kept  # its grown buffer let go
+    assert records.packb(small) == msgpack.packb(small, use_bin_type=True)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_record_decoders_never_crash_on_arbitrary_bytes(data: bytes) -> None:
