@@ -234,6 +234,28 @@ async def test_counters_go_with_a_lone_reply_and_a_bursts_within_defer_s(tmp_pat
         await client.aclose()
 
 
+def test_a_batchs_counters_field_by_field() -> None:
+    """One batch of three requests: two answered (in latency buckets 1 and 4, queue buckets 1 and 3 of
+    100/250/500/1000/2500 µs), one failed by its backend; its execution took 1 / 20 / 3 µs of input,
+    infer and output. Every field as the statistics API and the metrics read it."""
+    replies = [InferReply("a", (), None, 120, 40), InferReply("b", (), (Code.BACKEND, "boom"), 50, 10),
+               InferReply("c", (), None, 600, 500)]
+    assert tally(replies, 3, 2.5, (1000, 20000, 3000)) == {
+        "inference_count": 3, "execution_count": 1,
+        "batch:3": 1, "batch_ns:3": 20000, "batch_in_ns:3": 1000, "batch_out_ns:3": 3000,
+        "compute_input_count": 2, "compute_infer_count": 2, "compute_output_count": 2,
+        "compute_input_ns": 2000, "compute_infer_ns": 40000, "compute_output_ns": 6000,
+        "success_count": 2, "queue_count": 2, "success_ns": 1_260_000, "queue_ns": 720_000,
+        "lat:1": 1, "lat:4": 1, "qlat:1": 1, "qlat:3": 1,
+        "fail_count": 1, "fail:BACKEND": 1, "last_inference": 2500}
+    assert tally(replies[:1], 7, 2.5) == {  # no input or output time: no field for it
+        "inference_count": 7, "execution_count": 1, "batch:7": 1, "batch_ns:7": 0,
+        "compute_input_count": 1, "compute_infer_count": 1, "compute_output_count": 1,
+        "compute_input_ns": 0, "compute_infer_ns": 0, "compute_output_ns": 0,
+        "success_count": 1, "queue_count": 1, "success_ns": 160_000, "queue_ns": 120_000,
+        "lat:1": 1, "qlat:1": 1, "last_inference": 2500}
+
+
 @pytest.mark.parametrize("us", [0, 99, 100, 2_600, 12_000_000])
 def test_an_ensemble_requests_counters_are_a_requests_as_a_model_counts_it(us: int) -> None:
     """ensemble_counts adds its few fields itself (it runs per request): the same as `tally` of one reply

@@ -25,6 +25,12 @@ from ..counters import record_counts
 LATENCY_BUCKETS_US = (100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 50_000, 100_000, 250_000,
                       500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000)
 
+# the field names, made once: formatting them cost a batch six f-strings
+LAT = tuple(f"lat:{b}" for b in range(len(LATENCY_BUCKETS_US) + 1))
+QLAT = tuple(f"qlat:{b}" for b in range(len(LATENCY_BUCKETS_US) + 1))
+# rows -> the names of batch:, batch_ns:, batch_in_ns: and batch_out_ns:
+_BATCH_FIELDS: dict[int, tuple[str, str, str, str]] = {}
+
 REASON = {Code.RESOURCE_EXHAUSTED: "REJECTED", Code.DEADLINE_EXCEEDED: "REJECTED", Code.BACKEND: "BACKEND",
           Code.CANCELLED: "CANCELED"}
 
@@ -52,14 +58,15 @@ def tally(replies: list[InferReply], rows: int, started: float,
         n = sum(requests_in(r.id) for r in ok)
     if rows:
         input_ns, infer_ns, output_ns = timings_ns
+        names = _BATCH_FIELDS.get(rows) or _batch_fields(rows)
         counts["inference_count"] = rows
         counts["execution_count"] = 1
-        counts[f"batch:{rows}"] = 1
-        counts[f"batch_ns:{rows}"] = infer_ns
+        counts[names[0]] = 1
+        counts[names[1]] = infer_ns
         if input_ns:
-            counts[f"batch_in_ns:{rows}"] = input_ns
+            counts[names[2]] = input_ns
         if output_ns:
-            counts[f"batch_out_ns:{rows}"] = output_ns
+            counts[names[3]] = output_ns
         if n:
             counts["compute_input_count"] = counts["compute_infer_count"] = counts["compute_output_count"] = n
             counts["compute_input_ns"] = input_ns * n
@@ -67,23 +74,20 @@ def tally(replies: list[InferReply], rows: int, started: float,
             counts["compute_output_ns"] = output_ns * n
     if n:
         total_us = queue_us = 0
-        lat: dict[int, int] = {}
-        qlat: dict[int, int] = {}
+        get = counts.get
         for r in ok:  # per request: locals, one pass
             k = requests_in(r.id) if grouped else 1
-            total_us += (r.queue_us + r.compute_us) * k
-            queue_us += r.queue_us * k
-            b = bisect.bisect_left(LATENCY_BUCKETS_US, r.queue_us + r.compute_us)
-            lat[b] = lat.get(b, 0) + k
-            b = bisect.bisect_left(LATENCY_BUCKETS_US, r.queue_us)
-            qlat[b] = qlat.get(b, 0) + k
+            queued = r.queue_us
+            took = queued + r.compute_us
+            total_us += took * k
+            queue_us += queued * k
+            name = LAT[bisect.bisect_left(LATENCY_BUCKETS_US, took)]
+            counts[name] = get(name, 0) + k
+            name = QLAT[bisect.bisect_left(LATENCY_BUCKETS_US, queued)]
+            counts[name] = get(name, 0) + k
         counts["success_count"] = counts["queue_count"] = n
         counts["success_ns"] = total_us * 1000
         counts["queue_ns"] = queue_us * 1000
-        for b, k in lat.items():
-            counts[f"lat:{b}"] = k
-        for b, k in qlat.items():
-            counts[f"qlat:{b}"] = k
     if len(ok) < len(replies):
         for r in replies:
             if r.error is not None:
@@ -96,6 +100,13 @@ def tally(replies: list[InferReply], rows: int, started: float,
     return counts
 
 
+def _batch_fields(rows: int) -> tuple[str, str, str, str]:
+    names = (f"batch:{rows}", f"batch_ns:{rows}", f"batch_in_ns:{rows}", f"batch_out_ns:{rows}")
+    if len(_BATCH_FIELDS) < 4096:  # batch sizes are few (max_batch_size), rows of a model without one any
+        _BATCH_FIELDS[rows] = names
+    return names
+
+
 def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[str, int] | None = None
                     ) -> dict[str, int]:
     """An ensemble request's own counters, counted as a model counts a request: queued for no time of
@@ -106,7 +117,7 @@ def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[s
     counts: dict[str, int] = {} if into is None else into
     get = counts.get
     if error is None:
-        lat = f"lat:{bisect.bisect_left(LATENCY_BUCKETS_US, us)}"
+        lat = LAT[bisect.bisect_left(LATENCY_BUCKETS_US, us)]
         for field, n in (("success_count", 1), ("success_ns", us * 1000), ("queue_count", 1), ("queue_ns", 0),
                          (lat, 1), (_QLAT_NONE, 1), ("inference_count", rows), ("execution_count", 1)):
             counts[field] = get(field, 0) + n
@@ -117,4 +128,4 @@ def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[s
     return counts
 
 
-_QLAT_NONE = f"qlat:{bisect.bisect_left(LATENCY_BUCKETS_US, 0)}"  # the queue latency bucket of no wait
+_QLAT_NONE = QLAT[bisect.bisect_left(LATENCY_BUCKETS_US, 0)]  # the queue latency bucket of no wait
