@@ -128,10 +128,10 @@ def test_the_kept_packer_packs_as_msgpack_does_after_a_failure_and_a_large_messa
         with pytest.raises((TypeError, OverflowError)):
             records.packb(bad)
         assert records.packb(small) == msgpack.packb(small, use_bin_type=True)
-    kept = records._packer[0]
+    kept = records._packer
     large = [b"\2" * (records.KEPT_BYTES + 1)]
     assert records.packb(large) == msgpack.packb(large, use_bin_type=True)
-    assert records._packer[0] is not kept  # its grown buffer let go
+    assert records._packer is not kept  # its grown buffer let go
     assert records.packb(small) == msgpack.packb(small, use_bin_type=True)
 
 

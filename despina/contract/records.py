@@ -211,14 +211,15 @@ def encode(records: list[InferRequest] | list[InferReply]) -> bytes:
 # Python), so threads cannot interleave in it, and it resets itself when packing fails. Its buffer keeps
 # the largest size it packed: one that grew past KEPT_BYTES is let go.
 KEPT_BYTES = 1 << 20
-_packer = [msgpack.Packer(use_bin_type=True)]
+_packer = msgpack.Packer(use_bin_type=True)
 
 
 def packb(obj: Any) -> bytes:
     """msgpack.packb(obj, use_bin_type=True), with a kept Packer."""
-    out: bytes = _packer[0].pack(obj)
+    global _packer
+    out: bytes = _packer.pack(obj)
     if len(out) > KEPT_BYTES:
-        _packer[0] = msgpack.Packer(use_bin_type=True)
+        _packer = msgpack.Packer(use_bin_type=True)
     return out
 
 

@@ -15,6 +15,7 @@ last batch of a burst takes everything with it. Field names:
 from __future__ import annotations
 
 import bisect
+import functools
 from typing import Any
 
 from ..contract.errors import Code, DespinaError
@@ -28,8 +29,6 @@ LATENCY_BUCKETS_US = (100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 50_000, 1
 # the field names, made once: formatting them cost a batch six f-strings
 LAT = tuple(f"lat:{b}" for b in range(len(LATENCY_BUCKETS_US) + 1))
 QLAT = tuple(f"qlat:{b}" for b in range(len(LATENCY_BUCKETS_US) + 1))
-# rows -> the names of batch:, batch_ns:, batch_in_ns: and batch_out_ns:
-_BATCH_FIELDS: dict[int, tuple[str, str, str, str]] = {}
 
 REASON = {Code.RESOURCE_EXHAUSTED: "REJECTED", Code.DEADLINE_EXCEEDED: "REJECTED", Code.BACKEND: "BACKEND",
           Code.CANCELLED: "CANCELED"}
@@ -58,7 +57,7 @@ def tally(replies: list[InferReply], rows: int, started: float,
         n = sum(requests_in(r.id) for r in ok)
     if rows:
         input_ns, infer_ns, output_ns = timings_ns
-        names = _BATCH_FIELDS.get(rows) or _batch_fields(rows)
+        names = _batch_fields(rows)
         counts["inference_count"] = rows
         counts["execution_count"] = 1
         counts[names[0]] = 1
@@ -100,11 +99,10 @@ def tally(replies: list[InferReply], rows: int, started: float,
     return counts
 
 
+@functools.lru_cache(maxsize=4096)  # batch sizes are few (max_batch_size); a model without one, any rows
 def _batch_fields(rows: int) -> tuple[str, str, str, str]:
-    names = (f"batch:{rows}", f"batch_ns:{rows}", f"batch_in_ns:{rows}", f"batch_out_ns:{rows}")
-    if len(_BATCH_FIELDS) < 4096:  # batch sizes are few (max_batch_size), rows of a model without one any
-        _BATCH_FIELDS[rows] = names
-    return names
+    """The names of a batch size's fields: batch:, batch_ns:, batch_in_ns:, batch_out_ns:."""
+    return f"batch:{rows}", f"batch_ns:{rows}", f"batch_in_ns:{rows}", f"batch_out_ns:{rows}"
 
 
 def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[str, int] | None = None
