@@ -45,7 +45,9 @@ def main(path: str) -> None:
     rates: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     p99s: dict[tuple[str, str], dict[str, list[float | None]]] = defaultdict(lambda: defaultdict(list))
     labels: list[str] = []
-    for line in open(path):
+    with open(path) as ab:
+        lines = ab.readlines()
+    for line in lines:
         parts = line.split()
         if len(parts) < 6 or parts[1] != "round":
             continue
