@@ -5,7 +5,8 @@
 # on core 0, embedded Valkey, bench/out/repo), and drives each model (default W1 `mlp`; binary tensors)
 # at each concurrency from core 1, with Triton's perf_analyzer (the peers kit's), bench/loadgen.py
 # (W1 and W2 only), or the kit's aiohttp client (W1, JSON bodies: `aiohttp`). One line per point: label, round, model, concurrency, req/s, p50/p99 ms, mean
-# batch and mean queue µs (from the statistics before and after the point), and how busy core 0 (the
+# batch and mean queue µs (from the statistics before and after the point; an @limit label's: 128.0 and the word
+# limit, its p50/p99 a batch's), and how busy core 0 (the
 # server's) and core 1 (the client's: a point where it is full measures the client) were. TREE is a checkout of
 # Despina (a git worktree of another commit, say) run with this checkout's venv; ENV=V pairs are set
 # for that tree's server. TREE `@triton` is real Triton instead (the peers kit's tritonserver, run as
@@ -124,7 +125,7 @@ bad = "  errors %d wrong %d/%d" % (r["errors"], r["wrong"], r["checked"]) if r["
 print("%.0f %.2f %.2f%s" % (r["rps"], r["p50_ms"], r["p99_ms"], bad))')
   fi
   cpu=$(busy "$cpu" "$(cores)") after=$(stats "$3")
-  local bq="128.0 0"  # the limit's batch; no queue
+  local bq="128.0 limit"  # the limit's batch, and the word limit for its queue: a batch's latency, no request's
   [ "$tree" = @limit ] || bq=$(batch_and_queue "$before" "$after")
   printf "%-10s round %s  %-12s c=%-4s %s  batch/queue_us %s  core0 %s  load %s\n" "$1" "$2" "$3" "$4" "$line" \
     "$bq" "$cpu" "$(cut -d' ' -f1 /proc/loadavg)"

@@ -30,10 +30,10 @@ def p99_at_most(p99s: list[float | None], base: list[float | None]) -> str:
 
 
 def _p99(parts: list[str]) -> float | None:
-    """A line's p99 in ms; None for the model's own rate (an @limit label: a batch's latency, not a
-    request's, written with the batch and queue figures "128.0 0") and where it is not a number."""
+    """A line's p99 in ms; None for the model's own rate (an @limit label, whose queue figure ab.sh writes
+    as the word limit: its p99 is a batch's latency, not a request's) and where it is not a number."""
     at = parts.index("batch/queue_us") if "batch/queue_us" in parts else len(parts)
-    if parts[at + 1:at + 3] == ["128.0", "0"]:
+    if parts[at + 2:at + 3] == ["limit"]:
         return None
     try:
         return float(parts[7])
@@ -62,16 +62,19 @@ def main(path: str) -> None:
     others = labels[1:]
     # the p99 columns of the labels that have one to compare (not a model's own rate, nor against one)
     timed = [x for x in others if any(p99_at_most(by[x], by[base]) != "-" for by in p99s.values())]
-    tail_heads = [base + "'s p99 at most " + x + "'s" for x in timed]
-    print(f"| model | conc | {' | '.join(labels)} | {' | '.join(f'{x} / {base}' for x in others)} |"
-          + "".join(f" {h} |" for h in tail_heads))
-    print("|---" * (2 + len(labels) + len(others) + len(timed)) + "|")
+    head = ["model", "conc", *labels, *(f"{x} / {base}" for x in others),
+            *(f"{base}'s p99 at most {x}'s" for x in timed)]
+    print(_row(head))
+    print("|---" * len(head) + "|")
     for (model, conc), by_label in rates.items():
         cells = [", ".join(f"{r:,.0f}" for r in by_label.get(x, [])) or "-" for x in labels]
         ratios = [ratio(by_label.get(x, []), by_label.get(base, [])) for x in others]
         tails = [p99_at_most(p99s[(model, conc)][x], p99s[(model, conc)][base]) for x in timed]
-        print(f"| {model} | {conc.removeprefix('c=')} | {' | '.join(cells)} | {' | '.join(ratios)} |"
-              + "".join(f" {t} |" for t in tails))
+        print(_row([model, conc.removeprefix("c="), *cells, *ratios, *tails]))
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 if __name__ == "__main__":

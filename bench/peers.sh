@@ -79,8 +79,9 @@ import json, sys
 from collections import defaultdict
 
 rps = defaultdict(dict)  # (conc, label) -> round -> req/s, the aiohttp client's windows only
-for line in open(sys.argv[1]):
-    row = json.loads(line)
+with open(sys.argv[1]) as jsonl:
+    rows = [json.loads(line) for line in jsonl]
+for row in rows:
     if row.get("client") == "aiohttp" and row.get("rps"):
         rps[(row["conc"], row["label"])][row["round"]] = row["rps"]
 concs = sorted({c for c, _ in rps})

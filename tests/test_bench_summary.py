@@ -40,10 +40,10 @@ def test_ratios_and_p99_counts_pair_rounds_and_skip_a_failed_point(tmp_path: Pat
 
 def test_a_limit_label_has_no_p99_column(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lines = [
-        LINE.format("limit", 1, "conv_heavy", 64, "2800 45.00 46.00", "128.0 0"),
+        LINE.format("limit", 1, "conv_heavy", 64, "2800 45.00 46.00", "128.0 limit"),
         LINE.format("despina", 1, "conv_heavy", 64, "2100 30.00 40.00", "60.1 9000"),
         LINE.format("despina", 2, "conv_heavy", 64, "2200 30.00 40.00", "60.3 9000"),
-        LINE.format("limit", 2, "conv_heavy", 64, "2600 45.00 46.00", "128.0 0"),
+        LINE.format("limit", 2, "conv_heavy", 64, "2600 45.00 46.00", "128.0 limit"),
     ]
     header, row = summary(tmp_path, capsys, lines)
     assert header == ["model", "conc", "limit", "despina", "despina / limit"]
