@@ -234,6 +234,41 @@ async def test_counters_go_with_a_lone_reply_and_a_bursts_within_defer_s(tmp_pat
         await client.aclose()
 
 
+async def test_requests_made_in_a_worker_count_as_enqueued(tmp_path: Path, redis_url: str, key_prefix: str
+                                                            ) -> None:
+    """An ensemble's steps and a Python model's BLS calls reach their model through ModelRunner.submit, not
+    through a gateway, which counts what it enqueues. They are counted as enqueued there: the pending
+    gauge is enqueued minus answered, and each of them would otherwise take one off it for good (a
+    colocated serve that had answered one ensemble request showed 19 of 20 requests waiting)."""
+    folder = tmp_path / "m"
+    build_mlp(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n'
+                                         'dynamic_batching { max_queue_delay_microseconds: 1000 }\n')
+    client = aioredis.Redis.from_url(redis_url)
+    deferred = Deferred(client)
+    runner = ModelRunner(client, Keys(key_prefix), ModelSpec.from_config(load_model(folder).config), 1, folder,
+                         "w", deferred=deferred)
+    await runner.load()
+    batching = asyncio.create_task(runner.batcher.run())
+    stats_key = Keys(key_prefix).stats("m", 1)
+    row = np.ones((1, 256), np.float32).tobytes()
+    answers: list[InferReply] = []
+    try:
+        for _ in range(3):
+            runner.submit([Tensor("x", "FP32", (1, 256), row)], (), time.time() + 60, answers.append)
+        deadline = time.monotonic() + 10
+        while len(answers) < 3 or int(await client.hget(stats_key, "success_count") or 0) < 3:
+            assert time.monotonic() < deadline, (answers, await client.hgetall(stats_key))
+            await asyncio.sleep(0.005)
+        assert [a.error for a in answers] == [None] * 3
+        assert int(await client.hget(stats_key, "enqueued") or 0) == 3  # pending: 3 - 3
+    finally:
+        await runner.stop()
+        await batching
+        await deferred.close()
+        await client.aclose()
+
+
 def test_a_batchs_counters_field_by_field() -> None:
     """One batch of three requests: two answered (in latency buckets 1 and 4, queue buckets 1 and 3 of
     100/250/500/1000/2500 µs), one failed by its backend; its execution took 1 / 20 / 3 µs of input,

@@ -42,6 +42,7 @@ log = logging.getLogger("despina.worker")
 READ_WAITS_S = 0.01
 TIMED_OUT = "request timed out in the queue before it could run"
 STREAMS_END_S = 10.0  # how long an unload waits for a decoupled model's open requests to end (then they fail)
+ENQUEUED_ONE = {"enqueued": 1}  # a request made in this process, queued (Deferred.add never changes it)
 Answer = Callable[[InferReply], None]
 Settled = Callable[[], bool]  # whether no other request of the submitter's can join a batch now
 
@@ -334,6 +335,8 @@ class ModelRunner:
             return
         self._local[id(request)] = (answer, settled)
         self._in_flight += 1
+        if self.deferred is not None:  # as a gateway counts what it queues (pending: enqueued - answered)
+            self.deferred.add(self.stats_key, ENQUEUED_ONE)
 
     # -- executing -------------------------------------------------------------------------------
 
