@@ -22,6 +22,9 @@ from despina.embedded import free_port
 from despina.serve import SETTLED_S
 
 from .conftest import FULL_QUEUE_DELAY, Server, descendants, dump_stacks, stop_server
+from .test_metrics import scrape
+
+PENDING = 'nv_inference_pending_request_count{model="mlp",version="1"}'
 
 ROW = orjson.dumps([0.25] * 256)
 
@@ -62,12 +65,12 @@ def test_embedded_valkey_serves_and_sigkill_leaves_nothing_behind(
 
 
 def slow_repository(example_repository: Path, repo: Path, *more: str) -> Path:
-    """The example mlp (and `more` of the examples) in `repo`, mlp's batches waiting 0.7 s to fill."""
+    """The example mlp (and `more` of the examples) in `repo`, mlp's batches waiting 2 s to fill."""
     for name in ("mlp", *more):
         shutil.copytree(example_repository / name, repo / name)
     config = (repo / "mlp" / "config.pbtxt").read_text()
     (repo / "mlp" / "config.pbtxt").write_text(
-        config.replace("max_queue_delay_microseconds: 500", "max_queue_delay_microseconds: 700000"))
+        config.replace("max_queue_delay_microseconds: 500", "max_queue_delay_microseconds: 2000000"))
     return repo
 
 
@@ -78,7 +81,12 @@ def sigterm_answers_twenty_in_flight(server: Server) -> None:
     async def scenario() -> list[int]:
         async with httpx.AsyncClient(timeout=30) as client:
             calls = [asyncio.create_task(client.post(f"{server.url}/fn/mlp", content=ROW)) for _ in range(20)]
-            await asyncio.sleep(0.3)  # all 20 now wait in the batcher for the 0.7 s queue delay
+            # SIGTERM once all 20 are queued (not after a fixed sleep: on a loaded machine a request could
+            # still be on its way, and a connection with no request read yet is closed at shutdown)
+            deadline = time.monotonic() + 10
+            while scrape(server).get(PENDING) != 20:
+                assert time.monotonic() < deadline, (scrape(server).get(PENDING), server.logs()[-2000:])
+                await asyncio.sleep(0.02)
             server.process.send_signal(signal.SIGTERM)
             return [r.status_code for r in await asyncio.gather(*calls)]
 
