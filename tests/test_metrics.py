@@ -179,6 +179,22 @@ def test_status_page_shows_models_rates_batches_and_workers(server: Server) -> N
     assert set(broken) >= {"m", "q", "fails"}
 
 
+async def mlp_runner(tmp_path: Path, redis_url: str, key_prefix: str
+                     ) -> tuple[aioredis.Redis, Deferred, ModelRunner]:
+    """A loaded runner of W1's MLP as model "m" (batches of up to 8, 1 ms queue delay), with the worker's
+    deferred counters, on the test's Redis."""
+    folder = tmp_path / "m"
+    build_mlp(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n'
+                                         'dynamic_batching { max_queue_delay_microseconds: 1000 }\n')
+    client = aioredis.Redis.from_url(redis_url)
+    deferred = Deferred(client)
+    runner = ModelRunner(client, Keys(key_prefix), ModelSpec.from_config(load_model(folder).config), 1, folder,
+                         "w", deferred=deferred)
+    await runner.load()
+    return client, deferred, runner
+
+
 async def test_counters_go_with_a_lone_reply_and_a_bursts_within_defer_s(tmp_path: Path, redis_url: str,
                                                                           key_prefix: str,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,16 +204,8 @@ async def test_counters_go_with_a_lone_reply_and_a_bursts_within_defer_s(tmp_pat
     # DEFER_S made long enough that a busy CI host's stall between the reply and the look at the
     # counters (20 ms is DEFER_S itself) cannot send them meanwhile
     monkeypatch.setattr(counters, "DEFER_S", 0.25)
-    folder = tmp_path / "m"
-    build_mlp(folder / "1" / "model.onnx")
-    (folder / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n'
-                                         'dynamic_batching { max_queue_delay_microseconds: 1000 }\n')
-    client = aioredis.Redis.from_url(redis_url)
+    client, deferred, runner = await mlp_runner(tmp_path, redis_url, key_prefix)
     keys = Keys(key_prefix)
-    deferred = Deferred(client)
-    runner = ModelRunner(client, keys, ModelSpec.from_config(load_model(folder).config), 1, folder, "w",
-                         deferred=deferred)
-    await runner.load()
     batching = asyncio.create_task(runner.batcher.run())
     replies, stats_key = f"{key_prefix}:replies", keys.stats("m", 1)
     row = np.ones((1, 256), np.float32).tobytes()
@@ -240,15 +248,7 @@ async def test_requests_made_in_a_worker_count_as_enqueued(tmp_path: Path, redis
     through a gateway, which counts what it enqueues. They are counted as enqueued there: the pending
     gauge is enqueued minus answered, and each of them would otherwise take one off it for good (a
     colocated serve that had answered one ensemble request showed 19 of 20 requests waiting)."""
-    folder = tmp_path / "m"
-    build_mlp(folder / "1" / "model.onnx")
-    (folder / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n'
-                                         'dynamic_batching { max_queue_delay_microseconds: 1000 }\n')
-    client = aioredis.Redis.from_url(redis_url)
-    deferred = Deferred(client)
-    runner = ModelRunner(client, Keys(key_prefix), ModelSpec.from_config(load_model(folder).config), 1, folder,
-                         "w", deferred=deferred)
-    await runner.load()
+    client, deferred, runner = await mlp_runner(tmp_path, redis_url, key_prefix)
     batching = asyncio.create_task(runner.batcher.run())
     stats_key = Keys(key_prefix).stats("m", 1)
     row = np.ones((1, 256), np.float32).tobytes()
