@@ -186,3 +186,9 @@ def test_reply_headers_remembered_per_request_header_match_fresh_ones() -> None:
         heads.clear()
     assert encode_infer("m", 2, None, replies[0], {"y"}, False, heads)[1] is not None
     assert heads == {}  # `s` went as JSON: nothing remembered
+    # one request plan's heads serve every version of its model and, for JSON, every id: a header
+    # remembered for one must not answer another (replies said the third request's id and version)
+    outputs = (fp32(1),)
+    for version, req_id in ((1, "a"), (1, "a"), (1, "b"), (2, "b"), (2, None), (1, None), (1, "a")):
+        assert encode_infer("m", version, req_id, outputs, {"y"}, False, heads) == \
+            encode_infer("m", version, req_id, outputs, {"y"}, False)

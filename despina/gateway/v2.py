@@ -419,16 +419,17 @@ def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Te
     the body is all JSON). The outputs in `shm` are written into their shared memory instead.
 
     `heads` (Decoded.heads) remembers the JSON header of replies whose outputs are all binary or in
-    shared memory: it depends only on the outputs' names, shapes and sizes, the same for every reply of a
-    shape; a reply with response parameters is encoded afresh."""
+    shared memory: it depends only on the version that ran, the request's id and the outputs' names,
+    shapes and sizes, the same for every reply of a shape; a reply with response parameters is encoded
+    afresh. (A request plan's heads serve every version of its model and, for JSON, every id.)"""
     if parameters:
         heads = None
     if heads is not None:
         if len(outputs) == 1:  # the usual case, without a comprehension's function made and called
             t = outputs[0]
-            key: tuple[Any, ...] = ((t.name, t.datatype, t.shape, len(t.data)),)
+            key: tuple[Any, ...] = (version, req_id, (t.name, t.datatype, t.shape, len(t.data)))
         else:
-            key = tuple([(t.name, t.datatype, t.shape, len(t.data)) for t in outputs])
+            key = (version, req_id, *[(t.name, t.datatype, t.shape, len(t.data)) for t in outputs])
         header = heads.get(key)
         if header is not None:
             if not shm:
