@@ -319,3 +319,26 @@ def test_a_model_no_worker_has_room_for_gets_507_and_leaves_the_endpoint_healthy
     r = httpx.post(f"{server.url}/models", json={"model_name": "small", "url": str(small)}, timeout=30)
     assert r.status_code == 200, r.text
     assert httpx.get(f"{server.url}/ping").status_code == 200
+
+
+def test_a_multi_model_endpoint_refuses_the_name_of_a_model_the_v2_api_loaded(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # the staged repository's own add_sub, loaded through the repository API: an archive under its name
+    # would overwrite the files it loads from, and its V2 clients would reach another model (it did: 200)
+    server = multi_model_endpoint(serve, tmp_path)
+    shutil.copytree(example_repository / "add_sub", tmp_path / "staged" / "add_sub")
+    before = {p.relative_to(tmp_path / "staged"): p.read_bytes()
+              for p in (tmp_path / "staged").rglob("*") if p.is_file()}
+    r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load", timeout=60)
+    assert r.status_code == 200, r.text
+    other = tmp_path / "models" / "4b5c6d" / "model"
+    shutil.copytree(example_repository / "mlp", other)
+    r = httpx.post(f"{server.url}/models", json={"model_name": "add_sub", "url": str(other)}, timeout=60)
+    assert r.status_code == 409, r.text
+    assert "already loaded" in r.json()["error"]
+    after = {p.relative_to(tmp_path / "staged"): p.read_bytes()
+             for p in (tmp_path / "staged").rglob("*") if p.is_file()}
+    assert after == before
+    inputs = [i["name"] for i in httpx.get(f"{server.url}/v2/models/add_sub").json()["inputs"]]
+    assert inputs == ["a", "b"]
+    assert httpx.get(f"{server.url}/models").json() == {"models": []}

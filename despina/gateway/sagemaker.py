@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as HttpRoute
 
+from ..contract.catalog import UNLOADED
 from ..contract.commands import LOAD, UNLOAD
 from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DespinaError, InvalidArgument, NotFound
@@ -140,11 +141,11 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
                 raise InvalidArgument("the body must be {\"model_name\": \"...\", \"url\": \"...\"} "
                                       "with both strings")
             check_model_name(name)
-            if await gw.redis.hexists(key, name):
+            if await gw.redis.hexists(key, name) or _loaded(gw, name):  # by /models or by the V2 API
                 raise AlreadyLoaded(f"model '{name}' is already loaded")
             folder, steps = model_folders(url)
             for step in steps:  # as Triton: an archive's other models keep their names, once
-                if step.name == name or gw.view.is_ready(step.name, None):
+                if step.name == name or _loaded(gw, step.name):
                     raise AlreadyLoaded(f"model '{step.name}' of the archive at '{url}' is already loaded")
             await asyncio.to_thread(stage, folder, name, gw.settings, steps)
         except DespinaError as exc:
@@ -203,6 +204,13 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
         HttpRoute("/models/{model}", unload, methods=["DELETE"]),
         HttpRoute("/models/{model}/invoke", AsgiEndpoint(SageMakerInfer(gw)), methods=["POST"]),
     ]
+
+
+def _loaded(gw: Gateway, name: str) -> bool:
+    """Whether a model of that name is loaded, however it was (serving, loading, or idle: scaled to zero):
+    staging an archive under its name would overwrite the files it loads from."""
+    model = gw.view.models.get(name)
+    return model is not None and model.entry.target != UNLOADED
 
 
 async def _models(gw: Gateway, key: str) -> list[dict[str, str]]:
