@@ -111,6 +111,24 @@ def test_load_can_carry_the_model_files(serve: Callable[..., Server], repo: Path
     assert r.status_code == 400 and "max_batch_size" in r.json()["error"]
     assert infer(server.url, "uploaded").status_code == 200   # a failed reload leaves it serving
 
+    # files that fail the load are taken back out: the repository is as it was (they used to stay, and
+    # the next load or restart read them: the model was gone)
+    config_before = (repo / "uploaded" / "config.pbtxt").read_bytes()
+    garbage = {"config": orjson.dumps({"backend": "onnxruntime", "max_batch_size": 4}).decode(),
+               "file:1/model.onnx": base64.b64encode(b"garbage").decode(),
+               "file:1/extra.txt": base64.b64encode(b"new").decode()}
+    for name in ("uploaded", "fresh"):
+        r = httpx.post(f"{server.url}/v2/repository/models/{name}/load", json={"parameters": garbage},
+                       timeout=30)
+        assert r.status_code == 400 and "model.onnx" in r.json()["error"], r.text
+    assert (repo / "uploaded" / "1" / "model.onnx").read_bytes() == onnx
+    assert (repo / "uploaded" / "config.pbtxt").read_bytes() == config_before
+    assert not (repo / "uploaded" / "1" / "extra.txt").exists()
+    assert not (repo / "fresh").exists()
+    assert infer(server.url, "uploaded").status_code == 200
+    httpx.post(f"{server.url}/v2/repository/models/uploaded/unload", timeout=30).raise_for_status()
+    assert httpx.post(f"{server.url}/v2/repository/models/uploaded/load", timeout=60).status_code == 200
+
 
 def test_a_load_that_no_worker_has_room_for_fails_at_once_when_asked(
         serve: Callable[..., Server], repo: Path) -> None:

@@ -124,9 +124,10 @@ class Commands:
         if files and override is None:
             raise InvalidArgument("load parameters with 'file:' entries need 'config' too")
         async with plane.lock(name):
+            replaced: dict[str, bytes | None] = {}
             if files:
                 assert override is not None
-                await asyncio.to_thread(self._write, name, files, override)
+                replaced = await asyncio.to_thread(self._write, name, files, override)
                 override = None  # written as config.pbtxt: read back like any model
             model = await asyncio.to_thread(plane.registry.model, name)
             old = plane.catalog.get(name)
@@ -134,6 +135,8 @@ class Commands:
                 entry = await asyncio.to_thread(read_model, plane.registry, model, override)
             except DespinaError as exc:
                 log.error("load of %s failed: %s", name, exc.message)
+                if replaced:  # as Triton: a load that fails leaves the repository as it was
+                    await asyncio.to_thread(self._restore, name, replaced)
                 if old is None or old.state != "READY":
                     plane.catalog.put(unavailable(model, exc.message))
                     plane.kick()
@@ -163,8 +166,9 @@ class Commands:
             except DespinaError as exc:  # the ensemble then says which step cannot serve, and why
                 log.error("ensemble %s: loading model %s failed: %s", entry.name, model, exc.message)
 
-    def _write(self, name: str, files: dict[str, Any], config: dict[str, Any]) -> None:
-        """The load API's `file:` entries and config, written into the registry's model folder."""
+    def _write(self, name: str, files: dict[str, Any], config: dict[str, Any]) -> dict[str, bytes | None]:
+        """The load API's `file:` entries and config, written into the registry's model folder; returns
+        what each file written held before (None: there was none), for _restore."""
         message = normalize(name, parse_json(name, config))
         decoded = {}
         for path, data in files.items():
@@ -173,10 +177,33 @@ class Commands:
             except (binascii.Error, TypeError, ValueError):
                 raise InvalidArgument(f"load parameter 'file:{path}' is not base64") from None
         registry = self.plane.registry
-        for path, data in sorted(decoded.items()):
-            registry.put(name, path, data)
-        registry.put(name, "config.pbtxt", text_format.MessageToString(message).encode())
-        log.info("model %s: %d file(s) and its config written to %s", name, len(decoded),
+        decoded["config.pbtxt"] = text_format.MessageToString(message).encode()
+        before = {path: registry.get(name, path) for path in decoded}
+        written: dict[str, bytes | None] = {}
+        try:
+            for path, data in sorted(decoded.items()):
+                written[path] = before[path]
+                registry.put(name, path, data)
+        except DespinaError:
+            self._restore(name, written)
+            raise
+        log.info("model %s: %d file(s) and its config written to %s", name, len(decoded) - 1,
+                 registry.model_url(name))
+        return before
+
+    def _restore(self, name: str, before: dict[str, bytes | None]) -> None:
+        """Put back what _write replaced, and remove what it added (best effort: a failure is logged)."""
+        registry = self.plane.registry
+        try:
+            for path, data in before.items():
+                if data is None:
+                    registry.delete(name, path)
+                else:
+                    registry.put(name, path, data)
+        except (DespinaError, OSError) as exc:
+            log.error("model %s: putting back the files a failed load replaced failed: %s", name, exc)
+            return
+        log.info("model %s: the failed load's files were taken back out of %s", name,
                  registry.model_url(name))
 
     async def unload(self, name: str, dependents: bool, timeout: float) -> None:

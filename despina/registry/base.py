@@ -104,6 +104,14 @@ class Registry:
         """Write one file of a model (the load API's `file:` entries, its config)."""
         raise NotImplementedError
 
+    def get(self, name: str, path: str) -> bytes | None:
+        """One file of a model, or None where there is none (what a load API's `file:` entry replaces)."""
+        raise NotImplementedError
+
+    def delete(self, name: str, path: str) -> None:
+        """Remove one file of a model (nothing where there is none): a failed load's new files."""
+        raise NotImplementedError
+
     def upload(self, name: str, path: str, source: Path, progress: Progress | None = None) -> FileInfo:
         """Copy one local file into the model folder (`despina push`); returns what landed."""
         raise NotImplementedError

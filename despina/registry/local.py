@@ -62,6 +62,24 @@ class LocalRegistry(Registry):
             out.write(data)
         os.replace(tmp, target)  # a reader sees the old file or the new one, never half of one
 
+    def get(self, name: str, path: str) -> bytes | None:
+        try:
+            return (self.root / name / check_relative(path)).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def delete(self, name: str, path: str) -> None:
+        folder = self.root / name
+        target = folder / check_relative(path)
+        target.unlink(missing_ok=True)
+        for parent in target.parents:  # the folders the file was the last of, up to the model's own
+            if not parent.is_relative_to(folder):
+                break
+            if parent.is_dir():
+                if any(parent.iterdir()):
+                    break
+                parent.rmdir()
+
     def upload(self, name: str, path: str, source: Path, progress: Progress | None = None) -> FileInfo:
         target = self.root / name / check_relative(path)
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..contract.errors import DespinaError, InvalidArgument, NotFound, Unavailable
 from ..settings import Settings
@@ -168,6 +168,21 @@ class S3Registry(Registry):
     def put(self, name: str, path: str, data: bytes) -> None:
         try:
             self.client.put_object(Bucket=self.bucket, Key=self._key(name, check_relative(path)), Body=data)
+        except Exception as exc:
+            raise registry_error(self.url, exc) from None
+
+    def get(self, name: str, path: str) -> bytes | None:
+        try:
+            return cast(bytes, self.client.get_object(
+                Bucket=self.bucket, Key=self._key(name, check_relative(path)))["Body"].read())
+        except self.client.exceptions.NoSuchKey:
+            return None
+        except Exception as exc:
+            raise registry_error(self.url, exc) from None
+
+    def delete(self, name: str, path: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(name, check_relative(path)))
         except Exception as exc:
             raise registry_error(self.url, exc) from None
 
