@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import urlsplit
 
+import httpx
 import numpy as np
 import onnxruntime as ort
 import orjson
@@ -101,6 +102,29 @@ def test_requested_output_subset(client: httpclient.InferenceServerClient) -> No
     np.testing.assert_array_equal(result.as_numpy("diff"), a - b)
     both = client.infer("add_sub", inputs)
     np.testing.assert_array_equal(both.as_numpy("sum"), a + b)
+
+
+def test_binary_data_output_is_the_kind_of_the_outputs_a_request_does_not_list(example_server: Server) -> None:
+    # as Triton: a listed output is binary when its own binary_data says so, whatever binary_data_output
+    # says (an explicit false used to come back binary)
+    body = {"inputs": [{"name": "a", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+                       {"name": "b", "shape": [1, 4], "datatype": "FP32", "data": [1, 1, 1, 1]}],
+            "parameters": {"binary_data_output": True}}
+    url = f"{example_server.url}/v2/models/add_sub/infer"
+    listed = httpx.post(url, json={**body, "outputs": [{"name": "sum", "parameters": {"binary_data": False}},
+                                                       {"name": "diff"}]}, timeout=10)
+    assert listed.status_code == 200 and "inference-header-content-length" not in listed.headers
+    assert {o["name"]: o["data"] for o in listed.json()["outputs"]} == {"sum": [2, 3, 4, 5], "diff": [0, 1, 2, 3]}
+    one = httpx.post(url, json={**body, "outputs": [{"name": "sum"}, {"name": "diff",
+                                                                      "parameters": {"binary_data": True}}]},
+                     timeout=10)
+    size = int(one.headers["inference-header-content-length"])
+    outputs = orjson.loads(one.content[:size])["outputs"]
+    assert outputs[0]["data"] == [2, 3, 4, 5] and outputs[1]["parameters"] == {"binary_data_size": 16}
+    assert np.frombuffer(one.content[size:], np.float32).tolist() == [0, 1, 2, 3]
+    unlisted = httpx.post(url, json=body, timeout=10)  # none listed: every output binary
+    size = int(unlisted.headers["inference-header-content-length"])
+    assert all("data" not in o for o in orjson.loads(unlisted.content[:size])["outputs"])
 
 
 def test_each_reply_carries_its_own_requests_id(client: httpclient.InferenceServerClient) -> None:

@@ -267,9 +267,21 @@ def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: in
     req_id = doc.get("id")
     if req_id is not None and not isinstance(req_id, str):
         raise InvalidArgument("field 'id' must be a string")
-    binary_all = params.get("binary_data_output") is True
+    # as Triton: binary_data_output is the kind of the outputs a request does not list (all of them when
+    # it lists none); a listed one is binary when its own binary_data says so
+    binary_all = _flag(params, "binary_data_output", "the request's parameters") and not outputs
     return Decoded(req_id, inputs, outputs, binary_outputs, binary_all, params,
                    model_parameters(params), classes=classes, shm_outputs=shm_outputs), sources
+
+
+def _flag(params: dict[str, Any], name: str, where: str) -> bool:
+    """A boolean parameter of Triton's binary extension (false when absent); anything else is refused, as
+    Triton refuses it, rather than read as false."""
+    value = params.get(name, False)
+    if type(value) is not bool:
+        shown = orjson.dumps(value)[:40].decode(errors="replace")
+        raise InvalidArgument(f"{where}: parameter '{name}' must be true or false, not {shown}")
+    return value
 
 
 def model_parameters(params: dict[str, Any]) -> Parameters:
@@ -378,7 +390,7 @@ def _decode_outputs(raw: Any, spec: ModelSpec, shm: Registry | None
         known_output(spec, name)
         names.append(name)
         params = _object(item.get("parameters"), f"outputs[{name}].parameters")
-        if params.get("binary_data") is True:
+        if _flag(params, "binary_data", f"output '{name}'"):
             binary.add(name)
         count = params.get("classification")
         if count is not None:
