@@ -565,6 +565,16 @@ def test_json_numbers_packed_by_struct_are_what_numpy_makes_of_them(datatype: st
         assert _bytes_or_error(lambda: json_data_to_bytes("x", datatype, shape, data, booleans=False)) == slow
 
 
+@pytest.mark.parametrize("datatype", ["INT8", "INT32", "INT64", "UINT8", "UINT64"])
+def test_a_fraction_for_an_integer_datatype_is_refused_not_cut(datatype: str) -> None:
+    # numpy cut 2.7 to 2 and -0.5 to 0 and the request ran on them (Triton refuses a float there)
+    for data in ([2.7, 1, 0], [[1, 2], [0.5, 3]], [float("nan"), 1, 2], [1e-9, 0, 0]):
+        with pytest.raises(InvalidArgument, match=f"{datatype} data must be whole numbers, not"):
+            json_data_to_bytes("x", datatype, [3] if len(data) == 3 else [2, 2], data)
+    whole = json_data_to_bytes("x", datatype, [3], [2.0, 3, 0.0])  # nothing lost: taken as they are
+    assert np.frombuffer(whole, V2_TO_NUMPY[datatype]).tolist() == [2, 3, 0]
+
+
 def test_a_document_without_r_or_l_holds_no_booleans_or_nulls() -> None:
     assert holds_no_booleans(b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}')
     for literal in (b"true", b"false", b"null"):

@@ -145,7 +145,7 @@ def json_data_to_bytes(name: str, datatype: str, shape: list[int], data: Any, bo
         if packed is not None:
             return packed
     # anything the quick way does not take goes the long way, which says what is wrong with it, or
-    # converts it as numpy does (a float for an integer datatype, a value out of a float's range)
+    # converts it as numpy does (a whole float for an integer datatype, a value out of a float's range)
     return converted(name, datatype, shape, data)
 
 
@@ -168,6 +168,10 @@ def converted(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
             raise InvalidArgument(f"input '{name}': BOOL data must be true or false")
     elif not kinds <= {int, float}:
         raise InvalidArgument(f"input '{name}': {datatype} data must be numbers")
+    elif float in kinds and np.dtype(V2_TO_NUMPY[datatype]).kind in "iu":  # numpy would cut 2.7 to 2
+        fraction = next((x for x in flat if type(x) is float and not x.is_integer()), None)
+        if fraction is not None:
+            raise InvalidArgument(f"input '{name}': {datatype} data must be whole numbers, not {fraction!r}")
     try:
         with np.errstate(over="ignore"):  # past a float's range is its infinity, as in Triton
             array = np.asarray(flat, dtype=V2_TO_NUMPY[datatype])
