@@ -118,3 +118,26 @@ def test_nan_and_infinities_are_written_as_literals_on_every_json_path(server: S
             model = "id_int32" if b"INT32" in body else "id_fp32"
             refused = http.post(f"/v2/models/{model}/infer", content=body)
             assert refused.status_code == 400, refused.text
+
+
+def test_bytes_that_are_not_utf8_are_refused_for_onnx_strings_alone(server: Server) -> None:
+    # onnxruntime's string tensors hold text: a request with other bytes failed its whole batch with a 500
+    # (its batch-mates too); the worker now refuses it alone, before batching
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"), concurrency=8)
+    try:
+        good = sample("BYTES")[:1]
+        bad = np.array([[b"a", b"\xff\xfe", b""]], dtype=np.object_)
+        pending = []
+        for x in (bad, good, bad, good):
+            inp = httpclient.InferInput("in", list(x.shape), "BYTES")
+            inp.set_data_from_numpy(x)
+            pending.append(client.async_infer("id_bytes", [inp]))
+        for i, p in enumerate(pending):
+            if i % 2:
+                assert p.get_result().as_numpy("out").reshape(-1).tolist() == good.reshape(-1).tolist()
+            else:
+                with pytest.raises(httpclient.InferenceServerException, match="element 1 is not UTF-8") as e:
+                    p.get_result()
+                assert e.value.status() == "400"
+    finally:
+        client.close()

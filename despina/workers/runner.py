@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..contract import records
-from ..contract.errors import Code, DespinaError, Unavailable
+from ..contract.errors import Code, ConfigError, DespinaError, Unavailable
 from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, GROUP, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
@@ -22,7 +22,8 @@ from ..counters import Deferred, record_counts
 from ..resp import Batch, ReadAlong, Resp
 from ..response_cache import LOADS, ResponseCache, cache_key, through
 from . import answers, stats
-from .backends.base import request_inputs
+from .backends import backend_class
+from .backends.base import check_text, request_inputs, text_inputs
 from .batcher import DynamicBatcher, Item, QueueFull
 from .execution import Execution, durations
 from .inflight import Gateways
@@ -85,6 +86,10 @@ class ModelRunner:
                                    self._read_along.release)
         batch_io = self.execution.batch_io
         self._ragged = batch_io.ragged if batch_io is not None else frozenset()
+        try:
+            self._text = text_inputs(spec, backend_class(spec.backend))  # checked per request: _accept
+        except ConfigError:  # not installed: load() says so
+            self._text = frozenset()
         count = self.execution.count
         # with full_queue_delay a batch waits out its delay even when no other request can join it
         self._coming = None if full_queue_delay else self._nothing_coming
@@ -236,6 +241,8 @@ class ModelRunner:
                     continue
                 try:
                     inputs = request_inputs(req)
+                    if self._text:
+                        check_text(req, self._text)
                 except DespinaError as exc:
                     fail(req, entry, exc.code, exc.message)
                     continue

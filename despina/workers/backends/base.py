@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ...contract._schema import model_config_pb2 as pb
-from ...contract.errors import ConfigError, DespinaError
+from ...contract.errors import ConfigError, DespinaError, InvalidArgument
 from ...contract.modelconfig import ModelSpec
 from ...contract.records import NO_PARAMETERS, InferRequest, Parameters
 
@@ -72,6 +72,26 @@ def request_inputs(req: InferRequest) -> dict[str, np.ndarray]:
     return inputs
 
 
+def text_inputs(spec: ModelSpec, backend: type[Backend]) -> frozenset[str]:
+    """The model's BYTES inputs that must hold UTF-8 text (Backend.text_only)."""
+    if not backend.text_only:
+        return frozenset()
+    return frozenset(t.name for t in spec.inputs if t.datatype == "BYTES")
+
+
+def check_text(req: InferRequest, names: frozenset[str]) -> None:
+    """InvalidArgument when an element of one of the request's inputs `names` (BYTES) is not UTF-8."""
+    for t in req.inputs:
+        if t.name in names:
+            for i, element in enumerate(t.numpy().reshape(-1)):
+                try:
+                    element.decode()
+                except UnicodeDecodeError as exc:
+                    why = f"{exc.reason} at byte {exc.start}"
+                    raise InvalidArgument(f"input '{t.name}': element {i} is not UTF-8 text ({why}), which "
+                                          "this model's string tensors hold") from None
+
+
 def response_parameters(result: dict[str, np.ndarray]) -> Parameters:
     """The response parameters a per_request backend's result carries (none: NO_PARAMETERS)."""
     return result.parameters if isinstance(result, Outputs) else NO_PARAMETERS
@@ -87,6 +107,9 @@ class Backend:
     awaitable: ClassVar[bool] = False
     #: How its model calls other models (workers/bls.py), set by the worker before load(); None: it cannot.
     caller: ModelCaller | None = None
+    #: True when its BYTES inputs must be UTF-8 text (onnxruntime's string tensors): the worker refuses a
+    #: request with other bytes there on its own, before it can fail a batch (text_inputs).
+    text_only: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, version_dir: Path, instance: Instance) -> None:
         self.spec = spec

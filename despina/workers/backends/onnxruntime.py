@@ -30,6 +30,7 @@ ONNX_TO_CONFIG = {
 
 class OnnxRuntimeBackend(Backend):
     session: ort.InferenceSession
+    text_only = True  # its string tensors take str, which Python encodes as UTF-8
 
     @classmethod
     def default_filename(cls) -> str:
