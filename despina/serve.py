@@ -2,10 +2,11 @@
 
 Starts (when no Redis URL is given) an embedded Valkey, the control plane, N workers and M gateways
 (sharing the HTTP port through SO_REUSEPORT when M > 1), each a child process that dies with this one.
-A worker that exits is restarted; so is a gateway that had been up for SETTLED_S (one that dies at its
-start, on a taken port say, stops everything, as the control plane's exit does). SIGINT/SIGTERM drain
-in order: the gateways stop taking requests and answer those in flight, then workers finish, then
-control, then Valkey.
+A worker that exits is restarted; so are a gateway and the control plane that had been up for SETTLED_S
+(one that dies at its start, on a taken port or with a repository it cannot read say, stops everything).
+The embedded Valkey's end stops everything too: the queues and the catalog went with it, and an
+orchestrator's restart of serve starts clean. SIGINT/SIGTERM drain in order: the gateways stop taking
+requests and answer those in flight, then workers finish, then control, then Valkey.
 """
 from __future__ import annotations
 
@@ -168,17 +169,23 @@ class Supervisor:
                 time.sleep(RESTART_BACKOFF_S)
                 w.restarts += 1
                 w.start()
-        for g in self.gateways:  # stateless: a crash is restarted, a failed start stops everything
-            if not g.alive() and not self._stopping and time.monotonic() - g.started >= SETTLED_S:
-                assert g.process
-                log.error("%s exited with %s; restarting it", g.name, g.process.returncode)
-                g.restarts += 1
-                g.start()
+        valkey = self.valkey.process if self.valkey is not None else None
+        if valkey is not None and valkey.poll() is not None and not self._stopping:
+            log.error("the embedded Valkey exited with %s, and the queues and the catalog with it; stopping "
+                      "everything", valkey.returncode)
+            return 1
+        # the gateways are stateless, and the control plane takes its state back from Redis and the
+        # repository: a crash is restarted, a failed start stops everything
         for child in (*self.gateways, self.control):
             if child and not child.alive() and not self._stopping:
                 assert child.process
-                log.error("%s exited with %s; stopping everything", child.name, child.process.returncode)
-                return 1
+                if time.monotonic() - child.started < SETTLED_S:
+                    log.error("%s exited with %s at its start; stopping everything", child.name,
+                              child.process.returncode)
+                    return 1
+                log.error("%s exited with %s; restarting it", child.name, child.process.returncode)
+                child.restarts += 1
+                child.start()
         return 0
 
     def shutdown(self) -> None:

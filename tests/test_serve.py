@@ -204,6 +204,45 @@ def test_a_crashed_gateway_is_restarted_and_the_others_serve_meanwhile(
     assert stop_server(server) == 0
 
 
+def test_a_crashed_control_plane_is_restarted_and_the_models_serve_on(
+        serve: Callable[..., Server], example_repository: Path) -> None:
+    # it used to stop everything: every connection refused from then on, though the workers and gateways
+    # serve without it and the control plane takes its state back from Redis and the repository
+    started = time.monotonic()
+    server = serve(example_repository, wait_models=("mlp",))
+    time.sleep(max(0.0, SETTLED_S + 0.5 - (time.monotonic() - started)))  # past a failed start
+    victim = next(p for p in descendants(server.process.pid) if "despina control" in cmdline(p))
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert httpx.post(f"{server.url}/fn/mlp", content=ROW, timeout=10).status_code == 200
+        now = [p for p in descendants(server.process.pid) if "despina control" in cmdline(p)]
+        if now and victim not in now and "control exited with -9; restarting it" in server.logs():
+            break
+        time.sleep(0.2)
+    assert now and victim not in now and server.process.poll() is None, server.logs()[-2000:]
+    # the new one leads: a load through the repository API is answered
+    assert httpx.post(f"{server.url}/v2/repository/index", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200
+    assert stop_server(server) == 0
+
+
+def test_the_embedded_valkeys_end_stops_serve_with_its_reason(
+        serve: Callable[..., Server], example_repository: Path) -> None:
+    # it used to go unnoticed: serve stayed up (live, every request 503) with the roles retrying forever
+    server = serve(example_repository, use_redis=False, wait_models=("mlp",))
+    family = descendants(server.process.pid)
+    valkey = next(p for p in family if "valkey" in cmdline(p))
+    os.kill(valkey, signal.SIGKILL)
+    assert server.process.wait(30) == 1
+    assert "the embedded Valkey exited with -9, and the queues and the catalog with it; stopping everything" \
+        in server.logs()
+    deadline = time.monotonic() + 15
+    while alive(family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(family), [cmdline(p) for p in alive(family)]
+
+
 def test_a_shared_port_that_another_program_holds_is_refused_by_name() -> None:
     from despina.roles import reuse_port_socket
 
