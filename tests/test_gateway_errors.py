@@ -1,6 +1,9 @@
 """Bad input gets a clear error with the right status, never a 500 or a hang."""
 from __future__ import annotations
 
+import gzip
+import zlib
+
 import httpx
 import numpy as np
 import orjson
@@ -92,6 +95,52 @@ def test_binary_data_not_claimed_by_any_input(example_server: Server) -> None:
                    headers={"Inference-Header-Content-Length": str(len(header))})
     assert r.status_code == 400 and "no input claims" in r.json()["error"]
 
+
+
+# the hot routes, and the same routes through ASGI (a %-escaped path is uvicorn's to parse)
+ENCODED = ["/v2/models/mlp/infer", "/v2/models/mlp/versions/1/infer", "/fn/mlp", "/v2/models/ml%70/infer",
+           "/fn/ml%70"]
+
+
+def raw_deflate(body: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return packer.compress(body) + packer.flush()
+
+
+def answer_of(r: httpx.Response) -> np.ndarray:
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    return np.array(doc["outputs"][0]["data"] if "outputs" in doc else doc["y"], dtype=np.float32)
+
+
+@pytest.mark.parametrize("path", ENCODED)
+def test_a_body_in_gzip_or_deflate_is_read(example_server: Server, path: str) -> None:
+    body = v2([x_input()]) if path.startswith("/v2") else orjson.dumps(ROW)
+    url = example_server.url + path
+    want = answer_of(httpx.post(url, content=body))
+    for coding, data in (("gzip", gzip.compress(body)), ("GZip", gzip.compress(body)),
+                         ("deflate", zlib.compress(body)), ("Deflate", raw_deflate(body)), ("identity", body)):
+        r = httpx.post(url, content=data, headers={"content-encoding": coding})
+        np.testing.assert_allclose(answer_of(r), want, rtol=1e-5, err_msg=coding)
+
+
+@pytest.mark.parametrize("path", ENCODED)
+def test_a_body_in_another_encoding_or_not_in_its_own_is_refused(example_server: Server, path: str) -> None:
+    body = v2([x_input()]) if path.startswith("/v2") else orjson.dumps(ROW)
+    url = example_server.url + path
+    for coding in ("br", "bogus", "gzip, gzip", "compress"):  # was read as a plain body: 200
+        r = httpx.post(url, content=body, headers={"content-encoding": coding})
+        assert r.status_code == 415, (coding, r.text)
+        assert r.headers["accept-encoding"] == "gzip, deflate"
+        assert f"'{coding}' is not supported" in r.json()["error"] and "gzip, deflate" in r.json()["error"]
+    packed = gzip.compress(body)
+    for coding, data, words in (("gzip", packed[:10] + b"\xff" * 8 + packed[18:], "not valid gzip"),
+                                ("gzip", packed[:-12], "truncated"),
+                                ("gzip", packed + b"junk", "4 bytes after the end"),
+                                ("deflate", body, "not valid deflate")):
+        r = httpx.post(url, content=data, headers={"content-encoding": coding})
+        assert r.status_code == 400, (words, r.text)
+        assert words in r.json()["error"]
 
 def test_metadata_of_unknown_model_and_version(example_server: Server) -> None:
     assert httpx.get(example_server.url + "/v2/models/nope").status_code == 404

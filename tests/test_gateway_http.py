@@ -4,6 +4,7 @@ pipelining order, 100-continue, chunked bodies, early 413, HTTP/1.0, keep-alive 
 client that goes away before its answer."""
 from __future__ import annotations
 
+import gzip
 import os
 import signal
 import socket
@@ -159,6 +160,24 @@ def test_chunked_body_over_the_limit(server: Server) -> None:
         status, _, body = r.response()
         assert status == 413 and b"over the limit" in body
 
+
+
+def test_a_compressed_body_is_held_to_the_limit_once_inflated(server: Server) -> None:
+    """The limit is the body's as sent and as inflated: a small gzip body that inflates past it gets the 413
+    of a body sent that large, without being inflated further (a bomb: 50 MB of zeros in 50 kB), and the
+    connection serves on."""
+    fits = infer_body() + b" " * (LIMIT - len(infer_body()))
+    with connect(server) as sock:
+        reader = Reader(sock)
+        for path in ("/v2/models/mlp/infer", "/v2/models/ml%70/infer"):  # the hot route, and ASGI's
+            for body, status in ((fits, 200), (fits + b" ", 413), (b"\0" * 50_000_000, 413)):
+                packed = gzip.compress(body)
+                assert len(packed) < LIMIT // 2
+                sock.sendall(post(path, packed, "content-encoding: gzip"))
+                got, _, answer = reader.response()
+                assert got == status, (path, len(body), answer)
+                if status == 413:
+                    assert b"over the limit of 200000 bytes" in answer
 
 def test_chunked_body_is_answered(server: Server) -> None:
     body = infer_body()

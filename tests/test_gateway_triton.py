@@ -144,6 +144,25 @@ def test_each_reply_carries_its_own_requests_id(client: httpclient.InferenceServ
             np.testing.assert_allclose(result.as_numpy("y"), mlp_numpy(x), rtol=1e-4, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+@pytest.mark.parametrize("binary", [False, True])
+def test_a_compressed_request_is_answered_as_the_same_request_uncompressed(
+        client: httpclient.InferenceServerClient, algorithm: str, binary: bool) -> None:
+    # tritonclient's request_compression_algorithm: Content-Encoding gzip or deflate, the binary tensors'
+    # Inference-Header-Content-Length counting the body before compression; once read as plain (400)
+    x = np.random.default_rng(3).standard_normal((2, 256)).astype(np.float32)
+    inp = httpclient.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    out = httpclient.InferRequestedOutput("y", binary_data=binary)
+    plain = client.infer("mlp", [inp], outputs=[out], request_id="plain")
+    for model_version in ("", "1"):
+        packed = client.infer("mlp", [inp], model_version=model_version, outputs=[out], request_id="packed",
+                              request_compression_algorithm=algorithm)
+        np.testing.assert_array_equal(packed.as_numpy("y"), plain.as_numpy("y"))
+        assert packed.get_response()["id"] == "packed"
+    np.testing.assert_allclose(plain.as_numpy("y"), mlp_numpy(x), rtol=1e-4, atol=1e-5)
+
 async def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(
         client: httpclient.InferenceServerClient, example_server: Server) -> None:
     before = client.get_inference_statistics("mlp")["model_stats"][0]

@@ -3,6 +3,7 @@ Python, batched and not, an ONNX model with numeric inputs, the errors; and a de
 streams its responses from a thread, errs, and dies."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -212,6 +213,14 @@ def test_generate_stream_answers_one_event(server: Server) -> None:
     assert events(r) == [{"model_name": "text", "model_version": "1", "length": 2,
                           "text_output": 'hi|{"n": 1}'}]
 
+
+
+@pytest.mark.parametrize("route", ["generate", "generate_stream"])
+def test_generate_reads_a_gzip_body(server: Server, route: str) -> None:
+    r = httpx.post(f"{server.url}/v2/models/text/{route}", content=gzip.compress(b'{"text_input": "zip"}'),
+                   headers={"content-encoding": "gzip"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert "zip|{}" in r.text
 
 def test_generate_numeric_lists(server: Server) -> None:
     r = post(server, "add_sub/generate", {"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]})

@@ -3,6 +3,7 @@ against a real `despina serve --sagemaker`, driven the way SageMaker and Triton'
 (tritonclient builds and parses the binary bodies)."""
 from __future__ import annotations
 
+import gzip
 import shutil
 import time
 from pathlib import Path
@@ -116,6 +117,10 @@ def test_a_single_model_endpoint_answers_ping_and_invocations_json_and_binary(
         r.content, header_length=int(ctype[len(BINARY):]))
     np.testing.assert_array_equal(result.as_numpy("sum"), [[2, 3, 4, 5]])
     np.testing.assert_array_equal(result.as_numpy("diff"), [[0, 1, 2, 3]])
+    # gzip, json-header-size counting the body before compression (as Inference-Header-Content-Length)
+    packed = httpx.post(f"{server.url}/invocations", content=gzip.compress(body),
+                        headers={"content-type": f"{BINARY}{json_size}", "content-encoding": "gzip"})
+    assert (packed.status_code, packed.content) == (200, r.content), packed.text
 
     # bad framing: a clear 400, never a 500
     for ctype, content in ((f"text/plain;{BINARY}{json_size}", body),   # the binary type not first

@@ -18,6 +18,7 @@ class Code(str, enum.Enum):
     INTERNAL = "INTERNAL"
     CANCELLED = "CANCELLED"  # its client went away (Triton's CANCELED failure reason)
     ALREADY_EXISTS = "ALREADY_EXISTS"  # a name taken already (a shared memory region's)
+    UNSUPPORTED_ENCODING = "UNSUPPORTED_ENCODING"  # a request body in a Content-Encoding not read
 
 
 class DespinaError(Exception):

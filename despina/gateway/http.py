@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from http import HTTPStatus
 from typing import Any
@@ -30,11 +31,13 @@ STATUS = {
     Code.INTERNAL: 500,
     Code.CANCELLED: 499,  # nobody reads it: the client is gone
     Code.ALREADY_EXISTS: 409,
+    Code.UNSUPPORTED_ENCODING: 415,
 }
 EXTRA_HEADERS = {
     Code.UNAVAILABLE: [(b"retry-after", b"1")],
     Code.RESOURCE_EXHAUSTED: [(b"retry-after", b"1")],
     Code.UNAUTHENTICATED: [(b"www-authenticate", b'Bearer realm="despina"')],
+    Code.UNSUPPORTED_ENCODING: [(b"accept-encoding", b"gzip, deflate")],  # as Triton's 415 (RFC 7694)
 }
 JSON = b"application/json"
 
@@ -53,15 +56,69 @@ def header(headers: Headers, name: bytes) -> bytes | None:
     return None
 
 
-def check_length(headers: Headers, limit: int) -> None:
-    """BodyTooLarge when the declared Content-Length is over the limit (before any of it is read)."""
-    length = header(headers, b"content-length")
+def check_body(headers: Headers, limit: int) -> bytes | None:
+    """Before any of the body is read: BodyTooLarge when the declared Content-Length is over the limit,
+    UnsupportedEncoding when the Content-Encoding is not one the gateway reads. Returns that encoding
+    (gzip or deflate; None: the body is as sent)."""
+    length = coding = None
+    for key, value in headers:
+        if key == b"content-length":
+            length = value
+        elif key == b"content-encoding":
+            coding = value if coding is None else coding + b"," + value
     if length is not None and length.isdigit() and (len(length) > 18 or int(length) > limit):
         raise BodyTooLarge(f"request body of {length.decode()[:20]} bytes is over the limit of {limit}")
+    return None if coding is None else _coding(coding)
 
 
 def too_large(limit: int) -> BodyTooLarge:
     return BodyTooLarge(f"request body is over the limit of {limit} bytes")
+
+
+class UnsupportedEncoding(DespinaError):
+    code = Code.UNSUPPORTED_ENCODING
+
+
+# Content-Encoding -> zlib's window bits for it. deflate is zlib-wrapped (RFC 9110, tritonclient, Triton);
+# decoded() also reads a raw deflate stream under that name, as some clients send it.
+WBITS = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
+
+
+def _coding(value: bytes) -> bytes | None:
+    name = value.strip().lower()
+    if name in WBITS:
+        return name
+    if name in (b"identity", b""):
+        return None
+    raise UnsupportedEncoding(f"Content-Encoding '{value.decode('latin-1')[:40]}' is not supported: send "
+                              "the body as it is, or in one of gzip, deflate")
+
+
+def decoded(body: bytes, coding: bytes, limit: int) -> bytes:
+    """A body with its Content-Encoding (check_body's) undone: BodyTooLarge when it inflates past `limit`
+    bytes (no more than that is ever inflated), InvalidArgument when it is not what its encoding says."""
+    if not body:  # no data to undo (json_body reads an empty body as {}, whatever its label)
+        return body
+    try:
+        inflater = zlib.decompressobj(WBITS[coding])
+        try:
+            out = inflater.decompress(body, limit + 1)
+        except zlib.error:
+            if coding != b"deflate":
+                raise
+            inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+            out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidArgument(f"the request body is not valid {coding.decode()} data ({exc})") from None
+    if len(out) > limit:
+        raise BodyTooLarge(f"request body is over the limit of {limit} bytes once its "
+                           f"{coding.decode()} encoding is undone")
+    if not inflater.eof:
+        raise InvalidArgument(f"the request body's {coding.decode()} data is cut short (truncated)")
+    if inflater.unused_data:
+        raise InvalidArgument(f"the request body has {len(inflater.unused_data)} bytes after the end of "
+                              f"its {coding.decode()} data")
+    return out
 
 
 HEADS_MAX = 1024
@@ -93,7 +150,9 @@ def _head(status: int, length: int, content_type: bytes, extra: Headers, close: 
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    check_length(scope["headers"], limit)
+    """The whole body, its Content-Encoding undone (check_body, decoded); at most `limit` bytes both as sent
+    and as decoded."""
+    coding = check_body(scope["headers"], limit)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -106,7 +165,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             raise too_large(limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return body if coding is None else decoded(body, coding, limit)
 
 
 async def send(send_: Send, status: int, body: bytes, content_type: bytes = JSON,

@@ -25,7 +25,8 @@ def _json(schema: Doc) -> Doc:
 def _errors(*statuses: int) -> Doc:
     words = {400: "Bad request", 401: "No valid API key (see `WWW-Authenticate`)",
              403: "The API key may not use this model or API", 404: "Unknown model or version",
-             409: "The name is registered already", 413: "Body over the size limit",
+             409: "The name is registered already", 413: "Body over the size limit (as sent, or inflated)",
+             415: "Content-Encoding other than gzip, deflate or identity (with `Accept-Encoding`)",
              503: "Not ready, or the queue is unavailable (with `Retry-After`)",
              504: "No answer before the request's deadline"}
     return {str(s): {"description": words[s], "content": _json(_ref("Error"))} for s in statuses}
@@ -39,7 +40,7 @@ def _param(name: str, pattern: str, text: str) -> Doc:
 MODEL = _param("model", MODEL_NAME, "Model name (letters, digits, `_`, `-`, `.`; no `..`)")
 VERSION_PARAM = _param("version", VERSION, "Model version; without it, the highest ready version")
 READ_ERRORS = (400, 401, 403, 404, 503)
-INFER_ERRORS = (400, 401, 403, 404, 413, 503, 504)
+INFER_ERRORS = (400, 401, 403, 404, 413, 415, 503, 504)
 
 BINARY_BODY = """Triton's binary tensor extension: the JSON infer request (its length in the
 `Inference-Header-Content-Length` header), then the raw tensors in the order of the inputs that carry
@@ -196,7 +197,10 @@ def _infer_op(op_id: str) -> Doc:
         "application/json": {"schema": _ref("InferRequest"), "example": INFER_EXAMPLE},
         "application/octet-stream": {"schema": {"type": "string", "format": "binary"},
                                      "x-description": BINARY_BODY}},
-        "description": "A V2 infer request as JSON; or, with the binary tensor extension, " + BINARY_BODY}
+        "description": "A V2 infer request as JSON; or, with the binary tensor extension, " + BINARY_BODY +
+                       " Either may be sent compressed (`Content-Encoding: gzip` or `deflate`, "
+                       "tritonclient's request_compression_algorithm): lengths count the body before "
+                       "compression."}
     ok = {"description": "The outputs; binary ones after the JSON header when asked for",
           "headers": {"Inference-Header-Content-Length": {
               "description": "Length of the JSON header when binary outputs follow",

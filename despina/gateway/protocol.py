@@ -238,7 +238,8 @@ class HotRequest:
 
     method = "POST"
     __slots__ = ("protocol", "match", "route", "params", "path", "headers", "keep_alive", "expect_100",
-                 "body", "more_body", "started", "queued", "disconnected", "response_complete")
+                 "body", "more_body", "started", "queued", "disconnected", "response_complete", "coding")
+    coding: bytes | None  # the body's Content-Encoding (None: as sent), set by start: set() reads it after
 
     def __init__(self, protocol: GatewayProtocol, match: Match, headers: Headers, keep_alive: bool,
                  expect_100: bool) -> None:
@@ -272,7 +273,7 @@ class HotRequest:
             routes.policy.check(target, self.headers)
             if not self.match.checked:
                 check_target(target)
-            http.check_length(self.headers, routes.max_body_bytes)
+            self.coding = http.check_body(self.headers, routes.max_body_bytes)
         except DespinaError as exc:
             self._refuse(exc)
             return
@@ -296,6 +297,12 @@ class HotRequest:
         elif not self.more_body:
             self.queued = True
             self.body = bytes(self.body)
+            if self.coding is not None:  # all that a body sent as it is pays for encodings: this test
+                try:
+                    self.body = http.decoded(self.body, self.coding, self.protocol.routes.max_body_bytes)
+                except DespinaError as exc:
+                    fail(self, exc, http.header(self.headers, b"x-request-id"))
+                    return
             try:
                 self.route(self)
             except Exception:  # a fault here would otherwise end up in the parser, the client hanging
