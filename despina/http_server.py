@@ -10,17 +10,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+from collections.abc import Callable
 
 import uvicorn
 
 DATE_S = 1.0  # how often the Date header is renewed, as uvicorn does
+LAST_WORD_S = 1.0  # how long before its drain's end a server gives up on what is still waiting (at most)
 
 
 class Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, give_up: Callable[[], None] | None = None) -> None:
+        """`give_up` answers what still waits, shortly before the drain's time (the config's
+        timeout_graceful_shutdown) is spent: the supervisor kills the process then, and a client whose
+        connection is cut gets no status to retry on."""
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._give_up = give_up
         super().__init__(config)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        budget = self.config.timeout_graceful_shutdown
+        handle = None
+        if self._give_up is not None and budget is not None:
+            ahead = min(LAST_WORD_S, budget / 4)
+            handle = asyncio.get_running_loop().call_later(max(budget - ahead, 0.0), self._give_up)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if handle is not None:
+                handle.cancel()
 
     @property  # type: ignore[override]
     def should_exit(self) -> bool:

@@ -47,7 +47,7 @@ def run_gateway(settings: Settings) -> None:
                             timeout_graceful_shutdown=int(settings.drain_timeout_s))
     sockets = [reuse_port_socket(settings.host, settings.http_port)] if settings.reuse_port else None
     quiet_collector()
-    Server(config).run(sockets=sockets)
+    Server(config, give_up=app.state.gateway.dispatcher.give_up).run(sockets=sockets)
     if settings.colocate:
         _leave_stuck_threads()
 

@@ -22,6 +22,7 @@ from despina.embedded import free_port
 from despina.serve import SETTLED_S
 
 from .conftest import FULL_QUEUE_DELAY, Server, descendants, dump_stacks, stop_server
+from .reliability_support import role_pids
 from .test_metrics import scrape
 
 PENDING = 'nv_inference_pending_request_count{model="mlp",version="1"}'
@@ -103,6 +104,34 @@ def test_sigterm_drains_requests_in_flight(serve: Callable[..., Server], example
     server = serve(slow_repository(example_repository, tmp_path / "slow"), wait_models=("mlp",),
                    env=FULL_QUEUE_DELAY)
     sigterm_answers_twenty_in_flight(server)
+
+
+def test_requests_still_waiting_as_the_drain_ends_are_answered_503(
+        serve: Callable[..., Server], example_repository: Path) -> None:
+    # the worker stopped (SIGSTOP): no answer can come within the drain's 3 s. The gateway used to be
+    # killed at the end with its clients' connections cut (no status at all: curl's "empty reply")
+    server = serve(example_repository, env={"DESPINA_DRAIN_TIMEOUT_S": "3"}, wait_models=("mlp",))
+    (worker,) = role_pids(server, "worker")
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            calls = [asyncio.create_task(client.post(f"{server.url}/fn/mlp", content=ROW)) for _ in range(5)]
+            deadline = time.monotonic() + 10
+            while scrape(server).get(PENDING) != 5:
+                assert time.monotonic() < deadline, server.logs()[-2000:]
+                await asyncio.sleep(0.02)
+            server.process.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*calls)
+
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        answers = asyncio.run(scenario())
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert [r.status_code for r in answers] == [503] * 5
+    assert all("no answer came within its drain time" in r.json()["error"] for r in answers)
+    assert answers[0].headers["retry-after"] == "1"
+    server.process.wait(30)
 
 
 def test_broken_config_is_reported_and_other_models_serve(serve: Callable[..., Server],

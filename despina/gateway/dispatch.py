@@ -356,6 +356,15 @@ class Dispatcher:
         round trip of their own while requests flow."""
         self._counts.add(stats, counts)
 
+    def give_up(self) -> None:
+        """The drain's time is nearly spent: every request still waiting is answered 503 (with Retry-After:
+        another gateway may answer it) rather than left to a connection cut at the end."""
+        if self._waiting:
+            log.warning("gateway %s: %d request(s) still without an answer as the drain ends: answered 503",
+                        self.id, len(self._waiting))
+            self._fail_waiting(Unavailable("the server is stopping, and no answer came within its drain time "
+                                           "(DESPINA_DRAIN_TIMEOUT_S)"))
+
     def _fail_waiting(self, error: Exception) -> None:
         for request_id in list(self._waiting):
             self._finish(request_id, error)
