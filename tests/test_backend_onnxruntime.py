@@ -1,7 +1,8 @@
 """The onnxruntime backend's session options from the config, as Triton's onnxruntime backend reads them:
 optimization { graph { level } } and the parameters execution_mode, intra_op_thread_count,
 inter_op_thread_count, enable_mem_arena and enable_mem_pattern; what onnxruntime cannot take is the
-model's load error. The config goes through the control plane's reading (load_model), as a worker gets it."""
+model's load error. The config goes through the control plane's reading (load_model), as a worker gets it;
+that reading checks the config against the model's tensors, as Triton's onnxruntime backend does at load."""
 from __future__ import annotations
 
 import os
@@ -10,17 +11,19 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import numpy as np
 import onnxruntime as ort
 import orjson
 import pytest
 import tritonclient.http as httpclient
+from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from despina.contract.errors import ConfigError
 from despina.contract.modelconfig import ModelSpec
 from despina.control.repository import load_model
-from despina.examples import build_mlp, mlp_numpy
+from despina.examples import build_add_sub, build_mlp, mlp_numpy, save_onnx
 from despina.workers.backends import Instance, backend_class
 from despina.workers.backends.onnxruntime import has_tf32_option
 from despina.workers.backends.ort_providers import CPU, CUDA, OPENVINO, TENSORRT, providers
@@ -92,6 +95,87 @@ def test_the_parameters_reach_the_session(tmp_path: Path) -> None:
 def test_a_value_onnxruntime_cannot_take_is_the_load_error(tmp_path: Path, extra: str, message: str) -> None:
     with pytest.raises(ConfigError, match=f"model 'm': parameter {message}"):
         loaded(tmp_path, extra)
+
+
+
+# -- the config against the model: a disagreement fails the load, not every request --------------------------
+
+@pytest.mark.parametrize(("config", "message"), [
+    (CONFIG.replace('name: "x"', 'name: "zzz"'), "input 'zzz' is not one of the model's; allowed inputs are: x"),
+    (CONFIG.replace("dims: [ 256 ]", "dims: [ 100 ]"),
+     r"input 'x': the model's shape \[-1, 256\] does not match the config's \[-1, 100\] \(max_batch_size > 0"),
+    (CONFIG.replace("max_batch_size: 8", "max_batch_size: 0"),
+     r"input 'x': the model's shape \[-1, 256\] does not match the config's \[256\]$"),
+    (CONFIG.replace("dims: [ 10 ]", "dims: [ 7 ]"), r"output 'y': the model's shape \[-1, 10\] does not match"),
+    (CONFIG.replace('name: "y"', 'name: "z"'), "output 'z' is not one of the model's; allowed outputs are: y"),
+    (CONFIG.replace("TYPE_FP32 dims: [ 256 ]", "TYPE_FP16 dims: [ 256 ]"),
+     "input 'x': the config says TYPE_FP16, the model TYPE_FP32"),
+])
+def test_a_config_the_model_disagrees_with_fails_its_load(tmp_path: Path, config: str, message: str) -> None:
+    folder = tmp_path / "m"
+    build_mlp(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text(config)
+    with pytest.raises(ConfigError, match=f"model 'm': {message}"):
+        load_model(folder)
+
+
+def test_each_model_input_is_declared_or_made_by_the_server(tmp_path: Path) -> None:
+    """onnxruntime needs every input: one the config leaves out fails the load unless the server makes it
+    (here a batch input)."""
+    folder = tmp_path / "m"
+    build_add_sub(folder / "1" / "model.onnx")
+    one = ('backend: "onnxruntime" max_batch_size: 8 input [ { name: "a" data_type: TYPE_FP32 dims: [ 4 ] } ] '
+           'output [ { name: "sum" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
+    (folder / "config.pbtxt").write_text(one)
+    with pytest.raises(ConfigError, match=r"model 'm': the model's input b is not in the config \(declared: a\)"):
+        load_model(folder)
+    (folder / "config.pbtxt").write_text(one + 'batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "b" '
+                                               'data_type: TYPE_FP32 source_input: "a" } ]')
+    assert load_model(folder).state == "READY"
+
+
+def test_a_model_with_a_fixed_first_dimension_batches_only_one_row(tmp_path: Path) -> None:
+    """max_batch_size > 0 puts a batch dimension before dims; a model whose first size is fixed takes only
+    batches of that size, so the batcher may give it one row at most."""
+    folder = tmp_path / "m"
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "fixed",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "1" / "model.onnx")
+
+    def config(max_batch_size: int, dims: str) -> str:
+        return (f'backend: "onnxruntime" max_batch_size: {max_batch_size} '
+                f'input [ {{ name: "x" data_type: TYPE_FP32 dims: [ {dims} ] }} ] '
+                f'output [ {{ name: "y" data_type: TYPE_FP32 dims: [ {dims} ] }} ]')
+
+    (folder / "config.pbtxt").write_text(config(8, "4"))
+    with pytest.raises(ConfigError, match=r"model 'm': input 'x': the model's shape \[1, 4\] has a fixed first "
+                                          "dimension, and max_batch_size > 0 needs it open"):
+        load_model(folder)
+    for max_batch_size, dims in ((1, "4"), (0, "1, 4"), (0, "-1, 4")):
+        (folder / "config.pbtxt").write_text(config(max_batch_size, dims))
+        assert load_model(folder).state == "READY"
+
+
+def test_a_load_the_model_disagrees_with_is_refused_and_the_loaded_config_serves(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """Through the repository API: the load answers 400 with the reason; what was loaded keeps serving."""
+    folder = tmp_path / "repo" / "m"
+    build_mlp(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text(CONFIG)
+    server = serve(tmp_path / "repo", "--model-control-mode", "explicit", "--load-model", "m", wait_models=("m",))
+    config = {"backend": "onnxruntime", "max_batch_size": 8,
+              "input": [{"name": "zzz", "data_type": "TYPE_FP32", "dims": [256]}],
+              "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [10]}]}
+    r = httpx.post(f"{server.url}/v2/repository/models/m/load",
+                   json={"parameters": {"config": orjson.dumps(config).decode()}})
+    assert r.status_code == 400
+    assert r.json()["error"] == "model 'm': input 'zzz' is not one of the model's; allowed inputs are: x"
+    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    r = httpx.post(f"{server.url}/v2/models/m/infer", json={"inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [1, 256], "data": x.ravel().tolist()}]})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array(r.json()["outputs"][0]["data"]), mlp_numpy(x)[0], rtol=1e-4, atol=1e-5)
 
 
 # -- execution providers: optimization { execution_accelerators }, as Triton's onnxruntime backend --------

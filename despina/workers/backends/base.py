@@ -219,3 +219,50 @@ def complete_config(config: Any, inputs: list[Declared], outputs: list[Declared]
             entry = declared.add(name=t.name, data_type=pb.DataType.Value(t.data_type))
             entry.dims.extend(t.dims[skip:])
 
+
+def check_config(config: Any, inputs: list[Declared], outputs: list[Declared]) -> None:
+    """Triton's load-time check of a config against its model file's tensors: each declared input and
+    output is one of the model's, of its datatype and of a shape it takes; each model input is declared
+    or is one the server makes (a batch input, a sequence's control or state input). Dims are not
+    compared for a reshaped or ragged tensor, a batch output, or a model tensor of rank 0 (onnxruntime
+    reports an unknown shape so)."""
+    model_inputs = {t.name: t for t in inputs}
+    made = {n for b in config.batch_input for n in b.target_name}
+    made |= {c.name for c in config.sequence_batching.control_input}
+    made |= {s.input_name for s in config.sequence_batching.state}
+    scattered = {n for b in config.batch_output for n in b.target_name}
+    for kind, declared, found in (("input", config.input, model_inputs),
+                                  ("output", config.output, {t.name: t for t in outputs})):
+        for t in declared:
+            where = f"model '{config.name}': {kind} '{t.name}'"
+            model = found.get(t.name)
+            if model is None:
+                raise ConfigError(f"{where} is not one of the model's; allowed {kind}s are: "
+                                  f"{', '.join(sorted(found)) or 'none'}")
+            wanted = pb.DataType.Name(t.data_type)
+            if model.data_type != wanted:
+                raise ConfigError(f"{where}: the config says {wanted}, the model "
+                                  f"{model.data_type or model.framework_type}")
+            if model.dims and not (t.HasField("reshape") or t.name in scattered
+                                   or (kind == "input" and t.allow_ragged_batch)):
+                _check_dims(where, config.max_batch_size, list(t.dims), model.dims)
+    missing = sorted(set(model_inputs) - {t.name for t in config.input} - made)
+    if missing:
+        raise ConfigError(f"model '{config.name}': the model's input {', '.join(missing)} is not in the "
+                          f"config (declared: {', '.join(t.name for t in config.input) or 'none'}); "
+                          "the model needs every input")
+
+
+def _check_dims(where: str, max_batch_size: int, dims: list[int], model: tuple[int, ...]) -> None:
+    """The model's shape against the config's dims, -1 on either side matching any size; with
+    max_batch_size > 0 the model leads with a batch dimension, which must be open (or 1 when batches
+    are of 1), since the batcher sends any number of rows up to max_batch_size."""
+    full = [-1, *dims] if max_batch_size > 0 else dims
+    if max_batch_size > 0 and model[0] != -1 and not model[0] == max_batch_size == 1:
+        raise ConfigError(f"{where}: the model's shape {list(model)} has a fixed first dimension, and "
+                          "max_batch_size > 0 needs it open (-1) to batch (else set max_batch_size: 0 and "
+                          "give the whole shape in dims)")
+    if len(model) != len(full) or any(m != c and -1 not in (m, c) for m, c in zip(model, full)):
+        note = " (max_batch_size > 0: a batch dimension, then dims)" if max_batch_size > 0 else ""
+        raise ConfigError(f"{where}: the model's shape {list(model)} does not match the config's "
+                          f"{full}{note}")

@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from ...contract.errors import BackendError, ConfigError
 from ...contract.modelconfig import parameter_bool, parameter_int, string_parameters
-from .base import Backend, Declared, complete_config
+from .base import Backend, Declared, check_config, complete_config
 from .ort_providers import CUDA, providers
 
 log = logging.getLogger("despina.backends.onnxruntime")
@@ -70,16 +70,25 @@ class OnnxRuntimeBackend(Backend):
 
     @classmethod
     def auto_complete(cls, config: Any, version_dir: Path) -> None:
-        if config.input and config.output:
-            return
+        """Fill in what the config leaves out from the model's tensors, then check the config against them
+        (as Triton's onnxruntime backend does at load): a config the model disagrees with fails its load
+        rather than every request. The session is only read, so it is built with no graph optimization.
+        A file onnxruntime cannot read is left to the load of its version when the config needs nothing
+        from it (the other versions serve)."""
         path = version_dir / (config.default_model_filename or cls.default_filename())
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         try:
-            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as exc:
+            if config.input and config.output:  # nothing to fill in: loading this version says what is wrong
+                return
             raise ConfigError(f"model '{config.name}': cannot read {path} to complete the config: {exc}"
                               ) from None
-        complete_config(config, [_declared(t) for t in session.get_inputs()],
-                        [_declared(t) for t in session.get_outputs()])
+        inputs = [_declared(t) for t in session.get_inputs()]
+        outputs = [_declared(t) for t in session.get_outputs()]
+        complete_config(config, inputs, outputs)
+        check_config(config, inputs, outputs)
 
 
 def has_tf32_option(version: str = ort.__version__) -> bool:
