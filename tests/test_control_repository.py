@@ -14,7 +14,10 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from despina.examples import build_add_sub
+from despina.contract.errors import ConfigError
+from despina.control.repository import load_model, read_model
+from despina.examples import build_add_sub, build_mlp
+from despina.registry import LocalRegistry
 
 from .conftest import Server
 from .control_support import ROW, expected, index, infer, mlp_folder, wait_until
@@ -186,3 +189,32 @@ def test_poll_on_a_local_folder(serve: Callable[..., Server], repo: Path) -> Non
     shutil.rmtree(repo / "add_sub")                  # a model leaves the repository
     wait_until(lambda: all(r["name"] != "add_sub" for r in index(server.url)), 20, what="add_sub to go")
     assert httpx.get(f"{server.url}/v2/models/add_sub").status_code == 404
+
+
+def test_a_config_without_platform_or_backend_gets_the_backend_from_the_model_file(tmp_path: Path) -> None:
+    """Triton's auto-complete, as for a folder with no config.pbtxt: in a config.pbtxt or the load API's
+    config, by model.onnx or by the config's default_model_filename. An ensemble still needs its platform."""
+    folder = tmp_path / "m"
+    build_mlp(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text("max_batch_size: 8\n")
+    config = load_model(folder).config
+    assert (config["backend"], config["platform"], config["max_batch_size"]) == ("onnxruntime", "onnxruntime_onnx", 8)
+    registry = LocalRegistry(tmp_path)
+    assert read_model(registry, registry.model("m"), {"max_batch_size": 2}).config["backend"] == "onnxruntime"
+
+    (folder / "1" / "model.onnx").rename(folder / "1" / "net.onnx")
+    (folder / "config.pbtxt").write_text('default_model_filename: "net.onnx"\n')
+    assert load_model(folder).config["backend"] == "onnxruntime"
+    (folder / "config.pbtxt").write_text('default_model_filename: "net.bin"\n')
+    with pytest.raises(ConfigError, match=r"model 'm': neither field 'platform' nor field 'backend' is set, and no "
+                                          r"model file Despina recognizes \('net.bin'\)"):
+        load_model(folder)
+
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    (pipe / "config.pbtxt").write_text(
+        'max_batch_size: 8 input [ { name: "x" data_type: TYPE_FP32 dims: [ 256 ] } ] '
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 10 ] } ] ensemble_scheduling { step [ { model_name: "m" '
+        'model_version: -1 input_map { key: "x" value: "x" } output_map { key: "y" value: "y" } } ] }')
+    with pytest.raises(ConfigError, match="model 'pipe': neither field 'platform' nor field 'backend' is set"):
+        load_model(pipe)

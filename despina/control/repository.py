@@ -27,6 +27,7 @@ log = logging.getLogger("despina.control")
 
 GUESS_BY_FILE = {"model.onnx": "onnxruntime", "model.pt": "pytorch", "model.pt2": "pytorch",
                  "model.savedmodel": "tensorflow", "model.py": "python"}
+GUESS_BY_SUFFIX = {Path(filename).suffix: backend for filename, backend in GUESS_BY_FILE.items()}
 
 
 def select_versions(config: Any, available: list[int]) -> list[int]:
@@ -57,7 +58,9 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
         config = parse_text(name, (shared / "config.pbtxt").read_text())
     else:
         config = ModelConfig()
-        config.backend = _guess_backend(name, paths, available)
+    if not config.platform and not config.backend:  # Triton's auto-complete: from the model file
+        config.backend = _guess_backend(name, paths, available, config.default_model_filename,
+                                        has_config=override is not None or "config.pbtxt" in paths)
     normalize(name, config)
     ensemble = config.backend == PLATFORM
     if ensemble and not available:
@@ -141,12 +144,18 @@ def parameter(config: dict[str, Any], key: str) -> str | None:
     return value.get("string_value") if isinstance(value, dict) else None
 
 
-def _guess_backend(name: str, paths: set[str], available: list[int]) -> str:
+def _guess_backend(name: str, paths: set[str], available: list[int], filename: str, has_config: bool) -> str:
+    """The backend of a model whose config names none, from the newest version's model file: one of
+    GUESS_BY_FILE, or `filename` (the config's default_model_filename) by its extension."""
+    guesses = {filename: GUESS_BY_SUFFIX.get(Path(filename).suffix)} if filename else GUESS_BY_FILE
     for version in reversed(available):
-        for filename, backend in GUESS_BY_FILE.items():
-            if f"{version}/{filename}" in paths or any(p.startswith(f"{version}/{filename}/") for p in paths):
+        for file, backend in guesses.items():
+            if backend and (f"{version}/{file}" in paths
+                            or any(p.startswith(f"{version}/{file}/") for p in paths)):
                 return backend
-    raise ConfigError(f"model '{name}': no config.pbtxt and no model file Despina recognizes")
+    what = "neither field 'platform' nor field 'backend' is set" if has_config else "no config.pbtxt"
+    known = repr(filename) if filename else ", ".join(GUESS_BY_FILE)
+    raise ConfigError(f"model '{name}': {what}, and no model file Despina recognizes ({known})")
 
 
 def unavailable(model: ModelFiles | str, reason: str) -> CatalogEntry:
