@@ -8,6 +8,7 @@ The Python example needs no building: its model.py is committed next to its conf
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from collections.abc import Collection
@@ -193,7 +194,18 @@ def build_repository(root: Path, frameworks: Collection[str] = ("onnx",)) -> lis
     return built
 
 
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m despina.examples",
+        description="Build the example models' files (model.onnx, model.pt, ...) into a model repository; "
+                    "their config.pbtxt files are the repository's own (model_repository/ in the source).")
+    parser.add_argument("repository", nargs="?", default="model_repository", type=Path,
+                        help="the folder to build into (default ./model_repository)")
+    args = parser.parse_args(argv)
+    done = build_repository(args.repository, tuple(FRAMEWORKS))
+    print(f"built the {', '.join(done) or 'no'} example models in {args.repository}")
+    return 0
+
+
 if __name__ == "__main__":
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "model_repository")
-    done = build_repository(target, tuple(FRAMEWORKS))
-    print(f"built the {', '.join(done) or 'no'} example models in {target}")
+    sys.exit(main(sys.argv[1:]))

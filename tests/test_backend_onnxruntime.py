@@ -370,3 +370,12 @@ def test_onnxruntime_telemetry_is_off_in_despinas_processes(tmp_path: Path) -> N
     child = f"import despina, subprocess, sys\nsubprocess.run([sys.executable, '-c', {inner!r}], check=True)"
     assert telemetry_files(tmp_path / "child", child) == []
     assert telemetry_files(tmp_path / "asked", "import despina", ORT_DISABLE_TELEMETRY="0") == alone
+
+
+def test_the_examples_script_answers_help_and_builds_nothing(tmp_path: Path) -> None:
+    # it took any first argument for the folder: `--help` built every example into ./--help
+    source = str(Path(__file__).resolve().parents[1])  # this checkout's despina, from any folder
+    r = subprocess.run([sys.executable, "-m", "despina.examples", "--help"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": source})
+    assert r.returncode == 0 and "usage: python -m despina.examples" in r.stdout, r.stderr
+    assert list(tmp_path.iterdir()) == []
