@@ -122,6 +122,8 @@ def test_binary_data_output_is_the_kind_of_the_outputs_a_request_does_not_list(e
     outputs = orjson.loads(one.content[:size])["outputs"]
     assert outputs[0]["data"] == [2, 3, 4, 5] and outputs[1]["parameters"] == {"binary_data_size": 16}
     assert np.frombuffer(one.content[size:], np.float32).tolist() == [0, 1, 2, 3]
+    twice = httpx.post(url, json={**body, "outputs": [{"name": "sum"}, {"name": "sum"}]}, timeout=10)
+    assert [o["name"] for o in twice.json()["outputs"]] == ["sum"]  # as Triton: one per name
     unlisted = httpx.post(url, json=body, timeout=10)  # none listed: every output binary
     size = int(unlisted.headers["inference-header-content-length"])
     assert all("data" not in o for o in orjson.loads(unlisted.content[:size])["outputs"])

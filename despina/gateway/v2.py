@@ -388,6 +388,8 @@ def _decode_outputs(raw: Any, spec: ModelSpec, shm: Registry | None
             raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
         name = item["name"]
         known_output(spec, name)
+        if name in names:  # as Triton, whose outputs are a map by name: the first one asked for holds
+            continue
         names.append(name)
         params = _object(item.get("parameters"), f"outputs[{name}].parameters")
         if _flag(params, "binary_data", f"output '{name}'"):
