@@ -72,8 +72,9 @@ def test_explicit_mode_load_unload_and_index(serve: Callable[..., Server], repo:
         # one broken version of three: the load says so, the others serve
         (repo / "mlp" / "3").mkdir()
         (repo / "mlp" / "3" / "model.onnx").write_bytes(b"not onnx")
-        with pytest.raises(InferenceServerException, match="failed to load 'mlp' version 3"):
+        with pytest.raises(InferenceServerException, match="failed to load 'mlp' version 3") as failed:
             client.load_model("mlp")
+        assert failed.value.status() == "400"  # as Triton's: the files are at fault, a retry will not do
         # the load answers as soon as version 3 failed; version 2 may still be coming up
         deadline = time.monotonic() + 10
         while not client.is_model_ready("mlp", "2") and time.monotonic() < deadline:

@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 
 from ..contract.catalog import IDLE, LOADED, CatalogEntry
 from ..contract.ensemble import is_ensemble
-from ..contract.errors import Code, DespinaError, FailedPrecondition, NotFound, Unavailable
+from ..contract.errors import Code, DespinaError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..settings import Settings
 from ..workers.redelivery import DeliveryPolicy, Queue
@@ -36,6 +36,12 @@ class Waiter:
     version: int | None
     future: asyncio.Future[int]
     no_room_fails: bool = False   # "load": fail at once when memory alone keeps it off every worker
+
+
+def failed_load(w: Waiter, message: str) -> DespinaError:
+    """What a waiter hears of a model that failed to load: the load API answers 400, as Triton's (the
+    model, its config or its files are at fault); a request that woke the model, 503."""
+    return InvalidArgument(message) if w.kind == "load" else Unavailable(message)
 
 
 class Lifecycle:
@@ -239,7 +245,7 @@ class Lifecycle:
             if state == "LOADING":
                 return None
             if v in e.failed:
-                raise Unavailable(f"ensemble '{w.name}' cannot serve: {why}")
+                raise failed_load(w, f"ensemble '{w.name}' cannot serve: {why}")
             return v  # READY, or a model it calls is idle: the first request wakes it
         if w.kind == "wake":
             if w.version is not None:
@@ -270,7 +276,7 @@ class Lifecycle:
             return None
         failed = [v for v in current if v in e.failed]
         if failed:
-            raise Unavailable(f"failed to load '{w.name}' version {failed[-1]}: {e.failed[failed[-1]]}")
+            raise failed_load(w, f"failed to load '{w.name}' version {failed[-1]}: {e.failed[failed[-1]]}")
         return current[-1]
 
     async def _record_cold_start(self, e: CatalogEntry, ms: float) -> None:
