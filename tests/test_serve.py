@@ -150,7 +150,8 @@ def test_broken_config_is_reported_and_other_models_serve(serve: Callable[..., S
     assert r.status_code == 503
     assert "model 'broken'" in r.json()["error"] and "batch_size" in r.json()["error"]
     r = httpx.post(f"{server.url}/v2/models/badtype/infer", content=b"{}")
-    assert r.status_code == 503 and "'data_type' TYPE_BF16" in r.json()["error"]
+    # (the model's x is FP32: the check against the model's tensors speaks first)
+    assert r.status_code == 503 and "input 'x': the config says TYPE_BF16, the model TYPE_FP32" in r.json()["error"]
     assert "model 'broken': invalid config.pbtxt" in server.logs()
 
 
