@@ -55,6 +55,8 @@ CASES = [
      "has no output 'q'"),
     ("header length past body", "/v2/models/mlp/infer", v2([x_input()]),
      {"Inference-Header-Content-Length": "100000"}, 400, "past the end"),
+    ("header length negative", "/v2/models/mlp/infer", v2([x_input()]),
+     {"Inference-Header-Content-Length": "-1"}, 400, "is negative"),
     ("header length not a number", "/v2/models/mlp/infer", v2([x_input()]),
      {"Inference-Header-Content-Length": "ten"}, 400, "integer"),
     ("binary size past body", "/v2/models/mlp/infer",

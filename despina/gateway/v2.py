@@ -131,7 +131,10 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
         if shm is not None and len(body) <= PLAN_HEADER_MAX and body.find(b"shared_memory_") >= 0:
             return _planned(body, len(body), spec, max_elements, shm)  # all header: the data is elsewhere
         return _decode(body, memoryview(b""), spec, max_elements, shm)[0]
-    if header_length < 0 or header_length > len(body):
+    if header_length < 0:
+        raise InvalidArgument(f"Inference-Header-Content-Length {header_length} is negative: it is the "
+                              "length of the JSON header that starts the body")
+    if header_length > len(body):
         raise InvalidArgument(f"Inference-Header-Content-Length {header_length} is past the end "
                               f"of the {len(body)}-byte body")
     if header_length > PLAN_HEADER_MAX:
