@@ -334,7 +334,9 @@ class ControlPlane:
             self._applied.pop(name, None)
         ready = sorted(n for n, e in self.catalog.entries.items() if e.state == "READY")
         if first:
-            log.info("catalog: %d models (%s)", len(self.catalog.entries), ", ".join(ready) or "none usable")
+            unusable = len(self.catalog.entries) - len(ready)
+            log.info("catalog: %d models, %d usable (%s)%s", len(self.catalog.entries), len(ready),
+                     ", ".join(ready) or "none", f"; {unusable} not: the index says why" if unusable else "")
         await self.catalog.flush()
         self.kick()
 
