@@ -131,6 +131,11 @@ def test_load_can_carry_the_model_files(serve: Callable[..., Server], repo: Path
     assert not (repo / "fresh").exists()
     assert infer(server.url, "uploaded").status_code == 200
     httpx.post(f"{server.url}/v2/repository/models/uploaded/unload", timeout=30).raise_for_status()
+    # an unloaded model whose load fails says why in the index (it said "unloaded")
+    r = httpx.post(f"{server.url}/v2/repository/models/uploaded/load", json=bad, timeout=30)
+    assert r.status_code == 400
+    row = next(r for r in httpx.post(f"{server.url}/v2/repository/index").json() if r["name"] == "uploaded")
+    assert row["state"] == "UNAVAILABLE" and "max_batch_size" in row["reason"], row
     assert httpx.post(f"{server.url}/v2/repository/models/uploaded/load", timeout=60).status_code == 200
 
 

@@ -137,7 +137,8 @@ class Commands:
                 log.error("load of %s failed: %s", name, exc.message)
                 if replaced:  # as Triton: a load that fails leaves the repository as it was
                     await asyncio.to_thread(self._restore, name, replaced)
-                if old is None or old.state != "READY":
+                # a model that serves keeps serving (its old files); one that does not now says why
+                if old is None or old.state != "READY" or old.target == UNLOADED:
                     plane.catalog.put(unavailable(model, exc.message))
                     plane.kick()
                 raise
