@@ -131,8 +131,14 @@ class Worker:
 
     async def sync(self) -> None:
         """Load what the catalog places here and is not loaded (or changed), unload what it no longer does."""
-        raw = await self.redis.hgetall(self.keys.catalog)
-        if not raw and self.runners and not await self.redis.exists(self.keys.control_leader):
+        # the catalog and the lease as of one moment: a control plane that recovers from a Redis restart
+        # writes the catalog, then takes the lease, and an empty catalog read before the one and a lease
+        # read after the other (two round trips) unloaded everything here
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(self.keys.catalog)
+        pipe.exists(self.keys.control_leader)
+        raw, leads = await pipe.execute()
+        if not raw and self.runners and not leads:
             return  # Redis lost its data (a restart without persistence): serve on until control republishes
         wanted: dict[Key, tuple[CatalogEntry, str]] = {}
         self.catalog = {}
