@@ -97,8 +97,8 @@ def test_a_value_onnxruntime_cannot_take_is_the_load_error(tmp_path: Path, extra
         loaded(tmp_path, extra)
 
 
-
 # -- the config against the model: a disagreement fails the load, not every request --------------------------
+
 
 @pytest.mark.parametrize(("config", "message"), [
     (CONFIG.replace('name: "x"', 'name: "zzz"'), "input 'zzz' is not one of the model's; allowed inputs are: x"),

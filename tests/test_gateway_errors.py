@@ -98,7 +98,6 @@ def test_binary_data_not_claimed_by_any_input(example_server: Server) -> None:
     assert r.status_code == 400 and "no input claims" in r.json()["error"]
 
 
-
 # the hot routes, and the same routes through ASGI (a %-escaped path is uvicorn's to parse)
 ENCODED = ["/v2/models/mlp/infer", "/v2/models/mlp/versions/1/infer", "/fn/mlp", "/v2/models/ml%70/infer",
            "/fn/ml%70"]
@@ -143,6 +142,7 @@ def test_a_body_in_another_encoding_or_not_in_its_own_is_refused(example_server:
         r = httpx.post(url, content=data, headers={"content-encoding": coding})
         assert r.status_code == 400, (words, r.text)
         assert words in r.json()["error"]
+
 
 def test_metadata_of_unknown_model_and_version(example_server: Server) -> None:
     assert httpx.get(example_server.url + "/v2/models/nope").status_code == 404

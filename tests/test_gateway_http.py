@@ -161,7 +161,6 @@ def test_chunked_body_over_the_limit(server: Server) -> None:
         assert status == 413 and b"over the limit" in body
 
 
-
 def test_a_compressed_body_is_held_to_the_limit_once_inflated(server: Server) -> None:
     """The limit is the body's as sent and as inflated: a small gzip body that inflates past it gets the 413
     of a body sent that large, without being inflated further (a bomb: 50 MB of zeros in 50 kB), and the
@@ -178,6 +177,7 @@ def test_a_compressed_body_is_held_to_the_limit_once_inflated(server: Server) ->
                 assert got == status, (path, len(body), answer)
                 if status == 413:
                     assert b"over the limit of 200000 bytes" in answer
+
 
 def test_chunked_body_is_answered(server: Server) -> None:
     body = infer_body()

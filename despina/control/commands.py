@@ -180,13 +180,13 @@ class Commands:
         registry = self.plane.registry
         decoded["config.pbtxt"] = text_format.MessageToString(message).encode()
         before = {path: registry.get(name, path) for path in decoded}
-        written: dict[str, bytes | None] = {}
+        written: list[str] = []
         try:
             for path, data in sorted(decoded.items()):
-                written[path] = before[path]
-                registry.put(name, path, data)
-        except DespinaError:
-            self._restore(name, written)
+                registry.put(name, path, data)  # each put replaces its file whole, or leaves it
+                written.append(path)
+        except (DespinaError, OSError):
+            self._restore(name, {path: before[path] for path in written})
             raise
         log.info("model %s: %d file(s) and its config written to %s", name, len(decoded) - 1,
                  registry.model_url(name))

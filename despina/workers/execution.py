@@ -19,6 +19,7 @@ from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply
 from . import answers
 from .backends import Backend, backend_class
+from .backends.base import text_inputs
 from .instances import plan as plan_instances
 from .ragged import BatchIO
 from .reshape import Reshapes
@@ -65,11 +66,13 @@ class Execution:
         self.backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
         self.executor = ThreadPoolExecutor(max_workers=self.count, thread_name_prefix=f"{spec.name}-")
         self.row_us: float | None = None  # moving average of a batch's cost per row (µs)
+        self.text: frozenset[str] = frozenset()  # BYTES inputs the backend takes as UTF-8 only (from load)
 
     async def load(self) -> None:
         """Load every instance of the instance groups, then run the warmup samples on each. `count` may
         change: the config's count on every GPU for KIND_GPU without `gpus`, say."""
         cls = backend_class(self.spec.backend)
+        self.text = text_inputs(self.spec, cls)
         version_dir = self.path / str(self.version)
         loop = asyncio.get_running_loop()
         gpus = await loop.run_in_executor(self.executor, cls.gpu_count)

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..contract import records
-from ..contract.errors import Code, ConfigError, DespinaError, Unavailable
+from ..contract.errors import Code, DespinaError, Unavailable
 from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, GROUP, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
@@ -22,8 +22,7 @@ from ..counters import Deferred, record_counts
 from ..resp import Batch, ReadAlong, Resp
 from ..response_cache import LOADS, ResponseCache, cache_key, through
 from . import answers, stats
-from .backends import backend_class
-from .backends.base import check_text, request_inputs, text_inputs
+from .backends.base import check_text, request_inputs
 from .batcher import DynamicBatcher, Item, QueueFull
 from .execution import Execution, durations
 from .inflight import Gateways
@@ -86,10 +85,7 @@ class ModelRunner:
                                    self._read_along.release)
         batch_io = self.execution.batch_io
         self._ragged = batch_io.ragged if batch_io is not None else frozenset()
-        try:
-            self._text = text_inputs(spec, backend_class(spec.backend))  # checked per request: _accept
-        except ConfigError:  # not installed: load() says so
-            self._text = frozenset()
+        self._text: frozenset[str] = frozenset()  # BYTES inputs checked per request (_accept), from load()
         count = self.execution.count
         # with full_queue_delay a batch waits out its delay even when no other request can join it
         self._coming = None if full_queue_delay else self._nothing_coming
@@ -116,6 +112,7 @@ class ModelRunner:
         """Load every instance of the instance groups, then run the warmup samples on each."""
         count = self.execution.count
         await self.execution.load()
+        self._text = self.execution.text
         if self.execution.count != count:  # e.g. KIND_GPU without `gpus`: count on every GPU
             self.batcher = self._batcher(self.execution.count)
 
@@ -242,7 +239,7 @@ class ModelRunner:
                 try:
                     inputs = request_inputs(req)
                     if self._text:
-                        check_text(req, self._text)
+                        check_text(inputs, self._text)
                 except DespinaError as exc:
                     fail(req, entry, exc.code, exc.message)
                     continue

@@ -79,17 +79,16 @@ def text_inputs(spec: ModelSpec, backend: type[Backend]) -> frozenset[str]:
     return frozenset(t.name for t in spec.inputs if t.datatype == "BYTES")
 
 
-def check_text(req: InferRequest, names: frozenset[str]) -> None:
-    """InvalidArgument when an element of one of the request's inputs `names` (BYTES) is not UTF-8."""
-    for t in req.inputs:
-        if t.name in names:
-            for i, element in enumerate(t.numpy().reshape(-1)):
-                try:
-                    element.decode()
-                except UnicodeDecodeError as exc:
-                    why = f"{exc.reason} at byte {exc.start}"
-                    raise InvalidArgument(f"input '{t.name}': element {i} is not UTF-8 text ({why}), which "
-                                          "this model's string tensors hold") from None
+def check_text(inputs: Mapping[str, np.ndarray], names: frozenset[str]) -> None:
+    """InvalidArgument when an element of one of the request's BYTES inputs `names` is not UTF-8."""
+    for name in names & inputs.keys():
+        for i, element in enumerate(inputs[name].reshape(-1)):
+            try:
+                element.decode()
+            except UnicodeDecodeError as exc:
+                why = f"{exc.reason} at byte {exc.start}"
+                raise InvalidArgument(f"input '{name}': element {i} is not UTF-8 text ({why}), which this "
+                                      "model's string tensors hold") from None
 
 
 def response_parameters(result: dict[str, np.ndarray]) -> Parameters:
