@@ -5,6 +5,7 @@ import base64
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -137,6 +138,69 @@ def test_load_can_carry_the_model_files(serve: Callable[..., Server], repo: Path
     row = next(r for r in httpx.post(f"{server.url}/v2/repository/index").json() if r["name"] == "uploaded")
     assert row["state"] == "UNAVAILABLE" and "max_batch_size" in row["reason"], row
     assert httpx.post(f"{server.url}/v2/repository/models/uploaded/load", timeout=60).status_code == 200
+
+
+PYTHON_MODEL = """
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        {body}
+
+    def execute(self, requests):
+        return []
+"""
+PYTHON_CONFIG = {"backend": "python", "max_batch_size": 4,
+                 "input": [{"name": "IN", "data_type": "TYPE_INT32", "dims": [3]}],
+                 "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [3]}]}
+
+
+def test_files_that_fail_on_the_workers_are_taken_back_out_too(serve: Callable[..., Server], repo: Path) -> None:
+    # the control plane reads these files well; the workers' load fails (initialize raises). The files
+    # used to stay: the next load or restart read them, and a model that served was gone
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "add_sub",
+                   wait_models=("add_sub",))
+    source = PYTHON_MODEL.format(body="raise RuntimeError('no weights here')")
+    params = {"config": orjson.dumps(PYTHON_CONFIG).decode(),
+              "file:1/model.py": base64.b64encode(source.encode()).decode()}
+    before = sorted(p.relative_to(repo) for p in repo.rglob("*"))
+    for name in ("fresh", "add_sub"):
+        r = httpx.post(f"{server.url}/v2/repository/models/{name}/load", json={"parameters": params},
+                       timeout=60)
+        assert r.status_code == 400 and "no weights here" in r.json()["error"], r.text
+    assert sorted(p.relative_to(repo) for p in repo.rglob("*")) == before
+    # add_sub serves on from its own files, and loads again from them
+    add = {"inputs": [{"name": n, "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}
+                      for n in ("a", "b")]}
+    r = httpx.post(f"{server.url}/v2/models/add_sub/infer", json=add, timeout=30)
+    assert r.status_code == 200 and [2, 4, 6, 8] in [o["data"] for o in r.json()["outputs"]], r.text
+    assert httpx.post(f"{server.url}/v2/repository/models/add_sub/load", timeout=60).status_code == 200
+    assert httpx.post(f"{server.url}/v2/models/add_sub/infer", json=add, timeout=30).status_code == 200
+    row = next(r for r in index(server.url) if r["name"] == "fresh")
+    assert row["state"] == "UNAVAILABLE" and "no weights here" in row["reason"], row
+
+
+def test_a_load_and_an_unload_sent_together_both_succeed_in_turn(serve: Callable[..., Server],
+                                                                  repo: Path) -> None:
+    # as Triton's: they are serialised. The load used to answer 503 "is unloaded" when the unload
+    # landed while it waited for the workers
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "1" / "model.py").write_text(PYTHON_MODEL.format(body="time.sleep(2)"))
+    (repo / "slow" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 4\n'
+        'input [ { name: "IN", data_type: TYPE_INT32, dims: [ 3 ] } ]\n'
+        'output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 3 ] } ]\n')
+    server = serve(repo, "--model-control-mode", "explicit")
+    url = f"{server.url}/v2/repository/models/slow"
+    with ThreadPoolExecutor(2) as pool:
+        load = pool.submit(httpx.post, f"{url}/load", timeout=60)
+        time.sleep(0.5)  # the load is waiting for the workers (initialize takes 2 s)
+        unload = pool.submit(httpx.post, f"{url}/unload", timeout=60)
+        assert load.result().status_code == 200, load.result().text
+        assert unload.result().status_code == 200, unload.result().text
+    assert httpx.get(f"{server.url}/v2/models/slow/ready", timeout=10).status_code == 400
+    assert {r["name"]: r for r in index(server.url)}["slow"]["reason"] == "unloaded"
 
 
 def test_a_load_that_no_worker_has_room_for_fails_at_once_when_asked(

@@ -6,6 +6,8 @@ import base64
 import binascii
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +17,7 @@ from google.protobuf import text_format
 from ..contract.catalog import IDLE, LOADED, UNLOADED, CatalogEntry
 from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
 from ..contract.ensemble import called_by, is_ensemble
-from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, NotFound
+from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..contract.modelconfig import check_model_name, normalize, parse_json
 from ..registry.base import check_relative
 from .backlog import refuse
@@ -23,6 +25,7 @@ from .repository import read_model, unavailable
 from .versions import transition
 
 if TYPE_CHECKING:
+    from ..registry.base import ModelFiles
     from .plane import ControlPlane
 
 log = logging.getLogger("despina.control")
@@ -123,7 +126,8 @@ class Commands:
         files = {k[5:]: v for k, v in params.items() if k.startswith("file:")}
         if files and override is None:
             raise InvalidArgument("load parameters with 'file:' entries need 'config' too")
-        async with plane.lock(name):
+        deadline = time.monotonic() + timeout
+        async with self._turn(name, deadline):
             replaced: dict[str, bytes | None] = {}
             if files:
                 assert override is not None
@@ -135,12 +139,7 @@ class Commands:
                 entry = await asyncio.to_thread(read_model, plane.registry, model, override)
             except DespinaError as exc:
                 log.error("load of %s failed: %s", name, exc.message)
-                if replaced:  # as Triton: a load that fails leaves the repository as it was
-                    await asyncio.to_thread(self._restore, name, replaced)
-                # a model that serves keeps serving (its old files); one that does not now says why
-                if old is None or old.state != "READY" or old.target == UNLOADED:
-                    plane.catalog.put(unavailable(model, exc.message))
-                    plane.kick()
+                await self._take_back(model, old, replaced, exc.message)
                 raise
             if entry.state == "READY" and is_ensemble(entry.config):
                 await self._load_steps(entry, timeout, (*calling, name))
@@ -153,8 +152,40 @@ class Commands:
             plane.catalog.put(replace(entry, step_only=step_only))
             log.info("model %s: loading version %s", name, ",".join(map(str, entry.versions)))
             plane.kick()
-        if wait:
-            await plane.lifecycle.wait(name, "load", None, timeout, no_room_fails)
+            if not wait:
+                return
+            try:
+                await plane.lifecycle.wait(name, "load", None, _left(deadline), no_room_fails)
+            except InvalidArgument as exc:  # it failed on the workers
+                if replaced:
+                    await self._take_back(model, old, replaced, exc.message)
+                raise
+
+    @asynccontextmanager
+    async def _turn(self, name: str, deadline: float) -> AsyncIterator[None]:
+        """The model's lock, held by a load or an unload until it answers: they take turns, as Triton's
+        do (a load and an unload sent together both succeed, in order)."""
+        lock = self.plane.lock(name)
+        try:
+            await asyncio.wait_for(lock.acquire(), _left(deadline))
+        except TimeoutError:
+            raise Unavailable(f"model '{name}' is still being loaded or unloaded by an earlier call; "
+                              "try again later") from None
+        try:
+            yield
+        finally:
+            lock.release()
+
+    async def _take_back(self, model: ModelFiles, old: CatalogEntry | None, replaced: dict[str, bytes | None],
+                         why: str) -> None:
+        """After a failed load: the load API's files come back out (as Triton's, a load that fails leaves
+        the repository as it was); a model that served serves on from its old files, one that did not
+        says why."""
+        if replaced:
+            await asyncio.to_thread(self._restore, model.name, replaced)
+        served = old is not None and old.state == "READY" and old.target != UNLOADED
+        self.plane.catalog.put(old if served and old is not None else unavailable(model, why))
+        self.plane.kick()
 
     async def _load_steps(self, entry: CatalogEntry, timeout: float, calling: tuple[str, ...]) -> None:
         """Load what an ensemble calls and is not loaded (an idle model stays idle: a request wakes it)."""
@@ -214,25 +245,23 @@ class Commands:
             if name in await asyncio.to_thread(plane.registry.names):
                 return  # in the repository, not loaded: nothing to do
             raise NotFound(f"failed to unload '{name}': no such model")
-        names = [name] + (self._steps_loaded_for(name) if dependents else [])
-        for n in names:
-            async with plane.lock(n):
+        deadline = time.monotonic() + timeout
+        async with self._turn(name, deadline):
+            names = [name] + (self._steps_loaded_for(name) if dependents else [])
+            self._mark_unloaded(name)
+            for n in names[1:]:
+                async with self._turn(n, deadline):
+                    self._mark_unloaded(n)
+            plane.kick()
+            for n in names:
+                await plane.lifecycle.wait(n, "unload", None, _left(deadline))
                 e = plane.catalog.get(n)
-                if e is not None and e.state == "READY":
-                    current = tuple(v for v in e.versions if v not in e.retiring)
-                    plane.catalog.put(replace(e, target=UNLOADED, workers=(), versions=current, retiring=()))
-                    plane.lifecycle.retire_at.pop(n, None)
-                    log.info("model %s: unloading", n)
-        plane.kick()
-        for n in names:
-            await plane.lifecycle.wait(n, "unload", None, timeout)
-            e = plane.catalog.get(n)
-            if e is None or e.target != UNLOADED:
-                continue
-            for v in e.versions:
-                for stream in e.streams(plane.keys, v):
-                    if count := await refuse(plane.redis, stream, f"model '{n}' was unloaded"):
-                        log.warning("model %s: %d queued requests answered: it was unloaded", n, count)
+                if e is None or e.target != UNLOADED:
+                    continue
+                for v in e.versions:
+                    for stream in e.streams(plane.keys, v):
+                        if count := await refuse(plane.redis, stream, f"model '{n}' was unloaded"):
+                            log.warning("model %s: %d queued requests answered: it was unloaded", n, count)
         # an ensemble left loaded on top of it: no worker runs it now (each stopped running it before
         # the model unloaded), so what is still on its stream would wait for nobody
         for d in self._dependents(name):
@@ -245,6 +274,15 @@ class Commands:
                                              f"'{name}' was unloaded"):
                         log.warning("ensemble %s: %d queued requests answered: model %s was unloaded", d,
                                     count, name)
+
+    def _mark_unloaded(self, name: str) -> None:
+        plane = self.plane
+        e = plane.catalog.get(name)
+        if e is not None and e.state == "READY":
+            current = tuple(v for v in e.versions if v not in e.retiring)
+            plane.catalog.put(replace(e, target=UNLOADED, workers=(), versions=current, retiring=()))
+            plane.lifecycle.retire_at.pop(name, None)
+            log.info("model %s: unloading", name)
 
     def _steps_loaded_for(self, name: str) -> list[str]:
         """What unload_dependents unloads with a model, as Triton does: the models its ensemble graph calls
@@ -290,6 +328,10 @@ class Commands:
             raise NotFound(f"unknown version {version} of model '{name}'")
         self.plane.kick()
         return await self.plane.lifecycle.wait(name, "wake", version, timeout)
+
+
+def _left(deadline: float) -> float:
+    return max(0.1, deadline - time.monotonic())
 
 
 def _config(name: str, raw: Any) -> dict[str, Any] | None:
