@@ -9,6 +9,7 @@ from despina.contract.catalog import IDLE, LOADED, CatalogEntry
 from despina.contract.cluster import VersionStatus, WorkerInfo, WorkerStatus
 from despina.contract.errors import ConfigError
 from despina.control.placement import committed, need, out_of_memory, partners, place, replicas
+from despina.control.repository import INSTANCE_BYTES, footprint
 from despina.control.versions import transition
 
 MB = 1024 * 1024
@@ -32,6 +33,16 @@ def test_kinds_and_gpus_decide_what_a_worker_needs() -> None:
     assert need(entry(groups=[{"kind": "KIND_GPU"}])).gpus == 1
     auto = need(entry(groups=[{"kind": "KIND_AUTO"}]))
     assert auto.gpus == 0 and auto.prefers_gpu
+
+
+def test_a_models_footprint_counts_each_instance_of_each_version() -> None:
+    config = {"name": "m", "instance_group": [{"kind": "KIND_CPU", "count": 3}, {"kind": "KIND_GPU", "gpus": [0, 1]}]}
+    assert footprint(config, 10 * MB) == 5 * (10 * MB + INSTANCE_BYTES)  # 3 + one on each of two GPUs
+    assert footprint(config, 10 * MB, versions=2) == 5 * (10 * MB + 2 * INSTANCE_BYTES)
+    assert footprint({"name": "m"}, 10 * MB) == 10 * MB + INSTANCE_BYTES   # Triton's default: one instance
+    config["parameters"] = {"memory_mb": {"string_value": "100"}}          # the user's figure, as it is
+    assert footprint(config, 10 * MB) == 100 * MB
+    assert footprint({"name": "e", "platform": "ensemble"}, 0) == 0
 
 
 def test_gpu_models_go_to_gpu_workers_and_cpu_models_keep_them_free() -> None:

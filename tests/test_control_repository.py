@@ -228,6 +228,22 @@ def test_a_load_that_no_worker_has_room_for_fails_at_once_when_asked(
     assert r.status_code == 200, r.text
 
 
+def test_an_instance_count_no_worker_can_hold_is_refused_by_placement(serve: Callable[..., Server],
+                                                                     repo: Path) -> None:
+    # each instance holds its own copy of the model: the footprint counts them (a count of 100000 used to
+    # be placed as one model's files, and the worker built sessions until memory ran out)
+    server = serve(repo, "--model-control-mode", "explicit", env={"DESPINA_WORKER_MEMORY_MB": "512"})
+    config = {"backend": "onnxruntime", "instance_group": [{"count": 40, "kind": "KIND_CPU"}]}
+    params = {"config": orjson.dumps(config).decode(), "fail_without_room": True}
+    r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load", json={"parameters": params}, timeout=60)
+    assert r.status_code == 503 and "does not fit on any worker" in r.json()["error"], r.text
+    assert "the model needs 640 MiB" in r.json()["error"]   # 40 instances of 16 MiB and the file's bytes
+    config["instance_group"] = [{"count": 2, "kind": "KIND_CPU"}]
+    params["config"] = orjson.dumps(config).decode()
+    r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load", json={"parameters": params}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_load_and_unload_are_refused_outside_explicit_mode(serve: Callable[..., Server], repo: Path) -> None:
     server = serve(repo, wait_models=("mlp",))  # mode none: everything loaded at start
     client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))

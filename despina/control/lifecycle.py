@@ -191,8 +191,10 @@ class Lifecycle:
         return e
 
     def forget(self, name: str) -> None:
-        """A new revision of the model: workers that failed the old one may try again."""
+        """A new revision of the model: workers that failed the old one may try again, and where the old
+        one found no room says nothing of the new one (until the next tick places it)."""
         self.excluded.pop(name, None)
+        self.no_room.discard(name)
 
     async def wait(self, name: str, kind: str, version: int | None, timeout: float,
                    no_room_fails: bool = False) -> int:

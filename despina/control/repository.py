@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from ..contract.catalog import CatalogEntry
-from ..contract.ensemble import PLATFORM, Ensemble
+from ..contract.ensemble import PLATFORM, Ensemble, is_ensemble
 from ..contract.errors import ConfigError, DespinaError
 from ..contract.modelconfig import (
     ModelConfig,
@@ -86,7 +86,8 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
         name, model.url, as_dict, tuple(selected), available=tuple(available),
         revisions={v: model.revision(v, canonical) for v in selected},
         files=tuple(f.pack() for f in model.files) if registry.remote else (),
-        footprint=footprint(as_dict, model.size(selected)), labels=_labels(registry, model, config, paths))
+        footprint=footprint(as_dict, model.size(selected), len(selected)),
+        labels=_labels(registry, model, config, paths))
 
 
 def _labels(registry: Registry, model: ModelFiles, config: Any, paths: set[str]
@@ -129,13 +130,26 @@ def load_model(model_dir: Path) -> CatalogEntry:
     return read_model(registry, registry.model(model_dir.name))
 
 
-def footprint(config: dict[str, Any], file_bytes: int) -> int:
-    """Memory a model is expected to take: its `memory_mb` parameter, else the size of its files."""
+# What an instance takes beside its copy of the model's weights (a session, its threads' arenas): an
+# estimate, so that an instance count no worker can hold is refused by placement, not found out by the
+# kernel's OOM killer
+INSTANCE_BYTES = 16 * 2**20
+
+
+def footprint(config: dict[str, Any], file_bytes: int, versions: int = 1) -> int:
+    """Memory a model is expected to take: its `memory_mb` parameter; else, for each instance of each
+    version, a copy of the version's files (each instance loads its own) and INSTANCE_BYTES."""
     raw = parameter(config, "memory_mb")
     try:
-        return int(float(raw) * 1024 * 1024) if raw else file_bytes
+        if raw:
+            return int(float(raw) * 1024 * 1024)
     except ValueError:
         raise ConfigError(f"model '{config.get('name')}': parameter 'memory_mb' must be a number") from None
+    if is_ensemble(config):
+        return file_bytes
+    instances = sum(max(1, int(g.get("count") or 1)) * max(1, len(g.get("gpus") or ()))
+                    for g in config.get("instance_group") or [{}])
+    return instances * (file_bytes + versions * INSTANCE_BYTES)
 
 
 def parameter(config: dict[str, Any], key: str) -> str | None:

@@ -32,4 +32,5 @@ def transition(old: CatalogEntry | None, new: CatalogEntry, target: str,
         revisions={**{v: old.revisions[v] for v in keep if v in old.revisions}, **new.revisions},
         failed={v: why for v, why in old.failed.items()
                 if v in new.revisions and new.revisions[v] == old.revisions.get(v)},
-        files=tuple(sorted(files.values())), footprint=max(new.footprint, old.footprint))
+        files=tuple(sorted(files.values())),
+        footprint=max(new.footprint, old.footprint) if keep else new.footprint)  # kept: room for either
