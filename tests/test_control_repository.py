@@ -244,6 +244,25 @@ def test_an_instance_count_no_worker_can_hold_is_refused_by_placement(serve: Cal
     assert r.status_code == 200, r.text
 
 
+def test_a_load_no_longer_wanted_stops(serve: Callable[..., Server], repo: Path) -> None:
+    # new files while the old ones load: both loads used to run to the end (the stale one could finish
+    # last and serve); an unloaded model's load ran to the end too
+    config = ('backend: "python"\nmax_batch_size: {}\ninstance_group [ {{ count: 2, kind: KIND_CPU }} ]\n'
+              'input [ {{ name: "IN", data_type: TYPE_INT32, dims: [ 3 ] }} ]\n'
+              'output [ {{ name: "OUT", data_type: TYPE_INT32, dims: [ 3 ] }} ]\n')
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "1" / "model.py").write_text(PYTHON_MODEL.format(body="time.sleep(3)"))
+    (repo / "slow" / "config.pbtxt").write_text(config.format(4))
+    server = serve(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2", health="live")
+    wait_until(lambda: "loading slow version 1" in server.logs(), 20, what="slow to start loading")
+    (repo / "slow" / "config.pbtxt").write_text(config.format(8))
+    wait_until(lambda: "loaded slow version 1" in server.logs(), 20, what="slow to load")
+    time.sleep(4)  # the other load's end, had both gone on
+    assert "stopped loading slow version 1: no longer wanted" in server.logs(), server.logs()[-3000:]
+    assert server.logs().count("loaded slow version 1") == 1
+    assert httpx.get(f"{server.url}/v2/models/slow/config").json()["max_batch_size"] == 8
+
+
 def test_load_and_unload_are_refused_outside_explicit_mode(serve: Callable[..., Server], repo: Path) -> None:
     server = serve(repo, wait_models=("mlp",))  # mode none: everything loaded at start
     client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))

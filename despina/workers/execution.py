@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -42,6 +42,20 @@ INLINE_BELOW_US = 1000
 # the implicit states' outputs of a stateful model's batch kept by its sequence batcher: (requests, rows
 # per request, results) -> the results without them
 Keep = Callable[[list["Pending"], list[int], list[Any]], list[Any]]
+
+
+async def _loaded(executor: ThreadPoolExecutor, backend: Backend) -> None:
+    """backend.load on the executor. Cancelled (the model is no longer wanted), the thread goes on
+    loading the instance; what it loads is unloaded as it is done (a Python model's stub process)."""
+    future = executor.submit(backend.load)
+    try:
+        await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        def unload(done: Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                backend.unload()
+        future.add_done_callback(unload)
+        raise
 
 
 class Execution:
@@ -89,7 +103,7 @@ class Execution:
             if self.spec.decoupled:  # a Python model (checked at load)
                 cast(Any, backend).on_response = self._from_thread(loop)
             try:
-                await loop.run_in_executor(self.executor, backend.load)
+                await _loaded(self.executor, backend)
                 self.instances.put_nowait(backend)
                 self.backends.append(backend)
                 await loop.run_in_executor(self.executor, warmup, backend, self.spec, warmups)

@@ -161,6 +161,10 @@ class Worker:
             log.info("worker %s: unloaded %s version %d", self.id, *key)
         for key in [k for k in self.failures if k not in wanted]:
             del self.failures[key]
+        for key, (rev, task) in list(self.loading.items()):
+            if wanted.get(key, (None, ""))[1] != rev and not task.cancelling():  # unloaded, or new files
+                task.cancel()
+                log.info("worker %s: stopped loading %s version %d: no longer wanted", self.id, *key)
         for key, (entry, rev) in wanted.items():
             serving = key in self.runners and self.revision.get(key) == rev
             if serving or self.failures.get(key, ("",))[0] == rev or self.loading.get(key, ("",))[0] == rev:
