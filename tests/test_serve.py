@@ -254,6 +254,11 @@ def test_a_crashed_control_plane_is_restarted_and_the_models_serve_on(
     # the new one leads: a load through the repository API is answered
     assert httpx.post(f"{server.url}/v2/repository/index", timeout=10).status_code == 200
     assert httpx.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200
+    # and it read the repository it took over as unchanged (it said every model "changed")
+    deadline = time.monotonic() + 20
+    while server.logs().count("catalog: ") < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.logs().count("catalog: ") == 2 and "changed in the repository" not in server.logs()
     assert stop_server(server) == 0
 
 

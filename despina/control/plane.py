@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from .. import logs
-from ..contract.catalog import LOADED
+from ..contract.catalog import LOADED, CatalogEntry
 from ..contract.commands import Command
 from ..contract.errors import ConfigError, DespinaError, Unavailable
 from ..contract.keys import CONTROL_GROUP, FIELD, Keys
@@ -324,7 +324,7 @@ class ControlPlane:
                 new = transition(old, entry, target, self._ready_check(name))
                 self.catalog.put(new)
                 self._applied[name] = fingerprint
-                if old is not None:
+                if old is not None and _differs(old, entry):  # a new leader reads the same, unchanged
                     log.info("model %s changed in the repository: %s", name,
                              f"loading version {','.join(map(str, entry.versions))}" if entry.state == "READY"
                              else "its new files cannot be used")
@@ -340,3 +340,6 @@ class ControlPlane:
         await self.catalog.flush()
         self.kick()
 
+
+def _differs(old: CatalogEntry, new: CatalogEntry) -> bool:
+    return (old.state, old.revisions, old.reason) != (new.state, new.revisions, new.reason)
