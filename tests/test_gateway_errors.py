@@ -119,7 +119,9 @@ def test_a_body_in_gzip_or_deflate_is_read(example_server: Server, path: str) ->
     body = v2([x_input()]) if path.startswith("/v2") else orjson.dumps(ROW)
     url = example_server.url + path
     want = answer_of(httpx.post(url, content=body))
-    for coding, data in (("gzip", gzip.compress(body)), ("GZip", gzip.compress(body)),
+    half = len(body) // 2  # gzip members one after another (RFC 1952) are one body: they were a 400
+    members = gzip.compress(body[:half]) + gzip.compress(body[half:])
+    for coding, data in (("gzip", gzip.compress(body)), ("GZip", gzip.compress(body)), ("gzip", members),
                          ("deflate", zlib.compress(body)), ("Deflate", raw_deflate(body)), ("identity", body)):
         r = httpx.post(url, content=data, headers={"content-encoding": coding})
         np.testing.assert_allclose(answer_of(r), want, rtol=1e-5, err_msg=coding)

@@ -96,29 +96,43 @@ def _coding(value: bytes) -> bytes | None:
 
 def decoded(body: bytes, coding: bytes, limit: int) -> bytes:
     """A body with its Content-Encoding (check_body's) undone: BodyTooLarge when it inflates past `limit`
-    bytes (no more than that is ever inflated), InvalidArgument when it is not what its encoding says."""
+    bytes (no more than that is ever inflated), InvalidArgument when it is not what its encoding says.
+    gzip data may be several members one after another (RFC 1952; what `cat a.gz b.gz` makes)."""
     if not body:  # no data to undo (json_body reads an empty body as {}, whatever its label)
         return body
+    out, body = _inflated(body, coding, limit, limit)
+    if not body:
+        return out
+    parts, size = [out], len(out)
+    while body:
+        if coding == b"deflate" or body[:2] != b"\x1f\x8b":
+            raise InvalidArgument(f"the request body has {len(body)} bytes after the end of its "
+                                  f"{coding.decode()} data")
+        out, body = _inflated(body, coding, limit - size, limit)
+        parts.append(out)
+        size += len(out)
+    return b"".join(parts)
+
+
+def _inflated(body: bytes, coding: bytes, room: int, limit: int) -> tuple[bytes, bytes]:
+    """One gzip member's (or the deflate stream's) data, at most `room` bytes of it, and what follows."""
     try:
         inflater = zlib.decompressobj(WBITS[coding])
         try:
-            out = inflater.decompress(body, limit + 1)
+            out = inflater.decompress(body, room + 1)
         except zlib.error:
             if coding != b"deflate":
                 raise
             inflater = zlib.decompressobj(-zlib.MAX_WBITS)
-            out = inflater.decompress(body, limit + 1)
+            out = inflater.decompress(body, room + 1)
     except zlib.error as exc:
         raise InvalidArgument(f"the request body is not valid {coding.decode()} data ({exc})") from None
-    if len(out) > limit:
+    if len(out) > room:
         raise BodyTooLarge(f"request body is over the limit of {limit} bytes once its "
                            f"{coding.decode()} encoding is undone")
     if not inflater.eof:
         raise InvalidArgument(f"the request body's {coding.decode()} data is cut short (truncated)")
-    if inflater.unused_data:
-        raise InvalidArgument(f"the request body has {len(inflater.unused_data)} bytes after the end of "
-                              f"its {coding.decode()} data")
-    return out
+    return out, inflater.unused_data
 
 
 HEADS_MAX = 1024
