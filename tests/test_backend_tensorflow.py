@@ -3,6 +3,7 @@ to import), and the signature reader that auto-completes configs without TensorF
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -182,6 +183,36 @@ def test_missing_savedmodel_or_signature_is_a_config_error(repo: Path, tmp_path:
     (folder / "1" / "exported").symlink_to(repo / "text" / "1" / "exported")
     with pytest.raises(ConfigError, match="signature 'nope'"):
         load_model(folder)
+
+
+@pytest.mark.parametrize(("tensors", "message"), [
+    ('input [ { name: "words", data_type: TYPE_FP32, dims: [ 2 ] }, '
+     '{ name: "scale", data_type: TYPE_FP32, dims: [ 1 ] } ]', "input 'words': the config says TYPE_FP32, "
+     "the model TYPE_STRING"),
+    ('input [ { name: "word", data_type: TYPE_STRING, dims: [ 2 ] }, '
+     '{ name: "scale", data_type: TYPE_FP32, dims: [ 1 ] } ]', "input 'word' is not one of the model's; "
+     "allowed inputs are: scale, words"),
+    ('input [ { name: "words", data_type: TYPE_STRING, dims: [ 3 ] }, '
+     '{ name: "scale", data_type: TYPE_FP32, dims: [ 1 ] } ]', "the model's shape [-1, 2] does not match "
+     "the config's [-1, 3]"),
+    ('input [ { name: "words", data_type: TYPE_STRING, dims: [ 2 ] } ]', "the model's input scale is not "
+     "in the config"),
+])
+def test_a_config_that_disagrees_with_the_signature_is_a_config_error(repo: Path, tmp_path: Path,
+                                                                       tensors: str, message: str) -> None:
+    # as for ONNX, and Triton: it used to load READY, and every request failed in the signature's call
+    folder = tmp_path / "text"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "exported").symlink_to(repo / "text" / "1" / "exported")
+    outputs = ('output [ { name: "upper", data_type: TYPE_STRING, dims: [ 2 ] }, '
+               '{ name: "lengths", data_type: TYPE_FP32, dims: [ 2 ] } ]')
+    (folder / "config.pbtxt").write_text(TEXT + tensors + "\n" + outputs + "\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_model(folder)
+    good = ('input [ { name: "words", data_type: TYPE_STRING, dims: [ 2 ] }, '
+            '{ name: "scale", data_type: TYPE_FP32, dims: [ 1 ] } ]')
+    (folder / "config.pbtxt").write_text(TEXT + good + "\n" + outputs + "\n")
+    assert [t["name"] for t in load_model(folder).config["input"]] == ["words", "scale"]
 
 
 @pytest.mark.parametrize(("kind", "accelerators", "message"), [

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...contract.errors import BackendError, ConfigError
-from .base import Backend, Declared, complete_config
+from .base import Backend, Declared, check_config, complete_config
 
 if find_spec("tensorflow") is None:  # TensorFlow itself is imported only where a model loads
     raise ImportError("No module named 'tensorflow'")
@@ -25,6 +25,7 @@ DEFAULT_SIGNATURE = "serving_default"
 TF_TO_CONFIG = {1: "TYPE_FP32", 2: "TYPE_FP64", 3: "TYPE_INT32", 4: "TYPE_UINT8", 5: "TYPE_INT16",
                 6: "TYPE_INT8", 7: "TYPE_STRING", 9: "TYPE_INT64", 10: "TYPE_BOOL", 17: "TYPE_UINT16",
                 19: "TYPE_FP16", 22: "TYPE_UINT32", 23: "TYPE_UINT64"}
+TF_NAMES = {8: "DT_COMPLEX64", 14: "DT_BFLOAT16", 18: "DT_COMPLEX128", 20: "DT_RESOURCE", 21: "DT_VARIANT"}
 
 
 @cache
@@ -106,14 +107,14 @@ class TensorFlowBackend(Backend):
         folder = version_dir / (config.default_model_filename or cls.default_filename())
         if not folder.is_dir():
             raise ConfigError(f"model '{config.name}': SavedModel folder {folder} does not exist")
-        if config.input and config.output:
-            return
         path = folder / "saved_model.pb"
         name = config.parameters["TF_SIGNATURE_DEF"].string_value if "TF_SIGNATURE_DEF" in \
             config.parameters else DEFAULT_SIGNATURE
         try:
             signature = read_signature(path, name)
         except (OSError, KeyError, ValueError) as exc:
+            if config.input and config.output:  # nothing to fill in: loading this version says what is wrong
+                return
             raise ConfigError(f"model '{config.name}': cannot read signature '{name}' from {path} to "
                               f"complete the config: {exc}") from None
         _complete(config, signature)
@@ -146,19 +147,24 @@ def _signature_name(config: Mapping[str, Any]) -> str:
 
 
 def _complete(config: Any, signature: Any) -> None:
+    """Auto-complete from the signature, then Triton's check of the config against it (as for ONNX)."""
     ins = sorted((e.key, e.value) for e in signature.inputs)
     outs = sorted((e.key, e.value) for e in signature.outputs)
-    for key, info in (*ins, *outs):
-        if info.tensor_shape.unknown_rank:
-            raise ConfigError(f"model '{config.name}': tensor '{key}' has an unknown rank; list the "
-                              "inputs and outputs in config.pbtxt")
-    complete_config(config, [_declared(key, info) for key, info in ins],
-                    [_declared(key, info) for key, info in outs])
+    if not (config.input and config.output):
+        for key, info in (*ins, *outs):
+            if info.tensor_shape.unknown_rank:
+                raise ConfigError(f"model '{config.name}': tensor '{key}' has an unknown rank; list the "
+                                  "inputs and outputs in config.pbtxt")
+    inputs = [_declared(key, info) for key, info in ins]
+    outputs = [_declared(key, info) for key, info in outs]
+    complete_config(config, inputs, outputs)
+    check_config(config, inputs, outputs)
 
 
 def _declared(key: str, info: Any) -> Declared:
     dims = tuple(d.size if d.size > 0 else -1 for d in info.tensor_shape.dim)
-    return Declared(key, TF_TO_CONFIG.get(info.dtype), str(info.dtype), dims)
+    named = TF_NAMES.get(info.dtype, f"DataType {info.dtype}")
+    return Declared(key, TF_TO_CONFIG.get(info.dtype), named, dims)
 
 
 def read_signature(path: Path, name: str = DEFAULT_SIGNATURE) -> Any:
