@@ -346,6 +346,17 @@ def test_requests_without_a_sequence_or_of_one_never_started_are_refused(server:
     assert r.status_code == 400 and "CORRID" in r.json()["error"], r.text
 
 
+def test_a_request_of_several_rows_is_refused_as_triton_refuses_it(server: Server) -> None:
+    """A row of a batch is one sequence's request: two rows would make two rows of state, and the next
+    request of one row would get both back."""
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 1], "data": [1.0, 2.0]}],
+            "parameters": {"sequence_id": 301, "sequence_start": True}}
+    r = httpx.post(f"{server.url}/v2/models/acc/infer", json=body, timeout=30)
+    assert r.status_code == 400 and "batch-size 1" in r.json()["error"], r.text
+    r = infer(server, "acc", 1.0, sequence_id=301)  # and it started no sequence
+    assert r.status_code == 400 and "START" in r.json()["error"], r.text
+
+
 def test_implicit_state_carries_each_sequences_state_to_its_next_request(server: Server) -> None:
     """Eight sequences at once on each model: each running sum is right only if every request got its
     own sequence's state, batched with the others' (the ONNX model) or one by one (the Python one)."""

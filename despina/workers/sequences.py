@@ -90,6 +90,9 @@ class SequenceBatcher:
             raise InvalidArgument(f"inference request to model '{self.spec.name}' must specify a non-zero "
                                   "or non-empty correlation ID (an ensemble's step or a model's call of a "
                                   "stateful model cannot yet)")
+        if item.rows > 1:  # as Triton's: a row of a batch is one sequence's request
+            raise InvalidArgument(f"inference request to model '{self.spec.name}' must specify batch-size 1 "
+                                  "due to requirements of sequence batcher")
         correlation, flags = request.sequence
         seq = self._sequences.get(correlation)
         if seq is None:
