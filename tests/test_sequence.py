@@ -541,3 +541,17 @@ def test_request_records_carry_the_sequence_and_older_ones_still_decode() -> Non
         raw[11] = bad
         with pytest.raises(InvalidArgument):
             InferRequest.unpack(raw)
+
+
+def test_a_correlation_id_wider_than_its_corrid_control_gets_its_low_bytes_as_in_triton() -> None:
+    """Triton copies the ID's low bytes into a narrower CORRID control; a number that did not fit its
+    datatype raised here, outside the request, and the model's reader stopped: every request hung."""
+    from despina.contract.sequence import START
+    from despina.workers.sequences import control_tensors
+
+    for datatype, correlation, value in (("TYPE_UINT32", 2**40 + 5, 5), ("TYPE_INT32", 2**32 - 1, -1),
+                                         ("TYPE_INT64", 2**64 - 1, -1), ("TYPE_UINT64", 2**64 - 1, 2**64 - 1)):
+        policy = spec(f'control_input [ {{ name: "C" control [ {{ kind: CONTROL_SEQUENCE_CORRID '
+                      f'data_type: {datatype} }} ] }} ]').sequence
+        got = control_tensors(policy, True, 1, correlation, START)["C"]
+        assert got.shape == (1, 1) and got[0, 0] == value, (datatype, got)

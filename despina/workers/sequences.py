@@ -94,6 +94,7 @@ class SequenceBatcher:
             raise InvalidArgument(f"inference request to model '{self.spec.name}' must specify batch-size 1 "
                                   "due to requirements of sequence batcher")
         correlation, flags = request.sequence
+        controls = control_tensors(self.sequence, self.spec.batched, item.rows, correlation, flags)
         seq = self._sequences.get(correlation)
         if seq is None:
             if not flags & START:
@@ -105,7 +106,6 @@ class SequenceBatcher:
                 self._waiting.append(correlation)
             else:
                 self._bound[seq.instance] += 1
-        controls = control_tensors(self.sequence, self.spec.batched, item.rows, correlation, flags)
         item.payload.inputs.update(controls)
         seq.queued.append(item)
         seq.last = time.monotonic()
@@ -265,7 +265,8 @@ def _control(control: Control, shape: tuple[int, ...], correlation: Correlation,
         if isinstance(correlation, str):
             raise InvalidArgument(f"the correlation ID of control input '{control.name}' must be a number "
                                   f"({control.datatype}), got '{correlation}'")
-        return np.full(shape, correlation, dtype=NUMPY[control.datatype])
+        # the ID's low bytes where the datatype is narrower, as Triton copies them
+        return np.full(shape, correlation, dtype=np.uint64).astype(NUMPY[control.datatype])
     on = {"START": bool(flags & START), "END": bool(flags & END), "READY": True}[control.kind]
     value = control.false_true[1] if on else control.false_true[0]
     return np.full(shape, value, dtype=NUMPY[control.datatype])
