@@ -555,3 +555,18 @@ def test_a_correlation_id_wider_than_its_corrid_control_gets_its_low_bytes_as_in
                       f'data_type: {datatype} }} ] }} ]').sequence
         got = control_tensors(policy, True, 1, correlation, START)["C"]
         assert got.shape == (1, 1) and got[0, 0] == value, (datatype, got)
+
+
+def test_an_initial_state_file_longer_than_the_state_is_read_as_far_as_it_goes(tmp_path: Path) -> None:
+    """Triton reads an initial_state data_file as far as the state needs and refuses only a short one; a
+    repository whose file has more (a trailing newline, say) loads there, so it must here."""
+    from despina.contract.sequence import State
+    from despina.workers.sequences import initial_state
+
+    (tmp_path / "initial_state").mkdir()
+    (tmp_path / "initial_state" / "long").write_bytes(np.array([1, 2, 3], np.int32).tobytes() + b"\n")
+    (tmp_path / "initial_state" / "short").write_bytes(np.array([1, 2], np.int32).tobytes())
+    state = State("S", "T", "INT32", (3,), (3,), "long")
+    assert initial_state("m", state, tmp_path).tolist() == [1, 2, 3]
+    with pytest.raises(ConfigError, match="holds 8 bytes"):
+        initial_state("m", State("S", "T", "INT32", (3,), (3,), "short"), tmp_path)

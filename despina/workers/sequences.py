@@ -242,10 +242,10 @@ def initial_state(model: str, state: State, model_dir: Path | None) -> np.ndarra
     except OSError as exc:
         raise ConfigError(f"model '{model}': the initial state of '{state.input}': {exc}") from None
     need = element_count(dims) * np.dtype(dtype).itemsize
-    if len(raw) != need:
+    if len(raw) < need:  # a longer file is read as far as the state goes, as Triton reads it
         raise ConfigError(f"model '{model}': the initial state of '{state.input}': {path.name} holds "
                           f"{len(raw)} bytes; {list(dims)} of {state.datatype} is {need}")
-    return np.frombuffer(raw, dtype=dtype).reshape(dims)
+    return np.frombuffer(raw, dtype=dtype, count=element_count(dims)).reshape(dims)
 
 
 def control_tensors(policy: SequencePolicy, batched: bool, rows: int, correlation: Correlation, flags: int
