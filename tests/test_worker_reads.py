@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from despina.contract import records
 from despina.contract.ensemble import Ensemble
+from despina.contract.errors import Code
 from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
@@ -183,6 +184,26 @@ async def test_the_next_read_goes_out_with_a_batchs_replies(worker: Worker) -> N
         assert reply.id == f"r{i}" and reply.error is None
     # the first batch ran on a thread (the model's cost was not known yet): its read went alone
     assert worker.sent_with_replies[0] >= 10
+
+
+async def test_a_request_the_worker_fails_to_take_is_answered_and_the_model_reads_on(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected error as a request is queued (a bug; a correlation ID too wide for its control was
+    one) stopped the model's read loop without a word: that request and every later one hung."""
+    put = worker.runner.batcher.put
+
+    def failing(item: Any) -> None:
+        if item.payload.request.id == "boom":
+            raise OverflowError("a bug")
+        put(item)
+    monkeypatch.setattr(worker.runner.batcher, "put", failing)
+    await worker.enqueue("boom")
+    (reply,) = await worker.replies(1)
+    assert reply.id == "boom" and reply.error == (Code.INTERNAL, "model 'mlp': OverflowError: a bug")
+    for rid in ("after", "and after"):
+        await worker.enqueue(rid)
+        (reply,) = await worker.replies(1)
+        assert reply.id == rid and reply.error is None
 
 
 async def slow_on_a_thread(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:

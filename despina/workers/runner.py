@@ -236,16 +236,12 @@ class ModelRunner:
                 if req.deadline < now:
                     fail(req, entry, Code.DEADLINE_EXCEEDED, TIMED_OUT)
                     continue
+                members = records.requests_in(req.id)
                 try:
                     inputs = request_inputs(req)
                     if self._text:
                         check_text(inputs, self._text)
-                except DespinaError as exc:
-                    fail(req, entry, exc.code, exc.message)
-                    continue
-                members = records.requests_in(req.id)
-                pending = Pending(req, entry, inputs, alone, now, members)
-                try:
+                    pending = Pending(req, entry, inputs, alone, now, members)
                     # the queue delay counts from here, as Triton's from its scheduler's queue (time
                     # in the stream is the gateway's and Valkey's work, not a wait for batch-mates);
                     # a queue timeout counts from the gateway's enqueue, the client's clock
@@ -257,8 +253,12 @@ class ModelRunner:
                 except QueueFull as exc:
                     fail(req, entry, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}")
                     continue
-                except DespinaError as exc:  # the sequence batcher's: a sequence that never started
+                except DespinaError as exc:  # its inputs, or the sequence batcher's refusal
                     fail(req, entry, exc.code, exc.message)
+                    continue
+                except Exception as exc:  # a bug: it fails this request, and the model reads on
+                    log.exception("model %s: taking request %s failed", self.spec.name, req.id)
+                    fail(req, entry, Code.INTERNAL, f"model '{self.spec.name}': {type(exc).__name__}: {exc}")
                     continue
                 self._gateways.opened(req.reply_to, members)
                 self._in_flight += members
