@@ -132,6 +132,9 @@ def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, 
     assert "at least 1" in refused({"trace_rate": "0"})
     assert "at least -1" in refused({"trace_count": "-2"})
     assert "integer" in refused({"log_frequency": "often"})
+    assert "integer" in refused({"trace_count": "--1"})  # not a number to int() either: was a 500
+    assert "integer" in refused({"trace_rate": "\u00b2"})
+    assert "at most 2147483647" in refused({"trace_rate": "9" * 5000})  # past int()'s digits: was a 500 too
     assert "needs trace_file" in refused({"trace_level": ["TIMESTAMPS"]})
     assert "needs trace_file" in refused({"trace_level": ["TIMESTAMPS"]}, "add_sub")
     assert "null clears a model's setting only" in refused({"trace_rate": None})

@@ -39,6 +39,7 @@ EVENT = b"trace"  # on the events channel: the trace settings changed
 DEFAULTS: dict[str, Any] = {"trace_file": "", "trace_level": ["OFF"], "trace_rate": "1000",
                             "trace_count": "-1", "log_frequency": "0", "trace_mode": "triton"}
 LEVELS = ("OFF", "TIMESTAMPS")
+INT_MAX = 2**31 - 1
 KEPT_MAX = 100_000  # traces a gateway keeps for a log_frequency of 0; past it they are counted, not kept
 
 
@@ -46,8 +47,11 @@ def _number(name: str, value: Any, least: int) -> str:
     raw = value[0] if type(value) is list and len(value) == 1 else value
     if type(raw) is int and not isinstance(raw, bool):
         raw = str(raw)
-    if type(raw) is not str or not raw.lstrip("-").isdigit() or int(raw) < least:
-        raise InvalidArgument(f"trace setting '{name}' must be an integer of at least {least} (as a string)")
+    # Triton reads them with stoi: at most INT_MAX, and no int() of thousands of digits
+    if type(raw) is not str or not raw.removeprefix("-").isdecimal() or len(raw) > 11 \
+            or not least <= int(raw) <= INT_MAX:
+        raise InvalidArgument(f"trace setting '{name}' must be an integer of at least {least} and at most "
+                              f"{INT_MAX} (as a string)")
     return str(int(raw))
 
 
