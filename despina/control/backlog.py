@@ -21,6 +21,7 @@ from ..contract import records
 from ..contract.errors import Code, DespinaError
 from ..contract.keys import FIELD, GROUP
 from ..contract.records import InferReply
+from ..workers import stats
 from ..workers.redelivery import DeliveryPolicy, Queue, redeliver
 
 log = logging.getLogger("despina.control")
@@ -47,9 +48,15 @@ async def requeue(redis: aioredis.Redis, queue: Queue, consumer: str, policy: De
     return moved
 
 
-async def refuse(redis: aioredis.Redis, stream: str, message: str) -> int:
-    """Answer every request still on `stream` with UNAVAILABLE `message`, and empty it."""
-    refused = 0
+# what the queue's max_queue_size counter (when it has one) no longer holds
+DECRBY_IF_EXISTS = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('DECRBY', KEYS[1], ARGV[1]) end"
+
+
+async def refuse(redis: aioredis.Redis, queue: Queue, message: str) -> int:
+    """Answer every request still on the queue's stream with UNAVAILABLE `message`, and empty it. The
+    answers count as failures and leave the queue's count, as a worker's answers do: else the metrics
+    would show them pending, and a reload's max_queue_size would hold them, for good."""
+    stream, refused = queue.stream, 0
     while True:
         # XRANGE's entries all have an id and fields (only XCLAIM's deleted ones have none)
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], await redis.xrange(stream, count=500))
@@ -67,5 +74,10 @@ async def refuse(redis: aioredis.Redis, stream: str, message: str) -> int:
         for reply_to, answers in replies.items():
             pipe.xadd(reply_to, {FIELD: records.encode(answers)})
         pipe.xdel(stream, *(entry_id for entry_id, _ in entries))
+        answered = [a for answers in replies.values() for a in answers]
+        if answered:
+            stats.record(pipe, queue.keys.stats(queue.model, queue.version), answered, 0, 0.0)
+            pipe.eval(DECRBY_IF_EXISTS, 1, queue.keys.queued(queue.model, queue.version, queue.level),
+                      len(answered))
         await pipe.execute()
-        refused += sum(len(a) for a in replies.values())
+        refused += len(answered)

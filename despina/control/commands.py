@@ -20,6 +20,7 @@ from ..contract.ensemble import called_by, is_ensemble
 from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..contract.modelconfig import check_model_name, normalize, parse_json
 from ..registry.base import check_relative
+from ..workers.redelivery import Queue
 from .backlog import refuse
 from .repository import read_model, unavailable
 from .versions import transition
@@ -259,8 +260,9 @@ class Commands:
                 if e is None or e.target != UNLOADED:
                     continue
                 for v in e.versions:
-                    for stream in e.streams(plane.keys, v):
-                        if count := await refuse(plane.redis, stream, f"model '{n}' was unloaded"):
+                    for level, _ in enumerate(e.streams(plane.keys, v), start=1):
+                        if count := await refuse(plane.redis, Queue(plane.keys, n, v, level),
+                                                 f"model '{n}' was unloaded"):
                             log.warning("model %s: %d queued requests answered: it was unloaded", n, count)
         # an ensemble left loaded on top of it: no worker runs it now (each stopped running it before
         # the model unloaded), so what is still on its stream would wait for nobody
@@ -269,9 +271,9 @@ class Commands:
             if e is None or d in names:
                 continue
             for v in e.versions:
-                for stream in e.streams(plane.keys, v):
-                    if count := await refuse(plane.redis, stream, f"ensemble '{d}' cannot run: model "
-                                             f"'{name}' was unloaded"):
+                for level, _ in enumerate(e.streams(plane.keys, v), start=1):
+                    if count := await refuse(plane.redis, Queue(plane.keys, d, v, level), f"ensemble '{d}' "
+                                             f"cannot run: model '{name}' was unloaded"):
                         log.warning("ensemble %s: %d queued requests answered: model %s was unloaded", d,
                                     count, name)
 
