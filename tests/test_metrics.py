@@ -338,3 +338,56 @@ def test_gpu_readings_count_a_gpu_once_whoever_reported_it() -> None:
     samples = gpu_samples([reading, dict(reading), {"uuid": "GPU-b", "memory_used": 3.0}, {"no": "uuid"}])
     assert [(name, labels["gpu_uuid"], value) for name, _, _, labels, value in samples] == \
         [("nv_gpu_utilization", "GPU-a", 0.5), ("nv_gpu_memory_used_bytes", "GPU-b", 3.0)]
+
+
+SLOW_MODEL = '''
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.05)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                            .as_numpy())]) for r in requests]
+'''
+
+
+def test_an_unload_answers_what_was_read_once_and_the_counts_agree_with_the_clients(
+        serve, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """What a worker had read when its model was unloaded runs, and its callers get those answers, not
+    an error for a request that then ran anyway: the metrics count what the clients got."""
+    repo = tmp_path / "repo"
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
+    (repo / "slow" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 1\ninput [{ name: "IN", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "OUT", data_type: TYPE_FP32, dims: [1] }]\n'
+        'dynamic_batching { default_queue_policy { max_queue_size: 100 } }\n')
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "slow", wait_models=("slow",))
+    body = orjson.dumps({"inputs": [{"name": "IN", "shape": [1, 1], "datatype": "FP32", "data": [1]}]})
+
+    async def traffic() -> list[int]:
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=100)) as client:
+            calls = [asyncio.create_task(client.post(f"{server.url}/v2/models/slow/infer", content=body))
+                     for _ in range(40)]
+            await asyncio.sleep(0.5)  # a few answered (50 ms each), the rest read by the worker
+            assert (await client.post(f"{server.url}/v2/repository/models/slow/unload")).status_code == 200
+            return [r.status_code for r in await asyncio.gather(*calls)]
+
+    statuses = asyncio.run(traffic())
+    assert set(statuses) <= {200, 503}
+    labels = '{model="slow",version="1"}'
+    answered = {f"nv_inference_request_success{labels}": statuses.count(200),
+                'nv_inference_request_failure{model="slow",version="1",reason="OTHER"}': statuses.count(503),
+                f"nv_inference_pending_request_count{labels}": 0}
+    metrics = settled_scrape(server, answered)
+    assert {k: metrics[k] for k in answered} == answered
+    assert statuses.count(200) == 40  # every request was read (the worker reads ahead 64) and ran
+
+    async def queued() -> bytes | None:
+        async with aioredis.Redis.from_url(redis_url) as redis:
+            return await redis.get(Keys(key_prefix).queued("slow", 1))
+
+    assert asyncio.run(queued()) in (None, b"0")  # a reload's max_queue_size holds none of them

@@ -35,7 +35,7 @@ class WorkerInfo:
 class VersionStatus:
     """One model version on one worker."""
 
-    state: str = "UNAVAILABLE"     # READY (a runner serves `revision`), LOADING, UNAVAILABLE
+    state: str = "UNAVAILABLE"     # READY (a runner serves `revision`), LOADING, UNLOADING, UNAVAILABLE
     revision: str = ""             # the revision that serves (READY), else the one being loaded
     loading: str = ""              # a newer revision being loaded while `revision` serves
     replaced: str = ""             # the revision `revision` replaced, still answering what it read

@@ -63,6 +63,7 @@ class Worker:
         self._steps: dict[tuple[str, int | None], ModelRunner | None] = {}  # step_runner's answers
         self.revision: dict[Key, str] = {}            # of the serving runner
         self.replaced: dict[Key, str] = {}            # of a runner replaced, while that one stops
+        self.unloading: dict[Key, ModelRunner] = {}  # runners no longer wanted, finishing what they read
         self.load_ms: dict[Key, float] = {}
         self.loading: dict[Key, tuple[str, asyncio.Task[None]]] = {}
         self._loading_from: dict[Key, Path] = {}     # the folder each load in progress reads
@@ -152,12 +153,15 @@ class Worker:
         gone = [k for k in self.runners if k not in wanted]
         await self._sync_hosts(set(gone))
         for key in gone:
-            runner = self.runners.pop(key)
+            runner = self.unloading[key] = self.runners.pop(key)
             self._steps.clear()
             self.revision.pop(key, None)
             self.load_ms.pop(key, None)
             await self._announce()
-            await runner.stop()
+            try:
+                await runner.stop()
+            finally:
+                del self.unloading[key]
             log.info("worker %s: unloaded %s version %d", self.id, *key)
         for key in [k for k in self.failures if k not in wanted]:
             del self.failures[key]
@@ -368,7 +372,9 @@ class Worker:
 
     def detail(self) -> dict[str, dict[int, VersionStatus]]:
         out: dict[str, dict[int, VersionStatus]] = {}
-        for key in {*self.runners, *self.loading, *self.failures}:
+        # an unloading runner is reported until it has answered what it read: the control plane answers
+        # what is left on the model's streams then, not requests this runner is still running
+        for key in {*self.runners, *self.loading, *self.failures, *self.unloading}:
             runner = self.runners.get(key)
             loading = self.loading.get(key, ("", None))[0]
             failed_rev, error = self.failures.get(key, ("", ""))
@@ -377,7 +383,7 @@ class Worker:
                                        self.replaced.get(key, ""), error=error, failed=failed_rev,
                                        load_ms=round(self.load_ms.get(key, 0.0), 1))
             else:
-                state = "LOADING" if loading else "UNAVAILABLE"
+                state = "LOADING" if loading else "UNLOADING" if key in self.unloading else "UNAVAILABLE"
                 status = VersionStatus(state, loading, error=error, failed=failed_rev)
             out.setdefault(key[0], {})[key[1]] = status
         return out
