@@ -57,6 +57,21 @@ def test_push_order_puts_the_config_last(tmp_path: Path) -> None:
     assert [p.path for p in plan(folder, 7)] == ["7/model.onnx", "warmup/x.bin", "config.pbtxt"]
 
 
+@pytest.mark.parametrize("version", [0, -3])
+def test_push_refuses_a_version_below_1(tmp_path: Path, version: int) -> None:
+    """Registries skip a version folder 0, as Triton does: --version 0 once went up as version 1, over
+    whatever version 1 the registry held."""
+    folder = mlp_folder(tmp_path / "src")
+    flat = folder / "1"
+    registry = tmp_path / "registry"
+    r = subprocess.run([sys.executable, "-m", "despina", "push", str(flat), str(registry), "--name", "mlp",
+                        f"--version={version}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "numbered from 1" in r.stderr, r.stderr
+    assert not registry.exists()
+    with pytest.raises(DespinaError, match="numbered from 1"):
+        plan(folder, version)
+
+
 def test_the_cache_downloads_each_file_once(s3_env: Weed, tmp_path: Path) -> None:
     url = s3_env.url()
     push(mlp_folder(tmp_path / "src"), url, s3_env.settings(), out=io.StringIO())

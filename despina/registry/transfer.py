@@ -30,6 +30,9 @@ def plan(folder: Path, version: int | None, ensemble: bool = False) -> list[Plan
     whose version files are missing). A folder without version folders is one version: `version`, or 1.
     An ensemble has no files of its own: its config may be all there is.
     """
+    if version is not None and version < 1:  # `version or 1` would make 0 version 1, over what that holds
+        raise InvalidArgument(f"version {version}: versions are numbered from 1 (a version folder 0 is "
+                              "skipped, as Triton skips it)")
     files = sorted(p for p in folder.rglob("*") if p.is_file() and not _hidden(p.relative_to(folder)))
     rel = [(p, p.relative_to(folder).as_posix()) for p in files]
     tops = {r.split("/", 1)[0] for _, r in rel if "/" in r}
