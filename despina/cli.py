@@ -127,6 +127,9 @@ def _registry_command(args: argparse.Namespace, settings: Settings) -> int:
     except DespinaError as exc:
         print(f"despina {args.command}: {exc.message}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a local folder it cannot read or write: the registry's errors are DespinaErrors
+        print(f"despina {args.command}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

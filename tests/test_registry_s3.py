@@ -72,6 +72,15 @@ def test_push_refuses_a_version_below_1(tmp_path: Path, version: int) -> None:
         plan(folder, version)
 
 
+def test_push_to_a_folder_it_cannot_write_says_so(tmp_path: Path) -> None:
+    folder = mlp_folder(tmp_path / "src")
+    (tmp_path / "registry").write_text("a file, not a folder")
+    r = subprocess.run([sys.executable, "-m", "despina", "push", str(folder), str(tmp_path / "registry")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "despina push: " in r.stderr and "Not a directory" in r.stderr
+
+
 def test_the_cache_downloads_each_file_once(s3_env: Weed, tmp_path: Path) -> None:
     url = s3_env.url()
     push(mlp_folder(tmp_path / "src"), url, s3_env.settings(), out=io.StringIO())
