@@ -312,6 +312,10 @@ def test_a_failing_step_fails_the_request_and_says_which(server: Server) -> None
     counted = wait_until(lambda: next((s for s in [stats()] if s["fail"]["count"]), None), 10,
                          what="the failure to be counted")  # the gateway writes its counts within 50 ms
     assert counted["fail"]["count"] == 1 and counted["success"]["count"] >= 1
+    # a failure's duration is counted, the ensemble's and its step's, as Triton's (it was always 0)
+    assert counted["fail"]["ns"] > 0
+    picky = settled_stats(server.url, "picky")["inference_stats"]["fail"]
+    assert picky["count"] == 1 and picky["ns"] > 0
 
 
 def test_bad_inputs_are_refused_before_any_step_runs(server: Server) -> None:

@@ -282,7 +282,7 @@ def test_a_batchs_counters_field_by_field() -> None:
         "compute_input_ns": 2000, "compute_infer_ns": 40000, "compute_output_ns": 6000,
         "success_count": 2, "queue_count": 2, "success_ns": 1_260_000, "queue_ns": 720_000,
         "lat:1": 1, "lat:4": 1, "qlat:1": 1, "qlat:3": 1,
-        "fail_count": 1, "fail:BACKEND": 1, "last_inference": 2500}
+        "fail_count": 1, "fail_ns": 60_000, "fail:BACKEND": 1, "last_inference": 2500}
     assert tally(replies[:1], 7, 2.5) == {  # no input or output time: no field for it
         "inference_count": 7, "execution_count": 1, "batch:7": 1, "batch_ns:7": 0,
         "compute_input_count": 1, "compute_infer_count": 1, "compute_output_count": 1,

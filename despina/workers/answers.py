@@ -2,6 +2,7 @@
 asked for, as V2 bytes; or an error reply."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -101,5 +102,11 @@ def answer(req: InferRequest, out: dict[str, np.ndarray], started: float, comput
     return InferReply(req.id, tuple(tensors), None, queue_us, compute_us, response_parameters(out))
 
 
-def error(req: InferRequest, code: Code, message: str) -> InferReply:
-    return InferReply(req.id, (), (code, message))
+def error(req: InferRequest, code: Code, message: str, started: float = 0.0) -> InferReply:
+    """An error reply, with the time the request took (counted as the failure's duration, as Triton
+    counts it): queued until `started`, when its batch ran, and computing since; without `started`, it
+    failed as it was read, after its time in the stream."""
+    now = time.time()
+    started = started or now
+    queue_us = max(0, int((started - req.enqueued) * 1e6)) if req.enqueued else 0
+    return InferReply(req.id, (), (code, message), queue_us, max(0, int((now - started) * 1e6)))

@@ -150,11 +150,11 @@ class Execution:
                 results = [await self.call(backend, inputs, names, sum(sizes))]
             marks["infer"] = time.perf_counter_ns()
         except DespinaError as exc:
-            return [answers.error(p.request, exc.code, exc.message) for p in live]
+            return [answers.error(p.request, exc.code, exc.message, started) for p in live]
         except Exception as exc:  # a backend bug must fail the batch, not the worker
             log.exception("model %s: backend raised", self.spec.name)
             failed = f"model '{self.spec.name}' failed: {exc}"
-            return [answers.error(p.request, Code.BACKEND, failed) for p in live]
+            return [answers.error(p.request, Code.BACKEND, failed, started) for p in live]
         finally:
             if instance is None:
                 self.instances.put_nowait(backend)
@@ -194,13 +194,13 @@ class Execution:
                 self.executor, backend.execute_requests, arrays, asked)
         if len(results) != len(live):
             msg = f"model '{self.spec.name}' returned {len(results)} results for {len(live)} requests"
-            return [answers.error(p.request, Code.BACKEND, msg) for p in live]
+            return [answers.error(p.request, Code.BACKEND, msg, started) for p in live]
         if keep is not None:
             results = keep(live, [1] * len(live), results)
         compute_us = int((time.time() - started) * 1e6)
         if reshape is not None:
             results = [r if isinstance(r, DespinaError) else _reshaped(reshape, r) for r in results]
-        return [answers.error(p.request, r.code, r.message) if isinstance(r, DespinaError)
+        return [answers.error(p.request, r.code, r.message, started) if isinstance(r, DespinaError)
                 else answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
 
     async def run_streams(self, live: list[Pending], started: float) -> None:
