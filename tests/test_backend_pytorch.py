@@ -101,6 +101,11 @@ class Pair(torch.nn.Module):
         return first * 10 + second, first - second
 
 
+class DictDifference(torch.nn.Module):
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return inputs["x"] - inputs["y"]
+
+
 class Difference(torch.nn.Module):
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a - b
@@ -252,6 +257,25 @@ def test_no_inference_tensor_trap_whatever_the_callers_grad_mode(repo: Path) -> 
     third = backend.execute({"INPUT__0": x}, ["OUTPUT__0"])["OUTPUT__0"]
     for y in (first, second, third):
         np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
+    backend.unload()
+
+
+def test_a_dictionary_input_gets_every_input_by_name(tmp_path: Path) -> None:
+    """Triton's PyTorch backend: a forward() whose one argument is a Dict[str, Tensor] gets the inputs
+    in it, keyed by their config names, whatever the naming convention."""
+    folder = write_config(tmp_path, "dict_in", '''
+platform: "pytorch_libtorch"
+max_batch_size: 4
+input [ { name: "y", data_type: TYPE_FP32, dims: [ 2 ] }, { name: "x", data_type: TYPE_FP32, dims: [ 2 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 2 ] } ]
+''')
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(DictDifference()).save(str(folder / "1" / "model.pt"))
+    backend = load_backend(folder)
+    x = np.array([[5.0, 7.0]], dtype=np.float32)
+    y = np.array([[1.0, 2.0]], dtype=np.float32)
+    assert backend.execute({"x": x, "y": y}, ["OUTPUT__0"])["OUTPUT__0"].tolist() == [[4.0, 5.0]]
     backend.unload()
 
 

@@ -2,9 +2,10 @@
 
 Inputs follow Triton's PyTorch backend: config names that are the forward() argument names bind by
 name; names of the form `<anything>__<i>` (INPUT__0) bind to position i; otherwise the config order
-is the argument order. A model returning a tuple or list maps it the same way onto the outputs
-(OUTPUT__0, or the config order); a dict maps by key. Every call runs under `torch.no_grad()` with
-parameters frozen, so the "inference tensors cannot be saved for backward" trap cannot happen.
+is the argument order; a forward() whose one argument is a Dict[str, Tensor] gets every input in it by
+name. A model returning a tuple or list maps it the same way onto the outputs (OUTPUT__0, or the config
+order); a dict maps by key. Every call runs under `torch.no_grad()` with parameters frozen, so the
+"inference tensors cannot be saved for backward" trap cannot happen.
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ class PyTorchBackend(Backend):
         torch.set_num_threads(max(1, self.instance.threads))
         self.device = torch.device(f"cuda:{self.instance.device}" if self.instance.kind == "GPU" else "cpu")
         path = self.model_path()
+        self.dict_input = False  # forward(self, inputs: Dict[str, Tensor]): Triton's dictionary input
         try:
             with _LOADING, warnings.catch_warnings():  # TorchScript is deprecated upstream
                 warnings.simplefilter("ignore", DeprecationWarning)
@@ -78,7 +80,9 @@ class PyTorchBackend(Backend):
                 else:
                     self.module = torch.jit.load(str(path), map_location=self.device)
                     self.module.eval()
-                    names = [a.name for a in self.module.forward.schema.arguments[1:]]
+                    arguments = self.module.forward.schema.arguments[1:]
+                    names = [a.name for a in arguments]
+                    self.dict_input = len(arguments) == 1 and isinstance(arguments[0].type, torch.DictType)
         except Exception as exc:
             raise ConfigError(f"model '{self.spec.name}': torch cannot load {path.name}: {exc}") from None
         for param in self.module.parameters():
@@ -88,7 +92,8 @@ class PyTorchBackend(Backend):
             raise ConfigError(f"model '{self.spec.name}': the pytorch backend takes no BYTES inputs "
                               f"({', '.join(bytes_inputs)})")
         made = [n for b in self.spec.batch_inputs for n in b.targets]  # the batch inputs (workers/ragged.py)
-        self.arguments = _order([t.name for t in self.spec.inputs] + made, names, "input", self.spec.name)
+        declared = [t.name for t in self.spec.inputs] + made
+        self.arguments = declared if self.dict_input else _order(declared, names, "input", self.spec.name)
         self.results = _order([t.name for t in self.spec.outputs], [], "output", self.spec.name)
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
@@ -97,6 +102,8 @@ class PyTorchBackend(Backend):
             args = [self._tensor(torch, inputs[name]) for name in self.arguments]
         except KeyError as exc:
             raise BackendError(f"model '{self.spec.name}': input {exc} is missing") from None
+        if self.dict_input:
+            args = [dict(zip(self.arguments, args))]
         try:
             with torch.no_grad():
                 result = self.module(*args)
