@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from despina.contract.errors import ConfigError
+from despina.contract.errors import BackendError, ConfigError
 from despina.contract.keys import Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.control.repository import load_model
@@ -99,6 +99,11 @@ class RaggedSum(torch.nn.Module):
 class Pair(torch.nn.Module):
     def forward(self, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return first * 10 + second, first - second
+
+
+class Steps(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x + 1, x + 2, x + 3
 
 
 class DictDifference(torch.nn.Module):
@@ -276,6 +281,33 @@ output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 2 ] } ]
     x = np.array([[5.0, 7.0]], dtype=np.float32)
     y = np.array([[1.0, 2.0]], dtype=np.float32)
     assert backend.execute({"x": x, "y": y}, ["OUTPUT__0"])["OUTPUT__0"].tolist() == [[4.0, 5.0]]
+    backend.unload()
+
+
+def test_a_config_may_list_some_indexed_outputs(tmp_path: Path) -> None:
+    """As in Triton, OUTPUT__<i> is the model's i-th output whichever of them the config lists; an index
+    past what the model returns fails the request, not the load."""
+    def steps(name: str, outputs: str) -> Any:
+        folder = write_config(tmp_path, name, f'''
+platform: "pytorch_libtorch"
+max_batch_size: 4
+input [ {{ name: "INPUT__0", data_type: TYPE_FP32, dims: [ 2 ] }} ]
+output [ {outputs} ]
+''')
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.jit.script(Steps()).save(str(folder / "1" / "model.pt"))
+        return load_backend(folder)
+
+    x = {"INPUT__0": np.zeros((1, 2), dtype=np.float32)}
+    backend = steps("some", '{ name: "OUTPUT__2", data_type: TYPE_FP32, dims: [ 2 ] }, '
+                              '{ name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 2 ] }')
+    out = backend.execute(x, ["OUTPUT__2", "OUTPUT__0"])
+    assert out["OUTPUT__2"].tolist() == [[3.0, 3.0]] and out["OUTPUT__0"].tolist() == [[1.0, 1.0]]
+    backend.unload()
+    backend = steps("beyond", '{ name: "OUTPUT__3", data_type: TYPE_FP32, dims: [ 2 ] }')
+    with pytest.raises(BackendError, match="returned 3 tensors, too few for output OUTPUT__3"):
+        backend.execute(x, ["OUTPUT__3"])
     backend.unload()
 
 

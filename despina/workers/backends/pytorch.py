@@ -4,8 +4,9 @@ Inputs follow Triton's PyTorch backend: config names that are the forward() argu
 name; names of the form `<anything>__<i>` (INPUT__0) bind to position i; otherwise the config order
 is the argument order; a forward() whose one argument is a Dict[str, Tensor] gets every input in it by
 name. A model returning a tuple or list maps it the same way onto the outputs (OUTPUT__0, or the config
-order); a dict maps by key. Every call runs under `torch.no_grad()` with parameters frozen, so the
-"inference tensors cannot be saved for backward" trap cannot happen.
+order; a config may list only some of them, OUTPUT__1 alone say); a dict maps by key. Every call runs
+under `torch.no_grad()` with parameters frozen, so the "inference tensors cannot be saved for backward"
+trap cannot happen.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ class PyTorchBackend(Backend):
         made = [n for b in self.spec.batch_inputs for n in b.targets]  # the batch inputs (workers/ragged.py)
         declared = [t.name for t in self.spec.inputs] + made
         self.arguments = declared if self.dict_input else _order(declared, names, "input", self.spec.name)
-        self.results = _order([t.name for t in self.spec.outputs], [], "output", self.spec.name)
+        self.results = _positions([t.name for t in self.spec.outputs])
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         torch = _torch()
@@ -130,10 +131,11 @@ class PyTorchBackend(Backend):
         if isinstance(result, Mapping):
             return dict(result)
         values = list(result) if isinstance(result, (tuple, list)) else [result]
-        if len(values) < len(self.results):
-            raise BackendError(f"model '{self.spec.name}' returned {len(values)} tensors for "
-                               f"{len(self.results)} outputs")
-        return dict(zip(self.results, values))
+        beyond = [name for name, i in self.results.items() if i >= len(values)]
+        if beyond:
+            raise BackendError(f"model '{self.spec.name}' returned {len(values)} tensors, too few for "
+                               f"output {', '.join(beyond)}")
+        return {name: values[i] for name, i in self.results.items()}
 
     @classmethod
     def auto_complete(cls, config: Any, version_dir: Path) -> None:
@@ -170,6 +172,15 @@ def _order(config_names: list[str], forward_names: list[str], kind: str, model: 
                               f"0..{len(indexed) - 1}")
         return [n for _, n in indexed]
     return list(config_names)
+
+
+def _positions(config_names: list[str]) -> dict[str, int]:
+    """Each output's place in what the model returns: the <i> of `<anything>__<i>` when every name has
+    one (as in Triton, any of the model's outputs, in any order), else the config order."""
+    matches = [INDEXED.match(n) for n in config_names]
+    if config_names and all(matches):
+        return {n: int(m.group(1)) for m, n in zip(matches, config_names) if m}
+    return {n: i for i, n in enumerate(config_names)}
 
 
 def _complete_from_program(config: Any, program: Any) -> None:
