@@ -21,7 +21,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from despina.contract.errors import ConfigError, DespinaError
+from despina.contract.errors import Code, ConfigError, DespinaError
 from despina.contract.modelconfig import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_add_sub
@@ -405,6 +405,39 @@ def test_missing_model_file_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "empty" / "config.pbtxt").write_text('backend: "python"\n')
     with pytest.raises(ConfigError, match="does not exist"):
         load_model(tmp_path / "empty")
+
+
+# Each request's X names the TritonError code its error response carries.
+CODES = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(error=pb_utils.TritonError(
+            "code " + str(int(pb_utils.get_input_tensor_by_name(r, "X").as_numpy()[0])),
+            int(pb_utils.get_input_tensor_by_name(r, "X").as_numpy()[0]))) for r in requests]
+'''
+CODES_CONFIG = ('name: "codes"\nbackend: "python"\nmax_batch_size: 0\n'
+                'input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+                'output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]\n')
+
+
+def test_an_error_responses_code_gives_tritons_status(tmp_path: Path) -> None:
+    """Triton's HTTP status of a TritonError code: UNKNOWN, ALREADY_EXISTS and CANCELLED are a 400 as
+    INVALID_ARG is, NOT_FOUND a 404, UNAVAILABLE a 503, INTERNAL (and UNSUPPORTED here) a 500."""
+    backend: Any = backend_for(write_model(tmp_path, "codes", CODES, CODES_CONFIG))
+    backend.load()
+    try:
+        results = backend.execute_requests([{"X": np.array([code], np.int32)} for code in range(8)],
+                                           [["Y"]] * 8)
+        # UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED
+        assert [r.code for r in results] == [Code.INVALID_ARGUMENT, Code.BACKEND, Code.NOT_FOUND,
+                                             Code.INVALID_ARGUMENT, Code.UNAVAILABLE, Code.BACKEND,
+                                             Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT]
+        assert results[6].message == "model 'codes': code 6"
+    finally:
+        backend.unload()
 
 
 SHAPES = '''

@@ -34,8 +34,10 @@ from .python_process import DecoupledStub, OnResponse, Stub, StubDied, log
 from .python_stub import _despina_wire as wire
 
 AUTO_COMPLETE_TIMEOUT_S = 60.0
-# TritonError codes -> Despina codes; the rest (INTERNAL, UNKNOWN, UNSUPPORTED...) are backend errors.
-ERROR_CODES = {2: Code.NOT_FOUND, 3: Code.INVALID_ARGUMENT, 4: Code.UNAVAILABLE}
+# TritonError codes -> Despina codes, for the HTTP status Triton gives them: UNKNOWN, ALREADY_EXISTS and
+# CANCELLED are a 400 there, as INVALID_ARG is; the rest (INTERNAL, UNSUPPORTED) are backend errors.
+ERROR_CODES = {0: Code.INVALID_ARGUMENT, 2: Code.NOT_FOUND, 3: Code.INVALID_ARGUMENT, 4: Code.UNAVAILABLE,
+               6: Code.INVALID_ARGUMENT, 7: Code.INVALID_ARGUMENT}
 
 
 class PythonBackend(Backend):
