@@ -311,6 +311,17 @@ output [ {outputs} ]
     backend.unload()
 
 
+def test_a_config_without_every_forward_argument_is_a_load_error(repo: Path, tmp_path: Path) -> None:
+    """As in Triton, the config must give forward() every argument: else the model does not load (it
+    would fail every request)."""
+    folder = write_config(tmp_path, "half_pair", PAIR.replace('"pair"', '"half_pair"').replace(
+        '  { name: "INPUT__1", data_type: TYPE_INT64, dims: [ 3 ] },\n', ''))
+    (folder / "1" / "model.pt").write_bytes((repo / "pair" / "1" / "model.pt").read_bytes())
+    with pytest.raises(ConfigError, match=r"the config gives 1 inputs, the model's forward\(\) takes 2 "
+                                          r"\(first, second\)"):
+        load_backend(folder)
+
+
 def test_torch_export_auto_complete(repo: Path, tmp_path: Path) -> None:
     folder = tmp_path / "bare"
     (folder / "1").mkdir(parents=True)

@@ -94,6 +94,9 @@ class PyTorchBackend(Backend):
                               f"({', '.join(bytes_inputs)})")
         made = [n for b in self.spec.batch_inputs for n in b.targets]  # the batch inputs (workers/ragged.py)
         declared = [t.name for t in self.spec.inputs] + made
+        if not self.dict_input and len(declared) != len(names):  # Triton's load-time check too
+            raise ConfigError(f"model '{self.spec.name}': the config gives {len(declared)} inputs, the "
+                              f"model's forward() takes {len(names)} ({', '.join(names)})")
         self.arguments = declared if self.dict_input else _order(declared, names, "input", self.spec.name)
         self.results = _positions([t.name for t in self.spec.outputs])
 
