@@ -77,6 +77,25 @@ ensemble_scheduling { step [ {
 } ] }
 '''
 
+# two steps at once: the cached model and one without the cache (a hit on the first answers at once,
+# while the second is still to be queued)
+PAIR = '''
+name: "pair"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 2 ] } ]
+output [
+  { name: "y_cached", data_type: TYPE_FP32, dims: [ 2 ] },
+  { name: "y_plain", data_type: TYPE_FP32, dims: [ 2 ] }
+]
+ensemble_scheduling { step [
+  { model_name: "cached" model_version: -1
+    input_map { key: "x" value: "x" } output_map { key: "y" value: "y_cached" } },
+  { model_name: "plain" model_version: -1
+    input_map { key: "x" value: "x" } output_map { key: "y" value: "y_plain" } }
+] }
+'''
+
 
 def write_model(root: Path, name: str, extra: str, source: str = COUNTER) -> None:
     (root / name / "1").mkdir(parents=True, exist_ok=True)
@@ -92,12 +111,14 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_model(root, "plain", "")
     (root / "chain").mkdir()
     (root / "chain" / "config.pbtxt").write_text(CHAIN)
+    (root / "pair").mkdir()
+    (root / "pair" / "config.pbtxt").write_text(PAIR)
     return root
 
 
 @pytest.fixture(scope="module")
 def server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
-    yield from module_server(repo, tmp_path_factory, redis_url, ("cached", "reloaded", "plain", "chain"),
+    yield from module_server(repo, tmp_path_factory, redis_url, ("cached", "reloaded", "plain", "chain", "pair"),
                              env={"DESPINA_RESPONSE_CACHE_BYTES": str(1 << 20),
                                   "DESPINA_MODEL_CONTROL_MODE": "explicit", "DESPINA_LOAD_MODEL": "*"})
 
@@ -188,6 +209,13 @@ def test_an_ensemble_step_run_by_the_worker_is_answered_from_the_worker_s_cache(
     chain = settled_stats(server.url, "chain")
     assert chain["inference_stats"]["cache_hit"]["count"] == 0  # the ensemble itself has no cache: it ran
     assert chain["inference_stats"]["success"]["count"] >= 2
+
+
+def test_a_cached_step_beside_a_step_that_runs_answers_the_ensemble(server: Server) -> None:
+    """The cached step's hit comes back at once, while the run is still starting the steps beside it:
+    the step that runs is started once, and the ensemble answers (it used to start it twice: a 500)."""
+    for _ in range(3):
+        assert answer(infer(server, "pair", [13.0, 14.0]))["y_cached"] == [26.0, 28.0]
 
 
 def test_the_metrics_count_hits_and_misses(server: Server) -> None:

@@ -239,6 +239,8 @@ class Run:
         tensors, coming = self.tensors, self.coming
         ready = [s for s in self.pending if all(t in tensors or t not in coming for _, t in s.inputs)]
         for step in ready:
+            if step not in self.pending:
+                continue  # a step answered at once (from a response cache) started it already
             self.pending.remove(step)
             self.running += 1
             try:
