@@ -165,19 +165,19 @@ MATRIX = [
     ({**KEYS, "auth_inference": True}, "/v2/models/add_sub/versions/1/infer", SCOPED_H, OK),
     ({**KEYS, "auth_inference": True}, "/v2", SCOPED_H, OK),
     ({**KEYS, "auth_inference": True}, "/v2/health/ready", [], OK),
-    (TRITON, "/v2/models/stats", [], DENIED),
+    (TRITON, "/v2/models/stats", [], FORBIDDEN),                            # 403, as Triton answers
     (TRITON, "/v2/models/stats", h(admin_key=TRITON_VALUE), OK),
-    (TRITON, "/v2/models/stats", h(admin_key=TRITON_VALUE + "x"), DENIED),
+    (TRITON, "/v2/models/stats", h(admin_key=TRITON_VALUE + "x"), FORBIDDEN),
     (TRITON, "/v2/models/mlp/config", [], OK),                              # not in the Triton group
-    (TRITON, "/v2/models/stats", ADMIN_H, DENIED),                          # no keys configured
+    (TRITON, "/v2/models/stats", ADMIN_H, FORBIDDEN),                       # no keys configured
     ({**KEYS, **TRITON}, "/v2/models/stats", h(admin_key=TRITON_VALUE), OK),
     ({**KEYS, **TRITON}, "/v2/models/stats", ADMIN_H, OK),                  # a key opens it too
     ({**KEYS, **TRITON}, "/v2/models/mlp/config", h(admin_key=TRITON_VALUE), DENIED),
-    ({"http_restricted_api": "health:k=v"}, "/v2/health/live", [], DENIED),  # as Triton allows
+    ({"http_restricted_api": "health:k=v"}, "/v2/health/live", [], FORBIDDEN),  # as Triton allows
     (KEYS, "/v2/logging", [], DENIED),                                      # every process's log settings
     (KEYS, "/v2/logging", ADMIN_H, OK),
     (KEYS, "/v2/logging", SCOPED_H, FORBIDDEN),                             # server-wide
-    ({"http_restricted_api": f"logging:{TRITON_HEADER}={TRITON_VALUE}"}, "/v2/logging", [], DENIED),
+    ({"http_restricted_api": f"logging:{TRITON_HEADER}={TRITON_VALUE}"}, "/v2/logging", [], FORBIDDEN),
     ({"http_restricted_api": f"logging:{TRITON_HEADER}={TRITON_VALUE}"}, "/v2/logging",
      h(admin_key=TRITON_VALUE), OK),
 ]
@@ -217,7 +217,10 @@ async def test_guard_answers_401_403_and_400_with_json_errors() -> None:
     r = await guarded(p, "/v2/models/a..b/infer", bearer())
     assert r.status_code == 400 and "invalid model name" in r.json()["error"]
     assert (await guarded(p, "/v2/models/mlp/infer", bearer())).status_code == 200
-    r = await guarded(policy(**TRITON), "/v2/models/stats")
+    r = await guarded(policy(**TRITON), "/v2/models/stats")  # Triton's answer: 403, and no challenge
+    assert r.status_code == 403 and "www-authenticate" not in r.headers
+    assert r.json() == {"error": "This API is restricted, expecting header 'admin-key'"}
+    r = await guarded(policy(**KEYS, **TRITON), "/v2/models/stats")  # a key would open it: 401
     assert r.status_code == 401 and "expecting header 'admin-key'" in r.json()["error"]
 
 

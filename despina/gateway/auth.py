@@ -7,8 +7,8 @@ the model name and version the path carries, then the credentials that group nee
 - With API keys configured, model-repository, model-config, statistics, logging, shared-memory and trace
   need a key, and so does every path not listed here (deny by default); inference and metadata need one
   only with `auth_inference`. Health and the OpenAPI document stay open.
-- A Triton restriction (`<apis>:<header>=<value>`) makes its APIs need that header; where keys are
-  configured too, a valid key opens them as well.
+- A Triton restriction (`<apis>:<header>=<value>`) makes its APIs need that header (403 without it,
+  as Triton answers); where keys are configured too, a valid key opens them as well (then 401).
 
 Key entries: `KEY` (every model) or `KEY: model1, model2` (those models only; such a key cannot use
 the server-wide repository index or statistics). Keys are kept only as SHA-256 digests and compared in
@@ -241,9 +241,10 @@ class AuthPolicy:
             self._check_scope(key, target)
             return key
         if restriction is not None:
-            alternative = " or 'Authorization: Bearer <key>'" if self.keys else ""
-            raise Unauthenticated(f"This API is restricted, expecting header "
-                                  f"'{restriction.header.decode()}'{alternative}")
+            expecting = f"This API is restricted, expecting header '{restriction.header.decode()}'"
+            if self.keys:  # a key opens it too: an authentication challenge
+                raise Unauthenticated(f"{expecting} or 'Authorization: Bearer <key>'")
+            raise PermissionDenied(expecting)  # Triton's answer: 403, no challenge
         raise Unauthenticated(f"the {target.api} API needs an API key: send 'Authorization: Bearer <key>'"
                               if target.api != UNLISTED else
                               "this path needs an API key: send 'Authorization: Bearer <key>'")

@@ -24,7 +24,8 @@ def _json(schema: Doc) -> Doc:
 
 def _errors(*statuses: int) -> Doc:
     words = {400: "Bad request", 401: "No valid API key (see `WWW-Authenticate`)",
-             403: "The API key may not use this model or API", 404: "Unknown model or version",
+             403: "The API key may not use this model or API, or a restricted API's header is missing",
+             404: "Unknown model or version",
              409: "The name is registered already", 413: "Body over the size limit (as sent, or inflated)",
              415: "Content-Encoding other than gzip, deflate or identity (with `Accept-Encoding`)",
              503: "Not ready, or the queue is unavailable (with `Retry-After`)",
