@@ -85,6 +85,17 @@ def test_triton_restricted_api_syntax() -> None:
             parse_restricted_api(bad)
 
 
+def test_a_restricted_api_value_is_taken_whole() -> None:
+    """As tritonserver takes it: a '#' in the value is part of it, not a comment that would cut the
+    secret down to its prefix."""
+    (r,) = parse_restricted_api("model-repository:admin-key=s3cr#t-value")
+    assert r.digest == hashlib.sha256(b"s3cr#t-value").digest()
+    p = policy(http_restricted_api="model-repository:admin-key=s3cr#t-value")
+    p.check(classify("/v2/repository/index"), h(admin_key="s3cr#t-value"))
+    with pytest.raises(Exception, match="restricted"):
+        p.check(classify("/v2/repository/index"), h(admin_key="s3cr"))
+
+
 def test_settings_hide_secrets_and_read_booleans() -> None:
     s = Settings.from_sources(environ={"DESPINA_API_KEYS": ADMIN, "DESPINA_AUTH_INFERENCE": "True",
                                        "DESPINA_HTTP_RESTRICTED_API": f"statistics:k={TRITON_VALUE}",

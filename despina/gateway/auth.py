@@ -129,10 +129,10 @@ def _digest(secret: str | bytes) -> bytes:
     return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).digest()
 
 
-def _entries(text: str) -> list[tuple[int, str]]:
+def _entries(text: str, comments: bool = True) -> list[tuple[int, str]]:
     out = []
     for n, line in enumerate(re.split(r"[;\n]", text), 1):
-        line = line.split("#", 1)[0].strip()
+        line = (line.split("#", 1)[0] if comments else line).strip()
         if line:
             out.append((n, line))
     return out
@@ -173,7 +173,7 @@ def parse_restricted_api(text: str) -> list[Restriction]:
     """Triton's `<api>,<api>...:<header>=<value>` groups, separated by ';' or newlines."""
     groups: list[Restriction] = []
     taken: set[str] = set()
-    for n, entry in _entries(text):
+    for n, entry in _entries(text, comments=False):  # a value may hold '#', as Triton's may
         apis_text, colon, pair = entry.partition(":")
         header, equals, value = pair.partition("=")
         where = f"DESPINA_HTTP_RESTRICTED_API, group {n}"
