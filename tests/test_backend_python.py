@@ -25,6 +25,7 @@ from despina.contract.errors import Code, ConfigError, DespinaError
 from despina.contract.modelconfig import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_add_sub
+from despina.gateway.http import STATUS
 from despina.workers.backends import Instance, backend_class
 
 from .conftest import FULL_QUEUE_DELAY, ROOT, Server, module_server
@@ -425,7 +426,7 @@ CODES_CONFIG = ('name: "codes"\nbackend: "python"\nmax_batch_size: 0\n'
 
 def test_an_error_responses_code_gives_tritons_status(tmp_path: Path) -> None:
     """Triton's HTTP status of a TritonError code: UNKNOWN, ALREADY_EXISTS and CANCELLED are a 400 as
-    INVALID_ARG is, NOT_FOUND a 404, UNAVAILABLE a 503, INTERNAL (and UNSUPPORTED here) a 500."""
+    INVALID_ARG is, NOT_FOUND a 404, UNAVAILABLE a 503, UNSUPPORTED a 501, INTERNAL a 500."""
     backend: Any = backend_for(write_model(tmp_path, "codes", CODES, CODES_CONFIG))
     backend.load()
     try:
@@ -433,9 +434,10 @@ def test_an_error_responses_code_gives_tritons_status(tmp_path: Path) -> None:
                                            [["Y"]] * 8)
         # UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED
         assert [r.code for r in results] == [Code.INVALID_ARGUMENT, Code.BACKEND, Code.NOT_FOUND,
-                                             Code.INVALID_ARGUMENT, Code.UNAVAILABLE, Code.BACKEND,
+                                             Code.INVALID_ARGUMENT, Code.UNAVAILABLE, Code.UNIMPLEMENTED,
                                              Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT]
         assert results[6].message == "model 'codes': code 6"
+        assert [STATUS[r.code] for r in results] == [400, 500, 404, 400, 503, 501, 400, 400]
     finally:
         backend.unload()
 

@@ -19,6 +19,7 @@ class Code(str, enum.Enum):
     CANCELLED = "CANCELLED"  # its client went away (Triton's CANCELED failure reason)
     ALREADY_EXISTS = "ALREADY_EXISTS"  # a name taken already (a shared memory region's)
     UNSUPPORTED_ENCODING = "UNSUPPORTED_ENCODING"  # a request body in a Content-Encoding not read
+    UNIMPLEMENTED = "UNIMPLEMENTED"  # what a model does not do (a Python model's TritonError UNSUPPORTED)
 
 
 class DespinaError(Exception):

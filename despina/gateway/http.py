@@ -32,6 +32,7 @@ STATUS = {
     Code.CANCELLED: 499,  # nobody reads it: the client is gone
     Code.ALREADY_EXISTS: 409,
     Code.UNSUPPORTED_ENCODING: 415,
+    Code.UNIMPLEMENTED: 501,
 }
 EXTRA_HEADERS = {
     Code.UNAVAILABLE: [(b"retry-after", b"1")],

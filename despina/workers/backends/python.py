@@ -35,9 +35,9 @@ from .python_stub import _despina_wire as wire
 
 AUTO_COMPLETE_TIMEOUT_S = 60.0
 # TritonError codes -> Despina codes, for the HTTP status Triton gives them: UNKNOWN, ALREADY_EXISTS and
-# CANCELLED are a 400 there, as INVALID_ARG is; the rest (INTERNAL, UNSUPPORTED) are backend errors.
+# CANCELLED are a 400 there, as INVALID_ARG is, UNSUPPORTED a 501; INTERNAL is a backend error (500).
 ERROR_CODES = {0: Code.INVALID_ARGUMENT, 2: Code.NOT_FOUND, 3: Code.INVALID_ARGUMENT, 4: Code.UNAVAILABLE,
-               6: Code.INVALID_ARGUMENT, 7: Code.INVALID_ARGUMENT}
+               5: Code.UNIMPLEMENTED, 6: Code.INVALID_ARGUMENT, 7: Code.INVALID_ARGUMENT}
 
 
 class PythonBackend(Backend):
