@@ -48,6 +48,7 @@ class Image:
     args: dict[str, str] = field(default_factory=dict)
     base: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
     copies: list[list[str]] = field(default_factory=list)
     runs: list[str] = field(default_factory=list)
     volumes: list[str] = field(default_factory=list)
@@ -93,6 +94,11 @@ def stages() -> dict[str, Image]:
                 var, eq, value = token.partition("=")
                 assert eq, f"ENV {rest}: write NAME=value"
                 img.env[var] = value
+        elif keyword == "LABEL":
+            for token in shlex.split(rest):
+                key, eq, value = token.partition("=")
+                assert eq, f"LABEL {rest}: write key=value"
+                img.labels[key] = value
         elif keyword == "COPY":
             img.copies.append([t for t in shlex.split(rest) if not t.startswith("--")])
         elif keyword == "RUN":

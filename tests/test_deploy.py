@@ -91,6 +91,15 @@ def test_the_sagemaker_target_starts_as_sagemaker_starts_containers() -> None:
     check_http_check(health.group(1) % settings.http_port, role, settings, "sagemaker HEALTHCHECK")
 
 
+def test_the_sagemaker_target_carries_the_labels_sagemaker_asks_for() -> None:
+    # CreateModel refuses an image without them ("does not contain required ... Docker label(s)"): the
+    # multi-model label for Mode=MultiModel (SAGEMAKER_MULTI_MODEL), the port label for an inference
+    # pipeline or a multi-container endpoint, which is also what makes SageMaker set SAGEMAKER_BIND_TO_PORT
+    labels = image("sagemaker").labels
+    assert labels.get("com.amazonaws.sagemaker.capabilities.multi-models") == "true"
+    assert labels.get("com.amazonaws.sagemaker.capabilities.accept-bind-to-port") == "true"
+
+
 def test_the_image_installs_extras_that_exist_and_no_torch_by_default() -> None:
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     default = set(image().args["EXTRAS"].split(","))
