@@ -10,7 +10,7 @@ import io
 import json
 import re
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from copy import deepcopy
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -270,6 +270,21 @@ def secrets() -> dict[str, dict[str, Any]]:
 def selects(selector: dict[str, str], workload: dict[str, Any]) -> bool:
     labels = workload["spec"]["template"]["metadata"]["labels"]
     return all(labels.get(k) == v for k, v in selector.items())
+
+
+def service_link_variables(services: Iterable[dict[str, Any]]) -> set[str]:
+    """The variables Kubernetes gives every pod of a namespace for each of its Services, unless the pod says
+    enableServiceLinks: false (Kubernetes' "Services": FOO_SERVICE_HOST, FOO_PORT=tcp://IP:PORT, ...)."""
+    names: set[str] = set()
+    for service in services:
+        base = service["metadata"]["name"].upper().replace("-", "_")
+        names |= {f"{base}_SERVICE_HOST", f"{base}_SERVICE_PORT", f"{base}_PORT"}
+        for port in service["spec"]["ports"]:
+            if "name" in port:
+                names.add(f"{base}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}")
+            tcp = f"{base}_PORT_{port['port']}_{port.get('protocol', 'TCP')}"
+            names |= {tcp, f"{tcp}_PROTO", f"{tcp}_PORT", f"{tcp}_ADDR"}
+    return names
 
 
 def container_env(container: dict[str, Any], where: str) -> dict[str, str]:

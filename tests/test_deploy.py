@@ -44,6 +44,7 @@ from .deploy_support import (
     run_role,
     secrets,
     selects,
+    service_link_variables,
     stages,
     workloads,
 )
@@ -228,6 +229,16 @@ def test_kubernetes_runs_each_role_with_its_ports_and_probes() -> None:
         if annotations.get("prometheus.io/scrape") == "true":
             assert role == "control" and int(annotations["prometheus.io/port"]) == settings.metrics_port
             assert annotations["prometheus.io/path"] in control_routes()
+
+
+def test_no_service_sets_a_setting_through_the_variables_kubernetes_adds() -> None:
+    # Every pod of the namespace gets Docker-link variables for each Service: `despina-metrics` on port 8002
+    # gives DESPINA_METRICS_PORT=tcp://<cluster IP>:8002, a setting's name. Only a value of the pod's own
+    # (the ConfigMap's) hides it; without that every role would refuse to start ("expected a whole number").
+    links = service_link_variables(of_kind("Service").values())
+    for name, (_, _, _, workload) in kube_roles().items():
+        if workload["spec"]["template"]["spec"].get("enableServiceLinks", True):
+            assert not links & SETTINGS, f"{name}: Services set {sorted(links & SETTINGS)} in its pods"
 
 
 def test_kubernetes_roles_reach_valkey_and_the_s3_registry() -> None:
