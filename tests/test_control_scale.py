@@ -85,3 +85,55 @@ def test_a_model_is_not_idle_before_any_worker_has_loaded_it(
         worker.send_signal(signal.SIGTERM)
         worker.wait(30)
         log.close()
+
+
+SLEEPY = """
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(30)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, np.float32))]) for _ in requests]
+"""
+
+
+def test_a_standalone_workers_drain_ends_within_the_drain_timeout(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """`despina worker` (a Kubernetes pod) waited for its models to answer all they had read, however
+    long they took, until the grace period's SIGKILL; it now leaves after DESPINA_DRAIN_TIMEOUT_S, and
+    the control plane requeues what it read at once."""
+    repo = tmp_path / "repo"
+    (repo / "sleepy" / "1").mkdir(parents=True)
+    (repo / "sleepy" / "1" / "model.py").write_text(SLEEPY)
+    (repo / "sleepy" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\ninput [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+        'output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1 ] } ]\n')
+    server = serve(repo, "--workers", "0", health="live")
+    log = (tmp_path / "worker.log").open("wb")
+    worker = subprocess.Popen([sys.executable, "-m", "despina", "worker", "--redis-url", redis_url,
+                               "--key-prefix", key_prefix], stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "DESPINA_DRAIN_TIMEOUT_S": "1"})
+    asking: subprocess.Popen[bytes] | None = None
+    try:
+        wait_until(lambda: "sleepy" in loaded_models(redis_url, key_prefix), 30, what="the worker to load it")
+        body = {"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
+        asking = subprocess.Popen([sys.executable, "-c", "import httpx, sys; httpx.post(sys.argv[1], "
+                                   f"json={body!r}, timeout=60)", f"{server.url}/v2/models/sleepy/infer"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.5)  # the request is in the model's 30 s execute
+        started = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(25)
+        took = time.monotonic() - started
+    finally:
+        for process in (worker, asking):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+        log.close()
+    text = (tmp_path / "worker.log").read_text()
+    assert took < 12, (took, text[-2000:])  # 1 s of drain, then up to 5 s for the thread in the model's code
+    assert "was not all answered within 1 s (DESPINA_DRAIN_TIMEOUT_S)" in text

@@ -100,7 +100,12 @@ class Worker:
                     pass
                 self._kick.clear()
         finally:
-            await self.drain()
+            try:
+                await asyncio.wait_for(self.drain(), self.settings.drain_timeout_s)
+            except TimeoutError:  # a model still running: the control plane requeues what it read
+                log.warning("worker %s: what it read was not all answered within %g s "
+                            "(DESPINA_DRAIN_TIMEOUT_S); leaving it to the other workers", self.id,
+                            self.settings.drain_timeout_s)
             for task in helpers:
                 task.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
