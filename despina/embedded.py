@@ -120,7 +120,8 @@ class EmbeddedValkey:
             [str(binary), *listen, "--save", "", "--appendonly", "no", "--dir", self._dir.name,
              "--logfile", str(log), "--protected-mode", "yes", "--daemonize", "no", *HASHES],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=child_setup(self.cpus))
+            # a group of its own: a terminal's Ctrl-C reaches serve's group, and Valkey must outlive the drain
+            preexec_fn=child_setup(self.cpus), process_group=0)
         (Path(self._dir.name) / "valkey.pid").write_text(str(self.process.pid))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

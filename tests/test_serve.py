@@ -75,8 +75,9 @@ def slow_repository(example_repository: Path, repo: Path, *more: str) -> Path:
     return repo
 
 
-def sigterm_answers_twenty_in_flight(server: Server) -> None:
-    """20 requests wait in mlp's batcher when serve gets SIGTERM: all answered, exit 0, nothing left."""
+def sigterm_answers_twenty_in_flight(server: Server, stop: Callable[[], None] | None = None) -> None:
+    """20 requests wait in mlp's batcher when serve gets SIGTERM (or `stop` is called): all answered,
+    exit 0, nothing left."""
     family = descendants(server.process.pid)
 
     async def scenario() -> list[int]:
@@ -88,7 +89,7 @@ def sigterm_answers_twenty_in_flight(server: Server) -> None:
             while scrape(server).get(PENDING) != 20:
                 assert time.monotonic() < deadline, (scrape(server).get(PENDING), server.logs()[-2000:])
                 await asyncio.sleep(0.02)
-            server.process.send_signal(signal.SIGTERM)
+            (stop or (lambda: server.process.send_signal(signal.SIGTERM)))()
             return [r.status_code for r in await asyncio.gather(*calls)]
 
     assert asyncio.run(scenario()) == [200] * 20
@@ -104,6 +105,16 @@ def test_sigterm_drains_requests_in_flight(serve: Callable[..., Server], example
     server = serve(slow_repository(example_repository, tmp_path / "slow"), wait_models=("mlp",),
                    env=FULL_QUEUE_DELAY)
     sigterm_answers_twenty_in_flight(server)
+
+
+def test_ctrl_c_in_a_terminal_drains_before_the_embedded_valkey_stops(
+        serve: Callable[..., Server], example_repository: Path, tmp_path: Path) -> None:
+    # a terminal's Ctrl-C signals serve's whole process group: the embedded Valkey used to be in it and
+    # stop at once, so that the drain could answer nothing (every role logging that Redis was unreachable)
+    server = serve(slow_repository(example_repository, tmp_path / "slow"), use_redis=False,
+                   wait_models=("mlp",), env=FULL_QUEUE_DELAY)
+    sigterm_answers_twenty_in_flight(server, lambda: os.killpg(server.process.pid, signal.SIGINT))
+    assert "cannot connect to Redis" not in server.logs()
 
 
 def test_requests_still_waiting_as_the_drain_ends_are_answered_503(
