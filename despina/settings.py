@@ -86,6 +86,10 @@ class Settings:
         if self.worker_nice > 19:
             raise BadSetting(f"DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got "
                              f"{self.worker_nice}")
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if (value.lower() if name == "log_level" else value) not in choices:
+                raise BadSetting(f"DESPINA_{name.upper()} must be one of {', '.join(choices)}, got {value!r}")
         # every number here is a size, a count, a port or a duration
         for f in fields(self):
             value = getattr(self, f.name)
@@ -158,6 +162,10 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
         values.setdefault("model_repository", SAGEMAKER_MODEL_DIR)
 
 
+# the settings that take one of a few words (the command line's choices; the log level in any case)
+_CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json"),
+            "model_control_mode": ("none", "explicit", "poll"),
+            "s3_addressing_style": ("auto", "path", "virtual")}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

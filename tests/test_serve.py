@@ -197,6 +197,10 @@ def test_roles_need_a_redis_url(role: str) -> None:
     ({}, ["--worker-nice", "20"], "DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got 20"),
     ({}, ["--colocate", "--worker-cpus", "0"], "(--colocate, --worker-cpus) do not go together"),
     ({"DESPINA_COLOCATE": "sometimes"}, [], "DESPINA_COLOCATE='sometimes': expected true or false"),
+    ({"DESPINA_LOG_LEVEL": "loud"}, [], "DESPINA_LOG_LEVEL must be one of debug, info, warning, error, got 'loud'"),
+    ({"DESPINA_LOG_FORMAT": "xml"}, [], "DESPINA_LOG_FORMAT must be one of text, json, got 'xml'"),
+    ({"DESPINA_MODEL_CONTROL_MODE": "manual"}, [], "DESPINA_MODEL_CONTROL_MODE must be one of none, explicit"),
+    ({"DESPINA_S3_ADDRESSING_STYLE": "dns"}, [], "DESPINA_S3_ADDRESSING_STYLE must be one of auto, path, virtual"),
 ])
 def test_a_bad_setting_is_named_and_nothing_starts(env: dict[str, str], args: list[str], said: str) -> None:
     r = subprocess.run([sys.executable, "-m", "despina", "serve", *args], capture_output=True, text=True,
