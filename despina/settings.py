@@ -86,6 +86,10 @@ class Settings:
         if self.worker_nice > 19:
             raise BadSetting(f"DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got "
                              f"{self.worker_nice}")
+        for name in ("http_port", "metrics_port"):
+            if getattr(self, name) > 65535:
+                raise BadSetting(f"DESPINA_{name.upper()} (or --{name.replace('_', '-')}) must be a port "
+                                 f"number, 65535 at most, got {getattr(self, name)}")
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
             if (value.lower() if name == "log_level" else value) not in choices:
