@@ -6,6 +6,7 @@ import faulthandler
 import signal
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from . import cpus, logs
@@ -159,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "serve" and not settings.redis_url:
         print(f"despina {args.command}: give --redis-url or set REDIS_URL (only 'serve' embeds Valkey)",
               file=sys.stderr)
+        return 2
+    repository = settings.model_repository
+    if args.command in ("serve", "control") and not repository.startswith("s3://") \
+            and not Path(repository).expanduser().is_dir():
+        print(f"despina {args.command}: DESPINA_MODEL_REPOSITORY (or --model-repository): {repository} is "
+              "not a folder", file=sys.stderr)
         return 2
     if settings.worker_cpus is not None and args.command in ("serve", "worker"):
         try:
