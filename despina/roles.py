@@ -94,19 +94,26 @@ async def colocated_worker(settings: Settings) -> AsyncIterator[None]:
 def reuse_port_socket(host: str, port: int) -> socket.socket:
     """The HTTP port bound with SO_REUSEPORT, so that `serve --gateways N` runs N gateways on it: the
     kernel spreads new connections over them (only processes of the same user can join the port)."""
+    return bound_socket(host, port, "gateway", reuse_port=True)
+
+
+def bound_socket(host: str, port: int, role: str, reuse_port: bool = False) -> socket.socket:
+    """`host`:`port` bound before the role starts its work: a port it cannot have ends the process with
+    one line that says so."""
     sock = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError as exc:
         if sock is not None:
             sock.close()
         reason = (exc.strerror or str(exc)).lower()
-        raise SystemExit(f"gateway: cannot bind {host}:{port}: {reason}") from None
+        raise SystemExit(f"{role}: cannot bind {host}:{port}: {reason}") from None
     return sock
 
 
@@ -156,6 +163,9 @@ def _leave_stuck_threads() -> None:
 
 
 def run_control(settings: Settings) -> None:
+    # the metrics port, before anything starts: uvicorn's failure to bind it, in a task, was a traceback
+    metrics = bound_socket(settings.host, settings.metrics_port, "control") if settings.metrics_port else None
+
     async def main() -> None:
         assert settings.redis_url
         redis = connect(settings.redis_url)
@@ -171,11 +181,11 @@ def run_control(settings: Settings) -> None:
             loop.add_signal_handler(sig, stop)
         dump_tasks_on_sigusr2()
         http = None
-        if settings.metrics_port:
+        if metrics is not None:
             from .control import http as control_http
 
             app = control_http.create_app(settings, redis, plane.cache)
-            http = asyncio.create_task(control_http.serve(app, settings.host, settings.metrics_port, stopped))
+            http = asyncio.create_task(control_http.serve(app, metrics, stopped))
         try:
             await plane.run()
         finally:

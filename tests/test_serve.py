@@ -311,6 +311,18 @@ def test_a_shared_port_that_another_program_holds_is_refused_by_name() -> None:
     first.close(), second.close()
 
 
+def test_a_metrics_port_that_another_program_holds_stops_serve_in_one_line(example_repository: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "despina", "serve", "--model-repository", str(example_repository),
+                            "--http-port", str(free_port()), "--metrics-port", str(port)],
+                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60)
+    assert r.returncode == 1 and f"control: cannot bind 127.0.0.1:{port}: address already in use" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
 def affinity(pid: int) -> set[frozenset[int]]:
     """The CPU sets a process's threads may run on (one set when all agree)."""
     return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}

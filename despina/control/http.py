@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Generator
 
 import orjson
@@ -89,10 +90,9 @@ class _InLoopServer(Server):
         yield
 
 
-async def serve(app: Starlette, host: str, port: int, stop: asyncio.Event) -> None:
-    server = _InLoopServer(uvicorn.Config(app, host=host, port=port, lifespan="on", access_log=False,
-                                          log_level="warning"))
-    task = asyncio.create_task(server.serve())
+async def serve(app: Starlette, sock: socket.socket, stop: asyncio.Event) -> None:
+    server = _InLoopServer(uvicorn.Config(app, lifespan="on", access_log=False, log_level="warning"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     await stop.wait()
     server.should_exit = True
     await task
