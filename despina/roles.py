@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
+from .contract.errors import ConfigError
 from .control.plane import ControlPlane
 from .cpus import parse, pin
 from .http_server import Server
@@ -38,7 +39,11 @@ def run_gateway(settings: Settings) -> None:
     from .gateway.app import create_app
     from .gateway.protocol import protocol_class
 
-    app = create_app(settings, alongside=(lambda: colocated_worker(settings)) if settings.colocate else None)
+    alongside = (lambda: colocated_worker(settings)) if settings.colocate else None
+    try:
+        app = create_app(settings, alongside=alongside)
+    except ConfigError as exc:  # a key file it cannot read, a bad key: one line, as a taken port says it
+        raise SystemExit(f"gateway: {exc.message}") from None
     config = uvicorn.Config(app, host=settings.host, port=settings.http_port,
                             loop="uvloop", http=protocol_class(app.state.hot_routes), lifespan="on",
                             access_log=False,

@@ -212,6 +212,19 @@ def test_a_bad_setting_is_named_and_nothing_starts(env: dict[str, str], args: li
     assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize(("env", "args", "said"), [
+    ({}, ["--api-keys-file", "/nonexistent"], "gateway: cannot read the API keys file /nonexistent: "),
+    ({"DESPINA_API_KEYS": "not a key"}, [], "gateway: DESPINA_API_KEYS, entry 1: an API key may hold only"),
+    ({}, ["--http-restricted-api", "inference"], "gateway: DESPINA_HTTP_RESTRICTED_API, group 1: expected"),
+])
+def test_a_bad_security_setting_stops_serve_in_one_line(example_repository: Path, env: dict[str, str],
+                                                         args: list[str], said: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "despina", "serve", "--model-repository", str(example_repository),
+                        "--http-port", str(free_port()), "--metrics-port", "0", *args],
+                       capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **env}, timeout=60)
+    assert r.returncode == 1 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_gateways_share_the_port_and_drain_together(serve: Callable[..., Server], example_repository: Path,
                                                     redis_url: str, key_prefix: str) -> None:
     server = serve(example_repository, "--gateways", "3", wait_models=("mlp",))
