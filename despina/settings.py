@@ -86,6 +86,11 @@ class Settings:
         if self.worker_nice > 19:
             raise BadSetting(f"DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got "
                              f"{self.worker_nice}")
+        if self.redis_url is not None and not self.redis_url.lower().startswith(("redis://", "rediss://",
+                                                                                 "unix://")):
+            # not echoed: a URL may hold a password
+            raise BadSetting("DESPINA_REDIS_URL (or REDIS_URL, --redis-url) must be a redis://, rediss:// or "
+                             "unix:// URL")
         for name in ("http_port", "metrics_port"):
             if getattr(self, name) > 65535:
                 raise BadSetting(f"DESPINA_{name.upper()} (or --{name.replace('_', '-')}) must be a port "

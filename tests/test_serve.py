@@ -204,6 +204,7 @@ def test_roles_need_a_redis_url(role: str) -> None:
     ({}, ["--http-port", "70000"], "DESPINA_HTTP_PORT (or --http-port) must be a port number, 65535 at most"),
     ({"DESPINA_METRICS_PORT": "65536"}, [], "DESPINA_METRICS_PORT (or --metrics-port) must be a port number"),
     ({}, ["--model-repository", "/nonexistent"], "--model-repository): /nonexistent is not a folder"),
+    ({"REDIS_URL": "localhost:6379"}, [], "DESPINA_REDIS_URL (or REDIS_URL, --redis-url) must be a redis://"),
     ({"DESPINA_MODEL_REPOSITORY": "README.md"}, [], "DESPINA_MODEL_REPOSITORY (or --model-repository): README.md is"),
 ])
 def test_a_bad_setting_is_named_and_nothing_starts(env: dict[str, str], args: list[str], said: str) -> None:
