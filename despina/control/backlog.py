@@ -22,6 +22,7 @@ from ..contract.errors import Code, DespinaError
 from ..contract.keys import FIELD, GROUP
 from ..contract.records import InferReply
 from ..workers import stats
+from ..workers.answers import error as error_reply
 from ..workers.redelivery import DeliveryPolicy, Queue, redeliver
 
 log = logging.getLogger("despina.control")
@@ -69,7 +70,7 @@ async def refuse(redis: aioredis.Redis, queue: Queue, message: str) -> int:
             except DespinaError:
                 continue
             for r in requests:
-                replies[r.reply_to].append(InferReply(r.id, (), (Code.UNAVAILABLE, message)))
+                replies[r.reply_to].append(error_reply(r, Code.UNAVAILABLE, message))  # its wait: fail.ns
         pipe = redis.pipeline(transaction=False)
         for reply_to, answers in replies.items():
             pipe.xadd(reply_to, {FIELD: records.encode(answers)})

@@ -93,7 +93,8 @@ def tally(replies: list[InferReply], rows: int, started: float,
                 k = requests_in(r.id) if grouped else 1
                 reason = f"fail:{failure_reason(r.error[0])}"
                 counts["fail_count"] = counts.get("fail_count", 0) + k
-                counts["fail_ns"] = counts.get("fail_ns", 0) + (r.queue_us + r.compute_us) * 1000 * k
+                if took := r.queue_us + r.compute_us:
+                    counts["fail_ns"] = counts.get("fail_ns", 0) + took * 1000 * k
                 counts[reason] = counts.get(reason, 0) + k
     if rows:
         counts["last_inference"] = int(started * 1000)
@@ -123,7 +124,8 @@ def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[s
     else:
         reason = f"fail:{failure_reason(error.code)}"
         counts["fail_count"] = get("fail_count", 0) + 1
-        counts["fail_ns"] = get("fail_ns", 0) + us * 1000
+        if us:
+            counts["fail_ns"] = get("fail_ns", 0) + us * 1000
         counts[reason] = get(reason, 0) + 1
     return counts
 
