@@ -6,7 +6,8 @@ A worker that exits is restarted; so are a gateway and the control plane that ha
 (one that dies at its start, on a taken port or with a repository it cannot read say, stops everything).
 The embedded Valkey's end stops everything too: the queues and the catalog went with it, and an
 orchestrator's restart of serve starts clean. SIGINT/SIGTERM drain in order: the gateways stop taking
-requests and answer those in flight, then workers finish, then control, then Valkey.
+requests and answer those in flight, then workers finish, then control, then Valkey; a second signal
+during the drain stops the roles at once.
 """
 from __future__ import annotations
 
@@ -58,6 +59,11 @@ class Child:
             assert self.process
             self.process.send_signal(signal.SIGTERM)
 
+    def kill(self) -> None:
+        if self.alive():
+            assert self.process
+            self.process.kill()
+
     def wait(self, timeout: float) -> None:
         if self.process is None:
             return
@@ -92,6 +98,7 @@ class Supervisor:
         self.gateways: list[Child] = []
         self.shm: Registry | None = None
         self._stopping = False
+        self._hurried = False  # a second signal came while draining
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -156,10 +163,16 @@ class Supervisor:
         return others
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        if self._stopping:
-            return
-        log.info("received %s: draining", signal.Signals(signum).name)
-        self._stopping = True
+        name = signal.Signals(signum).name
+        if not self._stopping:
+            log.info("received %s: draining", name)
+            self._stopping = True
+        elif not self._hurried:  # a second Ctrl-C: whoever sent it will not wait for the drain
+            self._hurried = True
+            log.warning("received %s again: stopping now; what is in flight is not answered", name)
+            for child in (*self.gateways, *self.workers, self.control):
+                if child is not None:
+                    child.kill()
 
     def _check_children(self) -> int:
         for w in self.workers:

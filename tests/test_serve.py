@@ -145,6 +145,42 @@ def test_requests_still_waiting_as_the_drain_ends_are_answered_503(
     server.process.wait(30)
 
 
+def test_a_second_signal_during_the_drain_stops_everything_at_once(
+        serve: Callable[..., Server], example_repository: Path) -> None:
+    # it was ignored: a second Ctrl-C left serve waiting out a drain of up to DESPINA_DRAIN_TIMEOUT_S
+    # (here 60 s, with the worker stopped and five requests that cannot be answered)
+    server = serve(example_repository, env={"DESPINA_DRAIN_TIMEOUT_S": "60"}, wait_models=("mlp",))
+    family = descendants(server.process.pid)
+    (worker,) = role_pids(server, "worker")
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            calls = [asyncio.create_task(client.post(f"{server.url}/fn/mlp", content=ROW)) for _ in range(5)]
+            deadline = time.monotonic() + 10
+            while scrape(server).get(PENDING) != 5:
+                assert time.monotonic() < deadline, server.logs()[-2000:]
+                await asyncio.sleep(0.02)
+            server.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(1)
+            server.process.send_signal(signal.SIGTERM)
+            await asyncio.gather(*calls, return_exceptions=True)
+
+    os.kill(worker, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        asyncio.run(scenario())
+        assert server.process.wait(15) == 0
+    finally:
+        if alive({worker}):
+            os.kill(worker, signal.SIGCONT)
+    assert time.monotonic() - started < 15
+    assert "received SIGTERM again: stopping now" in server.logs()
+    deadline = time.monotonic() + 10
+    while alive(family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(family), [cmdline(p) for p in alive(family)]
+
+
 def test_broken_config_is_reported_and_other_models_serve(serve: Callable[..., Server],
                                                           example_repository: Path, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
