@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -117,6 +117,20 @@ def test_ctrl_c_in_a_terminal_drains_before_the_embedded_valkey_stops(
     assert "cannot connect to Redis" not in server.logs()
 
 
+async def five_waiting_then(server: Server, stop: Callable[[], Awaitable[None]]
+                            ) -> list[httpx.Response | BaseException]:
+    """Five requests to mlp, its worker stopped (SIGSTOP): once all five wait, `stop()`; their answers,
+    or what each call raised."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        calls = [asyncio.create_task(client.post(f"{server.url}/fn/mlp", content=ROW)) for _ in range(5)]
+        deadline = time.monotonic() + 10
+        while scrape(server).get(PENDING) != 5:
+            assert time.monotonic() < deadline, server.logs()[-2000:]
+            await asyncio.sleep(0.02)
+        await stop()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+
 def test_requests_still_waiting_as_the_drain_ends_are_answered_503(
         serve: Callable[..., Server], example_repository: Path) -> None:
     # the worker stopped (SIGSTOP): no answer can come within the drain's 3 s. The gateway used to be
@@ -124,21 +138,16 @@ def test_requests_still_waiting_as_the_drain_ends_are_answered_503(
     server = serve(example_repository, env={"DESPINA_DRAIN_TIMEOUT_S": "3"}, wait_models=("mlp",))
     (worker,) = role_pids(server, "worker")
 
-    async def scenario() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=30) as client:
-            calls = [asyncio.create_task(client.post(f"{server.url}/fn/mlp", content=ROW)) for _ in range(5)]
-            deadline = time.monotonic() + 10
-            while scrape(server).get(PENDING) != 5:
-                assert time.monotonic() < deadline, server.logs()[-2000:]
-                await asyncio.sleep(0.02)
-            server.process.send_signal(signal.SIGTERM)
-            return await asyncio.gather(*calls)
+    async def sigterm() -> None:
+        server.process.send_signal(signal.SIGTERM)
 
     os.kill(worker, signal.SIGSTOP)
     try:
-        answers = asyncio.run(scenario())
+        answers = asyncio.run(five_waiting_then(server, sigterm))
     finally:
         os.kill(worker, signal.SIGCONT)
+    assert all(isinstance(r, httpx.Response) for r in answers), answers
+    answers = [r for r in answers if isinstance(r, httpx.Response)]
     assert [r.status_code for r in answers] == [503] * 5
     assert all("no answer came within its drain time" in r.json()["error"] for r in answers)
     assert answers[0].headers["retry-after"] == "1"
@@ -153,22 +162,15 @@ def test_a_second_signal_during_the_drain_stops_everything_at_once(
     family = descendants(server.process.pid)
     (worker,) = role_pids(server, "worker")
 
-    async def scenario() -> None:
-        async with httpx.AsyncClient(timeout=30) as client:
-            calls = [asyncio.create_task(client.post(f"{server.url}/fn/mlp", content=ROW)) for _ in range(5)]
-            deadline = time.monotonic() + 10
-            while scrape(server).get(PENDING) != 5:
-                assert time.monotonic() < deadline, server.logs()[-2000:]
-                await asyncio.sleep(0.02)
-            server.process.send_signal(signal.SIGTERM)
-            await asyncio.sleep(1)
-            server.process.send_signal(signal.SIGTERM)
-            await asyncio.gather(*calls, return_exceptions=True)
+    async def sigterm_twice() -> None:
+        server.process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(1)
+        server.process.send_signal(signal.SIGTERM)
 
     os.kill(worker, signal.SIGSTOP)
     started = time.monotonic()
     try:
-        asyncio.run(scenario())
+        asyncio.run(five_waiting_then(server, sigterm_twice))
         assert server.process.wait(15) == 0
     finally:
         if alive({worker}):
