@@ -162,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     repository = settings.model_repository
+    if args.command in ("serve", "control") and repository.startswith("s3://"):
+        from .contract.errors import InvalidArgument
+        from .registry.s3 import parse_url
+
+        try:
+            parse_url(repository)
+        except InvalidArgument as exc:
+            print(f"despina {args.command}: DESPINA_MODEL_REPOSITORY (or --model-repository): {exc.message}",
+                  file=sys.stderr)
+            return 2
     if args.command in ("serve", "control") and not repository.startswith("s3://") \
             and not Path(repository).expanduser().is_dir():
         print(f"despina {args.command}: DESPINA_MODEL_REPOSITORY (or --model-repository): {repository} is "

@@ -28,6 +28,9 @@ def parse_url(url: str) -> tuple[str, str]:
     bucket, _, prefix = url[5:].partition("/")
     if not bucket:
         raise InvalidArgument(f"S3 URL without a bucket: {url}")
+    if ":" in bucket:  # Triton's s3://host:port/bucket/prefix: no bucket name has a colon
+        raise InvalidArgument(f"{url}: give s3://bucket/prefix, and the store's address in "
+                              "DESPINA_S3_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3)")
     return bucket, prefix.strip("/")
 
 
