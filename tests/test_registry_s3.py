@@ -12,7 +12,7 @@ import pytest
 
 from despina.contract.errors import DespinaError, Unavailable
 from despina.registry import ArtifactCache, open_registry
-from despina.registry.s3 import S3Registry, expected_etag
+from despina.registry.s3 import S3Registry, etag_is_md5, expected_etag
 from despina.registry.transfer import listing, plan, push
 
 from .control_support import mlp_folder
@@ -162,3 +162,18 @@ def test_a_malformed_s3_repository_is_refused_at_start(url: str, redis_url: str,
     assert "Traceback" not in r.stderr
     assert r.stderr.startswith(f"despina serve: DESPINA_MODEL_REPOSITORY (or --model-repository): {url}"
                                if ":" in url[5:].split("/")[0] else "despina serve: DESPINA_MODEL_REPOSITORY")
+
+
+def test_an_etag_is_taken_for_an_md5_only_where_s3_makes_it_one() -> None:
+    """S3 documents an object's ETag as its bytes' MD5 only for a single-part upload stored plainly or
+    with SSE-S3; under SSE-KMS (the default encryption of many buckets) or SSE-C it is not. Every file of
+    such a bucket failed its download ("the downloaded bytes do not match the ETag"), and every push its
+    check: no model in such a bucket could load. SeaweedFS encrypts nothing, so the rule is tested alone."""
+    md5 = "0123456789abcdef0123456789abcdef"
+    assert etag_is_md5(md5, {})
+    assert etag_is_md5(md5, {"ServerSideEncryption": "AES256"})
+    assert not etag_is_md5(md5, {"ServerSideEncryption": "aws:kms"})
+    assert not etag_is_md5(md5, {"ServerSideEncryption": "aws:kms:dsse"})
+    assert not etag_is_md5(md5, {"SSECustomerAlgorithm": "AES256"})
+    assert not etag_is_md5(f"{md5}-3", {})  # multipart
+

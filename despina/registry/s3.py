@@ -21,6 +21,14 @@ from .cache import ArtifactCache
 MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
 
 
+def etag_is_md5(etag: str, response: Any) -> bool:
+    """Whether an object's ETag is the MD5 of its bytes, as S3 documents it: one uploaded in a single
+    part, and encrypted (if at all) with SSE-S3; under SSE-KMS or SSE-C it is no digest of the bytes."""
+    encryption = str(response.get("ServerSideEncryption") or "")
+    return MD5_ETAG.match(etag) is not None and not encryption.startswith("aws:kms") \
+        and not response.get("SSECustomerAlgorithm")
+
+
 def parse_url(url: str) -> tuple[str, str]:
     """s3://bucket/prefix -> (bucket, prefix without slashes at either end)."""
     if not url.startswith("s3://"):
@@ -158,14 +166,16 @@ class S3Registry(Registry):
         """One file, as the listing saw it: a file replaced since fails (IfMatch) instead of mixing two."""
         key = self._key(name, f.path)
         if f.size < self.transfer.multipart_threshold:
-            body = self.client.get_object(Bucket=self.bucket, Key=key, IfMatch=f'"{f.etag}"')["Body"]
+            response = self.client.get_object(Bucket=self.bucket, Key=key, IfMatch=f'"{f.etag}"')
             with dest.open("wb") as out:
-                for chunk in body.iter_chunks(1024 * 1024):
+                for chunk in response["Body"].iter_chunks(1024 * 1024):
                     out.write(chunk)
         else:  # ranged, parallel GETs; the ETag is checked once they are all in
             self.client.download_file(self.bucket, key, str(dest), Config=self.transfer)
-            self.client.head_object(Bucket=self.bucket, Key=key, IfMatch=f'"{f.etag}"')
-        if MD5_ETAG.match(f.etag) and md5_file(dest) != f.etag:
+            response = self.client.head_object(Bucket=self.bucket, Key=key, IfMatch=f'"{f.etag}"')
+        if dest.stat().st_size != f.size:
+            raise OSError(f"{key}: {dest.stat().st_size} bytes came, the listing said {f.size}")
+        if etag_is_md5(f.etag, response) and md5_file(dest) != f.etag:
             raise OSError(f"{key}: the downloaded bytes do not match the ETag {f.etag}")
 
     def put(self, name: str, path: str, data: bytes) -> None:
@@ -196,7 +206,10 @@ class S3Registry(Registry):
             head = self.client.head_object(Bucket=self.bucket, Key=key)
         except Exception as exc:
             raise registry_error(self.url, exc) from None
-        return FileInfo(path, int(head["ContentLength"]), head["ETag"].strip('"'))
+        etag = head["ETag"].strip('"')
+        # an ETag that is no digest of the bytes (SSE-KMS, SSE-C) is not given: push cannot verify by it
+        digest = etag_is_md5(etag.split("-", 1)[0], head)
+        return FileInfo(path, int(head["ContentLength"]), etag if digest else "")
 
 
 def md5_file(path: Path) -> str:
