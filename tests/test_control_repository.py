@@ -323,3 +323,22 @@ def test_a_config_without_platform_or_backend_gets_the_backend_from_the_model_fi
         'model_version: -1 input_map { key: "x" value: "x" } output_map { key: "y" value: "y" } } ] }')
     with pytest.raises(ConfigError, match="model 'pipe': neither field 'platform' nor field 'backend' is set"):
         load_model(pipe)
+
+
+def test_model_metadata_lists_the_version_asked_for_else_those_that_serve(serve: Callable[..., Server],
+                                                                         repo: Path) -> None:
+    # Triton's metadata names the version asked for, else the READY ones: not every version on disk
+    (repo / "mlp" / "3").mkdir()
+    (repo / "mlp" / "3" / "model.onnx").write_bytes(b"not onnx")
+    server = serve(repo, wait_models=("mlp",))
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        wait_until(lambda: next(r for r in client.get_model_repository_index()
+                                if r.get("version") == "3")["state"] == "UNAVAILABLE", what="version 3 to fail")
+        assert client.get_model_metadata("mlp")["versions"] == ["1", "2"]
+        assert client.get_model_metadata("mlp", "1")["versions"] == ["1"]
+        for call in (client.get_model_metadata, client.get_model_config):
+            with pytest.raises(InferenceServerException, match="version 3 failed to load"):
+                call("mlp", "3")
+    finally:
+        client.close()

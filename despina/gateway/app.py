@@ -181,10 +181,13 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
 
     async def model_metadata(request: Request) -> Response:
         try:
-            model, _ = _model(request)
+            model, version = _model(request)
         except DespinaError as exc:
             return error_response(exc)
-        return json_response(model.spec.metadata(list(model.entry.versions)))
+        # as Triton's: the version asked for, else those that serve (not one that failed to load)
+        e = model.entry
+        versions = [int(version)] if version is not None else [v for v in e.versions if v not in e.failed]
+        return json_response(model.spec.metadata(versions))
 
     async def model_ready(request: Request) -> Response:
         p = request.path_params
@@ -214,6 +217,9 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
         if version is not None:
             if not version.isdigit() or int(version) not in model.entry.versions:
                 raise NotFound(f"unknown version {version} of model '{model.entry.name}'")
+            if int(version) in model.entry.failed:
+                raise Unavailable(f"model '{model.entry.name}' version {int(version)} failed to load: "
+                                  f"{model.entry.failed[int(version)]}")
         return model, version
 
     extensions = [*EXTENSIONS, SHM_EXTENSION] if gw.shm is not None else EXTENSIONS
