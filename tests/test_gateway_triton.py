@@ -37,6 +37,7 @@ def test_server_and_model_health(client: httpclient.InferenceServerClient) -> No
     assert not client.is_model_ready("nope")
     meta = client.get_server_metadata()
     assert meta["name"] == "despina" and "binary_tensor_data" in meta["extensions"]
+    assert "model_configuration" in meta["extensions"]  # GET .../config, which Triton names so
 
 
 def test_model_metadata_and_config(client: httpclient.InferenceServerClient) -> None:

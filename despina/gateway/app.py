@@ -49,8 +49,8 @@ from .trace_api import trace_routes
 log = logging.getLogger("despina.gateway")
 
 CACHE_REPORT_S = 5.0  # how often a gateway reports its response cache's figures (the metrics' gauges)
-EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "parameters", LOGGING_EXTENSION,
-              TRACE_EXTENSION, *REPOSITORY_EXTENSIONS]
+EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "parameters", "model_configuration",
+              LOGGING_EXTENSION, TRACE_EXTENSION, *REPOSITORY_EXTENSIONS]
 
 
 class Gateway:
