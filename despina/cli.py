@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cpus, logs
-from .settings import BadSetting, Settings
+from .settings import CHOICES, BadSetting, Settings
 
 
 def parser() -> argparse.ArgumentParser:
@@ -22,15 +22,15 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--redis-url", dest="redis_url", help="Redis/Valkey URL (default: $REDIS_URL; "
                         "serve starts an embedded Valkey when neither is set)")
         sp.add_argument("--key-prefix", dest="key_prefix", help="prefix of every Redis key (default despina)")
-        sp.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
-        sp.add_argument("--log-format", dest="log_format", choices=["text", "json"])
+        sp.add_argument("--log-level", dest="log_level", choices=CHOICES["log_level"])
+        sp.add_argument("--log-format", dest="log_format", choices=CHOICES["log_format"])
 
     def repo(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model-repository", dest="model_repository",
                         help="Triton model repository: a folder or s3://bucket/prefix "
                              "(default ./model_repository)")
         sp.add_argument("--model-control-mode", dest="model_control_mode",
-                        choices=["none", "explicit", "poll"],
+                        choices=CHOICES["model_control_mode"],
                         help="as Triton's: none (load all at start), explicit (load/unload API), poll")
         sp.add_argument("--load-model", dest="load_model", action="append", metavar="NAME",
                         help="explicit mode: load this model at start (repeatable; * = all)")
@@ -145,6 +145,21 @@ def settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     return Settings.from_sources(values, environ)
 
 
+def _unusable(repository: str) -> str | None:
+    """Why the model repository cannot be served at all (a malformed s3:// URL, a local path that is no
+    folder), or None. A store that is down, or a folder that goes later, is the control plane's to report."""
+    if repository.startswith("s3://"):
+        from .contract.errors import DespinaError
+        from .registry.s3 import parse_url
+
+        try:
+            parse_url(repository)
+        except DespinaError as exc:
+            return exc.message
+        return None
+    return None if Path(repository).expanduser().is_dir() else f"{repository} is not a folder"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -161,21 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"despina {args.command}: give --redis-url or set REDIS_URL (only 'serve' embeds Valkey)",
               file=sys.stderr)
         return 2
-    repository = settings.model_repository
-    if args.command in ("serve", "control") and repository.startswith("s3://"):
-        from .contract.errors import InvalidArgument
-        from .registry.s3 import parse_url
-
-        try:
-            parse_url(repository)
-        except InvalidArgument as exc:
-            print(f"despina {args.command}: DESPINA_MODEL_REPOSITORY (or --model-repository): {exc.message}",
-                  file=sys.stderr)
-            return 2
-    if args.command in ("serve", "control") and not repository.startswith("s3://") \
-            and not Path(repository).expanduser().is_dir():
-        print(f"despina {args.command}: DESPINA_MODEL_REPOSITORY (or --model-repository): {repository} is "
-              "not a folder", file=sys.stderr)
+    if args.command in ("serve", "control") and (why := _unusable(settings.model_repository)):
+        print(f"despina {args.command}: DESPINA_MODEL_REPOSITORY (or --model-repository): {why}",
+              file=sys.stderr)
         return 2
     if settings.worker_cpus is not None and args.command in ("serve", "worker"):
         try:

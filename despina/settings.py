@@ -95,7 +95,7 @@ class Settings:
             if getattr(self, name) > 65535:
                 raise BadSetting(f"DESPINA_{name.upper()} (or --{name.replace('_', '-')}) must be a port "
                                  f"number, 65535 at most, got {getattr(self, name)}")
-        for name, choices in _CHOICES.items():
+        for name, choices in CHOICES.items():
             value = getattr(self, name)
             if (value.lower() if name == "log_level" else value) not in choices:
                 raise BadSetting(f"DESPINA_{name.upper()} must be one of {', '.join(choices)}, got {value!r}")
@@ -171,8 +171,8 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
         values.setdefault("model_repository", SAGEMAKER_MODEL_DIR)
 
 
-# the settings that take one of a few words (the command line's choices; the log level in any case)
-_CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json"),
+# the settings that take one of a few words (the command line's choices too; the log level in any case)
+CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json"),
             "model_control_mode": ("none", "explicit", "poll"),
             "s3_addressing_style": ("auto", "path", "virtual")}
 _TRUE = {"1", "true", "yes", "on"}

@@ -184,8 +184,10 @@ class Commands:
         says why."""
         if replaced:
             await asyncio.to_thread(self._restore, model.name, replaced)
-        served = old is not None and old.state == "READY" and old.target != UNLOADED
-        self.plane.catalog.put(old if served and old is not None else unavailable(model, why))
+        if old is not None and old.state == "READY" and old.target != UNLOADED:
+            self.plane.catalog.put(old)
+        else:
+            self.plane.catalog.put(unavailable(model, why))
         self.plane.kick()
 
     async def _load_steps(self, entry: CatalogEntry, timeout: float, calling: tuple[str, ...]) -> None:

@@ -155,6 +155,11 @@ class Worker:
             if entry.serving and self.id in entry.workers:
                 for v in entry.versions:
                     wanted[(entry.name, v)] = (entry, entry.revisions.get(v, ""))
+        # a load no longer wanted stops first: the unloads below wait for their runners' drains
+        for key, (rev, task) in list(self.loading.items()):
+            if wanted.get(key, (None, ""))[1] != rev and not task.cancelling():  # unloaded, or new files
+                task.cancel()
+                log.info("worker %s: stopped loading %s version %d: no longer wanted", self.id, *key)
         gone = [k for k in self.runners if k not in wanted]
         await self._sync_hosts(set(gone))
         for key in gone:
@@ -170,10 +175,6 @@ class Worker:
             log.info("worker %s: unloaded %s version %d", self.id, *key)
         for key in [k for k in self.failures if k not in wanted]:
             del self.failures[key]
-        for key, (rev, task) in list(self.loading.items()):
-            if wanted.get(key, (None, ""))[1] != rev and not task.cancelling():  # unloaded, or new files
-                task.cancel()
-                log.info("worker %s: stopped loading %s version %d: no longer wanted", self.id, *key)
         for key, (entry, rev) in wanted.items():
             serving = key in self.runners and self.revision.get(key) == rev
             if serving or self.failures.get(key, ("",))[0] == rev or self.loading.get(key, ("",))[0] == rev:
