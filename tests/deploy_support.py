@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import kubernetes.client as k8s
 import pytest
 import redis.asyncio as aioredis
 import yaml
@@ -328,3 +329,52 @@ def keda() -> tuple[dict[str, Any], ...]:
     return tuple(documents(KUBE / "keda.yaml"))
 
 
+# -- Kubernetes' API types, as the kubernetes client package describes them ------------------------------
+
+SCALARS: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
+                                         "datetime": (str,), "date": (str,)}
+
+
+def schema_errors(doc: dict[str, Any]) -> list[str]:
+    """Every field of `doc` that its kind does not have, or whose value is of the wrong type."""
+    version = doc.get("apiVersion", "").rsplit("/", 1)[-1]
+    model = f"{version[:1].upper()}{version[1:]}{doc.get('kind', '')}"
+    if not hasattr(k8s, model):
+        return [f"{doc.get('apiVersion')} {doc.get('kind')}: not a kind of Kubernetes' API"]
+    errors: list[str] = []
+    _walk(doc, model, doc["kind"], errors)
+    return errors
+
+
+def _walk(value: Any, type_name: str, path: str, errors: list[str]) -> None:
+    if type_name.lower().startswith("list["):
+        if not isinstance(value, list):
+            errors.append(f"{path}: a list, not {value!r}")
+            return
+        for i, item in enumerate(value):
+            _walk(item, type_name[5:-1], f"{path}[{i}]", errors)
+    elif type_name.lower().startswith("dict["):
+        if not isinstance(value, dict):
+            errors.append(f"{path}: a mapping, not {value!r}")
+            return
+        for key, item in value.items():
+            _walk(item, type_name[5:-1].split(", ", 1)[1], f"{path}.{key}", errors)
+    elif type_name == "object":  # int-or-string and free-form fields
+        return
+    elif type_name in SCALARS:
+        if not isinstance(value, SCALARS[type_name]) or (type_name != "bool" and isinstance(value, bool)):
+            errors.append(f"{path}: a {type_name}, not {value!r}")
+    else:
+        _fields(value, getattr(k8s, type_name), path, errors)
+
+
+def _fields(value: Any, model: Any, path: str, errors: list[str]) -> None:
+    if not isinstance(value, dict):
+        errors.append(f"{path}: a {model.__name__} mapping, not {value!r}")
+        return
+    names = {json_name: attr for attr, json_name in model.attribute_map.items()}
+    for key, item in value.items():
+        if key not in names:
+            errors.append(f"{path}: {model.__name__} has no field {key!r}")
+        else:
+            _walk(item, model.openapi_types[names[key]], f"{path}.{key}", errors)

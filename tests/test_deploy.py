@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import tomllib
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -42,6 +43,7 @@ from .deploy_support import (
     published,
     role_paths,
     run_role,
+    schema_errors,
     secrets,
     selects,
     service_link_variables,
@@ -200,6 +202,27 @@ def test_kustomization_lists_every_manifest() -> None:
     on_disk = {p.name for p in KUBE.glob("*.yaml")}
     assert set(kustomization()["resources"]) == on_disk - NOT_IN_KUSTOMIZATION
     assert all(d.get("apiVersion") and d.get("kind") and d["metadata"].get("name") for d in manifests())
+
+
+def test_manifests_fit_the_kubernetes_api() -> None:
+    # the kubernetes client's models are the API's types (client 36: Kubernetes 1.36); keda.yaml's CRDs are
+    # checked against the streams below, not here
+    docs = [*manifests(), *documents(KUBE / "secrets.example.yaml")]
+    errors = [e for d in docs for e in schema_errors(d)]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_api_check_finds_a_misspelled_field_and_a_wrong_type() -> None:
+    deployment = deepcopy(of_kind("Deployment")["despina-worker"])
+    pod = deployment["spec"]["template"]["spec"]
+    pod["enableServiceLink"] = False
+    pod["containers"][0]["ports"] = [{"containerPort": "8002"}]
+    assert schema_errors(deployment) == [
+        "Deployment.spec.template.spec.containers[0].ports[0].containerPort: a int, not '8002'",
+        "Deployment.spec.template.spec: V1PodSpec has no field 'enableServiceLink'",
+    ]
+    assert schema_errors({"apiVersion": "apps/v1", "kind": "Deployments"}) == [
+        "apps/v1 Deployments: not a kind of Kubernetes' API"]
 
 
 def test_configmap_holds_only_valid_settings() -> None:
