@@ -9,7 +9,7 @@ from despina.contract.catalog import IDLE, LOADED, CatalogEntry
 from despina.contract.cluster import VersionStatus, WorkerInfo, WorkerStatus
 from despina.contract.errors import ConfigError
 from despina.control.placement import committed, need, out_of_memory, partners, place, replicas
-from despina.control.repository import INSTANCE_BYTES, footprint
+from despina.control.repository import INSTANCE_BYTES, PYTHON_INSTANCE_BYTES, footprint
 from despina.control.versions import transition
 
 MB = 1024 * 1024
@@ -40,6 +40,9 @@ def test_a_models_footprint_counts_each_instance_of_each_version() -> None:
     assert footprint(config, 10 * MB) == 5 * (10 * MB + INSTANCE_BYTES)  # 3 + one on each of two GPUs
     assert footprint(config, 10 * MB, versions=2) == 5 * (10 * MB + 2 * INSTANCE_BYTES)
     assert footprint({"name": "m"}, 10 * MB) == 10 * MB + INSTANCE_BYTES   # Triton's default: one instance
+    # a Python model's instance is a process of its own: 37 MB resident before its model imports anything
+    assert footprint({"name": "p", "backend": "python", "instance_group": [{"count": 2}]}, MB) == \
+        2 * (MB + PYTHON_INSTANCE_BYTES) >= 2 * 37 * 10**6
     config["parameters"] = {"memory_mb": {"string_value": "100"}}          # the user's figure, as it is
     assert footprint(config, 10 * MB) == 100 * MB
     assert footprint({"name": "e", "platform": "ensemble"}, 0) == 0
