@@ -501,7 +501,7 @@ def test_sequence_batching_configs_are_checked_at_load() -> None:
     assert s.sequence is not None and s.sequence.oldest and s.sequence.preferred == (2,)
     assert s.sequence.idle_us == 1_000_000 and [c.kind for c in s.sequence.controls] == \
         ["START", "END", "READY", "CORRID"]
-    assert s.sequence.slots == 0  # Oldest without max_candidate_sequences: no limit
+    assert s.sequence.slots == 4  # Oldest without max_candidate_sequences: a slot per row, as Triton's
     assert spec("direct { }").sequence.slots == 4  # Direct: a slot per row of a batch
     assert spec("oldest { max_candidate_sequences: 3 }").sequence.slots == 3
     assert spec("").sequence.controls == ()  # no controls: the model keys nothing, fine

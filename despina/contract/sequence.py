@@ -56,7 +56,7 @@ class SequencePolicy:
     oldest: bool = False               # Triton's Oldest strategy, else Direct
     max_queue_delay_us: int = 0        # how long a batch may wait for more sequences' requests
     preferred: tuple[int, ...] = ()    # Oldest's preferred batch sizes
-    slots: int = 0                     # sequences an instance runs at once (0: no limit); others wait
+    slots: int = 1                     # sequences an instance runs at once; others wait
 
 
 def sequence_policy(config: dict[str, Any]) -> SequencePolicy | None:
@@ -84,9 +84,10 @@ def sequence_policy(config: dict[str, Any]) -> SequencePolicy | None:
                             tuple(int(d) for d in initial.get("dims") or ()), initial.get("data_file") or ""))
     oldest = raw.get("oldest")
     strategy = oldest if oldest is not None else raw.get("direct") or {}
-    # Direct: a slot per row of a batch; Oldest: its max_candidate_sequences (0: no limit)
-    slots = (int(oldest.get("max_candidate_sequences") or 0) if oldest is not None
-             else max(int(config.get("max_batch_size") or 0), 1))
+    # a slot per row of a batch, as Triton's; Oldest's max_candidate_sequences, when set, instead
+    slots = max(int(config.get("max_batch_size") or 0), 1)
+    if oldest is not None and int(oldest.get("max_candidate_sequences") or 0) > 0:
+        slots = int(oldest["max_candidate_sequences"])
     return SequencePolicy(int(raw.get("max_sequence_idle_microseconds") or DEFAULT_IDLE_US), tuple(controls),
                           tuple(states), oldest is not None,
                           int(strategy.get("max_queue_delay_microseconds") or 0),

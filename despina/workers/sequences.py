@@ -2,8 +2,8 @@
 
 Each sequence (correlation ID) is bound to one model instance when its first request comes, the
 instance with the fewest sequences, and stays there: a model that keeps a sequence's state keeps it
-where the next request runs. An instance runs as many sequences at once as it has slots (Direct: one
-per row of a batch; Oldest: max_candidate_sequences); a sequence that finds none free waits, its
+where the next request runs. An instance runs as many sequences at once as it has slots (one per row
+of a batch; Oldest's max_candidate_sequences when set); a sequence that finds none free waits, its
 requests queued, until one ends, as in Triton's backlog.
 
 A sequence has at most one request in its instance's batcher at a time, so its requests run in the
@@ -114,8 +114,7 @@ class SequenceBatcher:
     def _free_instance(self) -> int:
         """The instance with the fewest sequences, or -1 when every instance's slots are taken."""
         instance = min(range(len(self._bound)), key=self._bound.__getitem__)
-        slots = self.sequence.slots
-        return -1 if slots and self._bound[instance] >= slots else instance
+        return -1 if self._bound[instance] >= self.sequence.slots else instance
 
     def _feed(self, seq: _Sequence) -> None:
         if not seq.running and seq.queued and seq.instance >= 0:
