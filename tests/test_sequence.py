@@ -414,6 +414,25 @@ def test_a_sequence_with_no_free_slot_waits_for_one(server: Server) -> None:
         assert send(second, 42, 1.0, sequence_end=True).json()["outputs"][0]["data"] == [6.0]
 
 
+def test_a_sequence_waiting_for_a_slot_past_its_requests_timeout_is_refused(server: Server) -> None:
+    """As Triton's backlog: a sequence that waits for a slot longer than a request's `timeout` is
+    refused, and is then unknown (its next request must start it again)."""
+    def send(client: httpx.Client, corr: int, x: float, **parameters: Any) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [x]}],
+                "parameters": {"sequence_id": corr, **parameters}}
+        return client.post(f"{server.url}/v2/models/acc0/infer", json=body, timeout=30)
+
+    with httpx.Client() as first, httpx.Client() as second:
+        assert send(first, 51, 1.0, sequence_start=True).status_code == 200  # holds acc0's one slot
+        began = time.monotonic()
+        r = send(second, 52, 5.0, sequence_start=True, timeout=100_000)  # 100 ms
+        assert r.status_code == 504 and "sequence slot" in r.json()["error"], r.text
+        assert time.monotonic() - began < 0.8  # not when sequence 51 idles out (1 s) and frees the slot
+        r = send(second, 52, 1.0)
+        assert r.status_code == 400 and "START" in r.json()["error"], r.text
+        assert send(first, 51, 1.0, sequence_end=True).json()["outputs"][0]["data"] == [2.0]
+
+
 def test_a_call_without_a_sequence_gets_a_clear_error(server: Server) -> None:
     r = infer(server, "calls", 1.0)
     assert r.status_code != 200 and "correlation ID" in r.json()["error"], r.text

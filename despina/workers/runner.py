@@ -285,11 +285,12 @@ class ModelRunner:
                 return False
         return self._gateways.all_here()
 
-    def _on_timeout(self, item: Item) -> None:
-        """The batcher dropped a request whose queue timeout passed (REJECT policy): answer it."""
+    def _on_timeout(self, item: Item, why: str = "request timed out in the queue (queue policy timeout)"
+                    ) -> None:
+        """The batcher dropped a request whose queue timeout passed (REJECT policy), or the sequence
+        batcher one whose sequence waited too long for a slot: answer it."""
         p: Pending = item.payload
-        reply = answers.error(p.request, Code.DEADLINE_EXCEEDED, f"model '{self.spec.name}': request "
-                              "timed out in the queue (queue policy timeout)")
+        reply = answers.error(p.request, Code.DEADLINE_EXCEEDED, f"model '{self.spec.name}': {why}")
         self._spawn(self._reply([reply], [p.request], [p]))
 
     def _rows(self, inputs: dict[str, np.ndarray]) -> int:

@@ -4,7 +4,8 @@ Each sequence (correlation ID) is bound to one model instance when its first req
 instance with the fewest sequences, and stays there: a model that keeps a sequence's state keeps it
 where the next request runs. An instance runs as many sequences at once as it has slots (one per row
 of a batch; Oldest's max_candidate_sequences when set); a sequence that finds none free waits, its
-requests queued, until one ends, as in Triton's backlog.
+requests queued, until one ends, as in Triton's backlog; and, as there, a waiting sequence is refused,
+every request it has queued, once one of them waited past its own `timeout`.
 
 A sequence has at most one request in its instance's batcher at a time, so its requests run in the
 order they came and no batch holds two of them; the instance's batcher (Triton's dynamic batching
@@ -36,9 +37,11 @@ from ..contract.errors import ConfigError, InvalidArgument
 from ..contract.modelconfig import ModelSpec
 from ..contract.policy import BatchPolicy
 from ..contract.sequence import END, START, Control, Correlation, SequencePolicy, State
-from .batcher import DynamicBatcher, Item, Reject
+from .batcher import DynamicBatcher, Item
 
 ExecuteOn = Callable[[list[Item], int], Awaitable[None]]  # a batch, and the instance to run it on
+Refuse = Callable[[Item, str], None]  # a request dropped before it ran, and why
+SLOT_TIMED_OUT = "the sequence timed out waiting for a free sequence slot (the request's timeout)"
 NUMPY = {"INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_, "UINT64": np.uint64, "INT64": np.int64,
          "UINT32": np.uint32}
 
@@ -49,6 +52,7 @@ class _Sequence:
     queued: deque[Item] = field(default_factory=deque)
     running: bool = False       # one of its requests is in its instance's batcher, or executing
     last: float = 0.0           # when it last had a request queued or running (monotonic)
+    expires: float | None = None  # while waiting for a slot: when its requests' first timeout runs out
     state: dict[str, np.ndarray] = field(default_factory=dict)  # state input -> its next value
 
 
@@ -56,7 +60,7 @@ class SequenceBatcher:
     """The runner's batcher for a model with sequence_batching: put(), run(), close(), pending and
     executing as DynamicBatcher's; `execute` is told which instance runs each batch."""
 
-    def __init__(self, spec: ModelSpec, execute: ExecuteOn, instances: int, reject: Reject | None = None,
+    def __init__(self, spec: ModelSpec, execute: ExecuteOn, instances: int, refuse: Refuse | None = None,
                  model_dir: Path | None = None) -> None:
         assert spec.sequence is not None
         self.spec, self.sequence = spec, spec.sequence
@@ -67,8 +71,9 @@ class SequenceBatcher:
                                   preferred=self.sequence.preferred if spec.max_batch_size else (),
                                   max_queue_delay_us=self.sequence.max_queue_delay_us, dynamic=True)
         self._execute = execute
-        self._batchers = [DynamicBatcher(self.policy, partial(self._run, i), 1, reject)
-                          for i in range(instances)]
+        self._refuse = refuse or (lambda item, why: None)
+        # their policy has no queue timeout: a request that reached one is never dropped there
+        self._batchers = [DynamicBatcher(self.policy, partial(self._run, i), 1) for i in range(instances)]
         self._bound = [0] * instances  # sequences on each instance
         self._sequences: dict[Correlation, _Sequence] = {}
         self._waiting: deque[Correlation] = deque()  # sequences waiting for a slot, oldest first
@@ -109,7 +114,29 @@ class SequenceBatcher:
         item.payload.inputs.update(controls)
         seq.queued.append(item)
         seq.last = time.monotonic()
+        if seq.instance < 0 and item.timeout_us:
+            self._expires(seq, item)
         self._feed(seq)
+
+    def _expires(self, seq: _Sequence, item: Item) -> None:
+        """A waiting sequence's request has a timeout: the sequence is refused when it runs out, unless
+        it gets a slot first (Triton's backlog takes the earliest of its requests' timeouts)."""
+        expires = (item.arrived if item.since is None else item.since) + item.timeout_us / 1e6
+        if seq.expires is None or expires < seq.expires:
+            seq.expires = expires
+            asyncio.get_running_loop().call_later(max(0.0, expires - time.monotonic()), self._expire_waiting)
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        for correlation in list(self._waiting):
+            seq = self._sequences.get(correlation)
+            if seq is None or seq.instance >= 0 or seq.expires is None or seq.expires > now:
+                continue
+            del self._sequences[correlation]
+            self._waiting.remove(correlation)
+            for item in seq.queued:
+                self._refuse(item, SLOT_TIMED_OUT)
+        self._close_when_done()
 
     def _free_instance(self) -> int:
         """The instance with the fewest sequences, or -1 when every instance's slots are taken."""
@@ -181,9 +208,7 @@ class SequenceBatcher:
                     self._release(correlation)
                 else:
                     self._feed(seq)
-            if self._closed and not any(s.queued or s.running for s in self._sequences.values()):
-                for b in self._batchers:
-                    b.close()
+            self._close_when_done()
 
     def _release(self, correlation: Correlation) -> None:
         """The sequence ends: its slot goes to the sequence that has waited longest, if any."""
@@ -198,14 +223,17 @@ class SequenceBatcher:
             waiting = self._sequences.get(self._waiting.popleft())
             if waiting is None:
                 continue
-            waiting.instance = instance
+            waiting.instance, waiting.expires = instance, None  # bound: no more waiting for a slot
             self._bound[instance] += 1
             self._feed(waiting)
 
     def close(self) -> None:
         """Stop taking requests; run() returns once every sequence's queued requests have run."""
         self._closed = True
-        if not any(s.queued or s.running for s in self._sequences.values()):
+        self._close_when_done()
+
+    def _close_when_done(self) -> None:
+        if self._closed and not any(s.queued or s.running for s in self._sequences.values()):
             for b in self._batchers:
                 b.close()
 
