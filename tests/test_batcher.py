@@ -184,10 +184,12 @@ async def test_queue_timeout_rejects_or_delays() -> None:
     assert rec.batches == [["busy"]]
 
 
-async def test_delay_action_moves_timed_out_requests_behind_the_others() -> None:
+async def test_delay_action_moves_timed_out_requests_behind_the_others_of_their_level() -> None:
+    """Triton's DELAY: behind the requests of the same (or a higher) level that have not timed out,
+    still ahead of a lower level's."""
     policy = BatchPolicy(max_batch_size=1, max_queue_delay_us=0, dynamic=True, priority_levels=2,
                          default_priority=2,
-                         priority_queue_policy={1: QueuePolicy("DELAY", default_timeout_us=10_000)})
+                         priority_queue_policy={1: QueuePolicy("DELAY", default_timeout_us=100_000)})
     hold = asyncio.Event()
     rec = Recorder(hold)
     batcher = DynamicBatcher(policy, rec)
@@ -195,13 +197,14 @@ async def test_delay_action_moves_timed_out_requests_behind_the_others() -> None
     batcher.put(Item(1, "k", "busy"))
     await asyncio.sleep(0.01)
     batcher.put(Item(1, "k", "urgent-but-late", priority=1))
-    await asyncio.sleep(0.03)
+    await asyncio.sleep(0.12)
     batcher.put(Item(1, "k", "normal", priority=2))
-    assert batcher.pending == 2                     # the delayed one still counts
+    batcher.put(Item(1, "k", "urgent", priority=1))  # 100 ms before it too is late
+    assert batcher.pending == 3                     # the delayed one still counts
     hold.set()
     batcher.close()
     await asyncio.wait_for(task, 5)
-    assert rec.batches == [["busy"], ["normal"], ["urgent-but-late"]]
+    assert rec.batches == [["busy"], ["urgent"], ["urgent-but-late"], ["normal"]]
     assert batcher.pending == 0
 
 

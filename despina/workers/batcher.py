@@ -10,8 +10,8 @@ also goes at once when `nothing_coming()` says that no request that could join i
 wait that nobody can end early would only add its delay to every request's latency.
 
 Queue policy, per priority level: a request past its queue timeout is rejected (REJECT) or moved
-behind every request that has not timed out (DELAY); a level holding max_queue_size requests
-refuses more.
+behind every request of its level that has not timed out (DELAY), still ahead of the levels below;
+a level holding max_queue_size requests refuses more.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class DynamicBatcher:
         self._nothing_coming = nothing_coming
         levels = max(policy.priority_levels, 1)
         self._queues: list[deque[Item]] = [deque() for _ in range(levels)]
-        self._delayed: deque[Item] = deque()
+        self._delayed: list[deque[Item]] = [deque() for _ in range(levels)]  # each level's, after it
         self._timed = 0                     # queued items that carry a timeout
         self._pending = 0                   # queued items in all queues (`pending`: asked 5 times a batch)
         self._wake = asyncio.Event()
@@ -166,15 +166,21 @@ class DynamicBatcher:
         finally:
             timer.cancel()
 
+    def _levels(self) -> Iterator[deque[Item]]:
+        """The queues in the order they are served: each level's, then its timed-out requests (DELAY)."""
+        for queue, delayed in zip(self._queues, self._delayed):
+            yield queue
+            yield delayed
+
     def _ordered(self) -> Iterator[Item]:
-        return itertools.chain(*self._queues, self._delayed)
+        return itertools.chain.from_iterable(self._levels())
 
     def _take(self, count: int) -> list[Item]:
         taken: list[Item] = []
-        for queue in (*self._queues, self._delayed):
+        for queue in self._levels():
             while queue and len(taken) < count:
                 item = queue.popleft()
-                if item.expires is not None and queue is not self._delayed:
+                if item.expires is not None:  # (a delayed one's is cleared)
                     self._timed -= 1
                 taken.append(item)
         self._pending -= len(taken)
@@ -195,7 +201,7 @@ class DynamicBatcher:
                     self._timed -= 1
                     if action == "DELAY":
                         item.expires = None
-                        self._delayed.append(item)
+                        self._delayed[level - 1].append(item)
                     else:
                         self._pending -= 1
                         self._reject(item)
