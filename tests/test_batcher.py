@@ -225,6 +225,26 @@ async def test_max_queue_size_refuses_at_once() -> None:
         batcher.put(Item(1, "k", 3))
 
 
+async def test_max_queue_size_counts_the_delayed_requests() -> None:
+    """Triton's max_queue_size counts a level's timed-out requests (DELAY) too: they still wait in it."""
+    policy = BatchPolicy(max_batch_size=4, dynamic=True, default_queue_policy=QueuePolicy(
+        "DELAY", default_timeout_us=10_000, max_queue_size=2))
+    hold = asyncio.Event()
+    batcher = DynamicBatcher(policy, Recorder(hold))
+    task = asyncio.create_task(batcher.run())
+    batcher.put(Item(4, "k", "busy"))
+    await asyncio.sleep(0.01)                       # the only instance is now busy
+    batcher.put(Item(1, "k", 1))
+    batcher.put(Item(1, "k", 2))
+    await asyncio.sleep(0.03)                       # both delayed: still queued
+    assert batcher.pending == 2
+    with pytest.raises(QueueFull, match="full"):
+        batcher.put(Item(1, "k", 3))
+    hold.set()
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+
+
 async def test_a_queue_timeout_counts_from_since_the_delay_from_arrival() -> None:
     """The worker puts a request with `arrived` = when it read it and `since` = the gateway's enqueue:
     time in the stream does not use up the batch delay, but does count against the queue timeout."""

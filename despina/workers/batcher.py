@@ -85,7 +85,9 @@ class DynamicBatcher:
         level = self.policy.level(item.priority)
         queue_policy = self.policy.queue_policy(level)
         queue = self._queues[level - 1]
-        if queue_policy.max_queue_size and len(queue) >= queue_policy.max_queue_size:
+        # its timed-out requests (DELAY) still wait in it: Triton counts them too
+        queued = len(queue) + len(self._delayed[level - 1])
+        if queue_policy.max_queue_size and queued >= queue_policy.max_queue_size:
             raise QueueFull(f"the queue of priority level {level} is full "
                             f"({queue_policy.max_queue_size} requests)")
         timeout = queue_policy.timeout_us(item.timeout_us)
