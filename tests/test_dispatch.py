@@ -52,6 +52,30 @@ async def test_deadlines_are_swept_and_replies_matched(redis_url: str, key_prefi
         await redis.aclose()
 
 
+async def test_a_request_with_less_time_left_than_one_before_it_times_out_on_time(redis_url: str,
+                                                                                 key_prefix: str) -> None:
+    # a request woken from scale-to-zero, or an ensemble's later step, is submitted with what is left of
+    # its time, behind requests with the whole timeout: the sweep used to stop at the first of those
+    redis = aioredis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    d = Dispatcher(redis, keys)
+    await d.start()
+    results: dict[str, float] = {}
+    try:
+        stream, stats = keys.request_stream("m", 1, 1), keys.stats("m", 1)
+        t0 = time.monotonic()
+        for rid, timeout in (("long", 5.0), ("short", 0.2), ("shorter", 0.1)):
+            d.submit(stream, stats, InferRequest(rid, d.reply_stream, time.time() + timeout, ()), timeout,
+                     lambda r, rid=rid: results.__setitem__(rid, time.monotonic() - t0))
+        await asyncio.sleep(0.2 + dispatch.SWEEP_S + 0.2)
+        assert set(results) == {"short", "shorter"}, results
+        assert 0.1 <= results["shorter"] < 0.1 + dispatch.SWEEP_S + 0.2
+        assert d.waiting == 1
+    finally:
+        await d.close()
+        await redis.aclose()
+
+
 async def test_a_decoupled_models_responses_reach_the_request_in_order_once(redis_url: str,
                                                                              key_prefix: str) -> None:
     """Responses before the last go to the request as they come; a worker that runs the request again

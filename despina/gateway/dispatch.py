@@ -9,6 +9,7 @@ every waiting request is answered UNAVAILABLE at once.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import os
@@ -92,9 +93,12 @@ class Dispatcher:
         self.reply_stream = keys.reply_stream(self.id)
         self._ids = itertools.count()
         # request id -> (its callback, its deadline on the monotonic clock, its model version's
-        # statistics hash); in insertion order, and since every request waits the same time, in
-        # deadline order too
+        # statistics hash); in insertion order, which is deadline order for requests that wait the
+        # gateway's whole timeout. One submitted with less time left (woken from scale-to-zero, an
+        # ensemble's later step) goes on `_early` too, a heap by deadline, so that the sweep finds it
         self._waiting: dict[str, tuple[Callback, float, str]] = {}
+        self._early: list[tuple[float, str]] = []
+        self._latest = 0.0  # the latest deadline submitted
         # statistics hash (a model version) -> its requests waiting here: each entry tells the worker
         # how many, so that a batch need not wait for requests that are not on their way
         self._in_flight: dict[str, int] = {}
@@ -180,7 +184,12 @@ class Dispatcher:
         another for HOLD_GAP_S, and for at most `hold_us`. While every request waiting is one of those
         held here, the event loop spins until the hold ends (_spin) instead of sleeping on the alarm."""
         now = time.monotonic()
-        self._waiting[request.id] = (done, now + timeout, stats)
+        deadline = now + timeout
+        self._waiting[request.id] = (done, deadline, stats)
+        if deadline < self._latest:
+            heapq.heappush(self._early, (deadline, request.id))
+        else:
+            self._latest = deadline
         self._in_flight[stats] = self._in_flight.get(stats, 0) + 1
         self._stats[stream] = stats
         self._group_rows[stream] = group_rows
@@ -268,6 +277,13 @@ class Dispatcher:
             if deadline > now:
                 break
             expired.append(request_id)
+        early = self._early
+        if early and early[0][0] <= now:
+            swept = set(expired)
+            while early and early[0][0] <= now:
+                request_id = heapq.heappop(early)[1]
+                if request_id in self._waiting and request_id not in swept:
+                    expired.append(request_id)
         streaming = [r for r in expired if r in self._next]  # a decoupled model's: its worker hears of it
         for request_id in expired:
             self._finish(request_id, TimeoutError())
@@ -275,6 +291,8 @@ class Dispatcher:
             self._tell_cancelled(streaming)
         if self._waiting:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+        else:
+            early.clear()  # answered before their deadlines
 
     def _finish(self, request_id: str, result: Result) -> str | None:
         """Hand the request its result; its model version's statistics hash, or None when nobody waits
