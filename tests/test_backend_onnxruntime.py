@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import onnx
 import onnxruntime as ort
 import orjson
 import pytest
@@ -176,6 +177,25 @@ def test_a_load_the_model_disagrees_with_is_refused_and_the_loaded_config_serves
         {"name": "x", "datatype": "FP32", "shape": [1, 256], "data": x.ravel().tolist()}]})
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(np.array(r.json()["outputs"][0]["data"]), mlp_numpy(x)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_onnx_folder_holds_the_model_beside_its_external_data(tmp_path: Path) -> None:
+    """Triton's layout for a model past 2 GB: <version>/model.onnx/ is a folder holding model.onnx and the
+    weights it names; the config is completed from it and the model serves."""
+    build_mlp(tmp_path / "plain.onnx")
+    folder = tmp_path / "m"
+    (folder / "1" / "model.onnx").mkdir(parents=True)
+    onnx.save_model(onnx.load(str(tmp_path / "plain.onnx")), str(folder / "1" / "model.onnx" / "model.onnx"),
+                    save_as_external_data=True, location="weights.bin", size_threshold=0)
+    assert (folder / "1" / "model.onnx" / "weights.bin").stat().st_size > 1_000_000
+    entry = load_model(folder)
+    assert entry.state == "READY", entry.reason
+    assert [(t["name"], t["dims"]) for t in entry.config["input"]] == [("x", [256])]
+    spec = ModelSpec.from_config(entry.config)
+    backend = backend_class("onnxruntime")(spec, folder / "1", Instance("m_0"))
+    backend.load()
+    x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
+    np.testing.assert_allclose(backend.execute({"x": x}, ["y"])["y"], mlp_numpy(x), rtol=1e-4, atol=1e-5)
 
 
 # -- execution providers: optimization { execution_accelerators }, as Triton's onnxruntime backend --------

@@ -40,6 +40,9 @@ class OnnxRuntimeBackend(Backend):
     def gpu_available(cls) -> bool:
         return "CUDAExecutionProvider" in ort.get_available_providers()
 
+    def model_path(self) -> Path:
+        return onnx_file(super().model_path())
+
     def load(self) -> None:
         options = session_options(self.spec.name, self.spec.config, self.instance.threads)
         chosen = providers(self.spec.name, self.spec.config, self.instance.kind, self.instance.device,
@@ -75,7 +78,7 @@ class OnnxRuntimeBackend(Backend):
         rather than every request. The session is only read, so it is built with no graph optimization.
         A file onnxruntime cannot read is left to the load of its version when the config needs nothing
         from it (the other versions serve)."""
-        path = version_dir / (config.default_model_filename or cls.default_filename())
+        path = onnx_file(version_dir / (config.default_model_filename or cls.default_filename()))
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         try:
@@ -89,6 +92,12 @@ class OnnxRuntimeBackend(Backend):
         outputs = [_declared(t) for t in session.get_outputs()]
         complete_config(config, inputs, outputs)
         check_config(config, inputs, outputs)
+
+
+def onnx_file(path: Path) -> Path:
+    """The ONNX file at `path`: a folder of that name holds it as model.onnx, beside its external data
+    (Triton's layout for a model past protobuf's 2 GB)."""
+    return path / "model.onnx" if path.is_dir() else path
 
 
 def has_tf32_option(version: str = ort.__version__) -> bool:
