@@ -198,6 +198,25 @@ def test_a_model_onnx_folder_holds_the_model_beside_its_external_data(tmp_path: 
     np.testing.assert_allclose(backend.execute({"x": x}, ["y"])["y"], mlp_numpy(x), rtol=1e-4, atol=1e-5)
 
 
+def test_a_tensor_of_the_batch_dimension_alone_is_completed_as_triton_does(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """A model of shape [N] and no config.pbtxt: Triton fills dims [1] with an empty reshape, so clients
+    see [-1, 1] and send [n, 1], which the model gets as [n]."""
+    folder = tmp_path / "repo" / "m"
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])])
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "1" / "model.onnx")
+    server = serve(tmp_path / "repo", wait_models=("m",))
+    meta = httpx.get(f"{server.url}/v2/models/m").json()
+    assert [t["shape"] for t in (*meta["inputs"], *meta["outputs"])] == [[-1, 1], [-1, 1]]
+    r = httpx.post(f"{server.url}/v2/models/m/infer", json={"inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [3, 1], "data": [1, 2, 3]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["shape"] == [3, 1]
+    assert r.json()["outputs"][0]["data"] == [-1, -2, -3]
+
+
 # -- execution providers: optimization { execution_accelerators }, as Triton's onnxruntime backend --------
 
 ACCELERATED = """

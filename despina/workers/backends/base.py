@@ -199,7 +199,8 @@ class Declared:
 def complete_config(config: Any, inputs: list[Declared], outputs: list[Declared]) -> None:
     """Triton's auto-complete from a model file's tensors: a model whose tensors all lead with an
     open dimension batches (max_batch_size 4, dynamic batching) unless the config says otherwise;
-    inputs or outputs the config leaves out are filled in."""
+    inputs or outputs the config leaves out are filled in (a tensor of the batch dimension alone as
+    dims [1] and an empty reshape, as Triton fills it)."""
     batchable = all(t.dims and t.dims[0] == -1 for t in (*inputs, *outputs))
     if config.max_batch_size == 0 and not config.input and batchable:
         config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
@@ -217,6 +218,9 @@ def complete_config(config: Any, inputs: list[Declared], outputs: list[Declared]
                                   "which Despina cannot serve")
             entry = declared.add(name=t.name, data_type=pb.DataType.Value(t.data_type))
             entry.dims.extend(t.dims[skip:])
+            if skip and not entry.dims:  # the batch dimension alone: clients see [-1, 1], as Triton's say
+                entry.dims.append(1)
+                entry.reshape.SetInParent()
 
 
 def check_config(config: Any, inputs: list[Declared], outputs: list[Declared]) -> None:
