@@ -18,7 +18,7 @@ import onnxruntime as ort
 import orjson
 import pytest
 import tritonclient.http as httpclient
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
 from despina.contract.errors import ConfigError
@@ -215,6 +215,35 @@ def test_a_tensor_of_the_batch_dimension_alone_is_completed_as_triton_does(
     assert r.status_code == 200, r.text
     assert r.json()["outputs"][0]["shape"] == [3, 1]
     assert r.json()["outputs"][0]["data"] == [-1, -2, -3]
+
+
+def test_an_initializer_the_model_takes_as_an_input_may_be_an_optional_input(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """An ONNX graph input with an initializer is one the model may be given and otherwise takes its
+    initializer for; Triton's onnxruntime backend lets the config declare it (optional: true)."""
+    folder = tmp_path / "repo" / "m"
+    bias = numpy_helper.from_array(np.array([10, 20], np.float32), "b")
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "add",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", 2]),
+                               helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])], initializer=[bias])
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text(
+        'backend: "onnxruntime" max_batch_size: 0 input [ { name: "a" data_type: TYPE_FP32 dims: [ -1, 2 ] }, '
+        '{ name: "b" data_type: TYPE_FP32 dims: [ 2 ] optional: true } ] '
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ -1, 2 ] } ]')
+    server = serve(tmp_path / "repo", "--model-control-mode", "explicit", "--load-model", "m", wait_models=("m",))
+    a = {"name": "a", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}
+    b = {"name": "b", "datatype": "FP32", "shape": [2], "data": [100, 200]}
+    for inputs, expected in (([a], [11, 22]), ([a, b], [101, 202])):
+        r = httpx.post(f"{server.url}/v2/models/m/infer", json={"inputs": inputs})
+        assert r.status_code == 200, r.text
+        assert r.json()["outputs"][0]["data"] == expected
+    (folder / "config.pbtxt").write_text((folder / "config.pbtxt").read_text().replace("TYPE_FP32 dims: [ 2 ]",
+                                                                                      "TYPE_INT32 dims: [ 2 ]"))
+    r = httpx.post(f"{server.url}/v2/repository/models/m/load")
+    assert r.status_code == 400
+    assert r.json()["error"] == "model 'm': input 'b': the config says TYPE_INT32, the model TYPE_FP32"
 
 
 # -- execution providers: optimization { execution_accelerators }, as Triton's onnxruntime backend --------

@@ -223,18 +223,20 @@ def complete_config(config: Any, inputs: list[Declared], outputs: list[Declared]
                 entry.reshape.SetInParent()
 
 
-def check_config(config: Any, inputs: list[Declared], outputs: list[Declared]) -> None:
+def check_config(config: Any, inputs: list[Declared], outputs: list[Declared],
+                 overridable: Sequence[Declared] = ()) -> None:
     """Triton's load-time check of a config against its model file's tensors: each declared input and
     output is one of the model's, of its datatype and of a shape it takes; each model input is declared
-    or is one the server makes (a batch input, a sequence's control or state input). Dims are not
-    compared for a reshaped or ragged tensor, a batch output, or a model tensor of rank 0 (onnxruntime
-    reports an unknown shape so)."""
+    or is one the server makes (a batch input, a sequence's control or state input). `overridable` are
+    inputs the model may be given but has values for (ONNX initializers listed as graph inputs): the
+    config may declare them, and need not. Dims are not compared for a reshaped or ragged tensor, a batch
+    output, or a model tensor of rank 0 (onnxruntime reports an unknown shape so)."""
     model_inputs = {t.name: t for t in inputs}
     made = {n for b in config.batch_input for n in b.target_name}
     made |= {c.name for c in config.sequence_batching.control_input}
     made |= {s.input_name for s in config.sequence_batching.state}
     scattered = {n for b in config.batch_output for n in b.target_name}
-    for kind, declared, found in (("input", config.input, model_inputs),
+    for kind, declared, found in (("input", config.input, {t.name: t for t in overridable} | model_inputs),
                                   ("output", config.output, {t.name: t for t in outputs})):
         for t in declared:
             where = f"model '{config.name}': {kind} '{t.name}'"

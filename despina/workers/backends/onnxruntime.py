@@ -91,7 +91,7 @@ class OnnxRuntimeBackend(Backend):
         inputs = [_declared(t) for t in session.get_inputs()]
         outputs = [_declared(t) for t in session.get_outputs()]
         complete_config(config, inputs, outputs)
-        check_config(config, inputs, outputs)
+        check_config(config, inputs, outputs, [_declared(t) for t in session.get_overridable_initializers()])
 
 
 def onnx_file(path: Path) -> Path:
