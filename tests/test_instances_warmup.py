@@ -14,12 +14,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
 from despina.contract.errors import ConfigError
 from despina.contract.keys import Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.control.repository import load_model
-from despina.examples import build_add_sub
+from despina.examples import build_add_sub, save_onnx
 from despina.workers.backends import backend_class
 from despina.workers.backends.base import visible_gpus
 from despina.workers.execution import INLINE_BELOW_US
@@ -335,6 +336,22 @@ async def test_failing_warmup_is_a_load_error(tmp_path: Path) -> None:
                                          good.replace("zero_data: true", 'input_data_file: "../../x"'))
     with pytest.raises(ConfigError, match="inside the model's warmup/ folder"):
         await runner_for(folder).load()
+
+
+async def test_random_data_for_a_string_input_is_zero_data_as_in_triton(tmp_path: Path) -> None:
+    """Triton warms a TYPE_STRING input given random_data with zero data: random bytes are not the text an
+    ONNX string tensor holds, and made the load of such a model fail."""
+    folder = tmp_path / "text"
+    graph = helper.make_graph([helper.make_node("Identity", ["s"], ["t"])], "text",
+                              [helper.make_tensor_value_info("s", TensorProto.STRING, ["N", 2])],
+                              [helper.make_tensor_value_info("t", TensorProto.STRING, ["N", 2])])
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text(
+        'platform: "onnxruntime_onnx"\nmax_batch_size: 4\nmodel_warmup [ { name: "text" batch_size: 2 '
+        'inputs { key: "s" value: { data_type: TYPE_STRING dims: [ 2 ] random_data: true } } } ]\n')
+    runner = runner_for(folder)
+    await runner.load()
+    await runner.stop()
 
 
 async def test_a_quick_model_runs_inline_whatever_else_held_the_loop_while_a_thread_ran_it(tmp_path: Path) -> None:
