@@ -246,6 +246,27 @@ def test_an_initializer_the_model_takes_as_an_input_may_be_an_optional_input(
     assert r.json()["error"] == "model 'm': input 'b': the config says TYPE_INT32, the model TYPE_FP32"
 
 
+def test_a_scalar_output_declared_as_dims_1_comes_back_in_those_dims(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """Triton declares a model's scalar (rank 0) output as dims [1] in a config without batching, and
+    answers it in that shape, as the model's metadata says."""
+    folder = tmp_path / "repo" / "m"
+    graph = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)], "sum",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text(
+        'backend: "onnxruntime" max_batch_size: 0 input [ { name: "x" data_type: TYPE_FP32 dims: [ 3 ] } ] '
+        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]')
+    server = serve(tmp_path / "repo", wait_models=("m",))
+    assert httpx.get(f"{server.url}/v2/models/m").json()["outputs"][0]["shape"] == [1]
+    r = httpx.post(f"{server.url}/v2/models/m/infer", json={"inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [3], "data": [1, 2, 3]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["shape"] == [1]
+    assert r.json()["outputs"][0]["data"] == [6]
+
+
 # -- execution providers: optimization { execution_accelerators }, as Triton's onnxruntime backend --------
 
 ACCELERATED = """

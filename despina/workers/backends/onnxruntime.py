@@ -59,6 +59,9 @@ class OnnxRuntimeBackend(Backend):
             raise ConfigError(f"model '{self.spec.name}': onnxruntime could not start {', '.join(missing)} "
                               f"(it started {', '.join(started)}; its log above says why)")
         self._strings = {i.name for i in self.session.get_inputs() if i.type == "tensor(string)"}
+        # a scalar the config gives as dims [1] (Triton's way to declare one): clients get it in those dims
+        self._scalars = {t.name: t.dims for t in self.spec.outputs
+                         if not self.spec.batched and t.dims and set(t.dims) == {1}}
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         feed = {name: (_as_str(a) if name in self._strings else a) for name, a in inputs.items()}
@@ -66,7 +69,8 @@ class OnnxRuntimeBackend(Backend):
             result = self.session.run(list(outputs), feed)
         except Exception as exc:
             raise BackendError(f"onnxruntime failed on model '{self.spec.name}': {exc}") from None
-        return dict(zip(outputs, result))
+        return {name: (a.reshape(self._scalars[name]) if a.ndim == 0 and name in self._scalars else a)
+                for name, a in zip(outputs, result)}
 
     def unload(self) -> None:
         self.__dict__.pop("session", None)
