@@ -342,3 +342,10 @@ def test_model_metadata_lists_the_version_asked_for_else_those_that_serve(serve:
                 call("mlp", "3")
     finally:
         client.close()
+
+
+def test_a_version_the_specific_policy_names_twice_is_one_version(tmp_path: Path) -> None:
+    """Triton's versions are a set: version_policy { specific { versions: [1, 1] } } serves version 1 once
+    (the model's metadata listed it twice)."""
+    folder = mlp_folder(tmp_path, "mlp", {1: 0, 2: 1}, extra="version_policy { specific { versions: [ 2, 1, 2 ] } }")
+    assert load_model(folder).versions == (1, 2)

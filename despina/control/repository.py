@@ -41,7 +41,7 @@ def select_versions(config: Any, available: list[int]) -> list[int]:
         if missing:
             raise ConfigError(f"model '{config.name}': field 'version_policy.specific' names versions "
                               f"{missing} that have no folder")
-        return sorted(policy.specific.versions)
+        return sorted(set(policy.specific.versions))  # a version named twice is still one version
     n = policy.latest.num_versions or 1
     return available[-n:]
 
