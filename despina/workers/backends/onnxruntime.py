@@ -69,8 +69,12 @@ class OnnxRuntimeBackend(Backend):
             result = self.session.run(list(outputs), feed)
         except Exception as exc:
             raise BackendError(f"onnxruntime failed on model '{self.spec.name}': {exc}") from None
-        return {name: (a.reshape(self._scalars[name]) if a.ndim == 0 and name in self._scalars else a)
-                for name, a in zip(outputs, result)}
+        answer = dict(zip(outputs, result))
+        if self._scalars:  # rare: the usual model's batch goes as onnxruntime gave it
+            for name, dims in self._scalars.items():
+                if name in answer and answer[name].ndim == 0:
+                    answer[name] = answer[name].reshape(dims)
+        return answer
 
     def unload(self) -> None:
         self.__dict__.pop("session", None)
