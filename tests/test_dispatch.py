@@ -17,89 +17,82 @@ from despina.contract.records import InferReply, InferRequest
 from despina.gateway import dispatch
 from despina.gateway.dispatch import Dispatcher, Throttled
 
+Started = tuple[Dispatcher, aioredis.Redis, Keys]
 
-async def test_deadlines_are_swept_and_replies_matched(redis_url: str, key_prefix: str) -> None:
+
+@pytest.fixture
+async def started(redis_url: str, key_prefix: str) -> AsyncIterator[Started]:
+    """A started dispatcher under the test's key prefix, its Redis client and its keys."""
     redis = aioredis.Redis.from_url(redis_url)
     keys = Keys(key_prefix)
     d = Dispatcher(redis, keys)
     await d.start()
-    results: dict[str, object] = {}
     try:
-        stream, stats = keys.request_stream("m", 1, 1), keys.stats("m", 1)
-        t0 = time.monotonic()
-        for rid, timeout in (("a", 0.2), ("b", 5.0)):
-            d.submit(stream, stats, InferRequest(rid, d.reply_stream, time.time() + timeout, ()), timeout,
-                     lambda r, rid=rid: results.__setitem__(rid, (r, time.monotonic() - t0)))
-        await asyncio.sleep(0.05)
-        assert await redis.xlen(stream) == 1  # both in one entry, which says two are out
-        assert (await redis.xrange(stream))[0][1][IN_FLIGHT] == b"2"
-        # a worker's answer to b, and one to a request nobody waits for
-        await redis.xadd(d.reply_stream, {FIELD: records.encode([InferReply("b"), InferReply("zz")])})
-        for _ in range(100):
-            if len(results) == 2:
-                break
-            await asyncio.sleep(0.02)
-        (a, a_at), (b, _) = results["a"], results["b"]
-        assert isinstance(a, TimeoutError) and 0.2 <= a_at < 0.2 + dispatch.SWEEP_S + 0.2
-        assert isinstance(b, InferReply) and b.id == "b"
-        assert d.waiting == 0 and d.dropped == 1
-        # neither is out any more, the timed-out one included: the next entry says one
-        d.submit(stream, stats, InferRequest("c", d.reply_stream, time.time() + 5, ()), 5.0, lambda r: None)
-        await asyncio.sleep(0.05)
-        assert (await redis.xrange(stream))[-1][1][IN_FLIGHT] == b"1"
+        yield d, redis, keys
     finally:
         await d.close()
         await redis.aclose()
 
 
-async def test_a_request_with_less_time_left_than_one_before_it_times_out_on_time(redis_url: str,
-                                                                                 key_prefix: str) -> None:
+async def test_deadlines_are_swept_and_replies_matched(started: Started) -> None:
+    d, redis, keys = started
+    results: dict[str, object] = {}
+    stream, stats = keys.request_stream("m", 1, 1), keys.stats("m", 1)
+    t0 = time.monotonic()
+    for rid, timeout in (("a", 0.2), ("b", 5.0)):
+        d.submit(stream, stats, InferRequest(rid, d.reply_stream, time.time() + timeout, ()), timeout,
+                 lambda r, rid=rid: results.__setitem__(rid, (r, time.monotonic() - t0)))
+    await asyncio.sleep(0.05)
+    assert await redis.xlen(stream) == 1  # both in one entry, which says two are out
+    assert (await redis.xrange(stream))[0][1][IN_FLIGHT] == b"2"
+    # a worker's answer to b, and one to a request nobody waits for
+    await redis.xadd(d.reply_stream, {FIELD: records.encode([InferReply("b"), InferReply("zz")])})
+    for _ in range(100):
+        if len(results) == 2:
+            break
+        await asyncio.sleep(0.02)
+    (a, a_at), (b, _) = results["a"], results["b"]
+    assert isinstance(a, TimeoutError) and 0.2 <= a_at < 0.2 + dispatch.SWEEP_S + 0.2
+    assert isinstance(b, InferReply) and b.id == "b"
+    assert d.waiting == 0 and d.dropped == 1
+    # neither is out any more, the timed-out one included: the next entry says one
+    d.submit(stream, stats, InferRequest("c", d.reply_stream, time.time() + 5, ()), 5.0, lambda r: None)
+    await asyncio.sleep(0.05)
+    assert (await redis.xrange(stream))[-1][1][IN_FLIGHT] == b"1"
+
+
+async def test_a_request_with_less_time_left_than_one_before_it_times_out_on_time(started: Started) -> None:
     # a request woken from scale-to-zero, or an ensemble's later step, is submitted with what is left of
     # its time, behind requests with the whole timeout: the sweep used to stop at the first of those
-    redis = aioredis.Redis.from_url(redis_url)
-    keys = Keys(key_prefix)
-    d = Dispatcher(redis, keys)
-    await d.start()
+    d, redis, keys = started
     results: dict[str, float] = {}
-    try:
-        stream, stats = keys.request_stream("m", 1, 1), keys.stats("m", 1)
-        t0 = time.monotonic()
-        for rid, timeout in (("long", 5.0), ("short", 0.2), ("shorter", 0.1)):
-            d.submit(stream, stats, InferRequest(rid, d.reply_stream, time.time() + timeout, ()), timeout,
-                     lambda r, rid=rid: results.__setitem__(rid, time.monotonic() - t0))
-        await asyncio.sleep(0.2 + dispatch.SWEEP_S + 0.2)
-        assert set(results) == {"short", "shorter"}, results
-        assert 0.1 <= results["shorter"] < 0.1 + dispatch.SWEEP_S + 0.2
-        assert d.waiting == 1
-    finally:
-        await d.close()
-        await redis.aclose()
+    stream, stats = keys.request_stream("m", 1, 1), keys.stats("m", 1)
+    t0 = time.monotonic()
+    for rid, timeout in (("long", 5.0), ("short", 0.2), ("shorter", 0.1)):
+        d.submit(stream, stats, InferRequest(rid, d.reply_stream, time.time() + timeout, ()), timeout,
+                 lambda r, rid=rid: results.__setitem__(rid, time.monotonic() - t0))
+    await asyncio.sleep(0.2 + dispatch.SWEEP_S + 0.2)
+    assert set(results) == {"short", "shorter"}, results
+    assert 0.1 <= results["shorter"] < 0.1 + dispatch.SWEEP_S + 0.2
+    assert d.waiting == 1
 
 
-async def test_a_decoupled_models_responses_reach_the_request_in_order_once(redis_url: str,
-                                                                             key_prefix: str) -> None:
+async def test_a_decoupled_models_responses_reach_the_request_in_order_once(started: Started) -> None:
     """Responses before the last go to the request as they come; a worker that runs the request again
     (another died with it) sends the first ones again, and those are dropped; the final one ends it."""
-    redis = aioredis.Redis.from_url(redis_url)
-    keys = Keys(key_prefix)
-    d = Dispatcher(redis, keys)
-    await d.start()
+    d, redis, keys = started
     got: list[object] = []
-    try:
-        d.submit(keys.request_stream("m", 1, 1), keys.stats("m", 1),
-                 InferRequest("s", d.reply_stream, time.time() + 5, ()), 5.0, got.append)
-        first_run = [InferReply("s", index=0, final=False), InferReply("s", index=1, final=False)]
-        await redis.xadd(d.reply_stream, {FIELD: records.encode(first_run)})
-        # the worker died; another runs the request from the start, and finishes it
-        rerun = [InferReply("s", index=i, final=False) for i in range(3)] + [InferReply("s", index=3)]
-        await redis.xadd(d.reply_stream, {FIELD: records.encode(rerun[:2])})
-        await redis.xadd(d.reply_stream, {FIELD: records.encode(rerun[2:])})
-        await _until(lambda: _true(len(got) == 4))
-        assert [(r.index, r.final) for r in got] == [(0, False), (1, False), (2, False), (3, True)]
-        assert d.waiting == 0 and d.dropped == 2 and not d._next
-    finally:
-        await d.close()
-        await redis.aclose()
+    d.submit(keys.request_stream("m", 1, 1), keys.stats("m", 1),
+             InferRequest("s", d.reply_stream, time.time() + 5, ()), 5.0, got.append)
+    first_run = [InferReply("s", index=0, final=False), InferReply("s", index=1, final=False)]
+    await redis.xadd(d.reply_stream, {FIELD: records.encode(first_run)})
+    # the worker died; another runs the request from the start, and finishes it
+    rerun = [InferReply("s", index=i, final=False) for i in range(3)] + [InferReply("s", index=3)]
+    await redis.xadd(d.reply_stream, {FIELD: records.encode(rerun[:2])})
+    await redis.xadd(d.reply_stream, {FIELD: records.encode(rerun[2:])})
+    await _until(lambda: _true(len(got) == 4))
+    assert [(r.index, r.final) for r in got] == [(0, False), (1, False), (2, False), (3, True)]
+    assert d.waiting == 0 and d.dropped == 2 and not d._next
 
 
 async def _true(value: bool) -> bool:
