@@ -137,3 +137,32 @@ def test_a_standalone_workers_drain_ends_within_the_drain_timeout(
     text = (tmp_path / "worker.log").read_text()
     assert took < 12, (took, text[-2000:])  # 1 s of drain, then up to 5 s for the thread in the model's code
     assert "was not all answered within 1 s (DESPINA_DRAIN_TIMEOUT_S)" in text
+
+
+def test_a_failed_cold_start_is_not_timed_into_the_next_load(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A cold start whose load fails ends there: its clock kept running until some later load (here the
+    load API's, after the files were mended) made the model READY, and that load was counted as a cold
+    start lasting from the failed wake-up (meanwhile the control plane ticked 20 times a second)."""
+    repo = tmp_path / "repo"
+    mlp_folder(repo, "mlp", extra=IDLE)
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "mlp", wait_models=("mlp",))
+    assert httpx.post(f"{server.url}/fn/mlp", json=ROW).status_code == 200
+    wait_until(lambda: "mlp" not in loaded_models(redis_url, key_prefix), 15, what="mlp to be unloaded")
+    onnx = repo / "mlp" / "1" / "model.onnx"
+    good = onnx.read_bytes()
+    onnx.write_bytes(b"not an onnx model")
+    r = httpx.post(f"{server.url}/fn/mlp", json=ROW, timeout=30)
+    assert r.status_code == 503 and "failed to load" in r.json()["error"], r.text
+    time.sleep(2)  # the model stays broken a while before someone mends it
+    onnx.write_bytes(good)
+    assert httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=30).status_code == 200
+    assert httpx.post(f"{server.url}/fn/mlp", json=ROW, timeout=30).status_code == 200
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        cold = client.hget(Keys(key_prefix).cold_starts, "mlp")
+    finally:
+        client.close()
+    assert cold is None, orjson.loads(cold)  # no cold start succeeded: the load API's load is none
+    assert "mlp: cold start took" not in server.logs()

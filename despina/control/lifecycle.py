@@ -226,7 +226,9 @@ class Lifecycle:
                 w.future.set_result(outcome)
         for name in list(self.cold):  # after the waiters: they are answered first
             e = self.catalog.get(name)
-            if e is None or not e.serving:
+            current = [v for v in e.versions if v not in e.retiring] if e is not None else []
+            # a cold start whose load failed is over: timed on, it would end in a later load's READY
+            if e is None or not e.serving or (current and all(v in e.failed for v in current)):
                 self.cold.pop(name, None)
             elif any(self.workers.ready_on(name, v) for v in e.versions):
                 await self._record_cold_start(e, (now - self.cold.pop(name)) * 1000)
