@@ -363,3 +363,27 @@ async def test_kind_gpu_without_cuda_is_a_load_error(repo: Path, tmp_path: Path)
     backend = await asyncio.wait_for(auto.execution.instances.get(), 1)
     assert backend.instance.kind == "CPU" and str(backend.device) == "cpu"
     backend.unload()
+
+
+class AsLong(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.long()
+
+
+def test_an_output_of_another_datatype_than_the_config_says_fails_the_request(tmp_path: Path) -> None:
+    """As in Triton: a model giving INT64 where the config says FP32 is the request's error, never an
+    answer under a datatype the model's metadata does not give."""
+    folder = write_config(tmp_path, "as_long", '''
+platform: "pytorch_libtorch"
+max_batch_size: 4
+input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 2 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 2 ] } ]
+''')
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(AsLong()).save(str(folder / "1" / "model.pt"))
+    backend = load_backend(folder)
+    with pytest.raises(BackendError, match="configuration expects datatype TYPE_FP32 for output 'OUTPUT__0', "
+                                           "model provides TYPE_INT64"):
+        backend.execute({"INPUT__0": np.ones((1, 2), dtype=np.float32)}, ["OUTPUT__0"])
+    backend.unload()

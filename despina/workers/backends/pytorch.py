@@ -99,6 +99,7 @@ class PyTorchBackend(Backend):
                               f"model's forward() takes {len(names)} ({', '.join(names)})")
         self.arguments = declared if self.dict_input else _order(declared, names, "input", self.spec.name)
         self.results = _positions([t.name for t in self.spec.outputs])
+        self.output_types = {t.name: _torch_type(torch, t.datatype) for t in self.spec.outputs}
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         torch = _torch()
@@ -118,7 +119,7 @@ class PyTorchBackend(Backend):
         if missing:
             raise BackendError(f"model '{self.spec.name}' returned no {', '.join(missing)} "
                                f"(it returned {', '.join(map(str, by_name))})")
-        return {name: by_name[name].detach().cpu().numpy() for name in outputs}
+        return {name: self._array(name, by_name[name]) for name in outputs}
 
     def unload(self) -> None:
         self.__dict__.pop("module", None)
@@ -129,6 +130,16 @@ class PyTorchBackend(Backend):
         if not array.flags.writeable:  # torch.from_numpy wants memory it may write
             array = array.copy()
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+    def _array(self, name: str, value: Any) -> np.ndarray:
+        """An output as numpy, of the config's datatype: as in Triton, another is the request's error (it
+        would otherwise go out under a datatype the client was not told)."""
+        if getattr(value, "dtype", None) != self.output_types[name]:
+            given = TORCH_TO_CONFIG.get(str(getattr(value, "dtype", "")), type(value).__name__)
+            wanted = TORCH_TO_CONFIG.get(str(self.output_types[name]), "TYPE_STRING")
+            raise BackendError(f"model '{self.spec.name}': configuration expects datatype {wanted} for "
+                               f"output '{name}', model provides {given}")
+        return value.detach().cpu().numpy()
 
     def _by_name(self, result: Any) -> dict[str, Any]:
         if isinstance(result, Mapping):
@@ -161,6 +172,14 @@ class PyTorchBackend(Backend):
             raise ConfigError(f"model '{config.name}': cannot read {path} to complete the config: {exc}"
                               ) from None
         _complete_from_program(config, program)
+
+
+def _torch_type(torch: Any, datatype: str) -> Any:
+    """The torch dtype of a V2 datatype; None for one torch tensors cannot hold (BYTES)."""
+    for torch_name, config_name in TORCH_TO_CONFIG.items():
+        if config_name == f"TYPE_{datatype}":
+            return getattr(torch, torch_name.removeprefix("torch."))
+    return None
 
 
 def _order(config_names: list[str], forward_names: list[str], kind: str, model: str) -> list[str]:
