@@ -87,6 +87,25 @@ batch_input [ { kind: BATCH_ACCUMULATED_ELEMENT_COUNT, target_name: "ends", data
 output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 1 ] } ]
 '''
 
+# A TorchScript model may return a List[str]: a TYPE_STRING output, one string per row of the batch.
+LABELS = '''
+name: "labels"
+platform: "pytorch_libtorch"
+max_batch_size: 4
+input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 3 ] } ]
+output [
+  { name: "OUTPUT__0", data_type: TYPE_INT64, dims: [ 1 ], reshape: { shape: [ ] } },
+  { name: "OUTPUT__1", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } }
+]
+'''
+
+
+class Labels(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+        best = x.argmax(1)
+        names = ["cat", "dog", "eel"]
+        return best, [names[int(i)] for i in best]
+
 
 class RaggedSum(torch.nn.Module):
     def forward(self, ends: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -135,6 +154,12 @@ def build_ragged_sum(path: Path) -> None:
         torch.jit.script(RaggedSum()).save(str(path))
 
 
+def build_labels(path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(Labels()).save(str(path))
+
+
 def build_named(path: Path) -> None:
     batch = torch.export.Dim("batch", min=1, max=64)
     program = torch.export.export(Difference(), (torch.zeros(2, 2), torch.zeros(2, 2)),
@@ -150,13 +175,14 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_pair(write_config(root, "pair", PAIR) / "1" / "model.pt")
     build_named(write_config(root, "named", NAMED) / "1" / "model.pt2")
     build_ragged_sum(write_config(root, "ragged_sum", RAGGED_SUM) / "1" / "model.pt")
+    build_labels(write_config(root, "labels", LABELS) / "1" / "model.pt")
     return root
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("mlp_torchscript", "mlp_torch_export", "pair", "named", "ragged_sum"),
+                             ("mlp_torchscript", "mlp_torch_export", "pair", "named", "ragged_sum", "labels"),
                              env=FULL_QUEUE_DELAY)
 
 
@@ -234,6 +260,21 @@ def test_forward_argument_names_bind_by_name(server: Server) -> None:
     r = httpx.post(f"{server.url}/fn/named", json={"b": [[1.0, 1.0]], "a": [[5.0, 7.0]]})
     assert r.status_code == 200, r.text
     assert r.json() == {"difference": [[4.0, 6.0]]}
+
+
+def test_a_list_of_strings_is_a_string_output(client: httpclient.InferenceServerClient) -> None:
+    """Triton's PyTorch backend answers a model's List[str] as a TYPE_STRING output."""
+    result = client.infer("labels", [fp32_input("INPUT__0", np.array([[0, 0, 1], [1, 0, 0]], np.float32))])
+    assert result.as_numpy("OUTPUT__1").tolist() == [[b"eel"], [b"cat"]]
+    assert result.as_numpy("OUTPUT__0").tolist() == [[2], [0]]
+
+
+def test_a_string_output_of_more_than_one_dimension_is_a_load_error(repo: Path, tmp_path: Path) -> None:
+    folder = write_config(tmp_path, "labels2", LABELS.replace('"labels"', '"labels2"').replace(
+        'TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] }', 'TYPE_STRING, dims: [ 1 ]'))
+    (folder / "1" / "model.pt").write_bytes((repo / "labels" / "1" / "model.pt").read_bytes())
+    with pytest.raises(ConfigError, match="output 'OUTPUT__1' is TYPE_STRING.*only one dimension"):
+        load_backend(folder)
 
 
 def test_ragged_requests_share_a_batch_and_the_batch_input_binds_by_name(server: Server) -> None:

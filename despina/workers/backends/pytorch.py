@@ -4,7 +4,8 @@ Inputs follow Triton's PyTorch backend: config names that are the forward() argu
 name; names of the form `<anything>__<i>` (INPUT__0) bind to position i; otherwise the config order
 is the argument order; a forward() whose one argument is a Dict[str, Tensor] gets every input in it by
 name. A model returning a tuple or list maps it the same way onto the outputs (OUTPUT__0, or the config
-order; a config may list only some of them, OUTPUT__1 alone say); a dict maps by key. Every call runs
+order; a config may list only some of them, OUTPUT__1 alone say); a dict maps by key. A TYPE_STRING
+output is a List[str] the model returns, of one dimension as in Triton. Every call runs
 under `torch.no_grad()` with parameters frozen, so the "inference tensors cannot be saved for backward"
 trap cannot happen.
 """
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ...contract.errors import BackendError, ConfigError
+from ...contract.modelconfig import ModelSpec
 from .base import Backend, Declared, complete_config
 
 if find_spec("torch") is None:  # torch itself is imported only where a model needs it
@@ -100,6 +102,7 @@ class PyTorchBackend(Backend):
         self.arguments = declared if self.dict_input else _order(declared, names, "input", self.spec.name)
         self.results = _positions([t.name for t in self.spec.outputs])
         self.output_types = {t.name: _torch_type(torch, t.datatype) for t in self.spec.outputs}
+        _check_strings(self.spec)
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         torch = _torch()
@@ -134,6 +137,8 @@ class PyTorchBackend(Backend):
     def _array(self, name: str, value: Any) -> np.ndarray:
         """An output as numpy, of the config's datatype: as in Triton, another is the request's error (it
         would otherwise go out under a datatype the client was not told)."""
+        if self.output_types[name] is None:  # TYPE_STRING: the model gives a List[str]
+            return self._strings(name, value)
         if getattr(value, "dtype", None) != self.output_types[name]:
             given = TORCH_TO_CONFIG.get(str(getattr(value, "dtype", "")), type(value).__name__)
             wanted = TORCH_TO_CONFIG.get(str(self.output_types[name]), "TYPE_STRING")
@@ -141,10 +146,18 @@ class PyTorchBackend(Backend):
                                f"output '{name}', model provides {given}")
         return value.detach().cpu().numpy()
 
+    def _strings(self, name: str, value: Any) -> np.ndarray:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise BackendError(f"model '{self.spec.name}': configuration expects datatype TYPE_STRING for "
+                               f"output '{name}', model provides {type(value).__name__} (a List[str] is "
+                               "taken)")
+        return np.array([v.encode() for v in value], dtype=object)
+
     def _by_name(self, result: Any) -> dict[str, Any]:
         if isinstance(result, Mapping):
             return dict(result)
-        values = list(result) if isinstance(result, (tuple, list)) else [result]
+        one = not isinstance(result, (tuple, list)) or _is_strings(result)  # a List[str] is one output
+        values = [result] if one else list(result)
         beyond = [name for name, i in self.results.items() if i >= len(values)]
         if beyond:
             raise BackendError(f"model '{self.spec.name}' returned {len(values)} tensors, too few for "
@@ -172,6 +185,20 @@ class PyTorchBackend(Backend):
             raise ConfigError(f"model '{config.name}': cannot read {path} to complete the config: {exc}"
                               ) from None
         _complete_from_program(config, program)
+
+
+def _is_strings(result: list[Any] | tuple[Any, ...]) -> bool:
+    return isinstance(result, list) and (not result or isinstance(result[0], str))
+
+
+def _check_strings(spec: ModelSpec) -> None:
+    """Triton's load-time rule: a List[str] is one dimension, the batch's when the model batches."""
+    for t in spec.outputs:
+        shape = t.dims if t.reshape is None else t.reshape
+        if t.datatype == "BYTES" and len(shape) + spec.batched > 1:
+            raise ConfigError(f"model '{spec.name}': output '{t.name}' is TYPE_STRING, which a TorchScript "
+                              "model gives as a List[str]: only one dimension (with max_batch_size > 0, the "
+                              "batch's: dims [1] with reshape { shape: [] })")
 
 
 def _torch_type(torch: Any, datatype: str) -> Any:
