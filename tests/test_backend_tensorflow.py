@@ -185,6 +185,25 @@ def test_missing_savedmodel_or_signature_is_a_config_error(repo: Path, tmp_path:
         load_model(folder)
 
 
+def test_dims_without_the_batch_dimension_say_the_model_batches(repo: Path, tmp_path: Path) -> None:
+    """Triton's auto-complete reads max_batch_size 0 as "not said" when the signature batches: the config's
+    dims one shorter than the signature's shapes say it batches (max_batch_size 4), of its rank that it
+    does not; dims that disagree are the load error."""
+    folder = tmp_path / "listed"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.savedmodel").symlink_to(repo / "mlp_savedmodel" / "1" / "model.savedmodel")
+    def config(x: str, y: str) -> dict[str, Any]:
+        (folder / "config.pbtxt").write_text(f'platform: "tensorflow_savedmodel"\ninput [ {{ name: "x", '
+                                             f'data_type: TYPE_FP32, dims: {x} }} ]\noutput [ {{ name: "y", '
+                                             f'data_type: TYPE_FP32, dims: {y} }} ]\n')
+        return load_model(folder).config
+
+    assert config("[ 256 ]", "[ 10 ]")["max_batch_size"] == 4
+    assert config("[ -1, 256 ]", "[ -1, 10 ]").get("max_batch_size", 0) == 0
+    with pytest.raises(ConfigError, match="contradict each other"):
+        config("[ 256 ]", "[ -1, 10 ]")
+
+
 @pytest.mark.parametrize(("tensors", "message"), [
     ('input [ { name: "words", data_type: TYPE_FP32, dims: [ 2 ] }, '
      '{ name: "scale", data_type: TYPE_FP32, dims: [ 1 ] } ]', "input 'words': the config says TYPE_FP32, "

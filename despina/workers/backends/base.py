@@ -198,11 +198,12 @@ class Declared:
 
 def complete_config(config: Any, inputs: list[Declared], outputs: list[Declared]) -> None:
     """Triton's auto-complete from a model file's tensors: a model whose tensors all lead with an
-    open dimension batches (max_batch_size 4, dynamic batching) unless the config says otherwise;
+    open dimension batches (max_batch_size 4, dynamic batching) unless the config says otherwise (a
+    max_batch_size, or dims of the model's rank);
     inputs or outputs the config leaves out are filled in (a tensor of the batch dimension alone as
     dims [1] and an empty reshape, as Triton fills it)."""
     batchable = all(t.dims and t.dims[0] == -1 for t in (*inputs, *outputs))
-    if config.max_batch_size == 0 and not config.input and batchable:
+    if config.max_batch_size == 0 and batchable and _batch_hint(config, inputs, outputs):
         config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
         if not config.HasField("dynamic_batching"):
             config.dynamic_batching.SetInParent()
@@ -221,6 +222,19 @@ def complete_config(config: Any, inputs: list[Declared], outputs: list[Declared]
             if skip and not entry.dims:  # the batch dimension alone: clients see [-1, 1], as Triton's say
                 entry.dims.append(1)
                 entry.reshape.SetInParent()
+
+
+def _batch_hint(config: Any, inputs: list[Declared], outputs: list[Declared]) -> bool:
+    """Whether a config with max_batch_size 0 (which may mean "not said") is for a batching model, as
+    Triton reads it: a listed tensor whose dims are one shorter than the model's shape says yes, one of
+    the model's rank says no; the listed tensors must agree. None listed with dims: yes."""
+    found = {t.name: t for t in inputs} | {t.name: t for t in outputs}
+    hints = {len(found[t.name].dims) == len(t.dims) + 1 for t in (*config.input, *config.output)
+             if t.dims and t.name in found}
+    if len(hints) > 1:
+        raise ConfigError(f"model '{config.name}': the config's dims contradict each other on whether the "
+                          "model batches (one shorter than the model's shape: it batches)")
+    return hints != {False}
 
 
 def check_config(config: Any, inputs: list[Declared], outputs: list[Declared],
