@@ -101,7 +101,10 @@ class PyTorchBackend(Backend):
                               f"model's forward() takes {len(names)} ({', '.join(names)})")
         self.arguments = declared if self.dict_input else _order(declared, names, "input", self.spec.name)
         self.results = _positions([t.name for t in self.spec.outputs])
-        self.output_types = {t.name: _torch_type(torch, t.datatype) for t in self.spec.outputs}
+        # the torch dtype each output must have (BYTES: a List[str]; a datatype torch has no name here for,
+        # UINT32 say, is not checked)
+        self.output_types = {t.name: "BYTES" if t.datatype == "BYTES" else _torch_type(torch, t.datatype)
+                             for t in self.spec.outputs}
         _check_strings(self.spec)
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
@@ -137,11 +140,12 @@ class PyTorchBackend(Backend):
     def _array(self, name: str, value: Any) -> np.ndarray:
         """An output as numpy, of the config's datatype: as in Triton, another is the request's error (it
         would otherwise go out under a datatype the client was not told)."""
-        if self.output_types[name] is None:  # TYPE_STRING: the model gives a List[str]
+        wanted_type = self.output_types[name]
+        if wanted_type == "BYTES":  # TYPE_STRING: the model gives a List[str]
             return self._strings(name, value)
-        if getattr(value, "dtype", None) != self.output_types[name]:
+        if wanted_type is not None and getattr(value, "dtype", None) != wanted_type:
             given = TORCH_TO_CONFIG.get(str(getattr(value, "dtype", "")), type(value).__name__)
-            wanted = TORCH_TO_CONFIG.get(str(self.output_types[name]), "TYPE_STRING")
+            wanted = TORCH_TO_CONFIG[str(wanted_type)]
             raise BackendError(f"model '{self.spec.name}': configuration expects datatype {wanted} for "
                                f"output '{name}', model provides {given}")
         return value.detach().cpu().numpy()
@@ -202,7 +206,7 @@ def _check_strings(spec: ModelSpec) -> None:
 
 
 def _torch_type(torch: Any, datatype: str) -> Any:
-    """The torch dtype of a V2 datatype; None for one torch tensors cannot hold (BYTES)."""
+    """The torch dtype of a V2 datatype; None for one TORCH_TO_CONFIG does not name."""
     for torch_name, config_name in TORCH_TO_CONFIG.items():
         if config_name == f"TYPE_{datatype}":
             return getattr(torch, torch_name.removeprefix("torch."))
