@@ -236,6 +236,37 @@ async def test_a_hold_ends_when_the_clients_stop_coming(client_factory: Callable
     assert (await c.entries())[1] == ["d", "e"]
 
 
+async def test_a_few_clients_slower_than_the_gap_teach_the_hold_their_pace(
+        client_factory: Callable[[int], Awaitable[Client]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three clients that come back 60 ms apart, against a gap of 50 ms: a Python client sends its next
+    requests 100-300 µs apart where the gap is 200 µs, times 250 here. The first convoy splits; the
+    request just after the hold gave up says the gap was too short, and later convoys go as one entry.
+    Once they stop coming back, the gap shrinks again."""
+    monkeypatch.setattr(dispatch, "HOLD_GAP_S", 0.05)
+    monkeypatch.setattr(dispatch, "MAX_HOLD_GAP_S", 0.25)
+    c = await client_factory(30_000_000)
+    await c.convoy_answered()
+    names = iter(f"r{i}" for i in range(100))
+    per_round = []
+    for _ in range(4):
+        before = len(await c.entries())
+        convoy = [next(names) for _ in range(3)]
+        for i, rid in enumerate(convoy):
+            if i:
+                await asyncio.sleep(0.06)
+            c.submit(rid)
+        await asyncio.sleep(0.4)  # longer than any gap: all are out
+        per_round.append(len(await c.entries()) - before)
+        await c.answer(*convoy)
+    assert per_round[0] > 1 and per_round[-1] == 1, per_round
+    learned = c.d._gap_s
+    assert learned > 0.06
+    c.submit(next(names))  # one client back; the other two are not coming
+    await asyncio.sleep(learned + 0.3)
+    c.submit(next(names))  # long after the hold gave up: the gap was long enough, or too long
+    assert c.d._gap_s < learned
+
+
 async def test_the_reply_read_goes_out_with_the_next_requests_while_none_waits(
         client_factory: Callable[[int], Awaitable[Client]]) -> None:
     """With no request waiting for an answer no reply can come, so the reader's next read waits for the

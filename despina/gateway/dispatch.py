@@ -57,7 +57,13 @@ Callback = Callable[[Result], None]
 SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
 OWED_S = 0.004  # answers delivered this recently are expected back as new requests (see Dispatcher.submit);
 # a hold ends at the first request after it, whatever hold_us says
-HOLD_GAP_S = 0.0002  # a hold ends when no request came for this long: the answered clients are not coming
+# a hold ends when no request came for the gap: the answered clients are not coming. HOLD_GAP_S; for
+# the answered clients of at most FEW_CLIENTS answers, a gap that follows their pace (Dispatcher.
+# _adapt_gap), up to MAX_HOLD_GAP_S. Many clients' requests come continuously: any request soon after a
+# hold ended would read as one of theirs, and the gap would grow for nothing
+HOLD_GAP_S = 0.0002
+MAX_HOLD_GAP_S = 0.001
+FEW_CLIENTS = 16
 LOG_EVERY_S = 5.0  # while Redis is down, a failure of the same kind is logged at most this often
 
 
@@ -120,6 +126,10 @@ class Dispatcher:
         self._holding = False
         self._hold_until = 0.0  # when the current hold ends at the latest
         self._gap_until = 0.0   # when it ends unless another request comes first
+        self._gap_s = HOLD_GAP_S  # the gap for a few clients, as their pace taught it
+        self._hold_gap = HOLD_GAP_S  # the current hold's
+        self._few = False       # whether the current hold waits for a few clients (its gap: _gap_s)
+        self._gave_up = 0.0     # when a few clients' hold last ended on its gap, until the next request
         self._alarm: Alarm | None = None  # ends a hold; without one (not Linux) nothing is held
         self._read_along = ReadAlong()  # the reply reader's next read, waiting for the next requests
         self._last_reply = "0-0"  # the reply stream's last entry read
@@ -181,8 +191,9 @@ class Dispatcher:
         in one stream entry if they go together, one read and one batch there instead of one each. So
         while every model version with requests waiting here has had answers delivered within OWED_S
         and not yet as many new requests, they are held: until a request has not been followed by
-        another for HOLD_GAP_S, and for at most `hold_us`. While every request waiting is one of those
-        held here, the event loop spins until the hold ends (_spin) instead of sleeping on the alarm."""
+        another for the gap (HOLD_GAP_S, longer for clients slower to come back), and for at most
+        `hold_us`. While every request waiting is one of those held here, the event loop spins until the
+        hold ends (_spin) instead of sleeping on the alarm."""
         now = time.monotonic()
         deadline = now + timeout
         self._waiting[request.id] = (done, deadline, stats)
@@ -198,6 +209,8 @@ class Dispatcher:
         else:
             self._bounded.append((stream, bound, request))
         owed = self._owed.get(stats)
+        if self._gave_up:
+            self._adapt_gap(now, owed is not None and now - owed[1] <= OWED_S)
         if owed is not None:  # one of the answers' clients, it seems, is back
             if owed[0] > 1 and now - owed[1] <= OWED_S:
                 self._owed[stats] = (owed[0] - 1, owed[1])
@@ -207,12 +220,14 @@ class Dispatcher:
             if not self._expecting(now):
                 self._release()
             else:  # still coming back: wait for the next one (the alarm looks again when it fires)
-                self._gap_until = now + HOLD_GAP_S
+                self._gap_until = now + self._hold_gap
         elif not self._flush_scheduled and not self._writing:
             if self._alarm is not None and self._expecting(now):
                 self._holding = True
                 self._hold_until = now + self.hold_s
-                self._gap_until = now + HOLD_GAP_S
+                self._few = owed is not None and owed[0] <= FEW_CLIENTS
+                self._hold_gap = self._gap_s if self._few else HOLD_GAP_S
+                self._gap_until = now + self._hold_gap
                 if len(self._waiting) == sum(map(len, self._outbox.values())) + len(self._bounded):
                     asyncio.get_running_loop().call_soon(self._spin)
                 else:
@@ -244,23 +259,42 @@ class Dispatcher:
         tens of microseconds: 3.1-3.3 wake-ups per batch at c=8 slept, 1.3-1.4 spun)."""
         if not self._holding:
             return
-        if time.monotonic() < min(self._hold_until, self._gap_until):
+        now = time.monotonic()
+        if now < min(self._hold_until, self._gap_until):
             asyncio.get_running_loop().call_soon(self._spin)
             return
-        self._release()
+        self._hold_ends(now)
 
     def _hold_over(self) -> None:
-        """The alarm: a hold ends unless a request came less than HOLD_GAP_S ago, and then it looks again
+        """The alarm: a hold ends unless a request came less than the gap ago, and then it looks again
         when that gap would end. Arming a timer a fraction of a millisecond ahead costs ~8 µs on a
         virtual machine (the CPU's timer is reprogrammed through the hypervisor), so it is not moved
         for every request of a convoy."""
         if not self._holding:
             return
         end = min(self._hold_until, self._gap_until)
-        if time.monotonic() < end:
+        now = time.monotonic()
+        if now < end:
             self._alarm.arm(end)  # type: ignore[union-attr]  # the alarm is who calls this
             return
+        self._hold_ends(now)
+
+    def _hold_ends(self, now: float) -> None:
+        if self._few and self._gap_until <= self._hold_until:
+            self._gave_up = now  # on a few clients' gap: the next request tells whether too soon
         self._release()
+
+    def _adapt_gap(self, now: float, returning: bool) -> None:
+        """The first request after a few clients' hold ended on its gap: one of theirs, within another
+        gap, says the gap was too short for these clients (a Python client sends its next requests
+        100-300 µs apart, where perf_analyzer's come within tens); the gap grows by half, to at most
+        MAX_HOLD_GAP_S. Any other says it was long enough: it shrinks by a tenth, to HOLD_GAP_S at the
+        least, so that clients that do not come back are not waited for longer than that for long."""
+        if returning and now - self._gave_up < self._gap_s:
+            self._gap_s = min(max(MAX_HOLD_GAP_S, HOLD_GAP_S), self._gap_s * 1.5)
+        else:
+            self._gap_s = max(HOLD_GAP_S, self._gap_s * 0.9)
+        self._gave_up = 0.0
 
     def _release(self) -> None:
         """End a hold (or there was none): what waits goes out in the next pipeline."""
