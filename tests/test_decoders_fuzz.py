@@ -23,7 +23,7 @@ from despina.contract.datatypes import V2_TO_NUMPY, deserialize_bytes, serialize
 from despina.contract.errors import InvalidArgument
 from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
 from despina.contract.records import InferReply, InferRequest, Tensor
-from despina.gateway.fn import decode_fn, shape_of
+from despina.gateway.fn import decode_fn, encode_fn, shape_of
 from despina.gateway.jsondata import (
     PACKED,
     converted,
@@ -673,6 +673,13 @@ def test_fn_deep_nesting_is_refused_without_recursion(depth: int, leaf: bytes) -
     with pytest.raises(InvalidArgument):
         decode_infer(b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1, 3], "data": ' + body
                      + b"}]}", None, BATCHED)
+
+
+@pytest.mark.parametrize("datatype,data", [("BYTES", b""), ("FP32", b"")])
+def test_fn_answer_of_no_elements_keeps_its_shape(datatype: str, data: bytes) -> None:
+    """[2, 0] is two empty rows, whatever the datatype (a BYTES one came back as [])."""
+    out = orjson.loads(encode_fn((Tensor("y", datatype, (2, 0), data),), False))
+    assert out == {"y": [[], []]}
 
 
 # ---- NaN, Infinity and -Infinity: Triton reads them, tritonclient and Python's json write them --------

@@ -101,7 +101,7 @@ def plain(array: np.ndarray, datatype: str) -> Any:
     """A tensor as JSON takes it: nested lists of numbers, booleans or (BYTES) text."""
     if datatype == "BYTES":
         text = np.vectorize(lambda b: b.decode("utf-8", "replace"), otypes=[object])
-        return text(array).tolist() if array.size else []
+        return text(array).tolist()  # an empty one too: [[], []] keeps its shape, as numbers' do
     if datatype == "FP16":
         return array.astype(np.float32).tolist()
     return array.tolist()
