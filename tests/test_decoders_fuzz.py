@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import pickle
+import re
 import struct
 from functools import partial
 from pathlib import Path
@@ -680,6 +681,14 @@ def test_fn_answer_of_no_elements_keeps_its_shape(datatype: str, data: bytes) ->
     """[2, 0] is two empty rows, whatever the datatype (a BYTES one came back as [])."""
     out = orjson.loads(encode_fn((Tensor("y", datatype, (2, 0), data),), False))
     assert out == {"y": [[], []]}
+
+
+@pytest.mark.parametrize("datatype,value", [("INT8", 200), ("UINT8", -1), ("INT8", 200.0), ("INT64", 2**63),
+                                            ("UINT64", 1e30), ("INT32", -(2**31) - 1)])
+def test_a_number_out_of_its_datatypes_range_is_named(datatype: str, value: float) -> None:
+    """Not numpy's words ("Python int too large to convert to C long", said of a float too)."""
+    with pytest.raises(InvalidArgument, match=re.escape(f"input 'v': {value!r} is out of range for {datatype} (")):
+        json_data_to_bytes("v", datatype, [2], [1, value])
 
 
 # ---- NaN, Infinity and -Infinity: Triton reads them, tritonclient and Python's json write them --------

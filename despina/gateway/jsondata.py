@@ -176,8 +176,21 @@ def converted(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
         with np.errstate(over="ignore"):  # past a float's range is its infinity, as in Triton
             array = np.asarray(flat, dtype=V2_TO_NUMPY[datatype])
     except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidArgument(f"input '{name}': data does not fit {datatype}: {exc}") from None
+        raise InvalidArgument(f"input '{name}': {_misfit(datatype, flat) or exc}") from None
     return array.tobytes()
+
+
+def _misfit(datatype: str, flat: list[Any]) -> str | None:
+    """What numpy refused in `flat`, said plainly: the first number outside an integer datatype's range
+    (numpy's own words name a C long, or the value as a Python integer, for any integer type)."""
+    dtype = np.dtype(V2_TO_NUMPY[datatype])
+    if dtype.kind not in "iu":
+        return None
+    info = np.iinfo(dtype)
+    wrong = next((x for x in flat if not info.min <= x <= info.max), None)
+    if wrong is None:
+        return None
+    return f"{wrong!r} is out of range for {datatype} ({info.min} to {info.max})"
 
 
 def _packed(code: str, count: int, data: Any, booleans: bool) -> bytes | None:
