@@ -176,13 +176,15 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_named(write_config(root, "named", NAMED) / "1" / "model.pt2")
     build_ragged_sum(write_config(root, "ragged_sum", RAGGED_SUM) / "1" / "model.pt")
     build_labels(write_config(root, "labels", LABELS) / "1" / "model.pt")
+    greet_model(write_config(root, "greet", GREET))
     return root
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("mlp_torchscript", "mlp_torch_export", "pair", "named", "ragged_sum", "labels"),
+                             ("mlp_torchscript", "mlp_torch_export", "pair", "named", "ragged_sum", "labels",
+                              "greet"),
                              env=FULL_QUEUE_DELAY)
 
 
@@ -274,6 +276,68 @@ def test_a_string_output_of_more_than_one_dimension_is_a_load_error(repo: Path, 
         'TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] }', 'TYPE_STRING, dims: [ 1 ]'))
     (folder / "1" / "model.pt").write_bytes((repo / "labels" / "1" / "model.pt").read_bytes())
     with pytest.raises(ConfigError, match="output 'OUTPUT__1' is TYPE_STRING.*only one dimension"):
+        load_backend(folder)
+
+
+class Greet(torch.nn.Module):
+    def forward(self, names: list[str], times: torch.Tensor) -> list[str]:
+        out: list[str] = []
+        for i in range(len(names)):
+            out.append("".join([names[i] + "!" for _ in range(int(times[i]))]))
+        return out
+
+
+GREET = '''
+platform: "pytorch_libtorch"
+max_batch_size: 4
+input [
+  { name: "INPUT__0", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } },
+  { name: "INPUT__1", data_type: TYPE_INT64, dims: [ 1 ], reshape: { shape: [ ] } }
+]
+output [ { name: "OUTPUT__0", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] } } ]
+'''
+
+
+def greet_model(folder: Path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(Greet()).save(str(folder / "1" / "model.pt"))
+    return folder
+
+
+def test_a_string_input_reaches_forward_as_a_list_of_str(tmp_path: Path) -> None:
+    """Triton's PyTorch backend: a TYPE_STRING input of one dimension (the batch's here) is a List[str]."""
+    backend = load_backend(greet_model(write_config(tmp_path, "greet", GREET)))
+    names = np.array(["é".encode(), b"bo"], dtype=object)
+    out = backend.execute({"INPUT__0": names, "INPUT__1": np.array([2, 1])}, ["OUTPUT__0"])["OUTPUT__0"]
+    assert out.tolist() == ["é!é!".encode(), b"bo!"]
+    backend.unload()
+
+
+def test_string_inputs_through_tritonclient(client: httpclient.InferenceServerClient) -> None:
+    names = httpclient.InferInput("INPUT__0", [2, 1], "BYTES")
+    names.set_data_from_numpy(np.array([["ab"], ["c"]], dtype=object))
+    times = httpclient.InferInput("INPUT__1", [2, 1], "INT64")
+    times.set_data_from_numpy(np.array([[1], [2]], dtype=np.int64))
+    result = client.infer("greet", [names, times])
+    assert result.as_numpy("OUTPUT__0").tolist() == [[b"ab!"], [b"c!c!"]]
+
+
+def test_a_string_input_without_batching_is_one_dimension(tmp_path: Path) -> None:
+    config = GREET.replace("max_batch_size: 4", "max_batch_size: 0").replace(
+        "dims: [ 1 ], reshape: { shape: [ ] }", "dims: [ -1 ]")
+    backend = load_backend(greet_model(write_config(tmp_path, "greet0", config)))
+    names = np.array([b"a", b"b", b"c"], dtype=object)
+    out = backend.execute({"INPUT__0": names, "INPUT__1": np.array([1, 0, 3])}, ["OUTPUT__0"])["OUTPUT__0"]
+    assert out.tolist() == [b"a!", b"", b"c!c!c!"]
+    backend.unload()
+
+
+def test_a_string_input_of_more_than_one_dimension_is_a_load_error(tmp_path: Path) -> None:
+    folder = greet_model(write_config(tmp_path, "greet2", GREET.replace(
+        '"INPUT__0", data_type: TYPE_STRING, dims: [ 1 ], reshape: { shape: [ ] }',
+        '"INPUT__0", data_type: TYPE_STRING, dims: [ 1 ]')))
+    with pytest.raises(ConfigError, match="input 'INPUT__0' is TYPE_STRING.*only one dimension"):
         load_backend(folder)
 
 

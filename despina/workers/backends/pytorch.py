@@ -4,10 +4,10 @@ Inputs follow Triton's PyTorch backend: config names that are the forward() argu
 name; names of the form `<anything>__<i>` (INPUT__0) bind to position i; otherwise the config order
 is the argument order; a forward() whose one argument is a Dict[str, Tensor] gets every input in it by
 name. A model returning a tuple or list maps it the same way onto the outputs (OUTPUT__0, or the config
-order; a config may list only some of them, OUTPUT__1 alone say); a dict maps by key. A TYPE_STRING
-output is a List[str] the model returns, of one dimension as in Triton. Every call runs
-under `torch.no_grad()` with parameters frozen, so the "inference tensors cannot be saved for backward"
-trap cannot happen.
+order; a config may list only some of them, OUTPUT__1 alone say); a dict maps by key. As in Triton, a
+TYPE_STRING input or output is a List[str] (UTF-8) of one dimension, the batch's when the model batches.
+Every call runs under `torch.no_grad()` with parameters frozen, so the "inference tensors cannot be saved
+for backward" trap cannot happen.
 """
 from __future__ import annotations
 
@@ -90,10 +90,8 @@ class PyTorchBackend(Backend):
             raise ConfigError(f"model '{self.spec.name}': torch cannot load {path.name}: {exc}") from None
         for param in self.module.parameters():
             param.requires_grad_(False)
-        bytes_inputs = [t.name for t in self.spec.inputs if t.datatype == "BYTES"]
-        if bytes_inputs:
-            raise ConfigError(f"model '{self.spec.name}': the pytorch backend takes no BYTES inputs "
-                              f"({', '.join(bytes_inputs)})")
+        _check_strings(self.spec)
+        self.string_inputs = {t.name for t in self.spec.inputs if t.datatype == "BYTES"}
         made = [n for b in self.spec.batch_inputs for n in b.targets]  # the batch inputs (workers/ragged.py)
         declared = [t.name for t in self.spec.inputs] + made
         if not self.dict_input and len(declared) != len(names):  # Triton's load-time check too
@@ -105,12 +103,15 @@ class PyTorchBackend(Backend):
         # UINT32 say, is not checked)
         self.output_types = {t.name: "BYTES" if t.datatype == "BYTES" else _torch_type(torch, t.datatype)
                              for t in self.spec.outputs}
-        _check_strings(self.spec)
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         torch = _torch()
         try:
-            args = [self._tensor(torch, inputs[name]) for name in self.arguments]
+            if self.string_inputs:
+                args = [self._strings_in(name, inputs[name]) if name in self.string_inputs
+                        else self._tensor(torch, inputs[name]) for name in self.arguments]
+            else:
+                args = [self._tensor(torch, inputs[name]) for name in self.arguments]
         except KeyError as exc:
             raise BackendError(f"model '{self.spec.name}': input {exc} is missing") from None
         if self.dict_input:
@@ -136,6 +137,15 @@ class PyTorchBackend(Backend):
         if not array.flags.writeable:  # torch.from_numpy wants memory it may write
             array = array.copy()
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+    def _strings_in(self, name: str, array: np.ndarray) -> list[str]:
+        """A TYPE_STRING input as the List[str] a TorchScript model takes (its shape is one dimension,
+        checked at load)."""
+        try:
+            return [v.decode() if isinstance(v, bytes) else str(v) for v in array.reshape(-1).tolist()]
+        except UnicodeDecodeError as exc:
+            raise BackendError(f"model '{self.spec.name}': input '{name}' is not UTF-8, which a List[str] "
+                               f"needs: {exc}") from None
 
     def _array(self, name: str, value: Any) -> np.ndarray:
         """An output as numpy, of the config's datatype: as in Triton, another is the request's error (it
@@ -197,12 +207,14 @@ def _is_strings(result: list[Any] | tuple[Any, ...]) -> bool:
 
 def _check_strings(spec: ModelSpec) -> None:
     """Triton's load-time rule: a List[str] is one dimension, the batch's when the model batches."""
-    for t in spec.outputs:
-        shape = t.dims if t.reshape is None else t.reshape
-        if t.datatype == "BYTES" and len(shape) + spec.batched > 1:
-            raise ConfigError(f"model '{spec.name}': output '{t.name}' is TYPE_STRING, which a TorchScript "
-                              "model gives as a List[str]: only one dimension (with max_batch_size > 0, the "
-                              "batch's: dims [1] with reshape { shape: [] })")
+    for kind, tensors in (("input", spec.inputs), ("output", spec.outputs)):
+        for t in tensors:
+            shape = t.dims if t.reshape is None else t.reshape
+            if t.datatype == "BYTES" and len(shape) + spec.batched > 1:
+                raise ConfigError(f"model '{spec.name}': {kind} '{t.name}' is TYPE_STRING, which a "
+                                  "TorchScript model takes and gives as a List[str]: only one dimension "
+                                  "(with max_batch_size > 0, the batch's: dims [1] with reshape "
+                                  "{ shape: [] })")
 
 
 def _torch_type(torch: Any, datatype: str) -> Any:
