@@ -267,6 +267,25 @@ def test_a_scalar_output_declared_as_dims_1_comes_back_in_those_dims(
     assert r.json()["outputs"][0]["data"] == [6]
 
 
+def test_a_scalar_model_is_completed_as_dims_1_and_served_in_them(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """Triton's onnxruntime auto-complete fills a rank-0 tensor of a model without batching as dims [1]
+    (no reshape); a request of shape [1] is fed to onnxruntime as a scalar and answered in shape [1]."""
+    folder = tmp_path / "repo" / "m"
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "x"], ["y"])], "square",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text('backend: "onnxruntime"')
+    server = serve(tmp_path / "repo", wait_models=("m",))
+    config = httpx.get(f"{server.url}/v2/models/m/config").json()
+    assert [(t["dims"], "reshape" in t) for t in (*config["input"], *config["output"])] == [([1], False)] * 2
+    r = httpx.post(f"{server.url}/v2/models/m/infer", json={"inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [1], "data": [3]}]})
+    assert r.status_code == 200, r.text
+    assert (r.json()["outputs"][0]["shape"], r.json()["outputs"][0]["data"]) == ([1], [9])
+
+
 # -- execution providers: optimization { execution_accelerators }, as Triton's onnxruntime backend --------
 
 ACCELERATED = """

@@ -62,9 +62,17 @@ class OnnxRuntimeBackend(Backend):
         # a scalar the config gives as dims [1] (Triton's way to declare one): clients get it in those dims
         self._scalars = {t.name: t.dims for t in self.spec.outputs
                          if not self.spec.batched and t.dims and set(t.dims) == {1}}
+        # a scalar input the config gives as dims [1]: fed to onnxruntime as a 0-d array, as Triton feeds it
+        declared = {t.name for t in self.spec.inputs if t.dims}
+        self._scalar_inputs = {i.name for i in self.session.get_inputs()
+                               if i.shape == [] and i.name in declared}
 
     def execute(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         feed = {name: (_as_str(a) if name in self._strings else a) for name, a in inputs.items()}
+        if self._scalar_inputs:  # rare: a model taking a scalar
+            for name in self._scalar_inputs & feed.keys():
+                if feed[name].size == 1:
+                    feed[name] = feed[name].reshape(())
         try:
             result = self.session.run(list(outputs), feed)
         except Exception as exc:
@@ -98,7 +106,13 @@ class OnnxRuntimeBackend(Backend):
                               ) from None
         inputs = [_declared(t) for t in session.get_inputs()]
         outputs = [_declared(t) for t in session.get_outputs()]
+        filled = [kind for kind in ("input", "output") if not getattr(config, kind)]
         complete_config(config, inputs, outputs)
+        if not config.max_batch_size:  # Triton's onnxruntime backend fills a scalar as dims [1], no reshape
+            for kind in filled:
+                for t in getattr(config, kind):
+                    if not t.dims:
+                        t.dims.append(1)
         check_config(config, inputs, outputs, [_declared(t) for t in session.get_overridable_initializers()])
 
 
