@@ -256,10 +256,12 @@ def module_server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_ur
     """Body of a module-scoped fixture: one `despina serve` of `repo` under a fresh key prefix
     (against the test Redis, or with use_redis=False its own embedded Valkey)."""
     prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
-    server = start_server(repo, tmp_path_factory.mktemp("logs"), redis_url if use_redis else None, prefix,
-                          env=env, wait_models=wait_models)
-    server.prefix = prefix
-    yield server
-    stop_server(server)
-    delete_prefix(redis_url, prefix)
+    try:  # a server that does not get ready leaves its keys too
+        server = start_server(repo, tmp_path_factory.mktemp("logs"), redis_url if use_redis else None, prefix,
+                              env=env, wait_models=wait_models)
+        server.prefix = prefix
+        yield server
+        stop_server(server)
+    finally:
+        delete_prefix(redis_url, prefix)
 
