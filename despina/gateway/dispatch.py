@@ -127,7 +127,6 @@ class Dispatcher:
         self._hold_until = 0.0  # when the current hold ends at the latest
         self._gap_until = 0.0   # when it ends unless another request comes first
         self._gap_s = HOLD_GAP_S  # the gap for a few clients, as their pace taught it
-        self._hold_gap = HOLD_GAP_S  # the current hold's
         self._few = False       # whether the current hold waits for a few clients (its gap: _gap_s)
         self._gave_up = 0.0     # when a few clients' hold last ended on its gap, until the next request
         self._alarm: Alarm | None = None  # ends a hold; without one (not Linux) nothing is held
@@ -220,14 +219,13 @@ class Dispatcher:
             if not self._expecting(now):
                 self._release()
             else:  # still coming back: wait for the next one (the alarm looks again when it fires)
-                self._gap_until = now + self._hold_gap
+                self._gap_until = now + (self._gap_s if self._few else HOLD_GAP_S)
         elif not self._flush_scheduled and not self._writing:
             if self._alarm is not None and self._expecting(now):
                 self._holding = True
                 self._hold_until = now + self.hold_s
                 self._few = owed is not None and owed[0] <= FEW_CLIENTS
-                self._hold_gap = self._gap_s if self._few else HOLD_GAP_S
-                self._gap_until = now + self._hold_gap
+                self._gap_until = now + (self._gap_s if self._few else HOLD_GAP_S)
                 if len(self._waiting) == sum(map(len, self._outbox.values())) + len(self._bounded):
                     asyncio.get_running_loop().call_soon(self._spin)
                 else:

@@ -60,7 +60,7 @@ class SequenceBatcher:
     """The runner's batcher for a model with sequence_batching: put(), run(), close(), pending and
     executing as DynamicBatcher's; `execute` is told which instance runs each batch."""
 
-    def __init__(self, spec: ModelSpec, execute: ExecuteOn, instances: int, refuse: Refuse | None = None,
+    def __init__(self, spec: ModelSpec, execute: ExecuteOn, instances: int, refuse: Refuse,
                  model_dir: Path | None = None) -> None:
         assert spec.sequence is not None
         self.spec, self.sequence = spec, spec.sequence
@@ -71,7 +71,7 @@ class SequenceBatcher:
                                   preferred=self.sequence.preferred if spec.max_batch_size else (),
                                   max_queue_delay_us=self.sequence.max_queue_delay_us, dynamic=True)
         self._execute = execute
-        self._refuse = refuse or (lambda item, why: None)
+        self._refuse = refuse  # answers a request dropped before it ran
         # their policy has no queue timeout: a request that reached one is never dropped there
         self._batchers = [DynamicBatcher(self.policy, partial(self._run, i), 1) for i in range(instances)]
         self._bound = [0] * instances  # sequences on each instance
