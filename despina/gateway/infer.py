@@ -194,10 +194,10 @@ def fail(ex: Exchange, exc: DespinaError, trace: bytes | None) -> None:
 
 
 def _int_header(raw: bytes) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise InvalidArgument("Inference-Header-Content-Length must be an integer") from None
+    digits = raw[1:] if raw[:1] == b"-" else raw
+    if not digits.isdigit():  # ASCII digits only: int() would also take "1_0", "+5" and spaces
+        raise InvalidArgument("Inference-Header-Content-Length must be an integer")
+    return int(raw)
 
 
 def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
