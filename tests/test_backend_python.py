@@ -138,6 +138,21 @@ class TritonPythonModel:
             "OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() + 1)]) for r in requests]
 '''
 
+# Answers Y only, though its config declares Z too (a model may leave an output out of a response).
+SOME = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(
+            r, "X").as_numpy() * 2)]) for r in requests]
+'''
+SOME_CONFIG = ('name: "some"\nbackend: "python"\nmax_batch_size: 0\n'
+               'input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+               'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] }, '
+               '{ name: "Z" data_type: TYPE_FP32 dims: [ 2 ] } ]\n')
+
 
 def write_model(repo: Path, name: str, source: str, config: str | None) -> Path:
     folder = repo / name
@@ -155,6 +170,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_model(root, "strings", STRINGS, STRINGS_CONFIG)
     write_model(root, "flaky", FLAKY, FLAKY_CONFIG)
     write_model(root, "auto", AUTO, None)
+    write_model(root, "some", SOME, SOME_CONFIG)
     (root / "add_sub" / "1").mkdir(parents=True)
     (root / "add_sub" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
     build_add_sub(root / "add_sub" / "1" / "model.onnx")
@@ -164,7 +180,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("add_sub_python", "strings", "flaky", "auto", "add_sub"), env=FULL_QUEUE_DELAY)
+                             ("add_sub_python", "strings", "flaky", "auto", "some", "add_sub"), env=FULL_QUEUE_DELAY)
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +328,25 @@ def test_auto_complete_config_describes_the_model(client: httpclient.InferenceSe
     assert config["backend"] == "python" and config["max_batch_size"] == 4 and "dynamic_batching" in config
     result = infer(client, "auto", IN=np.array([[1, 2, 3]], dtype=np.int32))
     np.testing.assert_array_equal(result.as_numpy("OUT"), [[2, 3, 4]])
+
+
+def test_a_response_without_an_asked_output_answers_the_outputs_it_has(
+        client: httpclient.InferenceServerClient, server: Server) -> None:
+    """Triton's stub sends a response's tensors that were asked for and nothing else: an output the
+    response lacks is absent from the reply, not an error."""
+    x = np.array([1, 2], dtype=np.float32)
+    result = client.infer("some", inputs_of(X=x), outputs=[httpclient.InferRequestedOutput("Y"),
+                                                            httpclient.InferRequestedOutput("Z")])
+    np.testing.assert_array_equal(result.as_numpy("Y"), x * 2)
+    assert result.as_numpy("Z") is None
+    r = httpx.post(f"{server.url}/v2/models/some/infer",
+                   json={"inputs": [{"name": "X", "datatype": "FP32", "shape": [2], "data": [1, 2]}]})
+    assert r.status_code == 200, r.text
+    assert [o["name"] for o in r.json()["outputs"]] == ["Y"]
+    r = httpx.post(f"{server.url}/v2/models/some/infer",
+                   json={"inputs": [{"name": "X", "datatype": "FP32", "shape": [2], "data": [1, 2]}],
+                         "outputs": [{"name": "Z"}]})
+    assert r.status_code == 200 and r.json()["outputs"] == [], r.text
 
 
 # -- the backend on its own ------------------------------------------------------------------------

@@ -92,10 +92,14 @@ def scattered(model: str, batch_io: ragged.BatchIO, requests: list[InferRequest]
 
 
 def answer(req: InferRequest, out: dict[str, np.ndarray], started: float, compute_us: int) -> InferReply:
-    """One request's own execution: all of its outputs, as they are, and its response parameters."""
+    """One request's own execution: all of its outputs, as they are, and its response parameters. An
+    output asked for that `out` lacks is left out (a Python model's response may lack one, as in
+    Triton)."""
     tensors = []
     for name in req.outputs or tuple(out):
-        array = out[name]
+        array = out.get(name)
+        if array is None:
+            continue
         datatype = numpy_to_v2(array.dtype)
         tensors.append(Tensor(name, datatype, tuple(array.shape), to_bytes(array, datatype)))
     queue_us = max(0, int((started - req.enqueued) * 1e6))
