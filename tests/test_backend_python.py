@@ -138,15 +138,16 @@ class TritonPythonModel:
             "OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() + 1)]) for r in requests]
 '''
 
-# Answers Y only, though its config declares Z too (a model may leave an output out of a response).
+# Answers Y only, though its config declares Z too (a model may leave an output out of a response);
+# its tensors come in a tuple, which Triton's InferenceResponse takes as it takes a list.
 SOME = '''
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
     def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(
-            r, "X").as_numpy() * 2)]) for r in requests]
+        return [pb_utils.InferenceResponse((pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(
+            r, "X").as_numpy() * 2),)) for r in requests]
 '''
 SOME_CONFIG = ('name: "some"\nbackend: "python"\nmax_batch_size: 0\n'
                'input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'

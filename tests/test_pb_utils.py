@@ -43,8 +43,15 @@ def test_pb_utils_bytes_codec_and_type_tables(pb_utils: ModuleType) -> None:
     assert error.message() == "gone" and error.code() == pb_utils.TritonError.NOT_FOUND
     response = pb_utils.InferenceResponse(error=error)
     assert response.has_error() and response.output_tensors() == []
+
+
+def test_pb_utils_inference_response_takes_a_list_or_tuple_of_tensors(pb_utils: ModuleType) -> None:
+    """Triton's binding takes output_tensors as a std::vector, which pybind11 fills from any sequence."""
+    tensor = pb_utils.Tensor("t", np.zeros(1))
+    assert pb_utils.InferenceResponse(output_tensors=(tensor,)).output_tensors() == [tensor]
+    assert pb_utils.InferenceResponse([tensor]).output_tensors() == [tensor]
     with pytest.raises(pb_utils.TritonModelException):
-        pb_utils.InferenceResponse(output_tensors=(pb_utils.Tensor("t", np.zeros(1)),))
+        pb_utils.InferenceResponse(output_tensors=tensor)
 
 
 def test_pb_utils_model_config_checks_conflicts(pb_utils: ModuleType) -> None:

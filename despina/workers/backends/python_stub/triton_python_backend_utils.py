@@ -277,9 +277,9 @@ class InferenceResponse:
                  parameters: Any = None) -> None:
         if output_tensors is None:
             output_tensors = []
-        if not isinstance(output_tensors, list):
+        if not isinstance(output_tensors, (list, tuple)):  # Triton's binding takes any sequence of them
             raise TritonModelException('"output_tensors" must be a list.')
-        self._output_tensors = output_tensors
+        self._output_tensors = list(output_tensors)
         self._error = error
         self._parameters = _response_parameters(parameters)
 
