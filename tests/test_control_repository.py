@@ -140,6 +140,20 @@ def test_load_can_carry_the_model_files(serve: Callable[..., Server], repo: Path
     assert httpx.post(f"{server.url}/v2/repository/models/uploaded/load", timeout=60).status_code == 200
 
 
+def test_a_load_parameter_triton_does_not_know_is_refused(serve: Callable[..., Server], repo: Path) -> None:
+    # as Triton's ("Unrecognized load parameter"): a misspelt "config" used to be ignored, and the model
+    # loaded from the repository's own config with a 200
+    server = serve(repo, "--model-control-mode", "explicit")
+    override = orjson.dumps({"backend": "onnxruntime", "max_batch_size": 4}).decode()
+    r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load",
+                   json={"parameters": {"confg": override}}, timeout=60)
+    assert r.status_code == 400 and "unrecognized load parameter 'confg'" in r.json()["error"], r.text
+    assert httpx.get(f"{server.url}/v2/models/add_sub/ready", timeout=10).status_code == 400
+    r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load",
+                   json={"parameters": {"config": override}}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 PYTHON_MODEL = """
 import time
 

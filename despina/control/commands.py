@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("despina.control")
 
+# the load API's parameters beside its `file:<path>` entries: Triton's config, and Despina's own
+LOAD_PARAMETERS = ("config", "fail_without_room")
+
 
 class Commands:
     def __init__(self, plane: ControlPlane) -> None:
@@ -120,6 +123,9 @@ class Commands:
         An ensemble loads the models it calls first (those not loaded yet), as Triton does."""
         plane = self.plane
         check_model_name(name)
+        for key in params:  # as Triton's: a misspelt "config" must not load the repository's own config
+            if key not in LOAD_PARAMETERS and not key.startswith("file:"):
+                raise InvalidArgument(f"unrecognized load parameter '{key}'")
         no_room_fails = params.get("fail_without_room", False)
         if not isinstance(no_room_fails, bool):
             raise InvalidArgument("'fail_without_room' must be true or false")
