@@ -87,8 +87,7 @@ def test_explicit_mode_load_unload_and_index(serve: Callable[..., Server], repo:
 
         with pytest.raises(InferenceServerException, match="no model 'nope'"):
             client.load_model("nope")
-        with pytest.raises(InferenceServerException, match="no such model"):
-            client.unload_model("nope")
+        client.unload_model("nope")  # as Triton's: unloading what is not loaded succeeds (it was a 404)
     finally:
         client.close()
 

@@ -251,9 +251,7 @@ class Commands:
         plane = self.plane
         check_model_name(name)
         if plane.catalog.get(name) is None:
-            if name in await asyncio.to_thread(plane.registry.names):
-                return  # in the repository, not loaded: nothing to do
-            raise NotFound(f"failed to unload '{name}': no such model")
+            return  # never loaded, or no such model: as Triton's, the unload has no effect and succeeds
         deadline = time.monotonic() + timeout
         async with self._turn(name, deadline):
             names = [name] + (self._steps_loaded_for(name) if dependents else [])
