@@ -21,7 +21,7 @@ from despina.examples import build_add_sub, build_mlp
 from despina.registry import LocalRegistry
 
 from .conftest import Server
-from .control_support import ROW, expected, index, infer, mlp_folder, wait_until
+from .control_support import MLP_CONFIG, ROW, expected, index, infer, mlp_folder, wait_until
 
 
 @pytest.fixture
@@ -307,6 +307,20 @@ def test_poll_on_a_local_folder(serve: Callable[..., Server], repo: Path) -> Non
     shutil.rmtree(repo / "add_sub")                  # a model leaves the repository
     wait_until(lambda: all(r["name"] != "add_sub" for r in index(server.url)), 20, what="add_sub to go")
     assert httpx.get(f"{server.url}/v2/models/add_sub").status_code == 404
+
+
+def test_a_version_folder_with_a_leading_zero_is_ignored(serve: Callable[..., Server], repo: Path) -> None:
+    # as Triton's VersionsToLoad ("ignore version directory '02' which contains leading zeros"): "02" used to
+    # be version 2, the latest, and its load looked for the folder "2", which is not there
+    (repo / "mlp" / "config.pbtxt").write_text(MLP_CONFIG.format(name="mlp", extra="", delay_us=100))
+    (repo / "mlp" / "2").rename(repo / "mlp" / "02")
+    assert load_model(repo / "mlp").versions == (1,)
+    server = serve(repo, "--model-control-mode", "explicit")
+    r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
+    assert r.status_code == 200, r.text
+    assert [(r.get("version"), r.get("state")) for r in index(server.url) if r["name"] == "mlp"] == [("1", "READY")]
+    r = infer(server.url)
+    assert r.json()["model_version"] == "1" and np.allclose(r.json()["outputs"][0]["data"], expected(0), atol=1e-4)
 
 
 def test_a_config_without_platform_or_backend_gets_the_backend_from_the_model_file(tmp_path: Path) -> None:

@@ -27,8 +27,9 @@ class FileInfo:
 
 
 def is_version(folder: str) -> bool:
-    """A version folder's name: ASCII digits (str.isdigit() also takes '²', which int() refuses)."""
-    return folder.isascii() and folder.isdigit()
+    """A version folder's name: ASCII digits (str.isdigit() also takes '²', which int() refuses), with no
+    leading zero: Triton ignores '01', which would else be a second version 1."""
+    return folder.isascii() and folder.isdigit() and (folder == "0" or not folder.startswith("0"))
 
 
 @dataclass(frozen=True)
