@@ -85,14 +85,14 @@ class Commands:
             if e is None:
                 rows.append({"name": name})  # in the repository, never loaded (as Triton answers)
             elif e.state != "READY":
-                rows.append({"name": name, "state": "UNAVAILABLE", "reason": e.reason})
+                rows.append(_row(name, "UNAVAILABLE", e.reason))
             else:
                 for v in sorted(set(e.versions) | set(e.failed)):
                     state, reason = self._version_state(e, v)
                     if note:
                         told = f"the repository cannot be read: {note}; the files already fetched serve"
                         reason = f"{reason}; {told}" if reason else told
-                    rows.append({"name": name, "version": str(v), "state": state, "reason": reason})
+                    rows.append(_row(name, state, reason, v))
         if ready is True:
             rows = [r for r in rows if r.get("state") == "READY"]
         return rows
@@ -336,6 +336,15 @@ class Commands:
             raise NotFound(f"unknown version {version} of model '{name}'")
         self.plane.kick()
         return await self.plane.lifecycle.wait(name, "wake", version, timeout)
+
+
+def _row(name: str, state: str, reason: str, version: int | None = None) -> dict[str, str]:
+    """One row of the index, as Triton writes it: no "version" for the model as a whole, no empty "reason"."""
+    row = {"name": name} if version is None else {"name": name, "version": str(version)}
+    row["state"] = state
+    if reason:
+        row["reason"] = reason
+    return row
 
 
 def _left(deadline: float) -> float:
