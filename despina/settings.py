@@ -83,6 +83,9 @@ class Settings:
         if self.colocate and self.worker_cpus is not None:
             raise BadSetting("DESPINA_COLOCATE and DESPINA_WORKER_CPUS (--colocate, --worker-cpus) do not go "
                              "together: a colocated worker runs where its gateway does")
+        if "*" in (loads := [n.strip() for n in self.load_model.split(",") if n.strip()]) and len(loads) > 1:
+            raise BadSetting(f"DESPINA_LOAD_MODEL (or --load-model): '*' loads every model and must be the "
+                             f"only one named, as in Triton; got {self.load_model!r}")
         if self.worker_nice > 19:
             raise BadSetting(f"DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got "
                              f"{self.worker_nice}")
