@@ -38,6 +38,8 @@ def test_server_and_model_health(client: httpclient.InferenceServerClient) -> No
     meta = client.get_server_metadata()
     assert meta["name"] == "despina" and "binary_tensor_data" in meta["extensions"]
     assert "model_configuration" in meta["extensions"]  # GET .../config, which Triton names so
+    # Triton lists the sequence and schedule-policy extensions too, which Despina has
+    assert {"sequence", "schedule_policy"} <= set(meta["extensions"])
 
 
 def test_model_metadata_and_config(client: httpclient.InferenceServerClient) -> None:

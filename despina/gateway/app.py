@@ -49,8 +49,9 @@ from .trace_api import trace_routes
 log = logging.getLogger("despina.gateway")
 
 CACHE_REPORT_S = 5.0  # how often a gateway reports its response cache's figures (the metrics' gauges)
-EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "parameters", "model_configuration",
-              LOGGING_EXTENSION, TRACE_EXTENSION, *REPOSITORY_EXTENSIONS]
+# "sequence": sequence_id / sequence_start / sequence_end; "schedule_policy": priority and timeout
+EXTENSIONS = ["binary_tensor_data", "classification", "sequence", "schedule_policy", "statistics",
+              "parameters", "model_configuration", LOGGING_EXTENSION, TRACE_EXTENSION, *REPOSITORY_EXTENSIONS]
 
 
 class Gateway:
