@@ -254,7 +254,7 @@ def test_initialize_gets_tritons_args(client: httpclient.InferenceServerClient, 
     assert all(isinstance(v, str) for v in args.values())
     assert args["model_name"] == "strings" and args["model_version"] == "1"
     assert args["model_instance_kind"] == "CPU" and args["model_instance_device_id"] == "0"
-    assert args["model_instance_name"].startswith("strings_")
+    assert args["model_instance_name"] == "strings_0"  # Triton's: its config names no instance_group
     assert Path(args["model_repository"]) == (repo / "strings").resolve()
     config = json.loads(args["model_config"])
     assert config["name"] == "strings" and config["max_batch_size"] == 16

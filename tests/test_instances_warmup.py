@@ -212,9 +212,9 @@ def spec_with(groups: list[dict[str, object]]) -> ModelSpec:
 def test_plan_follows_the_instance_groups() -> None:
     cpu = plan(spec_with([{"count": 3, "kind": "KIND_CPU"}]), gpu_count=0)
     assert [(i.name, i.kind) for i in cpu] == [("m_0_0", "CPU"), ("m_0_1", "CPU"), ("m_0_2", "CPU")]
-    assert [(i.kind, i.device) for i in plan(spec_with([]), gpu_count=0)] == [("CPU", 0)]
-    assert [(i.kind, i.device) for i in plan(spec_with([{"kind": "KIND_AUTO"}]), gpu_count=2)] == [
-        ("GPU", 0), ("GPU", 1)]
+    assert [(i.name, i.kind, i.device) for i in plan(spec_with([]), gpu_count=0)] == [("m_0", "CPU", 0)]
+    assert [(i.name, i.kind, i.device) for i in plan(spec_with([{"kind": "KIND_AUTO"}]), gpu_count=2)] == [
+        ("m_0_0", "GPU", 0), ("m_0_0", "GPU", 1)]  # Triton's: one name on every GPU
     gpu = plan(spec_with([{"count": 2, "kind": "KIND_GPU", "gpus": [1]},
                           {"name": "side", "count": 1, "kind": "KIND_CPU"}]), gpu_count=2, threads=3)
     assert [(i.name, i.kind, i.device, i.threads) for i in gpu] == [

@@ -15,7 +15,9 @@ def plan(spec: ModelSpec, gpu_count: int, threads: int = 1) -> list[Instance]:
     error when a GPU is missing, never a silent CPU run. KIND_AUTO: as KIND_GPU when there is a GPU,
     else on the CPU. KIND_MODEL: `count` instances that place themselves.
     """
-    groups: list[dict[str, Any]] = spec.config.get("instance_group") or [{}]
+    # Triton names the group it makes for a config without one after the model, and an unnamed
+    # group of the config `<model>_<index>`; an instance is `<group>_<n>`, the same on every GPU
+    groups: list[dict[str, Any]] = spec.config.get("instance_group") or [{"name": spec.name}]
     instances: list[Instance] = []
     for index, group in enumerate(groups):
         name = group.get("name") or f"{spec.name}_{index}"
@@ -38,5 +40,6 @@ def plan(spec: ModelSpec, gpu_count: int, threads: int = 1) -> list[Instance]:
             places = [("CPU" if kind == "KIND_CPU" else "MODEL", 0)] * count
         else:
             raise ConfigError(f"{where}: field 'kind' {kind} is not supported")
-        instances += [Instance(f"{name}_{i}", k, device, threads) for i, (k, device) in enumerate(places)]
+        instances += [Instance(f"{name}_{i % count}", k, device, threads)
+                      for i, (k, device) in enumerate(places)]
     return instances
