@@ -258,6 +258,9 @@ def test_initialize_gets_tritons_args(client: httpclient.InferenceServerClient, 
     assert Path(args["model_repository"]) == (repo / "strings").resolve()
     config = json.loads(args["model_config"])
     assert config["name"] == "strings" and config["max_batch_size"] == 16
+    assert config["default_model_filename"] == "model.py"  # as Triton completes it
+    assert [(g["name"], g["count"]) for g in config["instance_group"]] == [("strings", 1)]
+    assert config["dynamic_batching"]["preferred_batch_size"] == [16]
 
 
 def test_execute_gets_a_batch_and_answers_each_request(client: httpclient.InferenceServerClient) -> None:

@@ -62,6 +62,19 @@ def test_auto_complete_fills_inputs_and_outputs_from_the_onnx_file(
     assert config["backend"] == "onnxruntime"
 
 
+def test_config_shows_what_triton_fills_in(client: httpclient.InferenceServerClient) -> None:
+    add_sub = client.get_model_config("add_sub")  # its config.pbtxt names no instance_group
+    assert add_sub["default_model_filename"] == "model.onnx"
+    assert [(g["name"], g["count"]) for g in add_sub["instance_group"]] == [("add_sub", 1)]
+    assert add_sub["optimization"]["input_pinned_memory"] == {"enable": True}
+    assert add_sub["optimization"]["output_pinned_memory"] == {"enable": True}
+    mlp = client.get_model_config("mlp")  # dynamic_batching with no preferred_batch_size
+    assert mlp["dynamic_batching"]["preferred_batch_size"] == [128]
+    assert [(g["name"], g["count"], g["kind"]) for g in mlp["instance_group"]] == [("mlp_0", 1, "KIND_CPU")]
+    ensemble = client.get_model_config("mlp_classify")  # Triton gives an ensemble neither
+    assert ensemble["instance_group"] == [] and "optimization" not in ensemble
+
+
 @pytest.mark.parametrize("binary", [False, True])
 def test_infer_matches_onnxruntime(client: httpclient.InferenceServerClient, example_server: Server,
                                    example_repository, binary: bool) -> None:

@@ -18,7 +18,7 @@ from .batchio import BatchInputSpec, BatchOutputSpec, batch_inputs, batch_output
 from .datatypes import CONFIG_TO_V2
 from .errors import ConfigError, InvalidArgument
 from .policy import BatchPolicy, batch_policy
-from .sequence import SequencePolicy, sequence_policy
+from .sequence import DEFAULT_IDLE_US, SequencePolicy, sequence_policy
 from .sequence import validate as validate_sequence
 
 ModelConfig = pb.ModelConfig
@@ -35,10 +35,11 @@ BACKEND_TO_PLATFORM = {
     "pytorch": "pytorch_libtorch",
     "tensorflow": "tensorflow_savedmodel",
 }
+# Triton's default_model_filename, by platform else backend; a pytorch model's stays empty, as Despina
+# then takes its model.pt, else a torch.export model.pt2
 DEFAULT_FILENAMES = {
-    "onnxruntime": "model.onnx",
-    "pytorch": "model.pt",
-    "tensorflow": "model.savedmodel",
+    "onnxruntime_onnx": "model.onnx",
+    "tensorflow_savedmodel": "model.savedmodel",
     "python": "model.py",
 }
 
@@ -149,6 +150,34 @@ def normalize(model: str, config: Any) -> Any:
         raise ConfigError(f"model '{model}': neither field 'platform' nor field 'backend' is set")
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
+    return config
+
+
+def complete(config: Any) -> Any:
+    """Fill what Triton fills after auto-complete, as GET .../config and a Python model's initialize
+    show it: default_model_filename, a preferred batch size of max_batch_size, the sequence idle time,
+    pinned memory, and each instance group's name and count (the count Despina runs: 1 when unset).
+    An instance group's kind stays as the config has it: each worker resolves KIND_AUTO for itself."""
+    if not config.default_model_filename:
+        config.default_model_filename = DEFAULT_FILENAMES.get(config.platform or config.backend, "")
+    batched = [config.max_batch_size] if config.max_batch_size > 0 else []
+    if config.HasField("dynamic_batching") and not config.dynamic_batching.preferred_batch_size:
+        config.dynamic_batching.preferred_batch_size.extend(batched)
+    if config.HasField("sequence_batching"):
+        sb = config.sequence_batching
+        sb.max_sequence_idle_microseconds = sb.max_sequence_idle_microseconds or DEFAULT_IDLE_US
+        if sb.HasField("oldest") and not sb.oldest.preferred_batch_size:
+            sb.oldest.preferred_batch_size.extend(batched)
+    if config.platform == "ensemble":
+        return config
+    for pinned in ("input_pinned_memory", "output_pinned_memory"):
+        if not config.optimization.HasField(pinned):
+            getattr(config.optimization, pinned).enable = True
+    if not config.instance_group:
+        config.instance_group.add(name=config.name)
+    for index, group in enumerate(config.instance_group):
+        group.name = group.name or f"{config.name}_{index}"
+        group.count = group.count or 1
     return config
 
 

@@ -13,6 +13,7 @@ from ..contract.errors import ConfigError, DespinaError
 from ..contract.modelconfig import (
     ModelConfig,
     check_model_name,
+    complete,
     normalize,
     parse_json,
     parse_text,
@@ -77,6 +78,7 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
         except ConfigError as exc:
             raise ConfigError(f"model '{name}': {exc.message}") from None
         backend.auto_complete(config, folder / str(selected[-1]))
+    complete(config)
     validate(config)
     as_dict = to_dict(config)
     if ensemble:
