@@ -164,6 +164,24 @@ PICKY_CONFIG = ('name: "picky"\nbackend: "python"\nmax_batch_size: 8\n'
                 'instance_group [ { count: 1, kind: KIND_CPU } ]\n')
 
 
+# returns OUTPUT0 only, though it declares OUTPUT1 too
+SPARSE = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(
+            request, "INPUT").as_numpy())]) for request in requests]
+'''
+SPARSE_CONFIG = ('name: "sparse"\nbackend: "python"\nmax_batch_size: 8\n'
+                 'input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+                 'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, '
+                 '{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+                 'instance_group [ { count: 1, kind: KIND_CPU } ]\n')
+ONE_IN = 'input [ { name: "IN0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+
+
 @pytest.fixture(scope="module")
 def repo(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ensembles") / "repo"
@@ -185,6 +203,11 @@ def repo(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     write(root, "roots", ensemble_config("roots", ", ".join([
         step("add_sub", {"a": "IN0", "b": "IN1"}, {"diff": "D"}),
         step("picky", {"INPUT": "D"}, {"OUTPUT": "OUT"})])))
+    write(root, "sparse", SPARSE_CONFIG, SPARSE)
+    write(root, "gaps", ensemble_config("gaps", step("sparse", {"INPUT": "IN0"}, {"OUTPUT0": "A", "OUTPUT1": "B"}),
+                                        inputs=ONE_IN,
+                                        outputs='output [ { name: "A" data_type: TYPE_FP32 dims: [ 4 ] }, '
+                                                '{ name: "B" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'))
     write(root, "orphan", ensemble_config("orphan", step("no_such_model", {"a": "IN0", "b": "IN1"},
                                                          {"sum": "OUT"})))
     write(root, "unpinned", ensemble_config("unpinned", step("add_sub", {"a": "IN0", "b": "IN1"},
@@ -199,7 +222,8 @@ def server(request: pytest.FixtureRequest, repo: Path, tmp_path_factory: pytest.
     with the gateway running them step by step, as it does when their models are on different workers."""
     env = {"DESPINA_HOST_ENSEMBLES": "false"} if request.param == "gateway" else None
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("mlp", "add_sub", "add_sub_python", "classify_post", "picky"), env=env)
+                             ("mlp", "add_sub", "add_sub_python", "classify_post", "picky", "sparse"),
+                             env=env)
 
 
 def test_which_process_runs_the_ensemble(server: Server, redis_url: str,
@@ -316,6 +340,14 @@ def test_a_failing_step_fails_the_request_and_says_which(server: Server) -> None
     assert counted["fail"]["ns"] > 0
     picky = settled_stats(server.url, "picky")["inference_stats"]["fail"]
     assert picky["count"] == 1 and picky["ns"] > 0
+
+
+def test_an_output_a_step_did_not_return_is_left_out_of_the_answer(server: Server) -> None:
+    """As in Triton, whose ensemble answers with the outputs its steps returned: `sparse` returns OUTPUT0
+    alone, so the ensemble's B is missing, and the answer has A."""
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    got = outputs(infer(server, "gaps", {"IN0": x}))
+    assert list(got) == ["A"] and np.allclose(got["A"], x)
 
 
 def test_bad_inputs_are_refused_before_any_step_runs(server: Server) -> None:

@@ -256,7 +256,8 @@ class Run:
             self.fail(DespinaError(f"ensemble '{self.spec.name}': {self.pending[0]} waits for tensor(s) "
                                    f"{', '.join(missing)} that no step returned", Code.INTERNAL))
             return
-        reply = InferReply("", tuple(_renamed(tensors[name], name) for name in self.wanted))
+        # an output no step returned is left out, as in Triton
+        reply = InferReply("", tuple(_renamed(tensors[n], n) for n in self.wanted if n in tensors))
         self.over = True
         self._finish(reply, self._rows())
 
@@ -266,7 +267,7 @@ class Run:
         for model_input, name in step.inputs:
             t = self.tensors.get(name)
             if t is None:
-                continue  # an optional ensemble input the caller left out
+                continue  # an optional input the caller left out, or an output a step did not return
             expected = spec.input(model_input)
             if expected is not None:
                 check_shape(spec, expected, list(t.shape))
@@ -285,7 +286,9 @@ class Run:
         names = dict(step.outputs)
         for t in result.outputs:
             if t.name in names:
-                self.tensors[names[t.name]] = t
+                self.tensors[names.pop(t.name)] = t
+        # what it did not return never comes: a step that reads it runs without it (Triton's placeholder)
+        self.coming.difference_update(names.values())
         self._next()
 
     def fail(self, error: DespinaError) -> None:
