@@ -203,6 +203,11 @@ def repo(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     write(root, "roots", ensemble_config("roots", ", ".join([
         step("add_sub", {"a": "IN0", "b": "IN1"}, {"diff": "D"}),
         step("picky", {"INPUT": "D"}, {"OUTPUT": "OUT"})])))
+    # two branches: the sum, and picky's root of IN0 (which fails on a negative IN0)
+    write(root, "branches", ensemble_config("branches", ", ".join([
+        step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "S"}), step("picky", {"INPUT": "IN0"}, {"OUTPUT": "R"})]),
+        outputs='output [ { name: "S" data_type: TYPE_FP32 dims: [ 4 ] }, '
+                '{ name: "R" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'))
     write(root, "sparse", SPARSE_CONFIG, SPARSE)
     write(root, "gaps", ensemble_config("gaps", step("sparse", {"INPUT": "IN0"}, {"OUTPUT0": "A", "OUTPUT1": "B"}),
                                         inputs=ONE_IN,
@@ -348,6 +353,18 @@ def test_an_output_a_step_did_not_return_is_left_out_of_the_answer(server: Serve
     x = np.arange(4, dtype=np.float32).reshape(1, 4)
     got = outputs(infer(server, "gaps", {"IN0": x}))
     assert list(got) == ["A"] and np.allclose(got["A"], x)
+
+
+def test_only_the_steps_the_requested_outputs_need_run(server: Server) -> None:
+    """As in Triton, which prunes the steps no requested output needs: asked for S alone, `branches` does
+    not call picky, which would fail on the negative IN0."""
+    a, b = np.full((1, 4), -4, np.float32), np.ones((1, 4), np.float32)
+    before = settled_stats(server.url, "picky")["inference_stats"]["fail"]["count"]
+    got = outputs(infer(server, "branches", {"IN0": a, "IN1": b}, outputs=[{"name": "S"}]))
+    assert list(got) == ["S"] and np.allclose(got["S"], a + b)
+    assert settled_stats(server.url, "picky")["inference_stats"]["fail"]["count"] == before
+    both = infer(server, "branches", {"IN0": a, "IN1": b})
+    assert both.status_code != 200 and "negative input" in both.json()["error"]
 
 
 def test_bad_inputs_are_refused_before_any_step_runs(server: Server) -> None:

@@ -121,6 +121,21 @@ class Ensemble:
             left = [s for s in left if s not in wave]
         return waves
 
+    def needed_for(self, outputs: tuple[str, ...]) -> list[Step]:
+        """The steps that `outputs` need, in the config's order. As Triton prunes an ensemble for a request
+        that asks for some of its outputs, the others do not run; asked for all, every step runs."""
+        if set(outputs) >= set(self.outputs):
+            return list(self.steps)
+        makers = {tensor: s for s in self.steps for _, tensor in s.outputs}
+        needed: set[int] = set()
+        todo = [makers[t] for t in outputs if t in makers]
+        while todo:
+            step = todo.pop()
+            if step.index not in needed:
+                needed.add(step.index)
+                todo.extend(makers[t] for _, t in step.inputs if t in makers)
+        return [s for s in self.steps if s.index in needed]
+
     def problems(self, own: ModelSpec, lookup: Callable[[str], tuple[ModelSpec | None, str]]) -> str:
         """Why the ensemble cannot serve with the models it calls ('' when it can). `lookup(name)`
         gives a model's spec, or None and why it is not usable."""
@@ -207,7 +222,7 @@ class Run:
         self.spec, self.ensemble = spec, ensemble
         self.started = time.monotonic()
         self.deadline = self.started + timeout
-        self.pending = list(ensemble.steps)
+        self.pending: list[Step] = []
         self.running = 0
         self.over = False
         self.tensors: dict[str, Tensor] = {}
@@ -220,12 +235,16 @@ class Run:
 
     def start(self, inputs: list[Tensor], outputs: tuple[str, ...]) -> None:
         """Run on `inputs` (checked against the ensemble's own spec); answer `outputs` (all when none)."""
+        self._plan(inputs, outputs)
+        self._next()
+
+    def _plan(self, inputs: list[Tensor], outputs: tuple[str, ...]) -> None:
         self.tensors = {t.name: t for t in inputs}
         self.wanted = outputs or tuple(t.name for t in self.spec.outputs)
-        # what will exist: the inputs given and every step's outputs (an optional input that was not
-        # given is not waited for)
-        self.coming = set(self.tensors) | {t for s in self.ensemble.steps for _, t in s.outputs}
-        self._next()
+        self.pending = self.ensemble.needed_for(self.wanted)
+        # what will exist: the inputs given and the outputs of every step that runs (an optional input
+        # that was not given is not waited for)
+        self.coming = set(self.tensors) | {t for s in self.pending for _, t in s.outputs}
 
     def _next(self) -> None:
         try:

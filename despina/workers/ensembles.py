@@ -271,8 +271,9 @@ class _HostRun(Run):
         self.host, self.request, self.entry = host, request, entry
 
     def start(self, inputs: list[Tensor], outputs: tuple[str, ...]) -> None:
+        self._plan(inputs, outputs)
         self.host._reaching(self.pending, 1)  # each step leaves `pending` to _call, or at the finish
-        super().start(inputs, outputs)
+        self._next()
 
     def _call(self, step: Step) -> None:
         self.host._reaching([step], -1)
