@@ -208,6 +208,10 @@ def repo(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "S"}), step("picky", {"INPUT": "IN0"}, {"OUTPUT": "R"})]),
         outputs='output [ { name: "S" data_type: TYPE_FP32 dims: [ 4 ] }, '
                 '{ name: "R" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'))
+    # a batching ensemble over a model that does not batch, whose dims take the batch in: Triton allows it
+    write(root, "unbatched", PICKY_CONFIG.replace("picky", "unbatched").replace("max_batch_size: 8", "max_batch_size: 0")
+          .replace("dims: [ 4 ]", "dims: [ -1, 4 ]"), PICKY)
+    write(root, "mixed", ensemble_config("mixed", step("unbatched", {"INPUT": "IN0"}, {"OUTPUT": "OUT"}), inputs=ONE_IN))
     write(root, "sparse", SPARSE_CONFIG, SPARSE)
     write(root, "gaps", ensemble_config("gaps", step("sparse", {"INPUT": "IN0"}, {"OUTPUT0": "A", "OUTPUT1": "B"}),
                                         inputs=ONE_IN,
@@ -227,7 +231,7 @@ def server(request: pytest.FixtureRequest, repo: Path, tmp_path_factory: pytest.
     with the gateway running them step by step, as it does when their models are on different workers."""
     env = {"DESPINA_HOST_ENSEMBLES": "false"} if request.param == "gateway" else None
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("mlp", "add_sub", "add_sub_python", "classify_post", "picky", "sparse"),
+                             ("mlp", "add_sub", "add_sub_python", "classify_post", "picky", "sparse", "unbatched"),
                              env=env)
 
 
@@ -365,6 +369,14 @@ def test_only_the_steps_the_requested_outputs_need_run(server: Server) -> None:
     assert settled_stats(server.url, "picky")["inference_stats"]["fail"]["count"] == before
     both = infer(server, "branches", {"IN0": a, "IN1": b})
     assert both.status_code != 200 and "negative input" in both.json()["error"]
+
+
+def test_a_batching_ensemble_can_call_a_model_that_does_not_batch(server: Server) -> None:
+    """As in Triton, where a step's max_batch_size of 0 is allowed when the full shapes agree: `mixed`
+    ([-1, 4] with its batch dimension) passes its rows whole to `unbatched` (dims [-1, 4])."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    got = outputs(infer(server, "mixed", {"IN0": x}))
+    assert np.allclose(got["OUT"], np.sqrt(x)) and got["OUT"].shape == (3, 4)
 
 
 def test_bad_inputs_are_refused_before_any_step_runs(server: Server) -> None:

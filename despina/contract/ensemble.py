@@ -151,12 +151,11 @@ class Ensemble:
                 return f"{step}: the ensembles call each other in a cycle"
             if spec.decoupled:
                 return f"{step}: the model is decoupled (several responses to a request): not in an ensemble"
+            # a model that does not batch may take a batching ensemble's tensors whole, as in Triton,
+            # when its dims hold the batch dimension (the shapes, checked below, agree)
             if own.batched and spec.batched and spec.max_batch_size < own.max_batch_size:
                 return (f"{step}: its max_batch_size {spec.max_batch_size} is below the ensemble's "
                         f"{own.max_batch_size}")
-            if own.batched and not spec.batched:
-                return (f"{step}: the ensemble batches (max_batch_size {own.max_batch_size}) but the model "
-                        "does not")
             specs[step.index] = spec
             for model_output, tensor in step.outputs:
                 out = spec.output(model_output)
