@@ -68,6 +68,11 @@ ADD = step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "OUT"})
      step("add_sub", {"a": "IN1", "b": "A"}, {"sum": "B", "diff": "OUT"}), "", "wait on each other \\(a cycle\\)"),
     (step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "OUT"}, version=0), "", "'model_version' must be -1"),
     (step("add_sub", {"a": "IN0", "b": "IN1"}, {}), "", "empty 'output_map'"),
+    # as Triton's ValidateEnsembleSchedulingConfig refuses them
+    (step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "OUT", "diff": "D"}), "",
+     "tensor 'D' from step 1 .* is unused: no step reads it and it is no ensemble output"),
+    (ADD + ", " + step("gen", {}, {"o": "O"}), 'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] }, '
+     '{ name: "O" data_type: TYPE_FP32 dims: [ 4 ] } ]\n', "step 2 .* has an empty 'input_map'"),
 ])
 def test_a_graph_that_cannot_run_is_refused_at_load(tmp_path: Path, steps: str, outputs: str, message: str) -> None:
     config = ensemble_config("pipe", steps, outputs=outputs)

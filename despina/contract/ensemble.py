@@ -5,7 +5,7 @@ tensor that feeds it, and its `output_map` names the ensemble tensor each of its
 step runs once every tensor it reads exists; steps that do not depend on each other run at once.
 
 Two sets of checks, as Triton makes them at load: `Ensemble.from_config` checks the graph alone
-(every tensor made once, nothing read that nothing makes, no cycle, every output made), and
+(every tensor made once and used, nothing read that nothing makes, no cycle, every output made), and
 `problems` checks it against the models it calls (they exist and are usable, their tensors have
 the names, types and shapes the ensemble wires together, no ensemble calls itself).
 """
@@ -75,6 +75,9 @@ class Ensemble:
                                   f"got {version}")
             inputs = tuple((raw.get("input_map") or {}).items())
             outputs = tuple((raw.get("output_map") or {}).items())
+            if not inputs:
+                raise ConfigError(f"{where} (model '{model}') has an empty 'input_map': it would read "
+                                  "nothing")
             if not outputs:
                 raise ConfigError(f"{where} (model '{model}') has an empty 'output_map': it would make "
                                   "nothing")
@@ -104,6 +107,10 @@ class Ensemble:
         unused = [t for t in self.inputs if t not in read]
         if unused:
             raise ConfigError(f"model '{self.name}': ensemble input(s) {', '.join(unused)} feed no step")
+        for tensor, maker in made.items():
+            if tensor not in read and tensor not in self.outputs:
+                raise ConfigError(f"model '{self.name}': ensemble tensor '{tensor}' from {maker} is unused: "
+                                  "no step reads it and it is no ensemble output")
         self.order()  # raises on a cycle
 
     def order(self) -> list[list[Step]]:
