@@ -94,6 +94,17 @@ def test_a_scheduling_block_needs_the_ensemble_platform_and_declared_tensors(tmp
         load_model(folder)
 
 
+@pytest.mark.parametrize("field", ['instance_group [ { count: 2 kind: KIND_CPU } ]',
+                                   'optimization { priority: PRIORITY_MAX }',
+                                   'model_warmup [ { name: "w" batch_size: 1 inputs { key: "IN0" value { '
+                                   'data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } } } ]'])
+def test_an_ensemble_takes_no_instances_optimization_or_warmup(tmp_path: Path, field: str) -> None:
+    """As Triton's ValidateEnsembleSchedulingConfig: they are its steps' models' to have."""
+    folder = write(tmp_path, "pipe", ensemble_config("pipe", ADD) + field + "\n")
+    with pytest.raises(ConfigError, match=f"model 'pipe': an ensemble takes no field '{field.split()[0]}'"):
+        load_model(folder)
+
+
 def test_an_ensemble_needs_no_version_folder(tmp_path: Path) -> None:
     folder = tmp_path / "pipe"
     folder.mkdir()

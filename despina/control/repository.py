@@ -115,10 +115,16 @@ def _labels(registry: Registry, model: ModelFiles, config: Any, paths: set[str]
 
 
 def _check_ensemble(config: Any) -> None:
-    """What Triton asks of an ensemble's config before its graph: declared tensors, no batcher."""
+    """What Triton asks of an ensemble's config before its graph: declared tensors, no batcher, and no
+    instances, optimization or warmup (its steps' models have those)."""
     name = config.name
     if config.WhichOneof("scheduling_choice") != "ensemble_scheduling":
         raise ConfigError(f"model '{name}': platform \"ensemble\" needs field 'ensemble_scheduling'")
+    given = {field.name for field, _ in config.ListFields()}
+    for field in ("instance_group", "optimization", "model_warmup"):
+        if field in given:
+            raise ConfigError(f"model '{name}': an ensemble takes no field '{field}' (the models its steps "
+                              "call have their own)")
     if not config.input or not config.output:
         raise ConfigError(f"model '{name}': an ensemble declares its inputs and outputs in its config "
                           "(nothing can fill them in)")
