@@ -127,6 +127,25 @@ def test_counts_are_exact_and_match_statistics(server: Server) -> None:
         metrics[f"nv_inference_queue_duration_us{m}"], abs=1)
 
 
+def test_an_execution_whose_every_request_failed_counts_no_inference(server: Server) -> None:
+    """Triton's backends report a batch's statistics (inference and execution counts, batch_stats,
+    last_inference) only when one of its requests succeeded: a model that fails counts failures alone."""
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    before = client.get_inference_statistics("fails")["model_stats"][0]
+    for _ in range(2):
+        assert httpx.post(f"{server.url}/v2/models/fails/infer", content=v2("in", 1, 5)).status_code == 500
+    failed = 'nv_inference_request_failure{model="fails",version="1",reason="BACKEND"}'
+    metrics = settled_scrape(server, {failed: before["inference_stats"]["fail"]["count"] + 2})
+    after = client.get_inference_statistics("fails")["model_stats"][0]
+    client.close()
+    assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"] + 2
+    assert (after["inference_count"], after["execution_count"], after["batch_stats"], after["last_inference"]) \
+        == (before["inference_count"], before["execution_count"], before["batch_stats"], before["last_inference"])
+    labels = '{model="fails",version="1"}'
+    assert metrics[f"nv_inference_count{labels}"] == before["inference_count"]
+    assert metrics[f"nv_inference_exec_count{labels}"] == before["execution_count"]
+
+
 def test_metric_names_are_tritons(server: Server) -> None:
     text = httpx.get(server.metrics_url).text
     for name in ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",

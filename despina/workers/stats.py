@@ -51,6 +51,8 @@ def tally(replies: list[InferReply], rows: int, started: float,
     (Every field is set once, the failures' excepted: this runs for every batch.)"""
     counts: dict[str, int] = {}
     ok = [r for r in replies if r.error is None]
+    if not ok and replies:  # Triton's backends report no execution whose every request failed
+        rows = 0
     n = len(ok)
     grouped = any(r.id[:1] == GROUPED for r in replies)  # a gateway's several requests sent as one
     if grouped:
