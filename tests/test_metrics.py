@@ -410,3 +410,30 @@ def test_an_unload_answers_what_was_read_once_and_the_counts_agree_with_the_clie
             return await redis.get(Keys(key_prefix).queued("slow", 1))
 
     assert asyncio.run(queued()) in (None, b"0")  # a reload's max_queue_size holds none of them
+
+
+def test_statistics_answer_loaded_versions_and_400_for_others_as_triton(serve, tmp_path: Path) -> None:
+    """Triton's statistics cover the READY versions: an unknown model or version, or one not loaded,
+    answers 400 ("requested model ... is not available"), and the list of all leaves it out."""
+    repo = tmp_path / "repo"
+    for name in ("a", "b", "c"):
+        build_mlp(repo / name / "1" / "model.onnx")
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "a", "--load-model", "b",
+                   wait_models=("a", "b"))
+
+    def listed() -> list[tuple[str, str]]:
+        stats = httpx.get(f"{server.url}/v2/models/stats").json()["model_stats"]
+        return sorted((s["name"], s["version"]) for s in stats)
+
+    def answer(path: str) -> tuple[int, str]:
+        r = httpx.get(f"{server.url}/v2/models/{path}/stats")
+        return r.status_code, r.json().get("error", "")
+
+    assert listed() == [("a", "1"), ("b", "1")]
+    assert answer("a/versions/1")[0] == 200
+    assert answer("nope") == (400, "requested model 'nope' is not available")
+    assert answer("c") == (400, "requested model 'c' is not available")   # in the repository, not loaded
+    assert answer("a/versions/2") == (400, "requested model version is not available for model 'a'")
+    assert httpx.post(f"{server.url}/v2/repository/models/b/unload").status_code == 200
+    assert listed() == [("a", "1")]
+    assert answer("b") == (400, "requested model 'b' is not available")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..contract.errors import NotFound
+from ..contract.catalog import UNLOADED, CatalogEntry
+from ..contract.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -13,21 +14,33 @@ DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "comp
 
 
 async def model_statistics(gw: Gateway, model: str | None, version: str | None) -> dict[str, Any]:
+    """As Triton answers: the versions loaded; InvalidArgument (Triton's 400) for a model or version
+    that is not (unknown, unloaded, or failed to load)."""
     if model is None:
-        targets = [(m.entry.name, v) for m in gw.view.models.values() for v in m.entry.versions]
+        targets = [(m.entry.name, v) for m in gw.view.models.values() for v in _loaded(m.entry)]
     else:
-        entry = gw.view.get(model).entry
+        known = gw.view.models.get(model)
+        loaded = _loaded(known.entry) if known is not None else []
+        if not loaded:
+            raise InvalidArgument(f"requested model '{model}' is not available")
         if version is not None:
-            if not version.isdigit() or int(version) not in entry.versions:
-                raise NotFound(f"unknown version {version} of model '{model}'")
+            if not version.isdigit() or int(version) not in loaded:
+                raise InvalidArgument(f"requested model version is not available for model '{model}'")
             targets = [(model, int(version))]
         else:
-            targets = [(model, v) for v in entry.versions]
+            targets = [(model, v) for v in loaded]
     pipe = gw.redis.pipeline(transaction=False)
     for name, v in targets:
         pipe.hgetall(gw.keys.stats(name, v))
     raw = await pipe.execute() if targets else []
     return {"model_stats": [_one(name, v, h) for (name, v), h in zip(targets, raw)]}
+
+
+def _loaded(entry: CatalogEntry) -> list[int]:
+    # the versions Triton would call READY: of a usable model not unloaded, those that did not fail
+    if entry.state != "READY" or entry.target == UNLOADED:
+        return []
+    return [v for v in entry.versions if v not in entry.failed]
 
 
 def _one(name: str, version: int, h: dict[bytes, bytes]) -> dict[str, Any]:
