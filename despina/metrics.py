@@ -178,6 +178,10 @@ def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
     for m in models:
         out.sample("despina_model_load_duration_seconds_count", _labels(m), m["stats"].get("load_count", 0))
         out.sample("despina_model_load_duration_seconds_sum", _labels(m), m["stats"].get("load_ns", 0) / 1e9)
+    out.family("nv_model_load_duration_secs", "gauge", "Model load time in seconds")
+    for m in models:  # the latest load of the version on any worker; none before one was recorded
+        if "load_last_ns" in m["stats"]:
+            out.sample("nv_model_load_duration_secs", _labels(m), m["stats"]["load_last_ns"] / 1e9)
     out.family("despina_cold_start_duration_seconds", "summary",
                "Time from a request for an unloaded model to the model being ready")
     for m in models:

@@ -437,3 +437,11 @@ def test_statistics_answer_loaded_versions_and_400_for_others_as_triton(serve, t
     assert httpx.post(f"{server.url}/v2/repository/models/b/unload").status_code == 200
     assert listed() == [("a", "1")]
     assert answer("b") == (400, "requested model 'b' is not available")
+
+
+def test_model_load_duration_is_tritons_gauge(server: Server) -> None:
+    """nv_model_load_duration_secs: Triton's gauge of the time a model version took to load."""
+    text = httpx.get(server.metrics_url).text
+    assert re.search(r"^# TYPE nv_model_load_duration_secs gauge$", text, re.M)
+    for model in ("m", "fails", "q"):
+        assert 0 < scrape(server)[f'nv_model_load_duration_secs{{model="{model}",version="1"}}'] < 60

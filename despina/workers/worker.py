@@ -337,12 +337,15 @@ class Worker:
                 await asyncio.sleep(1.0)
 
     async def _count_load(self, key: Key) -> None:
-        """Model load durations, for the despina_model_load_duration_seconds metric."""
+        """Model load durations, for the despina_model_load_duration_seconds metric, and the last one, for
+        Triton's nv_model_load_duration_secs."""
         stats = self.keys.stats(*key)
+        took_ns = int(self.load_ms[key] * 1e6)
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.hincrby(stats, "load_count", 1)
-            pipe.hincrby(stats, "load_ns", int(self.load_ms[key] * 1e6))
+            pipe.hincrby(stats, "load_ns", took_ns)
+            pipe.hset(stats, "load_last_ns", took_ns)
             await pipe.execute()
         except (RedisError, OSError):
             pass
