@@ -347,3 +347,24 @@ def test_a_multi_model_endpoint_refuses_the_name_of_a_model_the_v2_api_loaded(
     inputs = [i["name"] for i in httpx.get(f"{server.url}/v2/models/add_sub").json()["inputs"]]
     assert inputs == ["a", "b"]
     assert httpx.get(f"{server.url}/models").json() == {"models": []}
+
+
+def test_a_model_whose_load_failed_may_be_loaded_again_under_its_name(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # SageMaker retries a failed load under the same model_name; a load that failed left the name
+    # taken (409 "already loaded") and its invocations answered 503 for good
+    server = multi_model_endpoint(serve, tmp_path)
+    broken = tmp_path / "models" / "1a2b3c" / "model"
+    shutil.copytree(example_repository / "add_sub", broken)
+    for onnx in broken.rglob("*.onnx"):
+        onnx.write_bytes(b"not a model")
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m1", "url": str(broken)}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+    good = tmp_path / "models" / "4d5e6f" / "model"
+    shutil.copytree(example_repository / "add_sub", good)
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m1", "url": str(good)}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}/models/m1/invoke", json=v2_body())
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{server.url}/models").json() == {"models": [{"modelName": "m1", "modelUrl": str(good)}]}

@@ -208,9 +208,10 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
 
 def _loaded(gw: Gateway, name: str) -> bool:
     """Whether a model of that name is loaded, however it was (serving, loading, or idle: scaled to zero):
-    staging an archive under its name would overwrite the files it loads from."""
+    staging an archive under its name would overwrite the files it loads from. One whose load failed is
+    not: SageMaker may load it again, as Triton lets it."""
     model = gw.view.models.get(name)
-    return model is not None and model.entry.target != UNLOADED
+    return model is not None and model.entry.state == "READY" and model.entry.target != UNLOADED
 
 
 async def _models(gw: Gateway, key: str) -> list[dict[str, str]]:
