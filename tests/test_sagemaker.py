@@ -231,7 +231,9 @@ def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
     assert httpx.delete(f"{url}/models/m1", timeout=60).status_code == 200
     assert httpx.get(f"{url}/models/m1").status_code == 404
     assert httpx.delete(f"{url}/models/m1").status_code == 404
-    assert httpx.post(f"{url}/models/m1/invoke", json=v2_body()).status_code != 200
+    # SageMaker's contract: invoking a model that is not loaded is a 404 (it was a 400, "not loaded")
+    r = httpx.post(f"{url}/models/m1/invoke", json=v2_body())
+    assert r.status_code == 404 and "not loaded" in r.json()["error"], r.text
     assert httpx.get(f"{url}/models").json() == {"models": both[1:]}
     # loaded again after its unload
     assert httpx.post(f"{url}/models", json={"model_name": "m1", "url": str(archive)},
@@ -361,6 +363,7 @@ def test_a_model_whose_load_failed_may_be_loaded_again_under_its_name(
     r = httpx.post(f"{server.url}/models", json={"model_name": "m1", "url": str(broken)}, timeout=60)
     assert r.status_code == 400, r.text
     assert httpx.get(f"{server.url}/ping").status_code == 200
+    assert httpx.post(f"{server.url}/models/m1/invoke", json=v2_body()).status_code == 404
     good = tmp_path / "models" / "4d5e6f" / "model"
     shutil.copytree(example_repository / "add_sub", good)
     r = httpx.post(f"{server.url}/models", json={"model_name": "m1", "url": str(good)}, timeout=60)

@@ -14,8 +14,8 @@ SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
   as `model_name` and loads it (409 when that name is loaded; an archive of an ensemble and the models
   it calls loads them under their own names, and DELETE unloads them with it); GET /models (paged:
   max_results, next_page_token), GET /models/{name}, DELETE /models/{name} (404 when not loaded),
-  and POST /models/{name}/invoke. The endpoint's models are kept in one Redis hash, so that every gateway
-  of the endpoint answers for them alike.
+  and POST /models/{name}/invoke (404 when not loaded). The endpoint's models are kept in one Redis
+  hash, so that every gateway of the endpoint answers for them alike.
 """
 from __future__ import annotations
 
@@ -93,6 +93,18 @@ class Invocations(SageMakerInfer):
             ex.params = {"model": endpoint_model(self.gateway)}
         except DespinaError as exc:
             fail(ex, exc, http.header(ex.headers, b"x-request-id"))
+            return
+        super().__call__(ex)
+
+
+class ModelInvoke(SageMakerInfer):
+    """POST /models/{name}/invoke: 404 for a model not loaded, as SageMaker's multi-model contract asks (an
+    unloaded one would otherwise answer 400, one whose load failed 503)."""
+
+    def __call__(self, ex: Exchange) -> None:
+        name = ex.params["model"]
+        if not _loaded(self.gateway, name):
+            fail(ex, NotFound(f"model '{name}' is not loaded"), http.header(ex.headers, b"x-request-id"))
             return
         super().__call__(ex)
 
@@ -202,7 +214,7 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
         HttpRoute("/models", listing, methods=["GET"]),
         HttpRoute("/models/{model}", describe, methods=["GET"]),
         HttpRoute("/models/{model}", unload, methods=["DELETE"]),
-        HttpRoute("/models/{model}/invoke", AsgiEndpoint(SageMakerInfer(gw)), methods=["POST"]),
+        HttpRoute("/models/{model}/invoke", AsgiEndpoint(ModelInvoke(gw)), methods=["POST"]),
     ]
 
 
