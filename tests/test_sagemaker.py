@@ -371,3 +371,26 @@ def test_a_model_whose_load_failed_may_be_loaded_again_under_its_name(
     r = httpx.post(f"{server.url}/models/m1/invoke", json=v2_body())
     assert r.status_code == 200, r.text
     assert httpx.get(f"{server.url}/models").json() == {"models": [{"modelName": "m1", "modelUrl": str(good)}]}
+
+
+
+@pytest.mark.parametrize("case", ["default-missing", "several", "failed", "serving"])
+def test_ping_fails_on_a_single_model_endpoint_without_a_model_to_invoke(
+        serve, example_repository: Path, tmp_path: Path, case: str) -> None:
+    # Triton's image does not start without the endpoint's model; a /ping of 200 had SageMaker take the
+    # endpoint for healthy and send every invocation to a 4xx or 503
+    repo = one_model_repo(example_repository, tmp_path / "model")
+    extra: tuple[str, ...] = ()
+    env = {"SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "resnet"} if case == "default-missing" else {}
+    if case in ("several", "serving"):
+        shutil.copytree(example_repository / "add_sub", repo / "add_sub_too")
+    if case == "serving":
+        extra = ("--sagemaker-model", "add_sub_too")
+    if case == "failed":
+        for onnx in repo.rglob("*.onnx"):
+            onnx.write_bytes(b"not a model")
+    server = serve(repo, "--sagemaker", "--host", "127.0.0.1", *extra, env=env,
+                   wait_models=("add_sub_too",) if case in ("several", "serving") else ())
+    invoked = httpx.post(f"{server.url}/invocations", json=v2_body()).status_code
+    assert (invoked, httpx.get(f"{server.url}/ping").status_code) == {
+        "default-missing": (404, 400), "several": (400, 400), "failed": (503, 400), "serving": (200, 200)}[case]

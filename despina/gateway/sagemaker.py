@@ -4,7 +4,8 @@ An endpoint built for Triton's SageMaker image works unchanged: the same routes,
 types and model variables. Served when `sagemaker` is set (`despina serve --sagemaker`, which also takes
 SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
 
-- GET /ping: 200 once the server is ready (as /v2/health/ready), else 400 as Triton answers.
+- GET /ping: 200 once the server is ready (as /v2/health/ready), else 400 as Triton answers; on a
+  single-model endpoint 400 too while /invocations has no model that can serve.
 - POST /invocations: a V2 inference request for the endpoint's model (`sagemaker_model`, Triton's
   SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, else the repository's only model): JSON, or binary tensors with
   the content type `application/vnd.sagemaker-triton.binary+json;json-header-size=N` in place of the
@@ -43,6 +44,7 @@ from . import http
 from .auth import KEY_MODELS, check_key_scope
 from .http import Receive, Scope, Send
 from .infer import AsgiEndpoint, Exchange, InferRoute, fail
+from .models import NotLoaded
 from .responses import error_response, json_body, json_response
 
 if TYPE_CHECKING:
@@ -143,7 +145,7 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
     key = gw.keys.sagemaker_models
 
     async def ping(request: Request) -> Response:
-        return Response(b"", 200 if gw.view.server_ready() else 400)
+        return Response(b"", 200 if gw.view.server_ready() and _endpoint_serves(gw) else 400)
 
     async def load(request: Request) -> Response:
         try:
@@ -216,6 +218,21 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
         HttpRoute("/models/{model}", unload, methods=["DELETE"]),
         HttpRoute("/models/{model}/invoke", AsgiEndpoint(ModelInvoke(gw)), methods=["POST"]),
     ]
+
+
+def _endpoint_serves(gw: Gateway) -> bool:
+    """Whether a single-model endpoint's /invocations has a model that serves (or wakes on a request).
+    Triton's image does not start without it, so SageMaker never takes the endpoint for healthy: a /ping
+    of 200 would have it send every invocation to an error."""
+    if gw.settings.model_control_mode == "explicit":
+        return True  # a multi-model endpoint: its models come with its loads
+    try:
+        gw.view.resolve(endpoint_model(gw), None)
+    except NotLoaded:
+        return True  # scaled to zero: the first request loads it
+    except DespinaError:
+        return False
+    return True
 
 
 def _loaded(gw: Gateway, name: str) -> bool:
