@@ -252,6 +252,25 @@ def test_bad_requests_through_shared_memory(server: Server, client: httpclient.I
     assert httpx.get(f"{server.url}/v2/health/live").status_code == 200
 
 
+def test_an_output_that_overruns_its_region_is_refused_before_the_model_runs(
+        server: Server, client: httpclient.InferenceServerClient, regions: Objects) -> None:
+    """As Triton checks an output's offset and byte size against its region as the request arrives
+    (SharedMemoryManager::GetMemoryInfo): not only the result's bytes when they are written."""
+    handle = regions["r"]
+    shm.set_shared_memory_region(handle, [A, B])
+    client.register_system_shared_memory("r", key_of(handle), 2 * SIZE)
+    inputs = [{"name": n, "shape": [2, 4], "datatype": "FP32",
+               "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": SIZE,
+                              "shared_memory_offset": offset}} for n, offset in (("a", 0), ("b", SIZE))]
+    past = [{"name": "sum", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 2 * SIZE,
+                                           "shared_memory_offset": SIZE}}]
+    for _ in range(3):  # the first sight of the header, and its plan's
+        r = httpx.post(f"{server.url}/v2/models/add_sub/infer", json={"inputs": inputs, "outputs": past})
+        assert r.status_code == 400, r.text
+        assert "offset 32 and byte size 64 do not fit shared memory region 'r' of 64 bytes" in r.json()["error"]
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.float32, [2, 4], offset=SIZE), B)
+
+
 def test_cuda_shared_memory_is_refused_with_the_reason(client: httpclient.InferenceServerClient) -> None:
     assert client.get_cuda_shared_memory_status() == []
     assert "CUDA shared memory is not supported" in http_error(client.register_cuda_shared_memory, "c", b"x" * 64, 0, 8)

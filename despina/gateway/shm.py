@@ -120,6 +120,12 @@ class Region:
         if self.map is not None and data:
             self.map[start:start + len(data)] = data
 
+    def output(self, name: str, offset: int, byte_size: int) -> ShmOutput:
+        """Where output `name` goes, checked to fit the region as the request arrives, as Triton checks it:
+        before the model runs, not only when the result is written."""
+        self._span(offset, byte_size, f"output '{name}'")
+        return ShmOutput(self, byte_size, offset)
+
 
 class Registry:
     """The regions of one server, shared by its gateways on this host (the module's docstring)."""

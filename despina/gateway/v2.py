@@ -92,7 +92,7 @@ class _Plan:
         d = self.decoded  # its outputs, binary outputs and parameters are read, never changed
         outputs = {}
         for name, (region, size, at) in self.shm_outputs:
-            outputs[name] = ShmOutput(_region(shm, region, looked), size, at)
+            outputs[name] = _region(shm, region, looked).output(name, at, size)
             looked = True
         return Decoded(d.id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters,
                        d.model_parameters, d.heads, d.classes, outputs)
@@ -406,7 +406,7 @@ def _decode_outputs(raw: Any, spec: ModelSpec, shm: Registry | None
                 raise InvalidArgument(f"output '{name}': shared memory can't be set on a classification "
                                       "output")
             region, size, offset = where
-            in_shm[name] = ShmOutput(_region(shm, region), size, offset)
+            in_shm[name] = _region(shm, region).output(name, offset, size)
     return names, binary, classes, in_shm
 
 
