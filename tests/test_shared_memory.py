@@ -245,6 +245,12 @@ def test_bad_requests_through_shared_memory(server: Server, client: httpclient.I
                                            "classification": 2}}]
     r = infer(ok, outputs=both)
     assert r.status_code == 400 and "classification" in r.json()["error"]
+    binary = [{"name": "sum", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": SIZE,
+                                             "binary_data": True}}]  # as Triton: one place or the other
+    r = infer(ok, outputs=binary)
+    assert r.status_code == 400 and "can't set both 'shared_memory_region' and 'binary_data'" in r.json()["error"]
+    binary[0]["parameters"]["binary_data"] = False  # as tritonclient's set_shared_memory sends it
+    assert infer(ok, outputs=binary).status_code == 200
     # the client truncates the object under its region: an error, not a fault of the gateway
     os.truncate(f"/dev/shm/{key_of(handle).lstrip('/')}", 8)
     r = infer(ok)

@@ -395,7 +395,8 @@ def _decode_outputs(raw: Any, spec: ModelSpec, shm: Registry | None
             continue
         names.append(name)
         params = _object(item.get("parameters"), f"outputs[{name}].parameters")
-        if _flag(params, "binary_data", f"output '{name}'"):
+        as_binary = _flag(params, "binary_data", f"output '{name}'")
+        if as_binary:
             binary.add(name)
         count = params.get("classification")
         if count is not None:
@@ -405,6 +406,9 @@ def _decode_outputs(raw: Any, spec: ModelSpec, shm: Registry | None
             if count is not None:
                 raise InvalidArgument(f"output '{name}': shared memory can't be set on a classification "
                                       "output")
+            if as_binary:
+                raise InvalidArgument(f"output '{name}': can't set both 'shared_memory_region' and "
+                                      "'binary_data'")
             region, size, offset = where
             in_shm[name] = _region(shm, region).output(name, offset, size)
     return names, binary, classes, in_shm
