@@ -4,7 +4,9 @@ from them and outputs written into them; the server's regions seen by each of it
 for every bad registration and request; the CUDA API's refusal; the extension off by default."""
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,6 +138,49 @@ def test_every_gateway_of_the_server_sees_its_regions(server: Server, client: ht
             r = fresh.post(f"{server.url}/v2/models/add_sub/infer", json=body, headers={"connection": "close"})
         assert r.status_code == 200, r.text
         assert r.json()["outputs"][0]["data"] == (A + B).reshape(-1).tolist()
+
+
+def holders(root: int, key: str) -> dict[int, int]:
+    """The processes of the server started as `root` that map the object `key` or hold a descriptor of it:
+    pid -> how many such mappings and descriptors."""
+    name, found = key.lstrip("/"), {}
+    family, pending = set(), [root]
+    while pending:  # the server's process tree, from each process's parent in /proc/N/stat
+        parent = pending.pop()
+        family.add(parent)
+        for entry in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                    pending.append(int(entry.name))
+    for pid in family:
+        with contextlib.suppress(OSError):
+            count = (Path(f"/proc/{pid}/maps").read_text().count(name)
+                     + sum(name in os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()))
+            if count:
+                found[pid] = count
+    return found
+
+
+def test_an_unregistered_region_is_let_go_by_every_gateway(server: Server, client: httpclient.InferenceServerClient,
+                                                          regions: Objects) -> None:
+    """As Triton unmaps a region it unregisters: the gateways that mapped it for requests let it go too, even
+    without another request, so that the object's memory is freed when its client unlinks it."""
+    inp = regions["in"]
+    shm.set_shared_memory_region(inp, [A, B])
+    client.register_system_shared_memory("in", key_of(inp), 2 * SIZE)
+    body = {"inputs": [{"name": n, "shape": [2, 4], "datatype": "FP32",
+                        "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": SIZE,
+                                       "shared_memory_offset": offset}} for n, offset in (("a", 0), ("b", SIZE))]}
+    for _ in range(12):  # a new connection each time: both gateways map the region
+        with httpx.Client() as fresh:
+            r = fresh.post(f"{server.url}/v2/models/add_sub/infer", json=body, headers={"connection": "close"})
+        assert r.status_code == 200, r.text
+    assert len(holders(server.process.pid, key_of(inp))) == 2
+    client.unregister_system_shared_memory("in")
+    deadline = time.monotonic() + 10
+    while holders(server.process.pid, key_of(inp)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert holders(server.process.pid, key_of(inp)) == {}
 
 
 def test_registrations_are_shared_through_the_servers_file(tmp_path: Path) -> None:

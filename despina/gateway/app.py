@@ -38,7 +38,7 @@ from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
 from .repository import repository_routes
 from .responses import error_response, json_response
 from .sagemaker import sagemaker_routes
-from .shm import Registry
+from .shm import RELEASE_S, Registry
 from .shm_api import EXTENSION as SHM_EXTENSION
 from .shm_api import shm_routes
 from .stats import model_statistics
@@ -78,6 +78,7 @@ class Gateway:
         index = os.environ.get("DESPINA_GATEWAY_INDEX")
         self.tracer = Tracer(int(index) if index and index.isdigit() else None)
         self._reporting: asyncio.Task[None] | None = None
+        self._releasing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self.shm is not None and self._own_shm:
@@ -86,6 +87,8 @@ class Gateway:
         await self.dispatcher.start()
         if self.cache is not None:
             self._reporting = asyncio.create_task(self._report_cache())
+        if self.shm is not None:
+            self._releasing = asyncio.create_task(self._release_shm(self.shm))
 
     async def _report_cache(self) -> None:
         """Every CACHE_REPORT_S, this gateway's response cache figures where the metrics read them."""
@@ -102,10 +105,21 @@ class Gateway:
                 log.debug("gateway: reporting the response cache failed (%s)", exc)
             await asyncio.sleep(CACHE_REPORT_S)
 
+    @staticmethod
+    async def _release_shm(shm: Registry) -> None:
+        """Every RELEASE_S, this gateway unmaps the shared memory regions unregistered through another."""
+        while True:
+            await asyncio.sleep(RELEASE_S)
+            try:
+                shm.let_go()
+            except DespinaError as exc:  # an unreadable registrations file: each request says so too
+                log.debug("gateway: reading the shared memory registrations failed (%s)", exc)
+
     async def close(self) -> None:
-        if self._reporting is not None:
-            self._reporting.cancel()
-            await asyncio.gather(self._reporting, return_exceptions=True)
+        for task in (self._reporting, self._releasing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.dispatcher.close()  # every step still waiting hears that the gateway is going
         for task in self.ensembles:
             task.cancel()

@@ -10,7 +10,8 @@ written whole under a lock and renamed into place, read again by a gateway whene
 stat per request that uses shared memory). A server starts with none (Registry.clear) and drops them
 when it stops, as Triton does.
 
-Each gateway maps a region on its first use and keeps the mapping while the region stays registered. A
+Each gateway maps a region on its first use and keeps the mapping while the region stays registered (it
+looks every RELEASE_S whether it still is: Registry.let_go). A
 request holds the mapping it was decoded with: a region unregistered while a request is under way still
 gets that request's outputs, as in Triton.
 """
@@ -33,6 +34,7 @@ import orjson
 from ..contract.errors import Code, DespinaError, InvalidArgument, NotFound
 
 SHM_DIR = Path("/dev/shm")
+RELEASE_S = 1.0  # how soon a gateway unmaps a region unregistered through another
 PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
@@ -178,6 +180,12 @@ class Registry:
         if region is None:
             region = self._mapped[name] = Region(reg, registering=False)
         return region
+
+    def let_go(self) -> None:
+        """Unmap the regions unregistered since (through another gateway) without waiting for a request
+        here: Triton unmaps a region when it is unregistered, and the object's memory is freed only when
+        no process maps it."""
+        self._current()
 
     def status(self, name: str = "") -> list[dict[str, Any]]:
         registered = self._current()
