@@ -105,10 +105,14 @@ class Region:
             os.close(fd)
 
     def _span(self, offset: int, size: int, what: str) -> int:
-        reg = self.reg
-        if offset < 0 or size < 0 or offset + size > reg.byte_size:
-            raise InvalidArgument(f"{what}: offset {offset} and byte size {size} do not fit shared memory "
-                                  f"region '{reg.name}' of {reg.byte_size} bytes")
+        reg = self.reg  # errors in Triton's words (SharedMemoryManager::GetMemoryInfo): its tests read them
+        if offset < 0 or offset >= reg.byte_size:
+            raise InvalidArgument(f"{what}: Invalid offset for shared memory region: '{reg.name}' (offset "
+                                  f"{offset}, a region of {reg.byte_size} bytes)")
+        if size < 0 or offset + size > reg.byte_size:
+            raise InvalidArgument(f"{what}: Invalid offset + byte size for shared memory region: "
+                                  f"'{reg.name}' (offset {offset} + byte size {size}, a region of "
+                                  f"{reg.byte_size} bytes)")
         if os.fstat(self.fd).st_size < reg.offset + reg.byte_size:
             raise InvalidArgument(f"{what}: {_shrunk(reg)}")
         return reg.offset + offset
