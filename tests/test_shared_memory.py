@@ -238,6 +238,9 @@ def test_bad_registrations(server: Server, client: httpclient.InferenceServerCli
     assert "invalid args" in http_error(client.register_system_shared_memory, "far", key_of(regions["t"]), 8,
                                         offset=60)
     assert "not a shared memory key" in http_error(client.register_system_shared_memory, "up", "/../etc/passwd", 8)
+    # an empty region, which Triton cannot map (mmap of 0 bytes: EINVAL)
+    assert "failed to register shared memory region 'empty'" in http_error(
+        client.register_system_shared_memory, "empty", key_of(regions["v"]), 0)
     with httpx.Client(base_url=server.url) as h:
         r = h.post("/v2/systemsharedmemory/region/x/register", json={"key": key_of(regions["u"])})
         assert r.status_code == 400 and "byte_size" in r.json()["error"]

@@ -202,6 +202,9 @@ class Registry:
     # -- changes ---------------------------------------------------------------------------------
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if byte_size == 0:  # Triton maps a region as it registers it, and mmap maps no empty one
+            raise InvalidArgument(f"failed to register shared memory region '{name}': invalid args "
+                                  "(byte_size 0: a region holds one byte or more)")
         with self._locked() as registered:
             if name in registered:
                 raise AlreadyExists(f"shared memory region '{name}' already in manager")
