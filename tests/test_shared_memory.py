@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from despina.contract.errors import InvalidArgument
+from despina.contract.errors import DespinaError, InvalidArgument
 from despina.gateway.shm import Registry
 
 from .conftest import Server, module_server, start_server, stop_server
@@ -218,6 +218,18 @@ def test_registrations_are_shared_through_the_servers_file(tmp_path: Path) -> No
         assert first.status() == [] and not second.path.exists()
     finally:
         shm_module.SHM_DIR = saved
+
+
+def test_an_unreadable_registrations_file_is_a_despina_error(tmp_path: Path) -> None:
+    """A registrations file that cannot be read (here a folder where it should be) is an error with its
+    path, as a malformed one is: the request that met it answers it, and a gateway's once-a-second look
+    for regions to let go (which catches DespinaError) goes on."""
+    registry = Registry("s", tmp_path)
+    registry.path.mkdir()
+    with pytest.raises(DespinaError, match="registrations .* are unreadable"):
+        registry.region("r")
+    with pytest.raises(DespinaError, match="are unreadable"):
+        registry.let_go()
 
 
 def http_error(call: object, *args: object, **kwargs: object) -> str:

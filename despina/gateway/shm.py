@@ -166,7 +166,7 @@ class Registry:
                               for name, r in raw.items()}
             except FileNotFoundError:
                 registered = {}
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise DespinaError(f"the shared memory registrations ({self.path}) are unreadable: {exc}",
                                    Code.INTERNAL) from None
             self._seen, self._registered = seen, registered
