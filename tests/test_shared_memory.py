@@ -125,19 +125,24 @@ def test_a_region_inside_an_object_and_binary_inputs_beside_it(client: httpclien
     np.testing.assert_array_equal(client.infer("add_sub", [a, b]).as_numpy("sum"), A * 2 + B)
 
 
-def test_every_gateway_of_the_server_sees_its_regions(server: Server, client: httpclient.InferenceServerClient,
-                                                      regions: Objects) -> None:
-    inp = regions["in"]
+def infer_through_every_gateway(server: Server, client: httpclient.InferenceServerClient, inp: object) -> None:
+    """Register `inp` holding A and B as region "in", then add them through it on twelve new connections,
+    which the kernel spreads over both gateways: each maps the region."""
     shm.set_shared_memory_region(inp, [A, B])
     client.register_system_shared_memory("in", key_of(inp), 2 * SIZE)
     body = {"inputs": [{"name": n, "shape": [2, 4], "datatype": "FP32",
                         "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": SIZE,
                                        "shared_memory_offset": offset}} for n, offset in (("a", 0), ("b", SIZE))]}
-    for _ in range(12):  # a new connection each time: the kernel spreads them over both gateways
+    for _ in range(12):
         with httpx.Client() as fresh:
             r = fresh.post(f"{server.url}/v2/models/add_sub/infer", json=body, headers={"connection": "close"})
         assert r.status_code == 200, r.text
         assert r.json()["outputs"][0]["data"] == (A + B).reshape(-1).tolist()
+
+
+def test_every_gateway_of_the_server_sees_its_regions(server: Server, client: httpclient.InferenceServerClient,
+                                                      regions: Objects) -> None:
+    infer_through_every_gateway(server, client, regions["in"])
 
 
 def holders(root: int, key: str) -> dict[int, int]:
@@ -166,15 +171,7 @@ def test_an_unregistered_region_is_let_go_by_every_gateway(server: Server, clien
     """As Triton unmaps a region it unregisters: the gateways that mapped it for requests let it go too, even
     without another request, so that the object's memory is freed when its client unlinks it."""
     inp = regions["in"]
-    shm.set_shared_memory_region(inp, [A, B])
-    client.register_system_shared_memory("in", key_of(inp), 2 * SIZE)
-    body = {"inputs": [{"name": n, "shape": [2, 4], "datatype": "FP32",
-                        "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": SIZE,
-                                       "shared_memory_offset": offset}} for n, offset in (("a", 0), ("b", SIZE))]}
-    for _ in range(12):  # a new connection each time: both gateways map the region
-        with httpx.Client() as fresh:
-            r = fresh.post(f"{server.url}/v2/models/add_sub/infer", json=body, headers={"connection": "close"})
-        assert r.status_code == 200, r.text
+    infer_through_every_gateway(server, client, inp)
     assert len(holders(server.process.pid, key_of(inp))) == 2
     client.unregister_system_shared_memory("in")
     deadline = time.monotonic() + 10
