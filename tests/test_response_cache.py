@@ -184,11 +184,15 @@ def test_a_model_without_response_cache_runs_every_time(server: Server) -> None:
 
 
 def test_a_failed_request_is_not_kept(server: Server) -> None:
-    before = settled_stats(server.url, "cached")["execution_count"]
+    """Both reach the model and fail (a batch whose every request failed counts no execution, as in
+    Triton: its failures are what show it ran); a kept failure would be a second hit instead."""
+    before = settled_stats(server.url, "cached")["inference_stats"]
     for _ in range(2):
         r = infer(server, "cached", [-1.0, 2.0])
         assert r.status_code == 500 and "negative x" in r.json()["error"]
-    assert settled_stats(server.url, "cached")["execution_count"] - before == 2
+    after = settled_stats(server.url, "cached")["inference_stats"]
+    assert after["fail"]["count"] - before["fail"]["count"] == 2
+    assert after["cache_hit"]["count"] == before["cache_hit"]["count"]
 
 
 def test_function_urls_and_generate_use_the_cache_too(server: Server) -> None:
