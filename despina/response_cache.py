@@ -64,7 +64,7 @@ class ResponseCache:
 
     def put(self, key: Key, reply: InferReply) -> bool:
         """Keep the reply (its outputs and parameters); False when it alone is larger than the cache."""
-        size = ENTRY_BYTES + sum(len(t[3]) for t in key[3]) + sum(len(t.data) for t in reply.outputs)
+        size = _entry_bytes(key, reply)
         if size > self.max_bytes:
             return False
         old = self._entries.pop(key, None)
@@ -80,6 +80,14 @@ class ResponseCache:
             self.bytes -= gone
             self.evictions += 1
         return True
+
+
+def _entry_bytes(key: Key, reply: InferReply) -> int:
+    """What an entry weighs: its inputs' and outputs' bytes, and the parameters of the request (part of
+    its key) and of the reply, whose strings may be of any length."""
+    return (ENTRY_BYTES + sum(len(t[3]) for t in key[3]) + sum(len(t.data) for t in reply.outputs)
+            + sum(len(name) + len(str(value)) for name, _, value in key[5])
+            + sum(len(name) + len(str(value)) for name, value in reply.parameters.items()))
 
 
 def through(cache: ResponseCache, key: Key, answer: Callable[[Any], None],

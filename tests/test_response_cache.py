@@ -195,6 +195,15 @@ def test_a_failed_request_is_not_kept(server: Server) -> None:
     assert after["cache_hit"]["count"] == before["cache_hit"]["count"]
 
 
+def test_parameters_count_toward_the_bound(serve: Callable[..., Server], repo: Path) -> None:
+    """A request's parameters are part of its key: a string parameter larger than the whole cache keeps
+    the answer out, as outputs that large would (it used to be kept, weighed as a few hundred bytes)."""
+    server = serve(repo, wait_models=("cached",), env={"DESPINA_RESPONSE_CACHE_BYTES": str(64 << 10)})
+    large = {"prompt": "p" * (100 << 10)}
+    first = answer(infer(server, "cached", [15.0, 16.0], parameters=large))["calls"]
+    assert answer(infer(server, "cached", [15.0, 16.0], parameters=large))["calls"] != first
+
+
 def test_function_urls_and_generate_use_the_cache_too(server: Server) -> None:
     first = httpx.post(f"{server.url}/fn/cached", json={"x": [7.0, 8.0]}, timeout=30).json()
     assert httpx.post(f"{server.url}/fn/cached", json={"x": [7.0, 8.0]}, timeout=30).json() == first
