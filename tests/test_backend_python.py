@@ -246,6 +246,17 @@ def test_bytes_tensors_through_a_python_model(client: httpclient.InferenceServer
     assert r.json()["UPPER"] == ["ABC", "DE"] and r.json()["LENGTH"] == [3, 2]
 
 
+def test_messages_larger_than_the_sockets_buffer_cross_every_time(client: httpclient.InferenceServerClient
+                                                                   ) -> None:
+    """A 1 MiB input and its 1 MiB answer, call after call: the worker's end of the connection to the model's
+    process is left non-blocking by the event loop (uvloop) after the first call, and a message larger than
+    the socket's buffer broke off there, taken for the process's death (a 500, then a restart)."""
+    big = bytes(range(97, 123)) * (40 << 10)  # 1 MiB of a-z
+    for _ in range(3):
+        result = infer(client, "strings", TEXT=np.array([[big]], dtype=object))
+        assert result.as_numpy("UPPER")[0, 0] == big.upper()
+
+
 def test_initialize_gets_tritons_args(client: httpclient.InferenceServerClient, repo: Path) -> None:
     result = infer(client, "strings", TEXT=np.array([[b"x"]], dtype=object))
     args = json.loads(result.as_numpy("ARGS")[0, 0])

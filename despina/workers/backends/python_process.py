@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import pickle
+import select
 import subprocess
 import sys
 import threading
@@ -50,7 +52,8 @@ class Stub:
         ours, theirs = Pipe()
         self.name = name
         python = python or Interpreter(sys.executable)
-        self.conn: Connection = ours
+        self.conn: Connection = _Connection(os.dup(ours.fileno()))
+        ours.close()
         self._owed = 0  # answers of cancelled calls still to read
         self._writing = threading.Lock()  # a model call's answer may go out while a thread reads
         self._calls: dict[int, Any] = {}  # call id -> the model call running it (a task, or a future)
@@ -312,6 +315,43 @@ def _answer_of(result: dict[str, np.ndarray] | DespinaError) -> tuple[str, Any]:
     if isinstance(result, DespinaError):
         return ("error", (result.message, TRITON_CODES.get(result.code, 1)))
     return ("ok", wire.pack_all(result))
+
+
+def _wait(fd: int, event: int) -> None:
+    poller = select.poll()
+    poller.register(fd, event)
+    poller.poll()
+
+
+def _write(fd: int, data: Any) -> int:
+    """os.write, waiting where the socket is non-blocking and full."""
+    while True:
+        try:
+            return os.write(fd, data)
+        except BlockingIOError:
+            _wait(fd, select.POLLOUT)
+
+
+def _read(fd: int, size: int) -> bytes:
+    """os.read, waiting where the socket is non-blocking and the rest has not come yet."""
+    while True:
+        try:
+            return os.read(fd, size)
+        except BlockingIOError:
+            _wait(fd, select.POLLIN)
+
+
+class _Connection(Connection):
+    """multiprocessing's connection, whose reads and writes wait on a socket left non-blocking: uvloop's
+    add_reader (call_async) sets O_NONBLOCK on the socket and leaves it so, and a message larger than the
+    socket's buffer (a 1 MiB input or parameter, say) then broke off with BlockingIOError in the next call,
+    taken for the process's death."""
+
+    def _send(self, buf: Any, write: Callable[[int, Any], int] = _write) -> None:
+        super()._send(buf, write)  # type: ignore[misc]  # private, so not in typeshed
+
+    def _recv(self, size: int, read: Callable[[int, int], bytes] = _read) -> Any:
+        return super()._recv(size, read)  # type: ignore[misc]
 
 
 def _dumps(message: Any) -> bytes:
