@@ -147,6 +147,30 @@ STREAMER_CONFIG = TEXT_CONFIG.format(name="streamer", batch=0) + '''
 model_transaction_policy { decoupled: true }
 '''
 
+# A 2 x 2 output and a one-element one, with response parameters
+MATRIX = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(
+            [pb_utils.Tensor("matrix", np.array([[1, 2], [3, 4]], dtype=np.int32)),
+             pb_utils.Tensor("text_output", np.array([b"done"], dtype=np.object_))],
+            parameters={"finish_reason": "stop", "tokens": 3}) for _ in requests]
+'''
+
+MATRIX_CONFIG = '''
+name: "matrix"
+backend: "python"
+input [ { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] } ]
+output [
+  { name: "matrix", data_type: TYPE_INT32, dims: [ 2, 2 ] },
+  { name: "text_output", data_type: TYPE_STRING, dims: [ 1 ] }
+]
+'''
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("generate-repo")
@@ -164,12 +188,15 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (root / "caller" / "1").mkdir(parents=True)
     (root / "caller" / "1" / "model.py").write_text(CALLER)
     (root / "caller" / "config.pbtxt").write_text(TEXT_CONFIG.format(name="caller", batch=0))
+    (root / "matrix" / "1").mkdir(parents=True)
+    (root / "matrix" / "1" / "model.py").write_text(MATRIX)
+    (root / "matrix" / "config.pbtxt").write_text(MATRIX_CONFIG)
     for name, extra in (("add_sub", ""), ("add_sub_decoupled", "model_transaction_policy { decoupled: true }\n")):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(f'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n{extra}')
         build_add_sub(root / name / "1" / "model.onnx")
     yield from module_server(root, tmp_path_factory, redis_url,
-                             ("text", "text_unbatched", "add_sub", "streamer", "caller"))
+                             ("text", "text_unbatched", "add_sub", "streamer", "caller", "matrix"))
 
 
 def post(server: Server, path: str, body: object) -> httpx.Response:
@@ -198,6 +225,14 @@ def test_generate_maps_keys_to_inputs_and_parameters_and_outputs_to_keys(server:
     # every key that is not an input is a parameter, beside "parameters" or in it
     assert r.json() == {"model_name": model, "model_version": "1", "length": 5,
                         "text_output": 'hello|{"max_tokens": 7, "stream": false, "temperature": 0.5}'}
+
+
+def test_an_output_of_several_elements_is_one_flat_list(server: Server) -> None:
+    """Triton writes a tensor's elements as one list whatever its shape (and one element as a scalar)."""
+    r = post(server, "matrix/generate", {"text_input": "x"})
+    assert r.status_code == 200, r.text
+    assert r.json()["matrix"] == [1, 2, 3, 4]
+    assert r.json()["text_output"] == "done"
 
 
 def test_generate_with_a_version_in_the_path(server: Server) -> None:

@@ -3,8 +3,8 @@
 A flat JSON object in, as Triton maps one ("exact mapping"): a key that names one of the model's inputs is
 that input (a string, number or boolean is one element, a list its elements, shaped to the model's dims
 with the batch dimension of one added); "parameters" and every other key are request parameters. A flat
-JSON object out: model_name, model_version and each output by name (one element as a scalar, more as a
-list, leading dimensions of one dropped; BYTES as text).
+JSON object out: model_name, model_version and each output by name (one element as a scalar, more as one
+flat list whatever the shape, as Triton writes them; BYTES as text).
 
 /generate answers that object as application/json. /generate_stream answers it as a server-sent event
 (`data: {...}`, text/event-stream) per response of the model: one, or, from a decoupled model, each as it
@@ -252,8 +252,7 @@ def encode_generate(model: str, version: int, outputs: tuple[Tensor, ...], param
     doc: dict[str, Any] = {"model_name": model, "model_version": str(version)}
     for t in outputs:
         array = t.numpy()
-        ones = next((i for i, d in enumerate(array.shape) if d != 1), array.ndim)
-        array = array.reshape(array.shape[ones:])  # one element: a scalar
+        array = array.reshape(() if array.size == 1 else -1)  # Triton's flat list, or one element's scalar
         doc[t.name] = nonfinite_json(plain(array, t.datatype), array)
     if parameters:
         doc["parameters"] = parameters
