@@ -235,6 +235,16 @@ def test_an_output_of_several_elements_is_one_flat_list(server: Server) -> None:
     assert r.json()["text_output"] == "done"
 
 
+def test_response_parameters_are_keys_of_the_answer(server: Server) -> None:
+    """Triton writes each response parameter as a key beside the outputs, not under "parameters"."""
+    for route in ("generate", "generate_stream"):
+        r = post(server, f"matrix/{route}", {"text_input": "x"})
+        assert r.status_code == 200, r.text
+        doc = r.json() if route == "generate" else events(r)[0]
+        assert doc == {"model_name": "matrix", "model_version": "1", "matrix": [1, 2, 3, 4],
+                       "text_output": "done", "finish_reason": "stop", "tokens": 3}
+
+
 def test_generate_with_a_version_in_the_path(server: Server) -> None:
     r = post(server, "text/versions/1/generate", {"text_input": "v"})
     assert r.status_code == 200, r.text

@@ -3,8 +3,8 @@
 A flat JSON object in, as Triton maps one ("exact mapping"): a key that names one of the model's inputs is
 that input (a string, number or boolean is one element, a list its elements, shaped to the model's dims
 with the batch dimension of one added); "parameters" and every other key are request parameters. A flat
-JSON object out: model_name, model_version and each output by name (one element as a scalar, more as one
-flat list whatever the shape, as Triton writes them; BYTES as text).
+JSON object out: model_name, model_version, each response parameter and each output by name (one element
+as a scalar, more as one flat list whatever the shape, as Triton writes them; BYTES as text).
 
 /generate answers that object as application/json. /generate_stream answers it as a server-sent event
 (`data: {...}`, text/event-stream) per response of the model: one, or, from a decoupled model, each as it
@@ -250,12 +250,14 @@ def _tensor(spec: ModelSpec, name: str, value: Any, max_elements: int) -> Tensor
 def encode_generate(model: str, version: int, outputs: tuple[Tensor, ...], parameters: Parameters
                     ) -> dict[str, Any]:
     doc: dict[str, Any] = {"model_name": model, "model_version": str(version)}
+    for name, value in parameters.items():  # a key each, as Triton writes them; its first of a name stays
+        doc.setdefault(name, value)
     for t in outputs:
+        if t.name in doc:
+            continue
         array = t.numpy()
         array = array.reshape(() if array.size == 1 else -1)  # Triton's flat list, or one element's scalar
         doc[t.name] = nonfinite_json(plain(array, t.datatype), array)
-    if parameters:
-        doc["parameters"] = parameters
     return doc
 
 

@@ -166,7 +166,8 @@ def _schemas() -> Doc:
         "GenerateResponse": {"type": "object", "required": ["model_name", "model_version"],
                              "additionalProperties": {}, "properties": {
                                  "model_name": {"type": "string"}, "model_version": {"type": "string"}},
-                             "description": "Output name -> value (one element as a scalar)"},
+                             "description": "Output or response parameter name -> value (one element as a "
+                                            "scalar, more as a flat list)"},
         "SageMakerLoad": {"type": "object", "required": ["model_name", "url"], "properties": {
             "model_name": {"type": "string", "pattern": MODEL_NAME},
             "url": {"type": "string", "description": "Where SageMaker unpacked the model's archive"}}},
