@@ -309,10 +309,11 @@ def test_unknown_model_is_404(server: Server) -> None:
     assert r.status_code == 404 and "nope" in r.json()["error"]
 
 
-def test_a_model_failure_is_an_error_event_from_generate_stream_and_an_error_from_generate(
+def test_a_model_failure_is_an_error_event_under_its_status_from_generate_stream_and_an_error_from_generate(
         server: Server) -> None:
+    """Triton sets a stream's status from its first response: an error's when that fails."""
     r = post(server, "text/generate_stream", {"text_input": "fail"})
-    assert r.status_code == 200
+    assert r.status_code == 500
     assert events(r) == [{"error": "model 'text': asked to fail"}]
     r = post(server, "text/generate", {"text_input": "fail"})
     assert r.status_code == 500 and r.json() == {"error": "model 'text': asked to fail"}
@@ -359,6 +360,7 @@ def test_a_bare_final_flag_ends_the_stream_and_sends_after_it_raise(server: Serv
 
 def test_an_error_response_is_an_event_and_the_stream_goes_on(server: Server) -> None:
     r = post(server, "streamer/generate_stream", {"text_input": "oops"})
+    assert r.status_code == 500  # its first response's status
     docs = events(r)
     assert docs[0] == {"error": "model 'streamer': bad word"}
     assert docs[1]["text_output"] == "after"
@@ -366,9 +368,10 @@ def test_an_error_response_is_an_event_and_the_stream_goes_on(server: Server) ->
 
 def test_execute_failing_and_the_process_dying_end_the_stream_with_an_error(server: Server) -> None:
     r = post(server, "streamer/generate_stream", {"text_input": "raise"})
-    assert r.status_code == 200
+    assert r.status_code == 500
     assert events(r) == [{"error": "model 'streamer': execute failed: execute refused"}]
     r = post(server, "streamer/generate_stream", {"text_input": "first crash"})
+    assert r.status_code == 200  # set by its first response, before the error
     docs = events(r)
     assert docs[0]["text_output"] == "first"
     assert "error" in docs[-1] and "process ended" in docs[-1]["error"], docs

@@ -10,7 +10,8 @@ as a scalar, more as one flat list whatever the shape, as Triton writes them; BY
 (`data: {...}`, text/event-stream) per response of the model: one, or, from a decoupled model, each as it
 sends it until its last (the stream then ends; a bare final flag adds no event). A request refused before
 it reaches the model gets a JSON error with its status from either route; the model's own failure comes
-from /generate_stream as an event `data: {"error": "..."}` under status 200, as Triton sends it. /generate
+from /generate_stream as an event `data: {"error": "..."}`, under the error's status when it is the first
+response and 200 after a good one: Triton sets a stream's status from its first response. /generate
 takes a decoupled model's answer when it is one response, and says to use /generate_stream otherwise.
 """
 from __future__ import annotations
@@ -100,10 +101,10 @@ Partial = Callable[[InferReply], None]
 
 def _once(ex: Exchange, stream: bool, echo: Headers, answered: Done) -> Done:
     """A model that answers once: the answer, or the error; from /generate_stream the model's own failure
-    is an event (it ran, and failed)."""
+    is an event (it ran, and failed) under the error's status."""
     def done(result: InferReply | DespinaError) -> None:
         if stream and isinstance(result, DespinaError) and result.code == Code.BACKEND:
-            ex.respond(200, event({"error": result.message}), EVENT_STREAM, echo)
+            ex.respond(_status(result.code), event({"error": result.message}), EVENT_STREAM, echo)
         else:
             answered(result)
     return done
@@ -111,23 +112,35 @@ def _once(ex: Exchange, stream: bool, echo: Headers, answered: Done) -> Done:
 
 def _streamed(ex: EventExchange, document: Callable[[InferReply], dict[str, Any]], answered: Done
               ) -> tuple[Done, Partial]:
-    """A decoupled model's answers as events, each as it comes; an error before any of them that did not
-    come from the model (a full queue, a timeout) is a whole JSON answer with its status."""
+    """A decoupled model's answers as events, each as it comes, under the status of the first (an error's
+    when that is one, as Triton sets it); an error before any of them that did not come from the model
+    (a full queue, a timeout) is a whole JSON answer with its status."""
     sent = [0]  # events so far
 
-    def partial(reply: InferReply) -> None:
-        ex.event(event(document(reply)), False)
+    def send(doc: dict[str, Any], last: bool, status: int) -> None:
+        if not sent[0]:
+            ex.status = status
+        ex.event(event(doc), last)
         sent[0] += 1
+
+    def partial(reply: InferReply) -> None:
+        send(document(reply), False, 200 if reply.error is None else _status(reply.error[0]))
 
     def done(result: InferReply | DespinaError) -> None:
         if isinstance(result, DespinaError):
             if not sent[0] and result.code != Code.BACKEND:
                 answered(result)
             else:
-                ex.event(event({"error": result.message}), True)
+                send({"error": result.message}, True, _status(result.code))
+        elif result.empty:
+            ex.event(b"", True)
         else:
-            ex.event(b"" if result.empty else event(document(result)), True)
+            send(document(result), True, 200)
     return done, partial
+
+
+def _status(code: Code | str) -> int:
+    return http.STATUS.get(Code(code), 500)
 
 
 def _collected(model: str, answered: Done) -> tuple[Done, Partial]:
@@ -158,6 +171,7 @@ class EventExchange(AsgiExchange):
         super().__init__(scope, body)
         self.echo = echo
         self.events: asyncio.Queue[tuple[bytes, bool]] = asyncio.Queue()
+        self.status = 200  # the stream's, set with its first event
         self.request_id: str | None = None  # with the dispatcher, once queued
 
     def event(self, data: bytes, last: bool) -> None:
@@ -184,7 +198,7 @@ class StreamEndpoint(AsgiEndpoint):
             return
         whole.cancel()
         headers = [(b"content-type", EVENT_STREAM), (b"cache-control", b"no-cache"), *ex.echo]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.start", "status": ex.status, "headers": headers})
         gone = asyncio.ensure_future(_disconnected(receive))
         data, last = first.result()
         try:
