@@ -71,6 +71,8 @@ def setup(level: str = "info", role: str = "despina", json: bool = False) -> Non
 
 EVENT = b"logging"  # on the events channel: the log settings changed
 FORMATS = ("default", "ISO8601")
+# Triton's server names the switches log_warning and log_error; its protocol document spells them so
+ALIASES = {"log_warnings": "log_warning", "log_errors": "log_error"}
 _started_level = logging.INFO  # the level the process started with (--log-level)
 
 
@@ -78,8 +80,8 @@ def defaults(level: str) -> dict[str, Any]:
     """The settings a process starts with, as Triton's logging extension names them."""
     n = logging.getLevelName(level.upper())
     n = n if isinstance(n, int) else logging.INFO
-    return {"log_file": "", "log_info": n <= logging.INFO, "log_warnings": n <= logging.WARNING,
-            "log_errors": n <= logging.ERROR, "log_verbose_level": 1 if n <= logging.DEBUG else 0,
+    return {"log_file": "", "log_info": n <= logging.INFO, "log_warning": n <= logging.WARNING,
+            "log_error": n <= logging.ERROR, "log_verbose_level": 1 if n <= logging.DEBUG else 0,
             "log_format": "default"}
 
 
@@ -89,7 +91,8 @@ def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
         raise InvalidArgument("the log settings must be a JSON object")
     out = dict(current)
     for name, value in update.items():
-        if name in ("log_info", "log_warnings", "log_errors"):
+        name = ALIASES.get(name, name)
+        if name in ("log_info", "log_warning", "log_error"):
             if type(value) is not bool:
                 raise InvalidArgument(f"log setting '{name}' must be a boolean")
         elif name == "log_verbose_level":
@@ -116,8 +119,8 @@ class _Levels(logging.Filter):
     def __init__(self, settings: dict[str, Any]) -> None:
         super().__init__()
         self.passes = {logging.DEBUG: settings["log_verbose_level"] > 0, logging.INFO: settings["log_info"],
-                       logging.WARNING: settings["log_warnings"], logging.ERROR: settings["log_errors"],
-                       logging.CRITICAL: settings["log_errors"]}
+                       logging.WARNING: settings["log_warning"], logging.ERROR: settings["log_error"],
+                       logging.CRITICAL: settings["log_error"]}
 
     def filter(self, record: logging.LogRecord) -> bool:
         return self.passes.get(record.levelno, True)

@@ -20,7 +20,7 @@ from despina.contract.errors import InvalidArgument
 from .conftest import Server, module_server
 
 ROW = {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [0.5] * 256}]}
-DEFAULTS = {"log_file": "", "log_info": True, "log_warnings": True, "log_errors": True,
+DEFAULTS = {"log_file": "", "log_info": True, "log_warning": True, "log_error": True,
             "log_verbose_level": 0, "log_format": "default"}
 
 
@@ -68,8 +68,23 @@ def test_tritonclient_reads_and_changes_the_settings(server: Server) -> None:
         assert client.update_log_settings({"log_info": False})["log_info"] is False
         assert client.get_log_settings() == {**DEFAULTS, "log_info": False}
         with pytest.raises(InferenceServerException, match="must be a boolean"):
-            client.update_log_settings({"log_warnings": "no"})
+            client.update_log_settings({"log_warning": "no"})
         assert client.update_log_settings({"log_info": True}) == DEFAULTS
+    finally:
+        client.close()
+
+
+def test_the_level_switches_have_tritons_names(server: Server) -> None:
+    """Triton's server answers and takes log_warning and log_error (its protocol document spells them with
+    an s; those spellings are taken too), as Triton's own logging_endpoint_test sends them."""
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        settings = client.update_log_settings({"log_info": True, "log_warning": False, "log_error": True,
+                                               "log_verbose_level": 0, "log_format": "default"})
+        assert settings == {**DEFAULTS, "log_warning": False}
+        assert client.update_log_settings({"log_errors": False}) == {**DEFAULTS, "log_warning": False,
+                                                                     "log_error": False}
+        assert client.update_log_settings({"log_warning": True, "log_error": True}) == DEFAULTS
     finally:
         client.close()
 
@@ -92,10 +107,10 @@ def test_a_bad_setting_is_a_400_and_changes_nothing(server: Server, body: object
 
 def test_the_switches_are_one_per_level() -> None:
     """Triton's switches are independent: errors on and warnings off is a filter, not a threshold."""
-    settings = logs.merged(logs.defaults("info"), {"log_warnings": False})
-    assert settings == {**DEFAULTS, "log_warnings": False}
+    settings = logs.merged(logs.defaults("info"), {"log_warning": False})
+    assert settings == {**DEFAULTS, "log_warning": False}
     with pytest.raises(InvalidArgument):
-        logs.merged(settings, {"log_errors": 1})
+        logs.merged(settings, {"log_error": 1})
     root, despina = logging.getLogger(), logging.getLogger("despina")
     saved = root.handlers[:], root.level, despina.level
     handler = logging.StreamHandler()

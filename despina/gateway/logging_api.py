@@ -1,5 +1,5 @@
 """Triton's logging extension: `GET /v2/logging` answers the log settings, `POST /v2/logging` changes
-those it names (log_info, log_warnings, log_errors, log_verbose_level, log_format; log_file only as "",
+those it names (log_info, log_warning, log_error, log_verbose_level, log_format; log_file only as "",
 every process logging to standard error) and answers them all.
 
 The settings are the cluster's, not one process's: they are kept in Redis (Keys.log_settings) and
@@ -29,7 +29,7 @@ def logging_routes(gw: Gateway) -> list[Route]:
     async def current() -> dict[str, Any]:
         raw = await gw.redis.get(gw.keys.log_settings)
         settings = logs.defaults(gw.settings.log_level)
-        return {**settings, **orjson.loads(raw)} if raw else settings
+        return logs.merged(settings, orjson.loads(raw)) if raw else settings  # older names read as today's
 
     async def get(request: Request) -> Response:
         return json_response(await current())

@@ -121,8 +121,8 @@ def _schemas() -> Doc:
         "RepositoryIndexRequest": {"type": "object", "properties": {"ready": {"type": "boolean"}}},
         "LogSettings": {"type": "object", "properties": {
             "log_file": {"type": "string", "description": "Only \"\": every process logs to standard error"},
-            "log_info": {"type": "boolean"}, "log_warnings": {"type": "boolean"},
-            "log_errors": {"type": "boolean"},
+            "log_info": {"type": "boolean"}, "log_warning": {"type": "boolean"},
+            "log_error": {"type": "boolean"},
             "log_verbose_level": {"type": "integer", "minimum": 0,
                                   "description": "1: Despina's debug lines; 2 and more: every library's"},
             "log_format": {"type": "string", "enum": ["default", "ISO8601"]}},
