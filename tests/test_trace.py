@@ -105,6 +105,20 @@ def test_a_models_own_settings_count_and_clear(client: httpclient.InferenceServe
                                                            "trace_rate": "7"}
 
 
+def test_a_models_unset_settings_follow_the_global_ones(client: httpclient.InferenceServerClient,
+                                                       tmp_path: Path) -> None:
+    """As Triton's trace_endpoint_test: a global change reaches the settings a model has not set itself."""
+    base = tmp_path / "m.json"
+    client.update_trace_settings(settings={"trace_file": str(base), "log_frequency": "1"})
+    client.update_trace_settings("add_sub", {"trace_count": "3"})
+    client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "9"})
+    assert client.get_trace_settings("add_sub") == {**DEFAULTS, "trace_file": str(base), "log_frequency": "1",
+                                                    "trace_level": ["TIMESTAMPS"], "trace_rate": "1",
+                                                    "trace_count": "3"}
+    add_sub(client, 5)
+    assert len(traces(base)) == 3  # traced at the global level and rate, counted by its own trace_count
+
+
 def test_with_log_frequency_0_the_traces_are_written_when_the_settings_change(
         client: httpclient.InferenceServerClient, tmp_path: Path) -> None:
     base = tmp_path / "all.json"

@@ -13,8 +13,8 @@ its settings change and when it stops. Each gateway traces and writes its own re
 --gateways N` gateway i writes `${trace_file}-i` (and `-i.0`, ...), and counts its own trace_count.
 
 The settings are the deployment's: global ones and each model's own, kept in Redis (Keys.trace_settings)
-and announced on the events channel, as the log settings are. A model's settings start as a copy of the
-global ones and override them; a null clears one. TENSORS (tensor contents) and trace_mode opentelemetry
+and announced on the events channel, as the log settings are. A model's own settings override the
+global ones, which it follows for the rest as they change; a null clears one. TENSORS (tensor contents) and trace_mode opentelemetry
 are refused: not supported.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Triton's trace extension: `GET /v2[/models/{m}]/trace/setting` answers the trace settings that apply
-(a model's over the global ones), `POST` changes those it names and answers them all; a model's first
-POST copies the global settings, a null clears one of its own, an empty body all of them. The settings
+(a model's over the global ones), `POST` changes those it names and answers them all; a model keeps
+only the settings it was given, following the global ones for the rest, and a null clears one of its
+own, an empty body all of them. The settings
 are kept in Redis and followed by every gateway (trace.py)."""
 from __future__ import annotations
 
@@ -55,12 +56,13 @@ def trace_routes(gw: Gateway) -> list[Route]:
                 doc["global"] = trace.merged(doc.get("global", {}), update, model_level=False)
             elif not update:  # the model follows the global settings again
                 doc.get("models", {}).pop(model, None)
-            else:
+            else:  # only what it sets: the rest follows the global settings, as they change (as Triton's)
                 models = doc.setdefault("models", {})
-                own = models.get(model)
-                if own is None:  # its first settings: a copy of the global ones, as in Triton
-                    own = trace.effective(doc, None)
-                models[model] = trace.merged(own, update, model_level=True)
+                own = trace.merged(models.get(model, {}), update, model_level=True)
+                if own:
+                    models[model] = own
+                else:
+                    models.pop(model, None)
             for name in [None, *doc.get("models", {})]:
                 why = trace.problem(trace.effective(doc, name))
                 if why:
