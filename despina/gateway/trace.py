@@ -14,8 +14,8 @@ its settings change and when it stops. Each gateway traces and writes its own re
 
 The settings are the deployment's: global ones and each model's own, kept in Redis (Keys.trace_settings)
 and announced on the events channel, as the log settings are. A model's own settings override the
-global ones, which it follows for the rest as they change; a null clears one. TENSORS (tensor contents) and trace_mode opentelemetry
-are refused: not supported.
+global ones, which it follows for the rest as they change; a null clears one (a global one: back to its
+default). TENSORS (tensor contents) and trace_mode opentelemetry are refused: not supported.
 """
 from __future__ import annotations
 
@@ -86,15 +86,14 @@ def checked(name: str, value: Any) -> Any:
     raise InvalidArgument(f"unknown trace setting '{name}' (known: {', '.join(DEFAULTS)})")
 
 
-def merged(current: dict[str, Any], update: Any, model_level: bool) -> dict[str, Any]:
-    """`current` with the settings a POST gives; a null (a model's only) clears one."""
+def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
+    """`current` with the settings a POST gives; a null clears one (a model's: the global one applies again;
+    a global one: its default does, as Triton's clears it)."""
     if not isinstance(update, dict):
         raise InvalidArgument("the trace settings must be a JSON object")
     out = dict(current)
     for name, value in update.items():
         if value is None:
-            if not model_level:
-                raise InvalidArgument(f"trace setting '{name}': null clears a model's setting only")
             checked(name, DEFAULTS.get(name))  # an unknown name is still an error
             out.pop(name, None)
         else:

@@ -53,12 +53,12 @@ def trace_routes(gw: Gateway) -> list[Route]:
             update = await json_body(request, gw.settings.max_body_bytes)
             doc = await current()
             if model is None:
-                doc["global"] = trace.merged(doc.get("global", {}), update, model_level=False)
+                doc["global"] = trace.merged(doc.get("global", {}), update)
             elif not update:  # the model follows the global settings again
                 doc.get("models", {}).pop(model, None)
             else:  # only what it sets: the rest follows the global settings, as they change (as Triton's)
                 models = doc.setdefault("models", {})
-                own = trace.merged(models.get(model, {}), update, model_level=True)
+                own = trace.merged(models.get(model, {}), update)
                 if own:
                     models[model] = own
                 else:
