@@ -119,6 +119,21 @@ def test_a_models_unset_settings_follow_the_global_ones(client: httpclient.Infer
     assert len(traces(base)) == 3  # traced at the global level and rate, counted by its own trace_count
 
 
+def test_the_models_on_the_global_settings_share_its_count(client: httpclient.InferenceServerClient,
+                                                          tmp_path: Path) -> None:
+    """Triton samples and counts on the setting a request's model follows: one for all the models on the
+    global settings, one for each model with settings of its own."""
+    base = tmp_path / "shared.json"
+    client.update_trace_settings(settings={"trace_file": str(base), "trace_level": ["TIMESTAMPS"],
+                                           "trace_rate": "1", "trace_count": "3", "log_frequency": "1"})
+    x = httpclient.InferInput("x", [1, 256], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 256), np.float32))
+    for _ in range(3):
+        add_sub(client, 1)
+        client.infer("mlp", [x])
+    assert [t["model_name"] for t in traces(base)] == ["add_sub", "mlp", "add_sub"]  # 3 in all, not 3 each
+
+
 def test_a_null_resets_a_global_setting(client: httpclient.InferenceServerClient) -> None:
     """As Triton's trace_endpoint_test clears them: a null puts a global setting back to its default."""
     client.update_trace_settings(settings={"trace_rate": "56", "trace_count": "78", "log_frequency": "9"})

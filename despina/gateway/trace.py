@@ -10,7 +10,8 @@ stream), COMPUTE_START and COMPUTE_END (the batch that ran it, as the worker tim
 clock when they share a host) and REQUEST_END (the answer written). With `log_frequency` N a gateway
 writes each N traces to `${trace_file}.0`, `.1`, ...; with 0, all it collected to `${trace_file}` when
 its settings change and when it stops. Each gateway traces and writes its own requests; of `serve
---gateways N` gateway i writes `${trace_file}-i` (and `-i.0`, ...), and counts its own trace_count.
+--gateways N` gateway i writes `${trace_file}-i` (and `-i.0`, ...), and counts its own trace_count: once
+for all the models on the global settings, and apart for each model with settings of its own.
 
 The settings are the deployment's: global ones and each model's own, kept in Redis (Keys.trace_settings)
 and announced on the events channel, as the log settings are. A model's own settings override the
@@ -118,7 +119,7 @@ def problem(settings: dict[str, Any]) -> str:
 
 @dataclass
 class _Sampling:
-    """One model's settings as this gateway follows them, and its counts."""
+    """One model's settings (or the global ones) as this gateway follows them, and their counts."""
 
     on: bool
     rate: int
@@ -146,7 +147,7 @@ class Tracer:
     def __init__(self, index: int | None = None) -> None:
         self.on = False  # any model traced: the hot path looks at this alone
         self._doc: dict[str, Any] = {}
-        self._sampling: dict[str, _Sampling] = {}
+        self._sampling: dict[str | None, _Sampling] = {}  # None: the global settings' models
         self._ids = itertools.count(1)
         self._kept: dict[str, list[dict[str, Any]]] = {}  # trace_file -> traces not yet written
         self._parts: dict[str, int] = {}  # trace_file -> the next ${trace_file}.N
@@ -168,10 +169,12 @@ class Tracer:
         self.on = any(effective(doc, m)["trace_level"] != ["OFF"] for m in [None, *models])
 
     def _of(self, model: str) -> _Sampling:
-        sampling = self._sampling.get(model)
+        # as Triton's: the models on the global settings sample and count together, on the global ones
+        key = model if model in self._doc.get("models", {}) else None
+        sampling = self._sampling.get(key)
         if sampling is None:
-            s = effective(self._doc, model)
-            sampling = self._sampling[model] = _Sampling(s["trace_level"] != ["OFF"] and not problem(s),
+            s = effective(self._doc, key)
+            sampling = self._sampling[key] = _Sampling(s["trace_level"] != ["OFF"] and not problem(s),
                                                          int(s["trace_rate"]), int(s["trace_count"]))
         return sampling
 
