@@ -345,3 +345,26 @@ def test_keys_never_reach_the_logs(secured: Server, triton: httpclient.Inference
     assert "API key(s)" in logs  # the gateway says keys are on, and how many
     for secret in (ADMIN, SCOPED, TRITON_VALUE):
         assert secret not in logs
+
+
+# ---- a real server with Triton's restricted APIs alone ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def header_only(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+                example_repository: Path) -> Iterator[Server]:
+    repo = tmp_path_factory.mktemp("header-only") / "repo"
+    shutil.copytree(example_repository / "add_sub", repo / "add_sub")
+    env = {"DESPINA_HTTP_RESTRICTED_API": f"model-repository,statistics,logging:{TRITON_HEADER}={TRITON_VALUE}",
+           "DESPINA_METRICS_PORT": "0"}
+    yield from module_server(repo, tmp_path_factory, redis_url, ("add_sub",), env=env)
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v2/repository/index"), ("GET", "/v2/models/add_sub/stats"),
+                                         ("GET", "/v2/logging")])
+def test_a_final_newline_does_not_slip_past_a_restriction(header_only: Server, method: str, path: str) -> None:
+    """The router's patterns end in '$', which matches before a final newline too: '<path>%0A' reached
+    the restricted route as a path no API group names, so without the header."""
+    assert httpx.request(method, header_only.url + path).status_code == 403
+    r = httpx.request(method, header_only.url + path + "%0A")
+    assert r.status_code == 404, r.text
+    assert httpx.request(method, header_only.url + path, headers={TRITON_HEADER: TRITON_VALUE}).status_code == 200
