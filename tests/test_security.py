@@ -3,6 +3,7 @@ middleware around a bare app, then a real `despina serve` with keys configured, 
 requests and with tritonclient's `headers` argument."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import shutil
 from collections.abc import Iterator
@@ -368,3 +369,37 @@ def test_a_final_newline_does_not_slip_past_a_restriction(header_only: Server, m
     r = httpx.request(method, header_only.url + path + "%0A")
     assert r.status_code == 404, r.text
     assert httpx.request(method, header_only.url + path, headers={TRITON_HEADER: TRITON_VALUE}).status_code == 200
+
+
+# ---- a real server whose repository API loads and unloads ------------------------------------------
+
+@pytest.fixture(scope="module")
+def explicit(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+             example_repository: Path) -> Iterator[tuple[Server, Path]]:
+    repo = tmp_path_factory.mktemp("explicit") / "repo"
+    for model in ("mlp", "add_sub"):
+        shutil.copytree(example_repository / model, repo / model)
+    env = {"DESPINA_API_KEYS": f"{ADMIN}; {SCOPED}: add_sub", "DESPINA_MODEL_CONTROL_MODE": "explicit",
+           "DESPINA_LOAD_MODEL": "*", "DESPINA_METRICS_PORT": "0"}
+    for server in module_server(repo, tmp_path_factory, redis_url, ("mlp", "add_sub"), env=env):
+        yield server, repo
+
+
+def test_a_key_limited_to_a_model_loads_it_only_as_the_repository_holds_it(explicit: tuple[Server, Path]
+                                                                           ) -> None:
+    """The load API's config and file: parameters rewrite the model in the repository (and a Python
+    model's files are code the server runs, that may call any model): a key for some models would reach
+    them all."""
+    server, repo = explicit
+    url = f"{server.url}/v2/repository/models/add_sub/load"
+    config = httpx.get(f"{server.url}/v2/models/add_sub/config", headers=bearer()).json()
+    rewrite = {"parameters": {"config": orjson.dumps(config).decode(),
+                              "file:1/extra.txt": base64.b64encode(b"written by a limited key").decode()}}
+    r = httpx.post(url, json=rewrite, headers=bearer(SCOPED), timeout=60)
+    assert r.status_code == 403 and "a key for every model" in r.json()["error"], r.text
+    assert not (repo / "add_sub" / "1" / "extra.txt").exists()
+    r = httpx.post(url, json={"parameters": {"config": orjson.dumps(config).decode()}}, headers=bearer(SCOPED))
+    assert r.status_code == 403
+    assert httpx.post(url, headers=bearer(SCOPED), timeout=60).status_code == 200  # as the repository holds it
+    assert httpx.post(url, json=rewrite, headers=bearer(), timeout=60).status_code == 200
+    assert (repo / "add_sub" / "1" / "extra.txt").exists()

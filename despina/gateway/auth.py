@@ -11,8 +11,8 @@ the model name and version the path carries, then the credentials that group nee
   as Triton answers); where keys are configured too, a valid key opens them as well (then 401).
 
 Key entries: `KEY` (every model) or `KEY: model1, model2` (those models only; such a key cannot use
-the server-wide repository index or statistics). Keys are kept only as SHA-256 digests and compared in
-constant time; no message or log line ever holds one.
+the server-wide repository index or statistics, nor load a model with new config or files). Keys are
+kept only as SHA-256 digests and compared in constant time; no message or log line ever holds one.
 """
 from __future__ import annotations
 
@@ -321,3 +321,11 @@ def check_key_scope(scope: Scope, model: str) -> None:
     allowed = scope.get(KEY_MODELS)
     if allowed is not None and model not in allowed:
         raise PermissionDenied(f"this API key may not use model '{model}'")
+
+
+def check_key_may_rewrite(scope: Scope, params: dict[str, object]) -> None:
+    """The load API's `config` and `file:` parameters rewrite a model in the repository, and a Python
+    model's files are code the server runs, which may call any model: not for a key limited to some."""
+    if scope.get(KEY_MODELS) is not None and any(k == "config" or k.startswith("file:") for k in params):
+        raise PermissionDenied("a load with 'config' or 'file:' parameters needs a key for every model; "
+                               "this one may load a model only as the repository holds it")

@@ -13,6 +13,7 @@ from starlette.routing import Route
 
 from ..contract.commands import INDEX, LOAD, UNLOAD
 from ..contract.errors import DespinaError, InvalidArgument
+from .auth import check_key_may_rewrite
 from .responses import error_response, json_body, json_response
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ def repository_routes(gw: Gateway) -> list[Route]:
     async def load(request: Request) -> Response:
         try:
             params = _parameters(await json_body(request, gw.settings.max_body_bytes))
+            check_key_may_rewrite(request.scope, params)
             await gw.view.control.call(LOAD, request.path_params["model"], params, gw.settings.load_timeout_s)
             await gw.view.refresh()  # a readiness call right after the answer must see the model
         except DespinaError as exc:
