@@ -5,13 +5,17 @@ visibility timeout."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import numpy as np
 import orjson
 import pytest
@@ -207,3 +211,61 @@ async def test_a_worker_killed_while_running_ensembles_loses_and_duplicates_noth
     check_each_answered_once(answers, expected, server)
     assert held.get(victim), "the killed worker held no ensemble request"
     assert "requeued" in server.logs()
+
+
+SLOWER = SLOW.replace("time.sleep(0.05)", "time.sleep(3)")
+
+
+def test_what_a_worker_leaves_unanswered_as_its_drain_times_out_is_requeued_at_once(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A worker stopped (SIGTERM) while its model runs longer than DESPINA_DRAIN_TIMEOUT_S leaves what it
+    read to the others: the control plane requeues it at once, and another worker answers it. The worker
+    took itself off the workers' set on its way out, so the control plane never took it for dead, and
+    the request waited for a runner's visibility timeout (a minute): past its deadline, a 504."""
+    slow_model(tmp_path / "repo")
+    (tmp_path / "repo" / "slow" / "1" / "model.py").write_text(SLOWER)
+    server = serve(tmp_path / "repo", "--workers", "0", health="live",
+                   env={"DESPINA_REQUEST_TIMEOUT_S": "20"})
+    env = {**os.environ, "DESPINA_DRAIN_TIMEOUT_S": "1"}
+    started: list[subprocess.Popen[bytes]] = []
+
+    def worker(name: str) -> subprocess.Popen[bytes]:
+        with (tmp_path / f"{name}.log").open("wb") as log:
+            started.append(subprocess.Popen([sys.executable, "-m", "despina", "worker", "--redis-url", redis_url,
+                                             "--key-prefix", key_prefix], stdout=log, stderr=subprocess.STDOUT,
+                                            env=env))
+        return started[-1]
+
+    client = redis.Redis.from_url(redis_url)
+    stream = Keys(key_prefix).request_stream("slow", 1)
+    try:
+        first = worker("first")
+        wait_until(lambda: worker_hashes(redis_url, key_prefix), 30, what="the first worker")
+        (first_id,) = worker_hashes(redis_url, key_prefix)
+        wait_until(lambda: httpx.get(f"{server.url}/v2/models/slow/ready").status_code == 200, 30,
+                   what="the model to be ready")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{server.url}/v2/models/slow/infer",
+                                 content=body(np.ones(16, np.float32)), timeout=60,
+                                 headers={"content-type": "application/json"})
+            wait_until(lambda: pending_of(client, stream).get(first_id), 10, what="the request to be read")
+            time.sleep(0.5)  # in the model's execute
+            first.send_signal(signal.SIGTERM)
+            first.wait(15)
+            worker("second")
+            sent = time.monotonic()
+            response = answer.result()
+            took = time.monotonic() - sent
+    finally:
+        client.close()
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    assert response.status_code == 200, (response.status_code, response.text, round(took, 1),
+                                          server.logs()[-2000:])
+    np.testing.assert_array_equal(output_of(response), np.full(16, 3.0, np.float32))
+
+
+def output_of(response: httpx.Response) -> np.ndarray:
+    return np.array(orjson.loads(response.content)["outputs"][0]["data"], dtype=np.float32)

@@ -100,9 +100,11 @@ class Worker:
                     pass
                 self._kick.clear()
         finally:
+            drained = True
             try:
                 await asyncio.wait_for(self.drain(), self.settings.drain_timeout_s)
             except TimeoutError:  # a model still running: the control plane requeues what it read
+                drained = False
                 log.warning("worker %s: what it read was not all answered within %g s "
                             "(DESPINA_DRAIN_TIMEOUT_S); leaving it to the other workers", self.id,
                             self.settings.drain_timeout_s)
@@ -111,7 +113,8 @@ class Worker:
             await asyncio.gather(*helpers, return_exceptions=True)
             try:
                 await self.redis.delete(self.keys.worker(self.id))
-                await self.redis.srem(self.keys.workers, self.id)
+                if drained:  # else it stays a member without a heartbeat: dead, and its reads requeued
+                    await self.redis.srem(self.keys.workers, self.id)
                 await self.redis.publish(self.keys.events, f"worker:{self.id}")
             except (RedisError, ConnectionError, OSError):
                 pass
