@@ -49,12 +49,13 @@ async def test_an_unloaded_models_queue_is_answered(redis_url: str, key_prefix: 
                                                          InferRequest("b", reply, time.time() + 60, ())])})
         await redis.set(keys.queued("m", 1, 2), 2)   # the gateway counted them in (max_queue_size)
         await redis.hset(keys.stats("m", 1), "enqueued", 2)
-        assert await refuse(redis, queue, "model 'm' was unloaded") == 2
+        assert await refuse(redis, queue, "model 'm' was unloaded", 5_000) == 2
         assert await redis.xlen(stream) == 0
         (_, fields), = (await redis.xrange(reply))
         answers = records.decode_replies(fields[FIELD])
         assert [(a.id, a.error) for a in answers] == [("a", (Code.UNAVAILABLE, "model 'm' was unloaded")),
                                                       ("b", (Code.UNAVAILABLE, "model 'm' was unloaded"))]
+        assert 0 < await redis.pttl(reply) <= 5_000  # read by nobody if its gateway died: it expires
         # answered: off the queue's count (a reload's max_queue_size is whole again) and failures, as
         # Triton counts them, so that nothing stays pending in the metrics
         assert int(await redis.get(keys.queued("m", 1, 2))) == 0
@@ -62,7 +63,7 @@ async def test_an_unloaded_models_queue_is_answered(redis_url: str, key_prefix: 
         assert stats == {"enqueued": 2, "fail_count": 2, "fail:OTHER": 2}
         other = Queue(keys, "m", 1, 3)
         await redis.xadd(other.stream, {FIELD: records.encode([InferRequest("c", reply, time.time() + 60, ())])})
-        assert await refuse(redis, other, "model 'm' was unloaded") == 1
+        assert await refuse(redis, other, "model 'm' was unloaded", 5_000) == 1
         assert not await redis.exists(keys.queued("m", 1, 3))  # a level without max_queue_size: no counter
     finally:
         await redis.aclose()

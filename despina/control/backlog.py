@@ -53,10 +53,11 @@ async def requeue(redis: aioredis.Redis, queue: Queue, consumer: str, policy: De
 DECRBY_IF_EXISTS = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('DECRBY', KEYS[1], ARGV[1]) end"
 
 
-async def refuse(redis: aioredis.Redis, queue: Queue, message: str) -> int:
+async def refuse(redis: aioredis.Redis, queue: Queue, message: str, reply_ttl_ms: int) -> int:
     """Answer every request still on the queue's stream with UNAVAILABLE `message`, and empty it. The
     answers count as failures and leave the queue's count, as a worker's answers do: else the metrics
-    would show them pending, and a reload's max_queue_size would hold them, for good."""
+    would show them pending, and a reload's max_queue_size would hold them, for good. A reply stream
+    written expires as a worker's writes make it (a dead gateway's is read by nobody)."""
     stream, refused = queue.stream, 0
     while True:
         # XRANGE's entries all have an id and fields (only XCLAIM's deleted ones have none)
@@ -74,6 +75,7 @@ async def refuse(redis: aioredis.Redis, queue: Queue, message: str) -> int:
         pipe = redis.pipeline(transaction=False)
         for reply_to, answers in replies.items():
             pipe.xadd(reply_to, {FIELD: records.encode(answers)})
+            pipe.pexpire(reply_to, reply_ttl_ms)
         pipe.xdel(stream, *(entry_id for entry_id, _ in entries))
         answered = [a for answers in replies.values() for a in answers]
         if answered:

@@ -253,6 +253,7 @@ class Commands:
         if plane.catalog.get(name) is None:
             return  # never loaded, or no such model: as Triton's, the unload has no effect and succeeds
         deadline = time.monotonic() + timeout
+        ttl_ms = plane.lifecycle.delivery.reply_ttl_ms
         async with self._turn(name, deadline):
             names = [name] + (self._steps_loaded_for(name) if dependents else [])
             self._mark_unloaded(name)
@@ -268,7 +269,7 @@ class Commands:
                 for v in e.versions:
                     for level, _ in enumerate(e.streams(plane.keys, v), start=1):
                         if count := await refuse(plane.redis, Queue(plane.keys, n, v, level),
-                                                 f"model '{n}' was unloaded"):
+                                                 f"model '{n}' was unloaded", ttl_ms):
                             log.warning("model %s: %d queued requests answered: it was unloaded", n, count)
         # an ensemble left loaded on top of it: no worker runs it now (each stopped running it before
         # the model unloaded), so what is still on its stream would wait for nobody
@@ -279,7 +280,7 @@ class Commands:
             for v in e.versions:
                 for level, _ in enumerate(e.streams(plane.keys, v), start=1):
                     if count := await refuse(plane.redis, Queue(plane.keys, d, v, level), f"ensemble '{d}' "
-                                             f"cannot run: model '{name}' was unloaded"):
+                                             f"cannot run: model '{name}' was unloaded", ttl_ms):
                         log.warning("ensemble %s: %d queued requests answered: model %s was unloaded", d,
                                     count, name)
 
