@@ -4,6 +4,9 @@ with no process restarted (streams, consumer groups, catalog and heartbeats come
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,13 +17,16 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from despina.contract.keys import Keys
+from despina.embedded import free_port
 from despina.examples import mlp_numpy
 from despina.redis_client import CONNECT_TIMEOUT_S, trouble
 
 from .conftest import Server, stop_server
-from .control_support import mlp_folder
+from .control_support import mlp_folder, wait_until
 from .reliability_support import (
     Answer,
+    RedisProcess,
     mlp_body,
     mlp_output,
     own_redis,
@@ -142,3 +148,30 @@ def test_a_redis_error_says_whether_redis_answered(redis_url: str, key_prefix: s
     # a pipeline's error names its command, after what Redis said
     assert f"; the command: SMEMBERS {key_prefix}:workers)" in trouble(piped), trouble(piped)
     assert trouble(unreachable).startswith("Redis unreachable (")
+
+
+def test_a_worker_started_while_redis_is_down_waits_for_it(tmp_path: Path, key_prefix: str) -> None:
+    """Every role retries while Redis is unreachable; a worker started then (a pod that comes up before
+    its Redis, a restart during an outage) exited at once with a traceback instead."""
+    redis_server = RedisProcess(free_port(), tmp_path)
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "despina", "worker", "--redis-url", redis_server.url,
+                                   "--key-prefix", key_prefix], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(2.0)
+        assert worker.poll() is None, log.read_text()[-2000:]
+        redis_server.start()
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            wait_until(lambda: client.smembers(Keys(key_prefix).workers), 10, what="the worker to join")
+        finally:
+            client.close()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(15) == 0, log.read_text()[-2000:]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        redis_server.stop()
+    assert "Traceback" not in log.read_text()

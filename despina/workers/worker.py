@@ -83,8 +83,8 @@ class Worker:
         self.gpus = GpuReader()  # this machine's GPUs, for the control plane's /metrics
 
     async def run(self) -> None:
-        await self.redis.sadd(self.keys.workers, self.id)
-        await self._heartbeat()
+        if not await self._join():
+            return  # stopped before Redis ever answered: nothing was read, nothing to drain
         log.info("worker %s: %d CPU(s), %d GPU(s), %.1f GiB for models", self.id, self.info.cpus,
                  self.info.gpus, self.info.memory_bytes / 2**30)
         helpers = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._listen())]
@@ -118,6 +118,22 @@ class Worker:
                 await self.redis.publish(self.keys.events, f"worker:{self.id}")
             except (RedisError, ConnectionError, OSError):
                 pass
+
+    async def _join(self) -> bool:
+        """Join the workers' set with a first heartbeat; while Redis is unreachable, retry every second
+        (as every role does). False: the worker was stopped first."""
+        while not self._stop.is_set():
+            try:
+                await self.redis.sadd(self.keys.workers, self.id)
+                await self._heartbeat()
+                return True
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("worker %s: %s; retrying", self.id, trouble(exc))
+            try:
+                await asyncio.wait_for(self._stop.wait(), 1.0)
+            except TimeoutError:
+                pass
+        return False
 
     def stop(self) -> None:
         self._stop.set()
