@@ -72,6 +72,32 @@ def test_push_refuses_a_version_below_1(tmp_path: Path, version: int) -> None:
         plan(folder, version)
 
 
+def test_push_follows_a_symlinked_version_folder_and_refuses_a_broken_link(tmp_path: Path) -> None:
+    """A version folder linked from a build's output was skipped (rglob does not follow links to folders):
+    `push` said "pushed mlp version 1" without version 2, or "holds no model files" with it alone. A link
+    to nothing was skipped as silently: the model went up without that file."""
+    folder = mlp_folder(tmp_path / "src")
+    build = mlp_folder(tmp_path / "build", versions={1: 3}) / "1"
+    (folder / "2").symlink_to(build, target_is_directory=True)
+    (folder / "loop").symlink_to(folder, target_is_directory=True)  # back to itself: not walked for ever
+    registry = tmp_path / "registry"
+    r = subprocess.run([sys.executable, "-m", "despina", "push", str(folder), str(registry)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "loop" in r.stderr and "links back" in r.stderr, r.stderr
+    (folder / "loop").unlink()
+    r = subprocess.run([sys.executable, "-m", "despina", "push", str(folder), str(registry)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "pushed mlp version 1, 2" in r.stderr, r.stderr
+    assert (registry / "mlp" / "2" / "model.onnx").read_bytes() == (build / "model.onnx").read_bytes()
+    (folder / "1" / "weights.bin").symlink_to(tmp_path / "nothing")
+    r = subprocess.run([sys.executable, "-m", "despina", "push", str(folder), str(registry)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "1/weights.bin" in r.stderr and "link to nothing" in r.stderr, r.stderr
+
+
 def test_push_to_a_folder_it_cannot_write_says_so(tmp_path: Path) -> None:
     folder = mlp_folder(tmp_path / "src")
     (tmp_path / "registry").write_text("a file, not a folder")

@@ -1,6 +1,7 @@
 """`despina push` and `despina ls`: put a model folder into a registry, list what a registry holds."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ def plan(folder: Path, version: int | None, ensemble: bool = False) -> list[Plan
     if version is not None and version < 1:  # `version or 1` would make 0 version 1, over what that holds
         raise InvalidArgument(f"version {version}: versions are numbered from 1 (a version folder 0 is "
                               "skipped, as Triton skips it)")
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and not _hidden(p.relative_to(folder)))
+    files = sorted(_files(folder))
     rel = [(p, p.relative_to(folder).as_posix()) for p in files]
     tops = {r.split("/", 1)[0] for _, r in rel if "/" in r}
     versions = sorted(int(t) for t in tops if is_version(t))
@@ -55,6 +56,31 @@ def plan(folder: Path, version: int | None, ensemble: bool = False) -> list[Plan
     if not ensemble and not any("/" in x.path and is_version(x.path.split("/", 1)[0]) for x in out):
         raise InvalidArgument(f"{folder} holds no model files to push")
     return sorted(out, key=lambda x: (x.path == "config.pbtxt", "/" not in x.path, x.path))
+
+
+def _files(folder: Path) -> list[Path]:
+    """Every file in `folder` but hidden ones, through symbolic links: a version folder linked from a
+    build's output is pushed as what it holds. A link to nothing, or back to a folder above it, is refused."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True, onerror=_raise):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if not _hidden(Path(d))]
+        for d in dirnames:
+            if here.resolve().is_relative_to((here / d).resolve()):
+                raise InvalidArgument(f"{here / d} links back to a folder above it")
+        for name in filenames:
+            path = here / name
+            if _hidden(Path(name)):
+                continue
+            if not path.exists():
+                raise InvalidArgument(f"{path} is a symbolic link to nothing: the file it stood for would be "
+                                      "missing from the model")
+            out.append(path)
+    return out
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
 
 
 def _hidden(rel: Path) -> bool:
