@@ -98,6 +98,20 @@ def test_push_follows_a_symlinked_version_folder_and_refuses_a_broken_link(tmp_p
     assert "1/weights.bin" in r.stderr and "link to nothing" in r.stderr, r.stderr
 
 
+def test_push_refuses_a_model_repository_for_a_model(s3_env: Weed, tmp_path: Path) -> None:
+    """A repository's root (model folders, each with its config) was taken for a flat folder of model files:
+    it went up as one model named after the root, version 1 holding every model's config and versions."""
+    repo = tmp_path / "model_repository"
+    mlp_folder(repo, "a")
+    mlp_folder(repo, "b")
+    url = s3_env.url()
+    r = subprocess.run([sys.executable, "-m", "despina", "push", str(repo), url], capture_output=True,
+                       text=True, env={**os.environ, **s3_env.env}, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"despina push: {repo} is a model repository (a/config.pbtxt)"), r.stderr
+    assert open_registry(url, s3_env.settings()).scan() == {}
+
+
 def test_push_to_a_folder_it_cannot_write_says_so(tmp_path: Path) -> None:
     folder = mlp_folder(tmp_path / "src")
     (tmp_path / "registry").write_text("a file, not a folder")

@@ -38,6 +38,11 @@ def plan(folder: Path, version: int | None, ensemble: bool = False) -> list[Plan
     rel = [(p, p.relative_to(folder).as_posix()) for p in files]
     tops = {r.split("/", 1)[0] for _, r in rel if "/" in r}
     versions = sorted(int(t) for t in tops if is_version(t))
+    if not versions and not (folder / "config.pbtxt").exists():
+        configs = sorted(r for _, r in rel if r.count("/") == 1 and r.endswith("/config.pbtxt"))
+        if configs:  # else it would go up as one model, version 1 holding every model's folder
+            raise InvalidArgument(f"{folder} is a model repository ({configs[0]}): push each model folder "
+                                  "in it")
     out: list[Planned] = []
     for p, r in rel:
         top = r.split("/", 1)[0] if "/" in r else ""
