@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from despina.contract.errors import DespinaError
 from despina.registry.base import FileInfo
 from despina.registry.cache import ArtifactCache
 
@@ -123,3 +124,17 @@ def test_a_blob_evicted_between_its_look_up_and_its_link_is_fetched_again(tmp_pa
     assert (folder / "1" / "model.onnx").read_bytes() == b"A" * 1000
     assert (folder / "config.pbtxt").read_bytes() == CONFIG
     assert cache.raced and source.fetched == fetched + 2     # A's weights twice; the config reused
+
+
+@pytest.mark.parametrize("path", ["/{outside}/model.onnx", "1/../../../../../outside/model.onnx"])
+def test_a_file_path_that_leaves_the_folder_is_refused(tmp_path: Path, path: str) -> None:
+    """An object store keeps a key as written: `prod/mlp//model.onnx` (a doubled slash) lists as the file
+    '/model.onnx', which the cache linked at the root of the file system, outside the folder it built."""
+    outside = tmp_path / "outside"
+    source = Source()
+    files = [FileInfo(path.format(outside=outside), 4, "e" * 32)]
+    source.blobs["e" * 32] = b"onnx"
+    with pytest.raises(DespinaError, match="invalid file path"):
+        ArtifactCache(tmp_path / "cache" / "deep").folder("a", files, source.download)
+    assert not outside.exists() and source.fetched == 0
+    assert not any((tmp_path / "cache" / "deep" / "tmp").iterdir())

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .base import FileInfo, digest
+from .base import FileInfo, check_relative, digest
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -71,6 +71,8 @@ class ArtifactCache:
 
     def folder(self, name: str, files: Sequence[FileInfo], download: Download) -> Path:
         """The local folder holding exactly `files`, fetching the ones not cached yet."""
+        for f in files:  # a store keeps keys as written: 'mlp//model.onnx' lists as '/model.onnx'
+            check_relative(f.path)
         final = self.models / name / digest(f.pack() for f in files)
         if final.is_dir():
             touch(final)
