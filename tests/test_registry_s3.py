@@ -112,6 +112,18 @@ def test_push_refuses_a_model_repository_for_a_model(s3_env: Weed, tmp_path: Pat
     assert open_registry(url, s3_env.settings()).scan() == {}
 
 
+def test_push_of_a_config_that_is_not_utf8_says_so(tmp_path: Path) -> None:
+    """A comment written by a Latin-1 editor made push end in a UnicodeDecodeError traceback."""
+    folder = mlp_folder(tmp_path / "src")
+    with (folder / "config.pbtxt").open("ab") as f:
+        f.write(b"# caf\xe9\n")
+    r = subprocess.run([sys.executable, "-m", "despina", "push", str(folder), str(tmp_path / "registry")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("despina push: model 'mlp': config.pbtxt is not UTF-8"), r.stderr
+    assert not (tmp_path / "registry").exists()
+
+
 def test_push_to_a_folder_it_cannot_write_says_so(tmp_path: Path) -> None:
     folder = mlp_folder(tmp_path / "src")
     (tmp_path / "registry").write_text("a file, not a folder")
