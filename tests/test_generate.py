@@ -123,6 +123,49 @@ class TritonPythonModel:
             sender.send(response(word, i), flags=FINAL if i == len(words) - 1 else 0)
 '''
 
+# Triton's async execute of a decoupled model (24.04 and later): each request's coroutine runs on the
+# process's event loop while the next requests start. "wait" answers once "release" (a later request) came.
+ASYNC_STREAMER = '''
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.released = None
+
+    async def execute(self, requests):
+        if self.released is None:
+            self.released = asyncio.Event()
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0].decode()
+            if text == "raise":
+                raise pb_utils.TritonModelException("execute refused")
+            if text == "wait":
+                try:
+                    await asyncio.wait_for(self.released.wait(), 10)
+                    text = "released"
+                except asyncio.TimeoutError:
+                    text = "never released"
+            elif text == "release":
+                self.released.set()
+            elif text == "call":  # a model call awaited, then one that blocks, after execute returned
+                said = []
+                for word in ("async", "blocking"):
+                    word_in = pb_utils.Tensor("text_input", np.array([word.encode()], dtype=np.object_))
+                    call = pb_utils.InferenceRequest(model_name="text_unbatched", inputs=[word_in],
+                                                     requested_output_names=["text_output"])
+                    got = await call.async_exec() if word == "async" else call.exec()
+                    said.append(pb_utils.get_output_tensor_by_name(got, "text_output").as_numpy()[0].decode())
+                text = " ".join(said)
+            out = pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))
+            length = pb_utils.Tensor("length", np.array([0], dtype=np.int32))
+            request.get_response_sender().send(pb_utils.InferenceResponse([out, length]), flags=FINAL)
+'''
+
 # Calls the decoupled model with exec(), and answers with what it got
 CALLER = '''
 import numpy as np
@@ -185,6 +228,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (root / "streamer_sequence" / "1" / "model.py").write_text(STREAMER)
     (root / "streamer_sequence" / "config.pbtxt").write_text(
         STREAMER_CONFIG.replace('name: "streamer"', 'name: "streamer_sequence"') + "sequence_batching { }\n")
+    (root / "async_streamer" / "1").mkdir(parents=True)
+    (root / "async_streamer" / "1" / "model.py").write_text(ASYNC_STREAMER)
+    (root / "async_streamer" / "config.pbtxt").write_text(STREAMER_CONFIG.replace('"streamer"', '"async_streamer"'))
     (root / "caller" / "1").mkdir(parents=True)
     (root / "caller" / "1" / "model.py").write_text(CALLER)
     (root / "caller" / "config.pbtxt").write_text(TEXT_CONFIG.format(name="caller", batch=0))
@@ -196,7 +242,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
         (root / name / "config.pbtxt").write_text(f'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n{extra}')
         build_add_sub(root / name / "1" / "model.onnx")
     yield from module_server(root, tmp_path_factory, redis_url,
-                             ("text", "text_unbatched", "add_sub", "streamer", "caller", "matrix"))
+                             ("text", "text_unbatched", "add_sub", "streamer", "async_streamer", "caller",
+                              "matrix"))
 
 
 def post(server: Server, path: str, body: object) -> httpx.Response:
@@ -380,6 +427,20 @@ def test_execute_failing_and_the_process_dying_end_the_stream_with_an_error(serv
         if r.status_code == 200 and "error" not in events(r)[0]:
             break
     assert [d["text_output"] for d in events(r)] == ["back", "again"]
+
+
+def test_an_async_decoupled_execute_runs_while_the_next_requests_start(server: Server) -> None:
+    """As in Triton: the instance takes the next request while a coroutine waits, here for that request."""
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(post, server, "async_streamer/generate", {"text_input": "wait"})
+        time.sleep(0.5)
+        r = post(server, "async_streamer/generate", {"text_input": "release"})
+        assert r.status_code == 200 and r.json()["text_output"] == "release", r.text
+        assert waiting.result().json()["text_output"] == "released"
+    r = post(server, "async_streamer/generate", {"text_input": "call"})
+    assert r.json().get("text_output") == "async|{} blocking|{}", r.text
+    r = post(server, "async_streamer/generate_stream", {"text_input": "raise"})
+    assert events(r) == [{"error": "model 'async_streamer': execute failed: execute refused"}]
 
 
 def test_generate_takes_a_decoupled_models_single_response_and_refuses_several(server: Server) -> None:

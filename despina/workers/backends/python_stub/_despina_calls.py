@@ -7,7 +7,8 @@ iterator at once: each response of the called model comes as ("more", answer) bu
 any call's answer; the iterator reads them as it is iterated. `async_exec()` sends the same and
 awaits a future that a reader on the stub's event loop resolves, so that several calls are in flight at
 once. The worker answers every call, by its deadline at the latest: a call waits as long as that, and
-no longer.
+no longer. While a decoupled model's coroutine executes run in the background (`read_by_stub`), the
+stub's main thread is the one reader of the connection, and hands each call its answers (`deliver`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class ModelCalls:
         self._parts: dict[int, list[Answer]] = {}  # async_exec(decoupled=True): the responses before the last
         self._reading = threading.Lock()         # one reader of the connection at a time
         self._writing = threading.Lock()
+        self.read_by_stub = False  # the stub's main thread reads every message: calls wait for deliver()
+        self._arrived = threading.Condition()  # an answer for an exec() call came (read_by_stub)
         self.on_cancel: Any = None  # the stub's: a decoupled model's request whose client went away
 
     def call(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
@@ -66,6 +69,10 @@ class ModelCalls:
 
     def _next(self, call_id: int) -> tuple[str, Answer]:
         """The call's next answer: ("more", answer) for a response before the last, else ("last", answer)."""
+        if self.read_by_stub:
+            with self._arrived:
+                self._arrived.wait_for(lambda: self._answers.get(call_id))
+            return self._answers[call_id].pop(0)
         with self._reading:
             while not self._answers.get(call_id):
                 self._read()
@@ -78,7 +85,7 @@ class ModelCalls:
         self._futures[call_id] = future
         if decoupled:
             self._parts[call_id] = []
-        if len(self._futures) == 1:
+        if len(self._futures) == 1 and not self.read_by_stub:
             loop.add_reader(self.conn.fileno(), self._readable)
         try:
             self._send(call_id, request, decoupled)
@@ -86,7 +93,7 @@ class ModelCalls:
         finally:
             del self._futures[call_id]
             parts = self._parts.pop(call_id, [])
-            if not self._futures:
+            if not self._futures and not self.read_by_stub:
                 loop.remove_reader(self.conn.fileno())
         if decoupled:
             return iter([*map(_response, parts), _response(answer)])
@@ -105,7 +112,10 @@ class ModelCalls:
             self._reading.release()
 
     def _read(self) -> None:
-        kind, payload = self.conn.recv()
+        self.deliver(*self.conn.recv())
+
+    def deliver(self, kind: str, payload: Any) -> None:
+        """A message read from the worker, to the call it answers."""
         if kind == "cancel" and self.on_cancel is not None:
             self.on_cancel(payload)
             return
@@ -120,7 +130,10 @@ class ModelCalls:
             else:
                 future.get_loop().call_soon_threadsafe(_settle, future, answer)
         elif call_id in self._waiting:
-            self._answers.setdefault(call_id, []).append(("more", answer[1]) if more else ("last", answer))
+            with self._arrived:
+                answers = self._answers.setdefault(call_id, [])
+                answers.append(("more", answer[1]) if more else ("last", answer))
+                self._arrived.notify_all()
         # else: a call whose caller went away (a task the model did not await, an iterator let go)
 
     def _send(self, call_id: int, request: pb_utils.InferenceRequest, decoupled: bool = False) -> None:

@@ -5,13 +5,15 @@ a time:
 ("auto_complete", ...), ("initialize", ...), ("execute", requests), ("finalize", None). Inside execute
 the model may call other models (_despina_calls.py): those messages go both ways until the execute's
 answer. A decoupled model answers through each request's response sender instead, from any thread and
-whenever it likes: ("response", (stream id, answer or None, final)). Whatever the model does, the worst
-it can do is end this process; the worker then fails the requests in flight and starts another. The
-stub also ends when its worker does (the connection closes, or the parent changes).
+whenever it likes: ("response", (stream id, answer or None, final)); its `async def execute`, as
+in Triton, runs on an event loop of its own thread while the next requests come. Whatever the model
+does, the worst it can do is end this process; the worker then fails the requests in flight and starts
+another. The stub also ends when its worker does (the connection closes, or the parent changes).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import faulthandler
 import importlib.util
 import inspect
@@ -33,6 +35,7 @@ from _despina_calls import ModelCalls
 
 PARENT_CHECK_S = 1.0
 OPERATIONS = ("auto_complete", "initialize", "execute", "finalize")
+RETURNED = "a decoupled model's execute must return None: it answers through each request's response sender"
 
 
 def main() -> None:
@@ -48,8 +51,9 @@ def main() -> None:
             op, payload = conn.recv()
         except (EOFError, OSError):
             break
-        if op == "bls":
-            continue  # the answer to a call the model did not wait for
+        if op == "bls":  # the answer to a call of a coroutine running in the background (else dropped)
+            stub.calls.deliver(op, payload)
+            continue
         if op == "cancel":  # a decoupled model's request whose client went away: nothing to answer
             stub.cancel(payload)
             continue
@@ -147,13 +151,17 @@ class Stub:
             requests.append(request)
         pb_utils._model_calls = self.calls  # exec() works in execute only, as in Triton
         try:
-            responses = self._await(self.model.execute(requests))
+            responses = self.model.execute(requests)
+            if self.decoupled and inspect.isawaitable(responses):
+                self._in_background(responses, requests)
+                return None
+            responses = self._await(responses)
         finally:
-            pb_utils._model_calls = None
+            if not self.calls.read_by_stub:  # (else a coroutine in the background calls models whenever)
+                pb_utils._model_calls = None
         if self.decoupled:
             if responses is not None:
-                raise pb_utils.TritonModelException("a decoupled model's execute must return None: it "
-                                                    "answers through each request's response sender")
+                raise pb_utils.TritonModelException(RETURNED)
             return None
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             count = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
@@ -165,9 +173,38 @@ class Stub:
         if self.model is not None and hasattr(self.model, "finalize"):
             self._await(self.model.finalize())
 
+    def _in_background(self, execute: Any, requests: list[Any]) -> None:
+        """A decoupled model's coroutine execute, as Triton (24.04 and later) runs it: on the event loop
+        of its own thread, the next requests coming meanwhile. If it raises, or returns a value, its
+        requests not yet finished end with that error, as they do when a plain execute fails."""
+        self.calls.read_by_stub = True  # this thread reads, and the coroutines wait for it
+        running = asyncio.run_coroutine_threadsafe(_awaited(execute), self._background_loop())
+
+        def ended(done: concurrent.futures.Future[Any]) -> None:
+            try:
+                if done.result() is not None:
+                    raise pb_utils.TritonModelException(RETURNED)
+            except BaseException as exc:
+                failed = pb_utils.TritonError(f"execute failed: {_describe(exc)}")
+                for request in requests:
+                    try:
+                        request.get_response_sender().send(pb_utils.InferenceResponse(error=failed),
+                                                           pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    except pb_utils.TritonModelException:
+                        pass  # it had ended
+        running.add_done_callback(ended)
+
+    def _background_loop(self) -> asyncio.AbstractEventLoop:
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, name="execute-loop", daemon=True).start()
+        return self.loop
+
     def _await(self, result: Any) -> Any:
         if not inspect.isawaitable(result):
             return result
+        if self.decoupled:  # its loop runs on a thread of its own (_in_background)
+            return asyncio.run_coroutine_threadsafe(_awaited(result), self._background_loop()).result()
         if self.loop is None:
             self.loop = asyncio.new_event_loop()
         return self.loop.run_until_complete(result)
@@ -204,6 +241,10 @@ class ResponseSender:
     def is_cancelled(self) -> bool:
         """Whether the request's client went away: the model may stop, and send its final flag."""
         return self.cancelled
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _answer(response: Any, asked: list[str]) -> tuple[str, Any, Any]:
