@@ -108,6 +108,8 @@ class TritonPythonModel:
                 time.sleep(0.05)
             sender.send(flags=FINAL)
             return
+        if words[0] == "silent":  # never a response, nor the final flag
+            return
         if words[0] == "refuse":  # an error response, then the final flag alone
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("no such word")))
             sender.send(flags=FINAL)
@@ -574,3 +576,25 @@ def test_a_stream_longer_than_the_visibility_timeout_is_not_redelivered(
     stats = settled_stats(server.url, "streamer")
     assert stats["execution_count"] == 1, stats
     assert "redeliver" not in server.logs().lower()
+
+
+def test_a_stream_the_model_never_ends_is_given_up_at_its_deadline(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A model that never sends its final flag: at the request's deadline the worker ends the request
+    (DEADLINE_EXCEEDED, the model told by is_cancelled()), acknowledges its entry and frees its place."""
+    (tmp_path / "repo" / "streamer" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "streamer" / "1" / "model.py").write_text(STREAMER)
+    (tmp_path / "repo" / "streamer" / "config.pbtxt").write_text(STREAMER_CONFIG)
+    server = serve(tmp_path / "repo", wait_models=("streamer",), env={"DESPINA_REQUEST_TIMEOUT_S": "1"})
+    r = post(server, "streamer/generate_stream", {"text_input": "silent"})
+    assert r.status_code == 504, r.text
+    client = redis.Redis.from_url(redis_url)
+    try:
+        stream = Keys(key_prefix).request_stream("streamer", 1)
+        wait_until(lambda: client.xpending(stream, GROUP)["pending"] == 0, 10, what="the entry acknowledged")
+    finally:
+        client.close()
+    stats = settled_stats(server.url, "streamer")
+    assert stats["inference_stats"]["fail"]["count"] == 1, stats
+    r = post(server, "streamer/generate_stream", {"text_input": "still here"})
+    assert [d["text_output"] for d in events(r)] == ["still", "here"]

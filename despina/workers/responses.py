@@ -3,10 +3,12 @@
 Such a model answers each request through a response sender, any number of times and whenever it
 likes: each response becomes a reply to the request's gateway at once, numbered from 0, and the final
 one ends the request. Which requests are open, and what each response becomes, is kept here; the runner
-sends the replies and, with a final one, acknowledges and counts the request.
+sends the replies and, with a final one, acknowledges and counts the request. One the model has not
+ended by its deadline ends then, DEADLINE_EXCEEDED (the model is told, as of a client gone).
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Callable
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 Result = dict[str, np.ndarray] | DespinaError | None  # outputs, an error, or None: the final flag alone
 Send = Callable[[int, InferReply, "Pending"], None]  # (stream id, reply, its request)
 CLIENT_GONE = "the client went away"
+NOT_ENDED = "the model sent no final response within the request's timeout"
 
 
 @dataclass(slots=True)
@@ -35,6 +38,7 @@ class Open:
     backend: Any              # the instance that runs it: it hears of a cancellation
     sent: int = 0             # responses so far: the next one's index
     cancelled: bool = False   # its client went away: what the model still sends goes nowhere
+    expiry: asyncio.TimerHandle | None = None  # ends it at its deadline
 
 
 class OpenRequests:
@@ -50,9 +54,21 @@ class OpenRequests:
     def open(self, pending: list[Pending], started: float, backend: Any) -> list[int]:
         """The batch's requests open on `backend`; their stream ids, which the model's responses name."""
         ids = [next(self._ids) for _ in pending]
+        loop = asyncio.get_running_loop()
         for stream, p in zip(ids, pending):
-            self._open[stream] = Open(p, started, backend)
+            state = self._open[stream] = Open(p, started, backend)
+            state.expiry = loop.call_later(max(p.request.deadline - time.time(), 0), self._expire, stream)
         return ids
+
+    def _expire(self, stream: int) -> None:
+        """Its deadline passed before the model's final response: it ends now, what comes later dropped."""
+        state = self._open.get(stream)
+        if state is None:
+            return
+        if not state.cancelled:  # (else it ends as CANCELLED: its client went away first)
+            state.backend.cancel(stream)  # the model sees is_cancelled(), and may stop
+        self.response(stream, DespinaError(f"model '{self.model}': {NOT_ENDED}", Code.DEADLINE_EXCEEDED),
+                      True)
 
     def cancel(self, stream: int) -> None:
         """Its client went away: the model is told (request.is_cancelled()), and its responses but the
@@ -96,6 +112,8 @@ class OpenRequests:
         reply.index, reply.final = index, final
         if final:
             del self._open[stream]
+            if state.expiry is not None:
+                state.expiry.cancel()
             self._finish(stream, reply, p)
         else:
             self._send(stream, reply, p)
