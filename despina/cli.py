@@ -58,6 +58,12 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--http-restricted-api", dest="http_restricted_api", action="append",
                         metavar="API[,API...]:HEADER=VALUE",
                         help="as Triton's: these APIs need the header HEADER: VALUE (repeatable)")
+        sp.add_argument("--trace-file", dest="trace_file", metavar="PATH",
+                        help="where Triton's tracing writes traces (default: none, and the trace API refuses "
+                             "to turn it on); of serve --gateways N gateway i writes PATH-i. Only here: the "
+                             "trace API may not change it")
+        sp.add_argument("--trace-config", dest="trace_config", action="append", metavar="triton,file=PATH",
+                        help="Triton's spelling of --trace-file (its other settings are the trace API's)")
         sp.add_argument("--sagemaker", dest="sagemaker", action=argparse.BooleanOptionalAction,
                         help="serve SageMaker's container contract too: /ping, /invocations, /models "
                              "(and take SageMaker's defaults: port 8080, /opt/ml/model)")
@@ -142,6 +148,13 @@ def settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         values["load_model"] = ",".join(values["load_model"])
     if values.get("http_restricted_api"):
         values["http_restricted_api"] = ";".join(values["http_restricted_api"])
+    for entry in values.pop("trace_config", None) or []:
+        setting, _, path = entry.removeprefix("triton,").partition("=")
+        if setting != "file" or not path:
+            raise BadSetting(f"--trace-config {entry!r}: only triton,file=PATH (the trace file) is taken at "
+                             "start; the other trace settings are the trace API's (POST /v2/trace/setting)")
+        if not vars(args).get("trace_file"):  # --trace-file wins; of several --trace-config the last
+            values["trace_file"] = path
     return Settings.from_sources(values, environ)
 
 

@@ -61,6 +61,9 @@ class Settings:
     worker_id: str | None = None
     log_level: str = "info"
     log_format: str = "text"                # or "json"
+    # Triton's --trace-config triton,file=PATH: where a gateway writes traces ('': none, tracing refused).
+    # Set at start only: the trace API may not change it (gateway/trace.py)
+    trace_file: str = ""
     drain_timeout_s: float = 30.0
     # Security (see README "Security"): the secrets stay out of repr() so that no log line shows them.
     api_keys: str | None = field(default=None, repr=False)  # entries separated by ';' or newlines

@@ -1,7 +1,8 @@
 """Triton's trace extension on a real `despina serve`, through tritonclient's get_trace_settings and
 update_trace_settings: the settings (global, a model's own, cleared), one request in trace_rate traced up
-to trace_count, the traces in Triton's JSON form in trace_file (.0, .1 with log_frequency; whole when the
-settings change), every gateway of a server following the settings, and the errors."""
+to trace_count, the traces in Triton's JSON form in the trace file the server started with (.0, .1 with
+log_frequency; whole when the settings change), every gateway of a server following the settings, the
+trace file that the API may not change, and the errors."""
 from __future__ import annotations
 
 import json
@@ -12,30 +13,46 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import redis
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
+
+from despina.cli import parser, settings_of
+from despina.contract.keys import Keys
+from despina.settings import BadSetting
 
 from .conftest import Server, module_server, start_server, stop_server
 
 DEFAULTS = {"trace_file": "", "trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
             "log_frequency": "0", "trace_mode": "triton"}
 ORDER = ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END", "REQUEST_END"]
+FIXED = "trace file location can not be updated through network protocol"  # Triton's words
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, example_repository: Path) -> Iterator[Server]:
-    yield from module_server(example_repository, tmp_path_factory, redis_url, ("add_sub", "mlp"))
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trace file the module's server starts with."""
+    return tmp_path_factory.mktemp("traces") / "trace.json"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, example_repository: Path,
+           base: Path) -> Iterator[Server]:
+    yield from module_server(example_repository, tmp_path_factory, redis_url, ("add_sub", "mlp"),
+                             env={"DESPINA_TRACE_FILE": str(base)})
 
 
 @pytest.fixture
-def client(server: Server) -> Iterator[httpclient.InferenceServerClient]:
+def client(server: Server, base: Path) -> Iterator[httpclient.InferenceServerClient]:
     c = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
     yield c
     for model in ("add_sub", "mlp"):
         c.update_trace_settings(model, {})
     c.update_trace_settings(settings={"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
-                                      "log_frequency": "0", "trace_file": ""})
+                                      "log_frequency": "0"})  # writes what was kept: then gone too
     c.close()
+    for path in base.parent.iterdir():
+        path.unlink()
 
 
 def add_sub(client: httpclient.InferenceServerClient, n: int, request_id: str = "") -> None:
@@ -54,6 +71,14 @@ def traces(base: Path) -> list[dict]:
     return found
 
 
+def traced(base: Path, n: int) -> list[dict]:
+    """The traces written, once there are n: a gateway writes a trace just after it answers its request."""
+    deadline = time.monotonic() + 10
+    while len(found := traces(base)) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return found
+
+
 def check_timestamps(trace: dict) -> None:
     names = [t["name"] for t in trace["timestamps"]]
     assert names == ORDER, names
@@ -62,17 +87,17 @@ def check_timestamps(trace: dict) -> None:
     assert abs(ns[0] - time.time_ns()) < 120e9  # the wall clock, in nanoseconds
 
 
-def test_settings_rate_and_files_by_log_frequency(client: httpclient.InferenceServerClient, tmp_path: Path) -> None:
+def test_settings_rate_and_files_by_log_frequency(client: httpclient.InferenceServerClient, base: Path) -> None:
     assert "trace" in client.get_server_metadata()["extensions"]
-    assert client.get_trace_settings() == DEFAULTS
-    base = tmp_path / "trace.json"
-    settings = client.update_trace_settings(settings={"trace_file": str(base), "trace_level": ["TIMESTAMPS"],
-                                                      "trace_rate": "2", "log_frequency": "3"})
+    assert client.get_trace_settings() == {**DEFAULTS, "trace_file": str(base)}
+    settings = client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "2",
+                                                      "log_frequency": "3"})
     assert settings == {**DEFAULTS, "trace_file": str(base), "trace_level": ["TIMESTAMPS"], "trace_rate": "2",
                         "log_frequency": "3"}
     add_sub(client, 12, request_id="req-")
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["trace.json.0", "trace.json.1"]  # 6 traced, written 3 at a time
+    # 6 traced, written 3 at a time to trace.json.N and .N+1 (N goes on over the module's tests, as Triton's)
+    parts = sorted(int(p.suffix[1:]) for p in base.parent.iterdir())
+    assert len(parts) == 2 and parts[1] == parts[0] + 1 and base.with_suffix(f".json.{parts[0]}").exists()
     found = traces(base)
     assert [t["request_id"] for t in found] == [f"req-{i}" for i in range(0, 12, 2)]  # the 1st, 3rd, ...
     assert len({t["id"] for t in found}) == 6
@@ -81,9 +106,8 @@ def test_settings_rate_and_files_by_log_frequency(client: httpclient.InferenceSe
         check_timestamps(t)
 
 
-def test_a_models_own_settings_count_and_clear(client: httpclient.InferenceServerClient, tmp_path: Path) -> None:
-    base = tmp_path / "t.json"
-    client.update_trace_settings(settings={"trace_file": str(base), "log_frequency": "1"})
+def test_a_models_own_settings_count_and_clear(client: httpclient.InferenceServerClient, base: Path) -> None:
+    client.update_trace_settings(settings={"log_frequency": "1"})
     own = client.update_trace_settings("add_sub", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1",
                                                    "trace_count": "2"})
     assert own == {**DEFAULTS, "trace_file": str(base), "log_frequency": "1", "trace_level": ["TIMESTAMPS"],
@@ -106,10 +130,9 @@ def test_a_models_own_settings_count_and_clear(client: httpclient.InferenceServe
 
 
 def test_a_models_unset_settings_follow_the_global_ones(client: httpclient.InferenceServerClient,
-                                                       tmp_path: Path) -> None:
+                                                       base: Path) -> None:
     """As Triton's trace_endpoint_test: a global change reaches the settings a model has not set itself."""
-    base = tmp_path / "m.json"
-    client.update_trace_settings(settings={"trace_file": str(base), "log_frequency": "1"})
+    client.update_trace_settings(settings={"log_frequency": "1"})
     client.update_trace_settings("add_sub", {"trace_count": "3"})
     client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "9"})
     assert client.get_trace_settings("add_sub") == {**DEFAULTS, "trace_file": str(base), "log_frequency": "1",
@@ -120,12 +143,11 @@ def test_a_models_unset_settings_follow_the_global_ones(client: httpclient.Infer
 
 
 def test_the_models_on_the_global_settings_share_its_count(client: httpclient.InferenceServerClient,
-                                                          tmp_path: Path) -> None:
+                                                          base: Path) -> None:
     """Triton samples and counts on the setting a request's model follows: one for all the models on the
     global settings, one for each model with settings of its own."""
-    base = tmp_path / "shared.json"
-    client.update_trace_settings(settings={"trace_file": str(base), "trace_level": ["TIMESTAMPS"],
-                                           "trace_rate": "1", "trace_count": "3", "log_frequency": "1"})
+    client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "3",
+                                           "log_frequency": "1"})
     x = httpclient.InferInput("x", [1, 256], "FP32")
     x.set_data_from_numpy(np.zeros((1, 256), np.float32))
     for _ in range(3):
@@ -134,18 +156,16 @@ def test_the_models_on_the_global_settings_share_its_count(client: httpclient.In
     assert [t["model_name"] for t in traces(base)] == ["add_sub", "mlp", "add_sub"]  # 3 in all, not 3 each
 
 
-def test_a_null_resets_a_global_setting(client: httpclient.InferenceServerClient) -> None:
+def test_a_null_resets_a_global_setting(client: httpclient.InferenceServerClient, base: Path) -> None:
     """As Triton's trace_endpoint_test clears them: a null puts a global setting back to its default."""
     client.update_trace_settings(settings={"trace_rate": "56", "trace_count": "78", "log_frequency": "9"})
     cleared = client.update_trace_settings(settings={"trace_rate": None, "trace_count": None})
-    assert cleared == {**DEFAULTS, "log_frequency": "9"}
+    assert cleared == {**DEFAULTS, "trace_file": str(base), "log_frequency": "9"}
 
 
 def test_with_log_frequency_0_the_traces_are_written_when_the_settings_change(
-        client: httpclient.InferenceServerClient, tmp_path: Path) -> None:
-    base = tmp_path / "all.json"
-    client.update_trace_settings(settings={"trace_file": str(base), "trace_level": ["TIMESTAMPS"],
-                                           "trace_rate": "1"})
+        client: httpclient.InferenceServerClient, base: Path) -> None:
+    client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
     add_sub(client, 4)
     assert not base.exists()  # kept until then
     client.update_trace_settings(settings={"trace_level": ["OFF"]})
@@ -155,13 +175,18 @@ def test_with_log_frequency_0_the_traces_are_written_when_the_settings_change(
     assert len(json.loads(base.read_text())) == 4  # off: nothing more
 
 
-def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, tmp_path: Path) -> None:
-    def refused(settings: dict, model: str | None = None) -> str:
-        with pytest.raises(InferenceServerException) as caught:
-            client.update_trace_settings(model, settings)
-        return str(caught.value)
+def refusal(client: httpclient.InferenceServerClient, settings: dict, model: str | None = None) -> str:
+    with pytest.raises(InferenceServerException) as caught:
+        client.update_trace_settings(model, settings)
+    assert caught.value.status() == "400"
+    return str(caught.value)
 
-    assert "TENSORS" in refused({"trace_level": ["TENSORS"], "trace_file": str(tmp_path / "x")})
+
+def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, base: Path) -> None:
+    def refused(settings: dict, model: str | None = None) -> str:
+        return refusal(client, settings, model)
+
+    assert "TENSORS" in refused({"trace_level": ["TENSORS"]})
     assert "unknown trace level" in refused({"trace_level": ["LOUD"]})
     assert "opentelemetry" in refused({"trace_mode": "opentelemetry"})
     assert "unknown trace setting 'rate'" in refused({"rate": "1"})
@@ -171,9 +196,7 @@ def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, 
     assert "integer" in refused({"trace_count": "--1"})  # not a number to int() either: was a 500
     assert "integer" in refused({"trace_rate": "\u00b2"})
     assert "at most 2147483647" in refused({"trace_rate": "9" * 5000})  # past int()'s digits: was a 500 too
-    assert "needs trace_file" in refused({"trace_level": ["TIMESTAMPS"]})
-    assert "needs trace_file" in refused({"trace_level": ["TIMESTAMPS"]}, "add_sub")
-    assert client.get_trace_settings() == DEFAULTS  # nothing changed
+    assert client.get_trace_settings() == {**DEFAULTS, "trace_file": str(base)}  # nothing changed
     r = httpx.get(f"{server.url}/v2/models/nope/trace/setting")
     assert r.status_code == 404
     r = httpx.post(f"{server.url}/v2/trace/setting", content=b"[1, 2]")
@@ -182,13 +205,12 @@ def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, 
 
 def test_every_gateway_follows_the_settings_and_writes_its_own_file(
         tmp_path: Path, redis_url: str, key_prefix: str, example_repository: Path) -> None:
+    base = tmp_path / "traces" / "gw.json"  # its folder made by the gateways
     served = start_server(example_repository, tmp_path, redis_url, key_prefix, "--gateways", "2",
-                          wait_models=("add_sub",))
-    base = tmp_path / "traces" / "gw.json"
+                          "--trace-file", str(base), wait_models=("add_sub",))
     try:
         c = httpclient.InferenceServerClient(served.url.removeprefix("http://"))
-        c.update_trace_settings(settings={"trace_file": str(base), "trace_level": ["TIMESTAMPS"],
-                                          "trace_rate": "1", "log_frequency": "1"})
+        c.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "log_frequency": "1"})
         c.close()
         body = {"inputs": [{"name": n, "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]} for n in "ab"]}
 
@@ -205,8 +227,94 @@ def test_every_gateway_follows_the_settings_and_writes_its_own_file(
         while writers() != {"-0", "-1"}:  # the other gateway hears of it through the events channel
             assert time.monotonic() < deadline, writers()
             send(1)
+        time.sleep(0.5)  # the last one's trace, written just after its answer
         before = len(traces(base))
         send(16)  # both follow the settings now: every request is traced, by whichever gateway had it
-        assert len(traces(base)) == before + 16
+        assert len(traced(base, before + 16)) == before + 16
     finally:
         stop_server(served)
+
+
+def test_the_api_may_not_set_the_trace_file(server: Server, client: httpclient.InferenceServerClient, base: Path,
+                                            tmp_path: Path) -> None:
+    """As Triton's (L0_trace): trace_file in a POST, global or a model's, is refused with Triton's words, and
+    nothing is written where it names, a file there or a folder to make; a null changes nothing."""
+    kept = tmp_path / "kept.txt"
+    kept.write_text("the server's user may write me")
+    made = tmp_path / "made" / "new.json"
+    for target in (kept, made):
+        for model in (None, "add_sub"):
+            assert FIXED in refusal(client, {"trace_file": str(target), "trace_level": ["TIMESTAMPS"],
+                                             "trace_rate": "1", "log_frequency": "1"}, model)
+    r = httpx.post(f"{server.url}/v2/trace/setting", json={"trace_file": [str(made)]})
+    assert r.status_code == 400 and FIXED in r.json()["error"]
+    assert client.get_trace_settings() == {**DEFAULTS, "trace_file": str(base)}  # nothing changed
+    assert client.get_trace_settings("add_sub") == {**DEFAULTS, "trace_file": str(base)}
+    # a null is no change: tritonclient and Triton's own tests clear settings so
+    assert client.update_trace_settings(settings={"trace_file": None, "trace_level": ["TIMESTAMPS"],
+                                                  "trace_rate": "1", "log_frequency": "1"})["trace_file"] == str(base)
+    assert client.update_trace_settings("add_sub", {"trace_file": None})["trace_file"] == str(base)
+    add_sub(client, 2)
+    assert len(traced(base, 2)) == 2
+    assert kept.read_text() == "the server's user may write me" and not made.parent.exists()
+
+
+def test_a_trace_file_kept_in_redis_is_not_used(server: Server, client: httpclient.InferenceServerClient,
+                                                redis_url: str, base: Path, tmp_path: Path) -> None:
+    """Settings a Despina before --trace-file kept (the API took trace_file then) trace to the server's file."""
+    elsewhere = tmp_path / "elsewhere.json"
+    doc = {"global": {"trace_file": str(elsewhere), "trace_level": ["TIMESTAMPS"], "trace_rate": "1",
+                      "log_frequency": "1"}, "models": {"add_sub": {"trace_file": str(elsewhere)}}}
+    redis.Redis.from_url(redis_url).set(Keys(server.prefix).trace_settings, json.dumps(doc))
+    assert client.get_trace_settings("add_sub")["trace_file"] == str(base)
+    client.update_trace_settings(settings={"trace_count": "-1"})  # the gateway follows the doc now
+    add_sub(client, 2)
+    assert len(traced(base, 2)) == 2 and not elsewhere.exists()
+
+
+def test_a_server_writes_traces_to_the_file_it_started_with(client: httpclient.InferenceServerClient,
+                                                            base: Path) -> None:
+    """The module's server started with DESPINA_TRACE_FILE (the gateways' test: --trace-file)."""
+    assert client.get_trace_settings()["trace_file"] == str(base)
+    assert client.get_trace_settings("mlp")["trace_file"] == str(base)
+    client.update_trace_settings("add_sub", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+    add_sub(client, 3, request_id="mine-")
+    client.update_trace_settings("add_sub", {})  # log_frequency 0: written as the settings change
+    assert [t["request_id"] for t in json.loads(base.read_text())] == ["mine-0", "mine-1", "mine-2"]
+
+
+def test_without_a_trace_file_tracing_is_refused(tmp_path: Path, redis_url: str, key_prefix: str,
+                                                 example_repository: Path) -> None:
+    served = start_server(example_repository, tmp_path, redis_url, key_prefix, wait_models=("add_sub",))
+    try:
+        c = httpclient.InferenceServerClient(served.url.removeprefix("http://"))
+        for model in (None, "add_sub"):
+            why = refusal(c, {"trace_level": ["TIMESTAMPS"]}, model)
+            assert "--trace-file" in why and "DESPINA_TRACE_FILE" in why, why
+            assert FIXED in refusal(c, {"trace_file": str(tmp_path / "t.json"), "trace_level": ["TIMESTAMPS"]},
+                                    model)
+        assert c.get_trace_settings() == DEFAULTS and c.get_trace_settings("add_sub") == DEFAULTS
+        assert c.update_trace_settings(settings={"trace_rate": "5"}) == {**DEFAULTS, "trace_rate": "5"}  # level OFF
+        c.close()
+        assert not (tmp_path / "t.json").exists()
+    finally:
+        stop_server(served)
+
+
+@pytest.mark.parametrize(("argv", "environ", "expected"), [
+    (["--trace-file", "/srv/t.json"], {}, "/srv/t.json"),
+    ([], {"DESPINA_TRACE_FILE": "/srv/e.json"}, "/srv/e.json"),
+    (["--trace-config", "triton,file=/srv/c.json"], {"DESPINA_TRACE_FILE": "/srv/e.json"}, "/srv/c.json"),
+    (["--trace-config", "file=/a", "--trace-config", "triton,file=/b"], {}, "/b"),
+    (["--trace-file", "/srv/t.json", "--trace-config", "triton,file=/srv/c.json"], {}, "/srv/t.json"),
+    ([], {}, ""),
+])
+def test_the_trace_file_is_a_start_up_setting(argv: list[str], environ: dict[str, str], expected: str) -> None:
+    for command in ("serve", "gateway"):
+        assert settings_of(parser().parse_args([command, *argv]), environ).trace_file == expected
+
+
+def test_trace_config_takes_the_file_only() -> None:
+    for entry in ("level=TIMESTAMPS", "triton,file=", "opentelemetry,url=http://x"):
+        with pytest.raises(BadSetting, match="only triton,file=PATH"):
+            settings_of(parser().parse_args(["serve", "--trace-config", entry]), {})

@@ -76,7 +76,7 @@ class Gateway:
         self._own_shm = os.environ.get("DESPINA_SUPERVISED") != "1"
         # Triton's tracing; of serve's gateways, each writes its own files (trace.py)
         index = os.environ.get("DESPINA_GATEWAY_INDEX")
-        self.tracer = Tracer(int(index) if index and index.isdigit() else None)
+        self.tracer = Tracer(settings.trace_file, int(index) if index and index.isdigit() else None)
         self._reporting: asyncio.Task[None] | None = None
         self._releasing: asyncio.Task[None] | None = None
 

@@ -129,7 +129,9 @@ def _schemas() -> Doc:
             "additionalProperties": False},
         "TraceSettings": {"type": "object", "description": "Values are strings (trace_level a list of them)",
                           "properties": {
-            "trace_file": {"type": "string"}, "trace_level": {"type": "array", "items": {
+            "trace_file": {"type": "string", "description": "The server's trace file (--trace-file, "
+                           "DESPINA_TRACE_FILE; \"\": none), set at start: a POST naming one gets 400"},
+            "trace_level": {"type": "array", "items": {
                 "type": "string", "enum": ["OFF", "TIMESTAMPS"]}},
             "trace_rate": {"type": "string"}, "trace_count": {"type": "string"},
             "log_frequency": {"type": "string"}, "trace_mode": {"type": "string", "enum": ["triton"]}}},

@@ -1,6 +1,6 @@
 """Triton's request tracing (the trace extension, `--trace-config`): one request in every `trace_rate` of a
 model is traced at level TIMESTAMPS, `trace_count` of them at most (-1: no limit), and written to
-`trace_file` as Triton writes it, a JSON array of
+the server's trace file (`--trace-file`, the setting trace_file) as Triton writes it, a JSON array of
 
     {"id": N, "model_name": ..., "model_version": V, "request_id": ...,
      "timestamps": [{"name": ..., "ns": ...}, ...]}
@@ -16,7 +16,9 @@ for all the models on the global settings, and apart for each model with setting
 The settings are the deployment's: global ones and each model's own, kept in Redis (Keys.trace_settings)
 and announced on the events channel, as the log settings are. A model's own settings override the
 global ones, which it follows for the rest as they change; a null clears one (a global one: back to its
-default). TENSORS (tensor contents) and trace_mode opentelemetry are refused: not supported.
+default). trace_file is the server's alone, set at start: as Triton's, the API refuses to change it (else
+whoever reaches the API could overwrite any file the server may write). TENSORS (tensor contents) and
+trace_mode opentelemetry are refused: not supported.
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ DEFAULTS: dict[str, Any] = {"trace_file": "", "trace_level": ["OFF"], "trace_rat
 LEVELS = ("OFF", "TIMESTAMPS")
 INT_MAX = 2**31 - 1
 KEPT_MAX = 100_000  # traces a gateway keeps for a log_frequency of 0; past it they are counted, not kept
+# Triton's words (its L0_trace tests look for them), then where the file is set
+FILE_FIXED = ("trace file location can not be updated through network protocol: it is set when the server "
+              "starts, with --trace-file (DESPINA_TRACE_FILE)")
 
 
 def _number(name: str, value: Any, least: int) -> str:
@@ -75,10 +80,7 @@ def checked(name: str, value: Any) -> Any:
     if name == "log_frequency":
         return _number(name, value, 0)
     if name == "trace_file":
-        raw = value[0] if type(value) is list and len(value) == 1 else value
-        if type(raw) is not str:
-            raise InvalidArgument("trace setting 'trace_file' must be a string (a path)")
-        return raw
+        raise InvalidArgument(FILE_FIXED)
     if name == "trace_mode":
         if value not in ("triton", ["triton"]):
             raise InvalidArgument("trace setting 'trace_mode': only \"triton\" is supported (not "
@@ -89,31 +91,33 @@ def checked(name: str, value: Any) -> Any:
 
 def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
     """`current` with the settings a POST gives; a null clears one (a model's: the global one applies again;
-    a global one: its default does, as Triton's clears it)."""
+    a global one: its default does, as Triton's clears it; trace_file: nothing, it is the server's)."""
     if not isinstance(update, dict):
         raise InvalidArgument("the trace settings must be a JSON object")
     out = dict(current)
     for name, value in update.items():
-        if value is None:
-            checked(name, DEFAULTS.get(name))  # an unknown name is still an error
+        if value is None and name in DEFAULTS:
             out.pop(name, None)
         else:
             out[name] = checked(name, value)
     return out
 
 
-def effective(doc: dict[str, Any], model: str | None) -> dict[str, Any]:
-    """The settings that apply: the global ones, under a model's own."""
+def effective(doc: dict[str, Any], model: str | None, trace_file: str) -> dict[str, Any]:
+    """The settings that apply: the global ones, under a model's own, and the server's trace file (whatever
+    the settings kept in Redis say: one a Despina before --trace-file took through the API is not used)."""
     settings = {**DEFAULTS, **doc.get("global", {})}
     if model is not None:
         settings.update(doc.get("models", {}).get(model, {}))
+    settings["trace_file"] = trace_file
     return settings
 
 
 def problem(settings: dict[str, Any]) -> str:
     """Why these settings cannot trace ('' when they can, or trace nothing)."""
     if settings["trace_level"] != ["OFF"] and not settings["trace_file"]:
-        return "tracing needs trace_file: set it with the level"
+        return "tracing needs a trace file, which this server was started without: start it with " \
+               "--trace-file PATH (or DESPINA_TRACE_FILE)"
     return ""
 
 
@@ -142,38 +146,39 @@ class Trace:
 
 
 class Tracer:
-    """This gateway's tracing: which requests, and where their traces go (each trace_file its own)."""
+    """This gateway's tracing: which requests, and the traces, to `trace_file` (the server's; '': none)."""
 
-    def __init__(self, index: int | None = None) -> None:
+    def __init__(self, trace_file: str, index: int | None = None) -> None:
         self.on = False  # any model traced: the hot path looks at this alone
+        self.file = trace_file
         self._doc: dict[str, Any] = {}
         self._sampling: dict[str | None, _Sampling] = {}  # None: the global settings' models
         self._ids = itertools.count(1)
-        self._kept: dict[str, list[dict[str, Any]]] = {}  # trace_file -> traces not yet written
-        self._parts: dict[str, int] = {}  # trace_file -> the next ${trace_file}.N
+        self._kept: list[dict[str, Any]] = []  # traces not yet written
+        self._parts = 0  # the next ${trace_file}.N: it goes on as the settings change (as Triton's)
         self._dropped = 0
         self._suffix = f"-{index}" if index is not None else ""
 
+    def settings(self, model: str | None = None) -> dict[str, Any]:
+        """The settings that apply (to a model, or the global ones)."""
+        return effective(self._doc, model, self.file)
+
     def follow(self, doc: dict[str, Any]) -> None:
-        """New settings (global and per model): what was kept under the old ones is written first; a
-        trace_file no longer named starts its index again, as Triton's does. The same settings again (the
-        event of this gateway's own change) change nothing: the counts go on."""
+        """New settings (global and per model): what was kept under the old ones is written first. The same
+        settings again (the event of this gateway's own change) change nothing: the counts go on."""
         if doc == self._doc:
             return
         self.flush()
         self._doc = doc
-        models = doc.get("models", {})
-        files = {effective(doc, m)["trace_file"] for m in [None, *models]}
-        self._parts = {f: n for f, n in self._parts.items() if f in files}
         self._sampling = {}
-        self.on = any(effective(doc, m)["trace_level"] != ["OFF"] for m in [None, *models])
+        self.on = any(self.settings(m)["trace_level"] != ["OFF"] for m in [None, *doc.get("models", {})])
 
     def _of(self, model: str) -> _Sampling:
         # as Triton's: the models on the global settings sample and count together, on the global ones
         key = model if model in self._doc.get("models", {}) else None
         sampling = self._sampling.get(key)
         if sampling is None:
-            s = effective(self._doc, key)
+            s = self.settings(key)
             sampling = self._sampling[key] = _Sampling(s["trace_level"] != ["OFF"] and not problem(s),
                                                          int(s["trace_rate"]), int(s["trace_count"]))
         return sampling
@@ -212,30 +217,27 @@ class Tracer:
         if trace.request_id:
             record["request_id"] = trace.request_id
         record["timestamps"] = [{"name": n, "ns": ns} for n, ns in sorted(trace.stamps, key=lambda s: s[1])]
-        settings = effective(self._doc, trace.model)
-        base, frequency = settings["trace_file"], int(settings["log_frequency"])
-        kept = self._kept.setdefault(base, [])
-        if not frequency and len(kept) >= KEPT_MAX:
+        frequency = int(self.settings(trace.model)["log_frequency"])
+        if not frequency and len(self._kept) >= KEPT_MAX:
             self._dropped += 1
             if self._dropped == 1:
                 log.warning("trace: %d traces kept for %s already (log_frequency 0); further ones are "
-                            "dropped until the settings change or the gateway stops", KEPT_MAX, base)
+                            "dropped until the settings change or the gateway stops", KEPT_MAX, self.file)
             return
-        kept.append(record)
-        if frequency and len(kept) >= frequency:
-            part = self._parts.get(base, 0)
-            self._parts[base] = part + 1
-            self._write(base, f".{part}")
+        self._kept.append(record)
+        if frequency and len(self._kept) >= frequency:
+            self._parts += 1
+            self._write(f".{self._parts - 1}")
 
     def flush(self) -> None:
         """Write what is kept (log_frequency 0: every trace since the last write) to ${trace_file}."""
-        for base in [b for b, kept in self._kept.items() if kept]:
-            self._write(base, "")
+        if self._kept:
+            self._write("")
         self._dropped = 0
 
-    def _write(self, base: str, part: str) -> None:
-        records = self._kept.pop(base, [])
-        path = Path(f"{base}{self._suffix}{part}")
+    def _write(self, part: str) -> None:
+        records, self._kept = self._kept, []
+        path = Path(f"{self.file}{self._suffix}{part}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -1,8 +1,8 @@
 """Triton's trace extension: `GET /v2[/models/{m}]/trace/setting` answers the trace settings that apply
 (a model's over the global ones), `POST` changes those it names and answers them all; a model keeps
 only the settings it was given, following the global ones for the rest, and a null clears one of its
-own, an empty body all of them. The settings
-are kept in Redis and followed by every gateway (trace.py)."""
+own, an empty body all of them. The settings are kept in Redis and followed by every gateway (trace.py).
+trace_file is the server's (--trace-file): a POST naming one is refused, as Triton's is."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -43,7 +43,7 @@ def trace_routes(gw: Gateway) -> list[Route]:
 
     async def get(request: Request) -> Response:
         try:
-            return json_response(trace.effective(await current(), model_of(request)))
+            return json_response(trace.effective(await current(), model_of(request), gw.settings.trace_file))
         except DespinaError as exc:
             return error_response(exc)
 
@@ -64,14 +64,14 @@ def trace_routes(gw: Gateway) -> list[Route]:
                 else:
                     models.pop(model, None)
             for name in [None, *doc.get("models", {})]:
-                why = trace.problem(trace.effective(doc, name))
+                why = trace.problem(trace.effective(doc, name, gw.settings.trace_file))
                 if why:
                     raise InvalidArgument(why if name is None else f"model '{name}': {why}")
         except DespinaError as exc:
             return error_response(exc)
         await gw.view.announce(gw.keys.trace_settings, orjson.dumps(doc), trace.EVENT)
         gw.tracer.follow(doc)  # this gateway at once; the others as the event reaches them
-        return json_response(trace.effective(doc, model))
+        return json_response(trace.effective(doc, model, gw.settings.trace_file))
 
     routes = []
     for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting"):
