@@ -323,8 +323,9 @@ def test_a_crashed_control_plane_is_restarted_and_the_models_serve_on(
             break
         time.sleep(0.2)
     assert now and victim not in now and server.process.poll() is None, server.logs()[-2000:]
-    # the new one leads: a load through the repository API is answered
-    assert httpx.post(f"{server.url}/v2/repository/index", timeout=10).status_code == 200
+    # the new one leads: a load through the repository API is answered, once the killed one's lease (LEASE_MS,
+    # 10 s from its last renewal) has run out and a standby's next look (every 2 s) takes it
+    assert httpx.post(f"{server.url}/v2/repository/index", timeout=30).status_code == 200
     assert httpx.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200
     # and it read the repository it took over as unchanged (it said every model "changed")
     deadline = time.monotonic() + 20
