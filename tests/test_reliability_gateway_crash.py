@@ -18,7 +18,16 @@ from despina.examples import mlp_numpy
 
 from .conftest import Server
 from .control_support import mlp_folder
-from .reliability_support import Answer, mlp_body, mlp_output, percentiles, post_all, report, role_pids, start_gateway
+from .reliability_support import (
+    Answer,
+    mlp_body,
+    mlp_output,
+    percentiles,
+    post_all,
+    report,
+    role_pids,
+    start_gateway,
+)
 
 REPLY_TTL_S = 2.0
 ENV = {"DESPINA_REPLY_TTL_S": str(REPLY_TTL_S)}
