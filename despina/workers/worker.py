@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from .. import cpus, logs
 from ..contract.catalog import CatalogEntry
@@ -121,12 +121,15 @@ class Worker:
 
     async def _join(self) -> bool:
         """Join the workers' set with a first heartbeat; while Redis is unreachable, retry every second
-        (as every role does). False: the worker was stopped first."""
+        (as every role does); a command Redis refuses ends the worker with its reason. False: the worker
+        was stopped first."""
         while not self._stop.is_set():
             try:
                 await self.redis.sadd(self.keys.workers, self.id)
                 await self._heartbeat()
                 return True
+            except ResponseError:
+                raise  # Redis answered and refused (another program's key?): no outage to wait out
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("worker %s: %s; retrying", self.id, trouble(exc))
             try:
