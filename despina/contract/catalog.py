@@ -36,6 +36,11 @@ class CatalogEntry:
     def serving(self) -> bool:
         return self.state == "READY" and self.target == LOADED
 
+    @property
+    def loaded(self) -> bool:
+        """Usable and not unloaded: serving, or scaled to zero (a request wakes it)."""
+        return self.state == "READY" and self.target != UNLOADED
+
     def streams(self, keys: Any, version: int) -> list[str]:
         """Every request stream of one version: one per priority level."""
         levels = int((self.config.get("dynamic_batching") or {}).get("priority_levels", 0) or 0)

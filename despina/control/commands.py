@@ -190,7 +190,7 @@ class Commands:
         says why."""
         if replaced:
             await asyncio.to_thread(self._restore, model.name, replaced)
-        if old is not None and old.state == "READY" and old.target != UNLOADED:
+        if old is not None and old.loaded:
             self.plane.catalog.put(old)
         else:
             self.plane.catalog.put(unavailable(model, why))
@@ -200,7 +200,7 @@ class Commands:
         """Load what an ensemble calls and is not loaded (an idle model stays idle: a request wakes it)."""
         for model in sorted(called_by(entry.config)):
             step = self.plane.catalog.get(model)
-            if model in calling or (step is not None and step.state == "READY" and step.target != UNLOADED):
+            if model in calling or (step is not None and step.loaded):
                 continue
             try:
                 await self.load(model, {}, timeout, wait=False, calling=calling)

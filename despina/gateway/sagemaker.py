@@ -33,7 +33,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as HttpRoute
 
-from ..contract.catalog import UNLOADED
 from ..contract.commands import LOAD, UNLOAD
 from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DespinaError, InvalidArgument, NotFound
@@ -240,7 +239,7 @@ def _loaded(gw: Gateway, name: str) -> bool:
     staging an archive under its name would overwrite the files it loads from. One whose load failed is
     not: SageMaker may load it again, as Triton lets it."""
     model = gw.view.models.get(name)
-    return model is not None and model.entry.state == "READY" and model.entry.target != UNLOADED
+    return model is not None and model.entry.loaded
 
 
 async def _models(gw: Gateway, key: str) -> list[dict[str, str]]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..contract.catalog import UNLOADED, CatalogEntry
+from ..contract.catalog import CatalogEntry
 from ..contract.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ async def model_statistics(gw: Gateway, model: str | None, version: str | None) 
 
 def _loaded(entry: CatalogEntry) -> list[int]:
     # the versions Triton would call READY: of a usable model not unloaded, those that did not fail
-    if entry.state != "READY" or entry.target == UNLOADED:
+    if not entry.loaded:
         return []
     return [v for v in entry.versions if v not in entry.failed]
 
