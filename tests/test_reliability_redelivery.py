@@ -7,13 +7,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
 from despina.contract import records
 from despina.contract.errors import Code
 from despina.contract.keys import ATTEMPTS, FIELD, GROUP, Keys
-from despina.contract.records import InferRequest
+from despina.contract.records import InferRequest, Tensor
 from despina.control.backlog import requeue
 from despina.workers.redelivery import DeliveryPolicy, Queue, marker
 from despina.workers.streams import ModelStreams
@@ -111,3 +112,22 @@ async def test_runners_redeliver_what_stays_pending_past_the_visibility_timeout(
         [("a", b"1"), ("b", b"1")]
     pending = await redis.xpending(stream, GROUP)
     assert pending["pending"] == 2 and {c["name"] for c in pending["consumers"]} == {b"alive"}
+
+
+async def test_a_grouped_request_comes_back_as_its_clients_requests(redis: aioredis.Redis,
+                                                                      key_prefix: str) -> None:
+    """One client's rows may be what killed the worker: each client's request comes back on its own, to run
+    alone and be charged alone, not the whole group dead-lettered for it."""
+    keys = Keys(key_prefix)
+    queue = Queue(keys, "m", 1)
+    await redis.xgroup_create(queue.stream, GROUP, id="0", mkstream=True)
+    x = Tensor("x", "FP32", (3, 2), np.arange(6, dtype=np.float32).tobytes())
+    group = InferRequest(records.grouped_id([("a", 1), ("b", 2)]), "r", time.time() + 60, (x,), ("y",))
+    running = await redis.xadd(queue.stream, {FIELD: records.encode([group])})
+    await read_all(redis, queue.stream, "w1")
+    await redis.sadd(keys.executing("w1"), marker(queue.stream, running))
+    assert await requeue(redis, queue, "w1", DeliveryPolicy()) == 2
+    back = [(records.decode_requests(f[FIELD]), int(f[ATTEMPTS])) for _, f in await read_all(redis, queue.stream, "w2")]
+    assert [(req.id, req.outputs, req.inputs[0].shape, req.inputs[0].numpy().tolist(), attempts)
+            for (req,), attempts in back] == [("a", ("y",), (1, 2), [[0.0, 1.0]], 1),
+                                              ("b", ("y",), (2, 2), [[2.0, 3.0], [4.0, 5.0]], 1)]

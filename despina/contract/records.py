@@ -197,6 +197,25 @@ def members(rid: str) -> list[tuple[str, int]]:
         raise InvalidArgument(f"malformed grouped request id {rid[:40]!r}") from None
 
 
+def split(req: InferRequest) -> list[InferRequest]:
+    """A grouped request as the requests it holds, each with its own rows of every input (and the group's
+    deadline and outputs); any other request as itself. InvalidArgument when its id or rows do not add up."""
+    if req.id[:1] != GROUPED:
+        return [req]
+    parts = members(req.id)
+    total = sum(rows for _, rows in parts)
+    if not total or any(not t.shape or t.shape[0] != total or len(t.data) % total for t in req.inputs):
+        raise InvalidArgument(f"grouped request {req.id[:40]!r}: its inputs do not hold its members' rows")
+    sizes = [len(t.data) // total for t in req.inputs]
+    out, row = [], 0
+    for rid, rows in parts:
+        inputs = tuple(Tensor(t.name, t.datatype, (rows, *t.shape[1:]),
+                              t.data[row * size:(row + rows) * size]) for t, size in zip(req.inputs, sizes))
+        out.append(InferRequest(rid, req.reply_to, req.deadline, inputs, req.outputs, enqueued=req.enqueued))
+        row += rows
+    return out
+
+
 def requests_in(rid: str) -> int:
     """How many requests an id answers for: 1, or the members of a grouped one."""
     return rid.count(",") + 1 if rid[:1] == GROUPED else 1

@@ -4,7 +4,8 @@ Two paths find them. The control plane takes every entry pending for a worker th
 worker's heartbeat expires (control/backlog.py); each runner takes the entries pending longer than the
 visibility timeout, whoever read them (a backstop when no control plane does). Both come here.
 
-Each request of such an entry goes back on the stream as an entry of its own, which carries in
+Each request of such an entry goes back on the stream as an entry of its own (each client's request of a
+grouped one, records.GROUPED, too), which carries in
 ATTEMPTS how many of its deliveries ended with the death of the worker. A worker runs a request that
 has attempts alone (a batch of one), after naming it in its `executing` set: should it die then, that
 request alone is charged, not the others it had read. The entries of a worker that died running
@@ -89,8 +90,8 @@ async def redeliver(redis: aioredis.Redis, queue: Queue, pending: list[dict[str,
     for entry_id, fields in claimed:
         if not fields:  # deleted meanwhile
             continue
-        try:
-            requests = records.decode_requests(fields[FIELD])
+        try:  # a grouped request comes back as the clients' requests it held: one may be the culprit
+            requests = [one for req in records.decode_requests(fields[FIELD]) for one in records.split(req)]
         except (KeyError, DespinaError) as exc:
             log.error("dropping undecodable entry %s of %s: %s", _text(entry_id), stream, exc)
             continue
