@@ -70,8 +70,8 @@ def test_tritonclients_class_count_gets_the_top_classes_with_labels(server: Serv
         client.close()
     y = result.as_numpy("y")
     assert y.shape == (2, 2)
-    # highest first, nine decimals as Triton prints a float; equal values (4.0 twice) in index order
-    assert y.tolist() == [[b"3.250000000:1:dog", b"2.000000000:3:bird"], [b"4.000000000:0:cat", b"4.000000000:2:fish"]]
+    # highest first, six decimals as Triton's std::to_string prints a float; equal values (4.0 twice) in index order
+    assert y.tolist() == [[b"3.250000:1:dog", b"2.000000:3:bird"], [b"4.000000:0:cat", b"4.000000:2:fish"]]
     assert result.as_numpy("n").tolist() == [[b"3:1", b"2:3", b"0:0"], [b"4:0", b"4:2", b"1:1"]]  # no labels
 
 
@@ -82,8 +82,8 @@ def test_json_classification_and_a_count_past_the_classes(server: Server) -> Non
     assert r.status_code == 200, r.text
     out = {o["name"]: o for o in r.json()["outputs"]}
     assert out["y"]["datatype"] == "BYTES" and out["y"]["shape"] == [1, 4]  # at most as many as there are
-    assert out["y"]["data"] == ["3.250000000:1:dog", "2.000000000:3:bird", "0.500000000:0:cat",
-                                "-1.000000000:2:fish"]
+    assert out["y"]["data"] == ["3.250000:1:dog", "2.000000:3:bird", "0.500000:0:cat",
+                                "-1.000000:2:fish"]
     assert out["n"]["datatype"] == "INT32" and out["n"]["data"] == [0, 3, -1, 2]  # not asked: the tensor
 
 

@@ -2,7 +2,7 @@
 back as its k highest values instead of the tensor, a BYTES tensor of "<value>:<index>[:<label>]"
 strings, highest first, shaped [batch, k] for a model that batches (each row its own classes) and [k]
 otherwise; the label is line <index> of the output's label_filename when it has one. Values print as
-Triton prints them: integers as they are, floating point with nine decimals.
+Triton prints them (C++'s std::to_string): integers as they are, floating point with six decimals.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _classes(spec: ModelSpec, t: Tensor, count: int, labels: Sequence[str]) -> T
         # highest first; equal values in index order (Triton's sort leaves their order open)
         order = np.argsort(-row.astype(np.float64), kind="stable")[:k]
         for i in order.tolist():
-            value = f"{float(row[i]):.9f}" if floating else str(int(row[i]))
+            value = f"{float(row[i]):f}" if floating else str(int(row[i]))
             label = f":{labels[i]}" if i < len(labels) else ""
             strings.append(f"{value}:{i}{label}".encode())
     array = np.empty(len(strings), dtype=np.object_)
