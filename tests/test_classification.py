@@ -87,10 +87,18 @@ def test_json_classification_and_a_count_past_the_classes(server: Server) -> Non
     assert out["n"]["datatype"] == "INT32" and out["n"]["data"] == [0, 3, -1, 2]  # not asked: the tensor
 
 
+def test_a_count_of_0_answers_the_tensor_as_triton_does(server: Server) -> None:
+    body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": X[0].tolist()}],
+            "outputs": [{"name": "y", "parameters": {"classification": 0}}]}
+    r = httpx.post(f"{server.url}/v2/models/scores/infer", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["datatype"] == "FP32" and r.json()["outputs"][0]["data"] == X[0].tolist()
+
+
 @pytest.mark.parametrize(("count", "message"), [
-    (0, "parameter 'classification' must be a positive integer"),
-    (True, "parameter 'classification' must be a positive integer"),
-    ("2", "parameter 'classification' must be a positive integer"),
+    (-1, "parameter 'classification' must be a non-negative integer"),
+    (True, "parameter 'classification' must be a non-negative integer"),
+    ("2", "parameter 'classification' must be a non-negative integer"),
 ])
 def test_a_bad_count_is_a_400(server: Server, count: object, message: str) -> None:
     body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": X[0].tolist()}],

@@ -399,11 +399,11 @@ def _decode_outputs(raw: Any, spec: ModelSpec, shm: Registry | None
         if as_binary:
             binary.add(name)
         count = params.get("classification")
-        if count is not None:
-            classes[name] = classification_count(spec, name, count)
+        if count is not None and classification_count(spec, name, count):
+            classes[name] = count
         where = tensor_parameters(params, f"output '{name}'")
         if where is not None:
-            if count is not None:
+            if name in classes:
                 raise InvalidArgument(f"output '{name}': shared memory can't be set on a classification "
                                       "output")
             if as_binary:
@@ -416,9 +416,11 @@ def _decode_outputs(raw: Any, spec: ModelSpec, shm: Registry | None
 
 def classification_count(spec: ModelSpec, name: str, count: Any) -> int:
     """An output's `classification` parameter (Triton's classification extension), checked against the
-    output's datatype before anything runs."""
-    if type(count) is not int or count < 1:
-        raise InvalidArgument(f"output '{name}': parameter 'classification' must be a positive integer")
+    output's datatype before anything runs; 0 asks for the tensor itself, as in Triton."""
+    if type(count) is not int or count < 0:
+        raise InvalidArgument(f"output '{name}': parameter 'classification' must be a non-negative integer")
+    if count == 0:
+        return 0
     output = spec.output(name)
     datatype = output.datatype if output is not None else ""
     if datatype not in CLASSIFIABLE:
