@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from despina.contract.errors import DespinaError, InvalidArgument
+from despina.contract.errors import DespinaError, InvalidArgument, NotFound
 from despina.gateway.shm import Registry
 
 from .conftest import Server, module_server, start_server, stop_server
@@ -197,7 +197,7 @@ def test_registrations_are_shared_through_the_servers_file(tmp_path: Path) -> No
         second.region("r").write(0, b"\xff\xff", "y")
         assert data.read_bytes()[16:18] == b"\xff\xff"
         first.unregister("r")
-        with pytest.raises(InvalidArgument, match="Unable to find shared memory region: 'r'"):
+        with pytest.raises(NotFound, match="Unable to find shared memory region: 'r'"):
             second.region("r")
         second.register("r", "/obj", 0, 8)  # the name again, another region
         assert first.region("r").read(0, 2, "z") == bytes([0, 1])
@@ -292,11 +292,12 @@ def test_bad_requests_through_shared_memory(server: Server, client: httpclient.I
         ({"shared_memory_region": "r", "shared_memory_byte_size": -1}, {}, "non-negative integer"),
         ({"shared_memory_region": 5, "shared_memory_byte_size": SIZE}, {}, "region's name"),
         ({"shared_memory_region": "r", "shared_memory_byte_size": SIZE}, {"a_data": True}, "give one of"),
-        ({"shared_memory_region": "nope", "shared_memory_byte_size": SIZE}, {}, "Unable to find shared memory"),
     ]
     for params, extra, message in cases:
         r = infer(params, **extra)  # type: ignore[arg-type]
         assert r.status_code == 400 and message in r.json()["error"], (params, r.text)
+    r = infer({"shared_memory_region": "nope", "shared_memory_byte_size": SIZE})  # Triton's NOT_FOUND
+    assert r.status_code == 404 and r.json()["error"] == "Unable to find shared memory region: 'nope'", r.text
     ok = {"shared_memory_region": "r", "shared_memory_byte_size": SIZE}
     small = [{"name": "sum", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8}}]
     r = infer(ok, outputs=small)

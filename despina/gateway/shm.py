@@ -175,11 +175,11 @@ class Registry:
         return self._registered
 
     def region(self, name: str, looked: bool = False) -> Region:
-        """The registered region `name`, mapped here; InvalidArgument when there is none. `looked`: the
+        """The registered region `name`, mapped here; NotFound (Triton's 404) if none. `looked`: the
         registrations were read for this request already (a request's second region needs no stat)."""
         reg = (self._registered if looked else self._current()).get(name)
         if reg is None:
-            raise InvalidArgument(f"Unable to find shared memory region: '{name}'")
+            raise NotFound(f"Unable to find shared memory region: '{name}'")
         region = self._mapped.get(name)
         if region is None:
             region = self._mapped[name] = Region(reg, registering=False)
