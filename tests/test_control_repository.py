@@ -61,7 +61,8 @@ def test_explicit_mode_load_unload_and_index(serve: Callable[..., Server], repo:
         rows = {(r["name"], r.get("version")): r for r in client.get_model_repository_index()}
         assert rows[("mlp", "2")]["state"] == "UNAVAILABLE" and rows[("mlp", "2")]["reason"] == "unloaded"
         r = infer(server.url)
-        assert r.status_code == 400 and "not loaded" in r.json()["error"]
+        # Triton's 404 and words for a model it has unloaded (it was a 400)
+        assert r.status_code == 404 and "Request for unknown model: 'mlp' has no available versions" in r.json()["error"]
 
         # a config override (Triton's `config` parameter): only version 1 this time
         override = {"name": "mlp", "backend": "onnxruntime", "max_batch_size": 4,

@@ -196,7 +196,8 @@ class ModelView:
         if e.state != "READY":
             raise Unavailable(f"model '{name}' is unavailable: {e.reason}")
         if e.target == UNLOADED:
-            raise FailedPrecondition(f"model '{name}' is not loaded")
+            raise NotFound(f"Request for unknown model: '{name}' has no available versions (it is not "
+                           "loaded)")
         if model.ensemble is not None:  # it runs here, on the models it calls: each is resolved in turn
             return model, self._ensemble_version(model, version)
         ready = self.ready.get(name, ())
