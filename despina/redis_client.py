@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import re
+from urllib.parse import parse_qs, urlparse
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError, ResponseError
+from redis.exceptions import ConnectionError, RedisError, ResponseError
 
 # A dead Redis must fail a request within a second, not hang it: connecting gives up after this.
 CONNECT_TIMEOUT_S = 0.5
@@ -21,6 +22,25 @@ def connect(url: str, max_connections: int = 64) -> aioredis.Redis:
         health_check_interval=0, retry_on_timeout=False,
         retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)))
     return aioredis.Redis(connection_pool=pool)
+
+
+def url_trouble(url: str) -> str | None:
+    """What is wrong with a Redis URL that redis-py would take and fail on only at its first command (in
+    every role at once, each with a traceback), or would quietly read otherwise: None when nothing is."""
+    try:
+        connect(url).connection_pool.make_connection()
+    except TypeError as exc:  # a query parameter the connection does not take
+        said = re.search(r"keyword argument '(.*)'", str(exc))
+        return f"unknown parameter {said[1]!r}" if said else str(exc)
+    except (ValueError, RedisError) as exc:  # no password in these: the port, a parameter's value
+        return str(exc)
+    parsed = urlparse(url)
+    if parsed.scheme.lower() == "unix":
+        return None if parsed.path else "a unix:// URL names the socket's path (unix:///path/to/redis.sock)"
+    db = parsed.path.strip("/")
+    if db and not db.isdigit() and "db" not in parse_qs(parsed.query):
+        return f"the database (the URL's path) must be a number, got {db!r}"
+    return None
 
 
 _PIPELINED = re.compile(r"Command # \d+ \((.*)\) of pipeline caused error: (.*)", re.DOTALL)

@@ -97,6 +97,11 @@ class Settings:
             # not echoed: a URL may hold a password
             raise BadSetting("DESPINA_REDIS_URL (or REDIS_URL, --redis-url) must be a redis://, rediss:// or "
                              "unix:// URL")
+        if self.redis_url is not None:
+            from .redis_client import url_trouble
+
+            if why := url_trouble(self.redis_url):
+                raise BadSetting(f"DESPINA_REDIS_URL (or REDIS_URL, --redis-url): {why}")
         for name in ("http_port", "metrics_port"):
             if getattr(self, name) > 65535:
                 raise BadSetting(f"DESPINA_{name.upper()} (or --{name.replace('_', '-')}) must be a port "

@@ -244,6 +244,11 @@ def test_roles_need_a_redis_url(role: str) -> None:
     ({"DESPINA_METRICS_PORT": "65536"}, [], "DESPINA_METRICS_PORT (or --metrics-port) must be a port number"),
     ({}, ["--model-repository", "/nonexistent"], "--model-repository): /nonexistent is not a folder"),
     ({"REDIS_URL": "localhost:6379"}, [], "DESPINA_REDIS_URL (or REDIS_URL, --redis-url) must be a redis://"),
+    # redis-py takes these and fails at the first command, each role with a traceback (or reads db 0)
+    ({"REDIS_URL": "redis://127.0.0.1:abc"}, [], "--redis-url): Port could not be cast to integer value as 'abc'"),
+    ({}, ["--redis-url", "redis://127.0.0.1/0?colour=blue"], "--redis-url): unknown parameter 'colour'"),
+    ({"DESPINA_REDIS_URL": "unix://"}, [], "--redis-url): a unix:// URL names the socket's path"),
+    ({"REDIS_URL": "redis://127.0.0.1:6379/x"}, [], "--redis-url): the database (the URL's path) must be a number"),
     ({"DESPINA_MODEL_REPOSITORY": "README.md"}, [], "DESPINA_MODEL_REPOSITORY (or --model-repository): README.md is"),
 ])
 def test_a_bad_setting_is_named_and_nothing_starts(env: dict[str, str], args: list[str], said: str) -> None:
