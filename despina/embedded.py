@@ -57,6 +57,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def bound_socket(host: str, port: int, role: str, reuse_port: bool = False) -> socket.socket:
+    """`host`:`port` bound before the role starts its work: a port it cannot have ends the process with
+    one line that says so."""
+    sock = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError as exc:
+        if sock is not None:
+            sock.close()
+        reason = (exc.strerror or str(exc)).lower()
+        raise SystemExit(f"{role}: cannot bind {host}:{port}: {reason}") from None
+    return sock
+
+
 STALE_AFTER_S = 60.0  # a directory younger than this may belong to a Valkey still starting
 
 

@@ -17,6 +17,7 @@ import uvicorn
 from .contract.errors import ConfigError
 from .control.plane import ControlPlane
 from .cpus import parse, pin
+from .embedded import bound_socket
 from .http_server import Server
 from .logs import dump_tasks_on_sigusr2
 from .redis_client import connect
@@ -100,26 +101,6 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     """The HTTP port bound with SO_REUSEPORT, so that `serve --gateways N` runs N gateways on it: the
     kernel spreads new connections over them (only processes of the same user can join the port)."""
     return bound_socket(host, port, "gateway", reuse_port=True)
-
-
-def bound_socket(host: str, port: int, role: str, reuse_port: bool = False) -> socket.socket:
-    """`host`:`port` bound before the role starts its work: a port it cannot have ends the process with
-    one line that says so."""
-    sock = None
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
-    except OSError as exc:
-        if sock is not None:
-            sock.close()
-        reason = (exc.strerror or str(exc)).lower()
-        raise SystemExit(f"{role}: cannot bind {host}:{port}: {reason}") from None
-    return sock
 
 
 def _run_until_signal(make_and_run: object) -> None:

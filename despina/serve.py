@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from .cpus import available, format_list, parse
-from .embedded import EmbeddedValkey, child_setup
+from .embedded import EmbeddedValkey, bound_socket, child_setup
 from .gateway.shm import Registry
 from .settings import Settings
 
@@ -104,6 +104,7 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         settings = self.settings
+        self._check_port()
         others = self._other_cpus()
         if not settings.redis_url:
             self.valkey = EmbeddedValkey(cpus=others)
@@ -146,6 +147,14 @@ class Supervisor:
                     break
         self.shutdown()
         return code
+
+    def _check_port(self) -> None:
+        """Stop, before anything starts, where another program holds the HTTP port: gateways bound with
+        SO_REUSEPORT (serve --gateways N) would otherwise share it with another serve's, each taking some
+        of the connections, and a worker started against a shared Redis would join a cluster that is
+        not ours until its gateway failed. (DESPINA_REUSE_PORT asks to share it on purpose.)"""
+        if not self.settings.reuse_port:
+            bound_socket(self.settings.host, self.settings.http_port, "serve").close()
 
     def _other_cpus(self) -> frozenset[int] | None:
         """With --worker-cpus, where the other processes run: the CPUs the workers leave (the workers

@@ -370,6 +370,19 @@ def test_a_shared_port_that_another_program_holds_is_refused_by_name() -> None:
     first.close(), second.close()
 
 
+def test_a_second_serve_on_the_same_port_stops_in_one_line(serve: Callable[..., Server],
+                                                           example_repository: Path) -> None:
+    # with --gateways 2 it used to serve beside the first, SO_REUSEPORT giving each some of the connections
+    server = serve(example_repository, "--gateways", "2", wait_models=("mlp",))
+    port = server.url.rsplit(":", 1)[1]
+    r = subprocess.run([sys.executable, "-m", "despina", "serve", "--model-repository", str(example_repository),
+                        "--gateways", "2", "--http-port", port, "--metrics-port", "0"],
+                       capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=30)
+    assert r.returncode == 1 and f"serve: cannot bind 127.0.0.1:{port}: address already in use" in r.stderr
+    assert "Traceback" not in r.stderr and "embedded Valkey" not in r.stderr, r.stderr
+    assert httpx.post(f"{server.url}/fn/mlp", content=ROW).status_code == 200
+
+
 def test_a_metrics_port_that_another_program_holds_stops_serve_in_one_line(example_repository: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
