@@ -39,6 +39,7 @@ def test_explicit_mode_load_unload_and_index(serve: Callable[..., Server], repo:
     client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
     try:
         assert client.is_model_ready("add_sub") and not client.is_model_ready("mlp")
+        assert httpx.get(f"{server.url}/v2/models/mlp/config").status_code == 404  # not loaded yet
         assert {r["name"]: r for r in client.get_model_repository_index()}["mlp"] == {"name": "mlp"}
 
         client.load_model("mlp")
@@ -63,6 +64,9 @@ def test_explicit_mode_load_unload_and_index(serve: Callable[..., Server], repo:
         r = infer(server.url)
         # Triton's 404 and words for a model it has unloaded (it was a 400)
         assert r.status_code == 404 and "Request for unknown model: 'mlp' has no available versions" in r.json()["error"]
+        for path in ("", "/config", "/versions/2"):  # its metadata and config too, as Triton's
+            r = httpx.get(f"{server.url}/v2/models/mlp{path}")
+            assert r.status_code == 404 and "'mlp' has no available versions" in r.json()["error"], (path, r.text)
 
         # a config override (Triton's `config` parameter): only version 1 this time
         override = {"name": "mlp", "backend": "onnxruntime", "max_batch_size": 4,

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .. import __version__
+from ..contract.catalog import UNLOADED
 from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
@@ -31,7 +32,7 @@ from .generate import GenerateRoute, StreamEndpoint
 from .infer import AsgiEndpoint, FunctionRoute, InferRoute, Lane
 from .logging_api import EXTENSION as LOGGING_EXTENSION
 from .logging_api import logging_routes
-from .models import ModelView
+from .models import ModelView, not_loaded
 from .openapi import document
 from .protocol import HotRoutes
 from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
@@ -228,6 +229,8 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
         model = gw.view.get(p["model"])
         if model.entry.state != "READY":
             raise Unavailable(f"model '{model.entry.name}' is unavailable: {model.entry.reason}")
+        if model.entry.target == UNLOADED:
+            raise not_loaded(model.entry.name)
         version = p.get("version")
         if version is not None:
             if not version.isdigit() or int(version) not in model.entry.versions:

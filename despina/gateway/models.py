@@ -196,8 +196,7 @@ class ModelView:
         if e.state != "READY":
             raise Unavailable(f"model '{name}' is unavailable: {e.reason}")
         if e.target == UNLOADED:
-            raise NotFound(f"Request for unknown model: '{name}' has no available versions (it is not "
-                           "loaded)")
+            raise not_loaded(name)
         if model.ensemble is not None:  # it runs here, on the models it calls: each is resolved in turn
             return model, self._ensemble_version(model, version)
         ready = self.ready.get(name, ())
@@ -322,3 +321,9 @@ def _known_version(e: CatalogEntry, version: str) -> int:
     if v not in e.versions:
         raise NotFound(f"unknown version {v} of model '{e.name}'")
     return v
+
+
+def not_loaded(name: str) -> NotFound:
+    """What infer, metadata and config answer for a model in the repository that is not loaded: Triton's
+    404 and words."""
+    return NotFound(f"Request for unknown model: '{name}' has no available versions (it is not loaded)")
