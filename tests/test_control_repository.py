@@ -12,15 +12,17 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+import redis
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from despina.contract.errors import ConfigError
+from despina.contract.keys import Keys
 from despina.control.repository import load_model, read_model
 from despina.examples import build_add_sub, build_mlp
 from despina.registry import LocalRegistry
 
-from .conftest import Server
+from .conftest import Server, stop_server
 from .control_support import MLP_CONFIG, ROW, expected, index, infer, mlp_folder, wait_until
 
 
@@ -383,3 +385,30 @@ def test_a_version_the_specific_policy_names_twice_is_one_version(tmp_path: Path
     (the model's metadata listed it twice)."""
     folder = mlp_folder(tmp_path, "mlp", {1: 0, 2: 1}, extra="version_policy { specific { versions: [ 2, 1, 2 ] } }")
     assert load_model(folder).versions == (1, 2)
+
+
+def test_unloading_and_stopping_leave_no_consumer_in_the_request_streams(
+        serve: Callable[..., Server], repo: Path, redis_url: str, key_prefix: str) -> None:
+    # a worker's consumer stayed in a stream's group for good after an unload, and after the worker
+    # stopped (scaled in, restarted): the control plane deletes only a dead worker's, from what is loaded
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "mlp", wait_models=("mlp",))
+    streams = [Keys(key_prefix).request_stream("mlp", v) for v in (1, 2)]
+    client = redis.Redis.from_url(redis_url)
+
+    def consumers() -> list[bytes]:
+        return [c["name"] for s in streams for c in client.xinfo_consumers(s, "workers")]
+
+    try:
+        for version in (1, 2):
+            assert infer(server.url, version=version).status_code == 200
+        assert consumers()
+        assert httpx.post(f"{server.url}/v2/repository/models/mlp/unload", timeout=60).status_code == 200
+        wait_until(lambda: not consumers(), what="the worker's consumers to leave the groups")
+
+        assert httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60).status_code == 200
+        assert infer(server.url, version=2).status_code == 200
+        assert consumers()
+        assert stop_server(server) == 0
+        assert consumers() == []
+    finally:
+        client.close()

@@ -110,6 +110,7 @@ class EnsembleHost:
         while self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
         self.streams.close()
+        await self.streams.leave()
         if self._out is not None:
             self._out.close()
         self.state = "UNAVAILABLE"

@@ -149,6 +149,7 @@ class ModelRunner:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         await self.execution.unload()
         self.streams.close()
+        await self.streams.leave()
         if self._out is not None:
             self._out.close()
         self.state = "UNAVAILABLE"

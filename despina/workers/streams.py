@@ -22,6 +22,15 @@ Entry = tuple[str, bytes, dict[bytes, bytes]]   # (stream, entry id, fields)
 READ_BLOCK_MS = 1000     # where it cannot
 LONG_BLOCK_MS = 30_000   # where it can: CLIENT UNBLOCK of the reading connection
 UNBLOCK_EVERY_S = 0.05   # a read sent just after an UNBLOCK is unblocked again this soon
+# Delete a consumer from a stream's group unless it holds pending entries (XGROUP DELCONSUMER would drop
+# them from the group's pending list, where nobody could redeliver them). KEYS: stream; ARGV: group, consumer.
+LEAVE_IF_DONE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if not ok or #pending > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
 
 
 class ModelStreams:
@@ -37,6 +46,19 @@ class ModelStreams:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
+
+    async def leave(self) -> None:
+        """Take this consumer out of the streams' group once all it read is acknowledged: a consumer
+        stays there until deleted, and the control plane deletes only a dead worker's, from the streams
+        of what is loaded then. Without this every worker that stopped (scaled in, restarted) and every
+        unload would leave one behind for good. Another runner of this worker reading the stream (a
+        reload of the same version) has entries pending, or makes itself a consumer again with its next
+        read."""
+        try:
+            for stream in self.streams:
+                await self.redis.eval(LEAVE_IF_DONE, 1, stream, GROUP, self.consumer)
+        except (RedisError, OSError) as exc:  # left for the control plane, should this worker die
+            log.debug("leaving the group of %s failed (%s)", self.streams[0], exc)
 
     @property
     def _reader_id(self) -> int | None:
