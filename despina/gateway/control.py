@@ -1,6 +1,7 @@
 """The gateway's line to the control plane: a command on its stream, the answer on a reply list."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, cast
@@ -13,24 +14,44 @@ from ..contract.errors import Unavailable
 from ..contract.keys import FIELD, Keys
 
 COMMANDS_MAXLEN = 10_000
+# Calls waiting for their answers at once. Each waits in a BLPOP on one of the gateway's Redis connections
+# (64, redis_client.connect) for as long as the control plane takes: past this many, a call waits for a
+# turn, so that a burst of repository calls while the control plane is slow or restarting leaves the pool
+# to requests and the model view (which, without a connection, turns the gateway not ready).
+CONCURRENT_CALLS = 32
 
 
 class ControlClient:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
+        self._turns = asyncio.Semaphore(CONCURRENT_CALLS)
 
     async def call(self, op: str, model: str = "", params: dict[str, Any] | None = None,
                    timeout: float = 60.0) -> Any:
         """Send one command and wait for its answer: the data, or the control plane's error raised here."""
-        command = Command(uuid.uuid4().hex, op, model, params or {}, time.time() + timeout)
+        deadline = time.time() + timeout
         try:
-            await self.redis.xadd(self.keys.control_commands, {FIELD: command.dumps()},
-                                  maxlen=COMMANDS_MAXLEN, approximate=True)
-            got = await self.redis.blpop([self.keys.control_reply(command.id)], timeout=timeout + 1.0)
-        except (RedisError, ConnectionError, OSError) as exc:
-            raise Unavailable(f"the control plane cannot be reached (Redis: {exc})") from None
+            async with asyncio.timeout(timeout):
+                await self._turns.acquire()
+        except TimeoutError:
+            raise self._silent(op, timeout) from None
+        try:
+            command = Command(uuid.uuid4().hex, op, model, params or {}, deadline)
+            try:
+                await self.redis.xadd(self.keys.control_commands, {FIELD: command.dumps()},
+                                      maxlen=COMMANDS_MAXLEN, approximate=True)
+                got = await self.redis.blpop([self.keys.control_reply(command.id)],
+                                             timeout=max(deadline - time.time(), 0.0) + 1.0)
+            except (RedisError, ConnectionError, OSError) as exc:
+                raise Unavailable(f"the control plane cannot be reached (Redis: {exc})") from None
+        finally:
+            self._turns.release()
         if got is None:
-            raise Unavailable(f"the control plane did not answer '{op}' within {timeout:g} s "
-                              "(is `despina control` running?)")
+            raise self._silent(op, timeout)
         return Answer.loads(cast(bytes, got[1])).result()
+
+    @staticmethod
+    def _silent(op: str, timeout: float) -> Unavailable:
+        return Unavailable(f"the control plane did not answer '{op}' within {timeout:g} s "
+                           "(is `despina control` running?)")
