@@ -1,6 +1,8 @@
 """The shared contract: model config parsing, datatypes, the record codec (and fuzzing of decoders)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -78,11 +80,25 @@ def test_syntax_errors_name_the_model_and_field(text: str, words: str) -> None:
     ('backend: "onnxruntime" dynamic_batching { }', "max_batch_size > 0"),
     ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [1] }, '
      '{ name: "x" data_type: TYPE_FP32 dims: [1] }]', "appears twice"),
+    ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [2, 3] reshape { shape: [5] } }]',
+     "different size for dims [2, 3] and reshape [5]"),
+    ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [2, -1] reshape { shape: [-1, 2] } }]',
+     "different size for dims [2, -1] and reshape [-1, 2]"),
+    ('backend: "onnxruntime" output [{ name: "y" data_type: TYPE_FP32 dims: [-1, 4, 3] '
+     'reshape { shape: [-1, 2, 3] } }]', "output 'y': has different size"),
 ])
 def test_semantic_errors_name_the_model_and_field(text: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:
         validate(normalize("mlp", parse_text("mlp", text)))
     assert "model 'mlp'" in str(err.value) and words in str(err.value)
+
+
+def test_reshapes_triton_accepts_load() -> None:
+    """Triton compares the element counts between the open sizes: these keep them."""
+    for dims, shape in (("[2, 4, -1, 6]", "[8, -1, 1, 6]"), ("[1]", "[]"), ("[-1, 6]", "[-1, 2, 3]")):
+        spec = spec_of(f'backend: "onnxruntime" input [{{ name: "x" data_type: TYPE_FP32 dims: {dims} '
+                       f'reshape {{ shape: {shape} }} }}]')
+        assert spec.inputs[0].reshape == tuple(json.loads(shape))
 
 
 @pytest.mark.parametrize("name", ["..", "../etc", "a/b", "/abs", "a\0b", "", "x" * 200, ".hidden"])

@@ -222,8 +222,10 @@ def validate(config: Any) -> None:
                 if shape.count(-1) != list(t.dims).count(-1):
                     raise ConfigError(f"{where}: field 'reshape' {shape} must leave as many sizes open (-1) "
                                       f"as 'dims' {list(t.dims)}")
-                if -1 not in t.dims and _count(t.dims) != _count(shape):
-                    raise ConfigError(f"{where}: field 'reshape' changes the element count")
+                if _chunks(t.dims) != _chunks(shape):
+                    raise ConfigError(f"{where}: has different size for dims {list(t.dims)} and reshape "
+                                      f"{shape} (field 'reshape': the sizes between open ones, -1, must hold "
+                                      "as many elements in both)")
     if scheduling == "dynamic_batching":
         db = config.dynamic_batching
         if config.max_batch_size == 0:
@@ -255,6 +257,18 @@ def _reshape_of(tensor: dict[str, Any]) -> tuple[int, ...] | None:
     if "reshape" not in tensor:
         return None
     return tuple(int(d) for d in (tensor["reshape"] or {}).get("shape", []))
+
+
+def _chunks(dims: Any) -> list[int]:
+    """The element counts between open sizes (-1), as Triton compares a reshape with its dims: [2, 4, -1, 6]
+    and [8, -1, 1, 6] both give [8, 6]."""
+    counts = [1]
+    for d in dims:
+        if d == -1:
+            counts.append(1)
+        else:
+            counts[-1] *= d
+    return counts
 
 
 def _count(dims: Any) -> int:
