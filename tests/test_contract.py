@@ -86,6 +86,10 @@ def test_syntax_errors_name_the_model_and_field(text: str, words: str) -> None:
      "different size for dims [2, -1] and reshape [-1, 2]"),
     ('backend: "onnxruntime" output [{ name: "y" data_type: TYPE_FP32 dims: [-1, 4, 3] '
      'reshape { shape: [-1, 2, 3] } }]', "output 'y': has different size"),
+    ('backend: "onnxruntime" max_batch_size: 4 dynamic_batching { priority_levels: 2 }',
+     "default priority level must be in range [1, 2]"),
+    ('backend: "onnxruntime" max_batch_size: 4 dynamic_batching { priority_levels: 2 default_priority_level: 1 '
+     'priority_queue_policy { key: 3 value { max_queue_size: 1 } } }', "priority level in range [1, 2]"),
 ])
 def test_semantic_errors_name_the_model_and_field(text: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -234,6 +234,16 @@ def validate(config: Any) -> None:
             if size <= 0 or size > config.max_batch_size:
                 raise ConfigError(f"model '{model}': field 'dynamic_batching.preferred_batch_size' "
                                   f"{size} is outside 1..max_batch_size ({config.max_batch_size})")
+        if db.priority_levels:  # else the gateways and workers could not build the model's BatchPolicy
+            if not 1 <= db.default_priority_level <= db.priority_levels:
+                raise ConfigError(f"model '{model}': default priority level must be in range [1, "
+                                  f"{db.priority_levels}] (field 'dynamic_batching.default_priority_level' "
+                                  f"is {db.default_priority_level})")
+            for level in db.priority_queue_policy:
+                if not 1 <= level <= db.priority_levels:
+                    raise ConfigError(f"model '{model}': priority queue policy must have priority level in "
+                                      f"range [1, {db.priority_levels}] (field "
+                                      f"'dynamic_batching.priority_queue_policy' has {level})")
         if db.preserve_ordering:  # Triton's rules: one queue, and nothing moved behind the others
             if config.model_transaction_policy.decoupled:
                 raise ConfigError(f"model '{model}': 'preserve_ordering' for a decoupled model is not "
