@@ -42,6 +42,7 @@ class ModelStreams:
         self.streams = [q.stream for q in self.queues]
         self.executing = keys.executing(consumer)
         self._reader: Resp | None = None  # reads block: they get a lean connection of their own
+        self._joined = False  # a consumer of the streams' group: made by this consumer's first read or claim
 
     def close(self) -> None:
         if self._reader is not None:
@@ -54,6 +55,8 @@ class ModelStreams:
         unload would leave one behind for good. Another runner of this worker reading the stream (a
         reload of the same version) has entries pending, or makes itself a consumer again with its next
         read."""
+        if not self._joined:
+            return
         try:
             for stream in self.streams:
                 await self.redis.eval(LEAVE_IF_DONE, 1, stream, GROUP, self.consumer)
@@ -159,6 +162,7 @@ class ModelStreams:
                 *streams.values()]
 
     async def _xread(self, command: Command) -> Any:
+        self._joined = True
         if self._reader is None:
             self._reader = Resp.like(self.redis, identify=True)
         return (await self._reader.execute([command]))[0]
@@ -166,6 +170,7 @@ class ModelStreams:
     async def reclaim(self, policy: DeliveryPolicy, count: int = 100) -> int:
         """Redeliver what any consumer left unacknowledged past the visibility timeout (see redelivery);
         returns how many requests."""
+        self._joined = True
         moved = 0
         for queue in self.queues:
             try:
