@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import orjson
 
 from .conftest import FULL_QUEUE_DELAY, Server
@@ -44,3 +45,42 @@ def test_a_killed_worker_loses_no_request(serve: Callable[..., Server], tmp_path
     assert moved.workers[0] != victim
     assert f"worker {victim} stopped sending heartbeats" in server.logs()
     assert "requeued" in server.logs()
+
+
+FIRST_LOAD_FAILS = '''import os
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        try:  # the first instance to start, on whichever worker, fails; every later one loads
+            os.close(os.open({marker!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        raise RuntimeError("the first load fails")
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "x")]) for r in requests]
+'''
+
+
+def test_a_load_that_fails_on_one_worker_is_answered_by_the_next_try(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """A model that fails on a worker is tried on another: the load answers once that try is over, not
+    with the first worker's error while the second loads it."""
+    repo = tmp_path / "repo"
+    (repo / "flaky" / "1").mkdir(parents=True)
+    (repo / "flaky" / "config.pbtxt").write_text(
+        'name: "flaky"\nbackend: "python"\nmax_batch_size: 4\n'
+        'input [ { name: "x", data_type: TYPE_FP32, dims: [ 2 ] } ]\n'
+        'output [ { name: "x", data_type: TYPE_FP32, dims: [ 2 ] } ]\n'
+        'instance_group [ { count: 1, kind: KIND_CPU } ]\n')
+    (repo / "flaky" / "1" / "model.py").write_text(FIRST_LOAD_FAILS.format(marker=str(tmp_path / "tried")))
+    server = serve(repo, "--workers", "2", "--model-control-mode", "explicit")
+    wait_until(lambda: server.logs().count("for models") >= 2, what="two workers")
+    r = httpx.post(f"{server.url}/v2/repository/models/flaky/load", timeout=60)
+    assert r.status_code == 200, r.text
+    assert (tmp_path / "tried").exists()  # the first try did fail
+    r = httpx.post(f"{server.url}/v2/models/flaky/infer", timeout=30,
+                   json={"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]})
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [1.0, 2.0], r.text

@@ -19,7 +19,7 @@ from ..settings import Settings
 from ..workers.redelivery import DeliveryPolicy, Queue
 from .backlog import requeue
 from .ensembles import Ensembles
-from .placement import committed, out_of_memory, partners, place, replicas
+from .placement import committed, eligible, need, out_of_memory, partners, place, replicas
 from .repository import parameter
 from .state import Catalog, Workers
 
@@ -139,13 +139,25 @@ class Lifecycle:
             if v in failed and self.workers.ready_on(e.name, v, rev):  # another worker managed it
                 del failed[v]
             if tried and v not in failed and all(w in tried for w in live) \
-                    and not any(self.workers.status[w].ready(e.name, v, rev) for w in live):
+                    and not any(self.workers.status[w].ready(e.name, v, rev) for w in live) \
+                    and not self._next_try(e, live, tried):
                 serving = any(self.workers.status[w].ready(e.name, v) for w in live)
                 message = next(iter(tried.values()))
                 failed[v] = f"the new files failed to load; the previous ones serve: {message}" \
                     if serving else message
                 log.error("model %s version %d failed to load: %s", e.name, v, message)
         return replace(e, failed=failed) if failed != e.failed else e
+
+    def _next_try(self, e: CatalogEntry, live: list[str], tried: dict[str, str]) -> bool:
+        """Whether placement will give the model to a worker that has not tried its files yet: a worker
+        it failed on is left out, and another one with room for it takes its place."""
+        excluded = self.excluded.get(e.name, set())
+        if not any(w in excluded for w in live):
+            return False
+        n = need(e)
+        used = committed(x for x in self.catalog.entries.values() if x.name != e.name)
+        return any(wid not in tried and wid not in excluded and eligible(n, s.info, used.get(wid, 0)) is None
+                   for wid, s in self.workers.status.items())
 
     def _switch_versions(self, e: CatalogEntry, now: float) -> CatalogEntry:
         """Once every new version is READY everywhere (or failed), the retiring ones go, after a grace."""
