@@ -377,8 +377,9 @@ def test_initialize_failure_is_a_load_error(tmp_path: Path) -> None:
     source = FLAKY.replace("    def execute", "    def initialize(self, args):\n"
                            "        raise RuntimeError('no weights here')\n\n    def execute")
     backend = backend_for(write_model(tmp_path, "flaky", source, FLAKY_CONFIG))
-    with pytest.raises(ConfigError, match="initialize failed: RuntimeError: no weights here"):
+    with pytest.raises(ConfigError) as caught:
         backend.load()  # type: ignore[attr-defined]
+    assert caught.value.message == "model 'flaky': initialize failed: RuntimeError: no weights here (model.py:9)"
 
 
 def test_wrong_number_of_responses_fails_every_request(tmp_path: Path) -> None:

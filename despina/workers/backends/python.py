@@ -70,10 +70,12 @@ class PythonBackend(Backend):
             stub = Stub.start(self.spec.name, python=python)
         try:
             stub.call("initialize", {"model_file": str(self.model_path()), "args": self._args()})
-        except (StubDied, BackendError) as exc:
+        except BackendError as exc:  # the stub's error names the model and the call already
             stub.stop()
-            raise ConfigError(f"model '{self.spec.name}': initialize failed: "
-                              f"{exc.message if isinstance(exc, BackendError) else exc}") from None
+            raise ConfigError(exc.message) from None
+        except StubDied as exc:
+            stub.stop()
+            raise ConfigError(f"model '{self.spec.name}': initialize failed: {exc}") from None
         return stub
 
     def _args(self) -> dict[str, str]:
