@@ -90,6 +90,8 @@ def test_syntax_errors_name_the_model_and_field(text: str, words: str) -> None:
      "default priority level must be in range [1, 2]"),
     ('backend: "onnxruntime" max_batch_size: 4 dynamic_batching { priority_levels: 2 default_priority_level: 1 '
      'priority_queue_policy { key: 3 value { max_queue_size: 1 } } }', "priority level in range [1, 2]"),
+    ('backend: "onnxruntime" instance_group [{ name: "g" kind: KIND_CPU gpus: [0] }]',
+     "instance group g has kind KIND_CPU but specifies one or more GPUs"),
 ])
 def test_semantic_errors_name_the_model_and_field(text: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:

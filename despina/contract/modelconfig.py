@@ -259,6 +259,9 @@ def validate(config: Any) -> None:
     for group in config.instance_group:
         if group.count < 0:
             raise ConfigError(f"model '{model}': field 'instance_group.count' must be >= 0")
+        if group.kind == pb.ModelInstanceGroup.KIND_CPU and group.gpus:
+            raise ConfigError(f"model '{model}': instance group {group.name} has kind KIND_CPU but "
+                              "specifies one or more GPUs")
     validate_batch_io(config, scheduling)
 
 
