@@ -576,6 +576,18 @@ def test_a_fraction_for_an_integer_datatype_is_refused_not_cut(datatype: str) ->
     assert np.frombuffer(whole, V2_TO_NUMPY[datatype]).tolist() == [2, 3, 0]
 
 
+def test_an_integer_below_int64s_range_is_refused_not_taken_as_its_minimum() -> None:
+    """The JSON parser reads an integer past 64 bits as a float; below INT64's range that float is
+    -2**63, and INT64's minimum ran where the client sent -9223372036854775809."""
+    below = orjson.loads(b"[-9223372036854775809, 0, 0]")
+    with pytest.raises(InvalidArgument, match=r"INT64 data past 2\*\*53 must be written as integers"):
+        json_data_to_bytes("x", "INT64", [3], below)
+    with pytest.raises(InvalidArgument, match=r"past 2\*\*53"):  # a float that lost digits on its way
+        json_data_to_bytes("x", "INT64", [3], [9007199254740993.0, 0, 0])
+    exact = json_data_to_bytes("x", "INT64", [3], orjson.loads(b"[-9223372036854775808, 0, -9007199254740991.0]"))
+    assert np.frombuffer(exact, np.int64).tolist() == [-2**63, 0, -(2**53 - 1)]
+
+
 def test_a_document_without_r_or_l_holds_no_booleans_or_nulls() -> None:
     assert holds_no_booleans(b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}')
     for literal in (b"true", b"false", b"null"):

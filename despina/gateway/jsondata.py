@@ -33,6 +33,9 @@ PACKED = {"UINT8": "B", "UINT16": "H", "UINT32": "I", "UINT64": "Q", "INT8": "b"
           "INT32": "i", "INT64": "q", "FP16": "e", "FP32": "f", "FP64": "d"}
 
 
+FLOAT_EXACT = 2.0**53  # floats below it in magnitude hold every whole number, and no other
+
+
 def holds_no_booleans(raw: bytes) -> bool:
     """True when a JSON document has no true, false (or null) anywhere: every such literal has an r or
     an l, and these bytes are found at memchr's speed. A document with them may still have none."""
@@ -172,6 +175,13 @@ def converted(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
         fraction = next((x for x in flat if type(x) is float and not x.is_integer()), None)
         if fraction is not None:
             raise InvalidArgument(f"input '{name}': {datatype} data must be whole numbers, not {fraction!r}")
+        # past 2**53 a float is not every whole number: the JSON parser reads an integer below INT64's
+        # range as one, and -9223372036854775809 became INT64's minimum
+        inexact = next((x for x in flat if type(x) is float and abs(x) >= FLOAT_EXACT), None)
+        if inexact is not None:
+            raise InvalidArgument(f"input '{name}': " + (
+                _misfit(datatype, flat) or f"{datatype} data past 2**53 must be written as integers, not "
+                f"{inexact!r} (a float there may not be the number sent)"))
     try:
         with np.errstate(over="ignore"):  # past a float's range is its infinity, as in Triton
             array = np.asarray(flat, dtype=V2_TO_NUMPY[datatype])
