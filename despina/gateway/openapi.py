@@ -89,8 +89,9 @@ def _schemas() -> Doc:
             "name": {"type": "string"},
             "parameters": {"type": "object", "additionalProperties": True, "properties": {
                 "binary_data": {"type": "boolean"},
-                "classification": {"type": "integer", "minimum": 1, "description": "Triton's classification "
-                                   "extension: the output's k highest values as \"value:index[:label]\""}}}}},
+                "classification": {"type": "integer", "minimum": 0, "description": "Triton's classification "
+                                   "extension: the output's k highest values as \"value:index[:label]\" "
+                                   "(0: the tensor itself)"}}}}},
         "InferRequest": {"type": "object", "required": ["inputs"], "properties": {
             "id": {"type": "string"},
             "parameters": {"type": "object", "additionalProperties": True,
