@@ -213,7 +213,8 @@ def test_timeout_override_may_only_shorten() -> None:
     assert policy.timeout_us(500) == 500
     assert policy.timeout_us(5000) == 1000
     assert QueuePolicy(default_timeout_us=1000).timeout_us(500) == 1000
-    assert QueuePolicy(allow_timeout_override=True).timeout_us(700) == 700
+    # as Triton's PolicyQueue: a request's timeout only shortens a default one; with none it is ignored
+    assert QueuePolicy(allow_timeout_override=True).timeout_us(700) == 0
 
 
 async def test_max_queue_size_refuses_at_once() -> None:

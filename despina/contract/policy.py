@@ -12,12 +12,12 @@ from typing import Any
 class QueuePolicy:
     timeout_action: str = "REJECT"          # or "DELAY"
     default_timeout_us: int = 0             # 0: no timeout
-    allow_timeout_override: bool = False    # a request may shorten the timeout, never lengthen it
+    allow_timeout_override: bool = False    # a request may shorten a default timeout, never lengthen it
     max_queue_size: int = 0                 # 0: unbounded
 
     def timeout_us(self, requested_us: int) -> int:
-        if requested_us > 0 and self.allow_timeout_override and (
-                self.default_timeout_us == 0 or requested_us < self.default_timeout_us):
+        """Triton's rule: with no default timeout (0) a request's own is ignored, override or not."""
+        if self.allow_timeout_override and 0 < requested_us < self.default_timeout_us:
             return requested_us
         return self.default_timeout_us
 
