@@ -222,7 +222,7 @@ async def test_max_queue_size_refuses_at_once() -> None:
     batcher = DynamicBatcher(policy, Recorder())
     batcher.put(Item(1, "k", 1))
     batcher.put(Item(1, "k", 2))
-    with pytest.raises(QueueFull, match="full"):
+    with pytest.raises(QueueFull, match="Exceeds maximum queue size"):
         batcher.put(Item(1, "k", 3))
 
 

@@ -87,7 +87,7 @@ def test_full_queue_refuses_at_once_and_loses_nothing_accepted(serve: Callable[.
     for _, seconds, response in refused:
         assert seconds < 1.0                               # at once, not after the 1.5 s delay
         assert response.headers["retry-after"] == "1"
-        assert "queue is full" in response.json()["error"]
+        assert "Exceeds maximum queue size" in response.json()["error"]  # Triton's words
     for _, seconds, response in accepted:
         assert seconds >= 1.0 and response.json()["outputs"][0]["shape"] == [1, 10]
 

@@ -393,7 +393,8 @@ class Dispatcher:
             return
         for (_, (_, limit), req), accepted in zip(bounded, results[plain:], strict=True):
             if not accepted:
-                self._finish(req.id, DespinaError(f"the queue is full ({limit} requests); retry later",
+                self._finish(req.id, DespinaError(f"Exceeds maximum queue size: the queue is full "
+                                                f"({limit} requests); retry later",
                                                 Code.RESOURCE_EXHAUSTED))
 
     def refused(self, stats: str) -> None:

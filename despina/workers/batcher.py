@@ -88,7 +88,7 @@ class DynamicBatcher:
         # its timed-out requests (DELAY) still wait in it: Triton counts them too
         queued = len(queue) + len(self._delayed[level - 1])
         if queue_policy.max_queue_size and queued >= queue_policy.max_queue_size:
-            raise QueueFull(f"the queue of priority level {level} is full "
+            raise QueueFull(f"Exceeds maximum queue size: the queue of priority level {level} is full "
                             f"({queue_policy.max_queue_size} requests)")
         timeout = queue_policy.timeout_us(item.timeout_us)
         if timeout:
