@@ -35,13 +35,13 @@ input [{ name: "x" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } }]
 output [{ name: "y" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } }]
 model_warmup [{ name: "zeros" batch_size: 2 inputs { key: "x" value: { data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } } }]
 """
-# `pairs`: x [N, M, 2] -> y, the same; clients send and get [N, 2M] flat
+# `pairs`: x [N, M, 2, 2] -> y, the same; clients send and get [N, M, 4]
 PAIRS = """
 name: "pairs"
 backend: "onnxruntime"
 max_batch_size: 4
-input [{ name: "x" data_type: TYPE_FP32 dims: [ -1 ] reshape: { shape: [ -1, 2 ] } }]
-output [{ name: "y" data_type: TYPE_FP32 dims: [ -1 ] reshape: { shape: [ -1, 2 ] } }]
+input [{ name: "x" data_type: TYPE_FP32 dims: [ -1, 4 ] reshape: { shape: [ -1, 2, 2 ] } }]
+output [{ name: "y" data_type: TYPE_FP32 dims: [ -1, 4 ] reshape: { shape: [ -1, 2, 2 ] } }]
 """
 
 
@@ -58,7 +58,7 @@ def build(repo: Path, name: str, config: str, shape: list[str | int], op: str) -
 def server(serve, tmp_path: Path) -> Server:
     repo = tmp_path / "repo"
     build(repo, "double", DOUBLE, ["N"], "double")
-    build(repo, "pairs", PAIRS, ["N", "M", 2], "identity")
+    build(repo, "pairs", PAIRS, ["N", "M", 2, 2], "identity")
     return serve(repo, wait_models=("double", "pairs"))
 
 
@@ -92,13 +92,12 @@ def test_clients_use_the_configs_dims_and_the_model_its_reshape(server: Server) 
     stats = httpx.get(f"{server.url}/v2/models/double/stats").json()["model_stats"][0]
     assert stats["inference_count"] > stats["execution_count"]  # some were batched together
 
-    # open sizes: [1, 6] goes in as [1, 3, 2] and comes back as [1, 6]
-    r = infer(server.url, "pairs", [0, 1, 2, 3, 4, 5], [1, 6])
+    # open sizes: [1, 2, 4] goes in as [1, 2, 2, 2] and comes back as [1, 2, 4]
+    r = infer(server.url, "pairs", list(range(8)), [1, 2, 4])
     assert r.status_code == 200, r.text
-    assert r.json()["outputs"][0]["shape"] == [1, 6] and r.json()["outputs"][0]["data"] == [0, 1, 2, 3, 4, 5]
-    # an odd count cannot make pairs: a clear 400 at the gateway, never the backend's 500
-    r = infer(server.url, "pairs", [0, 1, 2], [1, 3])
-    assert r.status_code == 400 and "reshape" in r.json()["error"], r.text
+    assert r.json()["outputs"][0]["shape"] == [1, 2, 4] and r.json()["outputs"][0]["data"] == list(range(8))
+    r = infer(server.url, "pairs", [0, 1, 2], [1, 3])  # not the dims: a clear 400, never the backend's 500
+    assert r.status_code == 400, r.text
     r = infer(server.url, "double", [1.0, 2.0], [1, 2])  # the dims still rule
     assert r.status_code == 400
 
@@ -111,7 +110,8 @@ def test_reshape_is_checked_against_the_dims() -> None:
         validate(config)
         return ModelSpec.from_config(to_dict(config))
 
-    for bad, why in (('dims: [ 4 ] reshape: { shape: [ 3 ] }', "element count"),
+    for bad, why in (('dims: [ 4 ] reshape: { shape: [ 3 ] }', "different size"),
+                     ('dims: [ -1 ] reshape: { shape: [ -1, 2 ] }', "different size"),  # Triton's rule too
                      ('dims: [ -1 ] reshape: { shape: [ 2, 2 ] }', "open"),
                      ('dims: [ 4 ] reshape: { shape: [ 0, 2 ] }', "positive")):
         with pytest.raises(ConfigError, match=why):
@@ -124,7 +124,7 @@ def test_reshape_is_checked_against_the_dims() -> None:
     # several open sizes take the request's in order
     assert reshaped((5, 6), (-1, -1), (-1, 1, -1)) == (5, 1, 6)
     assert reshaped((3,), (-1,), (-1, 1)) == (-1, 1)  # a lone one is numpy's to work out
-    odd = spec('{ name: "x" data_type: TYPE_FP32 dims: [ -1 ] reshape: { shape: [ -1, 2 ] } }')
-    check_shape(odd, odd.inputs[0], [1, 4])
-    with pytest.raises(InvalidArgument, match="reshape"):
-        check_shape(odd, odd.inputs[0], [1, 5])
+    pairs = spec('{ name: "x" data_type: TYPE_FP32 dims: [ -1, 4 ] reshape: { shape: [ -1, 2, 2 ] } }')
+    check_shape(pairs, pairs.inputs[0], [1, 3, 4])
+    with pytest.raises(InvalidArgument):
+        check_shape(pairs, pairs.inputs[0], [1, 5])
