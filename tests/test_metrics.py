@@ -7,6 +7,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -22,6 +23,7 @@ from despina.contract.errors import Code, DespinaError
 from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
+from despina.control import status
 from despina.control.repository import load_model
 from despina.counters import Deferred
 from despina.examples import build_identity, build_mlp
@@ -196,6 +198,26 @@ def test_status_page_shows_models_rates_batches_and_workers(server: Server) -> N
     assert status["workers"] and status["workers"][0]["models"]["m"]["1"] == "READY"
     broken = {m["name"]: m for m in status["models"]}
     assert set(broken) >= {"m", "q", "fails"}
+
+
+async def test_the_status_tracker_keeps_no_sample_it_would_not_read(redis_url: str, key_prefix: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each sample holds every model version's counters: those older than the longest look back
+    (status.RECENT_S) are dropped, however long the control plane runs."""
+    clock = [1e9]
+    monkeypatch.setattr(status, "time", SimpleNamespace(time=lambda: clock[0]))
+    client = aioredis.Redis.from_url(redis_url)
+    tracker = status.StatusTracker(client, Keys(key_prefix))
+    try:
+        for _ in range(int(2 * status.RECENT_S / status.PERIOD_S)):
+            await tracker.sample()
+            clock[0] += status.PERIOD_S
+    finally:
+        await client.aclose()
+    newest = tracker.samples[-1][0]
+    assert tracker._since(status.RECENT_S) == tracker.samples[0]
+    assert newest - tracker.samples[0][0] <= status.RECENT_S
+    assert len(tracker.samples) <= status.RECENT_S / status.PERIOD_S + 1
 
 
 async def mlp_runner(tmp_path: Path, redis_url: str, key_prefix: str

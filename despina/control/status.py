@@ -19,9 +19,8 @@ from ..metrics import collect
 from ..workers.stats import LATENCY_BUCKETS_US
 
 PERIOD_S = 2.0
-WINDOW_S = 600.0         # samples kept
 RATE_S = 10.0            # requests/s over this much
-RECENT_S = 300.0         # latency percentiles and batch sizes over this much
+RECENT_S = 300.0         # latency percentiles and batch sizes over this much: the oldest sample kept
 
 
 class StatusTracker:
@@ -39,7 +38,8 @@ class StatusTracker:
         stats = {f"{m['model']}:{m['version']}": m["stats"] for m in data["models"]}
         self.backlog = {f"{m['model']}:{m['version']}": sum(m["backlog"]) for m in data["models"]}
         self.samples.append((now, stats))
-        while self.samples and now - self.samples[0][0] > WINDOW_S:
+        # an older sample is never read (_since), and each holds every model version's counters
+        while self.samples and now - self.samples[0][0] > RECENT_S:
             self.samples.popleft()
         self.catalog = data["catalog"]
         self.workers = [WorkerStatus.from_hash(wid, h) for wid, h in data["heartbeats"].items()]
