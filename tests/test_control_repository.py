@@ -19,13 +19,15 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from despina.contract.commands import INDEX, Answer, Command
-from despina.contract.errors import ConfigError
+from despina.contract.errors import ConfigError, DespinaError
 from despina.contract.keys import FIELD, Keys
+from despina.control.plane import ControlPlane
 from despina.control.repository import load_model, read_model
 from despina.examples import build_add_sub, build_mlp
 from despina.gateway.control import ControlClient
 from despina.redis_client import connect
 from despina.registry import LocalRegistry
+from despina.settings import Settings
 
 from .conftest import Server, stop_server
 from .control_support import MLP_CONFIG, ROW, expected, index, infer, mlp_folder, wait_until
@@ -446,3 +448,23 @@ async def test_calls_waiting_on_a_slow_control_plane_leave_the_gateway_its_redis
     finally:
         await redis.aclose(close_connection_pool=True)
         await plane.aclose()
+
+
+async def test_loads_of_models_that_do_not_exist_leave_no_lock_behind(tmp_path: Path, redis_url: str,
+                                                                       key_prefix: str) -> None:
+    """The control plane's lock per model name lives while the name is in use: a client loading and
+    unloading names that no model has must not grow it (one lock per name, for good, before)."""
+    client = connect(redis_url)
+    plane = ControlPlane(Settings(model_repository=str(tmp_path), key_prefix=key_prefix), client)
+    try:
+        for i in range(50):
+            with pytest.raises(DespinaError):
+                await plane.commands.load(f"nothing{i}", {}, timeout=5.0)
+            await plane.commands.unload(f"nothing{i}", dependents=False, timeout=5.0)
+        first = asyncio.ensure_future(plane.commands.load("nothing", {}, timeout=5.0))
+        second = asyncio.ensure_future(plane.commands.load("nothing", {}, timeout=5.0))
+        await asyncio.wait([first, second])
+        assert isinstance(first.exception(), DespinaError) and isinstance(second.exception(), DespinaError)
+        assert len(plane.locks) == 0
+    finally:
+        await client.aclose()

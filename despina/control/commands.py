@@ -172,16 +172,10 @@ class Commands:
     async def _turn(self, name: str, deadline: float) -> AsyncIterator[None]:
         """The model's lock, held by a load or an unload until it answers: they take turns, as Triton's
         do (a load and an unload sent together both succeed, in order)."""
-        lock = self.plane.lock(name)
-        try:
-            await asyncio.wait_for(lock.acquire(), _left(deadline))
-        except TimeoutError:
-            raise Unavailable(f"model '{name}' is still being loaded or unloaded by an earlier call; "
-                              "try again later") from None
-        try:
+        late = Unavailable(f"model '{name}' is still being loaded or unloaded by an earlier call; "
+                           "try again later")
+        async with self.plane.locks.hold(name, _left(deadline), late):
             yield
-        finally:
-            lock.release()
 
     async def _take_back(self, model: ModelFiles, old: CatalogEntry | None, replaced: dict[str, bytes | None],
                          why: str) -> None:

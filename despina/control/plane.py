@@ -13,8 +13,8 @@ import os
 import socket
 import time
 import uuid
-from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -51,6 +51,41 @@ return 0
 """
 
 
+class NamedLocks:
+    """A lock per model name, kept only while someone holds it or waits for it: the names come from
+    clients too (a load of a model that does not exist), and a lock left behind per name would pile up."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # name -> its lock, and who holds or waits
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @asynccontextmanager
+    async def hold(self, name: str, timeout: float | None = None, late: Exception | None = None
+                   ) -> AsyncIterator[None]:
+        """Hold the name's lock for the block; `late` (or TimeoutError) when it is not had in `timeout`."""
+        lock, users = self._locks.get(name) or (asyncio.Lock(), 0)
+        self._locks[name] = (lock, users + 1)
+        try:
+            try:
+                await asyncio.wait_for(lock.acquire(), timeout)
+            except TimeoutError:
+                if late is None:
+                    raise
+                raise late from None
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            lock, users = self._locks[name]
+            if users > 1:
+                self._locks[name] = (lock, users - 1)
+            else:
+                del self._locks[name]
+
+
 class ControlPlane:
     def __init__(self, settings: Settings, redis: aioredis.Redis) -> None:
         if settings.model_control_mode not in MODES:
@@ -70,13 +105,10 @@ class ControlPlane:
         self.registry_error = ""            # why the last look at the registry failed
         self._applied: dict[str, str] = {}  # model -> fingerprint of the files now in the catalog
         self._seen: dict[str, str] = {}     # model -> fingerprint seen by the last poll
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.locks = NamedLocks()  # model name -> its lock: a load, an unload and a sync take turns
         self._kick = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-
-    def lock(self, name: str) -> asyncio.Lock:
-        return self._locks[name]
 
     def kick(self) -> None:
         """Tick now: something changed."""
@@ -308,7 +340,7 @@ class ControlPlane:
             if not first and self._seen.get(name) != fingerprint:
                 self._seen[name] = fingerprint
                 continue
-            async with self.lock(name):
+            async with self.locks.hold(name):
                 try:
                     entry = await asyncio.to_thread(read_model, self.registry, files)
                 except Unavailable as exc:  # the store, not the model: try again next time
