@@ -26,6 +26,7 @@ from despina.workers.backends.base import visible_gpus
 from despina.workers.execution import INLINE_BELOW_US
 from despina.workers.instances import plan
 from despina.workers.runner import ModelRunner
+from despina.workers.warmup import samples
 
 from .conftest import Server, module_server
 
@@ -328,7 +329,7 @@ async def test_failing_warmup_is_a_load_error(tmp_path: Path) -> None:
     runner = runner_for(folder)
     await runner.load()
     await runner.stop()
-    wrong = good.replace('"ok"', '"wrong"').replace("dims: [ 4 ] zero", "dims: [ 5 ] zero")
+    wrong = good.replace('"ok"', '"wrong"').replace("} } } ]", "} } " + WARM_A.replace('"a"', '"c"') + "} ]")
     (folder / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n' + wrong)
     with pytest.raises(ConfigError, match="warmup sample 'wrong' failed"):
         await runner_for(folder).load()
@@ -336,6 +337,30 @@ async def test_failing_warmup_is_a_load_error(tmp_path: Path) -> None:
                                          good.replace("zero_data: true", 'input_data_file: "../../x"'))
     with pytest.raises(ConfigError, match="inside the model's warmup/ folder"):
         await runner_for(folder).load()
+
+
+WARM_A = 'inputs { key: "a" value: { data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } } '
+WARM_B = 'inputs { key: "b" value: { data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } } '
+
+
+@pytest.mark.parametrize(("sample", "error"), [
+    ("batch_size: 9 " + WARM_A + WARM_B, "batch size 9 is over max_batch_size 8"),
+    ("batch_size: 1 " + WARM_A + WARM_B.replace("[ 4 ]", "[ -1 ]"), "variable-size dimensions"),
+    ("batch_size: 1 " + WARM_A + WARM_B.replace("[ 4 ]", "[ 5 ]"), r"shape \[1, 5\] does not match"),
+    ("batch_size: 1 " + WARM_A + WARM_B.replace("FP32", "INT32"), "datatype 'INT32' given"),
+    ("batch_size: 1 " + WARM_A, "lacks input"),
+    ("batch_size: 1 " + WARM_A + WARM_B.replace(" zero_data: true", ""), "input_data_type set"),
+])
+def test_a_warmup_sample_no_request_could_be_is_a_load_error(tmp_path: Path, sample: str, error: str) -> None:
+    """Triton checks its warmup requests as it checks a client's: a sample that lacks an input, or has
+    another datatype, shape or too big a batch, reached the model (a batch of 9 for max_batch_size 8)."""
+    folder = tmp_path / "add_sub"
+    (folder / "1").mkdir(parents=True)
+    build_add_sub(folder / "1" / "model.onnx")
+    (folder / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+                                         f'model_warmup [ {{ name: "w" {sample} }} ]\n')
+    with pytest.raises(ConfigError, match=f"model_warmup 'w'.*{error}"):
+        samples(ModelSpec.from_config(load_model(folder).config), folder)
 
 
 async def test_random_data_for_a_string_input_is_zero_data_as_in_triton(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..contract.datatypes import CONFIG_TO_V2, V2_TO_NUMPY, deserialize_bytes, element_count
 from ..contract.errors import ConfigError, DespinaError, InvalidArgument
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelconfig import ModelSpec, check_datatype, check_shape
 from .backends.base import Backend
 from .ragged import BatchIO
 from .reshape import Reshapes
@@ -33,6 +33,9 @@ def samples(spec: ModelSpec, model_dir: Path) -> list[Sample]:
         if not spec.batched and batch_size != 1:
             raise ConfigError(f"model '{spec.name}': model_warmup '{name}': field 'batch_size' must be "
                               "1 for a model without batching")
+        if batch_size > spec.max_batch_size > 0:
+            raise ConfigError(f"model '{spec.name}': model_warmup '{name}': batch size {batch_size} is "
+                              f"over max_batch_size {spec.max_batch_size}")
         inputs = {}
         for input_name, data in (raw.get("inputs") or {}).items():
             try:
@@ -40,16 +43,39 @@ def samples(spec: ModelSpec, model_dir: Path) -> list[Sample]:
             except (OSError, ValueError, DespinaError) as exc:
                 raise ConfigError(f"model '{spec.name}': model_warmup '{name}' input '{input_name}': "
                                   f"{exc}") from None
+            try:
+                _check(spec, input_name, data, array)
+            except DespinaError as exc:
+                raise ConfigError(f"model '{spec.name}': model_warmup '{name}': {exc.message}") from None
             inputs[input_name] = array[np.newaxis] if spec.batched else array
+        missing = [t.name for t in spec.inputs if not t.optional and t.name not in inputs]
+        if missing:
+            raise ConfigError(f"model '{spec.name}': model_warmup '{name}' lacks input(s) "
+                              f"{', '.join(missing)}")
         found.append(Sample(name, batch_size, max(1, int(raw.get("count") or 1)), inputs))
     return found
+
+
+def _check(spec: ModelSpec, name: str, data: dict[str, Any], array: np.ndarray) -> None:
+    """A sample's input holds what a request may send, as Triton checks its warmup requests; a name the
+    model lacks goes through (Triton passes it on, a sequence's control input)."""
+    expected = spec.input(name)
+    if expected is None:
+        return
+    check_datatype(expected, CONFIG_TO_V2[data["data_type"]])
+    check_shape(spec, expected, ([1] if spec.batched else []) + list(array.shape))
 
 
 def _data(data: dict[str, Any], model_dir: Path, rng: np.random.Generator) -> np.ndarray:
     datatype = CONFIG_TO_V2.get(data.get("data_type", ""))
     if datatype is None:
         raise ValueError(f"field 'data_type' {data.get('data_type')} is not supported")
-    shape = tuple(max(1, int(d)) for d in data.get("dims", ()))
+    shape = tuple(int(d) for d in data.get("dims", ()))
+    if any(d < 0 for d in shape):
+        raise ValueError("warmup setting expects all variable-size dimensions are specified")
+    if not any(data.get(k) for k in ("zero_data", "random_data", "input_data_file")):
+        raise ValueError("warmup setting expects the input to have input_data_type set (zero_data, "
+                         "random_data or input_data_file)")
     dtype = V2_TO_NUMPY[datatype]
     count = element_count(shape)
     if data.get("input_data_file"):
