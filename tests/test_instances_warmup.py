@@ -364,8 +364,9 @@ def test_a_warmup_sample_no_request_could_be_is_a_load_error(tmp_path: Path, sam
 
 
 async def test_random_data_for_a_string_input_is_zero_data_as_in_triton(tmp_path: Path) -> None:
-    """Triton warms a TYPE_STRING input given random_data with zero data: random bytes are not the text an
-    ONNX string tensor holds, and made the load of such a model fail."""
+    """Triton warms a TYPE_STRING input given random_data with zero data, empty strings (each
+    element's length 0): random bytes are not the text an ONNX string tensor holds, and made the load of
+    such a model fail."""
     folder = tmp_path / "text"
     graph = helper.make_graph([helper.make_node("Identity", ["s"], ["t"])], "text",
                               [helper.make_tensor_value_info("s", TensorProto.STRING, ["N", 2])],
@@ -377,6 +378,7 @@ async def test_random_data_for_a_string_input_is_zero_data_as_in_triton(tmp_path
     runner = runner_for(folder)
     await runner.load()
     await runner.stop()
+    assert samples(runner.spec, folder)[0].inputs["s"].tolist() == [[b"", b""]]
 
 
 async def test_a_quick_model_runs_inline_whatever_else_held_the_loop_while_a_thread_ran_it(tmp_path: Path) -> None:

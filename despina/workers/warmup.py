@@ -100,8 +100,8 @@ def _data(data: dict[str, Any], model_dir: Path, rng: np.random.Generator) -> np
         if dtype.kind == "b":
             return rng.integers(0, 2, shape).astype(dtype)
         return rng.integers(0, 100, shape).astype(dtype)
-    if datatype == "BYTES":
-        return np.full(shape, b"0", dtype=object)
+    if datatype == "BYTES":  # Triton's zero bytes: each element's 4-byte length is 0
+        return np.full(shape, b"", dtype=object)
     return np.zeros(shape, dtype=dtype)
 
 
