@@ -406,6 +406,28 @@ def test_model_process_ends_with_unload(tmp_path: Path) -> None:
     assert process.poll() is not None
 
 
+def test_unloading_a_model_that_is_executing_starts_no_process_again(tmp_path: Path) -> None:
+    """Unload stops the process under an execute still running (a warmup that hangs, say): that is not a
+    crash to recover from, and a process started again then served a model no longer loaded, for good."""
+    source = FLAKY.replace("        if any((v == -1).any() for v in values):",
+                           "        if any((v == 7).any() for v in values):\n            import time\n"
+                           "            time.sleep(60)\n        if any((v == -1).any() for v in values):")
+    backend = backend_for(write_model(tmp_path, "flaky", source, FLAKY_CONFIG))
+    backend.load()  # type: ignore[attr-defined]
+    answers: list[object] = []
+    running = threading.Thread(target=lambda: answers.extend(backend.execute_requests(  # type: ignore[attr-defined]
+        [{"X": np.full((1, 2), 7, dtype=np.float32)}], [["Y"]])))
+    running.start()
+    time.sleep(1.0)  # the model is in its sleep
+    backend.unload()  # type: ignore[attr-defined]
+    running.join(30)
+    restart = backend._restart  # type: ignore[attr-defined]
+    if restart is not None:
+        restart.join(30)
+    assert isinstance(answers[0], DespinaError) and "unloaded" in answers[0].message, answers
+    assert not backend.stub.alive()  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("stub, message", [
     ("import sys; sys.exit(3)", "its process ended while starting (exit code 3)"),
     ("import time; time.sleep(30)", "its process did not start within 1 s"),

@@ -52,6 +52,8 @@ class PythonBackend(Backend):
     def gpu_available(cls) -> bool:
         return visible_gpus() > 0
 
+    _unloaded = False  # set by unload: a process that ends then is not one to start again
+
     def load(self) -> None:
         self._lock = threading.Lock()
         self._restart: threading.Thread | None = None
@@ -168,6 +170,9 @@ class PythonBackend(Backend):
 
     def _died(self, exc: StubDied) -> BackendError:
         """The process died under a batch: restart it on a thread; the batch's error."""
+        if self._unloaded:  # unload stopped it under this batch (a warmup that hangs, say)
+            return BackendError(f"model '{self.spec.name}' instance {self.instance.name} was unloaded while "
+                                "executing this request")
         log.error("model %s: instance %s died while executing (%s); restarting it",
                   self.spec.name, self.instance.name, exc)
         self._restart = threading.Thread(target=self._restart_stub, daemon=True)
@@ -180,6 +185,8 @@ class PythonBackend(Backend):
 
     def _ready(self) -> DespinaError | None:
         """Wait for a restart in progress; start the process again if it died while idle."""
+        if self._unloaded:
+            return BackendError(f"model '{self.spec.name}' instance {self.instance.name} is unloaded")
         if self._restart is not None:
             self._restart.join()
             self._restart = None
@@ -200,8 +207,11 @@ class PythonBackend(Backend):
         except ConfigError as exc:
             self._restart_error = exc.message
             log.error("%s", exc.message)
+        if self._unloaded:  # unloaded while it started again
+            self.stub.stop()
 
     def unload(self) -> None:
+        self._unloaded = True
         if getattr(self, "_restart", None) is not None:
             self._restart.join()  # type: ignore[union-attr]
         if getattr(self, "stub", None) is not None:
