@@ -115,27 +115,30 @@ class SequenceBatcher:
         seq.queued.append(item)
         seq.last = time.monotonic()
         if seq.instance < 0 and item.timeout_us:
-            self._expires(seq, item)
+            self._expires(correlation, seq, item)
         self._feed(seq)
 
-    def _expires(self, seq: _Sequence, item: Item) -> None:
+    def _expires(self, correlation: Correlation, seq: _Sequence, item: Item) -> None:
         """A waiting sequence's request has a timeout: the sequence is refused when it runs out, unless
         it gets a slot first (Triton's backlog takes the earliest of its requests' timeouts)."""
         expires = (item.arrived if item.since is None else item.since) + item.timeout_us / 1e6
         if seq.expires is None or expires < seq.expires:
             seq.expires = expires
-            asyncio.get_running_loop().call_later(max(0.0, expires - time.monotonic()), self._expire_waiting)
+            asyncio.get_running_loop().call_later(max(0.0, expires - time.monotonic()), self._expire_waiting,
+                                                  correlation, expires)
 
-    def _expire_waiting(self) -> None:
-        now = time.monotonic()
-        for correlation in list(self._waiting):
-            seq = self._sequences.get(correlation)
-            if seq is None or seq.instance >= 0 or seq.expires is None or seq.expires > now:
-                continue
-            del self._sequences[correlation]
-            self._waiting.remove(correlation)
-            for item in seq.queued:
-                self._refuse(item, SLOT_TIMED_OUT)
+    def _expire_waiting(self, correlation: Correlation, expires: float) -> None:
+        """The timer the waiting sequence's earliest timeout set fired: it is refused. The timer is
+        trusted, not the clock: uvloop's count whole milliseconds and fire up to one early, and a
+        sequence that looked not yet due was left waiting for a slot (until another sequence idled
+        out a second later)."""
+        seq = self._sequences.get(correlation)
+        if seq is None or seq.instance >= 0 or seq.expires != expires:
+            return  # got a slot, ended, or a later request's earlier timeout set another timer
+        del self._sequences[correlation]
+        self._waiting.remove(correlation)
+        for item in seq.queued:
+            self._refuse(item, SLOT_TIMED_OUT)
         self._close_when_done()
 
     def _free_instance(self) -> int:
