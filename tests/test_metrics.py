@@ -20,7 +20,7 @@ from onnx import TensorProto
 from despina import counters
 from despina.contract import records
 from despina.contract.errors import Code, DespinaError
-from despina.contract.keys import FIELD, IN_FLIGHT, Keys
+from despina.contract.keys import FIELD, GROUP, IN_FLIGHT, Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control import status
@@ -409,11 +409,21 @@ def test_an_unload_answers_what_was_read_once_and_the_counts_agree_with_the_clie
     server = serve(repo, "--model-control-mode", "explicit", "--load-model", "slow", wait_models=("slow",))
     body = orjson.dumps({"inputs": [{"name": "IN", "shape": [1, 1], "datatype": "FP32", "data": [1]}]})
 
+    async def read_or_answered(calls: list[asyncio.Task[httpx.Response]], stream: str) -> None:
+        """Until every call is answered (50 ms each) or read by the worker (pending in its group)."""
+        async with aioredis.Redis.from_url(redis_url) as redis:
+            for _ in range(400):
+                pending = (await redis.xpending(stream, GROUP))["pending"]
+                if sum(c.done() for c in calls) + pending >= len(calls):
+                    return
+                await asyncio.sleep(0.05)
+        raise AssertionError("the worker did not read the requests in 20 s")
+
     async def traffic() -> list[int]:
         async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=100)) as client:
             calls = [asyncio.create_task(client.post(f"{server.url}/v2/models/slow/infer", content=body))
                      for _ in range(40)]
-            await asyncio.sleep(0.5)  # a few answered (50 ms each), the rest read by the worker
+            await read_or_answered(calls, Keys(key_prefix).request_stream("slow", 1))
             assert (await client.post(f"{server.url}/v2/repository/models/slow/unload")).status_code == 200
             return [r.status_code for r in await asyncio.gather(*calls)]
 
