@@ -164,6 +164,12 @@ def test_a_load_parameter_triton_does_not_know_is_refused(serve: Callable[..., S
                    json={"parameters": {"confg": override}}, timeout=60)
     assert r.status_code == 400 and "unrecognized load parameter 'confg'" in r.json()["error"], r.text
     assert httpx.get(f"{server.url}/v2/models/add_sub/ready", timeout=10).status_code == 400
+    for params in ([], 0, "", False, [{"config": override}]):  # not an object: not taken as none
+        for action in ("load", "unload"):
+            r = httpx.post(f"{server.url}/v2/repository/models/add_sub/{action}", json={"parameters": params},
+                           timeout=60)
+            assert r.status_code == 400 and "'parameters' must be a JSON object" in r.json()["error"], r.text
+    assert httpx.get(f"{server.url}/v2/models/add_sub/ready", timeout=10).status_code == 400
     r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load",
                    json={"parameters": {"config": override}}, timeout=60)
     assert r.status_code == 200, r.text

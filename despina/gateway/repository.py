@@ -66,7 +66,9 @@ def repository_routes(gw: Gateway) -> list[Route]:
 
 
 def _parameters(doc: dict[str, Any]) -> dict[str, Any]:
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
+    params = doc.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):  # ([], 0, "" or false were taken as no parameters)
         raise InvalidArgument("'parameters' must be a JSON object")
     return params
