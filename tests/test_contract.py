@@ -107,7 +107,7 @@ def test_reshapes_triton_accepts_load() -> None:
         assert spec.inputs[0].reshape == tuple(json.loads(shape))
 
 
-@pytest.mark.parametrize("name", ["..", "../etc", "a/b", "/abs", "a\0b", "", "x" * 200, ".hidden"])
+@pytest.mark.parametrize("name", ["..", "../etc", "a/b", "/abs", "a\0b", "", "x" * 200, ".hidden", "a\n"])
 def test_model_names_cannot_escape(name: str) -> None:
     with pytest.raises(InvalidArgument):
         check_model_name(name)

@@ -43,12 +43,12 @@ DEFAULT_FILENAMES = {
     "python": "model.py",
 }
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "$" lets a trailing newline through
 
 
 def check_model_name(name: str) -> str:
     """Model names become key and path components: nothing may reach outside the repository."""
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise InvalidArgument(
             f"invalid model name {name!r}: use letters, digits, '_', '-' and '.', at most 128 characters")
     return name
