@@ -50,7 +50,9 @@ def run_gateway(settings: Settings) -> None:
                             access_log=False,
                             proxy_headers=False, server_header=False, date_header=False,
                             log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(settings.drain_timeout_s))
+                            # seconds, a fraction too (uvicorn's annotation says int; asyncio.timeout
+                            # takes a float): int() made a drain under a second none at all
+                            timeout_graceful_shutdown=settings.drain_timeout_s)  # type: ignore[arg-type]
     sockets = [reuse_port_socket(settings.host, settings.http_port)] if settings.reuse_port else None
     quiet_collector()
     Server(config, give_up=app.state.gateway.dispatcher.give_up).run(sockets=sockets)

@@ -154,6 +154,30 @@ def test_requests_still_waiting_as_the_drain_ends_are_answered_503(
     server.process.wait(30)
 
 
+def test_a_drain_of_less_than_a_second_is_waited_out(serve: Callable[..., Server],
+                                                    example_repository: Path) -> None:
+    # the gateway's drain was int(DESPINA_DRAIN_TIMEOUT_S): 0.9 s was none, and what was in flight was
+    # answered 503 ("no answer came within its drain time") the moment SIGTERM came, however close its answer
+    server = serve(example_repository, env={"DESPINA_DRAIN_TIMEOUT_S": "0.9"}, wait_models=("mlp",))
+    (worker,) = role_pids(server, "worker")
+    signalled = 0.0
+
+    async def sigterm() -> None:
+        nonlocal signalled
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        answers = asyncio.run(five_waiting_then(server, sigterm))
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    waited = time.monotonic() - signalled
+    assert [r.status_code if isinstance(r, httpx.Response) else r for r in answers] == [503] * 5
+    assert waited >= 0.6  # the gateway gives up a quarter of its drain before the end: at 0.675 s
+    server.process.wait(30)
+
+
 def test_a_second_signal_during_the_drain_stops_everything_at_once(
         serve: Callable[..., Server], example_repository: Path) -> None:
     # it was ignored: a second Ctrl-C left serve waiting out a drain of up to DESPINA_DRAIN_TIMEOUT_S
