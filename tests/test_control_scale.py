@@ -166,3 +166,52 @@ def test_a_failed_cold_start_is_not_timed_into_the_next_load(
         client.close()
     assert cold is None, orjson.loads(cold)  # no cold start succeeded: the load API's load is none
     assert "mlp: cold start took" not in server.logs()
+
+
+HELD = """
+import os
+import time
+import triton_python_backend_utils as pb_utils
+
+HOLD = {hold!r}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        while os.path.exists(HOLD):  # a load as slow as the test wants
+            time.sleep(0.05)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "x")]) for r in requests]
+"""
+
+
+def test_a_request_that_joins_a_cold_start_waits_its_own_timeout(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """Requests that come during a cold start share its wake, which lasted the first one's timeout: a
+    request that came 4 s after the first was refused (503) when the first one's 6 s ran out, and the
+    model was READY a moment later, well within its own."""
+    repo, hold = tmp_path / "repo", tmp_path / "hold"
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "1" / "model.py").write_text(HELD.format(hold=str(hold)))
+    (repo / "slow" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n' + IDLE + "\n")
+    server = serve(repo, "--request-timeout", "6", wait_models=("slow",))
+    wait_until(lambda: "slow" not in loaded_models(redis_url, key_prefix), 15, what="slow to be unloaded")
+    hold.touch()
+    body = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
+
+    async def first_and_joining() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            first = asyncio.create_task(client.post("/v2/models/slow/infer", json=body))
+            await asyncio.sleep(4)
+            joining = asyncio.create_task(client.post("/v2/models/slow/infer", json=body))
+            refused = await first  # the load still held: its 6 s run out
+            hold.unlink()
+            return [refused, await joining]
+
+    refused, joined = asyncio.run(first_and_joining())
+    assert refused.status_code == 503 and "did not load within" in refused.json()["error"], refused.text
+    assert joined.status_code == 200, joined.text

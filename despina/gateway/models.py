@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
@@ -21,6 +22,7 @@ from ..contract.catalog import LOADED, UNLOADED, CatalogEntry
 from ..contract.commands import WAKE
 from ..contract.ensemble import Ensemble, is_ensemble
 from ..contract.errors import (
+    Code,
     ConfigError,
     DespinaError,
     FailedPrecondition,
@@ -36,6 +38,9 @@ from .control import ControlClient
 log = logging.getLogger("despina.gateway")
 
 REFRESH_S = 0.5
+# a shared wake that ran out its time (its first caller's) while a caller that joined it has this much left
+# or more: another wake waits out the rest
+WAKE_AGAIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,8 @@ class ModelView:
         self.published = False  # the control plane has read the repository: the catalog is whole
         self._blobs: dict[str, bytes] = {}
         self._task: asyncio.Task[None] | None = None
-        self._waking: dict[tuple[str, int | None], asyncio.Future[int]] = {}
+        # (model, version asked) -> the wake on its way, and when its time runs out (monotonic)
+        self._waking: dict[tuple[str, int | None], tuple[asyncio.Future[int], float]] = {}
         # one refresh at a time: the background one and one after a load command could otherwise end
         # in either order, the older view last (a model just loaded would look not ready)
         self._refreshing = asyncio.Lock()
@@ -240,17 +246,31 @@ class ModelView:
         return self.get(name), v
 
     async def _wake(self, name: str, version: int | None, timeout: float) -> int:
+        """Ask the control plane to load the model, and wait at most `timeout` until it is READY. A wake on
+        its way is joined; it lasts its first caller's timeout, and where it runs out while this caller has
+        WAKE_AGAIN_S or more left, another waits out the rest (a request that came during another's cold
+        start was refused when the first one's time ran out, with most of its own left)."""
         key = (name, version)
-        call = self._waking.get(key)
-        if call is None:
-            params = {"version": version} if version is not None else {}
-            call = asyncio.ensure_future(self.control.call(WAKE, name, params, timeout))
-            self._waking[key] = call
-            call.add_done_callback(lambda done: self._woken(key, done))
-        return await asyncio.shield(call)
+        deadline = time.monotonic() + timeout
+        while True:
+            waking = self._waking.get(key)
+            if waking is None or waking[0].done():
+                params = {"version": version} if version is not None else {}
+                left = deadline - time.monotonic()
+                started = asyncio.ensure_future(self.control.call(WAKE, name, params, left))
+                waking = self._waking[key] = (started, deadline)
+                started.add_done_callback(lambda done: self._woken(key, done))
+            call, ends = waking
+            try:
+                return await asyncio.shield(call)
+            except DespinaError as exc:
+                now = time.monotonic()
+                if exc.code != Code.UNAVAILABLE or now < ends - WAKE_AGAIN_S or deadline - now < WAKE_AGAIN_S:
+                    raise  # it failed before its time ran out, or this caller's time is (nearly) out too
 
     def _woken(self, key: tuple[str, int | None], call: asyncio.Future[int]) -> None:
-        self._waking.pop(key, None)
+        if self._waking.get(key, (None, 0.0))[0] is call:
+            del self._waking[key]
         if not call.cancelled():
             call.exception()  # retrieved here too: every request that waited may have gone
 
