@@ -117,6 +117,9 @@ class Settings:
                     and (value < 0 or not math.isfinite(value)):
                 raise BadSetting(f"DESPINA_{f.name.upper()} (or its command-line option) must be a number of "
                                  f"0 or more, got {value}")
+        for name in POSITIVE:  # 0 would not mean "none" here: every request 504, constant redelivery...
+            if getattr(self, name) == 0:
+                raise BadSetting(f"DESPINA_{name.upper()} (or its command-line option) must be more than 0")
 
     @classmethod
     def from_sources(cls, args: Mapping[str, Any] | None = None,
@@ -181,6 +184,10 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
     else:
         values.setdefault("model_repository", SAGEMAKER_MODEL_DIR)
 
+
+# durations whose 0 would not mean "none": every request 504 at once, requests redelivered (and run again)
+# every millisecond, workers taken for dead, loads failing at once, replies expiring unread
+POSITIVE = ("request_timeout_s", "visibility_timeout_s", "worker_ttl_s", "load_timeout_s", "reply_ttl_s")
 
 # the settings that take one of a few words (the command line's choices too; the log level in any case)
 CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json"),
