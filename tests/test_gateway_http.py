@@ -282,6 +282,23 @@ def test_client_gone_before_its_answer(server: Server) -> None:
         assert Reader(sock).response()[0] == 200
 
 
+def test_a_client_gone_with_requests_pipelined_leaves_no_traceback(server: Server) -> None:
+    """A client that pipelines requests to ASGI routes and leaves before its answers: the request being
+    answered is told, not only the last one read, and its answer is dropped quietly (this was uvloop's
+    "the handler is closed" in an "Exception in ASGI application" traceback, one per connection)."""
+    for _ in range(5):
+        sock = connect(server)
+        sock.sendall(post("/v2/models/ml%70/infer", infer_body()) * 2)
+        sock.close()
+    with connect(server) as sock:  # answered after those: by then they have answered too
+        reader = Reader(sock)
+        sock.sendall(post("/v2/models/ml%70/infer", infer_body()))
+        assert reader.response()[0] == 200
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: test\r\n\r\n")
+        assert reader.response()[0] == 200
+    assert "Exception in ASGI application" not in server.logs()
+
+
 def test_malformed_request_line(server: Server) -> None:
     with connect(server) as sock:
         sock.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\ncontent-length: x\r\n\r\n")

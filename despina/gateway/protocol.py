@@ -189,8 +189,17 @@ class GatewayProtocol(HttpToolsProtocol):
         # else a request reached the socket as the timeout fell, not yet read (the loop runs its timers
         # before it reads): closing now would reset the connection under it, and it is read next
 
+    # The ASGI cycle answering now. uvicorn tells only the last request read (self.cycle) that the client
+    # has gone: with requests pipelined behind it, the one answering wrote to the closed transport, and
+    # uvloop's error on that was an "Exception in ASGI application" traceback per connection.
+    _running: Any = None
+
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        running = self._running
+        if running is not None and not running.response_complete:
+            running.disconnected = True
+            running.message_event.set()
         if self.timeout_keep_alive_task is not None:
             self.timeout_keep_alive_task.cancel()
             self.timeout_keep_alive_task = None
@@ -221,6 +230,7 @@ class GatewayProtocol(HttpToolsProtocol):
         if isinstance(cycle, HotRequest):
             cycle.start()
         else:
+            self._running = cycle
             super()._start_asgi_task(cycle, app)
 
 
