@@ -32,6 +32,9 @@ log = logging.getLogger("despina.gateway")
 
 PREFIX, SUFFIX = b"/v2/models/", b"/infer"
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# A request's line and headers, at most (those read after the data they began in: that data is not counted)
+HEAD_MAX = 64 * 1024
+HEAD_TOO_LARGE = b'{"error":"the request line and headers are over the limit of %d bytes"}' % HEAD_MAX
 
 
 class HotRoutes:
@@ -105,11 +108,37 @@ class GatewayProtocol(HttpToolsProtocol):
     headers: Headers
     cycle: Any  # uvicorn's RequestResponseCycle, or a HotRequest in its place
 
+    # uvicorn's httptools protocol reads a request's head without limit: a client that sent headers without
+    # end was never answered, and grew the parser's buffer (copied whole at each read) until memory ran out.
+    _head_open = False  # a request's head is being read
+    _head_size = 0      # its bytes read after the data it began in
+
+    def data_received(self, data: bytes) -> None:
+        if not self._head_open:
+            super().data_received(data)
+            return
+        room = HEAD_MAX - self._head_size
+        self._head_size += len(data)
+        if len(data) <= room:
+            super().data_received(data)
+            return
+        super().data_received(data[:room])  # the head may end in it, and what follows is a body
+        if self.transport.is_closing():  # a malformed head: answered 400
+            return
+        if self._head_open:
+            self._head_open = False
+            self.transport.write(http.response_head(431, len(HEAD_TOO_LARGE), http.JSON, [], True)
+                                 + HEAD_TOO_LARGE)
+            self.transport.close()
+        else:
+            self.transport.get_protocol().data_received(data[room:])  # ours, or the one an upgrade set
+
     def on_message_begin(self) -> None:
         # uvicorn builds the ASGI scope here; a hot request needs none, the others get it below
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
+        self._head_open, self._head_size = True, 0
 
     def _asgi(self) -> None:
         """Hand the request to uvicorn's ASGI cycle, with the scope it would have built."""
@@ -120,6 +149,7 @@ class GatewayProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_headers_complete(self) -> None:
+        self._head_open = False
         # a request answered while its buffer was parsed armed the keep-alive timer: this one is next
         self._idle_since = None  # (_unset_keepalive_if_required, without the call)
         parser = self.parser
