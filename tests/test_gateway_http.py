@@ -259,6 +259,25 @@ def test_a_request_arriving_as_the_keep_alive_timeout_falls_is_answered(server: 
         assert reader.response()[0] == 200
 
 
+def test_a_connection_refused_before_its_body_still_times_out(server: Server) -> None:
+    """A request refused on its path before its body is read: the body that follows is skipped, and the
+    connection then idles into the keep-alive timeout as after any answer (the body's reads stopped the
+    timer its answer had armed, and nothing armed it again: the connection stayed open for good)."""
+    with connect(server) as hot, connect(server) as asgi:
+        readers = [Reader(hot), Reader(asgi)]
+        for reader, path in zip(readers, ("/v2/models/mlp/versions/x/infer", "/v2/models/ml%70/versions/x/infer")):
+            request = post(path, infer_body())
+            cut = request.index(b"\r\n\r\n") + 4
+            reader.sock.sendall(request[:cut])
+            assert reader.response()[0] == 400, path
+            reader.sock.sendall(request[cut:])
+        sent = time.monotonic()
+        for reader in readers:
+            reader.sock.settimeout(30)
+            assert reader.closed()
+        assert time.monotonic() - sent > 4.5
+
+
 def test_keep_alive_after_errors(server: Server) -> None:
     """Errors answered without reading a model keep the connection usable."""
     with connect(server) as sock:

@@ -194,10 +194,16 @@ class GatewayProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if type(cycle) is not HotRequest:
             super().on_message_complete()
+            if cycle is not None and cycle.response_complete and not self.parser.should_upgrade():
+                self._idle()  # answered before its body was read (below)
             return
         if not cycle.response_complete:
             cycle.more_body = False
             cycle.set()
+        else:
+            # answered before its body was read (refused): the body's reads stopped the keep-alive timer
+            # its answer armed, and no other answer comes to arm it again
+            self._idle()
 
     # The keep-alive timeout, as uvicorn's (an idle connection closes timeout_keep_alive seconds after
     # its last answer), with one timer re-armed when it fires instead of one made and cancelled per
@@ -206,6 +212,13 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def _unset_keepalive_if_required(self) -> None:
         self._idle_since = None  # busy: the timer, when it fires, leaves the connection open
+
+    def _idle(self) -> None:
+        """Nothing to answer or read: the connection closes if it stays so for the timeout."""
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self._keep_alive_check)
 
     def _keep_alive_check(self) -> None:
         self.timeout_keep_alive_task = None
@@ -241,10 +254,7 @@ class GatewayProtocol(HttpToolsProtocol):
             if self.transport.is_closing():
                 return
             self.flow.resume_reading()
-            self._idle_since = self.loop.time()
-            if self.timeout_keep_alive_task is None:
-                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                    self._keep_alive_check)
+            self._idle()
             return
         # Requests already read wait their turn: start the next, but read no more from the client
         # until they are all answered. (uvicorn resumes reading here, and a client that pipelines
