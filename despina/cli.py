@@ -35,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--load-model", dest="load_model", action="append", metavar="NAME",
                         help="explicit mode: load this model at start (repeatable; * = all)")
         sp.add_argument("--repository-poll-secs", dest="repository_poll_secs", type=float,
-                        help="poll mode: seconds between two looks at the repository (default 15)")
+                        help="poll mode: seconds between two looks at the repository (default 15; 0: "
+                             "the look at start only, as in Triton)")
         sp.add_argument("--idle-timeout", dest="idle_timeout_s", type=float,
                         help="unload a model idle this many seconds; the next request loads it "
                              "(default 0: never)")

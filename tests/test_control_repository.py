@@ -474,3 +474,18 @@ async def test_loads_of_models_that_do_not_exist_leave_no_lock_behind(tmp_path: 
         assert len(plane.locks) == 0
     finally:
         await client.aclose()
+
+
+async def test_a_poll_interval_of_0_reads_the_repository_at_start_only(repo: Path, redis_url: str,
+                                                                        key_prefix: str) -> None:
+    """As in Triton, --repository-poll-secs 0 in poll mode means no polls after the first look. The control
+    plane read the repository again and again without a pause instead, a core spent on it for good."""
+    client = connect(redis_url)
+    settings = Settings(model_repository=str(repo), key_prefix=key_prefix, model_control_mode="poll",
+                        repository_poll_secs=0)
+    plane = ControlPlane(settings, client)
+    try:
+        await asyncio.wait_for(plane._register(), 30)  # the registration loop ends after its first look
+        assert plane.registry_error == ""
+    finally:
+        await client.aclose(close_connection_pool=True)

@@ -293,7 +293,7 @@ class ControlPlane:
                 if first:
                     await self._published()
                 first = False
-                if mode == "none":
+                if mode == "none" or not self.settings.repository_poll_secs:  # Triton's poll secs 0: no polls
                     return
             except DespinaError as exc:
                 self.registry_error = exc.message
