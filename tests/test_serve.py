@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -650,3 +652,24 @@ def test_a_colocated_worker_that_cannot_start_stops_serve_with_its_reason(
     assert "Redis refused a command (WRONGTYPE" in out and "another program's key under this key prefix?" in out
     assert "Redis unreachable" not in out, out
     assert not alive(family), [cmdline(p) for p in alive(family)]
+
+
+def test_the_readme_configuration_table_names_every_setting_and_flag() -> None:
+    """Every setting has its row in README's Configuration table, and every flag there is one `despina`
+    takes: the metrics port, the drain's time, the restricted APIs, shared memory and the worker's id had
+    none, so that a reader of the table could not know them."""
+    from despina.cli import parser
+    from despina.settings import Settings
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("\n## Configuration\n", 1)[1].split("\n\n| flag |", 1)[1].split("\n\n", 1)[0]
+    variables = set(re.findall(r"DESPINA_[A-Z0-9_]+", table.replace("[_FILE]", " DESPINA_API_KEYS_FILE")))
+    undocumented = {f"DESPINA_{f.upper()}" for f in Settings.__dataclass_fields__} - variables
+    assert not undocumented, undocumented
+    helps = io.StringIO()
+    for command in ("serve", "gateway", "worker", "control"):
+        with contextlib.redirect_stdout(helps), pytest.raises(SystemExit):
+            parser().parse_args([command, "-h"])
+    options = set(re.findall(r"--[a-z-]+", helps.getvalue()))
+    flags = {flag for row in table.splitlines() for flag in re.findall(r"`(--[a-z-]+)", row.split("|")[1])}
+    assert flags and flags <= options, flags - options
