@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from despina.contract.errors import DespinaError, InvalidArgument, NotFound
+from despina.embedded import free_port
 from despina.gateway.shm import Registry
 
 from .conftest import Server, module_server, start_server, stop_server
@@ -215,6 +218,60 @@ def test_registrations_are_shared_through_the_servers_file(tmp_path: Path) -> No
         assert first.status() == [] and not second.path.exists()
     finally:
         shm_module.SHM_DIR = saved
+
+
+def start_gateway_on(server: Server, redis_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """A `despina gateway` started by hand on `port` with DESPINA_REUSE_PORT, beside the server's own roles:
+    returned once it serves (its log says so; the port may be answered by another gateway)."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DESPINA_REDIS_URL")}
+    environ.update(DESPINA_REUSE_PORT="1", DESPINA_ALLOW_CLIENT_SHM="1")
+    cmd = [sys.executable, "-m", "despina", "gateway", "--redis-url", redis_url, "--key-prefix", server.prefix,
+           "--http-port", str(port)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while "Application startup complete" not in log.read_text(errors="replace"):
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
+        time.sleep(0.1)
+    return process
+
+
+def status_on_every_gateway(url: str) -> list[list[dict[str, object]]]:
+    """The regions' status asked on twelve new connections, which the kernel spreads over the port's
+    gateways: each answer."""
+    answers = []
+    for _ in range(12):
+        with httpx.Client() as fresh:
+            answers.append(fresh.get(f"{url}/v2/systemsharedmemory/status",
+                                     headers={"connection": "close"}).json())
+    return answers
+
+
+def test_gateways_started_by_hand_on_one_port_keep_the_regions_as_one_joins_and_leaves(
+        server: Server, redis_url: str, tmp_path: Path, regions: Objects) -> None:
+    """Gateways started by hand on one port (DESPINA_REUSE_PORT) are one server: a gateway that joins
+    them, or one that stops while another serves on, leaves the regions registered through the others
+    (it wiped them all); the last to stop ends them."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    first = start_gateway_on(server, redis_url, port, tmp_path / "first.log")
+    second = None
+    try:
+        r = httpx.post(f"{url}/v2/systemsharedmemory/region/r/register",
+                       json={"key": key_of(regions["r"]), "offset": 0, "byte_size": SIZE})
+        assert r.status_code == 200, r.text
+        registered = [{"name": "r", "key": key_of(regions["r"]), "offset": 0, "byte_size": SIZE}]
+        second = start_gateway_on(server, redis_url, port, tmp_path / "second.log")
+        assert all(answer == registered for answer in status_on_every_gateway(url))
+        second.terminate()
+        second.wait(30)  # (a clean stop: uvicorn ends by the signal it got)
+        assert all(answer == registered for answer in status_on_every_gateway(url))
+    finally:
+        for process in (second, first):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(30)
+    assert not Registry.of(server.prefix, port).path.exists()
 
 
 def test_an_unreadable_registrations_file_is_a_despina_error(tmp_path: Path) -> None:

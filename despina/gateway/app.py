@@ -83,7 +83,7 @@ class Gateway:
 
     async def start(self) -> None:
         if self.shm is not None and self._own_shm:
-            self.shm.clear()  # a server starts with no regions, as Triton does
+            self.shm.join()  # the first gateway of a server starts it with no regions, as Triton's starts
         await self.view.start()
         await self.dispatcher.start()
         if self.cache is not None:
@@ -129,7 +129,7 @@ class Gateway:
         await self.redis.aclose()
         self.tracer.flush()  # log_frequency 0: the traces go to trace_file when the gateway stops
         if self.shm is not None and self._own_shm:
-            self.shm.clear()
+            self.shm.leave()  # the last one ends them
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -8,7 +8,9 @@ bytes from `offset` on. Registrations are the server's, not one process's: every
 are kept where the objects are, in a file in /dev/shm named after the server (key prefix and port):
 written whole under a lock and renamed into place, read again by a gateway whenever it changed (one
 stat per request that uses shared memory). A server starts with none (Registry.clear) and drops them
-when it stops, as Triton does.
+when it stops, as Triton does: `serve` clears them itself; gateways started by hand on one port
+(DESPINA_REUSE_PORT) each hold a shared lock while they serve, so that only the first to start and the
+last to stop clear them, not one that joins or leaves the others (Registry.join, Registry.leave).
 
 Each gateway maps a region on its first use and keeps the mapping while the region stays registered (it
 looks every RELEASE_S whether it still is: Registry.let_go). A
@@ -140,6 +142,8 @@ class Registry:
         digest = hashlib.sha256(server.encode()).hexdigest()[:16]
         self.path = folder / f"despina-shm-regions-{digest}.json"
         self._lock_path = folder / f"despina-shm-regions-{digest}.lock"
+        self._users_path = folder / f"despina-shm-regions-{digest}.users"  # locked shared by each gateway
+        self._user: int | None = None  # this gateway's descriptor of it, while it serves
         self.available = folder.is_dir() and os.access(folder, os.W_OK)
         self._seen: tuple[int, int] | None = None  # (inode, mtime) of the file last read
         self._registered: dict[str, Registration] = {}
@@ -230,6 +234,38 @@ class Registry:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         self._seen, self._registered, self._mapped = None, {}, {}
+
+    def join(self) -> None:
+        """A gateway of the server starts: when no other serves (none holds the users' lock), the server
+        starts, with no regions; one joining gateways that serve keeps theirs."""
+        if not self.available:
+            return
+        fd = os.open(self._users_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass
+        else:
+            self.clear()
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._user = fd
+
+    def leave(self) -> None:
+        """A gateway of the server stops: the last one to stop ends the server's regions."""
+        if self._user is None:
+            return
+        os.close(self._user)  # (and its shared lock with it)
+        self._user = None
+        fd = os.open(self._users_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another gateway serves on
+        else:
+            self.clear()
+            self._users_path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Registration]]:
