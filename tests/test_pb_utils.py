@@ -66,3 +66,17 @@ def test_pb_utils_model_config_checks_conflicts(pb_utils: ModuleType) -> None:
         config.set_max_batch_size(4)
     config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]})
     assert [o["name"] for o in config.as_dict()["output"]] == ["OUT"]
+
+
+def test_pb_utils_a_model_call_takes_every_argument_tritons_readme_shows(pb_utils: ModuleType) -> None:
+    """Triton's BLS example passes preferred_memory=pb_utils.PreferredMemory(...), and a model passes its
+    request's trace on with trace=request.trace(): both were AttributeErrors."""
+    request = pb_utils.InferenceRequest(request_id="r", inputs=[], requested_output_names=["Y"])
+    assert request.trace().get_context() is None
+    call = pb_utils.InferenceRequest(
+        model_name="m", requested_output_names=["Y"], inputs=[pb_utils.Tensor("X", np.zeros(2))],
+        request_id="1", correlation_id=4, model_version=1, flags=0, timeout=5,
+        preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
+        trace=request.trace(), parameters={"k": "v"})
+    assert call.model_name() == "m" and call.trace() is request.trace()
+    assert pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU).preferred_device_id == 0

@@ -189,6 +189,23 @@ class _Capsule:
         return (1, 0)  # kDLCPU: the Python backend hands models CPU tensors
 
 
+class PreferredMemory:
+    """Where a model call's outputs should arrive (`InferenceRequest(preferred_memory=...)`). Outputs reach
+    this process as numpy arrays whichever is asked for: a GPU output comes back in CPU memory."""
+
+    def __init__(self, preferred_memory_type: int, preferred_device_id: int = 0) -> None:
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
+
+
+class InferenceTrace:
+    """A request's trace, as `request.trace()` returns it to pass on to the models it calls. Despina does
+    not hand a model its trace context: get_context() is None, as Triton's is for an untraced request."""
+
+    def get_context(self) -> str | None:
+        return None
+
+
 class InferenceRequest:
     """One request of a batch, as `execute(requests)` receives it; or, made by a model inside execute, a
     call of another model: `exec()` runs it and returns its InferenceResponse (an error response when
@@ -206,6 +223,7 @@ class InferenceRequest:
         self._model_version = model_version
         self._timeout = timeout
         self._flags = flags
+        self._trace = trace if trace is not None else InferenceTrace()
         if isinstance(parameters, str):
             self._parameters = parameters
         else:  # a dict, as the stub passes the request's: JSON, as Triton's parameters() returns
@@ -237,6 +255,9 @@ class InferenceRequest:
 
     def timeout(self) -> int:
         return self._timeout
+
+    def trace(self) -> InferenceTrace:
+        return self._trace
 
     def is_cancelled(self) -> bool:
         """Whether the request's client went away (a decoupled model's request; False for the rest)."""
