@@ -80,3 +80,12 @@ def test_pb_utils_a_model_call_takes_every_argument_tritons_readme_shows(pb_util
         trace=request.trace(), parameters={"k": "v"})
     assert call.model_name() == "m" and call.trace() is request.trace()
     assert pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU).preferred_device_id == 0
+
+
+def test_pb_utils_tensor_speaks_the_dlpack_protocol(pb_utils: ModuleType) -> None:
+    """Triton's Tensor has __dlpack__ and __dlpack_device__, so that torch.from_dlpack(tensor) (or numpy's)
+    takes a request's tensor as it is, without to_dlpack()."""
+    tensor = pb_utils.Tensor("X", np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert tensor.__dlpack_device__() == (1, 0)
+    np.testing.assert_array_equal(np.from_dlpack(tensor), tensor.as_numpy())
+    assert pb_utils.Tensor.from_dlpack("Y", tensor).as_numpy().shape == (2, 3)

@@ -165,6 +165,13 @@ class Tensor:
     def to_dlpack(self) -> Any:
         return self._array.__dlpack__()
 
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        """The DLPack protocol, as Triton's Tensor has it: torch.from_dlpack(tensor) takes it as it is."""
+        return self._array.__dlpack__(stream=stream, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
+
     @staticmethod
     def from_dlpack(name: str, dlpack: Any) -> Tensor:
         """A Tensor from an object with __dlpack__ (a CPU torch tensor, say) or a DLPack capsule."""
