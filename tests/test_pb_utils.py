@@ -89,3 +89,14 @@ def test_pb_utils_tensor_speaks_the_dlpack_protocol(pb_utils: ModuleType) -> Non
     assert tensor.__dlpack_device__() == (1, 0)
     np.testing.assert_array_equal(np.from_dlpack(tensor), tensor.as_numpy())
     assert pb_utils.Tensor.from_dlpack("Y", tensor).as_numpy().shape == (2, 3)
+
+
+def test_pb_utils_request_release_flags(pb_utils: ModuleType) -> None:
+    """set_release_flags was missing: RELEASE_ALL is what every request gets, and RESCHEDULE (which needs
+    the iterative sequence batching Despina refuses to load) is an error that says so."""
+    request = pb_utils.InferenceRequest(inputs=[], requested_output_names=[])
+    request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
+    with pytest.raises(pb_utils.TritonModelException, match="iterative sequence"):
+        request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+    request.set_flags(pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
+    assert request.flags() == pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END

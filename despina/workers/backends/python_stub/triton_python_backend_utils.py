@@ -251,6 +251,18 @@ class InferenceRequest:
     def flags(self) -> int:
         return self._flags
 
+    def set_flags(self, flags: int) -> None:
+        self._flags = flags
+
+    def set_release_flags(self, flags: int) -> None:
+        """How the request is released once executed: TRITONSERVER_REQUEST_RELEASE_ALL, as every request
+        is. Rescheduling needs sequence_batching { iterative_sequence: true }, which Despina does not
+        load, so TRITONSERVER_REQUEST_RELEASE_RESCHEDULE is an error here rather than a request that
+        never gets its response."""
+        if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+            raise TritonModelException("TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: rescheduling a request "
+                                       "needs iterative sequence batching, which Despina does not support")
+
     def parameters(self) -> str:
         return self._parameters
 
