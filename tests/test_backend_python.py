@@ -515,6 +515,36 @@ def test_an_error_responses_code_gives_tritons_status(tmp_path: Path) -> None:
         backend.unload()
 
 
+IMPORTS = '''
+import triton_python_backend_utils as pb_utils
+from .helper import FACTOR
+from shared import OFFSET
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * FACTOR + OFFSET)]) for r in requests]
+'''
+
+
+def test_model_imports_its_neighbours_as_in_triton(tmp_path: Path) -> None:
+    """Triton imports model.py as `<version>.model`, with its version folder and the model's folder on
+    sys.path: a relative import of a module beside it, or one of a module beside the version folder,
+    works there. Despina imported it as a top-level `model` ("attempted relative import with no known
+    parent package") without the model's folder on sys.path."""
+    folder = write_model(tmp_path, "codes", IMPORTS, CODES_CONFIG)
+    (folder / "1" / "helper.py").write_text("FACTOR = 3\n")
+    (folder / "shared.py").write_text("OFFSET = 1\n")
+    backend: Any = backend_for(folder)
+    backend.load()
+    try:
+        [out] = backend.execute_requests([{"X": np.array([2], np.int32)}], [["Y"]])
+        assert out["Y"].tolist() == [7]
+    finally:
+        backend.unload()
+
+
 SHAPES = '''
 import numpy as np
 import triton_python_backend_utils as pb_utils

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import faulthandler
-import importlib.util
+import importlib
 import inspect
 import json
 import os
@@ -87,15 +87,14 @@ def _describe(exc: BaseException) -> str:
 
 
 def _load_module(model_file: str) -> Any:
-    folder = str(Path(model_file).parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)  # a model may import modules that sit next to model.py
-    spec = importlib.util.spec_from_file_location("model", model_file)
-    if spec is None or spec.loader is None:
-        raise pb_utils.TritonModelException(f"cannot import {model_file}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["model"] = module
-    spec.loader.exec_module(module)
+    """model.py imported as Triton's stub imports it: as `<version>.model`, its version folder and the
+    model's folder on sys.path, so that it may import the modules beside it (`import helper`, or
+    `from .helper import ...`) and those beside its version folder."""
+    path = Path(model_file)
+    for folder in (str(path.parent.parent), str(path.parent)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    module = importlib.import_module(f"{path.parent.name}.{path.stem}")
     if not hasattr(module, "TritonPythonModel"):
         raise pb_utils.TritonModelException(f"{model_file} defines no class TritonPythonModel")
     return module
