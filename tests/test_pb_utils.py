@@ -100,3 +100,28 @@ def test_pb_utils_request_release_flags(pb_utils: ModuleType) -> None:
         request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
     request.set_flags(pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
     assert request.flags() == pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+
+
+def test_pb_utils_custom_metrics_count_in_the_models_process(pb_utils: ModuleType) -> None:
+    """Triton's custom metrics API, as its README's example uses it from initialize: pb_utils had no
+    MetricFamily, so such a model failed to load. Its metrics now count (not shown on /metrics)."""
+    family = pb_utils.MetricFamily(name="preprocess_latency_ns", description="Cumulative time spent",
+                                   kind=pb_utils.MetricFamily.COUNTER)
+    metric = family.Metric(labels={"model": "m", "version": "1"})
+    metric.increment(5)
+    metric.increment(2)
+    assert metric.value() == 7
+    with pytest.raises(pb_utils.TritonModelException):
+        metric.set(1)  # a counter only goes up
+    again = pb_utils.MetricFamily("preprocess_latency_ns", "Cumulative time spent", pb_utils.COUNTER)
+    assert again.Metric(labels={"version": "1", "model": "m"}).value() == 7  # the same name, the same metric
+    gauge = pb_utils.MetricFamily("queue", "q", pb_utils.MetricFamily.GAUGE).Metric(labels={"a": "b"})
+    gauge.set(4)
+    gauge.increment(-1)
+    assert gauge.value() == 3
+    histogram = pb_utils.MetricFamily("sizes", "s", pb_utils.MetricFamily.HISTOGRAM)
+    with pytest.raises(pb_utils.TritonModelException, match="buckets"):
+        histogram.Metric(labels={})
+    histogram.Metric(labels={}, buckets=[1.0, 10.0]).observe(3.5)
+    with pytest.raises(pb_utils.TritonModelException):
+        pb_utils.MetricFamily("queue", "q", pb_utils.MetricFamily.COUNTER)

@@ -445,6 +445,80 @@ class ModelConfig:
         self._model_config[kind].append(dict(tensor))
 
 
+class Metric:
+    """One metric of a MetricFamily (Triton's custom metrics): a counter, gauge or histogram with its
+    labels. Kept in the model's process: value() answers, but Despina does not show it on /metrics."""
+
+    def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: list[float] | None) -> None:
+        self._family = family
+        self._value = 0.0
+        self._buckets = buckets
+        self._counts = [0] * (len(buckets) + 1) if buckets is not None else []
+        self._sum = 0.0
+
+    def increment(self, value: float) -> None:
+        if self._family._kind == MetricFamily.HISTOGRAM:
+            raise TritonModelException("increment() is not supported by a HISTOGRAM metric: use observe()")
+        if self._family._kind == MetricFamily.COUNTER and value < 0:
+            raise TritonModelException("a COUNTER metric cannot be incremented by a negative value")
+        self._value += value
+
+    def set(self, value: float) -> None:
+        if self._family._kind != MetricFamily.GAUGE:
+            raise TritonModelException("set() is supported by a GAUGE metric only")
+        self._value = float(value)
+
+    def observe(self, value: float) -> None:
+        if self._buckets is None:
+            raise TritonModelException("observe() is supported by a HISTOGRAM metric only")
+        self._counts[next((i for i, bound in enumerate(self._buckets) if value <= bound),
+                          len(self._buckets))] += 1
+        self._sum += value
+
+    def value(self) -> float:
+        if self._buckets is not None:
+            raise TritonModelException("value() is not supported by a HISTOGRAM metric")
+        return self._value
+
+
+class MetricFamily:
+    """Triton's custom metrics: `MetricFamily(name, description, kind)`, then `.Metric(labels)` (and
+    `buckets` for a histogram). Metrics of one family with the same labels are one metric."""
+
+    COUNTER = 0
+    GAUGE = 1
+    HISTOGRAM = 2
+    _warned = False
+
+    def __init__(self, name: str, description: str, kind: int) -> None:
+        if kind not in (MetricFamily.COUNTER, MetricFamily.GAUGE, MetricFamily.HISTOGRAM):
+            raise TritonModelException(f"metric family '{name}': kind must be MetricFamily.COUNTER, GAUGE "
+                                       "or HISTOGRAM")
+        known_kind, self._metrics = _metric_families.setdefault(name, (kind, {}))
+        if known_kind != kind:  # the same name is the same family (and its metrics), as in Triton
+            raise TritonModelException(f"metric family '{name}' already exists with another kind")
+        self._name, self._description, self._kind = name, description, kind
+        if not MetricFamily._warned:
+            MetricFamily._warned = True
+            Logger.log_warn("custom metrics are counted in the model's process only: Despina does not show "
+                            "them on /metrics")
+
+    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:  # noqa: N802
+        if self._kind == MetricFamily.HISTOGRAM and buckets is None:
+            raise TritonModelException(f"metric family '{self._name}': a HISTOGRAM metric needs buckets")
+        if self._kind != MetricFamily.HISTOGRAM and buckets is not None:
+            raise TritonModelException(f"metric family '{self._name}': only a HISTOGRAM metric has buckets")
+        key = tuple(sorted((str(k), str(v)) for k, v in (labels or {}).items()))
+        if key not in self._metrics:
+            self._metrics[key] = Metric(self, dict(key), sorted(buckets) if buckets is not None else None)
+        return self._metrics[key]
+
+
+MetricKind = MetricFamily  # Triton's enum of the kinds, its values in the module too
+COUNTER, GAUGE, HISTOGRAM = MetricFamily.COUNTER, MetricFamily.GAUGE, MetricFamily.HISTOGRAM
+_metric_families: dict[str, tuple[int, dict[tuple[tuple[str, str], ...], Metric]]] = {}
+
+
 class Logger:
     """Log lines from a model; they land in the worker's log with the model's name."""
 
