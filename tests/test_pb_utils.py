@@ -125,3 +125,12 @@ def test_pb_utils_custom_metrics_count_in_the_models_process(pb_utils: ModuleTyp
     histogram.Metric(labels={}, buckets=[1.0, 10.0]).observe(3.5)
     with pytest.raises(pb_utils.TritonModelException):
         pb_utils.MetricFamily("queue", "q", pb_utils.MetricFamily.COUNTER)
+
+
+def test_pb_utils_model_loading_api_fails_with_its_reason(pb_utils: ModuleType) -> None:
+    """Triton's load_model, unload_model and is_model_ready were AttributeErrors: Despina does not offer
+    them to a model, and a model that calls them now fails saying so."""
+    for call in (lambda: pb_utils.is_model_ready(model_name="m", model_version="1"),
+                 lambda: pb_utils.load_model(model_name="m"), lambda: pb_utils.unload_model("m")):
+        with pytest.raises(pb_utils.TritonModelException, match="repository API"):
+            call()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -372,6 +372,26 @@ def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[s
 
 def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
     return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def load_model(model_name: str, config: str = "", files: Any = None) -> None:
+    _no_model_loading("load_model")
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    _no_model_loading("unload_model")
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    _no_model_loading("is_model_ready")
+
+
+def _no_model_loading(function: str) -> NoReturn:
+    """Triton's model loading API (load_model, unload_model, is_model_ready) is not Despina's: a model
+    that uses it fails with this reason rather than an AttributeError."""
+    raise TritonModelException(f"pb_utils.{function}: Despina does not let a Python model load, unload or "
+                               "check models; load the models it calls through the repository API or "
+                               "--load-model")
 
 
 class ModelConfig:
