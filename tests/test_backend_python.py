@@ -154,6 +154,50 @@ SOME_CONFIG = ('name: "some"\nbackend: "python"\nmax_batch_size: 0\n'
                'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] }, '
                '{ name: "Z" data_type: TYPE_FP32 dims: [ 2 ] } ]\n')
 
+# Not decoupled, yet each request answers as X[0] % 4 says: 0 in execute's list, 1 through its response
+# sender with the final flag, 2 through it and then the flag alone, 3 from a thread after execute
+# returned (None in the list's place of 1-3, and None for the whole list when all are so).
+SENDERS = '''
+import threading
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        returned, later = [], []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            response = pb_utils.InferenceResponse([
+                pb_utils.Tensor("Y", x * 2),
+                pb_utils.Tensor("BATCH", np.full((x.shape[0], 1), len(requests), dtype=np.int32))])
+            way = int(x[0, 0]) % 4
+            if way == 0:
+                returned.append(response)
+                continue
+            sender = request.get_response_sender()
+            if way == 1:
+                sender.send(response, flags=FINAL)
+            elif way == 2:
+                sender.send(response)
+                sender.send(flags=FINAL)
+            else:
+                later.append((sender, response))
+            returned.append(None)
+        threading.Thread(target=self.answer_later, args=(later,)).start()
+        return None if all(r is None for r in returned) else returned
+
+    def answer_later(self, later):
+        time.sleep(0.05)
+        for sender, response in later:
+            sender.send(response, flags=FINAL)
+'''
+SENDERS_CONFIG = FLAKY_CONFIG.replace('"flaky"', '"senders"').replace(
+    '  { name: "PID", data_type: TYPE_INT64, dims: [ 1 ] },\n', "")
+
 
 def write_model(repo: Path, name: str, source: str, config: str | None) -> Path:
     folder = repo / name
@@ -172,6 +216,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_model(root, "flaky", FLAKY, FLAKY_CONFIG)
     write_model(root, "auto", AUTO, None)
     write_model(root, "some", SOME, SOME_CONFIG)
+    write_model(root, "senders", SENDERS, SENDERS_CONFIG)
     (root / "add_sub" / "1").mkdir(parents=True)
     (root / "add_sub" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
     build_add_sub(root / "add_sub" / "1" / "model.onnx")
@@ -181,7 +226,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, repo: Path) -> Iterator[Server]:
     yield from module_server(repo, tmp_path_factory, redis_url,
-                             ("add_sub_python", "strings", "flaky", "auto", "some", "add_sub"), env=FULL_QUEUE_DELAY)
+                             ("add_sub_python", "strings", "flaky", "auto", "some", "senders",
+                                                       "add_sub"), env=FULL_QUEUE_DELAY)
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +338,22 @@ def test_error_response_fails_only_its_request(client: httpclient.InferenceServe
         assert isinstance(result, httpclient.InferResult), result
         np.testing.assert_array_equal(result.as_numpy("Y"), [[value * 2] * 2])
     assert max(int(r.as_numpy("BATCH")[0, 0]) for r in results if isinstance(r, httpclient.InferResult)) > 1
+
+
+def test_a_model_not_decoupled_answers_through_its_response_senders(
+        client: httpclient.InferenceServerClient) -> None:
+    """As Triton's Python backend allows since 24.06, a model that is not decoupled may answer a request
+    through request.get_response_sender() (one response, the final flag with it or after it, from
+    execute or from a thread after it returned) and return None in its place, or None for all; one batch
+    may answer both ways. get_response_sender() raised "needs a decoupled model"."""
+    values = [np.full((1, 2), i, dtype=np.float32) for i in range(8)]
+    results = infer_together(client, "senders", "X", values)
+    for v, result in zip(values, results):
+        assert isinstance(result, httpclient.InferResult), result
+        np.testing.assert_array_equal(result.as_numpy("Y"), v * 2)
+    assert max(int(r.as_numpy("BATCH")[0, 0]) for r in results) > 1  # they did share an execute
+    later = infer(client, "senders", X=np.full((1, 2), 3, dtype=np.float32))  # execute returned None
+    np.testing.assert_array_equal(later.as_numpy("Y"), [[6.0, 6.0]])
 
 
 def test_exception_in_execute_fails_the_batch_and_the_model_goes_on(
@@ -618,5 +680,139 @@ def test_awaited_calls_stay_in_step_when_one_is_cancelled_and_survive_a_crash(tm
         [after] = backend.execute_requests([{"X": np.ones((1, 2), np.float32)}], [["Y"]])
         assert isinstance(after, dict) and after["Y"].tolist() == [[2.0, 2.0]]
         assert backend.quick()
+    finally:
+        backend.unload()
+
+
+# Each request's X says how it answers, or how it misuses its response sender, in a model that is not
+# decoupled: 0 returned, 1 sent, 2 sent twice, 3 the final flag before a response, 4 a flag that is
+# not one, 5 sent and returned too, 6 neither sent nor returned, 7 sent from a thread after execute
+# returned, which then sends once more and writes what its sender said to later.txt. A misuse's
+# exception ends execute.
+MISUSE = '''
+import threading
+from pathlib import Path
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.folder = Path(args["model_repository"])
+
+    def execute(self, requests):
+        returned = []
+        for request in requests:
+            way = int(pb_utils.get_input_tensor_by_name(request, "X").as_numpy()[0])
+            response = pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([way], np.int32))])
+            sender = request.get_response_sender() if way not in (0, 6) else None
+            if way in (1, 2, 5):
+                sender.send(response, flags=FINAL)
+            if way == 2:
+                sender.send(response, flags=FINAL)
+            if way == 3:
+                sender.send(flags=FINAL)
+            if way == 4:
+                sender.send(response, flags=2)
+            if way == 7:
+                threading.Thread(target=self.later, args=(sender, response)).start()
+            returned.append(response if way in (0, 5) else None)
+        return returned
+
+    def later(self, sender, response):
+        sender.send(response)
+        sender.send(flags=FINAL)
+        said = []
+        for again in ((response, 0), (None, FINAL)):
+            try:
+                sender.send(*again)
+            except pb_utils.TritonModelException as exc:
+                said.append(exc.message())
+        (self.folder / "later.tmp").write_text("\\n".join(said))
+        (self.folder / "later.tmp").rename(self.folder / "later.txt")
+'''
+MISUSE_CONFIG = ('name: "misuse"\nbackend: "python"\nmax_batch_size: 0\n'
+                 'input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+                 'output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]\n')
+
+
+def test_a_response_senders_misuse_fails_as_in_triton(tmp_path: Path) -> None:
+    """Triton's rules for the response sender of a model that is not decoupled, with its messages: one
+    response per request, the final flag not before it, flags 0 or the final one, no response returned
+    for a request that sent one (that fails the whole execute). A request that sent its response keeps
+    it when execute fails; the others get execute's error."""
+    backend: Any = backend_for(write_model(tmp_path, "misuse", MISUSE, MISUSE_CONFIG))
+    backend.load()
+
+    def run(*ways: int) -> list[Any]:
+        return backend.execute_requests([{"X": np.array([w], np.int32)} for w in ways], [["Y"]] * len(ways))
+
+    def failed(result: Any, message: str) -> bool:
+        return isinstance(result, DespinaError) and result.code == Code.BACKEND and result.message == (
+            f"model 'misuse': {message}")
+
+    try:
+        sent, twice, left = run(1, 2, 0)
+        assert sent["Y"].tolist() == [1] and twice["Y"].tolist() == [2]
+        assert failed(left, "execute failed: Unable to send response. Non-decoupled model cannot send more "
+                            "than one response.")
+        assert all(failed(r, "execute failed: Unable to send response. Non-decoupled model cannot send "
+                             "complete final before sending a response.") for r in run(3, 0))
+        assert failed(run(4)[0], "execute failed: Unable to send response. Unsupported flag provided.")
+        both, returned = run(5, 0)
+        assert both["Y"].tolist() == [5]
+        assert failed(returned, "execute failed: Unable to send response. Non-decoupled model cannot send "
+                                "more than one response.")
+        neither, returned, sent = run(6, 0, 1)  # (as it fails where no request takes its sender)
+        assert failed(neither, "execute returned NoneType instead of an InferenceResponse")
+        assert returned["Y"].tolist() == [0] and sent["Y"].tolist() == [1]
+        assert [r["Y"].tolist() for r in run(0, 7, 0)] == [[0], [7], [0]]  # and the model goes on
+        later = tmp_path / "misuse" / "later.txt"
+        deadline = time.monotonic() + 30
+        while not later.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert later.read_text().split("\n") == [
+            "Unable to send response. Non-decoupled model cannot send more than one response.",
+            "Unable to send response. Response sender has been closed."]
+    finally:
+        backend.unload()
+
+
+ASYNC_SENDERS = '''
+import asyncio
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.tasks = set()
+
+    async def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            task = asyncio.create_task(self.answer(request.get_response_sender(), x))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return None
+
+    async def answer(self, sender, x):
+        await asyncio.sleep(0.05)
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x + 1)]),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+'''
+
+
+def test_an_async_model_not_decoupled_answers_through_its_senders_after_execute(tmp_path: Path) -> None:
+    """An `async def execute` that leaves tasks to send its responses, as Triton's tests of the
+    response sender do: the model's event loop runs until they have."""
+    backend: Any = backend_for(write_model(tmp_path, "misuse", ASYNC_SENDERS, MISUSE_CONFIG))
+    backend.load()
+    try:
+        for _ in range(2):
+            results = backend.execute_requests([{"X": np.array([v], np.int32)} for v in (1, 2, 3)],
+                                               [["Y"]] * 3)
+            assert [r["Y"].tolist() for r in results] == [[2], [3], [4]]
     finally:
         backend.unload()

@@ -6,9 +6,11 @@ a time:
 the model may call other models (_despina_calls.py): those messages go both ways until the execute's
 answer. A decoupled model answers through each request's response sender instead, from any thread and
 whenever it likes: ("response", (stream id, answer or None, final)); its `async def execute`, as
-in Triton, runs on an event loop of its own thread while the next requests come. Whatever the model
-does, the worst it can do is end this process; the worker then fails the requests in flight and starts
-another. The stub also ends when its worker does (the connection closes, or the parent changes).
+in Triton, runs on an event loop of its own thread while the next requests come. Any other model may
+answer a request through its sender too, once: that answer takes its place in execute's
+(_despina_senders.py). Whatever the model does, the worst it can do is end this process; the worker
+then fails the requests in flight and starts another. The stub also ends when its worker does (the
+connection closes, or the parent changes).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import _despina_wire as wire  # this folder is first on sys.path: a name no mode
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from _despina_calls import ModelCalls
+from _despina_senders import DefaultSenders
 
 PARENT_CHECK_S = 1.0
 OPERATIONS = ("auto_complete", "initialize", "execute", "finalize")
@@ -108,6 +111,7 @@ class Stub:
         calls.on_cancel = self.cancel  # a cancellation may come while execute waits for a model call
         self.decoupled = False
         self.senders: dict[int, ResponseSender] = {}  # a decoupled model's requests not yet finished
+        self.default_senders = DefaultSenders(_answer)  # any other model's, for requests that ask
 
     def cancel(self, stream: int) -> None:
         sender = self.senders.get(stream)
@@ -129,6 +133,7 @@ class Stub:
         pb_utils._model_name = payload["args"]["model_name"]
         config = json.loads(payload["args"]["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        pb_utils._default_senders = None if self.decoupled else self.default_senders
         self.model = _load_module(payload["model_file"]).TritonPythonModel()
         if hasattr(self.model, "initialize"):
             self._await(self.model.initialize(payload["args"]))
@@ -136,8 +141,9 @@ class Stub:
     def execute(self, payload: list[tuple[Any, ...]]) -> list[tuple[str, Any, Any]] | None:
         """Run one batch of (inputs, asked outputs, parameters, request id, (correlation ID, flags) or
         None, and for a decoupled model its stream id); one ("ok", outputs, response parameters or None)
-        or ("error", (message, code), None) per request, in order. A decoupled model answers through
-        its response senders instead: None."""
+        or ("error", (message, code), None) per request, in order, whether execute returned it or the
+        request's response sender sent it (_despina_senders.py). A decoupled model answers through its
+        response senders instead: None."""
         requests = []
         for inputs, asked, parameters, request_id, sequence, *stream in payload:
             request = pb_utils.InferenceRequest(
@@ -148,6 +154,7 @@ class Stub:
             if self.decoupled:
                 request._response_sender = ResponseSender(stream[0], asked, self.calls, self.senders)
             requests.append(request)
+        self.default_senders.start(requests)  # (before: a sender is made only while _model_calls is set)
         pb_utils._model_calls = self.calls  # exec() works in execute only, as in Triton
         try:
             responses = self.model.execute(requests)
@@ -155,6 +162,10 @@ class Stub:
                 self._in_background(responses, requests)
                 return None
             responses = self._await(responses)
+        except BaseException as exc:
+            if self.default_senders.batch is None:
+                raise
+            return self.default_senders.batch.answers(None, f"execute failed: {_describe(exc)}", self.loop)
         finally:
             if not self.calls.read_by_stub:  # (else a coroutine in the background calls models whenever)
                 pb_utils._model_calls = None
@@ -162,6 +173,8 @@ class Stub:
             if responses is not None:
                 raise pb_utils.TritonModelException(RETURNED)
             return None
+        if self.default_senders.batch is not None:  # some requests answered through their senders
+            return self.default_senders.batch.answers(responses, None, self.loop)
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             count = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
             raise pb_utils.TritonModelException(f"execute returned {count} responses for "

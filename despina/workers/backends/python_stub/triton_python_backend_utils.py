@@ -38,6 +38,8 @@ TRITONSERVER_MEMORY_GPU = 2
 
 _model_name = ""  # set by the stub; Logger prefixes it
 _model_calls: Any = None  # set by the stub while execute runs (_despina_calls.ModelCalls): exec() uses it
+# set by the stub of a model that is not decoupled (_despina_senders.DefaultSenders): its requests' senders
+_default_senders: Any = None
 
 
 def triton_to_numpy_type(data_type: int) -> Any:
@@ -285,11 +287,15 @@ class InferenceRequest:
     _response_sender: Any = None  # the stub sets one on each request of a decoupled model
 
     def get_response_sender(self) -> Any:
-        """How a decoupled model answers this request: `send(response=None, flags=0)`, any number of
-        times, the last with flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
+        """How the model answers this request other than in execute's list: `send(response=None,
+        flags=0)`. A decoupled model sends any number of responses, the last with
+        flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL; any other model exactly one, the flag with it or
+        sent alone after it (execute returns None in its place)."""
         if self._response_sender is None:
-            raise TritonModelException("get_response_sender() needs a decoupled model "
-                                       "(model_transaction_policy { decoupled: true })")
+            if _default_senders is None:
+                raise TritonModelException("this request has no response sender: only the requests "
+                                           "execute receives have one")
+            self._response_sender = _default_senders.of(self)
         return self._response_sender
 
     def exec(self, decoupled: bool = False) -> Any:
