@@ -8,13 +8,16 @@ GPUs and those every live worker reports with its heartbeat.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
+import msgpack
 import orjson
 import redis.asyncio as aioredis
 
+from . import custom_metrics
 from .contract.catalog import CatalogEntry
 from .contract.keys import Keys
 from .contract.policy import batch_policy
@@ -52,13 +55,15 @@ class Exposition:
 
     def __init__(self) -> None:
         self.lines: list[str] = []
+        self.names: set[str] = set()  # the families written
 
     def family(self, name: str, kind: str, help_: str) -> None:
-        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        self.names.add(name)
+        self.lines += [f"# HELP {name} {_escape_help(help_)}", f"# TYPE {name} {kind}"]
 
     def sample(self, name: str, labels: dict[str, str], value: float) -> None:
         text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        number = repr(float(value)) if value != int(value) else f"{int(value)}"
+        number = _number(value)
         self.lines.append(f"{name}{{{text}}} {number}" if text else f"{name} {number}")
 
     def text(self) -> bytes:
@@ -67,6 +72,20 @@ class Exposition:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    """A sample's value as the text format writes it: an integer's digits, else Python's shortest form;
+    NaN and infinities (a model's gauge may hold them) as Prometheus spells them."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return f"{int(value)}" if value == int(value) else repr(float(value))
 
 
 async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
@@ -115,7 +134,11 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
         backlog = results[cursor + 1: cursor + 1 + len(streams)]
         cursor += 1 + len(streams)
         models.append({"model": name, "version": str(version), "stats": stats, "backlog": backlog})
+    # the metrics Python models made themselves, as each worker reports those of the versions it serves
+    custom = [msgpack.unpackb(h[b"custom_metrics"]) for _, h in sorted(heartbeats.items())
+              if h.get(b"custom_metrics")]
     return {"models": models, "workers_alive": len(heartbeats), "cache": cache, "gpus": gpus,
+            "custom": custom,
             "response_cache": {p: f for p, f in responses.items() if f},
             "catalog": catalog, "heartbeats": heartbeats}  # as read, for the status page
 
@@ -204,6 +227,12 @@ def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
         out.family(name, samples[0][1], samples[0][2])
         for _, _, _, labels, value in samples:
             out.sample(name, labels, value)
+    for name, kind, help_, series in custom_metrics.families(data.get("custom", ())):
+        if name in out.names:  # a model's family named as one of Despina's: Despina's is the one shown
+            continue
+        out.family(name, kind, help_)
+        for sample_name, labels, value in series:
+            out.sample(sample_name, labels, value)
     return out.text()
 
 

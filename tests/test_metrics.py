@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import numpy as np
@@ -27,7 +29,7 @@ from despina.control import status
 from despina.control.repository import load_model
 from despina.counters import Deferred
 from despina.examples import build_identity, build_mlp
-from despina.metrics import gpu_samples
+from despina.metrics import gpu_samples, render
 from despina.workers.runner import ModelRunner
 from despina.workers.stats import ensemble_counts, tally
 
@@ -477,3 +479,104 @@ def test_model_load_duration_is_tritons_gauge(server: Server) -> None:
     assert re.search(r"^# TYPE nv_model_load_duration_secs gauge$", text, re.M)
     for model in ("m", "fails", "q"):
         assert 0 < scrape(server)[f'nv_model_load_duration_secs{{model="{model}",version="1"}}'] < 60
+
+
+CUSTOM_METRICS_MODEL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model = args["model_name"]
+        self.requests = pb_utils.MetricFamily("model_requests_total", "Requests the model ran",
+                                              pb_utils.MetricFamily.COUNTER
+                                              ).Metric(labels={"model": model, "note": 'a "quoted"\\\\ value'})
+        self.last = pb_utils.MetricFamily("model_last_input", "The input\\nit saw last", pb_utils.MetricFamily.GAUGE
+                                          ).Metric(labels={"model": model})
+        self.inputs = pb_utils.MetricFamily("model_input", "Inputs seen", pb_utils.MetricFamily.HISTOGRAM
+                                            ).Metric(labels={"model": model}, buckets=[1, 2.5, 10])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            self.requests.increment(1)
+            self.last.set(float(x[0]))
+            self.inputs.observe(float(x[0]))
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        return responses
+'''
+
+
+def test_a_python_models_custom_metrics_are_on_metrics_until_it_unloads(serve, tmp_path: Path) -> None:
+    """Triton's custom metrics (pb_utils.MetricFamily), made in initialize and updated in execute, are on
+    the control plane's /metrics as Triton shows them: HELP, TYPE, the labels as given (escaped), a
+    histogram's buckets; the counter and histogram summed over the model's two processes, the gauge the
+    value set last (they stayed in the model's process: /metrics never showed them); gone after the
+    model's unload."""
+    repo = tmp_path / "repo"
+    (repo / "cm" / "1").mkdir(parents=True)
+    (repo / "cm" / "1" / "model.py").write_text(CUSTOM_METRICS_MODEL)
+    (repo / "cm" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'instance_group [ { count: 2, kind: KIND_CPU } ]\n')
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "cm", wait_models=("cm",))
+    for value in range(1, 7):  # one at a time: the gauge's last value is the last request's
+        r = httpx.post(f"{server.url}/v2/models/cm/infer", json={"inputs": [
+            {"name": "X", "shape": [1], "datatype": "FP32", "data": [value]}]})
+        assert r.status_code == 200, r.text
+    counter = 'model_requests_total{model="cm",note="a \\"quoted\\"\\\\ value"}'
+    histogram = {'model_input_bucket{model="cm",le="1"}': 1, 'model_input_bucket{model="cm",le="2.5"}': 2,
+                 'model_input_bucket{model="cm",le="10"}': 6, 'model_input_bucket{model="cm",le="+Inf"}': 6,
+                 'model_input_sum{model="cm"}': 21, 'model_input_count{model="cm"}': 6}
+    expected = {counter: 6, 'model_last_input{model="cm"}': 6, **histogram}
+    wait_until(lambda: all(scrape(server).get(k) == v for k, v in expected.items()), 60,
+               what=f"the custom metrics on /metrics:\n{httpx.get(server.metrics_url).text}")
+    text = httpx.get(server.metrics_url).text
+    for help_and_type in ("# HELP model_requests_total Requests the model ran\n# TYPE model_requests_total counter",
+                          "# HELP model_last_input The input\\nit saw last\n# TYPE model_last_input gauge",
+                          "# HELP model_input Inputs seen\n# TYPE model_input histogram"):
+        assert help_and_type in text
+
+    assert httpx.post(f"{server.url}/v2/repository/models/cm/unload", timeout=60).status_code == 200
+    wait_until(lambda: not any(k.startswith(("model_requests", "model_last", "model_input"))
+                               for k in scrape(server)), 60,
+               what="the custom metrics to leave /metrics after the unload")
+    assert "# HELP model_input " not in httpx.get(server.metrics_url).text
+
+
+def test_custom_metrics_merge_over_processes_as_one_series_each() -> None:
+    """Two workers' reports of the same families: counters and histograms summed, a gauge the value set
+    last; a family reported with another type, a histogram with other buckets, and a family named as one
+    of Despina's are left out; NaN and infinities are written as Prometheus spells them."""
+    def gauge(value: float, at: float) -> dict[str, Any]:
+        return {"name": "temperature", "help": "h", "type": "gauge",
+                "metrics": [{"labels": {"room": "a"}, "value": value, "at": at}]}
+
+    counter = {"name": "served", "help": "Served", "type": "counter",
+               "metrics": [{"labels": {"k": "v"}, "value": 3.0, "at": 0.0}]}
+    histogram = {"name": "size", "help": "s", "type": "histogram",
+                 "metrics": [{"labels": {}, "buckets": [1.0, 2.0], "counts": [1, 0, 2], "sum": 9.5}]}
+    odd = {"name": "size", "help": "s", "type": "histogram",
+           "metrics": [{"labels": {}, "buckets": [5.0], "counts": [7, 7], "sum": 1.0}]}
+    other_kind = {"name": "served", "help": "Served", "type": "gauge",
+                  "metrics": [{"labels": {"k": "v"}, "value": 100.0, "at": 9e9}]}
+    despinas = {"name": "despina_workers_alive", "help": "mine", "type": "gauge",
+                "metrics": [{"labels": {}, "value": 42.0, "at": 1.0}]}
+    infinite = {"name": "odd_values", "help": "o", "type": "gauge",
+                "metrics": [{"labels": {"v": "nan"}, "value": math.nan, "at": 1.0},
+                            {"labels": {"v": "inf"}, "value": -math.inf, "at": 1.0}]}
+    first = {"m": {"1": [counter, gauge(20.0, 200.0), histogram, despinas, infinite]}}
+    second = {"m": {"1": [counter, gauge(25.0, 100.0), histogram, odd]}, "n": {"2": [other_kind]}}
+    text = render({"models": [], "workers_alive": 1, "custom": [first, second]}).decode()
+    lines = text.splitlines()
+    assert 'served{k="v"} 6' in lines and "# TYPE served counter" in lines
+    assert 'temperature{room="a"} 20' in lines   # set later than the 25 of the other worker
+    assert ['size_bucket{le="1"} 2', 'size_bucket{le="2"} 2', 'size_bucket{le="+Inf"} 6', "size_sum 19",
+            "size_count 6"] == [line for line in lines if line.startswith("size_")]
+    assert "despina_workers_alive 1" in lines and "despina_workers_alive 42" not in lines
+    assert text.count("# TYPE despina_workers_alive") == 1
+    assert 'odd_values{v="nan"} NaN' in lines and 'odd_values{v="inf"} -Inf' in lines

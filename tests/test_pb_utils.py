@@ -104,7 +104,8 @@ def test_pb_utils_request_release_flags(pb_utils: ModuleType) -> None:
 
 def test_pb_utils_custom_metrics_count_in_the_models_process(pb_utils: ModuleType) -> None:
     """Triton's custom metrics API, as its README's example uses it from initialize: pb_utils had no
-    MetricFamily, so such a model failed to load. Its metrics now count (not shown on /metrics)."""
+    MetricFamily, so such a model failed to load. Its metrics now count (and its process reports them:
+    test_metrics.py shows them on /metrics)."""
     family = pb_utils.MetricFamily(name="preprocess_latency_ns", description="Cumulative time spent",
                                    kind=pb_utils.MetricFamily.COUNTER)
     metric = family.Metric(labels={"model": "m", "version": "1"})
@@ -134,3 +135,23 @@ def test_pb_utils_model_loading_api_fails_with_its_reason(pb_utils: ModuleType) 
                  lambda: pb_utils.load_model(model_name="m"), lambda: pb_utils.unload_model("m")):
         with pytest.raises(pb_utils.TritonModelException, match="repository API"):
             call()
+
+
+def test_pb_utils_custom_metrics_names_are_prometheus_names(pb_utils: ModuleType) -> None:
+    """A family or label name the Prometheus text format cannot carry is refused where it is made, as
+    Triton's core refuses it: it would have broken the whole of /metrics, not just its own series."""
+    for name in ("with space", "9lives", "dash-ed", ""):
+        with pytest.raises(pb_utils.TritonModelException, match="metric name"):
+            pb_utils.MetricFamily(name, "d", pb_utils.MetricFamily.COUNTER)
+    family = pb_utils.MetricFamily("ns:requests_total", "d", pb_utils.MetricFamily.COUNTER)
+    for label in ("a-b", "__reserved", "1st"):
+        with pytest.raises(pb_utils.TritonModelException, match="label name"):
+            family.Metric(labels={label: "v"})
+    with pytest.raises(pb_utils.TritonModelException, match="label name"):
+        pb_utils.MetricFamily("latency", "d", pb_utils.MetricFamily.HISTOGRAM).Metric(labels={"le": "1"},
+                                                                                     buckets=[1.0])
+    family.Metric(labels={"model": 'any "value"\n at all'}).increment(2)
+    reported = {f["name"]: f for f in pb_utils._metrics_report()}["ns:requests_total"]
+    assert reported["type"] == "counter" and reported["help"] == "d"
+    assert reported["metrics"][0]["labels"] == {"model": 'any "value"\n at all'}
+    assert reported["metrics"][0]["value"] == 2

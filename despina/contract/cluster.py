@@ -2,7 +2,8 @@
 
 A worker writes these into its own hash (`Keys.worker`) on every heartbeat; the hash expires when the
 heartbeats stop. Fields: `info` (WorkerInfo JSON), `models` ({model: {version: state}} of the runners
-that serve), `detail` ({model: {version: VersionStatus}}), `cache` (artifact cache counters).
+that serve), `detail` ({model: {version: VersionStatus}}), `cache` (artifact cache counters),
+`custom_metrics` (the metrics its Python models made, msgpack; custom_metrics.py).
 """
 from __future__ import annotations
 

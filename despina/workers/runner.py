@@ -154,6 +154,10 @@ class ModelRunner:
             self._out.close()
         self.state = "UNAVAILABLE"
 
+    def custom_metrics(self) -> list[dict[str, Any]]:
+        """The metric families its model made itself, from every instance (custom_metrics.py)."""
+        return [family for backend in self.execution.backends for family in backend.custom_metrics()]
+
     def _cached(self, inputs: list[Tensor], outputs: tuple[str, ...], parameters: Parameters, answer: Answer
                 ) -> Answer | None:
         """submit()'s answer from the response cache (then None), or the answer that keeps the reply as

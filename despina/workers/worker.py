@@ -14,6 +14,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
@@ -26,6 +27,7 @@ from ..contract.ensemble import Ensemble, Step, is_ensemble
 from ..contract.errors import ConfigError, DespinaError
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
+from ..contract.records import packb
 from ..counters import Deferred
 from ..metrics import GpuReader
 from ..redis_client import trouble
@@ -431,6 +433,13 @@ class Worker:
                 models.setdefault(name, {})[str(version)] = host.state
                 if host.state == "READY":
                     ensembles.setdefault(name, []).append(version)
+            # the metrics Python models made themselves, by model and version: a version unloaded here
+            # is gone from the next heartbeat, and a dead worker's go with its hash. msgpack, as
+            # orjson would write a gauge's NaN or infinity as null.
+            custom: dict[str, dict[str, list[dict[str, Any]]]] = {}
+            for (name, version), runner in self.runners.items():
+                if families := runner.custom_metrics():
+                    custom.setdefault(name, {})[str(version)] = families
             key = self.keys.worker(self.id)
             pipe = self.redis.pipeline(transaction=True)
             pipe.hset(key, mapping={"info": self.info.dumps(), "models": orjson.dumps(models),
@@ -439,7 +448,7 @@ class Worker:
                                     "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
                                     "response_cache": orjson.dumps(self.response_cache.figures()
                                                                    if self.response_cache else {}),
-                                    "gpus": orjson.dumps(gpus),
+                                    "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom),
                                     "seen": time.time()})
             pipe.pexpire(key, int(self.settings.worker_ttl_s * 1000))
             pipe.sadd(self.keys.workers, self.id)

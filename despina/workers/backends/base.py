@@ -141,6 +141,11 @@ class Backend:
     def unload(self) -> None:
         """Free what load() took. The default drops references and lets the collector work."""
 
+    def custom_metrics(self) -> list[dict[str, Any]]:
+        """The metric families the model made itself (a Python model's pb_utils.MetricFamily), as
+        despina/custom_metrics.py reads them; none by default. Called on the event loop: quick."""
+        return []
+
     @classmethod
     def auto_complete(cls, config: Any, version_dir: Path) -> None:
         """Fill missing inputs/outputs of `config` (a ModelConfig protobuf) from the model file."""

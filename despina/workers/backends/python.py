@@ -210,6 +210,10 @@ class PythonBackend(Backend):
         if self._unloaded:  # unloaded while it started again
             self.stub.stop()
 
+    def custom_metrics(self) -> list[dict[str, Any]]:
+        stub = getattr(self, "stub", None)
+        return stub.metrics() if stub is not None else []
+
     def unload(self) -> None:
         self._unloaded = True
         if getattr(self, "_restart", None) is not None:

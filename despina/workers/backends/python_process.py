@@ -50,6 +50,8 @@ class Stub:
 
     def __init__(self, name: str, *, python: Interpreter | None = None) -> None:
         ours, theirs = Pipe()
+        self._reports, reporter = Pipe(duplex=False)  # the model's custom metrics (metrics())
+        self._metrics: list[dict[str, Any]] = []
         self.name = name
         python = python or Interpreter(sys.executable)
         self.conn: Connection = _Connection(os.dup(ours.fileno()))
@@ -58,11 +60,13 @@ class Stub:
         self._writing = threading.Lock()  # a model call's answer may go out while a thread reads
         self._calls: dict[int, Any] = {}  # call id -> the model call running it (a task, or a future)
         try:
-            self.process = subprocess.Popen([python.python, str(STUB), str(theirs.fileno())],
-                                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                            env=python.environ())
+            self.process = subprocess.Popen([python.python, str(STUB), str(theirs.fileno()),
+                                             str(reporter.fileno())],
+                                            pass_fds=(theirs.fileno(), reporter.fileno()),
+                                            stdin=subprocess.DEVNULL, env=python.environ())
         finally:
             theirs.close()
+            reporter.close()
         try:  # the stub's first message, once Python and numpy are up: ("hello", pid)
             if self.conn.poll(STARTUP_TIMEOUT_S):
                 self.conn.recv()
@@ -93,6 +97,7 @@ class Stub:
         self.process.kill()
         self.wait(5)
         self.conn.close()
+        self._reports.close()
 
     def call(self, op: str, payload: Any, timeout: float | None = None,
              caller: ModelCaller | None = None) -> Any:
@@ -223,6 +228,16 @@ class Stub:
             raise BackendError(f"model '{self.name}': {op} failed: {answer}")
         return answer
 
+    def metrics(self) -> list[dict[str, Any]]:
+        """The model's custom metrics as its process last reported them (python_stub/_despina_metrics.py:
+        a family per dict); kept after the process ended. Quick: it reads only what has come."""
+        try:
+            while self._reports.poll():
+                self._metrics = pickle.loads(self._reports.recv_bytes())
+        except (EOFError, OSError, pickle.UnpicklingError):
+            pass  # the process ended (or this one was stopped)
+        return self._metrics
+
     def alive(self) -> bool:
         return self.process.poll() is None
 
@@ -243,6 +258,7 @@ class Stub:
             self.process.kill()
             self.process.wait()
         self.conn.close()
+        self._reports.close()
 
 
 # A decoupled model's word on one of its requests, on the reader's thread: (stream id, the response

@@ -1,4 +1,4 @@
-"""The process a Python model runs in (Triton's "stub"): `python stub.py <fd>`.
+"""The process a Python model runs in (Triton's "stub"): `python stub.py <fd> <metrics fd>`.
 
 It says ("hello", pid) on the connection on <fd> once it is up, then answers its worker one message at
 a time:
@@ -34,6 +34,7 @@ import _despina_wire as wire  # this folder is first on sys.path: a name no mode
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from _despina_calls import ModelCalls
+from _despina_metrics import start_reporting
 from _despina_senders import DefaultSenders
 
 PARENT_CHECK_S = 1.0
@@ -47,6 +48,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when this process stops
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: the model's stacks to the log
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    start_reporting(int(sys.argv[2]))  # the model's custom metrics, on a pipe of their own
     stub = Stub(ModelCalls(conn))
     conn.send(("hello", os.getpid()))
     while True:
