@@ -18,11 +18,14 @@ import redis
 import redis.asyncio as aioredis
 
 from despina.contract.keys import Keys
+from despina.control.plane import ControlPlane
 from despina.embedded import free_port
 from despina.examples import mlp_numpy
-from despina.redis_client import CONNECT_TIMEOUT_S, trouble
+from despina.redis_client import CONNECT_TIMEOUT_S, connect, trouble
+from despina.settings import Settings
+from despina.workers.worker import Worker
 
-from .conftest import Server, stop_server
+from .conftest import Server, delete_prefix, stop_server
 from .control_support import mlp_folder, wait_until
 from .reliability_support import (
     Answer,
@@ -175,3 +178,31 @@ def test_a_worker_started_while_redis_is_down_waits_for_it(tmp_path: Path, key_p
             worker.wait()
         redis_server.stop()
     assert "Traceback" not in log.read_text()
+
+
+async def test_a_wake_after_redis_lost_its_data_is_answered_once_a_worker_serves_the_model(
+        tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """After a Redis restart without its data the control plane places nothing for the workers' TTL, until
+    every live worker has announced itself. A gateway whose view lost the workers meanwhile asks it to wake
+    the model, and that answer waited out the whole hold (every request stalled DESPINA_WORKER_TTL_S, 5 s
+    by default) though the worker serving the model had announced it READY within a second."""
+    mlp_folder(tmp_path / "repo")
+    settings = Settings(model_repository=str(tmp_path / "repo"), key_prefix=key_prefix, worker_ttl_s=60)
+    client = connect(redis_url)
+    plane, worker = ControlPlane(settings, client), Worker(settings, client)
+    roles = [asyncio.create_task(plane.run()), asyncio.create_task(worker.run())]
+    try:
+        while plane.catalog.get("mlp") is None:  # registered
+            await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(plane.commands.wake("mlp", None, 60), 60) == 1
+        delete_prefix(redis_url, key_prefix)  # what a Redis restarted without persistence holds
+        deadline = time.monotonic() + 30
+        while plane.lifecycle._held_until < time.monotonic():  # the plane saw it, and holds placement
+            assert time.monotonic() < deadline, "the control plane never saw the lease vanish"
+            await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(plane.commands.wake("mlp", None, 30), 30) == 1
+    finally:
+        worker.stop()
+        plane.stop()
+        await asyncio.gather(*roles, return_exceptions=True)
+        await client.aclose(close_connection_pool=True)

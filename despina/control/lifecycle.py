@@ -79,6 +79,8 @@ class Lifecycle:
         now = time.monotonic()
         if now < self._held_until:
             await self.catalog.flush()
+            # a wake of a model some worker has READY moves nothing: answered now, not after the hold
+            await self._answer(now, held=True)
             return
         placed: dict[tuple[tuple[str, ...], str], list[str]] = {}  # (workers, why) -> models newly so
         for entry in list(self.catalog.entries.values()):
@@ -225,9 +227,11 @@ class Lifecycle:
             if waiter in self.waiters:
                 self.waiters.remove(waiter)
 
-    async def _answer(self, now: float) -> None:
+    async def _answer(self, now: float, held: bool = False) -> None:
+        """Answer the waiters that have their answer; while placement is held (`held`), only wakes: the
+        workers not yet heard from may still host what an unload waits to see gone."""
         for w in list(self.waiters):
-            if w.future.done():
+            if w.future.done() or (held and w.kind != "wake"):
                 continue
             try:
                 outcome = self._settled(w)
