@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -37,6 +38,7 @@ from .reliability_support import (
     post_all,
     report,
     role_pids,
+    worker_paused,
 )
 
 
@@ -206,3 +208,33 @@ async def test_a_wake_after_redis_lost_its_data_is_answered_once_a_worker_serves
         plane.stop()
         await asyncio.gather(*roles, return_exceptions=True)
         await client.aclose(close_connection_pool=True)
+
+
+def test_a_reply_redis_refused_for_lack_of_memory_comes_once_memory_frees(
+        serve: Callable[..., Server], tmp_path: Path, key_prefix: str) -> None:
+    """A Redis at its maxmemory refuses the worker's reply (XADD) but takes the acknowledgement in the same
+    pipeline (XACK, XDEL): the request was then neither answered nor redelivered, and its client waited its
+    whole timeout for a 504 although Redis had room again a second later. The worker writes refused replies
+    again until their deadline."""
+    mlp_folder(tmp_path / "repo")
+    with own_redis(tmp_path) as redis_server:
+        server = serve(tmp_path / "repo", "--redis-url", redis_server.url, "--request-timeout", "40",
+                       use_redis=False, wait_models=("mlp",), env={"DESPINA_WORKER_TTL_S": "30"})
+        client = redis.Redis.from_url(redis_server.url)
+        stream = Keys(key_prefix).request_stream("mlp", 1)
+        with ThreadPoolExecutor(1) as pool:
+            try:
+                with worker_paused(server):
+                    answer = pool.submit(httpx.post, f"{server.url}/v2/models/mlp/infer",
+                                         content=mlp_body(np.ones(256, np.float32)), timeout=60)
+                    wait_until(lambda: client.xlen(stream), 10, what="the request to be queued")
+                    client.config_set("maxmemory", 1)  # noeviction, the default: writes that grow refused
+                wait_until(lambda: "> 'maxmemory'" in server.logs(), 10, what="the worker's reply refused")
+                client.config_set("maxmemory", 0)
+                response = answer.result(timeout=50)
+            finally:
+                client.config_set("maxmemory", 0)
+                client.close()
+        stop_server(server)
+    assert response.status_code == 200, response.text
+    assert "writing the replies again" in server.logs()

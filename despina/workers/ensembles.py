@@ -31,7 +31,7 @@ from ..counters import Deferred, record_counts
 from ..resp import Batch, ReadAlong, Resp
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
-from .replies import bounded_levels, count_dequeued, replies_into
+from .replies import bounded_levels, count_dequeued, refused, replies_into, write_again
 from .runner import READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
 from .stats import ensemble_counts
 from .streams import Entry, ModelStreams
@@ -245,23 +245,31 @@ class EnsembleHost:
             self.deferred.into(pipe)  # the steps' counters
         if acks:
             self.streams.ack_into(pipe, acks)
-        task = asyncio.get_running_loop().create_task(self._write(pipe, len(answered)))
+        task = asyncio.get_running_loop().create_task(self._write(pipe, answered, len(by_gateway)))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write(self, pipe: Batch, replies: int) -> None:
+    async def _write(self, pipe: Batch, answered: list[InferRequest], gateways: int) -> None:
         if self._out is None:
             self._out = Resp.like(self.redis)
         room = max(1, READ_AHEAD - self._in_flight)
         sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room))
         try:
             if sent is None:
-                await self._out.execute(pipe.commands)
+                results = await self._out.execute(pipe.commands, errors=False)
             else:
-                await self.streams.replies(sent)
+                results = await self.streams.replies(sent, errors=False)
         except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
             log.error("ensemble %s: writing %d replies failed: %s; their entries stay pending for reclaim",
-                      self.spec.name, replies, exc)
+                      self.spec.name, len(answered), exc)
+            return
+        error, again = refused(pipe, results, gateways)
+        if error:
+            then = "; writing the replies again until their deadline" if again else ""
+            log.error("ensemble %s: Redis refused a command of %d replies' writes: %s%s", self.spec.name,
+                      len(answered), error, then)
+        if again:
+            await write_again(self._out, again, max(r.deadline for r in answered))
 
 
 class _HostRun(Run):

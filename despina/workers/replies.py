@@ -2,13 +2,21 @@
 priority levels with a max_queue_size. Shared by a model's runner and an ensemble run in the worker."""
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Any
+
+import hiredis
+from redis.exceptions import RedisError
+
 from ..contract import records
 from ..contract.keys import FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest
-from ..resp import Batch
+from ..resp import Batch, Command, Resp
 
 REPLY_MAXLEN = 100_000       # backstop: gateways trim what they have read
+RESEND_S = 0.5               # how often reply entries Redis refused are written again
 
 
 def bounded_levels(spec: ModelSpec) -> set[int]:
@@ -36,3 +44,27 @@ def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: i
     for stream, group in by_gateway.items():
         pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
         pipe.pexpire(stream, ttl_ms)
+
+
+def refused(pipe: Batch, results: list[Any], gateways: int) -> tuple[str, list[Command]]:
+    """What Redis refused of a pipeline that replies_into began with `gateways` reply entries (`results`:
+    its answers, errors included): the first error ('' when none), and the commands of the reply entries
+    refused. Each command stands alone: a Redis out of memory (maxmemory) refuses the XADD of a reply and
+    takes the XACK after it, so the request is neither answered nor redelivered unless written again."""
+    errors = [r for r in results if isinstance(r, hiredis.ReplyError)]
+    again = [c for i in range(0, 2 * gateways, 2) if isinstance(results[i], hiredis.ReplyError)
+             for c in pipe.commands[i:i + 2]]
+    return (str(errors[0]) if errors else ""), again
+
+
+async def write_again(out: Resp, commands: list[Command], until: float) -> bool:
+    """Write reply entries Redis refused again, every RESEND_S, until it takes them (True) or the wall clock
+    passes `until`, their requests' deadline (False: their gateways have answered 504 by then)."""
+    while time.time() < until:
+        await asyncio.sleep(RESEND_S)
+        try:
+            await out.execute(commands)
+            return True
+        except (RedisError, OSError):
+            continue
+    return False

@@ -28,7 +28,7 @@ from .execution import Execution, durations
 from .inflight import Gateways
 from .ordering import ReplyOrder, Turn
 from .redelivery import DeliveryPolicy
-from .replies import bounded_levels, count_dequeued, replies_into
+from .replies import bounded_levels, count_dequeued, refused, replies_into, write_again
 from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
 
@@ -499,12 +499,20 @@ class ModelRunner:
         sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room))
         try:
             if sent is None:
-                await self._out.execute(pipe.commands)
+                results = await self._out.execute(pipe.commands, errors=False)
             else:
-                await self.streams.replies(sent)
+                results = await self.streams.replies(sent, errors=False)
         except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
             log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, len(replies), exc)
+            return
+        error, again = refused(pipe, results, len(by_gateway))
+        if error:
+            then = "; writing the replies again until their deadline" if again else ""
+            log.error("model %s: Redis refused a command of %d replies' writes: %s%s", self.spec.name,
+                      len(replies), error, then)
+        if again:
+            self._spawn(write_again(self._out, again, max(r.deadline for r in requests)))
 
     async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
         try:

@@ -133,9 +133,9 @@ class ModelStreams:
             return None
         return self._reader.send(commands, [self._read_command(count, self.block_ms)])  # type: ignore[union-attr]
 
-    async def replies(self, fut: asyncio.Future[list[Any]]) -> list[Any]:
+    async def replies(self, fut: asyncio.Future[list[Any]], errors: bool = True) -> list[Any]:
         """The replies to `send_with`'s commands (raises as Resp.execute does)."""
-        return await self._reader.replies(fut)  # type: ignore[union-attr]
+        return await self._reader.replies(fut, errors)  # type: ignore[union-attr]
 
     async def sent_read(self, fut: asyncio.Future[list[Any]]) -> list[Entry]:
         """The entries of a read sent by `send_with`."""
