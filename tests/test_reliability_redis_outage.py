@@ -238,3 +238,27 @@ def test_a_reply_redis_refused_for_lack_of_memory_comes_once_memory_frees(
         stop_server(server)
     assert response.status_code == 200, response.text
     assert "writing the replies again" in server.logs()
+
+
+def test_a_gateway_reports_not_ready_while_redis_hangs(serve: Callable[..., Server], tmp_path: Path) -> None:
+    """A Redis that stops answering without closing its connections (stopped, overloaded, or gone behind a
+    network that drops its packets) left every gateway ready for good: the view's refresh waited on its
+    connection, which has no timeout, and kept the last view. It fails after STALLED_S now, and the gateway
+    reports ready again once Redis answers."""
+    mlp_folder(tmp_path / "repo")
+    with own_redis(tmp_path) as redis_server:
+        server = serve(tmp_path / "repo", "--redis-url", redis_server.url, use_redis=False, wait_models=("mlp",),
+                       env={"DESPINA_WORKER_TTL_S": "30"})
+        assert redis_server.process is not None
+        redis_server.process.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: httpx.get(f"{server.url}/readyz", timeout=5).status_code == 503, 30,
+                       what="the gateway to report not ready")
+            assert httpx.get(f"{server.url}/v2/health/ready", timeout=5).status_code == 400
+            assert httpx.get(f"{server.url}/v2/health/live", timeout=5).status_code == 200
+        finally:
+            redis_server.process.send_signal(signal.SIGCONT)
+        wait_until(lambda: httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200, 30,
+                   what="the gateway to report ready again")
+        stop_server(server)
+    assert "Redis did not answer within" in server.logs()

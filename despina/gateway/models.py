@@ -38,6 +38,9 @@ from .control import ControlClient
 log = logging.getLogger("despina.gateway")
 
 REFRESH_S = 0.5
+# a refresh Redis has not answered within this (a Redis that hangs, a connection that died without a word)
+# fails: the gateway reports not ready until Redis answers again
+STALLED_S = 5.0
 # a shared wake that ran out its time (its first caller's) while a caller that joined it has this much left
 # or more: another wake waits out the rest
 WAKE_AGAIN_S = 1.0
@@ -99,14 +102,14 @@ class ModelView:
                 async with self.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self.keys.events)
                     for each in self.followers.values():
-                        await each()
+                        await _answered(each())
                     while True:
                         message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=REFRESH_S)
                         follow = self.followers.get(message.get("data")) if message is not None else None
                         if follow is not None:
-                            await follow()
+                            await _answered(follow())
                             continue
-                        await self.refresh()
+                        await _answered(self.refresh())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -331,6 +334,15 @@ class ModelView:
             if not all(v in e.failed for v in e.versions if v not in e.retiring):
                 return False
         return True
+
+
+async def _answered(reading: Awaitable[None]) -> None:
+    """A read of Redis, which fails when Redis has not answered within STALLED_S: the connection has no
+    timeout of its own, and a Redis that hangs left the gateway ready, its last view kept, for good."""
+    try:
+        await asyncio.wait_for(reading, STALLED_S)
+    except TimeoutError:
+        raise TimeoutError(f"Redis did not answer within {STALLED_S:g} s") from None
 
 
 def _known_version(e: CatalogEntry, version: str) -> int:
