@@ -262,3 +262,31 @@ def test_a_gateway_reports_not_ready_while_redis_hangs(serve: Callable[..., Serv
                    what="the gateway to report ready again")
         stop_server(server)
     assert "Redis did not answer within" in server.logs()
+
+
+def test_a_worker_started_while_redis_is_full_waits_for_room(tmp_path: Path, key_prefix: str) -> None:
+    """A Redis at its maxmemory refuses the worker's first heartbeat (its writes grow memory): a worker
+    started then (scaled out to drain the backlog that filled Redis) exited at once with a traceback,
+    and crash-looped until Redis had room. It waits, as for a Redis that is down."""
+    with own_redis(tmp_path) as redis_server:
+        client = redis.Redis.from_url(redis_server.url)
+        client.config_set("maxmemory", 1)
+        log = tmp_path / "worker.log"
+        with log.open("wb") as out:
+            worker = subprocess.Popen([sys.executable, "-m", "despina", "worker", "--redis-url", redis_server.url,
+                                       "--key-prefix", key_prefix], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: "maxmemory" in log.read_text() or worker.poll() is not None, 30,
+                       what="the worker's first heartbeat refused")
+            time.sleep(1.0)
+            assert worker.poll() is None, log.read_text()[-2000:]
+            client.config_set("maxmemory", 0)
+            wait_until(lambda: client.smembers(Keys(key_prefix).workers), 10, what="the worker to join")
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(15) == 0, log.read_text()[-2000:]
+        finally:
+            client.close()
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    assert "Traceback" not in log.read_text()

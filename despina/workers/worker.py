@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from .. import cpus, logs
 from ..contract.catalog import CatalogEntry
@@ -122,14 +122,17 @@ class Worker:
                 pass
 
     async def _join(self) -> bool:
-        """Join the workers' set with a first heartbeat; while Redis is unreachable, retry every second
-        (as every role does); a command Redis refuses ends the worker with its reason. False: the worker
-        was stopped first."""
+        """Join the workers' set with a first heartbeat; while Redis is unreachable, or full (maxmemory) or
+        a replica for now (READONLY, during a failover), retry every second (as every role does); any other
+        command Redis refuses ends the worker with its reason. False: the worker was stopped first."""
         while not self._stop.is_set():
             try:
                 await self.redis.sadd(self.keys.workers, self.id)
                 await self._heartbeat()
                 return True
+            except (OutOfMemoryError, ReadOnlyError) as exc:
+                # passing states: a worker started to drain the backlog that filled Redis must not crash
+                log.warning("worker %s: %s; retrying", self.id, trouble(exc))
             except ResponseError:
                 raise  # Redis answered and refused (another program's key?): no outage to wait out
             except (RedisError, ConnectionError, OSError) as exc:
