@@ -4,6 +4,7 @@ with no process restarted (streams, consumer groups, catalog and heartbeats come
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import subprocess
 import sys
@@ -290,3 +291,21 @@ def test_a_worker_started_while_redis_is_full_waits_for_room(tmp_path: Path, key
                 worker.kill()
                 worker.wait()
     assert "Traceback" not in log.read_text()
+
+
+async def test_a_control_plane_waiting_for_redis_does_not_say_another_leads(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A control plane started while Redis is down logged that another one leads and that it stands by,
+    when there may be no other: an operator looked for a second control plane that did not exist."""
+    client = connect(f"redis://127.0.0.1:{free_port()}/0")
+    plane = ControlPlane(Settings(model_repository=str(tmp_path)), client)
+    caplog.set_level(logging.INFO, logger="despina.control")
+    leading = asyncio.create_task(plane._lead())
+    try:
+        while "Redis unreachable" not in caplog.text:
+            await asyncio.sleep(0.05)
+    finally:
+        plane.stop()
+        assert await asyncio.wait_for(leading, 10) is False
+        await client.aclose(close_connection_pool=True)
+    assert "another one leads" not in caplog.text

@@ -146,11 +146,11 @@ class ControlPlane:
                     log.info("control plane %s leads (%s mode, repository %s)", self.id,
                              self.settings.model_control_mode, self.registry.url)
                     return True
+                if not waiting:  # (not while Redis cannot tell: there may be no other)
+                    log.info("control plane %s: another one leads; standing by", self.id)
+                    waiting = True
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: %s", trouble(exc))
-            if not waiting:
-                log.info("control plane %s: another one leads; standing by", self.id)
-                waiting = True
             await self._sleep(2.0)
         return False
 
