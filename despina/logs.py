@@ -151,6 +151,30 @@ async def follow(redis: Any, keys: Any) -> None:
             logging.getLogger("despina").warning("ignoring unreadable log settings (%s)", exc)
 
 
+LOG_EVERY_S = 5.0  # while Redis is down, a failure of the same kind is logged at most this often
+
+
+class Throttled:
+    """Logs a recurring failure once, then at most every LOG_EVERY_S with how many went unlogged: a loop
+    that retries twice a second while Redis is down logs a line every few seconds, not one a retry."""
+
+    def __init__(self, log: logging.Logger, level: int = logging.WARNING) -> None:
+        self._log = log
+        self.level = level
+        self.last = -LOG_EVERY_S
+        self.unlogged = 0
+
+    def log(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self.last < LOG_EVERY_S:
+            self.unlogged += 1
+            return
+        if self.unlogged:
+            message += f" ({self.unlogged} more like it since the last report)"
+        self._log.log(self.level, message, *args)
+        self.last, self.unlogged = now, 0
+
+
 def dump_tasks() -> None:
     """Every asyncio task's chain of awaits to stderr (`kill -USR2`): where each one waits. A thread
     dump (SIGUSR1) shows only the event loop; this shows what the loop is waiting for."""

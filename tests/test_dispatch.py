@@ -15,7 +15,8 @@ from despina.contract import records
 from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.records import InferReply, InferRequest
 from despina.gateway import dispatch
-from despina.gateway.dispatch import Dispatcher, Throttled
+from despina.gateway.dispatch import Dispatcher
+from despina.logs import LOG_EVERY_S, Throttled
 
 Started = tuple[Dispatcher, aioredis.Redis, Keys]
 
@@ -100,12 +101,12 @@ async def _true(value: bool) -> bool:
 
 
 def test_a_recurring_failure_is_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
-    throttled = Throttled(logging.ERROR)
+    throttled = Throttled(logging.getLogger("despina.gateway"), logging.ERROR)
     with caplog.at_level(logging.ERROR, logger="despina.gateway"):
         for i in range(10):
             throttled.log("queueing failed: %d", i)
         assert [r.getMessage() for r in caplog.records] == ["queueing failed: 0"]
-        throttled.last -= dispatch.LOG_EVERY_S  # as if the interval had passed
+        throttled.last -= LOG_EVERY_S  # as if the interval had passed
         throttled.log("queueing failed: %d", 10)
     assert caplog.records[-1].getMessage() == "queueing failed: 10 (9 more like it since the last report)"
 

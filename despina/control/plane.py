@@ -155,12 +155,13 @@ class ControlPlane:
         return False
 
     async def _keep_lease(self) -> None:
+        failed = logs.Throttled(log)
         while not self._stop.is_set():
             await self._sleep(LEASE_MS / 4000)
             try:
                 held = await self.redis.eval(_RENEW, 1, self.keys.control_leader, self.id, LEASE_MS)
             except (RedisError, ConnectionError, OSError) as exc:
-                log.warning("control: renewing the lease failed (%s)", exc)
+                failed.log("control: renewing the lease failed (%s)", exc)
                 continue
             if held == -1:
                 self.kick()
@@ -190,6 +191,7 @@ class ControlPlane:
     # -- the lifecycle loop ------------------------------------------------------------------------
 
     async def _ticks(self) -> None:
+        failed = logs.Throttled(log)
         while not self._stop.is_set():
             try:  # the lease's key and the workers' set in one round trip: an idle plane ticks a second
                 pipe = self.redis.pipeline(transaction=False)
@@ -200,7 +202,7 @@ class ControlPlane:
                     await self._recover()
                 await self.lifecycle.tick(members if leads else None)  # the set may be new too
             except (RedisError, ConnectionError, OSError) as exc:
-                log.warning("control: %s", trouble(exc))
+                failed.log("control: %s", trouble(exc))
             except Exception:  # a bug must not stop the control plane's heart
                 log.exception("control: a lifecycle tick failed")
             try:
@@ -211,6 +213,7 @@ class ControlPlane:
 
     async def _listen(self) -> None:
         """Workers announce state changes on the events channel: tick at once."""
+        failed = logs.Throttled(log)
         while not self._stop.is_set():
             try:
                 async with self.redis.pubsub() as pubsub:
@@ -224,13 +227,14 @@ class ControlPlane:
                         elif message is not None and message.get("data") != b"catalog":
                             self.kick()
             except (RedisError, ConnectionError, OSError) as exc:
-                log.warning("control: event subscription lost (%s); retrying", exc)
+                failed.log("control: event subscription lost (%s); retrying", exc)
                 await self._sleep(1.0)
 
     # -- commands ----------------------------------------------------------------------------------
 
     async def _serve_commands(self) -> None:
         stream = self.keys.control_commands
+        failed = logs.Throttled(log)
         while not self._stop.is_set():
             try:
                 try:
@@ -246,7 +250,7 @@ class ControlPlane:
                     for _, entries in cast(list[list[Any]], resp) or ():  # RESP2: [[stream, entries]]
                         self._dispatch(entries)
             except (RedisError, ConnectionError, OSError) as exc:
-                log.warning("control: reading commands failed (%s); retrying", exc)
+                failed.log("control: reading commands failed (%s); retrying", exc)
                 await self._sleep(0.5)
 
     def _dispatch(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:

@@ -27,6 +27,7 @@ from ..contract.errors import Cancelled, Code, DespinaError, Unavailable
 from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
 from ..contract.records import GROUPED, InferReply, InferRequest
 from ..counters import Deferred
+from ..logs import Throttled
 from ..resp import Batch, ReadAlong, Resp, fields
 from . import grouping
 
@@ -64,28 +65,6 @@ OWED_S = 0.004  # answers delivered this recently are expected back as new reque
 HOLD_GAP_S = 0.0002
 MAX_HOLD_GAP_S = 0.001
 FEW_CLIENTS = 16
-LOG_EVERY_S = 5.0  # while Redis is down, a failure of the same kind is logged at most this often
-
-
-class Throttled:
-    """Logs a recurring failure once, then at most every LOG_EVERY_S with how many went unlogged."""
-
-    def __init__(self, level: int) -> None:
-        self.level = level
-        self.last = -LOG_EVERY_S
-        self.unlogged = 0
-
-    def log(self, message: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self.last < LOG_EVERY_S:
-            self.unlogged += 1
-            return
-        if self.unlogged:
-            message += f" ({self.unlogged} more like it since the last report)"
-        log.log(self.level, message, *args)
-        self.last, self.unlogged = now, 0
-
-
 class Dispatcher:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str | None = None,
                  reply_ttl_ms: int = 120_000, hold_us: int = 4000) -> None:
@@ -109,7 +88,7 @@ class Dispatcher:
         # how many, so that a batch need not wait for requests that are not on their way
         self._in_flight: dict[str, int] = {}
         self._sweeper: asyncio.TimerHandle | None = None
-        self._write_failed, self._read_failed = Throttled(logging.ERROR), Throttled(logging.WARNING)
+        self._write_failed, self._read_failed = Throttled(log, logging.ERROR), Throttled(log)
         self._outbox: dict[str, list[InferRequest]] = defaultdict(list)
         self._bounded: list[tuple[str, Bound, InferRequest]] = []
         self._stats: dict[str, str] = {}  # request stream -> its model version's statistics hash

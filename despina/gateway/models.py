@@ -97,6 +97,7 @@ class ModelView:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _loop(self) -> None:
+        failed = logs.Throttled(log)
         while True:
             try:
                 async with self.redis.pubsub() as pubsub:
@@ -114,7 +115,7 @@ class ModelView:
                 raise
             except Exception as exc:
                 self.connected = False
-                log.warning("gateway: refreshing the model view failed (%s)", exc)
+                failed.log("gateway: refreshing the model view failed (%s)", exc)
                 await asyncio.sleep(REFRESH_S)
 
     async def announce(self, key: str, value: bytes, event: bytes) -> None:

@@ -28,6 +28,7 @@ from ..contract.keys import FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from ..counters import Deferred, record_counts
+from ..logs import Throttled
 from ..resp import Batch, ReadAlong, Resp
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
@@ -118,6 +119,7 @@ class EnsembleHost:
     # -- reading ---------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
+        failed = Throttled(log)
         while not self._stopping:
             await self._room.wait()
             if self._stopping:
@@ -130,7 +132,7 @@ class EnsembleHost:
                 else:
                     entries = await self.streams.sent_read(sent)
             except (RedisError, OSError) as exc:
-                log.warning("ensemble %s: reading its stream failed (%s); retrying", self.spec.name, exc)
+                failed.log("ensemble %s: reading its stream failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
                 continue
             if entries:

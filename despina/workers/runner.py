@@ -19,6 +19,7 @@ from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, GROUP, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..counters import Deferred, record_counts
+from ..logs import Throttled
 from ..resp import Batch, ReadAlong, Resp
 from ..response_cache import LOADS, ResponseCache, cache_key, through
 from . import answers, stats
@@ -172,6 +173,7 @@ class ModelRunner:
     # -- reading ---------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
+        failed = Throttled(log)
         while not self._stopping:
             await self._room.wait()
             if self._stopping:
@@ -184,7 +186,7 @@ class ModelRunner:
                 else:
                     entries = await self.streams.sent_read(sent)
             except (RedisError, OSError) as exc:
-                log.warning("model %s: reading its stream failed (%s); retrying", self.spec.name, exc)
+                failed.log("model %s: reading its stream failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
                 continue
             if entries:

@@ -90,12 +90,13 @@ class Worker:
         log.info("worker %s: %d CPU(s), %d GPU(s), %.1f GiB for models", self.id, self.info.cpus,
                  self.info.gpus, self.info.memory_bytes / 2**30)
         helpers = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._listen())]
+        failed = logs.Throttled(log)
         try:
             while not self._stop.is_set():
                 try:
                     await self.sync()
                 except (RedisError, ConnectionError, OSError) as exc:
-                    log.warning("worker %s: %s", self.id, trouble(exc))
+                    failed.log("worker %s: %s", self.id, trouble(exc))
                 try:
                     await asyncio.wait_for(self._kick.wait(), 1.0)
                 except TimeoutError:
