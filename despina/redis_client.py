@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from urllib.parse import parse_qs, urlparse
 
 import redis.asyncio as aioredis
@@ -12,6 +13,22 @@ from redis.exceptions import ConnectionError, RedisError, ResponseError
 # A dead Redis must fail a request within a second, not hang it: connecting gives up after this.
 CONNECT_TIMEOUT_S = 0.5
 
+# A Redis whose host vanished without a word (a node lost, packets dropped: no reset comes) leaves every
+# connection to it open, and commands waiting on it, until the kernel gives up on it (~15 min): keepalive
+# probes find an idle connection dead within ~11 s, and sent data unacknowledged for 10 s ends one. A
+# Redis that only stalls (its host's kernel still acknowledges) is not affected. Linux's options; the
+# ones another system lacks are left out.
+KEEPALIVE = {getattr(socket, name): value for name, value in
+             (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 10_000))
+             if hasattr(socket, name)}
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """KEEPALIVE's options on a TCP connection to Redis."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in KEEPALIVE.items():
+        sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
 
 def connect(url: str, max_connections: int = 64) -> aioredis.Redis:
     # socket_timeout=None avoids a timeout object per read; health checks catch dead sockets.
@@ -19,7 +36,8 @@ def connect(url: str, max_connections: int = 64) -> aioredis.Redis:
     # dead and the first command on each would fail; a connect timeout is not retried.
     pool = aioredis.ConnectionPool.from_url(
         url, max_connections=max_connections, socket_timeout=None, socket_connect_timeout=CONNECT_TIMEOUT_S,
-        health_check_interval=0, retry_on_timeout=False,
+        health_check_interval=0, retry_on_timeout=False, socket_keepalive=True,
+        socket_keepalive_options=KEEPALIVE,
         retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)))
     return aioredis.Redis(connection_pool=pool)
 

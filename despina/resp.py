@@ -27,7 +27,7 @@ from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import ConnectionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .redis_client import CONNECT_TIMEOUT_S
+from .redis_client import CONNECT_TIMEOUT_S, keep_alive
 
 Arg = bytes | str | int | float
 Command = Sequence[Arg] | bytes  # bytes: a command packed already (`Prefix`)
@@ -253,8 +253,9 @@ class Resp:
                 if "path" in o:
                     _, protocol = await loop.create_unix_connection(_Protocol, o["path"])
                 else:
-                    _, protocol = await loop.create_connection(
+                    transport, protocol = await loop.create_connection(
                         _Protocol, o.get("host", "localhost"), o.get("port", 6379), ssl=self._ssl())
+                    keep_alive(transport.get_extra_info("socket"))
         except OSError as exc:  # the built-in TimeoutError (asyncio.timeout's) is one too
             kind = RedisTimeoutError if isinstance(exc, TimeoutError) else ConnectionError
             raise kind(f"cannot connect to Redis: {exc or 'timed out'}") from None

@@ -222,3 +222,34 @@ async def test_commands_keep_their_order_across_the_connect(redis: aioredis.Redi
         assert await redis.lrange(key, 0, -1) == [b"first", b"second"]
     finally:
         resp.close()
+
+
+async def test_connections_to_redis_find_a_vanished_host_dead(redis_url: str) -> None:
+    """Keepalive probes and TCP_USER_TIMEOUT on every TCP connection to Redis, ours and redis-py's: a
+    Redis host lost without a reset otherwise held every connection, and the requests waiting on them,
+    for the kernel's ~15 minutes. (uvloop's transports take the options alike: its PseudoSocket.)"""
+    from despina.redis_client import KEEPALIVE, connect
+
+    if not redis_url.startswith("redis://"):
+        pytest.skip("Redis over a unix socket: no TCP options")
+
+    def options(sock: socket.socket) -> tuple[int, dict[int, int]]:
+        return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                {option: sock.getsockopt(socket.IPPROTO_TCP, option) for option in KEEPALIVE})
+
+    assert socket.TCP_USER_TIMEOUT in KEEPALIVE  # (Linux)
+    ours = Resp.from_url(redis_url)
+    client = connect(redis_url)
+    try:
+        await ours.execute([["PING"]])
+        assert ours._protocol is not None and ours._protocol.transport is not None
+        assert options(ours._protocol.transport.get_extra_info("socket")) == (1, KEEPALIVE)
+        theirs = await client.connection_pool.get_connection()
+        try:
+            assert options(theirs._writer.transport.get_extra_info("socket")) == (1, KEEPALIVE)  # type: ignore[union-attr]
+        finally:
+            await client.connection_pool.release(theirs)
+    finally:
+        ours.close()
+        await client.aclose()
+        await client.connection_pool.disconnect()
