@@ -101,6 +101,10 @@ def parser() -> argparse.ArgumentParser:
                        help="run each worker inside a gateway's process (gateway i runs worker i; workers "
                             "beyond the gateways run alone): one process fewer taking turns on a small "
                             "machine's cores; requests still go through the Redis streams")
+    serve.add_argument("--fixed-workers", dest="fixed_workers", action=argparse.BooleanOptionalAction,
+                       help="its workers are all there will be (default, with 1 or more): a model none of "
+                            "them can hold (GPUs, memory) fails at once; --no-fixed-workers waits for a "
+                            "worker that can take it to join (workers started by hand)")
     gw = sub.add_parser("gateway", help="run one HTTP gateway against a shared Redis")
     for add in (common, http, cache):
         add(gw)

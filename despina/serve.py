@@ -104,6 +104,8 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         settings = self.settings
+        if settings.fixed_workers is None:  # its workers are all there will be, unless it starts none
+            settings = self.settings = settings.with_(fixed_workers=settings.workers > 0)
         self._check_port()
         others = self._other_cpus()
         if not settings.redis_url:

@@ -36,6 +36,9 @@ class Settings:
     idle_timeout_s: float = 0.0             # scale-to-zero: unload a model idle this long; 0 = never
     model_replicas: int = 1                 # workers that load each model; 0 = every eligible worker
     load_timeout_s: float = 300.0           # how long a load (API, cold start) may take
+    # the workers are a fixed set of `workers` (serve's own): once all have come, a model none of them can
+    # hold fails at once rather than waiting for a worker to join. None: serve's (true) or control's (false)
+    fixed_workers: bool | None = None
     worker_ttl_s: float = 5.0               # a worker silent this long is dead: its models move
     visibility_timeout_s: float = 60.0      # a request read and unanswered this long is redelivered
     max_attempts: int = 3                   # deliveries ended by the worker's death before dead-lettering
@@ -199,7 +202,7 @@ _FALSE = {"0", "false", "no", "off"}
 
 def _coerce(annotation: Any, raw: str) -> Any:
     kind = str(annotation)
-    if kind == "bool":
+    if kind in ("bool", "bool | None"):
         word = raw.strip().lower()
         if word not in _TRUE | _FALSE:
             raise ValueError(f"expected true or false, got {raw!r}")

@@ -8,7 +8,7 @@ import pytest
 from despina.contract.catalog import IDLE, LOADED, CatalogEntry
 from despina.contract.cluster import VersionStatus, WorkerInfo, WorkerStatus
 from despina.contract.errors import ConfigError
-from despina.control.placement import committed, need, out_of_memory, partners, place, replicas
+from despina.control.placement import FixedWorkers, committed, need, out_of_memory, partners, place, replicas
 from despina.control.repository import INSTANCE_BYTES, PYTHON_INSTANCE_BYTES, footprint
 from despina.control.versions import transition
 
@@ -78,6 +78,29 @@ def test_out_of_memory_only_when_memory_alone_keeps_the_model_off_every_worker()
     assert not out_of_memory(gpu, pool, {})                               # a GPU it lacks, not memory
     assert not out_of_memory(entry(footprint=600 * MB), workers(("a", 0, 0)), {})  # 0: no limit known
     assert not out_of_memory(entry(footprint=60 * MB), pool, {"a": 50 * MB, "b": 50 * MB}, exclude=("a", "b"))
+
+
+def test_a_fixed_set_of_workers_knows_what_none_of_them_could_ever_hold() -> None:
+    # serve's workers are all there will be: a model none of them could hold even alone fails at once
+    fixed = FixedWorkers(2)
+    on_gpu, big = entry(groups=[{"kind": "KIND_GPU"}]), entry(footprint=600 * MB)
+    fixed.see(workers(("a", 0, 100)))
+    assert fixed.unfit(on_gpu) == ""                    # the other one has not come yet: it may have a GPU
+    fixed.see(workers(("a", 0, 100), ("b", 0, 100)))
+    assert fixed.unfit(on_gpu) == "instance_group kind KIND_GPU needs 1 GPU(s), but no GPUs are available"
+    assert "needs 600 MiB of memory, but no worker has that much for models (at most 100 MiB" in fixed.unfit(big)
+    assert fixed.unfit(entry(footprint=60 * MB)) == ""  # what others take of its room may be freed
+    mixed = FixedWorkers(2)
+    mixed.see(workers(("gpu", 1, 100), ("cpu", 0, 1000)))
+    assert "KIND_GPU needs 2 GPU(s), but no worker has that many (at most 1)" in \
+        mixed.unfit(entry(groups=[{"kind": "KIND_GPU", "gpus": [1]}]))
+    assert "at most 100 MiB" in mixed.unfit(entry(groups=[{"kind": "KIND_GPU"}], footprint=600 * MB))
+    assert mixed.unfit(big) == ""                       # the CPU worker has room for it
+    mixed.see(workers(("cpu-again", 0, 1000)))          # the GPU worker restarting: it comes back as it was
+    assert mixed.unfit(on_gpu) == ""
+    unknown = FixedWorkers(1)
+    unknown.see(workers(("a", 0, 0)))                   # memory unknown: no limit to judge by
+    assert unknown.unfit(big) == ""
 
 
 def test_placement_keeps_live_workers_and_replaces_dead_ones() -> None:

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -673,3 +674,86 @@ def test_the_readme_configuration_table_names_every_setting_and_flag() -> None:
     options = set(re.findall(r"--[a-z-]+", helps.getvalue()))
     flags = {flag for row in table.splitlines() for flag in re.findall(r"`(--[a-z-]+)", row.split("|")[1])}
     assert flags and flags <= options, flags - options
+
+
+def mlp_copies(example_repository: Path, repo: Path, **groups: str) -> None:
+    """The example MLP under each name given, its instance_group (and parameters) replaced by the text."""
+    for name, group in groups.items():
+        shutil.copytree(example_repository / "mlp", repo / name)
+        config = (repo / name / "config.pbtxt").read_text().replace('name: "mlp"', f'name: "{name}"')
+        (repo / name / "config.pbtxt").write_text(
+            config.replace("instance_group [ { count: 1, kind: KIND_CPU } ]", group))
+
+
+def test_a_model_none_of_serves_workers_can_hold_fails_at_once_with_its_reason(
+        serve: Callable[..., Server], example_repository: Path, tmp_path: Path) -> None:
+    """serve's workers are all there will be: a model that needs a GPU none has, or more memory than any
+    offers, is UNAVAILABLE with that reason once they have come, as Triton fails its load. Its requests
+    and its loads waited their whole deadline (60 s, 300 s) for a worker that could never join."""
+    repo = tmp_path / "repo"
+    mlp_copies(example_repository, repo, mlp="instance_group [ { count: 1, kind: KIND_CPU } ]",
+               on_gpu="instance_group [ { count: 1, kind: KIND_GPU } ]",
+               big='parameters { key: "memory_mb" value { string_value: "100000" } }')
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "on_gpu", "--load-model", "mlp",
+                   env={"DESPINA_WORKER_MEMORY_MB": "512"}, health="live")
+    rows = wait_until(lambda: {r["name"]: r for r in httpx.post(f"{server.url}/v2/repository/index").json()
+                               if r.get("state") not in (None, "LOADING")}.get("on_gpu"), server)
+    assert rows["state"] == "UNAVAILABLE" and "KIND_GPU needs 1 GPU(s), but no GPUs are available" in \
+        rows["reason"], rows
+    assert httpx.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200  # settled, as Triton's
+    # the server's deadline is 60 s: the client's 30 s would run out first
+    r = httpx.post(f"{server.url}/fn/on_gpu", content=ROW, timeout=30)
+    assert r.status_code == 503 and "no GPUs are available" in r.json()["error"], r.text
+    r = httpx.post(f"{server.url}/v2/repository/models/big/load", timeout=30)
+    assert r.status_code == 400 and "needs 100000 MiB of memory, but no worker has that much" in \
+        r.json()["error"], r.text
+    # asked to fail without room, a load still hears so (SageMaker's 507)
+    r = httpx.post(f"{server.url}/v2/repository/models/big/load",
+                   json={"parameters": {"fail_without_room": True}}, timeout=30)
+    assert r.status_code == 503 and "does not fit on any worker" in r.json()["error"], r.text
+    # a worker restarting is not a worker gone: what it can hold waits for it, and loads
+    (worker,) = role_pids(server, "worker")
+    os.kill(worker, signal.SIGKILL)
+    shutil.copytree(repo / "mlp", repo / "later")
+    (repo / "later" / "config.pbtxt").write_text(
+        (repo / "mlp" / "config.pbtxt").read_text().replace('name: "mlp"', 'name: "later"'))
+    r = httpx.post(f"{server.url}/v2/repository/models/later/load", timeout=120)
+    assert r.status_code == 200, r.text
+    assert httpx.post(f"{server.url}/fn/later", content=ROW, timeout=30).status_code == 200
+    assert "restarting it" in server.logs()
+
+
+@pytest.mark.parametrize("how", ["--no-fixed-workers", "--workers 0"])
+def test_workers_that_may_join_later_are_waited_for(
+        serve: Callable[..., Server], example_repository: Path, tmp_path: Path, redis_url: str,
+        key_prefix: str, how: str) -> None:
+    """With workers started besides serve's (--no-fixed-workers), or only those (--workers 0, as
+    separately started roles, which KEDA may scale from zero), a worker that can take the model may
+    still join: the model waits for it, and the index says why."""
+    repo = tmp_path / "repo"
+    mlp_copies(example_repository, repo, on_gpu="instance_group [ { count: 1, kind: KIND_GPU } ]")
+    server = serve(repo, *how.split(), health="live")
+    worker = None
+    if how == "--workers 0":
+        worker = subprocess.Popen([sys.executable, "-m", "despina", "worker", "--redis-url", redis_url,
+                                   "--key-prefix", key_prefix], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+    try:
+        row = wait_until(lambda: [r for r in httpx.post(f"{server.url}/v2/repository/index").json()
+                                  if "0 GPU(s), the model needs 1" in r.get("reason", "")], server)
+        assert row[0]["state"] == "LOADING", row
+        time.sleep(2)  # (ticks enough to fail it, were it judged against a fixed set)
+        (row,) = httpx.post(f"{server.url}/v2/repository/index").json()
+        assert row["state"] == "LOADING", row
+    finally:
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(30)
+
+
+def wait_until(check: Callable[[], object], server: Server, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, server.logs()
+        time.sleep(0.1)
+    return found

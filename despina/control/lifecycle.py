@@ -19,7 +19,7 @@ from ..settings import Settings
 from ..workers.redelivery import DeliveryPolicy, Queue
 from .backlog import requeue
 from .ensembles import Ensembles
-from .placement import committed, eligible, need, out_of_memory, partners, place, replicas
+from .placement import FixedWorkers, committed, eligible, need, out_of_memory, partners, place, replicas
 from .repository import parameter
 from .state import Catalog, Workers
 
@@ -57,6 +57,8 @@ class Lifecycle:
         self.awake_since: dict[str, float] = {}     # model -> when it was last brought up (wall clock)
         self.shortfall: dict[str, str] = {}         # model -> why it has fewer workers than it should
         self.no_room: set[str] = set()              # models that memory alone keeps off every worker
+        self.fixed = FixedWorkers(settings.workers) if settings.fixed_workers else None
+        self.unfit: dict[str, str] = {}             # model -> why none of a fixed set of workers can hold it
         self.delivery = DeliveryPolicy.from_settings(settings)
         self._idle_checked = 0.0
         self._held_until = 0.0
@@ -76,6 +78,8 @@ class Lifecycle:
         """Place, version, scale and answer; `members` is the workers' set where the caller read it."""
         for wid in await self.workers.refresh(members):
             await self._requeue_from(wid)
+        if self.fixed is not None:
+            self.fixed.see(self.workers.infos)
         now = time.monotonic()
         if now < self._held_until:
             await self.catalog.flush()
@@ -120,7 +124,31 @@ class Lifecycle:
             self.no_room.add(e.name)
         else:
             self.no_room.discard(e.name)
-        return self._switch_versions(replace(e, workers=workers), now)
+        return self._switch_versions(self._fail_unfit(replace(e, workers=workers)), now)
+
+    def _fail_unfit(self, e: CatalogEntry) -> CatalogEntry:
+        """With a fixed set of workers (DESPINA_FIXED_WORKERS, serve's), once all of them have come, a
+        version none of them could hold fails, as Triton's load of it does: no worker that could take it
+        will join, and its loads and requests would wait for nothing."""
+        if self.fixed is None:
+            return e
+        why = self.fixed.unfit(e)
+        before = self.unfit.pop(e.name, None)
+        failed = dict(e.failed)
+        for v in e.versions:
+            mine = v in failed and failed[v] == before
+            if v in e.retiring or not (why or mine):
+                continue
+            if not why:  # a worker that can take it came after all (started by hand): it loads there
+                del failed[v]
+            elif (v not in failed or mine) and not self.workers.ready_on(e.name, v, e.revisions.get(v)):
+                if v not in failed:
+                    log.error("model %s version %d cannot load on any worker: %s (the workers are a fixed "
+                              "set: DESPINA_FIXED_WORKERS)", e.name, v, why)
+                failed[v] = why
+        if why:
+            self.unfit[e.name] = why
+        return replace(e, failed=failed) if failed != e.failed else e
 
     def _note_failures(self, e: CatalogEntry) -> CatalogEntry:
         """Record versions whose current files failed on every worker that tried them; a worker that
@@ -209,6 +237,7 @@ class Lifecycle:
         one found no room says nothing of the new one (until the next tick places it)."""
         self.excluded.pop(name, None)
         self.no_room.discard(name)
+        self.unfit.pop(name, None)
 
     async def wait(self, name: str, kind: str, version: int | None, timeout: float,
                    no_room_fails: bool = False) -> int:
@@ -288,13 +317,13 @@ class Lifecycle:
         pending = [v for v in current if v not in e.failed
                    and not (live and all(self.workers.status[x].ready(w.name, v, e.revisions.get(v))
                                          for x in live))]
-        if pending:
-            if w.no_room_fails and w.name in self.no_room:
-                why = self.shortfall.get(w.name, "")
-                raise DespinaError(f"model '{w.name}' does not fit on any worker: {why}",
-                                   Code.RESOURCE_EXHAUSTED)
-            return None
         failed = [v for v in current if v in e.failed]
+        # (a model too big for any of a fixed set of workers has failed: it is asked for no room all the same)
+        if (pending or failed) and w.no_room_fails and w.name in self.no_room:
+            why = self.shortfall.get(w.name, "")
+            raise DespinaError(f"model '{w.name}' does not fit on any worker: {why}", Code.RESOURCE_EXHAUSTED)
+        if pending:
+            return None
         if failed:
             raise failed_load(w, f"failed to load '{w.name}' version {failed[-1]}: {e.failed[failed[-1]]}")
         return current[-1]

@@ -80,6 +80,40 @@ def out_of_memory(entry: CatalogEntry, workers: Mapping[str, WorkerInfo], used: 
                               and used.get(wid, 0) + n.memory > info.memory_bytes for wid, info in live)
 
 
+class FixedWorkers:
+    """A fixed set of `expected` workers (serve's own, DESPINA_FIXED_WORKERS) and what those seen offer: once
+    they have all come, a model none of them could hold is known as such. A worker that restarts comes
+    back as it was: what it offered counts while it is away."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.most_alive = 0
+        self.capacities: dict[tuple[int, int], WorkerInfo] = {}  # (GPUs, memory) -> a worker offering them
+
+    def see(self, live: Mapping[str, WorkerInfo]) -> None:
+        self.most_alive = max(self.most_alive, len(live))
+        for info in live.values():
+            self.capacities.setdefault((info.gpus, info.memory_bytes), info)
+
+    def unfit(self, entry: CatalogEntry) -> str:
+        """Why none of the set could take the model even with nothing else loaded on it (the GPUs its
+        instance_group needs, the memory it takes); "" when one could, or while they have not all come."""
+        infos = list(self.capacities.values())
+        if self.most_alive < self.expected or not infos:
+            return ""
+        n = need(entry)
+        most_gpus = max(i.gpus for i in infos)
+        if n.gpus > most_gpus:
+            have = f"no worker has that many (at most {most_gpus})" if most_gpus else "no GPUs are available"
+            return f"instance_group kind KIND_GPU needs {n.gpus} GPU(s), but {have}"
+        with_gpus = [i for i in infos if i.gpus >= n.gpus]
+        if all(i.memory_bytes and n.memory > i.memory_bytes for i in with_gpus):
+            most = max(i.memory_bytes for i in with_gpus)
+            return (f"the model needs {n.memory / 2**20:.0f} MiB of memory, but no worker has that much for "
+                    f"models (at most {most / 2**20:.0f} MiB; DESPINA_WORKER_MEMORY_MB)")
+        return ""
+
+
 def partners(name: str, entries: Iterable[CatalogEntry]) -> dict[str, int]:
     """Per worker, how many of the models that share an ensemble with model `name` it has: a worker with
     every model an ensemble calls runs the ensemble itself (one trip through Redis, not one per step)."""
