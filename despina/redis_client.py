@@ -31,14 +31,15 @@ def keep_alive(sock: socket.socket) -> None:
 
 
 def connect(url: str, max_connections: int = 64) -> aioredis.Redis:
-    # socket_timeout=None avoids a timeout object per read; health checks catch dead sockets.
+    # socket_timeout=None avoids a timeout object per read; TCP keepalive finds dead connections.
     # One immediate retry on a broken connection: after Redis restarts, the pool's idle connections are
     # dead and the first command on each would fail; a connect timeout is not retried.
+    tcp = {} if url.lower().startswith("unix://") else {"socket_keepalive": True,
+                                                        "socket_keepalive_options": KEEPALIVE}
     pool = aioredis.ConnectionPool.from_url(
         url, max_connections=max_connections, socket_timeout=None, socket_connect_timeout=CONNECT_TIMEOUT_S,
-        health_check_interval=0, retry_on_timeout=False, socket_keepalive=True,
-        socket_keepalive_options=KEEPALIVE,
-        retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)))
+        health_check_interval=0, retry_on_timeout=False,
+        retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)), **tcp)
     return aioredis.Redis(connection_pool=pool)
 
 

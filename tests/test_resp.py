@@ -228,8 +228,9 @@ async def test_connections_to_redis_find_a_vanished_host_dead(redis_url: str) ->
     """Keepalive probes and TCP_USER_TIMEOUT on every TCP connection to Redis, ours and redis-py's: a
     Redis host lost without a reset otherwise held every connection, and the requests waiting on them,
     for the kernel's ~15 minutes. (uvloop's transports take the options alike: its PseudoSocket.)"""
-    from despina.redis_client import KEEPALIVE, connect
+    from despina.redis_client import KEEPALIVE, connect, url_trouble
 
+    assert url_trouble("unix:///tmp/valkey.sock?db=0") is None  # (a unix socket's connection takes none)
     if not redis_url.startswith("redis://"):
         pytest.skip("Redis over a unix socket: no TCP options")
 
