@@ -314,3 +314,31 @@ async def test_a_control_plane_waiting_for_redis_does_not_say_another_leads(
         assert await asyncio.wait_for(leading, 10) is False
         await client.aclose(close_connection_pool=True)
     assert "another one leads" not in caplog.text
+
+
+async def test_a_model_views_loop_stops_when_cancelled_as_a_read_ends() -> None:
+    """The view's reads of Redis run under STALLED_S. With Python 3.11's asyncio.wait_for a cancellation
+    that came as a read ended was swallowed (wait_for returned the read's result), and the loop went on:
+    a gateway stopping with `serve` hung in its shutdown until SIGKILL, and its workers were never told
+    to stop (test_serve's colocated test failed so, one run in three)."""
+    from despina.gateway.models import _answered
+
+    cancelled_once = False
+
+    async def read() -> None:  # the cancellation lands while this read ends
+        nonlocal cancelled_once
+        if not cancelled_once:
+            cancelled_once = True
+            loop.cancel()
+
+    async def view_loop() -> None:
+        while True:
+            await _answered(read())
+            await asyncio.sleep(0.01)
+
+    loop = asyncio.create_task(view_loop())
+    await asyncio.wait([loop], timeout=5)
+    stopped = loop.done()
+    loop.cancel()  # (where the first was swallowed: this one lands in the sleep)
+    await asyncio.gather(loop, return_exceptions=True)
+    assert stopped and loop.cancelled()

@@ -339,9 +339,12 @@ class ModelView:
 
 async def _answered(reading: Awaitable[None]) -> None:
     """A read of Redis, which fails when Redis has not answered within STALLED_S: the connection has no
-    timeout of its own, and a Redis that hangs left the gateway ready, its last view kept, for good."""
+    timeout of its own, and a Redis that hangs left the gateway ready, its last view kept, for good.
+    (asyncio.timeout, not wait_for: Python 3.11's wait_for returns the read's result when the task is
+    cancelled as the read ends, and the view's loop then never stopped: a gateway hung in its shutdown.)"""
     try:
-        await asyncio.wait_for(reading, STALLED_S)
+        async with asyncio.timeout(STALLED_S):
+            await reading
     except TimeoutError:
         raise TimeoutError(f"Redis did not answer within {STALLED_S:g} s") from None
 
