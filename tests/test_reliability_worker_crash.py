@@ -269,3 +269,22 @@ def test_what_a_worker_leaves_unanswered_as_its_drain_times_out_is_requeued_at_o
 
 def output_of(response: httpx.Response) -> np.ndarray:
     return np.array(orjson.loads(response.content)["outputs"][0]["data"], dtype=np.float32)
+
+
+def test_a_model_process_whose_worker_was_killed_ends_without_a_traceback(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A worker SIGKILLed while its Python model executes: the model's process, finding no one to send its
+    answer to, ends quietly. It wrote two BrokenPipeError tracebacks into the log after every worker crash
+    (sending the answer, then sending the error about sending it)."""
+    slow_model(tmp_path / "repo")
+    (tmp_path / "repo" / "slow" / "1" / "model.py").write_text(SLOW.replace("time.sleep(0.05)", "time.sleep(0.4)"))
+    server = serve(tmp_path / "repo", wait_models=("slow",))
+    wait_until(lambda: len(worker_hashes(redis_url, key_prefix)) == 1, what="the worker")
+    (info,) = [orjson.loads(h[b"info"]) for h in worker_hashes(redis_url, key_prefix).values()]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(httpx.post, f"{server.url}/v2/models/slow/infer", content=body(np.ones(16, np.float32)),
+                    timeout=30)
+        time.sleep(0.2)  # the model is in its sleep
+        os.kill(info["pid"], signal.SIGKILL)
+        time.sleep(2.0)  # its answer's send fails at 0.4 s
+    assert "BrokenPipeError" not in server.logs()

@@ -70,6 +70,8 @@ def main() -> None:
             answer = ("error", _describe(exc))
         try:  # plain pickle (Connection.send's ForkingPickler costs several times more), one write at a
             stub.calls.send(answer)  # time: a decoupled model's threads send responses meanwhile
+        except OSError:  # the worker is gone (killed): no one to answer, and this process ends with it
+            break
         except Exception as exc:  # e.g. an output that cannot be pickled
             stub.calls.send(("error", f"cannot send the answer of {op}: {exc}"))
         if op == "finalize":
