@@ -265,12 +265,7 @@ class EnsembleHost:
             log.error("ensemble %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, len(answered), exc)
             return
-        error, again = refused(pipe, results, gateways)
-        if error:
-            then = "; writing the replies again until their deadline" if again else ""
-            log.error("ensemble %s: Redis refused a command of %d replies' writes: %s%s", self.spec.name,
-                      len(answered), error, then)
-        if again:
+        if again := refused("ensemble", self.spec.name, pipe, results, gateways, len(answered)):
             await write_again(self._out, again, max(r.deadline for r in answered))
 
 

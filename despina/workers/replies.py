@@ -3,6 +3,7 @@ priority levels with a max_queue_size. Shared by a model's runner and an ensembl
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -14,6 +15,8 @@ from ..contract.keys import FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest
 from ..resp import Batch, Command, Resp
+
+log = logging.getLogger("despina.worker")
 
 REPLY_MAXLEN = 100_000       # backstop: gateways trim what they have read
 RESEND_S = 0.5               # how often reply entries Redis refused are written again
@@ -46,15 +49,21 @@ def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: i
         pipe.pexpire(stream, ttl_ms)
 
 
-def refused(pipe: Batch, results: list[Any], gateways: int) -> tuple[str, list[Command]]:
+def refused(kind: str, name: str, pipe: Batch, results: list[Any], gateways: int,
+            replies: int) -> list[Command]:
     """What Redis refused of a pipeline that replies_into began with `gateways` reply entries (`results`:
-    its answers, errors included): the first error ('' when none), and the commands of the reply entries
-    refused. Each command stands alone: a Redis out of memory (maxmemory) refuses the XADD of a reply and
-    takes the XACK after it, so the request is neither answered nor redelivered unless written again."""
-    errors = [r for r in results if isinstance(r, hiredis.ReplyError)]
+    its answers, errors included), logged once for the `kind` ("model") `name`: the commands of the
+    reply entries refused, to write again. Each command stands alone: a Redis out of memory (maxmemory)
+    refuses the XADD of a reply and takes the XACK after it, so the request is neither answered nor
+    redelivered unless written again."""
+    error = next((r for r in results if isinstance(r, hiredis.ReplyError)), None)
+    if error is None:
+        return []
     again = [c for i in range(0, 2 * gateways, 2) if isinstance(results[i], hiredis.ReplyError)
              for c in pipe.commands[i:i + 2]]
-    return (str(errors[0]) if errors else ""), again
+    log.error("%s %s: Redis refused a command of %d replies' writes: %s%s", kind, name, replies, error,
+              "; writing the replies again until their deadline" if again else "")
+    return again
 
 
 async def write_again(out: Resp, commands: list[Command], until: float) -> bool:

@@ -508,12 +508,7 @@ class ModelRunner:
             log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, len(replies), exc)
             return
-        error, again = refused(pipe, results, len(by_gateway))
-        if error:
-            then = "; writing the replies again until their deadline" if again else ""
-            log.error("model %s: Redis refused a command of %d replies' writes: %s%s", self.spec.name,
-                      len(replies), error, then)
-        if again:
+        if again := refused("model", self.spec.name, pipe, results, len(by_gateway), len(replies)):
             self._spawn(write_again(self._out, again, max(r.deadline for r in requests)))
 
     async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
