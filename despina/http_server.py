@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -20,14 +21,21 @@ LAST_WORD_S = 1.0  # how long before its drain's end a server gives up on what i
 
 
 class Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, give_up: Callable[[], None] | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, give_up: Callable[[], None] | None = None,
+                 stopping: Callable[[], None] | None = None) -> None:
         """`give_up` answers what still waits, shortly before the drain's time (the config's
         timeout_graceful_shutdown) is spent: the supervisor kills the process then, and a client whose
-        connection is cut gets no status to retry on."""
+        connection is cut gets no status to retry on. `stopping` is called on each stop signal."""
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._give_up = give_up
+        self._stopping = stopping
         super().__init__(config)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._stopping is not None:
+            self._stopping()
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         budget = self.config.timeout_graceful_shutdown

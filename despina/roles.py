@@ -10,7 +10,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import uvicorn
 
@@ -26,6 +26,33 @@ from .workers.worker import Worker
 
 log = logging.getLogger("despina.worker")
 STUCK_GRACE_S = 5.0
+# what a role's stop may take beyond its drains (two: a gateway's, then its colocated worker's): the
+# models' finalize, threads stuck in model code (STUCK_GRACE_S), the last words to Redis
+STOP_MARGIN_S = 15.0
+
+
+def exit_if_stuck(settings: Settings) -> Callable[[], None]:
+    """What a role calls when it is told to stop: if the process still runs when its stop should long be
+    over, it exits anyway. Its stop waits on Redis in places, and a Redis that hangs (frozen, or a host
+    lost without a reset) would hold it for ever; under `despina serve` the supervisor kills a child
+    that overstays, but when serve itself dies (SIGKILL, the OOM killer) its children get the kernel's
+    SIGTERM (embedded.die_with_parent) and nobody is left to kill them. Only the first call arms it."""
+    armed = threading.Event()
+    seconds = 2 * settings.drain_timeout_s + STOP_MARGIN_S
+
+    def leave() -> None:
+        log.error("still running %g s after being told to stop (a hang in the stop, Redis not "
+                  "answering?): exiting", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    def arm() -> None:
+        if not armed.is_set():
+            armed.set()
+            timer = threading.Timer(seconds, leave)
+            timer.daemon = True
+            timer.start()
+    return arm
 
 
 def quiet_collector() -> None:
@@ -55,7 +82,8 @@ def run_gateway(settings: Settings) -> None:
                             timeout_graceful_shutdown=settings.drain_timeout_s)  # type: ignore[arg-type]
     sockets = [reuse_port_socket(settings.host, settings.http_port)] if settings.reuse_port else None
     quiet_collector()
-    Server(config, give_up=app.state.gateway.dispatcher.give_up).run(sockets=sockets)
+    Server(config, give_up=app.state.gateway.dispatcher.give_up,
+           stopping=exit_if_stuck(settings)).run(sockets=sockets)
     if settings.colocate:
         _leave_stuck_threads()
 
@@ -122,8 +150,14 @@ def run_worker(settings: Settings) -> None:
         worker = Worker(settings, redis)
         quiet_collector()
         loop = asyncio.get_running_loop()
+        stuck = exit_if_stuck(settings)
+
+        def stop() -> None:
+            stuck()
+            worker.stop()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, worker.stop)
+            loop.add_signal_handler(sig, stop)
         dump_tasks_on_sigusr2()
         try:
             await worker.run()
@@ -159,8 +193,10 @@ def run_control(settings: Settings) -> None:
         redis = connect(settings.redis_url)
         plane = ControlPlane(settings, redis)
         stopped = asyncio.Event()
+        stuck = exit_if_stuck(settings)
 
         def stop() -> None:
+            stuck()
             plane.stop()
             stopped.set()
 

@@ -22,10 +22,11 @@ import pytest
 import redis
 
 from despina.embedded import free_port
+from despina.roles import STOP_MARGIN_S
 from despina.serve import SETTLED_S
 
 from .conftest import FULL_QUEUE_DELAY, Server, descendants, dump_stacks, stop_server
-from .reliability_support import role_pids
+from .reliability_support import own_redis, role_pids
 from .test_metrics import scrape
 
 PENDING = 'nv_inference_pending_request_count{model="mlp",version="1"}'
@@ -66,6 +67,34 @@ def test_embedded_valkey_serves_and_sigkill_leaves_nothing_behind(
     while alive(family) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(family), [cmdline(p) for p in alive(family)]
+
+
+def test_roles_left_by_a_killed_serve_exit_even_while_redis_hangs(
+        serve: Callable[..., Server], example_repository: Path, tmp_path: Path) -> None:
+    """serve SIGKILLed: the kernel sends its children SIGTERM and they drain, but their stop waits on
+    Redis in places. With Redis frozen, gateway, worker and control plane all stayed (a minute and more,
+    the worker even after Redis came back), and no supervisor was left to kill them. Each exits at the
+    latest 2 x DESPINA_DRAIN_TIMEOUT_S + roles.STOP_MARGIN_S after its stop signal now."""
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository / "mlp", repo / "mlp")
+    with own_redis(tmp_path) as redis_server:
+        server = serve(repo, "--redis-url", redis_server.url, use_redis=False, wait_models=("mlp",),
+                       env={"DESPINA_DRAIN_TIMEOUT_S": "1"})
+        assert httpx.post(f"{server.url}/fn/mlp", content=ROW).status_code == 200
+        roles = {pid for role in ("gateway", "worker", "control") for pid in role_pids(server, role)}
+        assert len(roles) == 3
+        assert redis_server.process is not None
+        redis_server.process.send_signal(signal.SIGSTOP)
+        try:
+            server.process.send_signal(signal.SIGKILL)
+            server.process.wait()
+            deadline = time.monotonic() + 2 * 1 + STOP_MARGIN_S + 20
+            while alive(roles) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not alive(roles), [cmdline(p) for p in alive(roles)]
+        finally:
+            redis_server.process.send_signal(signal.SIGCONT)
+    assert server.logs().count("after being told to stop") >= 1
 
 
 def slow_repository(example_repository: Path, repo: Path, *more: str) -> Path:
