@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -229,3 +230,35 @@ def test_an_etag_is_taken_for_an_md5_only_where_s3_makes_it_one() -> None:
     assert not etag_is_md5(md5, {"SSECustomerAlgorithm": "AES256"})
     assert not etag_is_md5(f"{md5}-3", {})  # multipart
 
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_version_pushed_again_holds_only_what_was_pushed(kind: str, s3_env: Weed, tmp_path: Path) -> None:
+    """A file removed or renamed locally stayed in the registry's copy of the version when it was pushed
+    again (a stale module beside a Python model, an old checkpoint shard). The version folders and shared
+    folders a push brings now hold what it brings; other versions and other files stay."""
+    url = s3_env.url() if kind == "s3" else str(tmp_path / "repo")
+    if kind == "local":
+        (tmp_path / "repo").mkdir()
+    folder = mlp_folder(tmp_path / "src", versions={1: 0, 2: 1})
+    (folder / "2" / "old.bin").write_bytes(b"old")
+    (folder / "warmup").mkdir()
+    (folder / "warmup" / "a.bin").write_bytes(b"\0")
+    (folder / "labels.txt").write_text("a\n")
+    settings = s3_env.settings()
+    push(folder, url, settings, out=io.StringIO())
+    (folder / "2" / "old.bin").unlink()
+    (folder / "2" / "new.bin").write_bytes(b"new")
+    (folder / "warmup" / "a.bin").rename(folder / "warmup" / "b.bin")
+    out = io.StringIO()
+    push(folder, url, settings, out=out)
+    registry = open_registry(url, settings, ArtifactCache(tmp_path / "cache"))
+    assert sorted(f.path for f in registry.model("mlp").files) == [
+        "1/model.onnx", "2/model.onnx", "2/new.bin", "config.pbtxt", "labels.txt", "warmup/b.bin"]
+    assert "removed 2 file(s) of mlp no longer in" in out.getvalue() and "2/old.bin" in out.getvalue()
+    # a push of one version leaves the others as they are
+    (folder / "1" / "model.onnx").rename(folder / "1" / "renamed.onnx")
+    shutil.rmtree(folder / "2")
+    push(folder, url, settings, out=io.StringIO())
+    assert sorted(f.path for f in registry.model("mlp").files) == [
+        "1/renamed.onnx", "2/model.onnx", "2/new.bin", "config.pbtxt", "labels.txt", "warmup/b.bin"]

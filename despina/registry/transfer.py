@@ -15,7 +15,7 @@ from ..contract.errors import ConfigError, InvalidArgument
 from ..contract.modelconfig import check_model_name, parse_text
 from ..settings import Settings
 from . import open_registry
-from .base import FileInfo, is_version
+from .base import FileInfo, ModelFiles, Registry, is_version
 
 SHARED_DIRS = ("warmup",)  # folders that stay beside the versions when a flat folder is pushed
 
@@ -148,20 +148,49 @@ def push(folder: str | Path, url: str, settings: Settings, version: int | None =
     if renamed is not None:
         planned = [p for p in planned if p.path != "config.pbtxt"]
     registry = open_registry(url, settings)
+    try:
+        before = registry.scan_one(name)
+    except ConfigError:  # a local repository not made yet (the upload makes it), or a file (it says so)
+        before = None
     bar = ProgressBar(sum(p.source.stat().st_size for p in planned), out)
-    landed = []
-    for item in planned:
+
+    def upload(item: Planned) -> FileInfo:
         bar.start(item.path)
-        landed.append(registry.upload(name, item.path, item.source, bar))
+        return registry.upload(name, item.path, item.source, bar)
+
+    # plan() puts the config last: the stale files go before it, so a poll sees the version as pushed
+    landed = [upload(item) for item in planned if item.path != "config.pbtxt"]
+    gone = remove_stale(registry, name, before, planned)
+    landed += [upload(item) for item in planned if item.path == "config.pbtxt"]
     bar.close()
     verify(planned, landed, registry.remote, settings)
     if renamed is not None:  # last, as plan() orders it: a poll never sees a config without its files
         registry.put(name, "config.pbtxt", renamed)
+    if gone:
+        print(f"removed {len(gone)} file(s) of {name} no longer in {folder}: {', '.join(gone[:5])}"
+              f"{' ...' if len(gone) > 5 else ''}", file=out)
     versions = sorted({int(x.path.split("/", 1)[0]) for x in planned if is_version(x.path.split("/", 1)[0])})
     what = f"version {', '.join(map(str, versions))}" if versions else "(an ensemble: its config)"
     print(f"pushed {name} {what} to {registry.model_url(name)}: "
           f"{len(landed)} files, {sum(f.size for f in landed) / 1e6:.1f} MB, verified", file=out)
     return landed
+
+
+def remove_stale(registry: Registry, name: str, before: ModelFiles | None,
+                 planned: list[Planned]) -> list[str]:
+    """Take out of the version folders (and shared folders, warmup/) that this push brings the files it
+    does not bring: a re-pushed version is what was pushed, not a mix with a file renamed or removed
+    since (a stale module of a Python model, a checkpoint shard). Other versions, and files beside the
+    versions, stay. The paths removed."""
+    if before is None:
+        return []
+    pushed = {p.path for p in planned}
+    folders = {p.path.split("/", 1)[0] for p in planned if "/" in p.path}
+    gone = sorted(f.path for f in before.files
+                  if "/" in f.path and f.path.split("/", 1)[0] in folders and f.path not in pushed)
+    for path in gone:
+        registry.delete(name, path)
+    return gone
 
 
 def verify(planned: list[Planned], landed: list[FileInfo], remote: bool, settings: Settings) -> None:
