@@ -1,14 +1,18 @@
 """One way to connect to Redis, used by every role."""
 from __future__ import annotations
 
+import logging
 import re
 import socket
+import weakref
 from urllib.parse import parse_qs, urlparse
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, RedisError, ResponseError
+
+log = logging.getLogger("despina")
 
 # A dead Redis must fail a request within a second, not hang it: connecting gives up after this.
 CONNECT_TIMEOUT_S = 0.5
@@ -77,3 +81,29 @@ def trouble(exc: BaseException) -> str:
         hint = ": another program's key under this key prefix? (--key-prefix)" if "WRONGTYPE" in said else ""
         return f"Redis refused a command ({said}){hint}"
     return f"Redis unreachable ({exc})"
+
+
+# A Lua script's first line that lets it write while Redis is at its maxmemory (policy noeviction refuses
+# every write that may grow memory): for the few small writes that keep the cluster coherent then, such as
+# heartbeats, never for requests. Redis 7+ and Valkey read it; an older Redis refuses the script.
+ALLOW_OOM = "#!lua flags=allow-oom\n"
+_reads_flags: weakref.WeakKeyDictionary[aioredis.Redis, bool] = weakref.WeakKeyDictionary()
+
+
+async def allow_oom(redis: aioredis.Redis, body: str) -> str:
+    """The script `body` flagged to run while Redis is full, where the server reads script flags; else
+    `body` as it is (refused while Redis is full, as any write is). The server is asked once per client."""
+    flags = _reads_flags.get(redis)
+    if flags is None:
+        try:
+            await redis.eval(ALLOW_OOM + "return 1", 0)
+            flags = True
+        except ResponseError as exc:  # Redis 6: "Error compiling script ... near '#'"; 7+: "... shebang ..."
+            said = str(exc)
+            if "shebang" not in said and "compiling script" not in said.lower():
+                raise
+            log.warning("Redis does not read script flags (%s): heartbeats too are refused while it is full "
+                        "(maxmemory); Redis 7 or Valkey take them", said)
+            flags = False
+        _reads_flags[redis] = flags
+    return ALLOW_OOM + body if flags else body

@@ -19,11 +19,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from despina import redis_client
 from despina.contract.keys import Keys
 from despina.control.plane import ControlPlane
 from despina.embedded import free_port
 from despina.examples import mlp_numpy
-from despina.redis_client import CONNECT_TIMEOUT_S, connect, trouble
+from despina.redis_client import CONNECT_TIMEOUT_S, allow_oom, connect, trouble
 from despina.settings import Settings
 from despina.workers.worker import Worker
 
@@ -296,6 +297,61 @@ def test_a_worker_started_while_redis_is_full_waits_for_room(tmp_path: Path, key
                 worker.kill()
                 worker.wait()
     assert "Traceback" not in log.read_text()
+
+
+def test_workers_heartbeats_go_on_while_redis_is_full(serve: Callable[..., Server], tmp_path: Path,
+                                                     key_prefix: str) -> None:
+    """A Redis at its maxmemory refused the workers' heartbeats (HSET may grow memory): one worker TTL
+    later the control plane took the live worker for dead and placed its model nowhere, and a request was
+    answered "the control plane cannot be reached" (its wake) until memory freed. Heartbeats run while
+    Redis is full now: the model stays ready, and a request is refused as one Redis cannot queue."""
+    mlp_folder(tmp_path / "repo")
+    with own_redis(tmp_path) as redis_server:
+        server = serve(tmp_path / "repo", "--redis-url", redis_server.url, use_redis=False, wait_models=("mlp",),
+                       env={"DESPINA_WORKER_TTL_S": "1"})
+        client = redis.Redis.from_url(redis_server.url)
+        keys = Keys(key_prefix)
+        (worker,) = [w.decode() for w in client.smembers(keys.workers)]
+        body = mlp_body(np.ones(256, np.float32))
+        try:
+            client.config_set("maxmemory", 1)  # noeviction, the default: writes that grow refused
+            full_since = time.time()
+            # several TTLs, each a second of the control plane's ticks: an expired hash would have been seen
+            wait_until(lambda: float(client.hget(keys.worker(worker), "seen") or 0) > full_since + 4, 30,
+                       what="the worker's heartbeats while Redis is full")
+            refused = httpx.post(f"{server.url}/v2/models/mlp/infer", content=body, timeout=30)
+            model_ready = httpx.get(f"{server.url}/v2/models/mlp/ready", timeout=5).status_code
+        finally:
+            client.config_set("maxmemory", 0)
+        answered = httpx.post(f"{server.url}/v2/models/mlp/infer", content=body, timeout=30)
+        client.close()
+        stop_server(server)
+    assert refused.status_code == 503, refused.text
+    assert "maxmemory" in refused.json()["error"] and "control plane" not in refused.json()["error"]
+    assert model_ready == 200
+    assert answered.status_code == 200, answered.text
+    assert "stopped sending heartbeats" not in server.logs()
+    assert "renewing the lease failed" not in server.logs()  # GET and PEXPIRE: taken while Redis is full
+
+
+async def test_scripts_that_run_while_redis_is_full_fall_back_where_it_reads_no_flags(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis before 7 refuses a script whose first line is a shebang ("#!lua flags=allow-oom"): there the
+    heartbeat's script goes without it (refused while Redis is full, as any write). A flag this server does
+    not know stands for the shebang an older one does not read."""
+    client = connect(redis_url)
+    try:
+        assert (await allow_oom(client, "return 7")).startswith("#!lua flags=allow-oom\n")
+        monkeypatch.setattr(redis_client, "ALLOW_OOM", "#!lua flags=no-such-flag\n")
+        older = connect(redis_url)  # the server is asked once per client
+        try:
+            assert await allow_oom(older, "return 7") == "return 7"
+            assert await older.eval(await allow_oom(older, "return 7"), 0) == 7
+        finally:
+            await older.aclose(close_connection_pool=True)
+    finally:
+        await client.aclose(close_connection_pool=True)
+    assert "does not read script flags" in caplog.text
 
 
 async def test_a_control_plane_waiting_for_redis_does_not_say_another_leads(

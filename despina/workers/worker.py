@@ -30,7 +30,7 @@ from ..contract.modelconfig import ModelSpec
 from ..contract.records import packb
 from ..counters import Deferred
 from ..metrics import GpuReader
-from ..redis_client import trouble
+from ..redis_client import allow_oom, trouble
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
 from ..registry.cache import touch
 from ..response_cache import ResponseCache
@@ -46,6 +46,15 @@ log = logging.getLogger("despina.worker")
 Key = tuple[str, int]
 SLOW_LOAD_S = 20.0  # a load still running after this is logged (once), with how long it has taken
 TRIM_S = 60.0       # how often the artifact cache is brought back under its limit (besides after a fetch)
+
+# The heartbeat: the worker's hash, its TTL, and its membership, in one step. It runs while Redis is full
+# (allow_oom): a full queue must be refused as such, not end with live workers taken for dead. KEYS: the
+# worker's hash, the workers' set; ARGV: TTL in ms, worker id, then the hash's fields and values.
+HEARTBEAT = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+"""
 
 
 class Worker:
@@ -444,19 +453,15 @@ class Worker:
             for (name, version), runner in self.runners.items():
                 if families := runner.custom_metrics():
                     custom.setdefault(name, {})[str(version)] = families
-            key = self.keys.worker(self.id)
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.hset(key, mapping={"info": self.info.dumps(), "models": orjson.dumps(models),
-                                    "detail": pack_detail(self.detail()),
-                                    "ensembles": orjson.dumps(ensembles),
-                                    "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
-                                    "response_cache": orjson.dumps(self.response_cache.figures()
-                                                                   if self.response_cache else {}),
-                                    "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom),
-                                    "seen": time.time()})
-            pipe.pexpire(key, int(self.settings.worker_ttl_s * 1000))
-            pipe.sadd(self.keys.workers, self.id)
-            await pipe.execute()
+            fields: dict[str, str | bytes | float] = {
+                "info": self.info.dumps(), "models": orjson.dumps(models),
+                "detail": pack_detail(self.detail()), "ensembles": orjson.dumps(ensembles),
+                "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
+                "response_cache": orjson.dumps(self.response_cache.figures() if self.response_cache else {}),
+                "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom), "seen": time.time()}
+            await self.redis.eval(await allow_oom(self.redis, HEARTBEAT), 2, self.keys.worker(self.id),
+                                  self.keys.workers, int(self.settings.worker_ttl_s * 1000), self.id,
+                                  *(x for pair in fields.items() for x in pair))
 
 
 def memory_bytes(settings: Settings) -> int:
