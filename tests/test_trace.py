@@ -5,6 +5,7 @@ log_frequency; whole when the settings change), every gateway of a server follow
 trace file that the API may not change, and the errors."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -201,6 +202,26 @@ def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, 
     assert r.status_code == 404
     r = httpx.post(f"{server.url}/v2/trace/setting", content=b"[1, 2]")
     assert r.status_code == 400
+
+
+async def test_concurrent_changes_of_different_settings_are_all_kept(
+        server: Server, client: httpclient.InferenceServerClient) -> None:
+    """A POST read the settings, changed what it names and wrote them all back: two at once (through one
+    gateway or two) each wrote the settings it had read, and the one written first was lost. Each round
+    changes four settings at once, each in a POST of its own, the global ones and a model's."""
+    posts = [("/v2/trace/setting", "trace_rate", lambda i: str(100 + i)),
+             ("/v2/trace/setting", "trace_count", lambda i: str(1000 + i)),
+             ("/v2/trace/setting", "log_frequency", lambda i: str(10 + i)),
+             ("/v2/models/mlp/trace/setting", "trace_rate", lambda i: str(200 + i))]
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        for i in range(20):
+            answers = await asyncio.gather(*(http.post(path, json={name: value(i)})
+                                             for path, name, value in posts))
+            assert [a.status_code for a in answers] == [200] * len(posts), [a.text for a in answers]
+            kept = (await http.get("/v2/trace/setting")).json()
+            own = (await http.get("/v2/models/mlp/trace/setting")).json()
+            assert [kept["trace_rate"], kept["trace_count"], kept["log_frequency"], own["trace_rate"]] == \
+                [value(i) for _, _, value in posts], f"round {i}"
 
 
 def test_every_gateway_follows_the_settings_and_writes_its_own_file(

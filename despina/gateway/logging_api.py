@@ -39,7 +39,7 @@ def logging_routes(gw: Gateway) -> list[Route]:
             settings = logs.merged(await current(), await json_body(request, gw.settings.max_body_bytes))
         except DespinaError as exc:
             return error_response(exc)
-        await gw.view.announce(gw.keys.log_settings, orjson.dumps(settings), logs.EVENT)
+        await gw.view.announce(gw.keys.log_settings, lambda _: orjson.dumps(settings), logs.EVENT)
         logs.apply(settings)  # this process at once; the others as the event reaches them
         return json_response(settings)
 

@@ -13,9 +13,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from .. import logs
 from ..contract.catalog import LOADED, UNLOADED, CatalogEntry
@@ -118,12 +120,22 @@ class ModelView:
                 failed.log("gateway: refreshing the model view failed (%s)", exc)
                 await asyncio.sleep(REFRESH_S)
 
-    async def announce(self, key: str, value: bytes, event: bytes) -> None:
-        """Keep a deployment-wide setting in Redis and announce it on the events channel (followers)."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(key, value)
-        pipe.publish(self.keys.events, event)
-        await pipe.execute()
+    async def announce(self, key: str, change: Callable[[bytes | None], bytes], event: bytes) -> bytes:
+        """Change a deployment-wide setting kept in Redis, `change` making the new value from the one there
+        (None: none yet), and announce it on the events channel (followers); the value written. Should
+        another gateway (or request) write it meanwhile, it is read and changed again: no change is lost."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    value = change(cast(bytes | None, await pipe.get(key)))
+                    pipe.multi()
+                    pipe.set(key, value)
+                    pipe.publish(self.keys.events, event)
+                    await pipe.execute()
+                    return value
+                except WatchError:
+                    continue
 
     async def refresh(self) -> None:
         async with self._refreshing:

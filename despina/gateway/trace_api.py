@@ -5,7 +5,7 @@ own, an empty body all of them. The settings are kept in Redis and followed by e
 trace_file is the server's (--trace-file): a POST naming one is refused, as Triton's is."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from starlette.requests import Request
@@ -22,10 +22,14 @@ if TYPE_CHECKING:
 EXTENSION = "trace"
 
 
+def read(raw: bytes | None) -> dict[str, Any]:
+    """The settings as kept in Redis (Keys.trace_settings)."""
+    return orjson.loads(raw) if raw else {}
+
+
 def trace_routes(gw: Gateway) -> list[Route]:
     async def current() -> dict[str, Any]:
-        raw = await gw.redis.get(gw.keys.trace_settings)
-        return orjson.loads(raw) if raw else {}
+        return read(cast(bytes | None, await gw.redis.get(gw.keys.trace_settings)))
 
     async def follow() -> None:
         try:
@@ -51,27 +55,33 @@ def trace_routes(gw: Gateway) -> list[Route]:
         try:
             model = model_of(request)
             update = await json_body(request, gw.settings.max_body_bytes)
-            doc = await current()
-            if model is None:
-                doc["global"] = trace.merged(doc.get("global", {}), update)
-            elif not update:  # the model follows the global settings again
-                doc.get("models", {}).pop(model, None)
-            else:  # only what it sets: the rest follows the global settings, as they change (as Triton's)
-                models = doc.setdefault("models", {})
-                own = trace.merged(models.get(model, {}), update)
-                if own:
-                    models[model] = own
-                else:
-                    models.pop(model, None)
-            for name in [None, *doc.get("models", {})]:
-                why = trace.problem(trace.effective(doc, name, gw.settings.trace_file))
-                if why:
-                    raise InvalidArgument(why if name is None else f"model '{name}': {why}")
+            raw = await gw.view.announce(gw.keys.trace_settings,
+                                         lambda kept: changed(read(kept), model, update), trace.EVENT)
         except DespinaError as exc:
             return error_response(exc)
-        await gw.view.announce(gw.keys.trace_settings, orjson.dumps(doc), trace.EVENT)
+        doc = read(raw)
         gw.tracer.follow(doc)  # this gateway at once; the others as the event reaches them
         return json_response(trace.effective(doc, model, gw.settings.trace_file))
+
+    def changed(doc: dict[str, Any], model: str | None, update: dict[str, Any]) -> bytes:
+        """The settings `doc` with `update` made to the global ones or the model's own; InvalidArgument
+        when what would apply to any model is wrong."""
+        if model is None:
+            doc["global"] = trace.merged(doc.get("global", {}), update)
+        elif not update:  # the model follows the global settings again
+            doc.get("models", {}).pop(model, None)
+        else:  # only what it sets: the rest follows the global settings, as they change (as Triton's)
+            models = doc.setdefault("models", {})
+            own = trace.merged(models.get(model, {}), update)
+            if own:
+                models[model] = own
+            else:
+                models.pop(model, None)
+        for name in [None, *doc.get("models", {})]:
+            why = trace.problem(trace.effective(doc, name, gw.settings.trace_file))
+            if why:
+                raise InvalidArgument(why if name is None else f"model '{name}': {why}")
+        return orjson.dumps(doc)
 
     routes = []
     for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting"):
