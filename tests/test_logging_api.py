@@ -3,6 +3,7 @@ those it names, and every process follows them (the worker's verbose lines appea
 bad settings are 400s. And the settings' pieces alone (logs.merged, logs.apply)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -103,6 +104,24 @@ def test_a_bad_setting_is_a_400_and_changes_nothing(server: Server, body: object
     r = httpx.post(f"{server.url}/v2/logging", json=body, timeout=10)
     assert r.status_code == 400 and message in r.json()["error"], r.text
     assert httpx.get(f"{server.url}/v2/logging", timeout=10).json() == before
+
+
+async def test_concurrent_changes_of_different_settings_are_all_kept(server: Server) -> None:
+    """A POST read the settings, changed what it names and wrote them all back: two at once (through one
+    gateway or two) each wrote the settings it had read, and the one written first was lost."""
+    changes = [("log_info", lambda i: i % 2 == 0), ("log_warning", lambda i: i % 2 == 1),
+               ("log_verbose_level", lambda i: i % 3), ("log_format", lambda i: ("default", "ISO8601")[i % 2])]
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        try:
+            for i in range(20):
+                answers = await asyncio.gather(*(http.post("/v2/logging", json={name: value(i)})
+                                                 for name, value in changes))
+                assert [a.status_code for a in answers] == [200] * len(changes), [a.text for a in answers]
+                kept = (await http.get("/v2/logging")).json()
+                assert {name: kept[name] for name, _ in changes} == {name: value(i) for name, value in changes}, \
+                    f"round {i}"
+        finally:
+            await http.post("/v2/logging", json={k: v for k, v in DEFAULTS.items() if k != "log_file"})
 
 
 def test_the_switches_are_one_per_level() -> None:

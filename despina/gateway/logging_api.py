@@ -8,7 +8,7 @@ announced on the events channel, and every gateway, worker and control plane fol
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from starlette.requests import Request
@@ -26,20 +26,21 @@ EXTENSION = "logging"
 
 
 def logging_routes(gw: Gateway) -> list[Route]:
-    async def current() -> dict[str, Any]:
-        raw = await gw.redis.get(gw.keys.log_settings)
+    def read(raw: bytes | None) -> dict[str, Any]:
         settings = logs.defaults(gw.settings.log_level)
         return logs.merged(settings, orjson.loads(raw)) if raw else settings  # older names read as today's
 
     async def get(request: Request) -> Response:
-        return json_response(await current())
+        return json_response(read(cast(bytes | None, await gw.redis.get(gw.keys.log_settings))))
 
     async def post(request: Request) -> Response:
         try:
-            settings = logs.merged(await current(), await json_body(request, gw.settings.max_body_bytes))
+            update = await json_body(request, gw.settings.max_body_bytes)
+            raw = await gw.view.announce(
+                gw.keys.log_settings, lambda kept: orjson.dumps(logs.merged(read(kept), update)), logs.EVENT)
         except DespinaError as exc:
             return error_response(exc)
-        await gw.view.announce(gw.keys.log_settings, lambda _: orjson.dumps(settings), logs.EVENT)
+        settings = orjson.loads(raw)
         logs.apply(settings)  # this process at once; the others as the event reaches them
         return json_response(settings)
 
