@@ -247,6 +247,43 @@ def test_a_reply_redis_refused_for_lack_of_memory_comes_once_memory_frees(
     assert "writing the replies again" in server.logs()
 
 
+def test_a_queue_count_taken_off_while_redis_is_full_is_not_lost(
+        serve: Callable[..., Server], tmp_path: Path, key_prefix: str) -> None:
+    """The worker takes answered requests off their level's queued counter (max_queue_size) in its reply
+    pipeline; a Redis at its maxmemory refused that DECRBY (it may grow memory) and took the XACK, and the
+    replies were written again but not the decrement: the counter kept them for good, and once such
+    leftovers reached max_queue_size every request was refused "the queue is full" on an empty queue.
+    The decrement runs while Redis is full now."""
+    folder = mlp_folder(tmp_path / "repo")
+    config = folder / "config.pbtxt"
+    config.write_text(config.read_text().replace(
+        "max_queue_delay_microseconds: 100 }", "max_queue_delay_microseconds: 100 "
+        "default_queue_policy { max_queue_size: 4 } }"))
+    with own_redis(tmp_path) as redis_server:
+        server = serve(tmp_path / "repo", "--redis-url", redis_server.url, "--request-timeout", "40",
+                       use_redis=False, wait_models=("mlp",), env={"DESPINA_WORKER_TTL_S": "30"})
+        client = redis.Redis.from_url(redis_server.url)
+        counter = Keys(key_prefix).queued("mlp", 1)
+        with ThreadPoolExecutor(2) as pool:
+            try:
+                with worker_paused(server):
+                    answers = [pool.submit(httpx.post, f"{server.url}/v2/models/mlp/infer",
+                                           content=mlp_body(np.ones(256, np.float32)), timeout=60)
+                               for _ in range(2)]
+                    wait_until(lambda: client.get(counter) == b"2", 10, what="the requests to be counted")
+                    client.config_set("maxmemory", 1)  # noeviction, the default: writes that grow refused
+                wait_until(lambda: "> 'maxmemory'" in server.logs(), 10, what="the worker's replies refused")
+                client.config_set("maxmemory", 0)
+                statuses = [answer.result(timeout=50).status_code for answer in answers]
+            finally:
+                client.config_set("maxmemory", 0)
+        queued = client.get(counter)
+        client.close()
+        stop_server(server)
+    assert statuses == [200, 200]
+    assert queued == b"0"
+
+
 def test_a_gateway_reports_not_ready_while_redis_hangs(serve: Callable[..., Server], tmp_path: Path) -> None:
     """A Redis that stops answering without closing its connections (stopped, overloaded, or gone behind a
     network that drops its packets) left every gateway ready for good: the view's refresh waited on its

@@ -29,10 +29,11 @@ from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from ..counters import Deferred, record_counts
 from ..logs import Throttled
+from ..redis_client import allow_oom
 from ..resp import Batch, ReadAlong, Resp
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
-from .replies import bounded_levels, count_dequeued, refused, replies_into, write_again
+from .replies import DEQUEUED, bounded_levels, count_dequeued, refused, replies_into, write_again
 from .runner import READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
 from .stats import ensemble_counts
 from .streams import Entry, ModelStreams
@@ -57,6 +58,7 @@ class EnsembleHost:
         self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
         self.stats_key = keys.stats(spec.name, version)
         self._bounded = bounded_levels(spec)
+        self._dequeued = DEQUEUED  # as allow_oom makes it for this Redis, at start
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
         self._in_flight = 0
         # what each gateway has in flight (workers/inflight.py), and per model the steps that calls it
@@ -81,6 +83,8 @@ class EnsembleHost:
 
     async def start(self) -> None:
         await self.streams.ensure_groups()
+        if self._bounded:
+            self._dequeued = await allow_oom(self.redis, DEQUEUED)
         self.state = "READY"
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._reclaim_loop())]
         log.info("ensemble %s version %d: run in this worker", self.spec.name, self.version)
@@ -241,7 +245,8 @@ class EnsembleHost:
         pipe = Batch()
         replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
         if self._bounded:
-            count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, answered)
+            count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, answered,
+                           self._dequeued)
         record_counts(pipe, self.stats_key, counts)
         if self.deferred is not None:
             self.deferred.into(pipe)  # the steps' counters

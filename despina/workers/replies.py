@@ -28,9 +28,16 @@ def bounded_levels(spec: ModelSpec) -> set[int]:
             if spec.policy.queue_policy(level).max_queue_size}
 
 
+# Takes answered requests off a level's queued counter (KEYS[1]) while Redis is full too (allow_oom: the
+# counter exists, and shrinks): else Redis refused it then, took the acknowledgement, and the requests
+# stayed counted for good, until the level refused every request as full on an empty queue.
+DEQUEUED = "return redis.call('DECRBY', KEYS[1], ARGV[1])"
+
+
 def count_dequeued(pipe: Batch, keys: Keys, spec: ModelSpec, version: int, bounded: set[int],
-                   answered: list[InferRequest]) -> None:
-    """Take the answered requests off their levels' queued counters (those `bounded` ones)."""
+                   answered: list[InferRequest], script: str = DEQUEUED) -> None:
+    """Take the answered requests off their levels' queued counters (those `bounded` ones), with DEQUEUED
+    as allow_oom made it for this Redis (`script`)."""
     levels: dict[int, int] = {}
     for req in answered:
         if not req.reply_to:
@@ -39,7 +46,7 @@ def count_dequeued(pipe: Batch, keys: Keys, spec: ModelSpec, version: int, bound
         if level in bounded:
             levels[level] = levels.get(level, 0) + 1
     for level, n in levels.items():
-        pipe.decrby(keys.queued(spec.name, version, level), n)
+        pipe.eval(script, 1, keys.queued(spec.name, version, level), n)
 
 
 def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: int) -> None:

@@ -20,6 +20,7 @@ from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..counters import Deferred, record_counts
 from ..logs import Throttled
+from ..redis_client import allow_oom
 from ..resp import Batch, ReadAlong, Resp
 from ..response_cache import LOADS, ResponseCache, cache_key, through
 from . import answers, stats
@@ -29,7 +30,7 @@ from .execution import Execution, durations
 from .inflight import Gateways
 from .ordering import ReplyOrder, Turn
 from .redelivery import DeliveryPolicy
-from .replies import bounded_levels, count_dequeued, refused, replies_into, write_again
+from .replies import DEQUEUED, bounded_levels, count_dequeued, refused, replies_into, write_again
 from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
 
@@ -76,6 +77,7 @@ class ModelRunner:
         self.path = path
         self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
         self._bounded = bounded_levels(spec)
+        self._dequeued = DEQUEUED  # as allow_oom makes it for this Redis, at start
         self.stats_key = keys.stats(spec.name, version)
         self.consumer = consumer
         self._read_along = ReadAlong()  # the read loop's next read, waiting for a batch's replies
@@ -119,6 +121,8 @@ class ModelRunner:
 
     async def start(self) -> None:
         await self.streams.ensure_groups()
+        if self._bounded:
+            self._dequeued = await allow_oom(self.redis, DEQUEUED)
         self.state = "READY"
         self._tasks = [asyncio.create_task(self.batcher.run()), asyncio.create_task(self._read_loop()),
                        asyncio.create_task(self._reclaim_loop())]
@@ -485,7 +489,8 @@ class ModelRunner:
         pipe = Batch()
         replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
         if self._bounded:
-            count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, requests)
+            count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, requests,
+                           self._dequeued)
         counts = stats.tally(replies, rows, started, timings)
         if self.deferred is None:
             record_counts(pipe, self.stats_key, counts)
