@@ -35,10 +35,11 @@ end
 DEFER_S = 0.02  # how long counters may wait for a pipeline to ride along with
 
 
-def record_counts(pipe: Any, key: str, counts: dict[str, int]) -> None:
-    """Add `counts` to the statistics hash `key` (last_inference is set), in one command of `pipe`."""
+def record_counts(pipe: Any, key: str, counts: dict[str, int], script: str = HINCRBY_MANY) -> None:
+    """Add `counts` to the statistics hash `key` (last_inference is set), in one command of `pipe`, with
+    HINCRBY_MANY or the `script` made of it (Deferred.script)."""
     if counts:
-        pipe.eval(HINCRBY_MANY, 1, key, packb(counts))
+        pipe.eval(script, 1, key, packb(counts))
 
 
 class Deferred:
@@ -48,6 +49,11 @@ class Deferred:
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
+        # A worker's counters go as allow_oom makes HINCRBY_MANY: while Redis is full too. Else requests
+        # a gateway counted as enqueued before, and answered meanwhile, were never counted as answered,
+        # and the metrics showed them pending for good. A gateway's need not: when its requests cannot be
+        # queued, the counts of its refusals (fail_count and refused alike) cancel out.
+        self.script = HINCRBY_MANY
         self._counts: dict[str, dict[str, int]] = {}  # statistics hash -> counters
         self._timer: asyncio.TimerHandle | None = None
         self._writes: set[asyncio.Task[None]] = set()
@@ -72,7 +78,7 @@ class Deferred:
             return 0  # the usual case
         counts, self._counts = self._counts, {}
         for key, added in counts.items():
-            record_counts(pipe, key, added)
+            record_counts(pipe, key, added, self.script)
         return len(counts)
 
     def _flush(self) -> None:

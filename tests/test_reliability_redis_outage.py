@@ -284,6 +284,39 @@ def test_a_queue_count_taken_off_while_redis_is_full_is_not_lost(
     assert queued == b"0"
 
 
+def test_statistics_of_requests_answered_while_redis_is_full_are_kept(
+        serve: Callable[..., Server], tmp_path: Path, key_prefix: str) -> None:
+    """A Redis at its maxmemory refused the worker's statistics update (HINCRBY may grow memory) of
+    requests the gateway had counted as enqueued before: their success was never counted, and
+    nv_inference_pending_request_count (enqueued less answered) showed them pending for good. The
+    update runs while Redis is full now."""
+    mlp_folder(tmp_path / "repo")
+    with own_redis(tmp_path) as redis_server:
+        server = serve(tmp_path / "repo", "--redis-url", redis_server.url, "--request-timeout", "40",
+                       use_redis=False, wait_models=("mlp",), env={"DESPINA_WORKER_TTL_S": "30"})
+        client = redis.Redis.from_url(redis_server.url)
+        keys = Keys(key_prefix)
+        with ThreadPoolExecutor(2) as pool:
+            try:
+                with worker_paused(server):
+                    answers = [pool.submit(httpx.post, f"{server.url}/v2/models/mlp/infer",
+                                           content=mlp_body(np.ones(256, np.float32)), timeout=60)
+                               for _ in range(2)]
+                    wait_until(lambda: client.hget(keys.stats("mlp", 1), "enqueued") == b"2", 10,
+                               what="the requests to be counted as enqueued")
+                    client.config_set("maxmemory", 1)  # noeviction, the default: writes that grow refused
+                wait_until(lambda: "> 'maxmemory'" in server.logs(), 10, what="the worker's replies refused")
+                client.config_set("maxmemory", 0)
+                statuses = [answer.result(timeout=50).status_code for answer in answers]
+            finally:
+                client.config_set("maxmemory", 0)
+        succeeded = client.hget(keys.stats("mlp", 1), "success_count")
+        client.close()
+        stop_server(server)
+    assert statuses == [200, 200]
+    assert succeeded == b"2"
+
+
 def test_a_gateway_reports_not_ready_while_redis_hangs(serve: Callable[..., Server], tmp_path: Path) -> None:
     """A Redis that stops answering without closing its connections (stopped, overloaded, or gone behind a
     network that drops its packets) left every gateway ready for good: the view's refresh waited on its

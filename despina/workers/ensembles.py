@@ -247,9 +247,11 @@ class EnsembleHost:
         if self._bounded:
             count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, answered,
                            self._dequeued)
-        record_counts(pipe, self.stats_key, counts)
         if self.deferred is not None:
-            self.deferred.into(pipe)  # the steps' counters
+            self.deferred.add(self.stats_key, counts)
+            self.deferred.into(pipe)  # with the steps' counters
+        else:
+            record_counts(pipe, self.stats_key, counts)
         if acks:
             self.streams.ack_into(pipe, acks)
         task = asyncio.get_running_loop().create_task(self._write(pipe, answered, len(by_gateway)))

@@ -28,7 +28,7 @@ from ..contract.errors import ConfigError, DespinaError
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import packb
-from ..counters import Deferred
+from ..counters import HINCRBY_MANY, Deferred
 from ..metrics import GpuReader
 from ..redis_client import allow_oom, trouble
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
@@ -96,6 +96,7 @@ class Worker:
     async def run(self) -> None:
         if not await self._join():
             return  # stopped before Redis ever answered: nothing was read, nothing to drain
+        self.deferred.script = await allow_oom(self.redis, HINCRBY_MANY)  # asked already: no round trip
         log.info("worker %s: %d CPU(s), %d GPU(s), %.1f GiB for models", self.id, self.info.cpus,
                  self.info.gpus, self.info.memory_bytes / 2**30)
         helpers = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._listen())]
