@@ -189,7 +189,7 @@ class Tracer:
         if not sampling.on or sampling.left == 0:
             return None
         sampling.seen += 1
-        if (sampling.seen - 1) % sampling.rate:
+        if sampling.seen % sampling.rate:  # the rate-th, the 2 x rate-th... as Triton's SampleTrace
             return None
         if sampling.left > 0:
             sampling.left -= 1
