@@ -163,6 +163,9 @@ def test_a_null_resets_a_global_setting(client: httpclient.InferenceServerClient
     client.update_trace_settings(settings={"trace_rate": "56", "trace_count": "78", "log_frequency": "9"})
     cleared = client.update_trace_settings(settings={"trace_rate": None, "trace_count": None})
     assert cleared == {**DEFAULTS, "trace_file": str(base), "log_frequency": "9"}
+    # no levels clears trace_level as a null does (Triton's): it was refused
+    client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
+    assert client.update_trace_settings(settings={"trace_level": []})["trace_level"] == ["OFF"]
 
 
 def test_with_log_frequency_0_the_traces_are_written_when_the_settings_change(
@@ -190,6 +193,8 @@ def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, 
 
     assert "TENSORS" in refused({"trace_level": ["TENSORS"]})
     assert "unknown trace level" in refused({"trace_level": ["LOUD"]})
+    # Triton's: OFF with another level is refused (it was taken for TIMESTAMPS); no levels clears them
+    assert "Expect only one trace level 'OFF'" in refused({"trace_level": ["OFF", "TIMESTAMPS"]})
     assert "opentelemetry" in refused({"trace_mode": "opentelemetry"})
     assert "unknown trace setting 'rate'" in refused({"rate": "1"})
     assert "at least 1" in refused({"trace_rate": "0"})

@@ -72,7 +72,9 @@ def checked(name: str, value: Any) -> Any:
         bad = [v for v in levels if v not in LEVELS]
         if bad:
             raise InvalidArgument(f"unknown trace level {bad[0]!r} (known: OFF, TIMESTAMPS)")
-        return ["OFF"] if levels == ["OFF"] else [v for v in levels if v != "OFF"] or ["OFF"]
+        if "OFF" in levels and len(levels) > 1:  # Triton's words: OFF beside TIMESTAMPS was taken as on
+            raise InvalidArgument("Expect only one trace level 'OFF' is specified")
+        return levels
     if name == "trace_rate":
         return _number(name, value, 1)
     if name == "trace_count":
@@ -96,8 +98,8 @@ def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
         raise InvalidArgument("the trace settings must be a JSON object")
     out = dict(current)
     for name, value in update.items():
-        if value is None and name in DEFAULTS:
-            out.pop(name, None)
+        if (value is None or (name == "trace_level" and value == [])) and name in DEFAULTS:
+            out.pop(name, None)  # no levels clears them too, as Triton's
         else:
             out[name] = checked(name, value)
     return out
