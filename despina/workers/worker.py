@@ -56,6 +56,11 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[2])
 """
 
+# The catalog and whether a control plane leads, as of one moment (a script runs alone). Not a MULTI:
+# Redis 7.0 refuses every command of a MULTI while it is full (maxmemory), reads too, and the worker
+# logged a refusal every few seconds for as long; a script without flags that only reads runs.
+CATALOG_AND_LEASE = "return {redis.call('HGETALL', KEYS[1]), redis.call('EXISTS', KEYS[2])}"
+
 
 class Worker:
     def __init__(self, settings: Settings, redis: aioredis.Redis) -> None:
@@ -178,10 +183,8 @@ class Worker:
         # the catalog and the lease as of one moment: a control plane that recovers from a Redis restart
         # writes the catalog, then takes the lease, and an empty catalog read before the one and a lease
         # read after the other (two round trips) unloaded everything here
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hgetall(self.keys.catalog)
-        pipe.exists(self.keys.control_leader)
-        raw, leads = await pipe.execute()
+        flat, leads = await self.redis.eval(CATALOG_AND_LEASE, 2, self.keys.catalog, self.keys.control_leader)
+        raw = dict(zip(flat[::2], flat[1::2]))
         if not raw and self.runners and not leads:
             return  # Redis lost its data (a restart without persistence): serve on until control republishes
         wanted: dict[Key, tuple[CatalogEntry, str]] = {}
