@@ -3,6 +3,7 @@ against a real `despina serve --sagemaker`, driven the way SageMaker and Triton'
 (tritonclient builds and parses the binary bodies)."""
 from __future__ import annotations
 
+import asyncio
 import gzip
 import shutil
 import time
@@ -239,6 +240,27 @@ def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
     assert httpx.post(f"{url}/models", json={"model_name": "m1", "url": str(archive)},
                       timeout=60).status_code == 200
     assert httpx.post(f"{url}/models/m1/invoke", json=v2_body()).status_code == 200
+
+
+async def test_loads_of_one_new_name_at_once_load_it_once(serve, example_repository: Path, tmp_path: Path) -> None:
+    """Two loads of one name at once both found it free: both staged its files into one folder (a mix, for
+    archives that differ) and both answered 200. One loads it now; the others get 409 at once."""
+    url = multi_model_endpoint(serve, tmp_path).url
+    archives = []
+    for i in range(3):
+        archive = tmp_path / "models" / f"a{i}" / "model"
+        shutil.copytree(example_repository / "add_sub", archive)
+        archives.append(archive)
+    async with httpx.AsyncClient(timeout=60) as client:
+        answers = await asyncio.gather(*(client.post(f"{url}/models", json={"model_name": "m1", "url": str(a)})
+                                         for a in archives))
+    assert sorted(a.status_code for a in answers) == [200, 409, 409], [a.text for a in answers]
+    (won,) = [str(a) for a, r in zip(archives, answers) if r.status_code == 200]
+    assert httpx.get(f"{url}/models").json() == {"models": [{"modelName": "m1", "modelUrl": won}]}
+    assert httpx.post(f"{url}/models/m1/invoke", json=v2_body()).status_code == 200
+    # the claim goes with the load: unloaded, the name may be loaded again
+    assert httpx.delete(f"{url}/models/m1", timeout=60).status_code == 200
+    assert httpx.post(f"{url}/models", json={"model_name": "m1", "url": won}, timeout=60).status_code == 200
 
 
 def test_an_archive_of_an_ensemble_and_its_models_loads_as_one_endpoint_model(

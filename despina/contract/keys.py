@@ -56,6 +56,10 @@ class Keys:
         """Hash: a SageMaker multi-model endpoint's model name -> {"url": where SageMaker unpacked it}."""
         return f"{self.prefix}:sagemaker:models"
 
+    def sagemaker_loading(self, name: str) -> str:
+        """String, while a SageMaker load of `name` runs (it expires): one load of a name at a time."""
+        return f"{self.prefix}:sagemaker:loading:{name}"
+
     @property
     def catalog(self) -> str:
         """Hash: model name -> catalog entry (JSON), written by the control plane."""

@@ -156,6 +156,20 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
             check_model_name(name)
             if await gw.redis.hexists(key, name) or _loaded(gw, name):  # by /models or by the V2 API
                 raise AlreadyLoaded(f"model '{name}' is already loaded")
+            # one load of a name at a time, over every gateway (two staged into one folder, and both
+            # answered 200); the claim expires should its gateway die in the load
+            claim = gw.keys.sagemaker_loading(name)
+            if not await gw.redis.set(claim, url, nx=True, px=int(1000 * (gw.settings.load_timeout_s + 60))):
+                raise AlreadyLoaded(f"model '{name}' is being loaded")
+        except DespinaError as exc:
+            return _load_error(exc)
+        try:
+            return await staged_and_loaded(name, url)
+        finally:
+            await gw.redis.delete(claim)
+
+    async def staged_and_loaded(name: str, url: str) -> Response:
+        try:
             folder, steps = model_folders(url)
             for step in steps:  # as Triton: an archive's other models keep their names, once
                 if step.name == name or _loaded(gw, step.name):
