@@ -63,8 +63,9 @@ def setup(level: str = "info", role: str = "despina", json: bool = False) -> Non
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    global _started_level
+    global _started_level, _current
     _started_level = root.level
+    _current = defaults(level)
 
 
 # -- Triton's logging extension: settings every process follows ------------------------------------
@@ -83,6 +84,9 @@ def defaults(level: str) -> dict[str, Any]:
     return {"log_file": "", "log_info": n <= logging.INFO, "log_warning": n <= logging.WARNING,
             "log_error": n <= logging.ERROR, "log_verbose_level": 1 if n <= logging.DEBUG else 0,
             "log_format": "default"}
+
+
+_current = defaults("info")  # current()'s
 
 
 def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
@@ -126,9 +130,18 @@ class _Levels(logging.Filter):
         return self.passes.get(record.levelno, True)
 
 
+def current() -> dict[str, Any]:
+    """The settings this process follows: its start's (setup), then the last applied. A new dict each time
+    they change, so that a caller may tell a change by identity (a Python model's process is told them:
+    workers/backends/python_process.py)."""
+    return _current
+
+
 def apply(settings: dict[str, Any]) -> None:
     """Follow the settings in this process: verbose level 1 opens Despina's own debug lines, 2 and more
     every library's too; ISO8601 timestamps the lines in UTC."""
+    global _current
+    _current = {**_current, **settings}
     root = logging.getLogger()
     verbose = int(settings.get("log_verbose_level", 0))
     root.setLevel(logging.DEBUG if verbose >= 2 else min(_started_level, logging.INFO))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import shutil
 import threading
@@ -21,6 +22,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from despina import logs
 from despina.contract.errors import Code, ConfigError, DespinaError
 from despina.contract.modelconfig import ModelSpec
 from despina.control.repository import load_model
@@ -815,4 +817,63 @@ def test_an_async_model_not_decoupled_answers_through_its_senders_after_execute(
                                                [["Y"]] * 3)
             assert [r["Y"].tolist() for r in results] == [[2], [3], [4]]
     finally:
+        backend.unload()
+
+
+LOGGER = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        logger = pb_utils.Logger
+        logger.log_info("an info line")
+        logger.log_warn("a warning line")
+        logger.log_error("an error line")
+        logger.log_verbose("a verbose line")
+        logger.log("a verbose line by its level", logger.LogLevel.VERBOSE)
+        logger.log("a warning line by its level", pb_utils.Logger.WARNING)
+        logger.log("an info line by default")
+        try:
+            logger.log("no line", 7)
+        except TypeError as exc:
+            logger.log_error(f"refused: {exc}")
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "X")]) for r in requests]
+'''
+
+
+def test_a_models_log_lines_follow_the_servers_log_settings(tmp_path: Path,
+                                                             capfd: pytest.CaptureFixture[str]) -> None:
+    """As in Triton, pb_utils.Logger's levels (Logger.LogLevel, or Logger.INFO and the others) follow the
+    server's log settings: VERBOSE lines only at a log_verbose_level of 1 or more, the others by their
+    switch. The model's process hears of a change before its next call."""
+    backend: Any = backend_for(write_model(tmp_path, "logger", LOGGER, MISUSE_CONFIG.replace("misuse", "logger")))
+    root, despina = logging.getLogger(), logging.getLogger("despina")
+    saved = root.handlers[:], root.level, despina.level
+    root.handlers[:] = [logging.StreamHandler()]  # pytest's own handlers stay out of it
+
+    def lines() -> list[str]:
+        results = backend.execute_requests([{"X": np.array([1], np.int32)}], [["Y"]])
+        assert not isinstance(results[0], DespinaError), results[0]
+        return [line for line in capfd.readouterr().err.splitlines() if "model 'logger'" in line]
+
+    backend.load()
+    try:
+        assert lines() == [
+            "INFO model 'logger': an info line", "WARNING model 'logger': a warning line",
+            "ERROR model 'logger': an error line", "WARNING model 'logger': a warning line by its level",
+            "INFO model 'logger': an info line by default",
+            "ERROR model 'logger': refused: Logger.log: level must be a pb_utils.Logger.LogLevel (INFO, WARNING, "
+            "ERROR or VERBOSE), not 7"]
+        logs.apply({**logs.defaults("info"), "log_verbose_level": 1})
+        assert [line for line in lines() if line.startswith("VERBOSE")] == [
+            "VERBOSE model 'logger': a verbose line", "VERBOSE model 'logger': a verbose line by its level"]
+        logs.apply({**logs.defaults("info"), "log_info": False, "log_error": False})
+        assert lines() == ["WARNING model 'logger': a warning line",
+                           "WARNING model 'logger': a warning line by its level"]
+    finally:
+        logs.apply(logs.defaults("info"))
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        despina.setLevel(saved[2])
         backend.unload()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ... import logs
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
 from .python_env import Interpreter
 from .python_stub import _despina_wire as wire
@@ -59,6 +60,7 @@ class Stub:
         self._owed = 0  # answers of cancelled calls still to read
         self._writing = threading.Lock()  # a model call's answer may go out while a thread reads
         self._calls: dict[int, Any] = {}  # call id -> the model call running it (a task, or a future)
+        self._logs_told: dict[str, Any] | None = None  # the log settings the process was last told
         try:
             self.process = subprocess.Popen([python.python, str(STUB), str(theirs.fileno()),
                                              str(reporter.fileno())],
@@ -104,6 +106,7 @@ class Stub:
         """Send `op` and wait for its answer, on a thread; the model's calls meanwhile go to `caller`."""
         try:
             self._catch_up()
+            self._tell_logs()
             self._send((op, payload))
             while True:
                 if timeout is not None and not self.conn.poll(timeout):
@@ -122,6 +125,7 @@ class Stub:
         loop = asyncio.get_running_loop()
         try:
             self._catch_up()
+            self._tell_logs()
             self._send((op, payload))
             fd = self.conn.fileno()
             while True:
@@ -157,6 +161,15 @@ class Stub:
     def _send(self, message: Any) -> None:
         with self._writing:
             self.conn.send_bytes(_dumps(message))
+
+    def _tell_logs(self) -> None:
+        """Before a call: the log settings, when they changed since the process last heard them
+        (("logging", settings), unanswered). Its pb_utils.Logger follows them, as Triton's does the
+        server's: log_verbose shows only at a verbose level of 1 or more."""
+        settings = logs.current()
+        if settings is not self._logs_told:
+            self._send(("logging", settings))
+            self._logs_told = settings
 
     def _serve(self, request: tuple[Any, ...], caller: ModelCaller | None,
                loop: asyncio.AbstractEventLoop | None) -> None:
@@ -297,6 +310,7 @@ class DecoupledStub(Stub):
         self._caller = caller  # one call at a time: its model calls are served with its caller
         self._asked.append(future)
         try:
+            self._tell_logs()
             self._send((op, payload))
         except (OSError, ValueError) as exc:
             self._asked.remove(future)

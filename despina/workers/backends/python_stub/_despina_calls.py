@@ -119,6 +119,9 @@ class ModelCalls:
         if kind == "cancel" and self.on_cancel is not None:
             self.on_cancel(payload)
             return
+        if kind == "logging":  # the server's log settings, which pb_utils.Logger follows
+            pb_utils._log_settings = payload
+            return
         if kind != "bls":
             raise pb_utils.TritonModelException(f"unexpected message {kind!r} from the worker in execute")
         call_id, answer = payload

@@ -1,16 +1,16 @@
 """The process a Python model runs in (Triton's "stub"): `python stub.py <fd> <metrics fd>`.
 
-It says ("hello", pid) on the connection on <fd> once it is up, then answers its worker one message at
-a time:
-("auto_complete", ...), ("initialize", ...), ("execute", requests), ("finalize", None). Inside execute
-the model may call other models (_despina_calls.py): those messages go both ways until the execute's
-answer. A decoupled model answers through each request's response sender instead, from any thread and
-whenever it likes: ("response", (stream id, answer or None, final)); its `async def execute`, as
-in Triton, runs on an event loop of its own thread while the next requests come. Any other model may
-answer a request through its sender too, once: that answer takes its place in execute's
-(_despina_senders.py). Whatever the model does, the worst it can do is end this process; the worker
-then fails the requests in flight and starts another. The stub also ends when its worker does (the
-connection closes, or the parent changes).
+It says ("hello", pid) on the connection on <fd> once it is up, then answers its worker one message at a
+time: ("auto_complete", ...), ("initialize", ...), ("execute", requests), ("finalize", None); before one
+of them, when they changed, come the server's log settings ("logging", settings: pb_utils.Logger follows
+them), unanswered. Inside execute the model may call other models (_despina_calls.py): those messages go
+both ways until the execute's answer. A decoupled model answers through each request's response sender
+instead, from any thread and whenever it likes: ("response", (stream id, answer or None, final)); its
+`async def execute`, as in Triton, runs on an event loop of its own thread while the next requests come.
+Any other model may answer a request through its sender too, once: that answer takes its place in
+execute's (_despina_senders.py). Whatever the model does, the worst it can do is end this process; the
+worker then fails the requests in flight and starts another. The stub also ends when its worker does
+(the connection closes, or the parent changes).
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def main() -> None:
         if op == "bls":  # the answer to a call of a coroutine running in the background (else dropped)
             stub.calls.deliver(op, payload)
             continue
-        if op == "cancel":  # a decoupled model's request whose client went away: nothing to answer
-            stub.cancel(payload)
+        if op in ("cancel", "logging"):  # a decoupled model's request whose client went away, or the
+            stub.calls.deliver(op, payload)  # server's log settings (before a call): nothing to answer
             continue
         try:
             if op not in OPERATIONS:

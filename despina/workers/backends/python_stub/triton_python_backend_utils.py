@@ -7,6 +7,7 @@ library are used: this module runs in the model's process, not in Despina's.
 """
 from __future__ import annotations
 
+import enum
 import json
 import re
 import struct
@@ -42,6 +43,9 @@ _model_name = ""  # set by the stub; Logger prefixes it
 _model_calls: Any = None  # set by the stub while execute runs (_despina_calls.ModelCalls): exec() uses it
 # set by the stub of a model that is not decoupled (_despina_senders.DefaultSenders): its requests' senders
 _default_senders: Any = None
+# the server's log settings (Triton's names: log_info, log_verbose_level, ...) as the worker last told the
+# stub; Logger follows them. Until it is told, Triton's defaults: every level but VERBOSE.
+_log_settings: dict[str, Any] = {}
 
 
 def triton_to_numpy_type(data_type: int) -> Any:
@@ -580,17 +584,26 @@ def _metrics_report() -> list[dict[str, Any]]:
 
 
 class Logger:
-    """Log lines from a model; they land in the worker's log with the model's name."""
+    """Log lines from a model; they land in the worker's log with the model's name. As in Triton, each
+    level follows the server's log settings (`/v2/logging`): log_info, log_warning and log_error switch
+    theirs, and VERBOSE lines show only at a log_verbose_level of 1 or more."""
 
-    INFO = 0
-    WARNING = 1
-    ERROR = 2
-    VERBOSE = 3
-    _LABELS = {INFO: "INFO", WARNING: "WARNING", ERROR: "ERROR", VERBOSE: "VERBOSE"}
+    class LogLevel(enum.IntEnum):
+        INFO = 0
+        WARNING = 1
+        ERROR = 2
+        VERBOSE = 3
+
+    INFO, WARNING, ERROR, VERBOSE = LogLevel.INFO, LogLevel.WARNING, LogLevel.ERROR, LogLevel.VERBOSE
 
     @staticmethod
-    def log(message: str, level: int = INFO) -> None:
-        label = Logger._LABELS.get(level, "INFO")
+    def log(message: str, level: int = LogLevel.INFO) -> None:
+        if type(level) is bool or not isinstance(level, int) or level not in _LOG_SWITCHES:
+            raise TypeError(f"Logger.log: level must be a pb_utils.Logger.LogLevel (INFO, WARNING, ERROR or "
+                            f"VERBOSE), not {level!r}")
+        if not _shows(level):
+            return
+        label = Logger.LogLevel(level).name
         print(f"{label} model '{_model_name}': {message}", file=sys.stderr, flush=True)
 
     @staticmethod
@@ -608,3 +621,15 @@ class Logger:
     @staticmethod
     def log_verbose(message: str) -> None:
         Logger.log(message, Logger.VERBOSE)
+
+
+# which of the server's log settings lets each level's lines through (a count for VERBOSE, else a switch)
+_LOG_SWITCHES: dict[int, str] = {Logger.INFO: "log_info", Logger.WARNING: "log_warning",
+                                 Logger.ERROR: "log_error", Logger.VERBOSE: "log_verbose_level"}
+
+
+def _shows(level: int) -> bool:
+    switch = _LOG_SWITCHES[level]
+    if level == Logger.VERBOSE:
+        return int(_log_settings.get(switch, 0)) >= 1
+    return bool(_log_settings.get(switch, True))
