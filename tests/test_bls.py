@@ -27,8 +27,9 @@ from despina.workers.backends.base import Request
 from .conftest import Server, module_server, settled_stats
 from .test_backend_python import backend_for, write_model
 
-# exec(): add_sub (or the model named by the request's parameter "target") on X and ones; an error of
-# the call becomes this request's error, its code in the message.
+# exec(): add_sub (or the model named by the request's parameter "target") on X and ones, with the request
+# id "call_id" says; an error of the call becomes this request's error, its code in the message, and the
+# called model's response parameters become this response's.
 CALLER = '''
 import json
 import numpy as np
@@ -46,7 +47,8 @@ class TritonPythonModel:
             call = pb_utils.InferenceRequest(
                 model_name=params.get("target", "add_sub"), requested_output_names=["sum", "diff"],
                 inputs=[pb_utils.Tensor("a", x), pb_utils.Tensor("b", np.ones_like(x))],
-                timeout=params.get("call_timeout", 0), parameters={"sleep_ms": params.get("sleep_ms", 0)})
+                timeout=params.get("call_timeout", 0), parameters={"sleep_ms": params.get("sleep_ms", 0)},
+                request_id=params.get("call_id", ""))
             response = call.exec()
             if response.has_error():
                 error = response.error()
@@ -55,7 +57,7 @@ class TritonPythonModel:
                 continue
             outputs = [pb_utils.Tensor(name.upper(), pb_utils.get_output_tensor_by_name(response, name).as_numpy())
                        for name in ("sum", "diff")]
-            responses.append(pb_utils.InferenceResponse(outputs))
+            responses.append(pb_utils.InferenceResponse(outputs, parameters=json.loads(response.parameters())))
         return responses
 '''
 
@@ -88,7 +90,8 @@ class TritonPythonModel:
         return responses
 '''
 
-# add_sub as a Python model, for a Python model calling a Python model; it sleeps as asked.
+# add_sub as a Python model, for a Python model calling a Python model; it sleeps as asked, and its response
+# parameters say the request id and the parameters it got.
 ADD_SUB_PY = '''
 import json
 import time
@@ -102,8 +105,9 @@ class TritonPythonModel:
             time.sleep(json.loads(request.parameters()).get("sleep_ms", 0) / 1000)
             a = pb_utils.get_input_tensor_by_name(request, "a").as_numpy()
             b = pb_utils.get_input_tensor_by_name(request, "b").as_numpy()
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("sum", a + b),
-                                                         pb_utils.Tensor("diff", a - b)]))
+            responses.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor("sum", a + b), pb_utils.Tensor("diff", a - b)],
+                parameters={"request_id": request.request_id(), "parameters": request.parameters()}))
         return responses
 '''
 
@@ -298,6 +302,16 @@ def test_a_python_model_calls_a_python_model(server: Server) -> None:
     np.testing.assert_array_equal(out["DIFF"], X - 1)
 
 
+def test_a_call_passes_its_request_id_and_parameters_and_returns_the_response_parameters(server: Server) -> None:
+    """As in Triton: the called model sees the call's request_id and parameters, and the caller gets the
+    called model's response parameters (response.parameters())."""
+    r = infer(server, "caller", X, target="add_sub_py", call_id="call-7", sleep_ms=1)
+    assert r.status_code == 200, r.text
+    assert r.json()["parameters"] == {"request_id": "call-7", "parameters": '{"sleep_ms": 1}'}
+    r = infer(server, "caller", X, target="add_sub")  # a model that sets none: none
+    assert r.status_code == 200 and "parameters" not in r.json(), r.text
+
+
 def test_calling_a_missing_model_is_an_error_response(server: Server) -> None:
     response = infer(server, "caller", X, target="nope")
     assert response.status_code == 500
@@ -415,6 +429,25 @@ def test_calls_go_through_redis_to_a_model_on_another_worker(
     assert after == before + 3
 
 
+def test_a_call_through_redis_passes_its_request_id_and_returns_the_response_parameters(
+        serve: Any, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """The same with the caller and the called model on two workers (room for one model each)."""
+    write_model(tmp_path / "repo", "caller", CALLER, caller_config("caller", memory_mb=100))
+    write_model(tmp_path / "repo", "add_sub_py", ADD_SUB_PY, ADD_SUB_PY_CONFIG + memory(100))
+    server = serve(tmp_path / "repo", "--workers", "2", env={"DESPINA_WORKER_MEMORY_MB": "150"},
+                   wait_models=("caller", "add_sub_py"))
+    client = redis.Redis.from_url(redis_url)
+    try:
+        placed = {name: CatalogEntry.loads(client.hget(Keys(key_prefix).catalog, name)).workers
+                  for name in ("caller", "add_sub_py")}
+    finally:
+        client.close()
+    assert len({w for ws in placed.values() for w in ws}) == 2, placed
+    r = infer(server, "caller", X, target="add_sub_py", call_id="far-1")
+    assert r.status_code == 200, r.text
+    assert r.json()["parameters"] == {"request_id": "far-1", "parameters": '{"sleep_ms": 0}'}
+
+
 # -- the pipe on its own -----------------------------------------------------------------------------
 
 
@@ -429,8 +462,8 @@ class LoopCaller:
         self.thread.start()
 
     async def infer(self, model: str, version: int | None, inputs: dict[str, np.ndarray], outputs: list[str],
-                    timeout_s: float, parameters: Any, sequence: Any = None, partial: Any = None
-                    ) -> dict[str, np.ndarray] | DespinaError:
+                    timeout_s: float, parameters: Any, sequence: Any = None, partial: Any = None,
+                    request_id: str = "") -> dict[str, np.ndarray] | DespinaError:
         self.calls.append((model, version, timeout_s))
         if model == "boom":  # a fault of the worker's side: the model must hear of it, not wait forever
             raise RuntimeError("the caller broke")

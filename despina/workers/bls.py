@@ -31,6 +31,7 @@ from ..contract.modelconfig import (
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..gateway.dispatch import Dispatcher, Result
 from ..gateway.models import ModelView
+from .backends.base import Outputs as ModelOutputs
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -55,21 +56,24 @@ class ModelCaller:
 
     async def infer(self, model: str, version: int | None, inputs: dict[str, np.ndarray], outputs: list[str],
                     timeout_s: float = 0.0, parameters: Parameters = NO_PARAMETERS,
-                    sequence: Sequence | None = None, partial: Partial | None = None
+                    sequence: Sequence | None = None, partial: Partial | None = None, request_id: str = ""
                     ) -> Outputs | DespinaError:
         """Run `model` (`version`, None: the latest) on `inputs`; the asked `outputs` (none: all), or the
         error that ended the call. `timeout_s` (0: the server's request_timeout_s) bounds the whole call;
-        `sequence` (correlation ID, flags) places it in a sequence of a stateful model. With `partial`
-        (exec(decoupled=True)) a decoupled model may be called: its responses before the last go there."""
+        `sequence` (correlation ID, flags) places it in a sequence of a stateful model; `request_id` is
+        what the called model's request.request_id() says. With `partial` (exec(decoupled=True)) a
+        decoupled model may be called: its responses before the last go there. Outputs carry the called
+        model's response parameters (backends.base.Outputs) when it set some."""
         timeout = timeout_s if timeout_s > 0 else self.worker.settings.request_timeout_s
         try:
             tensors = [_tensor(name, array) for name, array in inputs.items()]
             runner = self._local(model, version)
             if runner is not None:
-                call = self._here(runner, tensors, tuple(outputs), timeout, parameters, sequence, partial)
+                call = self._here(runner, tensors, tuple(outputs), timeout, parameters, sequence, partial,
+                                  request_id)
             else:
                 call = self._through_redis(model, version, tensors, tuple(outputs), timeout, parameters,
-                                           sequence, partial)
+                                           sequence, partial, request_id)
             reply = await asyncio.wait_for(call, timeout + GRACE_S)
         except DespinaError as exc:
             return exc
@@ -78,9 +82,7 @@ class ModelCaller:
         except Exception as exc:  # a fault here must reach the calling model as an error, never hang it
             log.exception("worker %s: calling model %s failed", self.worker.id, model)
             return DespinaError(f"calling model '{model}' failed: {exc}", Code.INTERNAL)
-        if reply.error is not None:
-            return DespinaError(reply.error[1], reply.error[0])
-        return {t.name: t.numpy() for t in reply.outputs}
+        return _result(reply)
 
     def _local(self, model: str, version: int | None) -> ModelRunner | None:
         """The READY runner here for the version a gateway would pick, if this worker has it."""
@@ -95,7 +97,7 @@ class ModelCaller:
 
     async def _here(self, runner: ModelRunner, tensors: list[Tensor], outputs: tuple[str, ...],
                     timeout: float, parameters: Parameters, sequence: Sequence | None,
-                    partial: Partial | None) -> InferReply:
+                    partial: Partial | None, request_id: str) -> InferReply:
         _check(runner.spec, tensors, outputs, partial is not None)
         answered: asyncio.Future[InferReply] = self.loop.create_future()
 
@@ -108,12 +110,13 @@ class ModelCaller:
             answered.set_result(reply)
 
         runner.submit(tensors, outputs, time.time() + timeout, answer, parameters=parameters,
-                      sequence=sequence)
+                      sequence=sequence, request_id=request_id)
         return await answered
 
     async def _through_redis(self, model: str, version: int | None, tensors: list[Tensor],
                              outputs: tuple[str, ...], timeout: float, parameters: Parameters,
-                             sequence: Sequence | None, partial: Partial | None) -> InferReply:
+                             sequence: Sequence | None, partial: Partial | None, request_id: str
+                             ) -> InferReply:
         dispatcher, view = await self._open()
         keys = self.worker.keys
         found, v = await view.serving(model, None if version is None else str(version), timeout)
@@ -133,7 +136,8 @@ class ModelCaller:
         bound = (keys.queued(model, v, level), limit) if limit else None
         now = time.time()
         request = InferRequest(dispatcher.new_id(), dispatcher.reply_stream, now + timeout, tuple(tensors),
-                               outputs, enqueued=now, parameters=parameters, sequence=sequence)
+                               outputs, enqueued=now, parameters=parameters, request_id=request_id,
+                               sequence=sequence)
         answered: asyncio.Future[Result] = self.loop.create_future()
 
         def settle(result: Result) -> None:
@@ -185,10 +189,18 @@ def _pass_on(partial: Partial | None, reply: InferReply) -> None:
     if partial is None:
         return
     try:
-        partial(DespinaError(reply.error[1], reply.error[0]) if reply.error is not None
-                else {t.name: t.numpy() for t in reply.outputs})
+        partial(_result(reply))
     except Exception:  # the caller's fault must not stop the call's other responses
         log.exception("passing on a response of a model call failed")
+
+
+def _result(reply: InferReply) -> Outputs | DespinaError:
+    """A reply as the caller takes it: its error, or its outputs with the response parameters the called
+    model set (Triton's BLS response.parameters())."""
+    if reply.error is not None:
+        return DespinaError(reply.error[1], reply.error[0])
+    outputs = {t.name: t.numpy() for t in reply.outputs}
+    return ModelOutputs(outputs, reply.parameters) if reply.parameters else outputs
 
 
 def _check(spec: ModelSpec, tensors: list[Tensor], outputs: tuple[str, ...], decoupled: bool = False) -> None:

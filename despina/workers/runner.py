@@ -320,14 +320,15 @@ class ModelRunner:
 
     def submit(self, inputs: list[Tensor], outputs: tuple[str, ...], deadline: float, answer: Answer,
                priority: int = 0, timeout_us: int = 0, trace: str = "", settled: Settled | None = None,
-               parameters: Parameters = NO_PARAMETERS, sequence: tuple[int | str, int] | None = None
-               ) -> None:
+               parameters: Parameters = NO_PARAMETERS, sequence: tuple[int | str, int] | None = None,
+               request_id: str = "") -> None:
         """Queue a request made in this process (an ensemble's step, workers/ensembles.py): batched with
         the stream's requests and counted in the statistics like them; `answer` gets its reply (an error
         reply included), on the event loop, before the batch's replies go out to Redis. `deadline` is
         wall-clock seconds; `settled()` True says the submitter has nothing else on its way here (None:
         unknown, so a batch holding it waits out its delay). `parameters` are for the model (a model
-        calling another one passes them, workers/bls.py), as is `sequence` for a stateful one."""
+        calling another one passes them, workers/bls.py), as are its `request_id` and, for a stateful one,
+        `sequence`."""
         if self.response_cache is not None and sequence is None:
             keeping = self._cached(inputs, outputs, parameters, answer)
             if keeping is None:  # answered from the cache
@@ -335,7 +336,7 @@ class ModelRunner:
             answer = keeping
         now = time.time()
         request = InferRequest("", "", deadline, tuple(inputs), outputs, priority, timeout_us, now, trace,
-                               parameters, sequence=sequence)
+                               parameters, request_id, sequence)
         try:
             if self._stopping:
                 raise Unavailable(f"model '{self.spec.name}' version {self.version} is unloading")

@@ -7,12 +7,13 @@ running get errors and a new process is started (initialize runs again) for the 
 
 While an execute is outstanding, the model may call other models (`InferenceRequest.exec()`, Triton's
 business logic scripting): the process sends ("bls", (call id, model, version, inputs, asked outputs,
-timeout µs, parameters, (correlation ID, flags) or None)) as often as it likes, and the worker runs
-each call on its event loop (workers/bls.py) and answers ("bls", (call id, ("ok", outputs) |
-("error", (message, code)))) whenever it is done, in any order; the execute's own answer ends the
-exchange as before. A decoupled model's execute answers nothing: its responses come as ("response",
-(stream id, answer, final)) whenever the model sends them (python_process.DecoupledStub), and go to
-`on_response`. The process and the connection to it are python_process.py's.
+timeout µs, parameters, (correlation ID, flags) or None, decoupled, request id)) as often as it likes,
+and the worker runs each call on its event loop (workers/bls.py) and answers ("bls", (call id, ("ok",
+outputs[, response parameters]) | ("error", (message, code)))) whenever it is done, in any order; the
+execute's own answer ends the exchange as before. A decoupled model's execute answers nothing: its
+responses come as ("response", (stream id, answer, final)) whenever the model sends them
+(python_process.DecoupledStub), and go to `on_response`. The process and the connection to it are
+python_process.py's.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from ... import logs
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
+from .base import Outputs
 from .python_env import Interpreter
 from .python_stub import _despina_wire as wire
 
@@ -200,8 +201,9 @@ class Stub:
         """Run one model call and send its answer. The answer is written from a thread: the process may be
         writing a call of its own just then, and only the loop, reading, lets that write end. A call made
         with exec(decoupled=True) (its ninth field) gets each response before the last as ("more", answer),
-        in order, then the last as any call's answer."""
+        in order, then the last as any call's answer. The tenth is the request id the called model sees."""
         call_id, model, version, inputs, outputs, timeout_us, parameters, sequence, *more = request
+        request_id = str(more[1]) if len(more) > 1 else ""
         sends: asyncio.Queue[Any] | None = None
         partial = None
         if more and more[0]:
@@ -214,7 +216,7 @@ class Stub:
         try:
             result = await caller.infer(model, None if version is None or version < 0 else int(version),
                                         wire.unpack_all(inputs), list(outputs), timeout_us / 1e6,
-                                        parameters or {}, sequence, partial)
+                                        parameters or {}, sequence, partial, request_id=request_id)
         except Exception as exc:  # whatever went wrong, the model must hear of it, not wait forever
             log.exception("model %s: its call of model %s failed", self.name, model)
             result = DespinaError(f"calling model '{model}' failed: {exc}", Code.INTERNAL)
@@ -339,11 +341,13 @@ class DecoupledStub(Stub):
         self._on_response(None)
 
 
-def _answer_of(result: dict[str, np.ndarray] | DespinaError) -> tuple[str, Any]:
-    """A model call's outcome as the process reads it: ("ok", packed outputs) or ("error", (message,
-    TritonError code))."""
+def _answer_of(result: dict[str, np.ndarray] | DespinaError) -> tuple[Any, ...]:
+    """A model call's outcome as the process reads it: ("ok", packed outputs), with the called model's
+    response parameters after them when it set some, or ("error", (message, TritonError code))."""
     if isinstance(result, DespinaError):
         return ("error", (result.message, TRITON_CODES.get(result.code, 1)))
+    if isinstance(result, Outputs) and result.parameters:
+        return ("ok", wire.pack_all(result), dict(result.parameters))
     return ("ok", wire.pack_all(result))
 
 

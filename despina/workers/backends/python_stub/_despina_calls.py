@@ -1,14 +1,15 @@
 """Model calls from inside execute (Triton's business logic scripting), over the stub's connection.
 
 `InferenceRequest.exec()` sends ("bls", (call id, model, version, inputs, asked outputs, timeout µs,
-parameters, (correlation ID, flags) or None, decoupled)) and reads the worker's messages until its own
-answer comes; answers to other calls read meanwhile are kept for them. exec(decoupled=True) returns an
-iterator at once: each response of the called model comes as ("more", answer) but the last, which is
-any call's answer; the iterator reads them as it is iterated. `async_exec()` sends the same and
-awaits a future that a reader on the stub's event loop resolves, so that several calls are in flight at
-once. The worker answers every call, by its deadline at the latest: a call waits as long as that, and
-no longer. While a decoupled model's coroutine executes run in the background (`read_by_stub`), the
-stub's main thread is the one reader of the connection, and hands each call its answers (`deliver`).
+parameters, (correlation ID, flags) or None, decoupled, request id)) and reads the worker's messages
+until its own answer comes; answers to other calls read meanwhile are kept for them.
+exec(decoupled=True) returns an iterator at once: each response of the called model comes as ("more",
+answer) but the last, which is any call's answer; the iterator reads them as it is iterated.
+`async_exec()` sends the same and awaits a future that a reader on the stub's event loop resolves, so
+that several calls are in flight at once. The worker answers every call, by its deadline at the latest:
+a call waits as long as that, and no longer. While a decoupled model's coroutine executes run in the
+background (`read_by_stub`), the stub's main thread is the one reader of the connection, and hands each
+call its answers (`deliver`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import _despina_wire as wire
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-Answer = tuple[str, Any]  # ("ok", packed outputs) or ("error", (message, TritonError code))
+# ("ok", packed outputs[, response parameters]) or ("error", (message, TritonError code))
+Answer = tuple[Any, ...]
 
 
 class ModelCalls:
@@ -147,7 +149,7 @@ class ModelCalls:
         sequence = (correlation, request.flags()) if correlation not in (0, "") else None
         message = ("bls", (call_id, request.model_name(), request.model_version(), inputs,
                            request.requested_output_names(), request.timeout(),
-                           _parameters(request.parameters()), sequence, decoupled))
+                           _parameters(request.parameters()), sequence, decoupled, str(request.request_id())))
         self.send(message)
 
     def send(self, message: Any) -> None:
@@ -206,8 +208,9 @@ def _settle(future: asyncio.Future[Answer], answer: Answer) -> None:
 
 
 def _response(answer: Answer) -> pb_utils.InferenceResponse:
-    status, value = answer
-    if status == "ok":
-        return pb_utils.InferenceResponse([pb_utils.Tensor(n, wire.unpack(a)) for n, a in value.items()])
+    status, value, *parameters = answer
+    if status == "ok":  # (the called model's response parameters, as Triton's BLS response has them)
+        return pb_utils.InferenceResponse([pb_utils.Tensor(n, wire.unpack(a)) for n, a in value.items()],
+                                          parameters=parameters[0] if parameters else None)
     message, code = value
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
