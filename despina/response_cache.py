@@ -90,7 +90,7 @@ def _entry_bytes(key: Key, reply: InferReply) -> int:
             + sum(len(name) + len(str(value)) for name, value in reply.parameters.items()))
 
 
-def through(cache: ResponseCache, key: Key, answer: Callable[[Any], None],
+def through(cache: ResponseCache, key: Key, answer: Callable[[Any], object],
             count: Callable[[dict[str, int]], None], keeps: Callable[[Any], bool]
             ) -> Callable[[Any], None] | None:
     """A request's way through the cache: answered from it (then None), or the answer that also keeps

@@ -8,7 +8,9 @@ Every model.py here is written against Triton's documented `triton_python_backen
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,7 @@ class TritonPythonModel:
 # async_exec(): two calls of add_sub at once, each asking for one output.
 ASYNC_CALLER = '''
 import asyncio
+import re
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -113,9 +116,11 @@ class TritonPythonModel:
 
 # A decoupled model, as Triton's square_int32 example: for IN = n it sends n responses (OUT = 0..n-1), then
 # the final flag alone, or with the last response when the parameter "final_with_last" says so; the
-# parameter "fail_at" makes that response an error (the stream goes on).
+# parameter "fail_at" makes that response an error (the stream goes on). It waits "sleep_ms" before each,
+# and stops when its request is cancelled, saying so in the log.
 COUNTER = '''
 import json
+import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -127,6 +132,11 @@ class TritonPythonModel:
             params = json.loads(request.parameters())
             sender = request.get_response_sender()
             for i in range(n):
+                time.sleep(params.get("sleep_ms", 0) / 1000)
+                if request.is_cancelled():
+                    pb_utils.Logger.log_info(f"counter: cancelled at {i}, request {request.request_id()}")
+                    n = 0
+                    break
                 last = params.get("final_with_last") and i == n - 1
                 flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0
                 if i == params.get("fail_at", -1):
@@ -151,7 +161,8 @@ model_transaction_policy { decoupled: true }
 # exec(decoupled=True) of counter (or of the model the parameter "target" names), or async_exec with the
 # parameter "use_async": the sum of the OUTs, how many responses came, how many were empty (the last,
 # when the final flag came alone) and how many were errors; exec() without decoupled=True when asked
-# ("plain"), whose error becomes this request's.
+# ("plain"), whose error becomes this request's. With "cancel_after": k it cancels the call after k
+# responses (ResponseIterator.cancel()), and iterates on to the end.
 STREAM_CALLER = '''
 import json
 import numpy as np
@@ -170,7 +181,8 @@ class TritonPythonModel:
             call = pb_utils.InferenceRequest(
                 model_name=target, inputs=inputs,
                 requested_output_names=["OUT"] if target == "counter" else ["sum"],
-                parameters={k: v for k, v in params.items() if k in ("final_with_last", "fail_at")})
+                parameters={k: v for k, v in params.items() if k in ("final_with_last", "fail_at", "sleep_ms")},
+                request_id=params.get("call_id", ""))
             if params.get("plain"):
                 response = call.exec()
                 responses.append(pb_utils.InferenceResponse(error=response.error()))
@@ -178,6 +190,9 @@ class TritonPythonModel:
             stream = await call.async_exec(decoupled=True) if params.get("use_async") else call.exec(decoupled=True)
             total = count = empty = errors = 0
             for response in stream:
+                if count == params.get("cancel_after", -1):
+                    stream.cancel()
+                    stream.cancel()  # (once is enough)
                 count += 1
                 if response.has_error():
                     errors += 1
@@ -367,6 +382,27 @@ def test_exec_decoupled_iterates_a_decoupled_models_responses(server: Server, us
         {"SUM": 5, "RESPONSES": 5, "EMPTY": 1, "ERRORS": 1}
 
 
+def cancelled_call(server: Server, call_id: str) -> None:
+    """A call of counter cancelled after two of its 500 responses: the iteration ends with an error
+    response (CANCELLED) soon after, and counter sees its request cancelled and stops."""
+    result = stream_call(server, 500, cancel_after=2, sleep_ms=10, call_id=call_id)
+    assert 3 <= result["RESPONSES"] <= 10 and result["ERRORS"] == 1 and result["EMPTY"] == 0, result
+    deadline = time.monotonic() + 30
+    while "counter: cancelled at" not in server.logs() or f"request {call_id}" not in server.logs():
+        assert time.monotonic() < deadline, "counter never saw its request cancelled"
+        time.sleep(0.1)
+    stopped = re.search(rf"counter: cancelled at (\d+), request {call_id}", server.logs())
+    assert stopped and int(stopped.group(1)) < 20, stopped
+
+
+def test_a_decoupled_call_cancelled_ends_and_the_called_model_stops(server: Server) -> None:
+    """Triton's ResponseIterator.cancel() on exec(decoupled=True)'s iterator; on the iterator of
+    async_exec(decoupled=True), which has every response already, it changes nothing."""
+    cancelled_call(server, "cancel-here")
+    assert stream_call(server, 4, use_async=True, cancel_after=2) == \
+        {"SUM": 6, "RESPONSES": 5, "EMPTY": 1, "ERRORS": 0}
+
+
 def test_exec_decoupled_of_a_model_that_answers_once_gives_its_one_response(server: Server) -> None:
     assert stream_call(server, 1, target="add_sub") == {"SUM": 8, "RESPONSES": 1, "EMPTY": 0, "ERRORS": 0}
 
@@ -399,6 +435,7 @@ def test_exec_decoupled_through_redis_to_a_decoupled_model_on_another_worker(
         assert stream_call(server, 5, use_async=use_async) == {"SUM": 10, "RESPONSES": 6, "EMPTY": 1, "ERRORS": 0}
         assert stream_call(server, 3, use_async=use_async, fail_at=0, final_with_last=True) == \
             {"SUM": 3, "RESPONSES": 3, "EMPTY": 0, "ERRORS": 1}
+    cancelled_call(server, "cancel-far")  # the cancellation goes through Redis too
 
 
 def test_calls_go_through_redis_to_a_model_on_another_worker(
@@ -463,7 +500,7 @@ class LoopCaller:
 
     async def infer(self, model: str, version: int | None, inputs: dict[str, np.ndarray], outputs: list[str],
                     timeout_s: float, parameters: Any, sequence: Any = None, partial: Any = None,
-                    request_id: str = "") -> dict[str, np.ndarray] | DespinaError:
+                    request_id: str = "", cancel: Any = None) -> dict[str, np.ndarray] | DespinaError:
         self.calls.append((model, version, timeout_s))
         if model == "boom":  # a fault of the worker's side: the model must hear of it, not wait forever
             raise RuntimeError("the caller broke")

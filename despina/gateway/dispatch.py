@@ -462,10 +462,11 @@ class Dispatcher:
                 owed = self._owed.get(key)
                 self._owed[key] = (n + (owed[0] if owed and now - owed[1] <= OWED_S else 0), now)
 
-    def cancel(self, request_id: str) -> None:
-        """The request's client went away: stop waiting for it, and tell a decoupled model that runs it
-        (its worker asks with each response it sends, and the model sees request.is_cancelled())."""
-        if self._finish(request_id, Cancelled("the client went away")) is not None:
+    def cancel(self, request_id: str, reason: str = "the client went away") -> None:
+        """The request's client went away (or, `reason`, gave it up): stop waiting for it, and tell a
+        decoupled model that runs it (its worker asks with each response it sends, and the model sees
+        request.is_cancelled())."""
+        if self._finish(request_id, Cancelled(reason)) is not None:
             self._tell_cancelled([request_id])
 
     def _tell_cancelled(self, request_ids: list[str]) -> None:

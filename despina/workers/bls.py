@@ -43,6 +43,31 @@ Sequence = tuple[int | str, int]  # (correlation ID, START|END flags): contract/
 GRACE_S = 0.5  # past the deadline, the call's own wait still leaves the runner or the worker time to answer
 Outputs = dict[str, np.ndarray]
 Partial = Callable[[Outputs | DespinaError], None]  # a decoupled model's response before its last
+CANCELLED = "the calling model cancelled the call"
+
+
+class Cancel:
+    """How the model that made a call of a decoupled model cancels it (exec(decoupled=True)'s
+    ResponseIterator.cancel()): `ask()`, on the loop it was made on. The call ends at once with a
+    CANCELLED error; the called model hears of it with its next response (request.is_cancelled()), as
+    of a client gone."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.asked = False
+        self._then: Callable[[], object] | None = None
+
+    def ask(self) -> None:
+        if not self.asked:
+            self.asked = True
+            if self._then is not None:
+                self._then()
+
+    def then(self, action: Callable[[], object]) -> None:
+        """What a cancellation does, now if one was asked already."""
+        self._then = action
+        if self.asked:
+            action()
 
 
 class ModelCaller:
@@ -56,24 +81,25 @@ class ModelCaller:
 
     async def infer(self, model: str, version: int | None, inputs: dict[str, np.ndarray], outputs: list[str],
                     timeout_s: float = 0.0, parameters: Parameters = NO_PARAMETERS,
-                    sequence: Sequence | None = None, partial: Partial | None = None, request_id: str = ""
-                    ) -> Outputs | DespinaError:
+                    sequence: Sequence | None = None, partial: Partial | None = None, request_id: str = "",
+                    cancel: Cancel | None = None) -> Outputs | DespinaError:
         """Run `model` (`version`, None: the latest) on `inputs`; the asked `outputs` (none: all), or the
         error that ended the call. `timeout_s` (0: the server's request_timeout_s) bounds the whole call;
         `sequence` (correlation ID, flags) places it in a sequence of a stateful model; `request_id` is
         what the called model's request.request_id() says. With `partial` (exec(decoupled=True)) a
-        decoupled model may be called: its responses before the last go there. Outputs carry the called
-        model's response parameters (backends.base.Outputs) when it set some."""
+        decoupled model may be called: its responses before the last go there, and `cancel` may end the
+        call early. Outputs carry the called model's response parameters (backends.base.Outputs) when it
+        set some."""
         timeout = timeout_s if timeout_s > 0 else self.worker.settings.request_timeout_s
         try:
             tensors = [_tensor(name, array) for name, array in inputs.items()]
             runner = self._local(model, version)
             if runner is not None:
                 call = self._here(runner, tensors, tuple(outputs), timeout, parameters, sequence, partial,
-                                  request_id)
+                                  request_id, cancel)
             else:
                 call = self._through_redis(model, version, tensors, tuple(outputs), timeout, parameters,
-                                           sequence, partial, request_id)
+                                           sequence, partial, request_id, cancel)
             reply = await asyncio.wait_for(call, timeout + GRACE_S)
         except DespinaError as exc:
             return exc
@@ -97,17 +123,26 @@ class ModelCaller:
 
     async def _here(self, runner: ModelRunner, tensors: list[Tensor], outputs: tuple[str, ...],
                     timeout: float, parameters: Parameters, sequence: Sequence | None,
-                    partial: Partial | None, request_id: str) -> InferReply:
+                    partial: Partial | None, request_id: str, cancel: Cancel | None) -> InferReply:
         _check(runner.spec, tensors, outputs, partial is not None)
         answered: asyncio.Future[InferReply] = self.loop.create_future()
 
-        def answer(reply: InferReply) -> None:
-            if answered.done():
-                return
-            if not reply.final:  # a decoupled model's response before its last
-                _pass_on(partial, reply)
-                return
-            answered.set_result(reply)
+        def answer(reply: InferReply) -> bool:
+            """(True: the call was cancelled, and the runner tells the called model)"""
+            if not answered.done():
+                if not reply.final:  # a decoupled model's response before its last
+                    _pass_on(partial, reply)
+                else:
+                    answered.set_result(reply)
+            return cancel is not None and cancel.asked
+
+        def cancelled() -> None:
+            if not answered.done():
+                reason = f"calling model '{runner.spec.name}': {CANCELLED}"
+                answered.set_result(InferReply("", error=(Code.CANCELLED, reason)))
+
+        if cancel is not None:
+            cancel.then(cancelled)
 
         runner.submit(tensors, outputs, time.time() + timeout, answer, parameters=parameters,
                       sequence=sequence, request_id=request_id)
@@ -115,8 +150,8 @@ class ModelCaller:
 
     async def _through_redis(self, model: str, version: int | None, tensors: list[Tensor],
                              outputs: tuple[str, ...], timeout: float, parameters: Parameters,
-                             sequence: Sequence | None, partial: Partial | None, request_id: str
-                             ) -> InferReply:
+                             sequence: Sequence | None, partial: Partial | None, request_id: str,
+                             cancel: Cancel | None) -> InferReply:
         dispatcher, view = await self._open()
         keys = self.worker.keys
         found, v = await view.serving(model, None if version is None else str(version), timeout)
@@ -149,6 +184,8 @@ class ModelCaller:
             answered.set_result(result)
 
         dispatcher.submit(stream, stats, request, timeout + GRACE_S, settle, bound)
+        if cancel is not None:  # (its worker tells the called model with its next response)
+            cancel.then(lambda: dispatcher.cancel(request.id, f"calling model '{model}': {CANCELLED}"))
         result = await answered
         if isinstance(result, InferReply):
             return result

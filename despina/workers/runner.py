@@ -45,7 +45,9 @@ READ_WAITS_S = 0.01
 TIMED_OUT = "request timed out in the queue before it could run"
 STREAMS_END_S = 10.0  # how long an unload waits for a decoupled model's open requests to end (then they fail)
 ENQUEUED_ONE = {"enqueued": 1}  # a request made in this process, queued (Deferred.add never changes it)
-Answer = Callable[[InferReply], None]
+# gets a request's reply; a decoupled model's response before its last may answer True: the submitter
+# gave the request up (a model's call it cancelled, workers/bls.py), and the model is told
+Answer = Callable[[InferReply], "bool | None"]
 Settled = Callable[[], bool]  # whether no other request of the submitter's can join a batch now
 
 
@@ -418,8 +420,8 @@ class ModelRunner:
         made in this process (a model's exec(decoupled=True), workers/bls.py) gets it on the loop."""
         if p.entry is None:
             local = self._local.get(id(p.request))
-            if local is not None:
-                local[0](reply)
+            if local is not None and local[0](reply):
+                self.execution.streams.cancel(stream)
             return
         if self._out is None:
             self._out = Resp.like(self.redis)

@@ -24,6 +24,7 @@ import numpy as np
 
 from ... import logs
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
+from ..bls import Cancel
 from .base import Outputs
 from .python_env import Interpreter
 from .python_stub import _despina_wire as wire
@@ -38,7 +39,8 @@ STARTUP_TIMEOUT_S = 30.0  # Triton's stub-timeout-seconds: the process must say 
 FINALIZE_TIMEOUT_S = 10.0
 # a model call's error as a TritonError code; the rest are INTERNAL (1)
 TRITON_CODES = {Code.NOT_FOUND: 2, Code.INVALID_ARGUMENT: 3, Code.UNAVAILABLE: 4,
-                Code.DEADLINE_EXCEEDED: 4, Code.RESOURCE_EXHAUSTED: 4}
+                Code.DEADLINE_EXCEEDED: 4, Code.RESOURCE_EXHAUSTED: 4, Code.CANCELLED: 7}
+CALL_MESSAGES = ("bls", "bls_cancel")  # the process's model calls, and their cancellations
 NO_CALLS = "model calls are not available here"
 CALLER_GONE = "the request that made this call was given up"
 
@@ -61,6 +63,7 @@ class Stub:
         self._owed = 0  # answers of cancelled calls still to read
         self._writing = threading.Lock()  # a model call's answer may go out while a thread reads
         self._calls: dict[int, Any] = {}  # call id -> the model call running it (a task, or a future)
+        self._cancels: dict[int, Cancel] = {}  # call id -> how to cancel it (exec(decoupled=True)'s)
         self._logs_told: dict[str, Any] | None = None  # the log settings the process was last told
         try:
             self.process = subprocess.Popen([python.python, str(STUB), str(theirs.fileno()),
@@ -113,9 +116,9 @@ class Stub:
                 if timeout is not None and not self.conn.poll(timeout):
                     raise StubDied(f"no answer to {op} within {timeout:.0f} s")
                 message = self.conn.recv()
-                if message[0] != "bls":
+                if message[0] not in CALL_MESSAGES:
                     break
-                self._serve(message[1], caller, None)
+                self._serve(message, caller, None)
             status, answer = message
         except (EOFError, OSError) as exc:
             raise StubDied(f"its process ended (exit code {self.wait(5)})") from exc
@@ -141,9 +144,9 @@ class Stub:
                 finally:
                     loop.remove_reader(fd)
                 message = self.conn.recv()  # the stub writes a message whole: the rest follows at once
-                if message[0] != "bls":
+                if message[0] not in CALL_MESSAGES:
                     break
-                self._serve(message[1], caller, loop)
+                self._serve(message, caller, loop)
             status, answer = message
         except (EOFError, OSError) as exc:
             raise StubDied(f"its process ended (exit code {self.wait(5)})") from exc
@@ -156,7 +159,7 @@ class Stub:
             message = self.conn.recv()
             if message[0] == "bls":
                 self._send(("bls", (message[1][0], ("error", (CALLER_GONE, 4)))))
-            else:
+            elif message[0] not in CALL_MESSAGES:
                 self._owed -= 1
 
     def _send(self, message: Any) -> None:
@@ -172,10 +175,16 @@ class Stub:
             self._send(("logging", settings))
             self._logs_told = settings
 
-    def _serve(self, request: tuple[Any, ...], caller: ModelCaller | None,
+    def _serve(self, message: tuple[str, Any], caller: ModelCaller | None,
                loop: asyncio.AbstractEventLoop | None) -> None:
         """Start a model call the process made: on the worker's event loop (`loop` when this runs on it,
-        None from a thread)."""
+        None from a thread). Or cancel one (("bls_cancel", call id): ResponseIterator.cancel())."""
+        kind, request = message
+        if kind == "bls_cancel":
+            cancel = self._cancels.get(request)
+            if cancel is not None:
+                cancel.loop.call_soon_threadsafe(cancel.ask)
+            return
         if caller is None:
             self._send(("bls", (request[0], ("error", (NO_CALLS, 4)))))
             return
@@ -205,8 +214,9 @@ class Stub:
         call_id, model, version, inputs, outputs, timeout_us, parameters, sequence, *more = request
         request_id = str(more[1]) if len(more) > 1 else ""
         sends: asyncio.Queue[Any] | None = None
-        partial = None
+        partial = cancel = None
         if more and more[0]:
+            cancel = self._cancels[call_id] = Cancel()
             queue: asyncio.Queue[Any] = asyncio.Queue()
             sends = queue
             sender = asyncio.create_task(self._send_in_order(queue))
@@ -216,10 +226,13 @@ class Stub:
         try:
             result = await caller.infer(model, None if version is None or version < 0 else int(version),
                                         wire.unpack_all(inputs), list(outputs), timeout_us / 1e6,
-                                        parameters or {}, sequence, partial, request_id=request_id)
+                                        parameters or {}, sequence, partial, request_id=request_id,
+                                        cancel=cancel)
         except Exception as exc:  # whatever went wrong, the model must hear of it, not wait forever
             log.exception("model %s: its call of model %s failed", self.name, model)
             result = DespinaError(f"calling model '{model}' failed: {exc}", Code.INTERNAL)
+        finally:
+            self._cancels.pop(call_id, None)
         message = ("bls", (call_id, _answer_of(result)))
         if sends is not None:  # after the responses before it
             sends.put_nowait(message)
@@ -327,8 +340,8 @@ class DecoupledStub(Stub):
                 break
             if message[0] == "response":
                 self._on_response(message[1])
-            elif message[0] == "bls":
-                self._serve(message[1], self._caller, None)
+            elif message[0] in CALL_MESSAGES:
+                self._serve(message, self._caller, None)
             elif self._asked:
                 future = self._asked.popleft()
                 if future.set_running_or_notify_cancel():  # else its caller went away

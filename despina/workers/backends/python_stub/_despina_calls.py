@@ -14,10 +14,12 @@ call its answers (`deliver`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import pickle
 import threading
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -42,6 +44,32 @@ class ModelCalls:
         self.read_by_stub = False  # the stub's main thread reads every message: calls wait for deliver()
         self._arrived = threading.Condition()  # an answer for an exec() call came (read_by_stub)
         self.on_cancel: Any = None  # the stub's: a decoupled model's request whose client went away
+        self._running = False  # the stub's loop runs an operation, and reads nothing meanwhile (poll())
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Around an operation of the stub's loop: meanwhile the worker sends no other, and poll() may
+        read what it does send."""
+        self._running = True
+        try:
+            yield
+        finally:
+            with self._reading:  # (a poll() reading just then ends first: the loop reads next)
+                self._running = False
+
+    def poll(self) -> None:
+        """Read what the worker sent while the stub's loop runs an operation, when nobody else reads:
+        a decoupled model's request.is_cancelled() asks in the middle of its execute, as Triton's asks
+        its server, and sees a cancellation that came meanwhile."""
+        if self.read_by_stub or not self._reading.acquire(blocking=False):
+            return  # the reader delivers it
+        try:
+            while self._running and self.conn.poll():
+                self._read()
+        except (EOFError, OSError):
+            pass  # the worker is gone: this process ends soon too
+        finally:
+            self._reading.release()
 
     def call(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         call_id = next(self._ids)
@@ -98,7 +126,7 @@ class ModelCalls:
             if not self._futures and not self.read_by_stub:
                 loop.remove_reader(self.conn.fileno())
         if decoupled:
-            return iter([*map(_response, parts), _response(answer)])
+            return Collected([*map(_response, parts), _response(answer)])
         return _response(answer)
 
     def _readable(self) -> None:
@@ -160,12 +188,21 @@ class ModelCalls:
 
 
 class Responses:
-    """exec(decoupled=True)'s iterator: each response of the called model as it comes, the last one
-    included. Let go before the end (or never iterated), it stops keeping what comes later."""
+    """exec(decoupled=True)'s iterator (Triton's ResponseIterator): each response of the called model as
+    it comes, the last one included. Let go before the end (or never iterated), it stops keeping what
+    comes later."""
 
     def __init__(self, calls: ModelCalls, call_id: int) -> None:
         self._calls, self._id = calls, call_id
-        self._ended = False
+        self._ended = self._cancelled = False
+
+    def cancel(self) -> None:
+        """Cancel the call, as Triton's ResponseIterator.cancel() does: the called model's
+        request.is_cancelled() turns True (with its next response), and the iteration ends with an error
+        response, CANCELLED, in place of what it would still have sent. Nothing once the last came."""
+        if not self._ended and not self._cancelled:
+            self._cancelled = True
+            self._calls.send(("bls_cancel", self._id))
 
     def __iter__(self) -> Responses:
         return self
@@ -189,6 +226,23 @@ class Responses:
 
     def __del__(self) -> None:
         self._end()
+
+
+class Collected:
+    """async_exec(decoupled=True)'s iterator: the responses, all come by the time it is returned (so
+    cancel() has nothing left to cancel)."""
+
+    def __init__(self, responses: list[pb_utils.InferenceResponse]) -> None:
+        self._responses = iter(responses)
+
+    def __iter__(self) -> Collected:
+        return self
+
+    def __next__(self) -> pb_utils.InferenceResponse:
+        return next(self._responses)
+
+    def cancel(self) -> None:
+        pass
 
 
 def _parameters(raw: str) -> dict[str, Any]:

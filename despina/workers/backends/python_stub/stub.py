@@ -65,7 +65,8 @@ def main() -> None:
         try:
             if op not in OPERATIONS:
                 raise pb_utils.TritonModelException(f"unknown operation {op!r}")
-            answer: tuple[str, Any] = ("ok", getattr(stub, op)(payload))
+            with stub.calls.running():
+                answer: tuple[str, Any] = ("ok", getattr(stub, op)(payload))
         except BaseException as exc:  # the model's failure goes back to the worker, not up here
             answer = ("error", _describe(exc))
         try:  # plain pickle (Connection.send's ForkingPickler costs several times more), one write at a
@@ -255,7 +256,10 @@ class ResponseSender:
             self._calls.send(("response", (self._stream, answer, final)))
 
     def is_cancelled(self) -> bool:
-        """Whether the request's client went away: the model may stop, and send its final flag."""
+        """Whether the request's client went away (or the model that called it cancelled the call): the
+        model may stop, and send its final flag. Asked inside execute, it reads what the worker said."""
+        if not self.cancelled:
+            self._calls.poll()
         return self.cancelled
 
 
