@@ -877,3 +877,49 @@ def test_a_models_log_lines_follow_the_servers_log_settings(tmp_path: Path,
         root.setLevel(saved[1])
         despina.setLevel(saved[2])
         backend.unload()
+
+
+DECOUPLED_MISUSE = '''
+import os
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            response = pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(request, "X")])
+            said = []
+            for args, flags in (((response,), 3), ((response,), 2), ((None,), 0), ((), 0), ((response,), 0),
+                                ((response,), FINAL), ((response,), FINAL), ((), FINAL), ((response,), 0)):
+                try:
+                    sender.send(*args, flags=flags)
+                    said.append("sent")
+                except pb_utils.TritonModelException as exc:
+                    said.append(exc.message())
+            with open(os.path.join(os.path.dirname(__file__), "said.txt"), "w") as f:
+                f.write("\\n".join(said))
+        return None
+'''
+
+
+def test_a_decoupled_senders_misuse_fails_as_in_triton(tmp_path: Path) -> None:
+    """Triton's checks of a decoupled model's response sender, with its messages: flags 0 or the final
+    one, a response unless the flag is final, nothing once the final flag went."""
+    config = MISUSE_CONFIG.replace("misuse", "decoupled_misuse") + "model_transaction_policy { decoupled: true }\n"
+    backend: Any = backend_for(write_model(tmp_path, "decoupled_misuse", DECOUPLED_MISUSE, config))
+    got: list[tuple[Any, Any, bool]] = []
+    backend.on_response = lambda stream, result, final: got.append((stream, result, final))
+    backend.load()
+    try:
+        assert backend.execute_streams([{"X": np.array([4], np.int32)}], [["X"]], [1]) == [None]
+        unsupported = "Unable to send response. Unsupported flag provided."
+        no_response = "Inference Response object must be provided when the response flags is set to zero."
+        closed = "Unable to send response. Response sender has been closed."
+        said = (tmp_path / "decoupled_misuse" / "1" / "said.txt").read_text().split("\n")
+        assert said == [unsupported, unsupported, no_response, no_response, "sent", "sent", closed, closed, closed]
+        assert [(stream, final) for stream, _, final in got] == [(1, False), (1, True)]
+    finally:
+        backend.unload()

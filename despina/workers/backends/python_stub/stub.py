@@ -35,7 +35,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from _despina_calls import ModelCalls
 from _despina_metrics import start_reporting
-from _despina_senders import DefaultSenders
+from _despina_senders import CLOSED, NO_RESPONSE, UNSUPPORTED_FLAG, DefaultSenders
 
 PARENT_CHECK_S = 1.0
 OPERATIONS = ("auto_complete", "initialize", "execute", "finalize")
@@ -241,15 +241,17 @@ class ResponseSender:
             open_[stream] = self
 
     def send(self, response: Any = None, flags: int = 0) -> None:
-        final = bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        """Triton's checks, with its messages: flags 0 or the final one; a response unless the flag is
+        final; nothing once the final flag went."""
+        if flags not in (0, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL):
+            raise pb_utils.TritonModelException(UNSUPPORTED_FLAG)
+        final = bool(flags)
         if response is None and not final:
-            raise pb_utils.TritonModelException("send() needs a response, the flag "
-                                                "TRITONSERVER_RESPONSE_COMPLETE_FINAL, or both")
+            raise pb_utils.TritonModelException(NO_RESPONSE)
         answer = None if response is None else _answer(response, self._asked)
         with self._lock:  # responses go in the order they were sent, none after the final one
             if self._closed:
-                raise pb_utils.TritonModelException("Unable to send a response: this request's response "
-                                                    "sender is closed (its final response was sent)")
+                raise pb_utils.TritonModelException(CLOSED)
             self._closed = final
             if final:
                 self._open.pop(self._stream, None)
