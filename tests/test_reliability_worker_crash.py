@@ -288,3 +288,54 @@ def test_a_model_process_whose_worker_was_killed_ends_without_a_traceback(
         os.kill(info["pid"], signal.SIGKILL)
         time.sleep(2.0)  # its answer's send fails at 0.4 s
     assert "BrokenPipeError" not in server.logs()
+
+
+# A decoupled model that streams from a thread of its own, a response every 50 ms.
+TICKER = """
+import threading
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self.tick, args=(request.get_response_sender(),)).start()
+        return None
+
+    def tick(self, sender):
+        for i in range(200):
+            time.sleep(0.05)
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([i], np.int32))]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+TICKER_CONFIG = """
+name: "ticker"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "Y", data_type: TYPE_INT32, dims: [ 1 ] } ]
+model_transaction_policy { decoupled: true }
+"""
+
+
+def test_a_decoupled_models_sender_thread_ends_quietly_when_its_worker_is_killed(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A worker SIGKILLed while its decoupled model streams from a thread: the thread's next send finds no
+    one to send to, and it ends quietly, as the process's loop does (a BrokenPipeError traceback from the
+    thread was in the log after every such crash)."""
+    (tmp_path / "repo" / "ticker" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "ticker" / "1" / "model.py").write_text(TICKER)
+    (tmp_path / "repo" / "ticker" / "config.pbtxt").write_text(TICKER_CONFIG)
+    server = serve(tmp_path / "repo", wait_models=("ticker",))
+    wait_until(lambda: len(worker_hashes(redis_url, key_prefix)) == 1, what="the worker")
+    (info,) = [orjson.loads(h[b"info"]) for h in worker_hashes(redis_url, key_prefix).values()]
+    request = {"X": [1]}
+    with httpx.stream("POST", f"{server.url}/v2/models/ticker/generate_stream", json=request, timeout=30) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data:"):  # the model streams
+            pass
+        os.kill(info["pid"], signal.SIGKILL)
+    time.sleep(2.0)  # its next send fails within 50 ms; the process ends within a second
+    assert "BrokenPipeError" not in server.logs() and "Exception in thread" not in server.logs(), server.logs()

@@ -255,7 +255,10 @@ class ResponseSender:
             self._closed = final
             if final:
                 self._open.pop(self._stream, None)
-            self._calls.send(("response", (self._stream, answer, final)))
+            try:
+                self._calls.send(("response", (self._stream, answer, final)))
+            except OSError:  # the worker is gone (killed): this thread ends quietly (SystemExit does), and
+                raise SystemExit(1) from None  # the process soon after, with its worker, as the loop does
 
     def is_cancelled(self) -> bool:
         """Whether the request's client went away (or the model that called it cancelled the call): the
