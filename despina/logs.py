@@ -63,9 +63,10 @@ def setup(level: str = "info", role: str = "despina", json: bool = False) -> Non
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    global _started_level, _current
+    global _started_level, _current, _json
     _started_level = root.level
     _current = defaults(level)
+    _json = json
 
 
 # -- Triton's logging extension: settings every process follows ------------------------------------
@@ -87,6 +88,7 @@ def defaults(level: str) -> dict[str, Any]:
 
 
 _current = defaults("info")  # current()'s
+_json = False  # setup's: JSON lines (--log-format json)
 
 
 def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
@@ -135,6 +137,11 @@ def current() -> dict[str, Any]:
     they change, so that a caller may tell a change by identity (a Python model's process is told them:
     workers/backends/python_process.py)."""
     return _current
+
+
+def json_lines() -> bool:
+    """Whether this process writes JSON lines (--log-format json): a Python model's process does the same."""
+    return _json
 
 
 def apply(settings: dict[str, Any]) -> None:

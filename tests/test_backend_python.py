@@ -842,6 +842,9 @@ class TritonPythonModel:
 '''
 
 
+STAMPED = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} model\[\d+\] "
+
+
 def test_a_models_log_lines_follow_the_servers_log_settings(tmp_path: Path,
                                                              capfd: pytest.CaptureFixture[str]) -> None:
     """As in Triton, pb_utils.Logger's levels (Logger.LogLevel, or Logger.INFO and the others) follow the
@@ -855,7 +858,10 @@ def test_a_models_log_lines_follow_the_servers_log_settings(tmp_path: Path,
     def lines() -> list[str]:
         results = backend.execute_requests([{"X": np.array([1], np.int32)}], [["Y"]])
         assert not isinstance(results[0], DespinaError), results[0]
-        return [line for line in capfd.readouterr().err.splitlines() if "model 'logger'" in line]
+        # each line as the worker's: "2026-12-06 10:22:20,863 model[1234] INFO model 'logger': ..."
+        found = [line for line in capfd.readouterr().err.splitlines() if "model 'logger'" in line]
+        assert all(re.match(STAMPED, line) for line in found), found
+        return [re.sub(STAMPED, "", line) for line in found]
 
     backend.load()
     try:
@@ -871,7 +877,20 @@ def test_a_models_log_lines_follow_the_servers_log_settings(tmp_path: Path,
         logs.apply({**logs.defaults("info"), "log_info": False, "log_error": False})
         assert lines() == ["WARNING model 'logger': a warning line",
                            "WARNING model 'logger': a warning line by its level"]
+        # Triton's ISO8601 stamps; JSON objects where the worker writes JSON lines (--log-format json)
+        logs.apply({**logs.defaults("info"), "log_format": "ISO8601"})
+        results = backend.execute_requests([{"X": np.array([1], np.int32)}], [["Y"]])
+        assert not isinstance(results[0], DespinaError), results[0]
+        iso = [line for line in capfd.readouterr().err.splitlines() if "model 'logger'" in line]
+        assert iso and all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z model\[\d+\] ", line) for line in iso)
+        logs.setup("info", "worker", json=True)
+        logs.apply(logs.defaults("info"))
+        results = backend.execute_requests([{"X": np.array([1], np.int32)}], [["Y"]])
+        docs = [json.loads(line) for line in capfd.readouterr().err.splitlines() if '"model": "logger"' in line]
+        assert docs[0]["level"] == "INFO" and docs[0]["message"] == "an info line", docs
+        assert docs[0]["role"] == "model" and docs[0]["logger"] == "model.logger" and docs[0]["pid"] > 0
     finally:
+        logs.setup("info", "worker")
         logs.apply(logs.defaults("info"))
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])

@@ -169,10 +169,11 @@ class Stub:
     def _tell_logs(self) -> None:
         """Before a call: the log settings, when they changed since the process last heard them
         (("logging", settings), unanswered). Its pb_utils.Logger follows them, as Triton's does the
-        server's: log_verbose shows only at a verbose level of 1 or more."""
+        server's: log_verbose shows only at a verbose level of 1 or more; its lines are JSON where the
+        worker's are ("json"), and stamped as the log_format says."""
         settings = logs.current()
         if settings is not self._logs_told:
-            self._send(("logging", settings))
+            self._send(("logging", {**settings, "json": logs.json_lines()}))
             self._logs_told = settings
 
     def _serve(self, message: tuple[str, Any], caller: ModelCaller | None,

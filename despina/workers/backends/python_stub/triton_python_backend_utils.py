@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import re
 import struct
 import sys
@@ -603,8 +604,7 @@ class Logger:
                             f"VERBOSE), not {level!r}")
         if not _shows(level):
             return
-        label = Logger.LogLevel(level).name
-        print(f"{label} model '{_model_name}': {message}", file=sys.stderr, flush=True)
+        print(_log_line(Logger.LogLevel(level).name, str(message)), file=sys.stderr, flush=True)
 
     @staticmethod
     def log_info(message: str) -> None:
@@ -626,6 +626,21 @@ class Logger:
 # which of the server's log settings lets each level's lines through (a count for VERBOSE, else a switch)
 _LOG_SWITCHES: dict[int, str] = {Logger.INFO: "log_info", Logger.WARNING: "log_warning",
                                  Logger.ERROR: "log_error", Logger.VERBOSE: "log_verbose_level"}
+
+
+def _log_line(label: str, message: str) -> str:
+    """A line as the worker's own look (despina/logs.py): the time (ISO8601 in UTC, or local with
+    milliseconds), the process, the level, the model, the message; a JSON object where the worker writes
+    JSON lines (--log-format json), so that a log shipper reads the model's lines as the server's."""
+    now = time.time()
+    if _log_settings.get("log_format") == "ISO8601":
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
+    else:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now * 1000) % 1000:03d}"
+    if _log_settings.get("json"):
+        return json.dumps({"time": stamp, "level": label, "role": "model", "pid": os.getpid(),
+                           "logger": f"model.{_model_name}", "model": _model_name, "message": message})
+    return f"{stamp} model[{os.getpid()}] {label} model '{_model_name}': {message}"
 
 
 def _shows(level: int) -> bool:
