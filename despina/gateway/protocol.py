@@ -5,17 +5,14 @@ For POST .../infer and /fn/{model} the parser's callbacks fill a `HotRequest` in
 request cycle; when its body is complete the route queues it, and the reply callback writes the
 whole response in one `transport.write`. No ASGI messages, no task, no header regexes per request:
 on a tiny model uvicorn's cycle cost a quarter of the gateway's CPU. Everything else (other routes,
-pipelining order, keep-alive, graceful shutdown, upgrades, malformed requests) stays uvicorn's:
-a `HotRequest` takes the request cycle's place in the protocol and has the few attributes the
-protocol reads of one.
+pipelining order, keep-alive, graceful shutdown, upgrades) stays uvicorn's, and the connection's
+limits and last words are connection.py's: a `HotRequest` takes the request cycle's place in the
+protocol and has the few attributes the protocol reads of one.
 """
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
-import struct
-import termios
 from typing import Any
 
 import httptools
@@ -25,6 +22,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ..contract.errors import Code, DespinaError
 from . import http
 from .auth import AuthPolicy, Target, check_target, classify
+from .connection import ConnectionProtocol, LastWord
 from .http import Headers
 from .infer import Route, fail
 
@@ -32,9 +30,6 @@ log = logging.getLogger("despina.gateway")
 
 PREFIX, SUFFIX = b"/v2/models/", b"/infer"
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-# A request's line and headers, at most (those read after the data they began in: that data is not counted)
-HEAD_MAX = 64 * 1024
-HEAD_TOO_LARGE = b'{"error":"the request line and headers are over the limit of %d bytes"}' % HEAD_MAX
 
 
 class HotRoutes:
@@ -103,35 +98,9 @@ def protocol_class(routes: HotRoutes) -> type[HttpToolsProtocol]:
     return type("GatewayProtocol", (GatewayProtocol,), {"routes": routes})
 
 
-class GatewayProtocol(HttpToolsProtocol):
+class GatewayProtocol(ConnectionProtocol):
     routes: HotRoutes
     headers: Headers
-    cycle: Any  # uvicorn's RequestResponseCycle, or a HotRequest in its place
-
-    # uvicorn's httptools protocol reads a request's head without limit: a client that sent headers without
-    # end was never answered, and grew the parser's buffer (copied whole at each read) until memory ran out.
-    _head_open = False  # a request's head is being read
-    _head_size = 0      # its bytes read after the data it began in
-
-    def data_received(self, data: bytes) -> None:
-        if not self._head_open:
-            super().data_received(data)
-            return
-        room = HEAD_MAX - self._head_size
-        self._head_size += len(data)
-        if len(data) <= room:
-            super().data_received(data)
-            return
-        super().data_received(data[:room])  # the head may end in it, and what follows is a body
-        if self.transport.is_closing():  # a malformed head: answered 400
-            return
-        if self._head_open:
-            self._head_open = False
-            self.transport.write(http.response_head(431, len(HEAD_TOO_LARGE), http.JSON, [], True)
-                                 + HEAD_TOO_LARGE)
-            self.transport.close()
-        else:
-            self.transport.get_protocol().data_received(data[room:])  # ours, or the one an upgrade set
 
     def on_message_begin(self) -> None:
         # uvicorn builds the ASGI scope here; a hot request needs none, the others get it below
@@ -150,6 +119,7 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_open = False
+        self._body_open = True
         # a request answered while its buffer was parsed armed the keep-alive timer: this one is next
         self._idle_since = None  # (_unset_keepalive_if_required, without the call)
         parser = self.parser
@@ -191,6 +161,7 @@ class GatewayProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
 
     def on_message_complete(self) -> None:
+        self._body_open = False
         cycle = self.cycle
         if type(cycle) is not HotRequest:
             super().on_message_complete()
@@ -205,33 +176,6 @@ class GatewayProtocol(HttpToolsProtocol):
             # its answer armed, and no other answer comes to arm it again
             self._idle()
 
-    # The keep-alive timeout, as uvicorn's (an idle connection closes timeout_keep_alive seconds after
-    # its last answer), with one timer re-armed when it fires instead of one made and cancelled per
-    # request (3 µs a request on a small model).
-    _idle_since: float | None = None  # when the last answer went out, while nothing new has come
-
-    def _unset_keepalive_if_required(self) -> None:
-        self._idle_since = None  # busy: the timer, when it fires, leaves the connection open
-
-    def _idle(self) -> None:
-        """Nothing to answer or read: the connection closes if it stays so for the timeout."""
-        self._idle_since = self.loop.time()
-        if self.timeout_keep_alive_task is None:
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                self._keep_alive_check)
-
-    def _keep_alive_check(self) -> None:
-        self.timeout_keep_alive_task = None
-        if self._idle_since is None:
-            return  # a request is open: its answer arms the timer again
-        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
-        if left > 0:
-            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_check)
-        elif not _unread(self.transport):
-            self.timeout_keep_alive_handler()
-        # else a request reached the socket as the timeout fell, not yet read (the loop runs its timers
-        # before it reads): closing now would reset the connection under it, and it is read next
-
     # The ASGI cycle answering now. uvicorn tells only the last request read (self.cycle) that the client
     # has gone: with requests pipelined behind it, the one answering wrote to the closed transport, and
     # uvloop's error on that was an "Exception in ASGI application" traceback per connection.
@@ -243,13 +187,10 @@ class GatewayProtocol(HttpToolsProtocol):
         if running is not None and not running.response_complete:
             running.disconnected = True
             running.message_event.set()
-        if self.timeout_keep_alive_task is not None:
-            self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = None
 
     def on_response_complete(self) -> None:
         if not self.pipeline:
-            # uvicorn's, with the timer above
+            # uvicorn's, with the keep-alive timer of connection.py
             self.server_state.total_requests += 1
             if self.transport.is_closing():
                 return
@@ -269,18 +210,10 @@ class GatewayProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         if isinstance(cycle, HotRequest):
             cycle.start()
-        else:
+            return
+        if type(cycle) is not LastWord:
             self._running = cycle
-            super()._start_asgi_task(cycle, app)
-
-
-def _unread(transport: asyncio.BaseTransport) -> int:
-    """Bytes the kernel holds for this connection that the loop has not read yet."""
-    sock = transport.get_extra_info("socket")
-    try:
-        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0])
-    except (AttributeError, OSError, ValueError):  # no socket left: nothing to read
-        return 0
+        super()._start_asgi_task(cycle, app)
 
 
 class HotRequest:
