@@ -48,6 +48,11 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--host", dest="host", help="address to bind (default 127.0.0.1)")
         sp.add_argument("--request-timeout", dest="request_timeout_s", type=float,
                         help="default deadline of a request in seconds (default 60)")
+        sp.add_argument("--header-timeout", dest="header_timeout_s", type=float,
+                        help="seconds a request's line and headers may take to come in, from their first "
+                             "byte (default 30; then 408)")
+        sp.add_argument("--body-timeout", dest="body_timeout_s", type=float,
+                        help="seconds a request's body may pause between two reads (default 30; then 408)")
         sp.add_argument("--api-keys-file", dest="api_keys_file",
                         help="API keys, one a line: KEY or KEY: model1,model2 (keys themselves only "
                              "through this file or $DESPINA_API_KEYS, never on the command line)")

@@ -1,7 +1,10 @@
-"""The gateway's connections on the wire (gateway/connection.py), over raw sockets: an error that ends a
-pipelined connection comes after the answers owed before it."""
+"""The gateway's connections on the wire (gateway/connection.py), over raw sockets: read timeouts (408) on
+the infer routes answered outside ASGI and on the Starlette routes, what they leave alone (a request
+waiting for its answer, a slow but steady client, the keep-alive idle), and an error that ends a
+pipelined connection after the answers owed before it."""
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import orjson
@@ -10,7 +13,10 @@ import pytest
 from .conftest import EMBEDDED, Server, module_server
 from .test_gateway_http import Reader, connect, post
 
-# answers x, after sleeping x[0] seconds
+HEADER_S = BODY_S = 2.0  # this module's server's read timeouts (its keep-alive timeout is uvicorn's 5 s)
+LIMIT = 100_000          # and its body limit
+
+# answers x, after sleeping x[0] seconds: a request that waits for its answer longer than the timeouts
 SLEEPY = """
 import time
 import triton_python_backend_utils as pb_utils
@@ -38,7 +44,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (repo / "sleepy" / "1").mkdir(parents=True)
     (repo / "sleepy" / "1" / "model.py").write_text(SLEEPY)
     (repo / "sleepy" / "config.pbtxt").write_text(CONFIG)
-    yield from module_server(repo, tmp_path_factory, redis_url, ("sleepy",), use_redis=not EMBEDDED)
+    yield from module_server(repo, tmp_path_factory, redis_url, ("sleepy",),
+                             env={"DESPINA_HEADER_TIMEOUT_S": str(HEADER_S), "DESPINA_BODY_TIMEOUT_S": str(BODY_S),
+                                  "DESPINA_MAX_BODY_BYTES": str(LIMIT)}, use_redis=not EMBEDDED)
 
 
 def infer(seconds: float = 0.0) -> bytes:
@@ -55,6 +63,91 @@ def last_word(reader: Reader, status: int, words: str) -> None:
     assert (got, headers.get("connection")) == (status, "close"), body
     assert words in orjson.loads(body)["error"]
     assert reader.closed()
+
+
+def test_a_head_that_stops_coming_is_answered_408(server: Server) -> None:
+    """A request's line and headers must all come within the header timeout of their first byte: one cut
+    short, or sent a byte at a time for longer than that, gets 408 and the connection closes. Before, such
+    a connection stayed open for good (a slowloris holds a connection per few bytes)."""
+    for head in (post(HOT, infer())[:30], post(ASGI, infer())[:50], LIVE[:20]):
+        with connect(server) as sock:
+            sock.settimeout(30)
+            sock.sendall(head)
+            sent = time.monotonic()
+            last_word(Reader(sock), 408, "the request line and headers did not all come within 2 s")
+            assert time.monotonic() - sent > HEADER_S * 0.9
+    with connect(server) as sock:  # steady, but too slow: the timeout counts from the first byte
+        sock.settimeout(30)
+        try:
+            for at in range(len(LIVE)):
+                sock.sendall(LIVE[at:at + 1])
+                time.sleep(HEADER_S / 8)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        last_word(Reader(sock), 408, "the request line and headers did not all come within 2 s")
+
+
+def test_a_body_that_stops_coming_is_answered_408(server: Server) -> None:
+    """A body may pause at most the body timeout between two reads: on the hot routes, the ASGI ones, and a
+    Starlette route that reads a JSON body (without a traceback in the log: nobody reads its answer)."""
+    requests = (post(HOT, infer()), post(ASGI, infer()), post("/v2/repository/index", b'{"ready": false}'))
+    for request in requests:
+        with connect(server) as sock:
+            sock.settimeout(30)
+            sock.sendall(request[:-5])
+            sent = time.monotonic()
+            last_word(Reader(sock), 408, "no more of the request body came for 2 s")
+            assert time.monotonic() - sent > BODY_S * 0.9
+    assert "Traceback" not in server.logs()
+
+
+def test_slow_steady_clients_and_slow_answers_are_not_timed_out(server: Server) -> None:
+    """What the read timeouts leave alone: a body that keeps coming, however long it takes in all; a client
+    that waits for its 100 Continue and then takes its time; a request that waits for its answer longer
+    than the timeouts (the request timeout's business); pipelined requests waiting their turn."""
+    for path in (HOT, ASGI):
+        with connect(server) as sock:
+            reader = Reader(sock)
+            request = post(path, infer())
+            cut = request.index(b"\r\n\r\n") + 4
+            sock.sendall(request[:cut])
+            step = (len(request) - cut) // 6 + 1
+            for at in range(cut, len(request), step):  # 6 pauses of a third of the timeout: 4 s in all
+                time.sleep(BODY_S / 3)
+                sock.sendall(request[at:at + step])
+            assert reader.response()[0] == 200, path
+
+            body = infer()
+            sock.sendall(post(path, b"", "expect: 100-continue").replace(
+                b"content-length: 0", f"content-length: {len(body)}".encode()))
+            assert sock.recv(1024) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            time.sleep(BODY_S * 0.75)
+            sock.sendall(body)
+            assert reader.response()[0] == 200, path
+
+            # 3 s waiting for its answer, and a request pipelined behind it: the gateway reads the second's
+            # body, sent meanwhile, only when its turn comes (flow control), and that is not the client's pause
+            second = post(path, infer() + b" " * 90_000)
+            sock.sendall(post(path, infer(1.5 * BODY_S)))
+            time.sleep(0.3)
+            sock.sendall(second[:1000])
+            time.sleep(0.3)
+            sock.sendall(second[1000:])
+            for _ in range(2):
+                status, _, answer = reader.response()
+                assert status == 200, (path, answer)
+            sock.sendall(LIVE)
+            assert reader.response()[0] == 200
+
+
+def test_a_connection_that_sends_nothing_closes_as_an_idle_one(server: Server) -> None:
+    """A connection that never sends a byte is closed after the keep-alive timeout, as one idle after an
+    answer is (it stayed open for good), and without an answer: it asked nothing."""
+    with connect(server) as sock:
+        sock.settimeout(30)
+        opened = time.monotonic()
+        assert sock.recv(1024) == b""
+        assert time.monotonic() - opened > 4.5
 
 
 def test_an_error_ends_a_pipelined_connection_after_the_answers_before_it(server: Server) -> None:

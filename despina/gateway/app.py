@@ -29,6 +29,7 @@ from ..settings import Settings
 from .auth import AuthPolicy, Guard
 from .dispatch import Dispatcher
 from .generate import GenerateRoute, StreamEndpoint
+from .http import ClientGone
 from .infer import AsgiEndpoint, FunctionRoute, InferRoute, Lane
 from .logging_api import EXTENSION as LOGGING_EXTENSION
 from .logging_api import logging_routes
@@ -143,6 +144,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _redis_error(request: Request, exc: Exception) -> Response:
     """A route that reads Redis while it is unreachable (statistics, ...): 503, as inference says."""
     return error_response(Unavailable(f"Redis is unavailable: {exc}"))
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(b"", 499)  # not sent: the connection's end answered (a 408), or nobody is there
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -272,7 +277,7 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],
                     exception_handlers={404: _http_error, 405: _http_error, RedisError: _redis_error,
-                                        Exception: _internal_error})
+                                        ClientGone: _client_gone, Exception: _internal_error})
     app.state.gateway = gw
     # the same routes, answered by the gateway's HTTP protocol before ASGI (protocol.py)
     app.state.hot_routes = HotRoutes(infer, fn, policy, settings.max_body_bytes)

@@ -1,10 +1,18 @@
 """The gateway's HTTP/1.1 connections: what a server facing clients it cannot trust does around the requests.
 
-uvicorn's httptools protocol reads a request's head without limit, and answers a malformed request at once,
-dropping the answers still owed to the requests pipelined before it. Here, as nginx and Go's net/http do:
+uvicorn's httptools protocol reads a request's head without limit and without a deadline, and answers a
+malformed request at once, dropping the answers still owed to the requests pipelined before it. Here, as
+nginx and Go's net/http do:
 
 - a request's line and headers are held to HEAD_MAX bytes (431);
-- an answer that ends the connection (400, 431) comes after the answers owed to the requests before it.
+- they must all come within `header_timeout` seconds of their first byte, and a body may pause at most
+  `body_timeout` seconds between two reads (408). Neither counts while the gateway keeps the client
+  waiting (an answer it owes, a 100 Continue not yet sent, what the client sent left unread), nor while a
+  request waits for its answer (the request timeout's business), nor between requests (the keep-alive
+  timeout's). The timer is armed only when a read leaves a request incomplete: a request whose head and
+  body come in one read costs two flags;
+- an answer that ends the connection (400, 408, 431) comes after the answers owed to the requests
+  before it.
 
 The subclass (protocol.GatewayProtocol) has the parser's callbacks keep `_head_open` (a request's head is
 being read) and `_body_open` (its body is).
@@ -13,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import math
 import struct
 import termios
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -43,18 +53,31 @@ class LastWord:
 
 
 class ConnectionProtocol(HttpToolsProtocol):
+    header_timeout: float  # seconds (settings.header_timeout_s); set by protocol.protocol_class
+    body_timeout: float
     cycle: Any  # uvicorn's RequestResponseCycle, or the subclass's request in its place
 
     _head_open = False  # a request's head is being read
-    _head_size = 0      # its bytes read after the data it began in
+    _head_size = 0      # its bytes read after the data it began in (0: it began in the last read)
+    _head_at = 0.0      # when its first byte was read
     _body_open = False  # a request's body is being read
+    _read_at = 0.0      # the last read (while a request was incomplete)
+    _read_timer: asyncio.TimerHandle | None = None
+    _read_timer_at = math.inf  # when it fires
+    _waited = False     # the last check found the gateway keeping the client waiting
     _ended = False      # no more requests are read: an answer that ends the connection is on its way
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._idle()  # a connection that never sends a byte closes as an idle one does
 
     def data_received(self, data: bytes) -> None:
         if self._head_open or self._ended:
             self._guarded(data)
         else:
             self._feed(data)
+        if self._head_open or self._body_open:
+            self._reading()
 
     def _feed(self, data: bytes) -> None:
         self._idle_since = None  # busy: the keep-alive timer, when it fires, leaves the connection open
@@ -88,10 +111,66 @@ class ConnectionProtocol(HttpToolsProtocol):
         else:
             self.transport.get_protocol().data_received(data[room:])  # type: ignore[attr-defined]  # ours, or an upgrade's
 
+    # The read timeouts: one timer, armed when a read leaves a request incomplete and moved only when the
+    # deadline comes nearer; a timer that fires early (the body came on meanwhile) sets itself again.
+    def _reading(self) -> None:
+        if self._ended:
+            return
+        now = self._read_at = self.loop.time()
+        if self._head_open:
+            if self._head_size == 0:  # its first byte came in this read
+                self._head_at = now
+            deadline = self._head_at + self.header_timeout
+        else:
+            deadline = now + self.body_timeout
+        if deadline < self._read_timer_at:  # no timer (inf), or one for later
+            self._stop_read_timer()
+            self._arm_read_timer(deadline - now, self._read_check)
+
+    def _read_check(self) -> None:
+        self._read_timer, self._read_timer_at = None, math.inf
+        if self._ended or not (self._head_open or self._body_open) or self.transport.is_closing() \
+                or self.transport.get_protocol() is not self:
+            return
+        now = self.loop.time()
+        if self._client_waits():
+            self._waited = True
+        elif self._waited:  # the client waited on the gateway until lately: its time starts again now
+            self._waited = False
+        else:
+            deadline = (self._head_at + self.header_timeout if self._head_open
+                        else self._read_at + self.body_timeout)
+            if deadline <= now:
+                self._timed_out()
+            else:
+                self._arm_read_timer(deadline - now, self._read_check)
+            return
+        self._head_at = self._read_at = now
+        self._arm_read_timer(self.header_timeout if self._head_open else self.body_timeout, self._read_check)
+
+    def _client_waits(self) -> bool:
+        """The client is waiting on the gateway: what it sent is not read yet (reading is paused while
+        earlier requests are answered, or while a route has not asked for the body), or it waits for the
+        100 Continue that the route sends when it asks for the body."""
+        if _unread(self.transport):
+            return True
+        return self._body_open and bool(getattr(self.cycle, "waiting_for_100_continue", False))
+
+    def _timed_out(self) -> None:
+        if self._head_open:
+            what = f"the request line and headers did not all come within {self.header_timeout:g} s"
+        elif self.cycle is not None and self.cycle.response_complete:
+            self.transport.close()  # answered before its body came (refused), and the rest never came
+            return
+        else:
+            what = f"no more of the request body came for {self.body_timeout:g} s"
+        self._last_word(408, orjson.dumps({"error": f"request timeout: {what}"}))
+
     def _last_word(self, status: int, body: bytes) -> None:
         """Answer with `status` and end the connection: after the answers owed to the requests read before
         (pipelined), in the place of the request whose body is being read, if any."""
         self._ended = True
+        self._stop_read_timer()
         word, cycle, pipeline = LastWord(status, body), self.cycle, self.pipeline
         if self._body_open and cycle is not None and not cycle.response_complete:
             _silence(cycle)  # this answers it
@@ -109,6 +188,15 @@ class ConnectionProtocol(HttpToolsProtocol):
             cycle.say(self)
         else:
             super()._start_asgi_task(cycle, app)
+
+    def _arm_read_timer(self, delay: float, check: Callable[[], None]) -> None:
+        self._read_timer = self.loop.call_later(delay, check)
+        self._read_timer_at = self.loop.time() + delay
+
+    def _stop_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer, self._read_timer_at = None, math.inf
 
     # The keep-alive timeout, as uvicorn's (an idle connection closes timeout_keep_alive seconds after
     # its last answer), with one timer re-armed when it fires instead of one made and cancelled per
@@ -139,6 +227,7 @@ class ConnectionProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        self._stop_read_timer()
         if self.timeout_keep_alive_task is not None:
             self.timeout_keep_alive_task.cancel()
             self.timeout_keep_alive_task = None

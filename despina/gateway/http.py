@@ -47,6 +47,11 @@ class BodyTooLarge(DespinaError):
     code = Code.PAYLOAD_TOO_LARGE
 
 
+class ClientGone(ConnectionResetError):
+    """The client went away, or its connection was ended (a read timeout), before its body was read:
+    nobody reads an answer."""
+
+
 STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 
 
@@ -173,7 +178,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ConnectionResetError("client disconnected")
+            raise ClientGone("client disconnected")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -6,8 +6,8 @@ request cycle; when its body is complete the route queues it, and the reply call
 whole response in one `transport.write`. No ASGI messages, no task, no header regexes per request:
 on a tiny model uvicorn's cycle cost a quarter of the gateway's CPU. Everything else (other routes,
 pipelining order, keep-alive, graceful shutdown, upgrades) stays uvicorn's, and the connection's
-limits and last words are connection.py's: a `HotRequest` takes the request cycle's place in the
-protocol and has the few attributes the protocol reads of one.
+limits, timeouts and last words are connection.py's: a `HotRequest` takes the request cycle's place
+in the protocol and has the few attributes the protocol reads of one.
 """
 from __future__ import annotations
 
@@ -93,9 +93,11 @@ class Match:
         self.checked = checked  # check_target passed: its requests need not check again
 
 
-def protocol_class(routes: HotRoutes) -> type[HttpToolsProtocol]:
-    """The protocol class for uvicorn.Config(http=...), bound to this gateway's routes."""
-    return type("GatewayProtocol", (GatewayProtocol,), {"routes": routes})
+def protocol_class(routes: HotRoutes, header_timeout: float, body_timeout: float) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn.Config(http=...), bound to this gateway's routes and read timeouts
+    (seconds: settings.header_timeout_s, body_timeout_s)."""
+    return type("GatewayProtocol", (GatewayProtocol,), {"routes": routes, "header_timeout": header_timeout,
+                                                        "body_timeout": body_timeout})
 
 
 class GatewayProtocol(ConnectionProtocol):
@@ -246,6 +248,11 @@ class HotRequest:
         """The protocol calls .set() on this after each body part, at the end, and on disconnect.
         (A property, not an attribute: a request referring to itself would live until a collection.)"""
         return self
+
+    @property
+    def waiting_for_100_continue(self) -> bool:
+        """Its client waits for a 100 Continue before it sends the body (as uvicorn's cycle has it)."""
+        return self.expect_100 and not self.started
 
     def start(self) -> None:
         """Its turn on the connection has come: check path and credentials, then read its body."""
