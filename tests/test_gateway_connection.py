@@ -1,9 +1,11 @@
 """The gateway's connections on the wire (gateway/connection.py), over raw sockets: read timeouts (408) on
 the infer routes answered outside ASGI and on the Starlette routes, what they leave alone (a request
-waiting for its answer, a slow but steady client, the keep-alive idle), and an error that ends a
-pipelined connection after the answers owed before it."""
+waiting for its answer, a slow but steady client, the keep-alive idle), an error that ends a pipelined
+connection after the answers owed before it, and the lingering close that lets a client still sending
+read its error answer."""
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 
@@ -170,11 +172,31 @@ def test_an_error_ends_a_pipelined_connection_after_the_answers_before_it(server
                 last_word(reader, 400, words)
         with connect(server) as sock:  # a head past 64 KiB, its first part in the same write
             sock.sendall(post(path, infer(0.2)) + b"GET /v2/health/live HTTP/1.1\r\nx-big: ")
-            try:
-                for _ in range(100):  # the read the head began in is not counted, and reads go up to 256 KiB
-                    sock.sendall(b"a" * 4096)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
+            for _ in range(100):  # the read the head began in is not counted, and reads go up to 256 KiB
+                sock.sendall(b"a" * 4096)
             reader = Reader(sock)
             assert reader.response()[0] == 200
             last_word(reader, 431, "over the limit of 65536 bytes")
+
+
+def test_a_client_still_sending_reads_its_error_answer(server: Server) -> None:
+    """A client that sends its whole request before it reads (most do) while the gateway has already
+    refused it: the gateway answers, then reads and drops what still comes until the client closes,
+    instead of closing at once (the kernel reset the connection under the client's sends, which failed,
+    and the answer was lost with it). The 413 of a body over the limit on both kinds of route (the ASGI one
+    closing only when the client asked for it), the 431 of a head over its limit, the 400 of a bad one."""
+    blob = b"[" + b"1," * 2_000_000  # 4 MB: more than the socket buffers hold
+    cases = [(HOT, (), 413, "over the limit of 100000"), (ASGI, ("connection: close",), 413, "over the limit"),
+             ("/fn/sleepy", (), 413, "over the limit of 100000")]
+    for path, headers, status, words in cases:
+        with connect(server) as sock:
+            sock.settimeout(30)
+            sock.sendall(post(path, blob, *headers))  # no error: the gateway read and dropped the body
+            last_word(Reader(sock), status, words)
+    for request, status, words in ((b"GET / HTTP/1.1\r\nx-big: " + blob, 431, "over the limit of 65536"),
+                                   (b"\x01GARBAGE\r\n\r\n" + blob, 400, "malformed HTTP request")):
+        with connect(server) as sock:
+            sock.settimeout(30)
+            sock.sendall(request)
+            sock.shutdown(socket.SHUT_WR)
+            last_word(Reader(sock), status, words)

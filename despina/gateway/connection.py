@@ -1,8 +1,9 @@
 """The gateway's HTTP/1.1 connections: what a server facing clients it cannot trust does around the requests.
 
-uvicorn's httptools protocol reads a request's head without limit and without a deadline, and answers a
-malformed request at once, dropping the answers still owed to the requests pipelined before it. Here, as
-nginx and Go's net/http do:
+uvicorn's httptools protocol reads a request's head without limit and without a deadline, answers a
+malformed request at once (dropping the answers still owed to the requests pipelined before it), and
+closes the connection straight after an error answer, even while the client is still sending: the kernel
+then resets the connection and the client may never read the answer. Here, as nginx and Go's net/http do:
 
 - a request's line and headers are held to HEAD_MAX bytes (431);
 - they must all come within `header_timeout` seconds of their first byte, and a body may pause at most
@@ -12,7 +13,10 @@ nginx and Go's net/http do:
   timeout's). The timer is armed only when a read leaves a request incomplete: a request whose head and
   body come in one read costs two flags;
 - an answer that ends the connection (400, 408, 431) comes after the answers owed to the requests
-  before it.
+  before it;
+- a connection that ends while the client may still be sending closes lingering: the gateway shuts down
+  its side, reads and drops what still comes, and closes once the client closes, goes quiet for
+  LINGER_IDLE_S, or LINGER_S have passed.
 
 The subclass (protocol.GatewayProtocol) has the parser's callbacks keep `_head_open` (a request's head is
 being read) and `_body_open` (its body is).
@@ -36,6 +40,8 @@ from . import http
 # A request's line and headers, at most (those read after the data they began in: that data is not counted)
 HEAD_MAX = 64 * 1024
 HEAD_TOO_LARGE = b'{"error":"the request line and headers are over the limit of %d bytes"}' % HEAD_MAX
+LINGER_S = 30.0      # the longest a connection lingers (nginx's lingering_time)
+LINGER_IDLE_S = 5.0  # ... and how long it waits for more from the client (nginx's lingering_timeout)
 
 
 class LastWord:
@@ -47,9 +53,9 @@ class LastWord:
         self.data = http.response_head(status, len(body), http.JSON, [], True) + body
 
     def say(self, protocol: ConnectionProtocol) -> None:
-        if not protocol.transport.is_closing():
+        if not protocol._lingering and not protocol.transport.is_closing():
             protocol.transport.write(self.data)
-            protocol.transport.close()
+            protocol._linger()
 
 
 class ConnectionProtocol(HttpToolsProtocol):
@@ -61,11 +67,13 @@ class ConnectionProtocol(HttpToolsProtocol):
     _head_size = 0      # its bytes read after the data it began in (0: it began in the last read)
     _head_at = 0.0      # when its first byte was read
     _body_open = False  # a request's body is being read
-    _read_at = 0.0      # the last read (while a request was incomplete)
+    _read_at = 0.0      # the last read (while a request was incomplete, or lingering)
     _read_timer: asyncio.TimerHandle | None = None
     _read_timer_at = math.inf  # when it fires
     _waited = False     # the last check found the gateway keeping the client waiting
     _ended = False      # no more requests are read: an answer that ends the connection is on its way
+    _lingering = False
+    _linger_until = 0.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -97,6 +105,8 @@ class ConnectionProtocol(HttpToolsProtocol):
         head without limit: a client that sent headers without end was never answered, and grew the parser's
         buffer (copied whole at each read) until memory ran out."""
         if self._ended:
+            if self._lingering:
+                self._read_at = self.loop.time()
             return
         room = HEAD_MAX - self._head_size
         self._head_size += len(data)
@@ -189,6 +199,37 @@ class ConnectionProtocol(HttpToolsProtocol):
         else:
             super()._start_asgi_task(cycle, app)
 
+    def _close(self) -> None:
+        """Close after an answer that ends the connection: lingering if the client may still be sending."""
+        if self._head_open or self._body_open or self._ended or _unread(self.transport):
+            self._linger()
+        else:
+            self.transport.close()
+
+    def _linger(self) -> None:
+        transport = self.transport
+        if self._lingering or transport.is_closing():
+            return
+        self._ended = self._lingering = True
+        self._stop_read_timer()
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()  # once what is written has gone: the client reads its answer, then the end
+        self.flow.resume_reading()
+        now = self._read_at = self.loop.time()
+        self._linger_until = now + LINGER_S
+        self._arm_read_timer(LINGER_IDLE_S, self._linger_check)
+
+    def _linger_check(self) -> None:
+        self._read_timer, self._read_timer_at = None, math.inf
+        now = self.loop.time()
+        until = min(self._read_at + LINGER_IDLE_S, self._linger_until)
+        if now >= until:  # quiet for LINGER_IDLE_S, or lingering for LINGER_S
+            self.transport.close()
+        else:
+            self._arm_read_timer(until - now, self._linger_check)
+
     def _arm_read_timer(self, delay: float, check: Callable[[], None]) -> None:
         self._read_timer = self.loop.call_later(delay, check)
         self._read_timer_at = self.loop.time() + delay
@@ -215,8 +256,8 @@ class ConnectionProtocol(HttpToolsProtocol):
 
     def _keep_alive_check(self) -> None:
         self.timeout_keep_alive_task = None
-        if self._idle_since is None:
-            return  # a request is open: its answer arms the timer again
+        if self._idle_since is None or self._ended:
+            return  # a request is open: its answer arms the timer again (or the connection is ending)
         left = self._idle_since + self.timeout_keep_alive - self.loop.time()
         if left > 0:
             self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_check)
@@ -239,6 +280,19 @@ def _silence(cycle: Any) -> None:
     if isinstance(cycle, RequestResponseCycle):
         cycle.waiting_for_100_continue = False
     cycle.message_event.set()
+
+
+class ClosingTransport:
+    """The transport as an ASGI cycle that ends its connection sees it: its close() lingers if need be."""
+
+    def __init__(self, protocol: ConnectionProtocol) -> None:
+        self._protocol, self._transport = protocol, protocol.transport
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol._close()
 
 
 def _unread(transport: asyncio.BaseTransport) -> int:

@@ -22,7 +22,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ..contract.errors import Code, DespinaError
 from . import http
 from .auth import AuthPolicy, Target, check_target, classify
-from .connection import ConnectionProtocol, LastWord
+from .connection import ClosingTransport, ConnectionProtocol, LastWord
 from .http import Headers
 from .infer import Route, fail
 
@@ -113,11 +113,14 @@ class GatewayProtocol(ConnectionProtocol):
 
     def _asgi(self) -> None:
         """Hand the request to uvicorn's ASGI cycle, with the scope it would have built."""
-        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        url, headers, expect, previous = self.url, self.headers, self.expect_100_continue, self.cycle
         super().on_message_begin()
         self.url, self.headers, self.expect_100_continue = url, headers, expect
         self.scope["headers"] = headers
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not previous and not cycle.keep_alive:  # its answer ends the connection: it may linger
+            cycle.transport = ClosingTransport(self)
 
     def on_headers_complete(self) -> None:
         self._head_open = False
@@ -194,7 +197,7 @@ class GatewayProtocol(ConnectionProtocol):
         if not self.pipeline:
             # uvicorn's, with the keep-alive timer of connection.py
             self.server_state.total_requests += 1
-            if self.transport.is_closing():
+            if self.transport.is_closing() or self._lingering:
                 return
             self.flow.resume_reading()
             self._idle()
@@ -203,7 +206,7 @@ class GatewayProtocol(ConnectionProtocol):
         # until they are all answered. (uvicorn resumes reading here, and a client that pipelines
         # without reading its answers grows the queue by a read buffer per answer.)
         self.server_state.total_requests += 1
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._lingering:
             return
         self._unset_keepalive_if_required()
         cycle, app = self.pipeline.pop()
@@ -321,7 +324,7 @@ class HotRequest:
         else:
             transport.writelines((head, body))
         if not self.keep_alive:
-            transport.close()
+            protocol._close()
         if protocol.flow.write_paused:
             # the client is not reading its answers: read no more requests from it until it does
             # (uvicorn's cycle waits the same way), or a pipelining client could fill our memory
