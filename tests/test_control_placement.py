@@ -8,7 +8,17 @@ import pytest
 from despina.contract.catalog import IDLE, LOADED, CatalogEntry
 from despina.contract.cluster import VersionStatus, WorkerInfo, WorkerStatus
 from despina.contract.errors import ConfigError
-from despina.control.placement import FixedWorkers, committed, need, out_of_memory, partners, place, replicas
+from despina.control.placement import (
+    FixedWorkers,
+    committed,
+    ensemble_mates,
+    need,
+    out_of_memory,
+    partners,
+    place,
+    replicas,
+    uncommitted,
+)
 from despina.control.repository import INSTANCE_BYTES, PYTHON_INSTANCE_BYTES, footprint
 from despina.control.versions import transition
 
@@ -119,6 +129,9 @@ def test_replicas_and_committed_memory() -> None:
     placed = [entry("x", workers=("a",)), entry("y", workers=("a", "b")), entry("z", workers=("b",),
                                                                                target=IDLE)]
     assert committed(placed) == {"a": 20 * MB, "b": 10 * MB}
+    assert committed(placed[:1], {"b": 5 * MB}) == {"a": 10 * MB, "b": 5 * MB}
+    assert uncommitted(committed(placed), placed[1]) == {"a": 10 * MB, "b": 0}
+    assert uncommitted(committed(placed), placed[2]) == committed(placed)   # idle: takes nothing
 
 
 def test_a_new_version_loads_beside_the_one_serving() -> None:
@@ -155,11 +168,14 @@ def test_the_models_an_ensemble_calls_go_together() -> None:
     pipe = CatalogEntry("pipe", "/repo/pipe", ensemble, (1,))
     pre = entry("pre", workers=("b",))
     other = entry("other", workers=("a",))
-    near = partners("main", [pipe, pre, other, entry("main")])
+    entries = {e.name: e for e in (pipe, pre, other, entry("main"))}
+    mates = ensemble_mates(entries.values())
+    assert mates == {"pre": {"main"}, "main": {"pre"}}
+    near = partners("main", mates, entries)
     assert near == {"b": 1}
     used = {"a": 10 * MB, "b": 10 * MB}
     assert place(entry("main"), pool, used, 1, near=near)[0] == ("b",)
     assert place(entry("main"), pool, {"a": 10 * MB, "b": 20 * MB}, 1, near=near)[0] == ("b",)  # before spreading
     assert place(entry("main"), pool, used, 1)[0] == ("a",)                                   # without: a (ties by name)
     assert place(entry("main", footprint=85 * MB), pool, {"a": 10 * MB, "b": 20 * MB}, 1, near=near)[0] == ("a",)  # no room on b
-    assert partners("other", [pipe, pre, other]) == {}                                        # in no ensemble
+    assert partners("other", mates, entries) == {}                                            # in no ensemble

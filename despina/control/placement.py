@@ -48,14 +48,23 @@ def replicas(entry: CatalogEntry, default: int) -> int:
     return parameter_int(entry.name, "'replicas'", str(raw))
 
 
-def committed(entries: Iterable[CatalogEntry]) -> dict[str, int]:
-    """Bytes each worker has been given, by the catalog's placement."""
-    used: dict[str, int] = {}
+def committed(entries: Iterable[CatalogEntry], base: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Bytes each worker has been given, by the catalog's placement (added to `base`'s)."""
+    used = dict(base or {})
     for e in entries:
         if e.serving:
             for w in e.workers:
                 used[w] = used.get(w, 0) + e.footprint
     return used
+
+
+def uncommitted(used: Mapping[str, int], entry: CatalogEntry) -> dict[str, int]:
+    """`used` (committed() of the catalog) without what `entry` takes: what every other model takes."""
+    rest = dict(used)
+    if entry.serving:
+        for w in entry.workers:
+            rest[w] = rest.get(w, 0) - entry.footprint
+    return rest
 
 
 def eligible(n: Need, worker: WorkerInfo, used: int) -> str | None:
@@ -114,14 +123,26 @@ class FixedWorkers:
         return ""
 
 
-def partners(name: str, entries: Iterable[CatalogEntry]) -> dict[str, int]:
-    """Per worker, how many of the models that share an ensemble with model `name` it has: a worker with
-    every model an ensemble calls runs the ensemble itself (one trip through Redis, not one per step)."""
-    calls = [called_by(e.config) for e in entries if is_ensemble(e.config)]
-    mates = {m for called in calls if name in called for m in called} - {name}
-    near: dict[str, int] = {}
+def ensemble_mates(entries: Iterable[CatalogEntry]) -> dict[str, set[str]]:
+    """Per model, the models that share an ensemble with it (partners() of each model reads these:
+    found once for all the models a tick places, not once per model)."""
+    mates: dict[str, set[str]] = {}
     for e in entries:
-        if e.name in mates and e.serving:
+        if is_ensemble(e.config):
+            called = called_by(e.config)
+            for m in called:
+                mates.setdefault(m, set()).update(called - {m})
+    return mates
+
+
+def partners(name: str, mates: Mapping[str, set[str]], entries: Mapping[str, CatalogEntry]) -> dict[str, int]:
+    """Per worker, how many of the models that share an ensemble with model `name` (`mates`, from
+    ensemble_mates()) it has: a worker with every model an ensemble calls runs the ensemble itself (one
+    trip through Redis, not one per step)."""
+    near: dict[str, int] = {}
+    for mate in mates.get(name, ()):
+        e = entries.get(mate)
+        if e is not None and e.serving:
             for w in e.workers:
                 near[w] = near.get(w, 0) + 1
     return near
