@@ -34,17 +34,34 @@ def keep_alive(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def connect(url: str, max_connections: int = 64) -> aioredis.Redis:
+# A worker's models share its pool, and a worker of more models than the pool has connections sends a
+# command for each at once: as they load together (their consumer groups), stop together (CLIENT UNBLOCK,
+# leaving the groups), reclaim together. Past the pool's size redis-py refuses a command ("Too many
+# connections"): 400 models loading at once failed to load. A worker's command waits for a connection
+# instead, this long at most.
+WORKER_POOL_WAIT_S = 30.0
+
+
+def connect(url: str, max_connections: int = 64, wait_s: float = 0.0) -> aioredis.Redis:
+    """A client of `max_connections` connections at most; with `wait_s`, a command that finds them all in
+    use waits up to that long for one (ConnectionError after), else it fails at once."""
     # socket_timeout=None avoids a timeout object per read; TCP keepalive finds dead connections.
     # One immediate retry on a broken connection: after Redis restarts, the pool's idle connections are
     # dead and the first command on each would fail; a connect timeout is not retried.
     tcp = {} if url.lower().startswith("unix://") else {"socket_keepalive": True,
                                                         "socket_keepalive_options": KEEPALIVE}
-    pool = aioredis.ConnectionPool.from_url(
+    pool_class = aioredis.BlockingConnectionPool if wait_s else aioredis.ConnectionPool
+    waits = {"timeout": wait_s} if wait_s else {}
+    pool = pool_class.from_url(
         url, max_connections=max_connections, socket_timeout=None, socket_connect_timeout=CONNECT_TIMEOUT_S,
         health_check_interval=0, retry_on_timeout=False,
-        retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)), **tcp)
+        retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)), **waits, **tcp)
     return aioredis.Redis(connection_pool=pool)
+
+
+def connect_worker(url: str, max_connections: int = 64) -> aioredis.Redis:
+    """A worker's client: its commands wait for a free connection (WORKER_POOL_WAIT_S)."""
+    return connect(url, max_connections, wait_s=WORKER_POOL_WAIT_S)
 
 
 def url_trouble(url: str) -> str | None:

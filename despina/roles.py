@@ -20,7 +20,7 @@ from .cpus import parse, pin
 from .embedded import bound_socket
 from .http_server import Server
 from .logs import dump_tasks_on_sigusr2
-from .redis_client import connect
+from .redis_client import connect, connect_worker
 from .settings import Settings
 from .workers.worker import Worker
 
@@ -98,7 +98,7 @@ async def colocated_worker(settings: Settings) -> AsyncIterator[None]:
     does. If it ends while the gateway still serves, the process stops (serve starts it again): a
     gateway whose worker is gone must not go on as if it had one."""
     assert settings.redis_url
-    redis = connect(settings.redis_url)
+    redis = connect_worker(settings.redis_url)
     worker = Worker(settings, redis)
     task = asyncio.create_task(worker.run())
     leaving = False
@@ -147,7 +147,7 @@ def run_worker(settings: Settings) -> None:
 
     async def main() -> None:
         assert settings.redis_url
-        redis = connect(settings.redis_url)
+        redis = connect_worker(settings.redis_url)
         worker = Worker(settings, redis)
         quiet_collector()
         loop = asyncio.get_running_loop()

@@ -23,12 +23,13 @@ from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.counters import Deferred
 from despina.examples import build_mlp
+from despina.redis_client import connect_worker
 from despina.workers import ensembles
 from despina.workers import runner as runner_module
 from despina.workers.ensembles import EnsembleHost
 from despina.workers.redelivery import DeliveryPolicy
 from despina.workers.runner import ModelRunner
-from despina.workers.streams import LONG_BLOCK_MS, READ_BLOCK_MS
+from despina.workers.streams import LONG_BLOCK_MS, READ_BLOCK_MS, ModelStreams
 
 ROW = np.ones((1, 256), np.float32)
 
@@ -299,3 +300,42 @@ async def test_an_ensemble_reads_with_its_replies_only_while_all_that_is_out_is_
         assert sorted(r.id for r in await gateway.next(2)) == ["a", "b"]
     finally:
         await host.stop(drain_s=0)
+
+
+async def test_more_models_than_the_pool_has_connections_stop_at_once_and_leave_their_groups(
+        redis_url: str, key_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's models share its pool of Redis connections, which refused a command past its size rather
+    than queue it. A worker of 200 models (the pool holds 64) stopped with 142 warnings "ending a blocked
+    read failed (Too many connections)", each read then waited out (a second more per stop), and a model
+    whose leave was refused stayed a consumer of its group for good. Here 12 models share 4 connections
+    of a worker's pool, which waits for a free one."""
+    redis = connect_worker(redis_url, max_connections=4)
+    keys = Keys(key_prefix)
+    models = [ModelStreams(redis, keys, f"m{i}", 1, 1, "w") for i in range(12)]
+    stopping = asyncio.Event()
+
+    async def read(streams: ModelStreams) -> None:
+        while not stopping.is_set():
+            await streams.read(1, streams.block_ms)
+
+    try:
+        for streams in models:
+            await streams.ensure_groups()
+        readers = [asyncio.create_task(read(streams)) for streams in models]
+        await asyncio.sleep(READ_BLOCK_MS / 1000 + 0.3)  # the first reads' blocks are over: now the long ones
+        assert all(streams.block_ms == LONG_BLOCK_MS for streams in models)
+        stopping.set()
+        started = time.monotonic()
+        await asyncio.gather(*(streams.end_read(reader) for streams, reader in zip(models, readers)))
+        assert all(reader.done() and not reader.cancelled() for reader in readers)
+        assert time.monotonic() - started < READ_BLOCK_MS / 1000
+        for streams in models:
+            streams.close()
+        await asyncio.gather(*(streams.leave() for streams in models))
+        assert "failed" not in caplog.text
+        for streams in models:
+            (group,) = await redis.xinfo_groups(streams.streams[0])
+            assert group["consumers"] == 0, streams.streams[0]
+    finally:
+        stopping.set()
+        await redis.aclose(close_connection_pool=True)
