@@ -89,6 +89,8 @@ class Worker:
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
         self._beating = asyncio.Lock()  # one heartbeat in flight: an older one must not land last
+        self._announcing: asyncio.Task[None] | None = None     # the announce on its way (_announce)
+        self._next_announce: asyncio.Task[None] | None = None  # the next, shared by the calls meanwhile
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
         self.delivery = DeliveryPolicy.from_settings(settings)
         self.deferred = Deferred(redis)  # counters of ensemble steps run here
@@ -129,6 +131,7 @@ class Worker:
             for task in helpers:
                 task.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
+            await self._announced()  # none may write the worker's hash again after it is deleted
             try:
                 await self.redis.delete(self.keys.worker(self.id))
                 if drained:  # else it stays a member without a heartbeat: dead, and its reads requeued
@@ -413,12 +416,30 @@ class Worker:
                 touch(path)
 
     async def _announce(self) -> None:
-        """Heartbeat now and say so on the events channel: the control plane and gateways look at once."""
+        """Heartbeat now and say so on the events channel: the control plane and gateways look at once.
+        The calls that come while one is on its way share the next one, which starts once that one is
+        written: each load announces itself twice, and a worker loading 400 models at once wrote 680
+        heartbeats of all of them, each making the control plane and every gateway read the catalog."""
+        if self._next_announce is None:
+            self._next_announce = asyncio.ensure_future(self._announce_after(self._announcing))
+        await asyncio.shield(self._next_announce)
+
+    async def _announce_after(self, previous: asyncio.Task[None] | None) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+        # from here on, what changes is for the next announce: this one reads the state now
+        self._announcing, self._next_announce = self._next_announce, None
         try:
             await self._heartbeat()
             await self.redis.publish(self.keys.events, f"worker:{self.id}")
         except (RedisError, ConnectionError, OSError):
             pass
+
+    async def _announced(self) -> None:
+        """Wait for the announces on their way (a caller cancelled while it waited left its own going)."""
+        pending = [t for t in (self._announcing, self._next_announce) if t is not None]
+        if pending:
+            await asyncio.wait(pending)
 
     def detail(self) -> dict[str, dict[int, VersionStatus]]:
         out: dict[str, dict[int, VersionStatus]] = {}
