@@ -139,6 +139,18 @@ def test_loading_from_a_dead_store_fails_clearly(serve: Callable[..., Server], t
     assert r.status_code == 503 and "unreachable" in r.json()["error"]
 
 
+def test_a_store_that_refuses_the_keys_is_unavailable_not_an_internal_error(
+        serve: Callable[..., Server], s3_env: Weed, tmp_path: Path) -> None:
+    # SignatureDoesNotMatch (and AccessDenied, InternalError...) answered the load API 500
+    url = s3_env.url()
+    push(mlp_folder(tmp_path / "src"), url, s3_env.settings(), out=io.StringIO())
+    server = serve(url, "--model-control-mode", "explicit",
+                   env={**s3_env.env, "AWS_SECRET_ACCESS_KEY": "wrong", "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
+    assert r.status_code == 503 and "SignatureDoesNotMatch" in r.json()["error"], r.text
+    assert "Traceback" not in server.logs()
+
+
 def test_a_repository_never_read_is_not_ready(serve: Callable[..., Server], tmp_path: Path) -> None:
     """Until the control plane has read the repository once, the empty catalog means nothing: live, not
     ready (the first read of a dead store never succeeds here)."""

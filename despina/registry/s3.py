@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
-from ..contract.errors import DespinaError, InvalidArgument, NotFound, Unavailable
+from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..settings import Settings
 from .base import FileInfo, ModelFiles, Progress, Registry, check_relative
 from .cache import ArtifactCache
@@ -82,7 +82,12 @@ def registry_error(url: str, exc: Exception) -> DespinaError:
         message = exc.response.get("Error", {}).get("Message", "") or str(exc)
         if code in ("NoSuchBucket", "NoSuchKey", "404"):
             return NotFound(f"registry {url}: {code}: {message}")
-        return DespinaError(f"registry {url}: {code}: {message}")
+        if code in ("PreconditionFailed", "412"):  # If-Match: the file changed since it was listed
+            return FailedPrecondition(f"registry {url}: a file changed since it was listed ({code}); the "
+                                      "next look at the registry sees the new one")
+        # refused (AccessDenied, SignatureDoesNotMatch, an expired token) or failing (InternalError,
+        # SlowDown): the store's or the deployment's fault, not the caller's, and it may pass
+        return Unavailable(f"registry {url}: {code}: {message}")
     if isinstance(exc, NoCredentialsError | PartialCredentialsError):
         return Unavailable(f"registry {url}: {exc} (boto3 reads AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                            "~/.aws/credentials, or an instance role)")
