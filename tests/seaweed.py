@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +54,8 @@ class Weed:
     data: Path
     log: Path
     env: dict[str, str] = field(default_factory=dict)   # what a process needs to reach it
+    command: list[str] = field(default_factory=list)
+    folder: Path | None = None
 
     def url(self, prefix: str | None = None) -> str:
         return f"s3://{BUCKET}/{prefix or uuid.uuid4().hex[:10]}"
@@ -69,6 +71,20 @@ class Weed:
             "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
             region_name="us-east-1", config=Config(s3={"addressing_style": "path"},
                                                    retries={"max_attempts": 1}))
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Start it again after stop(): same ports, same data."""
+        assert self.folder is not None and self.process.poll() is not None
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **self.env}, cwd=self.folder,
+                                            preexec_fn=die_with_parent)
+        _wait_up(self, self._probe, timeout)
+
+    def _probe(self) -> None:
+        """A write and a read (its volume servers, not its S3 front alone, are up)."""
+        self.client().put_object(Bucket=BUCKET, Key=".probe", Body=b"up")
+        self.client().get_object(Bucket=BUCKET, Key=".probe")["Body"].read()
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process.poll() is None:
@@ -100,20 +116,25 @@ def start_weed(folder: Path, timeout: float = 30.0) -> Weed:
     endpoint = f"http://127.0.0.1:{ports['s3']}"
     weed = Weed(process, endpoint, data, log, {
         "AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"})
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}, cmd, folder)
+    _wait_up(weed, lambda: weed.client().create_bucket(Bucket=BUCKET), timeout)
+    return weed
+
+
+def _wait_up(weed: Weed, check: Callable[[], object], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"weed mini exited with {process.returncode}: {log.read_text()[-2000:]}")
+        if weed.process.poll() is not None:
+            raise RuntimeError(f"weed mini exited with {weed.process.returncode}: {weed.log.read_text()[-2000:]}")
         try:
-            weed.client().create_bucket(Bucket=BUCKET)
-            return weed
+            check()
+            return
         except Exception as exc:  # not listening yet
             last = exc
             time.sleep(0.2)
     weed.stop()
-    raise RuntimeError(f"weed mini did not come up in {timeout} s ({last}): {log.read_text()[-2000:]}")
+    raise RuntimeError(f"weed mini did not come up in {timeout} s ({last}): {weed.log.read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="session")

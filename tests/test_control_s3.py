@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -125,6 +127,44 @@ def test_reloads_come_from_the_cache_and_a_dead_store_harms_nothing_loaded(
         r = infer(server.url)
         assert r.status_code == 200, r.text
     finally:
+        weed.stop()
+
+
+def test_a_worker_that_cannot_fetch_waits_for_the_store_and_loads_once_it_is_back(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker with a cache of its own (another machine) joins while the store is down: the version was
+    failed for good, so that only a restart or new files brought it back; it waits, LOADING, saying why."""
+    weed = start_weed(tmp_path / "own-s3")   # this test stops it
+    for key, value in weed.env.items():
+        monkeypatch.setenv(key, value)
+    worker: subprocess.Popen[bytes] | None = None
+    try:
+        url = weed.url()
+        push(mlp_folder(tmp_path / "src"), url, weed.settings(), out=io.StringIO())
+        server = serve(url, "--model-control-mode", "poll", "--repository-poll-secs", "0.5", "--workers", "0",
+                       health="live", env={**weed.env, "DESPINA_CACHE_DIR": str(tmp_path / "control-cache")})
+        wait_until(lambda: any(r.get("version") == "1" for r in index(server.url)), 30, what="mlp in the catalog")
+        weed.stop()
+        with (tmp_path / "worker.log").open("wb") as log:
+            worker = subprocess.Popen([sys.executable, "-m", "despina", "worker", "--redis-url", redis_url,
+                                       "--key-prefix", key_prefix], stdout=log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **weed.env, "DESPINA_CACHE_DIR": str(tmp_path / "worker")})
+        wait_until(lambda: "unreachable" in (tmp_path / "worker.log").read_text(), 30, what="a failed fetch")
+        row = wait_until(lambda: next((r for r in index(server.url) if r.get("version") == "1"
+                                       and (r.get("state") != "LOADING" or "waits" in r.get("reason", ""))), None),
+                         30, what="the index to say why mlp cannot load")
+        assert row["state"] == "LOADING" and "unreachable" in row["reason"], row
+        weed.restart()
+        wait_until(lambda: [r["version"] for r in index(server.url, ready=True) if r["name"] == "mlp"] == ["1"],
+                   60, what="mlp to load once the store is back")
+        r = infer(server.url)
+        assert r.status_code == 200 and np.allclose(r.json()["outputs"][0]["data"], expected(0), atol=1e-4)
+        assert "Traceback" not in (tmp_path / "worker.log").read_text()
+    finally:
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(30)
         weed.stop()
 
 

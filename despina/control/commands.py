@@ -112,7 +112,7 @@ class Commands:
             return "UNAVAILABLE", e.failed[v]
         if v in e.retiring:
             return "UNLOADING", ""
-        return "LOADING", plane.lifecycle.shortfall.get(e.name, "")
+        return "LOADING", plane.lifecycle.shortfall.get(e.name, "") or plane.workers.held_up(e.name, v)
 
     # -- load / unload -----------------------------------------------------------------------------
 

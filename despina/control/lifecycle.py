@@ -269,7 +269,9 @@ class Lifecycle:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
             entry = self.catalog.get(name)
-            why = self.shortfall.get(name) or (entry.reason if entry is not None else "")
+            held_up = [self.workers.held_up(name, v) for v in entry.versions] if entry is not None else []
+            why = self.shortfall.get(name) or next((h for h in held_up if h), "") \
+                or (entry.reason if entry is not None else "")
             why = f": {why}" if why else ""
             raise Unavailable(f"model '{name}' did not {'unload' if kind == 'unload' else 'load'} "
                               f"within {timeout:g} s{why}") from None

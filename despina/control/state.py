@@ -121,6 +121,14 @@ class Workers:
     def ready_on(self, name: str, version: int, revision: str | None = None) -> list[str]:
         return [wid for wid, s in self.status.items() if s.ready(name, version, revision)]
 
+    def held_up(self, name: str, version: int) -> str:
+        """Why a worker's load of the version waits (its registry cannot serve the files now), or ''."""
+        for s in self.status.values():
+            v = s.version(name, version)
+            if v is not None and (v.state == "LOADING" or v.loading) and v.error and not v.failed:
+                return f"worker {s.info.id} waits for the registry: {v.error}"
+        return ""
+
     def hosting(self, name: str) -> list[str]:
         """Workers that still report any version of the model (loaded, loading or unloading)."""
         return [wid for wid, s in self.status.items()

@@ -24,7 +24,7 @@ from .. import cpus, logs
 from ..contract.catalog import CatalogEntry
 from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail
 from ..contract.ensemble import Ensemble, Step, is_ensemble
-from ..contract.errors import ConfigError, DespinaError
+from ..contract.errors import ConfigError, DespinaError, Unavailable
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import packb
@@ -46,6 +46,7 @@ log = logging.getLogger("despina.worker")
 Key = tuple[str, int]
 SLOW_LOAD_S = 20.0  # a load still running after this is logged (once), with how long it has taken
 TRIM_S = 60.0       # how often the artifact cache is brought back under its limit (besides after a fetch)
+FETCH_RETRY_S = (1.0, 30.0)  # a fetch the registry cannot serve now is tried again: first wait, longest
 
 # The heartbeat: the worker's hash, its TTL, and its membership, in one step. It runs while Redis is full
 # (allow_oom): a full queue must be refused as such, not end with live workers taken for dead. KEYS: the
@@ -84,6 +85,7 @@ class Worker:
         self.loading: dict[Key, tuple[str, asyncio.Task[None]]] = {}
         self._loading_from: dict[Key, Path] = {}     # the folder each load in progress reads
         self.failures: dict[Key, tuple[str, str]] = {}  # key -> (revision, why it failed)
+        self.fetch_errors: dict[Key, str] = {}  # a load waiting for the registry -> why (it tries again)
         self._registries: dict[str, Registry] = {}
         self._cache: ArtifactCache | None = None
         self._stop = asyncio.Event()
@@ -305,7 +307,7 @@ class Worker:
         await self._announce()
         runner: ModelRunner | None = None
         try:
-            path = self._loading_from[key] = await self._folder(entry, key[1])
+            path = self._loading_from[key] = await self._fetch(key, entry)
             runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
                                  self.id, self.settings.intra_op_threads, delivery=self.delivery,
                                  deferred=self.deferred, full_queue_delay=self.settings.full_queue_delay,
@@ -342,10 +344,27 @@ class Worker:
                     self.replaced.pop(key, None)
         finally:
             slow.cancel()
+            self.fetch_errors.pop(key, None)
             self._loading_from.pop(key, None)
             if self.loading.get(key, ("", None))[0] == rev:
                 del self.loading[key]
             await self._announce()
+
+    async def _fetch(self, key: Key, entry: CatalogEntry) -> Path:
+        """_folder, tried again while the registry cannot serve the files (unreachable, refusing, failing):
+        the version stays LOADING with the reason, and loads once the store is back, not failed for good."""
+        wait = FETCH_RETRY_S[0]
+        while True:
+            try:
+                return await self._folder(entry, key[1])
+            except Unavailable as exc:
+                if key not in self.fetch_errors:
+                    log.warning("worker %s: %s version %d waits for the registry: %s", self.id, *key,
+                                exc.message)
+                self.fetch_errors[key] = exc.message
+                await self._announce()
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, FETCH_RETRY_S[1])
 
     async def _folder(self, entry: CatalogEntry, version: int) -> Path:
         """The local folder to load from: the registry's own, or the cache's copy of a remote one."""
@@ -451,11 +470,13 @@ class Worker:
             failed_rev, error = self.failures.get(key, ("", ""))
             if runner is not None:
                 status = VersionStatus(runner.state, self.revision.get(key, ""), loading,
-                                       self.replaced.get(key, ""), error=error, failed=failed_rev,
+                                       self.replaced.get(key, ""),
+                                       error=error or self.fetch_errors.get(key, ""), failed=failed_rev,
                                        load_ms=round(self.load_ms.get(key, 0.0), 1))
             else:
                 state = "LOADING" if loading else "UNLOADING" if key in self.unloading else "UNAVAILABLE"
-                status = VersionStatus(state, loading, error=error, failed=failed_rev)
+                status = VersionStatus(state, loading, error=error or self.fetch_errors.get(key, ""),
+                                       failed=failed_rev)
             out.setdefault(key[0], {})[key[1]] = status
         return out
 
