@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -189,6 +190,22 @@ def test_a_store_that_refuses_the_keys_is_unavailable_not_an_internal_error(
     r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
     assert r.status_code == 503 and "SignatureDoesNotMatch" in r.json()["error"], r.text
     assert "Traceback" not in server.logs()
+
+
+def test_the_index_answers_while_the_store_hangs(serve: Callable[..., Server], tmp_path: Path) -> None:
+    """A store that takes connections and never answers held each index for boto3's read timeout: the
+    gateway gave up after 30 s, blaming the control plane; an empty catalog answered [] as if all was well."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)   # connections complete in the backlog; nothing ever reads them
+        server = serve("s3://models/hung", "--model-control-mode", "explicit",
+                       env={"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{hung.getsockname()[1]}",
+                            "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
+                            "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+        for _ in range(2):  # the second one shares the first one's listing, still hanging
+            r = httpx.post(f"{server.url}/v2/repository/index", timeout=60)
+            assert r.status_code == 503, r.text
+            assert "s3://models/hung did not list its models" in r.json()["error"], r.text
 
 
 def test_a_repository_never_read_is_not_ready(serve: Callable[..., Server], tmp_path: Path) -> None:

@@ -33,11 +33,15 @@ log = logging.getLogger("despina.control")
 
 # the load API's parameters beside its `file:<path>` entries: Triton's config, and Despina's own
 LOAD_PARAMETERS = ("config", "fail_without_room")
+# how long the index waits for the registry's listing before it answers from what it knows (a store
+# that accepts connections and never answers holds a listing for boto3's read timeout, three times)
+INDEX_LOOK_S = 5.0
 
 
 class Commands:
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
+        self._look: asyncio.Future[list[str]] | None = None  # the index's listing in flight, one at a time
 
     async def handle(self, command: Command) -> Answer:
         timeout = self.plane.settings.load_timeout_s
@@ -75,10 +79,12 @@ class Commands:
         names = set(plane.catalog.entries)
         note = plane.registry_error
         try:
-            names |= set(await asyncio.to_thread(plane.registry.names))
+            names |= set(await self._names())
         except DespinaError as exc:
             note = exc.message
             names |= set(plane.names)
+        if note and not names:  # nothing to list: the answer is that the repository cannot be read
+            raise Unavailable(f"the repository cannot be read: {note}")
         rows: list[dict[str, str]] = []
         for name in sorted(names):
             e = plane.catalog.get(name)
@@ -96,6 +102,18 @@ class Commands:
         if ready is True:
             rows = [r for r in rows if r.get("state") == "READY"]
         return rows
+
+    async def _names(self) -> list[str]:
+        """The registry's model folders, waiting at most INDEX_LOOK_S: indexes asked meanwhile share one
+        listing, so a store that hangs holds one thread, not one per index."""
+        if self._look is None or self._look.done():
+            self._look = asyncio.ensure_future(asyncio.to_thread(self.plane.registry.names))
+            self._look.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, if late
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._look), INDEX_LOOK_S)
+        except TimeoutError:
+            raise Unavailable(f"registry {self.plane.registry.url} did not list its models within "
+                              f"{INDEX_LOOK_S:g} s") from None
 
     def _version_state(self, e: CatalogEntry, v: int) -> tuple[str, str]:
         plane = self.plane
