@@ -138,3 +138,30 @@ def test_a_file_path_that_leaves_the_folder_is_refused(tmp_path: Path, path: str
         ArtifactCache(tmp_path / "cache" / "deep").folder("a", files, source.download)
     assert not outside.exists() and source.fetched == 0
     assert not any((tmp_path / "cache" / "deep" / "tmp").iterdir())
+
+
+@pytest.mark.parametrize("max_bytes", [10**9, 0])
+def test_what_a_killed_fetch_left_half_done_is_removed_and_nothing_in_progress(tmp_path: Path,
+                                                                             max_bytes: int) -> None:
+    # a worker killed mid-download (OOM, SIGKILL) left its part file and its folder being built in tmp/
+    # for ever, uncounted by the limit; a download in progress writes to its part file all along
+    source = Source()
+    cache = ArtifactCache(tmp_path / "cache", max_bytes=max_bytes)
+    part = cache.tmp / "0123.abcd.part"
+    part.write_bytes(b"x" * 5000)
+    building = cache.tmp / "other-abcd" / "1"
+    building.mkdir(parents=True)
+    (building / "model.onnx").write_bytes(b"y" * 3000)
+    for path in (part, building / "model.onnx", building, building.parent):
+        os.utime(path, (HOUR_AGO, HOUR_AGO))
+    seen: list[list[str]] = []
+
+    def download(f: FileInfo, dest: Path) -> None:
+        seen.append(sorted(p.name for p in cache.tmp.iterdir()))
+        source.download(f, dest)
+        cache.trim()  # another process's trim, while this download is under way
+
+    folder = cache.folder("mlp", source.files(b"W" * 100), download)
+    assert (folder / "1" / "model.onnx").read_bytes() == b"W" * 100
+    assert not any(cache.tmp.iterdir())
+    assert all(not name.startswith("mlp-") for names in seen for name in names)  # no folder while fetching

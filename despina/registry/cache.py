@@ -79,13 +79,14 @@ class ArtifactCache:
             with self._lock:
                 self.stats.reused += len(files)
             return final
+        blobs = [self.blob(f, download) for f in files]  # first: a folder being built lives a moment only
         work = self.tmp / f"{name}-{uuid.uuid4().hex}"
         try:
-            for f in files:
+            for f, blob in zip(files, blobs):
                 dest = work / f.path
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    self._link(self.blob(f, download), dest)
+                    self._link(blob, dest)
                 except FileNotFoundError:  # evicted by another process between our look and the link
                     self._link(self.blob(f, download), dest)
             work.mkdir(parents=True, exist_ok=True)
@@ -161,11 +162,11 @@ class ArtifactCache:
     def trim(self) -> int:
         """Evict folders used least recently, and blobs none links to, until under max_bytes (or
         everything left is in use); returns the bytes freed. A failure is logged, never raised: the
-        cache is then only bigger than it should be."""
-        if not self.max_bytes:
-            return 0
+        cache is then only bigger than it should be. What a process that died mid-fetch left in tmp/
+        goes, with a limit or without."""
         try:
-            return self._trim()
+            freed = self._clear_tmp()
+            return freed + self._trim() if self.max_bytes else freed
         except OSError as exc:
             log.warning("cache %s: trimming failed: %s", self.root, exc)
             return 0
@@ -202,6 +203,32 @@ class ArtifactCache:
                         self.lease_s / 60)
         elif used <= self.max_bytes:
             self._warned_full = False
+        return freed
+
+    def _clear_tmp(self) -> int:
+        """Remove the entries of tmp/ untouched for the lease: a download's part file (written to all
+        along, and boto3 gives up on a store silent for a minute) or a folder being built (blobs are
+        fetched before it is made) of a process killed meanwhile. Nobody else would ever remove them."""
+        now, freed, removed = time.time(), 0, 0
+        for path in self.tmp.iterdir():
+            try:
+                st = path.lstat()
+                if now - st.st_mtime < self.lease_s:
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    # a folder's files are mostly links to blobs: only their own copies free anything
+                    freed += sum(p.lstat().st_size for p in path.rglob("*")
+                                 if p.is_file() and p.lstat().st_nlink == 1)
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+                    freed += st.st_size
+                removed += 1
+            except OSError:  # removed meanwhile, or by its own process
+                continue
+        if removed:
+            log.info("cache: removed %d entries a fetch left half-done in %s (%.1f MB)", removed, self.tmp,
+                     freed / 1e6)
         return freed
 
     def _folders(self) -> Iterator[tuple[float, Path]]:
