@@ -169,6 +169,28 @@ def test_a_worker_that_cannot_fetch_waits_for_the_store_and_loads_once_it_is_bac
         weed.stop()
 
 
+def test_load_model_at_start_waits_for_a_store_that_is_down(
+        serve: Callable[..., Server], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # explicit mode's --load-model was tried once: a store down at start left the model unloaded for good
+    weed = start_weed(tmp_path / "own-s3")   # this test stops it
+    for key, value in weed.env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        url = weed.url()
+        push(mlp_folder(tmp_path / "src"), url, weed.settings(), out=io.StringIO())
+        weed.stop()
+        server = serve(url, "--model-control-mode", "explicit", "--load-model", "mlp", health="live",
+                       env={**weed.env, "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+        wait_until(lambda: "--load-model mlp: registry" in server.logs(), 30, what="the failed load in the logs")
+        weed.restart()
+        wait_until(lambda: [r["version"] for r in index(server.url, ready=True) if r["name"] == "mlp"] == ["1"],
+                   60, what="mlp to load once the store is back")
+        assert infer(server.url).status_code == 200
+        assert server.logs().count("--load-model mlp") == 1   # said once, not at every try
+    finally:
+        weed.stop()
+
+
 def test_loading_from_a_dead_store_fails_clearly(serve: Callable[..., Server], tmp_path: Path) -> None:
     from despina.embedded import free_port
 

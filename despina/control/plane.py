@@ -105,6 +105,7 @@ class ControlPlane:
         self.registry_error = ""            # why the last look at the registry failed
         self._applied: dict[str, str] = {}  # model -> fingerprint of the files now in the catalog
         self._seen: dict[str, str] = {}     # model -> fingerprint seen by the last poll
+        self._load_waits: set[str] = set()  # --load-model models whose failure to load was logged
         self.locks = NamedLocks()  # model name -> its lock: a load, an unload and a sync take turns
         self._kick = asyncio.Event()
         self._stop = asyncio.Event()
@@ -287,18 +288,23 @@ class ControlPlane:
         """Register the repository's models as the mode says; in poll mode, keep looking."""
         mode = self.settings.model_control_mode
         first = True
+        pending: list[str] | None = None  # explicit mode: --load-model names the store kept from loading
         while not self._stop.is_set():
             try:
                 if mode == "explicit":
-                    await self._load_at_start()
-                    await self._published()
-                    return
-                await self.sync_registry(first)
-                if first:
-                    await self._published()
-                first = False
-                if mode == "none" or not self.settings.repository_poll_secs:  # Triton's poll secs 0: no polls
-                    return
+                    pending = await self._load_at_start(pending)
+                    if first:
+                        await self._published()
+                    first = False
+                    if not pending:
+                        return
+                else:
+                    await self.sync_registry(first)
+                    if first:
+                        await self._published()
+                    first = False
+                    if mode == "none" or not self.settings.repository_poll_secs:  # Triton's 0: no polls
+                        return
             except DespinaError as exc:
                 self.registry_error = exc.message
                 log.error("repository %s: %s; models already loaded keep serving", self.registry.url,
@@ -314,15 +320,27 @@ class ControlPlane:
     def _ready_check(self, name: str) -> Callable[[int], bool]:
         return lambda version: bool(self.workers.ready_on(name, version))
 
-    async def _load_at_start(self) -> None:
-        names = [n.strip() for n in self.settings.load_model.split(",") if n.strip()]
-        if "*" in names:
-            names = await asyncio.to_thread(self.registry.names)
+    async def _load_at_start(self, names: list[str] | None) -> list[str]:
+        """Load the --load-model models (`names`: those left from the last try); returns those that the
+        store kept from loading (unreachable, refusing), to try again: they load once it answers."""
+        if names is None:
+            names = [n.strip() for n in self.settings.load_model.split(",") if n.strip()]
+            if "*" in names:
+                names = await asyncio.to_thread(self.registry.names)
+        else:  # a load or unload through the API meanwhile has the last word (a failed one leaves none)
+            names = [n for n in names if (e := self.catalog.get(n)) is None or e.state != "READY"]
+        pending = []
         for name in names:
             try:
                 await self.commands.load(name, {}, self.settings.load_timeout_s, wait=False)
+            except Unavailable as exc:
+                if name not in self._load_waits:
+                    log.error("--load-model %s: %s; trying again until it answers", name, exc.message)
+                self._load_waits.add(name)
+                pending.append(name)
             except DespinaError as exc:
                 log.error("--load-model %s: %s", name, exc.message)
+        return pending
 
     async def sync_registry(self, first: bool) -> None:
         """Bring the catalog to the registry. After the first look, a model's change is applied once two
