@@ -165,3 +165,29 @@ def test_what_a_killed_fetch_left_half_done_is_removed_and_nothing_in_progress(t
     assert (folder / "1" / "model.onnx").read_bytes() == b"W" * 100
     assert not any(cache.tmp.iterdir())
     assert all(not name.startswith("mlp-") for names in seen for name in names)  # no folder while fetching
+
+
+def test_two_processes_fetching_one_version_download_each_file_once(tmp_path: Path) -> None:
+    # workers on one machine loading the same model each downloaded every file (N workers, N times the
+    # bytes, on the network and at once on disk); one now waits for the other and takes its blobs
+    import threading
+
+    source = Source()
+    files = source.files(b"W" * 100_000)
+    started = threading.Event()
+
+    def slow(f: FileInfo, dest: Path) -> None:
+        started.set()
+        time.sleep(0.5)  # a download under way while the other one asks
+        source.download(f, dest)
+
+    first, second = ArtifactCache(tmp_path / "cache"), ArtifactCache(tmp_path / "cache")  # two processes' views
+    folders: list[Path] = []
+    thread = threading.Thread(target=lambda: folders.append(first.folder("mlp", files, slow)))
+    thread.start()
+    started.wait(10)
+    folders.append(second.folder("mlp", files, slow))
+    thread.join(30)
+    assert folders[0] == folders[1] and (folders[0] / "1" / "model.onnx").read_bytes() == b"W" * 100_000
+    assert source.fetched == 2, source.fetched  # config.pbtxt and model.onnx, once each
+    assert not any(first.tmp.iterdir())

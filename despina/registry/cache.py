@@ -13,6 +13,7 @@ everything left is in use the cache stays over its limit, and says so.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -21,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,28 +120,50 @@ class ArtifactCache:
     def blob(self, f: FileInfo, download: Download) -> Path:
         key = hashlib.sha256(f"{f.etag}\0{f.size}".encode()).hexdigest()
         path = self.blobs / key[:2] / key
-        if path.is_file() and path.stat().st_size == f.size:
-            touch(path)  # in use again: not garbage for the next trim, linked or not
-            with self._lock:
-                self.stats.reused += 1
+        if self._reuse(path, f):
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = self.tmp / f"{key}.{uuid.uuid4().hex}.part"
-        try:
-            download(f, part)
-            got = part.stat().st_size
-            if got != f.size:
-                raise OSError(f"{f.path}: downloaded {got} bytes, the registry lists {f.size}")
-            os.chmod(part, 0o444)  # shared by hard links: nobody may write through one
-            os.replace(part, path)
-            touch(path)
-        finally:
-            part.unlink(missing_ok=True)
+        with self._fetching(key):
+            if self._reuse(path, f):  # another process (a worker beside this one) fetched it meanwhile
+                return path
+            part = self.tmp / f"{key}.{uuid.uuid4().hex}.part"
+            try:
+                download(f, part)
+                got = part.stat().st_size
+                if got != f.size:
+                    raise OSError(f"{f.path}: downloaded {got} bytes, the registry lists {f.size}")
+                os.chmod(part, 0o444)  # shared by hard links: nobody may write through one
+                os.replace(part, path)
+                touch(path)
+            finally:
+                part.unlink(missing_ok=True)
         with self._lock:
             self.stats.downloads += 1
             self.stats.downloaded_bytes += f.size
         log.debug("cache: fetched %s (%d bytes)", f.path, f.size)
         return path
+
+    def _reuse(self, path: Path, f: FileInfo) -> bool:
+        if not (path.is_file() and path.stat().st_size == f.size):
+            return False
+        touch(path)  # in use again: not garbage for the next trim, linked or not
+        with self._lock:
+            self.stats.reused += 1
+        return True
+
+    @contextmanager
+    def _fetching(self, key: str) -> Iterator[None]:
+        """One download of a blob at a time on this machine (workers loading one model together): the
+        others wait for it, then find the blob. The lock file goes with the lock; one who opened it
+        before finds the blob there, and at worst (the download failed) two fetch at once again."""
+        lock = self.tmp / f"{key}.lock"
+        with lock.open("ab") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                lock.unlink(missing_ok=True)
+                fcntl.flock(held, fcntl.LOCK_UN)
 
     # -- staying under the limit -------------------------------------------------------------------
 
