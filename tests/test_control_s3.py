@@ -162,6 +162,7 @@ def test_a_worker_that_cannot_fetch_waits_for_the_store_and_loads_once_it_is_bac
         r = infer(server.url)
         assert r.status_code == 200 and np.allclose(r.json()["outputs"][0]["data"], expected(0), atol=1e-4)
         assert "Traceback" not in (tmp_path / "worker.log").read_text()
+        wait_until(lambda: "can be read again" in server.logs(), 10, what="the control plane to say the store is back")
     finally:
         if worker is not None:
             worker.send_signal(signal.SIGTERM)

@@ -289,6 +289,8 @@ class ControlPlane:
         mode = self.settings.model_control_mode
         first = True
         pending: list[str] | None = None  # explicit mode: --load-model names the store kept from loading
+        failed = logs.Throttled(log, logging.ERROR)  # a store down for an hour: not a line every poll
+        down = False
         while not self._stop.is_set():
             try:
                 if mode == "explicit":
@@ -300,15 +302,18 @@ class ControlPlane:
                         return
                 else:
                     await self.sync_registry(first)
+                    if down:
+                        log.info("repository %s can be read again", self.registry.url)
+                        failed, down = logs.Throttled(log, logging.ERROR), False
                     if first:
                         await self._published()
                     first = False
                     if mode == "none" or not self.settings.repository_poll_secs:  # Triton's 0: no polls
                         return
             except DespinaError as exc:
-                self.registry_error = exc.message
-                log.error("repository %s: %s; models already loaded keep serving", self.registry.url,
-                          exc.message)
+                self.registry_error, down = exc.message, True
+                failed.log("repository %s: %s; models already loaded keep serving", self.registry.url,
+                           exc.message)
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: %s", trouble(exc))
             await self._sleep(self.settings.repository_poll_secs if mode == "poll" and not first else 2.0)
