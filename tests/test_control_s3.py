@@ -22,7 +22,7 @@ from despina.registry.transfer import push
 
 from .conftest import Server
 from .control_support import expected, index, infer, mlp_folder, wait_until, worker_hashes
-from .seaweed import Weed, start_weed
+from .seaweed import ACCESS_KEY, SECRET_KEY, Weed, start_weed
 
 
 class Load:
@@ -229,6 +229,33 @@ def test_the_index_answers_while_the_store_hangs(serve: Callable[..., Server], t
             r = httpx.post(f"{server.url}/v2/repository/index", timeout=60)
             assert r.status_code == 503, r.text
             assert "s3://models/hung did not list its models" in r.json()["error"], r.text
+
+
+def test_a_model_whose_files_the_store_refuses_says_why_and_is_tried_again(
+        serve: Callable[..., Server], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys that may list but not read: the model was marked UNAVAILABLE for good (its files taken for
+    bad); now it is tried again at each poll, and meanwhile the index says why."""
+    identities = {"identities": [
+        {"name": "admin", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+         "actions": ["Admin", "Read", "Write", "List"]},
+        {"name": "lister", "credentials": [{"accessKey": "lister", "secretKey": "lister-secret"}], "actions": ["List"]}]}
+    (tmp_path / "s3.json").write_bytes(orjson.dumps(identities))
+    weed = start_weed(tmp_path / "own-s3", 30.0, f"-s3.config={tmp_path / 's3.json'}")
+    for key, value in weed.env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        url = weed.url()
+        push(mlp_folder(tmp_path / "src"), url, weed.settings(), out=io.StringIO())
+        server = serve(url, "--model-control-mode", "poll", "--repository-poll-secs", "0.3", health="live",
+                       env={**weed.env, "AWS_ACCESS_KEY_ID": "lister", "AWS_SECRET_ACCESS_KEY": "lister-secret",
+                            "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+        row = wait_until(lambda: next((r for r in index(server.url) if r["name"] == "mlp" and "state" in r), None),
+                         30, what="the index to say why mlp cannot load")
+        assert row["state"] == "UNAVAILABLE" and "AccessDenied" in row["reason"], row
+        count = server.logs().count("AccessDenied")
+        wait_until(lambda: server.logs().count("AccessDenied") > count, 30, what="another try")
+    finally:
+        weed.stop()
 
 
 def test_a_repository_never_read_is_not_ready(serve: Callable[..., Server], tmp_path: Path) -> None:

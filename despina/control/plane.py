@@ -373,6 +373,8 @@ class ControlPlane:
                 except Unavailable as exc:  # the store, not the model: try again next time
                     self.registry_error = exc.message
                     log.error("model %s: %s; what is loaded keeps serving", name, exc.message)
+                    if self.catalog.get(name) is None:  # never read: the index says why, not just its name
+                        self.catalog.put(unavailable(files, exc.message))
                     continue
                 except DespinaError as exc:
                     log.error("%s", exc.message)
