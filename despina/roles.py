@@ -83,7 +83,7 @@ def run_gateway(settings: Settings) -> None:
                             timeout_graceful_shutdown=settings.drain_timeout_s)  # type: ignore[arg-type]
     sockets = [reuse_port_socket(settings.host, settings.http_port)] if settings.reuse_port else None
     quiet_collector()
-    Server(config, give_up=app.state.gateway.dispatcher.give_up,
+    Server(config, give_up=app.state.gateway.give_up,
            stopping=exit_if_stuck(settings)).run(sockets=sockets)
     if settings.colocate:
         _leave_stuck_threads()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import orjson
 import pytest
 import redis
 
+from despina.contract.keys import Keys
 from despina.embedded import free_port
 from despina.roles import STOP_MARGIN_S
 from despina.serve import SETTLED_S
@@ -183,6 +185,32 @@ def test_requests_still_waiting_as_the_drain_ends_are_answered_503(
     assert [r.status_code for r in answers] == [503] * 5
     assert all("no answer came within its drain time" in r.json()["error"] for r in answers)
     assert answers[0].headers["retry-after"] == "1"
+    server.process.wait(30)
+
+
+def test_control_calls_still_waiting_as_the_drain_ends_are_answered_503(
+        serve: Callable[..., Server], example_repository: Path, redis_url: str, key_prefix: str) -> None:
+    """A repository call waiting for the control plane (a load, the index, a wake) as the drain ended was
+    cut with the gateway (curl's "empty reply"): only inference requests were answered 503. Now both."""
+    server = serve(example_repository, env={"DESPINA_DRAIN_TIMEOUT_S": "3"}, wait_models=("mlp",))
+    (control,) = role_pids(server, "control")
+    client = redis.Redis.from_url(redis_url)
+    commands = Keys(key_prefix).control_commands
+    before = client.xlen(commands)
+    os.kill(control, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            index = pool.submit(httpx.post, f"{server.url}/v2/repository/index", timeout=60)
+            deadline = time.monotonic() + 30
+            while client.xlen(commands) == before and time.monotonic() < deadline:
+                time.sleep(0.05)  # the call waits for its answer now
+            server.process.send_signal(signal.SIGTERM)
+            answer = index.result(60)
+    finally:
+        os.kill(control, signal.SIGCONT)
+        client.close()
+    assert answer.status_code == 503, answer.text
+    assert "did not answer 'index' within its drain time" in answer.json()["error"]
     server.process.wait(30)
 
 

@@ -82,6 +82,12 @@ class Gateway:
         self._reporting: asyncio.Task[None] | None = None
         self._releasing: asyncio.Task[None] | None = None
 
+    def give_up(self) -> None:
+        """Shortly before the drain's time is spent (http_server.Server): what still waits, an inference
+        request or a call of the control plane, is answered 503 rather than cut."""
+        self.dispatcher.give_up()
+        self.view.control.give_up()
+
     async def start(self) -> None:
         if self.shm is not None and self._own_shm:
             self.shm.join()  # the first gateway of a server starts it with no regions, as Triton's starts

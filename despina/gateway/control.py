@@ -26,6 +26,7 @@ class ControlClient:
         self.redis = redis
         self.keys = keys
         self._turns = asyncio.Semaphore(CONCURRENT_CALLS)
+        self._stopping = asyncio.Event()  # give_up: the calls still waiting are answered now
 
     async def call(self, op: str, model: str = "", params: dict[str, Any] | None = None,
                    timeout: float = 60.0) -> Any:
@@ -41,8 +42,7 @@ class ControlClient:
             try:
                 await self.redis.xadd(self.keys.control_commands, {FIELD: command.dumps()},
                                       maxlen=COMMANDS_MAXLEN, approximate=True)
-                got = await self.redis.blpop([self.keys.control_reply(command.id)],
-                                             timeout=max(deadline - time.time(), 0.0) + 1.0)
+                got = await self._answer(command, deadline)
             except (RedisError, ConnectionError, OSError) as exc:
                 raise Unavailable(f"the control plane cannot be reached (Redis: {exc})") from None
         finally:
@@ -50,6 +50,27 @@ class ControlClient:
         if got is None:
             raise self._silent(op, timeout)
         return Answer.loads(cast(bytes, got[1])).result()
+
+    async def _answer(self, command: Command, deadline: float) -> Any:
+        """The command's answer (None: none came by its deadline), unless the gateway gives up first."""
+        reply = asyncio.ensure_future(self.redis.blpop([self.keys.control_reply(command.id)],
+                                                       timeout=max(deadline - time.time(), 0.0) + 1.0))
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((reply, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not reply.done():
+                reply.cancel()  # redis-py drops the connection it was read on
+        if not reply.done() or reply.cancelled():
+            raise Unavailable(f"the server is stopping, and the control plane did not answer '{command.op}' "
+                              "within its drain time (DESPINA_DRAIN_TIMEOUT_S)")
+        return reply.result()
+
+    def give_up(self) -> None:
+        """The drain's time is nearly spent: the calls still waiting (a load, a wake) are answered 503 rather
+        than left to a connection cut at the end; the control plane still does what they asked."""
+        self._stopping.set()
 
     @staticmethod
     def _silent(op: str, timeout: float) -> Unavailable:
