@@ -345,6 +345,26 @@ def test_a_version_folder_with_a_leading_zero_is_ignored(serve: Callable[..., Se
     assert r.json()["model_version"] == "1" and np.allclose(r.json()["outputs"][0]["data"], expected(0), atol=1e-4)
 
 
+def test_a_version_folder_whose_number_no_url_can_name_is_ignored(serve: Callable[..., Server],
+                                                                  repo: Path) -> None:
+    # a folder "99999999999999999999" (past int64, as Triton's stoll refuses it) used to be the latest
+    # version: the catalog could not be written (orjson: "Integer exceeds 64-bit range"), and every tick of
+    # the control plane failed from then on, for every model. The load API's file: entries made one too.
+    server = serve(repo, "--model-control-mode", "explicit")
+    huge, longest = "9" * 20, "1" * 19   # a URL's version has at most 18 digits (gateway/auth.py)
+    onnx = (repo / "mlp" / "1" / "model.onnx").read_bytes()
+    config = {"backend": "onnxruntime", "max_batch_size": 8, "version_policy": {"all": {}}}
+    files = {f"file:{v}/model.onnx": base64.b64encode(onnx).decode() for v in ("1", huge, longest)}
+    r = httpx.post(f"{server.url}/v2/repository/models/big/load",
+                   json={"parameters": {"config": orjson.dumps(config).decode(), **files}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [(r.get("version"), r.get("state")) for r in index(server.url) if r["name"] == "big"] == [("1", "READY")]
+    assert infer(server.url, "big").json()["model_version"] == "1"
+    r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load", timeout=60)  # the others load on
+    assert r.status_code == 200, r.text
+    assert load_model(repo / "big").versions == (1,)
+
+
 def test_a_config_without_platform_or_backend_gets_the_backend_from_the_model_file(tmp_path: Path) -> None:
     """Triton's auto-complete, as for a folder with no config.pbtxt: in a config.pbtxt or the load API's
     config, by model.onnx or by the config's default_model_filename. An ensemble still needs its platform."""

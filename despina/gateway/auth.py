@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from ..contract.errors import Code, ConfigError, DespinaError, InvalidArgument, NotFound
 from ..contract.modelconfig import check_model_name
+from ..registry.base import VERSION_DIGITS
 from ..settings import Settings
 from . import http
 from .http import Receive, Scope, Send
@@ -43,7 +44,7 @@ KEY_MODELS = "despina.key_models"  # in the ASGI scope: the models the caller's 
 
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")      # RFC 6750 b64token
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]+")  # RFC 9110 token
-_VERSION = re.compile(r"[0-9]{1,18}")
+_VERSION = re.compile(rf"[0-9]{{1,{VERSION_DIGITS}}}")
 _MODEL = r"(?P<model{i}>[^/]+)(?:/versions/(?P<version{i}>[^/]+))?"
 ROUTES: tuple[tuple[str, str], ...] = (  # (path pattern, API group); the router's routes, most used first
     (rf"/v2/models/{_MODEL}/infer", "inference"),
@@ -107,7 +108,7 @@ def check_target(target: Target) -> None:
         check_model_name(target.model)
     if target.version is not None and not _VERSION.fullmatch(target.version):
         shown = target.version if len(target.version) <= 32 else target.version[:32] + "..."
-        raise InvalidArgument(f"model version {shown!r} is not a number (1 to 18 digits)")
+        raise InvalidArgument(f"model version {shown!r} is not a number (1 to {VERSION_DIGITS} digits)")
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,16 @@ class FileInfo:
         return (self.path, self.size, self.etag)
 
 
+# The most digits of a version: what a URL may name (gateway/auth.py). Past int64 Triton's stoll refuses a
+# folder, and Despina's catalog (JSON, msgpack) cannot hold the number.
+VERSION_DIGITS = 18
+
+
 def is_version(folder: str) -> bool:
     """A version folder's name: ASCII digits (str.isdigit() also takes '²', which int() refuses), with no
-    leading zero: Triton ignores '01', which would else be a second version 1."""
-    return folder.isascii() and folder.isdigit() and (folder == "0" or not folder.startswith("0"))
+    leading zero: Triton ignores '01', which would else be a second version 1; and at most VERSION_DIGITS."""
+    return (folder.isascii() and folder.isdigit() and len(folder) <= VERSION_DIGITS
+            and (folder == "0" or not folder.startswith("0")))
 
 
 @dataclass(frozen=True)
