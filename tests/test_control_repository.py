@@ -365,6 +365,20 @@ def test_a_version_folder_whose_number_no_url_can_name_is_ignored(serve: Callabl
     assert load_model(repo / "big").versions == (1,)
 
 
+def test_a_config_that_is_not_utf8_leaves_its_model_unavailable_and_the_others_serving(
+        serve: Callable[..., Server], repo: Path) -> None:
+    # a Latin-1 comment used to raise UnicodeDecodeError out of the control plane's look at the repository:
+    # its loop ended without a word, the models after it were never read and the server never got ready
+    shutil.copytree(repo / "mlp", repo / "latin")
+    (repo / "latin" / "config.pbtxt").write_bytes(
+        b"# caf\xe9\n" + MLP_CONFIG.format(name="latin", extra="", delay_us=100).encode())
+    with pytest.raises(ConfigError, match=r"model 'latin': config.pbtxt is not UTF-8 text \(line 1, byte 5\)"):
+        load_model(repo / "latin")
+    server = serve(repo, wait_models=("add_sub", "mlp"))
+    row = next(r for r in index(server.url) if r["name"] == "latin")
+    assert row["state"] == "UNAVAILABLE" and "config.pbtxt is not UTF-8 text" in row["reason"], row
+
+
 def test_a_config_without_platform_or_backend_gets_the_backend_from_the_model_file(tmp_path: Path) -> None:
     """Triton's auto-complete, as for a folder with no config.pbtxt: in a config.pbtxt or the load API's
     config, by model.onnx or by the config's default_model_filename. An ensemble still needs its platform."""

@@ -54,8 +54,17 @@ def check_model_name(name: str) -> str:
     return name
 
 
-def parse_text(model: str, text: str) -> Any:
-    """config.pbtxt text -> ModelConfig; a syntax error names the model, line, column and field."""
+def parse_text(model: str, text: str | bytes) -> Any:
+    """config.pbtxt text (or its bytes, UTF-8) -> ModelConfig; a syntax error names the model, line, column
+    and field."""
+    if isinstance(text, bytes):
+        raw = text
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:  # a Latin-1 comment, a UTF-16 file from a Windows editor
+            line = raw.count(b"\n", 0, exc.start) + 1
+            raise ConfigError(f"model '{model}': config.pbtxt is not UTF-8 text (line {line}, byte "
+                              f"{exc.start})") from None
     try:
         return text_format.Parse(text, ModelConfig())
     except text_format.ParseError as exc:

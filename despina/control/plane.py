@@ -316,6 +316,8 @@ class ControlPlane:
                            exc.message)
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: %s", trouble(exc))
+            except Exception:  # a bug must not end the registry's loop without a word
+                log.exception("control: a look at the repository failed")
             await self._sleep(self.settings.repository_poll_secs if mode == "poll" and not first else 2.0)
 
     async def _published(self) -> None:
@@ -379,6 +381,9 @@ class ControlPlane:
                 except DespinaError as exc:
                     log.error("%s", exc.message)
                     entry = unavailable(files, exc.message)
+                except Exception as exc:  # a bug, or a file that cannot be read: this model only
+                    log.exception("model %s cannot be read", name)
+                    entry = unavailable(files, f"model '{name}' cannot be read: {exc}")
                 old = self.catalog.get(name)
                 target = old.target if old is not None and old.state == "READY" else LOADED
                 self.lifecycle.forget(name)

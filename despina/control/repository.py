@@ -56,7 +56,7 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
         config = parse_json(name, override)
     elif "config.pbtxt" in paths:
         shared = registry.folder(model, [])
-        config = parse_text(name, (shared / "config.pbtxt").read_text())
+        config = parse_text(name, (shared / "config.pbtxt").read_bytes())
     else:
         config = ModelConfig()
     if not config.platform and not config.backend:  # Triton's auto-complete: from the model file

@@ -328,8 +328,8 @@ def _is_ensemble(folder: Path) -> bool:
     if not config.is_file():
         return False
     try:
-        parsed = parse_text(folder.name, config.read_text())
-    except (DespinaError, OSError, UnicodeDecodeError):
+        parsed = parse_text(folder.name, config.read_bytes())
+    except (DespinaError, OSError):
         return False  # not this one: its own load says what is wrong with it
     return PLATFORM in (parsed.platform, parsed.backend)
 

@@ -133,11 +133,7 @@ def push(folder: str | Path, url: str, settings: Settings, version: int | None =
     config = folder / "config.pbtxt"
     ensemble, renamed = False, None
     if config.exists():
-        try:
-            text = config.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"model '{name}': config.pbtxt is not UTF-8 text (byte {exc.start})") from None
-        parsed = parse_text(name, text)  # a typo fails here, not on every worker
+        parsed = parse_text(name, config.read_bytes())  # a typo fails here, not on every worker
         if parsed.name and parsed.name != name:
             if not rename:
                 raise ConfigError(f"model '{name}': field 'name' is '{parsed.name}', the folder is '{name}'")
