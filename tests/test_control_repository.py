@@ -155,6 +155,21 @@ def test_load_can_carry_the_model_files(serve: Callable[..., Server], repo: Path
     assert httpx.post(f"{server.url}/v2/repository/models/uploaded/load", timeout=60).status_code == 200
 
 
+def test_a_file_entry_that_cannot_be_a_file_of_the_model_is_a_400(serve: Callable[..., Server], repo: Path) -> None:
+    # these used to answer 500 ("control plane: load failed: embedded null byte", "[Errno 21] Is a directory",
+    # ...), and a name too long left its new version folder behind, empty: the next load took it for the latest
+    server = serve(repo, "--model-control-mode", "explicit")
+    config = orjson.dumps({"name": "add_sub", "platform": "onnxruntime_onnx", "max_batch_size": 8}).decode()
+    before = sorted(p.relative_to(repo).as_posix() for p in (repo / "add_sub").rglob("*"))
+    for path, words in (("1/a\0b", "invalid file path"), ("1", "Is a directory"),
+                        ("1/model.onnx/x", "Not a directory"), ("2/" + "x" * 300, "File name too long")):
+        r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load", timeout=30,
+                       json={"parameters": {"config": config, f"file:{path}": "AAAA"}})
+        assert r.status_code == 400 and words in r.json()["error"], (path, r.text)
+    assert sorted(p.relative_to(repo).as_posix() for p in (repo / "add_sub").rglob("*")) == before
+    assert httpx.post(f"{server.url}/v2/repository/models/add_sub/load", timeout=60).status_code == 200
+
+
 def test_a_load_parameter_triton_does_not_know_is_refused(serve: Callable[..., Server], repo: Path) -> None:
     # as Triton's ("Unrecognized load parameter"): a misspelt "config" used to be ignored, and the model
     # loaded from the repository's own config with a 200

@@ -128,9 +128,10 @@ class Registry:
 
 
 def check_relative(path: str) -> str:
-    """A path inside a model folder: nothing absolute, nothing that climbs out."""
+    """A path inside a model folder: nothing absolute, nothing that climbs out, no NUL (no file system
+    takes one)."""
     parts = path.replace("\\", "/").split("/")
-    if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+    if not path or path.startswith("/") or "\0" in path or any(p in ("", ".", "..") for p in parts):
         from ..contract.errors import InvalidArgument
 
         raise InvalidArgument(f"invalid file path '{path}' in a model folder")

@@ -1,13 +1,14 @@
 """A model repository on local disk: the folder itself is what backends load."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..contract.errors import ConfigError
+from ..contract.errors import ConfigError, InvalidArgument
 from .base import FileInfo, ModelFiles, Progress, Registry, check_relative
 
 
@@ -56,29 +57,33 @@ class LocalRegistry(Registry):
 
     def put(self, name: str, path: str, data: bytes) -> None:
         target = self.root / name / check_relative(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".despina-")
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, target)  # a reader sees the old file or the new one, never half of one
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".despina-")
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+                os.replace(tmp, target)  # a reader sees the old file or the new one, never half of one
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as exc:
+            _prune(self.root / name, target)  # the folders made for it: an empty "2/" would be a version
+            raise unfit(name, path, exc) from None
 
     def get(self, name: str, path: str) -> bytes | None:
         try:
             return (self.root / name / check_relative(path)).read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise unfit(name, path, exc) from None
 
     def delete(self, name: str, path: str) -> None:
         folder = self.root / name
         target = folder / check_relative(path)
         target.unlink(missing_ok=True)
-        for parent in target.parents:  # the folders the file was the last of, up to the model's own
-            if not parent.is_relative_to(folder):
-                break
-            if parent.is_dir():
-                if any(parent.iterdir()):
-                    break
-                parent.rmdir()
+        _prune(folder, target)
 
     def upload(self, name: str, path: str, source: Path, progress: Progress | None = None) -> FileInfo:
         target = self.root / name / check_relative(path)
@@ -91,3 +96,22 @@ class LocalRegistry(Registry):
             progress(source.stat().st_size)
         st = target.stat()
         return FileInfo(path, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")
+
+
+def _prune(folder: Path, target: Path) -> None:
+    """Remove the folders `target` was the last thing in, up to the model's own `folder`."""
+    for parent in target.parents:
+        if not parent.is_relative_to(folder):
+            break
+        if parent.is_dir():
+            if any(parent.iterdir()):
+                break
+            parent.rmdir()
+
+
+def unfit(name: str, path: str, exc: OSError) -> Exception:
+    """A path that cannot be a file of the model's folder (a folder is there, a file stands where a folder
+    must, a name too long) is the caller's mistake, said as such; any other failure (a full disk) is not."""
+    if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG):
+        return InvalidArgument(f"'{path}' cannot be a file of model '{name}': {exc.strerror}")
+    return exc
