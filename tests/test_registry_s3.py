@@ -168,6 +168,22 @@ def test_a_file_changed_after_the_listing_is_never_half_loaded(s3_env: Weed, tmp
     assert (registry.folder(registry.model("mlp"), [1]) / "1" / "model.onnx").read_bytes() == b"replaced"
 
 
+def test_a_key_that_is_both_a_file_and_a_folder_is_the_models_fault_not_the_stores(s3_env: Weed,
+                                                                                  tmp_path: Path) -> None:
+    # keys 'mlp/1' and 'mlp/1/model.onnx' (an object store takes both) used to fail the cache's folder as
+    # "registry ...: [Errno 17] File exists: .../cache/tmp/mlp-.../1", an Unavailable: the control plane
+    # took it for the store failing and tried again at every look
+    url = s3_env.url()
+    push(mlp_folder(tmp_path / "src"), url, s3_env.settings(), out=io.StringIO())
+    bucket, key = url[5:].split("/", 1)
+    s3_env.client().put_object(Bucket=bucket, Key=f"{key}/mlp/1", Body=b"a file named like the folder")
+    registry = S3Registry(url, s3_env.settings(), ArtifactCache(tmp_path / "cache"))
+    with pytest.raises(DespinaError, match="model 'mlp': '1' is both a file and a folder in the registry") as info:
+        registry.folder(registry.model("mlp"), [1])
+    assert not isinstance(info.value, Unavailable)
+    assert not any((tmp_path / "cache" / "tmp").iterdir())
+
+
 def test_an_unreachable_store_is_a_clear_error(tmp_path: Path, s3_env: Weed) -> None:
     from despina.embedded import free_port
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..contract.errors import InvalidArgument
 from .base import FileInfo, check_relative, digest
 
 if TYPE_CHECKING:
@@ -73,8 +74,15 @@ class ArtifactCache:
 
     def folder(self, name: str, files: Sequence[FileInfo], download: Download) -> Path:
         """The local folder holding exactly `files`, fetching the ones not cached yet."""
+        paths = {f.path for f in files}
         for f in files:  # a store keeps keys as written: 'mlp//model.onnx' lists as '/model.onnx'
             check_relative(f.path)
+            folder = f.path.rpartition("/")[0]
+            while folder:  # keys 'mlp/1' and 'mlp/1/model.onnx' both: no disk holds that
+                if folder in paths:
+                    raise InvalidArgument(f"model '{name}': '{folder}' is both a file and a folder in the "
+                                          "registry")
+                folder = folder.rpartition("/")[0]
         final = self.models / name / digest(f.pack() for f in files)
         if final.is_dir():
             touch(final)
