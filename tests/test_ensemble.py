@@ -237,6 +237,10 @@ def repo(example_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                                                          {"sum": "OUT"})))
     write(root, "unpinned", ensemble_config("unpinned", step("add_sub", {"a": "IN0", "b": "IN1"},
                                                              {"sum": "OUT"}, version=7)))
+    # an ensemble that calls itself, and two that call each other
+    write(root, "loop", ensemble_config("loop", step("loop", {"IN0": "IN0", "IN1": "IN1"}, {"OUT": "OUT"})))
+    write(root, "ping", ensemble_config("ping", step("pong", {"IN0": "IN0", "IN1": "IN1"}, {"OUT": "OUT"})))
+    write(root, "pong", ensemble_config("pong", step("ping", {"IN0": "IN0", "IN1": "IN1"}, {"OUT": "OUT"})))
     return root
 
 
@@ -417,6 +421,20 @@ def test_an_ensemble_calling_a_missing_model_is_unavailable_with_the_reason(serv
     for name in ("mlp_classify", "diamond", "nested"):
         assert next(r for r in index(server.url) if r["name"] == name)["state"] == "READY"
         assert httpx.get(f"{server.url}/v2/models/{name}/ready").status_code == 200
+
+
+def test_ensembles_in_a_cycle_say_so_and_their_reason_stays_put(server: Server) -> None:
+    # once one of them was marked failed, the other named that failure ("model 'ping' failed to load: step
+    # 1 (model 'pong'): model 'pong' failed to load: ..."), one level deeper at every tick of the control
+    # plane: the reason (catalog, index, log lines) grew without end
+    def reasons() -> dict[str, str]:
+        return {r["name"]: r.get("reason", "") for r in index(server.url) if r["name"] in ("loop", "ping", "pong")}
+
+    first = reasons()
+    time.sleep(2.5)  # a few ticks
+    assert reasons() == first
+    assert first == {name: f"step 1 (model '{called}'): the ensembles call each other in a cycle"
+                     for name, called in (("loop", "loop"), ("ping", "pong"), ("pong", "ping"))}
 
 
 def test_the_status_page_and_metrics_show_ensembles(server: Server, request: pytest.FixtureRequest) -> None:

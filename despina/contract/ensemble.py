@@ -195,6 +195,16 @@ class Ensemble:
                         f"makes {list(_full(got, batched))}")
         return ""
 
+    def cycle(self, lookup: Callable[[str], tuple[ModelSpec | None, str]]) -> str:
+        """Why the ensemble cannot serve because it calls itself through the ensembles its steps call (''
+        when it does not). `lookup` should give the spec of every model in the catalog, usable or not:
+        judged through the usable ones only, a cycle hides behind the failure it causes its members."""
+        for step in self.steps:
+            spec, _ = lookup(step.model)
+            if spec is not None and is_ensemble(spec.config) and self._reaches(step.model, lookup):
+                return f"{step}: the ensembles call each other in a cycle"
+        return ""
+
     def _reaches(self, start: str, lookup: Callable[[str], tuple[ModelSpec | None, str]]) -> bool:
         """Whether the ensemble `start`, or an ensemble it calls, calls this one."""
         seen: set[str] = set()

@@ -41,7 +41,7 @@ class Ensembles:
                 continue
             try:
                 ensemble = self.graph(e)
-                why = ensemble.problems(self._spec(e), self._usable) \
+                why = ensemble.cycle(self._parsed) or ensemble.problems(self._spec(e), self._usable) \
                     or self._pinned_versions(ensemble)
             except DespinaError as exc:
                 why = exc.message
@@ -52,6 +52,12 @@ class Ensembles:
                 else:
                     log.info("ensemble %s: every model it calls is there", e.name)
                 self.catalog.put(replace(e, failed=failed))
+
+    def _parsed(self, name: str) -> tuple[ModelSpec | None, str]:
+        """A model's spec whenever its config could be read, failed or not (cycles are in the configs:
+        through _usable, each ensemble of one would name the other's failure, nested one deeper each tick)."""
+        e = self.catalog.get(name)
+        return (self._spec(e), "") if e is not None and e.state == "READY" else (None, "")
 
     def _usable(self, name: str) -> tuple[ModelSpec | None, str]:
         e = self.catalog.get(name)
