@@ -73,6 +73,16 @@ def test_push_refuses_a_version_below_1(tmp_path: Path, version: int) -> None:
         plan(folder, version)
 
 
+def test_push_refuses_a_version_of_more_than_18_digits(tmp_path: Path) -> None:
+    """Registries skip such a version folder (no URL can name it): the push said the folder "holds no model
+    files to push"."""
+    folder = mlp_folder(tmp_path / "src")
+    r = subprocess.run([sys.executable, "-m", "despina", "push", str(folder), str(tmp_path / "registry"),
+                        f"--version={10**18}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "a version has at most 18 digits" in r.stderr, r.stderr
+    assert [p.path for p in plan(folder, 10**18 - 1)] == [f"{10**18 - 1}/model.onnx", "config.pbtxt"]
+
+
 def test_push_follows_a_symlinked_version_folder_and_refuses_a_broken_link(tmp_path: Path) -> None:
     """A version folder linked from a build's output was skipped (rglob does not follow links to folders):
     `push` said "pushed mlp version 1" without version 2, or "holds no model files" with it alone. A link

@@ -15,7 +15,7 @@ from ..contract.errors import ConfigError, InvalidArgument
 from ..contract.modelconfig import check_model_name, parse_text
 from ..settings import Settings
 from . import open_registry
-from .base import FileInfo, ModelFiles, Registry, is_version
+from .base import VERSION_DIGITS, FileInfo, ModelFiles, Registry, is_version
 
 SHARED_DIRS = ("warmup",)  # folders that stay beside the versions when a flat folder is pushed
 
@@ -34,6 +34,9 @@ def plan(folder: Path, version: int | None, ensemble: bool = False) -> list[Plan
     if version is not None and version < 1:  # `version or 1` would make 0 version 1, over what that holds
         raise InvalidArgument(f"version {version}: versions are numbered from 1 (a version folder 0 is "
                               "skipped, as Triton skips it)")
+    if version is not None and not is_version(str(version)):
+        raise InvalidArgument(f"version {version}: a version has at most {VERSION_DIGITS} digits (a longer "
+                              "version folder is skipped)")
     files = sorted(_files(folder))
     rel = [(p, p.relative_to(folder).as_posix()) for p in files]
     tops = {r.split("/", 1)[0] for _, r in rel if "/" in r}
