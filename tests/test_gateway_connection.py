@@ -1,8 +1,8 @@
 """The gateway's connections on the wire (gateway/connection.py), over raw sockets: read timeouts (408) on
 the infer routes answered outside ASGI and on the Starlette routes, what they leave alone (a request
 waiting for its answer, a slow but steady client, the keep-alive idle), an error that ends a pipelined
-connection after the answers owed before it, and the lingering close that lets a client still sending
-read its error answer."""
+connection after the answers owed before it, the lingering close that lets a client still sending read its
+error answer, and the answers owed to a client that half-closes."""
 from __future__ import annotations
 
 import socket
@@ -200,3 +200,35 @@ def test_a_client_still_sending_reads_its_error_answer(server: Server) -> None:
             sock.sendall(request)
             sock.shutdown(socket.SHUT_WR)
             last_word(Reader(sock), status, words)
+
+
+def test_a_client_that_half_closes_still_reads_its_answers(server: Server) -> None:
+    """A client that shuts down its sending side once its requests are sent (HTTP/1.0 clients, `nc -N`, some
+    proxies) gets the answers owed to them, the last saying `connection: close`, then the end of the
+    connection; a request it cut short gets 400. The gateway closed at the client's EOF, and the answers were
+    lost."""
+    staggered = (post(HOT, infer(0.3), "x-request-id: a"), post(ASGI, infer(), "x-request-id: b"))
+    for parts, ids in (((post(HOT, infer(0.2), "x-request-id: a"),), "a"),
+                       ((post(ASGI, infer(0.2), "x-request-id: a"),), "a"),
+                       ((post("/fn/sleepy", b'{"x": [0.2]}', "x-request-id: a", version="1.0"),), "a"),
+                       (staggered, "ab"), ((staggered[0] + LIVE + staggered[1],), "a-b")):
+        with connect(server) as sock:
+            for part in parts:  # the second once the first waits for its answer
+                sock.sendall(part)
+                time.sleep(0.1)
+            sock.shutdown(socket.SHUT_WR)
+            reader = Reader(sock)
+            for want in ids:
+                status, headers, body = reader.response()
+                assert (status, headers.get("x-request-id", "-")) == (200, want), (parts, body)
+            assert headers.get("connection") == "close", parts
+            assert reader.closed(), parts
+    for path in (HOT, ASGI):
+        request = post(path, infer(0.2), "x-request-id: a")
+        for cut in (request[:30], request[:-5]):  # in its head, in its body: after the answer owed before it
+            with connect(server) as sock:
+                sock.sendall(request + cut)
+                sock.shutdown(socket.SHUT_WR)
+                reader = Reader(sock)
+                assert reader.response()[0] == 200
+                last_word(reader, 400, "the client closed its side before the request was complete")

@@ -16,7 +16,9 @@ then resets the connection and the client may never read the answer. Here, as ng
   before it;
 - a connection that ends while the client may still be sending closes lingering: the gateway shuts down
   its side, reads and drops what still comes, and closes once the client closes, goes quiet for
-  LINGER_IDLE_S, or LINGER_S have passed.
+  LINGER_IDLE_S, or LINGER_S have passed;
+- a client that shuts down its sending side (a half-close) still gets the answers owed to the requests
+  it sent whole, and the connection closes after them (a request it cut short is answered 400).
 
 The subclass (protocol.GatewayProtocol) has the parser's callbacks keep `_head_open` (a request's head is
 being read) and `_body_open` (its body is).
@@ -42,6 +44,7 @@ HEAD_MAX = 64 * 1024
 HEAD_TOO_LARGE = b'{"error":"the request line and headers are over the limit of %d bytes"}' % HEAD_MAX
 LINGER_S = 30.0      # the longest a connection lingers (nginx's lingering_time)
 LINGER_IDLE_S = 5.0  # ... and how long it waits for more from the client (nginx's lingering_timeout)
+CUT_SHORT = b'{"error":"malformed HTTP request: the client closed its side before the request was complete"}'
 
 
 class LastWord:
@@ -74,6 +77,7 @@ class ConnectionProtocol(HttpToolsProtocol):
     _ended = False      # no more requests are read: an answer that ends the connection is on its way
     _lingering = False
     _linger_until = 0.0
+    _eof = False        # the client has shut down its sending side: nothing more comes
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -99,6 +103,26 @@ class ConnectionProtocol(HttpToolsProtocol):
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio.Protocol's, not uvicorn's None
+        """The client sends no more: a half-close (shutdown(SHUT_WR): HTTP/1.0 clients, `nc -N`, some
+        proxies), which says that the client has sent all it will, not that it has stopped listening (RFC 9112
+        §9.6 as the HTTP WG clarified it). The answers owed to the requests it sent whole still go, and the
+        connection closes after the last one. uvicorn closed the connection here, and the answers were lost.
+        (A client that closed outright makes the first answer written fail, as before.)"""
+        self._eof = True
+        cycle = self.cycle
+        if self._lingering:
+            return None  # the end that a lingering close waits for
+        if self._head_open or (self._body_open and cycle is not None and not cycle.response_complete):
+            self._last_word(400, CUT_SHORT)  # a request that can never be whole
+        elif self._ended:
+            pass  # an answer that ends the connection is on its way (_linger closes after it)
+        elif cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False  # the last request read is answered last: its answer ends the connection
+        else:
+            return None  # nothing owed: close
+        return True  # keep the connection open for writing
 
     def _guarded(self, data: bytes) -> None:
         """A read while a request's head is open, or once the connection has ended. uvicorn's protocol read a
@@ -212,7 +236,7 @@ class ConnectionProtocol(HttpToolsProtocol):
             return
         self._ended = self._lingering = True
         self._stop_read_timer()
-        if not transport.can_write_eof():
+        if self._eof or not transport.can_write_eof():  # (the client has already closed its side)
             transport.close()
             return
         transport.write_eof()  # once what is written has gone: the client reads its answer, then the end
