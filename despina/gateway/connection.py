@@ -39,12 +39,16 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from . import http
 
-# A request's line and headers, at most (those read after the data they began in: that data is not counted)
+# A request's line and headers, at most (its method aside)
 HEAD_MAX = 64 * 1024
 HEAD_TOO_LARGE = b'{"error":"the request line and headers are over the limit of %d bytes"}' % HEAD_MAX
 LINGER_S = 30.0      # the longest a connection lingers (nginx's lingering_time)
 LINGER_IDLE_S = 5.0  # ... and how long it waits for more from the client (nginx's lingering_timeout)
 CUT_SHORT = b'{"error":"malformed HTTP request: the client closed its side before the request was complete"}'
+
+
+class HeadTooLarge(Exception):
+    """Raised from the parser's callback for a head that came whole in one read, over HEAD_MAX."""
 
 
 class LastWord:
@@ -67,9 +71,10 @@ class ConnectionProtocol(HttpToolsProtocol):
     cycle: Any  # uvicorn's RequestResponseCycle, or the subclass's request in its place
 
     _head_open = False  # a request's head is being read
-    _head_size = 0      # its bytes read after the data it began in (0: it began in the last read)
+    _head_size = 0      # its bytes so far (0: it began in the last read, not yet counted)
     _head_at = 0.0      # when its first byte was read
     _body_open = False  # a request's body is being read
+    _big_read = False   # the read being parsed is larger than HEAD_MAX: a head may come whole in it, over it
     _read_at = 0.0      # the last read (while a request was incomplete, or lingering)
     _read_timer: asyncio.TimerHandle | None = None
     _read_timer_at = math.inf  # when it fires
@@ -86,16 +91,25 @@ class ConnectionProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._head_open or self._ended:
             self._guarded(data)
+        elif len(data) > HEAD_MAX:  # the protocol's on_headers_complete checks each head that ends in it
+            self._big_read = True
+            try:
+                self._feed(data)
+            finally:
+                self._big_read = False
         else:
             self._feed(data)
         if self._head_open or self._body_open:
-            self._reading()
+            self._reading(data)
 
     def _feed(self, data: bytes) -> None:
         self._idle_since = None  # busy: the keep-alive timer, when it fires, leaves the connection open
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, HeadTooLarge):  # raised by a callback (the parser wraps it)
+                self._last_word(431, HEAD_TOO_LARGE)
+                return
             self.logger.warning("Invalid HTTP request received.")
             self._last_word(400, orjson.dumps({"error": f"malformed HTTP request: {exc}"}))
         except httptools.HttpParserUpgrade:
@@ -137,23 +151,45 @@ class ConnectionProtocol(HttpToolsProtocol):
         if len(data) <= room:
             self._feed(data)
             return
-        self._feed(data[:room])  # the head may end in it, and what follows is a body
+        self._feed(data[:room])  # the head may end in it, and what follows is a body, or more requests
         if self._ended or self.transport.is_closing():  # a malformed head: answered 400
             return
         if self._head_open:
+            if self._head_size:  # the same head, still open
+                self._last_word(431, HEAD_TOO_LARGE)
+                return
+            self._head_began(self.loop.time(), data, room)  # another request's, begun in the part
+            if self._ended:
+                return
+        self.transport.get_protocol().data_received(data[room:])  # type: ignore[attr-defined]  # ours, or an upgrade's
+
+    def _head_began(self, now: float, data: bytes, end: int) -> None:
+        """A request's head began in data[:end] (a read, or its part fed last), and is still open: its header
+        time starts, and its size is what of it came: from its request line (found by its URL, after which an
+        open head has no blank line) to `end`, or, its request line incomplete, its URL so far."""
+        self._head_at = now
+        at = data.rfind(self.url + b" HTTP/", 0, end) if self.url else -1
+        self._head_size = end - at if at >= 0 and data.find(b"\r\n\r\n", at, end) < 0 else len(self.url)
+        if self._head_size >= HEAD_MAX:  # (a read larger than the limit)
             self._last_word(431, HEAD_TOO_LARGE)
-        else:
-            self.transport.get_protocol().data_received(data[room:])  # type: ignore[attr-defined]  # ours, or an upgrade's
+
+    def _check_head(self) -> None:
+        """Raise HeadTooLarge for a head over HEAD_MAX (the protocol calls this for the heads that end in a
+        read larger than that: one that came whole in it was not counted)."""
+        if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > HEAD_MAX:
+            raise HeadTooLarge
 
     # The read timeouts: one timer, armed when a read leaves a request incomplete and moved only when the
     # deadline comes nearer; a timer that fires early (the body came on meanwhile) sets itself again.
-    def _reading(self) -> None:
+    def _reading(self, data: bytes) -> None:
         if self._ended:
             return
         now = self._read_at = self.loop.time()
         if self._head_open:
             if self._head_size == 0:  # its first byte came in this read
-                self._head_at = now
+                self._head_began(now, data, len(data))
+                if self._ended:
+                    return
             deadline = self._head_at + self.header_timeout
         else:
             deadline = now + self.body_timeout

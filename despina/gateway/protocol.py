@@ -123,6 +123,8 @@ class GatewayProtocol(ConnectionProtocol):
             cycle.transport = ClosingTransport(self)
 
     def on_headers_complete(self) -> None:
+        if self._big_read:  # (connection.py)
+            self._check_head()
         self._head_open = False
         self._body_open = True
         # a request answered while its buffer was parsed armed the keep-alive timer: this one is next
