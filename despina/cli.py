@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
                              "byte (default 30; then 408)")
         sp.add_argument("--body-timeout", dest="body_timeout_s", type=float,
                         help="seconds a request's body may pause between two reads (default 30; then 408)")
+        sp.add_argument("--write-timeout", dest="write_timeout_s", type=float,
+                        help="seconds a client may leave the answers owed to it unread before its "
+                             "connection is cut (default 60)")
         sp.add_argument("--api-keys-file", dest="api_keys_file",
                         help="API keys, one a line: KEY or KEY: model1,model2 (keys themselves only "
                              "through this file or $DESPINA_API_KEYS, never on the command line)")

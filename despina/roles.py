@@ -72,7 +72,8 @@ def run_gateway(settings: Settings) -> None:
         app = create_app(settings, alongside=alongside)
     except ConfigError as exc:  # a key file it cannot read, a bad key: one line, as a taken port says it
         raise SystemExit(f"gateway: {exc.message}") from None
-    protocol = protocol_class(app.state.hot_routes, settings.header_timeout_s, settings.body_timeout_s)
+    protocol = protocol_class(app.state.hot_routes, settings.header_timeout_s, settings.body_timeout_s,
+                              settings.write_timeout_s)
     config = uvicorn.Config(app, host=settings.host, port=settings.http_port,
                             loop="uvloop", http=protocol, lifespan="on",
                             access_log=False,

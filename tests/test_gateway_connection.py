@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 import pytest
@@ -16,6 +17,7 @@ from .conftest import EMBEDDED, Server, module_server
 from .test_gateway_http import Reader, connect, post
 
 HEADER_S = BODY_S = 2.0  # this module's server's read timeouts (its keep-alive timeout is uvicorn's 5 s)
+WRITE_S = 1.0            # and its write timeout
 LIMIT = 100_000          # and its body limit
 
 # answers x, after sleeping x[0] seconds: a request that waits for its answer longer than the timeouts
@@ -38,6 +40,18 @@ max_batch_size: 0
 input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]
 output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]
 """
+# answers x[0] zeros: an answer as large as the client asks (4 bytes in JSON each)
+WIDE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "y", np.zeros(int(pb_utils.get_input_tensor_by_name(r, "x").as_numpy().flat[0]), np.float32))])
+            for r in requests]
+"""
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +60,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (repo / "sleepy" / "1").mkdir(parents=True)
     (repo / "sleepy" / "1" / "model.py").write_text(SLEEPY)
     (repo / "sleepy" / "config.pbtxt").write_text(CONFIG)
-    yield from module_server(repo, tmp_path_factory, redis_url, ("sleepy",),
+    (repo / "wide" / "1").mkdir(parents=True)
+    (repo / "wide" / "1" / "model.py").write_text(WIDE)
+    (repo / "wide" / "config.pbtxt").write_text(CONFIG.replace('"y", data_type: TYPE_FP32, dims: [1]',
+                                                                '"y", data_type: TYPE_FP32, dims: [-1]'))
+    yield from module_server(repo, tmp_path_factory, redis_url, ("sleepy", "wide"),
                              env={"DESPINA_HEADER_TIMEOUT_S": str(HEADER_S), "DESPINA_BODY_TIMEOUT_S": str(BODY_S),
-                                  "DESPINA_MAX_BODY_BYTES": str(LIMIT)}, use_redis=not EMBEDDED)
+                                  "DESPINA_WRITE_TIMEOUT_S": str(WRITE_S), "DESPINA_MAX_BODY_BYTES": str(LIMIT)},
+                             use_redis=not EMBEDDED)
 
 
 def infer(seconds: float = 0.0) -> bytes:
@@ -269,3 +288,33 @@ def test_the_head_limit_holds_wherever_reads_begin_and_end(server: Server) -> No
         for at in range(601):
             status, _, body = reader.response()
             assert status == 200, (at, body)
+
+
+def test_a_client_that_reads_nothing_is_cut_after_the_write_timeout(server: Server) -> None:
+    """A client that leaves its answers unread once the socket buffers are full (here: answers larger than
+    the kernel's buffers can grow) has its connection cut once nothing has been sent to it for the write
+    timeout (checked every write timeout: within twice that), whether the connection is kept alive or
+    closing after its answer (HTTP/1.0); what the kernel had taken still comes, then the end. Before, the
+    gateway held the connection, the answers it owed and the requests pipelined behind them for as long as
+    the client kept its socket open. A client that reads slowly but steadily is not cut."""
+    kernel = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2]) \
+        + int(Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()[1])
+    zeros = (kernel + 1_000_000) // 4  # "0.0," each
+    wide = orjson.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [zeros]}]})
+    for requests in (post("/v2/models/wide/infer", wide) * 3, post("/v2/models/wide/infer", wide, version="1.0")):
+        with connect(server) as sock:
+            sock.sendall(requests)
+            time.sleep(3 * WRITE_S)
+            sock.settimeout(30)
+            with pytest.raises(AssertionError, match="connection closed mid-body"):
+                Reader(sock).response()
+    with connect(server) as sock:  # 640 KB/s
+        sock.sendall(post("/v2/models/wide/infer", wide))
+        read, until = b"", time.monotonic() + 3 * WRITE_S
+        while time.monotonic() < until:
+            read += sock.recv(65536)
+            time.sleep(0.1)
+        reader = Reader(sock)
+        reader.buf = read
+        status, _, body = reader.response()
+        assert (status, orjson.loads(body)["outputs"][0]["shape"]) == (200, [zeros])

@@ -18,7 +18,12 @@ then resets the connection and the client may never read the answer. Here, as ng
   its side, reads and drops what still comes, and closes once the client closes, goes quiet for
   LINGER_IDLE_S, or LINGER_S have passed;
 - a client that shuts down its sending side (a half-close) still gets the answers owed to the requests
-  it sent whole, and the connection closes after them (a request it cut short is answered 400).
+  it sent whole, and the connection closes after them (a request it cut short is answered 400);
+- a connection whose client reads none of what the gateway has to send it for `write_timeout` seconds is
+  cut (nginx's send_timeout): uvicorn's flow control stops the gateway reading from a client that does
+  not read its answers, but kept the connection, its pipelined requests and the answers not yet sent for
+  as long as the client kept its socket open, and a connection closed with answers still unsent waited for
+  the client to read them.
 
 The subclass (protocol.GatewayProtocol) has the parser's callbacks keep `_head_open` (a request's head is
 being read) and `_body_open` (its body is).
@@ -31,7 +36,7 @@ import math
 import struct
 import termios
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import httptools
 import orjson
@@ -68,6 +73,7 @@ class LastWord:
 class ConnectionProtocol(HttpToolsProtocol):
     header_timeout: float  # seconds (settings.header_timeout_s); set by protocol.protocol_class
     body_timeout: float
+    write_timeout: float
     cycle: Any  # uvicorn's RequestResponseCycle, or the subclass's request in its place
 
     _head_open = False  # a request's head is being read
@@ -83,10 +89,17 @@ class ConnectionProtocol(HttpToolsProtocol):
     _lingering = False
     _linger_until = 0.0
     _eof = False        # the client has shut down its sending side: nothing more comes
+    _unsent = -1        # bytes waiting to be sent at the last write check that found them stuck (-1: none)
+    # the write check of all this class's connections: one timer while there are any
+    _write_check: ClassVar[asyncio.TimerHandle | None] = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._idle()  # a connection that never sends a byte closes as an idle one does
+        cls = type(self)
+        if cls._write_check is None:
+            cls._write_check = self.loop.call_later(self.write_timeout, _check_writes, cls, self.connections,
+                                                    self.loop)
 
     def data_received(self, data: bytes) -> None:
         if self._head_open or self._ended:
@@ -326,12 +339,46 @@ class ConnectionProtocol(HttpToolsProtocol):
         # else a request reached the socket as the timeout fell, not yet read (the loop runs its timers
         # before it reads): closing now would reset the connection under it, and it is read next
 
+    # The write timeout. What the gateway writes goes to the kernel, then to the transport's buffer once the
+    # kernel's is full; past the buffer's high-water mark the transport pauses writing, and the protocol stops
+    # reading and answering (uvicorn's flow control). While writing is paused, or the connection is closing,
+    # nothing more is written to it: what waits to be sent (in the buffer and the kernel) only shrinks as the
+    # client reads. If it has not shrunk between two checks, write_timeout seconds apart, the client reads
+    # nothing.
+    def resume_writing(self) -> None:
+        self._unsent = -1
+        super().resume_writing()
+
+    def _check_unsent(self) -> None:
+        transport = self.transport
+        buffered = transport.get_write_buffer_size()
+        if buffered == 0 or not (self.flow.write_paused or transport.is_closing()):
+            self._unsent = -1
+            return
+        unsent = buffered + _in_kernel(transport)
+        if 0 <= self._unsent <= unsent:  # nothing sent since the last check
+            transport.abort()
+        else:
+            self._unsent = unsent
+
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._stop_read_timer()
         if self.timeout_keep_alive_task is not None:
             self.timeout_keep_alive_task.cancel()
             self.timeout_keep_alive_task = None
+
+
+def _check_writes(cls: type[ConnectionProtocol], connections: set[Any], loop: asyncio.AbstractEventLoop
+                  ) -> None:
+    """Cut the connections whose clients read nothing since the last check; check again while there are any
+    (the set is uvicorn's server's: an upgraded connection's protocol is another class)."""
+    cls._write_check = None
+    for protocol in list(connections):
+        if isinstance(protocol, cls) and protocol.transport is not None:
+            protocol._check_unsent()
+    if connections:
+        cls._write_check = loop.call_later(cls.write_timeout, _check_writes, cls, connections, loop)
 
 
 def _silence(cycle: Any) -> None:
@@ -353,6 +400,15 @@ class ClosingTransport:
 
     def close(self) -> None:
         self._protocol._close()
+
+
+def _in_kernel(transport: asyncio.BaseTransport) -> int:
+    """Bytes the kernel holds for this connection that the client has not acknowledged (read) yet."""
+    sock = transport.get_extra_info("socket")
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0])
+    except (AttributeError, OSError, ValueError):  # no socket left: nothing waits
+        return 0
 
 
 def _unread(transport: asyncio.BaseTransport) -> int:
