@@ -318,3 +318,52 @@ def test_a_client_that_reads_nothing_is_cut_after_the_write_timeout(server: Serv
         reader.buf = read
         status, _, body = reader.response()
         assert (status, orjson.loads(body)["outputs"][0]["shape"]) == (200, [zeros])
+
+
+def ends_while_sending(sock: socket.socket, reader: Reader, more: bytes, seconds: float) -> bool:
+    """Send `more` again and again for up to `seconds`, reading meanwhile: whether the connection ended."""
+    sock.setblocking(False)
+    try:
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            try:
+                sock.send(more)
+            except BlockingIOError:
+                pass
+            try:
+                chunk = sock.recv(65536)
+            except BlockingIOError:
+                time.sleep(0.01)
+                continue
+            if not chunk:
+                return True
+            reader.buf += chunk
+        return False
+    except (BrokenPipeError, ConnectionResetError):
+        return True
+    finally:
+        sock.setblocking(True)
+
+
+def test_a_body_answered_before_it_is_read_is_not_read_to_its_end(server: Server) -> None:
+    """A request answered before its body is read (413 for a Content-Length over the limit, 400 for a bad
+    model name, 404 for no such route) whose body is over the limit, declared or sent (chunked): the gateway
+    drops no more than the limit of it, then ends the connection (lingering), on every kind of route. It read
+    the rest to its end to keep the connection alive, however long the client kept sending: 10 GB in 6 s, a
+    terabyte for hours. A small body answered early is still dropped, and the connection kept."""
+    huge = "content-length: 1000000000000"
+    chunk = b"%x\r\n%s\r\n" % (60_000, b" " * 60_000)
+    cases = [(ASGI, huge, 413), ("/v2/repository/index", huge, 413), ("/nope", huge, 404),
+             ("/v2/models/bad..name/infer", huge, 400),
+             (ASGI, "transfer-encoding: chunked", 413), ("/v2/repository/index", "transfer-encoding: chunked", 413)]
+    for path, length, status in cases:
+        with connect(server) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nhost: t\r\n{length}\r\n\r\n".encode())
+            reader = Reader(sock)
+            ended = ends_while_sending(sock, reader, chunk if "chunked" in length else b"x" * 65536, 2.5 * BODY_S)
+            assert reader.response()[0] == status, path
+            assert ended and reader.closed(), path
+    with connect(server) as sock:
+        sock.sendall(post("/nope", b"x" * 50_000) + LIVE)
+        reader = Reader(sock)
+        assert [reader.response()[0], reader.response()[0]] == [404, 200]

@@ -56,6 +56,10 @@ class HeadTooLarge(Exception):
     """Raised from the parser's callback for a head that came whole in one read, over HEAD_MAX."""
 
 
+class Ended(Exception):
+    """Raised from the parser's callback that has ended the connection: the parser reads no further."""
+
+
 class LastWord:
     """An answer that ends the connection, in the pipeline in the place of the request it answers."""
 
@@ -120,6 +124,8 @@ class ConnectionProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, Ended):
+                return
             if isinstance(exc.__context__, HeadTooLarge):  # raised by a callback (the parser wraps it)
                 self._last_word(431, HEAD_TOO_LARGE)
                 return

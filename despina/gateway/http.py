@@ -77,6 +77,12 @@ def check_body(headers: Headers, limit: int) -> bytes | None:
     return None if coding is None else _coding(coding)
 
 
+def declared_over(headers: Headers, limit: int) -> bool:
+    """The request's Content-Length is over `limit` (as check_body has it)."""
+    length = header(headers, b"content-length")
+    return length is not None and length.isdigit() and (len(length) > 18 or int(length) > limit)
+
+
 def too_large(limit: int) -> BodyTooLarge:
     return BodyTooLarge(f"request body is over the limit of {limit} bytes")
 
