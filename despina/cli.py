@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
                              "byte (default 30; then 408)")
         sp.add_argument("--body-timeout", dest="body_timeout_s", type=float,
                         help="seconds a request's body may pause between two reads (default 30; then 408)")
+        sp.add_argument("--keep-alive-timeout", dest="keep_alive_timeout_s", type=float,
+                        help="seconds a connection may idle between requests before it is closed, said to "
+                             "clients in a Keep-Alive header (default 5)")
         sp.add_argument("--write-timeout", dest="write_timeout_s", type=float,
                         help="seconds a client may leave the answers owed to it unread before its "
                              "connection is cut (default 60)")

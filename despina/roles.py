@@ -64,6 +64,7 @@ def quiet_collector() -> None:
 
 
 def run_gateway(settings: Settings) -> None:
+    from .gateway import http
     from .gateway.app import create_app
     from .gateway.protocol import protocol_class
 
@@ -74,10 +75,14 @@ def run_gateway(settings: Settings) -> None:
         raise SystemExit(f"gateway: {exc.message}") from None
     protocol = protocol_class(app.state.hot_routes, settings.header_timeout_s, settings.body_timeout_s,
                               settings.write_timeout_s)
+    http.advertise_keep_alive(settings.keep_alive_timeout_s)  # the hot routes' answers; the others':
     config = uvicorn.Config(app, host=settings.host, port=settings.http_port,
                             loop="uvloop", http=protocol, lifespan="on",
                             access_log=False,
                             proxy_headers=False, server_header=False, date_header=False,
+                            headers=http.keep_alive_headers(settings.keep_alive_timeout_s),
+                            # seconds, a fraction too (as timeout_graceful_shutdown below)
+                            timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
                             log_level=settings.log_level,
                             # seconds, a fraction too (uvicorn's annotation says int; asyncio.timeout
                             # takes a float): int() made a drain under a second none at all

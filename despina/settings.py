@@ -31,6 +31,7 @@ class Settings:
     header_timeout_s: float = 30.0          # a request's line and headers must all come this soon (408)
     body_timeout_s: float = 30.0            # the longest a request's body may pause between reads (408)
     write_timeout_s: float = 60.0           # the longest a client may read none of the answers owed to it
+    keep_alive_timeout_s: float = 5.0       # an idle connection closes after this (advertised: Keep-Alive)
     max_body_bytes: int = 64 * 1024 * 1024
     max_tensor_elements: int = 1 << 27      # per input tensor; larger shapes get 400 before any allocation
     model_control_mode: str = "none"        # as Triton's: none, explicit or poll
@@ -195,7 +196,7 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
 # every millisecond, workers taken for dead, loads failing at once, replies expiring unread, requests 408,
 # connections cut as soon as the client's socket buffers are full
 POSITIVE = ("request_timeout_s", "visibility_timeout_s", "worker_ttl_s", "load_timeout_s", "reply_ttl_s",
-            "header_timeout_s", "body_timeout_s", "write_timeout_s")
+            "header_timeout_s", "body_timeout_s", "write_timeout_s", "keep_alive_timeout_s")
 
 # the settings that take one of a few words (the command line's choices too; the log level in any case)
 CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json"),

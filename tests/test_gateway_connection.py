@@ -16,8 +16,9 @@ import pytest
 from .conftest import EMBEDDED, Server, module_server
 from .test_gateway_http import Reader, connect, post
 
-HEADER_S = BODY_S = 2.0  # this module's server's read timeouts (its keep-alive timeout is uvicorn's 5 s)
-WRITE_S = 1.0            # and its write timeout
+HEADER_S = BODY_S = 2.0  # this module's server's read timeouts
+WRITE_S = 1.0            # its write timeout
+KEEP_ALIVE_S = 3.0       # and its keep-alive timeout
 LIMIT = 100_000          # and its body limit
 
 # answers x, after sleeping x[0] seconds: a request that waits for its answer longer than the timeouts
@@ -66,7 +67,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
                                                                 '"y", data_type: TYPE_FP32, dims: [-1]'))
     yield from module_server(repo, tmp_path_factory, redis_url, ("sleepy", "wide"),
                              env={"DESPINA_HEADER_TIMEOUT_S": str(HEADER_S), "DESPINA_BODY_TIMEOUT_S": str(BODY_S),
-                                  "DESPINA_WRITE_TIMEOUT_S": str(WRITE_S), "DESPINA_MAX_BODY_BYTES": str(LIMIT)},
+                                  "DESPINA_WRITE_TIMEOUT_S": str(WRITE_S), "DESPINA_KEEP_ALIVE_TIMEOUT_S": str(KEEP_ALIVE_S),
+                                  "DESPINA_MAX_BODY_BYTES": str(LIMIT)},
                              use_redis=not EMBEDDED)
 
 
@@ -168,7 +170,7 @@ def test_a_connection_that_sends_nothing_closes_as_an_idle_one(server: Server) -
         sock.settimeout(30)
         opened = time.monotonic()
         assert sock.recv(1024) == b""
-        assert time.monotonic() - opened > 4.5
+        assert time.monotonic() - opened > KEEP_ALIVE_S * 0.9
 
 
 def test_an_error_ends_a_pipelined_connection_after_the_answers_before_it(server: Server) -> None:
@@ -367,3 +369,25 @@ def test_a_body_answered_before_it_is_read_is_not_read_to_its_end(server: Server
         sock.sendall(post("/nope", b"x" * 50_000) + LIVE)
         reader = Reader(sock)
         assert [reader.response()[0], reader.response()[0]] == [404, 200]
+
+
+def test_answers_that_keep_the_connection_say_for_how_long(server: Server) -> None:
+    """Every answer that keeps its connection says how long the connection may then idle before the gateway
+    closes it (`keep-alive: timeout=3`, the keep-alive timeout set), on the hot routes and the others, so that
+    the clients that read it retire a connection before the gateway closes it under a request; answers that
+    end the connection do not. The connection closes after that long idle."""
+    for request in (post(HOT, infer()), post(ASGI, infer()), LIVE):
+        with connect(server) as sock:
+            sock.settimeout(30)
+            reader = Reader(sock)
+            sock.sendall(request)
+            status, headers, _ = reader.response()
+            assert (status, headers.get("keep-alive"), headers.get("connection")) == (200, "timeout=3", None)
+            answered = time.monotonic()
+            assert reader.closed()
+            assert KEEP_ALIVE_S * 0.9 < time.monotonic() - answered < KEEP_ALIVE_S + 2
+        closing = request.replace(b"host: test\r\n", b"host: test\r\nconnection: close\r\n")
+        with connect(server) as sock:
+            sock.sendall(closing)
+            status, headers, _ = Reader(sock).response()
+            assert (status, headers.get("keep-alive"), headers.get("connection")) == (200, None, "close")

@@ -123,6 +123,7 @@ class GatewayProtocol(ConnectionProtocol):
         cycle = self.cycle
         if cycle is not previous and not cycle.keep_alive:  # its answer ends the connection: it may linger
             cycle.transport = ClosingTransport(self)
+            cycle.default_headers = [h for h in cycle.default_headers if h[0] != b"keep-alive"]
 
     def on_headers_complete(self) -> None:
         if self._big_read:  # (connection.py)
