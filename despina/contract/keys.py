@@ -118,8 +118,15 @@ class Keys:
         return f"{self.prefix}:control:cmd"
 
     def control_reply(self, command_id: str) -> str:
-        """List holding the control plane's answer to one command; the caller BLPOPs it, it expires."""
+        """List holding the control plane's answer to one command that names no `reply` list (a gateway of
+        an earlier version sends such); the caller BLPOPs it, it expires."""
         return f"{self.prefix}:control:reply:{command_id}"
+
+    def control_answers(self, client_id: str) -> str:
+        """List of the control plane's answers to one gateway's commands (each names it as its `reply`),
+        each carrying its command's id; one reader of that gateway waits on it. It expires with the
+        gateway's last answer."""
+        return f"{self.prefix}:control:answers:{client_id}"
 
     @property
     def control_leader(self) -> str:

@@ -30,6 +30,7 @@ from ..registry import ArtifactCache, ModelFiles, open_registry
 from ..settings import Settings
 from .commands import Commands
 from .lifecycle import Lifecycle
+from .replies import Replies
 from .repository import read_model, unavailable
 from .state import Catalog, Workers
 from .versions import transition
@@ -38,7 +39,6 @@ log = logging.getLogger("despina.control")
 
 MODES = ("none", "explicit", "poll")
 LEASE_MS = 10_000
-REPLY_TTL_S = 60
 # how long the command and event reads wait on Redis before they look again; a stop cancels them
 IDLE_WAIT_S = 30.0
 # 1: renewed; 0: another holds it; -1: nobody does (Redis lost its data, or this one stalled past the
@@ -101,6 +101,7 @@ class ControlPlane:
         self.workers = Workers(redis, self.keys)
         self.lifecycle = Lifecycle(settings, redis, self.keys, self.catalog, self.workers)
         self.commands = Commands(self)
+        self.replies = Replies(redis, self.keys)
         self.names: list[str] = []          # the registry's models at the last successful look
         self.registry_error = ""            # why the last look at the registry failed
         self._applied: dict[str, str] = {}  # model -> fingerprint of the files now in the catalog
@@ -130,6 +131,7 @@ class ControlPlane:
             for task in (*tasks, *self._tasks):
                 task.cancel()
             await asyncio.gather(*tasks, *self._tasks, return_exceptions=True)
+            await self.replies.close()
             try:
                 leader = cast(bytes | None, await self.redis.get(self.keys.control_leader))
                 if (leader or b"").decode() == self.id:
@@ -268,17 +270,10 @@ class ControlPlane:
             log.error("control: dropping a command: %s", exc.message)
             command = None
         try:
+            answer = None
             if command is not None and (not command.deadline or command.deadline > time.time()):
                 answer = await self.commands.handle(command)
-                pipe = self.redis.pipeline(transaction=False)
-                reply = self.keys.control_reply(command.id)
-                pipe.lpush(reply, answer.dumps())
-                pipe.expire(reply, REPLY_TTL_S)
-                await pipe.execute()
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xack(self.keys.control_commands, CONTROL_GROUP, entry_id)
-            pipe.xdel(self.keys.control_commands, entry_id)
-            await pipe.execute()
+            await self.replies.send(entry_id, command, answer)
         except (RedisError, ConnectionError, OSError) as exc:
             log.warning("control: answering a command failed (%s)", exc)
 
