@@ -14,17 +14,14 @@ import numpy as np
 import orjson
 import pytest
 import redis
-import redis.asyncio as aioredis
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from despina.contract.commands import INDEX, Answer, Command
 from despina.contract.errors import ConfigError, DespinaError
-from despina.contract.keys import FIELD, Keys
+from despina.contract.keys import Keys
 from despina.control.plane import ControlPlane
 from despina.control.repository import load_model, read_model
 from despina.examples import build_add_sub, build_mlp
-from despina.gateway.control import ControlClient
 from despina.redis_client import connect
 from despina.registry import LocalRegistry
 from despina.settings import Settings
@@ -474,35 +471,6 @@ def test_unloading_and_stopping_leave_no_consumer_in_the_request_streams(
         assert consumers() == []
     finally:
         client.close()
-
-
-async def test_calls_waiting_on_a_slow_control_plane_leave_the_gateway_its_redis(redis_url: str,
-                                                                                 key_prefix: str) -> None:
-    """Each call waits for its answer on one of the gateway's pooled Redis connections: a burst of them
-    while the control plane lags (restarting, a slow load) once took all 64, and the calls past that, the
-    model view's refresh (the gateway turned not ready) and everything else failed "Too many connections"."""
-    keys = Keys(key_prefix)
-    redis, plane = connect(redis_url), aioredis.Redis.from_url(redis_url)
-    client = ControlClient(redis, keys)
-    calls = [asyncio.ensure_future(client.call(INDEX, params={"n": n}, timeout=60.0)) for n in range(100)]
-
-    async def answer() -> None:  # the control plane, back: answers each command with its params
-        last: bytes | str = "0-0"
-        while not all(call.done() for call in calls):
-            for _, entries in await plane.xread({keys.control_commands: last}, block=100) or ():
-                for entry_id, fields in entries:
-                    last = entry_id
-                    command = Command.loads(fields[FIELD])
-                    await plane.lpush(keys.control_reply(command.id), Answer(command.params["n"]).dumps())
-
-    try:
-        await asyncio.sleep(0.5)  # every call sent or waiting its turn; nobody answers yet
-        assert await redis.ping()
-        await answer()
-        assert [call.result() for call in calls] == list(range(100))
-    finally:
-        await redis.aclose(close_connection_pool=True)
-        await plane.aclose()
 
 
 async def test_loads_of_models_that_do_not_exist_leave_no_lock_behind(tmp_path: Path, redis_url: str,

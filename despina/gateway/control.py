@@ -1,7 +1,14 @@
-"""The gateway's line to the control plane: a command on its stream, the answer on a reply list."""
+"""The gateway's line to the control plane: a command on its stream, the answer on this gateway's list.
+
+Every call's command names one answers list of this client (`Keys.control_answers`); one reader waits on
+it for all of them and hands each answer to its call by the command's id. A call holds no connection of
+its own while it waits, so a cold start of hundreds of models at once waits for nothing but the cold starts.
+"""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 import uuid
 from typing import Any, cast
@@ -9,70 +16,144 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from .. import logs
 from ..contract.commands import Answer, Command
-from ..contract.errors import Unavailable
+from ..contract.errors import DespinaError, Unavailable
 from ..contract.keys import FIELD, Keys
 
+log = logging.getLogger("despina.gateway")
+
 COMMANDS_MAXLEN = 10_000
-# Calls waiting for their answers at once. Each waits in a BLPOP on one of the gateway's Redis connections
-# (64, redis_client.connect) for as long as the control plane takes: past this many, a call waits for a
-# turn, so that a burst of repository calls while the control plane is slow or restarting leaves the pool
-# to requests and the model view (which, without a connection, turns the gateway not ready).
-CONCURRENT_CALLS = 32
+# Calls waiting for their answers at once, at most: each holds its command and a future, nothing else.
+# Past it, a call is answered 503 at once (a gateway hit by that many cold starts at once is overloaded).
+MAX_CALLS = 4096
+# How long the reader's one wait on the answers list lasts before it looks again (it stops once no call
+# waits); a stop cancels it.
+READ_WAIT_S = 5.0
+# Answers taken in one read besides the first (LPOP's count: Redis 6.2).
+READ_COUNT = 1000
 
 
 class ControlClient:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self._turns = asyncio.Semaphore(CONCURRENT_CALLS)
-        self._stopping = asyncio.Event()  # give_up: the calls still waiting are answered now
+        self.answers = keys.control_answers(f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        # command id -> the call waiting for its answer (None: the gateway gave up waiting)
+        self._calls: dict[str, asyncio.Future[Answer | None]] = {}
+        self._outbox: list[tuple[Command, asyncio.Future[None]]] = []  # commands to send, and who waits
+        self._sender: asyncio.Task[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._stopping = False  # give_up: the calls still waiting are answered now
+        self._failed = logs.Throttled(log)
 
     async def call(self, op: str, model: str = "", params: dict[str, Any] | None = None,
                    timeout: float = 60.0) -> Any:
         """Send one command and wait for its answer: the data, or the control plane's error raised here."""
-        deadline = time.time() + timeout
+        if len(self._calls) >= MAX_CALLS:
+            raise Unavailable(f"{MAX_CALLS} calls of the control plane (loads, unloads, cold starts, index) "
+                              "wait for their answers in this gateway already; try again later")
+        command = Command(uuid.uuid4().hex, op, model, params or {}, time.time() + timeout, self.answers)
+        answer: asyncio.Future[Answer | None] = asyncio.get_running_loop().create_future()
+        self._calls[command.id] = answer  # before it is sent: an answer may come at once
         try:
-            async with asyncio.timeout(timeout):
-                await self._turns.acquire()
+            # an answer the control plane gives as the deadline passes (its own "timed out") still comes
+            async with asyncio.timeout(timeout + 1.0):
+                await self._send(command)
+                if not self._stopping:
+                    self._read()
+                    await answer
         except TimeoutError:
             raise self._silent(op, timeout) from None
-        try:
-            command = Command(uuid.uuid4().hex, op, model, params or {}, deadline)
-            try:
-                await self.redis.xadd(self.keys.control_commands, {FIELD: command.dumps()},
-                                      maxlen=COMMANDS_MAXLEN, approximate=True)
-                got = await self._answer(command, deadline)
-            except (RedisError, ConnectionError, OSError) as exc:
-                raise Unavailable(f"the control plane cannot be reached (Redis: {exc})") from None
         finally:
-            self._turns.release()
+            self._calls.pop(command.id, None)
+        got = answer.result() if answer.done() else None
         if got is None:
-            raise self._silent(op, timeout)
-        return Answer.loads(cast(bytes, got[1])).result()
-
-    async def _answer(self, command: Command, deadline: float) -> Any:
-        """The command's answer (None: none came by its deadline), unless the gateway gives up first."""
-        reply = asyncio.ensure_future(self.redis.blpop([self.keys.control_reply(command.id)],
-                                                       timeout=max(deadline - time.time(), 0.0) + 1.0))
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait((reply, stopping), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-            if not reply.done():
-                reply.cancel()  # redis-py drops the connection it was read on
-        if not reply.done() or reply.cancelled():
-            raise Unavailable(f"the server is stopping, and the control plane did not answer '{command.op}' "
+            raise Unavailable(f"the server is stopping, and the control plane did not answer '{op}' "
                               "within its drain time (DESPINA_DRAIN_TIMEOUT_S)")
-        return reply.result()
+        return got.result()
 
     def give_up(self) -> None:
         """The drain's time is nearly spent: the calls still waiting (a load, a wake) are answered 503 rather
         than left to a connection cut at the end; the control plane still does what they asked."""
-        self._stopping.set()
+        self._stopping = True
+        for answer in self._calls.values():
+            if not answer.done():
+                answer.set_result(None)
+
+    async def close(self) -> None:
+        for task in (self._sender, self._reader):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    # -- sending: the commands of a moment in one round trip -----------------------------------------
+
+    async def _send(self, command: Command) -> None:
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._outbox.append((command, sent))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send_all())
+        await sent
+
+    async def _send_all(self) -> None:
+        """One pipeline at a time, of every command waiting to go: a burst of calls takes one connection of
+        the gateway's pool, not one each (past the pool's 64, redis-py refuses a command)."""
+        while self._outbox:
+            batch, self._outbox = self._outbox, []
+            pipe = self.redis.pipeline(transaction=False)
+            for command, _ in batch:
+                pipe.xadd(self.keys.control_commands, {FIELD: command.dumps()}, maxlen=COMMANDS_MAXLEN,
+                          approximate=True)
+            failed: DespinaError | None = None
+            try:
+                await pipe.execute()
+            except (RedisError, ConnectionError, OSError) as exc:
+                failed = _unreachable(exc)
+            for _, sent in batch:
+                if sent.done():  # its call is gone (its time ran out)
+                    continue
+                if failed is None:
+                    sent.set_result(None)
+                else:
+                    sent.set_exception(failed)
+
+    # -- reading: every call's answer, by one reader ---------------------------------------------------
+
+    def _read(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.create_task(self._read_all())
+
+    async def _read_all(self) -> None:
+        """Wait for answers while some call waits for one; an answer whose call is gone is dropped."""
+        while self._calls:
+            try:
+                first = cast(list[bytes] | None, await self.redis.blpop([self.answers], READ_WAIT_S))
+                if first is None:
+                    continue
+                rest = cast(list[bytes] | None, await self.redis.lpop(self.answers, READ_COUNT))
+            except (RedisError, ConnectionError, OSError) as exc:
+                self._failed.log("gateway: reading the control plane's answers failed (%s)", exc)
+                failed = _unreachable(exc)
+                for answer in self._calls.values():
+                    if not answer.done():
+                        answer.set_exception(failed)
+                return
+            for raw in (first[1], *(rest or ())):
+                try:
+                    got = Answer.loads(raw)
+                except (ValueError, AttributeError):  # (orjson's error is a ValueError)
+                    log.error("gateway: dropping a malformed answer of the control plane: %r", raw[:200])
+                    continue
+                call = self._calls.pop(got.id, None)  # (so that the reader stops once all are answered)
+                if call is not None and not call.done():
+                    call.set_result(got)
 
     @staticmethod
     def _silent(op: str, timeout: float) -> Unavailable:
         return Unavailable(f"the control plane did not answer '{op}' within {timeout:g} s "
                            "(is `despina control` running?)")
+
+
+def _unreachable(exc: BaseException) -> Unavailable:
+    return Unavailable(f"the control plane cannot be reached (Redis: {exc})")

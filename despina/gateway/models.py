@@ -97,6 +97,7 @@ class ModelView:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self.control.close()
 
     async def _loop(self) -> None:
         failed = logs.Throttled(log)
