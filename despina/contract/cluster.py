@@ -2,11 +2,13 @@
 
 A worker writes these into its own hash (`Keys.worker`) on every heartbeat; the hash expires when the
 heartbeats stop. Fields: `info` (WorkerInfo JSON), `models` ({model: {version: state}} of the runners
-that serve), `detail` ({model: {version: VersionStatus}}), `cache` (artifact cache counters),
-`custom_metrics` (the metrics its Python models made, msgpack; custom_metrics.py).
+that serve), `detail` ({model: {version: VersionStatus}}), `state` (state_digest of those two),
+`cache` (artifact cache counters), `custom_metrics` (the metrics its Python models made, msgpack;
+custom_metrics.py).
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -85,3 +87,9 @@ class WorkerStatus:
 def pack_detail(detail: dict[str, dict[int, VersionStatus]]) -> bytes:
     return orjson.dumps({name: {str(v): s.pack() for v, s in versions.items()}
                          for name, versions in detail.items()})
+
+
+def state_digest(models: bytes, detail: bytes) -> bytes:
+    """The `state` field of a worker's hash: readers of `models` and `detail` (every gateway, twice a second)
+    read them again only when it moved; a heartbeat rewrites them unchanged most of the time."""
+    return hashlib.blake2b(models + b"\0" + detail, digest_size=8).hexdigest().encode()

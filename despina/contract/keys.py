@@ -66,6 +66,14 @@ class Keys:
         return f"{self.prefix}:catalog"
 
     @property
+    def catalog_generation(self) -> str:
+        """String: a number the control plane increments in every transaction that changes the catalog, so
+        that readers read the catalog again only when it moved; missing, they read it every time. Made
+        afresh (a random start, not 1) where it is missing: a Redis that lost its data must not start again
+        at a number a reader has seen. It expires unless the control plane that leads renews it."""
+        return f"{self.prefix}:catalog:gen"
+
+    @property
     def catalog_published(self) -> str:
         """String set by the control plane once it has read the repository, in the transaction that
         publishes the catalog: until then an empty catalog means "not read yet", and gateways are not

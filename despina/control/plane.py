@@ -32,7 +32,7 @@ from .commands import Commands
 from .lifecycle import Lifecycle
 from .replies import Replies
 from .repository import read_model, unavailable
-from .state import Catalog, Workers
+from .state import GENERATION_TTL_MS, Catalog, Workers
 from .versions import transition
 
 log = logging.getLogger("despina.control")
@@ -162,7 +162,10 @@ class ControlPlane:
         while not self._stop.is_set():
             await self._sleep(LEASE_MS / 4000)
             try:
-                held = await self.redis.eval(_RENEW, 1, self.keys.control_leader, self.id, LEASE_MS)
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.eval(_RENEW, 1, self.keys.control_leader, self.id, LEASE_MS)
+                pipe.pexpire(self.keys.catalog_generation, GENERATION_TTL_MS)
+                held, _ = await pipe.execute()
             except (RedisError, ConnectionError, OSError) as exc:
                 failed.log("control: renewing the lease failed (%s)", exc)
                 continue

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -12,6 +13,11 @@ from ..contract.cluster import WorkerInfo, WorkerStatus
 from ..contract.keys import Keys
 
 log = logging.getLogger("despina.control")
+
+# The catalog's generation (Keys.catalog_generation) lives while a control plane of this version leads: each
+# flush and each renewal of the lease keep it. Under one of an earlier version, which changes the catalog
+# and not the generation, it is gone within this, and readers read the whole catalog every time again.
+GENERATION_TTL_MS = 10_000
 
 
 class Catalog:
@@ -61,7 +67,7 @@ class Catalog:
         return bool(self._dirty or self._removed or self._mark)
 
     async def flush(self) -> None:
-        """Write what changed in one transaction and announce it."""
+        """Write what changed in one transaction, with a new generation, and announce it."""
         async with self._flushing:
             if not self.changed:
                 return
@@ -74,6 +80,9 @@ class Catalog:
                 pipe.hdel(self.keys.catalog, *removed)
             if mark:
                 pipe.set(self.keys.catalog_published, b"1")
+            pipe.set(self.keys.catalog_generation, secrets.randbits(48), nx=True)
+            pipe.incr(self.keys.catalog_generation)
+            pipe.pexpire(self.keys.catalog_generation, GENERATION_TTL_MS)
             pipe.publish(self.keys.events, b"catalog")
             try:
                 await pipe.execute()

@@ -22,7 +22,7 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, Respon
 
 from .. import cpus, logs
 from ..contract.catalog import CatalogEntry
-from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail
+from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail, state_digest
 from ..contract.ensemble import Ensemble, Step, is_ensemble
 from ..contract.errors import ConfigError, DespinaError, Unavailable
 from ..contract.keys import Keys
@@ -499,9 +499,10 @@ class Worker:
             for (name, version), runner in self.runners.items():
                 if families := runner.custom_metrics():
                     custom.setdefault(name, {})[str(version)] = families
+            packed, detail = orjson.dumps(models), pack_detail(self.detail())
             fields: dict[str, str | bytes | float] = {
-                "info": self.info.dumps(), "models": orjson.dumps(models),
-                "detail": pack_detail(self.detail()), "ensembles": orjson.dumps(ensembles),
+                "info": self.info.dumps(), "models": packed, "detail": detail,
+                "state": state_digest(packed, detail), "ensembles": orjson.dumps(ensembles),
                 "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
                 "response_cache": orjson.dumps(self.response_cache.figures() if self.response_cache else {}),
                 "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom), "seen": time.time()}
