@@ -71,6 +71,7 @@ class ModelView:
         self.ready: Ready = {}                   # model -> versions READY on some live worker
         # resolve()'s answers while models and ready stay as they are: (name, version asked) -> them
         self._resolved: dict[tuple[str, str | None], tuple[Model, int]] = {}
+        self._asked: set[tuple[str, int]] = set()  # the versions resolve() answered since the last refresh
         self.states = WorkerStates(keys)
         self._served: Served = {}
         self._revisions: dict[tuple[str, int], str | None] = {}  # revision()'s answers since the refresh
@@ -155,8 +156,7 @@ class ModelView:
         # the catalog only when it moved: 400 models are 0.5 MB, read twice a second by every gateway. No
         # generation (Redis lost its data, or a control plane of an earlier version writes): every time.
         moved = generation is None or generation != self._generation
-        streams = [s for name, m in self.models.items() if m.spec is not None
-                   for v in self.ready.get(name, ()) for s in m.entry.streams(self.keys, v)]
+        streams = self._asked_streams() if self.max_stream_length else []
         pipe = self.redis.pipeline(transaction=False)
         if moved:
             pipe.hgetall(self.keys.catalog)
@@ -179,6 +179,14 @@ class ModelView:
         self.connected, self.published, self._revisions = True, bool(published), {}
         self._resolved = {}
         self._blobs, self._generation = blobs, generation
+
+    def _asked_streams(self) -> list[str]:
+        """The streams requests went to since the last refresh, whose lengths it reads: not every stream's
+        (4,000 XLENs a second for 2,000 idle models). The first request after a quiet spell is checked by
+        the next refresh, as one is while a stream fills."""
+        asked, self._asked = self._asked, set()
+        models = [(m, v) for name, v in sorted(asked) if (m := self.models.get(name)) is not None]
+        return [s for m, v in models if m.spec is not None for s in m.entry.streams(self.keys, v)]
 
     def _read(self, catalog: dict[bytes, bytes]) -> tuple[dict[str, Model], dict[str, bytes]]:
         """The catalog's models, and each one's JSON: an entry whose JSON is as before is the Model made from
@@ -225,7 +233,9 @@ class ModelView:
         if e.target == UNLOADED:
             raise not_loaded(name)
         if model.ensemble is not None:  # it runs here, on the models it calls: each is resolved in turn
-            return model, self._ensemble_version(model, version)
+            v = self._ensemble_version(model, version)
+            self._asked.add((name, v))  # (or on a worker that runs it whole, through its stream)
+            return model, v
         ready = self.ready.get(name, ())
         if version:
             v = _known_version(e, version)
@@ -244,6 +254,7 @@ class ModelView:
         raise NotLoaded(f"model '{name}' is not ready")
 
     def _remember(self, name: str, version: str | None, model: Model, v: int) -> tuple[Model, int]:
+        self._asked.add((name, v))
         if len(self._resolved) < 4096:  # bounded: a client may spell a version many ways ("1", "01")
             self._resolved[(name, version)] = (model, v)
         return model, v
