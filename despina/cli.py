@@ -85,6 +85,8 @@ def parser() -> argparse.ArgumentParser:
     def worker(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--intra-op-threads", dest="intra_op_threads", type=int,
                         help="threads per backend instance (default 1)")
+        sp.add_argument("--model-load-thread-count", dest="model_load_threads", type=int, metavar="N",
+                        help="models a worker loads at once, as Triton's option (default 4)")
         sp.add_argument("--worker-cpus", dest="worker_cpus", metavar="LIST",
                         help="run workers on these CPUs only, as taskset -c lists them (0-3,8); serve "
                              "runs its other processes on the remaining CPUs")

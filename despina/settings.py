@@ -61,6 +61,8 @@ class Settings:
     response_cache_bytes: int = 0           # per gateway: memory for models with response_cache; 0 = off
     allow_client_shm: bool = False          # Triton's --allow-client-shm: clients' system shared memory
     intra_op_threads: int = 1               # per backend instance; 1 is fastest on a loaded machine
+    # backends a worker loads at once (Triton's --model-load-thread-count); the others wait their turn
+    model_load_threads: int = 4
     worker_cpus: str | None = None          # CPUs the workers run on ("0-3,8"); serve's others run elsewhere
     # how much nicer serve starts its workers where they share CPUs with its gateways (no --worker-cpus, or
     # one naming every CPU): a gateway's reads come before a batch's work, and batches form larger; 0: alike
@@ -96,6 +98,9 @@ class Settings:
         if "*" in (loads := [n.strip() for n in self.load_model.split(",") if n.strip()]) and len(loads) > 1:
             raise BadSetting(f"DESPINA_LOAD_MODEL (or --load-model): '*' loads every model and must be the "
                              f"only one named, as in Triton; got {self.load_model!r}")
+        if self.model_load_threads < 1:
+            raise BadSetting(f"DESPINA_MODEL_LOAD_THREADS (or --model-load-thread-count) must be 1 or more, "
+                             f"got {self.model_load_threads}")
         if self.worker_nice > 19:
             raise BadSetting(f"DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got "
                              f"{self.worker_nice}")

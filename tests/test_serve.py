@@ -323,6 +323,7 @@ def test_roles_need_a_redis_url(role: str) -> None:
     ({}, ["--worker-cpus", "3-1"], "the range '3-1' runs backwards"),
     ({}, ["--worker-cpus", "0,99999"], "--worker-cpus: CPU 99999 is not available here"),
     ({}, ["--worker-nice", "20"], "DESPINA_WORKER_NICE (or --worker-nice) must be 0 to 19, got 20"),
+    ({}, ["--model-load-thread-count", "0"], "DESPINA_MODEL_LOAD_THREADS (or --model-load-thread-count) must be 1 or"),
     ({}, ["--load-model", "*", "--load-model", "add_sub"], "'*' loads every model and must be the only one named"),
     ({}, ["--colocate", "--worker-cpus", "0"], "(--colocate, --worker-cpus) do not go together"),
     ({"DESPINA_COLOCATE": "sometimes"}, [], "DESPINA_COLOCATE='sometimes': expected true or false"),

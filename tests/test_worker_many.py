@@ -74,3 +74,56 @@ async def test_announces_that_come_together_share_one_heartbeat(redis_url: str, 
         await worker._announced()
         await redis.delete(key, worker.keys.workers)
         await redis.aclose(close_connection_pool=True)
+
+
+LOADING_PY = """
+import json, os, time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        folder = json.loads(args["model_config"])["parameters"]["folder"]["string_value"]
+        mine = os.path.join(folder, args["model_name"])
+        open(mine, "w").close()
+        with open(os.path.join(folder, "seen"), "a") as seen:  # how many load at this moment, this one too
+            seen.write(f"{len([n for n in os.listdir(folder) if n != 'seen'])}\\n")
+        time.sleep(1.0)
+        os.remove(mine)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+async def test_a_worker_loads_model_load_threads_models_at_once(tmp_path: Path, redis_url: str,
+                                                                key_prefix: str) -> None:
+    """Loads take turns, DESPINA_MODEL_LOAD_THREADS at once (Triton's --model-load-thread-count): a hundred
+    cold starts at once shared the worker's CPU, and every first answer came as late as the last."""
+    loading = tmp_path / "loading"
+    loading.mkdir()
+    redis = connect_worker(redis_url)
+    worker = Worker(Settings(key_prefix=key_prefix, model_load_threads=2), redis)
+    try:
+        entries = []
+        for i in range(5):
+            folder = tmp_path / f"p{i}"
+            (folder / "1").mkdir(parents=True)
+            (folder / "1" / "model.py").write_text(LOADING_PY)
+            (folder / "config.pbtxt").write_text(
+                'backend: "python"\nmax_batch_size: 0\n'
+                'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
+                'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n'
+                f'parameters [{{ key: "folder", value: {{ string_value: "{loading}" }} }}]\n')
+            entries.append(replace(load_model(folder), workers=(worker.id,)))
+        await redis.hset(worker.keys.catalog, mapping={e.name: e.dumps() for e in entries})
+        await worker.sync()
+        assert len(worker.loading) == 5  # every one LOADING, waiting for its turn or loading
+        await asyncio.wait_for(asyncio.gather(*(task for _, task in worker.loading.values())), 60)
+        assert worker.failures == {}
+        assert len(worker.runners) == 5
+        seen = [int(n) for n in (loading / "seen").read_text().split()]
+        assert max(seen) == 2, seen  # (without turns: all 5 at once)
+    finally:
+        await worker.drain()
+        await redis.delete(worker.keys.catalog, worker.keys.worker(worker.id), worker.keys.workers)
+        await redis.aclose(close_connection_pool=True)

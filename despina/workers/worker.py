@@ -88,6 +88,10 @@ class Worker:
         self.fetch_errors: dict[Key, str] = {}  # a load waiting for the registry -> why (it tries again)
         self._registries: dict[str, Registry] = {}
         self._cache: ArtifactCache | None = None
+        # loads run this many at once (Triton's --model-load-thread-count): a hundred cold starts together
+        # shared the CPU, and every first answer came as late as the last; in turns, the first come first.
+        # A version waiting for its turn is LOADING; fetching its files (from S3) does not wait for one.
+        self._load_turns = asyncio.Semaphore(settings.model_load_threads)
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
         self._beating = asyncio.Lock()  # one heartbeat in flight: an older one must not land last
@@ -312,7 +316,8 @@ class Worker:
                                  self.id, self.settings.intra_op_threads, delivery=self.delivery,
                                  deferred=self.deferred, full_queue_delay=self.settings.full_queue_delay,
                                  caller=self.caller, response_cache=self.response_cache)
-            await runner.load()
+            async with self._load_turns:
+                await runner.load()
             await runner.start()
         except asyncio.CancelledError:
             if runner is not None:
