@@ -1,9 +1,10 @@
 """A worker process: hosts the model versions the control plane placed on it, one ModelRunner each.
 
-It follows the catalog (at once on a catalog event, else every second): loads what names it, unloads
-what no longer does, and reloads a version whose files changed, the old runner serving until the new
-one is READY. Files of a remote registry come through the local artifact cache. Its heartbeat hash
-tells the others its capacity and every version's state; it expires when the worker dies.
+It follows the catalog (at once on a catalog event, else every second, reading it again only when its
+generation moved): loads what names it, unloads what no longer does, and reloads a version whose files
+changed, the old runner serving until the new one is READY. Files of a remote registry come through the
+local artifact cache. Its heartbeat hash tells the others its capacity and every version's state; it
+expires when the worker dies.
 """
 from __future__ import annotations
 
@@ -57,10 +58,19 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[2])
 """
 
-# The catalog and whether a control plane leads, as of one moment (a script runs alone). Not a MULTI:
-# Redis 7.0 refuses every command of a MULTI while it is full (maxmemory), reads too, and the worker
-# logged a refusal every few seconds for as long; a script without flags that only reads runs.
-CATALOG_AND_LEASE = "return {redis.call('HGETALL', KEYS[1]), redis.call('EXISTS', KEYS[2])}"
+# Whether a control plane leads, the catalog's generation (Keys.catalog_generation) and, unless that is the
+# one the worker read last (ARGV[1]), the catalog, as of one moment (a script runs alone): 400 models are
+# 0.5 MB, read every second by every worker though nothing moved. No generation (a control plane of an
+# earlier version, or Redis lost its data): the catalog every time. Not a MULTI: Redis 7.0 refuses every
+# command of a MULTI while it is full (maxmemory), reads too, and the worker logged a refusal every few
+# seconds for as long; a script without flags that only reads runs. KEYS: the catalog, the lease, the
+# generation. (No Lua false in the reply: a RESP3 connection would read it as a boolean, not a nil.)
+CATALOG_AND_LEASE = """
+local leads = redis.call('EXISTS', KEYS[2])
+local generation = redis.call('GET', KEYS[3]) or ''
+if generation ~= '' and generation == ARGV[1] then return {leads, generation} end
+return {leads, generation, redis.call('HGETALL', KEYS[1])}
+"""
 
 
 class Worker:
@@ -76,7 +86,8 @@ class Worker:
                                visible_gpus(), memory_bytes(settings))
         self.runners: dict[Key, ModelRunner] = {}
         self.hosts: dict[Key, EnsembleHost] = {}     # ensembles run here (workers/ensembles.py)
-        self.catalog: dict[str, CatalogEntry] = {}   # as of the last sync
+        self.catalog: dict[str, CatalogEntry] = {}   # as of the last sync that read it
+        self._generation = b""                       # the catalog's generation then (b"": none)
         self._steps: dict[tuple[str, int | None], ModelRunner | None] = {}  # step_runner's answers
         self.revision: dict[Key, str] = {}            # of the serving runner
         self.replaced: dict[Key, str] = {}            # of a runner replaced, while that one stops
@@ -188,20 +199,27 @@ class Worker:
     # -- following the catalog ---------------------------------------------------------------------
 
     async def sync(self) -> None:
-        """Load what the catalog places here and is not loaded (or changed), unload what it no longer does."""
+        """Load what the catalog places here and is not loaded (or changed), unload what it no longer does.
+
+        The catalog is read again only when it moved; the rest runs every time, on the catalog as last read:
+        it also starts again a load that was stopped and is wanted again, and an ensemble that could not
+        start, though nothing in the catalog moved."""
         # the catalog and the lease as of one moment: a control plane that recovers from a Redis restart
         # writes the catalog, then takes the lease, and an empty catalog read before the one and a lease
         # read after the other (two round trips) unloaded everything here
-        flat, leads = await self.redis.eval(CATALOG_AND_LEASE, 2, self.keys.catalog, self.keys.control_leader)
-        raw = dict(zip(flat[::2], flat[1::2]))
-        if not raw and self.runners and not leads:
-            return  # Redis lost its data (a restart without persistence): serve on until control republishes
-        wanted: dict[Key, tuple[CatalogEntry, str]] = {}
-        self.catalog = {}
+        leads, generation, *read = await self.redis.eval(
+            CATALOG_AND_LEASE, 3, self.keys.catalog, self.keys.control_leader, self.keys.catalog_generation,
+            self._generation)
+        if read:
+            flat = read[0]
+            raw = dict(zip(flat[::2], flat[1::2]))
+            if not raw and self.runners and not leads:
+                return  # Redis lost its data (restarted without persistence): serve on until republished
+            self.catalog = {e.name: e for e in map(CatalogEntry.loads, raw.values())}
+            self._generation = generation
         self._steps.clear()  # the catalog's retiring versions may have changed
-        for blob in raw.values():
-            entry = CatalogEntry.loads(blob)
-            self.catalog[entry.name] = entry
+        wanted: dict[Key, tuple[CatalogEntry, str]] = {}
+        for entry in self.catalog.values():
             if entry.serving and self.id in entry.workers:
                 for v in entry.versions:
                     wanted[(entry.name, v)] = (entry, entry.revisions.get(v, ""))

@@ -1,0 +1,149 @@
+"""How a worker follows the catalog (workers/worker.py sync), against a Redis of the test's own whose command
+counts (INFO commandstats) are the worker's and the catalog writer's alone: the catalog is read again only
+when its generation moved, every change is seen, and what sync retries on its own still happens though
+nothing in the catalog moved."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from onnx import TensorProto
+
+from despina.contract.keys import Keys
+from despina.control.repository import load_model
+from despina.control.state import Catalog
+from despina.examples import build_identity
+from despina.redis_client import connect, connect_worker
+from despina.settings import Settings
+from despina.workers.worker import Worker
+
+from .reliability_support import own_redis
+
+PREFIX = "despina-follow"
+
+ENSEMBLE = """name: "e0"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 3 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 3 ] } ]
+ensemble_scheduling { step [ { model_name: "m0" model_version: -1
+  input_map { key: "in" value: "IN" } output_map { key: "out" value: "OUT" } } ] }
+"""
+
+
+@dataclass
+class Cluster:
+    redis: aioredis.Redis
+    keys: Keys
+    catalog: Catalog   # the control plane's writer of the catalog
+    worker: Worker     # a real worker, following the catalog
+    folders: Path
+
+    async def hgetalls(self) -> int:
+        """HGETALLs so far (the worker's read of the catalog runs in a script: counted all the same)."""
+        stats = await self.redis.info("commandstats")
+        return int(stats.get("cmdstat_hgetall", {}).get("calls", 0))
+
+    def put(self, name: str) -> None:
+        """Register a model (identity ONNX) on the worker, as the control plane does."""
+        folder = self.folders / name
+        if not folder.exists():
+            build_identity(folder / "1" / "model.onnx", TensorProto.FLOAT)
+            (folder / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n')
+        self.catalog.put(replace(load_model(folder), workers=(self.worker.id,)))
+
+    async def loaded(self) -> None:
+        """The loads sync started, finished."""
+        await asyncio.wait_for(asyncio.gather(*(task for _, task in self.worker.loading.values())), 60)
+
+    def serving(self) -> list[str]:
+        return sorted(name for name, _ in self.worker.runners)
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    with own_redis(tmp_path) as server:
+        redis = connect(server.url)
+        keys = Keys(PREFIX)
+        worker = Worker(Settings(key_prefix=PREFIX), connect_worker(server.url))
+        catalog = Catalog(redis, keys)
+        catalog.mark_complete()
+        try:
+            yield Cluster(redis, keys, catalog, worker, tmp_path / "repo")
+        finally:
+            await worker.drain()
+            await worker.redis.aclose(close_connection_pool=True)
+            await redis.aclose(close_connection_pool=True)
+
+
+async def test_the_catalog_is_read_again_only_when_it_moved_and_each_change_is_seen(cluster: Cluster) -> None:
+    """Each worker read the whole catalog every second though nothing moved: 0.49 MB a second per worker at
+    400 models."""
+    cluster.put("m0")
+    cluster.put("m1")
+    await cluster.catalog.flush()
+    await cluster.worker.sync()
+    await cluster.loaded()
+    assert cluster.serving() == ["m0", "m1"]
+
+    before = await cluster.hgetalls()
+    for _ in range(5):
+        await cluster.worker.sync()
+    assert await cluster.hgetalls() - before == 0
+
+    cluster.catalog.remove("m1")  # the control plane unloads one model and places another
+    cluster.put("m2")
+    await cluster.catalog.flush()
+    await cluster.worker.sync()
+    await cluster.loaded()
+    assert cluster.serving() == ["m0", "m2"]
+    assert sorted(cluster.worker.catalog) == ["m0", "m2"]
+    assert await cluster.hgetalls() - before == 1
+
+
+async def test_under_a_control_plane_of_the_previous_version_the_catalog_is_read_every_time(
+        cluster: Cluster) -> None:
+    """A control plane of the previous version writes the catalog and no generation (and the generation a
+    later one left expires): each sync reads the catalog, and sees its changes."""
+    cluster.put("m0")
+    await cluster.catalog.flush()
+    await cluster.redis.delete(cluster.keys.catalog_generation)
+    await cluster.worker.sync()
+    await cluster.loaded()
+    entry = cluster.catalog.entries["m0"]
+
+    before = await cluster.hgetalls()
+    await cluster.worker.sync()
+    await cluster.redis.hset(cluster.keys.catalog, "m0", replace(entry, workers=()).dumps())
+    await cluster.worker.sync()
+    assert await cluster.hgetalls() - before == 2
+    assert cluster.serving() == []
+
+
+async def test_an_ensemble_that_could_not_start_starts_at_a_later_sync_though_nothing_moved(
+        cluster: Cluster) -> None:
+    """sync runs every second for what it retries on its own, besides the catalog: an ensemble whose start
+    here failed (Redis refused its stream) starts at the next sync once it can, with no change in the
+    catalog to read."""
+    cluster.put("m0")
+    folder = cluster.folders / "e0"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(ENSEMBLE)
+    cluster.catalog.put(load_model(folder))
+    await cluster.catalog.flush()
+    stream = cluster.keys.request_stream("e0", 1)
+    await cluster.redis.set(stream, b"not a stream")  # its consumer group cannot be made: the start fails
+    await cluster.worker.sync()
+    await cluster.loaded()
+    await cluster.worker.sync()  # m0 READY: the ensemble could run here, and fails to start
+    assert cluster.serving() == ["m0"] and cluster.worker.hosts == {}
+
+    await cluster.redis.delete(stream)
+    before = await cluster.hgetalls()
+    await cluster.worker.sync()
+    assert list(cluster.worker.hosts) == [("e0", 1)]
+    assert await cluster.hgetalls() - before == 0
