@@ -147,3 +147,28 @@ async def test_an_ensemble_that_could_not_start_starts_at_a_later_sync_though_no
     await cluster.worker.sync()
     assert list(cluster.worker.hosts) == [("e0", 1)]
     assert await cluster.hgetalls() - before == 0
+
+
+async def test_a_load_stopped_as_it_announces_itself_is_forgotten(cluster: Cluster) -> None:
+    """A load unloaded while it was announcing that it starts (the heartbeat before it) stayed LOADING in
+    the worker's state for good: an unload waited for it in vain, and a load of the model again never
+    started (one of the same files was on its way, as far as the worker knew)."""
+    cluster.put("m0")
+    await cluster.catalog.flush()
+    async with cluster.worker._beating:  # a heartbeat on its way: the load waits to announce itself
+        await cluster.worker.sync()
+        _, task = cluster.worker.loading[("m0", 1)]
+        while cluster.worker._next_announce is None and cluster.worker._announcing is None:
+            await asyncio.sleep(0)  # (the load's announce begun: it waits for the heartbeat held here)
+        cluster.catalog.remove("m0")
+        await cluster.catalog.flush()
+        await cluster.worker.sync()
+    await asyncio.gather(task, return_exceptions=True)
+    await cluster.worker._announced()
+    assert cluster.worker.loading == {} and "m0" not in cluster.worker.detail()
+
+    cluster.put("m0")
+    await cluster.catalog.flush()
+    await cluster.worker.sync()
+    await cluster.loaded()
+    assert cluster.serving() == ["m0"]

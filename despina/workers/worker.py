@@ -326,9 +326,10 @@ class Worker:
         slow = asyncio.get_running_loop().call_later(
             SLOW_LOAD_S, lambda: log.warning("worker %s: %s version %d is still loading after %.0f s",
                                              self.id, *key, time.monotonic() - started))
-        await self._announce()
         runner: ModelRunner | None = None
         try:
+            # (in the try: a load stopped while it announces itself must leave `loading` all the same)
+            await self._announce()
             path = self._loading_from[key] = await self._fetch(key, entry)
             runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
                                  self.id, self.settings.intra_op_threads, delivery=self.delivery,
