@@ -94,37 +94,52 @@ class Catalog:
 
 
 class Workers:
-    """The live workers, as their heartbeats describe them."""
+    """The live workers, as their heartbeats describe them. A worker's hash is read again only when the
+    digest of its state (`state`, contract/cluster.py) moved: a worker of 400 models writes 40 KB there on
+    every heartbeat, the same most of the time, and the control plane ticks every second (20 times a second
+    while anything moves). Its other fields (the cache's counters) are as of its last change of state."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis, self.keys = redis, keys
         self.status: dict[str, WorkerStatus] = {}
+        self._digests: dict[str, bytes] = {}  # worker id -> the digest its status was read with
 
     @property
     def infos(self) -> dict[str, WorkerInfo]:
         return {wid: s.info for wid, s in self.status.items()}
 
     async def refresh(self, members: set[bytes] | None = None) -> list[str]:
-        """Read every worker's hash (of `members`, the workers' set where the caller read it already);
-        returns the ids whose heartbeat key expired (now forgotten)."""
+        """Read every worker's digest (of `members`, the workers' set where the caller read it already), and
+        the hash of each one whose digest moved or is missing (a worker of an earlier version writes none; an
+        expired heartbeat key has none); returns the ids whose heartbeat key expired (now forgotten)."""
         if members is None:
             members = cast(set[bytes], await self.redis.smembers(self.keys.workers))
         ids = sorted(m.decode() for m in members)
         pipe = self.redis.pipeline(transaction=False)
         for wid in ids:
+            pipe.hget(self.keys.worker(wid), "state")
+        digests = await pipe.execute() if ids else []
+        moved = [wid for wid, d in zip(ids, digests) if d is None or self._digests.get(wid) != d]
+        pipe = self.redis.pipeline(transaction=False)
+        for wid in moved:
             pipe.hgetall(self.keys.worker(wid))
-        hashes = await pipe.execute() if ids else []
-        status, dead = {}, []
-        for wid, h in zip(ids, hashes):
-            if h:
+        hashes = dict(zip(moved, await pipe.execute() if moved else []))
+        status, digests_now, dead = {}, {}, []
+        for wid in ids:  # (in the order of their ids, as placement saw them before)
+            h = hashes.get(wid)
+            if h is None:  # its digest as before
+                status[wid], digests_now[wid] = self.status[wid], self._digests[wid]
+            elif h:
                 status[wid] = WorkerStatus.from_hash(wid, h)
+                if b"state" in h:  # (what was read, if the worker wrote again between the two reads)
+                    digests_now[wid] = h[b"state"]
             else:
                 dead.append(wid)
         if dead:
             await self.redis.srem(self.keys.workers, *dead)
             for wid in dead:
                 log.warning("worker %s stopped sending heartbeats; removed", wid)
-        self.status = status
+        self.status, self._digests = status, digests_now
         return dead
 
     def ready_on(self, name: str, version: int, revision: str | None = None) -> list[str]:
