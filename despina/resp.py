@@ -107,9 +107,13 @@ def _data(arg: Arg) -> bytes:
     return repr(float(arg)).encode()
 
 
+READER_KEPT = 1 << 20  # bytes a connection's reader may have taken before it is let go (data_received)
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader()
+        self.fed = 0  # bytes fed to the reader since it was made
         self.waiting: deque[tuple[list[Any], int, asyncio.Future[list[Any]]]] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost: Exception | None = None
@@ -119,6 +123,7 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
+        self.fed += len(data)
         waiting = self.waiting
         while True:
             try:
@@ -128,6 +133,11 @@ class _Protocol(asyncio.Protocol):
                 return
             if reply is False:
                 return
+            if self.fed > READER_KEPT and not self.reader.has_data():
+                # hiredis keeps its buffer at the size of the largest reply until more data comes, and a
+                # blocking read may bring none for long: a large reply's copy stayed in memory meanwhile.
+                # Read to its end (nothing of another reply begun), the reader is let go for a new one.
+                self.reader, self.fed = hiredis.Reader(), 0
             if not waiting:  # a reply nobody asked for: the stream is out of step
                 self.fail(ConnectionError("unexpected reply from Redis"))
                 return

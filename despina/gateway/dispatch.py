@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -414,11 +415,7 @@ class Dispatcher:
         read_since_trim = 0
         while True:
             try:
-                sent = await self._read_with_requests()
-                if sent is None:
-                    resp = (await self._in.execute([self._read_command()]))[0]
-                else:
-                    resp = (await self._in.replies(sent, shield=True))[0]
+                resp = await self._read()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -428,14 +425,29 @@ class Dispatcher:
                                                f"waiting for the answer: {exc}"))
                 await asyncio.sleep(0.2)
                 continue
-            for _, entries in resp or ():
-                for entry_id, raw in entries:
-                    self._last_reply = entry_id
-                    self._resolve(fields(raw).get(FIELD, b""))
-                read_since_trim += len(entries)
-            if read_since_trim >= 1000 or (read_since_trim and not resp):
+            read = self._take(resp)
+            resp = None  # let go now, not when the next read returns (which may wait long): large replies
+            read_since_trim += read
+            if read_since_trim >= 1000 or (read_since_trim and not read):
                 read_since_trim = 0
                 await self._trim(self._last_reply)
+
+    async def _read(self) -> Any:
+        """The next read of the reply stream: XREAD's answer."""
+        sent = await self._read_with_requests()
+        if sent is None:
+            return (await self._in.execute([self._read_command()]))[0]
+        return (await self._in.replies(sent, shield=True))[0]
+
+    def _take(self, resp: Any) -> int:
+        """Resolve the replies of an XREAD of the reply stream; how many entries it read."""
+        read = 0
+        for _, entries in resp or ():
+            for entry_id, raw in entries:
+                self._last_reply = entry_id
+                self._resolve(fields(raw).get(FIELD, b""))
+            read += len(entries)
+        return read
 
     def _resolve(self, payload: bytes) -> None:
         try:

@@ -123,6 +123,9 @@ class DynamicBatcher:
                 task = asyncio.create_task(self._run_one(batch))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
+                # not held here while the next batch forms (which may take long): its requests' inputs
+                # stay in memory only as long as its run needs them
+                del batch
         finally:
             if self._running:
                 await asyncio.gather(*self._running, return_exceptions=True)

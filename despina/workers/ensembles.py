@@ -129,18 +129,20 @@ class EnsembleHost:
             if self._stopping:
                 break
             try:
-                sent = await self._read_with_replies()
-                if sent is None:
-                    entries = await self.streams.read(max(1, READ_AHEAD - self._in_flight),
-                                                      self.streams.block_ms)
-                else:
-                    entries = await self.streams.sent_read(sent)
+                entries = await self._read()
             except (RedisError, OSError) as exc:
                 failed.log("ensemble %s: reading its stream failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
                 continue
             if entries:
                 self._accept(entries)
+            del entries  # not held while the next read waits (which may be long): large requests
+
+    async def _read(self) -> list[Entry]:
+        sent = await self._read_with_replies()
+        if sent is None:
+            return await self.streams.read(max(1, READ_AHEAD - self._in_flight), self.streams.block_ms)
+        return await self.streams.sent_read(sent)
 
     async def _read_with_replies(self) -> asyncio.Future[Any] | None:
         """While every request the gateways have out for this ensemble runs here, none can come before

@@ -185,18 +185,20 @@ class ModelRunner:
             if self._stopping:
                 break
             try:
-                sent = await self._read_with_replies()
-                if sent is None:
-                    entries = await self.streams.read(self._room_entries(self._in_flight),
-                                                      self.streams.block_ms)
-                else:
-                    entries = await self.streams.sent_read(sent)
+                entries = await self._read()
             except (RedisError, OSError) as exc:
                 failed.log("model %s: reading its stream failed (%s); retrying", self.spec.name, exc)
                 await asyncio.sleep(0.5)
                 continue
             if entries:
                 await self._accept(entries)
+            del entries  # not held while the next read waits (which may be long): large requests
+
+    async def _read(self) -> list[Entry]:
+        sent = await self._read_with_replies()
+        if sent is None:
+            return await self.streams.read(self._room_entries(self._in_flight), self.streams.block_ms)
+        return await self.streams.sent_read(sent)
 
     def _room_entries(self, in_flight: int) -> int:
         # an entry holds up to ENTRY_REQUESTS requests: read no further past the read-ahead

@@ -1,0 +1,73 @@
+"""Large tensors end to end: what a gateway and a worker keep of them once answered."""
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+from onnx import TensorProto
+
+from despina.examples import build_identity
+
+from .conftest import delete_prefix, start_server, stop_server
+from .reliability_support import role_pids
+
+COLUMNS = 1024  # ident's rows: 4 KiB each
+
+
+def repository(root: Path) -> Path:
+    """ident: FP32 [-1, 1024] -> the same (ONNX, its memory arena off: what it allocates is freed after
+    each run)."""
+    build_identity(root / "ident" / "1" / "model.onnx", TensorProto.FLOAT, COLUMNS)
+    (root / "ident" / "config.pbtxt").write_text(
+        f'backend: "onnxruntime"\nmax_batch_size: 0\n'
+        f'input [{{ name: "in", data_type: TYPE_FP32, dims: [-1, {COLUMNS}] }}]\n'
+        f'output [{{ name: "out", data_type: TYPE_FP32, dims: [-1, {COLUMNS}] }}]\n'
+        'parameters { key: "enable_mem_arena" value: { string_value: "0" } }\n')
+    return root
+
+
+def binary(*inputs: tuple[str, np.ndarray, str]) -> tuple[bytes, dict[str, str]]:
+    """A V2 body with binary tensors, and its headers; the outputs come back binary too."""
+    header = json.dumps({
+        "inputs": [{"name": n, "datatype": d, "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
+                   for n, a, d in inputs],
+        "parameters": {"binary_data_output": True}}).encode()
+    return header + b"".join(a.tobytes() for _, a, _ in inputs), \
+        {"inference-header-content-length": str(len(header)), "content-type": "application/octet-stream"}
+
+
+def ident_body(rows: int) -> tuple[bytes, dict[str, str]]:
+    return binary(("in", np.ones((rows, COLUMNS), np.float32), "FP32"))
+
+
+def rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_a_large_requests_memory_is_let_go_once_answered(tmp_path: Path, redis_url: str) -> None:
+    """What the gateway and the worker hold after answering 36 MB requests (each on a connection of its own,
+    as curl sends them) is what they held before: the gateway kept every body until a garbage collection
+    (which bytes do not bring about), the last replies read, and hiredis's buffer of them; the worker its
+    last batch, its last read and hiredis's buffer. (36 MB: more than glibc's largest mmap threshold, so
+    that what is freed leaves the process's memory at once.)"""
+    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
+    server = start_server(repository(tmp_path / "repo"), tmp_path, redis_url, prefix, wait_models=("ident",))
+    try:
+        (gateway,), (worker,) = role_pids(server, "gateway"), role_pids(server, "worker")
+        url = f"{server.url}/v2/models/ident/infer"
+        small, big = ident_body(1), ident_body(9216)
+        assert httpx.post(url, content=small[0], headers=small[1]).status_code == 200
+        before = rss_mb(gateway), rss_mb(worker)
+        for _ in range(4):
+            r = httpx.post(url, content=big[0], headers=big[1], timeout=60)
+            assert r.status_code == 200 and len(r.content) > len(big[0]) - 1000
+        after = rss_mb(gateway), rss_mb(worker)
+    finally:
+        stop_server(server)
+        delete_prefix(redis_url, prefix)
+    assert after[0] - before[0] < 18, f"the gateway holds {after[0] - before[0]:.0f} MB more"
+    assert after[1] - before[1] < 18, f"the worker holds {after[1] - before[1]:.0f} MB more"
