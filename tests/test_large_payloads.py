@@ -1,12 +1,14 @@
-"""Large tensors end to end: what a gateway and a worker keep of them once answered."""
+"""Large tensors end to end: what a gateway, a worker and Redis keep of them once answered."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
 import httpx
 import numpy as np
+import redis
 from onnx import TensorProto
 
 from despina.examples import build_identity
@@ -53,7 +55,9 @@ def test_a_large_requests_memory_is_let_go_once_answered(tmp_path: Path, redis_u
     as curl sends them) is what they held before: the gateway kept every body until a garbage collection
     (which bytes do not bring about), the last replies read, and hiredis's buffer of them; the worker its
     last batch, its last read and hiredis's buffer. (36 MB: more than glibc's largest mmap threshold, so
-    that what is freed leaves the process's memory at once.)"""
+    that what is freed leaves the process's memory at once.) Redis keeps none of the replies read: the
+    reply stream was trimmed every 1000 replies or on a read that found none, which an idle gateway does
+    not make, and kept up to 1000 large replies."""
     prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
     server = start_server(repository(tmp_path / "repo"), tmp_path, redis_url, prefix, wait_models=("ident",))
     try:
@@ -66,8 +70,16 @@ def test_a_large_requests_memory_is_let_go_once_answered(tmp_path: Path, redis_u
             r = httpx.post(url, content=big[0], headers=big[1], timeout=60)
             assert r.status_code == 200 and len(r.content) > len(big[0]) - 1000
         after = rss_mb(gateway), rss_mb(worker)
+        client = redis.Redis.from_url(redis_url)
+        for _ in range(50):  # trimmed after the answer went
+            kept = sum(client.xlen(key) for key in client.scan_iter(f"{prefix}:rep:*"))
+            if not kept:
+                break
+            time.sleep(0.1)
+        client.close()
     finally:
         stop_server(server)
         delete_prefix(redis_url, prefix)
     assert after[0] - before[0] < 18, f"the gateway holds {after[0] - before[0]:.0f} MB more"
     assert after[1] - before[1] < 18, f"the worker holds {after[1] - before[1]:.0f} MB more"
+    assert kept == 0, f"the reply stream keeps {kept} replies read"

@@ -66,6 +66,9 @@ OWED_S = 0.004  # answers delivered this recently are expected back as new reque
 HOLD_GAP_S = 0.0002
 MAX_HOLD_GAP_S = 0.001
 FEW_CLIENTS = 16
+TRIM_BYTES = 4 << 20  # replies read past which the reply stream is trimmed (else every 1000 read)
+
+
 class Dispatcher:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str | None = None,
                  reply_ttl_ms: int = 120_000, hold_us: int = 4000) -> None:
@@ -412,7 +415,7 @@ class Dispatcher:
         return await self._read_along.wait()
 
     async def _read_replies(self) -> None:
-        read_since_trim = 0
+        read_since_trim = bytes_since_trim = 0
         while True:
             try:
                 resp = await self._read()
@@ -425,11 +428,14 @@ class Dispatcher:
                                                f"waiting for the answer: {exc}"))
                 await asyncio.sleep(0.2)
                 continue
-            read = self._take(resp)
+            read, size = self._take(resp)
             resp = None  # let go now, not when the next read returns (which may wait long): large replies
             read_since_trim += read
-            if read_since_trim >= 1000 or (read_since_trim and not read):
-                read_since_trim = 0
+            bytes_since_trim += size
+            # trimmed every 1000 entries or TRIM_BYTES, or when a read finds none: an idle gateway reads only
+            # with its next requests (_read_with_requests), and large replies read but kept filled Redis
+            if read_since_trim >= 1000 or bytes_since_trim >= TRIM_BYTES or (read_since_trim and not read):
+                read_since_trim = bytes_since_trim = 0
                 await self._trim(self._last_reply)
 
     async def _read(self) -> Any:
@@ -439,15 +445,17 @@ class Dispatcher:
             return (await self._in.execute([self._read_command()]))[0]
         return (await self._in.replies(sent, shield=True))[0]
 
-    def _take(self, resp: Any) -> int:
-        """Resolve the replies of an XREAD of the reply stream; how many entries it read."""
-        read = 0
+    def _take(self, resp: Any) -> tuple[int, int]:
+        """Resolve the replies of an XREAD of the reply stream; how many entries it read, and their bytes."""
+        read = size = 0
         for _, entries in resp or ():
             for entry_id, raw in entries:
                 self._last_reply = entry_id
-                self._resolve(fields(raw).get(FIELD, b""))
+                payload = fields(raw).get(FIELD, b"")
+                size += len(payload)
+                self._resolve(payload)
             read += len(entries)
-        return read
+        return read, size
 
     def _resolve(self, payload: bytes) -> None:
         try:
@@ -507,9 +515,10 @@ class Dispatcher:
             log.exception("gateway %s: passing on a response of request %s failed", self.id, reply.id)
 
     async def _trim(self, last: str | bytes) -> None:
-        last_id = last.decode() if isinstance(last, bytes) else last
+        """Drop the replies read, up to `last` included (the next read starts after it, entry or not)."""
+        ms, _, seq = (last.decode() if isinstance(last, bytes) else last).partition("-")
         try:
-            await self._in.execute([["XTRIM", self.reply_stream, "MINID", last_id],
+            await self._in.execute([["XTRIM", self.reply_stream, "MINID", f"{ms}-{int(seq or 0) + 1}"],
                                     ["PEXPIRE", self.reply_stream, self.reply_ttl_ms]])
         except Exception:
             pass
