@@ -124,3 +124,18 @@ async def allow_oom(redis: aioredis.Redis, body: str) -> str:
             flags = False
         _reads_flags[redis] = flags
     return ALLOW_OOM + body if flags else body
+
+
+# Redis's proto-max-bulk-len by default: the most bytes one argument of a command may have. A longer one
+# is a protocol error, and Redis closes the connection, failing every command sent on it.
+BULK_DEFAULT = 512 * 1024 * 1024
+
+
+async def bulk_limit(redis: aioredis.Redis) -> int:
+    """The most bytes a stream entry's payload may have on this Redis: its proto-max-bulk-len, or Redis's
+    default where the server does not say (a managed service refuses CONFIG) or cannot be asked now."""
+    try:
+        found = await redis.config_get("proto-max-bulk-len")
+        return int(found["proto-max-bulk-len"] or BULK_DEFAULT)
+    except (RedisError, OSError, KeyError, ValueError, TypeError):
+        return BULK_DEFAULT

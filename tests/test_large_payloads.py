@@ -1,33 +1,58 @@
-"""Large tensors end to end: what a gateway, a worker and Redis keep of them once answered."""
+"""Large tensors end to end: what a gateway, a worker and Redis keep of them once answered, and answers of
+more bytes than Redis takes in one value (its proto-max-bulk-len, lowered to 1 MB here)."""
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 import redis
 from onnx import TensorProto
 
+from despina.contract.keys import GROUP, Keys
 from despina.examples import build_identity
 
-from .conftest import delete_prefix, start_server, stop_server
-from .reliability_support import role_pids
+from .conftest import Server, delete_prefix, start_server, stop_server
+from .reliability_support import own_redis, role_pids
 
 COLUMNS = 1024  # ident's rows: 4 KiB each
+BLOWUP = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "in").as_numpy()
+            times = int(pb_utils.get_input_tensor_by_name(r, "times").as_numpy()[0])
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("out", np.tile(x, times))]))
+        return out
+"""
 
 
 def repository(root: Path) -> Path:
     """ident: FP32 [-1, 1024] -> the same (ONNX, its memory arena off: what it allocates is freed after
-    each run)."""
+    each run); blowup: FP32 [-1] and `times` -> the input repeated that many times (Python)."""
     build_identity(root / "ident" / "1" / "model.onnx", TensorProto.FLOAT, COLUMNS)
     (root / "ident" / "config.pbtxt").write_text(
         f'backend: "onnxruntime"\nmax_batch_size: 0\n'
         f'input [{{ name: "in", data_type: TYPE_FP32, dims: [-1, {COLUMNS}] }}]\n'
         f'output [{{ name: "out", data_type: TYPE_FP32, dims: [-1, {COLUMNS}] }}]\n'
         'parameters { key: "enable_mem_arena" value: { string_value: "0" } }\n')
+    (root / "blowup" / "1").mkdir(parents=True)
+    (root / "blowup" / "1" / "model.py").write_text(BLOWUP)
+    (root / "blowup" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [{ name: "in", data_type: TYPE_FP32, dims: [-1] }, '
+        '{ name: "times", data_type: TYPE_INT32, dims: [1] }]\n'
+        'output [{ name: "out", data_type: TYPE_FP32, dims: [-1] }]\n')
     return root
 
 
@@ -48,6 +73,43 @@ def ident_body(rows: int) -> tuple[bytes, dict[str, str]]:
 def rss_mb(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.fixture(scope="module")
+def small_bulk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str]]:
+    """A serve on a Redis of its own that takes at most 1 MB in one value (proto-max-bulk-len's least),
+    and that Redis's URL."""
+    tmp = tmp_path_factory.mktemp("bulk")
+    with own_redis(tmp) as store:
+        client = redis.Redis.from_url(store.url)
+        client.config_set("proto-max-bulk-len", str(1 << 20))
+        client.close()
+        server = start_server(repository(tmp / "repo"), tmp, store.url, "despina",
+                              env={"DESPINA_REQUEST_TIMEOUT_S": "15"}, wait_models=("ident", "blowup"))
+        yield server, store.url
+        stop_server(server)
+
+
+def test_an_answer_over_what_redis_takes_is_refused_with_413_and_acknowledged(
+        small_bulk: tuple[Server, str]) -> None:
+    """Its XADD closed the worker's connection (a protocol error), with the acknowledgement: the request
+    was run again at each visibility timeout until dead-lettered as if it had killed the worker, its client
+    answered 504 (or 500, "the worker died each time it ran it") minutes later."""
+    server, url = small_bulk
+    x = np.ones(100_000, np.float32)  # 400 kB
+
+    def blowup(times: int) -> httpx.Response:
+        body, headers = binary(("in", x, "FP32"), ("times", np.array([times], np.int32), "INT32"))
+        return httpx.post(f"{server.url}/v2/models/blowup/infer", content=body, headers=headers, timeout=30)
+
+    r = blowup(10)
+    assert r.status_code == 413, r.text
+    assert "model 'blowup' answered with" in r.json()["error"] and "proto-max-bulk-len" in r.json()["error"]
+    client = redis.Redis.from_url(url)
+    assert client.xpending(Keys("despina").request_stream("blowup", 1), GROUP)["pending"] == 0
+    client.close()
+    r = blowup(2)
+    assert r.status_code == 200 and len(r.content) > 2 * x.nbytes  # the worker answers on
 
 
 def test_a_large_requests_memory_is_let_go_once_answered(tmp_path: Path, redis_url: str) -> None:

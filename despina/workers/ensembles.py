@@ -29,7 +29,7 @@ from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from ..counters import Deferred, record_counts
 from ..logs import Throttled
-from ..redis_client import allow_oom
+from ..redis_client import BULK_DEFAULT, allow_oom, bulk_limit
 from ..resp import Batch, ReadAlong, Resp
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
@@ -59,6 +59,7 @@ class EnsembleHost:
         self.stats_key = keys.stats(spec.name, version)
         self._bounded = bounded_levels(spec)
         self._dequeued = DEQUEUED  # as allow_oom makes it for this Redis, at start
+        self._bulk = BULK_DEFAULT  # the most bytes of one reply entry: this Redis's, at start (bulk_limit)
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
         self._in_flight = 0
         # what each gateway has in flight (workers/inflight.py), and per model the steps that calls it
@@ -85,6 +86,7 @@ class EnsembleHost:
         await self.streams.ensure_groups()
         if self._bounded:
             self._dequeued = await allow_oom(self.redis, DEQUEUED)
+        self._bulk = await bulk_limit(self.redis)
         self.state = "READY"
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._reclaim_loop())]
         log.info("ensemble %s version %d: run in this worker", self.spec.name, self.version)
@@ -245,7 +247,7 @@ class EnsembleHost:
                 del self._entries[entry]
                 acks.append(entry)
         pipe = Batch()
-        replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
+        entries = replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms, self.spec.name, self._bulk)
         if self._bounded:
             count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, answered,
                            self._dequeued)
@@ -256,11 +258,11 @@ class EnsembleHost:
             record_counts(pipe, self.stats_key, counts)
         if acks:
             self.streams.ack_into(pipe, acks)
-        task = asyncio.get_running_loop().create_task(self._write(pipe, answered, len(by_gateway)))
+        task = asyncio.get_running_loop().create_task(self._write(pipe, answered, entries))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write(self, pipe: Batch, answered: list[InferRequest], gateways: int) -> None:
+    async def _write(self, pipe: Batch, answered: list[InferRequest], entries: int) -> None:
         if self._out is None:
             self._out = Resp.like(self.redis)
         room = max(1, READ_AHEAD - self._in_flight)
@@ -274,7 +276,7 @@ class EnsembleHost:
             log.error("ensemble %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, len(answered), exc)
             return
-        if again := refused("ensemble", self.spec.name, pipe, results, gateways, len(answered)):
+        if again := refused("ensemble", self.spec.name, pipe, results, entries, len(answered)):
             await write_again(self._out, again, max(r.deadline for r in answered))
 
 

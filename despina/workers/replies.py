@@ -11,9 +11,11 @@ import hiredis
 from redis.exceptions import RedisError
 
 from ..contract import records
+from ..contract.errors import Code
 from ..contract.keys import FIELD, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest
+from ..redis_client import BULK_DEFAULT
 from ..resp import Batch, Command, Resp
 
 log = logging.getLogger("despina.worker")
@@ -49,16 +51,43 @@ def count_dequeued(pipe: Batch, keys: Keys, spec: ModelSpec, version: int, bound
         pipe.eval(script, 1, keys.queued(spec.name, version, level), n)
 
 
-def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: int) -> None:
-    """One reply entry per gateway's reply stream, which expires if its gateway is gone."""
+def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: int, name: str,
+                 limit: int = BULK_DEFAULT) -> int:
+    """One reply entry per gateway's reply stream, which expires if its gateway is gone; how many entries.
+
+    No entry is more than `limit` bytes, the most Redis takes in one value (bulk_limit): a longer one is a
+    protocol error that closes the connection, and the whole pipeline failed with it, acknowledgements
+    included, the requests redelivered and run again until dead-lettered as if they had killed the worker.
+    A gateway's replies that come to more go in several entries; a reply that is more on its own is
+    answered with an error instead (413: the model `name` answered with more than the queue carries)."""
+    entries = 0
     for stream, group in by_gateway.items():
-        pipe.xadd(stream, {FIELD: records.encode(group)}, maxlen=REPLY_MAXLEN, approximate=True)
-        pipe.pexpire(stream, ttl_ms)
+        encoded = records.encode(group)
+        for payload in (encoded,) if len(encoded) <= limit else _fitting(group, encoded, name, limit):
+            pipe.xadd(stream, {FIELD: payload}, maxlen=REPLY_MAXLEN, approximate=True)
+            pipe.pexpire(stream, ttl_ms)
+            entries += 1
+    return entries
 
 
-def refused(kind: str, name: str, pipe: Batch, results: list[Any], gateways: int,
+def _fitting(group: list[InferReply], payload: bytes, name: str, limit: int) -> list[bytes]:
+    if len(payload) <= limit:
+        return [payload]
+    if len(group) > 1:
+        half = len(group) // 2
+        return [p for part in (group[:half], group[half:])
+                for p in _fitting(part, records.encode(part), name, limit)]
+    reply = group[0]
+    message = (f"model '{name}' answered with {len(payload)} bytes, more than the {limit} that the reply "
+               "queue takes in one message (Redis's proto-max-bulk-len): ask for less in one request")
+    log.error("%s (request %s)", message, reply.id)
+    return [records.encode([InferReply(reply.id, (), (Code.PAYLOAD_TOO_LARGE, message), reply.queue_us,
+                                       reply.compute_us, index=reply.index, final=reply.final)])]
+
+
+def refused(kind: str, name: str, pipe: Batch, results: list[Any], entries: int,
             replies: int) -> list[Command]:
-    """What Redis refused of a pipeline that replies_into began with `gateways` reply entries (`results`:
+    """What Redis refused of a pipeline that replies_into began with its `entries` (`results`:
     its answers, errors included), logged once for the `kind` ("model") `name`: the commands of the
     reply entries refused, to write again. Each command stands alone: a Redis out of memory (maxmemory)
     refuses the XADD of a reply and takes the XACK after it, so the request is neither answered nor
@@ -66,7 +95,7 @@ def refused(kind: str, name: str, pipe: Batch, results: list[Any], gateways: int
     error = next((r for r in results if isinstance(r, hiredis.ReplyError)), None)
     if error is None:
         return []
-    again = [c for i in range(0, 2 * gateways, 2) if isinstance(results[i], hiredis.ReplyError)
+    again = [c for i in range(0, 2 * entries, 2) if isinstance(results[i], hiredis.ReplyError)
              for c in pipe.commands[i:i + 2]]
     log.error("%s %s: Redis refused a command of %d replies' writes: %s%s", kind, name, replies, error,
               "; writing the replies again until their deadline" if again else "")

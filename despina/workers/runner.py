@@ -20,7 +20,7 @@ from ..contract.modelconfig import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..counters import Deferred, record_counts
 from ..logs import Throttled
-from ..redis_client import allow_oom
+from ..redis_client import BULK_DEFAULT, allow_oom, bulk_limit
 from ..resp import Batch, ReadAlong, Resp
 from ..response_cache import LOADS, ResponseCache, cache_key, through
 from . import answers, stats
@@ -80,6 +80,7 @@ class ModelRunner:
         self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
         self._bounded = bounded_levels(spec)
         self._dequeued = DEQUEUED  # as allow_oom makes it for this Redis, at start
+        self._bulk = BULK_DEFAULT  # the most bytes of one reply entry: this Redis's, at start (bulk_limit)
         self.stats_key = keys.stats(spec.name, version)
         self.consumer = consumer
         self._read_along = ReadAlong()  # the read loop's next read, waiting for a batch's replies
@@ -125,6 +126,7 @@ class ModelRunner:
         await self.streams.ensure_groups()
         if self._bounded:
             self._dequeued = await allow_oom(self.redis, DEQUEUED)
+        self._bulk = await bulk_limit(self.redis)
         self.state = "READY"
         self._tasks = [asyncio.create_task(self.batcher.run()), asyncio.create_task(self._read_loop()),
                        asyncio.create_task(self._reclaim_loop())]
@@ -428,7 +430,8 @@ class ModelRunner:
         if self._out is None:
             self._out = Resp.like(self.redis)
         pipe = Batch()
-        replies_into(pipe, {p.request.reply_to: [reply]}, self.delivery.reply_ttl_ms)
+        replies_into(pipe, {p.request.reply_to: [reply]}, self.delivery.reply_ttl_ms, self.spec.name,
+                     self._bulk)
         asked = len(pipe.commands)  # the answer that says whether it was cancelled
         pipe.commands.append(["SISMEMBER", self.keys.cancelled(p.request.reply_to), p.request.id])
         if p.entry is not None:
@@ -492,7 +495,7 @@ class ModelRunner:
         if self._out is None:
             self._out = Resp.like(self.redis)
         pipe = Batch()
-        replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms)
+        entries = replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms, self.spec.name, self._bulk)
         if self._bounded:
             count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, requests,
                            self._dequeued)
@@ -518,7 +521,7 @@ class ModelRunner:
             log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
                       self.spec.name, len(replies), exc)
             return
-        if again := refused("model", self.spec.name, pipe, results, len(by_gateway), len(replies)):
+        if again := refused("model", self.spec.name, pipe, results, entries, len(replies)):
             self._spawn(write_again(self._out, again, max(r.deadline for r in requests)))
 
     async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
