@@ -1,7 +1,8 @@
-"""Large tensors end to end: what a gateway, a worker and Redis keep of them once answered, and answers of
-more bytes than Redis takes in one value (its proto-max-bulk-len, lowered to 1 MB here)."""
+"""Large tensors end to end: what a gateway, a worker and Redis keep of them once answered, and requests
+and answers of more bytes than Redis takes in one value (its proto-max-bulk-len, lowered to 1 MB here)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -110,6 +111,29 @@ def test_an_answer_over_what_redis_takes_is_refused_with_413_and_acknowledged(
     client.close()
     r = blowup(2)
     assert r.status_code == 200 and len(r.content) > 2 * x.nbytes  # the worker answers on
+
+
+async def test_requests_over_what_redis_takes_together_go_apart(small_bulk: tuple[Server, str]) -> None:
+    """Requests that arrive together go in one stream entry: 12 of 400 kB made one over the limit, and the
+    connection it closed failed them all with 503, each under the limit."""
+    server, _ = small_bulk
+    body, headers = ident_body(100)
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=12)) as http:
+        answers = await asyncio.gather(*[http.post(f"{server.url}/v2/models/ident/infer", content=body,
+                                                   headers=headers) for _ in range(12)])
+    assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers if a.status_code != 200]
+
+
+async def test_a_request_over_what_redis_takes_is_refused_with_413_alone(small_bulk: tuple[Server, str]) -> None:
+    """Refused before it is queued; the requests that went with it are answered."""
+    server, _ = small_bulk
+    url = f"{server.url}/v2/models/ident/infer"
+    (big_body, big_headers), (body, headers) = ident_body(300), ident_body(2)  # 1.2 MB, 8 kB
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=5)) as http:
+        big, *small = await asyncio.gather(http.post(url, content=big_body, headers=big_headers),
+                                           *[http.post(url, content=body, headers=headers) for _ in range(4)])
+    assert big.status_code == 413 and "proto-max-bulk-len" in big.json()["error"], big.text
+    assert [a.status_code for a in small] == [200] * 4
 
 
 def test_a_large_requests_memory_is_let_go_once_answered(tmp_path: Path, redis_url: str) -> None:

@@ -29,6 +29,7 @@ from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
 from ..contract.records import GROUPED, InferReply, InferRequest
 from ..counters import Deferred
 from ..logs import Throttled
+from ..redis_client import BULK_DEFAULT, bulk_limit
 from ..resp import Batch, ReadAlong, Resp, fields
 from . import grouping
 
@@ -74,6 +75,8 @@ class Dispatcher:
                  reply_ttl_ms: int = 120_000, hold_us: int = 4000) -> None:
         # requests go out on one lean connection; the reply stream is read, blocking, on another
         self._out, self._in = Resp.like(redis), Resp.like(redis)
+        self._redis = redis
+        self.bulk_limit = BULK_DEFAULT  # the most bytes of one request entry (Redis's, once started)
         self.keys = keys
         self.reply_ttl_ms = reply_ttl_ms
         self.dropped = 0  # replies nobody waited for: duplicates, or past their deadline
@@ -124,6 +127,7 @@ class Dispatcher:
         return f"{next(self._ids):x}"
 
     async def start(self) -> None:
+        self.bulk_limit = await bulk_limit(self._redis)
         self._reader = asyncio.create_task(self._read_replies())
         if self.hold_s:
             self._alarm = Alarm.create(self._hold_over)
@@ -355,15 +359,27 @@ class Dispatcher:
             limit = self._group_rows[stream]
             entries = grouping.entries(grouping.grouped(batch, limit)) if limit and len(batch) > 1 else \
                 [batch[i:i + ENTRY_REQUESTS] for i in range(0, len(batch), ENTRY_REQUESTS)]
+            too_large: list[tuple[InferRequest, int]] = []
             for entry in entries:
-                pipe.xadd(stream, {FIELD: records.encode(entry), IN_FLIGHT: in_flight})
-                plain += 1
-            pipe.hincrby(self._stats[stream], "enqueued", len(batch))
+                encoded = records.encode(entry)
+                for payload in (encoded,) if len(encoded) <= self.bulk_limit else \
+                        self._fitting(entry, encoded, too_large):
+                    pipe.xadd(stream, {FIELD: payload, IN_FLIGHT: in_flight})
+                    plain += 1
+            for req, size in too_large:
+                self._too_large(req, size)
+            pipe.hincrby(self._stats[stream], "enqueued", len(batch) - len(too_large))
             plain += 1
         plain += self._counts.into(pipe)  # what the gateway counted itself rides along
+        sent_bounded = []
         for stream, (counter, limit), req in bounded:
+            payload = records.encode([req])
+            if len(payload) > self.bulk_limit:
+                self._too_large(req, len(payload))
+                continue
             pipe.eval(BOUNDED_XADD, 3, stream, counter, self._stats[stream], limit, FIELD,
-                      records.encode([req]), IN_FLIGHT, self._in_flight.get(self._stats[stream], 0))
+                      payload, IN_FLIGHT, self._in_flight.get(self._stats[stream], 0))
+            sent_bounded.append((stream, (counter, limit), req))
         sent = self._read_along.send(pipe.commands, lambda c: self._in.send(c, [self._read_command()]))
         try:
             results = await (self._out.execute(pipe.commands) if sent is None else self._in.replies(sent))
@@ -374,11 +390,34 @@ class Dispatcher:
             for req in [r for batch in outbox.values() for r in batch] + [b[2] for b in bounded]:
                 self._finish(req.id, error)
             return
-        for (_, (_, limit), req), accepted in zip(bounded, results[plain:], strict=True):
+        for (_, (_, limit), req), accepted in zip(sent_bounded, results[plain:], strict=True):
             if not accepted:
                 self._finish(req.id, DespinaError(f"Exceeds maximum queue size: the queue is full "
                                                 f"({limit} requests); retry later",
                                                 Code.RESOURCE_EXHAUSTED))
+
+    def _fitting(self, entry: list[InferRequest], payload: bytes, too_large: list[tuple[InferRequest, int]]
+                 ) -> list[bytes]:
+        """The payloads of an entry whose payload is more than Redis takes in one value (bulk_limit: it would
+        close the connection, failing every request on it) as entries that are not: its requests apart, a
+        grouped one's members too. A request over the limit alone goes on `too_large` with its size."""
+        if len(payload) <= self.bulk_limit:
+            return [payload]
+        if len(entry) > 1:
+            half = len(entry) // 2
+            return [p for part in (entry[:half], entry[half:])
+                    for p in self._fitting(part, records.encode(part), too_large)]
+        if entry[0].id[:1] == GROUPED:
+            members = records.split(entry[0])
+            return self._fitting(members, records.encode(members), too_large)
+        too_large.append((entry[0], len(payload)))
+        return []
+
+    def _too_large(self, request: InferRequest, size: int) -> None:
+        self._finish(request.id, DespinaError(
+            f"the request's tensors come to {size} bytes, more than the {self.bulk_limit} that the request "
+            "queue takes in one message (Redis's proto-max-bulk-len): send them in smaller requests",
+            Code.PAYLOAD_TOO_LARGE))
 
     def refused(self, stats: str) -> None:
         """Count a request refused before it was queued (Triton's REJECTED)."""
