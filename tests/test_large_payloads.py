@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from onnx import TensorProto
 from despina.contract.keys import GROUP, Keys
 from despina.examples import build_identity
 
-from .conftest import Server, delete_prefix, start_server, stop_server
+from .conftest import Server, module_server, start_server, stop_server
 from .reliability_support import own_redis, role_pids
 
 COLUMNS = 1024  # ident's rows: 4 KiB each
@@ -136,7 +135,13 @@ async def test_a_request_over_what_redis_takes_is_refused_with_413_alone(small_b
     assert [a.status_code for a in small] == [200] * 4
 
 
-def test_a_large_requests_memory_is_let_go_once_answered(tmp_path: Path, redis_url: str) -> None:
+@pytest.fixture(scope="module")
+def ident_server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+    yield from module_server(repository(tmp_path_factory.mktemp("ident")), tmp_path_factory, redis_url,
+                             ("ident",))
+
+
+def test_a_large_requests_memory_is_let_go_once_answered(ident_server: Server, redis_url: str) -> None:
     """What the gateway and the worker hold after answering 36 MB requests (each on a connection of its own,
     as curl sends them) is what they held before: the gateway kept every body until a garbage collection
     (which bytes do not bring about), the last replies read, and hiredis's buffer of them; the worker its
@@ -144,28 +149,40 @@ def test_a_large_requests_memory_is_let_go_once_answered(tmp_path: Path, redis_u
     that what is freed leaves the process's memory at once.) Redis keeps none of the replies read: the
     reply stream was trimmed every 1000 replies or on a read that found none, which an idle gateway does
     not make, and kept up to 1000 large replies."""
-    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
-    server = start_server(repository(tmp_path / "repo"), tmp_path, redis_url, prefix, wait_models=("ident",))
-    try:
-        (gateway,), (worker,) = role_pids(server, "gateway"), role_pids(server, "worker")
-        url = f"{server.url}/v2/models/ident/infer"
-        small, big = ident_body(1), ident_body(9216)
-        assert httpx.post(url, content=small[0], headers=small[1]).status_code == 200
-        before = rss_mb(gateway), rss_mb(worker)
-        for _ in range(4):
-            r = httpx.post(url, content=big[0], headers=big[1], timeout=60)
-            assert r.status_code == 200 and len(r.content) > len(big[0]) - 1000
-        after = rss_mb(gateway), rss_mb(worker)
-        client = redis.Redis.from_url(redis_url)
-        for _ in range(50):  # trimmed after the answer went
-            kept = sum(client.xlen(key) for key in client.scan_iter(f"{prefix}:rep:*"))
-            if not kept:
-                break
-            time.sleep(0.1)
-        client.close()
-    finally:
-        stop_server(server)
-        delete_prefix(redis_url, prefix)
+    server = ident_server
+    (gateway,), (worker,) = role_pids(server, "gateway"), role_pids(server, "worker")
+    url = f"{server.url}/v2/models/ident/infer"
+    small, big = ident_body(1), ident_body(9216)
+    assert httpx.post(url, content=small[0], headers=small[1]).status_code == 200
+    before = rss_mb(gateway), rss_mb(worker)
+    for _ in range(4):
+        r = httpx.post(url, content=big[0], headers=big[1], timeout=60)
+        assert r.status_code == 200 and len(r.content) > len(big[0]) - 1000
+    after = rss_mb(gateway), rss_mb(worker)
+    client = redis.Redis.from_url(redis_url)
+    for _ in range(50):  # trimmed after the answer went
+        kept = sum(client.xlen(key) for key in client.scan_iter(f"{server.prefix}:rep:*"))
+        if not kept:
+            break
+        time.sleep(0.1)
+    client.close()
     assert after[0] - before[0] < 18, f"the gateway holds {after[0] - before[0]:.0f} MB more"
     assert after[1] - before[1] < 18, f"the worker holds {after[1] - before[1]:.0f} MB more"
     assert kept == 0, f"the reply stream keeps {kept} replies read"
+
+
+def test_a_gateway_holds_a_large_request_at_most_three_times_over(ident_server: Server) -> None:
+    """A 48 MB binary request and its answer: the body, the decoded tensor and its message to Redis at the
+    most. Each was joined into the command and into the pipeline besides (two copies more), and the body
+    and the decoded inputs stayed while the answer was awaited, and decoded (two more)."""
+    (gateway,) = role_pids(ident_server, "gateway")
+    url = f"{ident_server.url}/v2/models/ident/infer"
+    body, headers = ident_body(12288)
+    assert httpx.post(url, content=body, headers=headers, timeout=60).status_code == 200
+    Path(f"/proc/{gateway}/clear_refs").write_text("5")  # its peak (VmHWM) starts again from now
+    before = rss_mb(gateway)
+    assert httpx.post(url, content=body, headers=headers, timeout=60).status_code == 200
+    status = Path(f"/proc/{gateway}/status").read_text()
+    peak = int(status.split("VmHWM:")[1].split()[0]) / 1024 - before
+    size = len(body) / 2**20
+    assert peak < 3.5 * size, f"the gateway's peak: {peak:.0f} MB for a {size:.0f} MB request"

@@ -131,6 +131,9 @@ class InferRoute(Route):
             traced.stamp("QUEUE_START")
         submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace, done, priority,
                timeout_us, timeout, decoded.model_parameters, decoded.id or "", sequence)
+        # the request holds its inputs until it is written, and its answer needs neither them nor the body:
+        # a large request is not kept twice over while its answer is awaited
+        ex.body, decoded.inputs = b"", []
 
     def header_length(self, ex: Exchange) -> int | None:
         """The JSON header's length in a body with binary tensors (None: the body is all JSON)."""
@@ -160,6 +163,7 @@ class FunctionRoute(Route):
 
         submit(self.gateway, model.spec, version, tensors, (), trace, answering(ex, trace, answer),
                timeout=timeout)
+        ex.body = b""  # (as InferRoute's)
 
 
 def answering(ex: Exchange, trace: bytes | None, answer: Callable[[InferReply], None]
