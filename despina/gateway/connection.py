@@ -388,8 +388,11 @@ def _check_writes(cls: type[ConnectionProtocol], connections: set[Any], loop: as
 
 
 def _silence(cycle: Any) -> None:
-    """A request that the connection's last word answers: it reads no more, and writes nothing."""
+    """A request that the connection's last word answers: it reads no more, and writes nothing, and what it
+    read of its body goes (a protocol and its request refer to each other: kept, it stayed until a garbage
+    collection)."""
     cycle.disconnected = cycle.response_complete = True
+    cycle.body = b""
     if isinstance(cycle, RequestResponseCycle):
         cycle.waiting_for_100_continue = False
     cycle.message_event.set()
