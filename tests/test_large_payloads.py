@@ -172,12 +172,13 @@ def test_a_large_requests_memory_is_let_go_once_answered(ident_server: Server, r
     assert kept == 0, f"the reply stream keeps {kept} replies read"
 
 
-def test_a_gateway_holds_a_large_request_at_most_three_times_over(ident_server: Server) -> None:
+@pytest.mark.parametrize("model", ["ident", "iden%74"], ids=["hot", "asgi"])  # escaped: served through ASGI
+def test_a_gateway_holds_a_large_request_at_most_three_times_over(ident_server: Server, model: str) -> None:
     """A 48 MB binary request and its answer: the body, the decoded tensor and its message to Redis at the
     most. Each was joined into the command and into the pipeline besides (two copies more), and the body
     and the decoded inputs stayed while the answer was awaited, and decoded (two more)."""
     (gateway,) = role_pids(ident_server, "gateway")
-    url = f"{ident_server.url}/v2/models/ident/infer"
+    url = f"{ident_server.url}/v2/models/{model}/infer"
     body, headers = ident_body(12288)
     assert httpx.post(url, content=body, headers=headers, timeout=60).status_code == 200
     Path(f"/proc/{gateway}/clear_refs").write_text("5")  # its peak (VmHWM) starts again from now

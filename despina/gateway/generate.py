@@ -91,6 +91,7 @@ class GenerateRoute(Route):
 
         request_id = submit(self.gateway, spec, version, inputs, (), trace, done, priority, timeout_us,
                             timeout, model_parameters(parameters), "", sequence, partial)
+        ex.body = b""  # (as InferRoute's: not held while answered)
         if isinstance(ex, EventExchange):
             ex.request_id = request_id
 

@@ -357,6 +357,7 @@ class AsgiEndpoint:
         except ConnectionResetError:
             return
         ex = self.exchange(scope, body)
+        del body  # the exchange's now, let go of once decoded (InferRoute.queue), not held while answered
         self.route(ex)
         await self.answer(ex, receive, send)
 
