@@ -26,6 +26,7 @@ class Catalog:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis, self.keys = redis, keys
         self.entries: dict[str, CatalogEntry] = {}
+        self.changes = 0  # counts the changes of `entries`: the lifecycle skips a tick that moved nothing
         self._dirty: set[str] = set()
         self._removed: set[str] = set()
         self.complete = False  # the repository has been read once (republish() writes the marker again)
@@ -38,6 +39,7 @@ class Catalog:
         """Adopt what a previous control plane published: placement and targets survive a restart."""
         raw = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.catalog))
         self.entries = {k.decode(): CatalogEntry.loads(v) for k, v in raw.items()}
+        self.changes += 1
 
     def get(self, name: str) -> CatalogEntry | None:
         return self.entries.get(name)
@@ -45,11 +47,13 @@ class Catalog:
     def put(self, entry: CatalogEntry) -> None:
         if self.entries.get(entry.name) != entry:
             self.entries[entry.name] = entry
+            self.changes += 1
             self._dirty.add(entry.name)
             self._removed.discard(entry.name)
 
     def remove(self, name: str) -> None:
         if self.entries.pop(name, None) is not None:
+            self.changes += 1
             self._removed.add(name)
             self._dirty.discard(name)
 
@@ -102,11 +106,9 @@ class Workers:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis, self.keys = redis, keys
         self.status: dict[str, WorkerStatus] = {}
+        self.infos: dict[str, WorkerInfo] = {}  # each live worker's WorkerInfo (placement reads it per model)
         self._digests: dict[str, bytes] = {}  # worker id -> the digest its status was read with
-
-    @property
-    def infos(self) -> dict[str, WorkerInfo]:
-        return {wid: s.info for wid, s in self.status.items()}
+        self.changes = 0  # counts the refreshes that found a worker come, gone or changed
 
     async def refresh(self, members: set[bytes] | None = None) -> list[str]:
         """Read every worker's digest (of `members`, the workers' set where the caller read it already), and
@@ -139,7 +141,10 @@ class Workers:
             await self.redis.srem(self.keys.workers, *dead)
             for wid in dead:
                 log.warning("worker %s stopped sending heartbeats; removed", wid)
+        if moved or list(status) != list(self.status):
+            self.changes += 1
         self.status, self._digests = status, digests_now
+        self.infos = {wid: s.info for wid, s in status.items()}
         return dead
 
     def ready_on(self, name: str, version: int, revision: str | None = None) -> list[str]:
