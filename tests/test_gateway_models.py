@@ -3,80 +3,47 @@
 sees every change the control plane and the workers make."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
 import pytest
-import redis.asyncio as aioredis
-from onnx import TensorProto
 
 from despina.contract.cluster import VersionStatus, pack_detail
-from despina.contract.keys import Keys
-from despina.control.repository import load_model
-from despina.control.state import Catalog
-from despina.examples import build_identity
 from despina.gateway.models import ModelView
-from despina.redis_client import connect, connect_worker
-from despina.settings import Settings
-from despina.workers.worker import Worker
 
-from .reliability_support import own_redis
+from .cluster_support import Cluster, own_cluster
 
 PREFIX = "despina-view"
 
 
-@dataclass
-class Cluster:
-    redis: aioredis.Redis
-    keys: Keys
-    catalog: Catalog   # the control plane's writer of the catalog
-    worker: Worker     # a real worker, serving what the catalog places on it
-    folders: Path
-
-    async def calls(self) -> dict[str, int]:
-        stats = await self.redis.info("commandstats")
-        return {name.removeprefix("cmdstat_"): s["calls"] for name, s in stats.items()}
-
+class ViewCluster(Cluster):
     async def place(self, *names: str) -> None:
         """Register models (identity ONNX) on the worker, as the control plane does, and let it load them."""
         for name in names:
-            build_identity(self.folders / name / "1" / "model.onnx", TensorProto.FLOAT)
-            (self.folders / name / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n')
-            self.catalog.put(replace(load_model(self.folders / name), workers=(self.worker.id,)))
+            self.put(name)
         await self.settle()
 
     async def settle(self) -> None:
         """The catalog written, the worker synced to it and its heartbeat written."""
         await self.catalog.flush()
         await self.worker.sync()
-        await asyncio.wait_for(asyncio.gather(*(task for _, task in self.worker.loading.values())), 60)
+        await self.loaded()
         await self.worker._heartbeat()
 
 
 @pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    with own_redis(tmp_path) as server:
-        redis = connect(server.url)
-        keys = Keys(PREFIX)
-        worker = Worker(Settings(key_prefix=PREFIX), connect_worker(server.url))
-        catalog = Catalog(redis, keys)
-        catalog.mark_complete()
-        try:
-            yield Cluster(redis, keys, catalog, worker, tmp_path / "repo")
-        finally:
-            await worker.drain()
-            await worker.redis.aclose(close_connection_pool=True)
-            await redis.aclose(close_connection_pool=True)
+async def cluster(tmp_path: Path) -> AsyncIterator[ViewCluster]:
+    async with own_cluster(tmp_path, PREFIX, ViewCluster) as made:
+        yield made
 
 
 def moved(before: dict[str, int], after: dict[str, int], *names: str) -> dict[str, int]:
     return {n: after.get(n, 0) - before.get(n, 0) for n in names}
 
 
-async def test_nothing_is_read_again_while_nothing_changed_and_each_change_is_seen(cluster: Cluster) -> None:
+async def test_nothing_is_read_again_while_nothing_changed_and_each_change_is_seen(cluster: ViewCluster) -> None:
     """Every refresh (twice a second, in every gateway) read the whole catalog and every worker's state:
     at 400 models 0.5 MB each time, at 2,000 2.6 MB, though nothing changed."""
     await cluster.place("m0", "m1", "m2")
@@ -104,7 +71,7 @@ async def test_nothing_is_read_again_while_nothing_changed_and_each_change_is_se
     assert sorted(view.models) == ["m0", "m1", "m3"] and view.ready == {"m0": {1}, "m1": {1}, "m3": {1}}
 
 
-async def test_a_catalog_published_again_after_redis_lost_its_data_is_read(cluster: Cluster) -> None:
+async def test_a_catalog_published_again_after_redis_lost_its_data_is_read(cluster: ViewCluster) -> None:
     """Redis restarted empty, and the control plane published the catalog again (one change in it) before
     the view's next refresh: a generation that started again at 1 would read as the one seen before."""
     await cluster.place("m0")
@@ -129,7 +96,7 @@ async def test_a_catalog_published_again_after_redis_lost_its_data_is_read(clust
     assert view.models["m0"].entry.reason == "and again"
 
 
-async def test_writers_of_the_previous_version_are_read_every_time(cluster: Cluster) -> None:
+async def test_writers_of_the_previous_version_are_read_every_time(cluster: ViewCluster) -> None:
     """A control plane of the previous version writes no generation, a worker no digest of its state: what
     they write is read at every refresh, as before, so their changes are seen."""
     await cluster.place("m0")
@@ -149,7 +116,7 @@ async def test_writers_of_the_previous_version_are_read_every_time(cluster: Clus
     assert sorted(view.models) == ["m0", "m9"] and view.ready == {"m0": {1}, "m9": {1}}
 
 
-async def test_a_refresh_reads_the_lengths_of_the_streams_requests_went_to(cluster: Cluster) -> None:
+async def test_a_refresh_reads_the_lengths_of_the_streams_requests_went_to(cluster: ViewCluster) -> None:
     """With max_stream_length (on by default) every refresh read the length of every stream that serves:
     4,000 XLENs a second for 2,000 idle models. Now those of the streams requests went to since the last
     refresh, and a full one is still refused."""

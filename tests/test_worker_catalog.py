@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
-from onnx import TensorProto
 
-from despina.contract.keys import Keys
 from despina.control.repository import load_model
-from despina.control.state import Catalog
-from despina.examples import build_identity
-from despina.redis_client import connect, connect_worker
-from despina.settings import Settings
-from despina.workers.worker import Worker
 
-from .reliability_support import own_redis
+from .cluster_support import Cluster, own_cluster
 
 PREFIX = "despina-follow"
 
@@ -35,49 +27,10 @@ ensemble_scheduling { step [ { model_name: "m0" model_version: -1
 """
 
 
-@dataclass
-class Cluster:
-    redis: aioredis.Redis
-    keys: Keys
-    catalog: Catalog   # the control plane's writer of the catalog
-    worker: Worker     # a real worker, following the catalog
-    folders: Path
-
-    async def hgetalls(self) -> int:
-        """HGETALLs so far (the worker's read of the catalog runs in a script: counted all the same)."""
-        stats = await self.redis.info("commandstats")
-        return int(stats.get("cmdstat_hgetall", {}).get("calls", 0))
-
-    def put(self, name: str) -> None:
-        """Register a model (identity ONNX) on the worker, as the control plane does."""
-        folder = self.folders / name
-        if not folder.exists():
-            build_identity(folder / "1" / "model.onnx", TensorProto.FLOAT)
-            (folder / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n')
-        self.catalog.put(replace(load_model(folder), workers=(self.worker.id,)))
-
-    async def loaded(self) -> None:
-        """The loads sync started, finished."""
-        await asyncio.wait_for(asyncio.gather(*(task for _, task in self.worker.loading.values())), 60)
-
-    def serving(self) -> list[str]:
-        return sorted(name for name, _ in self.worker.runners)
-
-
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    with own_redis(tmp_path) as server:
-        redis = connect(server.url)
-        keys = Keys(PREFIX)
-        worker = Worker(Settings(key_prefix=PREFIX), connect_worker(server.url))
-        catalog = Catalog(redis, keys)
-        catalog.mark_complete()
-        try:
-            yield Cluster(redis, keys, catalog, worker, tmp_path / "repo")
-        finally:
-            await worker.drain()
-            await worker.redis.aclose(close_connection_pool=True)
-            await redis.aclose(close_connection_pool=True)
+    async with own_cluster(tmp_path, PREFIX, Cluster) as made:
+        yield made
 
 
 async def test_the_catalog_is_read_again_only_when_it_moved_and_each_change_is_seen(cluster: Cluster) -> None:
