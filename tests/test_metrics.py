@@ -188,12 +188,13 @@ def test_status_page_shows_models_rates_batches_and_workers(server: Server) -> N
     for _ in range(8):
         assert httpx.post(f"{server.url}/v2/models/m/infer", content=v2("x", 2, 256)).status_code == 200
     deadline = time.monotonic() + 15
-    while True:  # the control plane samples every 2 s
+    while True:  # the control plane samples every 2 s (until its first sample, the page lists no model)
         status = httpx.get(f"{base}/status.json").json()
-        row = next(m for m in status["models"] if m["name"] == "m")
-        if row["batch_sizes"].get("2", 0) >= 1 or time.monotonic() > deadline:
+        row = next((m for m in status["models"] if m["name"] == "m"), None)
+        if row is not None and row["batch_sizes"].get("2", 0) >= 1 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    assert row is not None, status
     assert row["state"] == "READY" and row["workers"] and row["queue"] in (0, 1)  # sampled at rest or mid-request
     assert row["requests_per_s"] > 0 and row["p50_ms"] is not None and row["p99_ms"] >= row["p50_ms"]
     assert row["batch_sizes"]["2"] >= 1     # the 2-row requests, each its own batch
