@@ -319,6 +319,8 @@ def test_roles_need_a_redis_url(role: str) -> None:
     # ... or every request 408 (the read timeouts)
     ({}, ["--header-timeout", "0"], "DESPINA_HEADER_TIMEOUT_S (or its command-line option) must be more than 0"),
     ({"DESPINA_BODY_TIMEOUT_S": "-1"}, [], "DESPINA_BODY_TIMEOUT_S (or its command-line option) must be a number"),
+    # ... or every connection closed under its next request
+    ({}, ["--keep-alive-timeout", "0"], "DESPINA_KEEP_ALIVE_TIMEOUT_S (or its command-line option) must be more"),
     ({"DESPINA_WORKER_CPUS": "first"}, [], "expected a CPU list such as 0-3,8, got 'first'"),
     ({}, ["--worker-cpus", "3-1"], "the range '3-1' runs backwards"),
     ({}, ["--worker-cpus", "0,99999"], "--worker-cpus: CPU 99999 is not available here"),
