@@ -5,9 +5,11 @@ connection after the answers owed before it, the lingering close that lets a cli
 error answer, and the answers owed to a client that half-closes."""
 from __future__ import annotations
 
+import select
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
@@ -91,36 +93,52 @@ def last_word(reader: Reader, status: int, words: str) -> None:
 def test_a_head_that_stops_coming_is_answered_408(server: Server) -> None:
     """A request's line and headers must all come within the header timeout of their first byte: one cut
     short, or sent a byte at a time for longer than that, gets 408 and the connection closes. Before, such
-    a connection stayed open for good (a slowloris holds a connection per few bytes)."""
-    for head in (post(HOT, infer())[:30], post(ASGI, infer())[:50], LIVE[:20]):
+    a connection stayed open for good (a slowloris holds a connection per few bytes). (The connections
+    side by side, each on its own clock.)"""
+    def cut_short(head: bytes) -> None:
         with connect(server) as sock:
             sock.settimeout(30)
             sock.sendall(head)
             sent = time.monotonic()
             last_word(Reader(sock), 408, "the request line and headers did not all come within 2 s")
             assert time.monotonic() - sent > HEADER_S * 0.9
-    with connect(server) as sock:  # steady, but too slow: the timeout counts from the first byte
-        sock.settimeout(30)
-        try:
-            for at in range(len(LIVE)):
-                sock.sendall(LIVE[at:at + 1])
-                time.sleep(HEADER_S / 8)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        last_word(Reader(sock), 408, "the request line and headers did not all come within 2 s")
+
+    def steady() -> None:  # but too slow: the timeout counts from the first byte
+        with connect(server) as sock:
+            sock.settimeout(30)
+            try:
+                for at in range(len(LIVE)):
+                    if select.select([sock], [], [], 0)[0]:
+                        break  # answered: the rest would not be read
+                    sock.sendall(LIVE[at:at + 1])
+                    time.sleep(HEADER_S / 8)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            assert at < len(LIVE) - 1, "the whole head went out before any answer"
+            last_word(Reader(sock), 408, "the request line and headers did not all come within 2 s")
+
+    with ThreadPoolExecutor(4) as pool:
+        cases = [pool.submit(cut_short, head) for head in (post(HOT, infer())[:30], post(ASGI, infer())[:50],
+                                                           LIVE[:20])]
+        cases.append(pool.submit(steady))
+        for case in cases:
+            case.result()
 
 
 def test_a_body_that_stops_coming_is_answered_408(server: Server) -> None:
     """A body may pause at most the body timeout between two reads: on the hot routes, the ASGI ones, and a
     Starlette route that reads a JSON body (without a traceback in the log: nobody reads its answer)."""
-    requests = (post(HOT, infer()), post(ASGI, infer()), post("/v2/repository/index", b'{"ready": false}'))
-    for request in requests:
+    def stopped(request: bytes) -> None:
         with connect(server) as sock:
             sock.settimeout(30)
             sock.sendall(request[:-5])
             sent = time.monotonic()
             last_word(Reader(sock), 408, "no more of the request body came for 2 s")
             assert time.monotonic() - sent > BODY_S * 0.9
+
+    requests = (post(HOT, infer()), post(ASGI, infer()), post("/v2/repository/index", b'{"ready": false}'))
+    with ThreadPoolExecutor(3) as pool:  # side by side
+        list(pool.map(stopped, requests))
     assert "Traceback" not in server.logs()
 
 
@@ -128,7 +146,7 @@ def test_slow_steady_clients_and_slow_answers_are_not_timed_out(server: Server) 
     """What the read timeouts leave alone: a body that keeps coming, however long it takes in all; a client
     that waits for its 100 Continue and then takes its time; a request that waits for its answer longer
     than the timeouts (the request timeout's business); pipelined requests waiting their turn."""
-    for path in (HOT, ASGI):
+    def one(path: str) -> None:
         with connect(server) as sock:
             reader = Reader(sock)
             request = post(path, infer())
@@ -161,6 +179,9 @@ def test_slow_steady_clients_and_slow_answers_are_not_timed_out(server: Server) 
                 assert status == 200, (path, answer)
             sock.sendall(LIVE)
             assert reader.response()[0] == 200
+
+    with ThreadPoolExecutor(2) as pool:  # the two routes side by side (their waits overlap)
+        list(pool.map(one, (HOT, ASGI)))
 
 
 def test_a_connection_that_sends_nothing_closes_as_an_idle_one(server: Server) -> None:
