@@ -470,9 +470,15 @@ def test_model_process_ends_with_unload(tmp_path: Path) -> None:
     assert process.poll() is not None
 
 
-def test_unloading_a_model_that_is_executing_starts_no_process_again(tmp_path: Path) -> None:
+def test_unloading_a_model_that_is_executing_starts_no_process_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unload stops the process under an execute still running (a warmup that hangs, say): that is not a
-    crash to recover from, and a process started again then served a model no longer loaded, for good."""
+    crash to recover from, and a process started again then served a model no longer loaded, for good.
+    Nor is it a process to wait for once finalize went unanswered: it is killed then (it was given 5 s
+    more, for nothing)."""
+    from despina.workers.backends import python_process as python
+
+    monkeypatch.setattr(python, "FINALIZE_TIMEOUT_S", 1.0)
     source = FLAKY.replace("        if any((v == -1).any() for v in values):",
                            "        if any((v == 7).any() for v in values):\n            import time\n"
                            "            time.sleep(60)\n        if any((v == -1).any() for v in values):")
@@ -483,7 +489,9 @@ def test_unloading_a_model_that_is_executing_starts_no_process_again(tmp_path: P
         [{"X": np.full((1, 2), 7, dtype=np.float32)}], [["Y"]])))
     running.start()
     time.sleep(1.0)  # the model is in its sleep
+    unloading = time.monotonic()
     backend.unload()  # type: ignore[attr-defined]
+    assert time.monotonic() - unloading < 1.0 + 3  # finalize's timeout, then the kill: not 5 s more
     running.join(30)
     restart = backend._restart  # type: ignore[attr-defined]
     if restart is not None:

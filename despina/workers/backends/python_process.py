@@ -281,7 +281,10 @@ class Stub:
         if self.alive():
             try:
                 self.call("finalize", None, FINALIZE_TIMEOUT_S)
-            except (StubDied, BackendError) as exc:
+            except StubDied as exc:  # it ended, or it is stuck (in an execute, say): waiting more is no use
+                log.warning("%s", exc)
+                self.process.kill()
+            except BackendError as exc:  # finalize raised: the process ends as after any finalize
                 log.warning("%s", exc)
         if self.wait(5) is None:
             self.process.kill()
