@@ -57,9 +57,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+BACKLOG = 2048  # uvicorn's, which listens on the socket again
+
+
 def bound_socket(host: str, port: int, role: str, reuse_port: bool = False) -> socket.socket:
     """`host`:`port` bound before the role starts its work: a port it cannot have ends the process with
-    one line that says so."""
+    one line that says so. A port of its own is listened on at once: only bound, another program binding it
+    with SO_REUSEADDR meanwhile could listen first, and the role's server, listening later in a task, failed
+    unseen. (A port shared with SO_REUSEPORT is not: connections would go to a gateway not yet serving.)"""
     sock = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -69,6 +74,8 @@ def bound_socket(host: str, port: int, role: str, reuse_port: bool = False) -> s
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
+        if not reuse_port:
+            sock.listen(BACKLOG)
     except OSError as exc:
         if sock is not None:
             sock.close()

@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from despina.contract.keys import Keys
-from despina.embedded import free_port
+from despina.embedded import bound_socket, free_port
 from despina.roles import STOP_MARGIN_S
 from despina.serve import SETTLED_S
 
@@ -493,6 +493,16 @@ def test_a_metrics_port_that_another_program_holds_stops_serve_in_one_line(examp
                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60)
     assert r.returncode == 1 and f"control: cannot bind 127.0.0.1:{port}: address already in use" in r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_port_bound_at_start_is_held_from_then_on() -> None:
+    """The control plane's metrics port is claimed at once: bound only, another program could bind it too
+    (SO_REUSEADDR: uvicorn's, Valkey's) and listen first, and the metrics server, listening later in a
+    task, failed unseen. Seen with test processes side by side: connection refused on a serve's metrics."""
+    with bound_socket("127.0.0.1", 0, "control") as sock, socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError, match="in use"):
+            other.bind(sock.getsockname())
 
 
 def affinity(pid: int) -> set[frozenset[int]]:
