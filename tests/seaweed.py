@@ -38,10 +38,22 @@ def _free(port: int) -> bool:
     return True
 
 
+def _ports() -> tuple[int, int]:
+    """Where to pick ports: below the kernel's ephemeral range where there is room (with the +10000 twins),
+    since bind(0) (free_port) and outgoing connections take ports from that range in every process, test
+    processes side by side too, and a port so taken after the pick fails weed's start."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    return (20000, low - 10001) if low - 10001 >= 21000 else (20000, 50000)
+
+
 def grpc_safe_port(taken: set[int]) -> int:
     """A free port whose +10000 twin (SeaweedFS's gRPC port) is free too."""
+    low, high = _ports()
     while True:
-        port = random.randint(20000, 50000)
+        port = random.randint(low, high)
         if port not in taken and port + 10000 not in taken and _free(port) and _free(port + 10000):
             taken.update((port, port + 10000))
             return port
