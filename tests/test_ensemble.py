@@ -441,11 +441,18 @@ def test_the_status_page_and_metrics_show_ensembles(server: Server, request: pyt
     assert infer(server, "diamond", {"IN0": np.ones((1, 4), np.float32), "IN1": np.ones((1, 4), np.float32)}
                  ).status_code == 200
     base = server.metrics_url.removesuffix("/metrics")
-    models = wait_until(lambda: httpx.get(f"{base}/status.json").json()["models"], 10, what="the status")
-    rows = {m["name"]: m for m in models}
-    assert rows["diamond"]["ensemble"] and not rows["diamond"]["failed"] and not rows["diamond"]["reason"]
     # which workers run it themselves: the one worker, or none (the gateways chain its steps)
     by_worker = request.node.callspec.params["server"] == "worker"
+
+    def status() -> dict[str, dict] | None:
+        """The rows once the status (sampled every 2 s) has the workers' word on what they run."""
+        rows = {m["name"]: m for m in httpx.get(f"{base}/status.json").json()["models"]}
+        if rows.get("add_sub", {}).get("workers") and (not by_worker or rows.get("diamond", {}).get("workers")):
+            return rows
+        return None
+
+    rows = wait_until(status, 10, what="the status")
+    assert rows["diamond"]["ensemble"] and not rows["diamond"]["failed"] and not rows["diamond"]["reason"]
     assert rows["add_sub"]["workers"]
     assert rows["diamond"]["workers"] == (rows["add_sub"]["workers"] if by_worker else [])
     assert rows["orphan"]["ensemble"] and rows["orphan"]["failed"] and "no_such_model" in rows["orphan"]["reason"]
