@@ -6,8 +6,9 @@ a worker writes every reply of one batch for one gateway as one entry.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -223,6 +224,23 @@ def requests_in(rid: str) -> int:
 
 def encode(records: list[InferRequest] | list[InferReply]) -> bytes:
     return packb([r.pack() for r in records])
+
+
+R = TypeVar("R", InferRequest, InferReply)
+
+
+def fitting(records: list[R], payload: bytes, limit: int, alone: Callable[[R, int], list[bytes]]
+            ) -> list[bytes]:
+    """The messages of `records` (`payload`: encode(records)) at most `limit` bytes each (Redis's
+    proto-max-bulk-len: a longer value closes the connection, failing every command sent on it): halves of
+    them until each fits. One record over the limit alone is `alone`'s (with its size): it says what goes."""
+    if len(payload) <= limit:
+        return [payload]
+    if len(records) > 1:
+        half = len(records) // 2
+        return [p for part in (records[:half], records[half:])
+                for p in fitting(part, encode(part), limit, alone)]
+    return alone(records[0], len(payload))
 
 
 # One Packer kept, not one made per call as msgpack.packb does: 0.4 µs a call less, and a gateway and a

@@ -398,20 +398,16 @@ class Dispatcher:
 
     def _fitting(self, entry: list[InferRequest], payload: bytes, too_large: list[tuple[InferRequest, int]]
                  ) -> list[bytes]:
-        """The payloads of an entry whose payload is more than Redis takes in one value (bulk_limit: it would
-        close the connection, failing every request on it) as entries that are not: its requests apart, a
-        grouped one's members too. A request over the limit alone goes on `too_large` with its size."""
-        if len(payload) <= self.bulk_limit:
-            return [payload]
-        if len(entry) > 1:
-            half = len(entry) // 2
-            return [p for part in (entry[:half], entry[half:])
-                    for p in self._fitting(part, records.encode(part), too_large)]
-        if entry[0].id[:1] == GROUPED:
-            members = records.split(entry[0])
-            return self._fitting(members, records.encode(members), too_large)
-        too_large.append((entry[0], len(payload)))
-        return []
+        """The payloads of an entry over bulk_limit as entries that are not (records.fitting): a grouped
+        request's members apart too; a request over the limit alone goes on `too_large` with its size."""
+        def alone(req: InferRequest, size: int) -> list[bytes]:
+            if req.id[:1] == GROUPED:
+                members = records.split(req)
+                return records.fitting(members, records.encode(members), self.bulk_limit, alone)
+            too_large.append((req, size))
+            return []
+
+        return records.fitting(entry, payload, self.bulk_limit, alone)
 
     def _too_large(self, request: InferRequest, size: int) -> None:
         self._finish(request.id, DespinaError(

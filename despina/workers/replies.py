@@ -71,18 +71,16 @@ def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: i
 
 
 def _fitting(group: list[InferReply], payload: bytes, name: str, limit: int) -> list[bytes]:
-    if len(payload) <= limit:
-        return [payload]
-    if len(group) > 1:
-        half = len(group) // 2
-        return [p for part in (group[:half], group[half:])
-                for p in _fitting(part, records.encode(part), name, limit)]
-    reply = group[0]
-    message = (f"model '{name}' answered with {len(payload)} bytes, more than the {limit} that the reply "
-               "queue takes in one message (Redis's proto-max-bulk-len): ask for less in one request")
-    log.error("%s (request %s)", message, reply.id)
-    return [records.encode([InferReply(reply.id, (), (Code.PAYLOAD_TOO_LARGE, message), reply.queue_us,
-                                       reply.compute_us, index=reply.index, final=reply.final)])]
+    """The replies' entries at most `limit` bytes each (records.fitting); a reply over it alone is answered
+    with an error instead."""
+    def alone(reply: InferReply, size: int) -> list[bytes]:
+        message = (f"model '{name}' answered with {size} bytes, more than the {limit} that the reply queue "
+                   "takes in one message (Redis's proto-max-bulk-len): ask for less in one request")
+        log.error("%s (request %s)", message, reply.id)
+        return [records.encode([InferReply(reply.id, (), (Code.PAYLOAD_TOO_LARGE, message), reply.queue_us,
+                                           reply.compute_us, index=reply.index, final=reply.final)])]
+
+    return records.fitting(group, payload, limit, alone)
 
 
 def refused(kind: str, name: str, pipe: Batch, results: list[Any], entries: int,
