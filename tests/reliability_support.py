@@ -58,6 +58,14 @@ def role_pids(server: Server, role: str) -> list[int]:
     return sorted(pid for pid, cmd in children(server.process.pid) if f"-m despina {role}" in cmd)
 
 
+# The fault tests' servers keep an idle connection a minute, not the default 5 s. post_all's client drops
+# a connection idle for 1 s, but counts from when it has read the answer, the server from when it wrote it:
+# a client whose event loop was held up (a blocking Redis call of the test's own, a loaded machine) reads
+# answers seconds late, and one sent on the connection at the moment the server's 5 s ran out was reset
+# under it (an httpx ReadError, status 0, once in test_a_worker_killed_mid_batch[visibility] under xdist).
+KEEP_ALIVE = {"DESPINA_KEEP_ALIVE_TIMEOUT_S": "60"}
+
+
 @dataclass
 class Answer:
     index: int
@@ -86,8 +94,8 @@ async def post_all(url: Callable[[int], str], bodies: list[bytes], concurrency: 
     """POST bodies[i] to url(i), `concurrency` at a time, with X-Request-Id i; each answer (or failure)
     is appended to `answers` as it comes. With `stop`, no new request starts once it is set."""
     indices = iter(range(len(bodies)))
-    # idle connections are dropped well before uvicorn's 5 s keep-alive timeout: a request sent on a
-    # connection the server is closing fails without reaching it
+    # idle connections are dropped after 1 s, well before the server's keep-alive timeout (KEEP_ALIVE): a
+    # request sent on a connection the server is closing fails without reaching it
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
                           keepalive_expiry=1.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:

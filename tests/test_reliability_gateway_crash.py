@@ -19,6 +19,7 @@ from despina.examples import mlp_numpy
 from .conftest import Server
 from .control_support import mlp_folder
 from .reliability_support import (
+    KEEP_ALIVE,
     Answer,
     mlp_body,
     mlp_output,
@@ -30,7 +31,7 @@ from .reliability_support import (
 )
 
 REPLY_TTL_S = 2.0
-ENV = {"DESPINA_REPLY_TTL_S": str(REPLY_TTL_S)}
+ENV = {"DESPINA_REPLY_TTL_S": str(REPLY_TTL_S), **KEEP_ALIVE}
 
 
 async def test_a_killed_gateway_leaves_the_other_serving_and_its_replies_expire(

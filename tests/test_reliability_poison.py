@@ -17,7 +17,7 @@ from despina.contract import records
 from despina.contract.keys import ATTEMPTS, Keys
 
 from .conftest import Server
-from .reliability_support import Answer, percentiles, post_all, report
+from .reliability_support import KEEP_ALIVE, Answer, percentiles, post_all, report
 
 # The stub's parent is its worker: a request holding -1 kills it, every time, whoever runs it.
 POISON = """
@@ -57,7 +57,8 @@ async def test_a_request_that_kills_its_worker_is_dead_lettered_and_others_are_s
     (repo / "poison" / "1" / "model.py").write_text(POISON)
     (repo / "poison" / "config.pbtxt").write_text(POISON_CONFIG)
     server = serve(repo, "--workers", "2", "--model-replicas", "0", wait_models=("poison",),
-                   env={"DESPINA_WORKER_TTL_S": "1.5", "DESPINA_MAX_ATTEMPTS": str(ATTEMPTS_ALLOWED)})
+                   env={"DESPINA_WORKER_TTL_S": "1.5", "DESPINA_MAX_ATTEMPTS": str(ATTEMPTS_ALLOWED),
+                        **KEEP_ALIVE})
     url = f"{server.url}/v2/models/poison/infer"
 
     answers: list[Answer] = []

@@ -31,6 +31,7 @@ from despina.workers.worker import Worker
 from .conftest import Server, delete_prefix, stop_server
 from .control_support import mlp_folder, wait_until
 from .reliability_support import (
+    KEEP_ALIVE,
     Answer,
     RedisProcess,
     mlp_body,
@@ -58,7 +59,7 @@ async def test_redis_stopped_under_load_gives_503s_then_everything_recovers(
     mlp_folder(tmp_path / "repo", delay_us=1_000)
     with own_redis(tmp_path) as redis_server:
         server = serve(tmp_path / "repo", "--redis-url", redis_server.url, use_redis=False, wait_models=("mlp",),
-                       env={"DESPINA_WORKER_TTL_S": "2"})
+                       env={"DESPINA_WORKER_TTL_S": "2", **KEEP_ALIVE})
         pids = {role: role_pids(server, role) for role in ("worker", "gateway", "control")}
         x = np.random.default_rng(5).standard_normal((100_000, 256)).astype(np.float32)
         answers: list[Answer] = []

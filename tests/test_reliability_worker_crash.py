@@ -26,7 +26,7 @@ from despina.contract.keys import GROUP, Keys
 
 from .conftest import Server, stop_server
 from .control_support import wait_until, worker_hashes
-from .reliability_support import Answer, percentiles, post_all, report
+from .reliability_support import KEEP_ALIVE, Answer, percentiles, post_all, report
 
 CONCURRENCY = 200
 MODES = {
@@ -112,7 +112,7 @@ async def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(
     requests, env = MODES[mode]
     slow_model(tmp_path / "repo")
     server = serve(tmp_path / "repo", "--workers", "2", "--model-replicas", "0", wait_models=("slow",),
-                   env=env)
+                   env={**env, **KEEP_ALIVE})
     client = redis.Redis.from_url(redis_url)
     stream = Keys(key_prefix).request_stream("slow", 1)
     wait_until(lambda: len(worker_hashes(redis_url, key_prefix)) == 2, what="two workers")
@@ -144,6 +144,7 @@ async def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(
 
     by_index, failed = check_each_answered_once(answers, expected, server)
     assert entries and held, "no worker ever held a request it had read"
+    assert {a.headers.get("keep-alive") for a in answers} == {"timeout=60"}  # KEEP_ALIVE is in effect
 
     dropped = re.search(r"dropped (\d+) replies nobody waited for", server.logs())
     # held, but answered by the victim before it stopped (the rest of their entry was not): not reclaimed
@@ -183,7 +184,7 @@ async def test_a_worker_killed_while_running_ensembles_loses_and_duplicates_noth
     (tmp_path / "repo" / "slow_twice").mkdir()
     (tmp_path / "repo" / "slow_twice" / "config.pbtxt").write_text(TWICE_CONFIG)
     server = serve(tmp_path / "repo", "--workers", "2", "--model-replicas", "0", wait_models=("slow",),
-                   env={"DESPINA_WORKER_TTL_S": "2"})
+                   env={"DESPINA_WORKER_TTL_S": "2", **KEEP_ALIVE})
     wait_until(lambda: server.logs().count("ensemble slow_twice version 1: run in this worker") == 2, 30,
                what="both workers to run the ensemble")
     client = redis.Redis.from_url(redis_url)
