@@ -26,7 +26,7 @@ from despina.contract.keys import GROUP, Keys
 
 from .conftest import Server, stop_server
 from .control_support import wait_until, worker_hashes
-from .reliability_support import KEEP_ALIVE, Answer, percentiles, post_all, report
+from .reliability_support import KEEP_ALIVE, Answer, children, percentiles, post_all, report
 
 CONCURRENCY = 200
 MODES = {
@@ -272,22 +272,38 @@ def output_of(response: httpx.Response) -> np.ndarray:
     return np.array(orjson.loads(response.content)["outputs"][0]["data"], dtype=np.float32)
 
 
+def model_process(worker: int) -> int:
+    """The pid of the worker's (one) Python model process."""
+    (pid,) = [pid for pid, cmd in children(worker) if "python_stub/stub.py" in cmd]
+    return pid
+
+
+def ended(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def test_a_model_process_whose_worker_was_killed_ends_without_a_traceback(
         serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
     """A worker SIGKILLed while its Python model executes: the model's process, finding no one to send its
     answer to, ends quietly. It wrote two BrokenPipeError tracebacks into the log after every worker crash
     (sending the answer, then sending the error about sending it)."""
     slow_model(tmp_path / "repo")
-    (tmp_path / "repo" / "slow" / "1" / "model.py").write_text(SLOW.replace("time.sleep(0.05)", "time.sleep(0.4)"))
+    executing = tmp_path / "executing"  # the model says when it is in execute
+    (tmp_path / "repo" / "slow" / "1" / "model.py").write_text(SLOW.replace(
+        "time.sleep(0.05)", f"open({str(executing)!r}, 'w').close()\n        time.sleep(0.4)"))
     server = serve(tmp_path / "repo", wait_models=("slow",))
     wait_until(lambda: len(worker_hashes(redis_url, key_prefix)) == 1, what="the worker")
     (info,) = [orjson.loads(h[b"info"]) for h in worker_hashes(redis_url, key_prefix).values()]
+    model = model_process(info["pid"])
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pool.submit(httpx.post, f"{server.url}/v2/models/slow/infer", content=body(np.ones(16, np.float32)),
                     timeout=30)
-        time.sleep(0.2)  # the model is in its sleep
-        os.kill(info["pid"], signal.SIGKILL)
-        time.sleep(2.0)  # its answer's send fails at 0.4 s
+        wait_until(executing.exists, 30, 0.01, what="the model to execute the request")
+        os.kill(info["pid"], signal.SIGKILL)  # while the model sleeps: its answer's send fails at 0.4 s
+        wait_until(lambda: ended(model), 30, what="the model's process to end")
     assert "BrokenPipeError" not in server.logs()
 
 
@@ -333,10 +349,11 @@ def test_a_decoupled_models_sender_thread_ends_quietly_when_its_worker_is_killed
     wait_until(lambda: len(worker_hashes(redis_url, key_prefix)) == 1, what="the worker")
     (info,) = [orjson.loads(h[b"info"]) for h in worker_hashes(redis_url, key_prefix).values()]
     request = {"X": [1]}
+    model = model_process(info["pid"])
     with httpx.stream("POST", f"{server.url}/v2/models/ticker/generate_stream", json=request, timeout=30) as r:
         lines = r.iter_lines()
         while not next(lines).startswith("data:"):  # the model streams
             pass
         os.kill(info["pid"], signal.SIGKILL)
-    time.sleep(2.0)  # its next send fails within 50 ms; the process ends within a second
+    wait_until(lambda: ended(model), 30, what="the model's process to end")  # its next send fails within 50 ms
     assert "BrokenPipeError" not in server.logs() and "Exception in thread" not in server.logs(), server.logs()
