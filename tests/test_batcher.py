@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +24,12 @@ from despina.workers.runner import ModelRunner
 class Recorder:
     def __init__(self, hold: asyncio.Event | None = None) -> None:
         self.batches: list[list[int]] = []
+        self.sent: list[float] = []  # when each batch went (time.monotonic())
         self.hold = hold
 
     async def __call__(self, batch: list[Item]) -> None:
         self.batches.append([i.payload for i in batch])
+        self.sent.append(time.monotonic())
         if self.hold:
             await self.hold.wait()
 
@@ -50,6 +53,14 @@ def items(n: int, rows: int = 1, key: str = "k") -> list[Item]:
     return [Item(rows, key, i) for i in range(n)]
 
 
+async def until(check: Callable[[], object], timeout: float = 5.0) -> None:
+    """Poll `check` on the loop until it holds (a test's sleeps overrun on a loaded machine; its polls wait)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {check}"
+        await asyncio.sleep(0.005)
+
+
 async def test_without_dynamic_batching_each_request_runs_alone() -> None:
     rec = await run_with(BatchPolicy(max_batch_size=8, dynamic=False), items(5))
     assert rec.batches == [[0], [1], [2], [3], [4]]
@@ -65,12 +76,12 @@ async def test_waits_for_the_queue_delay_then_sends_what_is_there() -> None:
     rec = Recorder()
     batcher = DynamicBatcher(policy, rec)
     task = asyncio.create_task(batcher.run())
+    put = time.monotonic()
     for item in items(3):
         batcher.put(item)
-    await asyncio.sleep(0.02)
-    assert rec.batches == []          # still inside the delay
-    await asyncio.sleep(0.06)
+    await until(lambda: rec.batches)
     assert rec.batches == [[0, 1, 2]]
+    assert rec.sent[0] - put >= 0.05  # not before the delay was out
     batcher.close()
     await task
 
@@ -250,19 +261,20 @@ async def test_a_queue_timeout_counts_from_since_the_delay_from_arrival() -> Non
     """The worker puts a request with `arrived` = when it read it and `since` = the gateway's enqueue:
     time in the stream does not use up the batch delay, but does count against the queue timeout."""
     rejected: list[str] = []
-    policy = BatchPolicy(max_batch_size=4, max_queue_delay_us=100_000, dynamic=True,
-                         default_queue_policy=QueuePolicy("REJECT", default_timeout_us=400_000))
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_us=500_000, dynamic=True,
+                         default_queue_policy=QueuePolicy("REJECT", default_timeout_us=2_000_000))
     rec = Recorder()
     batcher = DynamicBatcher(policy, rec, reject=lambda item: rejected.append(item.payload))
     task = asyncio.create_task(batcher.run())
     now = time.monotonic()
-    batcher.put(Item(1, "k", "stale", since=now - 0.45))   # 450 ms on its way: past its 400 ms timeout
-    batcher.put(Item(1, "k", "first", since=now - 0.15))   # 150 ms on its way: waits the whole delay
-    await asyncio.sleep(0.05)
+    batcher.put(Item(1, "k", "stale", since=now - 2.5))   # 2.5 s on its way: past its 2 s timeout
+    batcher.put(Item(1, "k", "first", since=now - 1.0))   # 1 s on its way: waits the whole delay
+    await until(lambda: rejected)
     assert rejected == ["stale"] and rec.batches == []
     batcher.put(Item(1, "k", "second"))
-    await asyncio.sleep(0.1)
+    await until(lambda: rec.batches)
     assert rec.batches == [["first", "second"]]
+    assert rec.sent[0] - now >= 0.5
     batcher.close()
     await asyncio.wait_for(task, 5)
 
@@ -299,12 +311,12 @@ def gateway_entry(ids: list[str], in_flight: bytes | None, gateway: str = "g1", 
 
 async def test_the_worker_starts_the_delay_when_it_reads_a_request(tmp_path: Path) -> None:
     """A request that spent a second reaching the worker still waits the model's delay for others."""
-    runner, rec = add_sub_runner(tmp_path, delay_us=100_000)
+    runner, rec = add_sub_runner(tmp_path, delay_us=500_000)
     task = asyncio.create_task(runner.batcher.run())
     await runner._accept([gateway_entry(["r1"], None, sent_ago=1.0)])
-    await asyncio.sleep(0.03)
+    await asyncio.sleep(0.03)  # r1's batch would go meanwhile, were its delay counted from its enqueue
     await runner._accept([gateway_entry(["r2"], None, sent_ago=1.0)])
-    await asyncio.sleep(0.15)
+    await until(lambda: rec.batches)
     assert [[p.request.id for p in batch] for batch in rec.batches] == [["r1", "r2"]]
     runner.batcher.close()
     await asyncio.wait_for(task, 5)
