@@ -72,7 +72,7 @@ def test_a_model_is_not_idle_before_any_worker_has_loaded_it(
     mlp_folder(repo, "mlp", extra=IDLE)
     server = serve(repo, "--workers", "0", env={"DESPINA_WORKER_TTL_S": "1"}, health="live")
     time.sleep(3)  # the control plane's start-up hold (1 s) and the idle timeout (1 s) both pass
-    assert "placed on no worker" in server.logs()
+    wait_until(lambda: "placed on no worker" in server.logs(), 30, what="the model placed on no worker")
     log = (tmp_path / "late-worker.log").open("wb")
     worker = subprocess.Popen([sys.executable, "-m", "despina", "worker", "--redis-url", redis_url,
                                "--key-prefix", key_prefix], stdout=log, stderr=subprocess.STDOUT,
