@@ -5,6 +5,10 @@ model stream. One background task reads the reply stream and calls each waiting 
 by id; a reply whose request is no longer waited for (a duplicate, or one past its deadline) is
 dropped. Deadlines are swept by one timer, not one per request. Should the connection to Redis break,
 every waiting request is answered UNAVAILABLE at once.
+
+The Dispatcher is here: its requests in (submit), held while their answered clients come back, and
+their answers resolved. Its other parts are request_writer.RequestWriter (the pipelines out),
+reply_reader.ReplyReader (the reply stream read) and waiters.Waiters (deadlines, answers, cancellation).
 """
 from __future__ import annotations
 
@@ -16,48 +20,26 @@ import os
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..alarm import Alarm
 from ..contract import records
-from ..contract.errors import Cancelled, Code, DespinaError, Unavailable
-from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT, Keys
-from ..contract.records import GROUPED, InferReply, InferRequest
+from ..contract.errors import Unavailable
+from ..contract.keys import Keys
+from ..contract.records import GROUPED, InferRequest
 from ..counters import Deferred
 from ..logs import Throttled
 from ..redis_client import BULK_DEFAULT, bulk_limit
-from ..resp import Batch, ReadAlong, Resp, fields
+from ..resp import ReadAlong, Resp
 from . import grouping
+from .reply_reader import ReplyReader
+from .request_writer import Bound, RequestWriter
+from .waiters import SWEEP_S, Callback
 
 log = logging.getLogger("despina.gateway")
 
-# Enqueue unless the priority level already holds max_queue_size requests; a refusal is counted
-# as Triton's REJECTED failure. KEYS: stream, queue counter, statistics hash.
-BOUNDED_XADD = """
-local n = tonumber(redis.call('GET', KEYS[2]) or '0')
-if n < 0 then n = 0 redis.call('SET', KEYS[2], 0) end
-if n >= tonumber(ARGV[1]) then
-  redis.call('HINCRBY', KEYS[3], 'fail_count', 1)
-  redis.call('HINCRBY', KEYS[3], 'fail:REJECTED', 1)
-  redis.call('HINCRBY', KEYS[3], 'refused', 1)
-  return 0
-end
-redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3], ARGV[4], ARGV[5])
-redis.call('INCR', KEYS[2])
-redis.call('HINCRBY', KEYS[3], 'enqueued', 1)
-return 1
-"""
-
-Bound = tuple[str, int]  # (counter key, max_queue_size)
-Result = InferReply | BaseException
-# called once with the reply, TimeoutError, or the error that stopped it; before that, a decoupled
-# model's responses to it that are not its last (InferReply.final False), in order, each once
-Callback = Callable[[Result], None]
-SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
 OWED_S = 0.004  # answers delivered this recently are expected back as new requests (see Dispatcher.submit);
 # a hold ends at the first request after it, whatever hold_us says
 # a hold ends when no request came for the gap: the answered clients are not coming. HOLD_GAP_S; for
@@ -67,10 +49,9 @@ OWED_S = 0.004  # answers delivered this recently are expected back as new reque
 HOLD_GAP_S = 0.0002
 MAX_HOLD_GAP_S = 0.001
 FEW_CLIENTS = 16
-TRIM_BYTES = 4 << 20  # replies read past which the reply stream is trimmed (else every 1000 read)
 
 
-class Dispatcher:
+class Dispatcher(RequestWriter, ReplyReader):
     def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str | None = None,
                  reply_ttl_ms: int = 120_000, hold_us: int = 4000) -> None:
         # requests go out on one lean connection; the reply stream is read, blocking, on another
@@ -156,10 +137,6 @@ class Dispatcher:
             pass
         self._out.close()
         self._in.close()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
 
     def submit(self, stream: str, stats: str, request: InferRequest, timeout: float, done: Callback,
                bound: Bound | None = None, group_rows: int = 0) -> None:
@@ -288,133 +265,6 @@ class Dispatcher:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
-    def _sweep(self) -> None:
-        self._sweeper = None
-        now = time.monotonic()
-        expired = []
-        for request_id, (_, deadline, _) in self._waiting.items():
-            if deadline > now:
-                break
-            expired.append(request_id)
-        early = self._early
-        if early and early[0][0] <= now:
-            swept = set(expired)
-            while early and early[0][0] <= now:
-                request_id = heapq.heappop(early)[1]
-                if request_id in self._waiting and request_id not in swept:
-                    expired.append(request_id)
-        streaming = [r for r in expired if r in self._next]  # a decoupled model's: its worker hears of it
-        for request_id in expired:
-            self._finish(request_id, TimeoutError())
-        if streaming:
-            self._tell_cancelled(streaming)
-        if self._waiting:
-            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
-        else:
-            early.clear()  # answered before their deadlines
-
-    def _finish(self, request_id: str, result: Result) -> str | None:
-        """Hand the request its result; its model version's statistics hash, or None when nobody waits
-        for it any more."""
-        waiter = self._waiting.pop(request_id, None)
-        if waiter is None:
-            return None
-        if self._next:
-            self._next.pop(request_id, None)
-        left = self._in_flight[waiter[2]] - 1
-        if left:
-            self._in_flight[waiter[2]] = left
-        else:
-            del self._in_flight[waiter[2]]
-        try:
-            waiter[0](result)
-        except Exception:  # a callback's fault must not stop the reply reader
-            log.exception("gateway %s: answering request %s failed", self.id, request_id)
-        return waiter[2]
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        self._writing = True
-        task = asyncio.create_task(self._write_all())
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _write_all(self) -> None:
-        """One pipeline in flight at a time: what arrives meanwhile goes out together next, so the
-        busier the gateway, the more requests share a round trip (idle, none waits for another)."""
-        try:
-            while self._outbox or self._bounded:
-                outbox, self._outbox = self._outbox, defaultdict(list)
-                bounded, self._bounded = self._bounded, []
-                await self._write(outbox, bounded)
-        finally:
-            self._writing = False  # no await since the loop's last check: nothing is left behind
-
-    async def _write(self, outbox: dict[str, list[InferRequest]],
-                     bounded: list[tuple[str, Bound, InferRequest]]) -> None:
-        pipe = Batch()
-        plain = 0  # commands before the bounded ones
-        for stream, batch in outbox.items():
-            in_flight = self._in_flight.get(self._stats[stream], 0)
-            limit = self._group_rows[stream]
-            entries = grouping.entries(grouping.grouped(batch, limit)) if limit and len(batch) > 1 else \
-                [batch[i:i + ENTRY_REQUESTS] for i in range(0, len(batch), ENTRY_REQUESTS)]
-            too_large: list[tuple[InferRequest, int]] = []
-            for entry in entries:
-                encoded = records.encode(entry)
-                for payload in (encoded,) if len(encoded) <= self.bulk_limit else \
-                        self._fitting(entry, encoded, too_large):
-                    pipe.xadd(stream, {FIELD: payload, IN_FLIGHT: in_flight})
-                    plain += 1
-            for req, size in too_large:
-                self._too_large(req, size)
-            pipe.hincrby(self._stats[stream], "enqueued", len(batch) - len(too_large))
-            plain += 1
-        plain += self._counts.into(pipe)  # what the gateway counted itself rides along
-        sent_bounded = []
-        for stream, (counter, limit), req in bounded:
-            payload = records.encode([req])
-            if len(payload) > self.bulk_limit:
-                self._too_large(req, len(payload))
-                continue
-            pipe.eval(BOUNDED_XADD, 3, stream, counter, self._stats[stream], limit, FIELD,
-                      payload, IN_FLIGHT, self._in_flight.get(self._stats[stream], 0))
-            sent_bounded.append((stream, (counter, limit), req))
-        sent = self._read_along.send(pipe.commands, lambda c: self._in.send(c, [self._read_command()]))
-        try:
-            results = await (self._out.execute(pipe.commands) if sent is None else self._in.replies(sent))
-        except Exception as exc:  # every waiting caller must hear of it, whatever it was
-            self._write_failed.log("gateway %s: queueing %d requests failed: %s", self.id,
-                                   sum(map(len, outbox.values())) + len(bounded), exc)
-            error = Unavailable(f"the request queue (Redis) is unavailable: {exc}")
-            for req in [r for batch in outbox.values() for r in batch] + [b[2] for b in bounded]:
-                self._finish(req.id, error)
-            return
-        for (_, (_, limit), req), accepted in zip(sent_bounded, results[plain:], strict=True):
-            if not accepted:
-                self._finish(req.id, DespinaError(f"Exceeds maximum queue size: the queue is full "
-                                                f"({limit} requests); retry later",
-                                                Code.RESOURCE_EXHAUSTED))
-
-    def _fitting(self, entry: list[InferRequest], payload: bytes, too_large: list[tuple[InferRequest, int]]
-                 ) -> list[bytes]:
-        """The payloads of an entry over bulk_limit as entries that are not (records.fitting): a grouped
-        request's members apart too; a request over the limit alone goes on `too_large` with its size."""
-        def alone(req: InferRequest, size: int) -> list[bytes]:
-            if req.id[:1] == GROUPED:
-                members = records.split(req)
-                return records.fitting(members, records.encode(members), self.bulk_limit, alone)
-            too_large.append((req, size))
-            return []
-
-        return records.fitting(entry, payload, self.bulk_limit, alone)
-
-    def _too_large(self, request: InferRequest, size: int) -> None:
-        self._finish(request.id, DespinaError(
-            f"the request's tensors come to {size} bytes, more than the {self.bulk_limit} that the request "
-            "queue takes in one message (Redis's proto-max-bulk-len): send them in smaller requests",
-            Code.PAYLOAD_TOO_LARGE))
-
     def refused(self, stats: str) -> None:
         """Count a request refused before it was queued (Triton's REJECTED)."""
         self.count(stats, {"fail_count": 1, "fail:REJECTED": 1, "refused": 1})
@@ -424,73 +274,6 @@ class Dispatcher:
         counts. The sums ride along with the next requests' pipeline, or go alone after DEFER_S: no
         round trip of their own while requests flow."""
         self._counts.add(stats, counts)
-
-    def give_up(self) -> None:
-        """The drain's time is nearly spent: every request still waiting is answered 503 (with Retry-After:
-        another gateway may answer it) rather than left to a connection cut at the end."""
-        if self._waiting:
-            log.warning("gateway %s: %d request(s) still without an answer as the drain ends: answered 503",
-                        self.id, len(self._waiting))
-            self._fail_waiting(Unavailable("the server is stopping, and no answer came within its drain time "
-                                           "(DESPINA_DRAIN_TIMEOUT_S)"))
-
-    def _fail_waiting(self, error: Exception) -> None:
-        for request_id in list(self._waiting):
-            self._finish(request_id, error)
-
-    def _read_command(self) -> list[str | int]:
-        return ["XREAD", "COUNT", 1000, "BLOCK", 1000, "STREAMS", self.reply_stream, self._last_reply]
-
-    async def _read_with_requests(self) -> asyncio.Future[list] | None:
-        """While no request waits for an answer, no reply can come before more requests go out: the next
-        read then goes out with them (_write), in one write, instead of a round trip to Redis of its own
-        (on a shared core, each wakes Redis and hands it the core). The read as sent, or None: read now."""
-        if self._waiting or not self._in.connected:
-            return None
-        return await self._read_along.wait()
-
-    async def _read_replies(self) -> None:
-        read_since_trim = bytes_since_trim = 0
-        while True:
-            try:
-                resp = await self._read()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._read_failed.log("gateway %s: reading replies failed (%s); retrying", self.id, exc)
-                # the answers of those waiting may never come (a Redis that restarted lost them)
-                self._fail_waiting(Unavailable(f"lost the connection to Redis (the request queue) while "
-                                               f"waiting for the answer: {exc}"))
-                await asyncio.sleep(0.2)
-                continue
-            read, size = self._take(resp)
-            resp = None  # let go now, not when the next read returns (which may wait long): large replies
-            read_since_trim += read
-            bytes_since_trim += size
-            # trimmed every 1000 entries or TRIM_BYTES, or when a read finds none: an idle gateway reads only
-            # with its next requests (_read_with_requests), and large replies read but kept filled Redis
-            if read_since_trim >= 1000 or bytes_since_trim >= TRIM_BYTES or (read_since_trim and not read):
-                read_since_trim = bytes_since_trim = 0
-                await self._trim(self._last_reply)
-
-    async def _read(self) -> Any:
-        """The next read of the reply stream: XREAD's answer."""
-        sent = await self._read_with_requests()
-        if sent is None:
-            return (await self._in.execute([self._read_command()]))[0]
-        return (await self._in.replies(sent, shield=True))[0]
-
-    def _take(self, resp: Any) -> tuple[int, int]:
-        """Resolve the replies of an XREAD of the reply stream; how many entries it read, and their bytes."""
-        read = size = 0
-        for _, entries in resp or ():
-            for entry_id, raw in entries:
-                self._last_reply = entry_id
-                payload = fields(raw).get(FIELD, b"")
-                size += len(payload)
-                self._resolve(payload)
-            read += len(entries)
-        return read, size
 
     def _resolve(self, payload: bytes) -> None:
         try:
@@ -516,45 +299,3 @@ class Dispatcher:
             for key, n in delivered.items():
                 owed = self._owed.get(key)
                 self._owed[key] = (n + (owed[0] if owed and now - owed[1] <= OWED_S else 0), now)
-
-    def cancel(self, request_id: str, reason: str = "the client went away") -> None:
-        """The request's client went away (or, `reason`, gave it up): stop waiting for it, and tell a
-        decoupled model that runs it (its worker asks with each response it sends, and the model sees
-        request.is_cancelled())."""
-        if self._finish(request_id, Cancelled(reason)) is not None:
-            self._tell_cancelled([request_id])
-
-    def _tell_cancelled(self, request_ids: list[str]) -> None:
-        key = self.keys.cancelled(self.reply_stream)
-        task = asyncio.create_task(self._write_commands(
-            [["SADD", key, *request_ids], ["PEXPIRE", key, self.reply_ttl_ms]], "its cancellations"))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _write_commands(self, commands: list[list[str | int]], what: str) -> None:
-        try:
-            await self._out.execute(commands)
-        except Exception as exc:  # best effort: the model finishes the request, its answer is dropped
-            log.debug("gateway %s: writing %s failed: %s", self.id, what, exc)
-
-    def _partial(self, reply: InferReply) -> None:
-        """A decoupled model's response that is not its last: to the waiting request, unless it had it."""
-        waiter = self._waiting.get(reply.id)
-        if waiter is None or reply.index < self._next.get(reply.id, 0):
-            self.dropped += 1
-            return
-        self._next[reply.id] = reply.index + 1
-        try:
-            waiter[0](reply)
-        except Exception:
-            log.exception("gateway %s: passing on a response of request %s failed", self.id, reply.id)
-
-    async def _trim(self, last: str | bytes) -> None:
-        """Drop the replies read, up to `last` included (the next read starts after it, entry or not)."""
-        ms, _, seq = (last.decode() if isinstance(last, bytes) else last).partition("-")
-        try:
-            await self._in.execute([["XTRIM", self.reply_stream, "MINID", f"{ms}-{int(seq or 0) + 1}"],
-                                    ["PEXPIRE", self.reply_stream, self.reply_ttl_ms]])
-        except Exception:
-            pass
-

@@ -21,12 +21,12 @@ from ..contract.sequence import optional_sequence, request_sequence
 from ..response_cache import cache_key, through
 from . import ensemble, http
 from .classification import classify
-from .dispatch import Result
 from .fn import decode_fn, encode_fn
 from .grouping import group_rows
 from .http import Headers, Receive, Scope, Send
 from .models import Model, NotLoaded
 from .v2 import decode_infer, encode_infer
+from .waiters import Result
 
 if TYPE_CHECKING:
     from .app import Gateway

@@ -29,8 +29,9 @@ from ..contract.modelconfig import (
     known_output,
 )
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
-from ..gateway.dispatch import Dispatcher, Result
+from ..gateway.dispatch import Dispatcher
 from ..gateway.models import ModelView
+from ..gateway.waiters import Result
 from .backends.base import Outputs as ModelOutputs
 
 if TYPE_CHECKING:
