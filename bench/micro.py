@@ -5,7 +5,7 @@
 the gateway's decoders and encoders on W1's request (binary and JSON, /fn; encode_infer with and without
 its kept reply header), the stream records' codec for a 20-request entry, resp.pack of a worker's reply
 pipeline in C (hiredis) and in Python, one XADD + HINCRBY round trip through redis-py's asyncio pipeline
-against despina/resp.py (client CPU, process_time), the batcher's wait (wait_for against a timer), a
+against despina/resp/ (client CPU, process_time), the batcher's wait (wait_for against a timer), a
 call_later made and cancelled (uvicorn's keep-alive timer, per request), the timerfd Alarm armed 500 µs
 and 5 s ahead, how late uvloop's call_later fires below a millisecond, a wake-up through epoll with and
 without a timeout (two processes, pipes; also both on one core, and across two), and the server's CPU for
@@ -47,7 +47,8 @@ from despina.counters import HINCRBY_MANY, record_counts
 from despina.gateway.fn import decode_fn
 from despina.gateway.jsondata import json_data_to_bytes
 from despina.gateway.v2 import decode_infer, encode_infer
-from despina.resp import Batch, Resp, _pack_slowly, pack
+from despina.resp import Batch, Resp, pack
+from despina.resp.wire import _pack_slowly
 
 CONFIG = """name: "mlp" backend: "onnxruntime" max_batch_size: 128
 input [ { name: "x", data_type: TYPE_FP32, dims: [ 256 ] } ]

@@ -1,4 +1,4 @@
-"""The lean Redis connection of the hot loops (despina/resp.py), against a real server."""
+"""The lean Redis connection of the hot loops (despina/resp/), against a real server."""
 from __future__ import annotations
 
 import asyncio

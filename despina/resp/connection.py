@@ -1,145 +1,23 @@
-"""A lean Redis connection for the hot loops: the gateway's request writes and reply reads, and a
-worker's stream reads and reply writes.
-
-redis-py's asyncio pipeline spends about 140 µs of CPU per round trip on this machine (command
-objects, the connection pool, retries, event hooks); the same two commands packed by hand and parsed
-by hiredis cost 60, and the hot loops make one or two round trips per batch. Commands are written in
-one `transport.write` and their replies matched in order, so one connection carries pipelines from
-several callers; a blocking read needs a connection of its own. Errors are redis-py's exception
-types (ConnectionError, TimeoutError, ResponseError), so callers handle both clients alike. Every
-other use of Redis stays on redis-py (redis_client.connect).
+"""The connection (Resp): pipelines written in one `transport.write`, their replies parsed by hiredis and
+matched in order; (re)connected lazily, with the credentials and database of a redis-py client (`like`).
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
-import numbers
 import ssl
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
-from hiredis import pack_command
 from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import ConnectionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .redis_client import CONNECT_TIMEOUT_S, keep_alive
-
-Arg = bytes | str | int | float
-Command = Sequence[Arg] | bytes  # bytes, or Parts: a command packed already (`Prefix`)
-LARGE = 1 << 16  # an argument this long is written as it is, never copied into its command's bytes
-
-
-class Parts(list[bytes]):
-    """A command packed in parts, its large arguments (LARGE) among them as they are: `gather` and the
-    connection's write pass them on without copying them (a 100 MB tensor was copied twice here)."""
-
-
-def pack(commands: Iterable[Command]) -> bytes:
-    """Commands in RESP (arrays of bulk strings), packed by hiredis in C: a worker's reply pipeline
-    of some 60 arguments costs 11 µs this way and 30 in Python. hiredis takes str, bytes, int and
-    float (repr's digits, as redis-py writes them); a command with anything else (a bool, a numpy
-    integer) is packed here, each argument as its int or float value. A command given as bytes or
-    Parts was packed already (`Prefix`)."""
-    packed = gather(commands)
-    return packed if isinstance(packed, bytes) else b"".join(packed)
-
-
-def gather(commands: Iterable[Command]) -> bytes | list[bytes]:
-    """`pack`'s bytes; or, where a command holds a large argument (Parts), the parts to write one after
-    the other: each large argument alone, what lies between them joined."""
-    out = []
-    large = False
-    for command in commands:
-        if type(command) is bytes:
-            out.append(command)
-            continue
-        if type(command) is Parts:
-            out += command
-            large = True
-            continue
-        try:  # the ignore: hiredis's stub types the command as a 1-tuple
-            out.append(pack_command(command if type(command) is tuple  # type: ignore[arg-type]
-                                    else tuple(command)))
-        except TypeError:
-            out.append(_pack_slowly(command))
-    if not large:
-        return b"".join(out)
-    parts: list[bytes] = []
-    small: list[bytes] = []
-    for part in out:
-        if len(part) < LARGE:
-            small.append(part)
-            continue
-        if small:
-            parts.append(b"".join(small))
-            small = []
-        parts.append(part)
-    if small:
-        parts.append(b"".join(small))
-    return parts
-
-
-class Prefix:
-    """A command's leading arguments, packed once, for a command a hot loop sends again and again with
-    only its last arguments new (a reply stream's XADD, a statistics hash's EVAL): `command(*rest)`
-    packs just those. hiredis spends ~1,800 instructions an argument, most of them in sprintf writing
-    its length; a worker's pipeline repeats some 25 of its arguments every batch. `prefix` keeps them."""
-
-    __slots__ = ("_count", "_packed")
-
-    def __init__(self, *args: Arg) -> None:
-        self._count = len(args)
-        self._packed = pack([args]).split(b"\r\n", 1)[1]  # the arguments, without "*N"
-
-    def command(self, *rest: Arg) -> bytes | Parts:
-        out = [b"*%d\r\n" % (self._count + len(rest)), self._packed]
-        large = False
-        for arg in rest:
-            data = arg if type(arg) is bytes else _data(arg)
-            if len(data) < 1024:  # a small one formatted in one go; a large one not copied for it
-                out.append(b"$%d\r\n%b\r\n" % (len(data), data))
-            else:
-                out += (b"$%d\r\n" % len(data), data, b"\r\n")
-                large = large or len(data) >= LARGE
-        return Parts(out) if large else b"".join(out)
-
-
-@functools.lru_cache(maxsize=1024, typed=True)  # typed: 1 and 1.0 are packed apart
-def prefix(*args: Arg) -> Prefix:
-    """The Prefix of these leading arguments, kept for the next command that repeats them (Batch's)."""
-    return Prefix(*args)
-
-
-@functools.lru_cache(maxsize=1024, typed=True)
-def packed(*command: Arg) -> bytes:
-    """A command with nothing new in it, packed once and kept (a reply stream's PEXPIRE, a worker's read)."""
-    return pack([command])
-
-
-def _pack_slowly(command: Sequence[Arg]) -> bytes:
-    out = [b"*%d\r\n" % len(command)]
-    for arg in command:
-        data = _data(arg)
-        out += (b"$%d\r\n" % len(data), data, b"\r\n")
-    return b"".join(out)
-
-
-def _data(arg: Arg) -> bytes:
-    """An argument's bytes: str as UTF-8, an integer (a bool, a numpy one) as its value, anything else as
-    a float's repr."""
-    if isinstance(arg, bytes):
-        return arg
-    if isinstance(arg, str):
-        return arg.encode()
-    if isinstance(arg, numbers.Integral):
-        return b"%d" % int(arg)
-    return repr(float(arg)).encode()
-
+from ..redis_client import CONNECT_TIMEOUT_S, keep_alive
+from .wire import Command, gather
 
 READER_KEPT = 1 << 20  # bytes a connection's reader may have taken before it is let go (data_received)
 
@@ -359,89 +237,3 @@ def _write(protocol: _Protocol, pipelines: Sequence[Sequence[Command]]) -> list[
     else:  # large arguments as they are (uvloop's writelines copies none of them)
         protocol.transport.writelines(data)
     return futures
-
-
-class ReadAlong:
-    """A loop's next blocking read, waiting to go out with the next write of the connection it reads on
-    (one write, one wake-up of the server, where a read of its own would make two). The reader `wait`s;
-    the writer's `send` takes the read along if one waits, or `release` lets it go alone."""
-
-    def __init__(self) -> None:
-        self._waiting: asyncio.Future[asyncio.Future[list[Any]] | None] | None = None
-
-    async def wait(self, limit_s: float | None = None) -> asyncio.Future[list[Any]] | None:
-        """The read as a write sent it (await it with Resp.replies), or None: read now (released, or
-        no write came within `limit_s`)."""
-        loop = asyncio.get_running_loop()
-        waiting = self._waiting = loop.create_future()
-        timer = None if limit_s is None else loop.call_later(limit_s, self.release)
-        try:
-            return await waiting
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._waiting = None
-
-    def release(self) -> None:
-        if self._waiting is not None and not self._waiting.done():
-            self._waiting.set_result(None)
-
-    def send(self, commands: list[Command],
-             send_with: Callable[[list[Command]], Sequence[asyncio.Future[list[Any]]] | None]
-             ) -> asyncio.Future[list[Any]] | None:
-        """When a read waits: `send_with(commands)` writes the commands and the read together and returns
-        their futures (or None: it could not, the read goes alone); the read's goes to the reader.
-        The commands' future, or None: send them as usual."""
-        waiting = self._waiting
-        if waiting is None or waiting.done():
-            return None
-        sent = send_with(commands)
-        waiting.set_result(None if sent is None else sent[-1])
-        return None if sent is None else sent[0]
-
-
-class Batch:
-    """Commands gathered for one `Resp.execute`, named as redis-py's pipeline names them (the subset
-    the hot loops use), so that helpers fill either. Each is packed as it is added, its leading
-    arguments (the command, its keys: the same batch after batch) from a kept `prefix`."""
-
-    def __init__(self) -> None:
-        self.commands: list[Command] = []
-
-    def __len__(self) -> int:
-        return len(self.commands)
-
-    def xadd(self, stream: str, fields: dict[bytes | str, Arg], maxlen: int | None = None,
-             approximate: bool = True) -> None:
-        trim: tuple[Arg, ...] = ("MAXLEN", "~" if approximate else "=", maxlen) if maxlen else ()
-        rest: list[Arg] = []
-        for kv in fields.items():
-            rest += kv
-        self.commands.append(prefix("XADD", stream, *trim, "*").command(*rest))
-
-    def pexpire(self, key: str, ms: int) -> None:
-        self.commands.append(packed("PEXPIRE", key, ms))
-
-    def hincrby(self, key: str, field: str, n: int) -> None:
-        self.commands.append(prefix("HINCRBY", key, field).command(n))
-
-    def decrby(self, key: str, n: int) -> None:
-        self.commands.append(prefix("DECRBY", key).command(n))
-
-    def eval(self, script: str, numkeys: int, *args: Arg) -> None:
-        self.commands.append(prefix("EVAL", script, numkeys, *args[:numkeys]).command(*args[numkeys:]))
-
-    def xack(self, stream: str, group: str, *ids: bytes) -> None:
-        self.commands.append(prefix("XACK", stream, group).command(*ids))
-
-    def xdel(self, stream: str, *ids: bytes) -> None:
-        self.commands.append(prefix("XDEL", stream).command(*ids))
-
-    def srem(self, key: str, *members: Arg) -> None:
-        self.commands.append(("SREM", key, *members))
-
-
-def fields(raw: list[bytes]) -> dict[bytes, bytes]:
-    """A stream entry's flat [field, value, ...] as a dict, as redis-py gives it."""
-    it = iter(raw)
-    return dict(zip(it, it))
