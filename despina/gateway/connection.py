@@ -6,43 +6,29 @@ closes the connection straight after an error answer, even while the client is s
 then resets the connection and the client may never read the answer. Here, as nginx and Go's net/http do:
 
 - a request's line and headers are held to HEAD_MAX bytes (431);
-- they must all come within `header_timeout` seconds of their first byte, and a body may pause at most
-  `body_timeout` seconds between two reads (408). Neither counts while the gateway keeps the client
-  waiting (an answer it owes, a 100 Continue not yet sent, what the client sent left unread), nor while a
-  request waits for its answer (the request timeout's business), nor between requests (the keep-alive
-  timeout's). The timer is armed only when a read leaves a request incomplete: a request whose head and
-  body come in one read costs two flags;
 - an answer that ends the connection (400, 408, 431) comes after the answers owed to the requests
   before it;
 - a connection that ends while the client may still be sending closes lingering: the gateway shuts down
   its side, reads and drops what still comes, and closes once the client closes, goes quiet for
   LINGER_IDLE_S, or LINGER_S have passed;
 - a client that shuts down its sending side (a half-close) still gets the answers owed to the requests
-  it sent whole, and the connection closes after them (a request it cut short is answered 400);
-- a connection whose client reads none of what the gateway has to send it for `write_timeout` seconds is
-  cut (nginx's send_timeout): uvicorn's flow control stops the gateway reading from a client that does
-  not read its answers, but kept the connection, its pipelined requests and the answers not yet sent for
-  as long as the client kept its socket open, and a connection closed with answers still unsent waited for
-  the client to read them.
+  it sent whole, and the connection closes after them (a request it cut short is answered 400).
 
-The subclass (protocol.GatewayProtocol) has the parser's callbacks keep `_head_open` (a request's head is
-being read) and `_body_open` (its body is).
+Its read, keep-alive and write timeouts are timeouts.py's (Timeouts, this class's base). The subclass
+(protocol.GatewayProtocol) has the parser's callbacks keep `_head_open` (a request's head is being read)
+and `_body_open` (its body is).
 """
 from __future__ import annotations
 
-import asyncio
-import fcntl
 import math
-import struct
-import termios
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import httptools
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from . import http
+from .timeouts import Timeouts, _unread
 
 # A request's line and headers, at most (its method aside)
 HEAD_MAX = 64 * 1024
@@ -74,36 +60,16 @@ class LastWord:
             protocol._linger()
 
 
-class ConnectionProtocol(HttpToolsProtocol):
-    header_timeout: float  # seconds (settings.header_timeout_s); set by protocol.protocol_class
-    body_timeout: float
-    write_timeout: float
-    cycle: Any  # uvicorn's RequestResponseCycle, or the subclass's request in its place
-
+class ConnectionProtocol(Timeouts):
     _head_open = False  # a request's head is being read
     _head_size = 0      # its bytes so far (0: it began in the last read, not yet counted)
     _head_at = 0.0      # when its first byte was read
     _body_open = False  # a request's body is being read
     _big_read = False   # the read being parsed is larger than HEAD_MAX: a head may come whole in it, over it
-    _read_at = 0.0      # the last read (while a request was incomplete, or lingering)
-    _read_timer: asyncio.TimerHandle | None = None
-    _read_timer_at = math.inf  # when it fires
-    _waited = False     # the last check found the gateway keeping the client waiting
     _ended = False      # no more requests are read: an answer that ends the connection is on its way
     _lingering = False
     _linger_until = 0.0
     _eof = False        # the client has shut down its sending side: nothing more comes
-    _unsent = -1        # bytes waiting to be sent at the last write check that found them stuck (-1: none)
-    # the write check of all this class's connections: one timer while there are any
-    _write_check: ClassVar[asyncio.TimerHandle | None] = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._idle()  # a connection that never sends a byte closes as an idle one does
-        cls = type(self)
-        if cls._write_check is None:
-            cls._write_check = self.loop.call_later(self.write_timeout, _check_writes, cls, self.connections,
-                                                    self.loop)
 
     def data_received(self, data: bytes) -> None:
         if self._head_open or self._ended:
@@ -198,63 +164,6 @@ class ConnectionProtocol(HttpToolsProtocol):
         if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > HEAD_MAX:
             raise HeadTooLarge
 
-    # The read timeouts: one timer, armed when a read leaves a request incomplete and moved only when the
-    # deadline comes nearer; a timer that fires early (the body came on meanwhile) sets itself again.
-    def _reading(self, data: bytes) -> None:
-        if self._ended:
-            return
-        now = self._read_at = self.loop.time()
-        if self._head_open:
-            if self._head_size == 0:  # its first byte came in this read
-                self._head_began(now, data, len(data))
-                if self._ended:
-                    return
-            deadline = self._head_at + self.header_timeout
-        else:
-            deadline = now + self.body_timeout
-        if deadline < self._read_timer_at:  # no timer (inf), or one for later
-            self._stop_read_timer()
-            self._arm_read_timer(deadline - now, self._read_check)
-
-    def _read_check(self) -> None:
-        self._read_timer, self._read_timer_at = None, math.inf
-        if self._ended or not (self._head_open or self._body_open) or self.transport.is_closing() \
-                or self.transport.get_protocol() is not self:
-            return
-        now = self.loop.time()
-        if self._client_waits():
-            self._waited = True
-        elif self._waited:  # the client waited on the gateway until lately: its time starts again now
-            self._waited = False
-        else:
-            deadline = (self._head_at + self.header_timeout if self._head_open
-                        else self._read_at + self.body_timeout)
-            if deadline <= now:
-                self._timed_out()
-            else:
-                self._arm_read_timer(deadline - now, self._read_check)
-            return
-        self._head_at = self._read_at = now
-        self._arm_read_timer(self.header_timeout if self._head_open else self.body_timeout, self._read_check)
-
-    def _client_waits(self) -> bool:
-        """The client is waiting on the gateway: what it sent is not read yet (reading is paused while
-        earlier requests are answered, or while a route has not asked for the body), or it waits for the
-        100 Continue that the route sends when it asks for the body."""
-        if _unread(self.transport):
-            return True
-        return self._body_open and bool(getattr(self.cycle, "waiting_for_100_continue", False))
-
-    def _timed_out(self) -> None:
-        if self._head_open:
-            what = f"the request line and headers did not all come within {self.header_timeout:g} s"
-        elif self.cycle is not None and self.cycle.response_complete:
-            self.transport.close()  # answered before its body came (refused), and the rest never came
-            return
-        else:
-            what = f"no more of the request body came for {self.body_timeout:g} s"
-        self._last_word(408, orjson.dumps({"error": f"request timeout: {what}"}))
-
     def _last_word(self, status: int, body: bytes) -> None:
         """Answer with `status` and end the connection: after the answers owed to the requests read before
         (pipelined), in the place of the request whose body is being read, if any."""
@@ -309,83 +218,6 @@ class ConnectionProtocol(HttpToolsProtocol):
         else:
             self._arm_read_timer(until - now, self._linger_check)
 
-    def _arm_read_timer(self, delay: float, check: Callable[[], None]) -> None:
-        self._read_timer = self.loop.call_later(delay, check)
-        self._read_timer_at = self.loop.time() + delay
-
-    def _stop_read_timer(self) -> None:
-        if self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer, self._read_timer_at = None, math.inf
-
-    # The keep-alive timeout, as uvicorn's (an idle connection closes timeout_keep_alive seconds after
-    # its last answer), with one timer re-armed when it fires instead of one made and cancelled per
-    # request (3 µs a request on a small model).
-    _idle_since: float | None = None  # when the last answer went out, while nothing new has come
-
-    def _unset_keepalive_if_required(self) -> None:
-        self._idle_since = None  # busy: the timer, when it fires, leaves the connection open
-
-    def _idle(self) -> None:
-        """Nothing to answer or read: the connection closes if it stays so for the timeout."""
-        self._idle_since = self.loop.time()
-        if self.timeout_keep_alive_task is None:
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                self._keep_alive_check)
-
-    def _keep_alive_check(self) -> None:
-        self.timeout_keep_alive_task = None
-        if self._idle_since is None or self._ended:
-            return  # a request is open: its answer arms the timer again (or the connection is ending)
-        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
-        if left > 0:
-            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_check)
-        elif not _unread(self.transport):
-            self.timeout_keep_alive_handler()
-        # else a request reached the socket as the timeout fell, not yet read (the loop runs its timers
-        # before it reads): closing now would reset the connection under it, and it is read next
-
-    # The write timeout. What the gateway writes goes to the kernel, then to the transport's buffer once the
-    # kernel's is full; past the buffer's high-water mark the transport pauses writing, and the protocol stops
-    # reading and answering (uvicorn's flow control). While writing is paused, or the connection is closing,
-    # nothing more is written to it: what waits to be sent (in the buffer and the kernel) only shrinks as the
-    # client reads. If it has not shrunk between two checks, write_timeout seconds apart, the client reads
-    # nothing.
-    def resume_writing(self) -> None:
-        self._unsent = -1
-        super().resume_writing()
-
-    def _check_unsent(self) -> None:
-        transport = self.transport
-        buffered = transport.get_write_buffer_size()
-        if buffered == 0 or not (self.flow.write_paused or transport.is_closing()):
-            self._unsent = -1
-            return
-        unsent = buffered + _in_kernel(transport)
-        if 0 <= self._unsent <= unsent:  # nothing sent since the last check
-            transport.abort()
-        else:
-            self._unsent = unsent
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        self._stop_read_timer()
-        if self.timeout_keep_alive_task is not None:
-            self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = None
-
-
-def _check_writes(cls: type[ConnectionProtocol], connections: set[Any], loop: asyncio.AbstractEventLoop
-                  ) -> None:
-    """Cut the connections whose clients read nothing since the last check; check again while there are any
-    (the set is uvicorn's server's: an upgraded connection's protocol is another class)."""
-    cls._write_check = None
-    for protocol in list(connections):
-        if isinstance(protocol, cls) and protocol.transport is not None:
-            protocol._check_unsent()
-    if connections:
-        cls._write_check = loop.call_later(cls.write_timeout, _check_writes, cls, connections, loop)
-
 
 def _silence(cycle: Any) -> None:
     """A request that the connection's last word answers: it reads no more, and writes nothing, and what it
@@ -409,21 +241,3 @@ class ClosingTransport:
 
     def close(self) -> None:
         self._protocol._close()
-
-
-def _in_kernel(transport: asyncio.BaseTransport) -> int:
-    """Bytes the kernel holds for this connection that the client has not acknowledged (read) yet."""
-    sock = transport.get_extra_info("socket")
-    try:
-        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0])
-    except (AttributeError, OSError, ValueError):  # no socket left: nothing waits
-        return 0
-
-
-def _unread(transport: asyncio.BaseTransport) -> int:
-    """Bytes the kernel holds for this connection that the loop has not read yet."""
-    sock = transport.get_extra_info("socket")
-    try:
-        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0])
-    except (AttributeError, OSError, ValueError):  # no socket left: nothing to read
-        return 0

@@ -6,8 +6,8 @@ request cycle; when its body is complete the route queues it, and the reply call
 whole response in one `transport.write`. No ASGI messages, no task, no header regexes per request:
 on a tiny model uvicorn's cycle cost a quarter of the gateway's CPU. Everything else (other routes,
 pipelining order, keep-alive, graceful shutdown, upgrades) stays uvicorn's, and the connection's
-limits, timeouts and last words are connection.py's: a `HotRequest` takes the request cycle's place
-in the protocol and has the few attributes the protocol reads of one.
+limits and last words are connection.py's, its timeouts timeouts.py's: a `HotRequest` takes the request
+cycle's place in the protocol and has the few attributes the protocol reads of one.
 """
 from __future__ import annotations
 
@@ -219,7 +219,7 @@ class GatewayProtocol(ConnectionProtocol):
 
     def on_response_complete(self) -> None:
         if not self.pipeline:
-            # uvicorn's, with the keep-alive timer of connection.py
+            # uvicorn's, with the keep-alive timer of timeouts.py
             self.server_state.total_requests += 1
             if self.transport.is_closing() or self._lingering:
                 return
