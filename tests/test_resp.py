@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import shutil
 import socket
-from collections.abc import AsyncIterator
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, ResponseError
 
 from despina.counters import record_counts
+from despina.embedded import die_with_parent, free_port
 from despina.resp import Batch, Prefix, Resp, fields, gather, pack, packed, prefix
 
 
@@ -276,3 +282,74 @@ async def test_connections_to_redis_find_a_vanished_host_dead(redis_url: str) ->
         ours.close()
         await client.aclose()
         await client.connection_pool.disconnect()
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """A Redis that speaks TLS only, as Redis does by default with TLS on: it asks each client for a
+    certificate (tls-auth-clients yes). Its certificate and the client's are for "localhost", signed by a
+    CA of this test. Its port, and the folder of ca.crt, client.crt and client.key."""
+    server, openssl = shutil.which("redis-server"), shutil.which("openssl")
+    if server is None or openssl is None:
+        pytest.skip("needs redis-server and openssl")
+    run = functools.partial(subprocess.run, cwd=tmp_path, check=True, capture_output=True)
+    run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+         "-days", "1", "-subj", "/CN=despina-test-ca"])
+    (tmp_path / "san.ext").write_text("subjectAltName=DNS:localhost\n")
+    for name in ("server", "client"):
+        run([openssl, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+             "-subj", "/CN=localhost"])
+        run([openssl, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", "san.ext"])
+    port = free_port()
+    proc = subprocess.Popen([server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                             "--tls-cert-file", "server.crt", "--tls-key-file", "server.key",
+                             "--tls-ca-cert-file", "ca.crt", "--save", "", "--appendonly", "no",
+                             "--loglevel", "warning"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=die_with_parent)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            if proc.poll() is not None:
+                pytest.skip(f"redis-server without TLS: {proc.communicate()[0][-300:]!r}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the TLS Redis did not start"
+                time.sleep(0.05)
+        yield port, tmp_path
+    finally:
+        proc.terminate()
+        proc.communicate()
+
+
+async def test_tls_options_mean_what_they_mean_to_redis_py(tls_redis: tuple[int, Path]) -> None:
+    """rediss:// with a client certificate (ssl_certfile, ssl_keyfile), and ssl_check_hostname=false for a
+    server reached by an address its certificate does not name: the hot loops' connection takes redis-py's
+    TLS options as redis-py does. It took ssl_ca_certs and ssl_cert_reqs alone: the server reset it (no
+    client certificate), or it refused the server's certificate for 127.0.0.1 (a hostname checked anyway)."""
+    port, d = tls_redis
+    files = f"ssl_ca_certs={d / 'ca.crt'}&ssl_certfile={d / 'client.crt'}&ssl_keyfile={d / 'client.key'}"
+    for url in (f"rediss://localhost:{port}/0?{files}",
+                f"rediss://127.0.0.1:{port}/0?{files}&ssl_check_hostname=false"):
+        client = aioredis.Redis.from_url(url)
+        conn, alike = Resp.from_url(url), Resp.like(client)
+        try:
+            assert await client.ping()  # redis-py connects
+            assert await conn.execute([["PING"]]) == [b"PONG"]
+            assert await alike.execute([["PING"]]) == [b"PONG"]
+        finally:
+            conn.close()
+            alike.close()
+            await client.aclose()
+    # the options still check what they are asked to: no client certificate, no connection; a hostname
+    # checked, not 127.0.0.1
+    for url in (f"rediss://localhost:{port}/0?ssl_ca_certs={d / 'ca.crt'}", f"rediss://127.0.0.1:{port}/0?{files}"):
+        conn = Resp.from_url(url)
+        try:
+            with pytest.raises(ConnectionError):
+                await conn.execute([["PING"]])
+        finally:
+            conn.close()

@@ -12,7 +12,7 @@ from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.connection import SSLConnection, parse_url
+from redis.asyncio.connection import RedisSSLContext, SSLConnection, parse_url
 from redis.exceptions import ConnectionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -202,14 +202,16 @@ class Resp:
         return protocol
 
     def _ssl(self) -> ssl.SSLContext | None:
+        """A rediss:// connection's TLS context as redis-py builds it (RedisSSLContext), from the options its
+        SSLConnection takes (ssl_certfile, ssl_keyfile, ssl_check_hostname, ssl_ca_path, ...) and with its
+        defaults. Built here from two of them, it sent no client certificate (one Redis asks for by
+        default) and checked the hostname that ssl_check_hostname=false had redis-py leave alone."""
         o = self.options
         if o.get("connection_class") is not SSLConnection:
             return None
-        context = ssl.create_default_context(cafile=o.get("ssl_ca_certs"))
-        if o.get("ssl_cert_reqs") in ("none", ssl.CERT_NONE):
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        return context
+        tls: dict[str, Any] = {"cert_reqs": "required", "check_hostname": True}  # SSLConnection's defaults
+        tls.update((name[4:], value) for name, value in o.items() if name.startswith("ssl_"))
+        return RedisSSLContext(**tls).get()
 
     def close(self) -> None:
         if self._connecting is not None:  # the callers waiting for it fail (_opened)
