@@ -17,7 +17,7 @@ from ..contract.errors import Code, DespinaError, FailedPrecondition, InvalidArg
 from ..contract.keys import Keys
 from ..settings import Settings
 from ..workers.redelivery import DeliveryPolicy, Queue
-from .backlog import requeue
+from .backlog import requeue_all
 from .ensembles import Ensembles
 from .placement import (
     FixedWorkers,
@@ -448,15 +448,12 @@ class Lifecycle:
     # -- dead workers ------------------------------------------------------------------------------
 
     async def _requeue_from(self, worker_id: str) -> None:
-        for e in list(self.catalog.entries.values()):
-            for v in e.versions:
-                for level in range(1, len(e.streams(self.keys, v)) + 1):
-                    queue = Queue(self.keys, e.name, v, level)
-                    try:
-                        await requeue(self.redis, queue, worker_id, self.delivery)
-                    except (RedisError, ConnectionError, OSError) as exc:
-                        log.warning("requeueing %s for dead worker %s failed: %s", queue.stream, worker_id,
-                                    exc)
+        queues = [Queue(self.keys, e.name, v, level) for e in self.catalog.entries.values()
+                  for v in e.versions for level in range(1, len(e.streams(self.keys, v)) + 1)]
+        try:
+            await requeue_all(self.redis, queues, worker_id, self.delivery)
+        except (RedisError, ConnectionError, OSError) as exc:
+            log.warning("requeueing what dead worker %s had read failed: %s", worker_id, exc)
         try:
             await self.redis.delete(self.keys.executing(worker_id))
         except (RedisError, OSError):
