@@ -9,7 +9,7 @@ their heartbeat hashes (they report READY what the catalog places on them, and w
 window is measured). Every model's stream has its consumer group, as the workers' loads leave them.
 
   idle:       10 s of an idle control plane, without and with scale-to-zero (idle_timeout_s 3600);
-  all idle:   10 s with every model scaled to zero;
+  all idle:   10 s with every model just scaled to zero, 10 s with all scaled to zero long ago;
   dead:       worker b (half the models) dies holding 3 read entries on each of --busy streams (20):
               the pass that requeues them, timed, with its commands and round trips; then that every
               entry is back.
@@ -189,8 +189,13 @@ async def scenario(url: str, repo: Path, n: int, idle_timeout_s: float, dead_wor
             await settle(redis, keys, plane, set(WORKERS) if dead_worker else set(),
                          lambda: not plane.catalog.changed)
             checks.clear()
-            await window(redis, plane, "idle, every model scaled to zero")
+            await window(redis, plane, "idle, every model just scaled to zero")
             show_checks(checks)
+            if hasattr(plane.lifecycle, "idle_watch_s"):  # (a tree before it reads them all every check)
+                plane.lifecycle.idle_watch_s = 0.0
+                checks.clear()
+                await window(redis, plane, "idle, every model scaled to zero long ago")
+                show_checks(checks)
     finally:
         plane.stop()
         await task

@@ -36,6 +36,7 @@ from .state import Catalog, Workers
 
 log = logging.getLogger("despina.control")
 
+SWEEP = 10  # models long scaled to zero: a tenth of their queues is read at each check
 RETIRE_GRACE_S = 1.5   # an old version stays loaded this long after the new one is READY: gateways
                        # that have not seen the switch yet still find it serving
 
@@ -72,6 +73,12 @@ class Lifecycle:
         self.unfit: dict[str, str] = {}             # model -> why none of a fixed set of workers can hold it
         self.delivery = DeliveryPolicy.from_settings(settings)
         self._idle_checked = 0.0
+        self._checks = 0                            # scale-to-zero checks so far
+        self._used: dict[str, float] = {}           # loaded model -> its last inference as read (wall clock)
+        self._idle_since: dict[str, float] = {}     # model scaled to zero -> when first seen so (monotonic)
+        # a model scaled to zero this long ago may still look served to producers whose view lags (a worker
+        # dead with it READY looks so until its heartbeat expires): a request may be queued there
+        self.idle_watch_s = settings.worker_ttl_s + 30.0
         self._held_until = 0.0
         self._steady: tuple[object, ...] | None = None  # _inputs() after a pass that changed nothing
 
@@ -399,30 +406,57 @@ class Lifecycle:
 
     async def _scale_to_zero(self) -> None:
         """Unload models idle past their timeout; bring back idle models whose stream has a backlog
-        (a request that a gateway queued while the model was going down)."""
-        watched = [e for e in self.catalog.entries.values()
-                   if e.state == "READY" and not is_ensemble(e.config)
-                   and ((e.target == LOADED and self.idle_timeout(e) > 0) or e.target == IDLE)]
-        if not watched:
-            return
+        (a request that a gateway queued while the model was going down).
+
+        Only what may change a decision is read: a loaded model's last inference and backlog once its
+        timeout has passed since it was last seen used (its last inference only moves later); a model
+        scaled to zero, its backlog at every check while producers may still see it serving
+        (idle_watch_s), then at every SWEEP-th check (1,000 models: 2,000 commands every check before)."""
+        now, clock = time.time(), time.monotonic()
+        self._checks += 1
+        due: list[CatalogEntry] = []
+        used: dict[str, float] = {}
+        idle_since: dict[str, float] = {}
+        for e in self.catalog.entries.values():
+            if e.state != "READY" or is_ensemble(e.config):
+                continue
+            if e.target == IDLE:
+                since = idle_since[e.name] = self._idle_since.get(e.name, clock)
+                if clock - since < self.idle_watch_s or hash(e.name) % SWEEP == self._checks % SWEEP:
+                    due.append(e)
+            elif e.target == LOADED and (timeout := self.idle_timeout(e)) > 0:
+                last = used[e.name] = self._used.get(e.name, 0.0)
+                if not any(self.workers.ready_on(e.name, v) for v in e.versions):
+                    # placed on no worker yet, or still loading: its idle clock starts once it serves
+                    self.awake_since[e.name] = now
+                elif now - max(last, self.awake_since.setdefault(e.name, now)) > timeout \
+                        and not self.cold.get(e.name):
+                    due.append(e)
+        self._used, self._idle_since = used, idle_since
+        if due:
+            await self._unload_idle(due)
+
+    async def _unload_idle(self, due: list[CatalogEntry]) -> None:
+        """Read the `due` models' last inference (those loaded) and backlog; unload the loaded ones still
+        idle, and wake those scaled to zero that have a backlog."""
         pipe = self.redis.pipeline(transaction=False)
-        plan = []
-        for e in watched:
+        for e in due:
             for v in e.versions:
-                pipe.hget(self.keys.stats(e.name, v), "last_inference")
-                streams = e.streams(self.keys, v)
-                for s in streams:
+                if e.target == LOADED:
+                    pipe.hget(self.keys.stats(e.name, v), "last_inference")
+                for s in e.streams(self.keys, v):
                     pipe.xlen(s)
-                plan.append((e, len(streams)))
         results = iter(await pipe.execute())
-        last: dict[str, float] = {}
         backlog: dict[str, int] = {}
-        for e, n in plan:
-            used = next(results)
-            last[e.name] = max(last.get(e.name, 0.0), int(used) / 1000 if used else 0.0)
-            backlog[e.name] = backlog.get(e.name, 0) + sum(int(next(results)) for _ in range(n))
+        for e in due:
+            for v in e.versions:
+                last = next(results) if e.target == LOADED else None
+                if last:
+                    self._used[e.name] = max(self._used.get(e.name, 0.0), int(last) / 1000)
+                queued = sum(int(next(results)) for _ in e.streams(self.keys, v))
+                backlog[e.name] = backlog.get(e.name, 0) + queued
         now = time.time()
-        for old in watched:
+        for old in due:
             current = self.catalog.get(old.name)  # a command may have changed it while we read
             if current is None or current.target != old.target or current.state != "READY":
                 continue
@@ -431,13 +465,8 @@ class Lifecycle:
                 if backlog.get(e.name):
                     self.wake(e.name)
                 continue
-            if not any(self.workers.ready_on(e.name, v) for v in e.versions):
-                # placed on no worker yet, or still loading: its idle clock starts once it serves
-                self.awake_since[e.name] = now
-                continue
-            since = max(last.get(e.name, 0.0), self.awake_since.setdefault(e.name, now))
-            timeout = self.idle_timeout(e)
-            if not backlog.get(e.name) and now - since > timeout and not self.cold.get(e.name):
+            since = max(self._used.get(e.name, 0.0), self.awake_since.setdefault(e.name, now))
+            if not backlog.get(e.name) and now - since > self.idle_timeout(e) and not self.cold.get(e.name):
                 log.info("model %s: no request for %.0f s; unloading it (it stays registered)", e.name,
                          now - since)
                 self.retire_at.pop(e.name, None)
