@@ -191,8 +191,9 @@ async def scenario(url: str, repo: Path, n: int, idle_timeout_s: float, dead_wor
             checks.clear()
             await window(redis, plane, "idle, every model just scaled to zero")
             show_checks(checks)
-            if hasattr(plane.lifecycle, "idle_watch_s"):  # (a tree before it reads them all every check)
-                plane.lifecycle.idle_watch_s = 0.0
+            idle = getattr(plane.lifecycle, "idle", None)
+            if idle is not None:  # (a tree before it reads them all at every check)
+                idle.watch_s = 0.0
                 checks.clear()
                 await window(redis, plane, "idle, every model scaled to zero long ago")
                 show_checks(checks)

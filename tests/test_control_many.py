@@ -245,7 +245,7 @@ async def test_a_scale_to_zero_check_reads_only_the_models_whose_idle_timeout_ma
             await life._scale_to_zero()
         assert trips == []  # each one served just now: none can be idle for a minute
         for name in ("m000", "m001", "m002"):
-            life.awake_since[name] = time.time() - 3600  # woken an hour ago...
+            life.idle.awake_since[name] = time.time() - 3600  # woken an hour ago...
         await setup.hset(keys.stats("m001", 1), "last_inference", int(time.time() * 1000))  # ...m001 used since
         await setup.xadd(keys.request_stream("m002", 1), {FIELD: b"queued"})  # ...m002 has a request queued
         with round_trips(monkeypatch, client) as trips:
@@ -271,7 +271,7 @@ async def test_the_queues_of_models_long_scaled_to_zero_are_read_a_tenth_at_a_ti
         tmp_path: Path, redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each check read the queue length (and the last inference, unused) of every model scaled to zero, in
     case a request was queued as it went down: 1,000 such models, 2,000 commands a second. They are read
-    at every check while producers may still see the model serving (idle_watch_s), then a tenth of them
+    at every check while producers may still see the model serving (Idle.watch_s), then a tenth of them
     at each check: every one within ten checks, and a request queued there still wakes its model."""
     client, setup = connect(redis_url), connect(redis_url)
     keys = Keys(key_prefix)
@@ -285,7 +285,7 @@ async def test_the_queues_of_models_long_scaled_to_zero_are_read_a_tenth_at_a_ti
         with round_trips(monkeypatch, client) as trips:
             await life._scale_to_zero()
         assert sorted(c for trip in trips for c in trip) == [("XLEN", s) for s in streams]  # just scaled to zero
-        life.idle_watch_s = 0.0  # long ago, now
+        life.idle.watch_s = 0.0  # long ago, now
         with round_trips(monkeypatch, client) as trips:
             for _ in range(10):
                 await life._scale_to_zero()

@@ -19,8 +19,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from ..contract import records
+from ..contract.catalog import CatalogEntry
 from ..contract.errors import Code, DespinaError
-from ..contract.keys import FIELD, GROUP
+from ..contract.keys import FIELD, GROUP, Keys
 from ..contract.records import InferReply
 from ..workers import stats
 from ..workers.answers import error as error_reply
@@ -70,6 +71,22 @@ async def requeue_all(redis: aioredis.Redis, queues: list[Queue], consumer: str,
             pipe.xgroup_delconsumer(queue.stream, GROUP, consumer)
         await pipe.execute(raise_on_error=False)
     return moved
+
+
+async def requeue_worker(redis: aioredis.Redis, keys: Keys, entries: list[CatalogEntry], worker_id: str,
+                         policy: DeliveryPolicy) -> None:
+    """Requeue what a dead worker had read on any queue of the catalog's `entries`, and forget what it
+    was running."""
+    queues = [Queue(keys, e.name, v, level) for e in entries
+              for v in e.versions for level in range(1, len(e.streams(keys, v)) + 1)]
+    try:
+        await requeue_all(redis, queues, worker_id, policy)
+    except (RedisError, ConnectionError, OSError) as exc:
+        log.warning("requeueing what dead worker %s had read failed: %s", worker_id, exc)
+    try:
+        await redis.delete(keys.executing(worker_id))
+    except (RedisError, OSError):
+        pass
 
 
 async def _pending(redis: aioredis.Redis, queues: list[Queue], consumer: str

@@ -122,7 +122,7 @@ class Commands:
         if is_ensemble(e.config):
             return plane.lifecycle.ensembles.state(e, v)
         if e.target == IDLE:
-            return "UNAVAILABLE", (f"idle: unloaded after {plane.lifecycle.idle_timeout(e):g} s without "
+            return "UNAVAILABLE", (f"idle: unloaded after {plane.lifecycle.idle.timeout(e):g} s without "
                                    "requests; the next request loads it")
         if plane.workers.ready_on(e.name, v):
             return "READY", e.failed.get(v, "") or e.reason
@@ -170,7 +170,7 @@ class Commands:
                 await self._load_steps(entry, timeout, (*calling, name))
             plane.lifecycle.forget(name)
             if old is None or old.target != LOADED:
-                plane.lifecycle.awake_since[name] = time.time()
+                plane.lifecycle.idle.awake_since[name] = time.time()
             # Triton's unload_dependents unloads the steps an ensemble loaded, not those asked for by name
             step_only = bool(calling) and (old is None or old.target == UNLOADED or old.step_only)
             entry = transition(old, entry, LOADED, lambda v: bool(plane.workers.ready_on(name, v)))

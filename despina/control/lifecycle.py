@@ -1,5 +1,5 @@
 """Bringing the workers to the catalog, one tick at a time: placement, failures, version switches,
-scale-to-zero, dead workers, and answering those who wait for a model to come up."""
+scale-to-zero (idle.py), dead workers (backlog.py), and answering those who wait for a model to come up."""
 from __future__ import annotations
 
 import asyncio
@@ -7,18 +7,17 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from ..contract.catalog import IDLE, LOADED, CatalogEntry
 from ..contract.ensemble import is_ensemble
 from ..contract.errors import Code, DespinaError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..settings import Settings
-from ..workers.redelivery import DeliveryPolicy, Queue
-from .backlog import requeue_all
+from ..workers.redelivery import DeliveryPolicy
+from .backlog import requeue_worker
 from .ensembles import Ensembles
+from .idle import Idle
 from .placement import (
     FixedWorkers,
     committed,
@@ -31,12 +30,10 @@ from .placement import (
     replicas,
     uncommitted,
 )
-from .repository import parameter
 from .state import Catalog, Workers
 
 log = logging.getLogger("despina.control")
 
-SWEEP = 10  # models long scaled to zero: a tenth of their queues is read at each check
 RETIRE_GRACE_S = 1.5   # an old version stays loaded this long after the new one is READY: gateways
                        # that have not seen the switch yet still find it serving
 
@@ -65,27 +62,20 @@ class Lifecycle:
         self.excluded: dict[str, set[str]] = {}     # model -> workers its current files failed on
         self.retire_at: dict[str, float] = {}
         self.waiters: list[Waiter] = []
-        self.cold: dict[str, float] = {}            # model -> when its cold start began (monotonic)
-        self.awake_since: dict[str, float] = {}     # model -> when it was last brought up (wall clock)
+        self.idle = Idle(settings, redis, keys, catalog, workers)  # scale-to-zero and cold starts
         self.shortfall: dict[str, str] = {}         # model -> why it has fewer workers than it should
         self.no_room: set[str] = set()              # models that memory alone keeps off every worker
         self.fixed = FixedWorkers(settings.workers) if settings.fixed_workers else None
         self.unfit: dict[str, str] = {}             # model -> why none of a fixed set of workers can hold it
         self.delivery = DeliveryPolicy.from_settings(settings)
         self._idle_checked = 0.0
-        self._checks = 0                            # scale-to-zero checks so far
-        self._used: dict[str, float] = {}           # loaded model -> its last inference as read (wall clock)
-        self._idle_since: dict[str, float] = {}     # model scaled to zero -> when first seen so (monotonic)
-        # a model scaled to zero this long ago may still look served to producers whose view lags (a worker
-        # dead with it READY looks so until its heartbeat expires): a request may be queued there
-        self.idle_watch_s = settings.worker_ttl_s + 30.0
         self._held_until = 0.0
         self._steady: tuple[object, ...] | None = None  # _inputs() after a pass that changed nothing
 
     @property
     def busy(self) -> bool:
         """Something is in motion: tick often."""
-        return bool(self.waiters or self.retire_at or self.cold)
+        return bool(self.waiters or self.retire_at or self.idle.cold)
 
     # -- one tick ----------------------------------------------------------------------------------
 
@@ -269,13 +259,10 @@ class Lifecycle:
             raise NotFound(f"unknown model '{name}'")
         if e.state != "READY":
             raise Unavailable(f"model '{name}' is unavailable: {e.reason}")
-        if e.target == IDLE:
-            self.cold.setdefault(name, time.monotonic())
-            log.info("model %s: cold start", name)
-        elif e.target != LOADED:
+        if e.target not in (IDLE, LOADED):
             raise FailedPrecondition(f"model '{name}' is not loaded; load it with "
                                      f"POST /v2/repository/models/{name}/load")
-        self.awake_since[name] = time.time()
+        self.idle.woken(e)
         e = replace(e, target=LOADED)
         self.catalog.put(e)
         return e
@@ -319,14 +306,7 @@ class Lifecycle:
                 continue
             if outcome is not None:
                 w.future.set_result(outcome)
-        for name in list(self.cold):  # after the waiters: they are answered first
-            e = self.catalog.get(name)
-            current = [v for v in e.versions if v not in e.retiring] if e is not None else []
-            # a cold start whose load failed is over: timed on, it would end in a later load's READY
-            if e is None or not e.serving or (current and all(v in e.failed for v in current)):
-                self.cold.pop(name, None)
-            elif any(self.workers.ready_on(name, v) for v in e.versions):
-                await self._record_cold_start(e, (now - self.cold.pop(name)) * 1000)
+        await self.idle.cold_starts(now)  # after the waiters: they are answered first
 
     def _settled(self, w: Waiter) -> int | None:
         """The waiter's answer when it has one, None while it must wait; raises when it cannot be."""
@@ -378,112 +358,21 @@ class Lifecycle:
             raise failed_load(w, f"failed to load '{w.name}' version {failed[-1]}: {e.failed[failed[-1]]}")
         return current[-1]
 
-    async def _record_cold_start(self, e: CatalogEntry, ms: float) -> None:
-        statuses = [s.version(e.name, v) for s in self.workers.status.values() for v in e.versions]
-        load_ms = max((st.load_ms for st in statuses if st is not None), default=0.0)
-        log.info("model %s: cold start took %.0f ms (the worker's load %.0f ms)", e.name, ms, load_ms)
-        key = self.keys.cold_starts
-        raw = await self.redis.hget(key, e.name)
-        prev = orjson.loads(raw) if raw else {"count": 0, "total_ms": 0.0}
-        doc = {"count": prev["count"] + 1, "total_ms": round(prev["total_ms"] + ms, 1),
-               "last_ms": round(ms, 1), "last_load_ms": round(load_ms, 1), "last_at": time.time()}
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, e.name, orjson.dumps(doc))
-        if e.versions:  # the metrics and the status page read the served version's statistics
-            stats = self.keys.stats(e.name, max(e.versions))
-            pipe.hincrby(stats, "cold_count", 1)
-            pipe.hincrby(stats, "cold_ns", int(ms * 1e6))
-        await pipe.execute()
-
     # -- scale to zero -----------------------------------------------------------------------------
 
-    def idle_timeout(self, e: CatalogEntry) -> float:
-        raw = parameter(e.config, "idle_timeout_s")
-        try:
-            return float(raw) if raw else self.settings.idle_timeout_s
-        except ValueError:
-            return self.settings.idle_timeout_s
-
     async def _scale_to_zero(self) -> None:
-        """Unload models idle past their timeout; bring back idle models whose stream has a backlog
-        (a request that a gateway queued while the model was going down).
-
-        Only what may change a decision is read: a loaded model's last inference and backlog once its
-        timeout has passed since it was last seen used (its last inference only moves later); a model
-        scaled to zero, its backlog at every check while producers may still see it serving
-        (idle_watch_s), then at every SWEEP-th check (1,000 models: 2,000 commands every check before)."""
-        now, clock = time.time(), time.monotonic()
-        self._checks += 1
-        due: list[CatalogEntry] = []
-        used: dict[str, float] = {}
-        idle_since: dict[str, float] = {}
-        for e in self.catalog.entries.values():
-            if e.state != "READY" or is_ensemble(e.config):
-                continue
-            if e.target == IDLE:
-                since = idle_since[e.name] = self._idle_since.get(e.name, clock)
-                if clock - since < self.idle_watch_s or hash(e.name) % SWEEP == self._checks % SWEEP:
-                    due.append(e)
-            elif e.target == LOADED and (timeout := self.idle_timeout(e)) > 0:
-                last = used[e.name] = self._used.get(e.name, 0.0)
-                if not any(self.workers.ready_on(e.name, v) for v in e.versions):
-                    # placed on no worker yet, or still loading: its idle clock starts once it serves
-                    self.awake_since[e.name] = now
-                elif now - max(last, self.awake_since.setdefault(e.name, now)) > timeout \
-                        and not self.cold.get(e.name):
-                    due.append(e)
-        self._used, self._idle_since = used, idle_since
-        if due:
-            await self._unload_idle(due)
-
-    async def _unload_idle(self, due: list[CatalogEntry]) -> None:
-        """Read the `due` models' last inference (those loaded) and backlog; unload the loaded ones still
-        idle, and wake those scaled to zero that have a backlog."""
-        pipe = self.redis.pipeline(transaction=False)
-        for e in due:
-            for v in e.versions:
-                if e.target == LOADED:
-                    pipe.hget(self.keys.stats(e.name, v), "last_inference")
-                for s in e.streams(self.keys, v):
-                    pipe.xlen(s)
-        results = iter(await pipe.execute())
-        backlog: dict[str, int] = {}
-        for e in due:
-            for v in e.versions:
-                last = next(results) if e.target == LOADED else None
-                if last:
-                    self._used[e.name] = max(self._used.get(e.name, 0.0), int(last) / 1000)
-                queued = sum(int(next(results)) for _ in e.streams(self.keys, v))
-                backlog[e.name] = backlog.get(e.name, 0) + queued
-        now = time.time()
-        for old in due:
-            current = self.catalog.get(old.name)  # a command may have changed it while we read
-            if current is None or current.target != old.target or current.state != "READY":
-                continue
-            e = current
-            if e.target == IDLE:
-                if backlog.get(e.name):
-                    self.wake(e.name)
-                continue
-            since = max(self._used.get(e.name, 0.0), self.awake_since.setdefault(e.name, now))
-            if not backlog.get(e.name) and now - since > self.idle_timeout(e) and not self.cold.get(e.name):
-                log.info("model %s: no request for %.0f s; unloading it (it stays registered)", e.name,
-                         now - since)
-                self.retire_at.pop(e.name, None)
-                keep = tuple(v for v in e.versions if v not in e.retiring)
-                self.catalog.put(replace(e, target=IDLE, workers=(), versions=keep, retiring=(),
-                                         revisions={v: r for v, r in e.revisions.items() if v in keep}))
+        """Unload models idle past their timeout; bring back idle models whose stream has a backlog."""
+        unload, wake = await self.idle.check()
+        for name in wake:
+            self.wake(name)
+        for e in unload:
+            self.retire_at.pop(e.name, None)
+            keep = tuple(v for v in e.versions if v not in e.retiring)
+            self.catalog.put(replace(e, target=IDLE, workers=(), versions=keep, retiring=(),
+                                     revisions={v: r for v, r in e.revisions.items() if v in keep}))
 
     # -- dead workers ------------------------------------------------------------------------------
 
     async def _requeue_from(self, worker_id: str) -> None:
-        queues = [Queue(self.keys, e.name, v, level) for e in self.catalog.entries.values()
-                  for v in e.versions for level in range(1, len(e.streams(self.keys, v)) + 1)]
-        try:
-            await requeue_all(self.redis, queues, worker_id, self.delivery)
-        except (RedisError, ConnectionError, OSError) as exc:
-            log.warning("requeueing what dead worker %s had read failed: %s", worker_id, exc)
-        try:
-            await self.redis.delete(self.keys.executing(worker_id))
-        except (RedisError, OSError):
-            pass
+        await requeue_worker(self.redis, self.keys, list(self.catalog.entries.values()), worker_id,
+                             self.delivery)

@@ -1,0 +1,149 @@
+"""Scale-to-zero and cold starts: which loaded models have been idle past their timeout, which models
+scaled to zero have a request queued (one that a gateway queued while the model was going down), and
+how long each cold start took.
+
+Only what may change a decision is read: a loaded model's last inference and backlog once its timeout
+has passed since it was last seen used (its last inference only moves later); a model scaled to zero,
+its backlog at every check while producers may still see it serving (Idle.watch_s), then at every
+SWEEP-th check (1,000 models: 2,000 commands every check before).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import orjson
+import redis.asyncio as aioredis
+
+from ..contract.catalog import IDLE, LOADED, CatalogEntry
+from ..contract.ensemble import is_ensemble
+from ..contract.keys import Keys
+from ..settings import Settings
+from .repository import parameter
+from .state import Catalog, Workers
+
+log = logging.getLogger("despina.control")
+
+SWEEP = 10  # models long scaled to zero: a tenth of their queues is read at each check
+
+
+class Idle:
+    def __init__(self, settings: Settings, redis: aioredis.Redis, keys: Keys, catalog: Catalog,
+                 workers: Workers) -> None:
+        self.settings, self.redis, self.keys = settings, redis, keys
+        self.catalog, self.workers = catalog, workers
+        self.cold: dict[str, float] = {}            # model -> when its cold start began (monotonic)
+        self.awake_since: dict[str, float] = {}     # model -> when it was last brought up (wall clock)
+        # a model scaled to zero this long ago may still look served to producers whose view lags (a worker
+        # dead with it READY looks so until its heartbeat expires): a request may be queued there
+        self.watch_s = settings.worker_ttl_s + 30.0
+        self._checks = 0                            # checks so far
+        self._used: dict[str, float] = {}           # loaded model -> its last inference as read (wall clock)
+        self._idle_since: dict[str, float] = {}     # model scaled to zero -> when first seen so (monotonic)
+
+    def timeout(self, e: CatalogEntry) -> float:
+        raw = parameter(e.config, "idle_timeout_s")
+        try:
+            return float(raw) if raw else self.settings.idle_timeout_s
+        except ValueError:
+            return self.settings.idle_timeout_s
+
+    def woken(self, e: CatalogEntry) -> None:
+        """The model is made to load: a cold start when it was scaled to zero; its idle clock starts."""
+        if e.target == IDLE:
+            self.cold.setdefault(e.name, time.monotonic())
+            log.info("model %s: cold start", e.name)
+        self.awake_since[e.name] = time.time()
+
+    async def check(self) -> tuple[list[CatalogEntry], list[str]]:
+        """The loaded models idle past their timeout (to unload), and the models scaled to zero that have
+        requests queued (to wake)."""
+        now, clock = time.time(), time.monotonic()
+        self._checks += 1
+        due: list[CatalogEntry] = []
+        used: dict[str, float] = {}
+        idle_since: dict[str, float] = {}
+        for e in self.catalog.entries.values():
+            if e.state != "READY" or is_ensemble(e.config):
+                continue
+            if e.target == IDLE:
+                since = idle_since[e.name] = self._idle_since.get(e.name, clock)
+                if clock - since < self.watch_s or hash(e.name) % SWEEP == self._checks % SWEEP:
+                    due.append(e)
+            elif e.target == LOADED and (timeout := self.timeout(e)) > 0:
+                last = used[e.name] = self._used.get(e.name, 0.0)
+                if not any(self.workers.ready_on(e.name, v) for v in e.versions):
+                    # placed on no worker yet, or still loading: its idle clock starts once it serves
+                    self.awake_since[e.name] = now
+                elif now - max(last, self.awake_since.setdefault(e.name, now)) > timeout \
+                        and not self.cold.get(e.name):
+                    due.append(e)
+        self._used, self._idle_since = used, idle_since
+        return await self._read(due) if due else ([], [])
+
+    async def _read(self, due: list[CatalogEntry]) -> tuple[list[CatalogEntry], list[str]]:
+        """Read the `due` models' last inference (those loaded) and backlog: check() from them."""
+        pipe = self.redis.pipeline(transaction=False)
+        for e in due:
+            for v in e.versions:
+                if e.target == LOADED:
+                    pipe.hget(self.keys.stats(e.name, v), "last_inference")
+                for s in e.streams(self.keys, v):
+                    pipe.xlen(s)
+        results = iter(await pipe.execute())
+        backlog: dict[str, int] = {}
+        for e in due:
+            for v in e.versions:
+                last = next(results) if e.target == LOADED else None
+                if last:
+                    self._used[e.name] = max(self._used.get(e.name, 0.0), int(last) / 1000)
+                queued = sum(int(next(results)) for _ in e.streams(self.keys, v))
+                backlog[e.name] = backlog.get(e.name, 0) + queued
+        now = time.time()
+        unload, wake = [], []
+        for old in due:
+            current = self.catalog.get(old.name)  # a command may have changed it while we read
+            if current is None or current.target != old.target or current.state != "READY":
+                continue
+            e = current
+            if e.target == IDLE:
+                if backlog.get(e.name):
+                    wake.append(e.name)
+                continue
+            since = max(self._used.get(e.name, 0.0), self.awake_since.setdefault(e.name, now))
+            if not backlog.get(e.name) and now - since > self.timeout(e) and not self.cold.get(e.name):
+                log.info("model %s: no request for %.0f s; unloading it (it stays registered)", e.name,
+                         now - since)
+                unload.append(e)
+        return unload, wake
+
+    # -- cold starts -------------------------------------------------------------------------------
+
+    async def cold_starts(self, now: float) -> None:
+        """Record the cold starts that ended (the model serves) at `now` (monotonic), and forget those
+        whose load failed."""
+        for name in list(self.cold):
+            e = self.catalog.get(name)
+            current = [v for v in e.versions if v not in e.retiring] if e is not None else []
+            # a cold start whose load failed is over: timed on, it would end in a later load's READY
+            if e is None or not e.serving or (current and all(v in e.failed for v in current)):
+                self.cold.pop(name, None)
+            elif any(self.workers.ready_on(name, v) for v in e.versions):
+                await self._record(e, (now - self.cold.pop(name)) * 1000)
+
+    async def _record(self, e: CatalogEntry, ms: float) -> None:
+        statuses = [s.version(e.name, v) for s in self.workers.status.values() for v in e.versions]
+        load_ms = max((st.load_ms for st in statuses if st is not None), default=0.0)
+        log.info("model %s: cold start took %.0f ms (the worker's load %.0f ms)", e.name, ms, load_ms)
+        key = self.keys.cold_starts
+        raw = await self.redis.hget(key, e.name)
+        prev = orjson.loads(raw) if raw else {"count": 0, "total_ms": 0.0}
+        doc = {"count": prev["count"] + 1, "total_ms": round(prev["total_ms"] + ms, 1),
+               "last_ms": round(ms, 1), "last_load_ms": round(load_ms, 1), "last_at": time.time()}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, e.name, orjson.dumps(doc))
+        if e.versions:  # the metrics and the status page read the served version's statistics
+            stats = self.keys.stats(e.name, max(e.versions))
+            pipe.hincrby(stats, "cold_count", 1)
+            pipe.hincrby(stats, "cold_ns", int(ms * 1e6))
+        await pipe.execute()
