@@ -502,7 +502,7 @@ async def test_a_poll_interval_of_0_reads_the_repository_at_start_only(repo: Pat
                         repository_poll_secs=0)
     plane = ControlPlane(settings, client)
     try:
-        await asyncio.wait_for(plane._register(), 30)  # the registration loop ends after its first look
-        assert plane.registry_error == ""
+        await asyncio.wait_for(plane.registration.run(), 30)  # the registration loop ends after its first look
+        assert plane.registration.error == ""
     finally:
         await client.aclose(close_connection_pool=True)

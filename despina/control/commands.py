@@ -77,12 +77,12 @@ class Commands:
     async def index(self, ready: Any) -> list[dict[str, str]]:
         plane = self.plane
         names = set(plane.catalog.entries)
-        note = plane.registry_error
+        note = plane.registration.error
         try:
             names |= set(await self._names())
         except DespinaError as exc:
             note = exc.message
-            names |= set(plane.names)
+            names |= set(plane.registration.names)
         if note and not names:  # nothing to list: the answer is that the repository cannot be read
             raise Unavailable(f"the repository cannot be read: {note}")
         rows: list[dict[str, str]] = []

@@ -1,9 +1,10 @@
 """The control plane process: owns the catalog, serves repository commands, polls the registry.
 
 One control plane leads at a time (a lease in Redis); others wait as standbys. It reads commands from
-its stream, registers models from the registry as the model control mode says (none: all at start;
-explicit: `--load-model` and the API; poll: all, then every `--repository-poll-secs`), and ticks the
-lifecycle: placement, version switches, scale-to-zero, dead workers.
+its stream, registers models from the registry as the model control mode says (registration.py:
+none: all at start; explicit: `--load-model` and the API; poll: all, then every
+`--repository-poll-secs`), and ticks the lifecycle: placement, version switches, scale-to-zero, dead
+workers.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -21,19 +22,17 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from .. import logs
-from ..contract.catalog import LOADED, CatalogEntry
 from ..contract.commands import Command
-from ..contract.errors import ConfigError, DespinaError, Unavailable
+from ..contract.errors import ConfigError, DespinaError
 from ..contract.keys import CONTROL_GROUP, FIELD, Keys
 from ..redis_client import trouble
-from ..registry import ArtifactCache, ModelFiles, open_registry
+from ..registry import ArtifactCache, open_registry
 from ..settings import Settings
 from .commands import Commands
 from .lifecycle import Lifecycle
+from .registration import Registration
 from .replies import Replies
-from .repository import read_model, unavailable
 from .state import GENERATION_TTL_MS, Catalog, Workers
-from .versions import transition
 
 log = logging.getLogger("despina.control")
 
@@ -102,11 +101,7 @@ class ControlPlane:
         self.lifecycle = Lifecycle(settings, redis, self.keys, self.catalog, self.workers)
         self.commands = Commands(self)
         self.replies = Replies(redis, self.keys)
-        self.names: list[str] = []          # the registry's models at the last successful look
-        self.registry_error = ""            # why the last look at the registry failed
-        self._applied: dict[str, str] = {}  # model -> fingerprint of the files now in the catalog
-        self._seen: dict[str, str] = {}     # model -> fingerprint seen by the last poll
-        self._load_waits: set[str] = set()  # --load-model models whose failure to load was logged
+        self.registration = Registration(self)  # the registry's models into the catalog
         self.locks = NamedLocks()  # model name -> its lock: a load, an unload and a sync take turns
         self._kick = asyncio.Event()
         self._stop = asyncio.Event()
@@ -119,11 +114,16 @@ class ControlPlane:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     async def run(self) -> None:
         if not await self._lead():
             return
         await self.catalog.load()
-        loops = [self._ticks(), self._serve_commands(), self._listen(), self._keep_lease(), self._register()]
+        loops = [self._ticks(), self._serve_commands(), self._listen(), self._keep_lease(),
+                 self.registration.run()]
         tasks = [asyncio.create_task(loop) for loop in loops]
         try:
             await self._stop.wait()
@@ -154,13 +154,13 @@ class ControlPlane:
                     waiting = True
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: %s", trouble(exc))
-            await self._sleep(2.0)
+            await self.sleep(2.0)
         return False
 
     async def _keep_lease(self) -> None:
         failed = logs.Throttled(log)
         while not self._stop.is_set():
-            await self._sleep(LEASE_MS / 4000)
+            await self.sleep(LEASE_MS / 4000)
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.eval(_RENEW, 1, self.keys.control_leader, self.id, LEASE_MS)
@@ -188,7 +188,8 @@ class ControlPlane:
             log.error("control plane %s lost its lease to another; stopping", self.id)
             self.stop()
 
-    async def _sleep(self, seconds: float) -> None:
+    async def sleep(self, seconds: float) -> None:
+        """Wait `seconds`, or less when the plane stops."""
         try:
             await asyncio.wait_for(self._stop.wait(), seconds)
         except TimeoutError:
@@ -234,7 +235,7 @@ class ControlPlane:
                             self.kick()
             except (RedisError, ConnectionError, OSError) as exc:
                 failed.log("control: event subscription lost (%s); retrying", exc)
-                await self._sleep(1.0)
+                await self.sleep(1.0)
 
     # -- commands ----------------------------------------------------------------------------------
 
@@ -257,7 +258,7 @@ class ControlPlane:
                         self._dispatch(entries)
             except (RedisError, ConnectionError, OSError) as exc:
                 failed.log("control: reading commands failed (%s); retrying", exc)
-                await self._sleep(0.5)
+                await self.sleep(0.5)
 
     def _dispatch(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         for entry_id, fields in entries:
@@ -279,131 +280,3 @@ class ControlPlane:
             await self.replies.send(entry_id, command, answer)
         except (RedisError, ConnectionError, OSError) as exc:
             log.warning("control: answering a command failed (%s)", exc)
-
-    # -- the registry ------------------------------------------------------------------------------
-
-    async def _register(self) -> None:
-        """Register the repository's models as the mode says; in poll mode, keep looking."""
-        mode = self.settings.model_control_mode
-        first = True
-        pending: list[str] | None = None  # explicit mode: --load-model names the store kept from loading
-        failed = logs.Throttled(log, logging.ERROR)  # a store down for an hour: not a line every poll
-        down = False
-        while not self._stop.is_set():
-            try:
-                if mode == "explicit":
-                    pending = await self._load_at_start(pending)
-                    if first:
-                        await self._published()
-                    first = False
-                    if not pending:
-                        return
-                else:
-                    await self.sync_registry(first)
-                    if down:
-                        log.info("repository %s can be read again", self.registry.url)
-                        failed, down = logs.Throttled(log, logging.ERROR), False
-                    if first:
-                        await self._published()
-                    first = False
-                    if mode == "none" or not self.settings.repository_poll_secs:  # Triton's 0: no polls
-                        return
-            except DespinaError as exc:
-                self.registry_error, down = exc.message, True
-                failed.log("repository %s: %s; models already loaded keep serving", self.registry.url,
-                           exc.message)
-            except (RedisError, ConnectionError, OSError) as exc:
-                log.warning("control: %s", trouble(exc))
-            except Exception:  # a bug must not end the registry's loop without a word
-                log.exception("control: a look at the repository failed")
-            await self._sleep(self.settings.repository_poll_secs if mode == "poll" and not first else 2.0)
-
-    async def _published(self) -> None:
-        self.catalog.mark_complete()
-        await self.catalog.flush()
-
-    def _ready_check(self, name: str) -> Callable[[int], bool]:
-        return lambda version: bool(self.workers.ready_on(name, version))
-
-    async def _load_at_start(self, names: list[str] | None) -> list[str]:
-        """Load the --load-model models (`names`: those left from the last try); returns those that the
-        store kept from loading (unreachable, refusing), to try again: they load once it answers."""
-        if names is None:
-            names = [n.strip() for n in self.settings.load_model.split(",") if n.strip()]
-            if "*" in names:
-                names = await asyncio.to_thread(self.registry.names)
-        else:  # a load or unload through the API meanwhile has the last word (a failed one leaves none)
-            names = [n for n in names if (e := self.catalog.get(n)) is None or e.state != "READY"]
-        pending = []
-        for name in names:
-            try:
-                await self.commands.load(name, {}, self.settings.load_timeout_s, wait=False)
-            except Unavailable as exc:
-                if name not in self._load_waits:
-                    log.error("--load-model %s: %s; trying again until it answers", name, exc.message)
-                self._load_waits.add(name)
-                pending.append(name)
-            except DespinaError as exc:
-                log.error("--load-model %s: %s", name, exc.message)
-        return pending
-
-    async def sync_registry(self, first: bool) -> None:
-        """Bring the catalog to the registry. After the first look, a model's change is applied once two
-        looks in a row see the same files (an upload in progress is not loaded half-done)."""
-        models = await asyncio.to_thread(self.registry.scan)
-        self.registry_error = ""
-        self.lifecycle.ensembles.syncing = True  # checked once the models they call are all read
-        try:
-            await self._sync(models, first)
-        finally:
-            self.lifecycle.ensembles.syncing = False
-
-    async def _sync(self, models: dict[str, ModelFiles], first: bool) -> None:
-        self.names = sorted(models)
-        for name, files in models.items():
-            fingerprint = files.fingerprint()
-            if self._applied.get(name) == fingerprint:
-                continue
-            if not first and self._seen.get(name) != fingerprint:
-                self._seen[name] = fingerprint
-                continue
-            async with self.locks.hold(name):
-                try:
-                    entry = await asyncio.to_thread(read_model, self.registry, files)
-                except Unavailable as exc:  # the store, not the model: try again next time
-                    self.registry_error = exc.message
-                    log.error("model %s: %s; what is loaded keeps serving", name, exc.message)
-                    if self.catalog.get(name) is None:  # never read: the index says why, not just its name
-                        self.catalog.put(unavailable(files, exc.message))
-                    continue
-                except DespinaError as exc:
-                    log.error("%s", exc.message)
-                    entry = unavailable(files, exc.message)
-                except Exception as exc:  # a bug, or a file that cannot be read: this model only
-                    log.exception("model %s cannot be read", name)
-                    entry = unavailable(files, f"model '{name}' cannot be read: {exc}")
-                old = self.catalog.get(name)
-                target = old.target if old is not None and old.state == "READY" else LOADED
-                self.lifecycle.forget(name)
-                new = transition(old, entry, target, self._ready_check(name))
-                self.catalog.put(new)
-                self._applied[name] = fingerprint
-                if old is not None and _differs(old, entry):  # a new leader reads the same, unchanged
-                    log.info("model %s changed in the repository: %s", name,
-                             f"loading version {','.join(map(str, entry.versions))}" if entry.state == "READY"
-                             else "its new files cannot be used")
-        for name in [n for n in self.catalog.entries if n not in models]:
-            log.info("model %s is gone from the repository; unloading it", name)
-            self.catalog.remove(name)
-            self._applied.pop(name, None)
-        ready = sorted(n for n, e in self.catalog.entries.items() if e.state == "READY")
-        if first:
-            unusable = len(self.catalog.entries) - len(ready)
-            log.info("catalog: %d models, %d usable (%s)%s", len(self.catalog.entries), len(ready),
-                     ", ".join(ready) or "none", f"; {unusable} not: the index says why" if unusable else "")
-        await self.catalog.flush()
-        self.kick()
-
-
-def _differs(old: CatalogEntry, new: CatalogEntry) -> bool:
-    return (old.state, old.revisions, old.reason) != (new.state, new.revisions, new.reason)

@@ -1,0 +1,164 @@
+"""The registry's models into the catalog, as the model control mode says: none, all of them at start;
+explicit, the --load-model ones at start (and the API's); poll, all of them, then every
+--repository-poll-secs, a model's change applied once two looks in a row see the same files."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from redis.exceptions import RedisError
+
+from .. import logs
+from ..contract.catalog import LOADED, CatalogEntry
+from ..contract.errors import DespinaError, Unavailable
+from ..redis_client import trouble
+from ..registry import ModelFiles
+from .repository import read_model, unavailable
+from .versions import transition
+
+if TYPE_CHECKING:
+    from .plane import ControlPlane
+
+log = logging.getLogger("despina.control")
+
+
+class Registration:
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+        self.names: list[str] = []          # the registry's models at the last successful look
+        self.error = ""                     # why the last look at the registry failed
+        self._applied: dict[str, str] = {}  # model -> fingerprint of the files now in the catalog
+        self._seen: dict[str, str] = {}     # model -> fingerprint seen by the last poll
+        self._load_waits: set[str] = set()  # --load-model models whose failure to load was logged
+
+    async def run(self) -> None:
+        """Register the repository's models as the mode says; in poll mode, keep looking."""
+        plane, mode = self.plane, self.plane.settings.model_control_mode
+        first = True
+        pending: list[str] | None = None  # explicit mode: --load-model names the store kept from loading
+        failed = logs.Throttled(log, logging.ERROR)  # a store down for an hour: not a line every poll
+        down = False
+        while not plane.stopping:
+            try:
+                if mode == "explicit":
+                    pending = await self._load_at_start(pending)
+                    if first:
+                        await self._published()
+                    first = False
+                    if not pending:
+                        return
+                else:
+                    await self.sync(first)
+                    if down:
+                        log.info("repository %s can be read again", plane.registry.url)
+                        failed, down = logs.Throttled(log, logging.ERROR), False
+                    if first:
+                        await self._published()
+                    first = False
+                    if mode == "none" or not plane.settings.repository_poll_secs:  # Triton's 0: no polls
+                        return
+            except DespinaError as exc:
+                self.error, down = exc.message, True
+                failed.log("repository %s: %s; models already loaded keep serving", plane.registry.url,
+                           exc.message)
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("control: %s", trouble(exc))
+            except Exception:  # a bug must not end the registry's loop without a word
+                log.exception("control: a look at the repository failed")
+            await plane.sleep(plane.settings.repository_poll_secs if mode == "poll" and not first else 2.0)
+
+    async def _published(self) -> None:
+        plane = self.plane
+        plane.catalog.mark_complete()
+        await plane.catalog.flush()
+
+    def _ready_check(self, name: str) -> Callable[[int], bool]:
+        return lambda version: bool(self.plane.workers.ready_on(name, version))
+
+    async def _load_at_start(self, names: list[str] | None) -> list[str]:
+        """Load the --load-model models (`names`: those left from the last try); returns those that the
+        store kept from loading (unreachable, refusing), to try again: they load once it answers."""
+        plane = self.plane
+        if names is None:
+            names = [n.strip() for n in plane.settings.load_model.split(",") if n.strip()]
+            if "*" in names:
+                names = await asyncio.to_thread(plane.registry.names)
+        else:  # a load or unload through the API meanwhile has the last word (a failed one leaves none)
+            names = [n for n in names if (e := plane.catalog.get(n)) is None or e.state != "READY"]
+        pending = []
+        for name in names:
+            try:
+                await plane.commands.load(name, {}, plane.settings.load_timeout_s, wait=False)
+            except Unavailable as exc:
+                if name not in self._load_waits:
+                    log.error("--load-model %s: %s; trying again until it answers", name, exc.message)
+                self._load_waits.add(name)
+                pending.append(name)
+            except DespinaError as exc:
+                log.error("--load-model %s: %s", name, exc.message)
+        return pending
+
+    async def sync(self, first: bool) -> None:
+        """Bring the catalog to the registry. After the first look, a model's change is applied once two
+        looks in a row see the same files (an upload in progress is not loaded half-done)."""
+        plane = self.plane
+        models = await asyncio.to_thread(plane.registry.scan)
+        self.error = ""
+        plane.lifecycle.ensembles.syncing = True  # checked once the models they call are all read
+        try:
+            await self._sync(models, first)
+        finally:
+            plane.lifecycle.ensembles.syncing = False
+
+    async def _sync(self, models: dict[str, ModelFiles], first: bool) -> None:
+        plane = self.plane
+        self.names = sorted(models)
+        for name, files in models.items():
+            fingerprint = files.fingerprint()
+            if self._applied.get(name) == fingerprint:
+                continue
+            if not first and self._seen.get(name) != fingerprint:
+                self._seen[name] = fingerprint
+                continue
+            async with plane.locks.hold(name):
+                try:
+                    entry = await asyncio.to_thread(read_model, plane.registry, files)
+                except Unavailable as exc:  # the store, not the model: try again next time
+                    self.error = exc.message
+                    log.error("model %s: %s; what is loaded keeps serving", name, exc.message)
+                    if plane.catalog.get(name) is None:  # never read: the index says why, not just its name
+                        plane.catalog.put(unavailable(files, exc.message))
+                    continue
+                except DespinaError as exc:
+                    log.error("%s", exc.message)
+                    entry = unavailable(files, exc.message)
+                except Exception as exc:  # a bug, or a file that cannot be read: this model only
+                    log.exception("model %s cannot be read", name)
+                    entry = unavailable(files, f"model '{name}' cannot be read: {exc}")
+                old = plane.catalog.get(name)
+                target = old.target if old is not None and old.state == "READY" else LOADED
+                plane.lifecycle.forget(name)
+                new = transition(old, entry, target, self._ready_check(name))
+                plane.catalog.put(new)
+                self._applied[name] = fingerprint
+                if old is not None and _differs(old, entry):  # a new leader reads the same, unchanged
+                    log.info("model %s changed in the repository: %s", name,
+                             f"loading version {','.join(map(str, entry.versions))}" if entry.state == "READY"
+                             else "its new files cannot be used")
+        for name in [n for n in plane.catalog.entries if n not in models]:
+            log.info("model %s is gone from the repository; unloading it", name)
+            plane.catalog.remove(name)
+            self._applied.pop(name, None)
+        ready = sorted(n for n, e in plane.catalog.entries.items() if e.state == "READY")
+        if first:
+            unusable = len(plane.catalog.entries) - len(ready)
+            log.info("catalog: %d models, %d usable (%s)%s", len(plane.catalog.entries), len(ready),
+                     ", ".join(ready) or "none", f"; {unusable} not: the index says why" if unusable else "")
+        await plane.catalog.flush()
+        plane.kick()
+
+
+def _differs(old: CatalogEntry, new: CatalogEntry) -> bool:
+    return (old.state, old.revisions, old.reason) != (new.state, new.revisions, new.reason)
