@@ -86,6 +86,36 @@ def data_template(doc: bytes, longest: int) -> Template | None:
     it; the span is the inner array's, and the template says `[[]]`), and the rest no longer than
     `longest`. Equal templates differ in what was emptied alone: the arrays hold no bracket or quote, the
     id no quote, that could move what is found."""
+    found = _arrays(doc)
+    if found is None:
+        return None
+    spans, emptied = found
+    pieces: list[bytes] = []
+    last = 0
+    for start, end, instead in emptied:
+        pieces += (doc[last:start], instead)
+        last = end
+    pieces.append(doc[last:])
+    template = b"".join(pieces)  # every string of the document is whole in it: the arrays held none
+    strings = []  # of "id" keys: the request's own, or another's (in its parameters, say)
+    at = template.find(ID)
+    while at >= 0:
+        at += len(ID)
+        quote = template.find(b'"', at)
+        if quote > 0 and template[at:quote].strip() == b":":
+            strings.append((quote + 1, template.find(b'"', quote + 1)))
+        at = template.find(ID, at)
+    own_id = None
+    if len(strings) == 1 and strings[0][1] > strings[0][0]:  # an empty one stays (perf_analyzer's "id": "")
+        begin, end = strings[0]
+        own_id, template = template[begin:end], template[:begin] + template[end:]
+    return (template, spans, own_id) if len(template) <= longest else None
+
+
+def _arrays(doc: bytes) -> tuple[list[tuple[int, int]], list[tuple[int, int, bytes]]] | None:
+    """data_template's finding: where the "data" members' arrays of numbers are, and what each member's
+    value is in the template (its start, end, and what it says instead); None where the document is not
+    of the plain kind, or has no "data" member."""
     if doc.find(b"\\") >= 0:
         return None
     find = doc.find
@@ -113,35 +143,105 @@ def data_template(doc: bytes, longest: int) -> Template | None:
             emptied.append((start, close + 1, b"[[]]"))
             end = close + 1
         at = find(DATA, end)
-    if not spans:
+    return (spans, emptied) if spans else None
+
+
+# A "data" array longer than this is parsed this much at a time (a chunk ends at the comma after it): parsed
+# whole, its numbers' Python objects and orjson's document of them took 10 times its text's memory, 50
+# times the tensor's (bench/copies.py); a chunk's are a chunk's.
+CHUNK_BYTES = 1 << 18
+SPAN = "\x00"  # a marker string's start, which no document this way holds: it has no escape (_arrays)
+
+
+class Unvouched(Exception):
+    """A Span's numbers are not plainly numbers of its tensor: the document is decoded the long way."""
+
+
+class Span:
+    """A "data" member's flat array of numbers, where it is in its document, not parsed yet (skeleton)."""
+
+    __slots__ = ("doc", "start", "end")
+
+    def __init__(self, doc: bytes, start: int, end: int) -> None:
+        self.doc, self.start, self.end = doc, start, end
+
+    def packed(self, datatype: str, count: int) -> bytes:
+        code = PACKED.get(datatype)
+        packed = None if code is None else packed_span(self.doc, self.start, self.end, code, count)
+        if packed is None:
+            raise Unvouched
+        return packed
+
+
+def skeleton(doc: bytes) -> dict[str, Any] | None:
+    """A large V2 request's JSON parsed without its tensors' numbers: each input's "data" a Span of its
+    array, packed when its datatype and shape are known (json_data_to_bytes), a chunk at a time. None where
+    the document is not of the plain kind (_arrays), or has a "data" member other than its inputs' own:
+    the caller parses it whole."""
+    found = _arrays(doc)
+    if found is None:
         return None
+    spans, emptied = found
     pieces: list[bytes] = []
     last = 0
-    for start, end, instead in emptied:
-        pieces += (doc[last:start], instead)
+    for i, (start, end, _) in enumerate(emptied):
+        pieces += (doc[last:start], b'"\\u0000%d"' % i)
         last = end
     pieces.append(doc[last:])
-    template = b"".join(pieces)  # every string of the document is whole in it: the arrays held none
-    strings = []  # of "id" keys: the request's own, or another's (in its parameters, say)
-    at = template.find(ID)
-    while at >= 0:
-        at += len(ID)
-        quote = template.find(b'"', at)
-        if quote > 0 and template[at:quote].strip() == b":":
-            strings.append((quote + 1, template.find(b'"', quote + 1)))
-        at = template.find(ID, at)
-    own_id = None
-    if len(strings) == 1 and strings[0][1] > strings[0][0]:  # an empty one stays (perf_analyzer's "id": "")
-        begin, end = strings[0]
-        own_id, template = template[begin:end], template[:begin] + template[end:]
-    return (template, spans, own_id) if len(template) <= longest else None
+    try:
+        parsed = orjson.loads(b"".join(pieces))
+    except orjson.JSONDecodeError:
+        return None
+    inputs = parsed.get("inputs") if type(parsed) is dict else None
+    if type(inputs) is not list:
+        return None
+    placed = 0
+    for raw in inputs:
+        marker = raw.get("data") if type(raw) is dict else None
+        if type(marker) is str and marker[:1] == SPAN:
+            raw["data"] = Span(doc, *spans[int(marker[1:])])
+            placed += 1
+    return parsed if placed == len(spans) else None
+
+
+def packed_span(doc: bytes, start: int, end: int, code: str, count: int) -> bytes | None:
+    """The flat JSON array doc[start:end] as `count` numbers packed by struct's `code`, parsed CHUNK_BYTES
+    at a time; None where it is not plainly that many numbers (a true, false, null or NaN among them, a
+    number out of the datatype's range, an integer datatype's float): the long way says what is wrong, or
+    converts them as it does."""
+    find = doc.find
+    if find(b"t", start, end) >= 0 or find(b"f", start, end) >= 0:  # true, false (or Infinity)
+        return None
+    view = memoryview(doc)
+    pieces: list[bytes] = []
+    at, last, total = start + 1, end - 1, 0  # within the brackets
+    try:
+        while True:
+            cut = find(b",", at + CHUNK_BYTES, last) if at + CHUNK_BYTES < last else -1
+            stop = last if cut < 0 else cut
+            values = orjson.loads(b"[" + view[at:stop] + b"]")
+            if not values and (pieces or cut >= 0):  # nothing between two commas
+                return None
+            total += len(values)
+            if total > count:
+                return None
+            pieces.append(struct.pack(f"<{len(values)}{code}", *values))
+            if cut < 0:
+                break
+            at = cut + 1
+    except (orjson.JSONDecodeError, struct.error, TypeError, OverflowError):
+        return None
+    return b"".join(pieces) if total == count else None
 
 
 def json_data_to_bytes(name: str, datatype: str, shape: list[int], data: Any, booleans: bool = True
                        ) -> bytes:
     """An input's JSON data (nested lists or a flat list, row-major) -> its raw little-endian bytes;
     InvalidArgument when it is not `shape`'s count of values of `datatype`. `booleans=False` says the
-    document holds none (holds_no_booleans), sparing the numbers' type check."""
+    document holds none (holds_no_booleans), sparing the numbers' type check. A Span (skeleton) is packed
+    by its text, or raises Unvouched."""
+    if type(data) is Span:
+        return data.packed(datatype, element_count(shape))
     code = PACKED.get(datatype)
     if code is not None:
         packed = _packed(code, element_count(shape), data, booleans)

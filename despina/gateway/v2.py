@@ -24,7 +24,17 @@ from ..contract.modelconfig import (
 from ..contract.records import NO_PARAMETERS, Parameters, Tensor
 from ..settings import Settings
 from .http import json_object
-from .jsondata import PACKED, data_holds_no_booleans, data_template, json_data_to_bytes, nonfinite_json
+from .jsondata import (
+    CHUNK_BYTES,
+    PACKED,
+    Unvouched,
+    data_holds_no_booleans,
+    data_template,
+    json_data_to_bytes,
+    nonfinite_json,
+    packed_span,
+    skeleton,
+)
 from .shm import Region, Registry, ShmOutput, tensor_parameters
 
 MAX_ELEMENTS: int = Settings.max_tensor_elements  # per tensor, unless the caller passes its setting
@@ -189,6 +199,12 @@ class _JsonPlan:
         try:
             req_id = d.id if own_id is None else orjson.loads(b'"%s"' % own_id)  # checked as JSON text
             for (start, end), (name, datatype, shape, count, packer) in zip(spans, self.inputs):
+                if end - start > CHUNK_BYTES:  # a large tensor's, parsed a chunk at a time
+                    data = packed_span(doc, start, end, PACKED[datatype], count)
+                    if data is None:
+                        return None
+                    inputs.append(Tensor(name, datatype, shape, data))
+                    continue
                 if find(b"t", start, end) >= 0 or find(b"f", start, end) >= 0:  # true, false (or Infinity)
                     return None
                 values = orjson.loads(view[start:end])
@@ -240,8 +256,20 @@ def _json_planned(doc: bytes, spec: ModelSpec, max_elements: int, shm: Registry 
 def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: int, shm: Registry | None = None
             ) -> tuple[Decoded, list[bool | InShm]]:
     """The body decoded, and for each input whether its data came from the binary part, or where in
-    shared memory it was."""
-    doc = json_object(header)
+    shared memory it was. A large JSON header's tensors are parsed one at a time, a chunk at a time, where
+    it is of the plain kind (jsondata.skeleton), else whole."""
+    if len(header) > CHUNK_BYTES:
+        doc = skeleton(header)
+        if doc is not None:
+            try:
+                return _decoded(doc, header, binary, spec, max_elements, shm)
+            except Unvouched:  # a number that only the long way converts, or says is wrong
+                pass
+    return _decoded(json_object(header), header, binary, spec, max_elements, shm)
+
+
+def _decoded(doc: dict[str, Any], header: bytes, binary: memoryview, spec: ModelSpec, max_elements: int,
+             shm: Registry | None) -> tuple[Decoded, list[bool | InShm]]:
     params = _object(doc.get("parameters"), "parameters")
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
