@@ -13,6 +13,10 @@ from ..contract.records import InferReply, InferRequest, Tensor
 from . import ragged
 from .backends.base import response_parameters
 
+# A batch's output this large is cut into the requests' parts from the array itself: cut from its bytes,
+# each part was its second copy. Below it, one conversion and bytes slices cost less CPU (W1's outputs).
+LARGE = 1 << 16
+
 
 def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[str, np.ndarray],
           started: float, compute_us: int, shapes: dict[str, list[tuple[int, ...]]] | None = None
@@ -23,7 +27,7 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
     if len(requests) == 1 and shapes is None:
         return [answer(requests[0], out, started, compute_us)]
     total = sum(sizes)
-    # (name, datatype, shape of one row, all rows' bytes (BYTES: the array), bytes per row)
+    # (name, datatype, shape of one row, all rows' bytes (BYTES or LARGE: the array), bytes per row or 0)
     outputs: list[tuple[str, str, tuple[int, ...], Any, int]] = []
     scattered: dict[str, list[np.ndarray]] = {}  # a batch output's part for each request
     for name, array in out.items():
@@ -39,8 +43,8 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
                    f"{array.shape[0] if array.ndim else 'none'} for a batch of {total}")
             return [error(req, Code.BACKEND, msg) for req in requests]
         datatype = numpy_to_v2(array.dtype)
-        if datatype == "BYTES":  # variable length: framed per request
-            outputs.append((name, datatype, array.shape[1:], array, 0))
+        if datatype == "BYTES" or array.nbytes >= LARGE:  # framed per request; or each one's rows copied
+            outputs.append((name, datatype, array.shape[1:], array, 0))  # once, not the batch's bytes first
         else:  # one conversion for the batch; each request gets its rows' slice of the bytes
             data = to_bytes(array, datatype)
             outputs.append((name, datatype, array.shape[1:], data, len(data) // total))
