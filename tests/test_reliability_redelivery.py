@@ -4,20 +4,30 @@ answered with an error and dead-lettered instead of run again."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+from onnx import TensorProto
 
 from despina.contract import records
 from despina.contract.errors import Code
 from despina.contract.keys import ATTEMPTS, FIELD, GROUP, Keys
+from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferRequest, Tensor
 from despina.control.backlog import requeue
+from despina.control.repository import load_model
+from despina.examples import build_identity
 from despina.workers.redelivery import DeliveryPolicy, Queue, marker
+from despina.workers.runner import ModelRunner
 from despina.workers.streams import ModelStreams
+from despina.workers.sweep import PendingSweep
+
+from .test_worker_reads import Replies
 
 
 @pytest.fixture
@@ -94,7 +104,7 @@ async def test_at_max_attempts_a_request_is_answered_and_dead_lettered(redis: ai
     assert await redis.get(keys.queued("m", 1)) == b"1"
 
 
-async def test_runners_redeliver_what_stays_pending_past_the_visibility_timeout(
+async def test_the_sweep_redelivers_what_stays_pending_past_the_visibility_timeout(
         redis: aioredis.Redis, key_prefix: str) -> None:
     keys = Keys(key_prefix)
     streams = ModelStreams(redis, keys, "m", 1, 0, "alive")
@@ -102,16 +112,68 @@ async def test_runners_redeliver_what_stays_pending_past_the_visibility_timeout(
     stream = streams.streams[0]
     await redis.xadd(stream, {FIELD: payload("a", "b")})
     await read_all(redis, stream, "silent")
-    policy = DeliveryPolicy(visibility_timeout_ms=200)
-    assert await streams.reclaim(policy) == 0          # not idle long enough: its reader may be alive
+    sweep = PendingSweep(redis)
+    sweep.add(streams, DeliveryPolicy(visibility_timeout_ms=200), "model m")
+    assert await sweep.sweep() == 0          # not idle long enough: its reader may be alive
     await asyncio.sleep(0.25)
-    assert await streams.reclaim(policy) == 2
+    assert await sweep.sweep() == 2
     entries = await streams.read(10, 100)
     streams.close()
     assert [(records.decode_requests(f[FIELD])[0].id, f[ATTEMPTS]) for _, _, f in entries] == \
         [("a", b"1"), ("b", b"1")]
     pending = await redis.xpending(stream, GROUP)
     assert pending["pending"] == 2 and {c["name"] for c in pending["consumers"]} == {b"alive"}
+
+
+def identity(folder: Path, priority_levels: int) -> ModelSpec:
+    build_identity(folder / "1" / "model.onnx", TensorProto.FLOAT)
+    levels = f"dynamic_batching {{ priority_levels: {priority_levels} default_priority_level: 1 }}" if priority_levels > 1 else ""
+    (folder / "config.pbtxt").write_text(f'backend: "onnxruntime"\nmax_batch_size: 8\n{levels}\n')
+    return ModelSpec.from_config(load_model(folder).config)
+
+
+async def test_one_sweep_redelivers_for_every_model_by_its_own_visibility_timeout(
+        redis: aioredis.Redis, key_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's models share its one sweep of their pending entries (workers/sweep.py), each by its own
+    visibility timeout: what a dead consumer read from every stream of every model (one with two priority
+    levels) comes back and is answered, and no runner looks for such entries on its own."""
+    keys = Keys(key_prefix)
+    gateway = keys.reply_stream("gw")
+    sweep = PendingSweep(redis)
+    timeouts = {"fast": (200, 1), "levels": (300, 2), "slow": (1200, 1)}  # ms, priority levels
+    runners: list[ModelRunner] = []
+    sent: dict[str, tuple[str, int]] = {}  # request id -> (stream, visibility timeout)
+    try:
+        for name, (timeout_ms, levels) in timeouts.items():
+            runner = ModelRunner(redis, keys, identity(tmp_path / name, levels), 1, tmp_path / name, "alive",
+                                 delivery=DeliveryPolicy(visibility_timeout_ms=timeout_ms), sweep=sweep)
+            await runner.load()
+            for stream in runner.streams.streams:  # what the dead consumer read before it died
+                rid = f"{name}-{len(sent)}"
+                x = Tensor("in", "FP32", (1, 3), np.full((1, 3), len(sent), np.float32).tobytes())
+                request = InferRequest(rid, gateway, time.time() + 60, (x,), ("out",), enqueued=time.time())
+                await redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+                await redis.xadd(stream, {FIELD: records.encode([request])})
+                await read_all(redis, stream, "dead")
+                sent[rid] = (stream, timeout_ms)
+            await runner.start()
+            runners.append(runner)
+        await asyncio.sleep(1.4)  # past every model's visibility timeout: nobody but the sweep redelivers
+        assert [(await redis.xpending(s, GROUP))["consumers"] for s, _ in sent.values()] == \
+            [[{"name": b"dead", "pending": 1}]] * len(sent)
+        with caplog.at_level(logging.WARNING, logger="despina.worker"):
+            sweeping = asyncio.create_task(sweep.run())
+            replies = await Replies(redis, gateway).next(len(sent))
+            sweeping.cancel()
+        assert sorted((r.id, r.error, r.outputs[0].numpy().tolist()) for r in replies) == \
+            [(rid, None, [[float(i)] * 3]) for i, rid in enumerate(sent)]
+        # each stream's entry was taken by its model's own timeout
+        assert sorted(r.getMessage() for r in caplog.records) == sorted(
+            f"requeued 1 requests that dead had read on {stream} (pending over {timeout_ms} ms)"
+            for stream, timeout_ms in sent.values())
+    finally:
+        for runner in runners:
+            await runner.stop()
 
 
 async def test_a_grouped_request_comes_back_as_its_clients_requests(redis: aioredis.Redis,

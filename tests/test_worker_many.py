@@ -39,8 +39,12 @@ async def test_more_models_than_the_pool_has_connections_load_together(tmp_path:
         assert worker.failures == {}
         assert sorted(name for name, _ in worker.runners) == sorted(e.name for e in entries)
         assert all(runner.state == "READY" for runner in worker.runners.values())
+        # the worker's one sweep of pending entries looks at every model's streams (workers/sweep.py)
+        assert all(runner.streams in worker.sweep for runner in worker.runners.values())
     finally:
+        runners = list(worker.runners.values())
         await worker.drain()
+        assert not any(runner.streams in worker.sweep for runner in runners)
         await redis.delete(worker.keys.catalog, worker.keys.worker(worker.id), worker.keys.workers)
         await redis.aclose(close_connection_pool=True)
 

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -38,6 +38,9 @@ from .runner import READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
 from .stats import ensemble_counts
 from .streams import Entry, ModelStreams
 
+if TYPE_CHECKING:
+    from .sweep import PendingSweep
+
 log = logging.getLogger("despina.worker")
 
 READ_AHEAD = 256   # requests read and not yet answered, at most
@@ -49,8 +52,9 @@ StepRunner = Callable[[Step], ModelRunner | None]
 class EnsembleHost:
     def __init__(self, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, ensemble: Ensemble, version: int,
                  runner: StepRunner, consumer: str, delivery: DeliveryPolicy, config: bytes = b"",
-                 deferred: Deferred | None = None) -> None:
+                 deferred: Deferred | None = None, sweep: PendingSweep | None = None) -> None:
         self.redis, self.keys, self.spec, self.ensemble, self.version = redis, keys, spec, ensemble, version
+        self.sweep = sweep  # the worker's, which redelivers its streams' abandoned entries (sweep.py)
         self.runner = runner
         self.delivery = delivery
         self.config = config  # the catalog's config it was built from: a change restarts it
@@ -88,7 +92,9 @@ class EnsembleHost:
             self._dequeued = await allow_oom(self.redis, DEQUEUED)
         self._bulk = await bulk_limit(self.redis)
         self.state = "READY"
-        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._reclaim_loop())]
+        self._tasks = [asyncio.create_task(self._read_loop())]
+        if self.sweep is not None:
+            self.sweep.add(self.streams, self.delivery, f"ensemble {self.spec.name}")
         log.info("ensemble %s version %d: run in this worker", self.spec.name, self.version)
 
     async def stop(self, drain_s: float = DRAIN_S) -> None:
@@ -100,6 +106,8 @@ class EnsembleHost:
             self._stopping = True
             self._room.set()
             await self.streams.end_read(self._tasks[0])
+        if self.sweep is not None:
+            self.sweep.discard(self.streams)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -153,15 +161,6 @@ class EnsembleHost:
         if not self._in_flight or not self.streams.can_send_with or not self._gateways.all_here():
             return None
         return await self._read_along.wait(READ_WAITS_S)
-
-    async def _reclaim_loop(self) -> None:
-        """Redeliver entries left pending past the visibility timeout: their consumer died."""
-        while True:
-            await asyncio.sleep(self.delivery.visibility_timeout_ms / 4000)
-            try:
-                await self.streams.reclaim(self.delivery)
-            except (RedisError, OSError) as exc:
-                log.warning("ensemble %s: reclaiming pending entries failed (%s)", self.spec.name, exc)
 
     def _accept(self, entries: list[Entry]) -> None:
         now = time.time()

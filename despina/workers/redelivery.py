@@ -1,8 +1,9 @@
 """Requests whose worker died before answering them: back on their stream, or at last dead-lettered.
 
 Two paths find them. The control plane takes every entry pending for a worker the moment that
-worker's heartbeat expires (control/backlog.py); each runner takes the entries pending longer than the
-visibility timeout, whoever read them (a backstop when no control plane does). Both come here.
+worker's heartbeat expires (control/backlog.py); each worker's sweep (sweep.py) takes the entries of its
+models' streams pending longer than their visibility timeout, whoever read them (a backstop when no
+control plane does). Both come here.
 
 Each request of such an entry goes back on the stream as an entry of its own (each client's request of a
 grouped one, records.GROUPED, too), which carries in

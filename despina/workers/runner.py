@@ -36,6 +36,7 @@ from .streams import Entry, ModelStreams
 
 if TYPE_CHECKING:
     from .bls import ModelCaller
+    from .sweep import PendingSweep
 
 log = logging.getLogger("despina.worker")
 
@@ -68,8 +69,9 @@ class ModelRunner:
                  consumer: str, threads: int = 1, read_ahead: int | None = None,
                  delivery: DeliveryPolicy | None = None, deferred: Deferred | None = None,
                  full_queue_delay: bool = False, caller: ModelCaller | None = None,
-                 response_cache: ResponseCache | None = None) -> None:
+                 response_cache: ResponseCache | None = None, sweep: PendingSweep | None = None) -> None:
         self.redis, self.keys, self.spec, self.version = redis, keys, spec, version
+        self.sweep = sweep  # the worker's, which redelivers its streams' abandoned entries (sweep.py)
         # the worker's response cache, for requests made in this process (response_cache.py)
         use_cache = response_cache is not None and spec.response_cache and spec.sequence is None
         self.response_cache = response_cache if use_cache else None
@@ -128,14 +130,17 @@ class ModelRunner:
             self._dequeued = await allow_oom(self.redis, DEQUEUED)
         self._bulk = await bulk_limit(self.redis)
         self.state = "READY"
-        self._tasks = [asyncio.create_task(self.batcher.run()), asyncio.create_task(self._read_loop()),
-                       asyncio.create_task(self._reclaim_loop())]
+        self._tasks = [asyncio.create_task(self.batcher.run()), asyncio.create_task(self._read_loop())]
+        if self.sweep is not None:
+            self.sweep.add(self.streams, self.delivery, f"model {self.spec.name}")
 
     async def stop(self) -> None:
         """Stop reading, finish what was read (reply and acknowledge it), then unload."""
         self._stopping = True
         self.state = "UNLOADING"
-        reader, reclaimer = self._tasks[1:] if self._tasks else (None, None)
+        if self.sweep is not None:
+            self.sweep.discard(self.streams)
+        reader = self._tasks[1] if self._tasks else None
         if reader:
             # The read in flight is ended (or ends within its block), and what it brings is this
             # runner's to answer: Redis has delivered it to this consumer. Cancelled, the read would
@@ -143,10 +148,8 @@ class ModelRunner:
             # waited a minute). A reader waiting for room is cancelled: it has nothing in flight.
             self._room.set()
             await self.streams.end_read(reader)
-        for task in (reader, reclaimer):
-            if task:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
         self.batcher.close()
         if self._tasks:
             await asyncio.gather(self._tasks[0], return_exceptions=True)
@@ -217,15 +220,6 @@ class ModelRunner:
         if self.batcher.pending or not self.batcher.executing:
             return None
         return await self._read_along.wait(READ_WAITS_S)
-
-    async def _reclaim_loop(self) -> None:
-        """Redeliver entries left pending past the visibility timeout: their consumer died."""
-        while not self._stopping:
-            await asyncio.sleep(self.delivery.visibility_timeout_ms / 4000)
-            try:
-                await self.streams.reclaim(self.delivery)
-            except (RedisError, OSError) as exc:
-                log.warning("model %s: reclaiming pending entries failed (%s)", self.spec.name, exc)
 
     async def _accept(self, entries: list[Entry]) -> None:
         now = time.time()

@@ -167,21 +167,13 @@ class ModelStreams:
             self._reader = Resp.like(self.redis, identify=True)
         return (await self._reader.execute([command]))[0]
 
-    async def reclaim(self, policy: DeliveryPolicy, count: int = 100) -> int:
-        """Redeliver what any consumer left unacknowledged past the visibility timeout (see redelivery);
-        returns how many requests."""
-        self._joined = True
-        moved = 0
-        for queue in self.queues:
-            try:
-                pending = await self.redis.xpending_range(queue.stream, GROUP, "-", "+", count,
-                                                          idle=policy.visibility_timeout_ms)
-            except ResponseError:  # no stream or group yet
-                continue
-            if pending:
-                moved += await redeliver(self.redis, queue, pending, policy, self.consumer,
-                                         policy.visibility_timeout_ms)
-        return moved
+    async def redeliver(self, queue: Queue, pending: list[dict[str, Any]], policy: DeliveryPolicy) -> int:
+        """Redeliver these XPENDING rows of one of its queues, pending past the policy's visibility
+        timeout (the worker's sweep, workers/sweep.py): their consumer is taken for dead. Returns how many
+        requests."""
+        self._joined = True  # the claim makes this consumer one of the group's
+        idle_ms = policy.visibility_timeout_ms
+        return await redeliver(self.redis, queue, pending, policy, self.consumer, idle_ms)
 
     async def mark_executing(self, entries: list[tuple[str, bytes]]) -> None:
         """Name the redelivered entries about to run: should this worker die now, only they are charged."""

@@ -41,6 +41,7 @@ from .bls import ModelCaller
 from .ensembles import EnsembleHost
 from .redelivery import DeliveryPolicy
 from .runner import ModelRunner
+from .sweep import PendingSweep
 
 log = logging.getLogger("despina.worker")
 
@@ -111,6 +112,7 @@ class Worker:
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
         self.delivery = DeliveryPolicy.from_settings(settings)
         self.deferred = Deferred(redis)  # counters of ensemble steps run here
+        self.sweep = PendingSweep(redis)  # its models' entries abandoned by a dead consumer go back
         # the answers of models with response_cache to requests made here (ensemble steps, BLS calls)
         size = settings.response_cache_bytes
         self.response_cache = ResponseCache(size) if size else None
@@ -123,7 +125,8 @@ class Worker:
         self.deferred.script = await allow_oom(self.redis, HINCRBY_MANY)  # asked already: no round trip
         log.info("worker %s: %d CPU(s), %d GPU(s), %.1f GiB for models", self.id, self.info.cpus,
                  self.info.gpus, self.info.memory_bytes / 2**30)
-        helpers = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._listen())]
+        helpers = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._listen()),
+                   asyncio.create_task(self.sweep.run())]
         failed = logs.Throttled(log)
         try:
             while not self._stop.is_set():
@@ -305,7 +308,7 @@ class Worker:
             if key in self.hosts:
                 continue
             host = EnsembleHost(self.redis, self.keys, ModelSpec.from_config(entry.config), graph, key[1],
-                                self.step_runner, self.id, self.delivery, config, self.deferred)
+                                self.step_runner, self.id, self.delivery, config, self.deferred, self.sweep)
             try:
                 await host.start()
             except (RedisError, OSError) as exc:
@@ -334,7 +337,7 @@ class Worker:
             runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
                                  self.id, self.settings.intra_op_threads, delivery=self.delivery,
                                  deferred=self.deferred, full_queue_delay=self.settings.full_queue_delay,
-                                 caller=self.caller, response_cache=self.response_cache)
+                                 caller=self.caller, response_cache=self.response_cache, sweep=self.sweep)
             async with self._load_turns:
                 await runner.load()
             await runner.start()
