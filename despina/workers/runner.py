@@ -1,36 +1,36 @@
-"""One model version on one worker: read its stream, batch, execute, reply, then acknowledge."""
+"""One model version on one worker: read its stream, batch, execute, reply, then acknowledge.
+
+The runner is one object in three modules: this one holds its state, its life (load, start, stop), its
+read loop and the execution of a batch; intake.py takes requests in (from the stream, or made in this
+process) and outbox.py sends the replies and acknowledgements.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from ..contract import records
-from ..contract.errors import Code, DespinaError, Unavailable
-from ..contract.keys import ATTEMPTS, ENTRY_REQUESTS, FIELD, GROUP, Keys
+from ..contract.errors import Code
+from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
-from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
-from ..counters import Deferred, record_counts
+from ..counters import Deferred
 from ..logs import Throttled
 from ..redis_client import BULK_DEFAULT, allow_oom, bulk_limit
-from ..resp import Batch, ReadAlong, Resp
-from ..response_cache import LOADS, ResponseCache, cache_key, through
-from . import answers, stats
-from .backends.base import check_text, request_inputs
-from .batcher import DynamicBatcher, Item, QueueFull
+from ..resp import ReadAlong, Resp
+from ..response_cache import LOADS, ResponseCache
+from . import answers
+from .batcher import DynamicBatcher, Item
 from .execution import Execution, durations
 from .inflight import Gateways
+from .intake import TIMED_OUT, Answer, Intake, Pending, Settled
 from .ordering import ReplyOrder, Turn
 from .redelivery import DeliveryPolicy
-from .replies import DEQUEUED, bounded_levels, count_dequeued, refused, replies_into, write_again
+from .replies import DEQUEUED, bounded_levels
 from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
 
@@ -38,33 +38,17 @@ if TYPE_CHECKING:
     from .bls import ModelCaller
     from .sweep import PendingSweep
 
+__all__ = ["READ_WAITS_S", "TIMED_OUT", "ModelRunner", "Pending", "Settled"]
+
 log = logging.getLogger("despina.worker")
 
 # The longest a read waits to go out with replies (_read_with_replies of ModelRunner and EnsembleHost):
 # a safety net, every batch that does not reply to Redis lets it go at once.
 READ_WAITS_S = 0.01
-TIMED_OUT = "request timed out in the queue before it could run"
 STREAMS_END_S = 10.0  # how long an unload waits for a decoupled model's open requests to end (then they fail)
-ENQUEUED_ONE = {"enqueued": 1}  # a request made in this process, queued (Deferred.add never changes it)
-# gets a request's reply; a decoupled model's response before its last may answer True: the submitter
-# gave the request up (a model's call it cancelled, workers/bls.py), and the model is told
-Answer = Callable[[InferReply], "bool | None"]
-Settled = Callable[[], bool]  # whether no other request of the submitter's can join a batch now
 
 
-@dataclass(slots=True)
-class Pending:
-    """A request inside the batcher, and the stream entry it came in."""
-
-    request: InferRequest
-    entry: tuple[str, bytes] | None  # (stream, entry id); None: a step of an ensemble run here (submit)
-    inputs: dict[str, np.ndarray]
-    alone: bool = False          # redelivered after a worker died with it: runs as a batch of one
-    received: float = 0.0        # wall-clock seconds when this worker read it
-    members: int = 1             # the requests it answers for (a gateway's grouped ones: records.GROUPED)
-
-
-class ModelRunner:
+class ModelRunner(Intake):
     def __init__(self, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, version: int, path: Path,
                  consumer: str, threads: int = 1, read_ahead: int | None = None,
                  delivery: DeliveryPolicy | None = None, deferred: Deferred | None = None,
@@ -170,17 +154,6 @@ class ModelRunner:
         """The metric families its model made itself, from every instance (custom_metrics.py)."""
         return [family for backend in self.execution.backends for family in backend.custom_metrics()]
 
-    def _cached(self, inputs: list[Tensor], outputs: tuple[str, ...], parameters: Parameters, answer: Answer
-                ) -> Answer | None:
-        """submit()'s answer from the response cache (then None), or the answer that keeps the reply as
-        well (response_cache.py), keyed by this runner's load of the files."""
-        assert self.response_cache is not None
-        deferred = self.deferred
-        key = cache_key(self.spec.name, self.version, self._load_id, inputs, outputs, parameters)
-        return through(self.response_cache, key, answer,
-                       lambda counts: deferred.add(self.stats_key, counts) if deferred is not None else None,
-                       lambda reply: reply.error is None)
-
     # -- reading ---------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
@@ -205,10 +178,6 @@ class ModelRunner:
             return await self.streams.read(self._room_entries(self._in_flight), self.streams.block_ms)
         return await self.streams.sent_read(sent)
 
-    def _room_entries(self, in_flight: int) -> int:
-        # an entry holds up to ENTRY_REQUESTS requests: read no further past the read-ahead
-        return max(1, (self._read_ahead - in_flight) // ENTRY_REQUESTS)
-
     async def _read_with_replies(self) -> asyncio.Future[Any] | None:
         """When all that was read is in the batch now running on the event loop, nothing read now could
         join a batch before that one is done: the next read then goes out with its replies (_send), in
@@ -220,140 +189,6 @@ class ModelRunner:
         if self.batcher.pending or not self.batcher.executing:
             return None
         return await self._read_along.wait(READ_WAITS_S)
-
-    async def _accept(self, entries: list[Entry]) -> None:
-        now = time.time()
-        failures: list[InferReply] = []
-        failed: list[InferRequest] = []  # failures[i] answers failed[i]
-
-        def fail(req: InferRequest, entry: tuple[str, bytes], code: Code, message: str) -> None:
-            failures.append(answers.error(req, code, message))
-            failed.append(req)
-            self._entries[entry] -= 1
-
-        for stream, entry_id, fields in entries:
-            entry = (stream, entry_id)
-            try:
-                reqs = records.decode_requests(fields[FIELD])
-                alone = ATTEMPTS in fields  # a suspect of a worker's death: alone, it takes nobody along
-            except (KeyError, DespinaError) as exc:
-                log.error("model %s: dropping undecodable entry %s: %s", self.spec.name, entry_id, exc)
-                await self._ack([entry])
-                continue
-            self._entries[entry] = len(reqs)
-            if reqs:
-                self._gateways.announce(reqs[0].reply_to, fields)
-            for req in reqs:
-                if req.deadline < now:
-                    fail(req, entry, Code.DEADLINE_EXCEEDED, TIMED_OUT)
-                    continue
-                members = records.requests_in(req.id)
-                try:
-                    inputs = request_inputs(req)
-                    if self._text:
-                        check_text(inputs, self._text)
-                    pending = Pending(req, entry, inputs, alone, now, members)
-                    # the queue delay counts from here, as Triton's from its scheduler's queue (time
-                    # in the stream is the gateway's and Valkey's work, not a wait for batch-mates);
-                    # a queue timeout counts from the gateway's enqueue, the client's clock
-                    arrived = time.monotonic()
-                    shape = entry if alone else self._shape_key(req)
-                    self.batcher.put(Item(self._rows(inputs), shape, pending, arrived,
-                                          priority=req.priority, timeout_us=req.timeout_us,
-                                          since=arrived - max(0.0, now - req.enqueued)))
-                except QueueFull as exc:
-                    fail(req, entry, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}")
-                    continue
-                except DespinaError as exc:  # its inputs, or the sequence batcher's refusal
-                    fail(req, entry, exc.code, exc.message)
-                    continue
-                except Exception as exc:  # a bug: it fails this request, and the model reads on
-                    log.exception("model %s: taking request %s failed", self.spec.name, req.id)
-                    fail(req, entry, Code.INTERNAL, f"model '{self.spec.name}': {type(exc).__name__}: {exc}")
-                    continue
-                self._gateways.opened(req.reply_to, members)
-                self._in_flight += members
-        if len(self._entries) and self._in_flight >= self._read_ahead:
-            self._room.clear()
-        if failures:
-            await self._reply(failures, failed, [])
-        done = [e for e, n in self._entries.items() if n == 0]
-        if done:  # entries none of whose requests reached the batcher
-            for e in done:
-                del self._entries[e]
-            await self._ack(done)
-
-    def _nothing_coming(self) -> bool:
-        """Whether no request that could join the queued ones is on its way (workers/inflight.py): every
-        gateway with a request open here has no more in flight, and whoever submitted the requests made
-        in this process vouches for them. A gateway that said nothing (an older one, a redelivered
-        entry), a submitter that cannot vouch, or requests other workers hold all mean: wait, as Triton
-        does."""
-        if not self._gateways and not self._local:
-            return False
-        for settled in {s for _, s in self._local.values()}:  # one per submitter and model, mostly
-            if settled is None or not settled():
-                return False
-        return self._gateways.all_here()
-
-    def _on_timeout(self, item: Item, why: str = "request timed out in the queue (queue policy timeout)"
-                    ) -> None:
-        """The batcher dropped a request whose queue timeout passed (REJECT policy), or the sequence
-        batcher one whose sequence waited too long for a slot: answer it."""
-        p: Pending = item.payload
-        reply = answers.error(p.request, Code.DEADLINE_EXCEEDED, f"model '{self.spec.name}': {why}")
-        self._spawn(self._reply([reply], [p.request], [p]))
-
-    def _rows(self, inputs: dict[str, np.ndarray]) -> int:
-        if not self.spec.batched or not inputs:
-            return 1
-        return int(next(iter(inputs.values())).shape[0])
-
-    def _shape_key(self, req: InferRequest) -> tuple[Any, ...]:
-        if self._ragged:  # a ragged input's shape does not keep a request out of a batch
-            return tuple(sorted((t.name, t.datatype, None if t.name in self._ragged else t.shape[1:])
-                                for t in req.inputs))
-        if len(req.inputs) == 1:
-            t = req.inputs[0]
-            return ((t.name, t.datatype, t.shape[1:]),)
-        return tuple(sorted((t.name, t.datatype, t.shape[1:]) for t in req.inputs))
-
-    def submit(self, inputs: list[Tensor], outputs: tuple[str, ...], deadline: float, answer: Answer,
-               priority: int = 0, timeout_us: int = 0, trace: str = "", settled: Settled | None = None,
-               parameters: Parameters = NO_PARAMETERS, sequence: tuple[int | str, int] | None = None,
-               request_id: str = "") -> None:
-        """Queue a request made in this process (an ensemble's step, workers/ensembles.py): batched with
-        the stream's requests and counted in the statistics like them; `answer` gets its reply (an error
-        reply included), on the event loop, before the batch's replies go out to Redis. `deadline` is
-        wall-clock seconds; `settled()` True says the submitter has nothing else on its way here (None:
-        unknown, so a batch holding it waits out its delay). `parameters` are for the model (a model
-        calling another one passes them, workers/bls.py), as are its `request_id` and, for a stateful one,
-        `sequence`."""
-        if self.response_cache is not None and sequence is None:
-            keeping = self._cached(inputs, outputs, parameters, answer)
-            if keeping is None:  # answered from the cache
-                return
-            answer = keeping
-        now = time.time()
-        request = InferRequest("", "", deadline, tuple(inputs), outputs, priority, timeout_us, now, trace,
-                               parameters, request_id, sequence)
-        try:
-            if self._stopping:
-                raise Unavailable(f"model '{self.spec.name}' version {self.version} is unloading")
-            arrays = request_inputs(request)
-            pending = Pending(request, None, arrays, received=now)
-            self.batcher.put(Item(self._rows(arrays), self._shape_key(request), pending, time.monotonic(),
-                                  priority=priority, timeout_us=timeout_us))
-        except DespinaError as exc:
-            answer(answers.error(request, exc.code, exc.message))
-            return
-        except QueueFull as exc:
-            answer(answers.error(request, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}"))
-            return
-        self._local[id(request)] = (answer, settled)
-        self._in_flight += 1
-        if self.deferred is not None:  # as a gateway counts what it queues (pending: enqueued - answered)
-            self.deferred.add(self.stats_key, ENQUEUED_ONE)
 
     # -- executing -------------------------------------------------------------------------------
 
@@ -405,124 +240,3 @@ class ModelRunner:
         reply = self._reply(replies, [p.request for p in expired + live], pendings, rows=rows if live else 0,
                             started=started, timings=durations(marks, time.perf_counter_ns()))
         self._spawn(reply if turn is None else turn.send(reply))
-
-    def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _send_response(self, stream: int, reply: InferReply, p: Pending) -> None:
-        """A decoupled model's response before its last one, alone to its gateway. The same round trip
-        asks whether the request's client went away (then the model is told), and keeps its stream entry
-        from looking abandoned (its idle time starts again): a long stream is not redelivered. A request
-        made in this process (a model's exec(decoupled=True), workers/bls.py) gets it on the loop."""
-        if p.entry is None:
-            local = self._local.get(id(p.request))
-            if local is not None and local[0](reply):
-                self.execution.streams.cancel(stream)
-            return
-        if self._out is None:
-            self._out = Resp.like(self.redis)
-        pipe = Batch()
-        replies_into(pipe, {p.request.reply_to: [reply]}, self.delivery.reply_ttl_ms, self.spec.name,
-                     self._bulk)
-        asked = len(pipe.commands)  # the answer that says whether it was cancelled
-        pipe.commands.append(["SISMEMBER", self.keys.cancelled(p.request.reply_to), p.request.id])
-        if p.entry is not None:
-            pipe.commands.append(["XCLAIM", p.entry[0], GROUP, self.consumer, 0, p.entry[1], "JUSTID"])
-        try:
-            results = await self._out.execute(pipe.commands)
-        except Exception as exc:  # the final reply's pipeline tells of it again, or the entry is reclaimed
-            log.error("model %s: writing a response failed: %s", self.spec.name, exc)
-            return
-        if results[asked]:
-            self.execution.streams.cancel(stream)
-
-    # -- replying --------------------------------------------------------------------------------
-
-    async def _reply(self, replies: list[InferReply], requests: list[InferRequest],
-                     pendings: list[Pending], rows: int = 0, started: float = 0.0,
-                     timings: tuple[int, int, int] = (0, 0, 0)) -> None:
-        """One round trip: a reply entry per gateway, statistics, queue counters, and the
-        acknowledgement of every stream entry now fully answered (after its replies, in order).
-        replies[i] answers requests[i]: ids are unique per gateway only, so a batch may hold two alike."""
-        by_gateway: dict[str, list[InferReply]] = {}
-        for r, req in zip(replies, requests, strict=True):
-            if req.reply_to:
-                by_gateway.setdefault(req.reply_to, []).append(r)
-                continue
-            answer = self._local.pop(id(req))[0]
-            try:
-                answer(r)
-            except Exception:
-                log.exception("model %s: answering a request made in this worker failed", self.spec.name)
-        # Nothing else to run, and every gateway's requests here: the client of these replies may look
-        # at the statistics next, so they go now. Otherwise more batches follow, and their counters
-        # go together (counters.Deferred), one statistics update for several batches.
-        quiet = not self.batcher.pending and not self.batcher.executing and self._gateways.all_here()
-        done = []
-        answered = 0  # requests: a grouped one counts as all it holds
-        for p in pendings:
-            answered += p.members
-            if p.entry is None:
-                continue
-            self._gateways.closed(p.request.reply_to, p.members)
-            self._entries[p.entry] -= 1
-            if self._entries[p.entry] == 0:
-                del self._entries[p.entry]
-                done.append(p.entry)
-        if self.deferred is not None and not by_gateway and not done:
-            # only requests made in this process (an ensemble's steps): nothing to send but counters,
-            # which wait for the next pipeline
-            self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings))
-            self._read_along.release()  # nothing goes to Redis for it to ride with
-        else:
-            await self._send(replies, requests, pendings, by_gateway, done, rows, started, timings, quiet,
-                             answered)
-        self._in_flight -= answered
-        if self._in_flight < self._read_ahead:
-            self._room.set()
-
-    async def _send(self, replies: list[InferReply], requests: list[InferRequest], pendings: list[Pending],
-                    by_gateway: dict[str, list[InferReply]], done: list[tuple[str, bytes]], rows: int,
-                    started: float, timings: tuple[int, int, int], quiet: bool, answered: int) -> None:
-        if self._out is None:
-            self._out = Resp.like(self.redis)
-        pipe = Batch()
-        entries = replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms, self.spec.name, self._bulk)
-        if self._bounded:
-            count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, requests,
-                           self._dequeued)
-        counts = stats.tally(replies, rows, started, timings)
-        if self.deferred is None:
-            record_counts(pipe, self.stats_key, counts)
-        else:
-            self.deferred.add(self.stats_key, counts)
-            if quiet:  # everything counted so far goes with these replies
-                self.deferred.into(pipe)
-        if done:
-            self.streams.ack_into(pipe, done)
-        if any(p.alone for p in pendings):
-            self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
-        room = self._room_entries(self._in_flight - answered)
-        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room))
-        try:
-            if sent is None:
-                results = await self._out.execute(pipe.commands, errors=False)
-            else:
-                results = await self.streams.replies(sent, errors=False)
-        except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
-            log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
-                      self.spec.name, len(replies), exc)
-            return
-        if again := refused("model", self.spec.name, pipe, results, entries, len(replies)):
-            self._spawn(write_again(self._out, again, max(r.deadline for r in requests)))
-
-    async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
-        try:
-            await self.streams.ack(entries)
-        except (RedisError, OSError) as exc:
-            log.error("model %s: acknowledging failed: %s; the entries will be reclaimed",
-                      self.spec.name, exc)
-
-

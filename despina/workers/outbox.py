@@ -1,0 +1,179 @@
+"""A model runner's way out (part of ModelRunner, runner.py): a batch's replies, one entry per gateway,
+its statistics and queue counters, and the acknowledgement of the stream entries they answer, in one
+round trip (the next read riding along where it may); a decoupled model's responses before its last."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from ..contract.keys import ENTRY_REQUESTS, GROUP, Keys
+from ..contract.modelconfig import ModelSpec
+from ..contract.records import InferReply, InferRequest
+from ..counters import Deferred, record_counts
+from ..resp import Batch, ReadAlong, Resp
+from . import stats
+from .batcher import DynamicBatcher
+from .execution import Execution
+from .inflight import Gateways
+from .redelivery import DeliveryPolicy
+from .replies import count_dequeued, refused, replies_into, write_again
+from .sequences import SequenceBatcher
+from .streams import ModelStreams
+
+if TYPE_CHECKING:
+    from .intake import Answer, Pending, Settled
+
+log = logging.getLogger("despina.worker")
+
+
+class Outbox:
+    """ModelRunner's reply path. The state it uses is ModelRunner's (set in its __init__)."""
+
+    redis: aioredis.Redis
+    keys: Keys
+    spec: ModelSpec
+    version: int
+    consumer: str
+    delivery: DeliveryPolicy
+    deferred: Deferred | None
+    stats_key: str
+    streams: ModelStreams
+    execution: Execution
+    batcher: DynamicBatcher | SequenceBatcher
+    _bounded: set[int]
+    _dequeued: str
+    _bulk: int
+    _read_along: ReadAlong
+    _read_ahead: int
+    _entries: dict[tuple[str, bytes], int]
+    _local: dict[int, tuple[Answer, Settled | None]]
+    _gateways: Gateways
+    _in_flight: int
+    _room: asyncio.Event
+    _background: set[asyncio.Task[None]]
+    _out: Resp | None
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _room_entries(self, in_flight: int) -> int:
+        # an entry holds up to ENTRY_REQUESTS requests: read no further past the read-ahead
+        return max(1, (self._read_ahead - in_flight) // ENTRY_REQUESTS)
+
+    async def _send_response(self, stream: int, reply: InferReply, p: Pending) -> None:
+        """A decoupled model's response before its last one, alone to its gateway. The same round trip
+        asks whether the request's client went away (then the model is told), and keeps its stream entry
+        from looking abandoned (its idle time starts again): a long stream is not redelivered. A request
+        made in this process (a model's exec(decoupled=True), workers/bls.py) gets it on the loop."""
+        if p.entry is None:
+            local = self._local.get(id(p.request))
+            if local is not None and local[0](reply):
+                self.execution.streams.cancel(stream)
+            return
+        if self._out is None:
+            self._out = Resp.like(self.redis)
+        pipe = Batch()
+        replies_into(pipe, {p.request.reply_to: [reply]}, self.delivery.reply_ttl_ms, self.spec.name,
+                     self._bulk)
+        asked = len(pipe.commands)  # the answer that says whether it was cancelled
+        pipe.commands.append(["SISMEMBER", self.keys.cancelled(p.request.reply_to), p.request.id])
+        if p.entry is not None:
+            pipe.commands.append(["XCLAIM", p.entry[0], GROUP, self.consumer, 0, p.entry[1], "JUSTID"])
+        try:
+            results = await self._out.execute(pipe.commands)
+        except Exception as exc:  # the final reply's pipeline tells of it again, or the entry is reclaimed
+            log.error("model %s: writing a response failed: %s", self.spec.name, exc)
+            return
+        if results[asked]:
+            self.execution.streams.cancel(stream)
+
+    async def _reply(self, replies: list[InferReply], requests: list[InferRequest],
+                     pendings: list[Pending], rows: int = 0, started: float = 0.0,
+                     timings: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """One round trip: a reply entry per gateway, statistics, queue counters, and the
+        acknowledgement of every stream entry now fully answered (after its replies, in order).
+        replies[i] answers requests[i]: ids are unique per gateway only, so a batch may hold two alike."""
+        by_gateway: dict[str, list[InferReply]] = {}
+        for r, req in zip(replies, requests, strict=True):
+            if req.reply_to:
+                by_gateway.setdefault(req.reply_to, []).append(r)
+                continue
+            answer = self._local.pop(id(req))[0]
+            try:
+                answer(r)
+            except Exception:
+                log.exception("model %s: answering a request made in this worker failed", self.spec.name)
+        # Nothing else to run, and every gateway's requests here: the client of these replies may look
+        # at the statistics next, so they go now. Otherwise more batches follow, and their counters
+        # go together (counters.Deferred), one statistics update for several batches.
+        quiet = not self.batcher.pending and not self.batcher.executing and self._gateways.all_here()
+        done = []
+        answered = 0  # requests: a grouped one counts as all it holds
+        for p in pendings:
+            answered += p.members
+            if p.entry is None:
+                continue
+            self._gateways.closed(p.request.reply_to, p.members)
+            self._entries[p.entry] -= 1
+            if self._entries[p.entry] == 0:
+                del self._entries[p.entry]
+                done.append(p.entry)
+        if self.deferred is not None and not by_gateway and not done:
+            # only requests made in this process (an ensemble's steps): nothing to send but counters,
+            # which wait for the next pipeline
+            self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings))
+            self._read_along.release()  # nothing goes to Redis for it to ride with
+        else:
+            await self._send(replies, requests, pendings, by_gateway, done, rows, started, timings, quiet,
+                             answered)
+        self._in_flight -= answered
+        if self._in_flight < self._read_ahead:
+            self._room.set()
+
+    async def _send(self, replies: list[InferReply], requests: list[InferRequest], pendings: list[Pending],
+                    by_gateway: dict[str, list[InferReply]], done: list[tuple[str, bytes]], rows: int,
+                    started: float, timings: tuple[int, int, int], quiet: bool, answered: int) -> None:
+        if self._out is None:
+            self._out = Resp.like(self.redis)
+        pipe = Batch()
+        entries = replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms, self.spec.name, self._bulk)
+        if self._bounded:
+            count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, requests,
+                           self._dequeued)
+        counts = stats.tally(replies, rows, started, timings)
+        if self.deferred is None:
+            record_counts(pipe, self.stats_key, counts)
+        else:
+            self.deferred.add(self.stats_key, counts)
+            if quiet:  # everything counted so far goes with these replies
+                self.deferred.into(pipe)
+        if done:
+            self.streams.ack_into(pipe, done)
+        if any(p.alone for p in pendings):
+            self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
+        room = self._room_entries(self._in_flight - answered)
+        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room))
+        try:
+            if sent is None:
+                results = await self._out.execute(pipe.commands, errors=False)
+            else:
+                results = await self.streams.replies(sent, errors=False)
+        except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
+            log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
+                      self.spec.name, len(replies), exc)
+            return
+        if again := refused("model", self.spec.name, pipe, results, entries, len(replies)):
+            self._spawn(write_again(self._out, again, max(r.deadline for r in requests)))
+
+    async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
+        try:
+            await self.streams.ack(entries)
+        except (RedisError, OSError) as exc:
+            log.error("model %s: acknowledging failed: %s; the entries will be reclaimed",
+                      self.spec.name, exc)
