@@ -603,7 +603,7 @@ def test_sigterm_while_a_model_hangs_in_initialize_leaves_nothing_behind(
         if re.search(r'model\.py", line \d+ in initialize', logs):
             break
     assert re.search(r'model\.py", line \d+ in initialize', logs), logs
-    assert re.search(r"worker\.py:\d+ in _load", logs), logs
+    assert re.search(r"loading\.py:\d+ in _load", logs), logs
     family = descendants(server.process.pid)
     assert stop_server(server) == 0
     deadline = time.monotonic() + 15

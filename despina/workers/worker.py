@@ -2,9 +2,9 @@
 
 It follows the catalog (at once on a catalog event, else every second, reading it again only when its
 generation moved): loads what names it, unloads what no longer does, and reloads a version whose files
-changed, the old runner serving until the new one is READY. Files of a remote registry come through the
-local artifact cache. Its heartbeat hash tells the others its capacity and every version's state; it
-expires when the worker dies.
+changed, the old runner serving until the new one is READY (loading.py). Files of a remote registry
+come through the local artifact cache. Its heartbeat hash tells the others its capacity and every
+version's state; it expires when the worker dies (presence.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
@@ -23,41 +22,27 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, Respon
 
 from .. import cpus, logs
 from ..contract.catalog import CatalogEntry
-from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail, state_digest
+from ..contract.cluster import WorkerInfo
 from ..contract.ensemble import Ensemble, Step, is_ensemble
-from ..contract.errors import ConfigError, DespinaError, Unavailable
+from ..contract.errors import ConfigError
 from ..contract.keys import Keys
 from ..contract.modelconfig import ModelSpec
-from ..contract.records import packb
 from ..counters import HINCRBY_MANY, Deferred
 from ..metrics import GpuReader
 from ..redis_client import allow_oom, trouble
-from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
-from ..registry.cache import touch
+from ..registry import ArtifactCache, Registry
 from ..response_cache import ResponseCache
 from ..settings import Settings
 from .backends.base import visible_gpus
 from .bls import ModelCaller
 from .ensembles import EnsembleHost
+from .loading import Loading
+from .presence import Key, memory_bytes
 from .redelivery import DeliveryPolicy
 from .runner import ModelRunner
 from .sweep import PendingSweep
 
 log = logging.getLogger("despina.worker")
-
-Key = tuple[str, int]
-SLOW_LOAD_S = 20.0  # a load still running after this is logged (once), with how long it has taken
-TRIM_S = 60.0       # how often the artifact cache is brought back under its limit (besides after a fetch)
-FETCH_RETRY_S = (1.0, 30.0)  # a fetch the registry cannot serve now is tried again: first wait, longest
-
-# The heartbeat: the worker's hash, its TTL, and its membership, in one step. It runs while Redis is full
-# (allow_oom): a full queue must be refused as such, not end with live workers taken for dead. KEYS: the
-# worker's hash, the workers' set; ARGV: TTL in ms, worker id, then the hash's fields and values.
-HEARTBEAT = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('SADD', KEYS[2], ARGV[2])
-"""
 
 # Whether a control plane leads, the catalog's generation (Keys.catalog_generation) and, unless that is the
 # one the worker read last (ARGV[1]), the catalog, as of one moment (a script runs alone): 400 models are
@@ -74,7 +59,7 @@ return {leads, generation, redis.call('HGETALL', KEYS[1])}
 """
 
 
-class Worker:
+class Worker(Loading):
     def __init__(self, settings: Settings, redis: aioredis.Redis) -> None:
         self.settings = settings
         self.redis = redis
@@ -322,236 +307,3 @@ class Worker:
         for host in hosts:
             log.info("worker %s: ensemble %s version %d no longer runs here", self.id, host.spec.name,
                      host.version)
-
-    async def _load(self, key: Key, entry: CatalogEntry, rev: str) -> None:
-        started = time.monotonic()
-        log.info("worker %s: loading %s version %d", self.id, *key)
-        slow = asyncio.get_running_loop().call_later(
-            SLOW_LOAD_S, lambda: log.warning("worker %s: %s version %d is still loading after %.0f s",
-                                             self.id, *key, time.monotonic() - started))
-        runner: ModelRunner | None = None
-        try:
-            # (in the try: a load stopped while it announces itself must leave `loading` all the same)
-            await self._announce()
-            path = self._loading_from[key] = await self._fetch(key, entry)
-            runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
-                                 self.id, self.settings.intra_op_threads, delivery=self.delivery,
-                                 deferred=self.deferred, full_queue_delay=self.settings.full_queue_delay,
-                                 caller=self.caller, response_cache=self.response_cache, sweep=self.sweep)
-            async with self._load_turns:
-                await runner.load()
-            await runner.start()
-        except asyncio.CancelledError:
-            if runner is not None:
-                await runner.stop()
-            raise
-        except Exception as exc:
-            message = exc.message if isinstance(exc, DespinaError) else f"model '{key[0]}': {exc}"
-            if not isinstance(exc, DespinaError):
-                log.exception("worker %s: loading %s version %d failed", self.id, *key)
-            log.error("worker %s: %s", self.id, message)
-            self.failures[key] = (rev, message)
-            if runner is not None:
-                await runner.stop()
-        else:
-            old, old_rev = self.runners.get(key), self.revision.get(key, "")
-            self.runners[key], self.revision[key] = runner, rev
-            self._steps.clear()
-            self.load_ms[key] = (time.monotonic() - started) * 1000
-            self.failures.pop(key, None)
-            log.info("worker %s: loaded %s version %d in %.0f ms", self.id, key[0], key[1], self.load_ms[key])
-            await self._count_load(key)
-            self._kick.set()  # an ensemble may now run here
-            if old is not None:
-                self.replaced[key] = old_rev  # until it has answered all it read (gateways' caches ask)
-                try:
-                    await self._announce()
-                    await old.stop()  # after the new one serves: no gap
-                finally:
-                    self.replaced.pop(key, None)
-        finally:
-            slow.cancel()
-            self.fetch_errors.pop(key, None)
-            self._loading_from.pop(key, None)
-            if self.loading.get(key, ("", None))[0] == rev:
-                del self.loading[key]
-            await self._announce()
-
-    async def _fetch(self, key: Key, entry: CatalogEntry) -> Path:
-        """_folder, tried again while the registry cannot serve the files (unreachable, refusing, failing):
-        the version stays LOADING with the reason, and loads once the store is back, not failed for good."""
-        wait = FETCH_RETRY_S[0]
-        while True:
-            try:
-                return await self._folder(entry, key[1])
-            except Unavailable as exc:
-                if key not in self.fetch_errors:
-                    log.warning("worker %s: %s version %d waits for the registry: %s", self.id, *key,
-                                exc.message)
-                self.fetch_errors[key] = exc.message
-                await self._announce()
-            await asyncio.sleep(wait)
-            wait = min(wait * 2, FETCH_RETRY_S[1])
-
-    async def _folder(self, entry: CatalogEntry, version: int) -> Path:
-        """The local folder to load from: the registry's own, or the cache's copy of a remote one."""
-        if not entry.files:
-            return Path(entry.path)
-        registry = self._registries.get(entry.path)
-        if registry is None:
-            if self._cache is None:
-                self._cache = ArtifactCache.from_settings(self.settings)
-            registry, _ = open_model_registry(entry.path, self.settings, self._cache)
-            self._registries[entry.path] = registry
-        model = ModelFiles(entry.name, entry.path, tuple(FileInfo(*f) for f in entry.files))
-        return await asyncio.to_thread(registry.folder, model, [version])
-
-    # -- telling the others ------------------------------------------------------------------------
-
-    async def _listen(self) -> None:
-        while True:
-            try:
-                async with self.redis.pubsub() as pubsub:
-                    await pubsub.subscribe(self.keys.events)
-                    await logs.follow(self.redis, self.keys)  # what was set while this one was away
-                    while True:
-                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                        if message is not None and message.get("data") == logs.EVENT:
-                            await logs.follow(self.redis, self.keys)
-                            continue
-                        if message is not None and message.get("data") == b"catalog":
-                            self._kick.set()
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, ConnectionError, OSError):
-                await asyncio.sleep(1.0)
-
-    async def _count_load(self, key: Key) -> None:
-        """Model load durations, for the despina_model_load_duration_seconds metric, and the last one, for
-        Triton's nv_model_load_duration_secs."""
-        stats = self.keys.stats(*key)
-        took_ns = int(self.load_ms[key] * 1e6)
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hincrby(stats, "load_count", 1)
-            pipe.hincrby(stats, "load_ns", took_ns)
-            pipe.hset(stats, "load_last_ns", took_ns)
-            await pipe.execute()
-        except (RedisError, OSError):
-            pass
-
-    async def _heartbeat_loop(self) -> None:
-        trimmed = time.monotonic()
-        while True:
-            await asyncio.sleep(self.beat_s)
-            if self._cache is not None:
-                self._keep_cached_folders()
-                if time.monotonic() - trimmed >= TRIM_S:
-                    trimmed = time.monotonic()
-                    await asyncio.to_thread(self._cache.trim)
-            try:
-                await self._heartbeat()
-            except (RedisError, ConnectionError, OSError):
-                pass
-
-    def _keep_cached_folders(self) -> None:
-        """Mark the cache folders this worker serves or loads from as in use: no trim removes them."""
-        assert self._cache is not None
-        for path in {*(r.path for r in self.runners.values()), *self._loading_from.values()}:
-            if self._cache.holds(path):
-                touch(path)
-
-    async def _announce(self) -> None:
-        """Heartbeat now and say so on the events channel: the control plane and gateways look at once.
-        The calls that come while one is on its way share the next one, which starts once that one is
-        written: each load announces itself twice, and a worker loading 400 models at once wrote 680
-        heartbeats of all of them, each making the control plane and every gateway read the catalog."""
-        if self._next_announce is None:
-            self._next_announce = asyncio.ensure_future(self._announce_after(self._announcing))
-        await asyncio.shield(self._next_announce)
-
-    async def _announce_after(self, previous: asyncio.Task[None] | None) -> None:
-        if previous is not None:
-            await asyncio.wait([previous])
-        # from here on, what changes is for the next announce: this one reads the state now
-        self._announcing, self._next_announce = self._next_announce, None
-        try:
-            await self._heartbeat()
-            await self.redis.publish(self.keys.events, f"worker:{self.id}")
-        except (RedisError, ConnectionError, OSError):
-            pass
-
-    async def _announced(self) -> None:
-        """Wait for the announces on their way (a caller cancelled while it waited left its own going)."""
-        pending = [t for t in (self._announcing, self._next_announce) if t is not None]
-        if pending:
-            await asyncio.wait(pending)
-
-    def detail(self) -> dict[str, dict[int, VersionStatus]]:
-        out: dict[str, dict[int, VersionStatus]] = {}
-        # an unloading runner is reported until it has answered what it read: the control plane answers
-        # what is left on the model's streams then, not requests this runner is still running
-        for key in {*self.runners, *self.loading, *self.failures, *self.unloading}:
-            runner = self.runners.get(key)
-            loading = self.loading.get(key, ("", None))[0]
-            failed_rev, error = self.failures.get(key, ("", ""))
-            if runner is not None:
-                status = VersionStatus(runner.state, self.revision.get(key, ""), loading,
-                                       self.replaced.get(key, ""),
-                                       error=error or self.fetch_errors.get(key, ""), failed=failed_rev,
-                                       load_ms=round(self.load_ms.get(key, 0.0), 1))
-            else:
-                state = "LOADING" if loading else "UNLOADING" if key in self.unloading else "UNAVAILABLE"
-                status = VersionStatus(state, loading, error=error or self.fetch_errors.get(key, ""),
-                                       failed=failed_rev)
-            out.setdefault(key[0], {})[key[1]] = status
-        return out
-
-    async def _heartbeat(self) -> None:
-        async with self._beating:
-            # NVML's calls block (a few per GPU): off the loop the batches run on, and only where it answers
-            gpus = await asyncio.to_thread(self.gpus.readings) if self.gpus.active else []
-            models: dict[str, dict[str, str]] = {}
-            for (name, version), runner in self.runners.items():
-                models.setdefault(name, {})[str(version)] = runner.state
-            ensembles: dict[str, list[int]] = {}
-            for (name, version), host in self.hosts.items():
-                models.setdefault(name, {})[str(version)] = host.state
-                if host.state == "READY":
-                    ensembles.setdefault(name, []).append(version)
-            # the metrics Python models made themselves, by model and version: a version unloaded here
-            # is gone from the next heartbeat, and a dead worker's go with its hash. msgpack, as
-            # orjson would write a gauge's NaN or infinity as null.
-            custom: dict[str, dict[str, list[dict[str, Any]]]] = {}
-            for (name, version), runner in self.runners.items():
-                if families := runner.custom_metrics():
-                    custom.setdefault(name, {})[str(version)] = families
-            packed, detail = orjson.dumps(models), pack_detail(self.detail())
-            fields: dict[str, str | bytes | float] = {
-                "info": self.info.dumps(), "models": packed, "detail": detail,
-                "state": state_digest(packed, detail), "ensembles": orjson.dumps(ensembles),
-                "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
-                "response_cache": orjson.dumps(self.response_cache.figures() if self.response_cache else {}),
-                "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom), "seen": time.time()}
-            await self.redis.eval(await allow_oom(self.redis, HEARTBEAT), 2, self.keys.worker(self.id),
-                                  self.keys.workers, int(self.settings.worker_ttl_s * 1000), self.id,
-                                  *(x for pair in fields.items() for x in pair))
-
-
-def memory_bytes(settings: Settings) -> int:
-    """Memory this worker may give models: the setting, else the cgroup's limit, else the machine's."""
-    if settings.worker_memory_mb:
-        return settings.worker_memory_mb * 1024 * 1024
-    try:
-        raw = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if raw.isdigit():
-            return int(raw)
-    except OSError:
-        pass
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
