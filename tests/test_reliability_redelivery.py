@@ -176,6 +176,39 @@ async def test_one_sweep_redelivers_for_every_model_by_its_own_visibility_timeou
             await runner.stop()
 
 
+async def test_the_sweep_goes_on_after_an_error_it_did_not_expect(
+        redis: aioredis.Redis, key_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A bug met in one sweep (here: the first redelivery raises) is logged, and the next sweep redelivers:
+    the sweep is the worker's only one, and its end would leave every model's abandoned entries pending."""
+    streams = ModelStreams(redis, Keys(key_prefix), "m", 1, 1, "alive")
+    stream = streams.streams[0]
+    await redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    await redis.xadd(stream, {FIELD: payload("a")})
+    await read_all(redis, stream, "dead")
+    real, calls = streams.redeliver, []
+
+    async def broken_once(*args: object) -> int:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the sweep")
+        return await real(*args)  # type: ignore[arg-type]
+
+    streams.redeliver = broken_once  # type: ignore[method-assign]
+    sweep = PendingSweep(redis)
+    sweep.add(streams, DeliveryPolicy(visibility_timeout_ms=100), "model m")
+    with caplog.at_level(logging.ERROR, logger="despina.worker"):
+        sweeping = asyncio.create_task(sweep.run())
+        try:
+            deadline = time.monotonic() + 10
+            while not (back := await read_all(redis, stream, "other")):
+                assert time.monotonic() < deadline, "the entry never came back"
+                await asyncio.sleep(0.05)
+        finally:
+            sweeping.cancel()
+    assert len(calls) == 2 and [records.decode_requests(f[FIELD])[0].id for _, f in back] == ["a"]
+    assert "sweeping the pending entries of its streams failed" in caplog.text
+
+
 async def test_a_grouped_request_comes_back_as_its_clients_requests(redis: aioredis.Redis,
                                                                       key_prefix: str) -> None:
     """One client's rows may be what killed the worker: each client's request comes back on its own, to run

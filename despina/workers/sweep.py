@@ -87,6 +87,8 @@ class PendingSweep:
                 await self.sweep(due)
             except (RedisError, OSError) as exc:
                 failed.log("worker: reading the pending entries of its streams failed (%s)", exc)
+            except Exception:  # a bug here must not end every model's redelivery on this worker for good
+                log.exception("worker: sweeping the pending entries of its streams failed")
 
     async def sweep(self, members: Iterable[Member] | None = None) -> int:
         """Redeliver what is pending past its visibility timeout on the streams of `members` (None: all),
