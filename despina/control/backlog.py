@@ -3,7 +3,7 @@
 A dead worker's: they go back on their stream at once, or to the dead letters when their worker died
 too often running them (workers/redelivery.py says how).
 
-The runners redeliver such entries too, but only after the visibility timeout (a minute by default);
+The workers' sweeps redeliver such entries too, but only after the visibility timeout (a minute by default);
 the control plane knows the moment a worker's heartbeat key expires.
 
 An unloaded model's: what is still queued is answered with an error rather than left to time out.
