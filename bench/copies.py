@@ -53,7 +53,8 @@ from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_di
 from despina.contract.records import InferRequest
 from despina.examples import build_identity
 from despina.gateway import v2
-from despina.gateway.v2 import decode_infer, encode_infer
+from despina.gateway.v2 import decode_infer
+from despina.gateway.v2_reply import encode_infer
 from despina.workers.backends.base import request_inputs
 from despina.workers.execution import Execution
 from despina.workers.runner import Pending

@@ -46,7 +46,8 @@ from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.counters import HINCRBY_MANY, record_counts
 from despina.gateway.fn import decode_fn
 from despina.gateway.jsondata import json_data_to_bytes
-from despina.gateway.v2 import decode_infer, encode_infer
+from despina.gateway.v2 import decode_infer
+from despina.gateway.v2_reply import encode_infer
 from despina.resp import Batch, Resp, pack
 from despina.resp.wire import _pack_slowly
 

@@ -17,7 +17,7 @@ from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_di
 from despina.contract.records import Tensor
 from despina.examples import save_onnx
 from despina.gateway.classification import classify
-from despina.gateway.v2 import classification_count
+from despina.gateway.v2_fields import classification_count
 
 from .conftest import Server, module_server
 

@@ -190,7 +190,7 @@ def test_reply_headers_remembered_per_request_header_match_fresh_ones() -> None:
     """encode_infer's remembered JSON headers (one dict per remembered request header) give the very
     body a fresh encoding gives, whatever the outputs' shapes and sizes (BYTES vary) from one reply to
     the next, and JSON outputs are never taken from it."""
-    from despina.gateway.v2 import encode_infer
+    from despina.gateway.v2_reply import encode_infer
 
     def fp32(rows: int) -> Tensor:
         return Tensor("y", "FP32", (rows, 2), np.arange(rows * 2, dtype=np.float32).tobytes())

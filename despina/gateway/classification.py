@@ -17,8 +17,8 @@ from ..contract.records import Tensor
 
 def classify(spec: ModelSpec, outputs: Sequence[Tensor], classes: Mapping[str, int],
              labels: Mapping[str, Sequence[str]]) -> tuple[Tensor, ...]:
-    """The reply's outputs, those in `classes` as their top classes (v2.classification_count checked the
-    counts and datatypes)."""
+    """The reply's outputs, those in `classes` as their top classes (v2_fields.classification_count
+    checked the counts and datatypes)."""
     return tuple(_classes(spec, t, classes[t.name], labels.get(t.name, ())) if t.name in classes else t
                  for t in outputs)
 

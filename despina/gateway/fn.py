@@ -15,7 +15,8 @@ from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_i
 from ..contract.records import Tensor
 from .http import loads
 from .jsondata import holds_no_booleans, json_data_to_bytes, nonfinite_json
-from .v2 import MAX_ELEMENTS, check_count
+from .v2 import MAX_ELEMENTS
+from .v2_fields import check_count
 
 
 def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) -> tuple[list[Tensor], bool]:

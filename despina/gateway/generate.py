@@ -40,7 +40,8 @@ from .infer import (
 )
 from .jsondata import json_data_to_bytes, nonfinite_json
 from .models import Model
-from .v2 import MAX_ELEMENTS, check_count, model_parameters
+from .v2 import MAX_ELEMENTS
+from .v2_fields import check_count, model_parameters
 
 if TYPE_CHECKING:
     from .app import Gateway

@@ -25,7 +25,8 @@ from .fn import decode_fn, encode_fn
 from .grouping import group_rows
 from .http import Headers, Receive, Scope, Send
 from .models import Model, NotLoaded
-from .v2 import decode_infer, encode_infer
+from .v2 import decode_infer
+from .v2_reply import encode_infer
 from .waiters import Result
 
 if TYPE_CHECKING:

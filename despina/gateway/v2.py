@@ -8,20 +8,12 @@ import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import orjson
 
-from ..contract.datatypes import V2_TO_NUMPY, element_count, to_numpy
+from ..contract.datatypes import element_count
 from ..contract.errors import InvalidArgument
-from ..contract.modelconfig import (
-    ModelSpec,
-    check_datatype,
-    check_inputs,
-    check_shape,
-    known_input,
-    known_output,
-)
-from ..contract.records import NO_PARAMETERS, Parameters, Tensor
+from ..contract.modelconfig import ModelSpec, check_inputs
+from ..contract.records import Parameters, Tensor
 from ..settings import Settings
 from .http import json_object
 from .jsondata import (
@@ -30,17 +22,21 @@ from .jsondata import (
     Unvouched,
     data_holds_no_booleans,
     data_template,
-    json_data_to_bytes,
-    nonfinite_json,
     packed_span,
     skeleton,
 )
-from .shm import Region, Registry, ShmOutput, tensor_parameters
+from .shm import Registry, ShmOutput
+from .v2_fields import (
+    InShm,
+    as_object,
+    decode_input,
+    decode_outputs,
+    flag,
+    model_parameters,
+    shm_region,
+)
 
 MAX_ELEMENTS: int = Settings.max_tensor_elements  # per tensor, unless the caller passes its setting
-# Request parameters Despina reads itself (Triton's reserved ones): they never reach the model.
-CONSUMED = frozenset({"priority", "timeout", "binary_data_output", "sequence_id", "sequence_start",
-                      "sequence_end"})
 
 
 @dataclass
@@ -51,14 +47,11 @@ class Decoded:
     binary_outputs: set[str] = field(default_factory=set)
     binary_all: bool = False
     parameters: dict[str, Any] = field(default_factory=dict)
-    model_parameters: Parameters = field(default_factory=dict)  # but those in CONSUMED
+    model_parameters: Parameters = field(default_factory=dict)  # but those in v2_fields.CONSUMED
     # the requests of one remembered header share this: their reply headers by the outputs' shapes
     heads: dict[tuple[Any, ...], bytes] | None = field(default=None, compare=False, repr=False)
     classes: dict[str, int] = field(default_factory=dict)  # output -> top classes asked (classification)
     shm_outputs: dict[str, ShmOutput] = field(default_factory=dict)  # outputs to write in shared memory
-
-
-InShm = tuple[str, int, int]  # (region, byte size, offset): where a tensor is in shared memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +86,7 @@ class _Plan:
             elif type(t) is _FromShm:
                 region, size, at = t.where
                 inputs.append(Tensor(t.name, t.datatype, t.shape,
-                                     _region(shm, region, looked).read(at, size, f"input '{t.name}'")))
+                                     shm_region(shm, region, looked).read(at, size, f"input '{t.name}'")))
                 looked = True
             else:
                 name, datatype, shape, size = t  # type: ignore[misc]
@@ -102,7 +95,7 @@ class _Plan:
         d = self.decoded  # its outputs, binary outputs and parameters are read, never changed
         outputs = {}
         for name, (region, size, at) in self.shm_outputs:
-            outputs[name] = _region(shm, region, looked).output(name, at, size)
+            outputs[name] = shm_region(shm, region, looked).output(name, at, size)
             looked = True
         return Decoded(d.id, inputs, d.outputs, d.binary_outputs, d.binary_all, d.parameters,
                        d.model_parameters, d.heads, d.classes, outputs)
@@ -270,7 +263,7 @@ def _decode(header: bytes, binary: memoryview, spec: ModelSpec, max_elements: in
 
 def _decoded(doc: dict[str, Any], header: bytes, binary: memoryview, spec: ModelSpec, max_elements: int,
              shm: Registry | None) -> tuple[Decoded, list[bool | InShm]]:
-    params = _object(doc.get("parameters"), "parameters")
+    params = as_object(doc.get("parameters"), "parameters")
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidArgument("field 'inputs' must be a non-empty list")
@@ -280,7 +273,7 @@ def _decoded(doc: dict[str, Any], header: bytes, binary: memoryview, spec: Model
     seen: set[str] = set()
     booleans = not data_holds_no_booleans(header)
     for raw in raw_inputs:
-        tensor, used = _decode_input(raw, spec, binary[offset:], max_elements, booleans, shm)
+        tensor, used = decode_input(raw, spec, binary[offset:], max_elements, booleans, shm)
         if tensor.name in seen:
             raise InvalidArgument(f"input '{tensor.name}' is given twice")
         seen.add(tensor.name)
@@ -294,241 +287,12 @@ def _decoded(doc: dict[str, Any], header: bytes, binary: memoryview, spec: Model
         raise InvalidArgument(f"the body carries {len(binary) - offset} bytes of binary data that no "
                               "input claims (check binary_data_size)")
     check_inputs(spec, inputs)
-    outputs, binary_outputs, classes, shm_outputs = _decode_outputs(doc.get("outputs"), spec, shm)
+    outputs, binary_outputs, classes, shm_outputs = decode_outputs(doc.get("outputs"), spec, shm)
     req_id = doc.get("id")
     if req_id is not None and not isinstance(req_id, str):
         raise InvalidArgument("field 'id' must be a string")
     # as Triton: binary_data_output is the kind of the outputs a request does not list (all of them when
     # it lists none); a listed one is binary when its own binary_data says so
-    binary_all = _flag(params, "binary_data_output", "the request's parameters") and not outputs
+    binary_all = flag(params, "binary_data_output", "the request's parameters") and not outputs
     return Decoded(req_id, inputs, outputs, binary_outputs, binary_all, params,
                    model_parameters(params), classes=classes, shm_outputs=shm_outputs), sources
-
-
-def _flag(params: dict[str, Any], name: str, where: str) -> bool:
-    """A boolean parameter of Triton's binary extension (false when absent); anything else is refused, as
-    Triton refuses it, rather than read as false."""
-    value = params.get(name, False)
-    if type(value) is not bool:
-        shown = orjson.dumps(value)[:40].decode(errors="replace")
-        raise InvalidArgument(f"{where}: parameter '{name}' must be true or false, not {shown}")
-    return value
-
-
-def model_parameters(params: dict[str, Any]) -> Parameters:
-    """A request's parameters as its model gets them: all but those Despina reads itself (CONSUMED).
-    Every value must be a string, a number or a boolean, as in Triton."""
-    if not params:
-        return NO_PARAMETERS
-    for name, value in params.items():
-        if type(value) not in (str, int, float, bool):
-            kind = "null" if value is None else "an object" if isinstance(value, dict) else "an array"
-            raise InvalidArgument(f"parameter '{name}' must be a string, a number or a boolean, not {kind}")
-    if params.keys() <= CONSUMED:  # tritonclient sends binary_data_output with every request
-        return NO_PARAMETERS
-    return {name: value for name, value in params.items() if name not in CONSUMED}
-
-
-def _object(value: Any, what: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidArgument(f"field '{what}' must be an object")
-    return value
-
-
-def _decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: int, booleans: bool,
-                  shm: Registry | None) -> tuple[Tensor, int | InShm]:
-    """An input, and how many bytes of the binary part it took, or where in shared memory it was."""
-    if not isinstance(raw, dict):
-        raise InvalidArgument("each entry of 'inputs' must be an object")
-    name = raw.get("name")
-    if not isinstance(name, str):
-        raise InvalidArgument("an input has no 'name'")
-    expected = known_input(spec, name)
-    datatype: Any = raw.get("datatype")  # JSON; check_datatype has it equal to the model's str
-    check_datatype(expected, datatype)
-    shape = raw.get("shape")
-    if type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):
-        raise InvalidArgument(f"input '{name}': 'shape' must be a list of non-negative integers")
-    check_shape(spec, expected, shape)
-    check_count(name, shape, max_elements)
-    params = _object(raw.get("parameters"), f"inputs[{name}].parameters")
-    size = params.get("binary_data_size")
-    in_shm = tensor_parameters(params, f"input '{name}'")
-    if in_shm is not None:
-        if size is not None or "data" in raw:
-            raise InvalidArgument(f"input '{name}': give one of 'data', binary_data_size and shared memory")
-        region, size, offset = in_shm
-        data = _region(shm, region).read(offset, size, f"input '{name}'")
-        _check_size(name, datatype, shape, data)
-        return Tensor(name, datatype, tuple(shape), data), in_shm
-    if size is not None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise InvalidArgument(f"input '{name}': binary_data_size must be a non-negative integer")
-        if size > len(binary):
-            raise InvalidArgument(f"input '{name}': binary_data_size {size} runs past the end of the body")
-        if "data" in raw:
-            raise InvalidArgument(f"input '{name}': give either 'data' or binary_data_size, not both")
-        data = bytes(binary[:size])
-        _check_size(name, datatype, shape, data)
-        return Tensor(name, datatype, tuple(shape), data), size
-    if "data" not in raw:
-        raise InvalidArgument(f"input '{name}' has neither 'data' nor binary_data_size")
-    return Tensor(name, datatype, tuple(shape), json_data_to_bytes(name, datatype, shape, raw["data"],
-                                                                  booleans)), 0
-
-
-def _check_size(name: str, datatype: str, shape: list[int], data: bytes) -> None:
-    """Raw bytes of an input (binary data or shared memory) fit its shape and datatype."""
-    if datatype == "BYTES":
-        to_numpy(datatype, shape, data)  # validates the framing
-    elif len(data) != element_count(shape) * V2_TO_NUMPY[datatype].itemsize:
-        raise InvalidArgument(f"input '{name}': {len(data)} bytes of data do not match shape {shape} of "
-                              f"{datatype} ({element_count(shape) * V2_TO_NUMPY[datatype].itemsize} bytes)")
-
-
-def _region(shm: Registry | None, name: str, looked: bool = False) -> Region:
-    if shm is None:
-        raise InvalidArgument("shared memory is not allowed on this server: start it with --allow-client-shm "
-                              "(DESPINA_ALLOW_CLIENT_SHM=1)")
-    return shm.region(name, looked)
-
-
-def check_count(name: str, shape: list[int], max_elements: int) -> None:
-    count = element_count(shape)
-    if count > max_elements:
-        raise InvalidArgument(f"input '{name}': {count} elements is more than the limit of {max_elements} "
-                              "(DESPINA_MAX_TENSOR_ELEMENTS)")
-
-
-def _decode_outputs(raw: Any, spec: ModelSpec, shm: Registry | None
-                    ) -> tuple[list[str], set[str], dict[str, int], dict[str, ShmOutput]]:
-    """The outputs asked for, those asked as binary data, those asked as their top classes, and those to
-    be written in shared memory."""
-    if raw is None:
-        return [], set(), {}, {}
-    if not isinstance(raw, list):
-        raise InvalidArgument("field 'outputs' must be a list")
-    names: list[str] = []
-    binary: set[str] = set()
-    classes: dict[str, int] = {}
-    in_shm: dict[str, ShmOutput] = {}
-    for item in raw:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
-        name = item["name"]
-        known_output(spec, name)
-        if name in names:  # as Triton, whose outputs are a map by name: the first one asked for holds
-            continue
-        names.append(name)
-        params = _object(item.get("parameters"), f"outputs[{name}].parameters")
-        as_binary = _flag(params, "binary_data", f"output '{name}'")
-        if as_binary:
-            binary.add(name)
-        count = params.get("classification")
-        if count is not None and classification_count(spec, name, count):
-            classes[name] = count
-        where = tensor_parameters(params, f"output '{name}'")
-        if where is not None:
-            if name in classes:
-                raise InvalidArgument(f"output '{name}': shared memory can't be set on a classification "
-                                      "output")
-            if as_binary:
-                raise InvalidArgument(f"output '{name}': can't set both 'shared_memory_region' and "
-                                      "'binary_data'")
-            region, size, offset = where
-            in_shm[name] = _region(shm, region).output(name, offset, size)
-    return names, binary, classes, in_shm
-
-
-def classification_count(spec: ModelSpec, name: str, count: Any) -> int:
-    """An output's `classification` parameter (Triton's classification extension), checked against the
-    output's datatype before anything runs; 0 asks for the tensor itself, as in Triton."""
-    if type(count) is not int or count < 0:
-        raise InvalidArgument(f"output '{name}': parameter 'classification' must be a non-negative integer")
-    if count == 0:
-        return 0
-    output = spec.output(name)
-    datatype = output.datatype if output is not None else ""
-    if datatype not in CLASSIFIABLE:
-        raise InvalidArgument(f"output '{name}': class result not available for output due to unsupported "
-                              f"type '{datatype}'")
-    return count
-
-
-CLASSIFIABLE = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP32",
-                          "FP64"})
-HEADS_MAX = 64  # reply headers remembered per request header (BYTES outputs vary in size)
-
-
-def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Tensor, ...],
-                 binary: set[str], binary_all: bool, heads: dict[tuple[Any, ...], bytes] | None = None,
-                 parameters: Parameters = NO_PARAMETERS, shm: dict[str, ShmOutput] | None = None
-                 ) -> tuple[bytes, int | None]:
-    """Reply tensors (and the model's response parameters) -> (body, JSON header length or None when
-    the body is all JSON). The outputs in `shm` are written into their shared memory instead.
-
-    `heads` (Decoded.heads) remembers the JSON header of replies whose outputs are all binary or in
-    shared memory: it depends only on the version that ran, the request's id and the outputs' names,
-    shapes and sizes, the same for every reply of a shape; a reply with response parameters is encoded
-    afresh. (A request plan's heads serve every version of its model and, for JSON, every id.)"""
-    if parameters:
-        heads = None
-    if heads is not None:
-        if len(outputs) == 1:  # the usual case, without a comprehension's function made and called
-            t = outputs[0]
-            key: tuple[Any, ...] = (version, req_id, (t.name, t.datatype, t.shape, len(t.data)))
-        else:
-            key = (version, req_id, *[(t.name, t.datatype, t.shape, len(t.data)) for t in outputs])
-        header = heads.get(key)
-        if header is not None:
-            if not shm:
-                if len(outputs) == 1:
-                    return header + outputs[0].data, len(header)
-                return b"".join([header, *[t.data for t in outputs]]), len(header)
-            chunks = [t.data for t in outputs if t.name not in shm]
-            for t in outputs:
-                if t.name in shm:
-                    shm[t.name].write(t.name, t.data)
-            return (b"".join([header, *chunks]), len(header)) if chunks else (header, None)
-    described: list[dict[str, Any]] = []
-    chunks = []
-    for t in outputs:
-        entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
-        if shm and t.name in shm:  # its name, datatype and shape alone, as Triton answers it (tritonclient's
-            shm[t.name].write(t.name, t.data)  # C++ client reads binary_data_size from any parameters)
-        elif binary_all or t.name in binary:
-            entry["parameters"] = {"binary_data_size": len(t.data)}
-            chunks.append(t.data)
-        else:
-            entry["data"] = json_data(t)
-        described.append(entry)
-    doc: dict[str, Any] = {"model_name": model, "model_version": str(version)}
-    if req_id is not None:
-        doc["id"] = req_id
-    if parameters:
-        doc["parameters"] = parameters
-    doc["outputs"] = described
-    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    if header.find(b"null") >= 0:  # orjson writes a non-finite float as null: written again as Triton does
-        again = False
-        for entry in described:
-            data = entry.get("data")
-            if isinstance(data, np.ndarray) and (written := nonfinite_json(data, data)) is not data:
-                entry["data"], again = written, True
-        if again:  # (not for a "null" in a string)
-            header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    no_json = len(chunks) + sum(1 for t in outputs if shm and t.name in shm) == len(outputs)
-    if heads is not None and no_json and len(heads) < HEADS_MAX:
-        heads[key] = header
-    return (b"".join([header, *chunks]), len(header)) if chunks else (header, None)
-
-
-def json_data(t: Tensor) -> Any:
-    if t.datatype == "BYTES":
-        return [b.decode("utf-8", "replace") for b in t.numpy().reshape(-1)]
-    array = np.frombuffer(t.data, dtype=V2_TO_NUMPY[t.datatype])
-    if t.datatype in ("FP16",):
-        return array.astype(np.float32)
-    return array
