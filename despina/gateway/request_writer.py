@@ -1,21 +1,30 @@
 """Requests out to the model streams (Dispatcher's part): every request that arrives in one event-loop
 tick goes out in one pipeline, as one stream entry per model stream (grouped where the model batches
 them), with the gateway's own counts; a request with a bounded queue goes through BOUNDED_XADD.
+
+Each request is answered as its own command went: should Redis refuse some commands of a pipeline (at its
+maxmemory, say), the requests of the entries it refused get its error (refusals.py), and the others wait
+for their answers. Should the connection fail, every request of the pipeline is answered UNAVAILABLE.
 """
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from hiredis import ReplyError
 
 from ..contract import records
 from ..contract.errors import Code, DespinaError, Unavailable
 from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT
 from ..contract.records import GROUPED, InferRequest
-from ..counters import Deferred
+from ..counters import HINCRBY_MANY, Deferred, record_counts
 from ..logs import Throttled
-from ..resp import Batch, ReadAlong, Resp
-from . import grouping
+from ..redis_client import allow_oom
+from ..resp import Batch, Command, ReadAlong, Resp
+from . import grouping, refusals
 from .waiters import Waiters
 
 # Enqueue unless the priority level already holds max_queue_size requests; a refusal is counted
@@ -42,6 +51,7 @@ class RequestWriter(Waiters):
     """The Dispatcher's writing of its requests: _flush, once per tick that has any."""
 
     bulk_limit: int
+    _redis: aioredis.Redis
     _outbox: dict[str, list[InferRequest]]
     _bounded: list[tuple[str, Bound, InferRequest]]
     _stats: dict[str, str]
@@ -104,7 +114,8 @@ class RequestWriter(Waiters):
             sent_bounded.append((stream, (counter, limit), req))
         sent = self._read_along.send(pipe.commands, lambda c: self._in.send(c, [self._read_command()]))
         try:
-            results = await (self._out.execute(pipe.commands) if sent is None else self._in.replies(sent))
+            results = await (self._out.execute(pipe.commands, errors=False) if sent is None
+                             else self._in.replies(sent, errors=False))
         except Exception as exc:  # every waiting caller must hear of it, whatever it was
             self._write_failed.log("gateway %s: queueing %d requests failed: %s", self.id,
                                    sum(map(len, outbox.values())) + len(bounded), exc)
@@ -112,11 +123,42 @@ class RequestWriter(Waiters):
             for req in [r for batch in outbox.values() for r in batch] + [b[2] for b in bounded]:
                 self._finish(req.id, error)
             return
+        if ReplyError in map(type, results):  # Redis refused a command: each request as its own went
+            await self._refused(pipe.commands, results, plain, sent_bounded)
+            return
         for (_, (_, limit), req), accepted in zip(sent_bounded, results[plain:], strict=True):
             if not accepted:
-                self._finish(req.id, DespinaError(f"Exceeds maximum queue size: the queue is full "
-                                                f"({limit} requests); retry later",
-                                                Code.RESOURCE_EXHAUSTED))
+                self._full(req, limit)
+
+    async def _refused(self, commands: list[Command], results: list[Any], plain: int,
+                       bounded: list[tuple[str, Bound, InferRequest]]) -> None:
+        """Redis refused some commands of a pipeline (at its maxmemory; a key of another type): a request
+        whose entry it refused gets its error, the others wait for their answers as usual, and the
+        statistics are put right (refusals.read), as allow_oom lets them be written while Redis is full."""
+        refused, fixes = refusals.read(commands[:plain], results)
+        for (_, (_, limit), req), accepted in zip(bounded, results[plain:], strict=True):
+            if type(accepted) is ReplyError:
+                refused.append((req.id, refusals.refusal(accepted)))
+            elif not accepted:
+                self._full(req, limit)
+        for request_id, error in refused:
+            self._finish(request_id, error)
+        self._write_failed.log("gateway %s: Redis refused %d requests: %s", self.id, len(refused),
+                               next(r for r in results if type(r) is ReplyError))
+        if not fixes:
+            return
+        try:
+            script = await allow_oom(self._redis, HINCRBY_MANY)
+            pipe = Batch()
+            for key, counts in fixes.items():
+                record_counts(pipe, key.decode(), counts, script)
+            await self._out.execute(pipe.commands)
+        except Exception as exc:  # statistics only: the requests are answered
+            self._write_failed.log("gateway %s: putting the statistics right failed: %s", self.id, exc)
+
+    def _full(self, request: InferRequest, limit: int) -> None:
+        self._finish(request.id, DespinaError(f"Exceeds maximum queue size: the queue is full ({limit} "
+                                              "requests); retry later", Code.RESOURCE_EXHAUSTED))
 
     def _fitting(self, entry: list[InferRequest], payload: bytes, too_large: list[tuple[InferRequest, int]]
                  ) -> list[bytes]:
