@@ -276,9 +276,8 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
             done(DespinaError(message, Code(code)))
         elif isinstance(result, DespinaError):
             done(result)
-        elif isinstance(result, TimeoutError):
-            whole = gw.settings.request_timeout_s
-            done(DeadlineExceeded(f"no answer from model '{model}' within {whole:g} s"))
+        elif isinstance(result, TimeoutError):  # the time it had: less than the whole when woken, or a step
+            done(DeadlineExceeded(f"no answer from model '{model}' within {round(timeout, 3):g} s"))
         else:
             done(DespinaError(f"queueing the request failed: {result}", Code.INTERNAL))
 

@@ -1,0 +1,38 @@
+"""The infer hop's answers that come from the gateway itself, against a real Redis (no worker)."""
+from __future__ import annotations
+
+import asyncio
+
+from despina.contract.errors import Code, DespinaError
+from despina.contract.modelconfig import ModelSpec
+from despina.contract.records import InferReply, Tensor
+from despina.gateway import infer
+from despina.gateway.app import Gateway
+from despina.settings import Settings
+
+SPEC = ModelSpec.from_config({"name": "m", "backend": "python", "max_batch_size": 0,
+                              "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [1]}],
+                              "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [1]}]})
+
+
+async def test_a_request_without_an_answer_is_told_the_time_it_had(redis_url: str, key_prefix: str) -> None:
+    """A request given less than request_timeout_s (woken from scale-to-zero, an ensemble's later step)
+    used to be told it had no answer within request_timeout_s."""
+    gw = Gateway(Settings(redis_url=redis_url, key_prefix=key_prefix, request_timeout_s=0.3))
+    await gw.start()
+    try:
+        got: dict[str, InferReply | DespinaError] = {}
+        x = [Tensor("x", "FP32", (1,), bytes(4))]
+        infer.submit(gw, SPEC, 1, x, (), None, lambda r: got.__setitem__("whole", r))
+        infer.submit(gw, SPEC, 1, x, (), None, lambda r: got.__setitem__("less", r), timeout=0.125)
+        for _ in range(500):
+            if len(got) == 2:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await gw.close()
+        await gw.redis.connection_pool.disconnect()  # a pool of its own (redis_client.connect): not closed
+    for name, said in (("whole", "within 0.3 s"), ("less", "within 0.125 s")):
+        error = got[name]
+        assert isinstance(error, DespinaError) and error.code == Code.DEADLINE_EXCEEDED, error
+        assert f"no answer from model 'm' {said}" in error.message, error.message
