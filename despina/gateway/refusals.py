@@ -65,7 +65,7 @@ def read(commands: Sequence[Command], results: list[Any]) -> tuple[Refused, Coun
                 _add(fixes, args[1], {args[2].decode(): fix})
             lost = 0
         elif name == b"EVAL" and error:
-            _add(fixes, args[3], msgpack.unpackb(args[4]))
+            _add(fixes, args[3], msgpack.unpackb(args[4], strict_map_key=True))
     return refused, fixes
 
 
