@@ -47,12 +47,17 @@ async def test_a_full_stream_refuses_at_once_and_loses_nothing_it_accepted(
         await post(http, 0)
         os.kill(worker, signal.SIGSTOP)
         try:
+            added = added_to(client, stream)
             tasks = []
             for i in range(1, SENT):  # one at a time: each request its own stream entry
                 tasks.append(asyncio.create_task(post(http, i)))
                 await asyncio.sleep(0.02)
                 longest = max(longest, client.xlen(stream))
-            await asyncio.sleep(0.3)
+            # every request is either queued or refused while the worker is stopped (a late 503 is waited for)
+            deadline = time.monotonic() + 30
+            while (len(answers) - 1 + added_to(client, stream) - added < SENT - 1
+                   and time.monotonic() < deadline):
+                await asyncio.sleep(0.05)
             refused_while_stopped = [a for a in answers if a.status == 503]
         finally:
             os.kill(worker, signal.SIGCONT)
@@ -73,3 +78,8 @@ async def test_a_full_stream_refuses_at_once_and_loses_nothing_it_accepted(
     report("backpressure", max_stream_length=LIMIT, sent=SENT, accepted=len(accepted), refused_503=len(refused),
            accepted_answered=len(accepted), lost=0, longest_stream=longest,
            refused_latency_max_ms=round(max(a.latency for a in refused) * 1000, 1))
+
+
+def added_to(client: redis.Redis, stream: str) -> int:
+    """Entries ever added to `stream` (XDEL and trimming do not lower it, as they lower XLEN)."""
+    return int(client.xinfo_stream(stream)["entries-added"])
