@@ -174,20 +174,28 @@ async def test_higher_priority_is_batched_first() -> None:
 
 async def test_queue_timeout_rejects_or_delays() -> None:
     rejected: list[str] = []
-    reject_policy = QueuePolicy(timeout_action="REJECT", default_timeout_us=20_000)
+    rejected_at: list[float] = []
+    reject_policy = QueuePolicy(timeout_action="REJECT", default_timeout_us=300_000)
     policy = BatchPolicy(max_batch_size=4, max_queue_delay_us=0, dynamic=True,
                          default_queue_policy=reject_policy)
     hold = asyncio.Event()
     rec = Recorder(hold)
-    batcher = DynamicBatcher(policy, rec, reject=lambda item: rejected.append(item.payload))
+
+    def reject(item: Item) -> None:
+        rejected.append(item.payload)
+        rejected_at.append(time.monotonic())
+
+    batcher = DynamicBatcher(policy, rec, reject=reject)
     task = asyncio.create_task(batcher.run())
     batcher.put(Item(1, "k", "busy"))
-    await asyncio.sleep(0.01)
+    await until(lambda: batcher.executing == 1)     # the only instance is now busy
+    put = time.monotonic()
     batcher.put(Item(1, "k", "late"))
     batcher.put(Item(1, "k", "later"))
     assert batcher.pending == 2 and batcher.executing == 1
-    await asyncio.sleep(0.05)                       # both time out while the instance is busy
+    await until(lambda: len(rejected) == 2)         # both time out while the instance is busy
     assert rejected == ["late", "later"]
+    assert rejected_at[0] - put >= 0.3              # not before their timeout
     assert batcher.pending == 0                     # rejected: no longer queued
     hold.set()
     batcher.close()
@@ -200,17 +208,18 @@ async def test_delay_action_moves_timed_out_requests_behind_the_others_of_their_
     still ahead of a lower level's."""
     policy = BatchPolicy(max_batch_size=1, max_queue_delay_us=0, dynamic=True, priority_levels=2,
                          default_priority=2,
-                         priority_queue_policy={1: QueuePolicy("DELAY", default_timeout_us=100_000)})
+                         priority_queue_policy={1: QueuePolicy("DELAY", default_timeout_us=500_000)})
     hold = asyncio.Event()
     rec = Recorder(hold)
     batcher = DynamicBatcher(policy, rec)
     task = asyncio.create_task(batcher.run())
     batcher.put(Item(1, "k", "busy"))
-    await asyncio.sleep(0.01)
-    batcher.put(Item(1, "k", "urgent-but-late", priority=1))
-    await asyncio.sleep(0.12)
+    await until(lambda: batcher.executing == 1)     # the only instance is now busy
+    late = Item(1, "k", "urgent-but-late", priority=1)
+    batcher.put(late)
+    await until(lambda: time.monotonic() > late.arrived + 0.5)
     batcher.put(Item(1, "k", "normal", priority=2))
-    batcher.put(Item(1, "k", "urgent", priority=1))  # 100 ms before it too is late
+    batcher.put(Item(1, "k", "urgent", priority=1))  # 500 ms before it too is late
     assert batcher.pending == 3                     # the delayed one still counts
     hold.set()
     batcher.close()
@@ -240,16 +249,17 @@ async def test_max_queue_size_refuses_at_once() -> None:
 async def test_max_queue_size_counts_the_delayed_requests() -> None:
     """Triton's max_queue_size counts a level's timed-out requests (DELAY) too: they still wait in it."""
     policy = BatchPolicy(max_batch_size=4, dynamic=True, default_queue_policy=QueuePolicy(
-        "DELAY", default_timeout_us=10_000, max_queue_size=2))
+        "DELAY", default_timeout_us=200_000, max_queue_size=2))
     hold = asyncio.Event()
     batcher = DynamicBatcher(policy, Recorder(hold))
     task = asyncio.create_task(batcher.run())
     batcher.put(Item(4, "k", "busy"))
-    await asyncio.sleep(0.01)                       # the only instance is now busy
+    await until(lambda: batcher.executing == 1)     # the only instance is now busy
     batcher.put(Item(1, "k", 1))
     batcher.put(Item(1, "k", 2))
-    await asyncio.sleep(0.03)                       # both delayed: still queued
-    assert batcher.pending == 2
+    # both moved behind (DELAY), out of the level's queue: only now does a refusal show they are counted
+    await until(lambda: sum(len(d) for d in batcher._delayed) == 2)
+    assert batcher.pending == 2                     # still queued
     with pytest.raises(QueueFull, match="full"):
         batcher.put(Item(1, "k", 3))
     hold.set()
