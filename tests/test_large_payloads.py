@@ -22,6 +22,10 @@ from .conftest import Server, module_server, start_server, stop_server
 from .reliability_support import own_redis, role_pids
 
 COLUMNS = 1024  # ident's rows: 4 KiB each
+# what a role may hold more after large requests went: half of one (36-40 MB), so that one kept fails;
+# a memory bound, not a speed: it is waited for (SETTLE_S) while the roles finish their part of the work
+KEPT_MB = 18
+SETTLE_S = 30.0
 BLOWUP = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -160,16 +164,18 @@ def test_a_large_requests_memory_is_let_go_once_answered(ident_server: Server, r
         r = httpx.post(url, content=big[0], headers=big[1], timeout=60)
         assert r.status_code == 200 and len(r.content) > len(big[0]) - 1000
     client = redis.Redis.from_url(redis_url)
-    for _ in range(100):  # let go, and trimmed, once the answer went (under load the gateway may not have
-        # run its part after the last write yet when the client has read it all): 10 s at most
+    deadline = time.monotonic() + SETTLE_S
+    while True:  # let go, and trimmed, once the answer went (under load the gateway may not have run its
+        # part after the last write yet when the client has read it all)
         after = rss_mb(gateway), rss_mb(worker)
         kept = sum(client.xlen(key) for key in client.scan_iter(f"{server.prefix}:rep:*"))
-        if not kept and after[0] - before[0] < 18 and after[1] - before[1] < 18:
+        if not kept and after[0] - before[0] < KEPT_MB and after[1] - before[1] < KEPT_MB \
+                or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     client.close()
-    assert after[0] - before[0] < 18, f"the gateway holds {after[0] - before[0]:.0f} MB more"
-    assert after[1] - before[1] < 18, f"the worker holds {after[1] - before[1]:.0f} MB more"
+    assert after[0] - before[0] < KEPT_MB, f"the gateway holds {after[0] - before[0]:.0f} MB more"
+    assert after[1] - before[1] < KEPT_MB, f"the worker holds {after[1] - before[1]:.0f} MB more"
     assert kept == 0, f"the reply stream keeps {kept} replies read"
 
 
@@ -226,8 +232,7 @@ def test_uploads_cut_short_leave_no_memory_behind(ident_server: Server) -> None:
             for _ in range(40):
                 s.sendall(b" " * 1_000_000)
             time.sleep(0.2)  # read by the gateway before the connection ends
-    for _ in range(50):  # the last disconnection seen
-        if (kept := rss_mb(gateway) - before) < 18:
-            break
-        time.sleep(0.1)
-    assert kept < 18, f"the gateway holds {kept:.0f} MB more"
+    deadline = time.monotonic() + SETTLE_S
+    while (kept := rss_mb(gateway) - before) >= KEPT_MB and time.monotonic() < deadline:
+        time.sleep(0.1)  # the last disconnection seen
+    assert kept < KEPT_MB, f"the gateway holds {kept:.0f} MB more"
