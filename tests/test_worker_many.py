@@ -80,19 +80,34 @@ async def test_announces_that_come_together_share_one_heartbeat(redis_url: str, 
         await redis.aclose(close_connection_pool=True)
 
 
+LOADS = 5
 LOADING_PY = """
 import json, os, time
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        folder = json.loads(args["model_config"])["parameters"]["folder"]["string_value"]
-        mine = os.path.join(folder, args["model_name"])
+        parameters = json.loads(args["model_config"])["parameters"]
+        folder, loads = parameters["folder"]["string_value"], int(parameters["loads"]["string_value"])
+        now, done = os.path.join(folder, "now"), os.path.join(folder, "done")
+        mine = os.path.join(now, args["model_name"])
         open(mine, "w").close()
-        with open(os.path.join(folder, "seen"), "a") as seen:  # how many load at this moment, this one too
-            seen.write(f"{len([n for n in os.listdir(folder) if n != 'seen'])}\\n")
-        time.sleep(1.0)
+        # it waits for another load to be on at the same time (unless every other load is done): two
+        # loads at once meet however slow their starts, one at a time never do (then it goes on after 20 s)
+        deadline = time.monotonic() + 20
+        while (len(os.listdir(now)) < 2 and len(os.listdir(done)) < loads - 1
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        most, end = 0, time.monotonic() + 1.0  # then it stays a second: more loads at once are seen too
+        while True:
+            most = max(most, len(os.listdir(now)))
+            if time.monotonic() > end:
+                break
+            time.sleep(0.01)
+        with open(os.path.join(folder, "seen"), "a") as seen:  # the most loads at once, this one too
+            seen.write(f"{most}\\n")
         os.remove(mine)
+        open(os.path.join(done, args["model_name"]), "w").close()
 
     def execute(self, requests):
         return []
@@ -104,12 +119,13 @@ async def test_a_worker_loads_model_load_threads_models_at_once(tmp_path: Path, 
     """Loads take turns, DESPINA_MODEL_LOAD_THREADS at once (Triton's --model-load-thread-count): a hundred
     cold starts at once shared the worker's CPU, and every first answer came as late as the last."""
     loading = tmp_path / "loading"
-    loading.mkdir()
+    (loading / "now").mkdir(parents=True)
+    (loading / "done").mkdir()
     redis = connect_worker(redis_url)
     worker = Worker(Settings(key_prefix=key_prefix, model_load_threads=2), redis)
     try:
         entries = []
-        for i in range(5):
+        for i in range(LOADS):
             folder = tmp_path / f"p{i}"
             (folder / "1").mkdir(parents=True)
             (folder / "1" / "model.py").write_text(LOADING_PY)
@@ -117,16 +133,17 @@ async def test_a_worker_loads_model_load_threads_models_at_once(tmp_path: Path, 
                 'backend: "python"\nmax_batch_size: 0\n'
                 'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
                 'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n'
-                f'parameters [{{ key: "folder", value: {{ string_value: "{loading}" }} }}]\n')
+                f'parameters [{{ key: "folder", value: {{ string_value: "{loading}" }} }}, '
+                f'{{ key: "loads", value: {{ string_value: "{LOADS}" }} }}]\n')
             entries.append(replace(load_model(folder), workers=(worker.id,)))
         await redis.hset(worker.keys.catalog, mapping={e.name: e.dumps() for e in entries})
         await worker.sync()
-        assert len(worker.loading) == 5  # every one LOADING, waiting for its turn or loading
-        await asyncio.wait_for(asyncio.gather(*(task for _, task in worker.loading.values())), 60)
+        assert len(worker.loading) == LOADS  # every one LOADING, waiting for its turn or loading
+        await asyncio.wait_for(asyncio.gather(*(task for _, task in worker.loading.values())), 150)
         assert worker.failures == {}
-        assert len(worker.runners) == 5
+        assert len(worker.runners) == LOADS
         seen = [int(n) for n in (loading / "seen").read_text().split()]
-        assert max(seen) == 2, seen  # (without turns: all 5 at once)
+        assert max(seen) == 2, seen  # (without turns: all 5 at once; one at a time: 1)
     finally:
         await worker.drain()
         await redis.delete(worker.keys.catalog, worker.keys.worker(worker.id), worker.keys.workers)
