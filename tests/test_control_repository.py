@@ -291,21 +291,56 @@ def test_an_instance_count_no_worker_can_hold_is_refused_by_placement(serve: Cal
     assert r.status_code == 200, r.text
 
 
-def test_a_load_no_longer_wanted_stops(serve: Callable[..., Server], repo: Path) -> None:
+GATED_MODEL = """
+import json, os, time
+
+GATE = "GATE_DIR"
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        size = json.loads(args["model_config"])["max_batch_size"]
+        self.mark = os.path.join(GATE, f"{size}-{os.getpid()}")
+        open(self.mark + ".started", "w").close()
+        deadline = time.monotonic() + 60  # until the test lets the load of its config go on
+        while not os.path.exists(os.path.join(GATE, f"go-{size}")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def finalize(self):
+        open(self.mark + ".finalized", "w").close()
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_a_load_no_longer_wanted_stops(serve: Callable[..., Server], repo: Path, tmp_path: Path) -> None:
     # new files while the old ones load: both loads used to run to the end (the stale one could finish
     # last and serve); an unloaded model's load ran to the end too
     config = ('backend: "python"\nmax_batch_size: {}\ninstance_group [ {{ count: 2, kind: KIND_CPU }} ]\n'
               'input [ {{ name: "IN", data_type: TYPE_INT32, dims: [ 3 ] }} ]\n'
               'output [ {{ name: "OUT", data_type: TYPE_INT32, dims: [ 3 ] }} ]\n')
+    gate = tmp_path / "gate"  # each load's initialize waits until the test lets its config's go on
+    gate.mkdir()
     (repo / "slow" / "1").mkdir(parents=True)
-    (repo / "slow" / "1" / "model.py").write_text(PYTHON_MODEL.format(body="time.sleep(3)"))
+    (repo / "slow" / "1" / "model.py").write_text(GATED_MODEL.replace("GATE_DIR", str(gate)))
     (repo / "slow" / "config.pbtxt").write_text(config.format(4))
     server = serve(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2", health="live")
     wait_until(lambda: "loading slow version 1" in server.logs(), 20, what="slow to start loading")
     (repo / "slow" / "config.pbtxt").write_text(config.format(8))
-    wait_until(lambda: "loaded slow version 1" in server.logs(), 20, what="slow to load")
-    time.sleep(4)  # the other load's end, had both gone on
-    assert "stopped loading slow version 1: no longer wanted" in server.logs(), server.logs()[-3000:]
+    wait_until(lambda: "stopped loading slow version 1: no longer wanted" in server.logs(), 30,
+               what="the first load to stop")
+
+    def unloaded() -> bool:  # what the stopped load made is unloaded once its thread is done
+        started, ended = ({p.stem for p in gate.glob(f"4-*.{s}")} for s in ("started", "finalized"))
+        return bool(started) and started == ended
+
+    (gate / "go-4").touch()
+    # had it gone on, it would serve, and be unloaded only once the new load (still held) is done
+    wait_until(unloaded, 30, what="the stopped load's instances to be unloaded")
+    assert "loaded slow version 1" not in server.logs(), server.logs()[-3000:]
+    (gate / "go-8").touch()
+    wait_until(lambda: "loaded slow version 1" in server.logs(), 30, what="slow to load")
     assert server.logs().count("loaded slow version 1") == 1
     assert httpx.get(f"{server.url}/v2/models/slow/config").json()["max_batch_size"] == 8
 
