@@ -385,7 +385,8 @@ def test_gateways_share_the_port_and_drain_together(serve: Callable[..., Server]
         return await asyncio.gather(*(one() for _ in range(60)))
 
     assert asyncio.run(many()) == [200] * 60
-    replied = redis.Redis.from_url(redis_url).keys(f"{key_prefix}:rep:*")
+    with redis.Redis.from_url(redis_url) as client:
+        replied = client.keys(f"{key_prefix}:rep:*")
     assert len(replied) >= 2, replied  # each gateway has a reply stream of its own
     assert stop_server(server) == 0
     assert not alive(set(gateways))
@@ -660,15 +661,15 @@ def test_a_colocated_worker_serves_from_the_gateways_process_and_drains_with_it(
     assert len(gateways) == 1 and not any("despina worker" in c for c in roles.values()), roles
     stubs = [p for p, c in roles.items() if "python_stub/stub.py" in c]
     assert stubs and all(f"PPid:\t{gateways[0]}\n" in Path(f"/proc/{p}/status").read_text() for p in stubs)
-    r = redis.Redis.from_url(redis_url)
-    assert len(r.smembers(f"{key_prefix}:workers")) == 1
-    assert "1 worker(s) inside gateways" in server.logs()
-    ensemble = httpx.post(f"{server.url}/v2/models/mlp_classify/infer", timeout=30, json={"inputs": [
-        {"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [0.25] * 256}]})
-    assert ensemble.status_code == 200, ensemble.text
-    assert {o["name"] for o in ensemble.json()["outputs"]} >= {"label"}
-    sigterm_answers_twenty_in_flight(server)
-    assert not r.smembers(f"{key_prefix}:workers")  # it said goodbye as a worker process does
+    with redis.Redis.from_url(redis_url) as r:
+        assert len(r.smembers(f"{key_prefix}:workers")) == 1
+        assert "1 worker(s) inside gateways" in server.logs()
+        ensemble = httpx.post(f"{server.url}/v2/models/mlp_classify/infer", timeout=30, json={"inputs": [
+            {"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [0.25] * 256}]})
+        assert ensemble.status_code == 200, ensemble.text
+        assert {o["name"] for o in ensemble.json()["outputs"]} >= {"label"}
+        sigterm_answers_twenty_in_flight(server)
+        assert not r.smembers(f"{key_prefix}:workers")  # it said goodbye as a worker process does
 
 
 def test_colocated_workers_beyond_the_gateways_run_as_their_own_processes(
@@ -680,15 +681,16 @@ def test_colocated_workers_beyond_the_gateways_run_as_their_own_processes(
     roles, _, _ = serve_processes(server)
     assert len([p for p, c in roles.items() if "despina gateway" in c]) == 2, roles
     assert len([p for p, c in roles.items() if "despina worker" in c]) == 1, roles
-    r = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + 60
-    while True:  # every worker reports mlp READY
-        states = [r.hget(f"{key_prefix}:worker:{w.decode()}", "models") for w in r.smembers(f"{key_prefix}:workers")]
-        if len(states) == 3 and all(s and orjson.loads(s).get("mlp", {}).get("1") == "READY" for s in states):
-            break
-        assert time.monotonic() < deadline, (states, server.logs())
-        time.sleep(0.2)
-    names = {w.decode().rsplit(".", 1)[0].rsplit("-", 1)[-1] for w in r.smembers(f"{key_prefix}:workers")}
+    with redis.Redis.from_url(redis_url) as r:
+        deadline = time.monotonic() + 60
+        while True:  # every worker reports mlp READY
+            states = [r.hget(f"{key_prefix}:worker:{w.decode()}", "models")
+                      for w in r.smembers(f"{key_prefix}:workers")]
+            if len(states) == 3 and all(s and orjson.loads(s).get("mlp", {}).get("1") == "READY" for s in states):
+                break
+            assert time.monotonic() < deadline, (states, server.logs())
+            time.sleep(0.2)
+        names = {w.decode().rsplit(".", 1)[0].rsplit("-", 1)[-1] for w in r.smembers(f"{key_prefix}:workers")}
     assert names == {"w0", "w1", "w2"}  # serve's names, the colocated ones too
 
     async def many() -> list[int]:
@@ -706,8 +708,8 @@ def test_a_colocated_worker_that_cannot_start_stops_serve_with_its_reason(
     refused (the workers' set is a string: another program's key where Despina's belongs), the gateway
     says why and stops, and, since it had only just started, serve stops everything (exit 1), nothing left
     running, the worker's error said once and not as a traceback."""
-    r = redis.Redis.from_url(redis_url)
-    r.set(f"{key_prefix}:workers", "not a set")
+    with redis.Redis.from_url(redis_url) as r:
+        r.set(f"{key_prefix}:workers", "not a set")
     mlp = tmp_path / "repo"
     shutil.copytree(example_repository / "mlp", mlp / "mlp")
     process = subprocess.Popen(
