@@ -56,7 +56,7 @@ def connect(url: str, max_connections: int = 64, wait_s: float = 0.0) -> aioredi
         url, max_connections=max_connections, socket_timeout=None, socket_connect_timeout=CONNECT_TIMEOUT_S,
         health_check_interval=0, retry_on_timeout=False,
         retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)), **waits, **tcp)
-    return aioredis.Redis(connection_pool=pool)
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose closes its connections
 
 
 def connect_worker(url: str, max_connections: int = 64) -> aioredis.Redis:

@@ -31,7 +31,6 @@ async def test_a_request_without_an_answer_is_told_the_time_it_had(redis_url: st
             await asyncio.sleep(0.01)
     finally:
         await gw.close()
-        await gw.redis.connection_pool.disconnect()  # a pool of its own (redis_client.connect): not closed
     for name, said in (("whole", "within 0.3 s"), ("less", "within 0.125 s")):
         error = got[name]
         assert isinstance(error, DespinaError) and error.code == Code.DEADLINE_EXCEEDED, error

@@ -281,7 +281,6 @@ async def test_connections_to_redis_find_a_vanished_host_dead(redis_url: str) ->
     finally:
         ours.close()
         await client.aclose()
-        await client.connection_pool.disconnect()
 
 
 @pytest.fixture
