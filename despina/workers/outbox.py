@@ -1,12 +1,17 @@
 """A model runner's way out (part of ModelRunner, runner.py): a batch's replies, one entry per gateway,
 its statistics and queue counters, and the acknowledgement of the stream entries they answer, in one
-round trip (the next read riding along where it may); a decoupled model's responses before its last."""
+round trip (the next read riding along where it may); a decoupled model's responses before its last, and
+those Redis refused written again in order, the request's later responses held behind them."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
+import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -14,13 +19,13 @@ from ..contract.keys import ENTRY_REQUESTS, GROUP, Keys
 from ..contract.modelconfig import ModelSpec
 from ..contract.records import InferReply, InferRequest
 from ..counters import Deferred, record_counts
-from ..resp import Batch, ReadAlong, Resp
+from ..resp import Batch, Command, ReadAlong, Resp
 from . import stats
 from .batcher import DynamicBatcher
 from .execution import Execution
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
-from .replies import count_dequeued, refused, replies_into, write_again
+from .replies import RESEND_S, count_dequeued, refused, replies_into, write_again
 from .sequences import SequenceBatcher
 from .streams import ModelStreams
 
@@ -28,6 +33,11 @@ if TYPE_CHECKING:
     from .intake import Answer, Pending, Settled
 
 log = logging.getLogger("despina.worker")
+
+# What waits its turn behind a decoupled model's response that Redis refused: a response's commands, how
+# many reply entries (XADD, PEXPIRE) begin them and its stream id (their last but one answer says whether
+# it was cancelled), or None for a final reply's entries refused; or the final reply's whole round trip.
+Held = tuple[list[Command], int, int | None] | Coroutine[Any, Any, None]
 
 
 class Outbox:
@@ -56,6 +66,7 @@ class Outbox:
     _room: asyncio.Event
     _background: set[asyncio.Task[None]]
     _out: Resp | None
+    _held: dict[int, deque[Held]]  # id() of a request -> its responses written again, those behind them
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -70,28 +81,86 @@ class Outbox:
         """A decoupled model's response before its last one, alone to its gateway. The same round trip
         asks whether the request's client went away (then the model is told), and keeps its stream entry
         from looking abandoned (its idle time starts again): a long stream is not redelivered. A request
-        made in this process (a model's exec(decoupled=True), workers/bls.py) gets it on the loop."""
+        made in this process (a model's exec(decoupled=True), workers/bls.py) gets it on the loop.
+        One Redis refuses (at its maxmemory) is written again (_hold), the request's later ones after it."""
         if p.entry is None:
             local = self._local.get(id(p.request))
             if local is not None and local[0](reply):
                 self.execution.streams.cancel(stream)
             return
+        pipe = Batch()
+        entries = replies_into(pipe, {p.request.reply_to: [reply]}, self.delivery.reply_ttl_ms,
+                               self.spec.name, self._bulk)
+        pipe.commands.append(["SISMEMBER", self.keys.cancelled(p.request.reply_to), p.request.id])
+        pipe.commands.append(["XCLAIM", p.entry[0], GROUP, self.consumer, 0, p.entry[1], "JUSTID"])
+        held = self._held.get(id(p.request)) if self._held else None
+        if held is not None:  # one before it is being written again: it goes after that one
+            held.append((pipe.commands, entries, stream))
+            return
         if self._out is None:
             self._out = Resp.like(self.redis)
-        pipe = Batch()
-        replies_into(pipe, {p.request.reply_to: [reply]}, self.delivery.reply_ttl_ms, self.spec.name,
-                     self._bulk)
-        asked = len(pipe.commands)  # the answer that says whether it was cancelled
-        pipe.commands.append(["SISMEMBER", self.keys.cancelled(p.request.reply_to), p.request.id])
-        if p.entry is not None:
-            pipe.commands.append(["XCLAIM", p.entry[0], GROUP, self.consumer, 0, p.entry[1], "JUSTID"])
         try:
-            results = await self._out.execute(pipe.commands)
+            results = await self._out.execute(pipe.commands, errors=False)
         except Exception as exc:  # the final reply's pipeline tells of it again, or the entry is reclaimed
             log.error("model %s: writing a response failed: %s", self.spec.name, exc)
             return
-        if results[asked]:
+        if results[-2] == 1:
             self.execution.streams.cancel(stream)
+        if refused("model", self.spec.name, pipe, results, entries, 1):
+            self._hold(p.request, (pipe.commands, entries, stream))
+
+    async def _finish_response(self, stream: int, reply: InferReply, p: Pending) -> None:
+        """A decoupled model's last response: replied at once, or after the request's responses still being
+        written again (a gateway drops a response that comes after a later one). A task as each response
+        before it is, so that it looks for those in the order they came."""
+        held = self._held.get(id(p.request)) if self._held else None
+        if held is None:
+            await self._reply([reply], [p.request], [p])
+        else:
+            held.append(self._reply([reply], [p.request], [p]))
+
+    def _hold(self, request: InferRequest, refused_one: Held) -> None:
+        """A response of `request` that Redis refused: written again, and the request's later ones held
+        behind it, until Redis takes them or the request's deadline passes (_write_held)."""
+        held = self._held.get(id(request))
+        if held is not None:  # one before it, its pipeline sent before that one was answered, was refused too
+            held.append(refused_one)
+            return
+        self._held[id(request)] = deque([refused_one])
+        self._spawn(self._write_held(id(request), request.deadline))
+
+    async def _write_held(self, key: int, until: float) -> None:
+        """Write a request's held responses in order, every RESEND_S until Redis takes each, or until the
+        request's deadline (`until`: its gateway has answered 504 by then, the rest are dropped); then its
+        final reply's round trip, if it came meanwhile, which also acknowledges and counts the request."""
+        held = self._held[key]
+        try:
+            while held and isinstance(held[0], tuple):
+                await asyncio.sleep(RESEND_S)
+                while held and isinstance(held[0], tuple) and await self._written(*held[0]):
+                    held.popleft()
+                if held and isinstance(held[0], tuple) and time.time() >= until:
+                    log.error("model %s: %d responses Redis refused were not written by their request's "
+                              "deadline", self.spec.name, sum(isinstance(h, tuple) for h in held))
+                    break
+        finally:
+            del self._held[key]
+        for item in held:  # the final reply (the responses left were dropped at the deadline)
+            if not isinstance(item, tuple):
+                await item
+
+    async def _written(self, commands: list[Command], entries: int, stream: int | None) -> bool:
+        """Whether Redis took the reply entries of a held response (told, meanwhile, if it was cancelled)."""
+        assert self._out is not None
+        try:
+            results = await self._out.execute(commands, errors=False)
+        except (RedisError, OSError):
+            return False
+        if any(isinstance(results[i], hiredis.ReplyError) for i in range(0, 2 * entries, 2)):
+            return False
+        if stream is not None and results[-2] == 1:
+            self.execution.streams.cancel(stream)
+        return True
 
     async def _reply(self, replies: list[InferReply], requests: list[InferRequest],
                      pendings: list[Pending], rows: int = 0, started: float = 0.0,
@@ -169,7 +238,11 @@ class Outbox:
                       self.spec.name, len(replies), exc)
             return
         if again := refused("model", self.spec.name, pipe, results, entries, len(replies)):
-            self._spawn(write_again(self._out, again, max(r.deadline for r in requests)))
+            held = self._held.get(id(requests[0])) if self._held and len(requests) == 1 else None
+            if held is not None:  # a decoupled model's final reply, sent as a response before it was refused
+                held.append((again, len(again) // 2, None))
+            else:
+                self._spawn(write_again(self._out, again, max(r.deadline for r in requests)))
 
     async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
         try:

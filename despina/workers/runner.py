@@ -35,7 +35,10 @@ from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
 
 if TYPE_CHECKING:
+    from collections import deque
+
     from .bls import ModelCaller
+    from .outbox import Held
     from .sweep import PendingSweep
 
 __all__ = ["READ_WAITS_S", "TIMED_OUT", "ModelRunner", "Pending", "Settled"]
@@ -73,7 +76,7 @@ class ModelRunner(Intake):
         # its instances, and how a batch runs on them
         self.execution = Execution(spec, path, version, threads, caller,
                                    lambda s, r, p: self._spawn(self._send_response(s, r, p)),
-                                   lambda s, r, p: self._spawn(self._reply([r], [p.request], [p])),
+                                   lambda s, r, p: self._spawn(self._finish_response(s, r, p)),
                                    self._read_along.release)
         batch_io = self.execution.batch_io
         self._ragged = batch_io.ragged if batch_io is not None else frozenset()
@@ -93,6 +96,7 @@ class ModelRunner(Intake):
         self._room.set()
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
+        self._held: dict[int, deque[Held]] = {}  # a decoupled model's responses Redis refused (outbox)
         self._stopping = False
         self._order = ReplyOrder() if spec.policy.preserve_ordering else None
         self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
