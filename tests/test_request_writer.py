@@ -133,3 +133,27 @@ async def test_counters_that_rode_with_refused_requests_are_written_while_redis_
         finally:
             await w.redis.config_set("maxmemory", 0)
         assert counted == {b"fail_count": b"1", b"fail:REJECTED": b"1", b"refused": b"1"}, counted
+
+
+async def test_a_cancellation_reaches_the_workers_while_redis_is_full(
+        writer_on: Callable[[str, str], Awaitable[Writer]], tmp_path: Path) -> None:
+    """A client that goes away is named in the gateway's cancelled set, which a decoupled model's worker
+    reads with each response (and stops): Redis full, the SADD was refused and the model streamed on to
+    nobody. Written now as allow_oom lets it (a few bytes), as the gateway's counters are."""
+    with own_redis(tmp_path) as server:
+        w = await writer_on(server.url, "p")
+        w.submit("a", "m")
+        await w.until(lambda: w.d.waiting == 1)
+        cancelled = w.keys.cancelled(w.d.reply_stream)
+        await w.redis.config_set("maxmemory", 1)
+        try:
+            w.d.cancel("a")
+            for _ in range(500):
+                if await w.redis.sismember(cancelled, "a"):
+                    break
+                await asyncio.sleep(0.01)
+            named = await w.redis.sismember(cancelled, "a")
+        finally:
+            await w.redis.config_set("maxmemory", 0)
+        assert named and 0 < await w.redis.pttl(cancelled) <= w.d.reply_ttl_ms
+        assert isinstance(w.results["a"], DespinaError) and w.results["a"].code == Code.CANCELLED

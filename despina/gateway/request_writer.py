@@ -13,7 +13,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
 from hiredis import ReplyError
 
 from ..contract import records
@@ -51,7 +50,6 @@ class RequestWriter(Waiters):
     """The Dispatcher's writing of its requests: _flush, once per tick that has any."""
 
     bulk_limit: int
-    _redis: aioredis.Redis
     _outbox: dict[str, list[InferRequest]]
     _bounded: list[tuple[str, Bound, InferRequest]]
     _stats: dict[str, str]

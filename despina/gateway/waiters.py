@@ -13,9 +13,12 @@ import logging
 import time
 from collections.abc import Callable
 
+import redis.asyncio as aioredis
+
 from ..contract.errors import Cancelled, Unavailable
 from ..contract.keys import Keys
 from ..contract.records import InferReply
+from ..redis_client import allow_oom
 from ..resp import Resp
 
 log = logging.getLogger("despina.gateway")
@@ -25,6 +28,13 @@ Result = InferReply | BaseException
 # model's responses to it that are not its last (InferReply.final False), in order, each once
 Callback = Callable[[Result], None]
 SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
+# Name cancelled requests to the workers that run them (they ask with each response a decoupled model
+# sends), also while Redis is full (allow_oom: a few bytes that end work). KEYS: the set; ARGV: TTL ms, ids.
+TELL_CANCELLED = """
+for i = 2, #ARGV do redis.call('SADD', KEYS[1], ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
 
 
 class Waiters:
@@ -36,6 +46,7 @@ class Waiters:
     reply_stream: str
     reply_ttl_ms: int
     dropped: int
+    _redis: aioredis.Redis
     _out: Resp
     _waiting: dict[str, tuple[Callback, float, str]]
     _early: list[tuple[float, str]]
@@ -113,17 +124,17 @@ class Waiters:
             self._tell_cancelled([request_id])
 
     def _tell_cancelled(self, request_ids: list[str]) -> None:
-        key = self.keys.cancelled(self.reply_stream)
-        task = asyncio.create_task(self._write_commands(
-            [["SADD", key, *request_ids], ["PEXPIRE", key, self.reply_ttl_ms]], "its cancellations"))
+        task = asyncio.create_task(self._write_cancelled(request_ids))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write_commands(self, commands: list[list[str | int]], what: str) -> None:
+    async def _write_cancelled(self, request_ids: list[str]) -> None:
         try:
-            await self._out.execute(commands)
+            script = await allow_oom(self._redis, TELL_CANCELLED)
+            await self._out.execute([["EVAL", script, 1, self.keys.cancelled(self.reply_stream),
+                                      self.reply_ttl_ms, *request_ids]])
         except Exception as exc:  # best effort: the model finishes the request, its answer is dropped
-            log.debug("gateway %s: writing %s failed: %s", self.id, what, exc)
+            log.debug("gateway %s: writing its cancellations failed: %s", self.id, exc)
 
     def _partial(self, reply: InferReply) -> None:
         """A decoupled model's response that is not its last: to the waiting request, unless it had it."""
