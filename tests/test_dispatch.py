@@ -240,32 +240,41 @@ async def test_a_hold_ends_when_the_clients_stop_coming(client_factory: Callable
 
 async def test_a_few_clients_slower_than_the_gap_teach_the_hold_their_pace(
         client_factory: Callable[[int], Awaitable[Client]], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three clients that come back 60 ms apart, against a gap of 50 ms: a Python client sends its next
-    requests 100-300 µs apart where the gap is 200 µs, times 250 here. The first convoy splits; the
-    request just after the hold gave up says the gap was too short, and later convoys go as one entry.
-    Once they stop coming back, the gap shrinks again."""
-    monkeypatch.setattr(dispatch, "HOLD_GAP_S", 0.05)
-    monkeypatch.setattr(dispatch, "MAX_HOLD_GAP_S", 0.25)
+    """Three clients that come back further apart than the gap (a Python client sends its next requests
+    100-300 µs apart where the gap is 200 µs; here the gap is 0.8 s). The first convoy splits; the request
+    just after the hold gave up says the gap was too short, and later convoys as far apart go as one entry.
+    Once they stop coming back, the gap shrinks again. Each step waits for what it follows (the hold's
+    end seen) or at least as long as it must, with hundreds of ms to spare where it must not be late: a
+    loaded machine's stalls do not change what the hold decides. A request of another model stays out
+    at a worker all along, so that the holds sleep on the alarm instead of spinning for seconds."""
+    gap = 0.8
+    monkeypatch.setattr(dispatch, "HOLD_GAP_S", gap)
+    monkeypatch.setattr(dispatch, "MAX_HOLD_GAP_S", 4 * gap)
     c = await client_factory(30_000_000)
+    c.submit("z", "o")  # out, and never answered
+    await c.until_entries(1, "o")
     await c.convoy_answered()
-    names = iter(f"r{i}" for i in range(100))
-    per_round = []
-    for _ in range(4):
-        before = len(await c.entries())
-        convoy = [next(names) for _ in range(3)]
-        for i, rid in enumerate(convoy):
-            if i:
-                await asyncio.sleep(0.06)
-            c.submit(rid)
-        await asyncio.sleep(0.4)  # longer than any gap: all are out
-        per_round.append(len(await c.entries()) - before)
-        await c.answer(*convoy)
-    assert per_round[0] > 1 and per_round[-1] == 1, per_round
+    c.submit("r0")
+    await c.until_entries(2)  # nobody came for the gap: the hold gave up, r0 went alone
+    c.submit("r1")  # at once, well within a gap of that: one of theirs, so the gap was too short
+    c.submit("r2")
+    await c.until_entries(3)
+    assert (await c.entries())[1:] == [["r0"], ["r1", "r2"]]
     learned = c.d._gap_s
-    assert learned > 0.06
-    c.submit(next(names))  # one client back; the other two are not coming
-    await asyncio.sleep(learned + 0.3)
-    c.submit(next(names))  # long after the hold gave up: the gap was long enough, or too long
+    assert learned > gap + 0.1, learned
+    await c.answer("r0", "r1", "r2")
+    c.submit("r3")
+    await asyncio.sleep(gap + 0.1)  # longer than the first gap, 0.3 s within the gap learned
+    c.submit("r4")
+    c.submit("r5")
+    await c.until_entries(4)
+    assert (await c.entries())[3] == ["r3", "r4", "r5"]  # one entry: the hold waited for r4
+    await c.answer("r3", "r4", "r5")
+    c.submit("r6")  # one client back; the other two are not coming
+    await c.until_entries(5)  # the hold gave up on the gap learned
+    gave_up = c.d._gave_up
+    await _until(lambda: _true(time.monotonic() - gave_up > learned))
+    c.submit("r7")  # more than a gap after it gave up: the gap was long enough, or too long
     assert c.d._gap_s < learned
 
 
