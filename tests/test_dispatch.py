@@ -216,25 +216,32 @@ async def test_a_lone_clients_next_request_is_not_held(client_factory: Callable[
 
 
 async def test_a_hold_ends_after_hold_us(client_factory: Callable[[int], Awaitable[Client]]) -> None:
-    c = await client_factory(300_000)
+    c = await client_factory(1_000_000)
     await c.convoy_answered()
+    t0 = time.monotonic()
     c.submit("d")
-    await asyncio.sleep(0.15)
-    c.submit("e")  # a second client back, c's is not coming: held 0.3 s from the first, not from e
-    assert 0.3 - 0.15 - 0.02 <= await c.until_entries(2) < 5.0  # the cap, not the (60 s) gap, ended it
+    ends = c.d._hold_until
+    await asyncio.sleep(0.3)
+    assert c.d._holding  # 0.7 s to spare: a stalled loop does not end the hold before e comes
+    c.submit("e")  # a second client back, c's is not coming: held 1 s from the first, not from e
+    assert c.d._hold_until == ends
+    assert await c.until_entries(2) < 5.0  # the cap, not the (60 s) gap, ended it ...
+    assert time.monotonic() - t0 >= 1.0 - 1e-3  # ... and not before (a lower bound: stalls only add)
     assert (await c.entries())[1] == ["d", "e"]
 
 
 async def test_a_hold_ends_when_the_clients_stop_coming(client_factory: Callable[[int], Awaitable[Client]],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dispatch, "HOLD_GAP_S", 0.3)
+    monkeypatch.setattr(dispatch, "HOLD_GAP_S", 1.0)
     c = await client_factory(30_000_000)
     await c.convoy_answered()
     c.submit("d")
-    await asyncio.sleep(0.2)
-    c.submit("e")  # within the gap: the hold goes on, 0.3 s from e
-    took = await c.until_entries(2)
-    assert 0.3 - 0.02 <= took < 10.0  # then nobody for 0.3 s: it ends (hold_us would be 30 s)
+    await asyncio.sleep(0.3)
+    assert c.d._holding  # 0.7 s to spare: a stalled loop does not end the hold before e comes
+    t_e = time.monotonic()
+    c.submit("e")  # within the gap: the hold goes on, 1 s from e
+    assert await c.until_entries(2) < 5.0  # then nobody for 1 s: it ends (hold_us would be 30 s) ...
+    assert time.monotonic() - t_e >= 1.0 - 1e-3  # ... a gap after e, not d (a lower bound: stalls only add)
     assert (await c.entries())[1] == ["d", "e"]
 
 
