@@ -155,6 +155,15 @@ class Client:
         await self.until_entries(1)
         await self.answer("a", "b", "c")
 
+    async def held(self, for_s: float = 0.2) -> bool:
+        """Whether the hold is still on after `for_s` (a window to end in wrongly: the tests' holds last
+        tens of seconds, so a loop stalled meanwhile only lengthens it); a write it released meanwhile
+        is awaited here, so that the test's next look at the stream sees it however slow Redis is."""
+        await asyncio.sleep(for_s)
+        await asyncio.sleep(0)  # a hold that ended has called for _flush, which starts the write: one turn
+        await asyncio.gather(*self.d._writes)
+        return self.d._holding
+
     async def until_entries(self, n: int, model: str = "m") -> float:
         async def there() -> bool:
             return len(await self.entries(model)) >= n
@@ -186,7 +195,7 @@ async def test_the_next_requests_of_answered_clients_go_out_together(client_fact
     await c.convoy_answered()
     c.submit("d")
     c.submit("e")
-    await asyncio.sleep(0.2)
+    assert await c.held()
     assert await c.entries() == [["a", "b", "c"]]  # held: a third client is still to come
     c.submit("f")  # the third: the three go, in one entry
     await c.until_entries(2)
@@ -194,7 +203,7 @@ async def test_the_next_requests_of_answered_clients_go_out_together(client_fact
 
     await c.answer("d", "e")
     c.submit("g")  # held, one more expected ...
-    await asyncio.sleep(0.1)
+    assert await c.held()
     assert len(await c.entries()) == 2
     c.submit("h", "o")  # ... but a model with no answers just out is not held, and g goes with it
     await c.until_entries(1, "o")
@@ -331,13 +340,13 @@ async def test_a_hold_spins_only_while_nothing_else_is_out(client_factory: Calla
     await c.convoy_answered()
     c.submit("d")
     c.submit("e")
-    await asyncio.sleep(0.1)
+    assert await c.held()
     assert armed == [] and len(await c.entries()) == 1  # held, spinning
     c.submit("f")
     await c.until_entries(2)
     await c.answer("d", "e")  # f is still out
     c.submit("g")
-    await asyncio.sleep(0.1)
+    assert await c.held()
     assert len(armed) == 1 and len(await c.entries()) == 2  # held, asleep
     c.submit("h")
     await c.until_entries(3)
