@@ -9,7 +9,6 @@ import concurrent.futures
 import logging
 import os
 import pickle
-import select
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from ...contract.errors import BackendError, Code, ConfigError, DespinaError
 from ..bls import Cancel
 from .base import Outputs
 from .python_env import Interpreter
+from .python_pipe import PatientConnection, dumps
 from .python_stub import _despina_wire as wire
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class Stub:
         self._metrics: list[dict[str, Any]] = []
         self.name = name
         python = python or Interpreter(sys.executable)
-        self.conn: Connection = _Connection(os.dup(ours.fileno()))
+        self.conn: Connection = PatientConnection(os.dup(ours.fileno()))
         ours.close()
         self._owed = 0  # answers of cancelled calls still to read
         self._writing = threading.Lock()  # a model call's answer may go out while a thread reads
@@ -164,7 +164,7 @@ class Stub:
 
     def _send(self, message: Any) -> None:
         with self._writing:
-            self.conn.send_bytes(_dumps(message))
+            self.conn.send_bytes(dumps(message))
 
     def _tell_logs(self) -> None:
         """Before a call: the log settings, when they changed since the process last heard them
@@ -366,49 +366,6 @@ def _answer_of(result: dict[str, np.ndarray] | DespinaError) -> tuple[Any, ...]:
     if isinstance(result, Outputs) and result.parameters:
         return ("ok", wire.pack_all(result), dict(result.parameters))
     return ("ok", wire.pack_all(result))
-
-
-def _wait(fd: int, event: int) -> None:
-    poller = select.poll()
-    poller.register(fd, event)
-    poller.poll()
-
-
-def _write(fd: int, data: Any) -> int:
-    """os.write, waiting where the socket is non-blocking and full."""
-    while True:
-        try:
-            return os.write(fd, data)
-        except BlockingIOError:
-            _wait(fd, select.POLLOUT)
-
-
-def _read(fd: int, size: int) -> bytes:
-    """os.read, waiting where the socket is non-blocking and the rest has not come yet."""
-    while True:
-        try:
-            return os.read(fd, size)
-        except BlockingIOError:
-            _wait(fd, select.POLLIN)
-
-
-class _Connection(Connection):
-    """multiprocessing's connection, whose reads and writes wait on a socket left non-blocking: uvloop's
-    add_reader (call_async) sets O_NONBLOCK on the socket and leaves it so, and a message larger than the
-    socket's buffer (a 1 MiB input or parameter, say) then broke off with BlockingIOError in the next call,
-    taken for the process's death."""
-
-    def _send(self, buf: Any, write: Callable[[int, Any], int] = _write) -> None:
-        super()._send(buf, write)  # type: ignore[misc]  # private, so not in typeshed
-
-    def _recv(self, size: int, read: Callable[[int, int], bytes] = _read) -> Any:
-        return super()._recv(size, read)  # type: ignore[misc]
-
-
-def _dumps(message: Any) -> bytes:
-    """A message for the pipe: plain pickle (Connection.send's ForkingPickler costs several times more
-    for these small messages, for reductions they never need)."""
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
