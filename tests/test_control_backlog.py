@@ -10,7 +10,7 @@ from despina.contract import records
 from despina.contract.errors import Code
 from despina.contract.keys import FIELD, GROUP, Keys
 from despina.contract.records import InferRequest
-from despina.control.backlog import refuse, requeue
+from despina.control.backlog import refuse, requeue_all
 from despina.workers.redelivery import DeliveryPolicy, Queue
 
 
@@ -28,13 +28,13 @@ async def test_a_dead_consumers_entries_go_back_on_the_stream(redis_url: str, ke
             await redis.xadd(stream, {FIELD: request(str(i), "r")})
         read = await redis.xreadgroup(GROUP, "dead", {stream: ">"}, count=2)
         assert len(read[0][1]) == 2
-        assert await requeue(redis, queue, "dead", policy) == 2
+        assert await requeue_all(redis, [queue], "dead", policy) == 2
         assert (await redis.xpending(stream, GROUP))["pending"] == 0
         again = await redis.xreadgroup(GROUP, "alive", {stream: ">"}, count=10)
         ids = [records.decode_requests(f[FIELD])[0].id for _, f in again[0][1]]
         assert sorted(ids) == ["0", "1", "2"]              # the unread one, then the two requeued
-        assert await requeue(redis, queue, "nobody", policy) == 0
-        assert await requeue(redis, Queue(Keys(key_prefix), "none", 1), "dead", policy) == 0
+        assert await requeue_all(redis, [queue], "nobody", policy) == 0
+        assert await requeue_all(redis, [Queue(Keys(key_prefix), "none", 1)], "dead", policy) == 0
     finally:
         await redis.aclose()
 

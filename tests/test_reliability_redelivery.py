@@ -19,7 +19,7 @@ from despina.contract.errors import Code
 from despina.contract.keys import ATTEMPTS, FIELD, GROUP, Keys
 from despina.contract.modelconfig import ModelSpec
 from despina.contract.records import InferRequest, Tensor
-from despina.control.backlog import requeue
+from despina.control.backlog import requeue_all
 from despina.control.repository import load_model
 from despina.examples import build_identity
 from despina.workers.redelivery import DeliveryPolicy, Queue, marker
@@ -52,7 +52,7 @@ async def test_a_dead_consumers_entry_comes_back_one_request_per_entry(redis: ai
     await redis.xgroup_create(queue.stream, GROUP, id="0", mkstream=True)
     await redis.xadd(queue.stream, {FIELD: payload("a", "b", "c")})
     await read_all(redis, queue.stream, "dead")
-    assert await requeue(redis, queue, "dead", DeliveryPolicy()) == 3
+    assert await requeue_all(redis, [queue], "dead", DeliveryPolicy()) == 3
     entries = await read_all(redis, queue.stream, "alive")
     assert [(records.decode_requests(f[FIELD])[0].id, f[ATTEMPTS]) for _, f in entries] == \
         [("a", b"1"), ("b", b"1"), ("c", b"1")]
@@ -69,7 +69,7 @@ async def test_only_the_request_running_alone_is_charged(redis: aioredis.Redis, 
     await redis.xadd(queue.stream, {FIELD: payload("fresh")})
     await read_all(redis, queue.stream, "w1")
     await redis.sadd(keys.executing("w1"), marker(queue.stream, running))
-    assert await requeue(redis, queue, "w1", DeliveryPolicy()) == 3
+    assert await requeue_all(redis, [queue], "w1", DeliveryPolicy()) == 3
     attempts = {records.decode_requests(f[FIELD])[0].id: int(f[ATTEMPTS])
                 for _, f in await read_all(redis, queue.stream, "w2")}
     assert attempts == {"running": 2, "waiting": 1, "fresh": 1}
@@ -87,7 +87,7 @@ async def test_at_max_attempts_a_request_is_answered_and_dead_lettered(redis: ai
     await read_all(redis, queue.stream, "w1")
     await redis.sadd(keys.executing("w1"), marker(queue.stream, poison))
     policy = DeliveryPolicy(max_attempts=3, reply_ttl_ms=5_000)
-    assert await requeue(redis, queue, "w1", policy) == 2
+    assert await requeue_all(redis, [queue], "w1", policy) == 2
 
     (_, fields), = await redis.xrange(reply)
     (answer,) = records.decode_replies(fields[FIELD])
@@ -221,7 +221,7 @@ async def test_a_grouped_request_comes_back_as_its_clients_requests(redis: aiore
     running = await redis.xadd(queue.stream, {FIELD: records.encode([group])})
     await read_all(redis, queue.stream, "w1")
     await redis.sadd(keys.executing("w1"), marker(queue.stream, running))
-    assert await requeue(redis, queue, "w1", DeliveryPolicy()) == 2
+    assert await requeue_all(redis, [queue], "w1", DeliveryPolicy()) == 2
     back = [(records.decode_requests(f[FIELD]), int(f[ATTEMPTS])) for _, f in await read_all(redis, queue.stream, "w2")]
     assert [(req.id, req.outputs, req.inputs[0].shape, req.inputs[0].numpy().tolist(), attempts)
             for (req,), attempts in back] == [("a", ("y",), (1, 2), [[0.0, 1.0]], 1),

@@ -34,11 +34,6 @@ PAGE = 100                # pending entries read per queue and round trip
 REDELIVERING = 8          # queues redelivered at once (each takes a connection of the pool meanwhile)
 
 
-async def requeue(redis: aioredis.Redis, queue: Queue, consumer: str, policy: DeliveryPolicy) -> int:
-    """Redeliver every entry pending for `consumer` on the queue's stream; returns how many requests."""
-    return await requeue_all(redis, [queue], consumer, policy)
-
-
 async def requeue_all(redis: aioredis.Redis, queues: list[Queue], consumer: str,
                       policy: DeliveryPolicy) -> int:
     """Redeliver every entry pending for `consumer` on the queues' streams, and forget the consumer there;
