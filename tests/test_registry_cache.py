@@ -191,3 +191,34 @@ def test_two_processes_fetching_one_version_download_each_file_once(tmp_path: Pa
     assert folders[0] == folders[1] and (folders[0] / "1" / "model.onnx").read_bytes() == b"W" * 100_000
     assert source.fetched == 2, source.fetched  # config.pbtxt and model.onnx, once each
     assert not any(first.tmp.iterdir())
+
+
+def test_a_folder_taken_while_another_process_evicts_it_is_whole(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # a trim removed an old folder where it stood: a process taking that folder meanwhile (a model
+    # scaled back from zero, on the worker beside) was handed it, and its files went a moment later
+    import shutil
+    import threading
+
+    source = Source()
+    files = source.files(b"W" * 1000)
+    trimmer, taker = ArtifactCache(tmp_path / "cache", max_bytes=1), ArtifactCache(tmp_path / "cache")
+    last_used(trimmer.folder("mlp", files, source.download), HOUR_AGO)
+    removing, resume = threading.Event(), threading.Event()
+    rmtree = shutil.rmtree
+
+    def slow_rmtree(path: Path, *args: object, **kw: object) -> None:
+        if not removing.is_set():  # the eviction's removal, held open while the other process looks
+            removing.set()
+            resume.wait(10)
+        rmtree(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    trimming = threading.Thread(target=trimmer.trim)
+    trimming.start()
+    assert removing.wait(10)
+    taken = taker.folder("mlp", files, source.download)
+    resume.set()
+    trimming.join(10)
+    assert (taken / "1" / "model.onnx").read_bytes() == b"W" * 1000
+    assert (taken / "config.pbtxt").read_bytes() == CONFIG

@@ -9,10 +9,17 @@ The cache keeps itself under `max_bytes`: after it builds a folder, the folders 
 go first, then every blob no folder links to any more (a blob's link count says so). A folder used
 within `lease_s` is never removed: workers touch the folders they serve from at every heartbeat, so
 a loaded model keeps its files however long it serves, whichever process on the machine trims. When
-everything left is in use the cache stays over its limit, and says so.
+everything left is in use the cache stays over its limit, and says so. A disk that fills before the
+limit does (a volume smaller than it, files beside the cache) has the same folders evicted for room,
+and when none is left to evict the fetch fails with an error that names the cache, not the registry.
+
+Eviction moves a folder out of `models/` before removing it, under an exclusive lock on the cache's
+`lock` file; a process taking a folder that is there marks it used under a shared one: a folder handed
+out is whole, and stays so for the lease.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
@@ -27,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..contract.errors import InvalidArgument
+from ..contract.errors import InvalidArgument, Unavailable
 from .base import FileInfo, check_relative, digest
 
 if TYPE_CHECKING:
@@ -37,6 +44,9 @@ log = logging.getLogger("despina.registry")
 
 Download = Callable[[FileInfo, Path], None]   # fetch one file to a local path
 LEASE_S = 600.0   # a folder or blob used this recently is in use: never evicted
+FULL = (errno.ENOSPC, errno.EDQUOT)
+# what the cache's own disk answers when it cannot take a file: the deployment's fault, not the registry's
+LOCAL = (*FULL, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 @dataclass
@@ -61,8 +71,10 @@ class ArtifactCache:
     def __init__(self, root: str | Path | None = None, max_bytes: int = 0, lease_s: float = LEASE_S) -> None:
         self.root = Path(root) if root else default_cache_dir()
         self.blobs, self.models, self.tmp = self.root / "blobs", self.root / "models", self.root / "tmp"
-        for d in (self.blobs, self.models, self.tmp):
-            d.mkdir(parents=True, exist_ok=True)
+        try:
+            self._make_dirs()
+        except OSError:  # a read-only or full disk: each fetch says so, as the model's reason
+            pass
         self.max_bytes, self.lease_s = max_bytes, lease_s
         self.stats = CacheStats()
         self._lock = threading.Lock()
@@ -72,8 +84,27 @@ class ArtifactCache:
     def from_settings(cls, settings: Settings) -> ArtifactCache:
         return cls(settings.cache_dir, int(settings.cache_max_gb * 2**30))
 
+    def _make_dirs(self) -> None:
+        for d in (self.blobs, self.models, self.tmp):
+            d.mkdir(parents=True, exist_ok=True)
+
     def folder(self, name: str, files: Sequence[FileInfo], download: Download) -> Path:
-        """The local folder holding exactly `files`, fetching the ones not cached yet."""
+        """The local folder holding exactly `files`, fetching the ones not cached yet. A disk that
+        cannot take them (full, read-only) raises Unavailable naming the cache: it may pass."""
+        try:
+            self._make_dirs()
+            return self._folder(name, files, download)
+        except OSError as exc:
+            if exc.errno not in LOCAL:
+                raise
+            hint = "DESPINA_CACHE_DIR must be a folder this process can write"
+            if exc.errno in FULL:
+                hint = (f"no room for model '{name}' ({sum(f.size for f in files) / 1e6:.1f} MB) beside what "
+                        f"models loaded in the last {self.lease_s / 60:.0f} min use; free space there or "
+                        "give DESPINA_CACHE_DIR a bigger volume")
+            raise Unavailable(f"artifact cache {self.root}: {exc.strerror}: {hint}") from None
+
+    def _folder(self, name: str, files: Sequence[FileInfo], download: Download) -> Path:
         paths = {f.path for f in files}
         for f in files:  # a store keeps keys as written: 'mlp//model.onnx' lists as '/model.onnx'
             check_relative(f.path)
@@ -84,8 +115,11 @@ class ArtifactCache:
                                           "registry")
                 folder = folder.rpartition("/")[0]
         final = self.models / name / digest(f.pack() for f in files)
-        if final.is_dir():
-            touch(final)
+        with self._evicting(fcntl.LOCK_SH):  # no trim removes it between this look and the touch
+            found = final.is_dir()
+            if found:
+                touch(final)
+        if found:
             with self._lock:
                 self.stats.reused += len(files)
             return final
@@ -100,13 +134,14 @@ class ArtifactCache:
                 except FileNotFoundError:  # evicted by another process between our look and the link
                     self._link(self.blob(f, download), dest)
             work.mkdir(parents=True, exist_ok=True)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.rename(work, final)
-            except OSError:
-                if not final.is_dir():  # not a concurrent builder's win: a real failure
-                    raise
-            touch(final)
+            with self._evicting(fcntl.LOCK_SH):  # no trim removes the model's folder before the rename
+                final.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.rename(work, final)
+                except OSError:
+                    if not final.is_dir():  # not a concurrent builder's win: a real failure
+                        raise
+                touch(final)
         finally:
             if work.exists():
                 shutil.rmtree(work, ignore_errors=True)
@@ -134,22 +169,30 @@ class ArtifactCache:
         with self._fetching(key):
             if self._reuse(path, f):  # another process (a worker beside this one) fetched it meanwhile
                 return path
-            part = self.tmp / f"{key}.{uuid.uuid4().hex}.part"
             try:
-                download(f, part)
-                got = part.stat().st_size
-                if got != f.size:
-                    raise OSError(f"{f.path}: downloaded {got} bytes, the registry lists {f.size}")
-                os.chmod(part, 0o444)  # shared by hard links: nobody may write through one
-                os.replace(part, path)
-                touch(path)
-            finally:
-                part.unlink(missing_ok=True)
+                self._fetch(f, path, download)
+            except OSError as exc:
+                if exc.errno not in FULL or not self.make_room(f.size):
+                    raise
+                self._fetch(f, path, download)
         with self._lock:
             self.stats.downloads += 1
             self.stats.downloaded_bytes += f.size
         log.debug("cache: fetched %s (%d bytes)", f.path, f.size)
         return path
+
+    def _fetch(self, f: FileInfo, path: Path, download: Download) -> None:
+        part = self.tmp / f"{path.name}.{uuid.uuid4().hex}.part"
+        try:
+            download(f, part)
+            got = part.stat().st_size
+            if got != f.size:
+                raise OSError(f"{f.path}: downloaded {got} bytes, the registry lists {f.size}")
+            os.chmod(part, 0o444)  # shared by hard links: nobody may write through one
+            os.replace(part, path)
+            touch(path)
+        finally:
+            part.unlink(missing_ok=True)
 
     def _reuse(self, path: Path, f: FileInfo) -> bool:
         if not (path.is_file() and path.stat().st_size == f.size):
@@ -171,6 +214,16 @@ class ArtifactCache:
                 yield
             finally:
                 lock.unlink(missing_ok=True)
+                fcntl.flock(held, fcntl.LOCK_UN)
+
+    @contextmanager
+    def _evicting(self, how: int) -> Iterator[None]:
+        """The cache-wide lock between eviction (LOCK_EX) and taking or placing a folder (LOCK_SH)."""
+        with (self.root / "lock").open("ab") as held:
+            fcntl.flock(held, how)
+            try:
+                yield
+            finally:
                 fcntl.flock(held, fcntl.LOCK_UN)
 
     # -- staying under the limit -------------------------------------------------------------------
@@ -196,6 +249,8 @@ class ArtifactCache:
         everything left is in use); returns the bytes freed. A failure is logged, never raised: the
         cache is then only bigger than it should be. What a process that died mid-fetch left in tmp/
         goes, with a limit or without."""
+        if not self.tmp.is_dir():  # a disk that never took the cache's folders (each fetch says why)
+            return 0
         try:
             freed = self._clear_tmp()
             return freed + self._trim() if self.max_bytes else freed
@@ -205,18 +260,40 @@ class ArtifactCache:
 
     def _trim(self) -> int:
         freed = self._collect_garbage()  # blobs left unlinked by another process's trim, say
+        freed += self._evict(lambda used: used <= self.max_bytes)
         used = self.usage()
-        now = time.time()
+        if used > self.max_bytes and not self._warned_full:
+            self._warned_full = True
+            log.warning("cache %s holds %.1f MB, over its limit of %.1f MB, all of it in use by models "
+                        "loaded in the last %.0f min", self.root, used / 1e6, self.max_bytes / 1e6,
+                        self.lease_s / 60)
+        elif used <= self.max_bytes:
+            self._warned_full = False
+        return freed
+
+    def make_room(self, size: int) -> bool:
+        """After a full disk refused a file of `size` bytes: evict what trim would, past any limit, until
+        the disk has room for it. Whether it has now (else everything left is in use)."""
+        def room(_: int) -> bool:
+            return shutil.disk_usage(self.tmp).free > size
+        try:
+            self._clear_tmp()
+            self._collect_garbage()
+            self._evict(room)
+            return room(0)
+        except OSError as exc:
+            log.warning("cache %s: making room failed: %s", self.root, exc)
+            return False
+
+    def _evict(self, enough: Callable[[int], bool]) -> int:
+        """Evict the folders used least recently (and the blobs only they linked to) until `enough(bytes
+        used)`; never one used within the lease. The bytes freed."""
+        freed, used, now = 0, self.usage(), time.time()
         for mtime, folder in sorted(self._folders()):
-            if used <= self.max_bytes:
-                break
-            if now - mtime < self.lease_s:
-                break  # this one and every later one is in use
-            shutil.rmtree(folder, ignore_errors=True)
-            try:
-                folder.parent.rmdir()  # the model's last folder: its directory goes too
-            except OSError:
-                pass
+            if enough(used) or now - mtime < self.lease_s:
+                break  # past the first one in use, every later one is in use too
+            if not self._remove(folder):
+                continue
             self._collect_garbage()
             before, used = used, self.usage()
             freed_now = max(0, before - used)  # its own copies too, where files could not be linked
@@ -228,14 +305,26 @@ class ArtifactCache:
                      self.max_bytes / 1e6)
         with self._lock:
             self.stats.evicted_bytes += freed
-        if used > self.max_bytes and not self._warned_full:
-            self._warned_full = True
-            log.warning("cache %s holds %.1f MB, over its limit of %.1f MB, all of it in use by models "
-                        "loaded in the last %.0f min", self.root, used / 1e6, self.max_bytes / 1e6,
-                        self.lease_s / 60)
-        elif used <= self.max_bytes:
-            self._warned_full = False
         return freed
+
+    def _remove(self, folder: Path) -> bool:
+        """Move a folder unused for the lease out of models/, then delete it; False where it was used
+        again meanwhile (or is gone). Out of models/ first: nobody is handed a folder half removed, and a
+        removal that fails half way leaves its rest in tmp/, where _clear_tmp finds it."""
+        trash = self.tmp / f"evicted-{uuid.uuid4().hex}"
+        with self._evicting(fcntl.LOCK_EX):
+            try:
+                if time.time() - folder.stat().st_mtime < self.lease_s:
+                    return False
+                os.rename(folder, trash)
+            except OSError:
+                return False
+            try:
+                folder.parent.rmdir()  # the model's last folder: its directory goes too
+            except OSError:
+                pass
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
 
     def _clear_tmp(self) -> int:
         """Remove the entries of tmp/ untouched for the lease: a download's part file (written to all
