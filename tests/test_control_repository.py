@@ -541,3 +541,24 @@ async def test_a_poll_interval_of_0_reads_the_repository_at_start_only(repo: Pat
         assert plane.registration.error == ""
     finally:
         await client.aclose(close_connection_pool=True)
+
+
+def test_a_reload_serves_a_model_file_replaced_with_one_of_the_same_size_and_time(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """A file's key was its size and mtime: new weights of the same architecture (the same size) put in
+    place with their build's time kept (`cp -p`, `rsync -a`, an archive unpacked) looked unchanged, and a
+    reload kept serving the old ones. The key now has the change time too, which no copy sets."""
+    import os
+
+    model = mlp_folder(tmp_path / "repo") / "1" / "model.onnx"
+    for seed in (1, 2):
+        build_mlp(tmp_path / f"seed{seed}.onnx", seed=seed)
+        os.utime(tmp_path / f"seed{seed}.onnx", ns=(10**18, 10**18))  # both built "at the same time"
+    shutil.copy2(tmp_path / "seed1.onnx", model)
+    server = serve(tmp_path / "repo", "--model-control-mode", "explicit")
+    for seed in (1, 2):
+        if seed == 2:
+            shutil.copy2(tmp_path / "seed2.onnx", model)  # same size, same mtime, other weights
+        assert httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60).status_code == 200
+        got = infer(server.url).json()["outputs"][0]["data"]
+        assert np.allclose(got, expected(seed), atol=1e-4), seed

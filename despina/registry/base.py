@@ -20,7 +20,7 @@ Progress = Callable[[int], None]   # called with the bytes moved since the last 
 class FileInfo:
     path: str          # relative to the model folder, '/'-separated
     size: int
-    etag: str          # the object store's ETag; a local file's mtime and size
+    etag: str          # the object store's ETag; a local file's mtime, size and ctime (local_etag)
 
     def pack(self) -> tuple[str, int, str]:
         return (self.path, self.size, self.etag)

@@ -48,7 +48,7 @@ class LocalRegistry(Registry):
                 except OSError:  # removed while we looked
                     continue
                 rel = path.relative_to(folder).as_posix()
-                files.append(FileInfo(rel, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}"))
+                files.append(FileInfo(rel, st.st_size, local_etag(st)))
         tops = tuple(sorted(p.name for p in folder.iterdir() if p.is_dir()))
         return ModelFiles(name, str(folder.resolve()), tuple(sorted(files)), tops)
 
@@ -95,7 +95,14 @@ class LocalRegistry(Registry):
         if progress:
             progress(source.stat().st_size)
         st = target.stat()
-        return FileInfo(path, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")
+        return FileInfo(path, st.st_size, local_etag(st))
+
+
+def local_etag(st: os.stat_result) -> str:
+    """What says a file changed: its size and mtime, and its change time, which no copy can set (`cp -p`,
+    `rsync -a` and unpacked archives keep a file's mtime, and new weights of one architecture have one
+    size). A chmod changes it too: a reload of what did not change, not a stale model."""
+    return f"{st.st_mtime_ns:x}-{st.st_size:x}-{st.st_ctime_ns:x}"
 
 
 def _prune(folder: Path, target: Path) -> None:
