@@ -22,6 +22,7 @@ from ..contract.modelconfig import check_model_name, normalize, parse_json
 from ..registry.base import check_relative
 from ..workers.redelivery import Queue
 from .backlog import refuse
+from .lease import LeaseLost
 from .repository import read_model, unavailable
 from .versions import transition
 
@@ -61,6 +62,8 @@ class Commands:
             return Answer()
         except DespinaError as exc:
             return Answer.error(exc)
+        except LeaseLost:  # the leader that took over answers it
+            raise
         except Exception as exc:  # a bug must answer the caller, not leave it waiting
             log.exception("control command %s %s failed", command.op, command.model)
             return Answer.error(DespinaError(f"control plane: {command.op} failed: {exc}"))
@@ -275,6 +278,8 @@ class Commands:
             plane.kick()
             for n in names:
                 await plane.lifecycle.wait(n, "unload", None, _left(deadline))
+                if not await plane.lease.confirm():  # the queue is the new leader's to empty, or not
+                    raise LeaseLost(f"not emptying unloaded model '{n}''s queue: another control plane leads")
                 e = plane.catalog.get(n)
                 if e is None or e.target != UNLOADED:
                     continue

@@ -18,6 +18,7 @@ from ..workers.redelivery import DeliveryPolicy
 from .backlog import requeue_worker
 from .ensembles import Ensembles
 from .idle import Idle
+from .lease import Lease, LeaseLost
 from .placement import (
     FixedWorkers,
     committed,
@@ -55,8 +56,9 @@ def failed_load(w: Waiter, message: str) -> DespinaError:
 
 class Lifecycle:
     def __init__(self, settings: Settings, redis: aioredis.Redis, keys: Keys, catalog: Catalog,
-                 workers: Workers) -> None:
+                 workers: Workers, lease: Lease | None = None) -> None:
         self.settings, self.redis, self.keys = settings, redis, keys
+        self.lease = lease  # asked before a dead worker's requests are requeued: twice would run them twice
         self.catalog, self.workers = catalog, workers
         self.ensembles = Ensembles(catalog, workers)
         self.excluded: dict[str, set[str]] = {}     # model -> workers its current files failed on
@@ -374,5 +376,7 @@ class Lifecycle:
     # -- dead workers ------------------------------------------------------------------------------
 
     async def _requeue_from(self, worker_id: str) -> None:
+        if self.lease is not None and not await self.lease.confirm():
+            raise LeaseLost(f"not requeueing what worker {worker_id} had read: another control plane leads")
         await requeue_worker(self.redis, self.keys, list(self.catalog.entries.values()), worker_id,
                              self.delivery)

@@ -29,6 +29,7 @@ from ..redis_client import trouble
 from ..registry import ArtifactCache, open_registry
 from ..settings import Settings
 from .commands import Commands
+from .lease import Lease, LeaseLost
 from .lifecycle import Lifecycle
 from .registration import Registration
 from .replies import Replies
@@ -40,14 +41,9 @@ MODES = ("none", "explicit", "poll")
 LEASE_MS = 10_000
 # how long the command and event reads wait on Redis before they look again; a stop cancels them
 IDLE_WAIT_S = 30.0
-# 1: renewed; 0: another holds it; -1: nobody does (Redis lost its data, or this one stalled past the
-# lease): the lifecycle loop republishes the catalog before it leads again.
-_RENEW = """
-local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if not holder then return -1 end
-return 0
-"""
+# commands read by a control plane that has not answered them this long are taken over by the leader (one
+# that stalled past its lease, or lost its lease while running them, never will); its own running ones are not
+CLAIM_IDLE_MS = 1_000
 
 
 class NamedLocks:
@@ -96,9 +92,10 @@ class ControlPlane:
         remote = settings.model_repository.startswith("s3://")
         self.cache = ArtifactCache.from_settings(settings) if remote else None
         self.registry = open_registry(settings.model_repository, settings, self.cache)
-        self.catalog = Catalog(redis, self.keys)
+        self.lease = Lease(redis, self.keys.control_leader, self.id, LEASE_MS)
+        self.catalog = Catalog(redis, self.keys, self.id)  # its writes fenced by the lease
         self.workers = Workers(redis, self.keys)
-        self.lifecycle = Lifecycle(settings, redis, self.keys, self.catalog, self.workers)
+        self.lifecycle = Lifecycle(settings, redis, self.keys, self.catalog, self.workers, self.lease)
         self.commands = Commands(self)
         self.replies = Replies(redis, self.keys)
         self.registration = Registration(self)  # the registry's models into the catalog
@@ -106,6 +103,7 @@ class ControlPlane:
         self._kick = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._running: set[bytes] = set()  # the command entries this one is running
 
     def kick(self) -> None:
         """Tick now: something changed."""
@@ -145,7 +143,7 @@ class ControlPlane:
         waiting = False
         while not self._stop.is_set():
             try:
-                if await self.redis.set(self.keys.control_leader, self.id, nx=True, px=LEASE_MS):
+                if await self.lease.take():
                     log.info("control plane %s leads (%s mode, repository %s)", self.id,
                              self.settings.model_control_mode, self.registry.url)
                     return True
@@ -162,18 +160,28 @@ class ControlPlane:
         while not self._stop.is_set():
             await self.sleep(LEASE_MS / 4000)
             try:
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.eval(_RENEW, 1, self.keys.control_leader, self.id, LEASE_MS)
-                pipe.pexpire(self.keys.catalog_generation, GENERATION_TTL_MS)
-                held, _ = await pipe.execute()
+                held = await self.lease.renew()
+                if held == 1:
+                    await self.redis.pexpire(self.keys.catalog_generation, GENERATION_TTL_MS)
             except (RedisError, ConnectionError, OSError) as exc:
                 failed.log("control: renewing the lease failed (%s)", exc)
                 continue
             if held == -1:
                 self.kick()
             elif not held:
-                log.error("control plane %s lost its lease to another; stopping", self.id)
-                self.stop()
+                self.lost()
+            else:
+                try:
+                    await self._claim_commands()
+                except (RedisError, ConnectionError, OSError) as exc:  # (the command loop says why)
+                    log.debug("control: claiming unanswered commands failed (%s)", exc)
+
+    def lost(self) -> None:
+        """Another control plane leads (this one stalled past its lease): act no more, stop."""
+        if not self._stop.is_set():
+            log.error("control plane %s lost its lease to another; stopping", self.id)
+        self.lease.lapse()
+        self.stop()
 
     async def _recover(self) -> None:
         """The lease is gone: Redis most likely restarted without its data. Publish the catalog again
@@ -184,9 +192,8 @@ class ControlPlane:
         self.catalog.republish()
         self.lifecycle.hold(self.settings.worker_ttl_s)
         await self.catalog.flush()
-        if not await self.redis.set(self.keys.control_leader, self.id, nx=True, px=LEASE_MS):
-            log.error("control plane %s lost its lease to another; stopping", self.id)
-            self.stop()
+        if not await self.lease.take():
+            self.lost()
 
     async def sleep(self, seconds: float) -> None:
         """Wait `seconds`, or less when the plane stops."""
@@ -200,14 +207,18 @@ class ControlPlane:
     async def _ticks(self) -> None:
         failed = logs.Throttled(log)
         while not self._stop.is_set():
-            try:  # the lease's key and the workers' set in one round trip: an idle plane ticks a second
+            try:  # the lease's holder and the workers' set in one round trip: an idle plane ticks a second
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.exists(self.keys.control_leader)
+                pipe.get(self.keys.control_leader)
                 pipe.smembers(self.keys.workers)
-                leads, members = await pipe.execute()
-                if not leads:
+                holder, members = await pipe.execute()
+                if holder is not None and holder.decode() != self.id:
+                    raise LeaseLost(holder.decode())  # (woken from a stall: whatever it thinks is stale)
+                if holder is None:
                     await self._recover()
-                await self.lifecycle.tick(members if leads else None)  # the set may be new too
+                await self.lifecycle.tick(members if holder else None)  # the set may be new too
+            except LeaseLost:
+                self.lost()
             except (RedisError, ConnectionError, OSError) as exc:
                 failed.log("control: %s", trouble(exc))
             except Exception:  # a bug must not stop the control plane's heart
@@ -249,8 +260,7 @@ class ControlPlane:
                 except ResponseError as exc:
                     if "BUSYGROUP" not in str(exc):
                         raise
-                claimed = await self.redis.xautoclaim(stream, CONTROL_GROUP, self.id, 0, "0-0", count=100)
-                self._dispatch(claimed[1])  # what a previous leader read and never answered
+                await self._claim_commands(0)  # what a previous leader read and never answered
                 while not self._stop.is_set():
                     resp = await self.redis.xreadgroup(CONTROL_GROUP, self.id, {stream: ">"}, count=32,
                                                        block=int(IDLE_WAIT_S * 1000))
@@ -260,23 +270,47 @@ class ControlPlane:
                 failed.log("control: reading commands failed (%s); retrying", exc)
                 await self.sleep(0.5)
 
+    async def _claim_commands(self, idle_ms: int = CLAIM_IDLE_MS) -> None:
+        """Run the commands another control plane read and has not answered: a leader that stalled past its
+        lease still had its read of the stream waiting, and Redis handed it the commands sent meanwhile."""
+        cursor: bytes | str = "0-0"
+        while True:
+            claimed = await self.redis.xautoclaim(self.keys.control_commands, CONTROL_GROUP, self.id, idle_ms,
+                                                  cursor, count=100)
+            self._dispatch(claimed[1])
+            cursor = claimed[0]
+            if cursor in (b"0-0", "0-0"):
+                return
+
     def _dispatch(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         for entry_id, fields in entries:
-            if fields:
+            if fields and entry_id not in self._running:  # (a claim finds this one's own running ones too)
+                self._running.add(entry_id)
                 task = asyncio.create_task(self._run_command(entry_id, fields.get(FIELD, b"")))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
     async def _run_command(self, entry_id: bytes, payload: bytes) -> None:
         try:
+            await self._run(entry_id, payload)
+        finally:
+            self._running.discard(entry_id)
+
+    async def _run(self, entry_id: bytes, payload: bytes) -> None:
+        try:
             command = Command.loads(payload)
         except DespinaError as exc:
             log.error("control: dropping a command: %s", exc.message)
             command = None
         try:
+            if not await self.lease.confirm():  # left unanswered, unacknowledged: the leader claims it
+                self.lost()
+                return
             answer = None
             if command is not None and (not command.deadline or command.deadline > time.time()):
                 answer = await self.commands.handle(command)
             await self.replies.send(entry_id, command, answer)
+        except LeaseLost:
+            self.lost()
         except (RedisError, ConnectionError, OSError) as exc:
             log.warning("control: answering a command failed (%s)", exc)

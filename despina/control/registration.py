@@ -15,6 +15,7 @@ from ..contract.catalog import LOADED, CatalogEntry
 from ..contract.errors import DespinaError, Unavailable
 from ..redis_client import trouble
 from ..registry import ModelFiles
+from .lease import LeaseLost
 from .repository import read_model, unavailable
 from .versions import transition
 
@@ -59,6 +60,9 @@ class Registration:
                     first = False
                     if mode == "none" or not plane.settings.repository_poll_secs:  # Triton's 0: no polls
                         return
+            except LeaseLost:
+                plane.lost()
+                return
             except DespinaError as exc:
                 self.error, down = exc.message, True
                 failed.log("repository %s: %s; models already loaded keep serving", plane.registry.url,

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from ..contract.catalog import CatalogEntry
 from ..contract.cluster import WorkerInfo, WorkerStatus
 from ..contract.keys import Keys
+from .lease import LeaseLost
 
 log = logging.getLogger("despina.control")
 
@@ -18,13 +19,39 @@ log = logging.getLogger("despina.control")
 # flush and each renewal of the lease keep it. Under one of an earlier version, which changes the catalog
 # and not the generation, it is gone within this, and readers read the whole catalog every time again.
 GENERATION_TTL_MS = 10_000
+# The catalog's changes in one step, fenced by the lease: a control plane that stalled past its lease while
+# another took over must not write its stale catalog over the new leader's (the workers would follow it,
+# and the new leader, whose entries are not dirty, would never write them again). A lease nobody holds
+# does not stop it: after Redis lost its data, the catalog is written again before the lease is taken.
+# KEYS: lease, catalog, published marker, generation. ARGV: holder ('' = unfenced), mark (0/1), a random
+# start for the generation, its TTL ms, the events channel, the number of names written, then each name
+# and entry, then the names removed. Returns 0 when another holds the lease (nothing written), else 1.
+FLUSH = """
+local holder = redis.call('GET', KEYS[1])
+if ARGV[1] ~= '' and holder and holder ~= ARGV[1] then return 0 end
+local dirty = tonumber(ARGV[6])
+local first = 7
+for i = first, first + 2 * dirty - 1, 1000 do
+  redis.call('HSET', KEYS[2], unpack(ARGV, i, math.min(i + 999, first + 2 * dirty - 1)))
+end
+for i = first + 2 * dirty, #ARGV, 1000 do
+  redis.call('HDEL', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+if ARGV[2] == '1' then redis.call('SET', KEYS[3], '1') end
+redis.call('SET', KEYS[4], ARGV[3], 'NX')
+redis.call('INCR', KEYS[4])
+redis.call('PEXPIRE', KEYS[4], ARGV[4])
+redis.call('PUBLISH', ARGV[5], 'catalog')
+return 1
+"""
 
 
 class Catalog:
     """The desired state, kept in memory and mirrored to the catalog hash (one writer: this process)."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
-        self.redis, self.keys = redis, keys
+    def __init__(self, redis: aioredis.Redis, keys: Keys, holder: str = "") -> None:
+        """`holder`: the control plane's id: it flushes only while no other holds the lease ('': always)."""
+        self.redis, self.keys, self.holder = redis, keys, holder
         self.entries: dict[str, CatalogEntry] = {}
         self.changes = 0  # counts the changes of `entries`: the lifecycle skips a tick that moved nothing
         self._dirty: set[str] = set()
@@ -71,30 +98,29 @@ class Catalog:
         return bool(self._dirty or self._removed or self._mark)
 
     async def flush(self) -> None:
-        """Write what changed in one transaction, with a new generation, and announce it."""
+        """Write what changed in one step (FLUSH), with a new generation, and announce it; raises LeaseLost
+        when another control plane leads."""
         async with self._flushing:
             if not self.changed:
                 return
             dirty, removed, mark = self._dirty, self._removed, self._mark
             self._dirty, self._removed, self._mark = set(), set(), False
-            pipe = self.redis.pipeline(transaction=True)
-            if dirty:
-                pipe.hset(self.keys.catalog, mapping={n: self.entries[n].dumps() for n in dirty})
-            if removed:
-                pipe.hdel(self.keys.catalog, *removed)
-            if mark:
-                pipe.set(self.keys.catalog_published, b"1")
-            pipe.set(self.keys.catalog_generation, secrets.randbits(48), nx=True)
-            pipe.incr(self.keys.catalog_generation)
-            pipe.pexpire(self.keys.catalog_generation, GENERATION_TTL_MS)
-            pipe.publish(self.keys.events, b"catalog")
+            args: list[bytes | str | int] = [self.holder, int(mark), secrets.randbits(48), GENERATION_TTL_MS,
+                                             self.keys.events, len(dirty)]
+            for name in dirty:
+                args += [name, self.entries[name].dumps()]
+            args += list(removed)
             try:
-                await pipe.execute()
+                keys = self.keys
+                written = await self.redis.eval(FLUSH, 4, keys.control_leader, keys.catalog,
+                                                keys.catalog_published, keys.catalog_generation, *args)
             except BaseException:
                 self._dirty |= dirty - self._removed
                 self._removed |= removed - self._dirty
                 self._mark |= mark
                 raise
+            if not written:
+                raise LeaseLost("another control plane holds the lease; the catalog was not written")
 
 
 class Workers:

@@ -1,0 +1,150 @@
+"""The leader's lease under a hand-over: a control plane that stalled past its lease (a paused VM, SIGSTOP)
+while a standby took over must act no more when it wakes, and the commands Redis handed it meanwhile are
+answered by the new leader."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from despina.contract.catalog import CatalogEntry
+from despina.contract.commands import INDEX, Answer, Command
+from despina.contract.keys import CONTROL_GROUP, FIELD, GROUP, Keys
+from despina.control.lease import LeaseLost
+from despina.control.plane import ControlPlane
+from despina.control.state import Catalog
+from despina.embedded import die_with_parent
+from despina.redis_client import connect
+from despina.settings import Settings
+
+from .control_support import mlp_folder, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def planes(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Two `despina control` processes on one repository, started one after the other (the first leads)."""
+    mlp_folder(tmp_path / "repo")
+    started: list[subprocess.Popen[bytes]] = []
+    environ = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DESPINA_REDIS_URL")}
+    for name in ("a", "b"):
+        with (tmp_path / f"{name}.log").open("wb") as out:
+            started.append(subprocess.Popen(
+                [sys.executable, "-m", "despina", "control", "--redis-url", redis_url, "--key-prefix", key_prefix,
+                 "--model-repository", str(tmp_path / "repo"), "--model-control-mode", "explicit",
+                 "--metrics-port", "0"], stdout=out, stderr=subprocess.STDOUT, env=environ, cwd=ROOT,
+                preexec_fn=die_with_parent))
+        if name == "a":
+            wait_until(lambda: b"leads (" in (tmp_path / "a.log").read_bytes(), 30, what="the first to lead")
+    yield started
+    for process in started:
+        process.send_signal(signal.SIGCONT)
+        process.kill()
+        process.wait(10)
+
+
+def test_commands_a_stalled_leader_was_handed_are_answered_by_the_new_one(
+        planes: list[subprocess.Popen[bytes]], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """The leader's read of the command stream was still waiting when it stalled, so Redis handed it the
+    commands sent after the standby took over: nobody answered them while it stalled (a gateway's load
+    waited out DESPINA_LOAD_TIMEOUT_S, 300 s), and when it woke it lost its lease and never did."""
+    leader, standby = planes
+    keys = Keys(key_prefix)
+    client = redis.Redis.from_url(redis_url, socket_timeout=30)
+    log_b = tmp_path / "b.log"
+    try:
+        wait_until(lambda: b"standing by" in log_b.read_bytes(), 30, what="the standby")
+        leader.send_signal(signal.SIGSTOP)
+        wait_until(lambda: b"leads (" in log_b.read_bytes(), 20, what="the standby to take over")
+        answers = keys.control_answers("test")
+        command = Command(uuid.uuid4().hex, INDEX, deadline=time.time() + 30, reply=answers)
+        client.xadd(keys.control_commands, {FIELD: command.dumps()})
+        got = cast(list[bytes] | None, client.blpop([answers], 8))  # (the fix answers within ~3 s)
+        assert got is not None, f"unanswered while the old leader stalls: {client.xpending(keys.control_commands, CONTROL_GROUP)}"
+        assert Answer.loads(got[1]).id == command.id and Answer.loads(got[1]).result() == [{"name": "mlp"}]
+        leader.send_signal(signal.SIGCONT)
+        assert leader.wait(15) == 0  # it saw it lost the lease, and stopped
+        assert "lost its lease to another" in (tmp_path / "a.log").read_text()
+        assert standby.poll() is None and client.get(keys.control_leader) is not None
+        assert client.llen(answers) == 0  # answered once
+    finally:
+        client.close()
+
+
+async def test_a_stale_leader_s_catalog_write_is_refused(redis_url: str, key_prefix: str) -> None:
+    """A catalog flush in flight as the lease passed to another wrote the old leader's catalog over the new
+    one's: the workers followed it, and the new leader, whose entries were not dirty, never wrote them again."""
+    keys = Keys(key_prefix)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.set(keys.control_leader, "new")
+        await client.hset(keys.catalog, "m", CatalogEntry("m", "/repo/m", {}, (2,)).dumps())
+        stale = Catalog(client, keys, "old")
+        stale.put(CatalogEntry("m", "/repo/m", {}, (1,)))
+        with pytest.raises(LeaseLost):
+            await stale.flush()
+        assert CatalogEntry.loads(await client.hget(keys.catalog, "m")).versions == (2,)
+        leader = Catalog(client, keys, "new")  # the leader writes; so does one after Redis lost the lease
+        leader.put(CatalogEntry("m", "/repo/m", {}, (3,)))
+        leader.put(CatalogEntry("n", "/repo/n", {}, (1,)))
+        await leader.flush()
+        await client.delete(keys.control_leader)
+        leader.remove("n")
+        await leader.flush()
+        assert sorted(await client.hkeys(keys.catalog)) == [b"m"]
+        assert CatalogEntry.loads(await client.hget(keys.catalog, "m")).versions == (3,)
+    finally:
+        await client.aclose()
+
+
+async def test_a_stale_leader_neither_requeues_nor_answers(tmp_path: Path, redis_url: str,
+                                                           key_prefix: str) -> None:
+    """Woken from a stall, the old leader ticked (its check was that *a* lease existed, not that it was its
+    own): it requeued a dead worker's requests the new leader was requeueing too (each ran twice), and it
+    answered the commands Redis had handed it from its stale catalog."""
+    keys = Keys(key_prefix)
+    client = connect(redis_url)
+    plane = ControlPlane(Settings(model_repository=str(tmp_path), key_prefix=key_prefix), client)
+    stream = keys.request_stream("m", 1)
+    try:
+        await client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        await client.xadd(stream, {FIELD: b"request"})
+        await client.xreadgroup(GROUP, "dead-worker", {stream: ">"})
+        await client.sadd(keys.workers, "dead-worker")  # no heartbeat hash: dead
+        plane.catalog.put(CatalogEntry("m", "/repo/m", {}, (1,)))
+        assert await plane.lease.take()
+        await client.set(keys.control_leader, "the-new-leader")  # it stalled; another took over
+        plane.lease.lapse()  # (as the local clock says after a stall past the lease)
+        ticking = asyncio.create_task(plane._ticks())
+        deadline = time.monotonic() + 5
+        while not plane.stopping and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stopped, _ = plane.stopping, plane.stop()
+        await ticking
+        assert (await client.xpending(stream, GROUP))["consumers"] == [{"name": b"dead-worker", "pending": 1}]
+        assert stopped, "it went on ticking"
+        assert not await client.exists(keys.catalog)
+
+        answers = keys.control_answers("test")
+        await client.xgroup_create(keys.control_commands, CONTROL_GROUP, id="0", mkstream=True)
+        command = Command(uuid.uuid4().hex, INDEX, deadline=time.time() + 30, reply=answers)
+        await client.xadd(keys.control_commands, {FIELD: command.dumps()})
+        [[_, [(entry_id, fields)]]] = await client.xreadgroup(CONTROL_GROUP, plane.id,
+                                                               {keys.control_commands: ">"})
+        await plane._run(entry_id, fields[FIELD])
+        assert not await client.exists(answers)
+        assert (await client.xpending(keys.control_commands, CONTROL_GROUP))["pending"] == 1  # left to claim
+    finally:
+        await client.aclose(close_connection_pool=True)
