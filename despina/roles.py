@@ -215,7 +215,7 @@ def run_control(settings: Settings) -> None:
         if metrics is not None:
             from .control import http as control_http
 
-            app = control_http.create_app(settings, redis, plane.cache)
+            app = control_http.create_app(settings, redis, plane.cache, lambda: plane.leading)
             http = asyncio.create_task(control_http.serve(app, metrics, stopped))
         try:
             await plane.run()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
+import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -24,7 +25,7 @@ from despina.contract.keys import CONTROL_GROUP, FIELD, GROUP, Keys
 from despina.control.lease import LeaseLost
 from despina.control.plane import ControlPlane
 from despina.control.state import Catalog
-from despina.embedded import die_with_parent
+from despina.embedded import die_with_parent, free_port
 from despina.redis_client import connect
 from despina.settings import Settings
 
@@ -35,16 +36,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def planes(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Two `despina control` processes on one repository, started one after the other (the first leads)."""
+    """Two `despina control` processes on one repository, started one after the other (the first leads);
+    their metrics ports in tmp_path/<a|b>.port."""
     mlp_folder(tmp_path / "repo")
     started: list[subprocess.Popen[bytes]] = []
     environ = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DESPINA_REDIS_URL")}
     for name in ("a", "b"):
+        port = free_port()
+        (tmp_path / f"{name}.port").write_text(str(port))
         with (tmp_path / f"{name}.log").open("wb") as out:
             started.append(subprocess.Popen(
                 [sys.executable, "-m", "despina", "control", "--redis-url", redis_url, "--key-prefix", key_prefix,
                  "--model-repository", str(tmp_path / "repo"), "--model-control-mode", "explicit",
-                 "--metrics-port", "0"], stdout=out, stderr=subprocess.STDOUT, env=environ, cwd=ROOT,
+                 "--metrics-port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=environ, cwd=ROOT,
                 preexec_fn=die_with_parent))
         if name == "a":
             wait_until(lambda: b"leads (" in (tmp_path / "a.log").read_bytes(), 30, what="the first to lead")
@@ -148,3 +152,44 @@ async def test_a_stale_leader_neither_requeues_nor_answers(tmp_path: Path, redis
         assert (await client.xpending(keys.control_commands, CONTROL_GROUP))["pending"] == 1  # left to claim
     finally:
         await client.aclose(close_connection_pool=True)
+
+
+def test_a_standby_serves_no_figures_and_takes_over_at_once_from_a_leader_stopped_with_sigterm(
+        planes: list[subprocess.Popen[bytes]], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A standby served the whole deployment's figures too (read from Redis): Prometheus, which scrapes both
+    pods while a rolling update overlaps them, counted each twice. It still answers /metrics (the update
+    waits for the new pod's readiness), with despina_control_leader 0 and nothing else."""
+    leader, standby = planes
+    keys = Keys(key_prefix)
+    log_b = tmp_path / "b.log"
+    ports = {name: (tmp_path / f"{name}.port").read_text() for name in ("a", "b")}
+
+    def metrics(name: str) -> str:
+        r = httpx.get(f"http://127.0.0.1:{ports[name]}/metrics", timeout=10)
+        assert r.status_code == 200, r.text
+        return r.text
+
+    def leading(name: str) -> str:
+        text = metrics(name)
+        return text if "despina_control_leader 1" in text else ""
+
+    wait_until(lambda: b"standing by" in log_b.read_bytes(), 30, what="the standby")
+    led = wait_until(lambda: leading("a"), 10, what="a's metrics")
+    assert "# TYPE nv_" in led
+    stood_by = metrics("b")
+    assert "despina_control_leader 0" in stood_by and "nv_" not in stood_by, stood_by
+    # a rolling update's stop: the standby leads within its next look (2 s), a command sent meanwhile answered
+    client = redis.Redis.from_url(redis_url, socket_timeout=30)
+    try:
+        leader.send_signal(signal.SIGTERM)
+        answers = keys.control_answers("test")
+        command = Command(uuid.uuid4().hex, INDEX, deadline=time.time() + 30, reply=answers)
+        client.xadd(keys.control_commands, {FIELD: command.dumps()})
+        stopped = time.monotonic()
+        got = cast(list[bytes] | None, client.blpop([answers], 10))
+        assert got is not None and Answer.loads(got[1]).id == command.id
+        assert time.monotonic() - stopped < 5
+        assert leader.wait(10) == 0 and standby.poll() is None
+    finally:
+        client.close()
+    assert "# TYPE nv_" in wait_until(lambda: leading("b"), 10, what="b's metrics as the leader")

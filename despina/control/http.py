@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 
 import orjson
 import redis.asyncio as aioredis
@@ -25,19 +25,32 @@ from .status import PERIOD_S, StatusTracker
 from .status_page import HTML
 
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+LEADER = ("# HELP despina_control_leader Whether this control plane leads (1) or stands by (0): only the "
+          "leader serves the deployment's figures\n"
+          "# TYPE despina_control_leader gauge\ndespina_control_leader {}\n")
 
 
-def create_app(settings: Settings, redis: aioredis.Redis, cache: ArtifactCache | None = None) -> Starlette:
-    """`cache`: the control plane's artifact cache (an S3 registry), for its counters."""
+def create_app(settings: Settings, redis: aioredis.Redis, cache: ArtifactCache | None = None,
+               leads: Callable[[], bool] = lambda: True) -> Starlette:
+    """`cache`: the control plane's artifact cache (an S3 registry), for its counters; `leads`: whether this
+    control plane leads."""
     keys = Keys(settings.key_prefix)
     host = HostMetrics()
 
     async def metrics(request: Request) -> Response:
+        # A standby serves no figures: they are the whole deployment's, read from Redis, and Prometheus
+        # scrapes both pods while a rolling update overlaps them (each count twice). It answers all the same
+        # (readiness): the update waits for the new pod to be ready before it stops the old leader.
+        leader = leads()
         try:
-            body = await metrics_text(redis, keys, host, cache.stats.as_dict() if cache else None)
+            if leader:
+                body = await metrics_text(redis, keys, host, cache.stats.as_dict() if cache else None)
+            else:
+                await redis.ping()
+                body = b""
         except (RedisError, OSError) as exc:
             return Response(f"# Redis unavailable: {exc}\n", 503, media_type=PROMETHEUS)
-        return Response(body, media_type=PROMETHEUS)
+        return Response(body + LEADER.format(int(leader)).encode(), media_type=PROMETHEUS)
 
     tracker = StatusTracker(redis, keys)
 

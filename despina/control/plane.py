@@ -104,6 +104,7 @@ class ControlPlane:
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: set[bytes] = set()  # the command entries this one is running
+        self._leading = False
 
     def kick(self) -> None:
         """Tick now: something changed."""
@@ -116,9 +117,15 @@ class ControlPlane:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    @property
+    def leading(self) -> bool:
+        """Whether this one leads: it took the lease, and has not stopped or lost it."""
+        return self._leading and not self._stop.is_set()
+
     async def run(self) -> None:
         if not await self._lead():
             return
+        self._leading = True
         await self.catalog.load()
         loops = [self._ticks(), self._serve_commands(), self._listen(), self._keep_lease(),
                  self.registration.run()]
