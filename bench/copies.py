@@ -49,7 +49,8 @@ from onnx import TensorProto
 
 from despina.contract import records
 from despina.contract.datatypes import V2_TO_NUMPY
-from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict
+from despina.contract.modelconfig import normalize, parse_text, to_dict
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferRequest
 from despina.examples import build_identity
 from despina.gateway import v2

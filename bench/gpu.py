@@ -29,7 +29,7 @@ from limit import ms
 from models import DEFAULT_REPO, measure
 from onnx import numpy_helper
 
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
 from despina.workers.backends import Instance, backend_class
 

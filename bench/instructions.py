@@ -57,7 +57,7 @@ async def batches(n: int) -> None:
 
     from despina.contract import records
     from despina.contract.keys import FIELD, IN_FLIGHT, Keys
-    from despina.contract.modelconfig import ModelSpec
+    from despina.contract.modelspec import ModelSpec
     from despina.contract.records import InferRequest, Tensor
     from despina.control.repository import load_model
     from despina.resp import pack

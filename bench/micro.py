@@ -41,7 +41,8 @@ import uvloop
 from msgpack import packb
 
 from despina.contract import records
-from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict
+from despina.contract.modelconfig import normalize, parse_text, to_dict
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.counters import HINCRBY_MANY, record_counts
 from despina.gateway.fn import decode_fn
@@ -372,7 +373,7 @@ def python_model(n: int = 2000) -> None:
     import json
     import sys
 
-    from despina.contract.modelconfig import ModelSpec
+    from despina.contract.modelspec import ModelSpec
     from despina.control.repository import load_model
     from despina.workers.backends.python_process import STUB, Stub
     try:  # arrays cross as raw bytes since 5d4fa53; before, as pickled ndarrays

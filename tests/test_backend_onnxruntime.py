@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
 from despina.contract.errors import ConfigError
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_add_sub, build_mlp, mlp_numpy, save_onnx
 from despina.workers.backends import Instance, backend_class

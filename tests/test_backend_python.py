@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from despina import logs
 from despina.contract.errors import Code, ConfigError, DespinaError
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_add_sub
 from despina.gateway.http import STATUS

@@ -17,7 +17,7 @@ import tritonclient.http as httpclient
 
 from despina.contract.errors import BackendError, ConfigError
 from despina.contract.keys import Keys
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_torch_export_mlp, build_torchscript_mlp, mlp_numpy
 from despina.workers.backends import Instance, backend_class

@@ -16,7 +16,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from despina.contract.errors import ConfigError
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_tf_mlp, mlp_numpy
 from despina.workers.backends import Instance, backend_class

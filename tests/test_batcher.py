@@ -12,7 +12,7 @@ import pytest
 from despina.contract import records
 from despina.contract.ensemble import Ensemble
 from despina.contract.keys import FIELD, IN_FLIGHT, Keys
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.workers.batcher import BatchPolicy, DynamicBatcher, Item, QueueFull, QueuePolicy

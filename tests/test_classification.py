@@ -13,7 +13,8 @@ import tritonclient.http as httpclient
 from onnx import TensorProto, helper
 
 from despina.contract.errors import InvalidArgument
-from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
+from despina.contract.modelconfig import normalize, parse_text, to_dict, validate
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import Tensor
 from despina.examples import save_onnx
 from despina.gateway.classification import classify

@@ -12,7 +12,6 @@ from despina.contract import records
 from despina.contract.datatypes import deserialize_bytes, serialize_bytes, to_bytes, to_numpy
 from despina.contract.errors import Code, ConfigError, InvalidArgument
 from despina.contract.modelconfig import (
-    ModelSpec,
     check_model_name,
     normalize,
     parse_json,
@@ -20,6 +19,7 @@ from despina.contract.modelconfig import (
     to_dict,
     validate,
 )
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.gateway.v2 import decode_infer
 

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from despina.contract import records
 from despina.contract.datatypes import V2_TO_NUMPY, deserialize_bytes, serialize_bytes, to_numpy
 from despina.contract.errors import InvalidArgument
-from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
+from despina.contract.modelconfig import normalize, parse_text, to_dict, validate
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.gateway.fn import decode_fn, encode_fn, shape_of
 from despina.gateway.jsondata import (

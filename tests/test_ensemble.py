@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 
 from despina.contract.ensemble import Ensemble
 from despina.contract.errors import ConfigError
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import mlp_numpy
 

@@ -19,7 +19,7 @@ import pytest
 
 from despina.contract.errors import ConfigError
 from despina.contract.keys import Keys
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_mlp, build_torchscript_mlp, mlp_numpy
 from despina.workers.backends import Instance, backend_class

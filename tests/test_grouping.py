@@ -13,7 +13,8 @@ import pytest
 from despina.contract import records
 from despina.contract.errors import Code, InvalidArgument
 from despina.contract.keys import ENTRY_REQUESTS
-from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
+from despina.contract.modelconfig import normalize, parse_text, to_dict, validate
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.examples import mlp_numpy
 from despina.gateway.grouping import entries, group_rows, grouped, ungrouped

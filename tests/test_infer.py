@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from despina.contract.errors import Code, DespinaError
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferReply, Tensor
 from despina.gateway import infer
 from despina.gateway.app import Gateway

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 
 from despina.contract.errors import ConfigError
 from despina.contract.keys import Keys
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
 from despina.examples import build_add_sub, save_onnx
 from despina.workers.backends import backend_class

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from despina.contract.datatypes import V2_TO_CONFIG, V2_TO_NUMPY
 from despina.contract.errors import InvalidArgument
-from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict
+from despina.contract.modelconfig import normalize, parse_text, to_dict
+from despina.contract.modelspec import ModelSpec
 from despina.gateway import jsondata, v2
 from despina.gateway.http import json_object
 from despina.gateway.v2 import decode_infer

@@ -23,7 +23,7 @@ from despina import counters
 from despina.contract import records
 from despina.contract.errors import Code, DespinaError
 from despina.contract.keys import FIELD, GROUP, IN_FLIGHT, Keys
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control import status
 from despina.control.repository import load_model

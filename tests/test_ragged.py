@@ -14,7 +14,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from despina.contract.errors import BackendError, ConfigError, InvalidArgument
-from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
+from despina.contract.modelconfig import normalize, parse_text, to_dict, validate
+from despina.contract.modelspec import ModelSpec
 from despina.examples import save_onnx
 from despina.workers.ragged import BatchIO, scatter
 

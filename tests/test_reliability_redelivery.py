@@ -17,7 +17,7 @@ from onnx import TensorProto
 from despina.contract import records
 from despina.contract.errors import Code
 from despina.contract.keys import ATTEMPTS, FIELD, GROUP, Keys
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferRequest, Tensor
 from despina.control.backlog import requeue_all
 from despina.control.repository import load_model

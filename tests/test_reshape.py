@@ -11,15 +11,8 @@ import tritonclient.http as httpclient
 from onnx import TensorProto, helper
 
 from despina.contract.errors import ConfigError, InvalidArgument
-from despina.contract.modelconfig import (
-    ModelSpec,
-    check_shape,
-    normalize,
-    parse_text,
-    reshaped,
-    to_dict,
-    validate,
-)
+from despina.contract.modelconfig import normalize, parse_text, to_dict, validate
+from despina.contract.modelspec import ModelSpec, check_shape, reshaped
 from despina.examples import save_onnx
 from despina.workers.reshape import Reshapes
 

@@ -16,7 +16,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from despina.contract.errors import ConfigError
-from despina.contract.modelconfig import ModelSpec, normalize, parse_text, to_dict, validate
+from despina.contract.modelconfig import normalize, parse_text, to_dict, validate
+from despina.contract.modelspec import ModelSpec
 from despina.examples import save_onnx
 
 from .conftest import Server, module_server

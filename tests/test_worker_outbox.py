@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from despina.contract import records
 from despina.contract.keys import FIELD, GROUP, IN_FLIGHT, Keys
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.workers.runner import ModelRunner

@@ -18,7 +18,7 @@ from despina.contract import records
 from despina.contract.ensemble import Ensemble
 from despina.contract.errors import Code
 from despina.contract.keys import FIELD, IN_FLIGHT, Keys
-from despina.contract.modelconfig import ModelSpec
+from despina.contract.modelspec import ModelSpec
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.counters import Deferred

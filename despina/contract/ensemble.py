@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import Code, ConfigError, DeadlineExceeded, DespinaError
-from .modelconfig import ModelSpec, TensorSpec, check_inputs, check_shape
+from .modelspec import ModelSpec, TensorSpec, check_inputs, check_shape
 from .records import InferReply, Tensor
 
 log = logging.getLogger("despina.ensemble")

@@ -13,7 +13,7 @@ from typing import Any
 from ..contract.catalog import IDLE, UNLOADED, CatalogEntry
 from ..contract.ensemble import Ensemble, is_ensemble
 from ..contract.errors import DespinaError
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from .state import Catalog, Workers
 
 log = logging.getLogger("despina.control")

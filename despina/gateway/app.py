@@ -21,7 +21,7 @@ from .. import __version__
 from ..contract.catalog import UNLOADED
 from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.keys import Keys
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..logs import dump_tasks_on_sigusr2
 from ..redis_client import connect
 from ..response_cache import ResponseCache

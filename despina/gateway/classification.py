@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..contract.datatypes import V2_TO_NUMPY, serialize_bytes
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..contract.records import Tensor
 
 

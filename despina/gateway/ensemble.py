@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..contract.ensemble import Ensemble, Run, Step
 from ..contract.errors import DespinaError, Unavailable
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, Tensor
 from ..workers.stats import ensemble_counts
 from .models import NotLoaded

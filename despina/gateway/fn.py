@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 
 from ..contract.errors import InvalidArgument
-from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_input
+from ..contract.modelspec import ModelSpec, check_inputs, check_shape, known_input
 from ..contract.records import Tensor
 from .http import loads
 from .jsondata import holds_no_booleans, json_data_to_bytes, nonfinite_json

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ..contract.errors import Code, DespinaError, InvalidArgument
-from ..contract.modelconfig import ModelSpec, check_inputs, check_shape, known_input
+from ..contract.modelspec import ModelSpec, check_inputs, check_shape, known_input
 from ..contract.records import InferReply, Parameters, Tensor
 from . import http
 from .fn import plain, shape_of

@@ -15,7 +15,7 @@ from ..contract import records
 from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DespinaError
 from ..contract.keys import ENTRY_REQUESTS
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Tensor
 
 log = logging.getLogger("despina.gateway")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..contract.sequence import optional_sequence, request_sequence
 from ..response_cache import cache_key, through

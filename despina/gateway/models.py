@@ -33,7 +33,7 @@ from ..contract.errors import (
     Unavailable,
 )
 from ..contract.keys import Keys
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..redis_client import trouble
 from .control import ControlClient
 from .worker_states import Ready, Served, WorkerStates

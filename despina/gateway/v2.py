@@ -12,7 +12,7 @@ import orjson
 
 from ..contract.datatypes import element_count
 from ..contract.errors import InvalidArgument
-from ..contract.modelconfig import ModelSpec, check_inputs
+from ..contract.modelspec import ModelSpec, check_inputs
 from ..contract.records import Parameters, Tensor
 from ..settings import Settings
 from .http import json_object

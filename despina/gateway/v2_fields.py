@@ -10,7 +10,7 @@ import orjson
 
 from ..contract.datatypes import V2_TO_NUMPY, element_count, to_numpy
 from ..contract.errors import InvalidArgument
-from ..contract.modelconfig import ModelSpec, check_datatype, check_shape, known_input, known_output
+from ..contract.modelspec import ModelSpec, check_datatype, check_shape, known_input, known_output
 from ..contract.records import NO_PARAMETERS, Parameters, Tensor
 from .jsondata import json_data_to_bytes
 from .shm import Region, Registry, ShmOutput, tensor_parameters

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..contract.datatypes import numpy_to_v2, to_bytes
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
-from ..contract.modelconfig import (
+from ..contract.modelspec import (
     ModelSpec,
     check_datatype,
     check_inputs,

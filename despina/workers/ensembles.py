@@ -25,7 +25,7 @@ from ..contract import records
 from ..contract.ensemble import Ensemble, Run, Step
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
 from ..contract.keys import FIELD, Keys
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
 from ..counters import Deferred, record_counts
 from ..logs import Throttled

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..contract.errors import Code, ConfigError, DespinaError
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply
 from . import answers
 from .backends import Backend, backend_class

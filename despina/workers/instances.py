@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..contract.errors import ConfigError
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from .backends.base import Instance
 
 

@@ -12,7 +12,7 @@ from redis.exceptions import RedisError
 
 from ..contract.catalog import CatalogEntry
 from ..contract.errors import DespinaError, Unavailable
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..counters import Deferred
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
 from .bls import ModelCaller

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..contract.keys import ENTRY_REQUESTS, GROUP, Keys
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, InferRequest
 from ..counters import Deferred, record_counts
 from ..resp import Batch, Command, ReadAlong, Resp

@@ -28,7 +28,7 @@ import numpy as np
 from ..contract.batchio import BatchInputSpec
 from ..contract.datatypes import V2_TO_NUMPY
 from ..contract.errors import BackendError, InvalidArgument
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 
 Arrays = dict[str, np.ndarray]
 

@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 from ..contract import records
 from ..contract.errors import Code
 from ..contract.keys import FIELD, Keys
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, InferRequest
 from ..redis_client import BULK_DEFAULT
 from ..resp import Batch, Command, Resp

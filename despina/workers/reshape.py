@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..contract.errors import Code, DespinaError
-from ..contract.modelconfig import ModelSpec, reshaped
+from ..contract.modelspec import ModelSpec, reshaped
 
 Layout = tuple[tuple[int, ...], tuple[int, ...]]  # (the shape as it comes, the shape it goes out as)
 

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from ..contract.errors import Code
 from ..contract.keys import Keys
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..counters import Deferred
 from ..logs import Throttled
 from ..redis_client import BULK_DEFAULT, allow_oom, bulk_limit

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..contract.datatypes import V2_TO_NUMPY, element_count
 from ..contract.errors import ConfigError, InvalidArgument
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..contract.policy import BatchPolicy
 from ..contract.sequence import END, START, Control, Correlation, SequencePolicy, State
 from .batcher import DynamicBatcher, Item

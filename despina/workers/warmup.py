@@ -9,7 +9,7 @@ import numpy as np
 
 from ..contract.datatypes import CONFIG_TO_V2, V2_TO_NUMPY, deserialize_bytes, element_count
 from ..contract.errors import ConfigError, DespinaError, InvalidArgument
-from ..contract.modelconfig import ModelSpec, check_datatype, check_shape
+from ..contract.modelspec import ModelSpec, check_datatype, check_shape
 from .backends.base import Backend
 from .ragged import BatchIO
 from .reshape import Reshapes

@@ -26,7 +26,7 @@ from ..contract.cluster import WorkerInfo
 from ..contract.ensemble import Ensemble, Step, is_ensemble
 from ..contract.errors import ConfigError
 from ..contract.keys import Keys
-from ..contract.modelconfig import ModelSpec
+from ..contract.modelspec import ModelSpec
 from ..counters import HINCRBY_MANY, Deferred
 from ..metrics import GpuReader
 from ..redis_client import allow_oom, trouble

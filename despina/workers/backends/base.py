@@ -22,7 +22,7 @@ import numpy as np
 
 from ...contract._schema import model_config_pb2 as pb
 from ...contract.errors import ConfigError, DespinaError, InvalidArgument
-from ...contract.modelconfig import ModelSpec
+from ...contract.modelspec import ModelSpec
 from ...contract.records import NO_PARAMETERS, InferRequest, Parameters
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ...contract.errors import BackendError, ConfigError
-from ...contract.modelconfig import ModelSpec
+from ...contract.modelspec import ModelSpec
 from .base import Backend, Declared, complete_config
 
 if find_spec("torch") is None:  # torch itself is imported only where a model needs it
