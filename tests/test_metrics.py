@@ -29,7 +29,8 @@ from despina.control import status
 from despina.control.repository import load_model
 from despina.counters import Deferred
 from despina.examples import build_identity, build_mlp
-from despina.metrics import gpu_samples, render
+from despina.host_metrics import gpu_samples
+from despina.metrics import render
 from despina.workers.runner import ModelRunner
 from despina.workers.stats import ensemble_counts, tally
 

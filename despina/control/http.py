@@ -17,8 +17,9 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from ..contract.keys import Keys
+from ..host_metrics import HostMetrics
 from ..http_server import Server
-from ..metrics import HostMetrics, metrics_text
+from ..metrics import metrics_text
 from ..registry import ArtifactCache
 from ..settings import Settings
 from .status import PERIOD_S, StatusTracker

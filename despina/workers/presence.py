@@ -17,7 +17,7 @@ from .. import logs
 from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail, state_digest
 from ..contract.keys import Keys
 from ..contract.records import packb
-from ..metrics import GpuReader
+from ..host_metrics import GpuReader
 from ..redis_client import allow_oom
 from ..registry import ArtifactCache
 from ..registry.cache import touch

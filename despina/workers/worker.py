@@ -28,7 +28,7 @@ from ..contract.errors import ConfigError
 from ..contract.keys import Keys
 from ..contract.modelspec import ModelSpec
 from ..counters import HINCRBY_MANY, Deferred
-from ..metrics import GpuReader
+from ..host_metrics import GpuReader
 from ..redis_client import allow_oom, trouble
 from ..registry import ArtifactCache, Registry
 from ..response_cache import ResponseCache
