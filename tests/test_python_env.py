@@ -7,6 +7,8 @@ package folder on the path and runs this test's interpreter (which has numpy), a
 environment's interpreter would run with its own packages."""
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import tarfile
 import time
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from despina.workers.backends.python_env import _unpacked
 
 from .conftest import Server, module_server
 
@@ -113,3 +117,27 @@ def test_an_environment_that_cannot_be_used_keeps_the_model_from_loading(server:
             return
         time.sleep(0.2)
     raise AssertionError(f"{model}: {rows}")
+
+
+def test_an_archive_replaced_by_a_copy_of_the_same_size_and_time_is_unpacked_again(tmp_path: Path) -> None:
+    """`cp -p` or `rsync -a` of a new environment over the old keeps the file's size and modification time
+    (the same packages, one changed in a line): the next load must run the new one, not the old unpack."""
+    def packed(value: int, name: str) -> Path:
+        source = tmp_path / f"src{value}"
+        make_env(source, value)
+        archive = tmp_path / name
+        with tarfile.open(archive, "w") as tar:  # plain tar: the same size for either value
+            tar.add(source, arcname=".")
+        return archive
+
+    archive, other = packed(1, "env.tar"), packed(2, "other.tar")
+    assert archive.stat().st_size == other.stat().st_size
+    mtime = archive.stat().st_mtime_ns
+    first = _unpacked(archive, "test")
+    assert (first / "site" / "only_in_env.py").read_text() == "VALUE = 1\n"
+    shutil.copyfile(other, archive)  # in place, then the old time put back, as `cp -p` does
+    os.utime(archive, ns=(mtime, mtime))
+    second = _unpacked(archive, "test")
+    assert (second / "site" / "only_in_env.py").read_text() == "VALUE = 2\n"
+    shutil.rmtree(first)
+    shutil.rmtree(second)

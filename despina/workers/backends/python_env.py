@@ -7,8 +7,9 @@ folder); `$$TRITON_MODEL_DIRECTORY` is the model's folder. The model's process t
 environment's interpreter (`bin/python3`, else `bin/python`) with its `bin` first on PATH and its `lib`
 on LD_LIBRARY_PATH, as Triton's stub runs after `source bin/activate`, so the model imports what the
 environment holds. The process needs only the standard library and numpy there. A tarball is unpacked
-once into the temporary folder, keyed by its path, size and modification time, and reused by every
-instance, worker and load after.
+once into the temporary folder, keyed by its path, size, modification and change times, and reused by
+every instance, worker and load after. (The change time because a copy that keeps the modification time
+(`cp -p`, `rsync -a`) of an archive of the same size would otherwise run the old environment.)
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def _unpacked(archive: Path, where: str) -> Path:
     if not archive.name.endswith(ARCHIVES):
         raise ConfigError(f"{where}: expected a folder or a .tar.gz, .tgz or .tar archive")
     stat = archive.stat()
-    key = f"{archive.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = f"{archive.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     base = Path(tempfile.gettempdir()) / "despina-python-envs"
     final = base / digest
