@@ -184,8 +184,10 @@ class Resp:
         # the connection's own commands first; it is this Resp's (connected) only after them (_opened)
         hello: list[Command] = []
         if o.get("password"):
-            user = [o["username"]] if o.get("username") else []
-            hello.append(["AUTH", *user, o["password"]])
+            # AUTH's two-argument form, as redis-py's HELLO AUTH: its one-argument form is refused by a Redis
+            # that asks no password ("called without any password configured"), which redis-py's
+            # connections were let on: every request failed on this connection, the gateway still ready
+            hello.append(["AUTH", o.get("username") or "default", o["password"]])
         if o.get("db"):
             hello.append(["SELECT", o["db"]])
         try:
