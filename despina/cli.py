@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
 import signal
 import sys
 from collections.abc import Mapping
@@ -191,6 +192,20 @@ def _unusable(repository: str) -> str | None:
     return None if Path(repository).expanduser().is_dir() else f"{repository} is not a folder"
 
 
+def _redis_unusable(settings: Settings) -> str | None:
+    """Why the Redis of the settings cannot serve Despina (redis_check.py), or None; warnings are logged."""
+    from .redis_check import Unusable, check
+
+    assert settings.redis_url
+    try:
+        found = check(settings.redis_url, settings.key_prefix)
+    except Unusable as exc:
+        return str(exc)
+    for warning in found.warnings:
+        logging.getLogger("despina").warning("%s", warning)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -217,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         except cpus.CpuListError as exc:
             print(f"despina {args.command}: --worker-cpus: {exc}", file=sys.stderr)
             return 2
+    if settings.redis_url and settings.redis_check and (why := _redis_unusable(settings)):
+        print(f"despina {args.command}: {why}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         from .serve import Supervisor
 

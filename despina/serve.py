@@ -113,6 +113,7 @@ class Supervisor:
             self.valkey.start()
             settings = settings.with_(redis_url=self.valkey.url)
             log.info("embedded Valkey on %s", self.valkey.url)
+        settings = settings.with_(redis_check=False)  # checked already (cli.main), or its own Valkey
         self.control = Child("control", child_env(settings), "control", others)
         # sharing a core, the gateway and the worker take turns: the sooner a gateway reads what came, the
         # more requests each batch takes, and the less both spend per request (bench/RESULTS.md, 2026-12-04)

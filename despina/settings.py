@@ -19,6 +19,9 @@ class BadSetting(ValueError):
 class Settings:
     redis_url: str | None = None            # None: start an embedded Valkey
     key_prefix: str = "despina"
+    # at start, check that the Redis is one Despina can use (redis_check.py): not a cluster, a replica or a
+    # Sentinel, its ACL user allowed every command and key; serve checks once, for its children too
+    redis_check: bool = True
     model_repository: str = "./model_repository"
     host: str = "127.0.0.1"
     http_port: int = 8000
