@@ -10,6 +10,7 @@ rediss:// URL to a port that speaks no TLS. A server not reachable now passes: t
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -120,9 +121,12 @@ def _open(url: str, where: str) -> redis.Redis | None:
                            "setting says how many it has (16 by default), numbered from 0") from None
         raise Unusable(f"Redis at {where} refused the connection's set-up ({said})") from None
     except (ConnectionError, RedisTimeoutError, OSError):
-        if urlparse(url).scheme.lower() == "rediss" and _answers_plain(where):
+        tls = urlparse(url).scheme.lower() == "rediss"
+        if tls and _answers_plain(where):
             raise Unusable(f"{where} answers without TLS: use a redis:// URL (rediss:// is for a port that "
                            "speaks TLS)") from None
+        if not tls and not where.startswith("/") and _speaks_tls(where):
+            raise Unusable(f"{where} speaks TLS: use a rediss:// URL") from None
         return None
 
 
@@ -251,5 +255,20 @@ def _answers_plain(where: str) -> bool:
             s.settimeout(1.0)
             s.sendall(b"PING\r\n")
             return s.recv(1)[:1] in (b"+", b"-")
+    except (OSError, ValueError):
+        return False
+
+
+def _speaks_tls(where: str) -> bool:
+    """Whether host:port answers a TLS handshake (a Redis with TLS on resets a plain-text client)."""
+    host, _, port = where.rpartition(":")
+    tls = ssl.create_default_context()
+    tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE  # only whether it speaks TLS at all
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S) as s, \
+                tls.wrap_socket(s, server_hostname=host or None):
+            return True  # the handshake went through (it asks a client certificate only later)
+    except ssl.SSLError as exc:  # an alert is TLS too (a client certificate asked for, a version refused)
+        return "alert" in str(exc).lower()
     except (OSError, ValueError):
         return False

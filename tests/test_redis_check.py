@@ -19,6 +19,7 @@ from despina.embedded import die_with_parent, free_port
 from despina.redis_check import Unusable, check, probe_commands
 
 from .conftest import start_server, stop_server
+from .test_resp import tls_redis  # noqa: F401  (a Redis that speaks TLS only)
 
 SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(SERVER is None, reason="needs redis-server")
@@ -133,6 +134,13 @@ def test_wrong_urls_are_told_at_once(acl_redis: OwnRedis) -> None:
     assert "answers without TLS" in refusal(acl_redis.url.replace("redis://", "rediss://"))
     assert time.monotonic() - started < 5
     assert check(f"redis://127.0.0.1:{free_port()}/0", PREFIX).warnings == []  # down now: the roles wait
+
+
+def test_a_plain_url_to_a_tls_port_is_told_to_use_rediss(request: pytest.FixtureRequest) -> None:
+    """redis:// to a TLS port: the server resets each connection, and the roles retried "Connection reset
+    by peer" without end."""
+    port, _ = request.getfixturevalue("tls_redis")
+    assert "use a rediss:// URL" in refusal(f"redis://127.0.0.1:{port}/0")
 
 
 def test_a_replica_is_refused(acl_redis: OwnRedis, tmp_path: Path) -> None:
