@@ -15,11 +15,18 @@ import numpy as np
 import orjson
 import redis
 
+from despina.contract.catalog import IDLE as SCALED_TO_ZERO
+from despina.contract.catalog import LOADED, CatalogEntry
+from despina.contract.cluster import VersionStatus, WorkerInfo, pack_detail
 from despina.contract.keys import Keys
+from despina.control.plane import ControlPlane
+from despina.redis_client import connect
+from despina.settings import Settings
 
 from .conftest import Server
 from .control_support import ROW, expected, index, mlp_folder, wait_until, worker_hashes
 
+MB = 1024 * 1024
 IDLE = 'parameters { key: "idle_timeout_s" value: { string_value: "1" } }'
 
 
@@ -215,3 +222,39 @@ def test_a_request_that_joins_a_cold_start_waits_its_own_timeout(
     refused, joined = asyncio.run(first_and_joining())
     assert refused.status_code == 503 and "did not load within" in refused.json()["error"], refused.text
     assert joined.status_code == 200, joined.text
+
+
+async def test_a_models_idle_clock_starts_at_the_first_check_that_sees_it_serve(
+        tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """The idle clock started at the last check that saw the model still loading, which may be a tick (a
+    second; more on a busy machine) before it served: a model with a 1 s timeout was unloaded by the first
+    check that saw it serve, before anyone could call it (a flaky ensemble test's step model went idle so,
+    before its first request)."""
+    client, setup = connect(redis_url), connect(redis_url)
+    keys = Keys(key_prefix)
+    plane = ControlPlane(Settings(model_repository=str(tmp_path), key_prefix=key_prefix, idle_timeout_s=1),
+                         client)
+    try:
+        plane.catalog.put(CatalogEntry("m", "/repo/m", {"name": "m"}, (1,), revisions={1: "r1"}, footprint=MB))
+        await setup.hset(keys.worker("w"), "info", WorkerInfo("w", memory_bytes=1000 * MB).dumps())
+        await setup.sadd(keys.workers, "w")
+        await plane.lifecycle.tick()  # places it on w
+        assert plane.catalog.entries["m"].workers == ("w",)
+
+        async def reports(state: str) -> None:
+            detail = pack_detail({"m": {1: VersionStatus(state, "r1")}})
+            await setup.hset(keys.worker("w"), mapping={"detail": detail, "state": state})  # (its digest)
+            await plane.workers.refresh()
+
+        await reports("LOADING")
+        await plane.lifecycle._scale_to_zero()  # a check while it loads...
+        await asyncio.sleep(1.2)  # ...and none for longer than its idle timeout
+        await reports("READY")
+        await plane.lifecycle._scale_to_zero()  # the first check that sees it serve
+        assert plane.catalog.entries["m"].target == LOADED
+        await asyncio.sleep(1.2)  # and now it has served its timeout uncalled
+        await plane.lifecycle._scale_to_zero()
+        assert plane.catalog.entries["m"].target == SCALED_TO_ZERO
+    finally:
+        await client.aclose(close_connection_pool=True)
+        await setup.aclose(close_connection_pool=True)

@@ -40,6 +40,7 @@ class Idle:
         self._checks = 0                            # checks so far
         self._used: dict[str, float] = {}           # loaded model -> its last inference as read (wall clock)
         self._idle_since: dict[str, float] = {}     # model scaled to zero -> when first seen so (monotonic)
+        self._serving: set[str] = set()             # loaded models the last check saw serving
 
     def timeout(self, e: CatalogEntry) -> float:
         raw = parameter(e.config, "idle_timeout_s")
@@ -63,6 +64,7 @@ class Idle:
         due: list[CatalogEntry] = []
         used: dict[str, float] = {}
         idle_since: dict[str, float] = {}
+        serving: set[str] = set()
         for e in self.catalog.entries.values():
             if e.state != "READY" or is_ensemble(e.config):
                 continue
@@ -73,12 +75,16 @@ class Idle:
             elif e.target == LOADED and (timeout := self.timeout(e)) > 0:
                 last = used[e.name] = self._used.get(e.name, 0.0)
                 if not any(self.workers.ready_on(e.name, v) for v in e.versions):
-                    # placed on no worker yet, or still loading: its idle clock starts once it serves
+                    continue  # placed on no worker yet, or still loading
+                serving.add(e.name)
+                if e.name not in self._serving:
+                    # its idle clock starts once it serves: now, not at the last check that saw it loading
+                    # (a tick before, or more: a 1 s timeout had passed by the first check that saw it serve)
                     self.awake_since[e.name] = now
                 elif now - max(last, self.awake_since.setdefault(e.name, now)) > timeout \
                         and not self.cold.get(e.name):
                     due.append(e)
-        self._used, self._idle_since = used, idle_since
+        self._used, self._idle_since, self._serving = used, idle_since, serving
         return await self._read(due) if due else ([], [])
 
     async def _read(self, due: list[CatalogEntry]) -> tuple[list[CatalogEntry], list[str]]:
