@@ -18,7 +18,7 @@ import redis
 from despina.contract.catalog import IDLE as SCALED_TO_ZERO
 from despina.contract.catalog import LOADED, CatalogEntry
 from despina.contract.cluster import VersionStatus, WorkerInfo, pack_detail
-from despina.contract.keys import Keys
+from despina.contract.keys import FIELD, Keys
 from despina.control.plane import ControlPlane
 from despina.redis_client import connect
 from despina.settings import Settings
@@ -224,37 +224,83 @@ def test_a_request_that_joins_a_cold_start_waits_its_own_timeout(
     assert joined.status_code == 200, joined.text
 
 
+class OneWorker:
+    """A ControlPlane (1 s idle timeout) against the test Redis, its catalog holding `entries`, which it has
+    placed on worker "w": a heartbeat hash that the test writes (`reports`)."""
+
+    def __init__(self, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+        self.client, self.setup = connect(redis_url), connect(redis_url)
+        self.keys = Keys(key_prefix)
+        self.plane = ControlPlane(Settings(model_repository=str(tmp_path), key_prefix=key_prefix,
+                                           idle_timeout_s=1), self.client)
+
+    async def start(self, *entries: CatalogEntry) -> None:
+        for e in entries:
+            self.plane.catalog.put(e)
+        await self.setup.hset(self.keys.worker("w"), "info", WorkerInfo("w", memory_bytes=1000 * MB).dumps())
+        await self.setup.sadd(self.keys.workers, "w")
+        await self.plane.lifecycle.tick()  # places them on w
+        assert all(self.plane.catalog.entries[e.name].workers == ("w",) for e in entries if e.footprint)
+
+    async def reports(self, state: str, *models: str) -> None:
+        detail = pack_detail({m: {1: VersionStatus(state, "r1")} for m in models})
+        await self.setup.hset(self.keys.worker("w"), mapping={"detail": detail, "state": state})  # (its digest)
+        await self.plane.workers.refresh()
+
+    def target(self, name: str) -> str:
+        return self.plane.catalog.entries[name].target
+
+    async def close(self) -> None:
+        await self.client.aclose(close_connection_pool=True)
+        await self.setup.aclose(close_connection_pool=True)
+
+
+def model(name: str) -> CatalogEntry:
+    return CatalogEntry(name, f"/repo/{name}", {"name": name}, (1,), revisions={1: "r1"}, footprint=MB)
+
+
 async def test_a_models_idle_clock_starts_at_the_first_check_that_sees_it_serve(
         tmp_path: Path, redis_url: str, key_prefix: str) -> None:
     """The idle clock started at the last check that saw the model still loading, which may be a tick (a
     second; more on a busy machine) before it served: a model with a 1 s timeout was unloaded by the first
     check that saw it serve, before anyone could call it (a flaky ensemble test's step model went idle so,
     before its first request)."""
-    client, setup = connect(redis_url), connect(redis_url)
-    keys = Keys(key_prefix)
-    plane = ControlPlane(Settings(model_repository=str(tmp_path), key_prefix=key_prefix, idle_timeout_s=1),
-                         client)
+    w = OneWorker(tmp_path, redis_url, key_prefix)
     try:
-        plane.catalog.put(CatalogEntry("m", "/repo/m", {"name": "m"}, (1,), revisions={1: "r1"}, footprint=MB))
-        await setup.hset(keys.worker("w"), "info", WorkerInfo("w", memory_bytes=1000 * MB).dumps())
-        await setup.sadd(keys.workers, "w")
-        await plane.lifecycle.tick()  # places it on w
-        assert plane.catalog.entries["m"].workers == ("w",)
-
-        async def reports(state: str) -> None:
-            detail = pack_detail({"m": {1: VersionStatus(state, "r1")}})
-            await setup.hset(keys.worker("w"), mapping={"detail": detail, "state": state})  # (its digest)
-            await plane.workers.refresh()
-
-        await reports("LOADING")
-        await plane.lifecycle._scale_to_zero()  # a check while it loads...
+        await w.start(model("m"))
+        await w.reports("LOADING", "m")
+        await w.plane.lifecycle._scale_to_zero()  # a check while it loads...
         await asyncio.sleep(1.2)  # ...and none for longer than its idle timeout
-        await reports("READY")
-        await plane.lifecycle._scale_to_zero()  # the first check that sees it serve
-        assert plane.catalog.entries["m"].target == LOADED
+        await w.reports("READY", "m")
+        await w.plane.lifecycle._scale_to_zero()  # the first check that sees it serve
+        assert w.target("m") == LOADED
         await asyncio.sleep(1.2)  # and now it has served its timeout uncalled
-        await plane.lifecycle._scale_to_zero()
-        assert plane.catalog.entries["m"].target == SCALED_TO_ZERO
+        await w.plane.lifecycle._scale_to_zero()
+        assert w.target("m") == SCALED_TO_ZERO
     finally:
-        await client.aclose(close_connection_pool=True)
-        await setup.aclose(close_connection_pool=True)
+        await w.close()
+
+
+async def test_a_request_queued_for_an_ensemble_keeps_the_models_it_calls(
+        tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A worker that runs an ensemble itself calls the models straight, through none of their streams,
+    and keeps the request in the ensemble's stream until it answers it. The models' idle check read only
+    their own streams: a step waiting behind a longer one (or a request queued for the ensemble) found
+    its model scaled to zero. Such a request now counts as one queued for each model the ensemble calls."""
+    ensemble = CatalogEntry("e", "/repo/e", {"name": "e", "platform": "ensemble", "ensemble_scheduling": {
+        "step": [{"model_name": "m"}, {"model_name": "post"}]}}, (1,))
+    w = OneWorker(tmp_path, redis_url, key_prefix)
+    try:
+        await w.start(model("m"), model("post"), model("other"), ensemble)
+        await w.reports("READY", "m", "post", "other")
+        await w.plane.lifecycle._scale_to_zero()  # their idle clocks start
+        await asyncio.sleep(1.2)  # none is called for longer than its idle timeout...
+        entry = await w.setup.xadd(w.keys.request_stream("e", 1), {FIELD: b"queued"})  # ...but one is queued
+        await w.plane.lifecycle._scale_to_zero()
+        assert {n: w.target(n) for n in ("m", "post", "other")} == {
+            "m": LOADED, "post": LOADED, "other": SCALED_TO_ZERO}
+        await w.setup.xdel(w.keys.request_stream("e", 1), entry)  # answered
+        await w.plane.lifecycle._scale_to_zero()
+        assert w.target("m") == w.target("post") == SCALED_TO_ZERO
+    finally:
+        await w.close()

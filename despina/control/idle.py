@@ -2,6 +2,8 @@
 scaled to zero have a request queued (one that a gateway queued while the model was going down), and
 how long each cold start took.
 
+A loaded model's backlog is what its own streams hold and, when a worker runs an ensemble that calls it,
+what that ensemble's streams hold (requests for it that reach it through no stream of its own).
 Only what may change a decision is read: a loaded model's last inference and backlog once its timeout
 has passed since it was last seen used (its last inference only moves later); a model scaled to zero,
 its backlog at every check while producers may still see it serving (Idle.watch_s), then at every
@@ -16,7 +18,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from ..contract.catalog import IDLE, LOADED, CatalogEntry
-from ..contract.ensemble import is_ensemble
+from ..contract.ensemble import called_by, is_ensemble
 from ..contract.keys import Keys
 from ..settings import Settings
 from .repository import parameter
@@ -90,12 +92,15 @@ class Idle:
     async def _read(self, due: list[CatalogEntry]) -> tuple[list[CatalogEntry], list[str]]:
         """Read the `due` models' last inference (those loaded) and backlog: check() from them."""
         pipe = self.redis.pipeline(transaction=False)
+        callers = self._callers(due)
         for e in due:
             for v in e.versions:
                 if e.target == LOADED:
                     pipe.hget(self.keys.stats(e.name, v), "last_inference")
                 for s in e.streams(self.keys, v):
                     pipe.xlen(s)
+            for s in callers.get(e.name, ()):
+                pipe.xlen(s)
         results = iter(await pipe.execute())
         backlog: dict[str, int] = {}
         for e in due:
@@ -105,6 +110,8 @@ class Idle:
                     self._used[e.name] = max(self._used.get(e.name, 0.0), int(last) / 1000)
                 queued = sum(int(next(results)) for _ in e.streams(self.keys, v))
                 backlog[e.name] = backlog.get(e.name, 0) + queued
+            calling = sum(int(next(results)) for _ in callers.get(e.name, ()))
+            backlog[e.name] = backlog.get(e.name, 0) + calling
         now = time.time()
         unload, wake = [], []
         for old in due:
@@ -122,6 +129,19 @@ class Idle:
                          now - since)
                 unload.append(e)
         return unload, wake
+
+    def _callers(self, due: list[CatalogEntry]) -> dict[str, list[str]]:
+        """The streams of the ensembles that call each loaded model of `due`. A worker that runs an
+        ensemble itself keeps each request in the ensemble's stream until it answers it, and calls the
+        models straight, through no stream of theirs: a request queued or running there is a request for
+        the models it calls (a step that came after a longer one found its model scaled to zero)."""
+        loaded = {e.name for e in due if e.target == LOADED}
+        found: dict[str, list[str]] = {}
+        for c in self.catalog.entries.values():
+            if c.state == "READY" and is_ensemble(c.config):
+                for name in called_by(c.config) & loaded:
+                    found.setdefault(name, []).extend(s for v in c.versions for s in c.streams(self.keys, v))
+        return found
 
     # -- cold starts -------------------------------------------------------------------------------
 
