@@ -92,11 +92,33 @@ def test_full_queue_refuses_at_once_and_loses_nothing_accepted(serve: Callable[.
         assert seconds >= 1.0 and response.json()["outputs"][0]["shape"] == [1, 10]
 
 
+# SLEEPER, whose first batch waits while the file HOLD is there
+HELD_SLEEPER = """
+import os
+import time
+import triton_python_backend_utils as pb_utils
+
+HOLD = {hold!r}
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        while os.path.exists(HOLD):
+            time.sleep(0.01)
+        time.sleep(0.01)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy()[:, :10].copy())]) for r in requests]
+"""
+
+
 def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], tmp_path: Path,
                                                    redis_url: str, key_prefix: str) -> None:
-    # one request per batch, 10 ms each: 80 requests are a backlog of most of a second (an ONNX model
-    # sized for 10 ms took 1 ms on a fast host, and the backlog was gone before the priority-1 requests came)
-    repo = python_model(tmp_path, "p", SLEEPER, 'max_batch_size: 1\n'
+    # one request per batch, 10 ms each. The model's first batch is held until every request is queued:
+    # the priority-1 requests were sent once the backlog was 60 deep, and on a loaded machine the test took
+    # long enough to send them that the default level had mostly drained meanwhile (seen once)
+    hold = tmp_path / "hold"
+    hold.touch()
+    repo = python_model(tmp_path / "repo", "p", HELD_SLEEPER.format(hold=str(hold)), 'max_batch_size: 1\n'
                         'input [{ name: "x", data_type: TYPE_FP32, dims: [256] }]\n'
                         'output [{ name: "y", data_type: TYPE_FP32, dims: [10] }]\n'
                         "dynamic_batching { priority_levels: 2 default_priority_level: 2 }\n")
@@ -105,10 +127,12 @@ def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], 
     stats = Keys(key_prefix).stats("p", 1)
     store = aioredis.Redis.from_url(redis_url)
 
-    async def backlog() -> int:
-        """Requests the gateway queued that the worker has not answered yet."""
-        h = {k.decode(): int(v) for k, v in (await store.hgetall(stats)).items()}
-        return h.get("enqueued", 0) - h.get("success_count", 0) - h.get("fail_count", 0)
+    async def queued(n: int) -> None:
+        """Until the gateway has queued `n` requests (none is answered while the model is held)."""
+        deadline = time.monotonic() + 30
+        while int(await store.hget(stats, "enqueued") or 0) < n:
+            assert time.monotonic() < deadline, f"{n} requests not queued within 30 s"
+            await asyncio.sleep(0.02)
 
     async def finished(client: httpx.AsyncClient, content: bytes) -> float:
         r = await client.post(url, content=content)
@@ -118,17 +142,18 @@ def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], 
     async def scenario() -> tuple[list[float], list[float]]:
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as client:
             low = [asyncio.create_task(finished(client, body())) for _ in range(80)]
-            deadline = time.monotonic() + 30
-            while await backlog() < 60 and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)             # until the default level has a long backlog
+            await queued(80)
             high = [asyncio.create_task(finished(client, body(priority=1))) for _ in range(10)]
+            await queued(90)
+            hold.unlink()
             result = list(await asyncio.gather(*low)), list(await asyncio.gather(*high))
         await store.aclose()
         return result
 
     lows, highs = asyncio.run(scenario())
     # in arrival order the priority-1 requests would finish last; they finish ahead of most of the
-    # default backlog that was queued before them
+    # default backlog that was queued before them (the worker has read up to 64 ahead: each priority-1
+    # request it reads after the hold may wait for one default-level batch that started meanwhile)
     assert max(highs) < float(np.percentile(lows, 75))
 
 
