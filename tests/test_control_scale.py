@@ -95,13 +95,17 @@ def test_a_model_is_not_idle_before_any_worker_has_loaded_it(
 
 
 SLEEPY = """
+import pathlib
 import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+RUNNING = {running!r}
+
 
 class TritonPythonModel:
     def execute(self, requests):
+        pathlib.Path(RUNNING).touch()
         time.sleep(30)
         return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, np.float32))]) for _ in requests]
 """
@@ -114,11 +118,13 @@ def test_a_standalone_workers_drain_ends_within_the_drain_timeout(
     the control plane requeues what it read at once."""
     repo = tmp_path / "repo"
     (repo / "sleepy" / "1").mkdir(parents=True)
-    (repo / "sleepy" / "1" / "model.py").write_text(SLEEPY)
+    running = tmp_path / "running"
+    (repo / "sleepy" / "1" / "model.py").write_text(SLEEPY.format(running=str(running)))
     (repo / "sleepy" / "config.pbtxt").write_text(
         'backend: "python"\nmax_batch_size: 0\ninput [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
         'output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1 ] } ]\n')
-    server = serve(repo, "--workers", "0", health="live")
+    # (its gateway's drain too: it held the killed client's request for 30 s at the end)
+    server = serve(repo, "--workers", "0", health="live", env={"DESPINA_DRAIN_TIMEOUT_S": "1"})
     log = (tmp_path / "worker.log").open("wb")
     worker = subprocess.Popen([sys.executable, "-m", "despina", "worker", "--redis-url", redis_url,
                                "--key-prefix", key_prefix], stdout=log, stderr=subprocess.STDOUT,
@@ -130,7 +136,9 @@ def test_a_standalone_workers_drain_ends_within_the_drain_timeout(
         asking = subprocess.Popen([sys.executable, "-c", "import httpx, sys; httpx.post(sys.argv[1], "
                                    f"json={body!r}, timeout=60)", f"{server.url}/v2/models/sleepy/infer"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(1.5)  # the request is in the model's 30 s execute
+        # the request is in the model's 30 s execute (a sleep of 1.5 s was not always enough for a loaded
+        # machine to start the client and get its request there: the worker then had nothing to drain)
+        wait_until(running.exists, 30, what="the request to run")
         started = time.monotonic()
         worker.send_signal(signal.SIGTERM)
         worker.wait(25)
