@@ -110,10 +110,20 @@ async def post_all(url: Callable[[int], str], bodies: list[bytes], concurrency: 
                     answers.append(Answer(i, r.status_code, r.content, sent, time.monotonic(),
                                           dict(r.headers)))
                 except httpx.HTTPError as exc:
-                    answers.append(Answer(i, 0, f"{type(exc).__name__}: {exc}".encode(), sent,
-                                          time.monotonic(), {}))
+                    answers.append(Answer(i, 0, failure(exc).encode(), sent, time.monotonic(), {}))
 
         await asyncio.gather(*(one_at_a_time() for _ in range(concurrency)))
+
+
+def failure(exc: BaseException) -> str:
+    """An exception and the ones it came from: an httpx ReadError says nothing of itself; the OS error
+    under it says whether the server reset the connection (and the time says when)."""
+    chain = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 5:
+        chain.append(f"{type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or seen.__context__
+    return f"at {time.monotonic():.3f}: " + " <- ".join(chain)
 
 
 def percentiles(values: list[float]) -> str:
