@@ -73,7 +73,10 @@ async def batches(n: int) -> None:
     folder = ROOT / "bench" / "out" / "repo" / "mlp"
     runner = ModelRunner(None, Keys("instructions"), ModelSpec.from_config(load_model(folder).config),  # type: ignore[arg-type]
                          1, folder, "instructions")
-    runner._out = Packed()  # type: ignore[assignment]
+    if hasattr(runner, "writer"):
+        runner.writer.out = Packed()  # type: ignore[assignment]
+    else:  # a checkout (--tree) from before workers/replies.py's ReplyWriter
+        runner._out = Packed()  # type: ignore[attr-defined]
     await runner.load()
     batcher = asyncio.get_running_loop().create_task(runner.batcher.run())
     row = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32).tobytes()

@@ -117,7 +117,7 @@ def codecs() -> None:
     done = b"1764547200000-0"
     counts = {f"field_{i}": 1234 * i for i in range(17)}  # a batch's statistics
 
-    def reply_pipeline() -> bytes:  # a worker's for a batch of 20, as runner._send builds it
+    def reply_pipeline() -> bytes:  # a worker's for a batch of 20, as ReplyWriter.build builds it
         pipe = Batch()
         pipe.xadd(rep, {b"m": answers}, maxlen=100_000)
         pipe.pexpire(rep, 120_000)
@@ -516,7 +516,7 @@ async def worker_path(url: str, rounds: int = 160, entry_requests: int = 16) -> 
     print(f"{'worker path, W1 one request per batch':44s} {await per_batch(0):8.2f} us per batch")
     # what the reply pipeline's round trip costs the worker itself: answered at once (packed, not sent),
     # and with one more round trip (a PING) before it
-    out = runner._out
+    out = runner.writer.out
     assert out is not None
     execute = out.execute
 

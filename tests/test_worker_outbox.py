@@ -1,15 +1,19 @@
-"""A decoupled model's responses that Redis refuses (at its maxmemory), against a Redis of the test's own:
-written again, in order, until it takes them; the later responses of the request wait behind them."""
+"""A worker's replies that Redis refuses (at its maxmemory), against a Redis of the test's own: a decoupled
+model's responses written again, in order, until it takes them, the later responses of the request waiting
+behind them; an ensemble run in the worker, its reply written again as a model's runner's is."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from despina.contract import records
@@ -19,7 +23,9 @@ from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.workers.runner import ModelRunner
 
-from .reliability_support import own_redis
+from .conftest import Server
+from .control_support import mlp_folder, wait_until
+from .reliability_support import mlp_body, own_redis, worker_paused
 
 # Sends OUT = 0, then (once the file "full" is in FLAGS: Redis refuses writes) 1, then (once "refused": the
 # worker heard Redis refuse 1) 2, 3 and the final 4, and says so with the file "sent".
@@ -165,3 +171,52 @@ async def test_responses_redis_refuses_past_the_deadline_are_dropped_and_the_req
         finally:
             await steps.close()
     assert "model steps: 3 responses Redis refused were not written by their request's deadline" in caplog.text
+
+
+ENSEMBLE = """name: "pipe"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 256 ] } ]
+output [ { name: "y", data_type: TYPE_FP32, dims: [ 10 ] } ]
+ensemble_scheduling { step [ { model_name: "mlp" model_version: -1
+  input_map { key: "x" value: "x" } output_map { key: "y" value: "y" } } ] }
+"""
+
+
+def test_an_ensembles_reply_redis_refused_comes_once_memory_frees(
+        serve: Callable[..., Server], tmp_path: Path, key_prefix: str) -> None:
+    """An ensemble run in the worker replies through the writer a model's runner replies through
+    (replies.ReplyWriter): a reply Redis refused for lack of memory, its acknowledgement taken in the same
+    pipeline, is written again until Redis takes it, not left to the client's timeout."""
+    repo = tmp_path / "repo"
+    mlp_folder(repo)
+    (repo / "pipe").mkdir()
+    (repo / "pipe" / "config.pbtxt").write_text(ENSEMBLE)
+    url = "/v2/models/pipe/infer"
+    with own_redis(tmp_path) as redis_server:
+        server = serve(repo, "--redis-url", redis_server.url, "--request-timeout", "40", use_redis=False,
+                       wait_models=("mlp", "pipe"), env={"DESPINA_WORKER_TTL_S": "30"})
+        client = redis.Redis.from_url(redis_server.url)
+        stream = Keys(key_prefix).request_stream("pipe", 1)
+
+        def run_by_the_worker() -> bool:  # the gateway queues it on the ensemble's own stream
+            assert httpx.post(server.url + url, content=mlp_body(np.ones(256, np.float32))).status_code == 200
+            return bool(client.exists(stream)) and client.xinfo_groups(stream)[0]["entries-read"] >= 1
+
+        with ThreadPoolExecutor(1) as pool:
+            try:
+                wait_until(run_by_the_worker, 30, what="the worker to run the ensemble")
+                with worker_paused(server):
+                    answer = pool.submit(httpx.post, server.url + url,
+                                         content=mlp_body(np.ones(256, np.float32)), timeout=60)
+                    wait_until(lambda: client.xlen(stream), 10, what="the request to be queued")
+                    client.config_set("maxmemory", 1)  # noeviction, the default: writes that grow refused
+                wait_until(lambda: "> 'maxmemory'" in server.logs(), 10, what="the ensemble's reply refused")
+                client.config_set("maxmemory", 0)
+                response = answer.result(timeout=50)
+            finally:
+                client.config_set("maxmemory", 0)
+                client.close()
+    assert response.status_code == 200, response.text
+    assert "ensemble pipe: Redis refused a command of 1 replies' writes" in server.logs()
+    assert "writing the replies again" in server.logs()

@@ -27,13 +27,12 @@ from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
 from ..contract.keys import FIELD, Keys
 from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, InferRequest, Tensor
-from ..counters import Deferred, record_counts
+from ..counters import Deferred
 from ..logs import Throttled
-from ..redis_client import BULK_DEFAULT, allow_oom, bulk_limit
-from ..resp import Batch, ReadAlong, Resp
+from ..resp import Batch, ReadAlong
 from .inflight import Gateways
 from .redelivery import DeliveryPolicy
-from .replies import DEQUEUED, bounded_levels, count_dequeued, refused, replies_into, write_again
+from .replies import ReplyWriter
 from .runner import READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
 from .stats import ensemble_counts
 from .streams import Entry, ModelStreams
@@ -61,9 +60,6 @@ class EnsembleHost:
         self.deferred = deferred
         self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
         self.stats_key = keys.stats(spec.name, version)
-        self._bounded = bounded_levels(spec)
-        self._dequeued = DEQUEUED  # as allow_oom makes it for this Redis, at start
-        self._bulk = BULK_DEFAULT  # the most bytes of one reply entry: this Redis's, at start (bulk_limit)
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
         self._in_flight = 0
         # what each gateway has in flight (workers/inflight.py), and per model the steps that calls it
@@ -82,15 +78,14 @@ class EnsembleHost:
         self._writes: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
-        self._out: Resp | None = None
         self._read_along = ReadAlong()  # the read loop's next read, waiting for the next replies
+        self.writer = ReplyWriter("ensemble", redis, keys, spec, version, self.streams, delivery.reply_ttl_ms,
+                                  deferred, self._read_along)
         self.state = "LOADING"
 
     async def start(self) -> None:
         await self.streams.ensure_groups()
-        if self._bounded:
-            self._dequeued = await allow_oom(self.redis, DEQUEUED)
-        self._bulk = await bulk_limit(self.redis)
+        await self.writer.start()
         self.state = "READY"
         self._tasks = [asyncio.create_task(self._read_loop())]
         if self.sweep is not None:
@@ -126,8 +121,7 @@ class EnsembleHost:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
         self.streams.close()
         await self.streams.leave()
-        if self._out is not None:
-            self._out.close()
+        self.writer.close()
         self.state = "UNAVAILABLE"
 
     # -- reading ---------------------------------------------------------------------------------
@@ -245,38 +239,16 @@ class EnsembleHost:
             if self._entries.get(entry) == 0:
                 del self._entries[entry]
                 acks.append(entry)
-        pipe = Batch()
-        entries = replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms, self.spec.name, self._bulk)
-        if self._bounded:
-            count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, answered,
-                           self._dequeued)
-        if self.deferred is not None:
-            self.deferred.add(self.stats_key, counts)
-            self.deferred.into(pipe)  # with the steps' counters
-        else:
-            record_counts(pipe, self.stats_key, counts)
-        if acks:
-            self.streams.ack_into(pipe, acks)
+        # the counters waiting (the steps') go too
+        pipe, entries = self.writer.build(by_gateway, answered, counts, acks, quiet=True)
         task = asyncio.get_running_loop().create_task(self._write(pipe, answered, entries))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
     async def _write(self, pipe: Batch, answered: list[InferRequest], entries: int) -> None:
-        if self._out is None:
-            self._out = Resp.like(self.redis)
         room = max(1, READ_AHEAD - self._in_flight)
-        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room))
-        try:
-            if sent is None:
-                results = await self._out.execute(pipe.commands, errors=False)
-            else:
-                results = await self.streams.replies(sent, errors=False)
-        except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
-            log.error("ensemble %s: writing %d replies failed: %s; their entries stay pending for reclaim",
-                      self.spec.name, len(answered), exc)
-            return
-        if again := refused("ensemble", self.spec.name, pipe, results, entries, len(answered)):
-            await write_again(self._out, again, max(r.deadline for r in answered))
+        if again := await self.writer.send(pipe, entries, len(answered), room):
+            await self.writer.write_again(again, max(r.deadline for r in answered))
 
 
 class _HostRun(Run):

@@ -50,6 +50,7 @@ class Intake(Outbox):
     """ModelRunner's way in. The state it uses is ModelRunner's (set in its __init__)."""
 
     path: Path
+    version: int
     response_cache: ResponseCache | None
     _load_id: str
     _text: frozenset[str]

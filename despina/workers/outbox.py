@@ -12,20 +12,18 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import hiredis
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..contract.keys import ENTRY_REQUESTS, GROUP, Keys
 from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, InferRequest
-from ..counters import Deferred, record_counts
-from ..resp import Batch, Command, ReadAlong, Resp
+from ..counters import Deferred
+from ..resp import Command, ReadAlong
 from . import stats
 from .batcher import DynamicBatcher
 from .execution import Execution
 from .inflight import Gateways
-from .redelivery import DeliveryPolicy
-from .replies import RESEND_S, count_dequeued, refused, replies_into, write_again
+from .replies import RESEND_S, ReplyWriter
 from .sequences import SequenceBatcher
 from .streams import ModelStreams
 
@@ -43,20 +41,15 @@ Held = tuple[list[Command], int, int | None] | Coroutine[Any, Any, None]
 class Outbox:
     """ModelRunner's reply path. The state it uses is ModelRunner's (set in its __init__)."""
 
-    redis: aioredis.Redis
     keys: Keys
     spec: ModelSpec
-    version: int
     consumer: str
-    delivery: DeliveryPolicy
     deferred: Deferred | None
     stats_key: str
     streams: ModelStreams
     execution: Execution
     batcher: DynamicBatcher | SequenceBatcher
-    _bounded: set[int]
-    _dequeued: str
-    _bulk: int
+    writer: ReplyWriter
     _read_along: ReadAlong
     _read_ahead: int
     _entries: dict[tuple[str, bytes], int]
@@ -65,7 +58,6 @@ class Outbox:
     _in_flight: int
     _room: asyncio.Event
     _background: set[asyncio.Task[None]]
-    _out: Resp | None
     _held: dict[int, deque[Held]]  # id() of a request -> its responses written again, those behind them
 
     def _spawn(self, coroutine: Any) -> None:
@@ -88,25 +80,21 @@ class Outbox:
             if local is not None and local[0](reply):
                 self.execution.streams.cancel(stream)
             return
-        pipe = Batch()
-        entries = replies_into(pipe, {p.request.reply_to: [reply]}, self.delivery.reply_ttl_ms,
-                               self.spec.name, self._bulk)
+        pipe, entries = self.writer.begin({p.request.reply_to: [reply]})
         pipe.commands.append(["SISMEMBER", self.keys.cancelled(p.request.reply_to), p.request.id])
         pipe.commands.append(["XCLAIM", p.entry[0], GROUP, self.consumer, 0, p.entry[1], "JUSTID"])
         held = self._held.get(id(p.request)) if self._held else None
         if held is not None:  # one before it is being written again: it goes after that one
             held.append((pipe.commands, entries, stream))
             return
-        if self._out is None:
-            self._out = Resp.like(self.redis)
         try:
-            results = await self._out.execute(pipe.commands, errors=False)
+            results = await self.writer.resp().execute(pipe.commands, errors=False)
         except Exception as exc:  # the final reply's pipeline tells of it again, or the entry is reclaimed
             log.error("model %s: writing a response failed: %s", self.spec.name, exc)
             return
         if results[-2] == 1:
             self.execution.streams.cancel(stream)
-        if refused("model", self.spec.name, pipe, results, entries, 1):
+        if self.writer.refused(pipe, results, entries, 1):
             self._hold(p.request, (pipe.commands, entries, stream))
 
     async def _finish_response(self, stream: int, reply: InferReply, p: Pending) -> None:
@@ -151,9 +139,8 @@ class Outbox:
 
     async def _written(self, commands: list[Command], entries: int, stream: int | None) -> bool:
         """Whether Redis took the reply entries of a held response (told, meanwhile, if it was cancelled)."""
-        assert self._out is not None
         try:
-            results = await self._out.execute(commands, errors=False)
+            results = await self.writer.resp().execute(commands, errors=False)
         except (RedisError, OSError):
             return False
         if any(isinstance(results[i], hiredis.ReplyError) for i in range(0, 2 * entries, 2)):
@@ -208,41 +195,18 @@ class Outbox:
     async def _send(self, replies: list[InferReply], requests: list[InferRequest], pendings: list[Pending],
                     by_gateway: dict[str, list[InferReply]], done: list[tuple[str, bytes]], rows: int,
                     started: float, timings: tuple[int, int, int], quiet: bool, answered: int) -> None:
-        if self._out is None:
-            self._out = Resp.like(self.redis)
-        pipe = Batch()
-        entries = replies_into(pipe, by_gateway, self.delivery.reply_ttl_ms, self.spec.name, self._bulk)
-        if self._bounded:
-            count_dequeued(pipe, self.keys, self.spec, self.version, self._bounded, requests,
-                           self._dequeued)
+        writer = self.writer
         counts = stats.tally(replies, rows, started, timings)
-        if self.deferred is None:
-            record_counts(pipe, self.stats_key, counts)
-        else:
-            self.deferred.add(self.stats_key, counts)
-            if quiet:  # everything counted so far goes with these replies
-                self.deferred.into(pipe)
-        if done:
-            self.streams.ack_into(pipe, done)
+        pipe, entries = writer.build(by_gateway, requests, counts, done, quiet=quiet)
         if any(p.alone for p in pendings):
             self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
         room = self._room_entries(self._in_flight - answered)
-        sent = self._read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room))
-        try:
-            if sent is None:
-                results = await self._out.execute(pipe.commands, errors=False)
-            else:
-                results = await self.streams.replies(sent, errors=False)
-        except Exception as exc:  # nothing acknowledged: the entries stay pending and are reclaimed
-            log.error("model %s: writing %d replies failed: %s; their entries stay pending for reclaim",
-                      self.spec.name, len(replies), exc)
-            return
-        if again := refused("model", self.spec.name, pipe, results, entries, len(replies)):
+        if again := await writer.send(pipe, entries, len(replies), room):
             held = self._held.get(id(requests[0])) if self._held and len(requests) == 1 else None
             if held is not None:  # a decoupled model's final reply, sent as a response before it was refused
                 held.append((again, len(again) // 2, None))
             else:
-                self._spawn(write_again(self._out, again, max(r.deadline for r in requests)))
+                self._spawn(writer.write_again(again, max(r.deadline for r in requests)))
 
     async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
         try:

@@ -1,13 +1,15 @@
-"""What a worker writes back to Redis with its answers: the reply entries, and the queued counters of
-priority levels with a max_queue_size. Shared by a model's runner and an ensemble run in the worker."""
+"""What a worker writes back to Redis with its answers: the reply entries, the queued counters of priority
+levels with a max_queue_size, the statistics and the acknowledgements, in one pipeline (ReplyWriter).
+Shared by a model's runner (outbox.py) and an ensemble run in the worker (ensembles.py)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hiredis
+import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..contract import records
@@ -15,8 +17,12 @@ from ..contract.errors import Code
 from ..contract.keys import FIELD, Keys
 from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, InferRequest
-from ..redis_client import BULK_DEFAULT
-from ..resp import Batch, Command, Resp
+from ..counters import Deferred, record_counts
+from ..redis_client import BULK_DEFAULT, allow_oom, bulk_limit
+from ..resp import Batch, Command, ReadAlong, Resp
+
+if TYPE_CHECKING:
+    from .streams import ModelStreams
 
 log = logging.getLogger("despina.worker")
 
@@ -111,3 +117,82 @@ async def write_again(out: Resp, commands: list[Command], until: float) -> bool:
         except (RedisError, OSError):
             continue
     return False
+
+
+class ReplyWriter:
+    """The way out of a model's runner or of an ensemble run in the worker: `build` a pipeline of the
+    replies (one entry per gateway), the queued counters, the statistics and the acknowledgements, after
+    the replies they follow; then `send` it, the owner's next read riding along where one waits."""
+
+    def __init__(self, kind: str, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, version: int,
+                 streams: ModelStreams, ttl_ms: int, deferred: Deferred | None,
+                 read_along: ReadAlong) -> None:
+        self.kind, self.redis, self.keys, self.spec, self.version = kind, redis, keys, spec, version
+        self.name = spec.name
+        self.streams, self.ttl_ms, self.deferred, self.read_along = streams, ttl_ms, deferred, read_along
+        self.stats_key = keys.stats(spec.name, version)
+        self.bounded = bounded_levels(spec)
+        self.dequeued = DEQUEUED  # as allow_oom makes it for this Redis, at start
+        self.bulk = BULK_DEFAULT  # the most bytes of one reply entry: this Redis's, at start (bulk_limit)
+        self.out: Resp | None = None  # replies, statistics and acknowledgements go out here
+
+    async def start(self) -> None:
+        if self.bounded:
+            self.dequeued = await allow_oom(self.redis, DEQUEUED)
+        self.bulk = await bulk_limit(self.redis)
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.close()
+
+    def resp(self) -> Resp:
+        if self.out is None:
+            self.out = Resp.like(self.redis)
+        return self.out
+
+    def begin(self, by_gateway: dict[str, list[InferReply]]) -> tuple[Batch, int]:
+        """A pipeline that begins with the replies' entries (replies_into), and how many."""
+        pipe = Batch()
+        return pipe, replies_into(pipe, by_gateway, self.ttl_ms, self.name, self.bulk)
+
+    def build(self, by_gateway: dict[str, list[InferReply]], answered: list[InferRequest],
+              counts: dict[str, int], acks: list[tuple[str, bytes]], quiet: bool) -> tuple[Batch, int]:
+        """The replies' pipeline (begin), then the `answered` requests off their queued counters, the
+        statistics `counts` (with a Deferred: every counter waiting goes along when `quiet`, else they wait
+        for a later pipeline) and the acknowledgement of the entries `acks`; and how many reply entries."""
+        pipe, entries = self.begin(by_gateway)
+        if self.bounded:
+            count_dequeued(pipe, self.keys, self.spec, self.version, self.bounded, answered, self.dequeued)
+        if self.deferred is None:
+            record_counts(pipe, self.stats_key, counts)
+        else:
+            self.deferred.add(self.stats_key, counts)
+            if quiet:
+                self.deferred.into(pipe)
+        if acks:
+            self.streams.ack_into(pipe, acks)
+        return pipe, entries
+
+    async def send(self, pipe: Batch, entries: int, replies: int, room: int) -> list[Command]:
+        """Send a pipeline of `replies` that `build` began with `entries` reply entries, with the owner's next
+        read (of `room` stream entries) where one waits. The commands of the entries Redis refused, to write
+        again (write_again); none when it took them all, or when sending failed: then nothing was
+        acknowledged, and the stream entries stay pending for reclaim."""
+        out = self.out if self.out is not None else self.resp()
+        sent = self.read_along.send(pipe.commands, lambda c: self.streams.send_with(c, room))
+        try:
+            if sent is None:
+                results = await out.execute(pipe.commands, errors=False)
+            else:
+                results = await self.streams.replies(sent, errors=False)
+        except Exception as exc:
+            log.error("%s %s: writing %d replies failed: %s; their entries stay pending for reclaim",
+                      self.kind, self.name, replies, exc)
+            return []
+        return refused(self.kind, self.name, pipe, results, entries, replies)
+
+    def refused(self, pipe: Batch, results: list[Any], entries: int, replies: int) -> list[Command]:
+        return refused(self.kind, self.name, pipe, results, entries, replies)
+
+    async def write_again(self, commands: list[Command], until: float) -> bool:
+        return await write_again(self.resp(), commands, until)

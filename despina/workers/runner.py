@@ -20,8 +20,7 @@ from ..contract.keys import Keys
 from ..contract.modelspec import ModelSpec
 from ..counters import Deferred
 from ..logs import Throttled
-from ..redis_client import BULK_DEFAULT, allow_oom, bulk_limit
-from ..resp import ReadAlong, Resp
+from ..resp import ReadAlong
 from ..response_cache import LOADS, ResponseCache
 from . import answers
 from .batcher import DynamicBatcher, Item
@@ -30,7 +29,7 @@ from .inflight import Gateways
 from .intake import TIMED_OUT, Answer, Intake, Pending, Settled
 from .ordering import ReplyOrder, Turn
 from .redelivery import DeliveryPolicy
-from .replies import DEQUEUED, bounded_levels
+from .replies import ReplyWriter
 from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
 
@@ -67,12 +66,12 @@ class ModelRunner(Intake):
         self.delivery = delivery or DeliveryPolicy()
         self.path = path
         self.streams = ModelStreams(redis, keys, spec.name, version, spec.policy.priority_levels, consumer)
-        self._bounded = bounded_levels(spec)
-        self._dequeued = DEQUEUED  # as allow_oom makes it for this Redis, at start
-        self._bulk = BULK_DEFAULT  # the most bytes of one reply entry: this Redis's, at start (bulk_limit)
         self.stats_key = keys.stats(spec.name, version)
         self.consumer = consumer
         self._read_along = ReadAlong()  # the read loop's next read, waiting for a batch's replies
+        # replies, statistics and acknowledgements go out here (outbox.py)
+        self.writer = ReplyWriter("model", redis, keys, spec, version, self.streams,
+                                  self.delivery.reply_ttl_ms, deferred, self._read_along)
         # its instances, and how a batch runs on them
         self.execution = Execution(spec, path, version, threads, caller,
                                    lambda s, r, p: self._spawn(self._send_response(s, r, p)),
@@ -99,7 +98,6 @@ class ModelRunner(Intake):
         self._held: dict[int, deque[Held]] = {}  # a decoupled model's responses Redis refused (outbox)
         self._stopping = False
         self._order = ReplyOrder() if spec.policy.preserve_ordering else None
-        self._out: Resp | None = None        # replies, statistics and acknowledgements go out here
         self.state = "LOADING"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -114,9 +112,7 @@ class ModelRunner(Intake):
 
     async def start(self) -> None:
         await self.streams.ensure_groups()
-        if self._bounded:
-            self._dequeued = await allow_oom(self.redis, DEQUEUED)
-        self._bulk = await bulk_limit(self.redis)
+        await self.writer.start()
         self.state = "READY"
         self._tasks = [asyncio.create_task(self.batcher.run()), asyncio.create_task(self._read_loop())]
         if self.sweep is not None:
@@ -150,8 +146,7 @@ class ModelRunner(Intake):
         await self.execution.unload()
         self.streams.close()
         await self.streams.leave()
-        if self._out is not None:
-            self._out.close()
+        self.writer.close()
         self.state = "UNAVAILABLE"
 
     def custom_metrics(self) -> list[dict[str, Any]]:
