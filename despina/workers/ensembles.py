@@ -240,7 +240,8 @@ class EnsembleHost:
                 del self._entries[entry]
                 acks.append(entry)
         # the counters waiting (the steps') go too
-        pipe, entries = self.writer.build(by_gateway, answered, counts, acks, quiet=True)
+        pipe = Batch()
+        entries = self.writer.build(pipe, by_gateway, answered, counts, acks, quiet=True)
         task = asyncio.get_running_loop().create_task(self._write(pipe, answered, entries))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)

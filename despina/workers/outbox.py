@@ -18,7 +18,7 @@ from ..contract.keys import ENTRY_REQUESTS, GROUP, Keys
 from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, InferRequest
 from ..counters import Deferred
-from ..resp import Command, ReadAlong
+from ..resp import Batch, Command, ReadAlong
 from . import stats
 from .batcher import DynamicBatcher
 from .execution import Execution
@@ -186,27 +186,24 @@ class Outbox:
             self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings))
             self._read_along.release()  # nothing goes to Redis for it to ride with
         else:
-            await self._send(replies, requests, pendings, by_gateway, done, rows, started, timings, quiet,
-                             answered)
+            counts, pipe = stats.tally(replies, rows, started, timings), Batch()
+            entries = self.writer.build(pipe, by_gateway, requests, counts, done, quiet=quiet)
+            if any(p.alone for p in pendings):
+                self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
+            room = self._room_entries(self._in_flight - answered)
+            if again := await self.writer.send(pipe, entries, len(replies), room):
+                self._write_again(again, requests)
         self._in_flight -= answered
         if self._in_flight < self._read_ahead:
             self._room.set()
 
-    async def _send(self, replies: list[InferReply], requests: list[InferRequest], pendings: list[Pending],
-                    by_gateway: dict[str, list[InferReply]], done: list[tuple[str, bytes]], rows: int,
-                    started: float, timings: tuple[int, int, int], quiet: bool, answered: int) -> None:
-        writer = self.writer
-        counts = stats.tally(replies, rows, started, timings)
-        pipe, entries = writer.build(by_gateway, requests, counts, done, quiet=quiet)
-        if any(p.alone for p in pendings):
-            self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
-        room = self._room_entries(self._in_flight - answered)
-        if again := await writer.send(pipe, entries, len(replies), room):
-            held = self._held.get(id(requests[0])) if self._held and len(requests) == 1 else None
-            if held is not None:  # a decoupled model's final reply, sent as a response before it was refused
-                held.append((again, len(again) // 2, None))
-            else:
-                self._spawn(writer.write_again(again, max(r.deadline for r in requests)))
+    def _write_again(self, again: list[Command], requests: list[InferRequest]) -> None:
+        """Reply entries of _reply's pipeline that Redis refused: written again until their deadline."""
+        held = self._held.get(id(requests[0])) if self._held and len(requests) == 1 else None
+        if held is not None:  # a decoupled model's final reply, sent as a response before it was refused
+            held.append((again, len(again) // 2, None))
+        else:
+            self._spawn(self.writer.write_again(again, max(r.deadline for r in requests)))
 
     async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
         try:

@@ -155,12 +155,13 @@ class ReplyWriter:
         pipe = Batch()
         return pipe, replies_into(pipe, by_gateway, self.ttl_ms, self.name, self.bulk)
 
-    def build(self, by_gateway: dict[str, list[InferReply]], answered: list[InferRequest],
-              counts: dict[str, int], acks: list[tuple[str, bytes]], quiet: bool) -> tuple[Batch, int]:
-        """The replies' pipeline (begin), then the `answered` requests off their queued counters, the
+    def build(self, pipe: Batch, by_gateway: dict[str, list[InferReply]], answered: list[InferRequest],
+              counts: dict[str, int], acks: list[tuple[str, bytes]], quiet: bool) -> int:
+        """Into `pipe`: the replies' entries, then the `answered` requests off their queued counters, the
         statistics `counts` (with a Deferred: every counter waiting goes along when `quiet`, else they wait
-        for a later pipeline) and the acknowledgement of the entries `acks`; and how many reply entries."""
-        pipe, entries = self.begin(by_gateway)
+        for a later pipeline) and the acknowledgement of the entries `acks`. How many reply entries.
+        (Not begin's tuple and call: this runs for every batch.)"""
+        entries = replies_into(pipe, by_gateway, self.ttl_ms, self.name, self.bulk)
         if self.bounded:
             count_dequeued(pipe, self.keys, self.spec, self.version, self.bounded, answered, self.dequeued)
         if self.deferred is None:
@@ -171,7 +172,7 @@ class ReplyWriter:
                 self.deferred.into(pipe)
         if acks:
             self.streams.ack_into(pipe, acks)
-        return pipe, entries
+        return entries
 
     async def send(self, pipe: Batch, entries: int, replies: int, room: int) -> list[Command]:
         """Send a pipeline of `replies` that `build` began with `entries` reply entries, with the owner's next
