@@ -239,8 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         from .serve import Supervisor
 
         return Supervisor(settings).run()
-    from . import roles
+    from . import fds, roles
 
+    before, after = fds.raise_limit()  # every connection, to a client or to Redis, takes a descriptor
+    if after != before:
+        logging.getLogger("despina").debug("open-files limit raised from %d to %d", before, after)
     run = {"gateway": roles.run_gateway, "worker": roles.run_worker, "control": roles.run_control}
     run[args.command](settings)
     return 0

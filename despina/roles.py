@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 
 import uvicorn
 
+from . import fds
 from .contract.errors import ConfigError
 from .control.plane import ControlPlane
 from .cpus import parse, pin
@@ -74,7 +75,7 @@ def run_gateway(settings: Settings) -> None:
     except ConfigError as exc:  # a key file it cannot read, a bad key: one line, as a taken port says it
         raise SystemExit(f"gateway: {exc.message}") from None
     protocol = protocol_class(app.state.hot_routes, settings.header_timeout_s, settings.body_timeout_s,
-                              settings.write_timeout_s)
+                              settings.write_timeout_s, connection_limit(settings))
     http.advertise_keep_alive(settings.keep_alive_timeout_s)  # the hot routes' answers; the others':
     config = uvicorn.Config(app, host=settings.host, port=settings.http_port,
                             loop="uvloop", http=protocol, lifespan="on",
@@ -93,6 +94,17 @@ def run_gateway(settings: Settings) -> None:
            stopping=exit_if_stuck(settings)).run(sockets=sockets)
     if settings.colocate:
         _leave_stuck_threads()
+
+
+def connection_limit(settings: Settings) -> int:
+    """The gateway's connection limit (fds.py), with a warning where the one set leaves Redis no room."""
+    room = fds.open_files_limit() - fds.RESERVE
+    if settings.max_connections > room:
+        logging.getLogger("despina.gateway").warning(
+            "DESPINA_MAX_CONNECTIONS=%d leaves too few of the %d open files allowed (ulimit -n) for Redis: "
+            "past %d connections the gateway may fail to reach it (503)", settings.max_connections,
+            fds.open_files_limit(), max(room, 0))
+    return fds.connection_limit(settings.max_connections)
 
 
 @contextlib.asynccontextmanager

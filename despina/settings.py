@@ -35,6 +35,9 @@ class Settings:
     body_timeout_s: float = 30.0            # the longest a request's body may pause between reads (408)
     write_timeout_s: float = 60.0           # the longest a client may read none of the answers owed to it
     keep_alive_timeout_s: float = 5.0       # an idle connection closes after this (advertised: Keep-Alive)
+    # client connections a gateway holds at once; past it a new one is answered 503 (0: what the open-files
+    # limit leaves, fds.connection_limit)
+    max_connections: int = 0
     max_body_bytes: int = 64 * 1024 * 1024
     max_tensor_elements: int = 1 << 27      # per input tensor; larger shapes get 400 before any allocation
     model_control_mode: str = "none"        # as Triton's: none, explicit or poll

@@ -20,21 +20,28 @@ and `_body_open` (its body is).
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from .. import fds
 from . import http
 from .timeouts import Timeouts, _unread
+
+log = logging.getLogger("despina.gateway")
 
 # A request's line and headers, at most (its method aside)
 HEAD_MAX = 64 * 1024
 HEAD_TOO_LARGE = b'{"error":"the request line and headers are over the limit of %d bytes"}' % HEAD_MAX
 LINGER_S = 30.0      # the longest a connection lingers (nginx's lingering_time)
 LINGER_IDLE_S = 5.0  # ... and how long it waits for more from the client (nginx's lingering_timeout)
+REFUSED_LINGER_S = 1.0  # the longest a connection refused past the limit lingers
+LIMIT_WARN_S = 60.0  # at most one warning this often that connections past the limit are refused
 CUT_SHORT = b'{"error":"malformed HTTP request: the client closed its side before the request was complete"}'
 
 
@@ -61,6 +68,11 @@ class LastWord:
 
 
 class ConnectionProtocol(Timeouts):
+    max_connections: float = math.inf  # set by protocol.protocol_class (fds.connection_limit)
+    _warned_at: ClassVar[float] = -math.inf  # the last warning that the limit was reached
+    _refused: ClassVar[int] = 0              # connections refused since
+    _refusing: ClassVar[int] = 0             # refused connections not yet closed
+    _over = False                            # this connection is one of them
     _head_open = False  # a request's head is being read
     _head_size = 0      # its bytes so far (0: it began in the last read, not yet counted)
     _head_at = 0.0      # when its first byte was read
@@ -70,6 +82,48 @@ class ConnectionProtocol(Timeouts):
     _lingering = False
     _linger_until = 0.0
     _eof = False        # the client has shut down its sending side: nothing more comes
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._over_limit()
+
+    def _over_limit(self) -> None:
+        """A connection past the limit: answered 503 at once (the client reads it as the answer to what it
+        sends), and closed, lingering, so that the descriptors of the connections held and of Redis's are
+        kept. Without a limit, the open-files limit cut in: a reset for the client, nothing in the log, and
+        503s from a gateway that could not open a connection to Redis."""
+        cls = type(self)
+        cls._refused += 1
+        now = self.loop.time()
+        if now - cls._warned_at >= LIMIT_WARN_S:  # a flood logs a line a minute, not one per connection
+            log.warning("%d client connection(s) refused with 503 (the gateway holds %d, its limit: "
+                        "DESPINA_MAX_CONNECTIONS, or the open-files limit, ulimit -n, less %d)",
+                        cls._refused, len(self.connections) - 1, fds.RESERVE)
+            cls._warned_at, cls._refused = now, 0
+        self._ended = self._over = True
+        cls._refusing += 1
+        body = b'{"error":"the gateway holds as many connections as it may (%d): try again"}' % (
+            self.max_connections)
+        self.transport.write(http.response_head(503, len(body), http.JSON, [(b"retry-after", b"1")], True)
+                             + body)
+        # Lingering, the client reads its answer even if its request comes after it; but a flood of clients
+        # that neither send nor close would hold a descriptor each meanwhile. So a short linger, and none
+        # past a quarter of the reserve (the answer is sent, and a client may see a reset instead).
+        if cls._refusing > fds.RESERVE // 4:
+            self.transport.close()
+            return
+        self._linger()
+        if self._lingering and not self.transport.is_closing():
+            self._linger_until = self.loop.time() + REFUSED_LINGER_S
+            self._stop_read_timer()
+            self._arm_read_timer(REFUSED_LINGER_S, self._linger_check)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self._over:
+            self._over = False
+            type(self)._refusing -= 1
 
     def data_received(self, data: bytes) -> None:
         if self._head_open or self._ended:

@@ -93,13 +93,14 @@ class Match:
         self.checked = checked  # check_target passed: its requests need not check again
 
 
-def protocol_class(routes: HotRoutes, header_timeout: float, body_timeout: float, write_timeout: float
-                   ) -> type[HttpToolsProtocol]:
-    """The protocol class for uvicorn.Config(http=...), bound to this gateway's routes and its connections'
-    timeouts (seconds: settings.header_timeout_s, body_timeout_s, write_timeout_s)."""
+def protocol_class(routes: HotRoutes, header_timeout: float, body_timeout: float, write_timeout: float,
+                   max_connections: int) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn.Config(http=...), bound to this gateway's routes, its connections'
+    timeouts (seconds: settings.header_timeout_s, body_timeout_s, write_timeout_s) and how many it holds at
+    once (fds.connection_limit)."""
     return type("GatewayProtocol", (GatewayProtocol,),
                 {"routes": routes, "header_timeout": header_timeout, "body_timeout": body_timeout,
-                 "write_timeout": write_timeout})
+                 "write_timeout": write_timeout, "max_connections": max_connections})
 
 
 class GatewayProtocol(ConnectionProtocol):
