@@ -265,11 +265,13 @@ class Commands:
     async def unload(self, name: str, dependents: bool, timeout: float) -> None:
         plane = self.plane
         check_model_name(name)
-        if plane.catalog.get(name) is None:
-            return  # never loaded, or no such model: as Triton's, the unload has no effect and succeeds
         deadline = time.monotonic() + timeout
         ttl_ms = plane.lifecycle.delivery.reply_ttl_ms
+        # its turn first: a load sent just before it (or queued with it while no control plane ran) puts the
+        # model in the catalog only once it has read the registry, and must not be left to load after it
         async with self._turn(name, deadline):
+            if plane.catalog.get(name) is None:
+                return  # never loaded, or no such model: as Triton's, the unload has no effect and succeeds
             names = [name] + (self._steps_loaded_for(name) if dependents else [])
             self._mark_unloaded(name)
             for n in names[1:]:
