@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -193,3 +194,20 @@ def test_a_standby_serves_no_figures_and_takes_over_at_once_from_a_leader_stoppe
     finally:
         client.close()
     assert "# TYPE nv_" in wait_until(lambda: leading("b"), 10, what="b's metrics as the leader")
+
+
+def test_a_standby_s_status_says_it_stands_by_and_who_leads(
+        planes: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    """A standby's status page showed the deployment's models and workers as the leader's does, with nothing
+    to tell that it acts on none of them: whoever opened it could not tell which control plane acts."""
+    ports = {name: (tmp_path / f"{name}.port").read_text() for name in ("a", "b")}
+    wait_until(lambda: b"standing by" in (tmp_path / "b.log").read_bytes(), 30, what="the standby")
+    led = re.search(r"control plane (\S+) leads \(", (tmp_path / "a.log").read_text())
+    assert led is not None
+    status = {name: httpx.get(f"http://127.0.0.1:{port}/status.json", timeout=10).json()
+              for name, port in ports.items()}
+    assert status["a"]["control"] == {"leads": True, "leader": led[1]}, status["a"]
+    assert status["b"]["control"] == {"leads": False, "leader": led[1]}, status["b"]
+    assert [m["name"] for m in status["b"]["models"]] == [m["name"] for m in status["a"]["models"]]
+    page = httpx.get(f"http://127.0.0.1:{ports['b']}/status", timeout=10).text
+    assert "this control plane stands by" in page and "control.leader" in page

@@ -1,11 +1,13 @@
 """The control plane's own HTTP port (Triton's metrics port, 8002): Prometheus metrics for the whole
-deployment at /metrics, and the live status page at /status (its data at /status.json)."""
+deployment at /metrics, and the live status page at /status (its data at /status.json; a standby's says
+that it stands by, and which control plane leads)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Callable, Generator
+from typing import cast
 
 import orjson
 import redis.asyncio as aioredis
@@ -56,13 +58,20 @@ def create_app(settings: Settings, redis: aioredis.Redis, cache: ArtifactCache |
     tracker = StatusTracker(redis, keys)
 
     async def status_json(request: Request) -> Response:
-        if not tracker.samples:
-            try:
+        # A standby's figures are the deployment's too (read from Redis), but whoever opens its page must see
+        # that it acts on nothing, and which control plane does
+        control: dict[str, object] = {"leads": leads()}
+        try:
+            if not tracker.samples:
                 await tracker.sample()
-            except (RedisError, OSError) as exc:
+            leader = cast(bytes | None, await redis.get(keys.control_leader))
+            control["leader"] = leader.decode(errors="replace") if leader else None  # None: none leads now
+        except (RedisError, OSError) as exc:
+            if not tracker.samples:
                 return Response(orjson.dumps({"error": f"Redis unavailable: {exc}"}), 503,
                                 media_type="application/json")
-        return Response(orjson.dumps(tracker.snapshot()), media_type="application/json")
+        return Response(orjson.dumps({**tracker.snapshot(), "control": control}),
+                        media_type="application/json")
 
     async def status(request: Request) -> Response:
         return HTMLResponse(HTML)

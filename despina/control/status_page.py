@@ -61,7 +61,11 @@ async function refresh() {
         ${Object.entries(w.ensembles || {}).map(([m, vs]) => vs.map(v =>
         `<br>${esc(m)} v${v} <span class="state ensemble">runs it</span>`).join("")).join("")}</td>
       </tr>`).join("") || '<tr><td colspan="5" class="muted">no workers</td></tr>';
-    document.getElementById("updated").textContent = "updated " + new Date(s.time * 1000).toLocaleTimeString();
+    const control = s.control || {leads: true};  // (leader: null when none leads, absent when unknown)
+    const leader = control.leader ? `${control.leader} leads` : control.leader === null ? "none leads now" : "";
+    document.getElementById("updated").textContent = (control.leads ? ""
+      : `this control plane stands by${leader ? ` (${leader})` : ""}: it acts on nothing; `)
+      + "updated " + new Date(s.time * 1000).toLocaleTimeString();
   } catch (e) {
     document.getElementById("updated").textContent = "cannot reach the control plane: " + e;
   }
