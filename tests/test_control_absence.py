@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -136,3 +137,38 @@ def test_commands_sent_while_no_control_plane_runs_run_once_in_order_and_stale_o
         assert client.xlen(keys.control_commands) == 0 and client.llen(answers) == 0  # each answered once
     finally:
         client.close()
+
+
+def test_a_model_scaled_to_zero_is_woken_by_a_control_plane_back_within_the_request_s_time(
+        roles: Roles, redis_url: str, key_prefix: str) -> None:
+    """A request for a model scaled to zero while no control plane runs waits for one: answered once it is
+    back within the request's time, else 503 with Retry-After (not a 500, not a hang)."""
+    timeout = 5.0
+    mlp_folder(roles.repo, extra='parameters { key: "idle_timeout_s" value: { string_value: "0.5" } }')
+    control = roles.control()
+    roles.start("worker")
+    roles.gateway("--request-timeout", str(timeout))
+    assert infer(roles.url).status_code == 200
+
+    def scaled_to_zero() -> bool:
+        entry = catalog_entry(redis_url, key_prefix, "mlp")
+        return entry is not None and entry.target == "idle"
+
+    with ThreadPoolExecutor(1) as pool:
+        wait_until(scaled_to_zero, 15, what="mlp to scale to zero")
+        roles.kill(control)
+        waiting = pool.submit(infer, roles.url, timeout=3 * timeout)
+        time.sleep(0.5)  # (not a bet: the request may reach the gateway before the control plane or after)
+        assert not waiting.done(), waiting.result().text
+        control = roles.control(log="back")
+        r = waiting.result()
+        assert r.status_code == 200, r.text
+
+        wait_until(scaled_to_zero, 15, what="mlp to scale to zero again")
+        roles.kill(control)
+        sent = time.monotonic()
+        r = infer(roles.url, timeout=3 * timeout)
+        took = time.monotonic() - sent
+    assert r.status_code == 503 and r.headers.get("retry-after") == "1", (r.status_code, r.headers, r.text)
+    assert "the control plane did not answer 'wake'" in r.text and "despina control" in r.text, r.text
+    assert timeout - 0.5 < took < timeout + 2, took

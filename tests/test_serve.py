@@ -441,6 +441,31 @@ def test_a_crashed_control_plane_is_restarted_and_the_models_serve_on(
     assert stop_server(server) == 0
 
 
+def test_a_control_plane_that_lost_its_lease_is_restarted_and_leads_again(
+        serve: Callable[..., Server], example_repository: Path, redis_url: str, key_prefix: str) -> None:
+    """A leader that finds another holding its lease (it stalled past it) stops with exit code 0: serve must
+    start another (which stands by until the lease is free, then leads), not run on with no control plane."""
+    server = serve(example_repository, wait_models=("mlp",))
+    (victim,) = role_pids(server, "control")
+    settle(victim)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set(Keys(key_prefix).control_leader, "another", px=3000)  # gone in 3 s, as a dead holder's
+    finally:
+        client.close()
+    deadline = time.monotonic() + 20
+    while "control exited with 0; restarting it" not in server.logs() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "lost its lease to another" in server.logs(), server.logs()[-2000:]
+    assert "control exited with 0; restarting it" in server.logs(), server.logs()[-2000:]
+    while server.logs().count("leads (") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.logs().count("leads (") == 2 and server.process.poll() is None, server.logs()[-2000:]
+    assert role_pids(server, "control") != [victim]
+    assert httpx.post(f"{server.url}/v2/repository/index", timeout=30).status_code == 200
+    assert stop_server(server) == 0
+
+
 def test_the_embedded_valkeys_end_stops_serve_with_its_reason(
         serve: Callable[..., Server], example_repository: Path) -> None:
     # it used to go unnoticed: serve stayed up (live, every request 503) with the roles retrying forever
