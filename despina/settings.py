@@ -120,6 +120,8 @@ class Settings:
 
             if why := url_trouble(self.redis_url):
                 raise BadSetting(f"DESPINA_REDIS_URL (or REDIS_URL, --redis-url): {why}")
+        if why := _prefix_trouble(self.key_prefix):
+            raise BadSetting(f"DESPINA_KEY_PREFIX (or --key-prefix) {self.key_prefix!r}: {why}")
         for name in ("http_port", "metrics_port"):
             if getattr(self, name) > 65535:
                 raise BadSetting(f"DESPINA_{name.upper()} (or --{name.replace('_', '-')}) must be a port "
@@ -215,6 +217,23 @@ CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("t
             "s3_addressing_style": ("auto", "path", "virtual")}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+# Not in a key prefix: the special characters of Redis's glob patterns (the ACL rule `~PREFIX:*` that grants
+# a deployment its keys would then grant others too, or miss its own), and braces (a cluster proxy's hash tag)
+PREFIX_SPECIAL = "*?[]\\{}"
+
+
+def _prefix_trouble(prefix: str) -> str | None:
+    """Why `prefix` cannot begin every Redis key, or None. Empty gave keys like ':req:...', outside any
+    ACL pattern a deployment would write, and whitespace breaks ACL rules and KEDA's stream names."""
+    if not prefix:
+        return "must not be empty"
+    if any(c.isspace() or not c.isprintable() for c in prefix):
+        return "must have no spaces or control characters"
+    if special := "".join(sorted({c for c in prefix if c in PREFIX_SPECIAL})):
+        return f"must not hold {special!r}: Redis patterns (ACL key patterns) and hash tags read them"
+    return None
 
 
 def _coerce(annotation: Any, raw: str) -> Any:
