@@ -222,3 +222,17 @@ def test_a_folder_taken_while_another_process_evicts_it_is_whole(tmp_path: Path,
     trimming.join(10)
     assert (taken / "1" / "model.onnx").read_bytes() == b"W" * 1000
     assert (taken / "config.pbtxt").read_bytes() == CONFIG
+
+
+def test_a_folder_evicted_for_room_without_a_limit_says_so_not_of_0_mb(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With no limit (DESPINA_CACHE_MAX_GB=0) only a full disk evicts; the log line said '... of 0.0 MB used'."""
+    source = Source()
+    cache = ArtifactCache(tmp_path / "cache", max_bytes=0)
+    a = cache.folder("a", source.files(b"A" * 1000), source.download)
+    last_used(a, HOUR_AGO)
+    with caplog.at_level(logging.INFO, "despina.registry"):
+        assert not cache.make_room(1 << 62)  # more than any disk has: everything unused goes, then no room
+    assert not a.exists()
+    evicted = [r.getMessage() for r in caplog.records if "evicted a/" in r.getMessage()]
+    assert len(evicted) == 1 and evicted[0].endswith("0.0 MB used, no limit set: evicted for room on a full disk")

@@ -300,12 +300,17 @@ class ArtifactCache:
             freed += freed_now
             with self._lock:
                 self.stats.evicted_folders += 1
-            log.info("cache: evicted %s/%s (unused for %.0f min, %.1f MB freed); %.1f of %.1f MB used",
-                     folder.parent.name, folder.name, (now - mtime) / 60, freed_now / 1e6, used / 1e6,
-                     self.max_bytes / 1e6)
+            log.info("cache: evicted %s/%s (unused for %.0f min, %.1f MB freed); %s", folder.parent.name,
+                     folder.name, (now - mtime) / 60, freed_now / 1e6, self._used_text(used))
         with self._lock:
             self.stats.evicted_bytes += freed
         return freed
+
+    def _used_text(self, used: int) -> str:
+        if self.max_bytes:
+            return f"{used / 1e6:.1f} of {self.max_bytes / 1e6:.1f} MB used"
+        # without a limit only a full disk evicts (make_room)
+        return f"{used / 1e6:.1f} MB used, no limit set: evicted for room on a full disk"
 
     def _remove(self, folder: Path) -> bool:
         """Move a folder unused for the lease out of models/, then delete it; False where it was used
