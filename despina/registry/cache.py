@@ -1,8 +1,9 @@
 """A local cache of model artifacts, keyed by content (ETag and size).
 
 Files live once under `blobs/`; a model folder under `models/<name>/<digest of its manifest>/` is
-hard links to them. Both are built under `tmp/` and renamed into place, so a reader never sees half
-a file or half a folder, and processes on one machine (control plane and workers) share the cache.
+hard links to them. Both are built under `tmp/` and renamed into place (a file synced to the disk first:
+after a power loss it is whole or absent), so a reader never sees half a file or half a folder, and
+processes on one machine (control plane and workers) share the cache.
 A folder that is already there costs no download; a new version downloads only the files that changed.
 
 The cache keeps itself under `max_bytes`: after it builds a folder, the folders used least recently
@@ -159,6 +160,7 @@ class ArtifactCache:
             raise
         except OSError:  # another file system, or no hard links there
             shutil.copyfile(blob, dest)
+            synced(dest)  # a folder is trusted once renamed into place: its copies too
 
     def blob(self, f: FileInfo, download: Download) -> Path:
         key = hashlib.sha256(f"{f.etag}\0{f.size}".encode()).hexdigest()
@@ -188,6 +190,7 @@ class ArtifactCache:
             got = part.stat().st_size
             if got != f.size:
                 raise OSError(f"{f.path}: downloaded {got} bytes, the registry lists {f.size}")
+            synced(part)
             os.chmod(part, 0o444)  # shared by hard links: nobody may write through one
             os.replace(part, path)
             touch(path)
@@ -386,6 +389,17 @@ class ArtifactCache:
                 except OSError:
                     pass
         return freed
+
+
+def synced(path: Path) -> None:
+    """A file's data on the disk, before a rename names it: else a power loss may leave the name with the
+    right size and zeros, which the cache (it checks sizes) would trust for good. A rename lost to one is
+    harmless (the file is fetched again): the folder is not synced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def touch(path: Path) -> None:
