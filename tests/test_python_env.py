@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from despina.workers.backends.python_env import _unpacked
+from despina.workers.backends.python_env import Interpreter, _unpacked, interpreter, trim
+from despina.workers.backends.python_process import Stub
 
 from .conftest import Server, module_server
 
@@ -133,11 +134,77 @@ def test_an_archive_replaced_by_a_copy_of_the_same_size_and_time_is_unpacked_aga
     archive, other = packed(1, "env.tar"), packed(2, "other.tar")
     assert archive.stat().st_size == other.stat().st_size
     mtime = archive.stat().st_mtime_ns
-    first = _unpacked(archive, "test")
+    first, hold = _unpacked(archive, "test", tmp_path / "envs")
+    hold.close()
     assert (first / "site" / "only_in_env.py").read_text() == "VALUE = 1\n"
     shutil.copyfile(other, archive)  # in place, then the old time put back, as `cp -p` does
     os.utime(archive, ns=(mtime, mtime))
-    second = _unpacked(archive, "test")
+    second, hold = _unpacked(archive, "test", tmp_path / "envs")
+    hold.close()
     assert (second / "site" / "only_in_env.py").read_text() == "VALUE = 2\n"
-    shutil.rmtree(first)
-    shutil.rmtree(second)
+
+
+HOUR_AGO = time.time() - 3600
+
+
+def packed_model(tmp_path: Path, name: str, value: int) -> tuple[Path, dict[str, dict[str, str]]]:
+    """A model folder with a packed environment, and its config's parameters."""
+    folder = tmp_path / name
+    make_env(tmp_path / f"src-{name}", value)
+    folder.mkdir()
+    with tarfile.open(folder / "env.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / f"src-{name}", arcname=".")
+    return folder, {"EXECUTION_ENV_PATH": {"string_value": "$$TRITON_MODEL_DIRECTORY/env.tar.gz"}}
+
+
+def unpacked_root(python: Interpreter) -> Path:
+    assert python.env is not None
+    return Path(python.env["CONDA_PREFIX"])
+
+
+def test_a_new_archive_removes_the_unpacked_environments_unused_for_the_lease(tmp_path: Path) -> None:
+    """Every model update brings a new archive: the folders unpacked for the old ones stayed in the
+    temporary folder for the host's life, hundreds of MB each. Now an unpack removes those unused for the
+    lease; not one held (a model's process runs on it), however old, nor one used recently."""
+    envs = tmp_path / "envs"
+    roots, folders = {}, {}
+    for name, value in (("old", 1), ("held", 2), ("recent", 3)):
+        folder, parameters = folders[name] = packed_model(tmp_path, name, value)
+        with interpreter(name, parameters, folder, sys.executable, envs) as python:
+            roots[name] = unpacked_root(python)
+    held = interpreter("held", folders["held"][1], folders["held"][0], sys.executable, envs)  # to the end
+    assert unpacked_root(held) == roots["held"]
+    for name in ("old", "held"):
+        os.utime(roots[name], (HOUR_AGO, HOUR_AGO))
+    try:
+        folder, parameters = packed_model(tmp_path, "new", 4)
+        with interpreter("new", parameters, folder, sys.executable, envs) as python:
+            assert (unpacked_root(python) / "site" / "only_in_env.py").read_text() == "VALUE = 4\n"
+        assert not roots["old"].exists()
+        assert roots["held"].is_dir() and roots["recent"].is_dir()
+        assert sorted(p.name for p in envs.iterdir()) == sorted(
+            p.name for p in (roots["held"], roots["recent"], unpacked_root(python)))
+    finally:
+        held.hold.close()  # type: ignore[union-attr]
+
+
+def test_an_environment_stays_while_a_model_process_runs_on_it_and_goes_after(tmp_path: Path) -> None:
+    """The worker lets go of its hold once the process started; the process keeps the environment from
+    a trim as long as it runs, and its end lets it go. A later load unpacks it again."""
+    envs = tmp_path / "envs"
+    folder, parameters = packed_model(tmp_path, "m", 5)
+    with interpreter("m", parameters, folder, sys.executable, envs) as python:
+        stub = Stub.start("m", python=python)
+    root = unpacked_root(python)
+    try:
+        assert trim(envs, lease_s=0) == 0 and (root / "bin" / "python3").exists()
+        assert stub.alive()
+    finally:
+        stub.stop()
+    deadline = time.monotonic() + 30
+    while trim(envs, lease_s=0) == 0:  # the lock goes with the process's last descriptor
+        assert time.monotonic() < deadline, "the environment was never freed"
+        time.sleep(0.05)
+    assert not root.exists() and not any(envs.iterdir())
+    with interpreter("m", parameters, folder, sys.executable, envs) as again:
+        assert (unpacked_root(again) / "site" / "only_in_env.py").read_text() == "VALUE = 5\n"

@@ -1,7 +1,8 @@
 """What a worker tells the others (part of Worker, worker.py): its heartbeat hash (capacity, every
 version's state, its caches, GPUs and models' own metrics), which expires when the worker dies, and an
 event on each change, so that the control plane and the gateways look at once; what it hears (catalog
-and log-level events); and the cache folders it keeps from the artifact cache's trim."""
+and log-level events); and the cache folders it keeps from the artifact cache's trim, which it runs, with
+the trim of unpacked Python environments."""
 from __future__ import annotations
 
 import asyncio
@@ -23,6 +24,7 @@ from ..registry import ArtifactCache
 from ..registry.cache import touch
 from ..response_cache import ResponseCache
 from ..settings import Settings
+from .backends import python_env
 from .ensembles import EnsembleHost
 from .runner import ModelRunner
 
@@ -90,13 +92,20 @@ class Presence:
             await asyncio.sleep(self.beat_s)
             if self._cache is not None:
                 self._keep_cached_folders()
-                if time.monotonic() - trimmed >= TRIM_S:
-                    trimmed = time.monotonic()
-                    await asyncio.to_thread(self._cache.trim)
+            if time.monotonic() - trimmed >= TRIM_S:
+                trimmed = time.monotonic()
+                await asyncio.to_thread(self._trim)
             try:
                 await self._heartbeat()
             except (RedisError, ConnectionError, OSError):
                 pass
+
+    def _trim(self) -> None:
+        """The artifact cache back under its limit; unpacked Python environments unused for their lease
+        removed (those of models updated since), whether or not this worker ran any."""
+        if self._cache is not None:
+            self._cache.trim()
+        python_env.trim()
 
     def _keep_cached_folders(self) -> None:
         """Mark the cache folders this worker serves or loads from as in use: no trim removes them."""

@@ -65,12 +65,12 @@ class PythonBackend(Backend):
     on_response: OnResponse | None = None
 
     def _start(self) -> Stub:
-        python = interpreter(self.spec.name, self.spec.config.get("parameters") or {},
-                             self.version_dir.parent, sys.executable)
-        if self.spec.decoupled:
-            stub: Stub = DecoupledStub.start(self.spec.name, self._response, python=python)
-        else:
-            stub = Stub.start(self.spec.name, python=python)
+        with interpreter(self.spec.name, self.spec.config.get("parameters") or {}, self.version_dir.parent,
+                         sys.executable) as python:  # the process keeps its environment's hold
+            if self.spec.decoupled:
+                stub: Stub = DecoupledStub.start(self.spec.name, self._response, python=python)
+            else:
+                stub = Stub.start(self.spec.name, python=python)
         try:
             stub.call("initialize", {"model_file": str(self.model_path()), "args": self._args()})
         except BackendError as exc:  # the stub's error names the model and the call already
@@ -231,8 +231,8 @@ class PythonBackend(Backend):
         if "auto_complete_config" not in path.read_text(errors="replace"):
             return
         parameters = {k: {"string_value": v.string_value} for k, v in config.parameters.items()}
-        stub = Stub.start(config.name, python=interpreter(config.name, parameters, version_dir.parent,
-                                                           sys.executable))
+        with interpreter(config.name, parameters, version_dir.parent, sys.executable) as python:
+            stub = Stub.start(config.name, python=python)
         try:
             answer = stub.call("auto_complete", {"model_file": str(path),
                                                  "config": json.dumps(to_dict(config))},

@@ -68,7 +68,8 @@ class Stub:
         try:
             self.process = subprocess.Popen([python.python, str(STUB), str(theirs.fileno()),
                                              str(reporter.fileno())],
-                                            pass_fds=(theirs.fileno(), reporter.fileno()),
+                                            # its environment's hold too: kept from a trim while it runs
+                                            pass_fds=(theirs.fileno(), reporter.fileno(), *python.pass_fds()),
                                             stdin=subprocess.DEVNULL, env=python.environ())
         finally:
             theirs.close()
