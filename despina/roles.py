@@ -22,6 +22,7 @@ from .embedded import bound_socket
 from .http_server import Server
 from .logs import dump_tasks_on_sigusr2
 from .redis_client import connect, connect_worker
+from .serve import CONTROL_ID, CONTROL_PREDECESSOR
 from .settings import Settings
 from .workers.worker import Worker
 
@@ -210,7 +211,9 @@ def run_control(settings: Settings) -> None:
     async def main() -> None:
         assert settings.redis_url
         redis = connect(settings.redis_url)
-        plane = ControlPlane(settings, redis)
+        # under serve, which names each control plane it starts, and on a restart the one that exited
+        plane = ControlPlane(settings, redis, os.environ.get(CONTROL_ID) or None,
+                             os.environ.get(CONTROL_PREDECESSOR) or None)
         stopped = asyncio.Event()
         stuck = exit_if_stuck(settings)
 

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 
@@ -34,6 +35,11 @@ SETTLED_S = 5.0  # a gateway that dies sooner after its start failed to start (i
 LAST_S = 2.0  # what a stage of the drain gets, at least, once the drain's time is spent
 # how often the children are looked at besides when a signal comes (a child's end is SIGCHLD): a net only
 LOOK_S = 5.0
+# what serve tells each control plane it starts (roles.run_control; not settings: nobody else sets them):
+# its id, and on a restart the id of the one that exited, whose lease it then takes at once rather than
+# wait it out (LEASE_MS) with every cold start meanwhile
+CONTROL_ID = "DESPINA_CONTROL_ID"
+CONTROL_PREDECESSOR = "DESPINA_CONTROL_PREDECESSOR"
 
 
 class Child:
@@ -79,6 +85,11 @@ def worker_id(i: int) -> str:
     return f"{os.uname().nodename}-w{i}"
 
 
+def control_id() -> str:
+    """A control plane's id, new for each start: a restart must not pass for the one that exited."""
+    return f"{os.uname().nodename}-serve{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 def child_env(settings: Settings, **overrides: str) -> dict[str, str]:
     env = dict(os.environ)
     for f in fields(Settings):
@@ -114,7 +125,7 @@ class Supervisor:
             settings = settings.with_(redis_url=self.valkey.url)
             log.info("embedded Valkey on %s", self.valkey.url)
         settings = settings.with_(redis_check=False)  # checked already (cli.main), or its own Valkey
-        self.control = Child("control", child_env(settings), "control", others)
+        self.control = Child("control", child_env(settings, **{CONTROL_ID: control_id()}), "control", others)
         # sharing a core, the gateway and the worker take turns: the sooner a gateway reads what came, the
         # more requests each batch takes, and the less both spend per request (bench/RESULTS.md, 2026-12-04)
         nice = settings.worker_nice if others is None else 0
@@ -209,6 +220,9 @@ class Supervisor:
                               child.process.returncode)
                     return 1
                 log.error("%s exited with %s; restarting it", child.name, child.process.returncode)
+                if child is self.control:  # reaped, so gone for sure: its successor takes its lease at once
+                    child.env = {**child.env, CONTROL_PREDECESSOR: child.env[CONTROL_ID],
+                                 CONTROL_ID: control_id()}
                 child.restarts += 1
                 child.start()
         return 0

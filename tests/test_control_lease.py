@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from despina.contract.catalog import CatalogEntry
 from despina.contract.commands import INDEX, Answer, Command
 from despina.contract.keys import CONTROL_GROUP, FIELD, GROUP, Keys
-from despina.control.lease import LeaseLost
+from despina.control.lease import Lease, LeaseLost
 from despina.control.plane import ControlPlane
 from despina.control.state import Catalog
 from despina.embedded import die_with_parent, free_port
@@ -211,3 +211,21 @@ def test_a_standby_s_status_says_it_stands_by_and_who_leads(
     assert [m["name"] for m in status["b"]["models"]] == [m["name"] for m in status["a"]["models"]]
     page = httpx.get(f"http://127.0.0.1:{ports['b']}/status", timeout=10).text
     assert "this control plane stands by" in page and "control.leader" in page
+
+
+async def test_a_restart_takes_only_its_exited_predecessor_s_lease(redis_url: str, key_prefix: str) -> None:
+    """serve's restart of a control plane it reaped takes the dead one's lease at once; a lease that another
+    control plane took meanwhile (a standby elsewhere on the same Redis) stays that one's."""
+    key = Keys(key_prefix).control_leader
+    redis_ = connect(redis_url)
+    try:
+        await redis_.set(key, "elsewhere", px=10_000)
+        new = Lease(redis_, key, "new", 10_000)
+        assert not await new.take_over("dead") and not new.held
+        assert await redis_.get(key) == b"elsewhere"
+        await redis_.set(key, "dead", px=10_000)
+        assert await new.take_over("dead") and new.held
+        assert await redis_.get(key) == b"new" and await redis_.pttl(key) > 9_000
+    finally:
+        await redis_.delete(key)
+        await redis_.aclose()

@@ -28,6 +28,7 @@ from despina.roles import STOP_MARGIN_S
 from despina.serve import SETTLED_S
 
 from .conftest import FULL_QUEUE_DELAY, Server, descendants, dump_stacks, stop_server
+from .control_support import catalog_entry, infer, mlp_folder
 from .reliability_support import own_redis, role_pids
 from .test_metrics import scrape
 
@@ -429,8 +430,7 @@ def test_a_crashed_control_plane_is_restarted_and_the_models_serve_on(
             break
         time.sleep(0.2)
     assert now and victim not in now and server.process.poll() is None, server.logs()[-2000:]
-    # the new one leads: a load through the repository API is answered, once the killed one's lease (LEASE_MS,
-    # 10 s from its last renewal) has run out and a standby's next look (every 2 s) takes it
+    # the new one leads (it takes the killed one's lease at once): the repository API is answered
     assert httpx.post(f"{server.url}/v2/repository/index", timeout=30).status_code == 200
     assert httpx.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200
     # and it read the repository it took over as unchanged (it said every model "changed")
@@ -463,6 +463,32 @@ def test_a_control_plane_that_lost_its_lease_is_restarted_and_leads_again(
     assert server.logs().count("leads (") == 2 and server.process.poll() is None, server.logs()[-2000:]
     assert role_pids(server, "control") != [victim]
     assert httpx.post(f"{server.url}/v2/repository/index", timeout=30).status_code == 200
+    assert stop_server(server) == 0
+
+
+def test_a_cold_start_right_after_the_control_plane_is_killed_waits_for_its_restart_only(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """The restarted control plane stood by until the killed one's lease ran out (up to 10 s), though serve
+    knew that one dead: a request for a model scaled to zero meanwhile got 503 after its 5 s. Now serve tells
+    the new one whom it replaces, and it takes that one's lease at once."""
+    mlp_folder(tmp_path / "repo", extra='parameters { key: "idle_timeout_s" value: { string_value: "0.5" } }')
+    server = serve(tmp_path / "repo", "--request-timeout", "5", wait_models=("mlp",))
+    assert infer(server.url).status_code == 200  # (its idle clock starts once it serves)
+    wait_until(lambda: getattr(catalog_entry(redis_url, key_prefix, "mlp"), "target", "") == "idle", server, 20)
+    (victim,) = role_pids(server, "control")
+    settle(victim)
+    client = redis.Redis.from_url(redis_url)
+    try:  # killed just after a renewal: its lease has 9 s and more to run
+        wait_until(lambda: client.pttl(Keys(key_prefix).control_leader) > 9_000, server, 10)
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        client.close()
+    sent = time.monotonic()
+    r = infer(server.url, timeout=15)
+    assert r.status_code == 200, (r.text, server.logs()[-3000:])
+    assert time.monotonic() - sent < 5
+    assert "control exited with -9; restarting it" in server.logs()
+    assert server.logs().count("leads (") == 2 and "which exited" in server.logs(), server.logs()[-3000:]
     assert stop_server(server) == 0
 
 

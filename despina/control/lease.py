@@ -21,6 +21,12 @@ if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if not holder then return -1 end
 return 0
 """
+# the lease of a holder known to be dead (serve reaped it), deleted only while that one still holds it: a
+# control plane elsewhere that took it meanwhile keeps it
+TAKE_OVER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 # of the lease, the part that the local clock vouches for: Redis's clock may run a little faster, and a
 # renewal's answer may take a while to come back
 TRUSTED = 0.5
@@ -46,6 +52,12 @@ class Lease:
             self._trust(sent)
             return True
         return False
+
+    async def take_over(self, dead: str) -> bool:
+        """Free the lease of `dead`, a holder known to have exited (not merely silent: one that is stalled
+        may wake up still leading), then take it. False when another holds it: stand by as usual."""
+        await self.redis.eval(TAKE_OVER, 1, self.key, dead)
+        return await self.take()
 
     async def renew(self) -> int:
         """RENEW's answer: 1 renewed, 0 another holds it, -1 nobody does. Those who ask while a renewal is

@@ -82,13 +82,17 @@ class NamedLocks:
 
 
 class ControlPlane:
-    def __init__(self, settings: Settings, redis: aioredis.Redis) -> None:
+    def __init__(self, settings: Settings, redis: aioredis.Redis, id: str | None = None,
+                 predecessor: str | None = None) -> None:
+        """`id`: this one's (else made up); `predecessor`: the id of a control plane known to have exited,
+        whose lease this one may take at once rather than wait out (serve's restart: roles.run_control)."""
         if settings.model_control_mode not in MODES:
             raise ConfigError(f"model control mode '{settings.model_control_mode}' is not one of "
                               f"{', '.join(MODES)}")
         self.settings, self.redis = settings, redis
         self.keys = Keys(settings.key_prefix)
-        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.id = id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._predecessor = predecessor
         remote = settings.model_repository.startswith("s3://")
         self.cache = ArtifactCache.from_settings(settings) if remote else None
         self.registry = open_registry(settings.model_repository, settings, self.cache)
@@ -150,7 +154,7 @@ class ControlPlane:
         waiting = False
         while not self._stop.is_set():
             try:
-                if await self.lease.take():
+                if await self._take():
                     log.info("control plane %s leads (%s mode, repository %s)", self.id,
                              self.settings.model_control_mode, self.registry.url)
                     return True
@@ -161,6 +165,21 @@ class ControlPlane:
                 log.warning("control: %s", trouble(exc))
             await self.sleep(2.0)
         return False
+
+    async def _take(self) -> bool:
+        """Take the lease; at the first look, the exited predecessor's too (else its restart would wait up to
+        LEASE_MS, and a cold start meanwhile with it)."""
+        dead, self._predecessor = self._predecessor, None
+        if dead is None:
+            return await self.lease.take()
+        try:
+            taken = await self.lease.take_over(dead)
+        except BaseException:
+            self._predecessor = dead  # (Redis did not answer: try again at the next look)
+            raise
+        if taken:
+            log.info("control plane %s takes over from %s, which exited", self.id, dead)
+        return taken
 
     async def _keep_lease(self) -> None:
         failed = logs.Throttled(log)
