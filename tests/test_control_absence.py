@@ -167,8 +167,10 @@ def test_a_model_scaled_to_zero_is_woken_by_a_control_plane_back_within_the_requ
         wait_until(scaled_to_zero, 15, what="mlp to scale to zero again")
         roles.kill(control)
         sent = time.monotonic()
-        r = infer(roles.url, timeout=3 * timeout)
+        # a client that waits as long as the server does gets the 503, not its own timeout: it came a second
+        # late (the gateway waited that long past the request's time for the control plane's answer)
+        r = infer(roles.url, timeout=timeout)
         took = time.monotonic() - sent
     assert r.status_code == 503 and r.headers.get("retry-after") == "1", (r.status_code, r.headers, r.text)
     assert "the control plane did not answer 'wake'" in r.text and "despina control" in r.text, r.text
-    assert timeout - 0.5 < took < timeout + 2, took
+    assert timeout - 0.5 < took < timeout, took

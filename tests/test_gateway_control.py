@@ -17,6 +17,7 @@ from despina.contract.keys import FIELD, Keys
 from despina.control.plane import ControlPlane
 from despina.gateway import control
 from despina.gateway.control import ControlClient
+from despina.gateway.models import ModelView
 from despina.redis_client import connect
 from despina.settings import Settings
 
@@ -133,3 +134,53 @@ async def test_calls_answered_by_the_control_plane(tmp_path: Path, redis_url: st
         await asyncio.gather(serving, return_exceptions=True)
         await plane.replies.close()
         await redis.aclose(close_connection_pool=True)
+
+
+async def test_a_call_is_over_within_its_time_and_the_control_plane_answers_sooner(redis_url: str,
+                                                                                   key_prefix: str) -> None:
+    """A call waited a second past its time for the control plane's answer: with no control plane running, a
+    request for a model scaled to zero got its 503 a second after the server's request timeout, and a client
+    that waits as long as the server saw its own timeout instead. Now the call is over a moment before its
+    time, and the control plane's deadline leaves its answer room to come back before that."""
+    keys = Keys(key_prefix)
+    redis, plane = connect(redis_url), aioredis.Redis.from_url(redis_url)
+    client = ControlClient(redis, keys)
+    try:
+        sent = time.monotonic()
+        asked = time.time()
+        with pytest.raises(Unavailable, match="did not answer 'wake' within 2 s"):
+            await client.call(WAKE, "m", timeout=2.0)
+        took = time.monotonic() - sent
+        assert 2.0 - 2 * control.ANSWER_ROOM_S < took < 2.0, took
+        (command,) = await commands_sent(plane, keys, 1)
+        assert command.deadline <= asked + 2.0 - 2 * control.ANSWER_ROOM_S + 0.05, command.deadline - asked
+    finally:
+        await client.close()
+        await redis.aclose(close_connection_pool=True)
+        await plane.aclose()
+
+
+async def test_a_caller_that_joins_a_longer_wake_stops_waiting_at_its_own_time(redis_url: str,
+                                                                              key_prefix: str) -> None:
+    """A cold start already on its way is joined, and lasts its first caller's time: a caller with less time
+    (an ensemble's later step, say) waited it out, answered 503 seconds after its own deadline. The wake
+    goes on for its first caller."""
+    keys = Keys(key_prefix)
+    redis, plane = connect(redis_url), aioredis.Redis.from_url(redis_url)
+    view = ModelView(redis, keys)
+    first = asyncio.ensure_future(view._wake("m", None, 4.0))
+    try:
+        await commands_sent(plane, keys, 1)
+        sent = time.monotonic()
+        with pytest.raises(Unavailable, match="model 'm' did not load within 1 s"):
+            await view._wake("m", None, 1.0)
+        assert time.monotonic() - sent < 1.0
+        assert not first.done() and await plane.xlen(keys.control_commands) == 1  # one wake, still waited on
+        (command,) = await commands_sent(plane, keys, 1)
+        await answer(plane, keys, command, 1)
+        assert await first == 1
+    finally:
+        first.cancel()
+        await view.close()
+        await redis.aclose(close_connection_pool=True)
+        await plane.aclose()

@@ -32,6 +32,16 @@ MAX_CALLS = 4096
 READ_WAIT_S = 5.0
 # Answers taken in one read besides the first (LPOP's count: Redis 6.2).
 READ_COUNT = 1000
+# A call is over (its answer, else 503) this long before its time, so that what the gateway answers reaches
+# a client that waits exactly that long (a timeout the same as the server's); the control plane is told to
+# answer as long before that again, so that its answer (why a wake failed, say) comes, not the gateway's
+# "did not answer". Of a short call, a part of its time (answer_room).
+ANSWER_ROOM_S = 0.25
+
+
+def answer_room(timeout: float) -> float:
+    """How long before its time a call of `timeout` seconds is over."""
+    return min(ANSWER_ROOM_S, max(timeout, 0.0) / 8)
 
 
 class ControlClient:
@@ -49,16 +59,18 @@ class ControlClient:
 
     async def call(self, op: str, model: str = "", params: dict[str, Any] | None = None,
                    timeout: float = 60.0) -> Any:
-        """Send one command and wait for its answer: the data, or the control plane's error raised here."""
+        """Send one command and wait for its answer: the data, or the control plane's error raised here;
+        over answer_room(timeout) before `timeout` runs out."""
         if len(self._calls) >= MAX_CALLS:
             raise Unavailable(f"{MAX_CALLS} calls of the control plane (loads, unloads, cold starts, index) "
                               "wait for their answers in this gateway already; try again later")
-        command = Command(uuid.uuid4().hex, op, model, params or {}, time.time() + timeout, self.answers)
+        room = answer_room(timeout)
+        command = Command(uuid.uuid4().hex, op, model, params or {}, time.time() + timeout - 2 * room,
+                          self.answers)
         answer: asyncio.Future[Answer | None] = asyncio.get_running_loop().create_future()
         self._calls[command.id] = answer  # before it is sent: an answer may come at once
         try:
-            # an answer the control plane gives as the deadline passes (its own "timed out") still comes
-            async with asyncio.timeout(timeout + 1.0):
+            async with asyncio.timeout(timeout - room):
                 await self._send(command)
                 if not self._stopping:
                     self._read()

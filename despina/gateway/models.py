@@ -35,7 +35,7 @@ from ..contract.errors import (
 from ..contract.keys import Keys
 from ..contract.modelspec import ModelSpec
 from ..redis_client import trouble
-from .control import ControlClient
+from .control import ControlClient, answer_room
 from .worker_states import Ready, Served, WorkerStates
 
 log = logging.getLogger("despina.gateway")
@@ -278,12 +278,15 @@ class ModelView:
         return self.get(name), v
 
     async def _wake(self, name: str, version: int | None, timeout: float) -> int:
-        """Ask the control plane to load the model, and wait at most `timeout` until it is READY. A wake on
-        its way is joined; it lasts its first caller's timeout, and where it runs out while this caller has
-        WAKE_AGAIN_S or more left, another waits out the rest (a request that came during another's cold
-        start was refused when the first one's time ran out, with most of its own left)."""
+        """Ask the control plane to load the model, and wait at most `timeout` until it is READY (over as a
+        control plane call of `timeout` is: control.answer_room). A wake on its way is joined; it lasts its
+        first caller's timeout, and where it runs out while this caller has WAKE_AGAIN_S or more left,
+        another waits out the rest (a request that came during another's cold start was refused when the
+        first one's time ran out, with most of its own left); a caller with less time than the wake stops
+        waiting when its own runs out."""
         key = (name, version)
         deadline = time.monotonic() + timeout
+        over = deadline - answer_room(timeout)
         while True:
             waking = self._waking.get(key)
             if waking is None or waking[0].done():
@@ -294,7 +297,11 @@ class ModelView:
                 started.add_done_callback(lambda done: self._woken(key, done))
             call, ends = waking
             try:
-                return await asyncio.shield(call)
+                if ends <= deadline:  # it is over in this caller's time
+                    return await asyncio.shield(call)
+                return await asyncio.wait_for(asyncio.shield(call), max(over - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise Unavailable(f"model '{name}' did not load within {timeout:g} s") from None
             except DespinaError as exc:
                 now = time.monotonic()
                 if exc.code != Code.UNAVAILABLE or now < ends - WAKE_AGAIN_S or deadline - now < WAKE_AGAIN_S:
