@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from . import clock
 from .contract.records import InferReply, Parameters, Tensor
 
 ENTRY_BYTES = 400  # what an entry costs besides its tensors' bytes (the key's and the reply's objects)
@@ -102,7 +103,7 @@ def through(cache: ResponseCache, key: Key, answer: Callable[[Any], object],
     if hit is not None:
         took = time.perf_counter_ns() - started
         count({"success_count": 1, "success_ns": took, "queue_count": 1, "cache_hit_count": 1,
-               "cache_hit_ns": took, "last_inference": int(time.time() * 1000)})
+               "cache_hit_ns": took, "last_inference": int(clock.now() * 1000)})
         answer(hit)
         return None
     lookup = time.perf_counter_ns() - started

@@ -53,6 +53,8 @@ class Settings:
     visibility_timeout_s: float = 60.0      # a request read and unanswered this long is redelivered
     max_attempts: int = 3                   # deliveries ended by the worker's death before dead-lettering
     reply_ttl_s: float = 120.0              # a reply stream nobody reads (a dead gateway's) expires
+    # a process whose clock is off Redis's by more than this says so (log, worker status); 0: never
+    clock_skew_warn_s: float = 1.0
     max_stream_length: int = 100_000        # entries on a request stream past which gateways refuse (503)
     worker_memory_mb: int = 0               # memory models may take on a worker; 0 = what it has
     cache_dir: str | None = None            # model artifact cache (default ~/.cache/despina)

@@ -2,9 +2,10 @@
 
 A worker writes these into its own hash (`Keys.worker`) on every heartbeat; the hash expires when the
 heartbeats stop. Fields: `info` (WorkerInfo JSON), `models` ({model: {version: state}} of the runners
-that serve), `detail` ({model: {version: VersionStatus}}), `state` (state_digest of those two),
-`cache` (artifact cache counters), `custom_metrics` (the metrics its Python models made, msgpack;
-custom_metrics.py).
+that serve), `detail` ({model: {version: VersionStatus}}), `state` (state_digest of those two and of the
+clock's warning), `cache` (artifact cache counters), `custom_metrics` (the metrics its Python models made,
+msgpack; custom_metrics.py), `clock` ({"offset_s": its clock's offset to Redis's, "warning": why that is
+too much, or ""}: clock.py).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class WorkerStatus:
     detail: dict[str, dict[int, VersionStatus]] = field(default_factory=dict)
     cache: dict[str, int] = field(default_factory=dict)
     ensembles: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the versions it runs itself
+    clock: dict[str, Any] = field(default_factory=dict)  # offset_s, warning: at its last change of state
 
     def version(self, model: str, version: int) -> VersionStatus | None:
         return self.detail.get(model, {}).get(version)
@@ -81,7 +83,8 @@ class WorkerStatus:
         detail = {name: {int(v): VersionStatus.unpack(s) for v, s in versions.items()}
                   for name, versions in orjson.loads(h.get(b"detail", b"{}")).items()}
         ensembles = {name: tuple(vs) for name, vs in orjson.loads(h.get(b"ensembles", b"{}")).items()}
-        return cls(info, detail, orjson.loads(h.get(b"cache", b"{}")), ensembles)
+        return cls(info, detail, orjson.loads(h.get(b"cache", b"{}")), ensembles,
+                   orjson.loads(h.get(b"clock", b"{}")))
 
 
 def pack_detail(detail: dict[str, dict[int, VersionStatus]]) -> bytes:
@@ -89,7 +92,9 @@ def pack_detail(detail: dict[str, dict[int, VersionStatus]]) -> bytes:
                          for name, versions in detail.items()})
 
 
-def state_digest(models: bytes, detail: bytes) -> bytes:
+def state_digest(models: bytes, detail: bytes, clock_warning: str = "") -> bytes:
     """The `state` field of a worker's hash: readers of `models` and `detail` (every gateway, twice a second)
-    read them again only when it moved; a heartbeat rewrites them unchanged most of the time."""
-    return hashlib.blake2b(models + b"\0" + detail, digest_size=8).hexdigest().encode()
+    read them again only when it moved; a heartbeat rewrites them unchanged most of the time. A clock
+    warning that comes or goes moves it too, so that the control plane's status shows it."""
+    return hashlib.blake2b(models + b"\0" + detail + b"\0" + clock_warning.encode(),
+                           digest_size=8).hexdigest().encode()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from google.protobuf import text_format
 
+from .. import clock
 from ..contract.catalog import IDLE, LOADED, UNLOADED, CatalogEntry
 from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
 from ..contract.ensemble import called_by, is_ensemble
@@ -47,7 +48,7 @@ class Commands:
     async def handle(self, command: Command) -> Answer:
         timeout = self.plane.settings.load_timeout_s
         if command.deadline:
-            timeout = max(0.1, min(timeout, command.deadline - time.time()))
+            timeout = max(0.1, min(timeout, command.deadline - clock.now()))
         try:
             if command.op == INDEX:
                 return Answer(await self.index(command.params.get("ready")))
@@ -173,7 +174,7 @@ class Commands:
                 await self._load_steps(entry, timeout, (*calling, name))
             plane.lifecycle.forget(name)
             if old is None or old.target != LOADED:
-                plane.lifecycle.idle.awake_since[name] = time.time()
+                plane.lifecycle.idle.awake_since[name] = clock.now()
             # Triton's unload_dependents unloads the steps an ensemble loaded, not those asked for by name
             step_only = bool(calling) and (old is None or old.target == UNLOADED or old.step_only)
             entry = transition(old, entry, LOADED, lambda v: bool(plane.workers.ready_on(name, v)))

@@ -17,6 +17,7 @@ import time
 import orjson
 import redis.asyncio as aioredis
 
+from .. import clock
 from ..contract.catalog import IDLE, LOADED, CatalogEntry
 from ..contract.ensemble import called_by, is_ensemble
 from ..contract.keys import Keys
@@ -56,12 +57,12 @@ class Idle:
         if e.target == IDLE:
             self.cold.setdefault(e.name, time.monotonic())
             log.info("model %s: cold start", e.name)
-        self.awake_since[e.name] = time.time()
+        self.awake_since[e.name] = clock.now()
 
     async def check(self) -> tuple[list[CatalogEntry], list[str]]:
         """The loaded models idle past their timeout (to unload), and the models scaled to zero that have
         requests queued (to wake)."""
-        now, clock = time.time(), time.monotonic()
+        now, ticks = clock.now(), time.monotonic()
         self._checks += 1
         due: list[CatalogEntry] = []
         used: dict[str, float] = {}
@@ -71,8 +72,8 @@ class Idle:
             if e.state != "READY" or is_ensemble(e.config):
                 continue
             if e.target == IDLE:
-                since = idle_since[e.name] = self._idle_since.get(e.name, clock)
-                if clock - since < self.watch_s or hash(e.name) % SWEEP == self._checks % SWEEP:
+                since = idle_since[e.name] = self._idle_since.get(e.name, ticks)
+                if ticks - since < self.watch_s or hash(e.name) % SWEEP == self._checks % SWEEP:
                     due.append(e)
             elif e.target == LOADED and (timeout := self.timeout(e)) > 0:
                 last = used[e.name] = self._used.get(e.name, 0.0)
@@ -112,7 +113,7 @@ class Idle:
                 backlog[e.name] = backlog.get(e.name, 0) + queued
             calling = sum(int(next(results)) for _ in callers.get(e.name, ()))
             backlog[e.name] = backlog.get(e.name, 0) + calling
-        now = time.time()
+        now = clock.now()
         unload, wake = [], []
         for old in due:
             current = self.catalog.get(old.name)  # a command may have changed it while we read
@@ -165,7 +166,7 @@ class Idle:
         raw = await self.redis.hget(key, e.name)
         prev = orjson.loads(raw) if raw else {"count": 0, "total_ms": 0.0}
         doc = {"count": prev["count"] + 1, "total_ms": round(prev["total_ms"] + ms, 1),
-               "last_ms": round(ms, 1), "last_load_ms": round(load_ms, 1), "last_at": time.time()}
+               "last_ms": round(ms, 1), "last_load_ms": round(load_ms, 1), "last_at": clock.now()}
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, e.name, orjson.dumps(doc))
         if e.versions:  # the metrics and the status page read the served version's statistics

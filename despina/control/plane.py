@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,7 +20,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from .. import logs
+from .. import clock, logs
 from ..contract.commands import Command
 from ..contract.errors import ConfigError, DespinaError
 from ..contract.keys import CONTROL_GROUP, FIELD, Keys
@@ -97,6 +96,7 @@ class ControlPlane:
         self.cache = ArtifactCache.from_settings(settings) if remote else None
         self.registry = open_registry(settings.model_repository, settings, self.cache)
         self.lease = Lease(redis, self.keys.control_leader, self.id, LEASE_MS)
+        self.skew = clock.Skew(settings.clock_skew_warn_s, f"control plane {self.id}")
         self.catalog = Catalog(redis, self.keys, self.id)  # its writes fenced by the lease
         self.workers = Workers(redis, self.keys)
         self.lifecycle = Lifecycle(settings, redis, self.keys, self.catalog, self.workers, self.lease)
@@ -132,7 +132,7 @@ class ControlPlane:
         self._leading = True
         await self.catalog.load()
         loops = [self._ticks(), self._serve_commands(), self._listen(), self._keep_lease(),
-                 self.registration.run()]
+                 self.registration.run(), self.skew.keep(self.redis, LEASE_MS / 4000)]
         tasks = [asyncio.create_task(loop) for loop in loops]
         try:
             await self._stop.wait()
@@ -154,6 +154,7 @@ class ControlPlane:
         waiting = False
         while not self._stop.is_set():
             try:
+                await self.skew.measure(self.redis, clock.SAMPLES)  # before a command's deadline is read
                 if await self._take():
                     log.info("control plane %s leads (%s mode, repository %s)", self.id,
                              self.settings.model_control_mode, self.registry.url)
@@ -333,7 +334,7 @@ class ControlPlane:
                 self.lost()
                 return
             answer = None
-            if command is not None and (not command.deadline or command.deadline > time.time()):
+            if command is not None and (not command.deadline or command.deadline > clock.now()):
                 answer = await self.commands.handle(command)
             await self.replies.send(entry_id, command, answer)
         except LeaseLost:

@@ -80,7 +80,9 @@ class StatusTracker:
         workers = [{"id": w.info.id, "host": w.info.host, "pid": w.info.pid, "cpus": w.info.cpus,
                     "gpus": w.info.gpus, "memory_bytes": w.info.memory_bytes,
                     "models": {m: {str(v): s.state for v, s in vs.items()} for m, vs in w.detail.items()},
-                    "ensembles": {m: list(vs) for m, vs in w.ensembles.items()}}
+                    "ensembles": {m: list(vs) for m, vs in w.ensembles.items()},
+                    "clock_offset_s": w.clock.get("offset_s", 0.0),
+                    "clock_warning": w.clock.get("warning", "")}
                    for w in self.workers]
         return {"time": now, "models": models, "workers": workers}
 

@@ -54,7 +54,7 @@ async function refresh() {
         <td class="n">${m.cold_starts}${m.cold_start_ms ? ` (${m.cold_start_ms} ms)` : ""}</td></tr>`;
     }).join("") || '<tr><td colspan="10" class="muted">no models</td></tr>';
     document.getElementById("workers").innerHTML = s.workers.map(w => `<tr><td>${esc(w.id)}</td>
-      <td>${esc(w.host)} / ${w.pid}</td><td>${w.cpus} CPU${w.gpus ? `, ${w.gpus} GPU` : ""}</td>
+      <td>${esc(w.host)} / ${w.pid}${w.clock_warning ? `<div class="err">${esc(w.clock_warning)}</div>` : ""}</td><td>${w.cpus} CPU${w.gpus ? `, ${w.gpus} GPU` : ""}</td>
       <td class="n">${w.memory_bytes ? (w.memory_bytes / 2 ** 30).toFixed(1) + " GiB" : "-"}</td>
       <td>${Object.entries(w.models).map(([m, vs]) => Object.entries(vs).map(([v, st]) =>
         `${esc(m)} v${v} <span class="state ${esc(st)}">${esc(st)}</span>`).join("<br>")).join("<br>") || "-"}

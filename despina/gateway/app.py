@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .. import __version__
+from .. import __version__, clock
 from ..contract.catalog import UNLOADED
 from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.keys import Keys
@@ -50,6 +50,7 @@ from .trace_api import trace_routes
 
 log = logging.getLogger("despina.gateway")
 
+CLOCK_S = 5.0  # how often a gateway measures its clock's offset to Redis's (clock.py)
 CACHE_REPORT_S = 5.0  # how often a gateway reports its response cache's figures (the metrics' gauges)
 # "sequence": sequence_id / sequence_start / sequence_end; "schedule_policy": priority and timeout
 EXTENSIONS = ["binary_tensor_data", "classification", "sequence", "schedule_policy", "statistics",
@@ -81,6 +82,8 @@ class Gateway:
         self.tracer = Tracer(settings.trace_file, int(index) if index and index.isdigit() else None)
         self._reporting: asyncio.Task[None] | None = None
         self._releasing: asyncio.Task[None] | None = None
+        self.skew = clock.Skew(settings.clock_skew_warn_s, "gateway")
+        self._timing: asyncio.Task[None] | None = None
 
     def give_up(self) -> None:
         """Shortly before the drain's time is spent (http_server.Server): what still waits, an inference
@@ -91,6 +94,11 @@ class Gateway:
     async def start(self) -> None:
         if self.shm is not None and self._own_shm:
             self.shm.join()  # the first gateway of a server starts it with no regions, as Triton's starts
+        try:  # before the first request's deadline is written
+            await self.skew.measure(self.redis, clock.SAMPLES)
+        except (RedisError, ConnectionError, OSError) as exc:  # (the view's start says it too)
+            log.debug("gateway: measuring the clock's offset to Redis's failed (%s)", exc)
+        self._timing = asyncio.create_task(self.skew.keep(self.redis, CLOCK_S))
         await self.view.start()
         await self.dispatcher.start()
         if self.cache is not None:
@@ -124,7 +132,7 @@ class Gateway:
                 log.debug("gateway: reading the shared memory registrations failed (%s)", exc)
 
     async def close(self) -> None:
-        for task in (self._reporting, self._releasing):
+        for task in (self._reporting, self._releasing, self._timing):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .. import logs
+from .. import clock, logs
 from ..contract.commands import Answer, Command
 from ..contract.errors import DespinaError, Unavailable
 from ..contract.keys import FIELD, Keys
@@ -65,7 +64,7 @@ class ControlClient:
             raise Unavailable(f"{MAX_CALLS} calls of the control plane (loads, unloads, cold starts, index) "
                               "wait for their answers in this gateway already; try again later")
         room = answer_room(timeout)
-        command = Command(uuid.uuid4().hex, op, model, params or {}, time.time() + timeout - 2 * room,
+        command = Command(uuid.uuid4().hex, op, model, params or {}, clock.now() + timeout - 2 * room,
                           self.answers)
         answer: asyncio.Future[Answer | None] = asyncio.get_running_loop().create_future()
         self._calls[command.id] = answer  # before it is sent: an answer may come at once

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .. import clock
 from ..contract.ensemble import Ensemble, Run, Step
 from ..contract.errors import DespinaError, Unavailable
 from ..contract.modelspec import ModelSpec
@@ -82,6 +83,6 @@ class _GatewayRun(Run):
         us = int((time.monotonic() - self.started) * 1e6)
         counts = ensemble_counts(result if isinstance(result, DespinaError) else None, us, rows)
         if rows:
-            counts["last_inference"] = int(time.time() * 1000)
+            counts["last_inference"] = int(clock.now() * 1000)
         self.gw.dispatcher.count(self.gw.keys.stats(self.spec.name, self.version), counts)
         self.done(result)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from .. import clock
 from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
 from ..contract.modelspec import ModelSpec
@@ -253,7 +254,7 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
         ensemble.run(submit, gw, spec, graph, version, inputs, outputs, trace, done, priority, timeout_us,
                      timeout, sequence)
         return None
-    now = time.time()
+    now = clock.now()
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,
                            tuple(inputs), outputs, priority, timeout_us, now,
                            trace.decode("latin-1") if trace else "", parameters, request_id, sequence)

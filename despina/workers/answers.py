@@ -2,11 +2,11 @@
 asked for, as V2 bytes; or an error reply."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 
+from .. import clock
 from ..contract.datatypes import numpy_to_v2, to_bytes
 from ..contract.errors import Code, DespinaError
 from ..contract.records import InferReply, InferRequest, Tensor
@@ -114,7 +114,7 @@ def error(req: InferRequest, code: Code, message: str, started: float = 0.0) -> 
     """An error reply, with the time the request took (counted as the failure's duration, as Triton
     counts it): queued until `started`, when its batch ran, and computing since; without `started`, it
     failed as it was read, after its time in the stream."""
-    now = time.time()
+    now = clock.now()
     started = started or now
     queue_us = max(0, int((started - req.enqueued) * 1e6)) if req.enqueued else 0
     return InferReply(req.id, (), (code, message), queue_us, max(0, int((now - started) * 1e6)))

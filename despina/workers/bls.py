@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import clock
 from ..contract.datatypes import numpy_to_v2, to_bytes
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
 from ..contract.modelspec import (
@@ -145,7 +145,7 @@ class ModelCaller:
         if cancel is not None:
             cancel.then(cancelled)
 
-        runner.submit(tensors, outputs, time.time() + timeout, answer, parameters=parameters,
+        runner.submit(tensors, outputs, clock.now() + timeout, answer, parameters=parameters,
                       sequence=sequence, request_id=request_id)
         return await answered
 
@@ -170,7 +170,7 @@ class ModelCaller:
                                "later", Code.RESOURCE_EXHAUSTED)
         limit = spec.policy.queue_policy(level).max_queue_size
         bound = (keys.queued(model, v, level), limit) if limit else None
-        now = time.time()
+        now = clock.now()
         request = InferRequest(dispatcher.new_id(), dispatcher.reply_stream, now + timeout, tuple(tensors),
                                outputs, enqueued=now, parameters=parameters, request_id=request_id,
                                sequence=sequence)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from .. import clock
 from ..contract import records
 from ..contract.ensemble import Ensemble, Run, Step
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
@@ -157,7 +157,7 @@ class EnsembleHost:
         return await self._read_along.wait(READ_WAITS_S)
 
     def _accept(self, entries: list[Entry]) -> None:
-        now = time.time()
+        now = clock.now()
         for stream, entry_id, fields in entries:
             entry = (stream, entry_id)
             try:
@@ -199,11 +199,11 @@ class EnsembleHost:
 
     def _answer(self, req: InferRequest, entry: tuple[str, bytes], result: InferReply | DespinaError,
                 rows: int) -> None:
-        us = max(0, int((time.time() - req.enqueued) * 1e6))
+        us = max(0, int((clock.now() - req.enqueued) * 1e6))
         error = result if isinstance(result, DespinaError) else None
         ensemble_counts(error, us, rows, self._counts)
         if error is None:
-            self._counts["last_inference"] = int(time.time() * 1000)
+            self._counts["last_inference"] = int(clock.now() * 1000)
             reply = InferReply(req.id, result.outputs, None, 0, us)  # type: ignore[union-attr]
         else:
             reply = InferReply(req.id, (), (error.code, error.message))
@@ -256,7 +256,7 @@ class _HostRun(Run):
     """One request's graph, its steps queued into this worker's runners."""
 
     def __init__(self, host: EnsembleHost, request: InferRequest, entry: tuple[str, bytes]) -> None:
-        super().__init__(host.spec, host.ensemble, request.deadline - time.time())
+        super().__init__(host.spec, host.ensemble, request.deadline - clock.now())
         self.host, self.request, self.entry = host, request, entry
 
     def start(self, inputs: list[Tensor], outputs: tuple[str, ...]) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from .. import clock
 from ..contract.errors import Code, ConfigError, DespinaError
 from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply
@@ -158,7 +159,7 @@ class Execution:
         finally:
             if instance is None:
                 self.instances.put_nowait(backend)
-        compute_us = int((time.time() - started) * 1e6)
+        compute_us = int((clock.now() - started) * 1e6)
         if keep is not None:
             results = keep(live, sizes, results)
         if self.batch_io is not None:  # its batch outputs cut by the requests' input shapes
@@ -197,7 +198,7 @@ class Execution:
             return [answers.error(p.request, Code.BACKEND, msg, started) for p in live]
         if keep is not None:
             results = keep(live, [1] * len(live), results)
-        compute_us = int((time.time() - started) * 1e6)
+        compute_us = int((clock.now() - started) * 1e6)
         if reshape is not None:
             results = [r if isinstance(r, DespinaError) else _reshaped(reshape, r) for r in results]
         return [answers.error(p.request, r.code, r.message, started) if isinstance(r, DespinaError)

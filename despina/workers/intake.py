@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import clock
 from ..contract import records
 from ..contract.errors import Code, DespinaError, Unavailable
 from ..contract.keys import ATTEMPTS, FIELD
@@ -58,7 +59,7 @@ class Intake(Outbox):
     _stopping: bool
 
     async def _accept(self, entries: list[Entry]) -> None:
-        now = time.time()
+        now = clock.now()
         failures: list[InferReply] = []
         failed: list[InferRequest] = []  # failures[i] answers failed[i]
 
@@ -170,7 +171,7 @@ class Intake(Outbox):
             if keeping is None:  # answered from the cache
                 return
             answer = keeping
-        now = time.time()
+        now = clock.now()
         request = InferRequest("", "", deadline, tuple(inputs), outputs, priority, timeout_us, now, trace,
                                parameters, request_id, sequence)
         try:

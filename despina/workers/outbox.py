@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import hiredis
 from redis.exceptions import RedisError
 
+from .. import clock
 from ..contract.keys import ENTRY_REQUESTS, GROUP, Keys
 from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, InferRequest
@@ -127,7 +127,7 @@ class Outbox:
                 await asyncio.sleep(RESEND_S)
                 while held and isinstance(held[0], tuple) and await self._written(*held[0]):
                     held.popleft()
-                if held and isinstance(held[0], tuple) and time.time() >= until:
+                if held and isinstance(held[0], tuple) and clock.now() >= until:
                     log.error("model %s: %d responses Redis refused were not written by their request's "
                               "deadline", self.spec.name, sum(isinstance(h, tuple) for h in held))
                     break

@@ -14,7 +14,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .. import logs
+from .. import clock, logs
 from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail, state_digest
 from ..contract.keys import Keys
 from ..contract.records import packb
@@ -61,6 +61,7 @@ class Presence:
     response_cache: ResponseCache | None
     gpus: GpuReader
     beat_s: float
+    skew: clock.Skew
     _loading_from: dict[Key, Path]
     _cache: ArtifactCache | None
     _kick: asyncio.Event
@@ -96,6 +97,7 @@ class Presence:
                 trimmed = time.monotonic()
                 await asyncio.to_thread(self._trim)
             try:
+                await self.skew.measure(self.redis)
                 await self._heartbeat()
             except (RedisError, ConnectionError, OSError):
                 pass
@@ -179,13 +181,14 @@ class Presence:
             for (name, version), runner in self.runners.items():
                 if families := runner.custom_metrics():
                     custom.setdefault(name, {})[str(version)] = families
-            packed, detail = orjson.dumps(models), pack_detail(self.detail())
+            packed, detail, warning = orjson.dumps(models), pack_detail(self.detail()), self.skew.warning()
             fields: dict[str, str | bytes | float] = {
                 "info": self.info.dumps(), "models": packed, "detail": detail,
-                "state": state_digest(packed, detail), "ensembles": orjson.dumps(ensembles),
+                "state": state_digest(packed, detail, warning), "ensembles": orjson.dumps(ensembles),
+                "clock": orjson.dumps({"offset_s": round(clock.offset(), 3), "warning": warning}),
                 "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
                 "response_cache": orjson.dumps(self.response_cache.figures() if self.response_cache else {}),
-                "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom), "seen": time.time()}
+                "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom), "seen": clock.now()}
             await self.redis.eval(await allow_oom(self.redis, HEARTBEAT), 2, self.keys.worker(self.id),
                                   self.keys.workers, int(self.settings.worker_ttl_s * 1000), self.id,
                                   *(x for pair in fields.items() for x in pair))

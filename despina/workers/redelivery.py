@@ -20,12 +20,12 @@ second answer.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from .. import clock
 from ..contract import records
 from ..contract.errors import Code, DespinaError
 from ..contract.keys import ATTEMPTS, FIELD, GROUP, Keys
@@ -134,7 +134,7 @@ def _dead_letter(pipe: Any, queue: Queue, req: InferRequest, attempts: int, cons
     pipe.xadd(req.reply_to, {FIELD: records.encode([InferReply(req.id, (), (Code.BACKEND, message))])})
     pipe.pexpire(req.reply_to, policy.reply_ttl_ms)
     pipe.xadd(queue.keys.dead_letters(queue.model, queue.version),
-              {FIELD: records.encode([req]), ATTEMPTS: attempts, b"worker": consumer, b"at": time.time()},
+              {FIELD: records.encode([req]), ATTEMPTS: attempts, b"worker": consumer, b"at": clock.now()},
               maxlen=DEAD_LETTER_MAXLEN, approximate=True)
     pipe.eval(DECR_IF_EXISTS, 1, queue.keys.queued(queue.model, queue.version, queue.level))
 

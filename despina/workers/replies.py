@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import hiredis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from .. import clock
 from ..contract import records
 from ..contract.errors import Code
 from ..contract.keys import FIELD, Keys
@@ -109,7 +109,7 @@ def refused(kind: str, name: str, pipe: Batch, results: list[Any], entries: int,
 async def write_again(out: Resp, commands: list[Command], until: float) -> bool:
     """Write reply entries Redis refused again, every RESEND_S, until it takes them (True) or the wall clock
     passes `until`, their requests' deadline (False: their gateways have answered 504 by then)."""
-    while time.time() < until:
+    while clock.now() < until:
         await asyncio.sleep(RESEND_S)
         try:
             await out.execute(commands)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import clock
 from ..contract.errors import Code, DespinaError
 from ..contract.records import InferReply
 from . import answers
@@ -57,7 +57,7 @@ class OpenRequests:
         loop = asyncio.get_running_loop()
         for stream, p in zip(ids, pending):
             state = self._open[stream] = Open(p, started, backend)
-            state.expiry = loop.call_later(max(p.request.deadline - time.time(), 0), self._expire, stream)
+            state.expiry = loop.call_later(max(p.request.deadline - clock.now(), 0), self._expire, stream)
         return ids
 
     def _expire(self, stream: int) -> None:
@@ -107,7 +107,7 @@ class OpenRequests:
         elif isinstance(result, DespinaError):
             reply = answers.error(p.request, result.code, result.message)
         else:
-            compute_us = int((time.time() - state.started) * 1e6)
+            compute_us = int((clock.now() - state.started) * 1e6)
             reply = answers.answer(p.request, result, state.started, compute_us)
         reply.index, reply.final = index, final
         if final:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from .. import clock
 from ..contract.errors import Code
 from ..contract.keys import Keys
 from ..contract.modelspec import ModelSpec
@@ -207,7 +208,7 @@ class ModelRunner(Intake):
 
     async def _run_and_reply(self, batch: list[Item], instance: int | None, turn: Turn | None) -> None:
         pendings: list[Pending] = [item.payload for item in batch]
-        started = time.time()
+        started = clock.now()
         live_items = [item for item in batch if item.payload.request.deadline >= started]
         live: list[Pending] = [item.payload for item in live_items]
         expired = [p for p in pendings if p.request.deadline < started] if len(live) < len(batch) else []

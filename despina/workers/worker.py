@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 import uuid
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
-from .. import cpus, logs
+from .. import clock, cpus, logs
 from ..contract.catalog import CatalogEntry
 from ..contract.cluster import WorkerInfo
 from ..contract.ensemble import Ensemble, Step, is_ensemble
@@ -68,7 +67,7 @@ class Worker(Loading):
         # its predecessor had read but not answered
         base = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.id = f"{base}.{uuid.uuid4().hex[:6]}"
-        self.info = WorkerInfo(self.id, socket.gethostname(), os.getpid(), time.time(), cpus.count(),
+        self.info = WorkerInfo(self.id, socket.gethostname(), os.getpid(), clock.now(), cpus.count(),
                                visible_gpus(), memory_bytes(settings))
         self.runners: dict[Key, ModelRunner] = {}
         self.hosts: dict[Key, EnsembleHost] = {}     # ensembles run here (workers/ensembles.py)
@@ -95,6 +94,7 @@ class Worker(Loading):
         self._announcing: asyncio.Task[None] | None = None     # the announce on its way (_announce)
         self._next_announce: asyncio.Task[None] | None = None  # the next, shared by the calls meanwhile
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
+        self.skew = clock.Skew(settings.clock_skew_warn_s, f"worker {self.id}")  # measured at each heartbeat
         self.delivery = DeliveryPolicy.from_settings(settings)
         self.deferred = Deferred(redis)  # counters of ensemble steps run here
         self.sweep = PendingSweep(redis)  # its models' entries abandoned by a dead consumer go back
@@ -151,6 +151,7 @@ class Worker(Loading):
         command Redis refuses ends the worker with its reason. False: the worker was stopped first."""
         while not self._stop.is_set():
             try:
+                await self.skew.measure(self.redis, clock.SAMPLES)  # before its first timestamp is read
                 await self.redis.sadd(self.keys.workers, self.id)
                 await self._heartbeat()
                 return True
