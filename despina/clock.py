@@ -55,14 +55,15 @@ class Skew:
             before = time.time()
             seconds, micros = await redis.time()
             after = time.time()
-            redis_now = seconds + micros / 1e6
+            redis_now = seconds + micros / 1e6  # its clock truncated to the microsecond
             # Redis read its clock between `before` and `after`: the offset lies between these two bounds
-            low, high = max(low, redis_now - after), min(high, redis_now - before)
+            low, high = max(low, redis_now - after), min(high, redis_now + 1e-6 - before)
         if low > high:  # the clock stepped between two samples: the last one alone
-            low, high = redis_now - after, redis_now - before
-        # kept while it lies within the bounds: a round trip slowed by a busy loop moves nothing, and the
-        # offset does not jitter by the round trip's noise from one measurement to the next
-        if not self.measured or not low <= _offset <= high:
+            low, high = redis_now - after, redis_now + 1e-6 - before
+        # kept while it lies within the bounds: a round trip slowed by a busy loop moves nothing, the offset
+        # does not jitter by the round trip's noise from one measurement to the next, and on Redis's own
+        # host (or one in step with it) it stays exactly 0, as every process's there
+        if not low <= _offset <= high:
             _offset = (low + high) / 2
         self.measured = True
         self._warn()

@@ -44,12 +44,15 @@ def own_offset() -> Iterator[None]:
     clock._offset = 0.0
 
 
-async def test_the_offset_of_a_clock_that_agrees_with_redis_is_nearly_nothing(redis_url: str,
+async def test_the_offset_of_a_clock_that_agrees_with_redis_is_nothing(redis_url: str,
                                                                               own_offset: None) -> None:
     redis = connect_worker(redis_url)  # (the worker's connection: its own reply parser)
     try:
         skew = clock.Skew(1.0, "test")
-        assert abs(await skew.measure(redis, clock.SAMPLES)) < 0.05
+        # Redis on this host reads the same clock: the offset stays exactly 0, whatever a round trip took
+        # (each process on Redis's host stamps and compares times as plain time.time() did)
+        for _ in range(20):
+            assert await skew.measure(redis, clock.SAMPLES) == 0.0
         assert abs(clock.now() - time.time()) < 0.05
         assert skew.warning() == "" and not skew.warned
     finally:
