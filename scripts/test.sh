@@ -8,11 +8,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
-# the status page test renders it in Debian's headless chromium (Playwright never downloads a browser)
-if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "installing chromium for the status page test"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
-    || echo "chromium could not be installed: the browser test will be skipped"
+# Debian's packages some tests need where the machine lacks them: headless chromium renders the status page
+# (Playwright never downloads a browser); libfaketime gives one process a wrong clock (test_clock_skew.py)
+missing=()
+command -v chromium >/dev/null || missing+=(chromium)
+[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1 ] \
+  || missing+=(libfaketime)
+if [ ${#missing[@]} != 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "installing ${missing[*]} for the status page and clock tests"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") >/dev/null 2>&1 \
+    || echo "${missing[*]} could not be installed: the tests that need them will be skipped"
 fi
 
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
