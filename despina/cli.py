@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
 
     def http(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--http-port", dest="http_port", type=int, help="HTTP port (default 8000)")
-        sp.add_argument("--host", dest="host", help="address to bind (default 127.0.0.1)")
+        sp.add_argument("--host", dest="host", help="address to bind (default 127.0.0.1; 0.0.0.0, every "
+                        "IPv4 address; ::, every IPv6 and IPv4 address)")
         sp.add_argument("--request-timeout", dest="request_timeout_s", type=float,
                         help="default deadline of a request in seconds (default 60)")
         sp.add_argument("--header-timeout", dest="header_timeout_s", type=float,
@@ -130,7 +131,8 @@ def parser() -> argparse.ArgumentParser:
     ctl = sub.add_parser("control", help="run the control plane against a shared Redis")
     for add in (common, repo, metrics):
         add(ctl)
-    ctl.add_argument("--host", dest="host", help="address the metrics port binds (default 127.0.0.1)")
+    ctl.add_argument("--host", dest="host", help="address the metrics port binds (default 127.0.0.1; ::, "
+                     "every IPv6 and IPv4 address)")
     push = sub.add_parser("push", help="upload a model folder to a registry (s3://bucket/prefix or a folder)")
     push.add_argument("path", help="the model folder: config.pbtxt and version folders (or model files)")
     push.add_argument("registry", help="s3://bucket/prefix, or a local model repository")

@@ -60,17 +60,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 BACKLOG = 2048  # uvicorn's, which listens on the socket again
 
 
+def host_port(host: str, port: int) -> str:
+    """`host`:`port` as a URL and a log write it: an IPv6 literal in brackets ([::1]:8000), so that its
+    colons are not taken for the port's."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bound_socket(host: str, port: int, role: str, reuse_port: bool = False) -> socket.socket:
     """`host`:`port` bound before the role starts its work: a port it cannot have ends the process with
     one line that says so. A port of its own is listened on at once: only bound, another program binding it
     with SO_REUSEADDR meanwhile could listen first, and the role's server, listening later in a task, failed
-    unseen. (A port shared with SO_REUSEPORT is not: connections would go to a gateway not yet serving.)"""
+    unseen. (A port shared with SO_REUSEPORT is not: connections would go to a gateway not yet serving.)
+    IPv6's any-address (`::`) takes IPv4 too (dual-stack) where the system has IPv4: asyncio's own bind,
+    uvicorn's, sets IPV6_V6ONLY, and `--host ::` served IPv6 alone, 127.0.0.1 refused."""
     sock = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # whatever net.ipv6.bindv6only says: `::` means every address
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
@@ -80,7 +90,7 @@ def bound_socket(host: str, port: int, role: str, reuse_port: bool = False) -> s
         if sock is not None:
             sock.close()
         reason = (exc.strerror or str(exc)).lower()
-        raise SystemExit(f"{role}: cannot bind {host}:{port}: {reason}") from None
+        raise SystemExit(f"{role}: cannot bind {host_port(host, port)}: {reason}") from None
     return sock
 
 

@@ -18,7 +18,7 @@ from . import fds
 from .contract.errors import ConfigError
 from .control.plane import ControlPlane
 from .cpus import parse, pin
-from .embedded import bound_socket
+from .embedded import bound_socket, host_port
 from .http_server import Server
 from .logs import dump_tasks_on_sigusr2
 from .redis_client import connect, connect_worker
@@ -89,10 +89,14 @@ def run_gateway(settings: Settings) -> None:
                             # seconds, a fraction too (uvicorn's annotation says int; asyncio.timeout
                             # takes a float): int() made a drain under a second none at all
                             timeout_graceful_shutdown=settings.drain_timeout_s)  # type: ignore[arg-type]
-    sockets = [reuse_port_socket(settings.host, settings.http_port)] if settings.reuse_port else None
+    # bound here, not by uvicorn: asyncio's bind makes `::` IPv6 alone (embedded.bound_socket)
+    sock = reuse_port_socket(settings.host, settings.http_port) if settings.reuse_port else \
+        bound_socket(settings.host, settings.http_port, "gateway")
+    logging.getLogger("despina.gateway").info("listening on http://%s",
+                                              host_port(settings.host, sock.getsockname()[1]))
     quiet_collector()
     Server(config, give_up=app.state.gateway.give_up,
-           stopping=exit_if_stuck(settings)).run(sockets=sockets)
+           stopping=exit_if_stuck(settings)).run(sockets=[sock])
     if settings.colocate:
         _leave_stuck_threads()
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from .cpus import available, format_list, parse
-from .embedded import EmbeddedValkey, bound_socket, child_setup
+from .embedded import EmbeddedValkey, bound_socket, child_setup, host_port
 from .gateway.shm import Registry
 from .settings import Settings
 
@@ -148,8 +148,8 @@ class Supervisor:
                          for i in range(settings.gateways)]
         for child in (self.control, *self.workers, *self.gateways):
             child.start()
-        log.info("serving %s on http://%s:%d with %d worker(s) and %d gateway(s)%s",
-                 settings.model_repository, settings.host, settings.http_port, settings.workers,
+        log.info("serving %s on http://%s with %d worker(s) and %d gateway(s)%s",
+                 settings.model_repository, host_port(settings.host, settings.http_port), settings.workers,
                  settings.gateways,
                  f", {inside} worker(s) inside gateways" if inside else "")
         code = 0

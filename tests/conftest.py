@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -265,3 +266,15 @@ def module_server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_ur
     finally:
         delete_prefix(redis_url, prefix)
 
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine has IPv6's loopback (::1): the IPv6 tests skip where it has not."""
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
