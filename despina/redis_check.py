@@ -26,6 +26,7 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .contract.keys import CONTROL_GROUP, GROUP, Keys
+from .embedded import host_port
 from .redis_client import CONNECT_TIMEOUT_S
 
 # a command at start-up waits this long at most: a Redis that accepts connections and answers nothing
@@ -96,11 +97,17 @@ def check(url: str, prefix: str) -> Found:
 
 
 def _where(url: str) -> str:
-    """The server as a log may name it: no credentials."""
+    """The server as a log may name it: no credentials, an IPv6 address in brackets ([::1]:6379)."""
+    address = _address(url)
+    return urlparse(url).path if address is None else host_port(*address)
+
+
+def _address(url: str) -> tuple[str, int] | None:
+    """The host (an IPv6 address without its brackets) and port of a TCP URL; None for unix://."""
     parsed = urlparse(url)
     if parsed.scheme.lower() == "unix":
-        return parsed.path
-    return f"{parsed.hostname or 'localhost'}:{parsed.port or 6379}"
+        return None
+    return parsed.hostname or "localhost", parsed.port or 6379
 
 
 def _open(url: str, where: str) -> redis.Redis | None:
@@ -121,11 +128,11 @@ def _open(url: str, where: str) -> redis.Redis | None:
                            "setting says how many it has (16 by default), numbered from 0") from None
         raise Unusable(f"Redis at {where} refused the connection's set-up ({said})") from None
     except (ConnectionError, RedisTimeoutError, OSError):
-        tls = urlparse(url).scheme.lower() == "rediss"
-        if tls and _answers_plain(where):
+        tls, address = urlparse(url).scheme.lower() == "rediss", _address(url)
+        if tls and address and _answers_plain(*address):
             raise Unusable(f"{where} answers without TLS: use a redis:// URL (rediss:// is for a port that "
                            "speaks TLS)") from None
-        if not tls and not where.startswith("/") and _speaks_tls(where):
+        if not tls and address and _speaks_tls(*address):
             raise Unusable(f"{where} speaks TLS: use a rediss:// URL") from None
         return None
 
@@ -247,11 +254,10 @@ def _needless_password(client: redis.Redis, url: str, where: str) -> str | None:
     return None
 
 
-def _answers_plain(where: str) -> bool:
+def _answers_plain(host: str, port: int) -> bool:
     """Whether host:port answers a plain-text PING as a Redis does (+PONG, or an error such as NOAUTH)."""
-    host, _, port = where.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S) as s:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as s:
             s.settimeout(1.0)
             s.sendall(b"PING\r\n")
             return s.recv(1)[:1] in (b"+", b"-")
@@ -259,13 +265,12 @@ def _answers_plain(where: str) -> bool:
         return False
 
 
-def _speaks_tls(where: str) -> bool:
+def _speaks_tls(host: str, port: int) -> bool:
     """Whether host:port answers a TLS handshake (a Redis with TLS on resets a plain-text client)."""
-    host, _, port = where.rpartition(":")
     tls = ssl.create_default_context()
     tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE  # only whether it speaks TLS at all
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S) as s, \
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as s, \
                 tls.wrap_socket(s, server_hostname=host or None):
             return True  # the handshake went through (it asks a client certificate only later)
     except ssl.SSLError as exc:  # an alert is TLS too (a client certificate asked for, a version refused)

@@ -11,10 +11,14 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from despina.embedded import bound_socket
+from despina.redis_check import Unusable, check
+from despina.resp import Resp
 
 from .conftest import Server, ipv6_loopback
+from .test_resp import tls_redis  # noqa: F401  (a Redis that speaks TLS only, on ::1 too)
 
 pytestmark = pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
 ADD_SUB = b'{"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]}'
@@ -78,3 +82,30 @@ def test_the_ipv6_any_address_is_bound_dual_stack() -> None:
         with socket.create_connection(("127.0.0.1", sock.getsockname()[1]), timeout=5):
             pass
 
+
+def test_the_start_check_names_an_ipv6_redis_in_brackets(redis_on_ipv6: str) -> None:
+    """It said "::1:6379 answers without TLS", an address nobody can use."""
+    port = urlparse(redis_on_ipv6).port
+    assert check(redis_on_ipv6, "despina-check").warnings == []
+    with pytest.raises(Unusable, match=rf"^\[::1\]:{port} answers without TLS: use a redis:// URL"):
+        check(redis_on_ipv6.replace("redis://", "rediss://"), "despina-check")
+
+
+async def test_tls_to_an_ipv6_literal(tls_redis: tuple[int, Path]) -> None:  # noqa: F811
+    """rediss://[::1]:PORT: the certificate's IP address is checked against ::1 (the host without its
+    brackets), by redis-py's connections and by Despina's own; a plain URL to it is told to use TLS."""
+    port, d = tls_redis
+    files = f"ssl_ca_certs={d / 'ca.crt'}&ssl_certfile={d / 'client.crt'}&ssl_keyfile={d / 'client.key'}"
+    url = f"rediss://[::1]:{port}/0?{files}"
+    client = aioredis.Redis.from_url(url)
+    conn, alike = Resp.from_url(url), Resp.like(client)
+    try:
+        assert await client.ping()
+        assert await conn.execute([["PING"]]) == [b"PONG"]
+        assert await alike.execute([["PING"]]) == [b"PONG"]
+    finally:
+        conn.close()
+        alike.close()
+        await client.aclose()
+    with pytest.raises(Unusable, match=rf"^\[::1\]:{port} speaks TLS: use a rediss:// URL$"):
+        check(f"redis://[::1]:{port}/0", "despina-check")

@@ -19,6 +19,8 @@ from despina.counters import record_counts
 from despina.embedded import die_with_parent, free_port
 from despina.resp import Batch, Prefix, Resp, fields, gather, pack, packed, prefix
 
+from .conftest import ipv6_loopback
+
 
 @pytest.fixture
 async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
@@ -294,22 +296,24 @@ async def test_connections_to_redis_find_a_vanished_host_dead(redis_url: str) ->
 @pytest.fixture
 def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     """A Redis that speaks TLS only, as Redis does by default with TLS on: it asks each client for a
-    certificate (tls-auth-clients yes). Its certificate and the client's are for "localhost", signed by a
-    CA of this test. Its port, and the folder of ca.crt, client.crt and client.key."""
+    certificate (tls-auth-clients yes). Its certificate and the client's are for "localhost" (and ::1, on
+    which it listens too where there is IPv6), signed by a CA of this test. Its port, and the folder of
+    ca.crt, client.crt and client.key."""
     server, openssl = shutil.which("redis-server"), shutil.which("openssl")
     if server is None or openssl is None:
         pytest.skip("needs redis-server and openssl")
     run = functools.partial(subprocess.run, cwd=tmp_path, check=True, capture_output=True)
     run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
          "-days", "1", "-subj", "/CN=despina-test-ca"])
-    (tmp_path / "san.ext").write_text("subjectAltName=DNS:localhost\n")
+    (tmp_path / "san.ext").write_text("subjectAltName=DNS:localhost,IP:::1\n")
     for name in ("server", "client"):
         run([openssl, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
              "-subj", "/CN=localhost"])
         run([openssl, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
              "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", "san.ext"])
     port = free_port()
-    proc = subprocess.Popen([server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+    bind = ["127.0.0.1", "::1"] if ipv6_loopback() else ["127.0.0.1"]
+    proc = subprocess.Popen([server, "--port", "0", "--tls-port", str(port), "--bind", *bind,
                              "--tls-cert-file", "server.crt", "--tls-key-file", "server.key",
                              "--tls-ca-cert-file", "ca.crt", "--save", "", "--appendonly", "no",
                              "--loglevel", "warning"],
