@@ -75,7 +75,7 @@ def probe_commands(keys: Keys) -> list[tuple[str, ...]]:
         ("DEL", replies), ("EXPIRE", replies, "1"), ("PEXPIRE", worker, "1"),
         ("RPUSH", keys.control_answers(PROBE), ""), ("LPUSH", keys.control_reply(PROBE), ""),
         ("LPOP", keys.control_answers(PROBE)), ("BLPOP", keys.control_reply(PROBE), "1"),
-        ("EVAL", "return 1", "0"), ("PUBLISH", keys.events, ""),
+        ("EVAL", "return 1", "0"), ("PUBLISH", keys.events, ""), ("TIME",),
     ]
 
 
