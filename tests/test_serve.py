@@ -562,9 +562,21 @@ def affinity(pid: int) -> set[frozenset[int]]:
     return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
+def parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def serve_processes(server: Server) -> tuple[dict[int, str], list[int], list[int]]:
-    """serve's descendants by command line; its workers with their Python models' processes; the rest."""
-    roles = {p: cmdline(p) for p in descendants(server.process.pid)}
+    """serve's descendants by command line; its workers with their Python models' processes; the rest.
+    A process started but not yet exec'd shows its parent's command line: a Python model's process
+    being started by a gateway (vforked, caught once under load) counted as a third gateway. Such are
+    left out."""
+    family = descendants(server.process.pid)
+    lines = {p: cmdline(p) for p in family | {server.process.pid}}
+    roles = {p: c for p, c in lines.items() if p in family and c != lines.get(parent(p) or 0)}
     workers = [p for p, c in roles.items() if "despina worker" in c or "python_stub/stub.py" in c]
     others = [p for p, c in roles.items() if any(r in c for r in ("despina gateway", "despina control", "valkey"))]
     return roles, workers, others
