@@ -29,7 +29,9 @@ from despina.control.state import Catalog
 from despina.embedded import die_with_parent, free_port
 from despina.redis_client import connect
 from despina.settings import Settings
+from despina.workers.worker import Worker
 
+from .conftest import delete_prefix
 from .control_support import mlp_folder, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,3 +231,38 @@ async def test_a_restart_takes_only_its_exited_predecessor_s_lease(redis_url: st
     finally:
         await redis_.delete(key)
         await redis_.aclose()
+
+
+async def test_a_worker_whose_heartbeat_went_with_the_lease_is_not_taken_for_dead(
+        tmp_path: Path, redis_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Redis lost its data between a tick's read of the lease and its read of the workers' heartbeats (a
+    loaded machine, once): the tick took the worker for dead and placed its models on no worker before the
+    next tick saw the lease gone and held placement; the worker unloaded them, and a wake waited out the
+    whole hold (DESPINA_WORKER_TTL_S). A heartbeat gone with the lease is Redis's loss, not the worker's."""
+    mlp_folder(tmp_path / "repo")
+    settings = Settings(model_repository=str(tmp_path / "repo"), key_prefix=key_prefix, worker_ttl_s=60)
+    client = connect(redis_url)
+    plane, worker = ControlPlane(settings, client), Worker(settings, client)
+    tick, lost = plane.lifecycle.tick, asyncio.Event()
+
+    async def tick_as_redis_loses_its_data(members: set[bytes] | None = None) -> None:
+        if members is not None and not lost.is_set():  # the lease and the workers' set read, then lost
+            delete_prefix(redis_url, key_prefix)
+            lost.set()
+        await tick(members)
+
+    roles = [asyncio.create_task(plane.run()), asyncio.create_task(worker.run())]
+    try:
+        while plane.catalog.get("mlp") is None:  # registered
+            await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(plane.commands.wake("mlp", None, 60), 60) == 1
+        monkeypatch.setattr(plane.lifecycle, "tick", tick_as_redis_loses_its_data)
+        await asyncio.wait_for(lost.wait(), 30)
+        assert await asyncio.wait_for(plane.commands.wake("mlp", None, 30), 30) == 1
+    finally:
+        worker.stop()
+        plane.stop()
+        await asyncio.gather(*roles, return_exceptions=True)
+        await client.aclose(close_connection_pool=True)
+    assert "stopped sending heartbeats" not in caplog.text

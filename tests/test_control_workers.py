@@ -53,6 +53,7 @@ async def test_a_workers_hash_is_read_again_only_when_its_state_moved(server: Re
         a.failures[("m0", 1)] = ("r1", "broken")
         for w in workers:
             await w._heartbeat()
+        await redis.set(keys.control_leader, "a-plane")  # a worker gone while nobody leads is not dead
         view = Workers(redis, keys)
         assert await view.refresh() == []
         assert sorted(view.status) == sorted([a.id, b.id])

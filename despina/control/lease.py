@@ -36,6 +36,11 @@ class LeaseLost(Exception):
     """Another control plane holds the lease: this one must stop acting."""
 
 
+class LeaseVanished(Exception):
+    """Nobody holds the lease any more (Redis lost its data): what was read with it is gone, and what a
+    step would decide from the gap (workers without heartbeats: dead) is not so."""
+
+
 class Lease:
     def __init__(self, redis: aioredis.Redis, key: str, holder: str, ms: int) -> None:
         self.redis, self.key, self.holder, self.ms = redis, key, holder, ms

@@ -28,7 +28,7 @@ from ..redis_client import trouble
 from ..registry import ArtifactCache, open_registry
 from ..settings import Settings
 from .commands import Commands
-from .lease import Lease, LeaseLost
+from .lease import Lease, LeaseLost, LeaseVanished
 from .lifecycle import Lifecycle
 from .registration import Registration
 from .replies import Replies
@@ -244,6 +244,8 @@ class ControlPlane:
                 if holder is None:
                     await self._recover()
                 await self.lifecycle.tick(members if holder else None)  # the set may be new too
+            except LeaseVanished:  # Redis lost its data after the lease was read: as if seen here
+                self.kick()
             except LeaseLost:
                 self.lost()
             except (RedisError, ConnectionError, OSError) as exc:

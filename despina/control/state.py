@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from ..contract.catalog import CatalogEntry
 from ..contract.cluster import WorkerInfo, WorkerStatus
 from ..contract.keys import Keys
-from .lease import LeaseLost
+from .lease import LeaseLost, LeaseVanished
 
 log = logging.getLogger("despina.control")
 
@@ -163,6 +163,11 @@ class Workers:
                     digests_now[wid] = h[b"state"]
             else:
                 dead.append(wid)
+        # a heartbeat read after Redis lost its data is gone with the lease (read before it, by the caller):
+        # taken for dead, the workers' models were placed on none and unloaded, before the next tick held
+        # placement for the workers to announce themselves again
+        if dead and not await self.redis.exists(self.keys.control_leader):
+            raise LeaseVanished(f"the lease vanished with the heartbeats of {', '.join(dead)}")
         if dead:
             await self.redis.srem(self.keys.workers, *dead)
             for wid in dead:
