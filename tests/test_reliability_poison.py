@@ -46,6 +46,13 @@ dynamic_batching { max_queue_delay_microseconds: 20000 }
 ATTEMPTS_ALLOWED = 3
 
 
+async def until(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
 def body(value: float) -> bytes:
     return orjson.dumps({"inputs": [{"name": "X", "shape": [1, 2], "datatype": "FP32", "data": [value, value]}]})
 
@@ -65,14 +72,18 @@ async def test_a_request_that_kills_its_worker_is_dead_lettered_and_others_are_s
     stop = asyncio.Event()
     values = [float(i) for i in range(1, 100_000)]
     traffic = asyncio.create_task(post_all(lambda i: url, [body(v) for v in values], 8, answers, stop=stop))
-    await asyncio.sleep(0.5)
+    await until(lambda: len(answers) >= 8, "the traffic to flow")
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=60) as client:
         poisoned = await client.post(url, content=body(-1.0), headers={"content-type": "application/json"})
     answered_in = time.monotonic() - started
-    await asyncio.sleep(1.0)  # the stream goes on after it
+    # the stream goes on after it: a request sent after its answer is answered too (a fixed second was
+    # too short on a loaded machine, where a worker's restart holds the requests in flight for seconds)
+    await until(lambda: any(a.sent > started + answered_in for a in answers), "a request sent after the poison")
     stop.set()
     await asyncio.wait_for(traffic, 60)
+    await until(lambda: server.logs().count("exited with -9; restarting it") >= ATTEMPTS_ALLOWED,
+                "every death the poison caused")
     await asyncio.sleep(3.0)  # long enough for another round of deaths, were it to loop
     restarts = server.logs().count("exited with -9; restarting it")
 
