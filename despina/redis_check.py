@@ -18,10 +18,15 @@ from urllib.parse import urlparse
 import redis
 from redis.exceptions import (
     AuthenticationError,
+    BusyLoadingError,
     ConnectionError,
+    ExecAbortError,
+    MasterDownError,
     NoPermissionError,
+    OutOfMemoryError,
     RedisError,
     ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -33,6 +38,12 @@ from .redis_client import CONNECT_TIMEOUT_S
 # must not hold the start for ever
 COMMAND_TIMEOUT_S = 5.0
 PROBE = "despina-start-check"  # the model, worker and gateway name in the probe's keys (none is written)
+
+# what a server answers for now, not for good: full (OOM at its maxmemory: the roles wait for room), loading
+# its data, cut off from its primary, running a long script (BUSY, which redis-py gives no class); and
+# EXECABORT, a transaction one of whose commands was refused. (redis-py takes the code off the message.)
+PASSING = (OutOfMemoryError, BusyLoadingError, MasterDownError, TryAgainError, ExecAbortError)
+PASSING_CODES = ("BUSY", "EXECABORT")
 
 STANDALONE = ("a standalone Redis or Valkey, or the primary endpoint of a primary/replica one (a managed "
               "service's \"cluster mode disabled\")")
@@ -196,7 +207,8 @@ def _check_rights(client: redis.Redis, keys: Keys, where: str) -> None:
     except (ConnectionError, RedisTimeoutError, OSError):
         return  # gone meanwhile: the roles say so
     refused = [(c, r) for c, r in zip(sent, replies, strict=True)
-               if isinstance(r, ResponseError) and "EXECABORT" not in str(r)]
+               if isinstance(r, ResponseError) and not isinstance(r, PASSING)
+               and not str(r).startswith(PASSING_CODES)]
     if refused:
         raise Unusable(_refusal(refused, keys, where))
 
