@@ -3,7 +3,9 @@ cluster node, ACL users, a replica, an evicting one. Each Redis Despina cannot u
 line that says why, where the roles crashed and were restarted without end."""
 from __future__ import annotations
 
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -32,11 +34,25 @@ def valkey() -> str:
     return str(get_binary_path())
 
 
+def cluster_port() -> int:
+    """A free port for a cluster node whose bus port (10000 above it) is free too: an ephemeral port from
+    free_port() is often above 55535, whose bus port does not exist, and redis-server exits at once."""
+    for port in random.sample(range(20000, 30000), 200):
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise AssertionError("no free port pair for a cluster node")
+
+
 class OwnRedis:
     """A redis-server on a free loopback port, started with `options`, without persistence."""
 
-    def __init__(self, tmp: Path, *options: str, binary: str | None = SERVER) -> None:
-        self.port = free_port()
+    def __init__(self, tmp: Path, *options: str, binary: str | None = SERVER, port: int = 0) -> None:
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         assert binary is not None
         self.process = subprocess.Popen(
@@ -93,7 +109,8 @@ def despina(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]
 def test_a_cluster_node_stops_the_start_saying_what_to_use(tmp_path: Path) -> None:
     """A Redis Cluster node: MOVED on most keys, and Despina's scripts and pipelines span hash slots. The
     worker crashed on its first MOVED and serve restarted it without end, a traceback each time."""
-    node = OwnRedis(tmp_path, "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"))
+    node = OwnRedis(tmp_path, "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"),
+                    port=cluster_port())
     try:
         node.client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
         serve = ("--model-repository", str(tmp_path), "--http-port", str(free_port()), "--metrics-port", "0")
