@@ -99,6 +99,7 @@ async def test_a_tick_that_nothing_moved_reconciles_no_model(tmp_path: Path, red
 
     monkeypatch.setattr(plane.lifecycle, "_reconcile", counted)
     try:
+        await client.set(keys.control_leader, plane.id)  # it leads: a worker gone then is dead (state.py)
         for wid in ("a", "b"):
             await client.hset(keys.worker(wid), mapping={  # ("state": the digest of what it serves)
                 "info": WorkerInfo(wid, memory_bytes=100_000 * MB).dumps(), "state": b"0"})
@@ -164,6 +165,7 @@ async def requeue_after_death(tmp_path: Path, redis_url: str, key_prefix: str, n
     read = {keys.request_stream("m000", 1): 2, keys.request_stream("m001", 1): 150,
             keys.request_stream("m002", 1, 2): 3}
     try:
+        await setup.set(keys.control_leader, plane.id)  # it leads: a worker gone then is dead (state.py)
         await setup.hset(keys.worker("w"), "info", WorkerInfo("w", memory_bytes=100_000 * MB).dumps())
         await setup.sadd(keys.workers, "w")
         levels = {"dynamic_batching": {"priority_levels": 2}}
