@@ -97,8 +97,10 @@ class Presence:
                 trimmed = time.monotonic()
                 await asyncio.to_thread(self._trim)
             try:
-                await self.skew.measure(self.redis)
                 await self._heartbeat()
+                # after it: the heartbeat is the worker's life to the others, and a measurement that fails
+                # must not cost one (a warning it finds shows in the next)
+                await self.skew.measure(self.redis)
             except (RedisError, ConnectionError, OSError):
                 pass
 
