@@ -89,7 +89,10 @@ def test_a_worker_whose_clock_is_ahead_runs_requests_within_their_deadline(
         assert r.status_code == 200, r.text
         assert np.allclose(r.json()["y"], expected(0), atol=1e-4)
     assert "s ahead of Redis's" in log.read_text()
-    workers = httpx.get(server.metrics_url.replace("/metrics", "/status.json"), timeout=10).json()["workers"]
+    # the page samples Redis every 2 s (control/status.py PERIOD_S): its first sample may predate the worker
+    page = server.metrics_url.replace("/metrics", "/status.json")
+    wait_until(lambda: len(httpx.get(page, timeout=10).json()["workers"]) == 1, 10, what="the status page's worker")
+    workers = httpx.get(page, timeout=10).json()["workers"]
     assert len(workers) == 1 and "ahead of Redis's" in workers[0]["clock_warning"], workers
     assert -5.5 < workers[0]["clock_offset_s"] < -4.5
 

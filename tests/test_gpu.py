@@ -27,6 +27,7 @@ from despina.workers.backends.base import visible_gpus
 from despina.workers.runner import ModelRunner
 
 from .conftest import Server, module_server, settled_stats
+from .control_support import wait_until
 from .test_backend_pytorch import torchscript_output, write_config
 
 torch = pytest.importorskip("torch")
@@ -140,7 +141,9 @@ def test_python_model_is_told_its_gpu(server: Server) -> None:
 
 def test_the_worker_announces_its_gpu_and_metrics_name_it(server: Server) -> None:
     assert visible_gpus() == torch.cuda.device_count()
-    status = httpx.get(server.metrics_url.removesuffix("/metrics") + "/status.json", timeout=10).json()
+    page = server.metrics_url.removesuffix("/metrics") + "/status.json"
+    # the page samples Redis every 2 s: its first sample may predate the worker
+    status = wait_until(lambda: (s := httpx.get(page, timeout=10).json())["workers"] and s, 10, what="the workers")
     assert {w["gpus"] for w in status["workers"]} == {torch.cuda.device_count()}
     assert {m["name"]: m["state"] for m in status["models"]}["mlp_gpu"] == "READY"
     if find_spec("pynvml") is None:
