@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from despina.workers.backends.python_env import Interpreter, _unpacked, interpreter, trim
+from despina.workers.backends.python_env import Interpreter, _unpacked, envs_dir, interpreter, trim
 from despina.workers.backends.python_process import Stub
 
 from .conftest import Server, module_server
@@ -79,7 +80,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     no_numpy = write_model(root, "no_numpy", "$$TRITON_MODEL_DIRECTORY/env")
     make_env(no_numpy / "env", 1, numpy=False)
     write_model(root, "no_python", "$$TRITON_MODEL_DIRECTORY")  # the model's folder: no bin/python3
-    yield from module_server(root, tmp_path_factory, redis_url, ("packed", "folder"))
+    cache = tmp_path_factory.mktemp("cache")
+    yield from module_server(root, tmp_path_factory, redis_url, ("packed", "folder"),
+                             env={"DESPINA_CACHE_DIR": str(cache)})
 
 
 def infer(server: Server, model: str) -> dict[str, list]:
@@ -92,7 +95,26 @@ def infer(server: Server, model: str) -> dict[str, list]:
 def test_a_packed_environment_runs_the_model_with_its_packages(server: Server) -> None:
     out = infer(server, "packed")
     assert out["value"] == [42]
-    assert "despina-python-envs" in out["where"][0] and out["where"][0].endswith("/bin")  # unpacked, first
+    # unpacked, first, on the artifact cache's volume (the temporary folder may be a tmpfs: memory)
+    assert "/cache0/python-envs/" in out["where"][0] and out["where"][0].endswith("/bin"), out
+
+
+def test_archives_unpack_in_the_cache_folder_or_the_temporary_one_where_it_is_read_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unpacked into the temporary folder, an environment of hundreds of MB took as much memory where that
+    is a tmpfs (systemd's tmp.mount); a cache folder that cannot be written still leaves it somewhere."""
+    monkeypatch.setenv("DESPINA_CACHE_DIR", str(tmp_path / "cache"))
+    assert envs_dir() == tmp_path / "cache" / "python-envs" and envs_dir().is_dir()
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setenv("DESPINA_CACHE_DIR", str(tmp_path / "ro" / "cache"))
+    os.chmod(tmp_path / "ro", 0o500)
+    try:
+        if os.access(tmp_path / "ro", os.W_OK):  # root writes anywhere: a file where the folder would go
+            os.chmod(tmp_path / "ro", 0o700)
+            (tmp_path / "ro" / "cache").write_text("not a folder")
+        assert envs_dir() == Path(tempfile.gettempdir()) / "despina-python-envs"
+    finally:
+        os.chmod(tmp_path / "ro", 0o700)
 
 
 def test_an_unpacked_environment_is_used_where_it_is(server: Server) -> None:

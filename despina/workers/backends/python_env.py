@@ -7,9 +7,13 @@ folder); `$$TRITON_MODEL_DIRECTORY` is the model's folder. The model's process t
 environment's interpreter (`bin/python3`, else `bin/python`) with its `bin` first on PATH and its `lib`
 on LD_LIBRARY_PATH, as Triton's stub runs after `source bin/activate`, so the model imports what the
 environment holds. The process needs only the standard library and numpy there. A tarball is unpacked
-once into the temporary folder, keyed by its path, size, modification and change times, and reused by
-every instance, worker and load after. (The change time because a copy that keeps the modification time
-(`cp -p`, `rsync -a`) of an archive of the same size would otherwise run the old environment.)
+once into `python-envs/` in the artifact cache's folder (DESPINA_CACHE_DIR, the volume given to models),
+keyed by its path, size, modification and change times, and reused by every instance, worker and load
+after. (The change time because a copy that keeps the modification time (`cp -p`, `rsync -a`) of an
+archive of the same size would otherwise run the old environment.) Not the temporary folder: on many
+systems (systemd's tmp.mount: Debian 13, Fedora, Arch) that is a tmpfs, and an environment of hundreds of
+MB unpacked there took as much memory, per version. Where the cache's folder cannot be written (a
+read-only home), the temporary folder it is.
 
 Each model update brings a new archive, and so a new unpacked folder of hundreds of MB: the folders
 unused for LEASE_S go at the next unpack and at workers' trims (trim()). A folder is in use while a
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ...contract.errors import ConfigError
+from ...registry.cache import default_cache_dir
 
 log = logging.getLogger("despina.worker")
 
@@ -84,7 +89,16 @@ class Interpreter:
 
 
 def envs_dir() -> Path:
-    """Where archives are unpacked."""
+    """Where archives are unpacked: python-envs/ in the artifact cache's folder, else the temporary folder's
+    despina-python-envs/ (the module's docstring says why)."""
+    configured = os.environ.get("DESPINA_CACHE_DIR")
+    folder = (Path(configured) if configured else default_cache_dir()) / "python-envs"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK | os.X_OK):
+            return folder
+    except OSError:
+        pass
     return Path(tempfile.gettempdir()) / "despina-python-envs"
 
 
