@@ -24,9 +24,11 @@ PLATFORM_TO_BACKEND = {
     "onnxruntime_onnx": "onnxruntime",
     "pytorch_libtorch": "pytorch",
     "tensorflow_savedmodel": "tensorflow",
-    "tensorflow_graphdef": "tensorflow",
     "ensemble": "ensemble",
 }
+# what to do instead, for a Triton platform Despina does not serve
+PLATFORM_HINTS = {"tensorflow_graphdef": "; export the model as a SavedModel (platform "
+                                         "\"tensorflow_savedmodel\", its folder 1/model.savedmodel)"}
 BACKEND_TO_PLATFORM = {
     "onnxruntime": "onnxruntime_onnx",
     "pytorch": "pytorch_libtorch",
@@ -145,11 +147,16 @@ def normalize(model: str, config: Any) -> Any:
         config.name = model
     elif config.name != model:
         raise ConfigError(f"model '{model}': field 'name' is '{config.name}', the folder is '{model}'")
+    if config.platform and config.platform not in PLATFORM_TO_BACKEND:
+        raise ConfigError(f"model '{model}': field 'platform': '{config.platform}' is not supported by "
+                          f"Despina (it serves {', '.join(PLATFORM_TO_BACKEND)})"
+                          f"{PLATFORM_HINTS.get(config.platform, '')}")
     if config.platform and not config.backend:
-        backend = PLATFORM_TO_BACKEND.get(config.platform)
-        if backend is None:
-            raise ConfigError(f"model '{model}': field 'platform': unknown platform '{config.platform}'")
-        config.backend = backend
+        config.backend = PLATFORM_TO_BACKEND[config.platform]
+    elif config.platform and config.backend != PLATFORM_TO_BACKEND[config.platform]:
+        raise ConfigError(f"model '{model}': field 'platform' '{config.platform}' and field 'backend' "
+                          f"'{config.backend}' do not go together (that platform's backend is "
+                          f"'{PLATFORM_TO_BACKEND[config.platform]}')")
     elif config.backend and not config.platform and config.backend in BACKEND_TO_PLATFORM:
         config.platform = BACKEND_TO_PLATFORM[config.backend]
     if not config.backend and not config.platform:
