@@ -208,6 +208,39 @@ def test_response_cache_and_a_name_from_the_folder(tmp_path: Path) -> None:
 
 # -- configs Despina refuses, and says why -------------------------------------------------------------
 
+# triton-inference-server/server qa/L0_config_json/max_priority_level.pbtxt (backend "identity" there)
+MAX_PRIORITY_LEVEL = """
+name: "max_priority_level"
+backend: "python"
+max_batch_size: 1
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+dynamic_batching:
+{
+    # Max uint64
+    priority_levels: 18446744073709551615
+    # Max uint32
+    default_priority_level: 4294967295
+    # Max uint32 + 1
+    priority_queue_policy: [
+       {key: 4294967296
+        value: {
+          timeout_action: REJECT
+          default_timeout_microseconds: 18446744073709551615
+          allow_timeout_override: true
+          max_queue_size: 10
+       }
+    }
+]
+}"""
+
+
+def test_priority_levels_past_what_despina_serves_are_refused(tmp_path: Path) -> None:
+    """Each level is a Redis stream that workers read and metrics count: 2**64 - 1 of them never finish."""
+    message = refused(folder(tmp_path, "max_priority_level", MAX_PRIORITY_LEVEL))
+    assert "'dynamic_batching.priority_levels'" in message and "18446744073709551615" in message
+
+
 # triton-inference-server/server docs/examples/model_repository/simple_string/config.pbtxt
 SIMPLE_STRING = """
 name: "simple_string"

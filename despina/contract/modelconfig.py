@@ -42,6 +42,10 @@ DEFAULT_FILENAMES = {
     "python": "model.py",
 }
 
+# each level is a Redis stream that every worker reads and every metrics scrape counts: Triton's limit
+# (2**64 - 1) would never finish being read
+MAX_PRIORITY_LEVELS = 64
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "$" lets a trailing newline through
 
 
@@ -247,6 +251,10 @@ def validate(config: Any) -> None:
             if size <= 0 or size > config.max_batch_size:
                 raise ConfigError(f"model '{model}': field 'dynamic_batching.preferred_batch_size' "
                                   f"{size} is outside 1..max_batch_size ({config.max_batch_size})")
+        if db.priority_levels > MAX_PRIORITY_LEVELS:
+            raise ConfigError(f"model '{model}': field 'dynamic_batching.priority_levels' is "
+                              f"{db.priority_levels}; Despina serves at most {MAX_PRIORITY_LEVELS} (each "
+                              "level is a request stream of its own)")
         if db.priority_levels:  # else the gateways and workers could not build the model's BatchPolicy
             if not 1 <= db.default_priority_level <= db.priority_levels:
                 raise ConfigError(f"model '{model}': default priority level must be in range [1, "
