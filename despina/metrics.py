@@ -113,7 +113,7 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     for wid in workers:
         pipe.hgetall(keys.worker(wid.decode()))
     for gid in gateways:
-        pipe.hget(keys.gateway(gid.decode()), "response_cache")
+        pipe.hmget(keys.gateway(gid.decode()), "response_cache", "connections")
     got = await pipe.execute() if workers or gateways else []
     hashes, reports = got[:len(workers)], got[len(workers):]
     # a worker's hash is there while its heartbeat has not expired
@@ -123,8 +123,10 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     # response caches: each worker's (its heartbeat) and each gateway's (its report, gone when it is)
     responses = {wid: orjson.loads(h[b"response_cache"]) for wid, h in heartbeats.items()
                  if h.get(b"response_cache")}
-    responses.update({f"gateway:{gid.decode()}": orjson.loads(r) for gid, r in zip(gateways, reports) if r})
-    stale = [gid for gid, r in zip(gateways, reports) if r is None]
+    reported = {f"gateway:{gid.decode()}": r for gid, r in zip(gateways, reports)}
+    responses.update({p: orjson.loads(r[0]) for p, r in reported.items() if r[0]})
+    clients = {p: orjson.loads(r[1]) for p, r in reported.items() if r[1]}  # each gateway's connections
+    stale = [gid for gid, r in zip(gateways, reports) if r == [None, None]]
     if stale:
         await redis.srem(keys.gateways, *stale)
     models = []
@@ -139,7 +141,7 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
               if h.get(b"custom_metrics")]
     return {"models": models, "workers_alive": len(heartbeats), "cache": cache, "gpus": gpus,
             "custom": custom,
-            "response_cache": {p: f for p, f in responses.items() if f},
+            "response_cache": {p: f for p, f in responses.items() if f}, "clients": clients,
             "catalog": catalog, "heartbeats": heartbeats}  # as read, for the status page
 
 
@@ -162,6 +164,16 @@ RESPONSE_CACHE = (
      "The bound of a process's response cache, in bytes"),
     ("despina_response_cache_evictions_total", "counter", "evictions",
      "Answers a process's response cache let go for room (least recently used first)"),
+)
+
+
+# each gateway's client connections (gateway/connection.py's Clients): `process` is "gateway:<id>"
+CLIENTS = (
+    ("despina_gateway_connections", "gauge", "held", "Client connections a gateway holds"),
+    ("despina_gateway_connection_limit", "gauge", "limit", "The client connections a gateway holds at most "
+     "(DESPINA_MAX_CONNECTIONS, or its open-files limit less what it keeps for Redis)"),
+    ("despina_gateway_connections_refused_total", "counter", "refused",
+     "Client connections a gateway answered 503 and closed, past its connection limit"),
 )
 
 
@@ -219,6 +231,10 @@ def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
     for name, kind, field, help_ in RESPONSE_CACHE:
         out.family(name, kind, help_)
         for process, figures in sorted(data.get("response_cache", {}).items()):
+            out.sample(name, {"process": process}, figures.get(field, 0))
+    for name, kind, field, help_ in CLIENTS:
+        out.family(name, kind, help_)
+        for process, figures in sorted(data.get("clients", {}).items()):
             out.sample(name, {"process": process}, figures.get(field, 0))
     families: dict[str, list[Sample]] = {}  # a family's samples together, as the text format wants them
     for sample in host:

@@ -75,8 +75,9 @@ def run_gateway(settings: Settings) -> None:
         app = create_app(settings, alongside=alongside)
     except ConfigError as exc:  # a key file it cannot read, a bad key: one line, as a taken port says it
         raise SystemExit(f"gateway: {exc.message}") from None
+    warn_of_connection_limit(settings)
     protocol = protocol_class(app.state.hot_routes, settings.header_timeout_s, settings.body_timeout_s,
-                              settings.write_timeout_s, connection_limit(settings))
+                              settings.write_timeout_s, app.state.gateway.clients)
     http.advertise_keep_alive(settings.keep_alive_timeout_s)  # the hot routes' answers; the others':
     config = uvicorn.Config(app, host=settings.host, port=settings.http_port,
                             loop="uvloop", http=protocol, lifespan="on",
@@ -101,15 +102,14 @@ def run_gateway(settings: Settings) -> None:
         _leave_stuck_threads()
 
 
-def connection_limit(settings: Settings) -> int:
-    """The gateway's connection limit (fds.py), with a warning where the one set leaves Redis no room."""
+def warn_of_connection_limit(settings: Settings) -> None:
+    """A warning where the gateway's connection limit set (fds.py) leaves Redis no room."""
     room = fds.open_files_limit() - fds.RESERVE
     if settings.max_connections > room:
         logging.getLogger("despina.gateway").warning(
             "DESPINA_MAX_CONNECTIONS=%d leaves too few of the %d open files allowed (ulimit -n) for Redis: "
             "past %d connections the gateway may fail to reach it (503)", settings.max_connections,
             fds.open_files_limit(), max(room, 0))
-    return fds.connection_limit(settings.max_connections)
 
 
 @contextlib.asynccontextmanager

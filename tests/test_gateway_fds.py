@@ -152,3 +152,41 @@ def test_connections_past_the_limit_get_503_and_those_held_still_reach_redis(tig
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert "client connection(s) refused with 503" in server.logs()
+
+
+def gateway_figures(text: str) -> dict[str, float]:
+    """The gateway families of a /metrics text, by name (one gateway)."""
+    return {line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("despina_gateway_") and 'process="gateway:' in line}
+
+
+def test_the_metrics_count_the_connections_refused_past_the_limit(serve: Callable[..., Server],
+                                                                  example_repository: Path) -> None:
+    """An operator sees on /metrics how many connections a gateway holds, its limit, and how many it
+    refused past it."""
+    server = serve(example_repository, env={"DESPINA_MAX_CONNECTIONS": "4", "DESPINA_KEEP_ALIVE_TIMEOUT_S": "60"})
+    socks = flood(server, 12)  # 4 held, 8 refused
+    try:
+        answers: list[bytes | None] = [None] * len(socks)
+        deadline = time.monotonic() + 10
+        while sum(1 for a in answers if a is not None) < 8 and time.monotonic() < deadline:
+            answers = [said(sock) if answer is None else answer for sock, answer in zip(socks, answers)]
+            time.sleep(0.1)
+        refused = sum(1 for a in answers if a is not None and a.startswith(b"HTTP/1.1 503 "))
+        assert refused == 8, answers
+        deadline = time.monotonic() + 20  # (a gateway reports its figures every few seconds)
+        while True:
+            text = httpx.get(server.metrics_url, timeout=10).text
+            figures = gateway_figures(text)
+            if figures.get("despina_gateway_connections_refused_total") == refused \
+                    and figures.get("despina_gateway_connections") == 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert figures == {"despina_gateway_connections": 4, "despina_gateway_connection_limit": 4,
+                       "despina_gateway_connections_refused_total": refused}, text
+    assert "# TYPE despina_gateway_connections_refused_total counter" in text
+    assert "# TYPE despina_gateway_connections gauge" in text
+    assert "# HELP despina_gateway_connection_limit " in text

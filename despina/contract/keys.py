@@ -100,11 +100,12 @@ class Keys:
 
     @property
     def gateways(self) -> str:
-        """Set of gateway ids that report their response cache; each one's report expires (gateway())."""
+        """Set of gateway ids that report their figures; each one's report expires (gateway())."""
         return f"{self.prefix}:gateways"
 
     def gateway(self, gateway_id: str) -> str:
-        """Hash: a gateway's response cache figures (field response_cache, JSON); expires unless renewed."""
+        """Hash: a gateway's figures for the metrics, each field JSON: connections (its client connections:
+        held, limit, refused) and, with a response cache, response_cache; expires unless renewed."""
         return f"{self.prefix}:gateway:{gateway_id}"
 
     @property

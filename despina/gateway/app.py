@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .. import __version__, clock
+from .. import __version__, clock, fds
 from ..contract.catalog import UNLOADED
 from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.keys import Keys
@@ -27,6 +27,7 @@ from ..redis_client import connect
 from ..response_cache import ResponseCache
 from ..settings import Settings
 from .auth import AuthPolicy, Guard
+from .connection import Clients
 from .dispatch import Dispatcher
 from .generate import GenerateRoute, StreamEndpoint
 from .http import ClientGone
@@ -51,7 +52,7 @@ from .trace_api import trace_routes
 log = logging.getLogger("despina.gateway")
 
 CLOCK_S = 5.0  # how often a gateway measures its clock's offset to Redis's (clock.py)
-CACHE_REPORT_S = 5.0  # how often a gateway reports its response cache's figures (the metrics' gauges)
+REPORT_S = 5.0  # how often a gateway reports its figures (its connections, its response cache) to the metrics
 # "sequence": sequence_id / sequence_start / sequence_end; "schedule_policy": priority and timeout
 EXTENSIONS = ["binary_tensor_data", "classification", "sequence", "schedule_policy", "statistics",
               "parameters", "model_configuration", LOGGING_EXTENSION, TRACE_EXTENSION, *REPOSITORY_EXTENSIONS]
@@ -73,6 +74,7 @@ class Gateway:
         self.lanes: dict[tuple[str, int, int], tuple[ModelSpec, Lane]] = {}
         # Triton's response cache (models with response_cache { enable: true }), when given its memory
         self.cache = ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None
+        self.clients = Clients(fds.connection_limit(settings.max_connections))  # counted by its connections
         # clients' shared memory regions (Triton's --allow-client-shm), the server's: its gateways share them
         self.shm = Registry.of(settings.key_prefix, settings.http_port) if settings.allow_client_shm else None
         # one of `serve`'s gateways: serve starts and ends the server's registrations, not each gateway
@@ -101,25 +103,25 @@ class Gateway:
         self._timing = asyncio.create_task(self.skew.keep(self.redis, CLOCK_S))
         await self.view.start()
         await self.dispatcher.start()
-        if self.cache is not None:
-            self._reporting = asyncio.create_task(self._report_cache())
+        self._reporting = asyncio.create_task(self._report())
         if self.shm is not None:
             self._releasing = asyncio.create_task(self._release_shm(self.shm))
 
-    async def _report_cache(self) -> None:
-        """Every CACHE_REPORT_S, this gateway's response cache figures where the metrics read them."""
-        assert self.cache is not None
+    async def _report(self) -> None:
+        """Every REPORT_S, this gateway's figures where the metrics read them (metrics.collect)."""
         key = self.keys.gateway(self.dispatcher.id)
         while True:
             try:
                 pipe = self.redis.pipeline(transaction=True)
-                pipe.hset(key, "response_cache", orjson.dumps(self.cache.figures()))
-                pipe.pexpire(key, int(CACHE_REPORT_S * 3000))
+                pipe.hset(key, "connections", orjson.dumps(self.clients.figures()))
+                if self.cache is not None:
+                    pipe.hset(key, "response_cache", orjson.dumps(self.cache.figures()))
+                pipe.pexpire(key, int(REPORT_S * 3000))
                 pipe.sadd(self.keys.gateways, self.dispatcher.id)
                 await pipe.execute()
             except (RedisError, OSError) as exc:  # the next round tries again; the figures are not urgent
-                log.debug("gateway: reporting the response cache failed (%s)", exc)
-            await asyncio.sleep(CACHE_REPORT_S)
+                log.debug("gateway: reporting its figures failed (%s)", exc)
+            await asyncio.sleep(REPORT_S)
 
     @staticmethod
     async def _release_shm(shm: Registry) -> None:

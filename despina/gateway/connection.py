@@ -67,8 +67,21 @@ class LastWord:
             protocol._linger()
 
 
+class Clients:
+    """A gateway's client connections as its metrics show them (app.Gateway reports them): how many it holds,
+    its limit (fds.connection_limit), and how many it refused past the limit since it started."""
+
+    __slots__ = ("held", "limit", "refused")
+
+    def __init__(self, limit: int) -> None:
+        self.held, self.limit, self.refused = 0, limit, 0
+
+    def figures(self) -> dict[str, int]:
+        return {"held": self.held, "limit": self.limit, "refused": self.refused}
+
+
 class ConnectionProtocol(Timeouts):
-    max_connections: float = math.inf  # set by protocol.protocol_class (fds.connection_limit)
+    clients: Clients  # the gateway's; set by protocol.protocol_class
     _warned_at: ClassVar[float] = -math.inf  # the last warning that the limit was reached
     _refused: ClassVar[int] = 0              # connections refused since
     _refusing: ClassVar[int] = 0             # refused connections not yet closed
@@ -85,7 +98,9 @@ class ConnectionProtocol(Timeouts):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
+        clients = self.clients
+        clients.held = len(self.connections)
+        if clients.held > clients.limit:
             self._over_limit()
 
     def _over_limit(self) -> None:
@@ -95,6 +110,7 @@ class ConnectionProtocol(Timeouts):
         503s from a gateway that could not open a connection to Redis."""
         cls = type(self)
         cls._refused += 1
+        self.clients.refused += 1
         now = self.loop.time()
         if now - cls._warned_at >= LIMIT_WARN_S:  # a flood logs a line a minute, not one per connection
             log.warning("%d client connection(s) refused with 503 (the gateway holds %d, its limit: "
@@ -104,7 +120,7 @@ class ConnectionProtocol(Timeouts):
         self._ended = self._over = True
         cls._refusing += 1
         body = b'{"error":"the gateway holds as many connections as it may (%d): try again"}' % (
-            self.max_connections)
+            self.clients.limit)
         self.transport.write(http.response_head(503, len(body), http.JSON, [(b"retry-after", b"1")], True)
                              + body)
         # Lingering, the client reads its answer even if its request comes after it; but a flood of clients
@@ -121,6 +137,7 @@ class ConnectionProtocol(Timeouts):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        self.clients.held = len(self.connections)
         if self._over:
             self._over = False
             type(self)._refusing -= 1

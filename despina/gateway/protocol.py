@@ -22,7 +22,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ..contract.errors import Code, DespinaError
 from . import http
 from .auth import AuthPolicy, Target, check_target, classify
-from .connection import ClosingTransport, ConnectionProtocol, Ended, LastWord
+from .connection import Clients, ClosingTransport, ConnectionProtocol, Ended, LastWord
 from .http import Headers
 from .infer import Route, fail
 
@@ -94,13 +94,13 @@ class Match:
 
 
 def protocol_class(routes: HotRoutes, header_timeout: float, body_timeout: float, write_timeout: float,
-                   max_connections: int) -> type[HttpToolsProtocol]:
+                   clients: Clients) -> type[HttpToolsProtocol]:
     """The protocol class for uvicorn.Config(http=...), bound to this gateway's routes, its connections'
-    timeouts (seconds: settings.header_timeout_s, body_timeout_s, write_timeout_s) and how many it holds at
-    once (fds.connection_limit)."""
+    timeouts (seconds: settings.header_timeout_s, body_timeout_s, write_timeout_s) and its client
+    connections' tally, whose limit is how many it holds at once."""
     return type("GatewayProtocol", (GatewayProtocol,),
                 {"routes": routes, "header_timeout": header_timeout, "body_timeout": body_timeout,
-                 "write_timeout": write_timeout, "max_connections": max_connections})
+                 "write_timeout": write_timeout, "clients": clients})
 
 
 class GatewayProtocol(ConnectionProtocol):
