@@ -10,6 +10,7 @@ for Redis and the rest.
 """
 from __future__ import annotations
 
+import errno
 import resource
 from pathlib import Path
 
@@ -47,6 +48,22 @@ def connection_limit(configured: int) -> int:
         return configured
     soft = open_files_limit()
     return max(soft - RESERVE, soft // 2)
+
+
+def shortage(exc: BaseException) -> str | None:
+    """Where `exc`, or an error it was raised from, is the want of a file descriptor (EMFILE: this process's
+    open-files limit; ENFILE: the system's): what ran out, and the limit to raise; else None."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno == errno.EMFILE:
+            return (f"out of file descriptors: its open-files limit ({open_files_limit()}) is reached; raise "
+                    "the hard limit (LimitNOFILE= under systemd, docker run --ulimit nofile=, ulimit -Hn)")
+        if isinstance(cause, OSError) and cause.errno == errno.ENFILE:
+            return "out of file descriptors: the system's limit is reached; raise it (sysctl fs.file-max)"
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _kernel_ceiling() -> int:

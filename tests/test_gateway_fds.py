@@ -3,10 +3,12 @@ connection limit it answers new connections 503 at once, keeping descriptors for
 clients being reset and the requests on the connections it holds failing to reach Redis."""
 from __future__ import annotations
 
+import errno
 import http.client
 import os
 import resource
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,7 +20,9 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from despina import fds
 from despina.embedded import die_with_parent, free_port
 
 from .conftest import Server, descendants, stop_server
@@ -74,21 +78,21 @@ def test_the_open_files_limit_is_raised_at_start(serve: Callable[..., Server], t
     assert resource.prlimit(gateway_pid(server), resource.RLIMIT_NOFILE)[0] > 256
 
 
-@pytest.fixture
-def tight_server(tmp_path: Path, example_repository: Path, redis_url: str, key_prefix: str
-                 ) -> Iterator[Server]:
-    """`despina serve` whose soft and hard open-files limits are 256: a gateway connection limit of 128."""
+def limited_serve(tmp_path: Path, repository: Path, redis_url: str, key_prefix: str, nofile: int,
+                  env: dict[str, str]) -> Server:
+    """`despina serve` whose soft and hard open-files limits are `nofile` (serve's, and each role's), ready."""
     port = free_port()
-    cmd = [sys.executable, "-m", "despina", "serve", "--model-repository", str(example_repository),
+    cmd = [sys.executable, "-m", "despina", "serve", "--model-repository", str(repository),
            "--http-port", str(port), "--metrics-port", "0", "--key-prefix", key_prefix, "--redis-url", redis_url]
 
     def limited() -> None:
         die_with_parent()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     log = tmp_path / "serve.log"
     environ = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DESPINA_REDIS_URL")}
     environ["DESPINA_KEEP_ALIVE_TIMEOUT_S"] = "60"  # the connections held stay for the test's length
+    environ.update(env)
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ,
                                    start_new_session=True, preexec_fn=limited)
@@ -100,13 +104,22 @@ def tight_server(tmp_path: Path, example_repository: Path, redis_url: str, key_p
             assert time.monotonic() < deadline, server.logs()
             try:
                 if httpx.get(f"{server.url}/v2/models/add_sub/ready", timeout=1).status_code == 200:
-                    break
+                    return server
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        yield server
-    finally:
+    except BaseException:
         stop_server(server)
+        raise
+
+
+@pytest.fixture
+def tight_server(tmp_path: Path, example_repository: Path, redis_url: str, key_prefix: str
+                 ) -> Iterator[Server]:
+    """`despina serve` whose soft and hard open-files limits are 256: a gateway connection limit of 128."""
+    server = limited_serve(tmp_path, example_repository, redis_url, key_prefix, 256, {})
+    yield server
+    stop_server(server)
 
 
 def test_connections_past_the_limit_get_503_and_those_held_still_reach_redis(tight_server: Server) -> None:
@@ -190,3 +203,93 @@ def test_the_metrics_count_the_connections_refused_past_the_limit(serve: Callabl
     assert "# TYPE despina_gateway_connections_refused_total counter" in text
     assert "# TYPE despina_gateway_connections gauge" in text
     assert "# HELP despina_gateway_connection_limit " in text
+
+
+GATE = """
+import time
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+GATE = Path({gate!r})
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        GATE.with_suffix(".entered").touch()
+        while not GATE.exists():
+            time.sleep(0.01)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())])
+                for r in requests]
+"""
+
+
+def test_a_gateway_out_of_descriptors_says_so_not_that_redis_is_unavailable(
+        tmp_path: Path, example_repository: Path, redis_url: str, key_prefix: str) -> None:
+    """A connection limit set above what the open-files limit allows: once the clients' connections take
+    every descriptor, a request that needs a new connection to Redis (the request queue's: another request
+    waits for its answer, the model `gate` holding it) cannot have one. Its 503, and the log, say that the
+    gateway is out of file descriptors and which limits to change, not that Redis is unavailable."""
+    repository, gate = tmp_path / "repo", tmp_path / "gate"
+    shutil.copytree(example_repository / "add_sub", repository / "add_sub")
+    (repository / "gate" / "1").mkdir(parents=True)
+    (repository / "gate" / "1" / "model.py").write_text(GATE.format(gate=str(gate)))
+    (repository / "gate" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+        'output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1 ] } ]\n')
+    server = limited_serve(tmp_path, repository, redis_url, key_prefix, 128, {"DESPINA_MAX_CONNECTIONS": "100000"})
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        held, waiting = (http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(2))
+        held.connect()
+        waiting.request("POST", "/v2/models/gate/infer",
+                        orjson.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.0]}]}))
+        deadline = time.monotonic() + 30
+        while not gate.with_suffix(".entered").exists():  # the model holds it: the gateway reads replies
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.05)
+        pid = gateway_pid(server)
+        socks = flood(server, 256)
+        try:
+            deadline = time.monotonic() + 10  # the gateway accepts until it has no descriptor left
+            while len(os.listdir(f"/proc/{pid}/fd")) < 128:
+                assert time.monotonic() < deadline, len(os.listdir(f"/proc/{pid}/fd"))
+                time.sleep(0.1)
+            held.request("POST", "/v2/models/add_sub/infer", ADD_SUB)
+            answer = held.getresponse()
+            body = answer.read()
+        finally:
+            for sock in socks:
+                sock.close()
+            gate.touch()
+        assert answer.status == 503, body
+        error = orjson.loads(body)["error"]
+        assert "the gateway is out of file descriptors" in error and "(128)" in error, error
+        assert "LimitNOFILE" in error and "DESPINA_MAX_CONNECTIONS" in error, error
+        assert "the gateway is out of file descriptors" in server.logs()
+        assert waiting.getresponse().status == 200
+        for conn in (held, waiting):
+            conn.close()
+        deadline = time.monotonic() + 10  # the flood's connections close: requests are served again
+        while httpx.post(f"{server.url}/v2/models/add_sub/infer", content=ADD_SUB, timeout=10).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        stop_server(server)
+
+
+def test_a_shortage_of_descriptors_is_found_under_the_errors_raised_from_it() -> None:
+    """redis-py's and Resp's connection errors are raised from the OSError that has the errno."""
+    def raised(errno_: int) -> BaseException:
+        try:
+            try:
+                raise OSError(errno_, os.strerror(errno_))
+            except OSError as exc:
+                raise RedisConnectionError("Error connecting to 127.0.0.1:6379.") from exc
+        except RedisConnectionError as exc:
+            return exc
+
+    assert "open-files limit" in (fds.shortage(raised(errno.EMFILE)) or "")
+    assert "fs.file-max" in (fds.shortage(raised(errno.ENFILE)) or "")
+    assert fds.shortage(raised(errno.ECONNREFUSED)) is None

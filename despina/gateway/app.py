@@ -37,6 +37,7 @@ from .logging_api import logging_routes
 from .models import ModelView, not_loaded
 from .openapi import document
 from .protocol import HotRoutes
+from .refusals import unreachable
 from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
 from .repository import repository_routes
 from .responses import error_response, json_response
@@ -159,7 +160,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _redis_error(request: Request, exc: Exception) -> Response:
     """A route that reads Redis while it is unreachable (statistics, ...): 503, as inference says."""
-    return error_response(Unavailable(f"Redis is unavailable: {exc}"))
+    return error_response(unreachable("Redis is unavailable", exc))
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:

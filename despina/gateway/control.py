@@ -19,6 +19,7 @@ from .. import clock, logs
 from ..contract.commands import Answer, Command
 from ..contract.errors import DespinaError, Unavailable
 from ..contract.keys import FIELD, Keys
+from . import refusals
 
 log = logging.getLogger("despina.gateway")
 
@@ -167,4 +168,4 @@ class ControlClient:
 
 
 def _unreachable(exc: BaseException) -> Unavailable:
-    return Unavailable(f"the control plane cannot be reached (Redis: {exc})")
+    return refusals.unreachable("the control plane cannot be reached (Redis)", exc)

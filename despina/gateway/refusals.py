@@ -5,9 +5,13 @@ A stream entry Redis refused fails its requests with Redis's error (refusal); th
 it added run as usual. The statistics follow what was queued: a model stream's `enqueued` HINCRBY that went
 through for entries refused is taken back, one refused for entries added is made good, and the gateway's
 own counters that rode along (counters.Deferred) go again.
+
+A request that could not reach Redis at all hears so (unreachable), unless the gateway had no file
+descriptor left to connect with: then that, which Redis is not at fault for and an operator can fix.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,9 +20,11 @@ import msgpack
 from hiredis import ReplyError
 from redis.exceptions import ResponseError
 
+from .. import fds
 from ..contract import records
 from ..contract.errors import Code, DespinaError, Unavailable
 from ..contract.keys import FIELD
+from ..logs import Throttled
 from ..redis_client import trouble
 from ..resp import Command, Parts, fields
 
@@ -26,6 +32,8 @@ from ..resp import Command, Parts, fields
 # a script done): the client may retry (503); any other says Redis is not as Despina needs it (500)
 PASSING = frozenset({"OOM", "READONLY", "MISCONF", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN",
                      "CLUSTERDOWN", "NOREPLICAS"})
+
+_short_of_fds = Throttled(logging.getLogger("despina.gateway"), logging.ERROR)
 
 Refused = list[tuple[str, DespinaError]]  # (request id, its error)
 Counts = dict[bytes, dict[str, int]]  # statistics hash -> counters to add
@@ -37,6 +45,17 @@ def refusal(reply: ReplyError) -> DespinaError:
     if said.split(" ", 1)[0] in PASSING:
         return Unavailable(f"the request queue (Redis) refused the request: {said}")
     return DespinaError(f"queueing the request failed: {trouble(ResponseError(said))}", Code.INTERNAL)
+
+
+def unreachable(what: str, exc: BaseException) -> Unavailable:
+    """The error of a request for which `what` (Redis, in the part it plays) could not be reached, for `exc`:
+    where the gateway had no descriptor left for the connection, that, logged (once in a while)."""
+    short = fds.shortage(exc)
+    if short is None:
+        return Unavailable(f"{what}: {exc}")
+    said = f"the gateway is {short}, or lower DESPINA_MAX_CONNECTIONS (the client connections it holds)"
+    _short_of_fds.log("%s", said)
+    return Unavailable(said)
 
 
 def read(commands: Sequence[Command], results: list[Any]) -> tuple[Refused, Counts]:

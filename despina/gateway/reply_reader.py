@@ -10,10 +10,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from ..contract.errors import Unavailable
 from ..contract.keys import FIELD
 from ..logs import Throttled
 from ..resp import ReadAlong, Resp, fields
+from . import refusals
 from .waiters import Waiters
 
 TRIM_BYTES = 4 << 20  # replies read past which the reply stream is trimmed (else every 1000 read)
@@ -49,8 +49,8 @@ class ReplyReader(Waiters):
             except Exception as exc:
                 self._read_failed.log("gateway %s: reading replies failed (%s); retrying", self.id, exc)
                 # the answers of those waiting may never come (a Redis that restarted lost them)
-                self._fail_waiting(Unavailable(f"lost the connection to Redis (the request queue) while "
-                                               f"waiting for the answer: {exc}"))
+                self._fail_waiting(refusals.unreachable("lost the connection to Redis (the request queue) "
+                                                        "while waiting for the answer", exc))
                 await asyncio.sleep(0.2)
                 continue
             read, size = self._take(resp)

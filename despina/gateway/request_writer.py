@@ -16,7 +16,7 @@ from typing import Any
 from hiredis import ReplyError
 
 from ..contract import records
-from ..contract.errors import Code, DespinaError, Unavailable
+from ..contract.errors import Code, DespinaError
 from ..contract.keys import ENTRY_REQUESTS, FIELD, IN_FLIGHT
 from ..contract.records import GROUPED, InferRequest
 from ..counters import HINCRBY_MANY, Deferred, record_counts
@@ -117,7 +117,7 @@ class RequestWriter(Waiters):
         except Exception as exc:  # every waiting caller must hear of it, whatever it was
             self._write_failed.log("gateway %s: queueing %d requests failed: %s", self.id,
                                    sum(map(len, outbox.values())) + len(bounded), exc)
-            error = Unavailable(f"the request queue (Redis) is unavailable: {exc}")
+            error = refusals.unreachable("the request queue (Redis) is unavailable", exc)
             for req in [r for batch in outbox.values() for r in batch] + [b[2] for b in bounded]:
                 self._finish(req.id, error)
             return

@@ -180,7 +180,7 @@ class Resp:
                     keep_alive(transport.get_extra_info("socket"))
         except OSError as exc:  # the built-in TimeoutError (asyncio.timeout's) is one too
             kind = RedisTimeoutError if isinstance(exc, TimeoutError) else ConnectionError
-            raise kind(f"cannot connect to Redis: {exc or 'timed out'}") from None
+            raise kind(f"cannot connect to Redis: {exc or 'timed out'}") from exc  # (its errno: fds.shortage)
         # the connection's own commands first; it is this Resp's (connected) only after them (_opened)
         hello: list[Command] = []
         if o.get("password"):
