@@ -95,6 +95,7 @@ class ConnectionProtocol(Timeouts):
     _lingering = False
     _linger_until = 0.0
     _eof = False        # the client has shut down its sending side: nothing more comes
+    _draining = False   # the server is stopping: each answer ends its connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -141,6 +142,17 @@ class ConnectionProtocol(Timeouts):
         if self._over:
             self._over = False
             type(self)._refusing -= 1
+
+    def shutdown(self) -> None:
+        """The server is stopping (SIGTERM). uvicorn closed an idle connection here at once: a request its
+        client sent on it just then (a load balancer reuses its connections for a few seconds after a pod
+        is told to stop) was cut off unanswered, and a POST cannot safely be sent again. An idle connection
+        stays open instead: the next request on it is answered and ends it, and its keep-alive timeout
+        closes it if none comes (the one moment a client knows not to send, being told the timeout)."""
+        self._draining = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
 
     def data_received(self, data: bytes) -> None:
         if self._head_open or self._ended:

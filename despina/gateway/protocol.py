@@ -122,6 +122,8 @@ class GatewayProtocol(ConnectionProtocol):
         self.scope["headers"] = headers
         super().on_headers_complete()
         cycle = self.cycle
+        if cycle is not previous and self._draining:  # the server is stopping (connection.shutdown)
+            cycle.keep_alive = False
         if cycle is not previous and not cycle.keep_alive:  # its answer ends the connection: it may linger
             cycle.transport = ClosingTransport(self)
             cycle.default_headers = [h for h in cycle.default_headers if h[0] != b"keep-alive"]
@@ -142,7 +144,8 @@ class GatewayProtocol(ConnectionProtocol):
             self._asgi()
             return
         request = HotRequest(self, match, self.headers,
-                             parser.get_http_version() != "1.0" and parser.should_keep_alive(),
+                             parser.get_http_version() != "1.0" and parser.should_keep_alive()
+                             and not self._draining,
                              self.expect_100_continue)
         previous, self.cycle = self.cycle, request
         if previous is None or previous.response_complete:
