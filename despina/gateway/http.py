@@ -30,7 +30,7 @@ STATUS = {
     Code.BACKEND: 500,
     Code.INTERNAL: 500,
     Code.CANCELLED: 499,  # nobody reads it: the client is gone
-    Code.ALREADY_EXISTS: 409,
+    Code.ALREADY_EXISTS: 400,  # as Triton's HTTP frontend answers ALREADY_EXISTS
     Code.UNSUPPORTED_ENCODING: 415,
     Code.UNIMPLEMENTED: 501,
 }

@@ -26,7 +26,7 @@ def _errors(*statuses: int) -> Doc:
     words = {400: "Bad request", 401: "No valid API key (see `WWW-Authenticate`)",
              403: "The API key may not use this model or API, or a restricted API's header is missing",
              404: "Unknown model or version",
-             409: "The name is registered already", 413: "Body over the size limit (as sent, or inflated)",
+             413: "Body over the size limit (as sent, or inflated)",
              415: "Content-Encoding other than gzip, deflate or identity (with `Accept-Encoding`)",
              503: "Not ready, or the queue is unavailable (with `Retry-After`)",
              504: "No answer before the request's deadline"}
@@ -300,7 +300,7 @@ def _paths() -> Doc:
         paths[f"{base}/region/{{region}}/register"] = {"parameters": [region], "post": _op(
             f"{kind}_shm_register", f"Register a {what} shared memory region" +
             (" (refused: not supported)" if kind == "cuda" else ""), "shared-memory", _ok("Registered"),
-            (400, 401, 403, 409), requestBody={"required": True, "content": _json(
+            (400, 401, 403), requestBody={"required": True, "content": _json(
                 _ref("ShmRegion") if kind == "system" else {"type": "object"})})}
     for action, schema, text in (("load", "LoadRequest", "Load or reload a model"),
                                  ("unload", "UnloadRequest", "Unload a model")):
