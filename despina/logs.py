@@ -92,12 +92,15 @@ _json = False  # setup's: JSON lines (--log-format json)
 
 
 def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
-    """`current` with the settings a POST /v2/logging gives; InvalidArgument names a bad one."""
+    """`current` with the settings a POST /v2/logging gives (a null leaves its setting as it is, as Triton
+    skips it); InvalidArgument names a bad one."""
     if not isinstance(update, dict):
         raise InvalidArgument("the log settings must be a JSON object")
     out = dict(current)
     for name, value in update.items():
         name = ALIASES.get(name, name)
+        if value is None and name in out:
+            continue
         if name in ("log_info", "log_warning", "log_error"):
             if type(value) is not bool:
                 raise InvalidArgument(f"log setting '{name}' must be a boolean")

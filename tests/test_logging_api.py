@@ -90,6 +90,19 @@ def test_the_level_switches_have_tritons_names(server: Server) -> None:
         client.close()
 
 
+def test_a_null_setting_is_left_as_it_is(server: Server) -> None:
+    """Triton's logging endpoint skips a setting given as null: a client that sends every setting, those it
+    leaves alone as None, changes only the others."""
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        nulls = dict.fromkeys(DEFAULTS)
+        assert client.update_log_settings(nulls) == DEFAULTS
+        assert client.update_log_settings({**nulls, "log_info": False}) == {**DEFAULTS, "log_info": False}
+        assert client.update_log_settings({**nulls, "log_info": True}) == DEFAULTS
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize(("body", "message"), [
     ({"log_info": "yes"}, "log setting 'log_info' must be a boolean"),
     ({"log_verbose_level": -1}, "'log_verbose_level' must be an unsigned integer"),
