@@ -141,6 +141,21 @@ def test_a_single_model_endpoint_answers_ping_and_invocations_json_and_binary(
     assert httpx.post(f"{server.url}/v2/models/add_sub/infer", json=v2_body()).status_code == 200
 
 
+def test_a_single_model_endpoint_refuses_a_model_load_before_copying_anything(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # POST /models copied the archive into /opt/ml/model and only then learnt that loads are refused: the
+    # folder stayed, and at the next start the repository had two models, so /invocations and /ping failed
+    repo = one_model_repo(example_repository, tmp_path / "model")
+    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1")
+    archive = tmp_path / "models" / "0a1b2c" / "model"
+    shutil.copytree(example_repository / "add_sub", archive)
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m1", "url": str(archive)}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "--model-control-mode explicit" in r.json()["error"]
+    assert sorted(p.name for p in repo.iterdir()) == ["add_sub"]
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+
+
 def test_invocations_needs_a_default_model_when_the_repository_has_several(
         serve, example_repository: Path, tmp_path: Path) -> None:
     repo = one_model_repo(example_repository, tmp_path / "model")

@@ -12,8 +12,9 @@ SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
   Inference-Header-Content-Length header. The answer comes back the same way.
 - Multi-model endpoints (SAGEMAKER_MULTI_MODEL=true: explicit model control): POST /models
   {"model_name", "url"} copies the model folder SageMaker unpacked at `url` into the model repository
-  as `model_name` and loads it (409 when that name is loaded; an archive of an ensemble and the models
-  it calls loads them under their own names, and DELETE unloads them with it); GET /models (paged:
+  as `model_name` and loads it (409 when that name is loaded, 400 on an endpoint without explicit model
+  control; an archive of an ensemble and the models it calls loads them under their own names, and
+  DELETE unloads them with it); GET /models (paged:
   max_results, next_page_token), GET /models/{name}, DELETE /models/{name} (404 when not loaded),
   and POST /models/{name}/invoke (404 when not loaded). The endpoint's models are kept in one Redis
   hash, so that every gateway of the endpoint answers for them alike.
@@ -35,7 +36,7 @@ from starlette.routing import Route as HttpRoute
 
 from ..contract.commands import LOAD, UNLOAD
 from ..contract.ensemble import PLATFORM
-from ..contract.errors import Code, DespinaError, InvalidArgument, NotFound
+from ..contract.errors import Code, DespinaError, FailedPrecondition, InvalidArgument, NotFound
 from ..contract.modelconfig import check_model_name, parse_text
 from ..registry.base import is_version
 from ..registry.transfer import push
@@ -148,6 +149,10 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
 
     async def load(request: Request) -> Response:
         try:
+            if gw.settings.model_control_mode != "explicit":  # before staging: its folder would stay behind
+                raise FailedPrecondition("this endpoint loads no models: POST /models needs a multi-model "
+                                         "endpoint (SAGEMAKER_MULTI_MODEL=true) or "
+                                         "--model-control-mode explicit")
             doc = await json_body(request, gw.settings.max_body_bytes)
             name, url = doc.get("model_name"), doc.get("url")
             if not isinstance(name, str) or not isinstance(url, str) or not name or not url:
