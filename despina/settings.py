@@ -177,7 +177,8 @@ SAGEMAKER_REQUEST_TIMEOUT_S = 55.0  # under the 60 s SageMaker waits for an invo
 def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> None:
     """What SageMaker's own variables say, where no DESPINA_* variable or option said otherwise: the
     port (SAGEMAKER_BIND_TO_PORT, else 8080), every address, a request timeout under SageMaker's 60 s,
-    the metrics port (the first of SAGEMAKER_SAFE_PORT_RANGE), the artifacts' folder, the model that
+    the metrics port (the first of SAGEMAKER_SAFE_PORT_RANGE), a body limit that takes batch transform's
+    payloads (SAGEMAKER_MAX_PAYLOAD_IN_MB), the artifacts' folder, the model that
     /invocations runs (Triton's SAGEMAKER_TRITON_DEFAULT_MODEL_NAME), and for a multi-model endpoint
     (SAGEMAKER_MULTI_MODEL=true) explicit model control over a folder the endpoint's loads fill."""
     try:
@@ -196,6 +197,12 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
             raise BadSetting(f"SAGEMAKER_SAFE_PORT_RANGE={environ['SAGEMAKER_SAFE_PORT_RANGE']!r}: expected "
                              "LOW-HIGH, two port numbers")
         values["metrics_port"] = int(ports[1])
+    payload = environ.get("SAGEMAKER_MAX_PAYLOAD_IN_MB", "").strip()
+    if payload and "max_body_bytes" not in values:
+        # batch transform's largest body (MaxPayloadInMB, up to 100): past 64 MiB every mini-batch got 413
+        if not (payload.isascii() and payload.isdigit()):
+            raise BadSetting(f"SAGEMAKER_MAX_PAYLOAD_IN_MB={payload!r}: expected a whole number of MB")
+        values["max_body_bytes"] = max(int(payload) * 1024 * 1024, Settings.max_body_bytes)
     if environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"):
         values.setdefault("sagemaker_model", environ["SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"])
     if environ.get("SAGEMAKER_MULTI_MODEL", "").strip().lower() in _TRUE:

@@ -84,6 +84,19 @@ def test_sagemaker_takes_its_port_folder_and_default_model_from_sagemakers_varia
     for bad in ("23000", "\u00b2-5", "24000-23000"):
         with pytest.raises(BadSetting, match="SAGEMAKER_SAFE_PORT_RANGE"):
             Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_SAFE_PORT_RANGE": bad})
+    # batch transform sends payloads up to MaxPayloadInMB (at most 100): the body limit takes it, never less
+    # than its own default, and DESPINA_MAX_BODY_BYTES still wins
+    mb = 1024 * 1024
+    assert Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_MAX_PAYLOAD_IN_MB": "100"}).max_body_bytes == \
+        100 * mb
+    assert Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_MAX_PAYLOAD_IN_MB": "6"}).max_body_bytes == \
+        64 * mb
+    assert Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_MAX_PAYLOAD_IN_MB": "100",
+                                                       "DESPINA_MAX_BODY_BYTES": "1000"}).max_body_bytes == 1000
+    assert Settings.from_sources({}, {"SAGEMAKER_MAX_PAYLOAD_IN_MB": "100"}).max_body_bytes == 64 * mb
+    for bad in ("many", "\u00b2", "-5"):
+        with pytest.raises(BadSetting, match="SAGEMAKER_MAX_PAYLOAD_IN_MB"):
+            Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_MAX_PAYLOAD_IN_MB": bad})
 
 
 def test_sagemaker_paths_fall_under_the_api_groups_keys_and_restrictions_name() -> None:
@@ -154,6 +167,21 @@ def test_a_single_model_endpoint_refuses_a_model_load_before_copying_anything(
     assert "--model-control-mode explicit" in r.json()["error"]
     assert sorted(p.name for p in repo.iterdir()) == ["add_sub"]
     assert httpx.get(f"{server.url}/ping").status_code == 200
+
+
+def test_a_batch_transform_payload_over_64_mib_is_not_refused_as_too_large(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # SageMaker sets SAGEMAKER_MAX_PAYLOAD_IN_MB to the largest body it sends (MaxPayloadInMB, up to 100):
+    # past Despina's default 64 MiB every such mini-batch got 413
+    repo = one_model_repo(example_repository, tmp_path / "model")
+    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1",
+                           env={"SAGEMAKER_BATCH": "true", "SAGEMAKER_MAX_PAYLOAD_IN_MB": "80"})
+    body = b"[" + b" " * (70 * 1024 * 1024) + b"]"  # read in full, then refused as no V2 request
+    r = httpx.post(f"{server.url}/invocations", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert httpx.post(f"{server.url}/invocations", content=b" " * (81 * 1024 * 1024),
+                      timeout=60).status_code == 413
 
 
 def test_invocations_needs_a_default_model_when_the_repository_has_several(
