@@ -91,6 +91,7 @@ class Settings:
     # SageMaker's container contract (gateway/sagemaker.py): /ping, /invocations and the multi-model /models
     sagemaker: bool = False
     sagemaker_model: str | None = None      # what /invocations runs; else the repository's only model
+    sagemaker_ping_mode: str = "ready"      # /ping answers as /v2/health/ready, or as .../live
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -178,9 +179,10 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
     """What SageMaker's own variables say, where no DESPINA_* variable or option said otherwise: the
     port (SAGEMAKER_BIND_TO_PORT, else 8080), every address, a request timeout under SageMaker's 60 s,
     the metrics port (the first of SAGEMAKER_SAFE_PORT_RANGE), a body limit that takes batch transform's
-    payloads (SAGEMAKER_MAX_PAYLOAD_IN_MB), the artifacts' folder, the model that
-    /invocations runs (Triton's SAGEMAKER_TRITON_DEFAULT_MODEL_NAME), and for a multi-model endpoint
-    (SAGEMAKER_MULTI_MODEL=true) explicit model control over a folder the endpoint's loads fill."""
+    payloads (SAGEMAKER_MAX_PAYLOAD_IN_MB), the artifacts' folder, what /ping answers by (Triton's
+    SAGEMAKER_TRITON_PING_MODE), the model that /invocations runs (SAGEMAKER_TRITON_DEFAULT_MODEL_NAME),
+    and for a multi-model endpoint (SAGEMAKER_MULTI_MODEL=true) explicit model control over a folder the
+    endpoint's loads fill."""
     try:
         values.setdefault("http_port", int(environ.get("SAGEMAKER_BIND_TO_PORT") or 8080))
     except ValueError:
@@ -203,6 +205,11 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
         if not (payload.isascii() and payload.isdigit()):
             raise BadSetting(f"SAGEMAKER_MAX_PAYLOAD_IN_MB={payload!r}: expected a whole number of MB")
         values["max_body_bytes"] = max(int(payload) * 1024 * 1024, Settings.max_body_bytes)
+    ping = environ.get("SAGEMAKER_TRITON_PING_MODE", "").strip()
+    if ping and "sagemaker_ping_mode" not in values:
+        if ping not in CHOICES["sagemaker_ping_mode"]:
+            raise BadSetting(f"SAGEMAKER_TRITON_PING_MODE={ping!r}: expected ready or live")
+        values["sagemaker_ping_mode"] = ping
     if environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"):
         values.setdefault("sagemaker_model", environ["SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"])
     if environ.get("SAGEMAKER_MULTI_MODEL", "").strip().lower() in _TRUE:
@@ -223,7 +230,7 @@ POSITIVE = ("request_timeout_s", "visibility_timeout_s", "worker_ttl_s", "load_t
 # the settings that take one of a few words (the command line's choices too; the log level in any case)
 CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json"),
             "model_control_mode": ("none", "explicit", "poll"),
-            "s3_addressing_style": ("auto", "path", "virtual")}
+            "s3_addressing_style": ("auto", "path", "virtual"), "sagemaker_ping_mode": ("ready", "live")}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

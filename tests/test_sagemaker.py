@@ -7,6 +7,7 @@ import asyncio
 import gzip
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -437,6 +438,35 @@ def test_a_model_whose_load_failed_may_be_loaded_again_under_its_name(
     assert r.status_code == 200, r.text
     assert httpx.get(f"{server.url}/models").json() == {"models": [{"modelName": "m1", "modelUrl": str(good)}]}
 
+
+
+@pytest.mark.parametrize("mode", ["ready", "live"])
+def test_ping_mode_live_answers_200_while_a_model_loads(
+        serve, example_repository: Path, tmp_path: Path, mode: str) -> None:
+    # Triton's SAGEMAKER_TRITON_PING_MODE=live answers /ping by liveness, so a multi-model endpoint stays
+    # healthy while a load runs; Despina read no such variable and answered 400 during every load
+    server = multi_model_endpoint(serve, tmp_path, SAGEMAKER_TRITON_PING_MODE=mode)
+    slow = tmp_path / "models" / "5f6a7b" / "model"
+    shutil.copytree(example_repository / "add_sub_python", slow)
+    script = slow / "1" / "model.py"
+    hold = tmp_path / "hold"  # the model's initialize waits while it is there
+    script.write_text(script.read_text().replace(
+        "    def initialize(self, args):\n",
+        "    def initialize(self, args):\n        import os, time\n"
+        f"        while os.path.exists({str(hold)!r}):\n            time.sleep(0.05)\n"))
+    hold.touch()
+    with httpx.Client(timeout=60) as client:
+        with ThreadPoolExecutor(1) as pool:
+            load = pool.submit(client.post, f"{server.url}/models", json={"model_name": "slow", "url": str(slow)})
+            while "LOADING" not in client.post(f"{server.url}/v2/repository/index").text:
+                assert not load.done(), load.result().text
+            pinged = client.get(f"{server.url}/ping").status_code
+            hold.unlink()
+            assert load.result().status_code == 200, load.result().text
+    assert pinged == {"ready": 400, "live": 200}[mode]
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+    with pytest.raises(BadSetting, match="SAGEMAKER_TRITON_PING_MODE"):
+        Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_TRITON_PING_MODE": "sometimes"})
 
 
 @pytest.mark.parametrize("case", ["default-missing", "several", "failed", "serving"])

@@ -5,7 +5,8 @@ types and model variables. Served when `sagemaker` is set (`despina serve --sage
 SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
 
 - GET /ping: 200 once the server is ready (as /v2/health/ready), else 400 as Triton answers; on a
-  single-model endpoint 400 too while /invocations has no model that can serve.
+  single-model endpoint 400 too while /invocations has no model that can serve. With Triton's
+  SAGEMAKER_TRITON_PING_MODE=live, 200 while the gateway runs (as /v2/health/live).
 - POST /invocations: a V2 inference request for the endpoint's model (`sagemaker_model`, Triton's
   SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, else the repository's only model): JSON, or binary tensors with
   the content type `application/vnd.sagemaker-triton.binary+json;json-header-size=N` in place of the
@@ -145,6 +146,8 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
     key = gw.keys.sagemaker_models
 
     async def ping(request: Request) -> Response:
+        if gw.settings.sagemaker_ping_mode == "live":  # as /v2/health/live: a load under way is no sickness
+            return Response(b"", 200)
         return Response(b"", 200 if gw.view.server_ready() and _endpoint_serves(gw) else 400)
 
     async def load(request: Request) -> Response:
