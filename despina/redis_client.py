@@ -12,6 +12,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError, RedisError, ResponseError
 
+from . import fds
+
 log = logging.getLogger("despina")
 
 # A dead Redis must fail a request within a second, not hang it: connecting gives up after this.
@@ -97,6 +99,9 @@ def trouble(exc: BaseException) -> str:
             said = f"{piped[2]}; the command: {piped[1]}"
         hint = ": another program's key under this key prefix? (--key-prefix)" if "WRONGTYPE" in said else ""
         return f"Redis refused a command ({said}){hint}"
+    short = fds.shortage(exc)
+    if short is not None:  # no fault of Redis's: the process had no descriptor for the connection
+        return f"this process is {short} ({exc})"
     return f"Redis unreachable ({exc})"
 
 

@@ -29,7 +29,7 @@ from despina.redis_client import allow_oom, connect, trouble
 from despina.settings import Settings
 from despina.workers.worker import Worker
 
-from .conftest import Server, delete_prefix, stop_server
+from .conftest import ROOT, Server, delete_prefix, stop_server
 from .control_support import mlp_folder, wait_until
 from .reliability_support import (
     KEEP_ALIVE,
@@ -165,6 +165,40 @@ def test_a_redis_error_says_whether_redis_answered(redis_url: str, key_prefix: s
     # a pipeline's error names its command, after what Redis said
     assert f"; the command: SMEMBERS {key_prefix}:workers)" in trouble(piped), trouble(piped)
     assert trouble(unreachable).startswith("Redis unreachable (")
+
+
+SHORT_OF_FDS = """
+import asyncio, resource, sys
+import redis.asyncio as aioredis
+from despina.redis_client import trouble
+
+async def main():
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    try:
+        for _ in range(64):
+            held.append(open("/dev/null"))
+    except OSError:
+        pass
+    client = aioredis.Redis.from_url(sys.argv[1])
+    try:
+        await client.ping()
+    except Exception as exc:
+        print(trouble(exc))
+    print("done")
+
+asyncio.run(main())
+"""
+
+
+def test_a_process_out_of_descriptors_says_so_not_that_redis_is_unreachable(redis_url: str) -> None:
+    """A worker or control plane at its open-files limit logged "Redis unreachable ([Errno 24] ...)": an
+    operator looked at Redis, which was fine. The log says which limit ran out."""
+    out = subprocess.run([sys.executable, "-c", SHORT_OF_FDS, redis_url], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.stdout.endswith("done\n"), out.stdout + out.stderr
+    said = out.stdout.splitlines()[0]
+    assert said.startswith("this process is out of file descriptors: its open-files limit (64) is reached"), said
 
 
 def test_a_worker_started_while_redis_is_down_waits_for_it(tmp_path: Path, key_prefix: str) -> None:
