@@ -132,6 +132,28 @@ def test_counts_are_exact_and_match_statistics(server: Server) -> None:
         metrics[f"nv_inference_queue_duration_us{m}"], abs=1)
 
 
+def test_statistics_carry_every_field_triton_sends_as_numbers(server: Server) -> None:
+    """Triton's model_stat (core's TRITONSERVER_ServerModelStatistics): name, version as a string, counts
+    and durations as JSON numbers, and response_stats, an object keyed by response index that holds
+    entries only for a backend that reports per-response statistics (neither the ONNX Runtime nor the
+    Python backend does: it is {} for theirs). Clients index it: it must be there."""
+    assert httpx.post(f"{server.url}/v2/models/m/infer", content=v2("x", 2, 256)).status_code == 200
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    stats = client.get_inference_statistics("m")["model_stats"][0]
+    client.close()
+    assert set(stats) == {"name", "version", "last_inference", "inference_count", "execution_count",
+                          "inference_stats", "response_stats", "batch_stats", "memory_usage"}
+    assert (stats["name"], stats["version"], stats["response_stats"]) == ("m", "1", {})
+    assert set(stats["inference_stats"]) == {"success", "fail", "queue", "compute_input", "compute_infer",
+                                             "compute_output", "cache_hit", "cache_miss"}
+    durations = [*stats["inference_stats"].values(),
+                 *(b[k] for b in stats["batch_stats"] for k in ("compute_input", "compute_infer", "compute_output"))]
+    assert all(set(d) == {"count", "ns"} and type(d["count"]) is int and type(d["ns"]) is int for d in durations)
+    assert all(type(stats[k]) is int for k in ("last_inference", "inference_count", "execution_count"))
+    assert all(type(b["batch_size"]) is int for b in stats["batch_stats"])
+    assert abs(stats["last_inference"] - time.time() * 1000) < 60_000  # milliseconds since the epoch
+
+
 def test_an_execution_whose_every_request_failed_counts_no_inference(server: Server) -> None:
     """Triton's backends report a batch's statistics (inference and execution counts, batch_stats,
     last_inference) only when one of its requests succeeded: a model that fails counts failures alone."""

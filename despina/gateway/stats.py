@@ -54,6 +54,9 @@ def _one(name: str, version: int, h: dict[bytes, bytes]) -> dict[str, Any]:
         "inference_count": c.get("inference_count", 0),
         "execution_count": c.get("execution_count", 0),
         "inference_stats": stats,
+        # per response index, from backends that report each response (Triton's test backend); neither
+        # its Python nor its ONNX Runtime backend does, and Triton sends {} for theirs
+        "response_stats": {},
         "batch_stats": [{"batch_size": b,
                          "compute_input": {"count": c[f"batch:{b}"], "ns": c.get(f"batch_in_ns:{b}", 0)},
                          "compute_infer": {"count": c[f"batch:{b}"], "ns": c.get(f"batch_ns:{b}", 0)},
