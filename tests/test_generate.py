@@ -502,6 +502,10 @@ def test_a_streams_statistics_count_it_once(server: Server) -> None:
     assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 1
     assert after["execution_count"] == before["execution_count"] + 1
     assert after["inference_count"] == before["inference_count"] + 1
+    # Triton's compute counts are its successes less its cache hits: a stream's execute is its compute
+    for step in ("compute_input", "compute_infer", "compute_output"):
+        assert after["inference_stats"][step]["count"] == before["inference_stats"][step]["count"] + 1, step
+    assert after["inference_stats"]["compute_infer"]["ns"] > before["inference_stats"]["compute_infer"]["ns"]
 
 
 def test_reply_records_carry_a_responses_place() -> None:

@@ -151,7 +151,7 @@ class Outbox:
 
     async def _reply(self, replies: list[InferReply], requests: list[InferRequest],
                      pendings: list[Pending], rows: int = 0, started: float = 0.0,
-                     timings: tuple[int, int, int] = (0, 0, 0)) -> None:
+                     timings: tuple[int, int, int] = (0, 0, 0), later: int = 0) -> None:
         """One round trip: a reply entry per gateway, statistics, queue counters, and the
         acknowledgement of every stream entry now fully answered (after its replies, in order).
         replies[i] answers requests[i]: ids are unique per gateway only, so a batch may hold two alike."""
@@ -183,10 +183,10 @@ class Outbox:
         if self.deferred is not None and not by_gateway and not done:
             # only requests made in this process (an ensemble's steps): nothing to send but counters,
             # which wait for the next pipeline
-            self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings))
+            self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings, later))
             self._read_along.release()  # nothing goes to Redis for it to ride with
         else:
-            counts, pipe = stats.tally(replies, rows, started, timings), Batch()
+            counts, pipe = stats.tally(replies, rows, started, timings, later), Batch()
             entries = self.writer.build(pipe, by_gateway, requests, counts, done, quiet=quiet)
             if any(p.alone for p in pendings):
                 self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])

@@ -230,7 +230,7 @@ class ModelRunner(Intake):
                 self._spawn(self._reply(replies, [p.request for p in expired], expired))
             await self.execution.run_streams(live, started)
             self._spawn(self._reply([], [], [], rows=sum(sizes), started=started,  # the execution's counters
-                                    timings=durations(marks, time.perf_counter_ns())))
+                                    timings=durations(marks, time.perf_counter_ns()), later=len(live)))
             return
         if live:
             keep = cast(SequenceBatcher, self.batcher).keep if self.execution.state_outputs else None

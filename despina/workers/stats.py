@@ -45,9 +45,11 @@ def record(pipe: Any, key: str, replies: list[InferReply], rows: int, started: f
 
 
 def tally(replies: list[InferReply], rows: int, started: float,
-          timings_ns: tuple[int, int, int] = (0, 0, 0)) -> dict[str, int]:
+          timings_ns: tuple[int, int, int] = (0, 0, 0), later: int = 0) -> dict[str, int]:
     """One batch's counters; `rows` > 0 when the model executed (then timings are input, infer and
     output compute nanoseconds of that execution). A reply's latency is its queue_us + compute_us.
+    `later`: requests of the execution whose replies come later (a decoupled model's), counted in its
+    compute as Triton counts a request's compute, their success with their final reply.
     (Every field is set once, the failures' excepted: this runs for every batch.)"""
     counts: dict[str, int] = {}
     ok = [r for r in replies if r.error is None]
@@ -68,11 +70,12 @@ def tally(replies: list[InferReply], rows: int, started: float,
             counts[names[2]] = input_ns
         if output_ns:
             counts[names[3]] = output_ns
-        if n:
-            counts["compute_input_count"] = counts["compute_infer_count"] = counts["compute_output_count"] = n
-            counts["compute_input_ns"] = input_ns * n
-            counts["compute_infer_ns"] = infer_ns * n
-            counts["compute_output_ns"] = output_ns * n
+        if computed := n + later:
+            counts["compute_input_count"] = counts["compute_infer_count"] = computed
+            counts["compute_output_count"] = computed
+            counts["compute_input_ns"] = input_ns * computed
+            counts["compute_infer_ns"] = infer_ns * computed
+            counts["compute_output_ns"] = output_ns * computed
     if n:
         total_us = queue_us = 0
         get = counts.get
