@@ -352,6 +352,23 @@ def test_concurrent_ensemble_requests_each_get_their_own_rows(server: Server) ->
     assert stats["execution_count"] < stats["inference_count"]  # the step was batched across requests
 
 
+def test_an_ensembles_own_statistics_count_its_steps_compute_and_its_batch(server: Server) -> None:
+    """Triton's ensemble reports each request's compute as the sum of its steps' compute, counted once
+    per successful request, and an execution of the request's batch size (ensemble_scheduler.cc's
+    FinishEnsemble): perf_analyzer's CSV reads an ensemble's compute from these, not its steps'."""
+    before = settled_stats(server.url, "mlp_classify")
+    x = np.random.default_rng(7).standard_normal((3, 256)).astype(np.float32)
+    infer(server, "mlp_classify", {"x": x})
+    after = settled_stats(server.url, "mlp_classify")
+    grown = {k: after["inference_stats"][k]["count"] - before["inference_stats"][k]["count"]
+             for k in ("success", "compute_input", "compute_infer", "compute_output")}
+    assert grown == {"success": 1, "compute_input": 1, "compute_infer": 1, "compute_output": 1}
+    assert after["inference_stats"]["compute_infer"]["ns"] > before["inference_stats"]["compute_infer"]["ns"]
+    batches = {b["batch_size"]: b["compute_infer"]["count"] for b in after["batch_stats"]}
+    assert batches.get(3, 0) == 1 + {b["batch_size"]: b["compute_infer"]["count"]
+                                     for b in before["batch_stats"]}.get(3, 0)
+
+
 def test_a_failing_step_fails_the_request_and_says_which(server: Server) -> None:
     ok = outputs(infer(server, "roots", {"IN0": np.full((1, 4), 9, np.float32), "IN1": np.ones((1, 4), np.float32)}))
     assert np.allclose(ok["OUT"], np.sqrt(8))

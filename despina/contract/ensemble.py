@@ -242,6 +242,7 @@ class Run:
         self.running = 0
         self.over = False
         self.tensors: dict[str, Tensor] = {}
+        self.compute_us = 0  # its steps' compute, its own in the statistics as in Triton
 
     def _call(self, step: Step) -> None:
         raise NotImplementedError
@@ -318,6 +319,7 @@ class Run:
         if isinstance(result, DespinaError):
             self.fail(self.named(step, result))
             return
+        self.compute_us += result.compute_us
         names = dict(step.outputs)
         for t in result.outputs:
             if t.name in names:

@@ -81,7 +81,8 @@ class _GatewayRun(Run):
 
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
         us = int((time.monotonic() - self.started) * 1e6)
-        counts = ensemble_counts(result if isinstance(result, DespinaError) else None, us, rows)
+        counts = ensemble_counts(result if isinstance(result, DespinaError) else None, us, rows,
+                                 compute_us=self.compute_us)
         if rows:
             counts["last_inference"] = int(clock.now() * 1000)
         self.gw.dispatcher.count(self.gw.keys.stats(self.spec.name, self.version), counts)

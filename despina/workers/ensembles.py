@@ -198,10 +198,10 @@ class EnsembleHost:
     # -- answering -------------------------------------------------------------------------------
 
     def _answer(self, req: InferRequest, entry: tuple[str, bytes], result: InferReply | DespinaError,
-                rows: int) -> None:
+                rows: int, compute_us: int = 0) -> None:
         us = max(0, int((clock.now() - req.enqueued) * 1e6))
         error = result if isinstance(result, DespinaError) else None
-        ensemble_counts(error, us, rows, self._counts)
+        ensemble_counts(error, us, rows, self._counts, compute_us)
         if error is None:
             self._counts["last_inference"] = int(clock.now() * 1000)
             reply = InferReply(req.id, result.outputs, None, 0, us)  # type: ignore[union-attr]
@@ -284,4 +284,4 @@ class _HostRun(Run):
 
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
         self.host._reaching(self.pending, -1)  # steps it never called
-        self.host._answer(self.request, self.entry, result, rows)
+        self.host._answer(self.request, self.entry, result, rows, self.compute_us)
