@@ -221,6 +221,20 @@ def test_an_error_ends_a_pipelined_connection_after_the_answers_before_it(server
             last_word(reader, 431, "over the limit of 65536 bytes")
 
 
+def test_an_http2_client_is_told_there_is_no_grpc(server: Server) -> None:
+    """A gRPC client (perf_analyzer -i grpc, tritonclient.grpc) or curl --http2-prior-knowledge opens with
+    HTTP/2's preface: its 400, and the gateway's log, say that the server speaks HTTP/1.1 only and has no
+    gRPC, not "Pause on PRI/Upgrade" (llhttp's words). Whole, and in two reads split mid-line."""
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+    for parts in ((preface,), (preface[:7], preface[7:])):
+        with connect(server) as sock:
+            for part in parts:
+                sock.sendall(part)
+                time.sleep(0.05)  # two reads for the gateway, not one
+            last_word(Reader(sock), 400, "no gRPC endpoint")
+    assert "no gRPC endpoint" in server.logs()
+
+
 def test_a_client_still_sending_reads_its_error_answer(server: Server) -> None:
     """A client that sends its whole request before it reads (most do) while the gateway has already
     refused it: the gateway answers, then reads and drops what still comes until the client closes,

@@ -43,6 +43,9 @@ LINGER_IDLE_S = 5.0  # ... and how long it waits for more from the client (nginx
 REFUSED_LINGER_S = 1.0  # the longest a connection refused past the limit lingers
 LIMIT_WARN_S = 60.0  # at most one warning this often that connections past the limit are refused
 CUT_SHORT = b'{"error":"malformed HTTP request: the client closed its side before the request was complete"}'
+# the answer to HTTP/2's connection preface, which gRPC clients open with (perf_analyzer -i grpc)
+NO_HTTP2 = ("an HTTP/2 client (gRPC?) was refused: this server speaks HTTP/1.1 only and has no gRPC "
+            "endpoint; use the HTTP/REST API (tritonclient.http, perf_analyzer -i http)")
 
 
 class HeadTooLarge(Exception):
@@ -177,6 +180,10 @@ class ConnectionProtocol(Timeouts):
                 return
             if isinstance(exc.__context__, HeadTooLarge):  # raised by a callback (the parser wraps it)
                 self._last_word(431, HEAD_TOO_LARGE)
+                return
+            if self.parser.get_method() == b"PRI":  # llhttp stops at the preface: "Pause on PRI/Upgrade"
+                self.logger.warning(NO_HTTP2)
+                self._last_word(400, orjson.dumps({"error": NO_HTTP2}))
                 return
             self.logger.warning("Invalid HTTP request received.")
             self._last_word(400, orjson.dumps({"error": f"malformed HTTP request: {exc}"}))
