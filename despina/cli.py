@@ -194,6 +194,32 @@ def _unusable(repository: str) -> str | None:
     return None if Path(repository).expanduser().is_dir() else f"{repository} is not a folder"
 
 
+def _sagemaker_unusable(settings: Settings) -> str | None:
+    """Why a single-model SageMaker endpoint cannot serve its repository, or None. A model.tar.gz packed
+    from inside the model's folder puts config.pbtxt and the version folders at the repository's top, where
+    the model's folder belongs: served, it was a model '1' without config.pbtxt, and /ping said 400 for
+    ever. Triton's SageMaker image refuses that layout at start too."""
+    repo = Path(settings.model_repository).expanduser()
+    if not settings.sagemaker or settings.model_control_mode == "explicit" or not repo.is_dir():
+        return None
+    from .contract.errors import DespinaError
+    from .contract.modelconfig import parse_text
+    from .registry.base import is_version
+
+    config = repo / "config.pbtxt"
+    versions = [p for p in repo.iterdir() if p.is_dir() and is_version(p.name)]  # not a model named "1"
+    if not config.is_file() and all((p / "config.pbtxt").exists() for p in versions):
+        return None
+    name = settings.sagemaker_model or "MODEL_NAME"
+    try:
+        name = parse_text(name, config.read_bytes()).name or name
+    except (DespinaError, OSError):
+        pass  # no config (or a broken one): the placeholder says it well enough
+    return (f"{repo} is a model's own folder (config.pbtxt or version folders at its top): a single-model "
+            f"endpoint's model.tar.gz must hold the model's folder, {name}/config.pbtxt and {name}/1/..., "
+            f"as Triton's SageMaker image requires (tar it from the folder above the model's)")
+
+
 def _redis_unusable(settings: Settings) -> str | None:
     """Why the Redis of the settings cannot serve Despina (redis_check.py), or None; warnings are logged."""
     from .redis_check import Unusable, check
@@ -227,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "control") and (why := _unusable(settings.model_repository)):
         print(f"despina {args.command}: DESPINA_MODEL_REPOSITORY (or --model-repository): {why}",
               file=sys.stderr)
+        return 2
+    if args.command in ("serve", "control") and (why := _sagemaker_unusable(settings)):
+        print(f"despina {args.command}: {why}", file=sys.stderr)
         return 2
     if settings.worker_cpus is not None and args.command in ("serve", "worker"):
         try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import shutil
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from despina.embedded import die_with_parent, free_port
 from despina.examples import mlp_numpy
 from despina.gateway.auth import classify
 from despina.settings import BadSetting, Settings
@@ -168,6 +171,28 @@ def test_a_single_model_endpoint_refuses_a_model_load_before_copying_anything(
     assert "--model-control-mode explicit" in r.json()["error"]
     assert sorted(p.name for p in repo.iterdir()) == ["add_sub"]
     assert httpx.get(f"{server.url}/ping").status_code == 200
+
+
+def test_an_archive_of_the_model_folder_itself_is_refused_at_start_saying_the_layout(
+        example_repository: Path, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    # model.tar.gz packed from inside the model's folder (/opt/ml/model/config.pbtxt, /opt/ml/model/1/...):
+    # Despina served it as a repository of one model named '1' with no config.pbtxt, and /ping said 400 for
+    # ever. Triton's image refuses it at start ("Incorrect directory structure"); so does Despina, saying how
+    flat = tmp_path / "model"
+    shutil.copytree(example_repository / "add_sub", flat)
+    (flat / "config.pbtxt").write_text('name: "add_sub"\n' + (flat / "config.pbtxt").read_text())
+    versions_only = tmp_path / "versions"  # no config.pbtxt (Triton's auto-complete), a version folder on top
+    shutil.copytree(example_repository / "add_sub" / "1", versions_only / "1")
+    for repo, name in ((flat, "add_sub"), (versions_only, "MODEL_NAME")):
+        done = subprocess.run([sys.executable, "-m", "despina", "serve", "--sagemaker", "--model-repository",
+                               str(repo), "--redis-url", redis_url, "--key-prefix", key_prefix, "--http-port",
+                               str(free_port()), "--metrics-port", "0", "--host", "127.0.0.1"],
+                              capture_output=True, text=True, timeout=60, preexec_fn=die_with_parent)
+        assert done.returncode == 2, done.stderr[-2000:]
+        said = done.stderr.strip()
+        assert len(said.splitlines()) == 1 and "Traceback" not in said, said
+        assert said.startswith(f"despina serve: {repo} is a model's own folder"), said
+        assert f"{name}/config.pbtxt" in said and f"{name}/1/" in said, said
 
 
 def test_a_batch_transform_payload_over_64_mib_is_not_refused_as_too_large(
