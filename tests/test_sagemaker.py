@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 import tritonclient.http as httpclient
 
@@ -273,14 +274,27 @@ def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
     assert r.status_code == 200, r.text
     assert httpx.post(f"{url}/models", json={"model_name": "m1", "url": str(archive)}).status_code == 409
 
-    r = httpx.post(f"{url}/models/m1/invoke", json=v2_body(),
-                   headers={"X-Amzn-SageMaker-Target-Model": "add_sub.tar.gz"})
+    # SageMaker names the model by the hash it chose (m1 here) and sends InvokeEndpoint's TargetModel along:
+    # the answer names the TargetModel, the name the client gave, as Triton's image answers (it loads the
+    # model under that name); the hash was all a client saw
+    target = {"X-Amzn-SageMaker-Target-Model": "team-a/add_sub.tar.gz"}
+    r = httpx.post(f"{url}/models/m1/invoke", json=v2_body(), headers=target)
     assert r.status_code == 200, r.text
     assert outputs(r.json())["sum"] == [2.0, 3.0, 4.0, 5.0]
+    assert r.json()["model_name"] == "team-a/add_sub.tar.gz"
     assert httpx.get(f"{url}/v2/models/m1/config").json()["name"] == "m1"  # the config takes the name
     body, json_size = binary_request()
+    for _ in range(2):  # the second answer's JSON header is the one remembered for the request's shape
+        r = httpx.post(f"{url}/models/m1/invoke", content=body,
+                       headers={"content-type": f"{BINARY}{json_size}", **target})
+        assert r.status_code == 200 and r.headers["content-type"].startswith(BINARY)
+        header = r.content[:int(r.headers["content-type"].rsplit("=", 1)[1])]
+        assert orjson.loads(header)["model_name"] == "team-a/add_sub.tar.gz"
+    # without the header (a test on one's own machine) the answer names SageMaker's name, as Triton's does;
+    # the V2 route names the model as loaded
     r = httpx.post(f"{url}/models/m1/invoke", content=body, headers={"content-type": f"{BINARY}{json_size}"})
-    assert r.status_code == 200 and r.headers["content-type"].startswith(BINARY)
+    assert orjson.loads(r.content[:int(r.headers["content-type"].rsplit("=", 1)[1])])["model_name"] == "m1"
+    assert httpx.post(f"{url}/v2/models/m1/infer", json=v2_body()).json()["model_name"] == "m1"
 
     # a second model, from a folder that is the model itself; the list pages
     second = tmp_path / "models" / "3d4e5f" / "model"

@@ -116,14 +116,15 @@ class InferRoute(Route):
         sequence = sequence_of(spec, decoded.parameters)
         echo = [(b"x-request-id", trace)] if trace else []
         respond = self.respond
+        name = self.answered_as(ex, spec)
+        heads = decoded.heads if name == spec.name else None  # the headers remembered name the model
 
         def answer(reply: InferReply) -> None:
             outputs = reply.outputs
             if decoded.classes:  # Triton's classification extension: their top classes instead
                 outputs = classify(spec, outputs, decoded.classes, model.entry.labels)
-            out, json_length = encode_infer(model.spec.name, version, decoded.id, outputs,
-                                            decoded.binary_outputs, decoded.binary_all, decoded.heads,
-                                            reply.parameters, decoded.shm_outputs)
+            out, json_length = encode_infer(name, version, decoded.id, outputs, decoded.binary_outputs,
+                                            decoded.binary_all, heads, reply.parameters, decoded.shm_outputs)
             respond(ex, out, json_length, echo)
 
         done = answering(ex, trace, answer)
@@ -136,6 +137,10 @@ class InferRoute(Route):
         # the request holds its inputs until it is written, and its answer needs neither them nor the body:
         # a large request is not kept twice over while its answer is awaited
         ex.body, decoded.inputs = b"", []
+
+    def answered_as(self, ex: Exchange, spec: ModelSpec) -> str:
+        """The model's name in the answer: its own."""
+        return spec.name
 
     def header_length(self, ex: Exchange) -> int | None:
         """The JSON header's length in a body with binary tensors (None: the body is all JSON)."""

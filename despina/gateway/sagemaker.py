@@ -17,8 +17,9 @@ SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
   control; an archive of an ensemble and the models it calls loads them under their own names, and
   DELETE unloads them with it); GET /models (paged:
   max_results, next_page_token), GET /models/{name}, DELETE /models/{name} (404 when not loaded),
-  and POST /models/{name}/invoke (404 when not loaded). The endpoint's models are kept in one Redis
-  hash, so that every gateway of the endpoint answers for them alike.
+  and POST /models/{name}/invoke (404 when not loaded; the answer names the X-Amzn-SageMaker-Target-Model
+  SageMaker sends, as Triton's does). The endpoint's models are kept in one Redis hash, so that every
+  gateway of the endpoint answers for them alike.
 """
 from __future__ import annotations
 
@@ -49,12 +50,14 @@ from .models import NotLoaded
 from .responses import error_response, json_body, json_response
 
 if TYPE_CHECKING:
+    from ..contract.modelspec import ModelSpec
     from ..settings import Settings
     from .app import Gateway
 
 log = logging.getLogger("despina.gateway")
 
 BINARY = b"application/vnd.sagemaker-triton.binary+json;json-header-size="
+TARGET_MODEL = b"x-amzn-sagemaker-target-model"  # InvokeEndpoint's TargetModel: "[path/]archive.tar.gz"
 FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")  # as Triton: a load never reads from these
 PAGE_MAX = 1000  # models in one GET /models answer at most
 
@@ -110,6 +113,12 @@ class ModelInvoke(SageMakerInfer):
             fail(ex, NotFound(f"model '{name}' is not loaded"), http.header(ex.headers, b"x-request-id"))
             return
         super().__call__(ex)
+
+    def answered_as(self, ex: Exchange, spec: ModelSpec) -> str:
+        """InvokeEndpoint's TargetModel, which SageMaker sends along: Triton's image loads the model under
+        that name, so its answers name what the client asked for, not SageMaker's opaque model_name."""
+        target = http.header(ex.headers, TARGET_MODEL)
+        return target.decode("utf-8", "replace") if target else spec.name
 
 
 class InvocationsEndpoint(AsgiEndpoint):
@@ -172,11 +181,11 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
         except DespinaError as exc:
             return _load_error(exc)
         try:
-            return await staged_and_loaded(name, url)
+            return await staged_and_loaded(name, url, request.headers.get(TARGET_MODEL.decode(), name))
         finally:
             await gw.redis.delete(claim)
 
-    async def staged_and_loaded(name: str, url: str) -> Response:
+    async def staged_and_loaded(name: str, url: str, target: str) -> Response:
         try:
             folder, steps = model_folders(url)
             for step in steps:  # as Triton: an archive's other models keep their names, once
@@ -193,7 +202,7 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
             return _load_error(exc)
         await gw.redis.hset(key, name, orjson.dumps({"url": url}))
         await gw.view.refresh()
-        log.info("SageMaker model %s loaded from %s", name, url)
+        log.info("SageMaker model %s (TargetModel %s) loaded from %s", name, target, url)
         return Response(b"", 200)
 
     async def listing(request: Request) -> Response:
