@@ -195,10 +195,10 @@ def _unusable(repository: str) -> str | None:
 
 
 def _sagemaker_unusable(settings: Settings) -> str | None:
-    """Why a single-model SageMaker endpoint cannot serve its repository, or None. A model.tar.gz packed
-    from inside the model's folder puts config.pbtxt and the version folders at the repository's top, where
-    the model's folder belongs: served, it was a model '1' without config.pbtxt, and /ping said 400 for
-    ever. Triton's SageMaker image refuses that layout at start too."""
+    """Why a single-model SageMaker endpoint cannot serve its repository, or None; Triton's SageMaker image
+    stops at start for both. A model.tar.gz packed from inside the model's folder puts config.pbtxt and the
+    version folders at the repository's top, where the model's folder belongs: served, it was a model '1'
+    without config.pbtxt. A default model with no folder was never there to run. /ping said 400 for ever."""
     repo = Path(settings.model_repository).expanduser()
     if not settings.sagemaker or settings.model_control_mode == "explicit" or not repo.is_dir():
         return None
@@ -207,17 +207,24 @@ def _sagemaker_unusable(settings: Settings) -> str | None:
     from .registry.base import is_version
 
     config = repo / "config.pbtxt"
-    versions = [p for p in repo.iterdir() if p.is_dir() and is_version(p.name)]  # not a model named "1"
-    if not config.is_file() and all((p / "config.pbtxt").exists() for p in versions):
-        return None
-    name = settings.sagemaker_model or "MODEL_NAME"
-    try:
-        name = parse_text(name, config.read_bytes()).name or name
-    except (DespinaError, OSError):
-        pass  # no config (or a broken one): the placeholder says it well enough
-    return (f"{repo} is a model's own folder (config.pbtxt or version folders at its top): a single-model "
-            f"endpoint's model.tar.gz must hold the model's folder, {name}/config.pbtxt and {name}/1/..., "
-            f"as Triton's SageMaker image requires (tar it from the folder above the model's)")
+    folders = sorted(p for p in repo.iterdir() if p.is_dir() and not p.name.startswith("."))
+    versions = [p for p in folders if is_version(p.name)]  # not a model named "1": it has a config.pbtxt
+    if config.is_file() or not all((p / "config.pbtxt").exists() for p in versions):
+        name = settings.sagemaker_model or "MODEL_NAME"
+        try:
+            name = parse_text(name, config.read_bytes()).name or name
+        except (DespinaError, OSError):
+            pass  # no config (or a broken one): the placeholder says it well enough
+        return (f"{repo} is a model's own folder (config.pbtxt or version folders at its top): a "
+                f"single-model endpoint's model.tar.gz must hold the model's folder, {name}/config.pbtxt "
+                f"and {name}/1/..., as Triton's SageMaker image requires (tar it from the folder above the "
+                f"model's)")
+    if settings.sagemaker_model and not (repo / settings.sagemaker_model).is_dir():
+        found = ", ".join(p.name for p in folders[:8]) + (", ..." if len(folders) > 8 else "")
+        return (f"the model /invocations runs, '{settings.sagemaker_model}' "
+                "(SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, DESPINA_SAGEMAKER_MODEL or --sagemaker-model), has no "
+                f"folder in {repo}; its folders: {found or 'none'}")
+    return None
 
 
 def _redis_unusable(settings: Settings) -> str | None:
