@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp
 
 DATE_S = 1.0  # how often the Date header is renewed, as uvicorn does
 LAST_WORD_S = 1.0  # how long before its drain's end a server gives up on what is still waiting (at most)
@@ -73,3 +74,20 @@ class Server(uvicorn.Server):
                 continue
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), every)
+
+
+class _InLoopServer(Server):
+    """uvicorn inside a loop that already handles signals: the role stops it, not a signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+async def serve_in_loop(app: ASGIApp, sock: socket.socket, stop: asyncio.Event) -> None:
+    """Serve a role's side port (the control plane's metrics, a worker's health) on `sock` until `stop`."""
+    server = _InLoopServer(uvicorn.Config(app, lifespan="on", access_log=False, log_level="warning"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    await stop.wait()
+    server.should_exit = True
+    await task

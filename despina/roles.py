@@ -19,7 +19,7 @@ from .contract.errors import ConfigError
 from .control.plane import ControlPlane
 from .cpus import parse, pin
 from .embedded import bound_socket, host_port
-from .http_server import Server
+from .http_server import Server, serve_in_loop
 from .logs import dump_tasks_on_sigusr2
 from .redis_client import connect, connect_worker
 from .serve import CONTROL_ID, CONTROL_PREDECESSOR
@@ -235,7 +235,7 @@ def run_control(settings: Settings) -> None:
             from .control import http as control_http
 
             app = control_http.create_app(settings, redis, plane.cache, lambda: plane.leading)
-            http = asyncio.create_task(control_http.serve(app, metrics, stopped))
+            http = asyncio.create_task(serve_in_loop(app, metrics, stopped))
         try:
             await plane.run()
         finally:

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 
 import orjson
 import redis.asyncio as aioredis
-import uvicorn
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,7 +18,6 @@ from starlette.routing import Route
 
 from ..contract.keys import Keys
 from ..host_metrics import HostMetrics
-from ..http_server import Server
 from ..metrics import metrics_text
 from ..registry import ArtifactCache
 from ..settings import Settings
@@ -103,19 +100,3 @@ async def _sample_forever(tracker: StatusTracker) -> None:
         except (RedisError, OSError):
             pass
         await asyncio.sleep(PERIOD_S)
-
-
-class _InLoopServer(Server):
-    """uvicorn inside a loop that already handles signals: the role stops it, not a signal."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
-async def serve(app: Starlette, sock: socket.socket, stop: asyncio.Event) -> None:
-    server = _InLoopServer(uvicorn.Config(app, lifespan="on", access_log=False, log_level="warning"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    await stop.wait()
-    server.should_exit = True
-    await task
