@@ -128,6 +128,11 @@ def parser() -> argparse.ArgumentParser:
         add(wk)
     wk.add_argument("--worker-id", dest="worker_id",
                     help="a name for this worker; each process adds a suffix of its own")
+    wk.add_argument("--worker-health-port", dest="worker_health_port", type=int, metavar="PORT",
+                    help="serve /livez and /readyz here, for Kubernetes' probes: ready once the control "
+                         "plane has placed this worker and its loads have ended (default 0: off)")
+    wk.add_argument("--host", dest="host", help="address the health port binds (default 127.0.0.1; ::, "
+                    "every IPv6 and IPv4 address)")
     ctl = sub.add_parser("control", help="run the control plane against a shared Redis")
     for add in (common, repo, metrics):
         add(ctl)

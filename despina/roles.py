@@ -168,6 +168,10 @@ def run_worker(settings: Settings) -> None:
         pin(parse(settings.worker_cpus))
         log.info("running on CPU %s", settings.worker_cpus)
 
+    # the health port, before anything starts: a port taken is one line, not a traceback in a task
+    port = settings.worker_health_port
+    health = bound_socket(settings.host, port, "worker health") if port else None
+
     async def main() -> None:
         assert settings.redis_url
         redis = connect_worker(settings.redis_url)
@@ -183,9 +187,20 @@ def run_worker(settings: Settings) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)
         dump_tasks_on_sigusr2()
+        stopped = asyncio.Event()
+        http = None
+        if health is not None:
+            from .workers.health import create_app, readiness
+
+            log.info("worker %s: health on http://%s (/livez, /readyz)", worker.id,
+                     host_port(settings.host, health.getsockname()[1]))
+            http = asyncio.create_task(serve_in_loop(create_app(lambda: readiness(worker)), health, stopped))
         try:
             await worker.run()
         finally:
+            stopped.set()
+            if http:
+                await asyncio.gather(http, return_exceptions=True)
             await redis.aclose()
 
     _run_until_signal(main)

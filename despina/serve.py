@@ -125,6 +125,10 @@ class Supervisor:
             settings = settings.with_(redis_url=self.valkey.url)
             log.info("embedded Valkey on %s", self.valkey.url)
         settings = settings.with_(redis_check=False)  # checked already (cli.main), or its own Valkey
+        if settings.worker_health_port:  # N workers cannot share one port; serve's readiness is its gateway's
+            log.warning("DESPINA_WORKER_HEALTH_PORT is for `despina worker`: serve's workers open no health "
+                        "port (serve answers /readyz and /v2/health/ready on its HTTP port)")
+            settings = settings.with_(worker_health_port=0)
         self.control = Child("control", child_env(settings, **{CONTROL_ID: control_id()}), "control", others)
         # sharing a core, the gateway and the worker take turns: the sooner a gateway reads what came, the
         # more requests each batch takes, and the less both spend per request (bench/RESULTS.md, 2026-12-04)

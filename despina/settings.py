@@ -26,6 +26,7 @@ class Settings:
     host: str = "127.0.0.1"
     http_port: int = 8000
     metrics_port: int = 8002                # Prometheus /metrics of the control plane; 0 = off
+    worker_health_port: int = 0             # `despina worker`'s /livez and /readyz (Kubernetes); 0 = off
     workers: int = 1
     gateways: int = 1                       # serve: gateway processes sharing the HTTP port
     colocate: bool = False                  # a gateway runs a worker in its own process (roles.run_gateway)
@@ -125,7 +126,7 @@ class Settings:
                 raise BadSetting(f"DESPINA_REDIS_URL (or REDIS_URL, --redis-url): {why}")
         if why := _prefix_trouble(self.key_prefix):
             raise BadSetting(f"DESPINA_KEY_PREFIX (or --key-prefix) {self.key_prefix!r}: {why}")
-        for name in ("http_port", "metrics_port"):
+        for name in ("http_port", "metrics_port", "worker_health_port"):
             if getattr(self, name) > 65535:
                 raise BadSetting(f"DESPINA_{name.upper()} (or --{name.replace('_', '-')}) must be a port "
                                  f"number, 65535 at most, got {getattr(self, name)}")

@@ -117,6 +117,12 @@ class Keys:
         """Hash describing one worker (info, models and their states); expires without heartbeats."""
         return f"{self.prefix}:worker:{worker_id}"
 
+    @property
+    def placed(self) -> str:
+        """Set of the worker ids the control plane's last placement saw, written after the catalog it placed
+        them in: a worker in it has its placements in the catalog (its readiness, workers/health.py)."""
+        return f"{self.prefix}:placed"
+
     def stats(self, model: str, version: int) -> str:
         """Hash of cumulative statistics counters for one model version, all workers together."""
         return f"{self.prefix}:stats:{model}:{version}"

@@ -84,6 +84,7 @@ class Lifecycle:
     def hold(self, seconds: float) -> None:
         """Place nothing and unload nothing for a while: the workers are not all known yet."""
         self._held_until = time.monotonic() + seconds
+        self.workers.forget_placed()
 
     async def tick(self, members: set[bytes] | None = None) -> None:
         """Place, version, scale and answer; `members` is the workers' set where the caller read it."""
@@ -110,6 +111,7 @@ class Lifecycle:
             self._idle_checked = now
             await self._scale_to_zero()
         await self.catalog.flush()
+        await self.workers.mark_placed(self.catalog.holder)  # after the catalog that places them
         await self._answer(now)
 
     def _inputs(self) -> tuple[object, ...]:

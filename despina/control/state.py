@@ -123,6 +123,19 @@ class Catalog:
                 raise LeaseLost("another control plane holds the lease; the catalog was not written")
 
 
+# The workers a placement saw (Keys.placed), all at once and fenced by the lease as FLUSH is. KEYS: lease,
+# the set. ARGV: holder ('' = unfenced), then the worker ids. Returns 0 when another holds the lease.
+PLACED = """
+local holder = redis.call('GET', KEYS[1])
+if ARGV[1] ~= '' and holder and holder ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[2])
+for i = 2, #ARGV, 1000 do
+  redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+return 1
+"""
+
+
 class Workers:
     """The live workers, as their heartbeats describe them. A worker's hash is read again only when the
     digest of its state (`state`, contract/cluster.py) moved: a worker of 400 models writes 40 KB there on
@@ -135,6 +148,7 @@ class Workers:
         self.infos: dict[str, WorkerInfo] = {}  # each live worker's WorkerInfo (placement reads it per model)
         self._digests: dict[str, bytes] = {}  # worker id -> the digest its status was read with
         self.changes = 0  # counts the refreshes that found a worker come, gone or changed
+        self._placed: frozenset[str] | None = None  # what Keys.placed holds, as last written (None: unknown)
 
     async def refresh(self, members: set[bytes] | None = None) -> list[str]:
         """Read every worker's digest (of `members`, the workers' set where the caller read it already), and
@@ -177,6 +191,21 @@ class Workers:
         self.status, self._digests = status, digests_now
         self.infos = {wid: s.info for wid, s in status.items()}
         return dead
+
+    async def mark_placed(self, holder: str) -> None:
+        """Tell the live workers a placement saw them (Keys.placed), once the catalog it wrote is flushed: a
+        worker is ready for Kubernetes once it is there and its loads have ended. Written when the set
+        moves; raises LeaseLost when another control plane (`holder`: this one's id) leads."""
+        seen = frozenset(self.status)
+        if seen == self._placed:
+            return
+        if not await self.redis.eval(PLACED, 2, self.keys.control_leader, self.keys.placed, holder, *seen):
+            raise LeaseLost("another control plane holds the lease; the placed workers were not written")
+        self._placed = seen
+
+    def forget_placed(self) -> None:
+        """Keys.placed may be gone (Redis lost its data): the next mark_placed() writes it again."""
+        self._placed = None
 
     def ready_on(self, name: str, version: int, revision: str | None = None) -> list[str]:
         return [wid for wid, s in self.status.items() if s.ready(name, version, revision)]

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -48,14 +49,18 @@ log = logging.getLogger("despina.worker")
 # 0.5 MB, read every second by every worker though nothing moved. No generation (a control plane of an
 # earlier version, or Redis lost its data): the catalog every time. Not a MULTI: Redis 7.0 refuses every
 # command of a MULTI while it is full (maxmemory), reads too, and the worker logged a refusal every few
-# seconds for as long; a script without flags that only reads runs. KEYS: the catalog, the lease, the
-# generation. (No Lua false in the reply: a RESP3 connection would read it as a boolean, not a nil.)
+# seconds for as long; a script without flags that only reads runs. Whether a placement saw this worker
+# comes with them: that catalog, written before the mark, is then the one read. KEYS: the catalog, the
+# lease, the generation, the placed workers. ARGV: the generation read last, the worker's id. (No Lua false
+# in the reply: a RESP3 connection would read it as a boolean, not a nil.)
 CATALOG_AND_LEASE = """
 local leads = redis.call('EXISTS', KEYS[2])
+local placed = redis.call('SISMEMBER', KEYS[4], ARGV[2])
 local generation = redis.call('GET', KEYS[3]) or ''
-if generation ~= '' and generation == ARGV[1] then return {leads, generation} end
-return {leads, generation, redis.call('HGETALL', KEYS[1])}
+if generation ~= '' and generation == ARGV[1] then return {leads, placed, generation} end
+return {leads, placed, generation, redis.call('HGETALL', KEYS[1])}
 """
+UNPLACED_WARN_S = 30.0  # a worker no placement has seen this long says why it is not ready
 
 
 class Worker(Loading):
@@ -88,6 +93,9 @@ class Worker(Loading):
         # shared the CPU, and every first answer came as late as the last; in turns, the first come first.
         # A version waiting for its turn is LOADING; fetching its files (from S3) does not wait for one.
         self._load_turns = asyncio.Semaphore(settings.model_load_threads)
+        self.placed = False  # a placement saw this worker (Keys.placed): its readiness (health.py) needs it
+        self.leads = False   # whether a control plane led at the last sync
+        self._unplaced_warn_at = time.monotonic() + UNPLACED_WARN_S
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
         self._beating = asyncio.Lock()  # one heartbeat in flight: an older one must not land last
@@ -172,6 +180,10 @@ class Worker(Loading):
         self._stop.set()
         self._kick.set()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     async def drain(self) -> None:
         """Finish every request already read, reply, acknowledge, unload."""
         for _, task in self.loading.values():
@@ -196,9 +208,10 @@ class Worker(Loading):
         # the catalog and the lease as of one moment: a control plane that recovers from a Redis restart
         # writes the catalog, then takes the lease, and an empty catalog read before the one and a lease
         # read after the other (two round trips) unloaded everything here
-        leads, generation, *read = await self.redis.eval(
-            CATALOG_AND_LEASE, 3, self.keys.catalog, self.keys.control_leader, self.keys.catalog_generation,
-            self._generation)
+        leads, placed, generation, *read = await self.redis.eval(
+            CATALOG_AND_LEASE, 4, self.keys.catalog, self.keys.control_leader, self.keys.catalog_generation,
+            self.keys.placed, self._generation, self.id)
+        self.leads = bool(leads)
         if read:
             flat = read[0]
             raw = dict(zip(flat[::2], flat[1::2]))
@@ -238,8 +251,23 @@ class Worker(Loading):
                 continue
             task = asyncio.create_task(self._load(key, entry, rev))
             self.loading[key] = (rev, task)
+        self._note_placed(bool(placed))  # after its loads are under way: none missed by a readiness probe
         if gone:
             await self._announce()
+
+    def _note_placed(self, placed: bool) -> None:
+        """Remember that a placement saw this worker. Until one does it is not ready, and Kubernetes holds a
+        rolling update on it: it says why every UNPLACED_WARN_S."""
+        if placed and not self.placed:
+            self.placed = True
+            log.info("worker %s: the control plane has placed it; ready once its %d load(s) end", self.id,
+                     len(self.loading))
+        elif not self.placed and time.monotonic() >= self._unplaced_warn_at:
+            self._unplaced_warn_at = time.monotonic() + UNPLACED_WARN_S
+            why = ("a control plane leads but has not placed models since it joined (one of an earlier "
+                   "version never says so)") if self.leads else \
+                "no control plane leads (is `despina control` running, on this Redis and key prefix?)"
+            log.warning("worker %s is not ready: %s", self.id, why)
 
     # -- ensembles run here ------------------------------------------------------------------------
 
