@@ -26,6 +26,7 @@ from despina import cli
 from despina.control.http import create_app as control_app
 from despina.gateway.app import create_app as gateway_app
 from despina.settings import BadSetting, Settings
+from despina.workers.health import create_app as worker_health_app
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -171,13 +172,19 @@ def gateway_routes(sagemaker: bool) -> frozenset[str]:
     return frozenset(route.path for route in app.routes)
 
 
+def worker_routes() -> frozenset[str]:
+    return frozenset(route.path for route in worker_health_app(dict).routes)
+
+
 def role_paths(role: str, settings: Settings) -> dict[str, frozenset[str]]:
-    """The HTTP paths a role serves, by the setting that names their port."""
+    """The HTTP paths a role serves, by the setting that names their port (a port of 0 is none)."""
     gateway = gateway_routes(settings.sagemaker)
     if role == "gateway":
         return {"http_port": gateway}
     if role == "control":
         return {"metrics_port": control_routes()}
+    if role == "worker":
+        return {"worker_health_port": worker_routes()} if settings.worker_health_port else {}
     if role == "serve":
         return {"http_port": gateway, "metrics_port": control_routes()}
     return {}
