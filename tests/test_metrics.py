@@ -214,8 +214,12 @@ def test_status_page_shows_models_rates_batches_and_workers(server: Server) -> N
     while True:  # the control plane samples every 2 s (until its first sample, the page lists no model)
         status = httpx.get(f"{base}/status.json").json()
         row = next((m for m in status["models"] if m["name"] == "m"), None)
-        if row is not None and row["batch_sizes"].get("2", 0) >= 1 or time.monotonic() > deadline:
+        if row is not None and row["batch_sizes"].get("2", 0) >= 1 and row["requests_per_s"] > 0 \
+                or time.monotonic() > deadline:
             break
+        # a request each turn: the rate is over the last 10 s of samples, and on a loaded host the samples
+        # that count the first 8 may come later than that
+        assert httpx.post(f"{server.url}/v2/models/m/infer", content=v2("x", 2, 256)).status_code == 200
         time.sleep(0.5)
     assert row is not None, status
     assert row["state"] == "READY" and row["workers"] and row["queue"] in (0, 1)  # sampled at rest or mid-request
