@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import httptools
 import orjson
@@ -71,13 +71,15 @@ class LastWord:
 
 
 class Clients:
-    """A gateway's client connections as its metrics show them (app.Gateway reports them): how many it holds,
-    its limit (fds.connection_limit), and how many it refused past the limit since it started."""
+    """A gateway's client connections and their limit: how many it holds, its limit (fds.connection_limit),
+    how many it refused past the limit since it started (its metrics show these three: app.Gateway reports
+    them), the refused ones not yet closed, and when it last warned of refusals and how many there were."""
 
-    __slots__ = ("held", "limit", "refused")
+    __slots__ = ("held", "limit", "refused", "refusing", "warned_at", "warned_refused")
 
     def __init__(self, limit: int) -> None:
-        self.held, self.limit, self.refused = 0, limit, 0
+        self.held, self.limit, self.refused, self.refusing = 0, limit, 0, 0
+        self.warned_at, self.warned_refused = -math.inf, 0
 
     def figures(self) -> dict[str, int]:
         return {"held": self.held, "limit": self.limit, "refused": self.refused}
@@ -85,10 +87,7 @@ class Clients:
 
 class ConnectionProtocol(Timeouts):
     clients: Clients  # the gateway's; set by protocol.protocol_class
-    _warned_at: ClassVar[float] = -math.inf  # the last warning that the limit was reached
-    _refused: ClassVar[int] = 0              # connections refused since
-    _refusing: ClassVar[int] = 0             # refused connections not yet closed
-    _over = False                            # this connection is one of them
+    _over = False       # this connection was refused past the limit, and is not closed yet
     _head_open = False  # a request's head is being read
     _head_size = 0      # its bytes so far (0: it began in the last read, not yet counted)
     _head_at = 0.0      # when its first byte was read
@@ -112,25 +111,23 @@ class ConnectionProtocol(Timeouts):
         sends), and closed, lingering, so that the descriptors of the connections held and of Redis's are
         kept. Without a limit, the open-files limit cut in: a reset for the client, nothing in the log, and
         503s from a gateway that could not open a connection to Redis."""
-        cls = type(self)
-        cls._refused += 1
-        self.clients.refused += 1
+        clients = self.clients
+        clients.refused += 1
         now = self.loop.time()
-        if now - cls._warned_at >= LIMIT_WARN_S:  # a flood logs a line a minute, not one per connection
+        if now - clients.warned_at >= LIMIT_WARN_S:  # a flood logs a line a minute, not one per connection
             log.warning("%d client connection(s) refused with 503 (the gateway holds %d, its limit: "
                         "DESPINA_MAX_CONNECTIONS, or the open-files limit, ulimit -n, less %d)",
-                        cls._refused, len(self.connections) - 1, fds.RESERVE)
-            cls._warned_at, cls._refused = now, 0
+                        clients.refused - clients.warned_refused, len(self.connections) - 1, fds.RESERVE)
+            clients.warned_at, clients.warned_refused = now, clients.refused
         self._ended = self._over = True
-        cls._refusing += 1
-        body = b'{"error":"the gateway holds as many connections as it may (%d): try again"}' % (
-            self.clients.limit)
+        clients.refusing += 1
+        body = b'{"error":"the gateway holds as many connections as it may (%d): try again"}' % clients.limit
         self.transport.write(http.response_head(503, len(body), http.JSON, [(b"retry-after", b"1")], True)
                              + body)
         # Lingering, the client reads its answer even if its request comes after it; but a flood of clients
         # that neither send nor close would hold a descriptor each meanwhile. So a short linger, and none
         # past a quarter of the reserve (the answer is sent, and a client may see a reset instead).
-        if cls._refusing > fds.RESERVE // 4:
+        if clients.refusing > fds.RESERVE // 4:
             self.transport.close()
             return
         self._linger()
@@ -144,7 +141,7 @@ class ConnectionProtocol(Timeouts):
         self.clients.held = len(self.connections)
         if self._over:
             self._over = False
-            type(self)._refusing -= 1
+            self.clients.refusing -= 1
 
     def shutdown(self) -> None:
         """The server is stopping (SIGTERM). uvicorn closed an idle connection here at once: a request its
