@@ -14,16 +14,14 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from despina.embedded import bound_socket
 from despina.redis_check import Unusable, check
-from despina.resp import Resp
 
 from .conftest import Server, ipv6_loopback
 from .control_support import mlp_folder
 from .seaweed import start_weed
-from .test_resp import tls_redis  # noqa: F401  (a Redis that speaks TLS only, on ::1 too)
+from .test_resp import all_three_connect, tls_redis  # noqa: F401  (tls_redis: a Redis that speaks TLS only, on ::1 too)
 
 pytestmark = pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
 ADD_SUB = b'{"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]}'
@@ -102,16 +100,7 @@ async def test_tls_to_an_ipv6_literal(tls_redis: tuple[int, Path]) -> None:  # n
     port, d = tls_redis
     files = f"ssl_ca_certs={d / 'ca.crt'}&ssl_certfile={d / 'client.crt'}&ssl_keyfile={d / 'client.key'}"
     url = f"rediss://[::1]:{port}/0?{files}"
-    client = aioredis.Redis.from_url(url)
-    conn, alike = Resp.from_url(url), Resp.like(client)
-    try:
-        assert await client.ping()
-        assert await conn.execute([["PING"]]) == [b"PONG"]
-        assert await alike.execute([["PING"]]) == [b"PONG"]
-    finally:
-        conn.close()
-        alike.close()
-        await client.aclose()
+    await all_three_connect(url)
     with pytest.raises(Unusable, match=rf"^\[::1\]:{port} speaks TLS: use a rediss:// URL$"):
         check(f"redis://[::1]:{port}/0", "despina-check")
 

@@ -336,6 +336,20 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[int, Path]]:
         proc.communicate()
 
 
+async def all_three_connect(url: str) -> None:
+    """redis-py, Despina's own connection from the URL, and one made like redis-py's client all reach `url`."""
+    client = aioredis.Redis.from_url(url)
+    conn, alike = Resp.from_url(url), Resp.like(client)
+    try:
+        assert await client.ping()
+        assert await conn.execute([["PING"]]) == [b"PONG"]
+        assert await alike.execute([["PING"]]) == [b"PONG"]
+    finally:
+        conn.close()
+        alike.close()
+        await client.aclose()
+
+
 async def test_tls_options_mean_what_they_mean_to_redis_py(tls_redis: tuple[int, Path]) -> None:
     """rediss:// with a client certificate (ssl_certfile, ssl_keyfile), and ssl_check_hostname=false for a
     server reached by an address its certificate does not name: the hot loops' connection takes redis-py's
@@ -345,16 +359,7 @@ async def test_tls_options_mean_what_they_mean_to_redis_py(tls_redis: tuple[int,
     files = f"ssl_ca_certs={d / 'ca.crt'}&ssl_certfile={d / 'client.crt'}&ssl_keyfile={d / 'client.key'}"
     for url in (f"rediss://localhost:{port}/0?{files}",
                 f"rediss://127.0.0.1:{port}/0?{files}&ssl_check_hostname=false"):
-        client = aioredis.Redis.from_url(url)
-        conn, alike = Resp.from_url(url), Resp.like(client)
-        try:
-            assert await client.ping()  # redis-py connects
-            assert await conn.execute([["PING"]]) == [b"PONG"]
-            assert await alike.execute([["PING"]]) == [b"PONG"]
-        finally:
-            conn.close()
-            alike.close()
-            await client.aclose()
+        await all_three_connect(url)
     # the options still check what they are asked to: no client certificate, no connection; a hostname
     # checked, not 127.0.0.1
     for url in (f"rediss://localhost:{port}/0?ssl_ca_certs={d / 'ca.crt'}", f"rediss://127.0.0.1:{port}/0?{files}"):
