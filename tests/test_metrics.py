@@ -154,6 +154,26 @@ def test_statistics_carry_every_field_triton_sends_as_numbers(server: Server) ->
     assert abs(stats["last_inference"] - time.time() * 1000) < 60_000  # milliseconds since the epoch
 
 
+def test_a_requests_latency_is_at_least_its_queue_and_compute(server: Server) -> None:
+    """Triton's request latency runs until its response is sent, after compute_output: perf_analyzer
+    reports what it leaves over queue and compute as the server's overhead, and printed 0 for Despina's,
+    whose latency stopped before its outputs were split."""
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    before = client.get_inference_statistics("m")["model_stats"][0]["inference_stats"]
+    for _ in range(20):
+        assert httpx.post(f"{server.url}/v2/models/m/infer", content=v2("x", 1, 256)).status_code == 200
+    deadline = time.monotonic() + 10
+    while (after := client.get_inference_statistics("m")["model_stats"][0]["inference_stats"])[
+            "success"]["count"] < before["success"]["count"] + 20:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+    client.close()
+    spent = {k: after[k]["ns"] - before[k]["ns"]
+             for k in ("success", "queue", "compute_input", "compute_infer", "compute_output")}
+    assert spent["compute_output"] > 0, spent
+    assert spent["success"] >= sum(v for k, v in spent.items() if k != "success"), spent
+
+
 def test_an_execution_whose_every_request_failed_counts_no_inference(server: Server) -> None:
     """Triton's backends report a batch's statistics (inference and execution counts, batch_stats,
     last_inference) only when one of its requests succeeded: a model that fails counts failures alone."""
@@ -343,7 +363,8 @@ async def test_requests_made_in_a_worker_count_as_enqueued(tmp_path: Path, redis
 def test_a_batchs_counters_field_by_field() -> None:
     """One batch of three requests: two answered (in latency buckets 1 and 4, queue buckets 1 and 3 of
     100/250/500/1000/2500 µs), one failed by its backend; its execution took 1 / 20 / 3 µs of input,
-    infer and output. Every field as the statistics API and the metrics read it."""
+    infer and output, and each answer's latency counts the 3 µs of output after its compute_us. Every
+    field as the statistics API and the metrics read it."""
     replies = [InferReply("a", (), None, 120, 40), InferReply("b", (), (Code.BACKEND, "boom"), 50, 10),
                InferReply("c", (), None, 600, 500)]
     assert tally(replies, 3, 2.5, (1000, 20000, 3000)) == {
@@ -351,7 +372,7 @@ def test_a_batchs_counters_field_by_field() -> None:
         "batch:3": 1, "batch_ns:3": 20000, "batch_in_ns:3": 1000, "batch_out_ns:3": 3000,
         "compute_input_count": 2, "compute_infer_count": 2, "compute_output_count": 2,
         "compute_input_ns": 2000, "compute_infer_ns": 40000, "compute_output_ns": 6000,
-        "success_count": 2, "queue_count": 2, "success_ns": 1_260_000, "queue_ns": 720_000,
+        "success_count": 2, "queue_count": 2, "success_ns": 1_266_000, "queue_ns": 720_000,
         "lat:1": 1, "lat:4": 1, "qlat:1": 1, "qlat:3": 1,
         "fail_count": 1, "fail_ns": 60_000, "fail:BACKEND": 1, "last_inference": 2500}
     assert tally(replies[:1], 7, 2.5) == {  # no input or output time: no field for it
@@ -366,14 +387,15 @@ def test_a_batchs_counters_field_by_field() -> None:
 def test_an_ensemble_requests_counters_are_a_requests_as_a_model_counts_it(us: int) -> None:
     """ensemble_counts adds its few fields itself (it runs per request): the same as `tally` of one reply
     queued for no time, with one execution of its rows, its steps' compute as its infer time, when it
-    succeeded; added into what is given."""
-    ok = tally([InferReply("", (), None, 0, us)], 3, 0.0, (0, 7000, 0))
+    succeeded (its steps' compute: 7 µs, or its whole latency when that is less); added into what is given."""
+    compute_us = min(us, 7)
+    ok = tally([InferReply("", (), None, 0, us)], 3, 0.0, (0, compute_us * 1000, 0))
     del ok["last_inference"]  # the caller's, which knows the time
 
     def nonzero(counts: dict[str, int]) -> dict[str, int]:
         return {k: v for k, v in counts.items() if v or k.endswith("_count")}
 
-    assert nonzero(ensemble_counts(None, us, 3, compute_us=7)) == nonzero(ok)
+    assert nonzero(ensemble_counts(None, us, 3, compute_us=compute_us)) == nonzero(ok)
     failed = DespinaError("late", Code.DEADLINE_EXCEEDED)
     assert ensemble_counts(failed, us, 0) == tally([InferReply("", (), (failed.code, "late"), 0, us)], 0, 0.0)
     into = ensemble_counts(None, us, 3)

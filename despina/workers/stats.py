@@ -47,7 +47,10 @@ def record(pipe: Any, key: str, replies: list[InferReply], rows: int, started: f
 def tally(replies: list[InferReply], rows: int, started: float,
           timings_ns: tuple[int, int, int] = (0, 0, 0), later: int = 0) -> dict[str, int]:
     """One batch's counters; `rows` > 0 when the model executed (then timings are input, infer and
-    output compute nanoseconds of that execution). A reply's latency is its queue_us + compute_us.
+    output compute nanoseconds of that execution). A reply's latency is its queue_us + compute_us, and
+    when the model executed, what the execution spent after compute_us was taken (its outputs split, its
+    replies made) and at least the execution's whole time: as in Triton, a request's latency ends after its
+    compute_output, so what it leaves over queue and compute (perf_analyzer's "overhead") is not negative.
     `later`: requests of the execution whose replies come later (a decoupled model's), counted in its
     compute as Triton counts a request's compute, their success with their final reply.
     (Every field is set once, the failures' excepted: this runs for every batch.)"""
@@ -59,8 +62,11 @@ def tally(replies: list[InferReply], rows: int, started: float,
     grouped = any(r.id[:1] == GROUPED for r in replies)  # a gateway's several requests sent as one
     if grouped:
         n = sum(requests_in(r.id) for r in ok)
+    output_us = least_us = 0
     if rows:
         input_ns, infer_ns, output_ns = timings_ns
+        output_us = -(-output_ns // 1000)  # rounded up, as the execution's least
+        least_us = -(-(input_ns + infer_ns + output_ns) // 1000)
         names = _batch_fields(rows)
         counts["inference_count"] = rows
         counts["execution_count"] = 1
@@ -82,7 +88,7 @@ def tally(replies: list[InferReply], rows: int, started: float,
         for r in ok:  # per request: locals, one pass
             k = requests_in(r.id) if grouped else 1
             queued = r.queue_us
-            took = queued + r.compute_us
+            took = queued + max(r.compute_us + output_us, least_us)
             total_us += took * k
             queue_us += queued * k
             name = LAT[bisect.bisect_left(LATENCY_BUCKETS_US, took)]
