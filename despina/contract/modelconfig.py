@@ -17,6 +17,7 @@ from .datatypes import CONFIG_TO_V2
 from .errors import ConfigError, InvalidArgument
 from .sequence import DEFAULT_IDLE_US
 from .sequence import validate as validate_sequence
+from .unsupported import refuse as refuse_unsupported
 
 ModelConfig = pb.ModelConfig
 
@@ -284,6 +285,7 @@ def validate(config: Any) -> None:
             raise ConfigError(f"model '{model}': instance group {group.name} has kind KIND_CPU but "
                               "specifies one or more GPUs")
     validate_batch_io(config, scheduling)
+    refuse_unsupported(config)
 
 
 def _chunks(dims: Any) -> list[int]:

@@ -20,6 +20,7 @@ from ..contract.modelconfig import (
     to_dict,
     validate,
 )
+from ..contract.unsupported import ignored
 from ..registry import ModelFiles, Registry
 from ..registry.base import check_relative
 from ..workers.backends import backend_class
@@ -29,6 +30,9 @@ log = logging.getLogger("despina.control")
 GUESS_BY_FILE = {"model.onnx": "onnxruntime", "model.pt": "pytorch", "model.pt2": "pytorch",
                  "model.savedmodel": "tensorflow", "model.py": "python"}
 GUESS_BY_SUFFIX = {Path(filename).suffix: backend for filename, backend in GUESS_BY_FILE.items()}
+# the warnings about ignored fields said so far: a model read again unchanged (a poll, a load call, a
+# control plane taking over) does not say them again
+_warned: set[str] = set()
 
 
 def select_versions(config: Any, available: list[int]) -> list[int]:
@@ -80,6 +84,7 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
         backend.auto_complete(config, folder / str(selected[-1]))
     complete(config)
     validate(config)
+    _warn_ignored(config)
     as_dict = to_dict(config)
     if ensemble:
         Ensemble.from_config(as_dict)  # the graph alone; the models it calls are checked as they come
@@ -90,6 +95,16 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
         files=tuple(f.pack() for f in model.files) if registry.remote else (),
         footprint=footprint(as_dict, model.size(selected), len(selected)),
         labels=_labels(registry, model, config, paths))
+
+
+def _warn_ignored(config: Any) -> None:
+    fields = ignored(config)
+    if not fields:
+        return
+    line = f"model '{config.name}': Despina ignores {'; '.join(fields)}"
+    if line not in _warned:
+        _warned.add(line)
+        log.warning("%s", line)
 
 
 def _labels(registry: Registry, model: ModelFiles, config: Any, paths: set[str]
