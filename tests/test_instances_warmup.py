@@ -138,6 +138,33 @@ model_warmup [
 ]
 '''
 
+# Answers with the instance that ran it; each instance writes its name down when it loads.
+WHO = '''
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.instance = args["model_instance_name"]
+        with open(json.loads(args["model_config"])["parameters"]["log"]["string_value"], "a") as log:
+            log.write(self.instance + "\\n")
+
+    def execute(self, requests):
+        who = np.array([self.instance.encode()], dtype=np.object_)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("WHO", who)]) for _ in requests]
+'''
+PASSIVE_CONFIG = '''
+name: "passive"
+backend: "python"
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "WHO", data_type: TYPE_STRING, dims: [ 1 ] } ]
+instance_group [ { name: "standby", count: 2, kind: KIND_CPU, passive: true }, { name: "serving", kind: KIND_CPU } ]
+parameters { key: "log" value: { string_value: "LOG" } }
+'''
+
 
 def install_toy_backend(site: Path) -> None:
     """A tiny installed distribution: a module, and a dist-info whose entry point names it."""
@@ -180,7 +207,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str, site: Path,
     (warm / "warmup").mkdir()
     (warm / "warmup" / "x.bin").write_bytes(np.array([1.5, 2.5, 3.5], dtype=np.float32).tobytes())
     (warm / "warmup" / "n.bin").write_bytes(np.array([7, 8], dtype=np.int32).tobytes())
-    yield from module_server(repo, tmp_path_factory, redis_url, ("toy", "slow", "warm"),
+    write_model(repo, "passive", PASSIVE_CONFIG.replace('"LOG"', json.dumps(str(warm_log.with_name("loaded")))),
+                WHO)
+    yield from module_server(repo, tmp_path_factory, redis_url, ("toy", "slow", "warm", "passive"),
                              env={"PYTHONPATH": str(site)})
 
 
@@ -221,6 +250,9 @@ def test_plan_follows_the_instance_groups() -> None:
     assert [(i.name, i.kind, i.device, i.threads) for i in gpu] == [
         ("m_0_0", "GPU", 1, 3), ("m_0_1", "GPU", 1, 3), ("side_0", "CPU", 0, 3)]
     assert [i.kind for i in plan(spec_with([{"count": 1, "kind": "KIND_MODEL"}]), 0)] == ["MODEL"]
+    standby = plan(spec_with([{"count": 2, "kind": "KIND_CPU", "passive": True}, {"kind": "KIND_CPU"}]), 0)
+    assert [(i.name, i.passive) for i in standby] == [("m_0_0", True), ("m_0_1", True), ("m_1_0", False)]
+    assert spec_with([{"count": 2, "passive": True}, {"count": 3}]).instance_count() == 3
 
 
 def test_a_gpu_that_is_not_there_is_a_load_error() -> None:
@@ -292,6 +324,14 @@ for name in ("ts", "tf"):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "install despina[torch]" in out.splitlines()[0]
     assert "install despina[tensorflow]" in out.splitlines()[1]
+
+
+def test_passive_instances_load_but_take_no_requests(server: Server, warm_log: Path) -> None:
+    """Triton's `passive: true`: the group's instances are loaded, and the scheduler sends them nothing."""
+    assert sorted(warm_log.with_name("loaded").read_text().split()) == ["serving_0", "standby_0", "standby_1"]
+    answers, _ = post_together(f"{server.url}/fn/passive", [{"X": [float(i)]} for i in range(6)])
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    assert {a.json()["WHO"][0] for a in answers} == {"serving_0"}
 
 
 # -- warmup ----------------------------------------------------------------------------------------

@@ -94,8 +94,9 @@ class ModelSpec:
         return self.by_name.get(f"out:{name}")
 
     def instance_count(self) -> int:
+        """The instances that take requests (a passive group's are loaded and take none)."""
         groups = self.config.get("instance_group") or [{"count": 1}]
-        return max(1, sum(int(g.get("count", 1)) for g in groups))
+        return max(1, sum(int(g.get("count", 1)) for g in groups if not g.get("passive", False)))
 
     def metadata(self, versions: list[int]) -> dict[str, Any]:
         return {

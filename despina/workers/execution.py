@@ -79,13 +79,15 @@ class Execution:
         self.count = spec.instance_count()
         self.instances: asyncio.Queue[Backend] = asyncio.Queue()  # those free now
         self.backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
+        self.standby: list[Backend] = []  # passive instances: loaded and warmed up, given no requests
         self.executor = ThreadPoolExecutor(max_workers=self.count, thread_name_prefix=f"{spec.name}-")
         self.row_us: float | None = None  # moving average of a batch's cost per row (µs)
         self.text: frozenset[str] = frozenset()  # BYTES inputs the backend takes as UTF-8 only (from load)
 
     async def load(self) -> None:
         """Load every instance of the instance groups, then run the warmup samples on each. `count` may
-        change: the config's count on every GPU for KIND_GPU without `gpus`, say."""
+        change: the config's count on every GPU for KIND_GPU without `gpus`, say. Passive instances are
+        loaded and warmed up too, and left out of `count`, `instances` and `backends`."""
         cls = backend_class(self.spec.backend)
         self.text = text_inputs(self.spec, cls)
         version_dir = self.path / str(self.version)
@@ -93,11 +95,12 @@ class Execution:
         gpus = await loop.run_in_executor(self.executor, cls.gpu_count)
         instances = plan_instances(self.spec, gpus, self.threads)
         warmups = samples(self.spec, self.path)
+        active = sum(not i.passive for i in instances)
         if len(instances) != self.count:
             self.executor.shutdown(wait=False)
             self.executor = ThreadPoolExecutor(max_workers=len(instances),
                                                thread_name_prefix=f"{self.spec.name}-")
-            self.count = len(instances)
+        self.count = active
         for instance in instances:
             backend = cls(self.spec, version_dir, instance)
             backend.caller = self.caller
@@ -105,8 +108,11 @@ class Execution:
                 cast(Any, backend).on_response = self._from_thread(loop)
             try:
                 await _loaded(self.executor, backend)
-                self.instances.put_nowait(backend)
-                self.backends.append(backend)
+                if instance.passive:
+                    self.standby.append(backend)
+                else:
+                    self.instances.put_nowait(backend)
+                    self.backends.append(backend)
                 await loop.run_in_executor(self.executor, warmup, backend, self.spec, warmups)
             except DespinaError:
                 raise
@@ -115,8 +121,8 @@ class Execution:
                 raise ConfigError(f"model '{self.spec.name}': loading failed: {exc}") from None
 
     async def unload(self) -> None:
-        while not self.instances.empty():
-            backend = self.instances.get_nowait()
+        while not self.instances.empty() or self.standby:
+            backend = self.instances.get_nowait() if not self.instances.empty() else self.standby.pop()
             await asyncio.get_running_loop().run_in_executor(self.executor, backend.unload)
         self.executor.shutdown(wait=False)
 

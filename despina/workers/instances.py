@@ -13,7 +13,8 @@ def plan(spec: ModelSpec, gpu_count: int, threads: int = 1) -> list[Instance]:
 
     KIND_CPU: `count` on the CPU. KIND_GPU: `count` on each GPU in `gpus` (every GPU when empty); an
     error when a GPU is missing, never a silent CPU run. KIND_AUTO: as KIND_GPU when there is a GPU,
-    else on the CPU. KIND_MODEL: `count` instances that place themselves.
+    else on the CPU. KIND_MODEL: `count` instances that place themselves. A `passive` group's instances
+    are loaded and given no requests.
     """
     # Triton names the group it makes for a config without one after the model, and an unnamed
     # group of the config `<model>_<index>`; an instance is `<group>_<n>`, the same on every GPU
@@ -40,6 +41,7 @@ def plan(spec: ModelSpec, gpu_count: int, threads: int = 1) -> list[Instance]:
             places = [("CPU" if kind == "KIND_CPU" else "MODEL", 0)] * count
         else:
             raise ConfigError(f"{where}: field 'kind' {kind} is not supported")
-        instances += [Instance(f"{name}_{i % count}", k, device, threads)
+        passive = bool(group.get("passive", False))
+        instances += [Instance(f"{name}_{i % count}", k, device, threads, passive)
                       for i, (k, device) in enumerate(places)]
     return instances

@@ -31,12 +31,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Instance:
-    """Where one instance runs: `kind` is "CPU", "GPU" or "MODEL"; `device` is the GPU index."""
+    """Where one instance runs: `kind` is "CPU", "GPU" or "MODEL"; `device` is the GPU index. A passive one
+    is loaded and warmed up, and given no requests (Triton's `passive: true`)."""
 
     name: str
     kind: str = "CPU"
     device: int = 0
     threads: int = 1
+    passive: bool = False
 
 
 class Request(dict[str, np.ndarray]):
