@@ -6,6 +6,7 @@ that reading checks the config against the model's tensors, as Triton's onnxrunt
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -58,6 +59,32 @@ def test_without_settings_the_worker_chooses(tmp_path: Path) -> None:
     assert options.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
     assert (options.intra_op_num_threads, options.inter_op_num_threads) == (2, 1)
     assert options.enable_cpu_mem_arena and options.enable_mem_pattern
+
+
+# The smallest custom-operation library onnxruntime takes: its RegisterCustomOps adds no operation, and
+# writes down that it was called
+OPS_LIBRARY = r"""
+#include <stdio.h>
+void *RegisterCustomOps(void *options, const void *api) {
+    FILE *mark = fopen(MARK, "a");
+    if (mark) { fputs("registered\n", mark); fclose(mark); }
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build the library")
+def test_model_operations_libraries_are_registered_with_the_session(tmp_path: Path) -> None:
+    """Triton's onnxruntime backend registers each model_operations.op_library_filename with the session
+    (its custom operations); one that onnxruntime cannot take is the model's load error."""
+    source, library, mark = tmp_path / "ops.c", tmp_path / "libops.so", tmp_path / "mark"
+    source.write_text(OPS_LIBRARY)
+    subprocess.run(["cc", "-shared", "-fPIC", f'-DMARK="{mark}"', "-o", str(library), str(source)], check=True)
+    loaded(tmp_path, f'model_operations {{ op_library_filename: "{library}" }}')
+    assert mark.read_text().split() == ["registered"]  # by the worker's session
+    missing = tmp_path / "libmissing.so"
+    with pytest.raises(ConfigError, match=f"model_operations: onnxruntime cannot load '{missing}'"):
+        loaded(tmp_path / "again", f'model_operations {{ op_library_filename: "{missing}" }}')
 
 
 @pytest.mark.parametrize(("level", "expected"), [

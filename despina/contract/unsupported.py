@@ -82,8 +82,8 @@ def ignored(config: Any) -> list[str]:
         found.append("ensemble_scheduling.max_inflight_requests (an ensemble's requests are not limited)")
     if config.cc_model_filenames:
         found.append("cc_model_filenames (default_model_filename is loaded on every device)")
-    if config.model_operations.op_library_filename:
-        found.append("model_operations (no custom operation library is loaded)")
+    if config.model_operations.op_library_filename and config.backend != "onnxruntime":
+        found.append(f"model_operations (backend '{config.backend}' loads no custom operation library)")
     if config.HasField("model_metrics"):
         found.append("model_metrics")
     return found

@@ -162,8 +162,9 @@ def session_options(model: str, config: dict[str, Any], threads: int) -> ort.Ses
     """The session options a config asks for, as Triton's onnxruntime backend reads them: the graph
     optimization level, and the parameters execution_mode (0 sequential, 1 parallel),
     intra_op_thread_count and inter_op_thread_count (0: the worker's choice, `threads` and 1),
-    enable_mem_arena, enable_mem_pattern and session.use_device_allocator_for_initializers. A value
-    onnxruntime cannot take is the model's load error, naming the parameter."""
+    enable_mem_arena, enable_mem_pattern and session.use_device_allocator_for_initializers; and the custom
+    operation libraries of model_operations. A value onnxruntime cannot take is the model's load error,
+    naming the parameter or library."""
     params = string_parameters(config)
     options = ort.SessionOptions()
     level = int((config.get("optimization") or {}).get("graph", {}).get("level", 0))
@@ -182,6 +183,12 @@ def session_options(model: str, config: dict[str, Any], threads: int) -> ort.Ses
     for key in SESSION_ENTRIES:
         if key in params:
             options.add_session_config_entry(key, params[key])
+    for library in (config.get("model_operations") or {}).get("op_library_filename") or ():
+        try:
+            options.register_custom_ops_library(library)
+        except Exception as exc:  # onnxruntime's own error: missing file, no RegisterCustomOps, ...
+            raise ConfigError(f"model '{model}': model_operations: onnxruntime cannot load '{library}': "
+                              f"{exc}") from None
     return options
 
 
