@@ -78,3 +78,11 @@ def test_a_plain_config_says_nothing(tmp_path: Path, caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING, logger="despina.control"):
         load_model(folder(tmp_path, "plain", PYTHON + "dynamic_batching { }\ninstance_group [ { count: 2 } ]"))
     assert not [r for r in caplog.records if "plain" in r.getMessage()]
+
+
+def test_ignored_fields_present_but_empty_say_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    empty = ('instance_group [ { rate_limiter { } } ]\noptimization { cuda { graphs: false } }\n'
+             'model_metrics { }\n')
+    with caplog.at_level(logging.WARNING, logger="despina.control"):
+        load_model(folder(tmp_path, "empty_fields", PYTHON + empty))
+    assert not [r for r in caplog.records if "empty_fields" in r.getMessage()]

@@ -50,11 +50,12 @@ def refuse(config: Any) -> None:
 
 
 def ignored(config: Any) -> list[str]:
-    """The fields set in `config` (a validated ModelConfig) that Despina ignores, each with why."""
+    """The fields set in `config` (a validated ModelConfig) that Despina ignores, each with why; a field
+    present with nothing in it (as a config sent back from GET .../config may have) is no setting."""
     found = []
     for index, group in enumerate(config.instance_group):
         where = f"instance_group[{index}]"
-        if group.HasField("rate_limiter"):
+        if group.rate_limiter.resources or group.rate_limiter.priority:
             found.append(f"{where}.rate_limiter (Despina has no rate limiter)")
         if group.host_policy:
             found.append(f"{where}.host_policy (Despina has no host policies)")
@@ -66,7 +67,8 @@ def ignored(config: Any) -> list[str]:
     opt = config.optimization
     if opt.priority != pb.ModelOptimizationPolicy.PRIORITY_DEFAULT:
         found.append("optimization.priority")
-    if opt.HasField("cuda"):
+    cuda = opt.cuda
+    if cuda.graphs or cuda.busy_wait_events or cuda.graph_spec or cuda.output_copy_stream:
         found.append("optimization.cuda (CUDA graphs and streams)")
     if opt.gather_kernel_buffer_threshold:
         found.append("optimization.gather_kernel_buffer_threshold")
@@ -84,6 +86,6 @@ def ignored(config: Any) -> list[str]:
         found.append("cc_model_filenames (default_model_filename is loaded on every device)")
     if config.model_operations.op_library_filename and config.backend != "onnxruntime":
         found.append(f"model_operations (backend '{config.backend}' loads no custom operation library)")
-    if config.HasField("model_metrics"):
+    if config.model_metrics.metric_control:
         found.append("model_metrics")
     return found
