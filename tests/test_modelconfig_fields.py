@@ -2,13 +2,17 @@
 Despina lacks what they name), else named in one warning per model, never dropped without a word."""
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
 import pytest
 
+from despina.contract.errors import ConfigError
 from despina.control.repository import load_model
+from despina.examples import build_add_sub
 
+from .test_instances_warmup import runner_for
 from .test_triton_configs import folder, refused
 
 PYTHON = """
@@ -37,8 +41,12 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ 3 ] } ]
     ('runtime: "model.py"',
      "field 'runtime' 'model.py': Despina runs backend 'python' its own way (leave 'runtime' out, or "
      "give 'libtriton_python.so')"),
-    ('model_repository_agents { agents [ { name: "checksum" } ] }',
-     "field 'model_repository_agents': repository agent 'checksum' is not supported by Despina"),
+    ('model_repository_agents { agents [ { name: "decrypt" } ] }',
+     "field 'model_repository_agents': repository agent 'decrypt' is not supported by Despina"),
+    ('model_repository_agents { agents [ { name: "checksum" parameters { key: "SHA1:1/model.py" value: "0" } } ] }',
+     "checksum agent: unsupported checksum algorithm: SHA1 (Triton's agent has MD5 only)"),
+    ('model_repository_agents { agents [ { name: "checksum" parameters { key: "1/model.py" value: "0" } } ] }',
+     "checksum agent: failed to parse key: 1/model.py"),
 ])
 def test_what_triton_refuses_outside_tensorrt_or_despina_lacks_is_refused(
         tmp_path: Path, extra: str, expected: str) -> None:
@@ -86,3 +94,32 @@ def test_ignored_fields_present_but_empty_say_nothing(tmp_path: Path, caplog: py
     with caplog.at_level(logging.WARNING, logger="despina.control"):
         load_model(folder(tmp_path, "empty_fields", PYTHON + empty))
     assert not [r for r in caplog.records if "empty_fields" in r.getMessage()]
+
+
+async def test_the_checksum_agent_loads_a_model_only_when_its_files_digests_are_the_configs(
+        tmp_path: Path) -> None:
+    """Triton's checksum repository agent: each `MD5:<file>` parameter names a file of the model's folder
+    and its MD5; the worker that loads the model checks them first."""
+    folder = tmp_path / "checked"
+    build_add_sub(folder / "1" / "model.onnx")
+    md5 = hashlib.md5((folder / "1" / "model.onnx").read_bytes()).hexdigest()
+
+    def config(key: str, value: str) -> None:
+        (folder / "config.pbtxt").write_text(
+            'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nmodel_repository_agents { agents [ { name: '
+            f'"checksum" parameters {{ key: "{key}" value: "{value}" }} }} ] }}\n')
+
+    config("MD5:1/model.onnx", md5)
+    runner = runner_for(folder)
+    await runner.load()
+    await runner.stop()
+    config("md5:1/model.onnx", md5.upper())  # the algorithm's name and the digest's hex in either case
+    await runner_for(folder).load()
+    for key, value, error in (
+            ("MD5:1/model.onnx", "0" * 32, f"mismatched MD5 hash for file 1/model.onnx, expect: {'0' * 32}, "
+                                           f"got: {md5}"),
+            ("MD5:1/missing.onnx", md5, "checksum agent: cannot read file 1/missing.onnx: No such file"),
+            ("MD5:../checked/1/model.onnx", md5, "checksum agent: invalid file path '../checked/1/model.onnx'")):
+        config(key, value)
+        with pytest.raises(ConfigError, match=error.replace("(", r"\(")):
+            await runner_for(folder).load()

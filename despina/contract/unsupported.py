@@ -44,9 +44,18 @@ def refuse(config: Any) -> None:
                           f"'{config.backend}' its own way (leave 'runtime' out, or give "
                           f"'libtriton_{config.backend}.so')")
     for agent in config.model_repository_agents.agents:
-        raise ConfigError(f"model '{model}': field 'model_repository_agents': repository agent "
-                          f"'{agent.name}' is not supported by Despina (it would change or check the model's "
-                          "files before load); remove it")
+        if agent.name != "checksum":
+            raise ConfigError(f"model '{model}': field 'model_repository_agents': repository agent "
+                              f"'{agent.name}' is not supported by Despina (it would change or check the "
+                              "model's files before load; Despina has Triton's 'checksum' agent only)")
+        for key in agent.parameters:
+            algorithm, colon, _ = key.partition(":")
+            if not colon:
+                raise ConfigError(f"model '{model}': checksum agent: failed to parse key: {key} (give "
+                                  "'MD5:<file in the model's folder>')")
+            if algorithm.lower() != "md5":
+                raise ConfigError(f"model '{model}': checksum agent: unsupported checksum algorithm: "
+                                  f"{algorithm} (Triton's agent has MD5 only)")
 
 
 def ignored(config: Any) -> list[str]:

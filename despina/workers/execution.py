@@ -18,7 +18,7 @@ from .. import clock
 from ..contract.errors import Code, ConfigError, DespinaError
 from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply
-from . import answers
+from . import answers, checksums
 from .backends import Backend, backend_class
 from .backends.base import text_inputs
 from .instances import plan as plan_instances
@@ -92,6 +92,8 @@ class Execution:
         self.text = text_inputs(self.spec, cls)
         version_dir = self.path / str(self.version)
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.executor, checksums.verify, self.spec.name, self.path,
+                                   self.spec.config)
         gpus = await loop.run_in_executor(self.executor, cls.gpu_count)
         instances = plan_instances(self.spec, gpus, self.threads)
         warmups = samples(self.spec, self.path)
