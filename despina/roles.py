@@ -33,14 +33,15 @@ STUCK_GRACE_S = 5.0
 STOP_MARGIN_S = 15.0
 
 
-def exit_if_stuck(settings: Settings) -> Callable[[], None]:
+def exit_if_stuck(settings: Settings, more_s: float = 0.0) -> Callable[[], None]:
     """What a role calls when it is told to stop: if the process still runs when its stop should long be
     over, it exits anyway. Its stop waits on Redis in places, and a Redis that hangs (frozen, or a host
     lost without a reset) would hold it for ever; under `despina serve` the supervisor kills a child
     that overstays, but when serve itself dies (SIGKILL, the OOM killer) its children get the kernel's
-    SIGTERM (embedded.die_with_parent) and nobody is left to kill them. Only the first call arms it."""
+    SIGTERM (embedded.die_with_parent) and nobody is left to kill them. Only the first call arms it.
+    `more_s`: what the role's stop may take besides its drains (a worker's handover)."""
     armed = threading.Event()
-    seconds = 2 * settings.drain_timeout_s + STOP_MARGIN_S
+    seconds = 2 * settings.drain_timeout_s + more_s + STOP_MARGIN_S
 
     def leave() -> None:
         log.error("still running %g s after being told to stop (a hang in the stop, Redis not "
@@ -178,7 +179,7 @@ def run_worker(settings: Settings) -> None:
         worker = Worker(settings, redis)
         quiet_collector()
         loop = asyncio.get_running_loop()
-        stuck = exit_if_stuck(settings)
+        stuck = exit_if_stuck(settings, settings.worker_handover_s)
 
         def stop() -> None:
             stuck()

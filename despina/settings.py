@@ -83,6 +83,9 @@ class Settings:
     # Set at start only: the trace API may not change it (gateway/trace.py)
     trace_file: str = ""
     drain_timeout_s: float = 30.0
+    # a worker told to stop serves on while its models load on other workers, at most this long (0: it drains
+    # at once)
+    worker_handover_s: float = 10.0
     # Security (see README "Security"): the secrets stay out of repr() so that no log line shows them.
     api_keys: str | None = field(default=None, repr=False)  # entries separated by ';' or newlines
     api_keys_file: str | None = None        # one entry a line: KEY or KEY: model1,model2

@@ -5,7 +5,8 @@ heartbeats stop. Fields: `info` (WorkerInfo JSON), `models` ({model: {version: s
 that serve), `detail` ({model: {version: VersionStatus}}), `state` (state_digest of those two and of the
 clock's warning), `cache` (artifact cache counters), `custom_metrics` (the metrics its Python models made,
 msgpack; custom_metrics.py), `clock` ({"offset_s": its clock's offset to Redis's, "warning": why that is
-too much, or ""}: clock.py).
+too much, or ""}: clock.py), `leaving` ("1" once the worker was told to stop and hands its models over:
+no placement gives it any more, and it lets go of what it has once that loaded elsewhere).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ class WorkerStatus:
     cache: dict[str, int] = field(default_factory=dict)
     ensembles: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the versions it runs itself
     clock: dict[str, Any] = field(default_factory=dict)  # offset_s, warning: at its last change of state
+    leaving: bool = False  # told to stop: no home for models, and it serves on until its own have another
 
     def version(self, model: str, version: int) -> VersionStatus | None:
         return self.detail.get(model, {}).get(version)
@@ -84,7 +86,7 @@ class WorkerStatus:
                   for name, versions in orjson.loads(h.get(b"detail", b"{}")).items()}
         ensembles = {name: tuple(vs) for name, vs in orjson.loads(h.get(b"ensembles", b"{}")).items()}
         return cls(info, detail, orjson.loads(h.get(b"cache", b"{}")), ensembles,
-                   orjson.loads(h.get(b"clock", b"{}")))
+                   orjson.loads(h.get(b"clock", b"{}")), h.get(b"leaving") == b"1")
 
 
 def pack_detail(detail: dict[str, dict[int, VersionStatus]]) -> bytes:
@@ -92,9 +94,11 @@ def pack_detail(detail: dict[str, dict[int, VersionStatus]]) -> bytes:
                          for name, versions in detail.items()})
 
 
-def state_digest(models: bytes, detail: bytes, clock_warning: str = "") -> bytes:
+def state_digest(models: bytes, detail: bytes, clock_warning: str = "", leaving: bool = False) -> bytes:
     """The `state` field of a worker's hash: readers of `models` and `detail` (every gateway, twice a second)
     read them again only when it moved; a heartbeat rewrites them unchanged most of the time. A clock
-    warning that comes or goes moves it too, so that the control plane's status shows it."""
-    return hashlib.blake2b(models + b"\0" + detail + b"\0" + clock_warning.encode(),
+    warning that comes or goes moves it too, so that the control plane's status shows it, and so does the
+    worker's leaving, so that placement sees it."""
+    tail = b"\0leaving" if leaving else b""
+    return hashlib.blake2b(models + b"\0" + detail + b"\0" + clock_warning.encode() + tail,
                            digest_size=8).hexdigest().encode()

@@ -24,6 +24,7 @@ from .placement import (
     committed,
     eligible,
     ensemble_mates,
+    handing_over,
     need,
     out_of_memory,
     partners,
@@ -150,17 +151,20 @@ class Lifecycle:
         except DespinaError as exc:
             self.shortfall[e.name] = exc.message
             return replace(e, workers=())
-        kept_workers = tuple(w for w in e.workers if w not in excluded)
+        leaving = self.workers.leaving
+        kept_workers = tuple(w for w in e.workers if w not in excluded and w not in leaving)
         kept = e if kept_workers == e.workers else replace(e, workers=kept_workers)  # (a copy costs)
         near = partners(e.name, mates, self.catalog.entries)
-        workers, why = place(kept, self.workers.infos, used, count, excluded, near)
+        homes = self.workers.homes
+        workers, why = place(kept, homes, used, count, excluded, near)
+        workers += handing_over(e, workers, self.workers.status, self.workers.leaving)
         if workers != e.workers or why != self.shortfall.get(e.name, ""):
             placed.setdefault((workers, why), []).append(e.name)
         if why:
             self.shortfall[e.name] = why
         else:
             self.shortfall.pop(e.name, None)
-        if not workers and why and out_of_memory(kept, self.workers.infos, used, excluded):
+        if not workers and why and out_of_memory(kept, homes, used, excluded):
             self.no_room.add(e.name)
         else:
             self.no_room.discard(e.name)
@@ -228,8 +232,8 @@ class Lifecycle:
         if not any(w in excluded for w in live):
             return False
         n = need(e)
-        return any(wid not in tried and wid not in excluded and eligible(n, s.info, used.get(wid, 0)) is None
-                   for wid, s in self.workers.status.items())
+        return any(wid not in tried and wid not in excluded and eligible(n, info, used.get(wid, 0)) is None
+                   for wid, info in self.workers.homes.items())
 
     def _switch_versions(self, e: CatalogEntry, now: float) -> CatalogEntry:
         """Once every new version is READY everywhere (or failed), the retiring ones go, after a grace."""

@@ -5,11 +5,11 @@ Pure functions of the catalog and the workers' reported capacity, so each rule i
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 
 from ..contract.catalog import CatalogEntry
-from ..contract.cluster import WorkerInfo
+from ..contract.cluster import WorkerInfo, WorkerStatus
 from ..contract.ensemble import called_by, is_ensemble
 from ..contract.errors import ConfigError
 from ..contract.modelconfig import parameter_int
@@ -181,3 +181,21 @@ def place(entry: CatalogEntry, workers: Mapping[str, WorkerInfo], used: Mapping[
     if excluded and not reasons and not candidates:
         return chosen, f"it failed to load on worker(s) {', '.join(sorted(excluded))}"
     return chosen, "; ".join(reasons) or f"{len(chosen)} of {wanted} workers available"
+
+
+def handing_over(entry: CatalogEntry, homes: tuple[str, ...], status: Mapping[str, WorkerStatus],
+                 leaving: Set[str]) -> tuple[str, ...]:
+    """The `leaving` workers (told to stop) that keep the model while they hand it over: those of its
+    workers that serve it, until each of its new `homes` (place()'s, from the workers not leaving) has
+    loaded every version, or failed to. With no home for it, none: a worker has nothing to wait for."""
+    serving = tuple(w for w in entry.workers if w in leaving and w in status
+                    and any(status[w].ready(entry.name, v) for v in entry.versions))
+    if not serving or not homes:
+        return ()
+    for wid in homes:
+        for v in entry.versions:
+            rev = entry.revisions.get(v)
+            if v not in entry.failed and not (status[wid].ready(entry.name, v, rev)
+                                              or status[wid].failed(entry.name, v, rev or "")):
+                return serving
+    return ()

@@ -145,7 +145,9 @@ class Workers:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis, self.keys = redis, keys
         self.status: dict[str, WorkerStatus] = {}
-        self.infos: dict[str, WorkerInfo] = {}  # each live worker's WorkerInfo (placement reads it per model)
+        self.infos: dict[str, WorkerInfo] = {}  # each live worker's WorkerInfo
+        self.leaving: set[str] = set()  # live workers told to stop: they hand their models over (worker.py)
+        self.homes: dict[str, WorkerInfo] = {}  # infos of those not leaving: placement reads it per model
         self._digests: dict[str, bytes] = {}  # worker id -> the digest its status was read with
         self.changes = 0  # counts the refreshes that found a worker come, gone or changed
         self._placed: frozenset[str] | None = None  # what Keys.placed holds, as last written (None: unknown)
@@ -190,6 +192,8 @@ class Workers:
             self.changes += 1
         self.status, self._digests = status, digests_now
         self.infos = {wid: s.info for wid, s in status.items()}
+        self.leaving = {wid for wid, s in status.items() if s.leaving}
+        self.homes = {wid: info for wid, info in self.infos.items() if wid not in self.leaving}
         return dead
 
     async def mark_placed(self, holder: str) -> None:

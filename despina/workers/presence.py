@@ -62,6 +62,7 @@ class Presence:
     gpus: GpuReader
     beat_s: float
     skew: clock.Skew
+    leaving: bool
     _loading_from: dict[Key, Path]
     _cache: ArtifactCache | None
     _kick: asyncio.Event
@@ -186,7 +187,8 @@ class Presence:
             packed, detail, warning = orjson.dumps(models), pack_detail(self.detail()), self.skew.warning()
             fields: dict[str, str | bytes | float] = {
                 "info": self.info.dumps(), "models": packed, "detail": detail,
-                "state": state_digest(packed, detail, warning), "ensembles": orjson.dumps(ensembles),
+                "state": state_digest(packed, detail, warning, self.leaving), "leaving": int(self.leaving),
+                "ensembles": orjson.dumps(ensembles),
                 "clock": orjson.dumps({"offset_s": round(clock.offset(), 3), "warning": warning}),
                 "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
                 "response_cache": orjson.dumps(self.response_cache.figures() if self.response_cache else {}),

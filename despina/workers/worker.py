@@ -4,7 +4,8 @@ It follows the catalog (at once on a catalog event, else every second, reading i
 generation moved): loads what names it, unloads what no longer does, and reloads a version whose files
 changed, the old runner serving until the new one is READY (loading.py). Files of a remote registry
 come through the local artifact cache. Its heartbeat hash tells the others its capacity and every
-version's state; it expires when the worker dies (presence.py).
+version's state; it expires when the worker dies (presence.py). Told to stop, it hands its models over
+before it drains: it says it is leaving, and serves on while the control plane loads them elsewhere.
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ class Worker(Loading):
         self._load_turns = asyncio.Semaphore(settings.model_load_threads)
         self.placed = False  # a placement saw this worker (Keys.placed): its readiness (health.py) needs it
         self.leads = False   # whether a control plane led at the last sync
+        self.leaving = False  # told to stop, it hands its models over (_hand_over): its heartbeat says so
         self._unplaced_warn_at = time.monotonic() + UNPLACED_WARN_S
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
@@ -132,6 +134,7 @@ class Worker(Loading):
                 except TimeoutError:
                     pass
                 self._kick.clear()
+            await self._hand_over()
         finally:
             drained = True
             try:
@@ -184,6 +187,40 @@ class Worker(Loading):
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    async def _hand_over(self) -> None:
+        """Before the drain: say it is leaving (its heartbeat), and serve on while the control plane loads its
+        models on other workers and then takes them off this one (the catalog), so that a model of
+        `replicas` 1 does not pause. Until the catalog places none of them here, no control plane leads, or
+        DESPINA_WORKER_HANDOVER_S; with no other worker, the control plane takes them off at once."""
+        seconds = self.settings.worker_handover_s
+        if not (seconds and self.runners and self.leads):
+            return
+        self.leaving = True
+        log.info("worker %s: stopping; its models move to other workers first (at most %g s)", self.id,
+                 seconds)
+        deadline = time.monotonic() + seconds
+        failed = logs.Throttled(log)
+        await self._announce()
+        while self._placed_here() and self.leads and (left := deadline - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(self._kick.wait(), min(1.0, left))
+            except TimeoutError:
+                pass
+            self._kick.clear()
+            try:
+                await self.sync()
+            except (RedisError, ConnectionError, OSError) as exc:
+                failed.log("worker %s: %s", self.id, trouble(exc))
+        if self._placed_here():
+            why = f"within {seconds:g} s (DESPINA_WORKER_HANDOVER_S)" if self.leads \
+                else "(no control plane leads)"
+            log.warning("worker %s: its models not all handed over %s; draining", self.id, why)
+
+    def _placed_here(self) -> bool:
+        """Whether the catalog (as last read) places here a model that a runner here serves."""
+        return any(e.serving and self.id in e.workers and any((e.name, v) in self.runners for v in e.versions)
+                   for e in self.catalog.values())
+
     async def drain(self) -> None:
         """Finish every request already read, reply, acknowledge, unload."""
         for _, task in self.loading.values():
@@ -219,6 +256,8 @@ class Worker(Loading):
                 return  # Redis lost its data (restarted without persistence): serve on until republished
             self.catalog = {e.name: e for e in map(CatalogEntry.loads, raw.values())}
             self._generation = generation
+        if self.leaving:  # handing its models over (_hand_over): it loads none, and they stop in its drain
+            return
         self._steps.clear()  # the catalog's retiring versions may have changed
         wanted: dict[Key, tuple[CatalogEntry, str]] = {}
         for entry in self.catalog.values():
