@@ -96,6 +96,7 @@ class Settings:
     sagemaker: bool = False
     sagemaker_model: str | None = None      # what /invocations runs; else the repository's only model
     sagemaker_ping_mode: str = "ready"      # /ping answers as /v2/health/ready, or as .../live
+    sagemaker_inference_type: str = "infer"  # /invocations is V2 infer, or generate / generate_stream
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -184,9 +185,9 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
     port (SAGEMAKER_BIND_TO_PORT, else 8080), every address, a request timeout under SageMaker's 60 s,
     the metrics port (the first of SAGEMAKER_SAFE_PORT_RANGE), a body limit that takes batch transform's
     payloads (SAGEMAKER_MAX_PAYLOAD_IN_MB), the artifacts' folder, what /ping answers by (Triton's
-    SAGEMAKER_TRITON_PING_MODE), the model that /invocations runs (SAGEMAKER_TRITON_DEFAULT_MODEL_NAME),
-    and for a multi-model endpoint (SAGEMAKER_MULTI_MODEL=true) explicit model control over a folder the
-    endpoint's loads fill."""
+    SAGEMAKER_TRITON_PING_MODE), the model that /invocations runs (SAGEMAKER_TRITON_DEFAULT_MODEL_NAME)
+    and how (SAGEMAKER_TRITON_INFERENCE_TYPE), and for a multi-model endpoint (SAGEMAKER_MULTI_MODEL=true)
+    explicit model control over a folder the endpoint's loads fill."""
     try:
         values.setdefault("http_port", int(environ.get("SAGEMAKER_BIND_TO_PORT") or 8080))
     except ValueError:
@@ -214,6 +215,12 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
         if ping not in CHOICES["sagemaker_ping_mode"]:
             raise BadSetting(f"SAGEMAKER_TRITON_PING_MODE={ping!r}: expected ready or live")
         values["sagemaker_ping_mode"] = ping
+    kind = environ.get("SAGEMAKER_TRITON_INFERENCE_TYPE", "").strip()
+    if kind and "sagemaker_inference_type" not in values:  # as Triton's image, refused at start if unknown
+        if kind not in CHOICES["sagemaker_inference_type"]:
+            raise BadSetting(f"SAGEMAKER_TRITON_INFERENCE_TYPE={kind!r}: expected infer, generate or "
+                             "generate_stream")
+        values["sagemaker_inference_type"] = kind
     if environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"):
         values.setdefault("sagemaker_model", environ["SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"])
     if environ.get("SAGEMAKER_MULTI_MODEL", "").strip().lower() in _TRUE:
@@ -234,7 +241,8 @@ POSITIVE = ("request_timeout_s", "visibility_timeout_s", "worker_ttl_s", "load_t
 # the settings that take one of a few words (the command line's choices too; the log level in any case)
 CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json"),
             "model_control_mode": ("none", "explicit", "poll"),
-            "s3_addressing_style": ("auto", "path", "virtual"), "sagemaker_ping_mode": ("ready", "live")}
+            "s3_addressing_style": ("auto", "path", "virtual"), "sagemaker_ping_mode": ("ready", "live"),
+            "sagemaker_inference_type": ("infer", "generate", "generate_stream")}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

@@ -54,6 +54,7 @@ class GenerateRoute(Route):
     """POST /v2/models/{model}[/versions/{version}]/generate, or /generate_stream with `stream`."""
 
     decoupled = True
+    several = "/generate answers with one, /generate_stream with all"  # a decoupled model's several responses
 
     def __init__(self, gateway: Gateway, stream: bool) -> None:
         super().__init__(gateway)
@@ -86,7 +87,7 @@ class GenerateRoute(Route):
                 raise DespinaError("streamed answers are not available on this route", Code.INTERNAL)
             done, partial = _streamed(ex, document, answered)
         elif spec.decoupled:
-            done, partial = _collected(spec.name, answered)
+            done, partial = _collected(spec.name, answered, self.several)
         else:
             done = _once(ex, stream, echo, answered)
 
@@ -145,9 +146,9 @@ def _status(code: Code | str) -> int:
     return http.STATUS.get(Code(code), 500)
 
 
-def _collected(model: str, answered: Done) -> tuple[Done, Partial]:
+def _collected(model: str, answered: Done, several: str) -> tuple[Done, Partial]:
     """A decoupled model's answers to /generate: one response is the answer (an error one, its error);
-    several are a 400 that names /generate_stream."""
+    several are a 400 that says where they can be had (`several`)."""
     responses: list[InferReply] = []
 
     def done(result: InferReply | DespinaError) -> None:
@@ -161,7 +162,7 @@ def _collected(model: str, answered: Done) -> tuple[Done, Partial]:
             answered(responses[0] if error is None else DespinaError(error[1], error[0]))
             return
         answered(InvalidArgument(f"model '{model}' sent {len(responses)} responses to this request: "
-                                 "/generate answers with one, /generate_stream with all"))
+                                 f"{several}"))
     return done, responses.append
 
 

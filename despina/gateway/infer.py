@@ -85,13 +85,14 @@ class Route:
         self._queue(ex, model, version, trace, max(woken_by - time.monotonic(), 0.001))
 
     decoupled = False  # whether it takes a decoupled model's several responses to a request
+    streams_at = ".../generate_stream"  # where a decoupled model's several responses can be had
 
     def _queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
                timeout: float | None = None) -> None:
         try:
             if model.spec.decoupled and not self.decoupled:
                 raise InvalidArgument(f"model '{model.spec.name}' is decoupled (it may answer a request with "
-                                      "several responses): call it through .../generate_stream")
+                                      f"several responses): call it through {self.streams_at}")
             self.queue(ex, model, version, trace, timeout)
         except DespinaError as exc:
             fail(ex, exc, trace)

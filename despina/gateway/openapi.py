@@ -337,7 +337,8 @@ def _sagemaker_paths() -> Doc:
     return {
         "/ping": {"get": _ready_op("sagemaker_ping", "SageMaker's health check: server readiness")},
         "/invocations": {"post": _sagemaker_infer_op(
-            "sagemaker_invocations", "SageMaker: run the endpoint's model (a V2 infer request)")},
+            "sagemaker_invocations", "SageMaker: run the endpoint's model (a V2 infer request; with "
+            "SAGEMAKER_TRITON_INFERENCE_TYPE=generate or generate_stream, a generate extension request)")},
         "/models": {
             "get": _op("sagemaker_list", "SageMaker: the multi-model endpoint's loaded models",
                        "model-repository", _ok("Models", _ref("SageMakerModels")), (400, 401, 403),

@@ -10,16 +10,19 @@ SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
 - POST /invocations: a V2 inference request for the endpoint's model (`sagemaker_model`, Triton's
   SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, else the repository's only model): JSON, or binary tensors with
   the content type `application/vnd.sagemaker-triton.binary+json;json-header-size=N` in place of the
-  Inference-Header-Content-Length header. The answer comes back the same way.
+  Inference-Header-Content-Length header. The answer comes back the same way. With Triton's
+  SAGEMAKER_TRITON_INFERENCE_TYPE=generate it is a request of the generate extension instead (generate.py:
+  JSON in, JSON out), with =generate_stream one of generate_stream (its answer server-sent events), as an
+  LLM endpoint built for Triton's image sends them.
 - Multi-model endpoints (SAGEMAKER_MULTI_MODEL=true: explicit model control): POST /models
   {"model_name", "url"} copies the model folder SageMaker unpacked at `url` into the model repository
   as `model_name` and loads it (409 when that name is loaded, 400 on an endpoint without explicit model
   control; an archive of an ensemble and the models it calls loads them under their own names, and
-  DELETE unloads them with it); GET /models (paged:
-  max_results, next_page_token), GET /models/{name}, DELETE /models/{name} (404 when not loaded),
-  and POST /models/{name}/invoke (404 when not loaded; the answer names the X-Amzn-SageMaker-Target-Model
-  SageMaker sends, as Triton's does). The endpoint's models are kept in one Redis hash, so that every
-  gateway of the endpoint answers for them alike.
+  DELETE unloads them with it); GET /models (paged: max_results, next_page_token), GET /models/{name},
+  DELETE /models/{name} (404 when not loaded), and POST /models/{name}/invoke (V2 inference whatever
+  the inference type, as Triton's; 404 when not loaded; the answer names the
+  X-Amzn-SageMaker-Target-Model SageMaker sends, as Triton's does). The endpoint's models are kept in
+  one Redis hash, so that every gateway of the endpoint answers for them alike.
 """
 from __future__ import annotations
 
@@ -44,8 +47,9 @@ from ..registry.base import is_version
 from ..registry.transfer import push
 from . import http
 from .auth import KEY_MODELS, check_key_scope
+from .generate import GenerateRoute, StreamEndpoint
 from .http import Receive, Scope, Send
-from .infer import AsgiEndpoint, Exchange, InferRoute, fail
+from .infer import AsgiEndpoint, Exchange, InferRoute, Route, fail
 from .models import NotLoaded
 from .responses import error_response, json_body, json_response
 
@@ -91,8 +95,10 @@ class SageMakerInfer(InferRoute):
         ex.respond(200, out, http.JSON if json_length is None else BINARY + b"%d" % json_length, echo)
 
 
-class Invocations(SageMakerInfer):
-    """POST /invocations: the endpoint's one model."""
+class EndpointModel(Route):
+    """A route for the endpoint's one model, which its path does not name (/invocations)."""
+
+    streams_at = "/invocations under SAGEMAKER_TRITON_INFERENCE_TYPE=generate_stream"
 
     def __call__(self, ex: Exchange) -> None:
         try:
@@ -101,6 +107,18 @@ class Invocations(SageMakerInfer):
             fail(ex, exc, http.header(ex.headers, b"x-request-id"))
             return
         super().__call__(ex)
+
+
+class Invocations(EndpointModel, SageMakerInfer):
+    """POST /invocations as a V2 inference request (SAGEMAKER_TRITON_INFERENCE_TYPE=infer: the default)."""
+
+
+class GenerateInvocations(EndpointModel, GenerateRoute):
+    """POST /invocations as Triton's generate extension (SAGEMAKER_TRITON_INFERENCE_TYPE=generate), or as
+    its generate_stream (=generate_stream: server-sent events, under StreamInvocationsEndpoint)."""
+
+    several = ("/invocations answers with one under SAGEMAKER_TRITON_INFERENCE_TYPE=generate, with all under "
+               "SAGEMAKER_TRITON_INFERENCE_TYPE=generate_stream")
 
 
 class ModelInvoke(SageMakerInfer):
@@ -133,6 +151,21 @@ class InvocationsEndpoint(AsgiEndpoint):
                 await http.send_error(send, exc)
                 return
         await super().__call__(scope, receive, send)
+
+
+class StreamInvocationsEndpoint(InvocationsEndpoint, StreamEndpoint):
+    """/invocations under SAGEMAKER_TRITON_INFERENCE_TYPE=generate_stream: the key's scope checked as
+    above, the answer a stream of server-sent events as /generate_stream's."""
+
+
+def invocations(gw: Gateway) -> AsgiEndpoint:
+    """/invocations as SAGEMAKER_TRITON_INFERENCE_TYPE says, chosen once: no request asks again."""
+    kind = gw.settings.sagemaker_inference_type
+    if kind == "infer":
+        return InvocationsEndpoint(Invocations(gw))
+    if kind == "generate":
+        return InvocationsEndpoint(GenerateInvocations(gw, stream=False))
+    return StreamInvocationsEndpoint(GenerateInvocations(gw, stream=True))
 
 
 def endpoint_model(gw: Gateway) -> str:
@@ -241,7 +274,7 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
 
     return [
         HttpRoute("/ping", ping, methods=["GET"]),
-        HttpRoute("/invocations", InvocationsEndpoint(Invocations(gw)), methods=["POST"]),
+        HttpRoute("/invocations", invocations(gw), methods=["POST"]),
         HttpRoute("/models", load, methods=["POST"]),
         HttpRoute("/models", listing, methods=["GET"]),
         HttpRoute("/models/{model}", describe, methods=["GET"]),
