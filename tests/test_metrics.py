@@ -5,6 +5,7 @@ import asyncio
 import math
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ from despina.metrics import render
 from despina.workers.runner import ModelRunner
 from despina.workers.stats import ensemble_counts, tally
 
-from .conftest import FULL_QUEUE_DELAY, Server, module_server
+from .conftest import FULL_QUEUE_DELAY, ROOT, Server, module_server, settled_stats
 from .control_support import wait_until
 
 
@@ -54,7 +55,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (repo / "q" / "config.pbtxt").write_text(
         'backend: "onnxruntime"\nmax_batch_size: 32\ndynamic_batching { max_queue_delay_microseconds: 500000 '
         'default_queue_policy { max_queue_size: 1 } }\n')
-    yield from module_server(repo, tmp_path_factory, redis_url, ("m", "fails", "q"), env=FULL_QUEUE_DELAY)
+    shutil.copytree(ROOT / "model_repository" / "add_sub_python", repo / "add_sub_python")
+    yield from module_server(repo, tmp_path_factory, redis_url, ("m", "fails", "q", "add_sub_python"),
+                             env=FULL_QUEUE_DELAY)
 
 
 def v2(name: str, rows: int, width: int) -> bytes:
@@ -130,6 +133,30 @@ def test_counts_are_exact_and_match_statistics(server: Server) -> None:
         assert all(b[step]["ns"] > 0 for b in stats["batch_stats"]), (step, stats["batch_stats"])
     assert stats["inference_stats"]["queue"]["ns"] // 1000 == pytest.approx(
         metrics[f"nv_inference_queue_duration_us{m}"], abs=1)
+
+
+def test_a_python_models_compute_is_split_in_three_as_tritons_python_backend_splits_it(server: Server) -> None:
+    """Triton's Python backend reports an execution in three parts (python_be.cc's ProcessRequests):
+    compute input, the requests made ready for the model's process; compute infer, the round trip to it
+    (the model's execute); compute output, its responses read back into the server's. Each counted once
+    per request and per batch size, and the nv_inference_compute_*_duration_us counters say the same."""
+    body = orjson.dumps({"inputs": [{"name": n, "shape": [2, 4], "datatype": "FP32", "data": [1.0] * 8}
+                                    for n in ("INPUT0", "INPUT1")]})
+    for _ in range(3):
+        r = httpx.post(f"{server.url}/v2/models/add_sub_python/infer", content=body)
+        assert r.status_code == 200, r.text
+    stats = settled_stats(server.url, "add_sub_python")
+    inference = stats["inference_stats"]
+    assert inference["success"]["count"] >= 3
+    for step in ("compute_input", "compute_infer", "compute_output"):
+        assert inference[step]["count"] == inference["success"]["count"], (step, inference)
+        assert inference[step]["ns"] > 0, (step, inference)
+        assert all(b[step]["ns"] > 0 for b in stats["batch_stats"]), (step, stats["batch_stats"])
+    labels = '{model="add_sub_python",version="1"}'
+    metrics = settled_scrape(server, {f"nv_inference_request_success{labels}": inference["success"]["count"]})
+    for step in ("compute_input", "compute_infer", "compute_output", "queue"):
+        assert metrics[f"nv_inference_{step}_duration_us{labels}"] == pytest.approx(inference[step]["ns"] / 1000)
+    assert metrics[f"nv_inference_request_duration_us{labels}"] == pytest.approx(inference["success"]["ns"] / 1000)
 
 
 def test_statistics_carry_every_field_triton_sends_as_numbers(server: Server) -> None:

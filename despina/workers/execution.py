@@ -149,7 +149,7 @@ class Execution:
         backend = await self.instances.get() if instance is None else self.backends[instance]
         try:
             if backend.per_request:
-                return await self._run_requests(backend, live, started, keep)
+                return await self._run_requests(backend, live, started, marks, keep)
             if len(live) > 1 and not self.spec.batched:  # no batch dimension: one request at a time
                 marks["input"] = time.perf_counter_ns()
                 results = [await self.call(backend, self._assemble([p.inputs]), names, 1) for p in live]
@@ -191,16 +191,19 @@ class Execution:
             arrays = [self.reshape.to_model(a) for a in arrays]
         return arrays, asked
 
-    async def _run_requests(self, backend: Backend, live: list[Pending], started: float, keep: Keep | None
-                            ) -> list[InferReply]:
-        """A per-request backend: each request keeps its own inputs, and its own error."""
+    async def _run_requests(self, backend: Backend, live: list[Pending], started: float,
+                            marks: dict[str, int], keep: Keep | None) -> list[InferReply]:
+        """A per-request backend: each request keeps its own inputs, and its own error. `marks` as
+        run_batch's: the backend stamps them where it can tell (Backend.execute_requests)."""
         arrays, asked = self._each_request(live)
         reshape = self.reshape
+        marks["input"] = time.perf_counter_ns()
         if backend.awaitable and backend.quick():  # it waits on its model's process: no thread needed
-            results = await backend.execute_requests_async(arrays, asked)
+            results = await backend.execute_requests_async(arrays, asked, marks)
         else:
             results = await asyncio.get_running_loop().run_in_executor(
-                self.executor, backend.execute_requests, arrays, asked)
+                self.executor, backend.execute_requests, arrays, asked, marks)
+        marks.setdefault("infer", time.perf_counter_ns())
         if len(results) != len(live):
             msg = f"model '{self.spec.name}' returned {len(results)} results for {len(live)} requests"
             return [answers.error(p.request, Code.BACKEND, msg, started) for p in live]
@@ -212,20 +215,22 @@ class Execution:
         return [answers.error(p.request, r.code, r.message, started) if isinstance(r, DespinaError)
                 else answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
 
-    async def run_streams(self, live: list[Pending], started: float) -> None:
+    async def run_streams(self, live: list[Pending], started: float, marks: dict[str, int]) -> None:
         """A decoupled model's batch: its requests stay open for the responses the model sends whenever it
-        likes (self.streams); the instance is free when execute returns."""
+        likes (self.streams); the instance is free when execute returns. `marks` as run_batch's."""
         arrays, asked = self._each_request(live)
         backend: Any = await self.instances.get()
         ids = self.streams.open(live, started, backend)
+        marks["input"] = time.perf_counter_ns()
         try:
             if backend.quick():
-                results = await backend.execute_streams_async(arrays, asked, ids)
+                results = await backend.execute_streams_async(arrays, asked, ids, marks)
             else:
                 results = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, backend.execute_streams, arrays, asked, ids)
+                    self.executor, backend.execute_streams, arrays, asked, ids, marks)
         finally:
             self.instances.put_nowait(backend)
+            marks.setdefault("infer", time.perf_counter_ns())
         for stream, result in zip(ids, results):
             if result is not None:  # execute failed: the requests it did not finish end with its error
                 self.streams.response(stream, result, True)
@@ -281,7 +286,8 @@ def _timed(execute: Callable[[dict[str, np.ndarray], list[str]], dict[str, np.nd
 
 
 def durations(marks: dict[str, int], end: int) -> tuple[int, int, int]:
-    """(input, infer, output) nanoseconds of one execution; per-request backends report all as infer."""
+    """(input, infer, output) nanoseconds of one execution: `marks` has its start, and when it has them,
+    when its inputs were ready ("input") and when the model returned ("infer")."""
     start = marks["start"]
     ready = marks.get("input", start)
     ran = marks.get("infer", end)

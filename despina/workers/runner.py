@@ -228,7 +228,7 @@ class ModelRunner(Intake):
         if self.spec.decoupled and live:
             if expired:
                 self._spawn(self._reply(replies, [p.request for p in expired], expired))
-            await self.execution.run_streams(live, started)
+            await self.execution.run_streams(live, started, marks)
             self._spawn(self._reply([], [], [], rows=sum(sizes), started=started,  # the execution's counters
                                     timings=durations(marks, time.perf_counter_ns()), later=len(live)))
             return

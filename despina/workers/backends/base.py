@@ -65,6 +65,10 @@ class Outputs(dict[str, np.ndarray]):
         self.parameters = parameters
 
 
+# an execution's moments by name, as time.perf_counter_ns() gives them (execute_requests)
+Marks = dict[str, int]
+
+
 def request_inputs(req: InferRequest) -> dict[str, np.ndarray]:
     """A request's inputs as arrays; a Request when it has parameters, an id or a sequence (else none is
     made)."""
@@ -125,12 +129,16 @@ class Backend:
         raise NotImplementedError
 
     def execute_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
-                         outputs: Sequence[Sequence[str]]) -> list[dict[str, np.ndarray] | DespinaError]:
-        """Run the requests of one batch, each with its own inputs and asked outputs (per_request only)."""
+                         outputs: Sequence[Sequence[str]], marks: Marks | None = None
+                         ) -> list[dict[str, np.ndarray] | DespinaError]:
+        """Run the requests of one batch, each with its own inputs and asked outputs (per_request only).
+        `marks`: where it may stamp (time.perf_counter_ns()) "input", once the requests are ready for
+        its model, and "infer", once its model has answered: the statistics' compute input, infer and
+        output (unstamped, the worker's call of it is the infer)."""
         raise NotImplementedError
 
     async def execute_requests_async(self, requests: Sequence[Mapping[str, np.ndarray]],
-                                     outputs: Sequence[Sequence[str]]
+                                     outputs: Sequence[Sequence[str]], marks: Marks | None = None
                                      ) -> list[dict[str, np.ndarray] | DespinaError]:
         """execute_requests, awaited on the event loop (`awaitable` backends only)."""
         raise NotImplementedError

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from google.protobuf import json_format
 
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
 from ...contract.modelconfig import ModelConfig, to_dict
-from .base import Backend, Outputs, visible_gpus
+from .base import Backend, Marks, Outputs, visible_gpus
 from .python_env import interpreter
 from .python_process import DecoupledStub, OnResponse, Stub, StubDied, log
 from .python_stub import _despina_wire as wire
@@ -94,52 +95,62 @@ class PythonBackend(Backend):
         }
 
     def execute_requests(self, requests: Sequence[Mapping[str, np.ndarray]],
-                         outputs: Sequence[Sequence[str]]) -> list[dict[str, np.ndarray] | DespinaError]:
-        answers = self._execute(_payload(requests, outputs))
+                         outputs: Sequence[Sequence[str]], marks: Marks | None = None
+                         ) -> list[dict[str, np.ndarray] | DespinaError]:
+        answers = self._execute(_payload(requests, outputs), marks)
         return [answers] * len(requests) if isinstance(answers, DespinaError) else self._results(answers)
 
     async def execute_requests_async(self, requests: Sequence[Mapping[str, np.ndarray]],
-                                     outputs: Sequence[Sequence[str]]
+                                     outputs: Sequence[Sequence[str]], marks: Marks | None = None
                                      ) -> list[dict[str, np.ndarray] | DespinaError]:
         """The same, the process's answer awaited on the event loop; only when quick() (no restart)."""
-        answers = await self._execute_async(_payload(requests, outputs))
+        answers = await self._execute_async(_payload(requests, outputs), marks)
         return [answers] * len(requests) if isinstance(answers, DespinaError) else self._results(answers)
 
     def execute_streams(self, requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Sequence[str]],
-                        streams: Sequence[int]) -> list[DespinaError | None]:
+                        streams: Sequence[int], marks: Marks | None = None) -> list[DespinaError | None]:
         """A decoupled model's execute: its answers come to on_response by stream id; here, per request,
         None or the error that ended it (execute raised, the process died)."""
-        failed = self._execute(_payload(requests, outputs, streams))
+        failed = self._execute(_payload(requests, outputs, streams), marks)
         return [failed if isinstance(failed, DespinaError) else None] * len(requests)
 
     async def execute_streams_async(self, requests: Sequence[Mapping[str, np.ndarray]],
-                                    outputs: Sequence[Sequence[str]], streams: Sequence[int]
-                                    ) -> list[DespinaError | None]:
+                                    outputs: Sequence[Sequence[str]], streams: Sequence[int],
+                                    marks: Marks | None = None) -> list[DespinaError | None]:
         """The same, awaited on the event loop; only when quick() (no restart)."""
-        failed = await self._execute_async(_payload(requests, outputs, streams))
+        failed = await self._execute_async(_payload(requests, outputs, streams), marks)
         return [failed if isinstance(failed, DespinaError) else None] * len(requests)
 
-    def _execute(self, payload: list[Any]) -> Any:
+    def _execute(self, payload: list[Any], marks: Marks | None) -> Any:
         """The process's answer to one execute, or the error that takes its place for the whole batch (a
-        restart that failed, the process dying under it, execute raising, as in Triton)."""
-        with self._lock:
-            failure = self._ready()
-            if failure is not None:
-                return failure
-            try:
-                return self.stub.call("execute", payload, caller=self.caller)
-            except StubDied as exc:
-                return self._died(exc)
-            except BackendError as exc:
-                return exc
+        restart that failed, the process dying under it, execute raising, as in Triton). `marks` gets
+        "input" now, the requests packed for the process, and "infer" at its answer, as Triton's Python
+        backend times its requests put in the stub's shared memory and the stub's round trip."""
+        _stamp(marks, "input")
+        try:
+            with self._lock:
+                failure = self._ready()
+                if failure is not None:
+                    return failure
+                try:
+                    return self.stub.call("execute", payload, caller=self.caller)
+                except StubDied as exc:
+                    return self._died(exc)
+                except BackendError as exc:
+                    return exc
+        finally:
+            _stamp(marks, "infer")
 
-    async def _execute_async(self, payload: list[Any]) -> Any:
+    async def _execute_async(self, payload: list[Any], marks: Marks | None) -> Any:
+        _stamp(marks, "input")
         try:
             return await self.stub.call_async("execute", payload, self.caller)
         except StubDied as exc:
             return self._died(exc)
         except BackendError as exc:
             return exc
+        finally:
+            _stamp(marks, "infer")
 
     def cancel(self, stream: int) -> None:
         """A decoupled model's request whose client went away: its response sender says is_cancelled()."""
@@ -259,3 +270,8 @@ def _payload(requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Seq
     payload = [(wire.pack_all(r), list(o), getattr(r, "parameters", None), getattr(r, "request_id", ""),
                 getattr(r, "sequence", None)) for r, o in zip(requests, outputs)]
     return [(*p, s) for p, s in zip(payload, streams)] if streams else payload
+
+
+def _stamp(marks: Marks | None, name: str) -> None:
+    if marks is not None:
+        marks[name] = time.perf_counter_ns()
