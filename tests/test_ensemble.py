@@ -26,6 +26,7 @@ from despina.examples import mlp_numpy
 
 from .conftest import Server, module_server, settled_stats
 from .control_support import index, wait_until, worker_hashes
+from .test_metrics import scrape
 
 FOUR = 'input [ { name: "IN0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "IN1" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
 
@@ -367,6 +368,34 @@ def test_an_ensembles_own_statistics_count_its_steps_compute_and_its_batch(serve
     batches = {b["batch_size"]: b["compute_infer"]["count"] for b in after["batch_stats"]}
     assert batches.get(3, 0) == 1 + {b["batch_size"]: b["compute_infer"]["count"]
                                      for b in before["batch_stats"]}.get(3, 0)
+
+
+def test_an_ensembles_own_queue_time_is_its_wait_before_its_graph_began(server: Server,
+                                                                         request: pytest.FixtureRequest) -> None:
+    """Triton's ensemble counts as its queue time its own wait, from its enqueue until the ensemble
+    scheduler starts its graph (ensemble_scheduler.cc: the request's queue start to its context's compute
+    start), none of its steps' (each counts its own). Run by a worker, an ensemble request waits on the
+    ensemble's stream until that worker reads it; run by the gateway, it starts as it arrives: nothing
+    queued. The nv_inference_* counters say what the statistics say."""
+    before = settled_stats(server.url, "mlp_classify")
+    x = np.random.default_rng(8).standard_normal((2, 256)).astype(np.float32)
+    for _ in range(3):
+        outputs(infer(server, "mlp_classify", {"x": x}))
+    after = settled_stats(server.url, "mlp_classify")
+    grown = {f"{k}_{f}": after["inference_stats"][k][f] - before["inference_stats"][k][f]
+             for k in ("queue", "success") for f in ("count", "ns")}
+    assert grown["queue_count"] == grown["success_count"] == 3
+    if request.node.callspec.params["server"] == "worker":
+        assert 0 < grown["queue_ns"] < grown["success_ns"], grown
+    else:
+        assert grown["queue_ns"] == 0, grown
+    metrics = scrape(server)
+    labels = '{model="mlp_classify",version="1"}'
+    stats = after["inference_stats"]
+    for name, figure in (("queue", "queue"), ("request", "success"), ("compute_infer", "compute_infer")):
+        assert metrics[f"nv_inference_{name}_duration_us{labels}"] == pytest.approx(stats[figure]["ns"] / 1000)
+    assert metrics[f"despina_queue_latency_seconds_count{labels}"] == stats["queue"]["count"]
+    assert metrics[f"despina_queue_latency_seconds_sum{labels}"] == pytest.approx(stats["queue"]["ns"] / 1e9)
 
 
 def test_a_failing_step_fails_the_request_and_says_which(server: Server) -> None:

@@ -413,8 +413,9 @@ def test_a_batchs_counters_field_by_field() -> None:
 @pytest.mark.parametrize("us", [0, 99, 100, 2_600, 12_000_000])
 def test_an_ensemble_requests_counters_are_a_requests_as_a_model_counts_it(us: int) -> None:
     """ensemble_counts adds its few fields itself (it runs per request): the same as `tally` of one reply
-    queued for no time, with one execution of its rows, its steps' compute as its infer time, when it
-    succeeded (its steps' compute: 7 µs, or its whole latency when that is less); added into what is given."""
+    queued for its own wait (none, or 40 µs of its latency), with one execution of its rows, its steps'
+    compute as its infer time (7 µs, or its whole latency when that is less), when it succeeded; added into
+    what is given."""
     compute_us = min(us, 7)
     ok = tally([InferReply("", (), None, 0, us)], 3, 0.0, (0, compute_us * 1000, 0))
     del ok["last_inference"]  # the caller's, which knows the time
@@ -423,6 +424,10 @@ def test_an_ensemble_requests_counters_are_a_requests_as_a_model_counts_it(us: i
         return {k: v for k, v in counts.items() if v or k.endswith("_count")}
 
     assert nonzero(ensemble_counts(None, us, 3, compute_us=compute_us)) == nonzero(ok)
+    if us >= 40:
+        queued = tally([InferReply("", (), None, 40, us - 40)], 3, 0.0, (0, 7000, 0))
+        del queued["last_inference"]
+        assert nonzero(ensemble_counts(None, us, 3, compute_us=7, queue_us=40)) == nonzero(queued)
     failed = DespinaError("late", Code.DEADLINE_EXCEEDED)
     assert ensemble_counts(failed, us, 0) == tally([InferReply("", (), (failed.code, "late"), 0, us)], 0, 0.0)
     into = ensemble_counts(None, us, 3)

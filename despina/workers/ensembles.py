@@ -176,7 +176,7 @@ class EnsembleHost:
                 if req.deadline < now:
                     self._answer(req, entry, DeadlineExceeded(TIMED_OUT), 0)
                     continue
-                _HostRun(self, req, entry).start(list(req.inputs), req.outputs)
+                _HostRun(self, req, entry, now).start(list(req.inputs), req.outputs)
         if self._in_flight >= READ_AHEAD:
             self._room.clear()
         if self._in_flight:
@@ -198,10 +198,12 @@ class EnsembleHost:
     # -- answering -------------------------------------------------------------------------------
 
     def _answer(self, req: InferRequest, entry: tuple[str, bytes], result: InferReply | DespinaError,
-                rows: int, compute_us: int = 0) -> None:
+                rows: int, compute_us: int = 0, queue_us: int = 0) -> None:
+        """`queue_us`: how long the request waited on the ensemble's stream before its run began (Triton's
+        ensemble's own queue time: from its enqueue until the ensemble scheduler starts it)."""
         us = max(0, int((clock.now() - req.enqueued) * 1e6))
         error = result if isinstance(result, DespinaError) else None
-        ensemble_counts(error, us, rows, self._counts, compute_us)
+        ensemble_counts(error, us, rows, self._counts, compute_us, queue_us)
         if error is None:
             self._counts["last_inference"] = int(clock.now() * 1000)
             reply = InferReply(req.id, result.outputs, None, 0, us)  # type: ignore[union-attr]
@@ -255,9 +257,11 @@ class EnsembleHost:
 class _HostRun(Run):
     """One request's graph, its steps queued into this worker's runners."""
 
-    def __init__(self, host: EnsembleHost, request: InferRequest, entry: tuple[str, bytes]) -> None:
-        super().__init__(host.spec, host.ensemble, request.deadline - clock.now())
+    def __init__(self, host: EnsembleHost, request: InferRequest, entry: tuple[str, bytes], now: float
+                 ) -> None:
+        super().__init__(host.spec, host.ensemble, request.deadline - now)
         self.host, self.request, self.entry = host, request, entry
+        self.queue_us = max(0, int((now - request.enqueued) * 1e6))  # on the stream, until it was read
 
     def start(self, inputs: list[Tensor], outputs: tuple[str, ...]) -> None:
         self._plan(inputs, outputs)
@@ -284,4 +288,4 @@ class _HostRun(Run):
 
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
         self.host._reaching(self.pending, -1)  # steps it never called
-        self.host._answer(self.request, self.entry, result, rows, self.compute_us)
+        self.host._answer(self.request, self.entry, result, rows, self.compute_us, self.queue_us)

@@ -119,11 +119,13 @@ def _batch_fields(rows: int) -> tuple[str, str, str, str]:
 
 
 def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[str, int] | None = None,
-                    compute_us: int = 0) -> dict[str, int]:
-    """An ensemble request's own counters, counted as a model counts a request: queued for no time of
-    its own (its steps queue, and count it, at their models), one execution of its rows per request
-    that succeeded, `us` its latency, `compute_us` its steps' compute (as Triton, which has each step's
-    split into input, infer and output where Despina's replies carry the whole: all counted as infer).
+                    compute_us: int = 0, queue_us: int = 0) -> dict[str, int]:
+    """An ensemble request's own counters, counted as a model counts a request, as Triton's ensemble
+    scheduler does: `queue_us` its own wait before its graph began (on the ensemble's stream, for a
+    worker that runs it; none where the gateway starts it as it arrives; its steps queue, and count it,
+    at their models), one execution of its rows per request that succeeded, `us` its latency,
+    `compute_us` its steps' compute (as Triton, which has each step's split into input, infer and output
+    where Despina's replies carry the whole: all counted as infer).
     Clients such as perf_analyzer find the version that served by its queue count.
     Added into `into` (a fresh dict when None), which is returned: this runs once per request, so it
     adds the few fields itself instead of going through `tally`."""
@@ -131,11 +133,13 @@ def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[s
     get = counts.get
     if error is None:
         lat = LAT[bisect.bisect_left(LATENCY_BUCKETS_US, us)]
+        qlat = QLAT[bisect.bisect_left(LATENCY_BUCKETS_US, queue_us)] if queue_us else _QLAT_NONE
         batch, batch_ns = _batch_fields(max(rows, 1))[:2]
-        for field, n in (("success_count", 1), ("success_ns", us * 1000), ("queue_count", 1), ("queue_ns", 0),
-                         (lat, 1), (_QLAT_NONE, 1), ("inference_count", rows), ("execution_count", 1),
-                         ("compute_input_count", 1), ("compute_infer_count", 1), ("compute_output_count", 1),
-                         ("compute_infer_ns", compute_us * 1000), (batch, 1), (batch_ns, compute_us * 1000)):
+        for field, n in (("success_count", 1), ("success_ns", us * 1000), ("queue_count", 1),
+                         ("queue_ns", queue_us * 1000), (lat, 1), (qlat, 1), ("inference_count", rows),
+                         ("execution_count", 1), ("compute_input_count", 1), ("compute_infer_count", 1),
+                         ("compute_output_count", 1), ("compute_infer_ns", compute_us * 1000), (batch, 1),
+                         (batch_ns, compute_us * 1000)):
             counts[field] = get(field, 0) + n
     else:
         reason = f"fail:{failure_reason(error.code)}"
