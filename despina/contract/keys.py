@@ -46,6 +46,12 @@ class Keys:
         a worker knows from the request."""
         return f"{reply_stream}:cancelled"
 
+    def gateway_mark(self, gateway_id: str) -> str:
+        """String a gateway keeps while it runs (expiring with its replies): found missing, Redis lost the
+        gateway's data (restarted without it, flushed, or failed over to a replica that had none), and the
+        requests it waits on with it."""
+        return f"{self.prefix}:mark:{gateway_id}"
+
     def executing(self, worker_id: str) -> str:
         """Set of the redelivered entries a worker is running (each alone): should it die, only they
         are charged an attempt."""

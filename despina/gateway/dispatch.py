@@ -85,6 +85,8 @@ class Dispatcher(RequestWriter, ReplyReader):
         self._flush_scheduled = False
         self._writing = False
         self._reader: asyncio.Task[None] | None = None
+        self._watching: asyncio.Task[None] | None = None  # whether Redis kept the gateway's data (_watch)
+        self._marked = False
         self._writes: set[asyncio.Task[None]] = set()
         self.hold_s = hold_us / 1e6
         # statistics hash -> (answers delivered lately and not yet followed by as many new requests,
@@ -110,6 +112,7 @@ class Dispatcher(RequestWriter, ReplyReader):
     async def start(self) -> None:
         self.bulk_limit = await bulk_limit(self._redis)
         self._reader = asyncio.create_task(self._read_replies())
+        self._watching = asyncio.create_task(self._watch())
         if self.hold_s:
             self._alarm = Alarm.create(self._hold_over)
 
@@ -121,9 +124,10 @@ class Dispatcher(RequestWriter, ReplyReader):
             self._alarm.close()
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
-        if self._reader:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in (self._reader, self._watching):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self._fail_waiting(Unavailable("the gateway is shutting down"))
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -132,7 +136,7 @@ class Dispatcher(RequestWriter, ReplyReader):
             log.info("gateway %s: dropped %d replies nobody waited for (duplicates, or past their deadline)",
                      self.id, self.dropped)
         try:
-            await self._out.execute([["DEL", self.reply_stream]])
+            await self._out.execute([["DEL", self.reply_stream], ["DEL", self.keys.gateway_mark(self.id)]])
         except (RedisError, OSError):
             pass
         self._out.close()
