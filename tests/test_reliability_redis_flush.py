@@ -30,7 +30,8 @@ def test_requests_queued_when_redis_is_flushed_are_answered_503_at_once(
         serve: Callable[..., Server], tmp_path: Path, key_prefix: str) -> None:
     """A FLUSHALL (or a failover to a replica without the data) took the requests queued in Redis, and the
     gateway, whose connections stayed up, waited for their answers until their deadline: each client had a
-    504 a minute later. The gateway notices its own key gone and answers them 503 (retry) at once."""
+    504 a minute later. The gateway notices its own key gone and answers them 503 (retry) within a second or
+two (those a worker had in hand may still be answered meanwhile)."""
     mlp_folder(tmp_path / "repo")
     with own_redis(tmp_path) as redis_server:
         server = serve(tmp_path / "repo", "--redis-url", redis_server.url, "--request-timeout",
@@ -51,7 +52,7 @@ def test_requests_queued_when_redis_is_flushed_are_answered_503_at_once(
         stop_server(server)
     assert [r.status_code for r in lost] == [503, 503], [r.text for r in lost]
     assert all("lost its data" in r.json()["error"] and r.headers["retry-after"] == "1" for r in lost), lost[0].text
-    assert answered_after < 5, answered_after  # at once: not at the request's deadline (60 s)
+    assert answered_after < 10, answered_after  # not at the request's deadline (60 s)
     assert server.logs().count("Redis lost its data") == 1, server.logs()[-3000:]
 
 

@@ -2,10 +2,11 @@
 connection of its own, resolves each entry's replies (Dispatcher._resolve), and trims what it read.
 
 While no request waits for an answer, the next read goes out with the next requests (ReadAlong).
-Should the connection to Redis break, the requests waiting keep waiting if Redis still holds the gateway's
-data (a connection killed, a proxy restarted); if Redis cannot be reached, or lost the data, each is answered
-UNAVAILABLE at once. A Redis that loses its data without breaking the connection (FLUSHALL, a failover to a
-replica that had none) is noticed within WATCH_S by the gateway's mark (Keys.gateway_mark) gone.
+Should the connection to Redis break, the requests waiting keep waiting if Redis answers again at once (a
+connection killed, a proxy restarted); if it cannot be reached, each is answered UNAVAILABLE at once. A Redis
+that lost its data (restarted without it, FLUSHALL, a failover to a replica that had none) is noticed within
+WATCH_S by the gateway's mark (Keys.gateway_mark) gone: the requests then waiting that are not answered
+within GRACE_S (a worker may have had them in hand) are answered UNAVAILABLE.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ log = logging.getLogger("despina.gateway")
 
 TRIM_BYTES = 4 << 20  # replies read past which the reply stream is trimmed (else every 1000 read)
 WATCH_S = 0.5  # how often the gateway looks for its mark in Redis, and renews it
+GRACE_S = 1.0  # after Redis lost its data, how long the requests waiting may still be answered
 LOOK_S = 2.0  # how long a look for the mark may take, after the reading connection broke
 LOST = ("Redis (the request queue) lost its data (restarted without it, flushed, or failed over to a replica "
         "that had none), and the request with it: its answer may never come")
@@ -64,7 +66,7 @@ class ReplyReader(Waiters):
                 self._read_failed.log("gateway %s: reading replies failed (%s); retrying", self.id, exc)
                 # the answers of those waiting may never come (a Redis that restarted lost them), unless
                 # only the connection went and Redis kept the requests
-                if not (isinstance(exc, ConnectionError) and await self._still_kept()):
+                if not (isinstance(exc, ConnectionError) and await self._answers()):
                     self._fail_waiting(refusals.unreachable(
                         "lost the connection to Redis (the request queue) while waiting for the answer", exc))
                 await asyncio.sleep(0.2)
@@ -108,35 +110,42 @@ class ReplyReader(Waiters):
             pass
 
     async def _watch(self) -> None:
-        """Every WATCH_S, whether Redis kept this gateway's data (_kept). A Redis flushed, or failed over to
+        """Every WATCH_S, whether Redis kept this gateway's data (_look). A Redis flushed, or failed over to
         a replica without the data, kept the gateway's connections but not the requests it had queued:
         their clients waited out their whole deadlines for answers that could not come."""
         while True:
             try:
-                await self._kept()
+                await self._look()
             except (RedisError, OSError):
                 pass  # unreachable (the reply reader says so), or refused: the next look tries again
             await asyncio.sleep(WATCH_S)
 
-    async def _still_kept(self) -> bool:
-        """After the reading connection broke: whether Redis answers, and kept this gateway's data."""
+    async def _answers(self) -> bool:
+        """After the reading connection broke: whether Redis answers (a look at the mark, _look)."""
         try:
-            return await asyncio.wait_for(self._kept(), LOOK_S)
+            await asyncio.wait_for(self._look(), LOOK_S)
+            return True
         except (RedisError, OSError):  # (asyncio's TimeoutError is an OSError)
             return False
 
-    async def _kept(self) -> bool:
-        """Whether Redis still holds the gateway's mark, renewed; if it lost it, every request waiting is
-        answered UNAVAILABLE (they went with it), and the mark is written again."""
+    async def _look(self) -> None:
+        """Renew the gateway's mark in Redis. Found missing, Redis lost its data: the reply stream is read
+        from its start again (a new one, whose ids may start below the last read: a replica's clock), and
+        the requests waiting that no answer reaches within GRACE_S (those a worker was running still get
+        theirs) are answered UNAVAILABLE."""
         mark = self.keys.gateway_mark(self.id)
         if await self._redis.pexpire(mark, self.reply_ttl_ms):
             self._marked = True
-            return True
+            return
         lost, self._marked = self._marked, False
         self._marked = bool(await self._redis.set(mark, 1, px=self.reply_ttl_ms))
         if lost:
+            self._last_reply = "0-0"
             log.warning("gateway %s: Redis lost its data (restarted without it, flushed, or failed over to a "
-                        "replica that had none): the %d request(s) waiting are answered 503", self.id,
-                        self.waiting)
-            self._fail_waiting(Unavailable(LOST))
-        return not lost
+                        "replica that had none): %d request(s) waiting, answered 503 unless answered within "
+                        "%g s", self.id, self.waiting, GRACE_S)
+            asyncio.get_running_loop().call_later(GRACE_S, self._give_up_lost, list(self._waiting))
+
+    def _give_up_lost(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._finish(request_id, Unavailable(LOST))
