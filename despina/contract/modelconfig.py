@@ -135,14 +135,14 @@ def parameter_bool(model: str, key: str, value: str) -> bool:
     raise ConfigError(f"model '{model}': parameter {key} must be true or false, got {value!r}")
 
 
-def parameter_int(model: str, key: str, value: str) -> int:
-    """A config parameter's integer, at least 0; else the load error."""
+def parameter_int(model: str, key: str, value: str, minimum: int = 0) -> int:
+    """A config parameter's integer, at least `minimum`; else the load error."""
     try:
         number = int(value)
     except ValueError:
         raise ConfigError(f"model '{model}': parameter {key} must be an integer, got {value!r}") from None
-    if number < 0:
-        raise ConfigError(f"model '{model}': parameter {key} must be >= 0, got {number}")
+    if number < minimum:
+        raise ConfigError(f"model '{model}': parameter {key} must be >= {minimum}, got {number}")
     return number
 
 

@@ -6,8 +6,9 @@ is the argument order; a forward() whose one argument is a Dict[str, Tensor] get
 name. A model returning a tuple or list maps it the same way onto the outputs (OUTPUT__0, or the config
 order; a config may list only some of them, OUTPUT__1 alone say); a dict maps by key. As in Triton, a
 TYPE_STRING input or output is a List[str] (UTF-8) of one dimension, the batch's when the model batches.
-Every call runs under `torch.no_grad()` with parameters frozen, so the "inference tensors cannot be saved
-for backward" trap cannot happen.
+Every call runs under `torch.no_grad()` (or `torch.inference_mode()`, parameter INFERENCE_MODE) with
+parameters frozen, so the "inference tensors cannot be saved for backward" trap cannot happen. Triton's
+other parameters: pytorch_options.py.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 from ...contract.errors import BackendError, ConfigError
 from ...contract.modelspec import ModelSpec
 from .base import Backend, Declared, complete_config
+from .pytorch_options import call_mode, not_torchscript, set_threads, torch_options
 
 if find_spec("torch") is None:  # torch itself is imported only where a model needs it
     raise ImportError("No module named 'torch'")
@@ -67,8 +69,10 @@ class PyTorchBackend(Backend):
 
     def load(self) -> None:
         torch = _torch()
-        torch.set_num_threads(max(1, self.instance.threads))
+        options = torch_options(self.spec.name, self.spec.config)
+        set_threads(torch, self.spec.name, options, self.instance.threads)
         self.device = torch.device(f"cuda:{self.instance.device}" if self.instance.kind == "GPU" else "cpu")
+        self.call_mode = call_mode(torch, options, self.device.type == "cuda")
         path = self.model_path()
         self.dict_input = False  # forward(self, inputs: Dict[str, Tensor]): Triton's dictionary input
         try:
@@ -87,7 +91,9 @@ class PyTorchBackend(Backend):
                     names = [a.name for a in arguments]
                     self.dict_input = len(arguments) == 1 and isinstance(arguments[0].type, torch.DictType)
         except Exception as exc:
-            raise ConfigError(f"model '{self.spec.name}': torch cannot load {path.name}: {exc}") from None
+            why = not_torchscript(path) if path.suffix != ".pt2" and path.is_file() else None
+            raise ConfigError(f"model '{self.spec.name}': {why or f'torch cannot load {path.name}: {exc}'}"
+                              ) from None
         for param in self.module.parameters():
             param.requires_grad_(False)
         _check_strings(self.spec)
@@ -117,7 +123,7 @@ class PyTorchBackend(Backend):
         if self.dict_input:
             args = [dict(zip(self.arguments, args))]
         try:
-            with torch.no_grad():
+            with self.call_mode():
                 result = self.module(*args)
         except Exception as exc:
             raise BackendError(f"torch failed on model '{self.spec.name}': {exc}") from None
