@@ -1,4 +1,5 @@
-"""TensorFlow SavedModel: the `serving_default` signature (or parameter TF_SIGNATURE_DEF).
+"""TensorFlow SavedModel: the MetaGraph and signature Triton serves (savedmodel.py: "serve" and
+"serving_default", or the parameters TF_GRAPH_TAG and TF_SIGNATURE_DEF).
 
 Input and output names are the signature's keys. Auto-complete reads the signature from
 saved_model.pb with a small wire-compatible schema, so the control plane needs no TensorFlow. GPU
@@ -16,12 +17,13 @@ from typing import Any
 import numpy as np
 
 from ...contract.errors import BackendError, ConfigError
+from ...contract.modelconfig import string_parameters
 from .base import Backend, Declared, check_config, complete_config
+from .savedmodel import DEFAULT_SIGNATURE, Served, served
 
 if find_spec("tensorflow") is None:  # TensorFlow itself is imported only where a model loads
     raise ImportError("No module named 'tensorflow'")
 
-DEFAULT_SIGNATURE = "serving_default"
 TF_TO_CONFIG = {1: "TYPE_FP32", 2: "TYPE_FP64", 3: "TYPE_INT32", 4: "TYPE_UINT8", 5: "TYPE_INT16",
                 6: "TYPE_INT8", 7: "TYPE_STRING", 9: "TYPE_INT64", 10: "TYPE_BOOL", 17: "TYPE_UINT16",
                 19: "TYPE_FP16", 22: "TYPE_UINT32", 23: "TYPE_UINT64"}
@@ -65,13 +67,14 @@ class TensorFlowBackend(Backend):
             pass
         self.device = f"/GPU:{self.instance.device}" if self.instance.kind == "GPU" else "/CPU:0"
         path = self.model_path()
-        name = _signature_name(self.spec.config)
+        chosen = _served(self.spec.name, path, string_parameters(self.spec.config))
         try:
             with tf.device(self.device):
-                self.model = tf.saved_model.load(str(path))
+                self.model = tf.saved_model.load(str(path), tags=chosen.tags or None)
         except Exception as exc:
             raise ConfigError(f"model '{self.spec.name}': tensorflow cannot load {path.name}: {exc}"
                               ) from None
+        name = chosen.name
         if name not in self.model.signatures:
             raise ConfigError(f"model '{self.spec.name}': the SavedModel has no signature '{name}' "
                               f"(it has: {', '.join(self.model.signatures) or 'none'})")
@@ -108,15 +111,13 @@ class TensorFlowBackend(Backend):
         if not folder.is_dir():
             raise ConfigError(f"model '{config.name}': SavedModel folder {folder} does not exist")
         path = folder / "saved_model.pb"
-        name = config.parameters["TF_SIGNATURE_DEF"].string_value if "TF_SIGNATURE_DEF" in \
-            config.parameters else DEFAULT_SIGNATURE
         try:
-            signature = read_signature(path, name)
-        except (OSError, KeyError, ValueError) as exc:
+            signature = served(path, {k: v.string_value for k, v in config.parameters.items()}).signature
+        except (OSError, ValueError) as exc:
             if config.input and config.output:  # nothing to fill in: loading this version says what is wrong
                 return
-            raise ConfigError(f"model '{config.name}': cannot read signature '{name}' from {path} to "
-                              f"complete the config: {exc}") from None
+            raise ConfigError(f"model '{config.name}': cannot read {path} to complete the config: {exc}"
+                              ) from None
         _complete(config, signature)
 
 
@@ -141,9 +142,16 @@ def check_accelerators(model: str, config: Mapping[str, Any], kind: str) -> None
                           "(tensorflow takes gpu_io on GPU instances)")
 
 
-def _signature_name(config: Mapping[str, Any]) -> str:
-    param = (config.get("parameters") or {}).get("TF_SIGNATURE_DEF") or {}
-    return str(param.get("string_value") or DEFAULT_SIGNATURE)
+def _served(model: str, folder: Path, parameters: dict[str, str]) -> Served:
+    """The MetaGraph's tags and the signature to load; a SavedModel without saved_model.pb (its text form,
+    say) is left to TensorFlow, asked for TF_GRAPH_TAG's graph if given."""
+    try:
+        return served(folder / "saved_model.pb", parameters)
+    except OSError:
+        tag = parameters.get("TF_GRAPH_TAG", "")
+        return Served([tag] if tag else [], parameters.get("TF_SIGNATURE_DEF") or DEFAULT_SIGNATURE, None)
+    except ValueError as exc:
+        raise ConfigError(f"model '{model}': {exc}") from None
 
 
 def _complete(config: Any, signature: Any) -> None:
@@ -165,54 +173,3 @@ def _declared(key: str, info: Any) -> Declared:
     dims = tuple(d.size if d.size > 0 else -1 for d in info.tensor_shape.dim)
     named = TF_NAMES.get(info.dtype, f"DataType {info.dtype}")
     return Declared(key, TF_TO_CONFIG.get(info.dtype), named, dims)
-
-
-def read_signature(path: Path, name: str = DEFAULT_SIGNATURE) -> Any:
-    """The SignatureDef `name` of the "serve" MetaGraph in a saved_model.pb, without TensorFlow."""
-    saved = _schema()()
-    saved.ParseFromString(path.read_bytes())
-    graphs = [g for g in saved.meta_graphs if "serve" in g.meta_info_def.tags] or list(saved.meta_graphs)
-    for graph in graphs:
-        for entry in graph.signature_def:
-            if entry.key == name:
-                return entry.value
-    raise KeyError(f"no signature '{name}'")
-
-
-@cache
-def _schema() -> Any:
-    """The fields of TensorFlow's SavedModel protos that auto-complete reads, wire-compatible.
-
-    Maps are declared as repeated key/value entries, which is how protobuf encodes them.
-    """
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
-    F = descriptor_pb2.FieldDescriptorProto
-    messages: dict[str, list[tuple[str, int, int, str | None]]] = {
-        "Dim": [("size", 1, F.TYPE_INT64, None), ("name", 2, F.TYPE_STRING, None)],
-        "Shape": [("dim", 2, F.TYPE_MESSAGE, "Dim"), ("unknown_rank", 3, F.TYPE_BOOL, None)],
-        "TensorInfo": [("name", 1, F.TYPE_STRING, None), ("dtype", 2, F.TYPE_INT32, None),
-                       ("tensor_shape", 3, F.TYPE_MESSAGE, "Shape")],
-        "TensorEntry": [("key", 1, F.TYPE_STRING, None), ("value", 2, F.TYPE_MESSAGE, "TensorInfo")],
-        "SignatureDef": [("inputs", 1, F.TYPE_MESSAGE, "TensorEntry"),
-                         ("outputs", 2, F.TYPE_MESSAGE, "TensorEntry"),
-                         ("method_name", 3, F.TYPE_STRING, None)],
-        "SignatureEntry": [("key", 1, F.TYPE_STRING, None), ("value", 2, F.TYPE_MESSAGE, "SignatureDef")],
-        "MetaInfoDef": [("tags", 4, F.TYPE_STRING, None)],
-        "MetaGraphDef": [("meta_info_def", 1, F.TYPE_MESSAGE, "MetaInfoDef"),
-                         ("signature_def", 5, F.TYPE_MESSAGE, "SignatureEntry")],
-        "SavedModel": [("meta_graphs", 2, F.TYPE_MESSAGE, "MetaGraphDef")],
-    }
-    repeated = {("Shape", "dim"), ("SignatureDef", "inputs"), ("SignatureDef", "outputs"),
-                ("MetaInfoDef", "tags"), ("MetaGraphDef", "signature_def"), ("SavedModel", "meta_graphs")}
-    file = descriptor_pb2.FileDescriptorProto(name="despina_savedmodel.proto", package="despina_tf",
-                                              syntax="proto3")
-    for message, fields in messages.items():
-        proto = file.message_type.add(name=message)
-        for field, number, kind, ref in fields:
-            label = F.LABEL_REPEATED if (message, field) in repeated else F.LABEL_OPTIONAL
-            proto.field.add(name=field, number=number, type=kind, label=label,
-                            type_name=f".despina_tf.{ref}" if ref else None)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("despina_tf.SavedModel"))
