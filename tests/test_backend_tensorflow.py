@@ -276,3 +276,24 @@ def test_gpu_io_and_gpu_accelerators_on_a_cpu_instance_are_taken(repo: Path, tmp
     x = np.random.default_rng(3).standard_normal((2, 256)).astype(np.float32)
     np.testing.assert_allclose(backend.execute({"x": x}, ["y"])["y"], mlp_numpy(x), rtol=1e-4, atol=1e-5)
     backend.unload()
+
+
+def test_tensors_listed_by_name_alone_are_filled_from_the_signature(repo: Path, tmp_path: Path) -> None:
+    """Triton's auto-complete: the outputs a config lists are completed (datatype, dims) and the others
+    left out; it used to be the load error "the config says TYPE_INVALID", and an output listed without
+    dims was served with none, which Triton refuses."""
+    folder = tmp_path / "text"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "exported").symlink_to(repo / "text" / "1" / "exported")
+    (folder / "config.pbtxt").write_text(TEXT + 'input [ { name: "words" }, { name: "scale", data_type: TYPE_FP32 '
+                                         '} ]\noutput [ { name: "lengths" } ]\n')
+    config = load_model(folder).config
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
+        ("words", "TYPE_STRING", [2]), ("scale", "TYPE_FP32", [1])]
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["output"]] == [("lengths", "TYPE_FP32", [2])]
+    backend = backend_class("tensorflow")(ModelSpec.from_config(config), folder / "1", Instance("text_0"))
+    backend.load()
+    out = backend.execute({"words": np.array([[b"ab", b"c"]], dtype=object),
+                           "scale": np.array([[2.0]], dtype=np.float32)}, ["lengths"])
+    assert out["lengths"].tolist() == [[4.0, 2.0]]
+    backend.unload()

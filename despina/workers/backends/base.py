@@ -216,7 +216,8 @@ def complete_config(config: Any, inputs: list[Declared], outputs: list[Declared]
     open dimension batches (max_batch_size 4, dynamic batching) unless the config says otherwise (a
     max_batch_size, or dims of the model's rank);
     inputs or outputs the config leaves out are filled in (a tensor of the batch dimension alone as
-    dims [1] and an empty reshape, as Triton fills it)."""
+    dims [1] and an empty reshape, as Triton fills it), and so are the datatype and dims of those it
+    lists without them."""
     batchable = all(t.dims and t.dims[0] == -1 for t in (*inputs, *outputs))
     if config.max_batch_size == 0 and batchable and _batch_hint(config, inputs, outputs):
         config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
@@ -226,17 +227,28 @@ def complete_config(config: Any, inputs: list[Declared], outputs: list[Declared]
     made = {n for b in config.batch_input for n in b.target_name}  # the batch inputs: not the client's
     inputs = [t for t in inputs if t.name not in made]
     for declared, found in ((config.input, inputs), (config.output, outputs)):
-        if declared:
+        if declared:  # those listed are completed, those left out stay out
+            by_name = {t.name: t for t in found}
+            for entry in declared:
+                if entry.name in by_name:
+                    _fill(config.name, entry, by_name[entry.name], skip)
             continue
         for t in found:
-            if t.data_type is None:
-                raise ConfigError(f"model '{config.name}': tensor '{t.name}' has type {t.framework_type}, "
-                                  "which Despina cannot serve")
-            entry = declared.add(name=t.name, data_type=pb.DataType.Value(t.data_type))
-            entry.dims.extend(t.dims[skip:])
-            if skip and not entry.dims:  # the batch dimension alone: clients see [-1, 1], as Triton's say
-                entry.dims.append(1)
-                entry.reshape.SetInParent()
+            _fill(config.name, declared.add(name=t.name), t, skip)
+
+
+def _fill(model: str, entry: Any, t: Declared, skip: int) -> None:
+    """What a config entry leaves out (its datatype, its dims) from the model's tensor."""
+    if entry.data_type == pb.TYPE_INVALID:
+        if t.data_type is None:
+            raise ConfigError(f"model '{model}': tensor '{t.name}' has type {t.framework_type}, "
+                              "which Despina cannot serve")
+        entry.data_type = pb.DataType.Value(t.data_type)
+    if not entry.dims and not entry.HasField("reshape"):
+        entry.dims.extend(t.dims[skip:])
+        if skip and not entry.dims:  # the batch dimension alone: clients see [-1, 1], as Triton's say
+            entry.dims.append(1)
+            entry.reshape.SetInParent()
 
 
 def _batch_hint(config: Any, inputs: list[Declared], outputs: list[Declared]) -> bool:
