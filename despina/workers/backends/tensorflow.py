@@ -7,6 +7,7 @@ memory growth is turned on before TensorFlow touches a GPU, so one model does no
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -17,13 +18,14 @@ from typing import Any
 import numpy as np
 
 from ...contract.errors import BackendError, ConfigError
-from ...contract.modelconfig import string_parameters
+from ...contract.modelconfig import parameter_bool, parameter_int, string_parameters
 from .base import Backend, Declared, check_config, complete_config
 from .savedmodel import DEFAULT_SIGNATURE, Served, served
 
 if find_spec("tensorflow") is None:  # TensorFlow itself is imported only where a model loads
     raise ImportError("No module named 'tensorflow'")
 
+log = logging.getLogger("despina.backends.tensorflow")
 TF_TO_CONFIG = {1: "TYPE_FP32", 2: "TYPE_FP64", 3: "TYPE_INT32", 4: "TYPE_UINT8", 5: "TYPE_INT16",
                 6: "TYPE_INT8", 7: "TYPE_STRING", 9: "TYPE_INT64", 10: "TYPE_BOOL", 17: "TYPE_UINT16",
                 19: "TYPE_FP16", 22: "TYPE_UINT32", 23: "TYPE_UINT64"}
@@ -60,11 +62,7 @@ class TensorFlowBackend(Backend):
     def load(self) -> None:
         check_accelerators(self.spec.name, self.spec.config, self.instance.kind)
         tf = _tf()
-        try:
-            tf.config.threading.set_intra_op_parallelism_threads(max(1, self.instance.threads))
-            tf.config.threading.set_inter_op_parallelism_threads(1)
-        except RuntimeError:  # only possible before the runtime starts; later instances share it
-            pass
+        _set_threads(tf, self.spec.name, string_parameters(self.spec.config), self.instance.threads)
         self.device = f"/GPU:{self.instance.device}" if self.instance.kind == "GPU" else "/CPU:0"
         path = self.model_path()
         chosen = _served(self.spec.name, path, string_parameters(self.spec.config))
@@ -140,6 +138,36 @@ def check_accelerators(model: str, config: Mapping[str, Any], kind: str) -> None
                               "precision) and leave it out of the config")
         raise ConfigError(f"model '{model}': unknown Execution Accelerator '{name}' is requested "
                           "(tensorflow takes gpu_io on GPU instances)")
+
+
+def _set_threads(tf: Any, model: str, params: Mapping[str, str], default: int) -> None:
+    """Triton's TF_NUM_INTRA_THREADS and TF_NUM_INTER_THREADS (0 or unset: the instance's threads and 1),
+    checked as Triton checks them with its session parameters, which TensorFlow 2 has no sessions for.
+    TensorFlow takes thread counts once per process, before its runtime starts: a later load asking for
+    others is told they have no effect."""
+    for key in ("TF_USE_PER_SESSION_THREADS", "MAX_SESSION_SHARE_COUNT"):
+        if key in params:
+            if key == "MAX_SESSION_SHARE_COUNT":
+                parameter_int(model, key, params[key], minimum=1)
+            else:
+                parameter_bool(model, key, params[key])
+            log.warning("model '%s': parameter %s has no effect (TensorFlow 2 runs a SavedModel without "
+                        "sessions; each instance loads its own copy)", model, key)
+    given = {key: parameter_int(model, key, params[key]) for key in ("TF_NUM_INTRA_THREADS",
+             "TF_NUM_INTER_THREADS") if key in params}
+    intra = given.get("TF_NUM_INTRA_THREADS") or max(1, default)
+    inter = given.get("TF_NUM_INTER_THREADS") or 1
+    threading = tf.config.threading
+    try:
+        threading.set_intra_op_parallelism_threads(intra)
+        threading.set_inter_op_parallelism_threads(inter)
+    except RuntimeError:  # the runtime has started: every model in this process shares its pools
+        now = (threading.get_intra_op_parallelism_threads(), threading.get_inter_op_parallelism_threads())
+        unmet = [f"{key} {value}" for key, value, have in (("TF_NUM_INTRA_THREADS", intra, now[0]),
+                 ("TF_NUM_INTER_THREADS", inter, now[1])) if key in given and value != have]
+        if unmet:
+            log.warning("model '%s': %s has no effect: TensorFlow's thread pools are set once per process, "
+                        "and have %d intra-op and %d inter-op threads", model, " and ".join(unmet), *now)
 
 
 def _served(model: str, folder: Path, parameters: dict[str, str]) -> Served:
