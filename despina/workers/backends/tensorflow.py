@@ -62,10 +62,11 @@ class TensorFlowBackend(Backend):
     def load(self) -> None:
         check_accelerators(self.spec.name, self.spec.config, self.instance.kind)
         tf = _tf()
-        _set_threads(tf, self.spec.name, string_parameters(self.spec.config), self.instance.threads)
+        params = string_parameters(self.spec.config)
+        _set_threads(tf, self.spec.name, params, self.instance.threads)
         self.device = f"/GPU:{self.instance.device}" if self.instance.kind == "GPU" else "/CPU:0"
         path = self.model_path()
-        chosen = _served(self.spec.name, path, string_parameters(self.spec.config))
+        chosen = _served(self.spec.name, path, params)
         try:
             with tf.device(self.device):
                 self.model = tf.saved_model.load(str(path), tags=chosen.tags or None)
@@ -145,12 +146,12 @@ def _set_threads(tf: Any, model: str, params: Mapping[str, str], default: int) -
     checked as Triton checks them with its session parameters, which TensorFlow 2 has no sessions for.
     TensorFlow takes thread counts once per process, before its runtime starts: a later load asking for
     others is told they have no effect."""
+    if "TF_USE_PER_SESSION_THREADS" in params:
+        parameter_bool(model, "TF_USE_PER_SESSION_THREADS", params["TF_USE_PER_SESSION_THREADS"])
+    if "MAX_SESSION_SHARE_COUNT" in params:
+        parameter_int(model, "MAX_SESSION_SHARE_COUNT", params["MAX_SESSION_SHARE_COUNT"], minimum=1)
     for key in ("TF_USE_PER_SESSION_THREADS", "MAX_SESSION_SHARE_COUNT"):
         if key in params:
-            if key == "MAX_SESSION_SHARE_COUNT":
-                parameter_int(model, key, params[key], minimum=1)
-            else:
-                parameter_bool(model, key, params[key])
             log.warning("model '%s': parameter %s has no effect (TensorFlow 2 runs a SavedModel without "
                         "sessions; each instance loads its own copy)", model, key)
     given = {key: parameter_int(model, key, params[key]) for key in ("TF_NUM_INTRA_THREADS",
