@@ -49,7 +49,7 @@ def torch_options(model: str, config: Mapping[str, Any]) -> TorchOptions:
     flags = {key: parameter_bool(model, key, params[key]) for key in BOOLEANS if key in params}
     ignored = [f"{key} ({NOT_APPLIED[key]})" for key in NOT_APPLIED if key in params]
     if ignored:
-        log.warning("model '%s': parameters %s have no effect in Despina", model, ", ".join(ignored))
+        log.warning("model '%s': these parameters have no effect in Despina: %s", model, "; ".join(ignored))
     threads = {key: parameter_int(model, key, params[key], minimum=UNSET) if key in params else 0
                for key in ("INTRA_OP_THREAD_COUNT", "INTER_OP_THREAD_COUNT")}
     return TorchOptions(optimized=not flags.get("DISABLE_OPTIMIZED_EXECUTION", False),
