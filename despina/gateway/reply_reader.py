@@ -27,7 +27,7 @@ from .waiters import Waiters
 log = logging.getLogger("despina.gateway")
 
 TRIM_BYTES = 4 << 20  # replies read past which the reply stream is trimmed (else every 1000 read)
-WATCH_S = 0.5  # how often the gateway looks for its mark in Redis, and renews it
+WATCH_S = 1.0  # how often the gateway looks for its mark in Redis, and renews it
 GRACE_S = 1.0  # after Redis lost its data, how long the requests waiting may still be answered
 LOOK_S = 2.0  # how long a look for the mark may take, after the reading connection broke
 LOST = ("Redis (the request queue) lost its data (restarted without it, flushed, or failed over to a replica "
