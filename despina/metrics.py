@@ -21,7 +21,7 @@ from .contract.catalog import CatalogEntry
 from .contract.keys import Keys
 from .contract.policy import batch_policy
 from .host_metrics import HostMetrics, Sample
-from .workers.stats import LATENCY_BUCKETS_US
+from .workers.stats import COLD_START_BUCKETS_S, LATENCY_BUCKETS_US
 
 COUNTERS = (  # Triton's counter, help, statistics field, scale from the field's unit
     ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
@@ -217,11 +217,7 @@ def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
     for m in models:  # the latest load of the version on any worker; none before one was recorded
         if "load_last_ns" in m["stats"]:
             out.sample("nv_model_load_duration_secs", _labels(m), m["stats"]["load_last_ns"] / 1e9)
-    out.family("despina_cold_start_duration_seconds", "summary",
-               "Time from a request for an unloaded model to the model being ready")
-    for m in models:
-        out.sample("despina_cold_start_duration_seconds_count", _labels(m), m["stats"].get("cold_count", 0))
-        out.sample("despina_cold_start_duration_seconds_sum", _labels(m), m["stats"].get("cold_ns", 0) / 1e9)
+    _cold_start_histogram(out, models)
     out.family("despina_workers_alive", "gauge", "Workers whose heartbeat is current")
     out.sample("despina_workers_alive", {}, data["workers_alive"])
     for name, field, help_ in CACHE_COUNTERS:
@@ -282,6 +278,21 @@ def _latency_histogram(out: Exposition, models: list[dict[str, Any]], name: str,
         total_ns = m["stats"].get("success_ns" if field == "lat" else "queue_ns", 0)
         out.sample(f"{name}_sum", _labels(m), total_ns / 1e9)
         out.sample(f"{name}_count", _labels(m), sum(counts))
+
+
+def _cold_start_histogram(out: Exposition, models: list[dict[str, Any]]) -> None:
+    name = "despina_cold_start_duration_seconds"
+    out.family(name, "histogram", "Time from a request for a model scaled to zero to the model being ready")
+    for m in models:
+        stats = m["stats"]
+        running = 0
+        for i, bound in enumerate(COLD_START_BUCKETS_S):
+            running += stats.get(f"cold:{i}", 0)
+            out.sample(f"{name}_bucket", {**_labels(m), "le": f"{bound:g}"}, running)
+        # cold starts recorded before the buckets were are in the count alone: +Inf holds them
+        out.sample(f"{name}_bucket", {**_labels(m), "le": "+Inf"}, stats.get("cold_count", 0))
+        out.sample(f"{name}_sum", _labels(m), stats.get("cold_ns", 0) / 1e9)
+        out.sample(f"{name}_count", _labels(m), stats.get("cold_count", 0))
 
 
 async def metrics_text(redis: aioredis.Redis, keys: Keys, host: HostMetrics,

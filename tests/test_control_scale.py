@@ -23,7 +23,7 @@ from despina.control.plane import ControlPlane
 from despina.redis_client import connect
 from despina.settings import Settings
 
-from .conftest import Server
+from .conftest import Server, settled_stats
 from .control_support import ROW, expected, index, mlp_folder, wait_until, worker_hashes
 
 MB = 1024 * 1024
@@ -69,6 +69,15 @@ def test_an_idle_model_unloads_and_fifty_first_requests_cause_one_load(
     print(f"cold start of mlp from the local registry: {cold['last_ms']} ms "
           f"(the worker's load {cold['last_load_ms']} ms)")
     assert "mlp: cold start took" in server.logs()
+    # every request counts once in the statistics, the first one's and the fifty that waited for the load
+    assert settled_stats(server.url, "mlp")["inference_stats"]["success"]["count"] == 51
+    # the cold start's time in a histogram (a summary had no buckets: no quantile of cold starts)
+    metrics = httpx.get(server.metrics_url).text
+    assert "# TYPE despina_cold_start_duration_seconds histogram" in metrics
+    labels = 'model="mlp",version="1"'
+    assert f'despina_cold_start_duration_seconds_bucket{{{labels},le="+Inf"}} 1' in metrics
+    assert f"despina_cold_start_duration_seconds_count{{{labels}}} 1" in metrics
+    assert f'despina_cold_start_duration_seconds_bucket{{{labels},le="10"}} 1' in metrics  # it took < 5 s
 
 
 def test_a_model_is_not_idle_before_any_worker_has_loaded_it(

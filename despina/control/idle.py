@@ -11,6 +11,7 @@ SWEEP-th check (1,000 models: 2,000 commands every check before).
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -22,6 +23,7 @@ from ..contract.catalog import IDLE, LOADED, CatalogEntry
 from ..contract.ensemble import called_by, is_ensemble
 from ..contract.keys import Keys
 from ..settings import Settings
+from ..workers.stats import COLD_START_BUCKETS_S
 from .repository import parameter
 from .state import Catalog, Workers
 
@@ -173,4 +175,5 @@ class Idle:
             stats = self.keys.stats(e.name, max(e.versions))
             pipe.hincrby(stats, "cold_count", 1)
             pipe.hincrby(stats, "cold_ns", int(ms * 1e6))
+            pipe.hincrby(stats, f"cold:{bisect.bisect_left(COLD_START_BUCKETS_S, ms / 1000)}", 1)
         await pipe.execute()

@@ -11,6 +11,8 @@ last batch of a burst takes everything with it. Field names:
   batch:{n}, batch_{in,,out}_ns:{n}           executions, and their compute input / infer / output time,
                                              per batch size
   lat:{i}, qlat:{i}                          request / queue latency histogram bucket counts
+  cold_count, cold_ns, cold:{i}              cold starts, their time and its histogram bucket counts (written
+                                             by the control plane, control/idle.py)
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from ..counters import record_counts
 # upper bounds in microseconds of the latency histogram buckets (the last one is +Inf)
 LATENCY_BUCKETS_US = (100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 50_000, 100_000, 250_000,
                       500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000)
+# upper bounds in seconds of the cold-start histogram buckets (the last one is +Inf): a model loads in
+# milliseconds from the local cache and in minutes from a slow store (DESPINA_LOAD_TIMEOUT_S, 300 s)
+COLD_START_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 # the field names, made once: formatting them cost a batch six f-strings
 LAT = tuple(f"lat:{b}" for b in range(len(LATENCY_BUCKETS_US) + 1))
