@@ -321,3 +321,32 @@ async def test_a_request_queued_for_an_ensemble_keeps_the_models_it_calls(
         assert w.target("m") == w.target("post") == SCALED_TO_ZERO
     finally:
         await w.close()
+
+
+def test_a_model_that_calls_an_ensemble_whose_steps_are_scaled_to_zero_waits_for_them(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A Python model's call (BLS) of an ensemble whose model was scaled to zero failed at once ("ensemble
+    runs on no worker") and woke nothing, where a client's request for the same ensemble wakes the model.
+    The call now wakes the models the ensemble calls and waits, within its time, for a worker to run it."""
+    from .test_backend_python import write_model
+    from .test_bls import CALLER, add_onnx_add_sub, caller_config
+    from .test_ensemble import ensemble_config, step, write
+
+    repo = tmp_path / "repo"
+    write_model(repo, "caller", CALLER, caller_config("caller"))
+    add_onnx_add_sub(repo)
+    config = repo / "add_sub" / "config.pbtxt"
+    config.write_text(config.read_text() + IDLE + "\n")
+    tensors = ("sum", "diff")
+    write(repo, "ens", ensemble_config(
+        "ens", step("add_sub", {"a": "a", "b": "b"}, {t: t for t in tensors}),
+        inputs="input [ " + ", ".join(f'{{ name: "{t}" data_type: TYPE_FP32 dims: [ 4 ] }}' for t in "ab") + " ]\n",
+        outputs="output [ " + ", ".join(f'{{ name: "{t}" data_type: TYPE_FP32 dims: [ 4 ] }}' for t in tensors) + " ]\n"))
+    server = serve(repo, wait_models=("caller", "add_sub"))
+    wait_until(lambda: "add_sub" not in loaded_models(redis_url, key_prefix), 20, what="add_sub to be unloaded")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    r = httpx.post(f"{server.url}/v2/models/caller/infer", timeout=30, json={
+        "inputs": [{"name": "X", "datatype": "FP32", "shape": [2, 4], "data": x.ravel().tolist()}],
+        "parameters": {"target": "ens"}})
+    assert r.status_code == 200, r.text
+    assert [o["data"] for o in r.json()["outputs"]] == [(x + 1).ravel().tolist(), (x - 1).ravel().tolist()]

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import clock
 from ..contract.datatypes import numpy_to_v2, to_bytes
+from ..contract.ensemble import Ensemble
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
 from ..contract.modelspec import (
     ModelSpec,
@@ -30,7 +32,7 @@ from ..contract.modelspec import (
 )
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..gateway.dispatch import Dispatcher
-from ..gateway.models import ModelView
+from ..gateway.models import ModelView, NotLoaded
 from ..gateway.waiters import Result
 from .backends.base import Outputs as ModelOutputs
 
@@ -45,6 +47,7 @@ GRACE_S = 0.5  # past the deadline, the call's own wait still leaves the runner 
 Outputs = dict[str, np.ndarray]
 Partial = Callable[[Outputs | DespinaError], None]  # a decoupled model's response before its last
 CANCELLED = "the calling model cancelled the call"
+RUNS_POLL_S = 0.05  # how often a call of an ensemble whose models were woken looks for a worker that runs it
 
 
 class Cancel:
@@ -155,10 +158,10 @@ class ModelCaller:
                              cancel: Cancel | None) -> InferReply:
         dispatcher, view = await self._open()
         keys = self.worker.keys
+        deadline = time.monotonic() + timeout
         found, v = await view.serving(model, None if version is None else str(version), timeout)
         if found.ensemble is not None and v not in view.ready.get(model, ()):
-            raise Unavailable(f"ensemble '{model}' runs on no worker (its models are apart, or scaled to "
-                              "zero): a model may call it only where one runs it")
+            await _ensemble_run(view, model, found.ensemble, v, deadline)
         spec = found.spec
         _check(spec, tensors, outputs, partial is not None)
         level = spec.policy.level(0)
@@ -215,6 +218,39 @@ class ModelCaller:
             self._remote = None
             await view.close()
             await dispatcher.close()
+
+
+async def _ensemble_run(view: ModelView, model: str, graph: Ensemble, v: int, deadline: float) -> None:
+    """Wait, by `deadline` (monotonic), for a worker to run an ensemble that none runs: one does once the
+    models it calls serve together. Those scaled to zero are woken, as a client's request for the ensemble
+    wakes them; where none was, they serve apart, and no worker will run it."""
+    if not await _wake_steps(view, graph, deadline):
+        raise Unavailable(f"ensemble '{model}' runs on no worker (its models are apart): a model may call "
+                          "it only where one runs it")
+    while v not in view.ready.get(model, ()):
+        if time.monotonic() >= deadline:
+            raise Unavailable(f"ensemble '{model}' runs on no worker (its models are apart, or still "
+                              "loading): a model may call it only where one runs it")
+        await asyncio.sleep(RUNS_POLL_S)
+
+
+async def _wake_steps(view: ModelView, graph: Ensemble, deadline: float) -> bool:
+    """Wake the models an ensemble calls (those of the ensembles it calls too) that no worker has READY;
+    whether there was one."""
+    woke = False
+    waking: list[Awaitable[object]] = []
+    for step in graph.steps:
+        version = None if step.version is None else str(step.version)
+        try:
+            found, v = view.resolve(step.model, version)
+        except NotLoaded:
+            woke = True
+            waking.append(view.serving(step.model, version, max(deadline - time.monotonic(), 0.001)))
+            continue
+        if found.ensemble is not None and v not in view.ready.get(step.model, ()):
+            waking.append(_wake_steps(view, found.ensemble, deadline))
+    nested = await asyncio.gather(*waking)
+    return woke or any(w is True for w in nested)
 
 
 def _tensor(name: str, array: np.ndarray) -> Tensor:
