@@ -201,9 +201,10 @@ def _unusable(repository: str) -> str | None:
 
 def _sagemaker_unusable(settings: Settings) -> str | None:
     """Why a single-model SageMaker endpoint cannot serve its repository, or None; Triton's SageMaker image
-    stops at start for both. A model.tar.gz packed from inside the model's folder puts config.pbtxt and the
+    stops at start for each. A model.tar.gz packed from inside the model's folder puts config.pbtxt and the
     version folders at the repository's top, where the model's folder belongs: served, it was a model '1'
-    without config.pbtxt. A default model with no folder was never there to run. /ping said 400 for ever."""
+    without config.pbtxt. A default model with no folder was never there to run; with none named, the
+    repository's only model runs, and of none or several there is none to. /ping said 400 for ever."""
     repo = Path(settings.model_repository).expanduser()
     if not settings.sagemaker or settings.model_control_mode == "explicit" or not repo.is_dir():
         return None
@@ -224,11 +225,18 @@ def _sagemaker_unusable(settings: Settings) -> str | None:
                 f"single-model endpoint's model.tar.gz must hold the model's folder, {name}/config.pbtxt "
                 f"and {name}/1/..., as Triton's SageMaker image requires (tar it from the folder above the "
                 f"model's)")
+    found = ", ".join(p.name for p in folders[:8]) + (", ..." if len(folders) > 8 else "")
     if settings.sagemaker_model and not (repo / settings.sagemaker_model).is_dir():
-        found = ", ".join(p.name for p in folders[:8]) + (", ..." if len(folders) > 8 else "")
         return (f"the model /invocations runs, '{settings.sagemaker_model}' "
                 "(SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, DESPINA_SAGEMAKER_MODEL or --sagemaker-model), has no "
                 f"folder in {repo}; its folders: {found or 'none'}")
+    if not settings.sagemaker_model and not folders:
+        return (f"{repo} holds no model: a single-model endpoint's model.tar.gz must hold the model's "
+                "folder, MODEL_NAME/config.pbtxt and MODEL_NAME/1/..., as Triton's SageMaker image requires")
+    if not settings.sagemaker_model and len(folders) > 1:
+        return (f"{repo} holds {len(folders)} models ({found}): name the one /invocations runs with "
+                "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, DESPINA_SAGEMAKER_MODEL or --sagemaker-model, as "
+                "Triton's SageMaker image requires")
     return None
 
 

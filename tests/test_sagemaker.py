@@ -56,6 +56,19 @@ def one_model_repo(example_repository: Path, root: Path, name: str = "add_sub") 
     return root
 
 
+def refused_at_start(repo: Path, redis_url: str, key_prefix: str, **env: str) -> str:
+    """What `despina serve --sagemaker` of `repo` says as it stops at start (exit 2, one line)."""
+    done = subprocess.run([sys.executable, "-m", "despina", "serve", "--sagemaker", "--model-repository",
+                           str(repo), "--redis-url", redis_url, "--key-prefix", key_prefix, "--http-port",
+                           str(free_port()), "--metrics-port", "0", "--host", "127.0.0.1"],
+                          capture_output=True, text=True, timeout=60, preexec_fn=die_with_parent,
+                          env={**os.environ, **env})
+    assert done.returncode == 2, done.stderr[-2000:]
+    said = done.stderr.strip()
+    assert len(said.splitlines()) == 1 and "Traceback" not in said, said
+    return said
+
+
 # -- settings and routing, no server ---------------------------------------------------------------
 
 def test_sagemaker_takes_its_port_folder_and_default_model_from_sagemakers_variables() -> None:
@@ -186,13 +199,7 @@ def test_an_archive_of_the_model_folder_itself_is_refused_at_start_saying_the_la
     versions_only = tmp_path / "versions"  # no config.pbtxt (Triton's auto-complete), a version folder on top
     shutil.copytree(example_repository / "add_sub" / "1", versions_only / "1")
     for repo, name in ((flat, "add_sub"), (versions_only, "MODEL_NAME")):
-        done = subprocess.run([sys.executable, "-m", "despina", "serve", "--sagemaker", "--model-repository",
-                               str(repo), "--redis-url", redis_url, "--key-prefix", key_prefix, "--http-port",
-                               str(free_port()), "--metrics-port", "0", "--host", "127.0.0.1"],
-                              capture_output=True, text=True, timeout=60, preexec_fn=die_with_parent)
-        assert done.returncode == 2, done.stderr[-2000:]
-        said = done.stderr.strip()
-        assert len(said.splitlines()) == 1 and "Traceback" not in said, said
+        said = refused_at_start(repo, redis_url, key_prefix)
         assert said.startswith(f"despina serve: {repo} is a model's own folder"), said
         assert f"{name}/config.pbtxt" in said and f"{name}/1/" in said, said
 
@@ -202,14 +209,7 @@ def test_a_default_model_the_repository_has_no_folder_for_is_refused_at_start(
     # SAGEMAKER_TRITON_DEFAULT_MODEL_NAME misspelt: Despina started, and /ping said 400 until SageMaker gave
     # up on the endpoint; Triton's image stops at start, naming the variable
     repo = one_model_repo(example_repository, tmp_path / "model")
-    done = subprocess.run([sys.executable, "-m", "despina", "serve", "--sagemaker", "--model-repository",
-                           str(repo), "--redis-url", redis_url, "--key-prefix", key_prefix, "--http-port",
-                           str(free_port()), "--metrics-port", "0", "--host", "127.0.0.1"],
-                          capture_output=True, text=True, timeout=60, preexec_fn=die_with_parent,
-                          env={**os.environ, "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "add-sub"})
-    assert done.returncode == 2, done.stderr[-2000:]
-    said = done.stderr.strip()
-    assert len(said.splitlines()) == 1 and "Traceback" not in said, said
+    said = refused_at_start(repo, redis_url, key_prefix, SAGEMAKER_TRITON_DEFAULT_MODEL_NAME="add-sub")
     assert "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME" in said and "'add-sub'" in said and "add_sub" in said, said
 
 
@@ -228,20 +228,44 @@ def test_a_batch_transform_payload_over_64_mib_is_not_refused_as_too_large(
                       timeout=60).status_code == 413
 
 
-def test_invocations_needs_a_default_model_when_the_repository_has_several(
-        serve, example_repository: Path, tmp_path: Path) -> None:
+def test_a_repository_of_several_models_and_no_default_model_is_refused_at_start(
+        serve, example_repository: Path, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    # several models and no SAGEMAKER_TRITON_DEFAULT_MODEL_NAME: Despina started, /ping said 400 for ever and
+    # SageMaker gave up on the endpoint; Triton's image stops at start ("More than 1 model directory"), and
+    # at none ("No model found"); so does Despina, in one line
     repo = one_model_repo(example_repository, tmp_path / "model")
     shutil.copytree(example_repository / "add_sub", repo / "add_sub_too")
-    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1", wait_models=("add_sub_too",))
-    r = httpx.post(f"{server.url}/invocations", json=v2_body())
-    assert r.status_code == 400
-    assert "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME" in r.json()["error"]
+    said = refused_at_start(repo, redis_url, key_prefix)
+    assert said.startswith(f"despina serve: {repo} holds 2 models (add_sub, add_sub_too)"), said
+    assert "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME" in said, said
+    empty = tmp_path / "empty"
+    (empty / ".hidden").mkdir(parents=True)
+    said = refused_at_start(empty, redis_url, key_prefix)
+    assert said.startswith(f"despina serve: {empty} holds no model"), said
 
+    # the model named, it serves; the others are there for its ensemble, as in Triton's image
     other: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1",
                           env={"SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "add_sub_too"})
     r = httpx.post(f"{other.url}/invocations", json=v2_body())
     assert r.status_code == 200, r.text
     assert r.json()["model_name"] == "add_sub_too"
+
+
+def test_invocations_needs_a_default_model_when_the_repository_gains_a_second_one(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # what start cannot see: a repository polled for changes that gains a model, /invocations has no model
+    repo = one_model_repo(example_repository, tmp_path / "model")
+    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1", "--model-control-mode", "poll",
+                           "--repository-poll-secs", "0.5")
+    shutil.copytree(example_repository / "add_sub", repo / "add_sub_too")
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{server.url}/v2/models/add_sub_too/ready").status_code != 200:
+        assert time.monotonic() < deadline, server.logs()[-3000:]
+        time.sleep(0.2)
+    r = httpx.post(f"{server.url}/invocations", json=v2_body())
+    assert r.status_code == 400
+    assert "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME" in r.json()["error"]
+    assert httpx.get(f"{server.url}/ping").status_code == 400
 
 
 def test_a_key_limited_to_the_endpoints_model_may_call_invocations(
@@ -525,23 +549,23 @@ def test_ping_mode_live_answers_200_while_a_model_loads(
         Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_TRITON_PING_MODE": "sometimes"})
 
 
-@pytest.mark.parametrize("case", ["several", "failed", "serving"])
+@pytest.mark.parametrize("case", ["failed", "serving"])
 def test_ping_fails_on_a_single_model_endpoint_without_a_model_to_invoke(
         serve, example_repository: Path, tmp_path: Path, case: str) -> None:
     # Triton's image does not start without the endpoint's model; a /ping of 200 had SageMaker take the
     # endpoint for healthy and send every invocation to a 4xx or 503 (a default model with no folder at all
-    # stops the start: test_a_default_model_the_repository_has_no_folder_for_is_refused_at_start)
+    # stops the start: test_a_default_model_the_repository_has_no_folder_for_is_refused_at_start; several
+    # and none named too; one gained later: test_invocations_needs_a_default_model_when_the_repository_...)
     repo = one_model_repo(example_repository, tmp_path / "model")
     extra: tuple[str, ...] = ()
-    if case in ("several", "serving"):
-        shutil.copytree(example_repository / "add_sub", repo / "add_sub_too")
     if case == "serving":
+        shutil.copytree(example_repository / "add_sub", repo / "add_sub_too")
         extra = ("--sagemaker-model", "add_sub_too")
     if case == "failed":
         for onnx in repo.rglob("*.onnx"):
             onnx.write_bytes(b"not a model")
     server = serve(repo, "--sagemaker", "--host", "127.0.0.1", *extra,
-                   wait_models=("add_sub_too",) if case in ("several", "serving") else ())
+                   wait_models=("add_sub_too",) if case == "serving" else ())
     invoked = httpx.post(f"{server.url}/invocations", json=v2_body()).status_code
     assert (invoked, httpx.get(f"{server.url}/ping").status_code) == {
-        "several": (400, 400), "failed": (503, 400), "serving": (200, 200)}[case]
+        "failed": (503, 400), "serving": (200, 200)}[case]
