@@ -184,10 +184,11 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
     """What SageMaker's own variables say, where no DESPINA_* variable or option said otherwise: the
     port (SAGEMAKER_BIND_TO_PORT, else 8080), every address, a request timeout under SageMaker's 60 s,
     the metrics port (the first of SAGEMAKER_SAFE_PORT_RANGE), a body limit that takes batch transform's
-    payloads (SAGEMAKER_MAX_PAYLOAD_IN_MB), the artifacts' folder, what /ping answers by (Triton's
-    SAGEMAKER_TRITON_PING_MODE), the model that /invocations runs (SAGEMAKER_TRITON_DEFAULT_MODEL_NAME)
-    and how (SAGEMAKER_TRITON_INFERENCE_TYPE), and for a multi-model endpoint (SAGEMAKER_MULTI_MODEL=true)
-    explicit model control over a folder the endpoint's loads fill."""
+    payloads (SAGEMAKER_MAX_PAYLOAD_IN_MB), the artifacts' folder, what /ping answers by (as Triton's
+    image: SAGEMAKER_TRITON_OVERRIDE_PING_MODE, else ready, or live on a multi-model endpoint), the model
+    that /invocations runs (SAGEMAKER_TRITON_DEFAULT_MODEL_NAME) and how (SAGEMAKER_TRITON_INFERENCE_TYPE),
+    and for a multi-model endpoint (SAGEMAKER_MULTI_MODEL=true) explicit model control over a folder the
+    endpoint's loads fill."""
     try:
         values.setdefault("http_port", int(environ.get("SAGEMAKER_BIND_TO_PORT") or 8080))
     except ValueError:
@@ -210,11 +211,19 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
         if not (payload.isascii() and payload.isdigit()):
             raise BadSetting(f"SAGEMAKER_MAX_PAYLOAD_IN_MB={payload!r}: expected a whole number of MB")
         values["max_body_bytes"] = max(int(payload) * 1024 * 1024, Settings.max_body_bytes)
-    ping = environ.get("SAGEMAKER_TRITON_PING_MODE", "").strip()
-    if ping and "sagemaker_ping_mode" not in values:
-        if ping not in CHOICES["sagemaker_ping_mode"]:
-            raise BadSetting(f"SAGEMAKER_TRITON_PING_MODE={ping!r}: expected ready or live")
-        values["sagemaker_ping_mode"] = ping
+    multi_model = environ.get("SAGEMAKER_MULTI_MODEL", "").strip().lower() in _TRUE
+    if "sagemaker_ping_mode" not in values:
+        # as Triton's serve script: SAGEMAKER_TRITON_OVERRIDE_PING_MODE, else ready on a single-model
+        # endpoint and live on a multi-model one (a failed load must not fail /ping: SageMaker would load
+        # nothing more); it sets tritonserver's own SAGEMAKER_TRITON_PING_MODE, taken where it is not set
+        for variable in ("SAGEMAKER_TRITON_OVERRIDE_PING_MODE", "SAGEMAKER_TRITON_PING_MODE"):
+            if ping := environ.get(variable, "").strip():
+                if ping not in CHOICES["sagemaker_ping_mode"]:
+                    raise BadSetting(f"{variable}={ping!r}: expected ready or live")
+                values["sagemaker_ping_mode"] = ping
+                break
+        else:
+            values["sagemaker_ping_mode"] = "live" if multi_model else "ready"
     kind = environ.get("SAGEMAKER_TRITON_INFERENCE_TYPE", "").strip()
     if kind and "sagemaker_inference_type" not in values:  # as Triton's image, refused at start if unknown
         if kind not in CHOICES["sagemaker_inference_type"]:
@@ -223,7 +232,7 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
         values["sagemaker_inference_type"] = kind
     if environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"):
         values.setdefault("sagemaker_model", environ["SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"])
-    if environ.get("SAGEMAKER_MULTI_MODEL", "").strip().lower() in _TRUE:
+    if multi_model:
         values.setdefault("model_control_mode", "explicit")
         if "model_repository" not in values:  # empty until the first load: it must exist to be read
             os.makedirs(SAGEMAKER_MME_REPOSITORY, exist_ok=True)

@@ -293,6 +293,9 @@ def test_a_key_limited_to_the_endpoints_model_may_call_invocations(
 
 # -- a multi-model endpoint --------------------------------------------------------------------------
 
+READY = {"SAGEMAKER_TRITON_OVERRIDE_PING_MODE": "ready"}  # /ping as readiness (a multi-model endpoint's: live)
+
+
 def multi_model_endpoint(serve, tmp_path: Path, **env: str) -> Server:
     """A server as SageMaker starts one for a multi-model endpoint, staging into tmp_path/staged."""
     (tmp_path / "staged").mkdir()
@@ -391,7 +394,7 @@ def test_an_archive_of_an_ensemble_and_its_models_loads_as_one_endpoint_model(
         serve, example_repository: Path, tmp_path: Path) -> None:
     # as Triton's SageMaker front end reads an archive of several models: the ensemble is the endpoint's
     # model, the models it calls load beside it under their own names, and go with it
-    url = multi_model_endpoint(serve, tmp_path).url
+    url = multi_model_endpoint(serve, tmp_path, **READY).url
     archive = tmp_path / "models" / "9f8e7d" / "model"
     for name in ("mlp_classify", "mlp", "classify_post"):
         shutil.copytree(example_repository / name, archive / name)
@@ -455,7 +458,7 @@ def test_a_model_no_worker_has_room_for_gets_507_and_leaves_the_endpoint_healthy
         serve, example_repository: Path, tmp_path: Path) -> None:
     # SageMaker answers 507 by unloading other models and trying again; a load left waiting for a worker
     # would keep /ping failing, and SageMaker would replace the instance
-    server = multi_model_endpoint(serve, tmp_path, DESPINA_WORKER_MEMORY_MB="512")
+    server = multi_model_endpoint(serve, tmp_path, **READY, DESPINA_WORKER_MEMORY_MB="512")
     big = tmp_path / "big" / "model" / "add_sub"
     shutil.copytree(example_repository / "add_sub", big)
     with (big / "config.pbtxt").open("a") as f:
@@ -501,7 +504,7 @@ def test_a_model_whose_load_failed_may_be_loaded_again_under_its_name(
         serve, example_repository: Path, tmp_path: Path) -> None:
     # SageMaker retries a failed load under the same model_name; a load that failed left the name
     # taken (409 "already loaded") and its invocations answered 503 for good
-    server = multi_model_endpoint(serve, tmp_path)
+    server = multi_model_endpoint(serve, tmp_path, **READY)
     broken = tmp_path / "models" / "1a2b3c" / "model"
     shutil.copytree(example_repository / "add_sub", broken)
     for onnx in broken.rglob("*.onnx"):
@@ -520,12 +523,35 @@ def test_a_model_whose_load_failed_may_be_loaded_again_under_its_name(
 
 
 
-@pytest.mark.parametrize("mode", ["ready", "live"])
+def test_ping_mode_is_triton_images_ready_on_a_single_model_endpoint_live_on_a_multi_model_one() -> None:
+    # Triton's serve script sets the ping mode from SAGEMAKER_TRITON_OVERRIDE_PING_MODE, else ready on a
+    # single-model endpoint and live on a multi-model one (a failed load must not fail /ping, or SageMaker
+    # loads nothing more); Despina read SAGEMAKER_TRITON_PING_MODE alone and answered ready on both
+    def mode(env: dict[str, str], **args: str) -> str:
+        return Settings.from_sources({"sagemaker": True, **args}, env).sagemaker_ping_mode
+    mme = {"SAGEMAKER_MULTI_MODEL": "true"}
+    assert (mode({}), mode(mme)) == ("ready", "live")
+    assert mode({"SAGEMAKER_TRITON_OVERRIDE_PING_MODE": "live"}) == "live"
+    assert mode({**mme, "SAGEMAKER_TRITON_OVERRIDE_PING_MODE": "ready"}) == "ready"
+    # tritonserver's own variable (what the script sets) where the script's is not set; the script's wins
+    assert mode({**mme, "SAGEMAKER_TRITON_PING_MODE": "ready"}) == "ready"
+    assert mode({"SAGEMAKER_TRITON_PING_MODE": "live", "SAGEMAKER_TRITON_OVERRIDE_PING_MODE": "ready"}) == "ready"
+    # Despina's own setting wins over both
+    assert mode({**mme, "SAGEMAKER_TRITON_OVERRIDE_PING_MODE": "live"}, sagemaker_ping_mode="ready") == "ready"
+    assert mode({**mme, "DESPINA_SAGEMAKER_PING_MODE": "ready"}) == "ready"
+    assert Settings.from_sources({}, mme).sagemaker_ping_mode == "ready"  # without --sagemaker: nothing
+    for variable in ("SAGEMAKER_TRITON_OVERRIDE_PING_MODE", "SAGEMAKER_TRITON_PING_MODE"):
+        with pytest.raises(BadSetting, match=variable):
+            Settings.from_sources({"sagemaker": True}, {variable: "sometimes"})
+
+
+@pytest.mark.parametrize("mode", ["ready", None])
 def test_ping_mode_live_answers_200_while_a_model_loads(
-        serve, example_repository: Path, tmp_path: Path, mode: str) -> None:
-    # Triton's SAGEMAKER_TRITON_PING_MODE=live answers /ping by liveness, so a multi-model endpoint stays
-    # healthy while a load runs; Despina read no such variable and answered 400 during every load
-    server = multi_model_endpoint(serve, tmp_path, SAGEMAKER_TRITON_PING_MODE=mode)
+        serve, example_repository: Path, tmp_path: Path, mode: str | None) -> None:
+    # ping mode live answers /ping by liveness, so a multi-model endpoint stays healthy while a load runs,
+    # as Triton's image answers by default there; Despina answered 400 during every load
+    env = {"SAGEMAKER_TRITON_OVERRIDE_PING_MODE": mode} if mode else {}
+    server = multi_model_endpoint(serve, tmp_path, **env)
     slow = tmp_path / "models" / "5f6a7b" / "model"
     shutil.copytree(example_repository / "add_sub_python", slow)
     script = slow / "1" / "model.py"
@@ -543,10 +569,8 @@ def test_ping_mode_live_answers_200_while_a_model_loads(
             pinged = client.get(f"{server.url}/ping").status_code
             hold.unlink()
             assert load.result().status_code == 200, load.result().text
-    assert pinged == {"ready": 400, "live": 200}[mode]
+    assert pinged == (400 if mode == "ready" else 200)
     assert httpx.get(f"{server.url}/ping").status_code == 200
-    with pytest.raises(BadSetting, match="SAGEMAKER_TRITON_PING_MODE"):
-        Settings.from_sources({"sagemaker": True}, {"SAGEMAKER_TRITON_PING_MODE": "sometimes"})
 
 
 @pytest.mark.parametrize("case", ["failed", "serving"])

@@ -6,7 +6,8 @@ SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
 
 - GET /ping: 200 once the server is ready (as /v2/health/ready), else 400 as Triton answers; on a
   single-model endpoint 400 too while /invocations has no model that can serve. With Triton's
-  SAGEMAKER_TRITON_PING_MODE=live, 200 while the gateway runs (as /v2/health/live).
+  ping mode live (a multi-model endpoint's default, as Triton's image: settings.py), 200 while the
+  gateway runs (as /v2/health/live).
 - POST /invocations: a V2 inference request for the endpoint's model (`sagemaker_model`, Triton's
   SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, else the repository's only model): JSON, or binary tensors with
   the content type `application/vnd.sagemaker-triton.binary+json;json-header-size=N` in place of the
