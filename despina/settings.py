@@ -92,7 +92,7 @@ class Settings:
     auth_inference: bool = False            # with keys configured, inference needs a key too
     # Triton's --http-restricted-api: <api>[,<api>...]:<header>=<value>, groups separated by ';'
     http_restricted_api: str | None = field(default=None, repr=False)
-    # SageMaker's container contract (gateway/sagemaker.py): /ping, /invocations and the multi-model /models
+    # SageMaker's container contract (gateway/sagemaker.py, sagemaker_mme.py): /ping, /invocations, /models
     sagemaker: bool = False
     sagemaker_model: str | None = None      # what /invocations runs; else the repository's only model
     sagemaker_ping_mode: str = "ready"      # /ping answers as /v2/health/ready, or as .../live

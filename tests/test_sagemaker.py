@@ -1,6 +1,6 @@
-"""SageMaker's container contract (gateway/sagemaker.py): /ping, /invocations, the multi-model /models API,
-against a real `despina serve --sagemaker`, driven the way SageMaker and Triton's own SageMaker tests do
-(tritonclient builds and parses the binary bodies)."""
+"""SageMaker's container contract (gateway/sagemaker.py, sagemaker_mme.py): /ping, /invocations, the
+multi-model /models API, against a real `despina serve --sagemaker`, driven the way SageMaker and Triton's
+own SageMaker tests do (tritonclient builds and parses the binary bodies)."""
 from __future__ import annotations
 
 import asyncio

@@ -42,6 +42,7 @@ from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
 from .repository import repository_routes
 from .responses import error_response, json_response
 from .sagemaker import sagemaker_routes
+from .sagemaker_mme import multi_model_routes
 from .shm import RELEASE_S, Registry
 from .shm_api import EXTENSION as SHM_EXTENSION
 from .shm_api import shm_routes
@@ -290,7 +291,7 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
         *logging_routes(gw),
         *shm_routes(gw),
         *trace_routes(gw),
-        *(sagemaker_routes(gw) if settings.sagemaker else []),
+        *(sagemaker_routes(gw) + multi_model_routes(gw) if settings.sagemaker else []),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],
                     exception_handlers={404: _http_error, 405: _http_error, RedisError: _redis_error,

@@ -1,0 +1,266 @@
+"""SageMaker's multi-model endpoint (SAGEMAKER_MULTI_MODEL=true: explicit model control), as Triton's
+SageMaker front end serves it (the single-model routes: sagemaker.py).
+
+POST /models {"model_name", "url"} copies the model folder SageMaker unpacked at `url` into the model
+repository as `model_name` and loads it (409 when that name is loaded, 400 on an endpoint without
+explicit model control; an archive of an ensemble and the models it calls loads them under their own
+names, and DELETE unloads them with it); GET /models (paged: max_results, next_page_token), GET
+/models/{name}, DELETE /models/{name} (404 when not loaded), and POST /models/{name}/invoke (V2
+inference whatever the inference type, as Triton's; 404 when not loaded; the answer names the
+X-Amzn-SageMaker-Target-Model SageMaker sends, as Triton's does). The endpoint's models are kept in one
+Redis hash, so that every gateway of the endpoint answers for them alike.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route as HttpRoute
+
+from ..contract.commands import LOAD, UNLOAD
+from ..contract.ensemble import PLATFORM
+from ..contract.errors import Code, DespinaError, FailedPrecondition, InvalidArgument, NotFound
+from ..contract.modelconfig import check_model_name, parse_text
+from ..registry.base import is_version
+from ..registry.transfer import push
+from . import http
+from .infer import AsgiEndpoint, Exchange, fail
+from .responses import error_response, json_body, json_response
+from .sagemaker import SageMakerInfer
+
+if TYPE_CHECKING:
+    from ..contract.modelspec import ModelSpec
+    from ..settings import Settings
+    from .app import Gateway
+
+log = logging.getLogger("despina.gateway")
+
+TARGET_MODEL = b"x-amzn-sagemaker-target-model"  # InvokeEndpoint's TargetModel: "[path/]archive.tar.gz"
+FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")  # as Triton: a load never reads from these
+PAGE_MAX = 1000  # models in one GET /models answer at most
+
+
+class AlreadyLoaded(DespinaError):
+    code = Code.FAILED_PRECONDITION  # 409 on SageMaker's routes
+
+
+class ModelInvoke(SageMakerInfer):
+    """POST /models/{name}/invoke: 404 for a model not loaded, as SageMaker's multi-model contract asks (an
+    unloaded one would otherwise answer 400, one whose load failed 503)."""
+
+    def __call__(self, ex: Exchange) -> None:
+        name = ex.params["model"]
+        if not _loaded(self.gateway, name):
+            fail(ex, NotFound(f"model '{name}' is not loaded"), http.header(ex.headers, b"x-request-id"))
+            return
+        super().__call__(ex)
+
+    def answered_as(self, ex: Exchange, spec: ModelSpec) -> str:
+        """InvokeEndpoint's TargetModel, which SageMaker sends along: Triton's image loads the model under
+        that name, so its answers name what the client asked for, not SageMaker's opaque model_name."""
+        target = http.header(ex.headers, TARGET_MODEL)
+        return target.decode("utf-8", "replace") if target else spec.name
+
+
+def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
+    key = gw.keys.sagemaker_models
+
+    async def load(request: Request) -> Response:
+        try:
+            if gw.settings.model_control_mode != "explicit":  # before staging: its folder would stay behind
+                raise FailedPrecondition("this endpoint loads no models: POST /models needs a multi-model "
+                                         "endpoint (SAGEMAKER_MULTI_MODEL=true) or "
+                                         "--model-control-mode explicit")
+            doc = await json_body(request, gw.settings.max_body_bytes)
+            name, url = doc.get("model_name"), doc.get("url")
+            if not isinstance(name, str) or not isinstance(url, str) or not name or not url:
+                raise InvalidArgument("the body must be {\"model_name\": \"...\", \"url\": \"...\"} "
+                                      "with both strings")
+            check_model_name(name)
+            if await gw.redis.hexists(key, name) or _loaded(gw, name):  # by /models or by the V2 API
+                raise AlreadyLoaded(f"model '{name}' is already loaded")
+            # one load of a name at a time, over every gateway (two staged into one folder, and both
+            # answered 200); the claim expires should its gateway die in the load
+            claim = gw.keys.sagemaker_loading(name)
+            if not await gw.redis.set(claim, url, nx=True, px=int(1000 * (gw.settings.load_timeout_s + 60))):
+                raise AlreadyLoaded(f"model '{name}' is being loaded")
+        except DespinaError as exc:
+            return _load_error(exc)
+        try:
+            return await staged_and_loaded(name, url, request.headers.get(TARGET_MODEL.decode(), name))
+        finally:
+            await gw.redis.delete(claim)
+
+    async def staged_and_loaded(name: str, url: str, target: str) -> Response:
+        try:
+            folder, steps = model_folders(url)
+            for step in steps:  # as Triton: an archive's other models keep their names, once
+                if step.name == name or _loaded(gw, step.name):
+                    raise AlreadyLoaded(f"model '{step.name}' of the archive at '{url}' is already loaded")
+            await asyncio.to_thread(stage, folder, name, gw.settings, steps)
+        except DespinaError as exc:
+            return _load_error(exc)
+        try:
+            # no room on any worker: 507 at once, SageMaker's cue to unload others and retry
+            await gw.view.control.call(LOAD, name, {"fail_without_room": True}, gw.settings.load_timeout_s)
+        except DespinaError as exc:
+            await _give_up(gw, name)
+            return _load_error(exc)
+        await gw.redis.hset(key, name, orjson.dumps({"url": url}))
+        await gw.view.refresh()
+        log.info("SageMaker model %s (TargetModel %s) loaded from %s", name, target, url)
+        return Response(b"", 200)
+
+    async def listing(request: Request) -> Response:
+        try:
+            size = _int_param(request, "max_results", PAGE_MAX)
+            start = _int_param(request, "next_page_token", 0)
+        except DespinaError as exc:
+            return error_response(exc)
+        models = await _models(gw, key)
+        page = models[start:start + min(max(size, 1), PAGE_MAX)]
+        doc: dict[str, Any] = {"models": page}
+        if start + len(page) < len(models):
+            doc["nextPageToken"] = str(start + len(page))
+        return json_response(doc)
+
+    async def describe(request: Request) -> Response:
+        name = request.path_params["model"]
+        raw = await gw.redis.hget(key, name)
+        if raw is None:
+            return error_response(NotFound(f"model '{name}' is not loaded"))
+        return json_response({"modelName": name, "modelUrl": orjson.loads(raw)["url"]})
+
+    async def unload(request: Request) -> Response:
+        name = request.path_params["model"]
+        try:
+            if not await gw.redis.hexists(key, name):
+                raise NotFound(f"model '{name}' is not loaded")
+            await gw.view.control.call(UNLOAD, name, {"unload_dependents": True},  # an ensemble's steps too
+                                       gw.settings.load_timeout_s)
+            await gw.redis.hdel(key, name)
+            await gw.view.refresh()
+        except DespinaError as exc:
+            return error_response(exc)
+        log.info("SageMaker model %s unloaded", name)
+        return Response(b"", 200)
+
+    return [
+        HttpRoute("/models", load, methods=["POST"]),
+        HttpRoute("/models", listing, methods=["GET"]),
+        HttpRoute("/models/{model}", describe, methods=["GET"]),
+        HttpRoute("/models/{model}", unload, methods=["DELETE"]),
+        HttpRoute("/models/{model}/invoke", AsgiEndpoint(ModelInvoke(gw)), methods=["POST"]),
+    ]
+
+
+def _loaded(gw: Gateway, name: str) -> bool:
+    """Whether a model of that name is loaded, however it was (serving, loading, or idle: scaled to zero):
+    staging an archive under its name would overwrite the files it loads from. One whose load failed is
+    not: SageMaker may load it again, as Triton lets it."""
+    model = gw.view.models.get(name)
+    return model is not None and model.entry.loaded
+
+
+async def _models(gw: Gateway, key: str) -> list[dict[str, str]]:
+    """The endpoint's models that serve now, by name."""
+    rows = cast(dict[bytes, bytes], await gw.redis.hgetall(key))
+    out = []
+    for raw_name, raw in sorted(rows.items()):
+        name = raw_name.decode()
+        if gw.view.is_ready(name, None):
+            out.append({"modelName": name, "modelUrl": orjson.loads(raw)["url"]})
+    return out
+
+
+async def _give_up(gw: Gateway, name: str) -> None:
+    """After a failed load, unload what it left: a model still waiting for a worker with room would keep
+    the server not ready, and SageMaker would take /ping's answer for a sick container."""
+    try:
+        await gw.view.control.call(UNLOAD, name, {"unload_dependents": True}, gw.settings.load_timeout_s)
+        await gw.view.refresh()
+    except DespinaError as exc:
+        log.warning("SageMaker model %s: unloading after its failed load failed too: %s", name, exc.message)
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    if not (raw.isascii() and raw.isdigit()):  # str.isdigit() takes '²', which int() refuses
+        raise InvalidArgument(f"'{name}' must be a whole number, got '{raw[:32]}'")
+    return int(raw)
+
+
+def _load_error(exc: DespinaError) -> Response:
+    """SageMaker reads 409 as "loaded already" and 507 as "no room: unload another and retry"."""
+    response = error_response(exc)
+    if isinstance(exc, AlreadyLoaded):
+        response.status_code = 409
+    elif exc.code == Code.RESOURCE_EXHAUSTED:
+        response.status_code = 507
+    return response
+
+
+def model_folders(url: str) -> tuple[Path, list[Path]]:
+    """The model folder in what SageMaker unpacked at `url`, and the archive's other models: the folder
+    itself when it is a model's (it has a config.pbtxt or a version folder), else its only model
+    sub-folder, else, as Triton's SageMaker front end reads an archive of several, its one ensemble
+    (loaded as the endpoint's model) with the models it calls beside it (loaded under their own names).
+    Nothing that is not a model's folder is copied."""
+    path = Path(os.path.normpath(os.path.abspath(url)))
+    if any(str(path).startswith(root) or str(path) + "/" == root for root in FORBIDDEN_ROOTS):
+        raise InvalidArgument(f"'url' cannot be under /dev, /proc or /sys, got '{url}'")
+    if not path.is_dir():
+        raise InvalidArgument(f"'url' must be a folder on the endpoint's machine, got '{url}'")
+    if _is_model(path):
+        return path, []
+    models = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".") and _is_model(p))
+    if len(models) == 1:
+        return models[0], []
+    ensembles = [p for p in models if _is_ensemble(p)]
+    if len(ensembles) == 1:
+        return ensembles[0], [p for p in models if p != ensembles[0]]
+    if not models:
+        raise InvalidArgument(f"'{url}' is not a model folder (config.pbtxt and version folders) and holds "
+                              "none")
+    raise InvalidArgument(f"'{url}' holds {len(models)} model folders and {len(ensembles) or 'no'} "
+                          f"ensemble{'' if len(ensembles) == 1 else 's'}: an archive of several models "
+                          "needs exactly one ensemble, the model the endpoint loads")
+
+
+def _is_ensemble(folder: Path) -> bool:
+    config = folder / "config.pbtxt"
+    if not config.is_file():
+        return False
+    try:
+        parsed = parse_text(folder.name, config.read_bytes())
+    except (DespinaError, OSError):
+        return False  # not this one: its own load says what is wrong with it
+    return PLATFORM in (parsed.platform, parsed.backend)
+
+
+def _is_model(folder: Path) -> bool:
+    return (folder / "config.pbtxt").is_file() or any(
+        p.is_dir() and is_version(p.name) for p in folder.iterdir())
+
+
+def stage(folder: Path, name: str, settings: Settings, steps: Sequence[Path] = ()) -> None:
+    """Push a model folder into the model repository as model `name` (its config renamed: the folder
+    SageMaker unpacked is named after the archive, the config after the model), as `despina push` does;
+    an ensemble's `steps` first, each under its own folder's name."""
+    for step in steps:
+        out = io.StringIO()
+        push(step, settings.model_repository, settings, out=out)
+        log.info("SageMaker model %s: %s", name, out.getvalue().strip().splitlines()[-1])
+    out = io.StringIO()
+    push(folder, settings.model_repository, settings, name=name, out=out, rename=True)
+    log.info("SageMaker model %s: %s", name, out.getvalue().strip().splitlines()[-1])  # "pushed ..."
