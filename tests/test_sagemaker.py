@@ -327,6 +327,15 @@ def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
     assert outputs(r.json())["sum"] == [2.0, 3.0, 4.0, 5.0]
     assert r.json()["model_name"] == "team-a/add_sub.tar.gz"
     assert httpx.get(f"{url}/v2/models/m1/config").json()["name"] == "m1"  # the config takes the name
+    # its errors name the TargetModel too, not the hash the client never sent (Triton's name the model it
+    # loads under the TargetModel); the V2 route's name the model as loaded
+    unknown = v2_body()
+    unknown["inputs"][1]["name"] = "c"
+    for bad in ({"inputs": v2_body()["inputs"][:1]}, unknown):
+        r = httpx.post(f"{url}/models/m1/invoke", json=bad, headers=target)
+        said = r.json()["error"]
+        assert r.status_code == 400 and "'team-a/add_sub.tar.gz'" in said and "m1" not in said, r.text
+        assert "'m1'" in httpx.post(f"{url}/v2/models/m1/infer", json=bad).json()["error"]
     body, json_size = binary_request()
     for _ in range(2):  # the second answer's JSON header is the one remembered for the request's shape
         r = httpx.post(f"{url}/models/m1/invoke", content=body,
@@ -362,6 +371,8 @@ def test_a_multi_model_endpoint_loads_lists_invokes_and_unloads_models(
     # SageMaker's contract: invoking a model that is not loaded is a 404 (it was a 400, "not loaded")
     r = httpx.post(f"{url}/models/m1/invoke", json=v2_body())
     assert r.status_code == 404 and "not loaded" in r.json()["error"], r.text
+    r = httpx.post(f"{url}/models/m1/invoke", json=v2_body(), headers=target)
+    assert r.status_code == 404 and r.json()["error"] == "model 'team-a/add_sub.tar.gz' is not loaded", r.text
     assert httpx.get(f"{url}/models").json() == {"models": both[1:]}
     # loaded again after its unload
     assert httpx.post(f"{url}/models", json={"model_name": "m1", "url": str(archive)},

@@ -6,8 +6,8 @@ repository as `model_name` and loads it (409 when that name is loaded, 400 on an
 explicit model control; an archive of an ensemble and the models it calls loads them under their own
 names, and DELETE unloads them with it); GET /models (paged: max_results, next_page_token), GET
 /models/{name}, DELETE /models/{name} (404 when not loaded), and POST /models/{name}/invoke (V2
-inference whatever the inference type, as Triton's; 404 when not loaded; the answer names the
-X-Amzn-SageMaker-Target-Model SageMaker sends, as Triton's does). The endpoint's models are kept in one
+inference whatever the inference type, as Triton's; 404 when not loaded; the answer and its errors
+name the X-Amzn-SageMaker-Target-Model SageMaker sends, as Triton's do). The endpoint's models are kept in one
 Redis hash, so that every gateway of the endpoint answers for them alike.
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ from ..contract.modelconfig import check_model_name, parse_text
 from ..registry.base import is_version
 from ..registry.transfer import push
 from . import http
-from .infer import AsgiEndpoint, Exchange, fail
+from .http import Scope
+from .infer import AsgiEndpoint, AsgiExchange, Exchange, fail
 from .responses import error_response, json_body, json_response
 from .sagemaker import SageMakerInfer
 
@@ -66,8 +67,35 @@ class ModelInvoke(SageMakerInfer):
     def answered_as(self, ex: Exchange, spec: ModelSpec) -> str:
         """InvokeEndpoint's TargetModel, which SageMaker sends along: Triton's image loads the model under
         that name, so its answers name what the client asked for, not SageMaker's opaque model_name."""
-        target = http.header(ex.headers, TARGET_MODEL)
-        return target.decode("utf-8", "replace") if target else spec.name
+        return target_model(ex.headers) or spec.name
+
+
+class TargetExchange(AsgiExchange):
+    """An invoke's exchange: its errors name the TargetModel as its answers do (Triton's name the model it
+    loaded under the TargetModel), where they named SageMaker's model_name, which the client never saw."""
+
+    def respond(self, status: int, body: bytes, content_type: bytes, extra: http.Headers) -> None:
+        if status >= 400 and (target := target_model(self.headers)):  # errors only: answers name it already
+            try:
+                message = orjson.loads(body)["error"]
+                body = orjson.dumps({"error": message.replace(f"'{self.params['model']}'", f"'{target}'")})
+            except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+                pass  # not an error of ours (there is none such): as it is
+        super().respond(status, body, content_type, extra)
+
+
+class InvokeEndpoint(AsgiEndpoint):
+    """POST /models/{name}/invoke under ASGI, its exchange a TargetExchange."""
+
+    def exchange(self, scope: Scope, body: bytes) -> AsgiExchange:
+        return TargetExchange(scope, body)
+
+
+def target_model(headers: http.Headers) -> str | None:
+    """X-Amzn-SageMaker-Target-Model: InvokeEndpoint's TargetModel, which SageMaker sends with an invoke
+    (not in a test on one's own machine)."""
+    target = http.header(headers, TARGET_MODEL)
+    return target.decode("utf-8", "replace") if target else None
 
 
 def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
@@ -158,7 +186,7 @@ def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
         HttpRoute("/models", listing, methods=["GET"]),
         HttpRoute("/models/{model}", describe, methods=["GET"]),
         HttpRoute("/models/{model}", unload, methods=["DELETE"]),
-        HttpRoute("/models/{model}/invoke", AsgiEndpoint(ModelInvoke(gw)), methods=["POST"]),
+        HttpRoute("/models/{model}/invoke", InvokeEndpoint(ModelInvoke(gw)), methods=["POST"]),
     ]
 
 
