@@ -120,6 +120,7 @@ def test_settings_hide_secrets_and_read_booleans() -> None:
     ("/v2/models/mlp/versions/1/stats", Target("statistics", "mlp", "1")),
     ("/v2/models/mlp/infer", Target("inference", "mlp")),
     ("/fn/add_sub", Target("inference", "add_sub")),
+    ("/fn/add_sub/versions/1", Target("inference", "add_sub", "1")),
     ("/v2/repository/index", Target("model-repository")),
     ("/v2/repository/models/mlp/unload", Target("model-repository", "mlp")),
     ("/v2/logging", Target("logging")),

@@ -283,6 +283,7 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
         Route("/v2/models/{model}/infer", AsgiEndpoint(infer), methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/infer", AsgiEndpoint(infer), methods=["POST"]),
         Route("/fn/{model}", AsgiEndpoint(fn), methods=["POST"]),
+        Route("/fn/{model}/versions/{version}", AsgiEndpoint(fn), methods=["POST"]),
         *[Route(f"/v2/models/{{model}}{v}/{name}", endpoint(GenerateRoute(gw, stream)), methods=["POST"])
           for name, stream, endpoint in (("generate", False, AsgiEndpoint),
                                          ("generate_stream", True, StreamEndpoint))

@@ -48,7 +48,7 @@ _VERSION = re.compile(rf"[0-9]{{1,{VERSION_DIGITS}}}")
 _MODEL = r"(?P<model{i}>[^/]+)(?:/versions/(?P<version{i}>[^/]+))?"
 ROUTES: tuple[tuple[str, str], ...] = (  # (path pattern, API group); the router's routes, most used first
     (rf"/v2/models/{_MODEL}/infer", "inference"),
-    (r"/fn/(?P<model{i}>[^/]+)", "inference"),
+    (rf"/fn/{_MODEL}", "inference"),
     (rf"/v2/models/{_MODEL}/generate(?:_stream)?", "inference"),
     (r"/v2/health/(?:live|ready)", "health"),
     (r"/readyz", "health"),

@@ -1,4 +1,5 @@
-"""Function URLs: `POST /fn/{model}` with `{input: nested list}` in and `{output: nested list}` out.
+"""Function URLs: `POST /fn/{model}[/versions/{version}]` with `{input: nested list}` in and
+`{output: nested list}` out.
 
 For curl users: shapes come from the nesting, datatypes from the model. A batched model may be sent
 one row without its batch dimension; the answer then comes back without it too.

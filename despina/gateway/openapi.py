@@ -253,11 +253,13 @@ def _paths() -> Doc:
                                                      "statistics", _ok("Statistics", _ref("Statistics")),
                                                      READ_ERRORS))
     _per_model(paths, "/infer", "post", lambda s: _infer_op(f"infer{s}"))
-    paths["/fn/{model}"] = {"parameters": [MODEL], "post": _op(
-        "function", "Function URL: JSON keyed by input name in, JSON keyed by output name out", "inference",
-        _ok("The outputs", _ref("FunctionResponse")), INFER_ERRORS,
-        requestBody={"required": True, "content": {"application/json": {
-            "schema": _ref("FunctionRequest"), "example": {"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]}}}})}
+    for path, parameters, suffix in (("/fn/{model}", [MODEL], ""),
+                                     ("/fn/{model}/versions/{version}", [MODEL, VERSION_PARAM], "_version")):
+        paths[path] = {"parameters": parameters, "post": _op(
+            f"function{suffix}", "Function URL: JSON keyed by input name in, JSON keyed by output name out",
+            "inference", _ok("The outputs", _ref("FunctionResponse")), INFER_ERRORS,
+            requestBody={"required": True, "content": {"application/json": {
+                "schema": _ref("FunctionRequest"), "example": {"a": [1, 2, 3, 4], "b": [1, 1, 1, 1]}}}})}
     for name, text, content in (
             ("generate", "Triton's generate extension: a flat JSON object in and out",
              _json(_ref("GenerateResponse"))),

@@ -76,8 +76,12 @@ class HotRoutes:
             if len(parts) == 3 and parts[1] == b"versions" and parts[0] and parts[2]:
                 model, version = parts[0].decode("latin-1"), parts[2].decode("latin-1")
                 return self.infer, {"model": model, "version": version}
-        elif path.startswith(b"/fn/") and path.count(b"/") == 2 and len(path) > 4:
-            return self.fn, {"model": path[4:].decode("latin-1")}
+        elif path.startswith(b"/fn/"):
+            parts = path[4:].split(b"/")
+            if len(parts) == 1 and parts[0]:
+                return self.fn, {"model": parts[0].decode("latin-1")}
+            if len(parts) == 3 and parts[1] == b"versions" and parts[0] and parts[2]:
+                return self.fn, {"model": parts[0].decode("latin-1"), "version": parts[2].decode("latin-1")}
         return None
 
 
