@@ -10,12 +10,41 @@ import pytest
 from .conftest import Server, module_server
 from .control_support import ROW, expected, mlp_folder
 
+ECHO = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text").as_numpy()
+            n = pb_utils.get_input_tensor_by_name(request, "n")
+            k = n.as_numpy() if n is not None else np.zeros((len(text), 1), np.int32)
+            upper = np.array([[v.upper() for v in row] for row in text], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("upper", upper), pb_utils.Tensor("k", k)]))
+        return responses
+"""
+
+ECHO_CONFIG = """backend: "python"
+max_batch_size: 8
+input [ { name: "text", data_type: TYPE_STRING, dims: [ 1 ] },
+        { name: "n", data_type: TYPE_INT32, dims: [ 1 ], optional: true } ]
+output [ { name: "upper", data_type: TYPE_STRING, dims: [ 1 ] },
+         { name: "k", data_type: TYPE_INT32, dims: [ 1 ] } ]
+"""
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
     repo = tmp_path_factory.mktemp("fn")
     mlp_folder(repo, "mlp", {1: 0, 2: 1}, extra="version_policy { all { } }")
-    yield from module_server(repo, tmp_path_factory, redis_url, ("mlp",))
+    (repo / "echo" / "1").mkdir(parents=True)
+    (repo / "echo" / "1" / "model.py").write_text(ECHO)
+    (repo / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
+    yield from module_server(repo, tmp_path_factory, redis_url, ("mlp", "echo"))
 
 
 def test_a_version_is_called_by_its_path_as_in_v2(server: Server) -> None:
@@ -30,3 +59,23 @@ def test_a_version_is_called_by_its_path_as_in_v2(server: Server) -> None:
             r = http.post(path, json=ROW)
             assert r.status_code == status and words in r.json()["error"], (path, r.text)
         assert http.get("/fn/mlp/versions/1").headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize(("body", "answer"), [
+    (b'["ab"]', {"upper": ["AB"], "k": [0]}),  # a bare list: the one input the model needs
+    (b'[["ab"], ["cd"]]', {"upper": [["AB"], ["CD"]], "k": [[0], [0]]}),
+    (b'{"text": ["ab"], "n": [3]}', {"upper": ["AB"], "k": [3]}),
+])
+def test_a_bare_list_is_the_one_input_the_model_needs(server: Server, body: bytes, answer: dict) -> None:
+    r = httpx.post(f"{server.url}/fn/echo", content=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json() == answer
+
+
+@pytest.mark.parametrize(("path", "body", "words"), [
+    ("/fn/echo", b'{"n": [3]}', "needs input(s) text"),
+])
+def test_what_cannot_be_taken_is_a_400_that_says_why(server: Server, path: str, body: bytes,
+                                                     words: str) -> None:
+    r = httpx.post(f"{server.url}{path}", content=body, timeout=30)
+    assert r.status_code == 400 and words in r.json()["error"], r.text

@@ -24,13 +24,9 @@ def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) ->
     """The body -> (input tensors, whether a batch dimension of 1 was added); InvalidArgument, and
     nothing else, on any input."""
     doc = loads(body)
-    if isinstance(doc, list):
-        if len(spec.inputs) != 1:
-            names = ", ".join(t.name for t in spec.inputs)
-            raise InvalidArgument(f"model '{spec.name}' has {len(spec.inputs)} inputs ({names}): send "
-                                  "a JSON object keyed by input name")
-        doc = {spec.inputs[0].name: doc}
-    if not isinstance(doc, dict) or not doc:
+    if not isinstance(doc, dict):  # a bare list (or value): the one input the model needs
+        doc = {sole_input(spec): doc}
+    if not doc:
         raise InvalidArgument("send a JSON object {input_name: nested list}, or a list for a "
                               "single-input model")
     tensors: list[Tensor] = []
@@ -51,6 +47,19 @@ def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) ->
                               json_data_to_bytes(name, expected.datatype, shape, data, booleans)))
     check_inputs(spec, tensors)
     return tensors, added
+
+
+def sole_input(spec: ModelSpec) -> str:
+    """The input a body that is not a JSON object goes to: the model's only one, or the only one it
+    needs (the others optional); InvalidArgument when there are several."""
+    if len(spec.inputs) == 1:
+        return spec.inputs[0].name
+    needed = [t.name for t in spec.inputs if not t.optional]
+    if len(needed) == 1:
+        return needed[0]
+    names = ", ".join(t.name for t in spec.inputs)
+    raise InvalidArgument(f"model '{spec.name}' has {len(spec.inputs)} inputs ({names}): send a JSON "
+                          "object keyed by input name")
 
 
 def shape_of(name: str, data: Any, max_rank: int, brackets: int = -1) -> list[int]:
