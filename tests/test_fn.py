@@ -72,8 +72,25 @@ def test_a_bare_list_is_the_one_input_the_model_needs(server: Server, body: byte
     assert r.json() == answer
 
 
+@pytest.mark.parametrize(("body", "answer"), [
+    (b'"ab"', {"upper": ["AB"], "k": [0]}),  # a bare scalar: the one element of the one input needed
+    (b'{"text": "ab", "n": 3}', {"upper": ["AB"], "k": [3]}),
+    (b'{"text": "ab", "n": [3]}', {"upper": ["AB"], "k": [3]}),
+])
+def test_a_scalar_is_the_one_element_of_an_input_that_holds_one(server: Server, body: bytes,
+                                                                 answer: dict) -> None:
+    r = httpx.post(f"{server.url}/fn/echo", content=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json() == answer
+
+
 @pytest.mark.parametrize(("path", "body", "words"), [
     ("/fn/echo", b'{"n": [3]}', "needs input(s) text"),
+    ("/fn/echo", b'{"text": 1}', "BYTES data must be strings"),
+    ("/fn/echo", b'{"text": "ab", "n": 2.5}', "whole numbers"),
+    ("/fn/mlp", b"0.5", "shape [] has 0 dimensions"),  # one number is not a row of 256
+    ("/fn/mlp", b'{"x": 0.5}', "shape [] has 0 dimensions"),
+    ("/fn/mlp", b"null", "shape [] has 0 dimensions"),
 ])
 def test_what_cannot_be_taken_is_a_400_that_says_why(server: Server, path: str, body: bytes,
                                                      words: str) -> None:

@@ -2,7 +2,8 @@
 `{output: nested list}` out.
 
 For curl users: shapes come from the nesting, datatypes from the model. A batched model may be sent
-one row without its batch dimension; the answer then comes back without it too.
+one row without its batch dimension; the answer then comes back without it too. A scalar is the one
+element of an input whose dims hold one ([1], [-1], [1, 1]).
 """
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) ->
     for name, data in doc.items():
         expected = known_input(spec, name)
         shape = shape_of(name, data, len(expected.dims) + (1 if spec.batched else 0), brackets)
+        if not shape and expected.dims and set(expected.dims) <= {1, -1}:  # one value: its one element
+            shape = [1] * len(expected.dims)
+            for _ in shape:
+                data = [data]
         if spec.batched and len(shape) == len(expected.dims):
             shape = [1, *shape]
             added = True
