@@ -96,3 +96,15 @@ def test_what_cannot_be_taken_is_a_400_that_says_why(server: Server, path: str, 
                                                      words: str) -> None:
     r = httpx.post(f"{server.url}{path}", content=body, timeout=30)
     assert r.status_code == 400 and words in r.json()["error"], r.text
+
+
+def test_a_form_is_refused_with_the_way_to_send_json(server: Server) -> None:
+    # curl -F 'x=[...]' sends multipart/form-data, which no JSON parser reads; orjson's own words
+    # ("no digit after sign") left a curl user guessing
+    r = httpx.post(f"{server.url}/fn/mlp", files={"x": (None, "[0.5]")}, timeout=30)
+    assert r.status_code == 400
+    assert "multipart" in r.json()["error"] and "--data-binary" in r.json()["error"], r.text
+    # curl -d sends its JSON as application/x-www-form-urlencoded: it is read as JSON all the same
+    r = httpx.post(f"{server.url}/fn/mlp", content=b"[" + b"0.5," * 255 + b"0.5]",
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)
+    assert r.status_code == 200, r.text

@@ -67,6 +67,14 @@ def sole_input(spec: ModelSpec) -> str:
                           "object keyed by input name")
 
 
+def form_hint(exc: InvalidArgument, content_type: bytes | None) -> InvalidArgument:
+    """decode_fn's error, with the way to send JSON when the body it could not read was a form (curl -F)."""
+    if content_type is None or not content_type.lower().startswith(b"multipart/form-data"):
+        return exc
+    return InvalidArgument(f"{exc.message} (the body is a multipart form, as curl -F sends: send the JSON "
+                           "itself as the body, with curl -d '...' or --data-binary @file.json)")
+
+
 def shape_of(name: str, data: Any, max_rank: int, brackets: int = -1) -> list[int]:
     """The shape that nested lists make (a scalar: []), at most `max_rank` deep; InvalidArgument when
     they are ragged. `brackets`: how many "[" the document that holds them has, when nothing else in it

@@ -22,7 +22,7 @@ from ..contract.sequence import optional_sequence, request_sequence
 from ..response_cache import cache_key, through
 from . import ensemble, http
 from .classification import classify
-from .fn import decode_fn, encode_fn
+from .fn import decode_fn, encode_fn, form_hint
 from .grouping import group_rows
 from .http import Headers, Receive, Scope, Send
 from .models import Model, NotLoaded
@@ -163,7 +163,10 @@ class FunctionRoute(Route):
 
     def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
               timeout: float | None) -> None:
-        tensors, squeeze = decode_fn(ex.body, model.spec, self.gateway.settings.max_tensor_elements)
+        try:
+            tensors, squeeze = decode_fn(ex.body, model.spec, self.gateway.settings.max_tensor_elements)
+        except InvalidArgument as exc:
+            raise form_hint(exc, http.header(ex.headers, b"content-type")) from None
         echo = [(b"x-request-id", trace)] if trace else []
 
         def answer(reply: InferReply) -> None:
