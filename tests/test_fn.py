@@ -44,7 +44,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (repo / "echo" / "1").mkdir(parents=True)
     (repo / "echo" / "1" / "model.py").write_text(ECHO)
     (repo / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
-    yield from module_server(repo, tmp_path_factory, redis_url, ("mlp", "echo"))
+    (repo / "stateful" / "1").mkdir(parents=True)
+    (repo / "stateful" / "1" / "model.py").write_text(ECHO)
+    (repo / "stateful" / "config.pbtxt").write_text(ECHO_CONFIG + "sequence_batching { }\n")
+    yield from module_server(repo, tmp_path_factory, redis_url, ("mlp", "echo", "stateful"))
 
 
 def test_a_version_is_called_by_its_path_as_in_v2(server: Server) -> None:
@@ -108,3 +111,12 @@ def test_a_form_is_refused_with_the_way_to_send_json(server: Server) -> None:
     r = httpx.post(f"{server.url}/fn/mlp", content=b"[" + b"0.5," * 255 + b"0.5]",
                    headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)
     assert r.status_code == 200, r.text
+
+
+def test_a_stateful_model_is_refused_with_where_to_call_it(server: Server) -> None:
+    # /fn has no way to name a sequence: its request reached the worker, which answered that "an
+    # ensemble's step or a model's call of a stateful model cannot yet", of neither
+    r = httpx.post(f"{server.url}/fn/stateful", content=b'"ab"', timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"] == ("model 'stateful' is stateful (sequence batching): call it through "
+                                 "/v2/models/stateful/infer or .../generate with the parameter 'sequence_id'")

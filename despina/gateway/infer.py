@@ -163,6 +163,10 @@ class FunctionRoute(Route):
 
     def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
               timeout: float | None) -> None:
+        if model.spec.sequence:  # /fn names no sequence (V2's parameters do): say where one can be named
+            name = model.spec.name
+            raise InvalidArgument(f"model '{name}' is stateful (sequence batching): call it through "
+                                  f"/v2/models/{name}/infer or .../generate with the parameter 'sequence_id'")
         try:
             tensors, squeeze = decode_fn(ex.body, model.spec, self.gateway.settings.max_tensor_elements)
         except InvalidArgument as exc:
