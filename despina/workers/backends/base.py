@@ -300,7 +300,9 @@ def check_config(config: Any, inputs: list[Declared], outputs: list[Declared],
 
 
 def _check_dims(where: str, max_batch_size: int, dims: list[int], model: tuple[int, ...]) -> None:
-    """The model's shape against the config's dims, -1 on either side matching any size; with
+    """The model's shape against the config's dims, as Triton's backends compare them: the model's -1
+    matches any size, the config's -1 only the model's (a config that leaves open what the model fixes
+    would let requests through that the model then fails); with
     max_batch_size > 0 the model leads with a batch dimension, which must be open (or 1 when batches
     are of 1), since the batcher sends any number of rows up to max_batch_size."""
     full = [-1, *dims] if max_batch_size > 0 else dims
@@ -308,7 +310,9 @@ def _check_dims(where: str, max_batch_size: int, dims: list[int], model: tuple[i
         raise ConfigError(f"{where}: the model's shape {list(model)} has a fixed first dimension, and "
                           "max_batch_size > 0 needs it open (-1) to batch (else set max_batch_size: 0 and "
                           "give the whole shape in dims)")
-    if len(model) != len(full) or any(m != c and -1 not in (m, c) for m, c in zip(model, full)):
+    rest = model[1:] if max_batch_size > 0 else model
+    if len(model) != len(full) or any(m != c and m != -1 for m, c in zip(rest, dims)):
         note = " (max_batch_size > 0: a batch dimension, then dims)" if max_batch_size > 0 else ""
         raise ConfigError(f"{where}: the model's shape {list(model)} does not match the config's "
-                          f"{full}{note}")
+                          f"{full}{note}; a size the model fixes is given as that size, -1 only where the "
+                          "model's is open")
