@@ -145,27 +145,28 @@ def test_a_single_worker_stopped_drains_at_once(
         serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
     """With no other worker to take its models, a worker stopped does not wait for one: it drains and exits
     at once, as before (not after DESPINA_WORKER_HANDOVER_S)."""
-    with cluster(serve, tmp_path, redis_url, key_prefix, handover_s=20) as (server, worker):
+    with cluster(serve, tmp_path, redis_url, key_prefix, handover_s=60) as (server, worker):
         a = worker("a")
         wait_until(lambda: ready(server), 30, what="the model to load on A")
         stopped = time.monotonic()
         a.send_signal(signal.SIGTERM)
-        assert a.wait(20) == 0
-        assert time.monotonic() - stopped < 5, (tmp_path / "a.log").read_text()[-3000:]
+        assert a.wait(70) == 0
+        assert time.monotonic() - stopped < 20, (tmp_path / "a.log").read_text()[-3000:]
 
 
 def test_a_handover_whose_load_fails_lets_the_worker_go(
         serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
     """The model cannot load on B: A, stopped, exits once B's load failed, before its handover's deadline."""
-    with cluster(serve, tmp_path, redis_url, key_prefix, handover_s=6) as (server, worker):
+    with cluster(serve, tmp_path, redis_url, key_prefix, handover_s=30) as (server, worker):
         a = worker("a")
         wait_until(lambda: ready(server), 30, what="the model to load on A")
         worker("b")
         (tmp_path / "fail").touch()
         stopped = time.monotonic()
         a.send_signal(signal.SIGTERM)
-        assert a.wait(20) == 0
-        assert time.monotonic() - stopped < 5.5, (tmp_path / "a.log").read_text()[-3000:]
+        assert a.wait(40) == 0
+        # well before the deadline (a loaded machine's load and drain take seconds): B's failure let it go
+        assert time.monotonic() - stopped < 20, (tmp_path / "a.log").read_text()[-3000:]
         assert "failed" in (tmp_path / "b.log").read_text()
 
 
