@@ -152,6 +152,29 @@ def test_load_can_carry_the_model_files(serve: Callable[..., Server], repo: Path
     assert httpx.post(f"{server.url}/v2/repository/models/uploaded/load", timeout=60).status_code == 200
 
 
+def test_a_load_with_files_and_a_config_naming_no_backend_finds_it_from_the_files(
+        serve: Callable[..., Server], repo: Path) -> None:
+    # as a config.pbtxt or a config override alone may leave platform and backend out (auto-complete
+    # finds them from the model file), so may one sent with the files: it answered 400 "neither field
+    # 'platform' nor field 'backend' is set" before the files were written
+    server = serve(repo, "--model-control-mode", "explicit")
+    onnx = (repo / "mlp" / "1" / "model.onnx").read_bytes()
+    body = {"parameters": {"config": '{"max_batch_size": 8}',
+                           "file:3/model.onnx": base64.b64encode(onnx).decode()}}
+    r = httpx.post(f"{server.url}/v2/repository/models/uploaded/load", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert (repo / "uploaded" / "3" / "model.onnx").read_bytes() == onnx
+    r = infer(server.url, "uploaded")
+    assert r.status_code == 200 and r.json()["model_version"] == "3"
+    assert np.allclose(r.json()["outputs"][0]["data"], expected(0), atol=1e-4)
+    # a config whose name is not the model's is still refused, and its files taken back out
+    body["parameters"]["config"] = '{"name": "other", "max_batch_size": 8}'
+    body["parameters"]["file:4/model.onnx"] = body["parameters"].pop("file:3/model.onnx")
+    r = httpx.post(f"{server.url}/v2/repository/models/uploaded/load", json=body, timeout=60)
+    assert r.status_code == 400 and "field 'name' is 'other'" in r.json()["error"], r.text
+    assert not (repo / "uploaded" / "4").exists() and infer(server.url, "uploaded").status_code == 200
+
+
 def test_a_file_entry_that_cannot_be_a_file_of_the_model_is_a_400(serve: Callable[..., Server], repo: Path) -> None:
     # these used to answer 500 ("control plane: load failed: embedded null byte", "[Errno 21] Is a directory",
     # ...), and a name too long left its new version folder behind, empty: the next load took it for the latest

@@ -226,7 +226,9 @@ class Commands:
     def _write(self, name: str, files: dict[str, Any], config: dict[str, Any]) -> dict[str, bytes | None]:
         """The load API's `file:` entries and config, written into the registry's model folder; returns
         what each file written held before (None: there was none), for _restore."""
-        message = normalize(name, parse_json(name, config))
+        message = parse_json(name, config)
+        if message.platform or message.backend:  # else read_model finds it from the files, once written
+            normalize(name, message)
         decoded = {}
         for path, data in files.items():
             try:
