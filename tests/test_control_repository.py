@@ -190,6 +190,27 @@ def test_a_file_entry_that_cannot_be_a_file_of_the_model_is_a_400(serve: Callabl
     assert httpx.post(f"{server.url}/v2/repository/models/add_sub/load", timeout=60).status_code == 200
 
 
+def test_a_file_entry_in_a_folder_no_version_is_read_from_is_a_400(serve: Callable[..., Server],
+                                                                   repo: Path) -> None:
+    # "file:01/model.onnx" (or 0, 00, a number past 18 digits) was written and the load answered 200, the
+    # model serving on from its old versions: the file sent was never used, and the folder stayed behind
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "add_sub", wait_models=("add_sub",))
+    config = orjson.dumps({"platform": "onnxruntime_onnx", "max_batch_size": 8}).decode()
+    onnx = base64.b64encode((repo / "add_sub" / "1" / "model.onnx").read_bytes()).decode()
+    before = sorted(p.relative_to(repo).as_posix() for p in (repo / "add_sub").rglob("*"))
+    for folder in ("01", "0", "00", "1" * 19):
+        r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load", timeout=30,
+                       json={"parameters": {"config": config, f"file:{folder}/model.onnx": onnx}})
+        assert r.status_code == 400 and f"'{folder}' is not a version folder" in r.json()["error"], r.text
+    assert sorted(p.relative_to(repo).as_posix() for p in (repo / "add_sub").rglob("*")) == before
+    # folders beside the versions stay allowed: warmup data, a sequence model's initial state
+    r = httpx.post(f"{server.url}/v2/repository/models/add_sub/load", timeout=60,
+                   json={"parameters": {"config": config, "file:2/model.onnx": onnx,
+                                        "file:warmup/a.bin": base64.b64encode(b"0000").decode()}})
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{server.url}/v2/models/add_sub/versions/2/ready").status_code == 200
+
+
 def test_a_load_parameter_triton_does_not_know_is_refused(serve: Callable[..., Server], repo: Path) -> None:
     # as Triton's ("Unrecognized load parameter"): a misspelt "config" used to be ignored, and the model
     # loaded from the repository's own config with a 200
@@ -419,14 +440,17 @@ def test_a_version_folder_whose_number_no_url_can_name_is_ignored(serve: Callabl
                                                                   repo: Path) -> None:
     # a folder "99999999999999999999" (past int64, as Triton's stoll refuses it) used to be the latest
     # version: the catalog could not be written (orjson: "Integer exceeds 64-bit range"), and every tick of
-    # the control plane failed from then on, for every model. The load API's file: entries made one too.
+    # the control plane failed from then on, for every model. (The load API's file: entries made one too:
+    # they answer 400 now, test_a_file_entry_in_a_folder_no_version_is_read_from_is_a_400.)
     server = serve(repo, "--model-control-mode", "explicit")
     huge, longest = "9" * 20, "1" * 19   # a URL's version has at most 18 digits (gateway/auth.py)
     onnx = (repo / "mlp" / "1" / "model.onnx").read_bytes()
-    config = {"backend": "onnxruntime", "max_batch_size": 8, "version_policy": {"all": {}}}
-    files = {f"file:{v}/model.onnx": base64.b64encode(onnx).decode() for v in ("1", huge, longest)}
-    r = httpx.post(f"{server.url}/v2/repository/models/big/load",
-                   json={"parameters": {"config": orjson.dumps(config).decode(), **files}}, timeout=60)
+    for v in ("1", huge, longest):
+        (repo / "big" / v).mkdir(parents=True)
+        (repo / "big" / v / "model.onnx").write_bytes(onnx)
+    (repo / "big" / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n'
+                                               "version_policy { all { } }\n")
+    r = httpx.post(f"{server.url}/v2/repository/models/big/load", timeout=60)
     assert r.status_code == 200, r.text
     assert [(r.get("version"), r.get("state")) for r in index(server.url) if r["name"] == "big"] == [("1", "READY")]
     assert infer(server.url, "big").json()["model_version"] == "1"

@@ -20,7 +20,7 @@ from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
 from ..contract.ensemble import called_by, is_ensemble
 from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..contract.modelconfig import check_model_name, normalize, parse_json
-from ..registry.base import check_relative
+from ..registry.base import VERSION_DIGITS, check_relative, is_served_version
 from ..workers.redelivery import Queue
 from .backlog import refuse
 from .lease import LeaseLost
@@ -231,6 +231,11 @@ class Commands:
             normalize(name, message)
         decoded = {}
         for path, data in files.items():
+            top = path.split("/", 1)[0]  # a number that names no version (01, 0): the file would go unread
+            if "/" in path and top.isascii() and top.isdigit() and not is_served_version(top):
+                raise InvalidArgument(f"load parameter 'file:{path}': '{top}' is not a version folder (a "
+                                      f"number from 1, without a leading zero, of at most {VERSION_DIGITS} "
+                                      "digits): no version would be read from it")
             try:
                 decoded[check_relative(path)] = base64.b64decode(data, validate=True)
             except (binascii.Error, TypeError, ValueError):

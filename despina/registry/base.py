@@ -38,6 +38,11 @@ def is_version(folder: str) -> bool:
             and (folder == "0" or not folder.startswith("0")))
 
 
+def is_served_version(folder: str) -> bool:
+    """A version folder a model's versions are read from: version 0 is not one."""
+    return is_version(folder) and int(folder) > 0
+
+
 @dataclass(frozen=True)
 class ModelFiles:
     """Every file of one model folder in a registry."""
@@ -50,7 +55,7 @@ class ModelFiles:
     @property
     def versions(self) -> list[int]:
         tops = {f.path.split("/", 1)[0] for f in self.files if "/" in f.path} | set(self.folders)
-        return sorted(int(t) for t in tops if is_version(t) and int(t) > 0)
+        return sorted(int(t) for t in tops if is_served_version(t))
 
     def of_versions(self, versions: Iterable[int]) -> tuple[FileInfo, ...]:
         """The files a folder holding `versions` needs: theirs and those outside every version folder."""
@@ -58,7 +63,7 @@ class ModelFiles:
         out = []
         for f in self.files:
             top = f.path.split("/", 1)[0] if "/" in f.path else ""
-            if top in wanted or not (is_version(top) and int(top) > 0):
+            if top in wanted or not is_served_version(top):
                 out.append(f)
         return tuple(out)
 
