@@ -70,9 +70,11 @@ def test_explicit_mode_load_unload_and_index(serve: Callable[..., Server], repo:
         r = infer(server.url)
         # Triton's 404 and words for a model it has unloaded (it was a 400)
         assert r.status_code == 404 and "Request for unknown model: 'mlp' has no available versions" in r.json()["error"]
-        for path in ("", "/config", "/versions/2"):  # its metadata and config too, as Triton's
+        for path in ("", "/config"):  # its metadata and config too, as Triton's
             r = httpx.get(f"{server.url}/v2/models/mlp{path}")
             assert r.status_code == 404 and "'mlp' has no available versions" in r.json()["error"], (path, r.text)
+        r = httpx.get(f"{server.url}/v2/models/mlp/versions/2")  # a version it unloaded: Triton's 503
+        assert r.status_code == 503 and "'mlp' version 2 is not at ready state" in r.json()["error"], r.text
 
         # a config override (Triton's `config` parameter): only version 1 this time
         override = {"name": "mlp", "backend": "onnxruntime", "max_batch_size": 4,

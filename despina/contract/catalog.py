@@ -5,12 +5,16 @@ The control plane is the only writer. Workers load what names them in `workers`;
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from .errors import DespinaError, NotFound, Unavailable
+
 LOADED, IDLE, UNLOADED = "loaded", "idle", "unloaded"  # targets
+RETIRED_KEPT = 16  # the versions a model no longer loads that the index still lists, per model
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,9 @@ class CatalogEntry:
     footprint: int = 0                # estimated bytes of memory the loaded versions take
     step_only: bool = False           # loaded only as a step of an ensemble, never asked for by name
     labels: dict[str, tuple[str, ...]] = field(default_factory=dict)  # output -> its label_filename's lines
+    # versions loaded once and unloaded since (retired by newer ones, unloaded, scaled to zero), the latest
+    # last: Triton's index lists them UNAVAILABLE "unloaded", and a request naming one is told so
+    retired: tuple[int, ...] = ()
 
     @property
     def serving(self) -> bool:
@@ -54,7 +61,8 @@ class CatalogEntry:
             "files": [list(f) for f in self.files], "target": self.target, "workers": list(self.workers),
             "retiring": list(self.retiring), "failed": {str(v): r for v, r in self.failed.items()},
             "footprint": self.footprint, "step_only": self.step_only,
-            **({"labels": {k: list(v) for k, v in self.labels.items()}} if self.labels else {})})
+            **({"labels": {k: list(v) for k, v in self.labels.items()}} if self.labels else {}),
+            **({"retired": list(self.retired)} if self.retired else {})})
 
     @classmethod
     def loads(cls, raw: bytes | str) -> CatalogEntry:
@@ -66,4 +74,21 @@ class CatalogEntry:
                    tuple(d.get("workers", ())), tuple(d.get("retiring", ())),
                    {int(v): r for v, r in (d.get("failed") or {}).items()}, int(d.get("footprint", 0)),
                    bool(d.get("step_only", False)),
-                   {k: tuple(v) for k, v in (d.get("labels") or {}).items()})
+                   {k: tuple(v) for k, v in (d.get("labels") or {}).items()}, tuple(d.get("retired", ())))
+
+
+def retire(e: CatalogEntry, gone: Iterable[int], versions: Iterable[int]) -> tuple[int, ...]:
+    """`e.retired` with the versions `gone` added (the latest last, RETIRED_KEPT at most), less those the
+    entry loads again (`versions`)."""
+    added = sorted(set(gone))
+    loads = set(versions)
+    kept = [v for v in e.retired if v not in added] + added
+    return tuple(v for v in kept if v not in loads)[-RETIRED_KEPT:]
+
+
+def version_refused(e: CatalogEntry, v: int) -> DespinaError:
+    """What a request naming a version that the model does not serve hears, as Triton's: one it loaded and
+    unloaded since (retired, or the model unloaded) is 'not at ready state' (503), any other unknown (404)."""
+    if v in e.retired or (e.target == UNLOADED and v in e.versions):
+        return Unavailable(f"Request for unknown model: '{e.name}' version {v} is not at ready state")
+    return NotFound(f"unknown version {v} of model '{e.name}'")

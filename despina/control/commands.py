@@ -15,17 +15,17 @@ import orjson
 from google.protobuf import text_format
 
 from .. import clock
-from ..contract.catalog import IDLE, LOADED, UNLOADED, CatalogEntry
+from ..contract.catalog import IDLE, LOADED, UNLOADED, CatalogEntry, retire, version_refused
 from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
 from ..contract.ensemble import called_by, is_ensemble
-from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, Unavailable
 from ..contract.modelconfig import check_model_name, normalize, parse_json
 from ..registry.base import VERSION_DIGITS, check_relative, is_served_version
 from ..workers.redelivery import Queue
 from .backlog import refuse
 from .lease import LeaseLost
 from .repository import read_model, unavailable
-from .versions import transition
+from .versions import retired_since, transition
 
 if TYPE_CHECKING:
     from ..registry.base import ModelFiles
@@ -97,7 +97,7 @@ class Commands:
             elif e.state != "READY":
                 rows.append(_row(name, "UNAVAILABLE", e.reason))
             else:
-                for v in sorted(set(e.versions) | set(e.failed)):
+                for v in sorted(set(e.versions) | set(e.failed) | set(e.retired)):
                     state, reason = self._version_state(e, v)
                     if note:
                         told = f"the repository cannot be read: {note}; the files already fetched serve"
@@ -121,7 +121,7 @@ class Commands:
 
     def _version_state(self, e: CatalogEntry, v: int) -> tuple[str, str]:
         plane = self.plane
-        if e.target == UNLOADED:
+        if e.target == UNLOADED or (v in e.retired and v not in e.versions):  # as Triton's, once unloaded
             return "UNAVAILABLE", "unloaded"
         if is_ensemble(e.config):
             return plane.lifecycle.ensembles.state(e, v)
@@ -208,8 +208,9 @@ class Commands:
             await asyncio.to_thread(self._restore, model.name, replaced)
         if old is not None and old.loaded:
             self.plane.catalog.put(old)
-        else:
-            self.plane.catalog.put(unavailable(model, why))
+        else:  # (the versions it loaded once are still listed once it loads again)
+            entry = unavailable(model, why)
+            self.plane.catalog.put(replace(entry, retired=retired_since(old, entry)))
         self.plane.kick()
 
     async def _load_steps(self, entry: CatalogEntry, timeout: float, calling: tuple[str, ...]) -> None:
@@ -316,7 +317,8 @@ class Commands:
         e = plane.catalog.get(name)
         if e is not None and e.state == "READY":
             current = tuple(v for v in e.versions if v not in e.retiring)
-            plane.catalog.put(replace(e, target=UNLOADED, workers=(), versions=current, retiring=()))
+            plane.catalog.put(replace(e, target=UNLOADED, workers=(), versions=current, retiring=(),
+                                      retired=retire(e, e.retiring, current)))
             plane.lifecycle.retire_at.pop(name, None)
             log.info("model %s: unloading", name)
 
@@ -361,7 +363,7 @@ class Commands:
             raise InvalidArgument(f"model version '{version}' is not a number")
         e = self.plane.lifecycle.wake(name)
         if version is not None and version not in e.versions:
-            raise NotFound(f"unknown version {version} of model '{name}'")
+            raise version_refused(e, version)
         self.plane.kick()
         return await self.plane.lifecycle.wait(name, "wake", version, timeout)
 

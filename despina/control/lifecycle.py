@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 
-from ..contract.catalog import IDLE, LOADED, CatalogEntry
+from ..contract.catalog import IDLE, LOADED, CatalogEntry, retire
 from ..contract.ensemble import is_ensemble
 from ..contract.errors import Code, DespinaError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..contract.keys import Keys
@@ -254,7 +254,8 @@ class Lifecycle:
         log.info("model %s: version %s serves; version %s unloaded", e.name, ",".join(map(str, new)),
                  ",".join(map(str, e.retiring)))
         gone = {str(v) for v in e.retiring}
-        return replace(e, versions=tuple(v for v in e.versions if v not in e.retiring), retiring=(),
+        serving = tuple(v for v in e.versions if v not in e.retiring)
+        return replace(e, versions=serving, retiring=(), retired=retire(e, e.retiring, serving),
                        revisions={v: r for v, r in e.revisions.items() if v not in e.retiring},
                        files=tuple(f for f in e.files if f[0].split("/", 1)[0] not in gone))
 
@@ -377,6 +378,7 @@ class Lifecycle:
             self.retire_at.pop(e.name, None)
             keep = tuple(v for v in e.versions if v not in e.retiring)
             self.catalog.put(replace(e, target=IDLE, workers=(), versions=keep, retiring=(),
+                                     retired=retire(e, e.retiring, keep),
                                      revisions={v: r for v, r in e.revisions.items() if v in keep}))
 
     # -- dead workers ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..contract.catalog import IDLE, LOADED, CatalogEntry
+from ..contract.catalog import IDLE, LOADED, CatalogEntry, retire
 
 
 def transition(old: CatalogEntry | None, new: CatalogEntry, target: str,
@@ -18,19 +18,28 @@ def transition(old: CatalogEntry | None, new: CatalogEntry, target: str,
     if new.state != "READY":
         if old is not None and old.state == "READY" and old.target != IDLE:
             return replace(old, reason=f"the repository's current files cannot be used: {new.reason}")
-        return replace(new, target=target)
+        return replace(new, target=target, retired=retired_since(old, new))
     if old is None or old.state != "READY" or old.target != LOADED or target != LOADED:
         workers = old.workers if old is not None and target == LOADED else ()
-        return replace(new, target=target, workers=workers)
+        return replace(new, target=target, workers=workers, retired=retired_since(old, new))
     keep = tuple(v for v in old.versions if v not in new.versions and v not in old.failed and ready(v))
     gone = {str(v) for v in keep}
     files = {f[0]: f for f in new.files}
     files.update({f[0]: f for f in old.files if f[0].split("/", 1)[0] in gone})  # what the old one runs
     return replace(
-        new, target=LOADED, workers=old.workers, retiring=keep,
+        new, target=LOADED, workers=old.workers, retiring=keep, retired=retired_since(old, new, keep),
         versions=tuple(sorted(set(new.versions) | set(keep))),
         revisions={**{v: old.revisions[v] for v in keep if v in old.revisions}, **new.revisions},
         failed={v: why for v, why in old.failed.items()
                 if v in new.revisions and new.revisions[v] == old.revisions.get(v)},
         files=tuple(sorted(files.values())),
         footprint=max(new.footprint, old.footprint) if keep else new.footprint)  # kept: room for either
+
+
+def retired_since(old: CatalogEntry | None, new: CatalogEntry, keep: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The versions the model loaded once and does not now: those it did before, and those of the old entry
+    that the new one neither loads nor keeps serving (`keep`), as Triton's index goes on listing them."""
+    if old is None:
+        return ()
+    gone = [v for v in old.versions if v not in old.failed] if old.state == "READY" else []
+    return retire(old, gone, (*new.versions, *keep))

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .. import __version__, clock, fds
-from ..contract.catalog import UNLOADED
+from ..contract.catalog import UNLOADED, version_refused
 from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..contract.modelspec import ModelSpec
@@ -34,7 +34,7 @@ from .http import ClientGone
 from .infer import AsgiEndpoint, FunctionRoute, InferRoute, Lane
 from .logging_api import EXTENSION as LOGGING_EXTENSION
 from .logging_api import logging_routes
-from .models import ModelView, not_loaded
+from .models import ModelView, unloaded
 from .openapi import document
 from .protocol import HotRoutes
 from .refusals import unreachable
@@ -252,12 +252,14 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
         model = gw.view.get(p["model"])
         if model.entry.state != "READY":
             raise Unavailable(f"model '{model.entry.name}' is unavailable: {model.entry.reason}")
-        if model.entry.target == UNLOADED:
-            raise not_loaded(model.entry.name)
         version = p.get("version")
+        if model.entry.target == UNLOADED:
+            raise unloaded(model.entry, version)
         if version is not None:
-            if not version.isdigit() or int(version) not in model.entry.versions:
+            if not version.isdigit():
                 raise NotFound(f"unknown version {version} of model '{model.entry.name}'")
+            if int(version) not in model.entry.versions:
+                raise version_refused(model.entry, int(version))
             if int(version) in model.entry.failed:
                 raise Unavailable(f"model '{model.entry.name}' version {int(version)} failed to load: "
                                   f"{model.entry.failed[int(version)]}")

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from .. import logs
-from ..contract.catalog import LOADED, UNLOADED, CatalogEntry
+from ..contract.catalog import LOADED, UNLOADED, CatalogEntry, version_refused
 from ..contract.commands import WAKE
 from ..contract.ensemble import Ensemble, is_ensemble
 from ..contract.errors import (
@@ -231,7 +231,7 @@ class ModelView:
         if e.state != "READY":
             raise Unavailable(f"model '{name}' is unavailable: {e.reason}")
         if e.target == UNLOADED:
-            raise not_loaded(name)
+            raise unloaded(e, version)
         if model.ensemble is not None:  # it runs here, on the models it calls: each is resolved in turn
             v = self._ensemble_version(model, version)
             self._asked.add((name, v))  # (or on a worker that runs it whole, through its stream)
@@ -390,7 +390,7 @@ def _known_version(e: CatalogEntry, version: str) -> int:
         raise InvalidArgument(f"model version '{version}' is not a number")
     v = int(version)
     if v not in e.versions:
-        raise NotFound(f"unknown version {v} of model '{e.name}'")
+        raise version_refused(e, v)
     return v
 
 
@@ -398,3 +398,11 @@ def not_loaded(name: str) -> NotFound:
     """What infer, metadata and config answer for a model in the repository that is not loaded: Triton's
     404 and words."""
     return NotFound(f"Request for unknown model: '{name}' has no available versions (it is not loaded)")
+
+
+def unloaded(e: CatalogEntry, version: str | None) -> DespinaError:
+    """What a request to a model unloaded through the API hears: not_loaded(), or for a version it had
+    loaded, Triton's 503 (its versions stay known, UNAVAILABLE)."""
+    if version and version.isdigit() and (int(version) in e.versions or int(version) in e.retired):
+        return version_refused(e, int(version))
+    return not_loaded(e.name)
