@@ -22,6 +22,7 @@ from ..contract.sequence import optional_sequence, request_sequence
 from ..response_cache import cache_key, through
 from . import ensemble, http
 from .classification import classify
+from .compression import respond_encoded, response_coding
 from .fn import decode_fn, encode_fn, form_hint
 from .grouping import group_rows
 from .http import Headers, Receive, Scope, Send
@@ -150,12 +151,17 @@ class InferRoute(Route):
 
     @staticmethod
     def respond(ex: Exchange, out: bytes, json_length: int | None, echo: Headers) -> None:
-        """The answer as encode_infer made it: all JSON, or a JSON header of json_length and tensors."""
+        """The answer as encode_infer made it: all JSON, or a JSON header of json_length and tensors;
+        compressed whole where the request's Accept-Encoding asks (compression.py)."""
+        coding = response_coding(ex.headers)
         if json_length is None:
-            ex.respond(200, out, http.JSON, echo)
+            content_type, extra = http.JSON, echo
         else:
-            length = (b"inference-header-content-length", b"%d" % json_length)
-            ex.respond(200, out, OCTETS, [length, *echo])
+            content_type, extra = OCTETS, [(b"inference-header-content-length", b"%d" % json_length), *echo]
+        if coding is None:
+            ex.respond(200, out, content_type, extra)
+        else:
+            respond_encoded(ex.respond, out, content_type, extra, coding)
 
 
 class FunctionRoute(Route):

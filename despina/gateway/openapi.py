@@ -208,15 +208,22 @@ def _infer_op(op_id: str) -> Doc:
                        "compression."}
     ok = {"description": "The outputs; binary ones after the JSON header when asked for",
           "headers": {"Inference-Header-Content-Length": {
-              "description": "Length of the JSON header when binary outputs follow",
-              "schema": {"type": "integer"}}},
+              "description": "Length of the JSON header when binary outputs follow (before compression)",
+              "schema": {"type": "integer"}},
+              "Content-Encoding": {"description": "gzip or deflate when the request's Accept-Encoding "
+                                                  "chose it: the whole answer is compressed",
+                                   "schema": {"type": "string", "enum": ["gzip", "deflate"]}}},
           "content": {"application/json": {"schema": _ref("InferResponse")},
                       "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
     header = {"name": "Inference-Header-Content-Length", "in": "header", "required": False,
               "description": "Length of the JSON part of a binary body", "schema": {"type": "integer",
                                                                                    "minimum": 0}}
+    accept = {"name": "Accept-Encoding", "in": "header", "required": False,
+              "description": "gzip or deflate (tritonclient's response_compression_algorithm) to have the "
+                             "answer compressed; chosen as Triton chooses (highest q, the first of equals); "
+                             "any other coding: the answer as it is", "schema": {"type": "string"}}
     return _op(op_id, "Run inference (KServe V2, Triton's binary tensor extension)", "inference", ok,
-               INFER_ERRORS, parameters=[header], requestBody=request)
+               INFER_ERRORS, parameters=[header, accept], requestBody=request)
 
 
 def _per_model(paths: Doc, suffix: str, method: str, make: Any) -> None:
