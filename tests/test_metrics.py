@@ -29,7 +29,7 @@ from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.control import status
 from despina.control.repository import load_model
 from despina.counters import Deferred
-from despina.examples import build_identity, build_mlp
+from despina.examples import build_mlp, save_onnx
 from despina.host_metrics import gpu_samples
 from despina.metrics import render
 from despina.workers.runner import ModelRunner
@@ -46,11 +46,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (repo / "m" / "config.pbtxt").write_text(
         'backend: "onnxruntime"\nmax_batch_size: 32\n'
         'dynamic_batching { max_queue_delay_microseconds: 20000 }\n')
-    build_identity(repo / "fails" / "1" / "model.onnx", TensorProto.FLOAT, dims=3)
-    (repo / "fails" / "config.pbtxt").write_text(   # the config admits any width, the model only 3
+    build_fails(repo / "fails" / "1" / "model.onnx")
+    (repo / "fails" / "config.pbtxt").write_text(   # any width, as the model's; its graph fails all but 3
         'backend: "onnxruntime"\nmax_batch_size: 4\n'
         'input [{ name: "in", data_type: TYPE_FP32, dims: [-1] }]\n'
-        'output [{ name: "out", data_type: TYPE_FP32, dims: [-1] }]\n')
+        'output [{ name: "out", data_type: TYPE_FP32, dims: [3] }]\n')
     build_mlp(repo / "q" / "1" / "model.onnx")
     (repo / "q" / "config.pbtxt").write_text(
         'backend: "onnxruntime"\nmax_batch_size: 32\ndynamic_batching { max_queue_delay_microseconds: 500000 '
@@ -58,6 +58,19 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     shutil.copytree(ROOT / "model_repository" / "add_sub_python", repo / "add_sub_python")
     yield from module_server(repo, tmp_path_factory, redis_url, ("m", "fails", "q", "add_sub_python"),
                              env=FULL_QUEUE_DELAY)
+
+
+def build_fails(path: Path) -> None:
+    """'in' [N, W] + a constant of 3 -> 'out': a model whose shape takes any width and whose run fails in
+    onnxruntime for all but 3 (a backend's own failure, after every check of the gateway and the worker)."""
+    from onnx import helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["in", "three"], ["out"])], "fails",
+        [helper.make_tensor_value_info("in", TensorProto.FLOAT, ["N", "W"])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", "W"])],
+        [numpy_helper.from_array(np.zeros(3, np.float32), "three")])
+    save_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
 def v2(name: str, rows: int, width: int) -> bytes:
