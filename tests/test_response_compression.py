@@ -14,11 +14,11 @@ import pytest
 import tritonclient.http as httpclient
 
 from despina.examples import mlp_numpy
-from despina.gateway.compression import INLINE_MAX, chosen
+from despina.gateway.compression import INLINE_MAX, SMALLEST, chosen
 
 from .conftest import Server
 
-X = np.random.default_rng(5).standard_normal((3, 256)).astype(np.float32)
+X = np.random.default_rng(5).standard_normal((40, 256)).astype(np.float32)  # answers over SMALLEST
 INFLATE = {"gzip": gzip.decompress, "deflate": zlib.decompress}
 
 
@@ -94,7 +94,7 @@ def test_json_answer_is_compressed(example_server: Server, algorithm: str, path:
     assert packed.headers["x-request-id"] == "trace-1"
     doc = orjson.loads(INFLATE[algorithm](raw))
     assert doc["id"] == "j"
-    np.testing.assert_allclose(np.array(doc["outputs"][0]["data"], np.float32).reshape(3, 10), mlp_numpy(X),
+    np.testing.assert_allclose(np.array(doc["outputs"][0]["data"], np.float32).reshape(40, 10), mlp_numpy(X),
                                rtol=1e-4, atol=1e-5)
 
 
@@ -118,7 +118,24 @@ def test_accept_encoding_picks_as_triton_and_an_unknown_one_answers_uncompressed
     assert packed.status_code == 200
     assert packed.headers.get("content-encoding") == expected
     doc = orjson.loads(INFLATE[expected](raw) if expected else raw)
-    assert doc["id"] == "q" and doc["outputs"][0]["shape"] == [3, 10]
+    assert doc["id"] == "q" and doc["outputs"][0]["shape"] == [40, 10]
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_a_small_answer_goes_as_it_is_though_compression_was_asked(example_server: Server, binary: bool) -> None:
+    """Under SMALLEST bytes zlib costs more than the bytes it saves: one row's answer is sent as it is (HTTP
+    lets a server answer in identity whatever Accept-Encoding says), and tritonclient reads it so."""
+    row = X[:1]
+    header = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                                       **({"parameters": {"binary_data_size": row.nbytes}} if binary
+                                          else {"data": row.reshape(-1).tolist()})}],
+                           "outputs": [{"name": "y", "parameters": {"binary_data": binary}}]})
+    body = header + row.tobytes() if binary else header
+    extra = {"Inference-Header-Content-Length": str(len(header))} if binary else {}
+    answer, raw = raw_post(example_server, "/v2/models/mlp/infer", body, {**extra, "Accept-Encoding": "gzip"})
+    assert answer.status_code == 200 and "content-encoding" not in answer.headers and len(raw) < SMALLEST
+    if not binary:
+        assert orjson.loads(raw)["outputs"][0]["shape"] == [1, 10]
 
 
 def test_errors_and_other_routes_are_not_compressed(example_server: Server) -> None:

@@ -1,6 +1,7 @@
 """Compressed infer answers, as Triton's HTTP server sends them: the request's Accept-Encoding names gzip or
 deflate (tritonclient's response_compression_algorithm), and the whole answer goes in it, JSON header and
-binary tensors together, its Inference-Header-Content-Length still counting the header as inflated.
+binary tensors together, its Inference-Header-Content-Length still counting the header as inflated; an
+answer under SMALLEST bytes as it is.
 
 Triton compresses the answers of the infer route alone: not errors, not generate's (a FIXME there), not
 another route's. The request side (Content-Encoding) is http.py's.
@@ -20,6 +21,10 @@ LEVEL = 6  # zlib's default, which Triton's compressor uses (Z_DEFAULT_COMPRESSI
 # A larger answer is compressed in a thread, the event loop serving the others meanwhile: tensors of random
 # floats go through zlib at about 11 MB/s here (0.7 ms for this much), a small JSON answer in 20 µs.
 INLINE_MAX = 8 << 10
+# A smaller answer goes as it is, asked or not (HTTP lets a server answer in identity whatever the request
+# accepts, and tritonclient reads either): zlib costs ~20 µs a small answer, more than its bytes take on any
+# link, and aiohttp, httpx and requests ask for gzip by default. Triton compresses every size.
+SMALLEST = 1 << 10
 _WRITTEN = (b"gzip", b"deflate", b"identity")
 
 Respond = Callable[[int, bytes, bytes, Headers], None]  # an exchange's respond (infer.Exchange)

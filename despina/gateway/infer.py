@@ -22,7 +22,7 @@ from ..contract.sequence import optional_sequence, request_sequence
 from ..response_cache import cache_key, through
 from . import ensemble, http
 from .classification import classify
-from .compression import respond_encoded, response_coding
+from .compression import SMALLEST, respond_encoded, response_coding
 from .fn import decode_fn, encode_fn, form_hint
 from .grouping import group_rows
 from .http import Headers, Receive, Scope, Send
@@ -158,7 +158,7 @@ class InferRoute(Route):
             content_type, extra = http.JSON, echo
         else:
             content_type, extra = OCTETS, [(b"inference-header-content-length", b"%d" % json_length), *echo]
-        if coding is None:
+        if coding is None or len(out) < SMALLEST:
             ex.respond(200, out, content_type, extra)
         else:
             respond_encoded(ex.respond, out, content_type, extra, coding)
