@@ -10,8 +10,10 @@ from pathlib import Path
 
 import orjson
 
-from .conftest import Server
+from .conftest import FULL_QUEUE_DELAY, Server
 from .test_gateway_http import ROW, Reader, connect, infer_body, post
+from .test_metrics import scrape
+from .test_serve import PENDING, slow_repository
 
 LIVE = b"GET /v2/health/live HTTP/1.1\r\nhost: test\r\n\r\n"
 
@@ -62,3 +64,82 @@ def drain_with_idle_connections(server: Server, sockets: contextlib.ExitStack) -
     reader = Reader(slow)
     status, headers, answer = reader.response()
     assert (status, headers.get("connection")) == (200, "close"), answer
+
+
+def test_requests_pipelined_behind_one_in_progress_are_all_answered_at_sigterm(
+        serve: Callable[..., Server], example_repository: Path, tmp_path: Path) -> None:
+    """At SIGTERM the answer to the request in progress (or to the first one read after) ended its
+    connection, and the requests the client had pipelined behind it, read or not yet read, were cut off
+    unanswered. Now each is answered, and only the last carries Connection: close: on the infer route, on
+    an ASGI one (an escaped path), with requests still unread as the drain begins, and with requests sent
+    after it."""
+    server = serve(slow_repository(example_repository, tmp_path / "slow"), wait_models=("mlp",),
+                   env=FULL_QUEUE_DELAY)  # mlp's answers take 2 s
+    hot, escaped = "/v2/models/mlp/infer", "/v2/models/ml%70/infer"
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(connect(server)) for _ in range(3)]
+        for sock, path in zip(socks, (hot, escaped, hot)):
+            sock.sendall(request(path, "a"))
+        wait_pending(server, 3)
+        # pipelined behind the request in progress, and read (then the gateway reads no further)
+        for sock, path in zip(socks, (hot, escaped, escaped)):
+            sock.sendall(request(path, "b"))
+        time.sleep(0.3)
+        socks[2].sendall(request("/v2/models/nope/infer", "c"))  # not read yet as the drain begins
+        server.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not refused(server):
+            assert time.monotonic() < deadline, server.logs()[-2000:]
+            time.sleep(0.05)
+        for sock, path in zip(socks[:2], (hot, escaped)):
+            sock.sendall(request(path, "c") + request(path.replace("mlp", "nope").replace("ml%70", "n%6fpe"), "d"))
+        for sock in socks:
+            sock.sendall(LIVE)
+        expected = [[(200, "a"), (200, "b"), (200, "c"), (404, "d")]] * 2 + [[(200, "a"), (200, "b"), (404, "c")]]
+        for sock, answers in zip(socks, expected):
+            reader = Reader(sock)
+            for status, rid in answers:
+                got, headers, body = reader.response()
+                assert (got, headers.get("x-request-id"), headers.get("connection")) == (status, rid, None), body
+            status, headers, body = reader.response()  # the last: GET live
+            assert (status, headers.get("connection")) == (200, "close"), body
+            assert reader.closed()
+    assert server.process.wait(30) == 0
+
+
+def test_a_client_that_keeps_pipelining_does_not_hold_the_drain_past_its_time(
+        serve: Callable[..., Server], example_repository: Path, tmp_path: Path) -> None:
+    """Each request read while the gateway drains is answered, and the connection is kept while the client
+    has sent more: a client that never stops sending still has its connection ended when the drain's time
+    is up, and the gateway stops in time."""
+    server = serve(slow_repository(example_repository, tmp_path / "slow"), wait_models=("mlp",),
+                   env={**FULL_QUEUE_DELAY, "DESPINA_DRAIN_TIMEOUT_S": "3"})  # mlp's answers take 2 s
+    with connect(server) as sock:
+        sock.sendall(request("/v2/models/mlp/infer", "0"))
+        wait_pending(server, 1)
+        server.process.send_signal(signal.SIGTERM)
+        started, sent = time.monotonic(), 1
+        with contextlib.suppress(OSError):  # the connection is cut at the drain's end
+            while server.process.poll() is None and time.monotonic() - started < 30:
+                sock.sendall(request("/v2/models/mlp/infer", str(sent)))
+                sent += 1
+                time.sleep(0.2)
+        assert server.process.wait(30) == 0
+        assert time.monotonic() - started < 3 + 5, server.logs()[-2000:]
+        reader, statuses = Reader(sock), []
+        with contextlib.suppress(AssertionError, OSError):  # until the cut
+            while len(statuses) < sent:
+                statuses.append(reader.response()[0])
+    # the first answered, the others waiting as the drain ends 503 (and those read after, cut)
+    assert statuses[:1] == [200] and set(statuses[1:]) <= {200, 503}, statuses
+
+
+def request(path: str, rid: str) -> bytes:
+    return post(path, infer_body(), f"x-request-id: {rid}")
+
+
+def wait_pending(server: Server, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while scrape(server).get(PENDING) != count:
+        assert time.monotonic() < deadline, server.logs()[-2000:]
+        time.sleep(0.02)

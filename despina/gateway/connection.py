@@ -147,12 +147,37 @@ class ConnectionProtocol(Timeouts):
         """The server is stopping (SIGTERM). uvicorn closed an idle connection here at once: a request its
         client sent on it just then (a load balancer reuses its connections for a few seconds after a pod
         is told to stop) was cut off unanswered, and a POST cannot safely be sent again. An idle connection
-        stays open instead: the next request on it is answered and ends it, and its keep-alive timeout
-        closes it if none comes (the one moment a client knows not to send, being told the timeout)."""
+        stays open instead: the requests that come on it are answered, the last received ending it
+        (_drain_mark), and its keep-alive timeout closes it if none comes (the one moment a client knows not
+        to send, being told the timeout)."""
         self._draining = True
         cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            cycle.keep_alive = False
+        if cycle is None or cycle.response_complete or not cycle.keep_alive \
+                or getattr(cycle, "response_started", False) or self._more_sent():
+            return  # (more sent: the requests in it are read, and the last of them is marked so)
+        cycle.keep_alive = None  # the last request read: its answer ends the connection (_drain_mark)
+        if isinstance(cycle, RequestResponseCycle):
+            answer_drained(self, cycle)
+
+    # While the server drains, the answer that ends a connection is the last one owed on it. uvicorn ended it
+    # with the answer to the request in progress, or to the first request read after the drain began, and
+    # the requests the client had pipelined behind that one (read, or sent and not read yet) were cut off
+    # unanswered: a POST cannot safely be sent again. So the last request read is marked (keep_alive None:
+    # its answer ends the connection, and says so), the mark moves on to each request read after it, and
+    # the marked request's answer keeps the connection if the client has sent more by the time it goes.
+    def _drain_mark(self, previous: Any, keep_alive: bool) -> bool | None:
+        """The keep-alive of a request read while the server drains (None: marked, if the client asked to
+        keep the connection), and `previous`, the request read before it, no longer marked if its answer
+        has not begun."""
+        if previous is not None and previous.keep_alive is None and not previous.response_complete \
+                and not getattr(previous, "response_started", False):
+            previous.keep_alive = True
+        return None if keep_alive else False
+
+    def _more_sent(self) -> bool:
+        """The client has sent more than the requests read: a request's head begun, or bytes not read yet
+        (not just the rest of a body being read)."""
+        return not self._body_open and (self._head_open or _unread(self.transport) > 0)
 
     def data_received(self, data: bytes) -> None:
         if self._head_open or self._ended:
@@ -315,6 +340,29 @@ def _silence(cycle: Any) -> None:
     if isinstance(cycle, RequestResponseCycle):
         cycle.waiting_for_100_continue = False
     cycle.message_event.set()
+
+
+def answer_drained(protocol: ConnectionProtocol, cycle: RequestResponseCycle) -> None:
+    """An ASGI request marked by the drain (keep_alive None): as its answer begins, it ends the connection
+    unless the client has sent more by then (ConnectionProtocol._drain_mark)."""
+    send = cycle.send
+
+    async def answering(message: Any) -> None:
+        if not cycle.response_started:
+            if cycle.keep_alive is None:
+                cycle.keep_alive = protocol._more_sent()
+            if not cycle.keep_alive:
+                ending(protocol, cycle)
+        await send(message)
+
+    cycle.send = answering  # type: ignore[method-assign]
+
+
+def ending(protocol: ConnectionProtocol, cycle: RequestResponseCycle) -> None:
+    """An ASGI request whose answer ends the connection: its close lingers if need be, and its answer
+    advertises no keep-alive."""
+    cycle.transport = ClosingTransport(protocol)  # type: ignore[assignment]
+    cycle.default_headers = [h for h in cycle.default_headers if h[0] != b"keep-alive"]
 
 
 class ClosingTransport:

@@ -22,7 +22,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ..contract.errors import Code, DespinaError
 from . import http
 from .auth import AuthPolicy, Target, check_target, classify
-from .connection import Clients, ClosingTransport, ConnectionProtocol, Ended, LastWord
+from .connection import Clients, ConnectionProtocol, Ended, LastWord, answer_drained, ending
 from .http import Headers
 from .infer import Route, fail
 
@@ -126,11 +126,15 @@ class GatewayProtocol(ConnectionProtocol):
         self.scope["headers"] = headers
         super().on_headers_complete()
         cycle = self.cycle
-        if cycle is not previous and self._draining:  # the server is stopping (connection.shutdown)
-            cycle.keep_alive = False
-        if cycle is not previous and not cycle.keep_alive:  # its answer ends the connection: it may linger
-            cycle.transport = ClosingTransport(self)
-            cycle.default_headers = [h for h in cycle.default_headers if h[0] != b"keep-alive"]
+        if cycle is previous:  # (an upgrade)
+            return
+        if self._draining:  # the server is stopping (connection.shutdown)
+            cycle.keep_alive = self._drain_mark(previous, cycle.keep_alive)
+            if cycle.keep_alive is None:
+                answer_drained(self, cycle)
+                return
+        if not cycle.keep_alive:  # its answer ends the connection: it may linger
+            ending(self, cycle)
 
     def on_headers_complete(self) -> None:
         if self._big_read:  # (connection.py)
@@ -147,10 +151,10 @@ class GatewayProtocol(ConnectionProtocol):
         if match is None:
             self._asgi()
             return
-        request = HotRequest(self, match, self.headers,
-                             parser.get_http_version() != "1.0" and parser.should_keep_alive()
-                             and not self._draining,
-                             self.expect_100_continue)
+        wants = parser.get_http_version() != "1.0" and parser.should_keep_alive()
+        # the server is stopping (connection.shutdown)
+        keep_alive = self._drain_mark(self.cycle, wants) if self._draining else wants
+        request = HotRequest(self, match, self.headers, keep_alive, self.expect_100_continue)
         previous, self.cycle = self.cycle, request
         if previous is None or previous.response_complete:
             request.start()
@@ -261,13 +265,13 @@ class HotRequest:
                  "body", "more_body", "started", "queued", "disconnected", "response_complete", "coding")
     coding: bytes | None  # the body's Content-Encoding (None: as sent), set by start: set() reads it after
 
-    def __init__(self, protocol: GatewayProtocol, match: Match, headers: Headers, keep_alive: bool,
+    def __init__(self, protocol: GatewayProtocol, match: Match, headers: Headers, keep_alive: bool | None,
                  expect_100: bool) -> None:
         self.protocol, self.match = protocol, match
         # the route's __call__, bound: calling it so costs less than calling the route object
         self.route, self.params, self.path = match.route.__call__, match.params, match.path
         self.headers = headers
-        self.keep_alive = keep_alive
+        self.keep_alive = keep_alive  # None: marked by the drain (connection._drain_mark)
         self.expect_100 = expect_100
         # the protocol's parts: the first as it came, the rest appended to a bytearray; bytes once the
         # message is complete (set)
@@ -356,12 +360,16 @@ class HotRequest:
         transport = protocol.transport
         if self.disconnected or transport.is_closing():
             return
-        head = http.response_head(status, len(body), content_type, extra, not self.keep_alive)
+        close = not self.keep_alive
+        if close and self.keep_alive is None:  # marked by the drain: the client may have sent more since
+            self.keep_alive = protocol._more_sent()
+            close = not self.keep_alive
+        head = http.response_head(status, len(body), content_type, extra, close)
         if len(body) < 65536:
             transport.write(head + body)
         else:
             transport.writelines((head, body))
-        if not self.keep_alive:
+        if close:
             protocol._close()
         if protocol.flow.write_paused:
             # the client is not reading its answers: read no more requests from it until it does
