@@ -199,20 +199,28 @@ async def test_a_worker_killed_while_running_ensembles_loses_and_duplicates_noth
     answers: list[Answer] = []
     load = asyncio.create_task(post_all(lambda i: f"{server.url}/v2/models/slow_twice/infer",
                                         [body(row) for row in x], CONCURRENCY, answers))
-    held: dict[str, int] = {}
-    while not load.done():
-        held = pending_of(client, stream)
-        if len(answers) >= requests // 5 and any(held.get(w) for w in pids):
-            break
+    while len(answers) < requests // 5 and not load.done():
         await asyncio.sleep(0.005)
-    victim = max(pids, key=lambda wid: held.get(wid, 0))
-    os.kill(pids[victim], signal.SIGKILL)
+    held = 0
+    while not held and not load.done():
+        holding = pending_of(client, stream)
+        victim = max(pids, key=lambda wid: holding.get(wid, 0))
+        # stopped before what it holds is read: a worker still running could answer and acknowledge all
+        # of it before the SIGKILL, leaving nothing to requeue
+        os.kill(pids[victim], signal.SIGSTOP)
+        await asyncio.sleep(0.05)  # what it had sent before reaches Redis
+        held = pending_of(client, stream).get(victim, 0)
+        if not held:
+            os.kill(pids[victim], signal.SIGCONT)
+            await asyncio.sleep(0.01)
+    if held:
+        os.kill(pids[victim], signal.SIGKILL)
     await asyncio.wait_for(load, 120)
     stop_server(server)
     client.close()
 
     check_each_answered_once(answers, expected, server)
-    assert held.get(victim), "the killed worker held no ensemble request"
+    assert held, "the killed worker held no ensemble request"
     assert "requeued" in server.logs()
 
 
