@@ -15,10 +15,14 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from despina.contract.errors import ConfigError
+from despina.contract.catalog import CatalogEntry
+from despina.contract.ensemble import Ensemble, is_ensemble
+from despina.contract.errors import ConfigError, InvalidArgument
 from despina.contract.modelconfig import normalize, parse_text, to_dict, validate
 from despina.contract.modelspec import ModelSpec
 from despina.examples import save_onnx
+from despina.gateway.fn import refuse_stateful
+from despina.gateway.models import Model
 
 from .conftest import Server, module_server
 
@@ -462,6 +466,43 @@ def test_an_ensembles_sequence_reaches_the_stateful_models_it_calls(server: Serv
     # and where the gateway runs it, step by step
     gateway_runs = serve(repository, env={"DESPINA_HOST_ENSEMBLES": "false"}, wait_models=("chain",))
     assert run_chain(gateway_runs.url, 778) == [11.0, 23.0, 36.0]
+
+
+def test_fn_refuses_an_ensemble_with_a_stateful_step_with_where_to_call_it(server: Server) -> None:
+    # /fn names no sequence: its request reached the worker's step, which answered that "an ensemble's
+    # step ... of a stateful model cannot yet", though a V2 request with 'sequence_id' runs it
+    r = httpx.post(f"{server.url}/fn/chain", content=b"[1.0]", timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"] == ("ensemble 'chain' calls model 'acc', which is stateful (sequence batching): "
+                                 "call it through /v2/models/chain/infer or .../generate with the parameter "
+                                 "'sequence_id'"), r.text
+    assert httpx.post(f"{server.url}/fn/shows", content=b"[1.0]", timeout=30).status_code == 400
+
+
+def catalog_model(text: str) -> Model:
+    name = text.split('"')[1]  # (the configs begin with their name)
+    config = to_dict(normalize(name, parse_text(name, text)))
+    ensemble = Ensemble.from_config(config) if is_ensemble(config) else None
+    return Model(CatalogEntry(config["name"], "", config, (1,)), ModelSpec.from_config(config), ensemble)
+
+
+def test_fn_finds_a_stateful_model_in_an_ensemble_an_ensemble_calls() -> None:
+    outer = CHAIN.replace('name: "chain"', 'name: "outer"').replace('"acc"', '"chain"').replace(
+        'key: "y" value: "y1"', 'key: "z" value: "y1"')
+    models = {m.spec.name: m for m in map(catalog_model, (CHAIN, outer, ACC))}
+    with pytest.raises(InvalidArgument, match="ensemble 'outer' calls model 'acc', which is stateful"):
+        refuse_stateful(models, models["outer"])
+    del models["acc"]  # not in the catalog (or not READY): nothing is known of it, the worker will say
+    refuse_stateful(models, models["outer"])
+
+
+def test_a_stateful_step_without_a_sequence_is_told_how_to_name_one(server: Server) -> None:
+    # an ensemble's V2 request without 'sequence_id', and a model's call without correlation_id: the
+    # stateful model's refusal says how each names a sequence, not that neither can
+    for r in (infer(server, "chain", 1.0), infer(server, "calls", 1.0)):
+        error = r.json()["error"]
+        assert r.status_code == 400 and "correlation ID" in error, r.text
+        assert "cannot yet" not in error and "'sequence_id'" in error and "correlation_id" in error, error
 
 
 def test_a_model_drives_a_sequence_through_its_calls(server: Server) -> None:

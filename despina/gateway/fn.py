@@ -7,7 +7,8 @@ element of an input whose dims hold one ([1], [-1], [1, 1]).
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -19,6 +20,38 @@ from .http import loads
 from .jsondata import holds_no_booleans, json_data_to_bytes, nonfinite_json
 from .v2 import MAX_ELEMENTS
 from .v2_fields import check_count
+
+if TYPE_CHECKING:
+    from .models import Model
+
+
+def refuse_stateful(models: Mapping[str, Model], model: Model) -> None:
+    """/fn names no sequence (V2's parameters do): a stateful model, or an ensemble that calls one, is
+    refused with where a sequence can be named."""
+    name = model.spec.name
+    stateful = stateful_step(models, model, set())
+    if stateful == name:
+        raise InvalidArgument(f"model '{name}' is stateful (sequence batching): call it through "
+                              f"/v2/models/{name}/infer or .../generate with the parameter 'sequence_id'")
+    if stateful:
+        raise InvalidArgument(f"ensemble '{name}' calls model '{stateful}', which is stateful (sequence "
+                              f"batching): call it through /v2/models/{name}/infer or .../generate with "
+                              "the parameter 'sequence_id'")
+
+
+def stateful_step(models: Mapping[str, Model], model: Model, seen: set[str]) -> str | None:
+    """The model itself when it is stateful, else the first stateful model its ensemble's steps call (the
+    steps of ensembles it calls included); None when there is none."""
+    if model.spec.sequence:
+        return model.spec.name
+    seen.add(model.spec.name)
+    for step in model.ensemble.steps if model.ensemble is not None else ():
+        called = models.get(step.model)
+        if called is not None and called.spec is not None and step.model not in seen:
+            found = stateful_step(models, called, seen)
+            if found:
+                return found
+    return None
 
 
 def decode_fn(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS) -> tuple[list[Tensor], bool]:

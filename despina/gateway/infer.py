@@ -23,7 +23,7 @@ from ..response_cache import cache_key, through
 from . import ensemble, http
 from .classification import classify
 from .compression import SMALLEST, respond_encoded, response_coding
-from .fn import decode_fn, encode_fn, form_hint
+from .fn import decode_fn, encode_fn, form_hint, refuse_stateful
 from .grouping import group_rows
 from .http import Headers, Receive, Scope, Send
 from .models import Model, NotLoaded
@@ -169,10 +169,7 @@ class FunctionRoute(Route):
 
     def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
               timeout: float | None) -> None:
-        if model.spec.sequence:  # /fn names no sequence (V2's parameters do): say where one can be named
-            name = model.spec.name
-            raise InvalidArgument(f"model '{name}' is stateful (sequence batching): call it through "
-                                  f"/v2/models/{name}/infer or .../generate with the parameter 'sequence_id'")
+        refuse_stateful(self.gateway.view.models, model)
         try:
             tensors, squeeze = decode_fn(ex.body, model.spec, self.gateway.settings.max_tensor_elements)
         except InvalidArgument as exc:

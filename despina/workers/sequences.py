@@ -91,10 +91,12 @@ class SequenceBatcher:
         if self._closed:
             raise RuntimeError("batcher is closed")
         request = item.payload.request
-        if request.sequence is None:  # a step of an ensemble, or a model's call: they carry no sequence
+        if request.sequence is None:  # an ensemble's step or a model's call that names none (the gateway
+            # refuses a direct request without one)
             raise InvalidArgument(f"inference request to model '{self.spec.name}' must specify a non-zero "
-                                  "or non-empty correlation ID (an ensemble's step or a model's call of a "
-                                  "stateful model cannot yet)")
+                                  "or non-empty correlation ID (an ensemble that calls it takes one from "
+                                  "its request's parameter 'sequence_id', a model's call from "
+                                  "InferenceRequest's correlation_id)")
         if item.rows > 1:  # as Triton's: a row of a batch is one sequence's request
             raise InvalidArgument(f"inference request to model '{self.spec.name}' must specify batch-size 1 "
                                   "due to requirements of sequence batcher")
