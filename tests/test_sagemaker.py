@@ -534,6 +534,34 @@ def test_a_model_whose_load_failed_may_be_loaded_again_under_its_name(
 
 
 
+def test_a_multi_model_endpoints_load_errors_name_the_target_model(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # Triton's image loads a model under InvokeEndpoint's TargetModel, which SageMaker sends with the load
+    # too: its load errors name that, as our invoke errors do; they named the hash the client never saw
+    server = multi_model_endpoint(serve, tmp_path)
+    archive = tmp_path / "models" / "0a1b2c" / "model"
+    shutil.copytree(example_repository / "add_sub", archive)
+    target = {"X-Amzn-SageMaker-Target-Model": "team-a/add_sub.tar.gz"}
+    load = {"model_name": "m1", "url": str(archive)}
+    assert httpx.post(f"{server.url}/models", json=load, headers=target, timeout=60).status_code == 200
+    r = httpx.post(f"{server.url}/models", json=load, headers=target, timeout=60)
+    assert r.status_code == 409, r.text
+    assert r.json()["error"] == "model 'team-a/add_sub.tar.gz' is already loaded"
+    r = httpx.post(f"{server.url}/models", json=load, timeout=60)  # without it (one's own machine): the hash
+    assert r.status_code == 409 and r.json()["error"] == "model 'm1' is already loaded", r.text
+
+    bad = tmp_path / "models" / "3d4e5f" / "model"
+    shutil.copytree(example_repository / "add_sub", bad)
+    config = bad / "config.pbtxt"
+    with config.open("a") as f:
+        f.write('dynamic_batching { preferred_batch_size: [ 64 ] }\n')  # over max_batch_size 8
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m2", "url": str(bad)}, timeout=60,
+                   headers={"X-Amzn-SageMaker-Target-Model": "team-b/bad.tar.gz"})
+    said = r.json()["error"]
+    assert r.status_code == 400 and "'team-b/bad.tar.gz'" in said and "'m2'" not in said, r.text
+    assert "preferred_batch_size" in said
+
+
 def test_ping_mode_is_triton_images_ready_on_a_single_model_endpoint_live_on_a_multi_model_one() -> None:
     # Triton's serve script sets the ping mode from SAGEMAKER_TRITON_OVERRIDE_PING_MODE, else ready on a
     # single-model endpoint and live on a multi-model one (a failed load must not fail /ping, or SageMaker

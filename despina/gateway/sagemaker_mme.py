@@ -3,8 +3,9 @@ SageMaker front end serves it (the single-model routes: sagemaker.py).
 
 POST /models {"model_name", "url"} copies the model folder SageMaker unpacked at `url` into the model
 repository as `model_name` and loads it (409 when that name is loaded, 400 on an endpoint without
-explicit model control; an archive of an ensemble and the models it calls loads them under their own
-names, and DELETE unloads them with it); GET /models (paged: max_results, next_page_token), GET
+explicit model control; its errors name the TargetModel SageMaker sends along, as an invoke's do; an
+archive of an ensemble and the models it calls loads them under their own names, and DELETE unloads
+them with it); GET /models (paged: max_results, next_page_token), GET
 /models/{name}, DELETE /models/{name} (404 when not loaded), and POST /models/{name}/invoke (V2
 inference whatever the inference type, as Triton's; 404 when not loaded; the answer and its errors
 name the X-Amzn-SageMaker-Target-Model SageMaker sends, as Triton's do). The endpoint's models are kept in one
@@ -78,7 +79,7 @@ class TargetExchange(AsgiExchange):
         if status >= 400 and (target := target_model(self.headers)):  # errors only: answers name it already
             try:
                 message = orjson.loads(body)["error"]
-                body = orjson.dumps({"error": message.replace(f"'{self.params['model']}'", f"'{target}'")})
+                body = orjson.dumps({"error": named_as_sent(message, self.params["model"], target)})
             except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
                 pass  # not an error of ours (there is none such): as it is
         super().respond(status, body, content_type, extra)
@@ -98,10 +99,18 @@ def target_model(headers: http.Headers) -> str | None:
     return target.decode("utf-8", "replace") if target else None
 
 
+def named_as_sent(message: str, name: str, target: str | None) -> str:
+    """An error's message naming the TargetModel where it named SageMaker's model_name (as it is without
+    a TargetModel)."""
+    return message.replace(f"'{name}'", f"'{target}'") if target and name else message
+
+
 def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
     key = gw.keys.sagemaker_models
 
     async def load(request: Request) -> Response:
+        target = request.headers.get(TARGET_MODEL.decode())  # errors name it, as Triton's (it loads as that)
+        name: object = None
         try:
             if gw.settings.model_control_mode != "explicit":  # before staging: its folder would stay behind
                 raise FailedPrecondition("this endpoint loads no models: POST /models needs a multi-model "
@@ -121,13 +130,13 @@ def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
             if not await gw.redis.set(claim, url, nx=True, px=int(1000 * (gw.settings.load_timeout_s + 60))):
                 raise AlreadyLoaded(f"model '{name}' is being loaded")
         except DespinaError as exc:
-            return _load_error(exc)
+            return _load_error(exc, name if isinstance(name, str) else "", target)
         try:
-            return await staged_and_loaded(name, url, request.headers.get(TARGET_MODEL.decode(), name))
+            return await staged_and_loaded(name, url, target)
         finally:
             await gw.redis.delete(claim)
 
-    async def staged_and_loaded(name: str, url: str, target: str) -> Response:
+    async def staged_and_loaded(name: str, url: str, target: str | None) -> Response:
         try:
             folder, steps = model_folders(url)
             for step in steps:  # as Triton: an archive's other models keep their names, once
@@ -135,16 +144,16 @@ def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
                     raise AlreadyLoaded(f"model '{step.name}' of the archive at '{url}' is already loaded")
             await asyncio.to_thread(stage, folder, name, gw.settings, steps)
         except DespinaError as exc:
-            return _load_error(exc)
+            return _load_error(exc, name, target)
         try:
             # no room on any worker: 507 at once, SageMaker's cue to unload others and retry
             await gw.view.control.call(LOAD, name, {"fail_without_room": True}, gw.settings.load_timeout_s)
         except DespinaError as exc:
             await _give_up(gw, name)
-            return _load_error(exc)
+            return _load_error(exc, name, target)
         await gw.redis.hset(key, name, orjson.dumps({"url": url}))
         await gw.view.refresh()
-        log.info("SageMaker model %s (TargetModel %s) loaded from %s", name, target, url)
+        log.info("SageMaker model %s (TargetModel %s) loaded from %s", name, target or name, url)
         return Response(b"", 200)
 
     async def listing(request: Request) -> Response:
@@ -228,9 +237,10 @@ def _int_param(request: Request, name: str, default: int) -> int:
     return int(raw)
 
 
-def _load_error(exc: DespinaError) -> Response:
-    """SageMaker reads 409 as "loaded already" and 507 as "no room: unload another and retry"."""
-    response = error_response(exc)
+def _load_error(exc: DespinaError, name: str, target: str | None) -> Response:
+    """SageMaker reads 409 as "loaded already" and 507 as "no room: unload another and retry". The message
+    names the TargetModel where it named the model_name `name`."""
+    response = error_response(DespinaError(named_as_sent(exc.message, name, target), exc.code))
     if isinstance(exc, AlreadyLoaded):
         response.status_code = 409
     elif exc.code == Code.RESOURCE_EXHAUSTED:
