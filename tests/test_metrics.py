@@ -286,6 +286,8 @@ def test_status_page_shows_models_rates_batches_and_workers(server: Server) -> N
     assert row["requests_per_s"] > 0 and row["p50_ms"] is not None and row["p99_ms"] >= row["p50_ms"]
     assert row["batch_sizes"]["2"] >= 1     # the 2-row requests, each its own batch
     assert status["workers"] and status["workers"][0]["models"]["m"]["1"] == "READY"
+    assert status["workers"][0]["state"] == "serving"  # not told to stop (test_worker_handover: "leaving")
+    assert 'class="state leaving"' in page.text  # the page marks a leaving worker so
     broken = {m["name"]: m for m in status["models"]}
     assert set(broken) >= {"m", "q", "fails"}
 

@@ -80,6 +80,12 @@ def placed_on(redis_url: str, key_prefix: str) -> list[str]:
     return [w.split(".")[0] for w in entry.workers] if entry is not None else []
 
 
+def worker_states(server: Server) -> dict[str, str]:
+    """The control plane's status page's workers, by the name each was started with: their state."""
+    status = httpx.get(f"{server.metrics_url.removesuffix('/metrics')}/status.json", timeout=5).json()
+    return {w["id"].split(".")[0]: w.get("state", "") for w in status["workers"]}
+
+
 def ready(server: Server) -> bool:
     return httpx.get(f"{server.url}/v2/models/held/ready", timeout=5).status_code == 200
 
@@ -129,6 +135,9 @@ def test_a_stopped_workers_model_of_one_replica_serves_on_while_it_moves(
             wait_until(lambda: len(answers) >= 10, 10, what="the first answers")
             a.send_signal(signal.SIGTERM)
             wait_until(lambda: "b" in placed_on(redis_url, key_prefix), 10, what="the model placed on B")
+            # the status page says A is leaving (it showed A as any other worker), B serving
+            wait_until(lambda: worker_states(server) == {"a": "leaving", "b": "serving"}, 10,
+                       what="the status page to show A leaving")
             time.sleep(REQUEST_TIMEOUT_S + 1.0)
             left_early = a.poll() is not None  # before B could serve the model
             (tmp_path / "hold").unlink()

@@ -77,8 +77,10 @@ class StatusTracker:
                     "cold_start_ms": round(stats.get("cold_ns", 0) / 1e6 / stats["cold_count"], 1)
                     if stats.get("cold_count") else None,
                 })
-        workers = [{"id": w.info.id, "host": w.info.host, "pid": w.info.pid, "cpus": w.info.cpus,
-                    "gpus": w.info.gpus, "memory_bytes": w.info.memory_bytes,
+        # leaving: told to stop (SIGTERM), it hands its models over to the others and serves until they have
+        workers = [{"id": w.info.id, "state": "leaving" if w.leaving else "serving", "host": w.info.host,
+                    "pid": w.info.pid, "cpus": w.info.cpus, "gpus": w.info.gpus,
+                    "memory_bytes": w.info.memory_bytes,
                     "models": {m: {str(v): s.state for v, s in vs.items()} for m, vs in w.detail.items()},
                     "ensembles": {m: list(vs) for m, vs in w.ensembles.items()},
                     "clock_offset_s": w.clock.get("offset_s", 0.0),

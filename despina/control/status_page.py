@@ -13,7 +13,7 @@ th { background: #eef1f5; font-weight: 600; } td.n { text-align: right; font-var
 .state { padding: .05rem .4rem; border-radius: .6rem; font-size: .8rem; font-weight: 600; }
 .READY { background: #d3f4dc; color: #135c2a; } .UNAVAILABLE { background: #fbd5d5; color: #8a1c1c; }
 .ensemble { background: #dde8fb; color: #1c3d7a; }
-.LOADING, .idle { background: #fdf0c4; color: #6b5300; }
+.LOADING, .idle, .leaving { background: #fdf0c4; color: #6b5300; }
 .bars { display: flex; align-items: flex-end; gap: 2px; height: 42px; }
 .bar { background: #5b7bd5; width: 14px; position: relative; }
 .bar span { position: absolute; bottom: -1.1rem; font-size: .65rem; left: 0; }
@@ -53,7 +53,8 @@ async function refresh() {
         <td>${bars(m.batch_sizes)}</td>
         <td class="n">${m.cold_starts}${m.cold_start_ms ? ` (${m.cold_start_ms} ms)` : ""}</td></tr>`;
     }).join("") || '<tr><td colspan="10" class="muted">no models</td></tr>';
-    document.getElementById("workers").innerHTML = s.workers.map(w => `<tr><td>${esc(w.id)}</td>
+    document.getElementById("workers").innerHTML = s.workers.map(w => `<tr><td>${esc(w.id)}${w.state === "leaving"
+      ? ' <span class="state leaving" title="told to stop: it hands its models over, then exits">leaving</span>' : ""}</td>
       <td>${esc(w.host)} / ${w.pid}${w.clock_warning ? `<div class="err">${esc(w.clock_warning)}</div>` : ""}</td><td>${w.cpus} CPU${w.gpus ? `, ${w.gpus} GPU` : ""}</td>
       <td class="n">${w.memory_bytes ? (w.memory_bytes / 2 ** 30).toFixed(1) + " GiB" : "-"}</td>
       <td>${Object.entries(w.models).map(([m, vs]) => Object.entries(vs).map(([v, st]) =>
