@@ -263,11 +263,12 @@ def test_a_gpu_that_is_not_there_is_a_load_error() -> None:
 
 
 def test_two_thread_instances_run_two_executes_at_once(server: Server) -> None:
-    answers, took = post_together(f"{server.url}/fn/toy", [{"x": [1, 2]}, {"x": [3, 4]}])
+    answers, _ = post_together(f"{server.url}/fn/toy", [{"x": [1, 2]}, {"x": [3, 4]}])
     assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
     assert sorted(a.json()["y"] for a in answers) == [[2.0, 3.0], [4.0, 5.0]]
-    assert max(a.json()["peak"][0] for a in answers) == 2  # the concurrency counter saw both
-    assert took < 0.75  # two pauses of 0.4 s, side by side
+    # the model's own counter saw both executes at once (the time they took together says the same on an
+    # idle machine, and nothing on a loaded one)
+    assert max(a.json()["peak"][0] for a in answers) == 2
 
 
 def test_two_process_instances_run_two_executes_at_once(server: Server) -> None:
