@@ -86,7 +86,8 @@ class _InLoopServer(Server):
 
 async def serve_in_loop(app: ASGIApp, sock: socket.socket, stop: asyncio.Event) -> None:
     """Serve a role's side port (the control plane's metrics, a worker's health) on `sock` until `stop`."""
-    server = _InLoopServer(uvicorn.Config(app, lifespan="on", access_log=False, log_level="warning"))
+    config = uvicorn.Config(app, lifespan="on", access_log=False, log_config=None, log_level="warning")
+    server = _InLoopServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     await stop.wait()
     server.should_exit = True

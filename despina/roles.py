@@ -83,6 +83,7 @@ def run_gateway(settings: Settings) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.http_port,
                             loop="uvloop", http=protocol, lifespan="on",
                             access_log=False,
+                            log_config=None,  # its lines through ours: JSON lines with --log-format json
                             proxy_headers=False, server_header=False, date_header=False,
                             headers=http.keep_alive_headers(settings.keep_alive_timeout_s),
                             # seconds, a fraction too (as timeout_graceful_shutdown below)
