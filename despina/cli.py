@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cpus, logs
+from .embedded import START_FAILED
 from .settings import CHOICES, BadSetting, Settings
 
 
@@ -296,5 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     if after != before:
         logging.getLogger("despina").debug("open-files limit raised from %d to %d", before, after)
     run = {"gateway": roles.run_gateway, "worker": roles.run_worker, "control": roles.run_control}
-    run[args.command](settings)
+    try:
+        run[args.command](settings)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        print(exc.code, file=sys.stderr)  # why it could not start, in one line
+        return START_FAILED
     return 0

@@ -58,6 +58,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 BACKLOG = 2048  # uvicorn's, which listens on the socket again
+# the exit status of a role that could not start (a port it cannot bind, an API key file it cannot read:
+# a SystemExit with its one line, cli.main): serve stops everything at it, however long the start took
+START_FAILED = 3
 
 
 def host_port(host: str, port: int) -> str:

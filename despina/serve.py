@@ -24,14 +24,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from .cpus import available, format_list, parse
-from .embedded import EmbeddedValkey, bound_socket, child_setup, host_port
+from .embedded import START_FAILED, EmbeddedValkey, bound_socket, child_setup, host_port
 from .gateway.shm import Registry
 from .settings import Settings
 
 log = logging.getLogger("despina.serve")
 
 RESTART_BACKOFF_S = 1.0
-SETTLED_S = 5.0  # a gateway that dies sooner after its start failed to start (its port, say): stop
+# a gateway that dies sooner after its start failed to start (an import error, say): stop; one that says
+# it could not start (START_FAILED: its port, its key file) stops everything whenever it says so
+SETTLED_S = 5.0
 LAST_S = 2.0  # what a stage of the drain gets, at least, once the drain's time is spent
 # how often the children are looked at besides when a signal comes (a child's end is SIGCHLD): a net only
 LOOK_S = 5.0
@@ -219,7 +221,7 @@ class Supervisor:
         for child in (*self.gateways, self.control):
             if child and not child.alive() and not self._stopping:
                 assert child.process
-                if time.monotonic() - child.started < SETTLED_S:
+                if child.process.returncode == START_FAILED or time.monotonic() - child.started < SETTLED_S:
                     log.error("%s exited with %s at its start; stopping everything", child.name,
                               child.process.returncode)
                     return 1
