@@ -8,16 +8,22 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import cpus, logs
 from .embedded import START_FAILED
 from .settings import CHOICES, BadSetting, Settings
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line that says what is wrong, not the command's whole usage first (serve's is thirty)."""
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """Every command and option of `despina` (deploy/'s command lines are checked against it)."""
-    p = argparse.ArgumentParser(prog="despina", description="Serverless ML model serving, Triton-compatible.")
+    p = _Parser(prog="despina", description="Serverless ML model serving, Triton-compatible.")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
@@ -256,7 +262,12 @@ def _redis_unusable(settings: Settings) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args, unknown = parser().parse_known_args(argv)
+    if unknown:  # named by the command they were given to (parse_args names `despina`'s)
+        command = f"despina {args.command}"
+        print(f"{command}: unrecognized arguments: {' '.join(unknown)} (see {command} --help)",
+              file=sys.stderr)
+        return 2
     try:
         settings = settings_of(args)
     except BadSetting as exc:

@@ -48,3 +48,18 @@ def test_a_gateway_that_cannot_start_stops_serve_however_long_its_start_took(
     said = capfd.readouterr().err
     assert said.count("gateway: cannot read the API keys file") == 1, said
     assert "restarting" not in caplog.text and "gateway exited with 3 at its start" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["serve", "--http-port", "abc"], "despina serve: argument --http-port: invalid int value: 'abc'"),
+    (["serve", "--http_port", "8000"], "despina serve: unrecognized arguments: --http_port 8000"),
+    (["ls"], "despina ls: the following arguments are required: registry"),
+    (["serve", "--log-level", "loud"], "despina serve: argument --log-level: invalid choice: 'loud'"),
+    (["sreve"], "despina: argument command: invalid choice: 'sreve'"),
+])
+def test_a_bad_command_line_is_one_line_that_names_it(args: list[str], said: str) -> None:
+    """argparse printed the command's whole usage first (thirty lines for serve) and named an unknown
+    option after `despina`'s, not the command's, usage."""
+    r = despina(*args)
+    assert r.returncode == 2 and r.stderr.startswith(said) and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.rstrip().endswith("--help)"), r.stderr
