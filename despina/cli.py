@@ -203,7 +203,22 @@ def _unusable(repository: str) -> str | None:
         except DespinaError as exc:
             return exc.message
         return None
-    return None if Path(repository).expanduser().is_dir() else f"{repository} is not a folder"
+    folder = Path(repository).expanduser()
+    if not folder.is_dir():
+        return f"{repository} is not a folder"
+    if _model_folder(folder):  # its version folders were served as models named 1, 2, ... that fail
+        return (f"{repository} is a model's own folder (config.pbtxt or version folders at its top): give "
+                f"the folder that holds it, {folder.parent} (a Triton repository holds one folder per model)")
+    return None
+
+
+def _model_folder(folder: Path) -> bool:
+    """Whether `folder` is a model's own folder, not a repository: config.pbtxt, or version folders
+    without a config.pbtxt of their own (models named "1" would have one), at its top."""
+    from .registry.base import is_version
+
+    versions = [p for p in folder.iterdir() if p.is_dir() and is_version(p.name)]
+    return (folder / "config.pbtxt").is_file() or not all((p / "config.pbtxt").exists() for p in versions)
 
 
 def _sagemaker_unusable(settings: Settings) -> str | None:
@@ -217,12 +232,10 @@ def _sagemaker_unusable(settings: Settings) -> str | None:
         return None
     from .contract.errors import DespinaError
     from .contract.modelconfig import parse_text
-    from .registry.base import is_version
 
     config = repo / "config.pbtxt"
     folders = sorted(p for p in repo.iterdir() if p.is_dir() and not p.name.startswith("."))
-    versions = [p for p in folders if is_version(p.name)]  # not a model named "1": it has a config.pbtxt
-    if config.is_file() or not all((p / "config.pbtxt").exists() for p in versions):
+    if _model_folder(repo):
         name = settings.sagemaker_model or "MODEL_NAME"
         try:
             name = parse_text(name, config.read_bytes()).name or name
@@ -282,12 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"despina {args.command}: give --redis-url or set REDIS_URL (only 'serve' embeds Valkey)",
               file=sys.stderr)
         return 2
+    if args.command in ("serve", "control") and (why := _sagemaker_unusable(settings)):  # its own words first
+        print(f"despina {args.command}: {why}", file=sys.stderr)
+        return 2
     if args.command in ("serve", "control") and (why := _unusable(settings.model_repository)):
         print(f"despina {args.command}: DESPINA_MODEL_REPOSITORY (or --model-repository): {why}",
               file=sys.stderr)
-        return 2
-    if args.command in ("serve", "control") and (why := _sagemaker_unusable(settings)):
-        print(f"despina {args.command}: {why}", file=sys.stderr)
         return 2
     if settings.worker_cpus is not None and args.command in ("serve", "worker"):
         try:

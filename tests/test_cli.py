@@ -63,3 +63,17 @@ def test_a_bad_command_line_is_one_line_that_names_it(args: list[str], said: str
     r = despina(*args)
     assert r.returncode == 2 and r.stderr.startswith(said) and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.rstrip().endswith("--help)"), r.stderr
+
+
+def test_a_models_own_folder_given_as_the_repository_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`--model-repository model_repository/mlp` served a model '1' that failed to load, "no config.pbtxt,
+    and no model file Despina recognizes", and nothing else: Triton's layout wants the folder above."""
+    model = tmp_path / "model_repository" / "mlp"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
+    for command in ("serve", "control"):
+        r = despina(command, "--model-repository", str(model), "--redis-url", "redis://127.0.0.1:1/0")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith(f"despina {command}: DESPINA_MODEL_REPOSITORY (or --model-repository): "
+                                   f"{model} is a model's own folder"), r.stderr
+        assert f"give the folder that holds it, {model.parent}" in r.stderr, r.stderr
