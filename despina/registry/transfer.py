@@ -150,6 +150,8 @@ def push(folder: str | Path, url: str, settings: Settings, version: int | None =
     try:
         before = registry.scan_one(name)
     except ConfigError:  # a local repository not made yet (the upload makes it), or a file (it says so)
+        if not registry.remote and Path(url).expanduser().exists():
+            raise
         before = None
     bar = ProgressBar(sum(p.source.stat().st_size for p in planned), out)
 
