@@ -92,3 +92,17 @@ def version_refused(e: CatalogEntry, v: int) -> DespinaError:
     if v in e.retired or (e.target == UNLOADED and v in e.versions):
         return Unavailable(f"Request for unknown model: '{e.name}' version {v} is not at ready state")
     return NotFound(f"unknown version {v} of model '{e.name}'")
+
+
+def not_loaded(name: str) -> NotFound:
+    """What infer, metadata and config answer for a model in the repository that is not loaded: Triton's
+    404 and words."""
+    return NotFound(f"Request for unknown model: '{name}' has no available versions (it is not loaded)")
+
+
+def unloaded(e: CatalogEntry, version: str | None) -> DespinaError:
+    """What a request to a model unloaded through the API hears: not_loaded(), or for a version it had
+    loaded, Triton's 503 (its versions stay known, UNAVAILABLE)."""
+    if version and version.isdigit() and (int(version) in e.versions or int(version) in e.retired):
+        return version_refused(e, int(version))
+    return not_loaded(e.name)

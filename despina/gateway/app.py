@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .. import __version__, clock, fds
-from ..contract.catalog import UNLOADED, version_refused
+from ..contract.catalog import UNLOADED, unloaded, version_refused
 from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.keys import Keys
 from ..contract.modelspec import ModelSpec
@@ -34,7 +34,7 @@ from .http import ClientGone
 from .infer import AsgiEndpoint, FunctionRoute, InferRoute, Lane
 from .logging_api import EXTENSION as LOGGING_EXTENSION
 from .logging_api import logging_routes
-from .models import ModelView, unloaded
+from .models import ModelView
 from .openapi import document
 from .protocol import HotRoutes
 from .refusals import unreachable

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from .. import logs
-from ..contract.catalog import LOADED, UNLOADED, CatalogEntry, version_refused
+from ..contract.catalog import LOADED, UNLOADED, CatalogEntry, unloaded, version_refused
 from ..contract.commands import WAKE
 from ..contract.ensemble import Ensemble, is_ensemble
 from ..contract.errors import (
@@ -392,17 +392,3 @@ def _known_version(e: CatalogEntry, version: str) -> int:
     if v not in e.versions:
         raise version_refused(e, v)
     return v
-
-
-def not_loaded(name: str) -> NotFound:
-    """What infer, metadata and config answer for a model in the repository that is not loaded: Triton's
-    404 and words."""
-    return NotFound(f"Request for unknown model: '{name}' has no available versions (it is not loaded)")
-
-
-def unloaded(e: CatalogEntry, version: str | None) -> DespinaError:
-    """What a request to a model unloaded through the API hears: not_loaded(), or for a version it had
-    loaded, Triton's 503 (its versions stay known, UNAVAILABLE)."""
-    if version and version.isdigit() and (int(version) in e.versions or int(version) in e.retired):
-        return version_refused(e, int(version))
-    return not_loaded(e.name)
