@@ -65,8 +65,9 @@ def test_poll_switches_versions_without_a_failed_request(
         wait_until(lambda: len(load.answers) > 10, what="traffic")
         push(mlp_folder(tmp_path / "v2", versions={1: 1}), url, settings, version=2, out=io.StringIO())
         wait_until(lambda: load.versions() == {"2"}, 30, what="version 2 to serve")
-        wait_until(lambda: "1" not in {r.get("version") for r in index(server.url) if r["name"] == "mlp"}, 10,
-                   what="version 1 to be unloaded")
+        wait_until(lambda: {(r.get("state"), r.get("reason")) for r in index(server.url)
+                            if r["name"] == "mlp" and r.get("version") == "1"} == {("UNAVAILABLE", "unloaded")},
+                   10, what="version 1 to be unloaded (listed UNAVAILABLE 'unloaded', as Triton lists it)")
 
         broken = tmp_path / "v3" / "mlp"
         mlp_folder(tmp_path / "v3")
