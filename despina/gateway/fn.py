@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 def refuse_stateful(models: Mapping[str, Model], model: Model) -> None:
     """/fn names no sequence (V2's parameters do): a stateful model, or an ensemble that calls one, is
     refused with where a sequence can be named."""
+    if model.ensemble is None and not model.spec.sequence:  # the usual model: nothing to walk
+        return
     name = model.spec.name
     stateful = stateful_step(models, model, set())
     if stateful == name:

@@ -153,12 +153,13 @@ class InferRoute(Route):
     def respond(ex: Exchange, out: bytes, json_length: int | None, echo: Headers) -> None:
         """The answer as encode_infer made it: all JSON, or a JSON header of json_length and tensors;
         compressed whole where the request's Accept-Encoding asks (compression.py)."""
-        coding = response_coding(ex.headers)
         if json_length is None:
             content_type, extra = http.JSON, echo
         else:
             content_type, extra = OCTETS, [(b"inference-header-content-length", b"%d" % json_length), *echo]
-        if coding is None or len(out) < SMALLEST:
+        # (a small answer goes as it is: its headers are not even looked at)
+        coding = response_coding(ex.headers) if len(out) >= SMALLEST else None
+        if coding is None:
             ex.respond(200, out, content_type, extra)
         else:
             respond_encoded(ex.respond, out, content_type, extra, coding)
