@@ -216,20 +216,13 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
         # as Triton's serve script: SAGEMAKER_TRITON_OVERRIDE_PING_MODE, else ready on a single-model
         # endpoint and live on a multi-model one (a failed load must not fail /ping: SageMaker would load
         # nothing more); it sets tritonserver's own SAGEMAKER_TRITON_PING_MODE, taken where it is not set
-        for variable in ("SAGEMAKER_TRITON_OVERRIDE_PING_MODE", "SAGEMAKER_TRITON_PING_MODE"):
-            if ping := environ.get(variable, "").strip():
-                if ping not in CHOICES["sagemaker_ping_mode"]:
-                    raise BadSetting(f"{variable}={ping!r}: expected ready or live")
-                values["sagemaker_ping_mode"] = ping
-                break
-        else:
-            values["sagemaker_ping_mode"] = "live" if multi_model else "ready"
-    kind = environ.get("SAGEMAKER_TRITON_INFERENCE_TYPE", "").strip()
-    if kind and "sagemaker_inference_type" not in values:  # as Triton's image, refused at start if unknown
-        if kind not in CHOICES["sagemaker_inference_type"]:
-            raise BadSetting(f"SAGEMAKER_TRITON_INFERENCE_TYPE={kind!r}: expected infer, generate or "
-                             "generate_stream")
-        values["sagemaker_inference_type"] = kind
+        values["sagemaker_ping_mode"] = (
+            _choice(environ, "SAGEMAKER_TRITON_OVERRIDE_PING_MODE", "sagemaker_ping_mode")
+            or _choice(environ, "SAGEMAKER_TRITON_PING_MODE", "sagemaker_ping_mode")
+            or ("live" if multi_model else "ready"))
+    if "sagemaker_inference_type" not in values:  # as Triton's image, refused at start if unknown
+        if kind := _choice(environ, "SAGEMAKER_TRITON_INFERENCE_TYPE", "sagemaker_inference_type"):
+            values["sagemaker_inference_type"] = kind
     if environ.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"):
         values.setdefault("sagemaker_model", environ["SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"])
     if multi_model:
@@ -239,6 +232,15 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
             values["model_repository"] = SAGEMAKER_MME_REPOSITORY
     else:
         values.setdefault("model_repository", SAGEMAKER_MODEL_DIR)
+
+
+def _choice(environ: Mapping[str, str], variable: str, setting: str) -> str:
+    """A SageMaker variable that takes one of a setting's words ("" when unset); BadSetting for another."""
+    value = environ.get(variable, "").strip()
+    words = CHOICES[setting]
+    if value and value not in words:
+        raise BadSetting(f"{variable}={value!r}: expected {', '.join(words[:-1])} or {words[-1]}")
+    return value
 
 
 # durations whose 0 would not mean "none": every request 504 at once, requests redelivered (and run again)

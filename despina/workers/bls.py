@@ -237,20 +237,19 @@ async def _ensemble_run(view: ModelView, model: str, graph: Ensemble, v: int, de
 async def _wake_steps(view: ModelView, graph: Ensemble, deadline: float) -> bool:
     """Wake the models an ensemble calls (those of the ensembles it calls too) that no worker has READY;
     whether there was one."""
-    woke = False
-    waking: list[Awaitable[object]] = []
+    waking: list[Awaitable[object]] = []  # the models woken, each until it serves
+    inner: list[Awaitable[bool]] = []  # the ensembles called that no worker runs
     for step in graph.steps:
         version = None if step.version is None else str(step.version)
         try:
             found, v = view.resolve(step.model, version)
         except NotLoaded:
-            woke = True
             waking.append(view.serving(step.model, version, max(deadline - time.monotonic(), 0.001)))
             continue
         if found.ensemble is not None and v not in view.ready.get(step.model, ()):
-            waking.append(_wake_steps(view, found.ensemble, deadline))
-    nested = await asyncio.gather(*waking)
-    return woke or any(w is True for w in nested)
+            inner.append(_wake_steps(view, found.ensemble, deadline))
+    _, woke_inside = await asyncio.gather(asyncio.gather(*waking), asyncio.gather(*inner))
+    return bool(waking) or any(woke_inside)
 
 
 def _tensor(name: str, array: np.ndarray) -> Tensor:
