@@ -132,7 +132,7 @@ class InferRoute(Route):
         done = answering(ex, trace, answer)
         traced = gw.tracer.begin(spec.name, version, decoded.id or "", arrived) if arrived else None
         if traced is not None:
-            done = gw.tracer.ending(traced, done)
+            done = gw.tracer.ending(traced, done, computes=spec.platform != PLATFORM)
             traced.stamp("QUEUE_START")
         submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace, done, priority,
                timeout_us, timeout, decoded.model_parameters, decoded.id or "", sequence)

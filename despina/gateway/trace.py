@@ -199,13 +199,17 @@ class Tracer:
         trace.stamp("REQUEST_START", started_ns)
         return trace
 
-    def ending(self, trace: Trace, done: Callable[[Any], None]) -> Callable[[Any], None]:
-        """`done` that records the request's end (and its batch's compute, from a reply) after answering."""
+    def ending(self, trace: Trace, done: Callable[[Any], None], computes: bool = True
+               ) -> Callable[[Any], None]:
+        """`done` that records the request's end (and its batch's compute, from a reply) after answering.
+        `computes` False: an ensemble, whose trace, as Triton's, has no compute of its own (its steps
+        compute; its reply's compute is theirs, summed, no span of time)."""
         def end(result: Any) -> None:
             try:
                 done(result)
             finally:
-                if isinstance(result, InferReply) and result.compute_us and len(trace.stamps) > 1:
+                if (computes and isinstance(result, InferReply) and result.compute_us
+                        and len(trace.stamps) > 1):
                     queued = trace.stamps[1][1]  # QUEUE_START: the worker's queue time counts from there
                     start = queued + result.queue_us * 1000
                     trace.stamp("COMPUTE_START", start)
