@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from .conftest import Server, module_server
+from .conftest import Server, module_server, settled_stats
 from .test_ensemble import infer, outputs, repo  # noqa: F401  (repo: the module fixture, reused)
+
+COMPUTE = ("compute_input", "compute_infer", "compute_output")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,42 @@ def server(request: pytest.FixtureRequest, repo: Path, tmp_path_factory: pytest.
     if request.param == "gateway":
         env["DESPINA_HOST_ENSEMBLES"] = "false"
     yield from module_server(repo, tmp_path_factory, redis_url, ("mlp", "classify_post"), env=env)
+
+
+def compute_ns(stats: dict) -> int:
+    return sum(stats["inference_stats"][k]["ns"] for k in COMPUTE)
+
+
+def grown(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[str, int]]:
+    """Per model: the requests it answered, its compute and its latency since `before`."""
+    return {m: {"success": after[m]["inference_stats"]["success"]["count"]
+                - before[m]["inference_stats"]["success"]["count"],
+                "compute_ns": compute_ns(after[m]) - compute_ns(before[m]),
+                "success_ns": after[m]["inference_stats"]["success"]["ns"]
+                - before[m]["inference_stats"]["success"]["ns"]}
+            for m in before}
+
+
+def test_a_nested_ensembles_compute_is_its_inner_steps_compute(server: Server) -> None:
+    """'nested' calls the ensemble mlp_classify, which calls mlp then classify_post. The outer's compute is
+    the inner's compute (the sum of mlp's and classify_post's), not the inner's latency (which counts its
+    queue and its trips through Redis) nor nothing."""
+    models = ("nested", "mlp_classify", "mlp", "classify_post")
+    x = np.random.default_rng(11).standard_normal((2, 256)).astype(np.float32)
+    outputs(infer(server, "nested", {"x": x}))  # every model warm, once
+    before = {m: settled_stats(server.url, m) for m in models}
+    for _ in range(3):  # one at a time: each step runs alone, its model's compute is this request's
+        outputs(infer(server, "nested", {"x": x}))
+    after = {m: settled_stats(server.url, m) for m in models}
+    g = grown(before, after)
+    assert {m: g[m]["success"] for m in models} == dict.fromkeys(models, 3), g
+    assert g["nested"]["compute_ns"] == g["mlp_classify"]["compute_ns"], g
+    steps = g["mlp"]["compute_ns"] + g["classify_post"]["compute_ns"]
+    # a step's reply carries its execution's time up to its outputs, in whole microseconds; its model
+    # counts that and splitting its outputs too: a little more (the bound leaves 100 us a step for clocks)
+    assert 0 < g["mlp_classify"]["compute_ns"] <= steps + 3 * 2 * 100_000, g
+    for m in ("nested", "mlp_classify"):
+        assert g[m]["compute_ns"] < g[m]["success_ns"], g
 
 
 def traces(trace_file: Path, model: str, n: int) -> list[dict]:

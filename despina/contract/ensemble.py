@@ -292,8 +292,11 @@ class Run:
             self.fail(DespinaError(f"ensemble '{self.spec.name}': {self.pending[0]} waits for tensor(s) "
                                    f"{', '.join(missing)} that no step returned", Code.INTERNAL))
             return
-        # an output no step returned is left out, as in Triton
-        reply = InferReply("", tuple(_renamed(tensors[n], n) for n in self.wanted if n in tensors))
+        # an output no step returned is left out, as in Triton. The reply carries its steps' compute: an
+        # ensemble that calls this one counts that as its own, as Triton's does (a step reports its
+        # compute to its ensemble's statistics, an ensemble step the sums of its own steps)
+        reply = InferReply("", tuple(_renamed(tensors[n], n) for n in self.wanted if n in tensors),
+                           compute_us=self.compute_us)
         self.over = True
         self._finish(reply, self._rows())
 

@@ -200,13 +200,15 @@ class EnsembleHost:
     def _answer(self, req: InferRequest, entry: tuple[str, bytes], result: InferReply | DespinaError,
                 rows: int, compute_us: int = 0, queue_us: int = 0) -> None:
         """`queue_us`: how long the request waited on the ensemble's stream before its run began (Triton's
-        ensemble's own queue time: from its enqueue until the ensemble scheduler starts it)."""
+        ensemble's own queue time: from its enqueue until the ensemble scheduler starts it). The reply
+        carries it and `compute_us`, its steps' compute, not its whole latency: an ensemble that calls
+        this one counts that compute as its own."""
         us = max(0, int((clock.now() - req.enqueued) * 1e6))
         error = result if isinstance(result, DespinaError) else None
         ensemble_counts(error, us, rows, self._counts, compute_us, queue_us)
         if error is None:
             self._counts["last_inference"] = int(clock.now() * 1000)
-            reply = InferReply(req.id, result.outputs, None, 0, us)  # type: ignore[union-attr]
+            reply = InferReply(req.id, result.outputs, None, queue_us, compute_us)  # type: ignore[union-attr]
         else:
             reply = InferReply(req.id, (), (error.code, error.message))
         self._finished(req, reply, entry)
