@@ -12,13 +12,21 @@ from typing import Any, NoReturn
 
 from . import cpus, logs
 from .embedded import START_FAILED
-from .settings import CHOICES, BadSetting, Settings
+from .settings import CHOICES, FALSE_WORDS, TRUE_WORDS, BadSetting, Settings
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """One line that says what is wrong, not the command's whole usage first (serve's is thirty)."""
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _boolean(text: str) -> bool:
+    """A flag's value as Triton's command line spells it: --exit-on-error=false."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS | FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -42,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                         help="as Triton's: none (load all at start), explicit (load/unload API), poll")
         sp.add_argument("--load-model", dest="load_model", action="append", metavar="NAME",
                         help="explicit mode: load this model at start (repeatable; * = all)")
+        sp.add_argument("--exit-on-error", dest="exit_on_error", nargs="?", const=True, type=_boolean,
+                        metavar="BOOL", help="as Triton's: a --load-model model that cannot be loaded stops "
+                        "the start (default true; --exit-on-error=false serves on without it)")
         sp.add_argument("--repository-poll-secs", dest="repository_poll_secs", type=float,
                         help="poll mode: seconds between two looks at the repository (default 15; 0: "
                              "the look at start only, as in Triton)")

@@ -229,6 +229,8 @@ def run_control(settings: Settings) -> None:
     # the metrics port, before anything starts: uvicorn's failure to bind it, in a task, was a traceback
     metrics = bound_socket(settings.host, settings.metrics_port, "control") if settings.metrics_port else None
 
+    failure: list[str] = []  # why the start failed (ControlPlane.start_failure), said once the loop ends
+
     async def main() -> None:
         assert settings.redis_url
         redis = connect(settings.redis_url)
@@ -260,5 +262,9 @@ def run_control(settings: Settings) -> None:
             if http:
                 await asyncio.gather(http, return_exceptions=True)
             await redis.aclose()
+        if plane.start_failure:
+            failure.append(plane.start_failure)
 
     _run_until_signal(main)
+    if failure:  # one line, and cli.main's START_FAILED: serve stops everything at it
+        raise SystemExit(f"control: {failure[0]}")

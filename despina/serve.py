@@ -221,10 +221,10 @@ class Supervisor:
         for child in (*self.gateways, self.control):
             if child and not child.alive() and not self._stopping:
                 assert child.process
-                if child.process.returncode == START_FAILED or time.monotonic() - child.started < SETTLED_S:
-                    log.error("%s exited with %s at its start; stopping everything", child.name,
-                              child.process.returncode)
-                    return 1
+                code = child.process.returncode
+                if code == START_FAILED or time.monotonic() - child.started < SETTLED_S:
+                    log.error("%s exited with %s at its start; stopping everything", child.name, code)
+                    return START_FAILED if code == START_FAILED else 1  # (3: it said why it could not start)
                 log.error("%s exited with %s; restarting it", child.name, child.process.returncode)
                 if child is self.control:  # reaped, so gone for sure: its successor takes its lease at once
                     child.env = {**child.env, CONTROL_PREDECESSOR: child.env[CONTROL_ID],

@@ -43,6 +43,9 @@ class Settings:
     max_tensor_elements: int = 1 << 27      # per input tensor; larger shapes get 400 before any allocation
     model_control_mode: str = "none"        # as Triton's: none, explicit or poll
     load_model: str = ""                    # explicit mode: models loaded at start, comma-separated; * = all
+    # Triton's --exit-on-error: a --load-model model (not "*") that cannot be loaded stops the control plane's
+    # start (cli.START_FAILED); false: it serves on without it. Models of the repository as a whole never do
+    exit_on_error: bool = True
     repository_poll_secs: float = 15.0      # poll mode: seconds between two scans of the repository
     idle_timeout_s: float = 0.0             # scale-to-zero: unload a model idle this long; 0 = never
     model_replicas: int = 1                 # workers that load each model; 0 = every eligible worker
@@ -211,7 +214,7 @@ def _sagemaker_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> N
         if not (payload.isascii() and payload.isdigit()):
             raise BadSetting(f"SAGEMAKER_MAX_PAYLOAD_IN_MB={payload!r}: expected a whole number of MB")
         values["max_body_bytes"] = max(int(payload) * 1024 * 1024, Settings.max_body_bytes)
-    multi_model = environ.get("SAGEMAKER_MULTI_MODEL", "").strip().lower() in _TRUE
+    multi_model = environ.get("SAGEMAKER_MULTI_MODEL", "").strip().lower() in TRUE_WORDS
     if "sagemaker_ping_mode" not in values:
         # as Triton's serve script: SAGEMAKER_TRITON_OVERRIDE_PING_MODE, else ready on a single-model
         # endpoint and live on a multi-model one (a failed load must not fail /ping: SageMaker would load
@@ -254,8 +257,8 @@ CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("t
             "model_control_mode": ("none", "explicit", "poll"),
             "s3_addressing_style": ("auto", "path", "virtual"), "sagemaker_ping_mode": ("ready", "live"),
             "sagemaker_inference_type": ("infer", "generate", "generate_stream")}
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+TRUE_WORDS = {"1", "true", "yes", "on"}
+FALSE_WORDS = {"0", "false", "no", "off"}
 
 
 # Not in a key prefix: the special characters of Redis's glob patterns (the ACL rule `~PREFIX:*` that grants
@@ -279,9 +282,9 @@ def _coerce(annotation: Any, raw: str) -> Any:
     kind = str(annotation)
     if kind in ("bool", "bool | None"):
         word = raw.strip().lower()
-        if word not in _TRUE | _FALSE:
+        if word not in TRUE_WORDS | FALSE_WORDS:
             raise ValueError(f"expected true or false, got {raw!r}")
-        return word in _TRUE
+        return word in TRUE_WORDS
     try:
         if "int" in kind and "str" not in kind:
             return int(raw)

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from despina import serve as serve_module
-from despina.embedded import free_port
+from despina.embedded import START_FAILED, free_port
 from despina.settings import Settings
 
 from .conftest import Server, stop_server
@@ -44,7 +44,7 @@ def test_a_gateway_that_cannot_start_stops_serve_however_long_its_start_took(
     settings = Settings.from_sources({"model_repository": str(tmp_path), "http_port": free_port(),
                                       "metrics_port": 0, "redis_url": redis_url, "key_prefix": key_prefix,
                                       "api_keys_file": str(tmp_path / "nonexistent")}, {})
-    assert serve_module.Supervisor(settings).run() == 1
+    assert serve_module.Supervisor(settings).run() == START_FAILED  # it said why it could not start
     said = capfd.readouterr().err
     assert said.count("gateway: cannot read the API keys file") == 1, said
     assert "restarting" not in caplog.text and "gateway exited with 3 at its start" in caplog.text, caplog.text
@@ -77,3 +77,4 @@ def test_a_models_own_folder_given_as_the_repository_is_refused_in_one_line(tmp_
         assert r.stderr.startswith(f"despina {command}: DESPINA_MODEL_REPOSITORY (or --model-repository): "
                                    f"{model} is a model's own folder"), r.stderr
         assert f"give the folder that holds it, {model.parent}" in r.stderr, r.stderr
+

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -92,6 +92,10 @@ class ControlPlane:
         self.keys = Keys(settings.key_prefix)
         self.id = id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._predecessor = predecessor
+        # this process's own start (not serve's restart of one that exited), while it leads at once: what
+        # --load-model names must load then (registration.py), else the start fails with `start_failure`
+        self.starting = predecessor is None
+        self.start_failure: str | None = None
         remote = settings.model_repository.startswith("s3://")
         self.cache = ArtifactCache.from_settings(settings) if remote else None
         self.registry = open_registry(settings.model_repository, settings, self.cache)
@@ -116,6 +120,18 @@ class ControlPlane:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def fail_start(self, why: str) -> None:
+        """The start failed (Triton's --exit-on-error): stop; the process exits saying `why`."""
+        log.error("%s", why)
+        self.start_failure = why
+        self.stop()
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` beside the plane's loops, cancelled when it stops."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @property
     def stopping(self) -> bool:
@@ -161,7 +177,7 @@ class ControlPlane:
                     return True
                 if not waiting:  # (not while Redis cannot tell: there may be no other)
                     log.info("control plane %s: another one leads; standing by", self.id)
-                    waiting = True
+                    waiting, self.starting = True, False  # a standby that takes over later is no start
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: %s", trouble(exc))
             await self.sleep(2.0)
@@ -315,9 +331,7 @@ class ControlPlane:
         for entry_id, fields in entries:
             if fields and entry_id not in self._running:  # (a claim finds this one's own running ones too)
                 self._running.add(entry_id)
-                task = asyncio.create_task(self._run_command(entry_id, fields.get(FIELD, b"")))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self.spawn(self._run_command(entry_id, fields.get(FIELD, b"")))
 
     async def _run_command(self, entry_id: bytes, payload: bytes) -> None:
         try:

@@ -12,7 +12,7 @@ from redis.exceptions import RedisError
 
 from .. import logs
 from ..contract.catalog import LOADED, CatalogEntry
-from ..contract.errors import DespinaError, Unavailable
+from ..contract.errors import DespinaError, InvalidArgument, NotFound, Unavailable
 from ..redis_client import trouble
 from ..registry import ModelFiles
 from .lease import LeaseLost
@@ -33,6 +33,7 @@ class Registration:
         self._applied: dict[str, str] = {}  # model -> fingerprint of the files now in the catalog
         self._seen: dict[str, str] = {}     # model -> fingerprint seen by the last poll
         self._load_waits: set[str] = set()  # --load-model models whose failure to load was logged
+        self._start_failures: dict[str, str] = {}  # --load-model model -> why it cannot load, at the start
 
     async def run(self) -> None:
         """Register the repository's models as the mode says; in poll mode, keep looking."""
@@ -44,9 +45,12 @@ class Registration:
         while not plane.stopping:
             try:
                 if mode == "explicit":
+                    loading = pending is None
                     pending = await self._load_at_start(pending)
                     if first:
                         await self._published()
+                    if loading and self._checks_start():
+                        plane.spawn(self._check_start(pending))
                     first = False
                     if not pending:
                         return
@@ -102,7 +106,35 @@ class Registration:
                 pending.append(name)
             except DespinaError as exc:
                 log.error("--load-model %s: %s", name, exc.message)
+                self._start_failures[name] = exc.message
         return pending
+
+    def _checks_start(self) -> bool:
+        """Whether what --load-model names must load for the start to succeed, as Triton's --exit-on-error
+        (default true) says: at this process's own start only (not serve's restart of an exited control
+        plane, nor a standby taking over), and not for '*', the repository as a whole (README: a model
+        broken in a shared repository must not keep every restart from serving the others)."""
+        settings = self.plane.settings
+        return self.plane.starting and settings.exit_on_error and settings.load_model.strip() != "*"
+
+    async def _check_start(self, pending: list[str]) -> None:
+        """Wait for the --load-model models' loads to end (those the store keeps from loading are tried
+        again, as without the check: not a failure of theirs); stop the start if any failed, as Triton's
+        "failed to load all models"."""
+        plane, failures = self.plane, self._start_failures
+        names = [n.strip() for n in plane.settings.load_model.split(",") if n.strip()]
+        for name in names:
+            if name in failures or name in pending:
+                continue
+            try:
+                await plane.lifecycle.wait(name, "load", None, plane.settings.load_timeout_s)
+            except (InvalidArgument, NotFound) as exc:  # it failed on the workers, or was taken away
+                failures[name] = exc.message
+            except Unavailable:  # still loading (a worker to join, say): no failure to stop the start for
+                pass
+        if failures:
+            plane.fail_start("failed to load all models: " + "; ".join(
+                f"--load-model {name}: {why}" for name, why in failures.items()))
 
     async def sync(self, first: bool) -> None:
         """Bring the catalog to the registry. After the first look, a model's change is applied once two
