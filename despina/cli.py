@@ -173,6 +173,9 @@ def _registry_command(args: argparse.Namespace, settings: Settings) -> int:
     try:
         if args.command == "push":
             transfer.push(args.path, args.registry, settings, args.version, args.name)
+        elif why := _model_folder_trouble(args.registry):  # as serve refuses it
+            print(f"despina ls: {why}", file=sys.stderr)
+            return 1
         else:
             transfer.listing(args.registry, settings)
     except DespinaError as exc:
@@ -217,10 +220,17 @@ def _unusable(repository: str) -> str | None:
     folder = Path(repository).expanduser()
     if not folder.is_dir():
         return f"{repository} is not a folder"
-    if _model_folder(folder):  # its version folders were served as models named 1, 2, ... that fail
-        return (f"{repository} is a model's own folder (config.pbtxt or version folders at its top): give "
-                f"the folder that holds it, {folder.parent} (a Triton repository holds one folder per model)")
-    return None
+    return _model_folder_trouble(repository)
+
+
+def _model_folder_trouble(repository: str) -> str | None:
+    """Why a local folder given as a repository is none: it is a model's own folder, whose version folders
+    were taken for models named 1, 2, ... (serve failed them; ls listed nothing, or them). None: it is not."""
+    folder = Path(repository).expanduser()
+    if repository.startswith("s3://") or not folder.is_dir() or not _model_folder(folder):
+        return None
+    return (f"{repository} is a model's own folder (config.pbtxt or version folders at its top): give "
+            f"the folder that holds it, {folder.parent} (a Triton repository holds one folder per model)")
 
 
 def _model_folder(folder: Path) -> bool:

@@ -78,3 +78,19 @@ def test_a_models_own_folder_given_as_the_repository_is_refused_in_one_line(tmp_
                                    f"{model} is a model's own folder"), r.stderr
         assert f"give the folder that holds it, {model.parent}" in r.stderr, r.stderr
 
+
+@pytest.mark.parametrize("layout", ["config and version", "version only"])
+def test_ls_of_a_models_own_folder_is_refused_as_serve_refuses_it(tmp_path: Path, layout: str) -> None:
+    """`despina ls model_repository/mlp` said "no models in model_repository/mlp" (or listed its version
+    folders as models named 1, 2) and succeeded, where serve refuses that folder and names the one above."""
+    model = tmp_path / "model_repository" / "mlp"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.onnx").write_bytes(b"onnx")
+    if layout == "config and version":
+        (model / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
+    r = despina("ls", str(model))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and not r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.startswith(f"despina ls: {model} is a model's own folder"), r.stderr
+    assert f"give the folder that holds it, {model.parent}" in r.stderr, r.stderr
+    r = despina("ls", str(model.parent))  # the repository itself lists the model
+    assert r.returncode == 0 and r.stdout.startswith("mlp  versions 1"), (r.stdout, r.stderr)
