@@ -49,8 +49,8 @@ def test_a_version_retired_by_a_poll_stays_in_the_index(serve: Callable[..., Ser
     assert [r.get("version") for r in index(server.url, ready=True) if r["name"] == "mlp"] == ["2"]
     assert_not_ready(server.url, 1)
     assert infer(server.url).json()["model_version"] == "2"
-    r = infer(server.url, version=9)  # a version it never had is unknown, as before
-    assert r.status_code == 404 and "unknown version 9" in r.json()["error"]
+    r = infer(server.url, version=9)  # a version it never had is not found (404), in Triton's words
+    assert r.status_code == 404 and r.json()["error"] == "Request for unknown model: 'mlp' version 9 is not found"
 
     # the catalog is in Redis: a control plane started again still lists it
     stop_server(server)

@@ -87,11 +87,12 @@ def retire(e: CatalogEntry, gone: Iterable[int], versions: Iterable[int]) -> tup
 
 
 def version_refused(e: CatalogEntry, v: int) -> DespinaError:
-    """What a request naming a version that the model does not serve hears, as Triton's: one it loaded and
-    unloaded since (retired, or the model unloaded) is 'not at ready state' (503), any other unknown (404)."""
+    """What a request naming a version that the model does not serve hears, as Triton's (its GetModel): one
+    it loaded and unloaded since (retired, or the model unloaded) is 'not at ready state' (503), any other
+    'not found' (404)."""
     if v in e.retired or (e.target == UNLOADED and v in e.versions):
         return Unavailable(f"Request for unknown model: '{e.name}' version {v} is not at ready state")
-    return NotFound(f"unknown version {v} of model '{e.name}'")
+    return NotFound(f"Request for unknown model: '{e.name}' version {v} is not found")
 
 
 def not_loaded(name: str) -> NotFound:
