@@ -38,6 +38,10 @@ class CatalogEntry:
     # versions loaded once and unloaded since (retired by newer ones, unloaded, scaled to zero), the latest
     # last: Triton's index lists them UNAVAILABLE "unloaded", and a request naming one is told so
     retired: tuple[int, ...] = ()
+    # versions whose load failed and that the model no longer loads (its files or policy changed, or the
+    # load that brought them was taken back), with the load's error, the latest last: Triton's index goes
+    # on listing them UNAVAILABLE with it until a load of theirs succeeds
+    dropped: dict[int, str] = field(default_factory=dict)
 
     @property
     def serving(self) -> bool:
@@ -62,7 +66,8 @@ class CatalogEntry:
             "retiring": list(self.retiring), "failed": {str(v): r for v, r in self.failed.items()},
             "footprint": self.footprint, "step_only": self.step_only,
             **({"labels": {k: list(v) for k, v in self.labels.items()}} if self.labels else {}),
-            **({"retired": list(self.retired)} if self.retired else {})})
+            **({"retired": list(self.retired)} if self.retired else {}),
+            **({"dropped": {str(v): r for v, r in self.dropped.items()}} if self.dropped else {})})
 
     @classmethod
     def loads(cls, raw: bytes | str) -> CatalogEntry:
@@ -74,7 +79,8 @@ class CatalogEntry:
                    tuple(d.get("workers", ())), tuple(d.get("retiring", ())),
                    {int(v): r for v, r in (d.get("failed") or {}).items()}, int(d.get("footprint", 0)),
                    bool(d.get("step_only", False)),
-                   {k: tuple(v) for k, v in (d.get("labels") or {}).items()}, tuple(d.get("retired", ())))
+                   {k: tuple(v) for k, v in (d.get("labels") or {}).items()}, tuple(d.get("retired", ())),
+                   {int(v): r for v, r in (d.get("dropped") or {}).items()})
 
 
 def retire(e: CatalogEntry, gone: Iterable[int], versions: Iterable[int]) -> tuple[int, ...]:
@@ -86,11 +92,20 @@ def retire(e: CatalogEntry, gone: Iterable[int], versions: Iterable[int]) -> tup
     return tuple(v for v in kept if v not in loads)[-RETIRED_KEPT:]
 
 
+def drop(e: CatalogEntry, gone: dict[int, str], versions: Iterable[int]) -> dict[int, str]:
+    """`e.dropped` with the failed versions `gone` added (version -> why; the latest last, RETIRED_KEPT at
+    most), less those the entry loads again (`versions`)."""
+    loads = set(versions)
+    kept = {v: why for v, why in e.dropped.items() if v not in gone}
+    kept.update(sorted(gone.items()))
+    return dict([(v, why) for v, why in kept.items() if v not in loads][-RETIRED_KEPT:])
+
+
 def version_refused(e: CatalogEntry, v: int) -> DespinaError:
     """What a request naming a version that the model does not serve hears, as Triton's (its GetModel): one
-    it loaded and unloaded since (retired, or the model unloaded) is 'not at ready state' (503), any other
-    'not found' (404)."""
-    if v in e.retired or (e.target == UNLOADED and v in e.versions):
+    it has a record of (loaded and unloaded since, or failed to load) is 'not at ready state' (503), any
+    other 'not found' (404)."""
+    if v in e.retired or v in e.dropped or (e.target == UNLOADED and v in e.versions):
         return Unavailable(f"Request for unknown model: '{e.name}' version {v} is not at ready state")
     return NotFound(f"Request for unknown model: '{e.name}' version {v} is not found")
 
@@ -104,6 +119,6 @@ def not_loaded(name: str) -> NotFound:
 def unloaded(e: CatalogEntry, version: str | None) -> DespinaError:
     """What a request to a model unloaded through the API hears: not_loaded(), or for a version it had
     loaded, Triton's 503 (its versions stay known, UNAVAILABLE)."""
-    if version and version.isdigit() and (int(version) in e.versions or int(version) in e.retired):
+    if version and version.isdigit() and int(version) in (*e.versions, *e.retired, *e.dropped):
         return version_refused(e, int(version))
     return not_loaded(e.name)

@@ -25,7 +25,7 @@ from ..workers.redelivery import Queue
 from .backlog import refuse
 from .lease import LeaseLost
 from .repository import read_model, unavailable
-from .versions import retired_since, transition
+from .versions import dropped_since, retired_since, transition
 
 if TYPE_CHECKING:
     from ..registry.base import ModelFiles
@@ -97,7 +97,7 @@ class Commands:
             elif e.state != "READY":
                 rows.append(_row(name, "UNAVAILABLE", e.reason))
             else:
-                for v in sorted(set(e.versions) | set(e.failed) | set(e.retired)):
+                for v in sorted(set(e.versions) | set(e.failed) | set(e.retired) | set(e.dropped)):
                     state, reason = self._version_state(e, v)
                     if note:
                         told = f"the repository cannot be read: {note}; the files already fetched serve"
@@ -121,6 +121,8 @@ class Commands:
 
     def _version_state(self, e: CatalogEntry, v: int) -> tuple[str, str]:
         plane = self.plane
+        if v in e.dropped and v not in e.versions:  # as Triton's: its failed load's record stays
+            return "UNAVAILABLE", e.dropped[v]
         if e.target == UNLOADED or (v in e.retired and v not in e.versions):  # as Triton's, once unloaded
             return "UNAVAILABLE", "unloaded"
         if is_ensemble(e.config):
@@ -187,7 +189,7 @@ class Commands:
                 await plane.lifecycle.wait(name, "load", None, _left(deadline), no_room_fails)
             except InvalidArgument as exc:  # it failed on the workers
                 if replaced:
-                    await self._take_back(model, old, replaced, exc.message)
+                    await self._take_back(model, old, replaced, exc.message, plane.catalog.get(name))
                 raise
 
     @asynccontextmanager
@@ -200,14 +202,15 @@ class Commands:
             yield
 
     async def _take_back(self, model: ModelFiles, old: CatalogEntry | None, replaced: dict[str, bytes | None],
-                         why: str) -> None:
+                         why: str, tried: CatalogEntry | None = None) -> None:
         """After a failed load: the load API's files come back out (as Triton's, a load that fails leaves
         the repository as it was); a model that served serves on from its old files, one that did not
-        says why."""
+        says why. The versions that failed on the workers (`tried`) and that the old model does not load
+        stay listed with their errors, as Triton's index keeps them."""
         if replaced:
             await asyncio.to_thread(self._restore, model.name, replaced)
         if old is not None and old.loaded:
-            self.plane.catalog.put(old)
+            self.plane.catalog.put(replace(old, dropped=dropped_since(tried, old)))
         else:  # (the versions it loaded once are still listed once it loads again)
             entry = unavailable(model, why)
             self.plane.catalog.put(replace(entry, retired=retired_since(old, entry)))

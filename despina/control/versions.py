@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..contract.catalog import IDLE, LOADED, CatalogEntry, retire
+from ..contract.catalog import IDLE, LOADED, CatalogEntry, drop, retire
 
 
 def transition(old: CatalogEntry | None, new: CatalogEntry, target: str,
@@ -13,21 +13,28 @@ def transition(old: CatalogEntry | None, new: CatalogEntry, target: str,
 
     A new version loads beside the old ones; the old ones that serve now stay loaded (`retiring`) until
     the new ones are READY, and keep serving if they fail. New files that cannot even be read leave a
-    serving model as it is, with the reason.
+    serving model as it is, with the reason. A version that failed to load and is loaded no more is
+    remembered with its error (`dropped`).
     """
+    entry = _next(old, new, target, ready)
+    return replace(entry, dropped=dropped_since(old, entry, ready))
+
+
+def _next(old: CatalogEntry | None, new: CatalogEntry, target: str,
+          ready: Callable[[int], bool]) -> CatalogEntry:
     if new.state != "READY":
         if old is not None and old.state == "READY" and old.target != IDLE:
             return replace(old, reason=f"the repository's current files cannot be used: {new.reason}")
-        return replace(new, target=target, retired=retired_since(old, new))
+        return replace(new, target=target, retired=retired_since(old, new, ready=ready))
     if old is None or old.state != "READY" or old.target != LOADED or target != LOADED:
         workers = old.workers if old is not None and target == LOADED else ()
-        return replace(new, target=target, workers=workers, retired=retired_since(old, new))
+        return replace(new, target=target, workers=workers, retired=retired_since(old, new, ready=ready))
     keep = tuple(v for v in old.versions if v not in new.versions and v not in old.failed and ready(v))
     gone = {str(v) for v in keep}
     files = {f[0]: f for f in new.files}
     files.update({f[0]: f for f in old.files if f[0].split("/", 1)[0] in gone})  # what the old one runs
     return replace(
-        new, target=LOADED, workers=old.workers, retiring=keep, retired=retired_since(old, new, keep),
+        new, target=LOADED, workers=old.workers, retiring=keep, retired=retired_since(old, new, keep, ready),
         versions=tuple(sorted(set(new.versions) | set(keep))),
         revisions={**{v: old.revisions[v] for v in keep if v in old.revisions}, **new.revisions},
         failed={v: why for v, why in old.failed.items()
@@ -36,10 +43,24 @@ def transition(old: CatalogEntry | None, new: CatalogEntry, target: str,
         footprint=max(new.footprint, old.footprint) if keep else new.footprint)  # kept: room for either
 
 
-def retired_since(old: CatalogEntry | None, new: CatalogEntry, keep: tuple[int, ...] = ()) -> tuple[int, ...]:
+def retired_since(old: CatalogEntry | None, new: CatalogEntry, keep: tuple[int, ...] = (),
+                  ready: Callable[[int], bool] = lambda v: False) -> tuple[int, ...]:
     """The versions the model loaded once and does not now: those it did before, and those of the old entry
-    that the new one neither loads nor keeps serving (`keep`), as Triton's index goes on listing them."""
+    that the new one neither loads nor keeps serving (`keep`), as Triton's index goes on listing them. A
+    failed version counts only where its earlier files serve (`ready`)."""
     if old is None:
         return ()
-    gone = [v for v in old.versions if v not in old.failed] if old.state == "READY" else []
+    gone = [v for v in old.versions if v not in old.failed or ready(v)] if old.state == "READY" else []
     return retire(old, gone, (*new.versions, *keep))
+
+
+def dropped_since(old: CatalogEntry | None, new: CatalogEntry,
+                  ready: Callable[[int], bool] = lambda v: False) -> dict[int, str]:
+    """The failed versions of `old` that `new` neither loads nor still lists as failed, added to those
+    dropped before (less what `new` loads): Triton keeps each one's record, UNAVAILABLE with its load's
+    error. One whose earlier files still serve (`ready`) is not: it is unloaded (retired) instead."""
+    if old is None:
+        return new.dropped
+    gone = {v: why for v, why in old.failed.items()
+            if v not in new.versions and v not in new.failed and not ready(v)}
+    return drop(old, gone, new.versions)

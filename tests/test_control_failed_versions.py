@@ -1,0 +1,154 @@
+"""Versions whose load failed, as Triton's repository index keeps them: UNAVAILABLE with the load's error
+once the model no longer loads them, until a later load of theirs succeeds; a version the model never had
+is 'not found' (404), in Triton's words; a model deleted from a polled repository leaves the index."""
+from __future__ import annotations
+
+import base64
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from despina.contract.catalog import LOADED, RETIRED_KEPT, CatalogEntry, drop, version_refused
+from despina.contract.errors import NotFound, Unavailable
+from despina.control.versions import transition
+from despina.examples import build_mlp
+
+from .conftest import Server
+from .control_support import catalog_entry, index, infer, mlp_folder, wait_until
+
+NOT_READY = "Request for unknown model: 'mlp' version {} is not at ready state"
+NOT_FOUND = "Request for unknown model: 'mlp' version {} is not found"
+POLL = ("--model-control-mode", "poll", "--repository-poll-secs", "0.2")
+
+
+def mlp_rows(url: str) -> dict[str, dict[str, str]]:
+    return {r["version"]: r for r in index(url) if r["name"] == "mlp"}
+
+
+def version_answers(url: str, version: int) -> list[httpx.Response]:
+    """Infer, metadata and config of one version."""
+    return [infer(url, version=version), httpx.get(f"{url}/v2/models/mlp/versions/{version}"),
+            httpx.get(f"{url}/v2/models/mlp/versions/{version}/config")]
+
+
+def assert_refused(url: str, version: int, status: int, words: str) -> None:
+    for r in version_answers(url, version):
+        assert r.status_code == status and r.json()["error"] == words.format(version), (r.url, r.text)
+    assert httpx.get(f"{url}/v2/models/mlp/versions/{version}/ready").status_code == 400
+    r = httpx.get(f"{url}/v2/models/mlp/versions/{version}/stats")
+    assert r.status_code == 400 and r.json()["error"] == "requested model version is not available for model 'mlp'"
+
+
+def test_a_failed_version_the_repository_drops_stays_in_the_index_with_its_error(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    repo = tmp_path / "repo"
+    mlp_folder(repo, "mlp", {1: 0})
+    server = serve(repo, *POLL, wait_models=("mlp",))
+    # a version it never had: Triton's words and 404 (it was "unknown version 9 of model 'mlp'")
+    assert_refused(server.url, 9, 404, NOT_FOUND)
+
+    (repo / "mlp" / "2").mkdir()
+    (repo / "mlp" / "2" / "model.onnx").write_bytes(b"not onnx")
+    failed = wait_until(lambda: mlp_rows(server.url).get("2", {}).get("state") == "UNAVAILABLE"
+                        and mlp_rows(server.url)["2"], 30, what="version 2 to fail")
+    assert failed["reason"] and infer(server.url).json()["model_version"] == "1"
+
+    # its folder removed: the model loads version 1 only. Triton's index goes on listing version 2 with
+    # its load's error (its record stays); it used to drop out of the index, and a request naming it
+    # heard 404 "unknown version 2" as if the model never had it
+    shutil.rmtree(repo / "mlp" / "2")
+    wait_until(lambda: (e := catalog_entry(redis_url, key_prefix, "mlp")) is not None and e.versions == (1,),
+               30, what="the catalog to load version 1 only")
+    assert mlp_rows(server.url) == {"1": {"name": "mlp", "version": "1", "state": "READY"}, "2": failed}
+    assert [r["version"] for r in index(server.url, ready=True) if r["name"] == "mlp"] == ["1"]
+    assert_refused(server.url, 2, 503, NOT_READY)
+
+    # its files fixed: it loads, READY, and version 1 retires (listed "unloaded")
+    (repo / "mlp" / "2").mkdir()
+    build_mlp(repo / "mlp" / "2" / "model.onnx", seed=1)
+    wait_until(lambda: mlp_rows(server.url)["1"]["state"] == "UNAVAILABLE", 30, what="version 1 to retire")
+    assert mlp_rows(server.url) == {"1": {"name": "mlp", "version": "1", "state": "UNAVAILABLE",
+                                          "reason": "unloaded"},
+                                    "2": {"name": "mlp", "version": "2", "state": "READY"}}
+    entry = catalog_entry(redis_url, key_prefix, "mlp")
+    assert entry is not None and entry.dropped == {}
+
+
+def file_load(url: str, onnx: bytes) -> httpx.Response:
+    config = {"name": "mlp", "backend": "onnxruntime", "max_batch_size": 8,
+              "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [256]}],
+              "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [10]}]}
+    params: dict[str, Any] = {"config": orjson.dumps(config).decode(),
+                              "file:2/model.onnx": base64.b64encode(onnx).decode()}
+    return httpx.post(f"{url}/v2/repository/models/mlp/load", json={"parameters": params}, timeout=60)
+
+
+def test_a_failed_load_with_files_leaves_its_version_in_the_index(serve: Callable[..., Server],
+                                                                  tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    mlp_folder(repo, "mlp", {1: 0})
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "mlp", wait_models=("mlp",))
+    # new files for a version 2 that cannot load: version 1 serves on, as Triton's; its index lists
+    # version 2 with the load's error (the failed load's files are taken back out, and version 2 was
+    # forgotten: not in the index, and a request naming it heard "unknown version")
+    r = file_load(server.url, b"not onnx")
+    assert r.status_code == 400 and "version 2" in r.json()["error"], r.text
+    rows = mlp_rows(server.url)
+    assert rows["1"] == {"name": "mlp", "version": "1", "state": "READY"}
+    assert rows["2"]["state"] == "UNAVAILABLE" and rows["2"]["reason"], rows
+    assert_refused(server.url, 2, 503, NOT_READY)
+    assert infer(server.url).json()["model_version"] == "1"
+
+    onnx = tmp_path / "good.onnx"
+    build_mlp(onnx, seed=1)
+    assert file_load(server.url, onnx.read_bytes()).status_code == 200
+    wait_until(lambda: mlp_rows(server.url)["1"]["state"] == "UNAVAILABLE", 30, what="version 1 to retire")
+    assert mlp_rows(server.url)["2"] == {"name": "mlp", "version": "2", "state": "READY"}
+    assert infer(server.url, version=2).json()["model_version"] == "2"
+
+
+def test_a_model_deleted_from_a_polled_repository_leaves_the_index(serve: Callable[..., Server],
+                                                                   tmp_path: Path) -> None:
+    # Triton's index lists the repository's folders only (RepositoryIndex walks them): a model deleted
+    # from it is unloaded and not listed, not even UNAVAILABLE "unloaded"
+    repo = tmp_path / "repo"
+    mlp_folder(repo, "mlp", {1: 0})
+    mlp_folder(repo, "other", {1: 0})
+    server = serve(repo, *POLL, wait_models=("mlp", "other"))
+    shutil.rmtree(repo / "mlp")
+    wait_until(lambda: all(r["name"] != "mlp" for r in index(server.url)), 30, what="mlp to leave the index")
+    assert [r["name"] for r in index(server.url)] == ["other"]
+    r = infer(server.url)
+    assert r.status_code in (400, 404) and "'mlp'" in r.json()["error"], r.text
+
+
+def test_the_dropped_versions_are_bounded_and_refused_as_not_ready() -> None:
+    e = CatalogEntry("m", "/repo/m", {}, (40,))
+    for v in range(1, 40):
+        e = CatalogEntry("m", "/repo/m", {}, (40,), dropped=drop(e, {v: f"bad {v}"}, (40,)))
+    assert list(e.dropped) == list(range(40 - RETIRED_KEPT, 40)) and e.dropped[39] == "bad 39"
+    assert 39 not in drop(e, {}, (39,)) and list(drop(e, {30: "again"}, ()))[-1] == 30
+    assert CatalogEntry.loads(e.dumps()) == e
+    assert "dropped" not in orjson.loads(CatalogEntry("m", "/repo/m", {}, (1,)).dumps())
+    refused = version_refused(e, 39)
+    assert isinstance(refused, Unavailable) and refused.message == "Request for unknown model: 'm' version 39 " \
+                                                                   "is not at ready state"
+    refused = version_refused(e, 99)
+    assert isinstance(refused, NotFound) and refused.message == "Request for unknown model: 'm' version 99 is not found"
+
+
+def test_a_transition_drops_failed_versions_and_takes_back_those_that_load_again() -> None:
+    old = CatalogEntry("m", "/repo/m", {}, (1, 2, 3), revisions={1: "a", 2: "b", 3: "c"},
+                       failed={2: "bad 2", 3: "the new files failed to load; the previous ones serve: bad 3"})
+    new = CatalogEntry("m", "/repo/m", {}, (4,), revisions={4: "d"})
+    serving = {1, 3}  # version 3's earlier files serve: it is unloaded (retired), not a failed record
+    e = transition(old, new, LOADED, lambda v: v in serving)
+    assert e.dropped == {2: "bad 2"} and 3 in e.retired and 3 not in e.dropped
+    # version 2 again, in new files: loaded, no longer a failed record
+    again = transition(e, CatalogEntry("m", "/repo/m", {}, (2, 4), revisions={2: "b2", 4: "d"}), LOADED,
+                       lambda v: v == 4)
+    assert again.dropped == {} and 2 in again.versions
