@@ -83,16 +83,18 @@ def seen_by_the_model(folder: Path) -> dict[str, bool]:
     return dict(zip(("optimized", "grad", "inference_mode"), out[0].tolist()))
 
 
-def test_by_default_a_call_is_optimized_and_without_grad(modes_file: Path, tmp_path: Path) -> None:
+def test_by_default_a_call_is_optimized_and_in_inference_mode(modes_file: Path, tmp_path: Path) -> None:
+    """Triton's current PyTorch backend starts every model with INFERENCE_MODE enabled (its README: "By
+    default, the inference mode is enabled"; ModelState's constructor)."""
     assert seen_by_the_model(model(tmp_path, "plain", {}, modes_file)) == {
-        "optimized": True, "grad": False, "inference_mode": False}
+        "optimized": True, "grad": False, "inference_mode": True}
 
 
 def test_disable_optimized_execution_reaches_the_model(modes_file: Path, tmp_path: Path) -> None:
     """Triton's DISABLE_OPTIMIZED_EXECUTION (its README's one documented parameter): the TorchScript graph
     executor runs unoptimised, for this model's calls only (the setting is per thread in torch)."""
     seen = seen_by_the_model(model(tmp_path, "unoptimized", {"DISABLE_OPTIMIZED_EXECUTION": "true"}, modes_file))
-    assert seen == {"optimized": False, "grad": False, "inference_mode": False}
+    assert seen == {"optimized": False, "grad": False, "inference_mode": True}
     assert torch._C._get_graph_executor_optimize()  # the calling thread's setting is left as it was
     assert seen_by_the_model(model(tmp_path, "optimized", {"DISABLE_OPTIMIZED_EXECUTION": "false"},
                                    modes_file))["optimized"]
@@ -138,7 +140,7 @@ def test_process_wide_switches_are_taken_and_said_to_have_no_effect(modes_file: 
     finally:
         torch.set_num_threads(threads)
     seen = seen_by_the_model(model(tmp_path, "switches2", parameters, modes_file))
-    assert seen == {"optimized": True, "grad": False, "inference_mode": False}
+    assert seen == {"optimized": True, "grad": False, "inference_mode": True}
     warned = " ".join(r.getMessage() for r in caplog.records)
     for key in ("ENABLE_JIT_PROFILING", "ENABLE_JIT_EXECUTOR", "ENABLE_TENSOR_FUSER", "DISABLE_CUDNN",
                 "ENABLE_WEIGHT_SHARING", "ENABLE_NVFUSER"):

@@ -6,8 +6,8 @@ is the argument order; a forward() whose one argument is a Dict[str, Tensor] get
 name. A model returning a tuple or list maps it the same way onto the outputs (OUTPUT__0, or the config
 order; a config may list only some of them, OUTPUT__1 alone say); a dict maps by key. As in Triton, a
 TYPE_STRING input or output is a List[str] (UTF-8) of one dimension, the batch's when the model batches.
-Every call runs under `torch.no_grad()` (or `torch.inference_mode()`, parameter INFERENCE_MODE) with
-parameters frozen, so the "inference tensors cannot be saved for backward" trap cannot happen. Triton's
+Every call runs under `torch.inference_mode()` (or `torch.no_grad()`, parameter INFERENCE_MODE "false")
+with parameters frozen, so the "inference tensors cannot be saved for backward" trap cannot happen. Triton's
 other parameters: pytorch_options.py.
 """
 from __future__ import annotations

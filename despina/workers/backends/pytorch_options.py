@@ -3,8 +3,10 @@ that is not TorchScript.
 
 Triton's PyTorch backend reads these parameters (string values; a value it cannot read fails the load):
 DISABLE_OPTIMIZED_EXECUTION and INFERENCE_MODE apply to the model's own calls, as here (the graph
-executor's optimisation is per thread in torch); INTRA_OP_THREAD_COUNT and INTER_OP_THREAD_COUNT set
-torch's thread pools; ENABLE_CACHE_CLEANING empties the CUDA cache after each call on a GPU. The others
+executor's optimisation is per thread in torch; INFERENCE_MODE is on unless the config says "false", as in
+Triton's current releases, whose ModelState starts with it enabled); INTRA_OP_THREAD_COUNT and
+INTER_OP_THREAD_COUNT set torch's thread pools; ENABLE_CACHE_CLEANING empties the CUDA cache after each
+call on a GPU. The others
 Triton flips torch-wide around each call (JIT profiling and executor, the tensor-expression fuser,
 cuDNN), which in a Despina worker would change every other model it runs; those, ENABLE_WEIGHT_SHARING
 and the ENABLE_NVFUSER of older releases load with a warning that they have no effect.
@@ -37,7 +39,7 @@ UNSET = -1  # Triton's thread counts: a value <= 0 leaves torch's own
 @dataclass(frozen=True)
 class TorchOptions:
     optimized: bool = True
-    inference_mode: bool = False  # Triton's default is on; torch.no_grad() gives the same answers
+    inference_mode: bool = True  # Triton's default (INFERENCE_MODE "false" gives torch.no_grad())
     clean_cache: bool = False
     intra_op_threads: int = 0
     inter_op_threads: int = 0
@@ -53,7 +55,7 @@ def torch_options(model: str, config: Mapping[str, Any]) -> TorchOptions:
     threads = {key: parameter_int(model, key, params[key], minimum=UNSET) if key in params else 0
                for key in ("INTRA_OP_THREAD_COUNT", "INTER_OP_THREAD_COUNT")}
     return TorchOptions(optimized=not flags.get("DISABLE_OPTIMIZED_EXECUTION", False),
-                        inference_mode=flags.get("INFERENCE_MODE", False),
+                        inference_mode=flags.get("INFERENCE_MODE", True),
                         clean_cache=flags.get("ENABLE_CACHE_CLEANING", False),
                         intra_op_threads=threads["INTRA_OP_THREAD_COUNT"],
                         inter_op_threads=threads["INTER_OP_THREAD_COUNT"])
