@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from despina.contract.errors import BackendError, ConfigError
+from despina.contract.errors import ConfigError
 from despina.contract.keys import Keys
 from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
@@ -118,11 +118,6 @@ class RaggedSum(torch.nn.Module):
 class Pair(torch.nn.Module):
     def forward(self, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return first * 10 + second, first - second
-
-
-class Steps(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return x + 1, x + 2, x + 3
 
 
 class DictDifference(torch.nn.Module):
@@ -389,33 +384,6 @@ output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 2 ] } ]
     backend.unload()
 
 
-def test_a_config_may_list_some_indexed_outputs(tmp_path: Path) -> None:
-    """As in Triton, OUTPUT__<i> is the model's i-th output whichever of them the config lists; an index
-    past what the model returns fails the request, not the load."""
-    def steps(name: str, outputs: str) -> Any:
-        folder = write_config(tmp_path, name, f'''
-platform: "pytorch_libtorch"
-max_batch_size: 4
-input [ {{ name: "INPUT__0", data_type: TYPE_FP32, dims: [ 2 ] }} ]
-output [ {outputs} ]
-''')
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            torch.jit.script(Steps()).save(str(folder / "1" / "model.pt"))
-        return load_backend(folder)
-
-    x = {"INPUT__0": np.zeros((1, 2), dtype=np.float32)}
-    backend = steps("some", '{ name: "OUTPUT__2", data_type: TYPE_FP32, dims: [ 2 ] }, '
-                              '{ name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 2 ] }')
-    out = backend.execute(x, ["OUTPUT__2", "OUTPUT__0"])
-    assert out["OUTPUT__2"].tolist() == [[3.0, 3.0]] and out["OUTPUT__0"].tolist() == [[1.0, 1.0]]
-    backend.unload()
-    backend = steps("beyond", '{ name: "OUTPUT__3", data_type: TYPE_FP32, dims: [ 2 ] }')
-    with pytest.raises(BackendError, match="returned 3 tensors, too few for output OUTPUT__3"):
-        backend.execute(x, ["OUTPUT__3"])
-    backend.unload()
-
-
 def test_a_config_without_every_forward_argument_is_a_load_error(repo: Path, tmp_path: Path) -> None:
     """As in Triton, the config must give forward() every argument: else the model does not load (it
     would fail every request)."""
@@ -467,28 +435,4 @@ async def test_kind_gpu_without_cuda_is_a_load_error(repo: Path, tmp_path: Path)
     await auto.load()  # KIND_AUTO falls back to the CPU
     backend = await asyncio.wait_for(auto.execution.instances.get(), 1)
     assert backend.instance.kind == "CPU" and str(backend.device) == "cpu"
-    backend.unload()
-
-
-class AsLong(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.long()
-
-
-def test_an_output_of_another_datatype_than_the_config_says_fails_the_request(tmp_path: Path) -> None:
-    """As in Triton: a model giving INT64 where the config says FP32 is the request's error, never an
-    answer under a datatype the model's metadata does not give."""
-    folder = write_config(tmp_path, "as_long", '''
-platform: "pytorch_libtorch"
-max_batch_size: 4
-input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 2 ] } ]
-output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 2 ] } ]
-''')
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.script(AsLong()).save(str(folder / "1" / "model.pt"))
-    backend = load_backend(folder)
-    with pytest.raises(BackendError, match="configuration expects datatype TYPE_FP32 for output 'OUTPUT__0', "
-                                           "model provides TYPE_INT64"):
-        backend.execute({"INPUT__0": np.ones((1, 2), dtype=np.float32)}, ["OUTPUT__0"])
     backend.unload()

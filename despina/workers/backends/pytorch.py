@@ -3,8 +3,10 @@
 Inputs follow Triton's PyTorch backend: config names that are the forward() argument names bind by
 name; names of the form `<anything>__<i>` (INPUT__0) bind to position i; otherwise the config order
 is the argument order; a forward() whose one argument is a Dict[str, Tensor] gets every input in it by
-name. A model returning a tuple or list maps it the same way onto the outputs (OUTPUT__0, or the config
-order; a config may list only some of them, OUTPUT__1 alone say); a dict maps by key. As in Triton, a
+name. A model returning a tuple maps it the same way onto the outputs (OUTPUT__0, or the config order; a
+config may list only some of them, OUTPUT__1 alone say). As in Triton's libtorch path, a TorchScript
+model gives a Tensor, a List[str], or a tuple of those: a dict, a List[Tensor] or a scalar fails each
+request with Triton's words (a torch.export program's list maps by position, its dict by key). As in Triton, a
 TYPE_STRING input or output is a List[str] (UTF-8) of one dimension, the batch's when the model batches.
 Every call runs under `torch.inference_mode()` (or `torch.no_grad()`, parameter INFERENCE_MODE "false")
 with parameters frozen, so the "inference tensors cannot be saved for backward" trap cannot happen. Triton's
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ...contract.errors import BackendError, ConfigError
+from ...contract.errors import BackendError, ConfigError, InvalidArgument
 from ...contract.modelspec import ModelSpec
 from .base import Backend, Declared, complete_config
 from .pytorch_options import call_mode, not_torchscript, set_threads, torch_options
@@ -75,6 +77,7 @@ class PyTorchBackend(Backend):
         self.call_mode = call_mode(torch, options, self.device.type == "cuda")
         path = self.model_path()
         self.dict_input = False  # forward(self, inputs: Dict[str, Tensor]): Triton's dictionary input
+        self.refusal: str | None = None  # why each call fails: what forward() returns Triton refuses
         try:
             with _LOADING, warnings.catch_warnings():  # TorchScript is deprecated upstream
                 warnings.simplefilter("ignore", DeprecationWarning)
@@ -90,6 +93,7 @@ class PyTorchBackend(Backend):
                     arguments = self.module.forward.schema.arguments[1:]
                     names = [a.name for a in arguments]
                     self.dict_input = len(arguments) == 1 and isinstance(arguments[0].type, torch.DictType)
+                    self.refusal = _output_refusal(self.module.forward.schema.returns)
         except Exception as exc:
             why = not_torchscript(path) if path.suffix != ".pt2" and path.is_file() else None
             raise ConfigError(f"model '{self.spec.name}': {why or f'torch cannot load {path.name}: {exc}'}"
@@ -122,6 +126,8 @@ class PyTorchBackend(Backend):
             raise BackendError(f"model '{self.spec.name}': input {exc} is missing") from None
         if self.dict_input:
             args = [dict(zip(self.arguments, args))]
+        if self.refusal:  # Triton calls forward() and then refuses what it gave: the same answer, sooner
+            raise BackendError(f"model '{self.spec.name}': PyTorch execute failure: {self.refusal}")
         try:
             with self.call_mode():
                 result = self.module(*args)
@@ -162,8 +168,8 @@ class PyTorchBackend(Backend):
         if wanted_type is not None and getattr(value, "dtype", None) != wanted_type:
             given = TORCH_TO_CONFIG.get(str(getattr(value, "dtype", "")), type(value).__name__)
             wanted = TORCH_TO_CONFIG[str(wanted_type)]
-            raise BackendError(f"model '{self.spec.name}': configuration expects datatype {wanted} for "
-                               f"output '{name}', model provides {given}")
+            raise InvalidArgument(f"model '{self.spec.name}': configuration expects datatype {wanted} for "
+                                  f"output '{name}', model provides {given}")
         return value.detach().cpu().numpy()
 
     def _strings(self, name: str, value: Any) -> np.ndarray:
@@ -179,9 +185,10 @@ class PyTorchBackend(Backend):
         one = not isinstance(result, (tuple, list)) or _is_strings(result)  # a List[str] is one output
         values = [result] if one else list(result)
         beyond = [name for name, i in self.results.items() if i >= len(values)]
-        if beyond:
-            raise BackendError(f"model '{self.spec.name}' returned {len(values)} tensors, too few for "
-                               f"output {', '.join(beyond)}")
+        if beyond:  # Triton's words and code (INVALID_ARG): the config names an output the model lacks
+            raise InvalidArgument(f"model '{self.spec.name}': the output {beyond[0]} in the model "
+                                  "configuration refers to an output index which doesn't exist. This model "
+                                  f"has {len(values)} outputs")
         return {name: values[i] for name, i in self.results.items()}
 
     @classmethod
@@ -205,6 +212,32 @@ class PyTorchBackend(Backend):
             raise ConfigError(f"model '{config.name}': cannot read {path} to complete the config: {exc}"
                               ) from None
         _complete_from_program(config, program)
+
+
+def _output_refusal(returns: list[Any]) -> str | None:
+    """Why Triton's libtorch path fails every call of a TorchScript model returning this (its words), or
+    None: it takes a Tensor, a List[str], or a tuple whose elements are one of those two."""
+    if len(returns) != 1:  # a TorchScript method returns one value (a tuple is one)
+        return None
+    given = returns[0].type
+    if given.kind() == "TupleType":
+        for i, element in enumerate(given.elements()):
+            if not _tensor_or_strings(element):
+                return f"output at index {i} must be of type Tensor or List[str], received {element}"
+        return None
+    if _tensor_or_strings(given):
+        return None
+    if given.kind() == "ListType":
+        return f"output must be of type Tensor or List[str], received {given}"
+    return ("output must be of type Tensor, List[str] or Tuple containing one of these two types. It should "
+            "not be a List / Dictionary of Tensors or a Scalar")
+
+
+def _tensor_or_strings(value_type: Any) -> bool:
+    kind = value_type.kind()
+    if kind == "ListType":
+        return bool(value_type.getElementType().kind() == "StringType")
+    return kind in ("TensorType", "AnyType")  # Any: a traced model's type torch could not name
 
 
 def _is_strings(result: list[Any] | tuple[Any, ...]) -> bool:
