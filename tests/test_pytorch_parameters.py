@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 from despina.contract.errors import ConfigError
+from despina.contract.keys import Keys
 from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
-from despina.workers.backends import Instance, backend_class
+from despina.workers.backends import Instance, backend_class, pytorch_sharing
+from despina.workers.runner import ModelRunner
 
 torch = pytest.importorskip("torch")
 
@@ -143,9 +145,57 @@ def test_process_wide_switches_are_taken_and_said_to_have_no_effect(modes_file: 
     assert seen == {"optimized": True, "grad": False, "inference_mode": True}
     warned = " ".join(r.getMessage() for r in caplog.records)
     for key in ("ENABLE_JIT_PROFILING", "ENABLE_JIT_EXECUTOR", "ENABLE_TENSOR_FUSER", "DISABLE_CUDNN",
-                "ENABLE_WEIGHT_SHARING", "ENABLE_NVFUSER"):
+                "ENABLE_NVFUSER"):
         assert key in warned
     assert "model 'switches'" in warned and "INTRA_OP_THREAD_COUNT" not in warned
+    assert "ENABLE_WEIGHT_SHARING" not in warned  # it applies (below)
+
+
+async def loaded_instances(folder: Path, count: int) -> tuple[ModelRunner, list[Any]]:
+    spec = ModelSpec.from_config({**load_model(folder).config,
+                                  "instance_group": [{"count": count, "kind": "KIND_CPU"}]})
+    runner = ModelRunner(None, Keys("unused"), spec, 1, folder, "test")  # type: ignore[arg-type]
+    await runner.load()
+    return runner, list(runner.execution.backends)
+
+
+async def test_weight_sharing_gives_the_instances_one_module(tmp_path: Path) -> None:
+    """Triton's ENABLE_WEIGHT_SHARING (ModelState::LoadModel): the instances of a model on one device take
+    the module the first one loaded; each answers. Without it each loads its own. The last instance to
+    unload frees it: a later load reads the file again."""
+    path = tmp_path / "linear.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(Linear()).save(str(path))
+    x = np.ones((1, 1), np.float32)
+    runner, shared = await loaded_instances(model(tmp_path, "shared", {"ENABLE_WEIGHT_SHARING": "true"}, path), 3)
+    assert shared[0].module is shared[1].module is shared[2].module
+    answers = [b.execute({"INPUT__0": x}, ["OUTPUT__0"])["OUTPUT__0"].tolist() for b in shared]
+    assert answers[0] == answers[1] == answers[2]
+    first = shared[0].module
+    await runner.execution.unload()
+    _, again = await loaded_instances(tmp_path / "shared", 1)
+    assert again[0].module is not first
+    again[0].unload()
+    _, own = await loaded_instances(model(tmp_path, "own", {"ENABLE_WEIGHT_SHARING": "false"}, path), 2)
+    assert own[0].module is not own[1].module
+    _, plain = await loaded_instances(model(tmp_path, "plain", {}, path), 2)  # Triton's default: off
+    assert plain[0].module is not plain[1].module
+    for backend in own + plain:
+        backend.unload()
+
+
+def test_a_load_that_fails_after_taking_a_shared_module_gives_it_back(modes_file: Path, tmp_path: Path) -> None:
+    """A config whose inputs do not fit forward() fails the load; the module it took is not kept."""
+    folder = model(tmp_path, "misfit", {"ENABLE_WEIGHT_SHARING": "true"}, modes_file)
+    text = (folder / "config.pbtxt").read_text()
+    (folder / "config.pbtxt").write_text(text.replace(
+        'input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 1 ] } ]',
+        'input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 1 ] }, '
+        '{ name: "INPUT__1", data_type: TYPE_FP32, dims: [ 1 ] } ]'))
+    with pytest.raises(ConfigError, match="the config gives 2 inputs"):
+        load_backend(folder)
+    assert not [key for key in pytorch_sharing._SHARED if key[0] == "misfit"]
 
 
 # -- a model.pt that is not TorchScript ------------------------------------------------------------------

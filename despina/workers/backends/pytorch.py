@@ -18,6 +18,7 @@ import re
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from ...contract.errors import BackendError, ConfigError, InvalidArgument
 from ...contract.modelspec import ModelSpec
 from .base import Backend, Declared, complete_config
 from .pytorch_options import call_mode, not_torchscript, set_threads, torch_options
+from .pytorch_sharing import Key, give_back, sharing_key, take
 
 if find_spec("torch") is None:  # torch itself is imported only where a model needs it
     raise ImportError("No module named 'torch'")
@@ -76,30 +78,30 @@ class PyTorchBackend(Backend):
         self.device = torch.device(f"cuda:{self.instance.device}" if self.instance.kind == "GPU" else "cpu")
         self.call_mode = call_mode(torch, options, self.device.type == "cuda")
         path = self.model_path()
-        self.dict_input = False  # forward(self, inputs: Dict[str, Tensor]): Triton's dictionary input
-        self.refusal: str | None = None  # why each call fails: what forward() returns Triton refuses
+        self.shared_as: Key | None = None
         try:
-            with _LOADING, warnings.catch_warnings():  # TorchScript is deprecated upstream
-                warnings.simplefilter("ignore", DeprecationWarning)
-                if path.suffix == ".pt2":
-                    program = torch.export.load(str(path))
-                    self.module = program.module().to(self.device)
-                    signature = program.module_call_graph[0].signature
-                    names = list(signature.forward_arg_names if signature else
-                                 program.graph_signature.user_inputs)
-                else:
-                    self.module = torch.jit.load(str(path), map_location=self.device)
-                    self.module.eval()
-                    arguments = self.module.forward.schema.arguments[1:]
-                    names = [a.name for a in arguments]
-                    self.dict_input = len(arguments) == 1 and isinstance(arguments[0].type, torch.DictType)
-                    self.refusal = _output_refusal(self.module.forward.schema.returns)
+            if options.weight_sharing:
+                self.shared_as = sharing_key(self.spec.name, path, str(self.device))
+                read = take(self.shared_as, lambda: _read(torch, path, self.device))
+            else:
+                read = _read(torch, path, self.device)
         except Exception as exc:
+            self.shared_as = None  # take() counts only what it gave
             why = not_torchscript(path) if path.suffix != ".pt2" and path.is_file() else None
             raise ConfigError(f"model '{self.spec.name}': {why or f'torch cannot load {path.name}: {exc}'}"
                               ) from None
-        for param in self.module.parameters():
-            param.requires_grad_(False)
+        try:
+            self._bind(torch, read)
+        except BaseException:
+            self.unload()  # a shared module goes back
+            raise
+
+    def _bind(self, torch: Any, read: _Read) -> None:
+        """The config's tensors bound to what the model's forward() takes and returns."""
+        self.module = read.module
+        self.dict_input = read.dict_input  # forward(self, inputs: Dict[str, Tensor]): Triton's dict input
+        self.refusal = read.refusal  # why each call fails: what forward() returns Triton refuses
+        names = read.names
         _check_strings(self.spec)
         self.string_inputs = {t.name for t in self.spec.inputs if t.datatype == "BYTES"}
         made = [n for b in self.spec.batch_inputs for n in b.targets]  # the batch inputs (workers/ragged.py)
@@ -142,6 +144,10 @@ class PyTorchBackend(Backend):
 
     def unload(self) -> None:
         self.__dict__.pop("module", None)
+        shared_as = getattr(self, "shared_as", None)
+        if shared_as is not None:  # ENABLE_WEIGHT_SHARING: the last instance to go frees the module
+            self.shared_as = None
+            give_back(shared_as)
         if getattr(self, "device", None) is not None and self.device.type == "cuda":
             _torch().cuda.empty_cache()
 
@@ -238,6 +244,36 @@ def _tensor_or_strings(value_type: Any) -> bool:
     if kind == "ListType":
         return bool(value_type.getElementType().kind() == "StringType")
     return kind in ("TensorType", "AnyType")  # Any: a traced model's type torch could not name
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A loaded model.pt or model.pt2, and what its forward() takes and returns."""
+
+    module: Any
+    names: list[str]
+    dict_input: bool = False
+    refusal: str | None = None
+
+
+def _read(torch: Any, path: Path, device: Any) -> _Read:
+    with _LOADING, warnings.catch_warnings():  # TorchScript is deprecated upstream
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if path.suffix == ".pt2":
+            program = torch.export.load(str(path))
+            signature = program.module_call_graph[0].signature
+            names = list(signature.forward_arg_names if signature else program.graph_signature.user_inputs)
+            read = _Read(program.module().to(device), names)
+        else:
+            module = torch.jit.load(str(path), map_location=device)
+            module.eval()
+            arguments = module.forward.schema.arguments[1:]
+            read = _Read(module, [a.name for a in arguments],
+                         len(arguments) == 1 and isinstance(arguments[0].type, torch.DictType),
+                         _output_refusal(module.forward.schema.returns))
+    for param in read.module.parameters():
+        param.requires_grad_(False)
+    return read
 
 
 def _is_strings(result: list[Any] | tuple[Any, ...]) -> bool:

@@ -6,10 +6,10 @@ DISABLE_OPTIMIZED_EXECUTION and INFERENCE_MODE apply to the model's own calls, a
 executor's optimisation is per thread in torch; INFERENCE_MODE is on unless the config says "false", as in
 Triton's current releases, whose ModelState starts with it enabled); INTRA_OP_THREAD_COUNT and
 INTER_OP_THREAD_COUNT set torch's thread pools; ENABLE_CACHE_CLEANING empties the CUDA cache after each
-call on a GPU. The others
-Triton flips torch-wide around each call (JIT profiling and executor, the tensor-expression fuser,
-cuDNN), which in a Despina worker would change every other model it runs; those, ENABLE_WEIGHT_SHARING
-and the ENABLE_NVFUSER of older releases load with a warning that they have no effect.
+call on a GPU; ENABLE_WEIGHT_SHARING gives the instances on one device one module (pytorch_sharing.py).
+The others Triton flips torch-wide around each call (JIT profiling and executor, the tensor-expression
+fuser, cuDNN), which in a Despina worker would change every other model it runs; those and the
+ENABLE_NVFUSER of older releases load with a warning that they have no effect.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ log = logging.getLogger("despina.backends.pytorch")
 NOT_APPLIED = {
     "ENABLE_JIT_PROFILING": "torch-wide", "ENABLE_JIT_EXECUTOR": "torch-wide",
     "ENABLE_TENSOR_FUSER": "torch-wide", "DISABLE_CUDNN": "torch-wide",
-    "ENABLE_WEIGHT_SHARING": "each instance loads its own copy",
     "ENABLE_NVFUSER": "nvFuser is gone from torch and Triton",
 }
-BOOLEANS = ("DISABLE_OPTIMIZED_EXECUTION", "INFERENCE_MODE", "ENABLE_CACHE_CLEANING", *NOT_APPLIED)
+BOOLEANS = ("DISABLE_OPTIMIZED_EXECUTION", "INFERENCE_MODE", "ENABLE_CACHE_CLEANING", "ENABLE_WEIGHT_SHARING",
+            *NOT_APPLIED)
 UNSET = -1  # Triton's thread counts: a value <= 0 leaves torch's own
 
 
@@ -41,6 +41,7 @@ class TorchOptions:
     optimized: bool = True
     inference_mode: bool = True  # Triton's default (INFERENCE_MODE "false" gives torch.no_grad())
     clean_cache: bool = False
+    weight_sharing: bool = False
     intra_op_threads: int = 0
     inter_op_threads: int = 0
 
@@ -57,6 +58,7 @@ def torch_options(model: str, config: Mapping[str, Any]) -> TorchOptions:
     return TorchOptions(optimized=not flags.get("DISABLE_OPTIMIZED_EXECUTION", False),
                         inference_mode=flags.get("INFERENCE_MODE", True),
                         clean_cache=flags.get("ENABLE_CACHE_CLEANING", False),
+                        weight_sharing=flags.get("ENABLE_WEIGHT_SHARING", False),
                         intra_op_threads=threads["INTRA_OP_THREAD_COUNT"],
                         inter_op_threads=threads["INTER_OP_THREAD_COUNT"])
 
