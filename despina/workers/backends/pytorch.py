@@ -1,20 +1,20 @@
 """PyTorch: TorchScript files (model.pt) and torch.export programs (model.pt2).
 
 Inputs follow Triton's PyTorch backend: config names that are the forward() argument names bind by
-name; names of the form `<anything>__<i>` (INPUT__0) bind to position i; otherwise the config order
-is the argument order; a forward() whose one argument is a Dict[str, Tensor] gets every input in it by
-name. A model returning a tuple maps it the same way onto the outputs (OUTPUT__0, or the config order; a
-config may list only some of them, OUTPUT__1 alone say). As in Triton's libtorch path, a TorchScript
-model gives a Tensor, a List[str], or a tuple of those: a dict, a List[Tensor] or a scalar fails each
-request with Triton's words (a torch.export program's list maps by position, its dict by key). As in Triton, a
-TYPE_STRING input or output is a List[str] (UTF-8) of one dimension, the batch's when the model batches.
+name; names of the form `<name>__<i>` (INPUT__0; i is all that follows the first "__") bind to position
+i; otherwise the config order is the argument order; a forward() whose one argument is a
+Dict[str, Tensor] gets every input in it by name. A model returning a tuple maps it the same way onto
+the outputs (OUTPUT__0, or the config order; a config may list only some of them, OUTPUT__1 alone say).
+As in Triton's libtorch path, a TorchScript model gives a Tensor, a List[str], or a tuple of those: a
+dict, a List[Tensor] or a scalar fails each request with Triton's words (a torch.export program's list
+maps by position, its dict by key). As in Triton, a TYPE_STRING input or output is a List[str] (UTF-8)
+of one dimension, the batch's when the model batches.
 Every call runs under `torch.inference_mode()` (or `torch.no_grad()`, parameter INFERENCE_MODE "false")
 with parameters frozen, so the "inference tensors cannot be saved for backward" trap cannot happen. Triton's
 other parameters: pytorch_options.py.
 """
 from __future__ import annotations
 
-import re
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -34,7 +34,6 @@ from .pytorch_sharing import Key, give_back, sharing_key, take
 if find_spec("torch") is None:  # torch itself is imported only where a model needs it
     raise ImportError("No module named 'torch'")
 
-INDEXED = re.compile(r"^.*__(\d+)$")
 # torch.export.load keeps its deserializer in a global: two models loading at once must take turns.
 _LOADING = threading.Lock()
 TORCH_TO_CONFIG = {
@@ -304,9 +303,9 @@ def _order(config_names: list[str], forward_names: list[str], kind: str, model: 
     """Config names in the model's positional order (Triton's PyTorch backend naming rules)."""
     if forward_names and set(config_names) <= set(forward_names):
         return [n for n in forward_names if n in config_names]
-    matches = [INDEXED.match(n) for n in config_names]
-    if config_names and all(matches):
-        indexed = sorted((int(m.group(1)), n) for m, n in zip(matches, config_names) if m)
+    indexes = [i for i in map(_index, config_names) if i is not None]
+    if config_names and len(indexes) == len(config_names):
+        indexed = sorted(zip(indexes, config_names))
         if [i for i, _ in indexed] != list(range(len(indexed))):
             raise ConfigError(f"model '{model}': {kind} names ending in __<i> must number "
                               f"0..{len(indexed) - 1}")
@@ -315,12 +314,19 @@ def _order(config_names: list[str], forward_names: list[str], kind: str, model: 
 
 
 def _positions(config_names: list[str]) -> dict[str, int]:
-    """Each output's place in what the model returns: the <i> of `<anything>__<i>` when every name has
-    one (as in Triton, any of the model's outputs, in any order), else the config order."""
-    matches = [INDEXED.match(n) for n in config_names]
-    if config_names and all(matches):
-        return {n: int(m.group(1)) for m, n in zip(matches, config_names) if m}
+    """Each output's place in what the model returns: the <i> of `<name>__<i>` when every name has one
+    (as in Triton, any of the model's outputs, in any order), else the config order."""
+    indexes = [i for i in map(_index, config_names) if i is not None]
+    if config_names and len(indexes) == len(config_names):
+        return dict(zip(config_names, indexes))
     return {n: i for i, n in enumerate(config_names)}
+
+
+def _index(name: str) -> int | None:
+    """The <index> of Triton's `<name>__<index>`: all that follows the first "__", when it is all digits
+    (`a__x__1` has none: Triton reads `x__1`)."""
+    _, delimiter, index = name.partition("__")
+    return int(index) if delimiter and index.isascii() and index.isdigit() else None
 
 
 def _complete_from_program(config: Any, program: Any) -> None:
