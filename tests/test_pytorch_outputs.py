@@ -1,7 +1,7 @@
 """What a PyTorch model may return, as Triton's libtorch path says (src/model_instance_state.cc, Execute and
 ReadOutputTensors): a Tensor, a List[str], or a tuple of those. Anything else fails each request with
 Triton's words and code: INTERNAL (500) for what forward() gave, INVALID_ARG (400) for an output the
-config names that the model lacks or gives in another datatype. Models are built here with torch.
+config names that the model lacks, gives in another datatype, or gives as a scalar. Models are built here with torch.
 """
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ class WithDict(torch.nn.Module):
 class AsNumber(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> int:
         return x.shape[0]
+
+
+class AsScalar(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum()
 
 
 class Steps(torch.nn.Module):
@@ -134,6 +139,17 @@ def test_an_output_of_another_datatype_than_the_config_says_is_an_invalid_argume
     backend.unload()
 
 
+def test_a_scalar_output_is_an_invalid_argument(tmp_path: Path) -> None:
+    """As in Triton's ReadOutputTensors (INVALID_ARG): a 0-dimension tensor is no output of the config's
+    shape, batched or not."""
+    backend = load_backend(build(tmp_path, "as_scalar", AsScalar()))
+    with pytest.raises(DespinaError, match="model 'as_scalar': output 'OUTPUT__0' is a scalar which is not "
+                                           "supported.") as caught:
+        backend.execute(X, ["OUTPUT__0"])
+    assert caught.value.code == Code.INVALID_ARGUMENT
+    backend.unload()
+
+
 # -- the statuses a client sees -----------------------------------------------------------------------
 
 
@@ -143,7 +159,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     build(repo, "as_dict", AsDict())
     build(repo, "beyond", Steps(), FP32_OUT.replace("__0", "__3"))
     build(repo, "as_long", AsLong())
-    yield from module_server(repo, tmp_path_factory, redis_url, ("as_dict", "beyond", "as_long"))
+    build(repo, "as_scalar", AsScalar())
+    yield from module_server(repo, tmp_path_factory, redis_url, ("as_dict", "beyond", "as_long", "as_scalar"))
 
 
 @pytest.mark.parametrize(("model", "status", "words"), [
@@ -152,6 +169,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
                     "exist. This model has 3 outputs"),
     ("as_long", 400, "configuration expects datatype TYPE_FP32 for output 'OUTPUT__0', model provides "
                      "TYPE_INT64"),
+    ("as_scalar", 400, "output 'OUTPUT__0' is a scalar which is not supported."),
 ])
 def test_the_client_hears_tritons_status_and_words(server: Server, model: str, status: int, words: str) -> None:
     body = {"inputs": [{"name": "INPUT__0", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}

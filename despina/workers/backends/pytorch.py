@@ -100,6 +100,7 @@ class PyTorchBackend(Backend):
         self.module = read.module
         self.dict_input = read.dict_input  # forward(self, inputs: Dict[str, Tensor]): Triton's dict input
         self.refusal = read.refusal  # why each call fails: what forward() returns Triton refuses
+        self.exported = read.exported
         names = read.names
         _check_strings(self.spec)
         self.string_inputs = {t.name for t in self.spec.inputs if t.datatype == "BYTES"}
@@ -175,6 +176,9 @@ class PyTorchBackend(Backend):
             wanted = TORCH_TO_CONFIG[str(wanted_type)]
             raise InvalidArgument(f"model '{self.spec.name}': configuration expects datatype {wanted} for "
                                   f"output '{name}', model provides {given}")
+        if not self.exported and value.dim() == 0:  # Triton's libtorch path: INVALID_ARG, its words
+            raise InvalidArgument(f"model '{self.spec.name}': output '{name}' is a scalar which is not "
+                                  "supported.")
         return value.detach().cpu().numpy()
 
     def _strings(self, name: str, value: Any) -> np.ndarray:
@@ -253,6 +257,7 @@ class _Read:
     names: list[str]
     dict_input: bool = False
     refusal: str | None = None
+    exported: bool = False  # a model.pt2 (torch.export), not TorchScript
 
 
 def _read(torch: Any, path: Path, device: Any) -> _Read:
@@ -262,7 +267,7 @@ def _read(torch: Any, path: Path, device: Any) -> _Read:
             program = torch.export.load(str(path))
             signature = program.module_call_graph[0].signature
             names = list(signature.forward_arg_names if signature else program.graph_signature.user_inputs)
-            read = _Read(program.module().to(device), names)
+            read = _Read(program.module().to(device), names, exported=True)
         else:
             module = torch.jit.load(str(path), map_location=device)
             module.eval()
