@@ -230,7 +230,10 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
 
     async def model_ready(request: Request) -> Response:
         p = request.path_params
-        return Response(b"", 200 if gw.view.is_ready(p["model"], p.get("version")) else 400)
+        if gw.view.is_ready(p["model"], p.get("version")):
+            return Response(b"", 200)
+        # Triton's words and status (its server ready answers an empty 400; a model's carries this)
+        return json_response({"error": "Model version not ready"}, 400)
 
     async def model_config(request: Request) -> Response:
         try:

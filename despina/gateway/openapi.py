@@ -191,10 +191,13 @@ def _ok(description: str, schema: Doc | None = None) -> Doc:
     return {"description": description, **({"content": _json(schema)} if schema else {})}
 
 
-def _ready_op(op_id: str, summary: str) -> Doc:
+def _ready_op(op_id: str, summary: str, error_body: bool = False) -> Doc:
+    """`error_body`: the 400 carries Triton's `{"error": "Model version not ready"}` (a model's does;
+    the server's is empty)."""
+    not_ready = {"description": "Not ready (as Triton answers)",
+                 **({"content": _json(_ref("Error"))} if error_body else {})}
     return {"operationId": op_id, "summary": summary, "tags": ["health"],
-            "responses": {"200": {"description": "Ready"},
-                          "400": {"description": "Not ready (as Triton answers)"}}}
+            "responses": {"200": {"description": "Ready"}, "400": not_ready}}
 
 
 def _infer_op(op_id: str) -> Doc:
@@ -252,7 +255,7 @@ def _paths() -> Doc:
     }
     _per_model(paths, "", "get", lambda s: _op(f"model_metadata{s}", "Model metadata", "metadata",
                                                _ok("Model metadata", _ref("ModelMetadata")), READ_ERRORS))
-    _per_model(paths, "/ready", "get", lambda s: _ready_op(f"model_ready{s}", "Model readiness"))
+    _per_model(paths, "/ready", "get", lambda s: _ready_op(f"model_ready{s}", "Model readiness", True))
     _per_model(paths, "/config", "get", lambda s: _op(
         f"model_config{s}", "Triton's model configuration", "model-config",
         _ok("Model config", _ref("ModelConfig")), READ_ERRORS))

@@ -16,8 +16,8 @@ DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "comp
 async def model_statistics(gw: Gateway, model: str | None, version: str | None) -> dict[str, Any]:
     """As Triton answers: the versions loaded; InvalidArgument (Triton's 400) for a model or version
     that is not (unknown, unloaded, or failed to load)."""
-    if model is None:
-        targets = [(m.entry.name, v) for m in gw.view.models.values() for v in _loaded(m.entry)]
+    if model is None:  # in Triton's order: by name, then version (its models are in a sorted map)
+        targets = sorted((m.entry.name, v) for m in gw.view.models.values() for v in _loaded(m.entry))
     else:
         known = gw.view.models.get(model)
         loaded = _loaded(known.entry) if known is not None else []
