@@ -274,6 +274,30 @@ def test_files_that_fail_on_the_workers_are_taken_back_out_too(serve: Callable[.
     assert row["state"] == "UNAVAILABLE" and "no weights here" in row["reason"], row
 
 
+def test_a_config_override_that_fails_on_the_workers_leaves_the_old_config_serving(
+        serve: Callable[..., Server], repo: Path) -> None:
+    # the old files served on, but the catalog kept the config that failed: the model's metadata and
+    # config were the new one's, its requests were checked against it, its statistics were refused and
+    # its index row said it failed. Triton 2.51 keeps the old config with the old model, as seen
+    (repo / "picky" / "1").mkdir(parents=True)
+    picky = "import json; assert json.loads(args['model_config'])['max_batch_size'] == 4, 'only 4'"
+    (repo / "picky" / "1" / "model.py").write_text(PYTHON_MODEL.format(body=picky))
+    (repo / "picky" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 4\ninput [ { name: "IN", data_type: TYPE_INT32, dims: [ 3 ] } ]\n'
+        'output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 3 ] } ]\n')
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "picky", wait_models=("picky",))
+    override = {**PYTHON_CONFIG, "max_batch_size": 2,
+                "input": [{"name": "OTHER", "data_type": "TYPE_INT32", "dims": [3]}]}
+    r = httpx.post(f"{server.url}/v2/repository/models/picky/load",
+                   json={"parameters": {"config": orjson.dumps(override).decode()}}, timeout=60)
+    assert r.status_code == 400 and "only 4" in r.json()["error"], r.text
+    meta = httpx.get(f"{server.url}/v2/models/picky", timeout=10).json()
+    assert meta["versions"] == ["1"] and [i["name"] for i in meta["inputs"]] == ["IN"], meta
+    assert httpx.get(f"{server.url}/v2/models/picky/config", timeout=10).json()["max_batch_size"] == 4
+    assert httpx.get(f"{server.url}/v2/models/picky/stats", timeout=10).status_code == 200
+    assert {"name": "picky", "version": "1", "state": "READY"} in index(server.url)
+
+
 def test_a_load_and_an_unload_sent_together_both_succeed_in_turn(serve: Callable[..., Server],
                                                                   repo: Path) -> None:
     # as Triton's: they are serialised. The load used to answer 503 "is unloaded" when the unload

@@ -188,8 +188,9 @@ class Commands:
             try:
                 await plane.lifecycle.wait(name, "load", None, _left(deadline), no_room_fails)
             except InvalidArgument as exc:  # it failed on the workers
-                if replaced:
-                    await self._take_back(model, old, replaced, exc.message, plane.catalog.get(name))
+                tried = plane.catalog.get(name)
+                if replaced or _reload_failed(old, tried):
+                    await self._take_back(model, old, replaced, exc.message, tried)
                 raise
 
     @asynccontextmanager
@@ -369,6 +370,14 @@ class Commands:
             raise version_refused(e, version)
         self.plane.kick()
         return await self.plane.lifecycle.wait(name, "wake", version, timeout)
+
+
+def _reload_failed(old: CatalogEntry | None, new: CatalogEntry | None) -> bool:
+    """Whether a reload of a model that served failed in every new version: its old config goes back
+    with its old files, as Triton's (the gateways checked requests against the config that failed)."""
+    if old is None or not old.loaded or new is None:
+        return False
+    return all(v in new.failed for v in new.versions if v not in new.retiring)
 
 
 def _row(name: str, state: str, reason: str, version: int | None = None) -> dict[str, str]:
