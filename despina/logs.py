@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from .contract.errors import InvalidArgument
+from .contract.errors import Code, DespinaError, InvalidArgument
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
@@ -113,9 +113,10 @@ def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
         elif name == "log_file":
             if not isinstance(value, str):
                 raise InvalidArgument("log setting 'log_file' must be a string")
-            if value:
-                raise InvalidArgument("log setting 'log_file': every Despina process logs to standard error "
-                                      "(a container's log); a log file is not supported")
+            if value:  # Triton's words and status (UNSUPPORTED: 501), then why
+                raise DespinaError("log file location can not be updated through network protocol: every "
+                                   "Despina process logs to standard error (a container's log); a log file "
+                                   "is not supported", Code.UNIMPLEMENTED)
         else:
             raise InvalidArgument(f"unknown log setting '{name}' (known: {', '.join(defaults('info'))})")
         out[name] = value

@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from ..contract.errors import InvalidArgument
+from ..contract.errors import Code, DespinaError, InvalidArgument
 from ..contract.records import InferReply
 
 log = logging.getLogger("despina.gateway")
@@ -44,7 +44,7 @@ DEFAULTS: dict[str, Any] = {"trace_file": "", "trace_level": ["OFF"], "trace_rat
 LEVELS = ("OFF", "TIMESTAMPS")
 INT_MAX = 2**31 - 1
 KEPT_MAX = 100_000  # traces a gateway keeps for a log_frequency of 0; past it they are counted, not kept
-# Triton's words (its L0_trace tests look for them), then where the file is set
+# Triton's words (its L0_trace tests look for them) and status (501), then where the file is set
 FILE_FIXED = ("trace file location can not be updated through network protocol: it is set when the server "
               "starts, with --trace-file (DESPINA_TRACE_FILE)")
 
@@ -82,7 +82,7 @@ def checked(name: str, value: Any) -> Any:
     if name == "log_frequency":
         return _number(name, value, 0)
     if name == "trace_file":
-        raise InvalidArgument(FILE_FIXED)
+        raise DespinaError(FILE_FIXED, Code.UNIMPLEMENTED)  # Triton's UNSUPPORTED: a 501
     if name == "trace_mode":
         if value not in ("triton", ["triton"]):
             raise InvalidArgument("trace setting 'trace_mode': only \"triton\" is supported (not "
