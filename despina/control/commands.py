@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -11,19 +9,16 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import orjson
-from google.protobuf import text_format
-
 from .. import clock
 from ..contract.catalog import IDLE, LOADED, UNLOADED, CatalogEntry, retire, version_refused
 from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
 from ..contract.ensemble import called_by, is_ensemble
 from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, Unavailable
-from ..contract.modelconfig import check_model_name, normalize, parse_json
-from ..registry.base import VERSION_DIGITS, check_relative, is_served_version
+from ..contract.modelconfig import check_model_name
 from ..workers.redelivery import Queue
 from .backlog import refuse
 from .lease import LeaseLost
+from .load_files import config_override, restore_files, write_files
 from .repository import read_model, unavailable
 from .versions import dropped_since, retired_since, transition
 
@@ -153,7 +148,7 @@ class Commands:
         no_room_fails = params.get("fail_without_room", False)
         if not isinstance(no_room_fails, bool):
             raise InvalidArgument("'fail_without_room' must be true or false")
-        override = _config(name, params.get("config"))
+        override = config_override(name, params.get("config"))
         files = {k[5:]: v for k, v in params.items() if k.startswith("file:")}
         if files and override is None:
             raise InvalidArgument("load parameters with 'file:' entries need 'config' too")
@@ -162,7 +157,7 @@ class Commands:
             replaced: dict[str, bytes | None] = {}
             if files:
                 assert override is not None
-                replaced = await asyncio.to_thread(self._write, name, files, override)
+                replaced = await asyncio.to_thread(write_files, self.plane.registry, name, files, override)
                 override = None  # written as config.pbtxt: read back like any model
             model = await asyncio.to_thread(plane.registry.model, name)
             old = plane.catalog.get(name)
@@ -209,7 +204,7 @@ class Commands:
         says why. The versions that failed on the workers (`tried`) and that the old model does not load
         stay listed with their errors, as Triton's index keeps them."""
         if replaced:
-            await asyncio.to_thread(self._restore, model.name, replaced)
+            await asyncio.to_thread(restore_files, self.plane.registry, model.name, replaced)
         if old is not None and old.loaded:
             self.plane.catalog.put(replace(old, dropped=dropped_since(tried, old)))
         else:  # (the versions it loaded once are still listed once it loads again)
@@ -227,53 +222,6 @@ class Commands:
                 await self.load(model, {}, timeout, wait=False, calling=calling)
             except DespinaError as exc:  # the ensemble then says which step cannot serve, and why
                 log.error("ensemble %s: loading model %s failed: %s", entry.name, model, exc.message)
-
-    def _write(self, name: str, files: dict[str, Any], config: dict[str, Any]) -> dict[str, bytes | None]:
-        """The load API's `file:` entries and config, written into the registry's model folder; returns
-        what each file written held before (None: there was none), for _restore."""
-        message = parse_json(name, config)
-        if message.platform or message.backend:  # else read_model finds it from the files, once written
-            normalize(name, message)
-        decoded = {}
-        for path, data in files.items():
-            top = path.split("/", 1)[0]  # a number that names no version (01, 0): the file would go unread
-            if "/" in path and top.isascii() and top.isdigit() and not is_served_version(top):
-                raise InvalidArgument(f"load parameter 'file:{path}': '{top}' is not a version folder (a "
-                                      f"number from 1, without a leading zero, of at most {VERSION_DIGITS} "
-                                      "digits): no version would be read from it")
-            try:
-                decoded[check_relative(path)] = base64.b64decode(data, validate=True)
-            except (binascii.Error, TypeError, ValueError):
-                raise InvalidArgument(f"load parameter 'file:{path}' is not base64") from None
-        registry = self.plane.registry
-        decoded["config.pbtxt"] = text_format.MessageToString(message).encode()
-        before = {path: registry.get(name, path) for path in decoded}
-        written: list[str] = []
-        try:
-            for path, data in sorted(decoded.items()):
-                registry.put(name, path, data)  # each put replaces its file whole, or leaves it
-                written.append(path)
-        except (DespinaError, OSError):
-            self._restore(name, {path: before[path] for path in written})
-            raise
-        log.info("model %s: %d file(s) and its config written to %s", name, len(decoded) - 1,
-                 registry.model_url(name))
-        return before
-
-    def _restore(self, name: str, before: dict[str, bytes | None]) -> None:
-        """Put back what _write replaced, and remove what it added (best effort: a failure is logged)."""
-        registry = self.plane.registry
-        try:
-            for path, data in before.items():
-                if data is None:
-                    registry.delete(name, path)
-                else:
-                    registry.put(name, path, data)
-        except (DespinaError, OSError) as exc:
-            log.error("model %s: putting back the files a failed load replaced failed: %s", name, exc)
-            return
-        log.info("model %s: the failed load's files were taken back out of %s", name,
-                 registry.model_url(name))
 
     async def unload(self, name: str, dependents: bool, timeout: float) -> None:
         plane = self.plane
@@ -391,15 +339,3 @@ def _row(name: str, state: str, reason: str, version: int | None = None) -> dict
 
 def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
-
-
-def _config(name: str, raw: Any) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    try:
-        config = orjson.loads(raw) if isinstance(raw, str | bytes) else raw
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"load parameter 'config' of model '{name}' is not JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise InvalidArgument(f"load parameter 'config' of model '{name}' must be a JSON object")
-    return config
