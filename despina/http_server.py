@@ -31,7 +31,17 @@ class Server(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._give_up = give_up
         self._stopping = stopping
+        self.exit_code = 0  # what the role exits with once served (leave)
         super().__init__(config)
+
+    def leave(self, code: int) -> None:
+        """Stop as a stop signal does, with the same drain, and have the role exit with `code` after (the
+        role reads exit_code): uvicorn raises a signal it caught again once drained, and a process that
+        SIGTERM ended cannot say why it stopped (embedded.START_FAILED)."""
+        self.exit_code = code
+        if self._stopping is not None:
+            self._stopping()
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._stopping is not None:

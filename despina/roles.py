@@ -18,7 +18,7 @@ from . import fds
 from .contract.errors import ConfigError
 from .control.plane import ControlPlane
 from .cpus import parse, pin
-from .embedded import bound_socket, host_port
+from .embedded import START_FAILED, bound_socket, host_port
 from .http_server import Server, serve_in_loop
 from .logs import dump_tasks_on_sigusr2
 from .redis_client import connect, connect_worker
@@ -71,7 +71,13 @@ def run_gateway(settings: Settings) -> None:
     from .gateway.app import create_app
     from .gateway.protocol import protocol_class
 
-    alongside = (lambda: colocated_worker(settings)) if settings.colocate else None
+    server: Server | None = None
+
+    def leave(code: int) -> None:
+        assert server is not None  # the colocated worker starts with the app's lifespan, in server.run
+        server.leave(code)
+
+    alongside = (lambda: colocated_worker(settings, leave)) if settings.colocate else None
     try:
         app = create_app(settings, alongside=alongside)
     except ConfigError as exc:  # a key file it cannot read, a bad key: one line, as a taken port says it
@@ -98,10 +104,12 @@ def run_gateway(settings: Settings) -> None:
     logging.getLogger("despina.gateway").info("listening on http://%s",
                                               host_port(settings.host, sock.getsockname()[1]))
     quiet_collector()
-    Server(config, give_up=app.state.gateway.give_up,
-           stopping=exit_if_stuck(settings)).run(sockets=[sock])
+    server = Server(config, give_up=app.state.gateway.give_up, stopping=exit_if_stuck(settings))
+    server.run(sockets=[sock])
     if settings.colocate:
-        _leave_stuck_threads()
+        _leave_stuck_threads(server.exit_code)
+    if server.exit_code:
+        raise SystemExit(server.exit_code)
 
 
 def warn_of_connection_limit(settings: Settings) -> None:
@@ -115,13 +123,15 @@ def warn_of_connection_limit(settings: Settings) -> None:
 
 
 @contextlib.asynccontextmanager
-async def colocated_worker(settings: Settings) -> AsyncIterator[None]:
+async def colocated_worker(settings: Settings, leave: Callable[[int], None]) -> AsyncIterator[None]:
     """A worker in the gateway's process and event loop (serve --colocate), for as long as the gateway
     serves: it still reads its models' streams through the consumer groups and replies through Redis, as
     a worker process does, so that on a machine with few cores one process fewer takes turns on them.
     On the way out it stops after the gateway has answered what was in flight, then drains as a worker
-    does. If it ends while the gateway still serves, the process stops (serve starts it again): a
-    gateway whose worker is gone must not go on as if it had one."""
+    does. If it ends while the gateway still serves, the process stops through `leave` (a stop signal's
+    drain, then an exit with the code given): a gateway whose worker is gone must not go on as if it had
+    one. Ended after its first heartbeat, it crashed, and serve starts the gateway again; before, the
+    process could not start (START_FAILED), and serve stops everything, however long that start took."""
     assert settings.redis_url
     redis = connect_worker(settings.redis_url)
     worker = Worker(settings, redis)
@@ -138,7 +148,7 @@ async def colocated_worker(settings: Settings) -> AsyncIterator[None]:
         else:
             reason = "returned"
         log.error("worker %s ended while its gateway serves (%s): stopping the process", worker.id, reason)
-        os.kill(os.getpid(), signal.SIGTERM)
+        leave(1 if worker.joined else START_FAILED)
 
     task.add_done_callback(ended)
     try:
@@ -209,7 +219,7 @@ def run_worker(settings: Settings) -> None:
     _leave_stuck_threads()
 
 
-def _leave_stuck_threads() -> None:
+def _leave_stuck_threads(code: int = 0) -> None:
     """Everything was drained; a thread still running is stuck in a model's code (an initialize that
     never returns, say). Exit without it, rather than wait for it forever at interpreter exit: its model
     process sees the worker gone and ends too."""
@@ -222,7 +232,7 @@ def _leave_stuck_threads() -> None:
     if stuck:
         log.warning("exiting with %d thread(s) stuck in model code: %s", len(stuck), ", ".join(stuck))
         logging.shutdown()
-        os._exit(0)
+        os._exit(code)
 
 
 def run_control(settings: Settings) -> None:

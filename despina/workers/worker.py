@@ -97,6 +97,7 @@ class Worker(Loading):
         self.placed = False  # a placement saw this worker (Keys.placed): its readiness (health.py) needs it
         self.leads = False   # whether a control plane led at the last sync
         self.leaving = False  # told to stop, it hands its models over (_hand_over): its heartbeat says so
+        self.joined = False  # its first heartbeat is written: an end before it is a failed start
         self._unplaced_warn_at = time.monotonic() + UNPLACED_WARN_S
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
@@ -117,6 +118,7 @@ class Worker(Loading):
     async def run(self) -> None:
         if not await self._join():
             return  # stopped before Redis ever answered: nothing was read, nothing to drain
+        self.joined = True
         self.deferred.script = await allow_oom(self.redis, HINCRBY_MANY)  # asked already: no round trip
         log.info("worker %s: %d CPU(s), %d GPU(s), %.1f GiB for models", self.id, self.info.cpus,
                  self.info.gpus, self.info.memory_bytes / 2**30)
