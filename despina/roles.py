@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import uvicorn
+from redis.exceptions import ResponseError
 
 from . import fds
 from .contract.errors import ConfigError
@@ -21,7 +22,7 @@ from .cpus import parse, pin
 from .embedded import START_FAILED, bound_socket, host_port
 from .http_server import Server, serve_in_loop
 from .logs import dump_tasks_on_sigusr2
-from .redis_client import connect, connect_worker
+from .redis_client import connect, connect_worker, trouble
 from .serve import CONTROL_ID, CONTROL_PREDECESSOR
 from .settings import Settings
 from .workers.worker import Worker
@@ -209,6 +210,12 @@ def run_worker(settings: Settings) -> None:
             http = asyncio.create_task(serve_in_loop(create_app(lambda: readiness(worker)), health, stopped))
         try:
             await worker.run()
+        except ResponseError as exc:
+            if worker.joined:
+                raise
+            # Redis refused its first write (another program's key?): one line and START_FAILED (cli.main),
+            # which serve stops at, not a traceback that serve restarted every second for ever
+            raise SystemExit(f"worker {worker.id}: cannot start: {trouble(exc)}") from None
         finally:
             stopped.set()
             if http:

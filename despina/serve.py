@@ -4,6 +4,7 @@ Starts (when no Redis URL is given) an embedded Valkey, the control plane, N wor
 (sharing the HTTP port through SO_REUSEPORT when M > 1), each a child process that dies with this one.
 A worker that exits is restarted; so are a gateway and the control plane that had been up for SETTLED_S
 (one that dies at its start, on a taken port or with a repository it cannot read say, stops everything).
+A role of any kind that says it could not start (exit START_FAILED) stops everything, whenever it says so.
 The embedded Valkey's end stops everything too: the queues and the catalog went with it, and an
 orchestrator's restart of serve starts clean. SIGINT/SIGTERM drain in order: the gateways stop taking
 requests and answer those in flight, then workers finish, then control, then Valkey; a second signal
@@ -207,6 +208,9 @@ class Supervisor:
         for w in self.workers:
             if not w.alive() and not self._stopping:
                 assert w.process
+                if w.process.returncode == START_FAILED:  # restarted, it would say so again every second
+                    log.error("%s exited with %s at its start; stopping everything", w.name, START_FAILED)
+                    return 1
                 log.error("%s exited with %s; restarting it", w.name, w.process.returncode)
                 time.sleep(RESTART_BACKOFF_S)
                 w.restarts += 1

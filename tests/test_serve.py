@@ -765,21 +765,18 @@ def test_colocated_workers_beyond_the_gateways_run_as_their_own_processes(
     assert stop_server(server) == 0
 
 
-def test_a_colocated_worker_that_cannot_start_stops_serve_with_its_reason(
-        example_repository: Path, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
-    """A gateway whose worker ends does not go on without it: here the worker's first write to Redis is
-    refused (the workers' set is a string: another program's key where Despina's belongs), the gateway
-    says why and stops with START_FAILED, and serve stops everything (exit 1), nothing left running, the
-    worker's error said once and not as a traceback. The gateway died of its own SIGTERM, and serve judged
-    by the time since its start: on a loaded machine that start took over SETTLED_S, serve restarted the
-    gateway and the reason was said twice. SETTLED_S 0 (in serve's process) makes every start that slow."""
+def serve_whose_workers_key_is_not_a_set(example_repository: Path, tmp_path: Path, redis_url: str, key_prefix: str,
+                                         *args: str) -> tuple[int, str]:
+    """serve (with SETTLED_S 0 in its process: every start as slow as on a loaded machine) against a Redis
+    where the workers' set is a string, another program's key where Despina's belongs, so that a worker's
+    first write is refused: its exit status and output once it stopped (killed after 60 s), nothing left."""
     with redis.Redis.from_url(redis_url) as r:
         r.set(f"{key_prefix}:workers", "not a set")
     mlp = tmp_path / "repo"
     shutil.copytree(example_repository / "mlp", mlp / "mlp")
     slow = "import sys; from despina import cli, serve; serve.SETTLED_S = 0.0; sys.exit(cli.main())"
     process = subprocess.Popen(
-        [sys.executable, "-c", slow, "serve", "--colocate", "--model-repository", str(mlp),
+        [sys.executable, "-c", slow, "serve", *args, "--model-repository", str(mlp),
          "--redis-url", redis_url, "--key-prefix", key_prefix, "--http-port", str(free_port()),
          "--metrics-port", str(free_port())],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -793,15 +790,40 @@ def test_a_colocated_worker_that_cannot_start_stops_serve_with_its_reason(
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     out = process.communicate()[0]
-    assert process.returncode == 1, out
-    said = re.findall(r"worker \S+ ended while its gateway serves \((.*)\): stopping the process", out)
-    assert said == ["ResponseError: WRONGTYPE Operation against a key holding the wrong kind of value"], out
-    assert "gateway exited with 3 at its start; stopping everything" in out and "restarting" not in out, out
+    assert not alive(family), [cmdline(p) for p in alive(family)]
     assert "Traceback" not in out, out
     # the control plane and the gateway meet the same key: Redis answered, so not "unreachable"
     assert "Redis refused a command (WRONGTYPE" in out and "another program's key under this key prefix?" in out
     assert "Redis unreachable" not in out, out
-    assert not alive(family), [cmdline(p) for p in alive(family)]
+    return process.returncode, out
+
+
+def test_a_colocated_worker_that_cannot_start_stops_serve_with_its_reason(
+        example_repository: Path, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A gateway whose worker ends does not go on without it: here the worker's first write to Redis is
+    refused, the gateway says why and stops with START_FAILED, and serve stops everything (exit 1), the
+    worker's error said once and not as a traceback. The gateway died of its own SIGTERM, and serve judged
+    by the time since its start: on a loaded machine that start took over SETTLED_S, serve restarted the
+    gateway and the reason was said twice."""
+    code, out = serve_whose_workers_key_is_not_a_set(example_repository, tmp_path, redis_url, key_prefix,
+                                                     "--colocate")
+    assert code == 1, out
+    said = re.findall(r"worker \S+ ended while its gateway serves \((.*)\): stopping the process", out)
+    assert said == ["ResponseError: WRONGTYPE Operation against a key holding the wrong kind of value"], out
+    assert "gateway exited with 3 at its start; stopping everything" in out and "restarting" not in out, out
+
+
+def test_a_worker_process_that_cannot_start_stops_serve_with_its_reason(
+        example_repository: Path, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """The same refused first write in a worker of its own (no --colocate): it wrote a traceback and exited
+    1, and serve restarted it every second for ever. It says why in one line and exits START_FAILED now,
+    and serve stops everything, as it does for a gateway that could not start."""
+    code, out = serve_whose_workers_key_is_not_a_set(example_repository, tmp_path, redis_url, key_prefix)
+    assert code == 1, out
+    said = re.findall(r"worker \S+: cannot start: (.*)", out)
+    assert said == ["Redis refused a command (WRONGTYPE Operation against a key holding the wrong kind of value): "
+                    "another program's key under this key prefix? (--key-prefix)"], out
+    assert "worker 0 exited with 3 at its start; stopping everything" in out and "restarting" not in out, out
 
 
 def test_the_readme_configuration_table_names_every_setting_and_flag() -> None:
