@@ -59,7 +59,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 BACKLOG = 2048  # uvicorn's, which listens on the socket again
 # the exit status of a role that could not start (a port it cannot bind, an API key file it cannot read:
-# a SystemExit with its one line, cli.main): serve stops everything at it, however long the start took
+# a SystemExit with its one line, cli.main): serve stops everything at it, however long the start took.
+# uvicorn's own exit for a lifespan start that failed (a gateway's, Server.startup: STARTUP_FAILURE) is 3 too
 START_FAILED = 3
 
 
