@@ -210,7 +210,7 @@ class Supervisor:
                 assert w.process
                 if w.process.returncode == START_FAILED:  # restarted, it would say so again every second
                     log.error("%s exited with %s at its start; stopping everything", w.name, START_FAILED)
-                    return 1
+                    return START_FAILED
                 log.error("%s exited with %s; restarting it", w.name, w.process.returncode)
                 time.sleep(RESTART_BACKOFF_S)
                 w.restarts += 1

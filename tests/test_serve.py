@@ -801,13 +801,13 @@ def serve_whose_workers_key_is_not_a_set(example_repository: Path, tmp_path: Pat
 def test_a_colocated_worker_that_cannot_start_stops_serve_with_its_reason(
         example_repository: Path, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
     """A gateway whose worker ends does not go on without it: here the worker's first write to Redis is
-    refused, the gateway says why and stops with START_FAILED, and serve stops everything (exit 1), the
+    refused, the gateway says why and stops with START_FAILED, and serve stops everything (START_FAILED too), the
     worker's error said once and not as a traceback. The gateway died of its own SIGTERM, and serve judged
     by the time since its start: on a loaded machine that start took over SETTLED_S, serve restarted the
     gateway and the reason was said twice."""
     code, out = serve_whose_workers_key_is_not_a_set(example_repository, tmp_path, redis_url, key_prefix,
                                                      "--colocate")
-    assert code == 1, out
+    assert code == START_FAILED, out
     said = re.findall(r"worker \S+ ended while its gateway serves \((.*)\): stopping the process", out)
     assert said == ["ResponseError: WRONGTYPE Operation against a key holding the wrong kind of value"], out
     assert "gateway exited with 3 at its start; stopping everything" in out and "restarting" not in out, out
@@ -819,7 +819,7 @@ def test_a_worker_process_that_cannot_start_stops_serve_with_its_reason(
     1, and serve restarted it every second for ever. It says why in one line and exits START_FAILED now,
     and serve stops everything, as it does for a gateway that could not start."""
     code, out = serve_whose_workers_key_is_not_a_set(example_repository, tmp_path, redis_url, key_prefix)
-    assert code == 1, out
+    assert code == START_FAILED, out
     said = re.findall(r"worker \S+: cannot start: (.*)", out)
     assert said == ["Redis refused a command (WRONGTYPE Operation against a key holding the wrong kind of value): "
                     "another program's key under this key prefix? (--key-prefix)"], out
