@@ -88,22 +88,25 @@ class ModelCaller:
                     sequence: Sequence | None = None, partial: Partial | None = None, request_id: str = "",
                     cancel: Cancel | None = None) -> Outputs | DespinaError:
         """Run `model` (`version`, None: the latest) on `inputs`; the asked `outputs` (none: all), or the
-        error that ended the call. `timeout_s` (0: the server's request_timeout_s) bounds the whole call;
+        error that ended the call. `timeout_s` (0: the server's request_timeout_s) bounds the whole call,
+        and when set is the called request's timeout, as Triton sets a BLS request's (its queue policy's
+        override, what the called model's request.timeout() says);
         `sequence` (correlation ID, flags) places it in a sequence of a stateful model; `request_id` is
         what the called model's request.request_id() says. With `partial` (exec(decoupled=True)) a
         decoupled model may be called: its responses before the last go there, and `cancel` may end the
         call early. Outputs carry the called model's response parameters (backends.base.Outputs) when it
         set some."""
         timeout = timeout_s if timeout_s > 0 else self.worker.settings.request_timeout_s
+        timeout_us = round(timeout_s * 1e6) if timeout_s > 0 else 0
         try:
             tensors = [_tensor(name, array) for name, array in inputs.items()]
             runner = self._local(model, version)
             if runner is not None:
-                call = self._here(runner, tensors, tuple(outputs), timeout, parameters, sequence, partial,
-                                  request_id, cancel)
+                call = self._here(runner, tensors, tuple(outputs), (timeout, timeout_us), parameters,
+                                  sequence, partial, request_id, cancel)
             else:
-                call = self._through_redis(model, version, tensors, tuple(outputs), timeout, parameters,
-                                           sequence, partial, request_id, cancel)
+                call = self._through_redis(model, version, tensors, tuple(outputs), (timeout, timeout_us),
+                                           parameters, sequence, partial, request_id, cancel)
             reply = await asyncio.wait_for(call, timeout + GRACE_S)
         except DespinaError as exc:
             return exc
@@ -126,8 +129,10 @@ class ModelCaller:
         return runner if runner is not None and runner.state == "READY" else None
 
     async def _here(self, runner: ModelRunner, tensors: list[Tensor], outputs: tuple[str, ...],
-                    timeout: float, parameters: Parameters, sequence: Sequence | None,
+                    timeouts: tuple[float, int], parameters: Parameters, sequence: Sequence | None,
                     partial: Partial | None, request_id: str, cancel: Cancel | None) -> InferReply:
+        """`timeouts`: the call's in seconds, and the request's in µs (0: none asked), as in infer()."""
+        timeout, timeout_us = timeouts
         _check(runner.spec, tensors, outputs, partial is not None)
         answered: asyncio.Future[InferReply] = self.loop.create_future()
 
@@ -148,14 +153,15 @@ class ModelCaller:
         if cancel is not None:
             cancel.then(cancelled)
 
-        runner.submit(tensors, outputs, clock.now() + timeout, answer, parameters=parameters,
-                      sequence=sequence, request_id=request_id)
+        runner.submit(tensors, outputs, clock.now() + timeout, answer, timeout_us=timeout_us,
+                      parameters=parameters, sequence=sequence, request_id=request_id)
         return await answered
 
     async def _through_redis(self, model: str, version: int | None, tensors: list[Tensor],
-                             outputs: tuple[str, ...], timeout: float, parameters: Parameters,
+                             outputs: tuple[str, ...], timeouts: tuple[float, int], parameters: Parameters,
                              sequence: Sequence | None, partial: Partial | None, request_id: str,
                              cancel: Cancel | None) -> InferReply:
+        timeout, timeout_us = timeouts
         dispatcher, view = await self._open()
         keys = self.worker.keys
         deadline = time.monotonic() + timeout
@@ -175,8 +181,8 @@ class ModelCaller:
         bound = (keys.queued(model, v, level), limit) if limit else None
         now = clock.now()
         request = InferRequest(dispatcher.new_id(), dispatcher.reply_stream, now + timeout, tuple(tensors),
-                               outputs, enqueued=now, parameters=parameters, request_id=request_id,
-                               sequence=sequence)
+                               outputs, timeout_us=timeout_us, enqueued=now, parameters=parameters,
+                               request_id=request_id, sequence=sequence)
         answered: asyncio.Future[Result] = self.loop.create_future()
 
         def settle(result: Result) -> None:

@@ -42,17 +42,19 @@ class Instance:
 
 
 class Request(dict[str, np.ndarray]):
-    """A request's inputs by name, with its custom parameters, its V2 id and its place in a sequence
-    (correlation ID, START|END flags; contract/sequence.py) (per_request backends)."""
+    """A request's inputs by name, with its custom parameters, its V2 id, its place in a sequence
+    (correlation ID, START|END flags; contract/sequence.py) and the timeout its client asked for in µs
+    (0: none) (per_request backends)."""
 
-    __slots__ = ("parameters", "request_id", "sequence")
+    __slots__ = ("parameters", "request_id", "sequence", "timeout_us")
 
     def __init__(self, inputs: dict[str, np.ndarray], parameters: Parameters, request_id: str,
-                 sequence: tuple[int | str, int] | None = None) -> None:
+                 sequence: tuple[int | str, int] | None = None, timeout_us: int = 0) -> None:
         super().__init__(inputs)
         self.parameters = parameters
         self.request_id = request_id
         self.sequence = sequence
+        self.timeout_us = timeout_us
 
 
 class Outputs(dict[str, np.ndarray]):
@@ -70,11 +72,11 @@ Marks = dict[str, int]
 
 
 def request_inputs(req: InferRequest) -> dict[str, np.ndarray]:
-    """A request's inputs as arrays; a Request when it has parameters, an id or a sequence (else none is
-    made)."""
+    """A request's inputs as arrays; a Request when it has parameters, an id, a sequence or a timeout
+    (else none is made)."""
     inputs = {t.name: t.numpy() for t in req.inputs}
-    if req.parameters or req.request_id or req.sequence is not None:
-        return Request(inputs, req.parameters, req.request_id, req.sequence)
+    if req.parameters or req.request_id or req.sequence is not None or req.timeout_us:
+        return Request(inputs, req.parameters, req.request_id, req.sequence, req.timeout_us)
     return inputs
 
 

@@ -265,10 +265,10 @@ class PythonBackend(Backend):
 
 def _payload(requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Sequence[str]],
              streams: Sequence[int] = ()) -> list[Any]:
-    """Per request: its inputs, the outputs asked for, its parameters, its V2 id and its sequence
-    (base.Request), and a decoupled model's stream id."""
+    """Per request: its inputs, the outputs asked for, its parameters, its V2 id, its sequence and its
+    timeout in µs (base.Request), and a decoupled model's stream id."""
     payload = [(wire.pack_all(r), list(o), getattr(r, "parameters", None), getattr(r, "request_id", ""),
-                getattr(r, "sequence", None)) for r, o in zip(requests, outputs)]
+                getattr(r, "sequence", None), getattr(r, "timeout_us", 0)) for r, o in zip(requests, outputs)]
     return [(*p, s) for p, s in zip(payload, streams)] if streams else payload
 
 

@@ -145,14 +145,14 @@ class Stub:
 
     def execute(self, payload: list[tuple[Any, ...]]) -> list[tuple[str, Any, Any]] | None:
         """Run one batch of (inputs, asked outputs, parameters, request id, (correlation ID, flags) or
-        None, and for a decoupled model its stream id); one ("ok", outputs, response parameters or None)
-        or ("error", (message, code), None) per request, in order, whether execute returned it or the
-        request's response sender sent it (_despina_senders.py). A decoupled model answers through its
-        response senders instead: None."""
+        None, timeout in µs, and for a decoupled model its stream id); one ("ok", outputs, response
+        parameters or None) or ("error", (message, code), None) per request, in order, whether execute
+        returned it or the request's response sender sent it (_despina_senders.py). A decoupled model
+        answers through its response senders instead: None."""
         requests = []
-        for inputs, asked, parameters, request_id, sequence, *stream in payload:
+        for inputs, asked, parameters, request_id, sequence, timeout, *stream in payload:
             request = pb_utils.InferenceRequest(
-                request_id=request_id,
+                request_id=request_id, timeout=timeout,
                 correlation_id=sequence[0] if sequence else 0, flags=sequence[1] if sequence else 0,
                 inputs=[pb_utils.Tensor(n, wire.unpack(a)) for n, a in inputs.items()],
                 requested_output_names=asked, parameters=parameters)

@@ -1,0 +1,111 @@
+"""Corners of Triton's `triton_python_backend_utils` API that a model.py may use, each with a real model
+against a real `despina serve`: what a request tells its model (its timeout).
+
+Every model.py here is written against Triton's documented `triton_python_backend_utils` API only.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from despina.contract.catalog import CatalogEntry
+from despina.contract.keys import Keys
+
+from .conftest import Server, module_server
+from .test_backend_python import write_model
+
+# Each request's timeout (µs) as the model reads it.
+TIMEOUTS = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("T", np.array([r.timeout()], np.uint64))])
+                for r in requests]
+'''
+TIMEOUTS_CONFIG = '''name: "timeouts"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "T", data_type: TYPE_UINT64, dims: [ 1 ] } ]
+'''
+
+# Calls `timeouts` with a timeout of 30.000007 s: T is what the called model read, OWN its own request's.
+CALLS_TIMEOUTS = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            call = pb_utils.InferenceRequest(
+                model_name="timeouts", requested_output_names=["T"],
+                inputs=[pb_utils.get_input_tensor_by_name(request, "X")], timeout=30_000_007)
+            answer = call.exec()
+            if answer.has_error():
+                responses.append(pb_utils.InferenceResponse(error=answer.error()))
+                continue
+            own = pb_utils.Tensor("OWN", np.array([request.timeout()], np.uint64))
+            responses.append(pb_utils.InferenceResponse([pb_utils.get_output_tensor_by_name(answer, "T"), own]))
+        return responses
+'''
+CALLS_TIMEOUTS_CONFIG = TIMEOUTS_CONFIG.replace('"timeouts"', '"calls_timeouts"').replace(
+    'output [ { name: "T", data_type: TYPE_UINT64, dims: [ 1 ] } ]',
+    'output [ { name: "T", data_type: TYPE_UINT64, dims: [ 1 ] }, '
+    '{ name: "OWN", data_type: TYPE_UINT64, dims: [ 1 ] } ]')
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("api-repo")
+    write_model(root, "timeouts", TIMEOUTS, TIMEOUTS_CONFIG)
+    write_model(root, "calls_timeouts", CALLS_TIMEOUTS, CALLS_TIMEOUTS_CONFIG)
+    yield from module_server(root, tmp_path_factory, redis_url, ("timeouts", "calls_timeouts"))
+
+
+def infer(server: Server, model: str, **parameters: Any) -> dict[str, list[Any]]:
+    body: dict[str, Any] = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
+    if parameters:
+        body["parameters"] = parameters
+    response = httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    return {o["name"]: o["data"] for o in response.json()["outputs"]}
+
+
+def test_a_request_tells_its_model_the_timeout_its_client_asked_for(server: Server) -> None:
+    """Triton's request.timeout(): the request's timeout in µs (the client's `timeout` parameter), 0 when
+    it asked for none. It was always 0."""
+    assert infer(server, "timeouts", timeout=25_000_000) == {"T": [25_000_000]}
+    assert infer(server, "timeouts") == {"T": [0]}
+
+
+def test_a_model_call_gives_the_called_request_its_timeout(server: Server) -> None:
+    """Triton sets a BLS request's timeout on the request it makes: the called model reads it. It read 0."""
+    assert infer(server, "calls_timeouts", timeout=20_000_000) == {"T": [30_000_007], "OWN": [20_000_000]}
+
+
+def test_a_model_call_through_redis_gives_the_called_request_its_timeout(
+        serve: Any, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """The same call with the caller and the called model on two workers (room for one model each): the
+    request written to the called model's stream carries the timeout."""
+    memory = 'parameters { key: "memory_mb" value: { string_value: "100" } }\n'
+    write_model(tmp_path / "repo", "timeouts", TIMEOUTS, TIMEOUTS_CONFIG + memory)
+    write_model(tmp_path / "repo", "calls_timeouts", CALLS_TIMEOUTS, CALLS_TIMEOUTS_CONFIG + memory)
+    far = serve(tmp_path / "repo", "--workers", "2", env={"DESPINA_WORKER_MEMORY_MB": "150"},
+                wait_models=("timeouts", "calls_timeouts"))
+    client = redis.Redis.from_url(redis_url)
+    try:
+        placed = [CatalogEntry.loads(client.hget(Keys(key_prefix).catalog, name)).workers
+                  for name in ("timeouts", "calls_timeouts")]
+    finally:
+        client.close()
+    assert not set(placed[0]) & set(placed[1]), placed
+    assert infer(far, "calls_timeouts") == {"T": [30_000_007], "OWN": [0]}
