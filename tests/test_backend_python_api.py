@@ -1,5 +1,6 @@
 """Corners of Triton's `triton_python_backend_utils` API that a model.py may use, each with a real model
-against a real `despina serve`: what a request tells its model (its timeout).
+against a real `despina serve`: what a request tells its model (its timeout), and the names of Triton's
+classes a model may annotate or check with isinstance.
 
 Every model.py here is written against Triton's documented `triton_python_backend_utils` API only.
 """
@@ -63,12 +64,53 @@ CALLS_TIMEOUTS_CONFIG = TIMEOUTS_CONFIG.replace('"timeouts"', '"calls_timeouts"'
     'output [ { name: "T", data_type: TYPE_UINT64, dims: [ 1 ] }, '
     '{ name: "OWN", data_type: TYPE_UINT64, dims: [ 1 ] } ]')
 
+# Names Triton's classes in annotations that run when model.py is imported, and checks what its
+# request's sender, a decoupled call's iterator and the memory types are.
+NAMES = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def answer(sender: pb_utils.InferenceResponseSender, checks: list) -> None:
+    flags = np.array(checks, dtype=bool)
+    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OK", flags)]),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def first(responses: pb_utils.ResponseIterator) -> pb_utils.InferenceResponse:
+    return next(iter(responses))
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            call = pb_utils.InferenceRequest(
+                model_name="timeouts", requested_output_names=["T"],
+                inputs=[pb_utils.get_input_tensor_by_name(request, "X")],
+                preferred_memory=pb_utils.PreferredMemory(pb_utils.MemoryType.TRITONSERVER_MEMORY_CPU))
+            responses = call.exec(decoupled=True)
+            checks = [isinstance(responses, pb_utils.ResponseIterator), not first(responses).has_error(),
+                      isinstance(request.get_response_sender(), pb_utils.InferenceResponseSender),
+                      pb_utils.TRITONSERVER_MEMORY_CPU == pb_utils.MemoryType.TRITONSERVER_MEMORY_CPU,
+                      pb_utils.TRITONSERVER_MEMORY_GPU == pb_utils.MemoryType.TRITONSERVER_MEMORY_GPU]
+            answer(request.get_response_sender(), checks)
+        return None
+'''
+NAMES_CONFIG = '''name: "names"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "OK", data_type: TYPE_BOOL, dims: [ 5 ] } ]
+'''
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("api-repo")
     write_model(root, "timeouts", TIMEOUTS, TIMEOUTS_CONFIG)
     write_model(root, "calls_timeouts", CALLS_TIMEOUTS, CALLS_TIMEOUTS_CONFIG)
-    yield from module_server(root, tmp_path_factory, redis_url, ("timeouts", "calls_timeouts"))
+    write_model(root, "names", NAMES, NAMES_CONFIG)
+    yield from module_server(root, tmp_path_factory, redis_url, ("timeouts", "calls_timeouts", "names"))
 
 
 def infer(server: Server, model: str, **parameters: Any) -> dict[str, list[Any]]:
@@ -90,6 +132,12 @@ def test_a_request_tells_its_model_the_timeout_its_client_asked_for(server: Serv
 def test_a_model_call_gives_the_called_request_its_timeout(server: Server) -> None:
     """Triton sets a BLS request's timeout on the request it makes: the called model reads it. It read 0."""
     assert infer(server, "calls_timeouts", timeout=20_000_000) == {"T": [30_000_007], "OWN": [20_000_000]}
+
+
+def test_a_model_naming_tritons_sender_iterator_and_memory_types_loads_and_runs(server: Server) -> None:
+    """pb_utils.InferenceResponseSender, ResponseIterator and MemoryType are Triton's names: a model.py
+    whose annotations use them failed to import (AttributeError), so it could not load."""
+    assert infer(server, "names") == {"OK": [True] * 5}
 
 
 def test_a_model_call_through_redis_gives_the_called_request_its_timeout(

@@ -187,7 +187,7 @@ class ModelCalls:
             self.conn.send_bytes(data)
 
 
-class Responses:
+class Responses(pb_utils.ResponseIterator):
     """exec(decoupled=True)'s iterator (Triton's ResponseIterator): each response of the called model as
     it comes, the last one included. Let go before the end (or never iterated), it stops keeping what
     comes later."""
@@ -228,7 +228,7 @@ class Responses:
         self._end()
 
 
-class Collected:
+class Collected(pb_utils.ResponseIterator):
     """async_exec(decoupled=True)'s iterator: the responses, all come by the time it is returned (so
     cancel() has nothing left to cancel)."""
 

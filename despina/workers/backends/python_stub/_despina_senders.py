@@ -141,7 +141,7 @@ class SentResponses:
             self._answered.set_result(None)
 
 
-class ResponseSender:
+class ResponseSender(pb_utils.InferenceResponseSender):
     """Triton's InferenceResponseSender for a model that is not decoupled: `send(response=None,
     flags=0)`, one response in all, with flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL or followed by the
     flag alone."""

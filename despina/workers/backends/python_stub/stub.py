@@ -227,7 +227,7 @@ class Stub:
         return self.loop.run_until_complete(result)
 
 
-class ResponseSender:
+class ResponseSender(pb_utils.InferenceResponseSender):
     """How a decoupled model answers one request (Triton's InferenceResponseSender): any number of
     responses, from any thread, the last one flagged TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
 

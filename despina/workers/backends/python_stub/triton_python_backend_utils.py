@@ -37,8 +37,18 @@ TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_RELEASE_ALL = 1
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
-TRITONSERVER_MEMORY_CPU = 0
-TRITONSERVER_MEMORY_GPU = 2
+
+
+class MemoryType(enum.IntEnum):
+    """Where a model call's outputs should arrive (PreferredMemory's first argument): Triton's enum, its
+    values also in the module as they are there."""
+
+    TRITONSERVER_MEMORY_CPU = 0
+    TRITONSERVER_MEMORY_GPU = 2
+
+
+TRITONSERVER_MEMORY_CPU = MemoryType.TRITONSERVER_MEMORY_CPU
+TRITONSERVER_MEMORY_GPU = MemoryType.TRITONSERVER_MEMORY_GPU
 
 _model_name = ""  # set by the stub; Logger prefixes it
 _model_calls: Any = None  # set by the stub while execute runs (_despina_calls.ModelCalls): exec() uses it
@@ -315,6 +325,32 @@ class InferenceRequest:
         """exec() awaited; with decoupled=True, once the called model sent its last response, an iterator
         of them all."""
         return await _calls().call_async(self, decoupled)
+
+
+class InferenceResponseSender:
+    """What `request.get_response_sender()` returns: `send(response=None, flags=0)` and `is_cancelled()`.
+    Triton's name for it, so that a model may name it (an annotation, an isinstance check); the stub's
+    senders are its kinds."""
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        raise NotImplementedError
+
+    def is_cancelled(self) -> bool:
+        raise NotImplementedError
+
+
+class ResponseIterator:
+    """What `exec(decoupled=True)` returns: the called model's responses as they come, and `cancel()`.
+    Triton's name for it, as InferenceResponseSender is; the stub's iterators are its kinds."""
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        raise NotImplementedError
 
 
 def _calls() -> Any:
