@@ -1,6 +1,7 @@
 """Corners of Triton's `triton_python_backend_utils` API that a model.py may use, each with a real model
-against a real `despina serve`: what a request tells its model (its timeout), and the names of Triton's
-classes a model may annotate or check with isinstance.
+against a real `despina serve` (or the model's own process, through the repository's loader): what a
+request tells its model (its timeout), the names of Triton's classes a model may annotate or check with
+isinstance, and auto_complete_config's checks of the config it completes.
 
 Every model.py here is written against Triton's documented `triton_python_backend_utils` API only.
 """
@@ -15,7 +16,9 @@ import pytest
 import redis
 
 from despina.contract.catalog import CatalogEntry
+from despina.contract.errors import ConfigError
 from despina.contract.keys import Keys
+from despina.control.repository import load_model
 
 from .conftest import Server, module_server
 from .test_backend_python import write_model
@@ -157,3 +160,33 @@ def test_a_model_call_through_redis_gives_the_called_request_its_timeout(
         client.close()
     assert not set(placed[0]) & set(placed[1]), placed
     assert infer(far, "calls_timeouts") == {"T": [30_000_007], "OWN": [0]}
+
+
+# auto_complete_config adds an input the config declares, with another `optional`.
+OPTIONAL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [1], "optional": True})
+        config.add_output({"name": "Y", "data_type": "TYPE_FP32", "dims": [1]})
+        return config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, np.float32))]) for _ in requests]
+'''
+
+
+def test_auto_complete_may_not_change_whether_a_declared_input_is_optional(tmp_path: Path) -> None:
+    """Triton's ModelConfig.add_input refuses an input whose `optional` differs from the config's (which
+    lists every field, so an input of config.pbtxt says false); it was taken, the input made optional."""
+    declared = 'name: "optional"\nbackend: "python"\ninput [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+    with pytest.raises(ConfigError, match="the model expects optional True but the configuration specifies "
+                                          "optional False"):
+        load_model(write_model(tmp_path / "declared", "optional", OPTIONAL, declared))
+    bare = 'name: "optional"\nbackend: "python"\n'
+    entry = load_model(write_model(tmp_path / "bare", "optional", OPTIONAL, bare))
+    assert [(i["name"], i.get("optional")) for i in entry.config["input"]] == [("X", True)]

@@ -509,6 +509,11 @@ class ModelConfig:
             if dims and dims != [int(d) for d in tensor["dims"]]:
                 raise ValueError(f"model '{self._name()}', tensor '{tensor['name']}': the model "
                                  f"expects dims {tensor['dims']} but the configuration specifies {dims}")
+            # (the config Triton hands over prints every field: an input of config.pbtxt says false)
+            if "optional" in current and "optional" in tensor and current["optional"] != tensor["optional"]:
+                raise ValueError(f"model '{self._name()}', tensor '{tensor['name']}': the model expects "
+                                 f"optional {tensor['optional']} but the configuration specifies optional "
+                                 f"{current['optional']}")
             current.update(tensor)
             return
         self._model_config[kind].append(dict(tensor))
