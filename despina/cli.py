@@ -90,6 +90,13 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--http-restricted-api", dest="http_restricted_api", action="append",
                         metavar="API[,API...]:HEADER=VALUE",
                         help="as Triton's: these APIs need the header HEADER: VALUE (repeatable)")
+        sp.add_argument("--cors-origins", dest="cors_origins", metavar="ORIGIN[,ORIGIN...]",
+                        help="web pages of these origins (https://demo.example.com), or of any with *, may "
+                             "call the API from a browser (default: none, no CORS headers)")
+        sp.add_argument("--cors-allow-headers", dest="cors_allow_headers", metavar="NAME[,NAME...]",
+                        help="request headers such pages may send besides the API's own")
+        sp.add_argument("--cors-max-age", dest="cors_max_age_s", type=int, metavar="SECONDS",
+                        help="how long a browser may reuse a preflight's answer (default 600)")
         sp.add_argument("--trace-file", dest="trace_file", metavar="PATH",
                         help="where Triton's tracing writes traces (default: none, and the trace API refuses "
                              "to turn it on); of serve --gateways N gateway i writes PATH-i. Only here: the "

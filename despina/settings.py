@@ -95,6 +95,11 @@ class Settings:
     auth_inference: bool = False            # with keys configured, inference needs a key too
     # Triton's --http-restricted-api: <api>[,<api>...]:<header>=<value>, groups separated by ';'
     http_restricted_api: str | None = field(default=None, repr=False)
+    # Cross-origin requests from web pages (gateway/cors.py): allowed origins, comma-separated
+    # ("https://demo.example.com"), or * for any; "": no CORS headers at all
+    cors_origins: str = ""
+    cors_allow_headers: str = ""            # request headers a page may send besides the API's own
+    cors_max_age_s: int = 600               # how long a browser may reuse a preflight's answer
     # SageMaker's container contract (gateway/sagemaker.py, sagemaker_mme.py): /ping, /invocations, /models
     sagemaker: bool = False
     sagemaker_model: str | None = None      # what /invocations runs; else the repository's only model
@@ -131,6 +136,8 @@ class Settings:
 
             if why := url_trouble(self.redis_url):
                 raise BadSetting(f"DESPINA_REDIS_URL (or REDIS_URL, --redis-url): {why}")
+        if why := _cors_trouble(self.cors_origins, self.cors_allow_headers):
+            raise BadSetting(why)
         if why := _prefix_trouble(self.key_prefix):
             raise BadSetting(f"DESPINA_KEY_PREFIX (or --key-prefix) {self.key_prefix!r}: {why}")
         for name in ("http_port", "metrics_port", "worker_health_port"):
@@ -275,6 +282,27 @@ def _prefix_trouble(prefix: str) -> str | None:
         return "must have no spaces or control characters"
     if special := "".join(sorted({c for c in prefix if c in PREFIX_SPECIAL})):
         return f"must not hold {special!r}: Redis patterns (ACL key patterns) and hash tags read them"
+    return None
+
+
+# an origin as a browser sends it: scheme://host[:port], no path, not even a final '/'
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#@\s,*]+", re.IGNORECASE)
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]+")  # RFC 9110 token
+
+
+def _cors_trouble(origins: str, headers: str) -> str | None:
+    """Why the CORS settings cannot be used, or None."""
+    listed = [o.strip() for o in origins.split(",") if o.strip()]
+    if "*" in listed and len(listed) > 1:
+        return (f"DESPINA_CORS_ORIGINS (or --cors-origins): '*' allows every origin and must be alone, "
+                f"got {origins!r}")
+    for origin in listed:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            return (f"DESPINA_CORS_ORIGINS (or --cors-origins): {origin[:80]!r} is not an origin: expected "
+                    "scheme://host[:port] with no path, as 'https://demo.example.com'")
+    for name in (h.strip() for h in headers.split(",")):
+        if name and not _HEADER_NAME.fullmatch(name):
+            return f"DESPINA_CORS_ALLOW_HEADERS (or --cors-allow-headers): {name[:80]!r} is not a header name"
     return None
 
 

@@ -28,6 +28,7 @@ from ..response_cache import ResponseCache
 from ..settings import Settings
 from .auth import AuthPolicy, Guard
 from .connection import Clients
+from .cors import CorsMiddleware, CorsPolicy
 from .dispatch import Dispatcher
 from .generate import GenerateRoute, StreamEndpoint
 from .http import ClientGone
@@ -181,6 +182,7 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
     the gateway has started, left before it closes, after uvicorn has answered what was in flight
     (a colocated worker, roles.run_gateway)."""
     policy = AuthPolicy.from_settings(settings)  # a bad key file stops the gateway here, before it listens
+    cors = CorsPolicy.from_settings(settings, policy)
     gw = Gateway(settings)
     openapi = orjson.dumps(document(__version__, settings.sagemaker))
 
@@ -299,10 +301,14 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
         *trace_routes(gw),
         *(sagemaker_routes(gw) + multi_model_routes(gw) if settings.sagemaker else []),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(Guard, policy=policy)],
+    # CORS outside auth: a preflight carries no credentials, and a refusal's answer carries CORS headers too
+    middleware = [Middleware(Guard, policy=policy)]
+    if cors is not None:
+        middleware.insert(0, Middleware(CorsMiddleware, policy=cors))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={404: _http_error, 405: _http_error, RedisError: _redis_error,
                                         ClientGone: _client_gone, Exception: _internal_error})
     app.state.gateway = gw
     # the same routes, answered by the gateway's HTTP protocol before ASGI (protocol.py)
-    app.state.hot_routes = HotRoutes(infer, fn, policy, settings.max_body_bytes)
+    app.state.hot_routes = HotRoutes(infer, fn, policy, settings.max_body_bytes, cors)
     return app

@@ -23,6 +23,7 @@ from ..contract.errors import Code, DespinaError
 from . import http
 from .auth import AuthPolicy, Target, check_target, classify
 from .connection import Clients, ConnectionProtocol, Ended, LastWord, answer_drained, ending
+from .cors import CorsPolicy
 from .http import Headers
 from .infer import Route, fail
 
@@ -33,12 +34,15 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class HotRoutes:
-    """Which paths skip ASGI, and what they share: the auth policy and the body limit."""
+    """Which paths skip ASGI, and what they share: the auth policy, the body limit and the CORS policy
+    (None: off)."""
 
     MATCHES_MAX = 4096  # paths remembered with what they name (a client cannot grow it past this)
 
-    def __init__(self, infer: Route, fn: Route, policy: AuthPolicy, max_body_bytes: int) -> None:
+    def __init__(self, infer: Route, fn: Route, policy: AuthPolicy, max_body_bytes: int,
+                 cors: CorsPolicy | None = None) -> None:
         self.infer, self.fn, self.policy, self.max_body_bytes = infer, fn, policy, max_body_bytes
+        self.cors = cors
         # URL -> its route, path parameters, path as text, and what it names (checked)
         self._matched: dict[bytes, Match] = {}
 
@@ -364,6 +368,9 @@ class HotRequest:
         if close and self.keep_alive is None:  # marked by the drain: the client may have sent more since
             self.keep_alive = protocol._more_sent()
             close = not self.keep_alive
+        cors = protocol.routes.cors
+        if cors is not None:  # all that an answer pays for CORS when it is off: this test
+            extra = [*extra, *cors.headers(self.headers)]
         head = http.response_head(status, len(body), content_type, extra, close)
         if len(body) < 65536:
             transport.write(head + body)
