@@ -22,9 +22,13 @@ from despina.counters import DEFER_S
 from despina.embedded import EmbeddedValkey, die_with_parent, free_port
 from despina.examples import build_repository
 
+from . import leftovers
 from .seaweed import s3_env, s3_store  # noqa: F401  (SeaweedFS fixtures for the S3 tests)
 
 ROOT = Path(__file__).resolve().parents[1]
+# how long after the last cleanup the session's end looks for leftovers: a control plane that outlived its test
+# writes the catalog again within a tick (a second) of seeing its keys gone
+LATE_WRITE_S = 1.5
 
 
 EMBEDDED = os.environ.get("DESPINA_TEST_REDIS") == "embedded"
@@ -43,14 +47,30 @@ def redis_url() -> Iterator[str]:
     if not EMBEDDED:
         try:
             redis.Redis.from_url(url, socket_connect_timeout=1).ping()
-            yield url
-            return
         except redis.ConnectionError:
             pass
+        else:
+            yield url
+            check_leftovers(url)
+            return
     server = EmbeddedValkey()
     server.start()
-    yield server.url
-    server.stop()
+    try:
+        yield server.url
+        check_leftovers(server.url)
+    finally:
+        server.stop()
+
+
+def check_leftovers(redis_url: str) -> None:
+    """At the session's end, when every test that used the Redis has cleaned up: fail on a key under a
+    deleted test prefix (a process that outlived its test, or one that wrote to another database) and on
+    a Despina process still running (tests/leftovers.py)."""
+    roles = leftovers.stop_roles(descendants(os.getpid()))  # first: a live one would write on meanwhile
+    if leftovers.DELETED:
+        time.sleep(LATE_WRITE_S)
+    keys = leftovers.left_keys(redis_url)
+    assert not keys and not roles, "left after their tests' cleanup:\n" + "\n".join(keys + roles)
 
 
 def settled_stats(url: str, model: str, timeout: float = 5.0) -> dict:
@@ -76,11 +96,16 @@ def delete_prefix(redis_url: str, prefix: str) -> None:
     client.close()
 
 
+def new_prefix() -> str:
+    return f"{leftovers.PATTERN}{uuid.uuid4().hex[:10]}"
+
+
 @pytest.fixture
-def key_prefix(redis_url: str) -> Iterator[str]:
-    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
+def key_prefix(redis_url: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    prefix = new_prefix()
     yield prefix
     delete_prefix(redis_url, prefix)
+    leftovers.deleted(prefix, request.node.nodeid)
 
 
 @pytest.fixture(scope="session")
@@ -256,7 +281,7 @@ def module_server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_ur
                   use_redis: bool = True) -> Iterator[Server]:
     """Body of a module-scoped fixture: one `despina serve` of `repo` under a fresh key prefix
     (against the test Redis, or with use_redis=False its own embedded Valkey)."""
-    prefix = f"despina-test-{uuid.uuid4().hex[:10]}"
+    prefix = new_prefix()
     try:  # a server that does not get ready leaves its keys too
         server = start_server(repo, tmp_path_factory.mktemp("logs"), redis_url if use_redis else None, prefix,
                               env=env, wait_models=wait_models)
@@ -265,6 +290,7 @@ def module_server(repo: Path, tmp_path_factory: pytest.TempPathFactory, redis_ur
         stop_server(server)
     finally:
         delete_prefix(redis_url, prefix)
+        leftovers.deleted(prefix, f"the module server of {repo}")
 
 
 

@@ -1,0 +1,57 @@
+"""The session's guard against leftovers (tests/leftovers.py): a control plane that outlives its test's
+cleanup writes the catalog's marker and its command stream again, which a full run once left in Redis with
+nothing to say which test had."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+
+from despina.contract.keys import Keys
+from despina.embedded import die_with_parent
+
+from . import leftovers
+from .conftest import ROOT, delete_prefix, new_prefix
+from .control_support import wait_until
+
+
+def test_a_control_plane_left_running_past_its_cleanup_is_named_with_what_it_wrote(tmp_path: Path,
+                                                                                    redis_url: str) -> None:
+    prefix = new_prefix()
+    keys = Keys(prefix)
+    client = redis.Redis.from_url(redis_url)
+    environ = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DESPINA_REDIS_URL")}
+    plane = subprocess.Popen([sys.executable, "-m", "despina", "control", "--redis-url", redis_url, "--key-prefix",
+                              prefix, "--model-repository", str(tmp_path), "--metrics-port", "0"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environ, cwd=ROOT,
+                             preexec_fn=die_with_parent)
+    try:
+        wait_until(lambda: client.exists(keys.catalog_published), 60, what="the catalog published")
+        delete_prefix(redis_url, prefix)  # the test's cleanup, with its control plane still running
+        leftovers.deleted(prefix, "this test")
+        wait_until(lambda: client.exists(keys.catalog_published, keys.control_commands) == 2, 30,
+                   what="the catalog published again")
+        assert leftovers.stop_roles({plane.pid}) == [f"{plane.pid}: {' '.join(plane.args)}"]  # type: ignore[arg-type]
+        plane.wait(30)
+        found = leftovers.left_keys(redis_url)
+        for key in (keys.catalog_published, keys.control_commands):
+            assert any(f": {key} (left by this test)" in line for line in found), found
+        assert not client.exists(keys.catalog_published, keys.control_commands)  # deleted as found
+        assert leftovers.live_roles({plane.pid}) == {}
+    finally:
+        plane.kill()
+        plane.wait()
+        delete_prefix(redis_url, prefix)
+        leftovers.DELETED.pop(prefix, None)
+        client.close()
+
+
+def test_a_test_database_other_than_0_is_watched_with_database_0() -> None:
+    """What took the machine's REDIS_URL (no database: 0) instead of the test's writes there."""
+    dbs = [c.connection_pool.connection_kwargs.get("db", 0) for c in leftovers.clients("redis://127.0.0.1:1/12")]
+    assert dbs == [12, 0]
+    assert [c.connection_pool.connection_kwargs.get("db", 0)
+            for c in leftovers.clients("redis://127.0.0.1:1/0")] == [0]
