@@ -2,6 +2,7 @@
 prefix per test that is deleted afterwards, and `despina serve` started as a real process tree."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # how long after the last cleanup the session's end looks for leftovers: a control plane that outlived its test
 # writes the catalog again within a tick (a second) of seeing its keys gone
 LATE_WRITE_S = 1.5
+ROLES_GONE_S = 5.0  # how long a stopped serve's roles get to end on their own (serve sends them SIGTERM)
 
 
 EMBEDDED = os.environ.get("DESPINA_TEST_REDIS") == "embedded"
@@ -242,6 +244,11 @@ def cluster_state(redis_url: str, key_prefix: str) -> str:
 
 
 def stop_server(server: Server, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    """Stop serve and every process under it, so that a cleanup after it (delete_prefix) is final. Its
+    roles each run in a process group of their own: a serve killed at `timeout` (a drain may take
+    DESPINA_DRAIN_TIMEOUT_S, 30 s, and more) left them running, its control plane writing the catalog again
+    after the test's keys were deleted."""
+    below = {pid: at for pid in descendants(server.process.pid) if (at := started(pid))}  # (not once it is gone)
     if server.process.poll() is None:
         server.process.send_signal(sig)
         try:
@@ -249,7 +256,23 @@ def stop_server(server: Server, sig: int = signal.SIGTERM, timeout: float = 30) 
         except subprocess.TimeoutExpired:
             os.killpg(server.process.pid, signal.SIGKILL)
             server.process.wait()
+    deadline = time.monotonic() + ROLES_GONE_S  # (serve waits for its roles: they are gone, or dying)
+    while (left := [pid for pid, at in below.items() if started(pid) == at]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     return server.process.returncode
+
+
+def started(pid: int) -> str | None:
+    """When `pid` started (its start time, in clock ticks after boot); None once it ended (a zombie too):
+    a pid taken again by another process does not pass for the one that had it."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -14,7 +16,7 @@ from despina.contract.keys import Keys
 from despina.embedded import die_with_parent
 
 from . import leftovers
-from .conftest import ROOT, delete_prefix, new_prefix
+from .conftest import LATE_WRITE_S, ROOT, Server, delete_prefix, descendants, new_prefix, stop_server
 from .control_support import wait_until
 
 
@@ -55,3 +57,23 @@ def test_a_test_database_other_than_0_is_watched_with_database_0() -> None:
     assert dbs == [12, 0]
     assert [c.connection_pool.connection_kwargs.get("db", 0)
             for c in leftovers.clients("redis://127.0.0.1:1/0")] == [0]
+
+
+def test_a_serve_killed_at_its_stop_timeout_leaves_none_of_its_roles_running(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """stop_server killed a serve that outlasted its timeout (its drain may take 30 s, the timeout's length),
+    and returned while the roles, each in a process group of its own, still ran: the test's keys were
+    deleted under a control plane that went on."""
+    (tmp_path / "repo").mkdir()
+    server = serve(tmp_path / "repo", health="live")
+    roles = descendants(server.process.pid)
+    assert len(leftovers.live_roles(roles)) >= 3  # control, worker, gateway
+    stop_server(server, timeout=0)  # killed at once, as at a timeout
+    assert leftovers.live_roles(roles) == {}
+    delete_prefix(redis_url, key_prefix)
+    time.sleep(LATE_WRITE_S)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert not client.exists(Keys(key_prefix).catalog_published)
+    finally:
+        client.close()
