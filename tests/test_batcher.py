@@ -61,6 +61,24 @@ async def until(check: Callable[[], object], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
+async def test_in_hand_names_what_is_queued_and_what_is_executing_until_it_returns() -> None:
+    """What a worker tells gateways it still holds after Redis lost its data (workers/in_hand.py): every item
+    queued, and every item of a batch whose execution has not returned; none once it has."""
+    hold = asyncio.Event()
+    rec = Recorder(hold)
+    batcher = DynamicBatcher(BatchPolicy(max_batch_size=2, max_queue_delay_us=0, dynamic=True), rec, 1)
+    task = asyncio.create_task(batcher.run())
+    for item in items(3):
+        batcher.put(item)
+    await until(lambda: rec.batches)
+    assert rec.batches == [[0, 1]]
+    assert sorted(i.payload for i in batcher.in_hand()) == [0, 1, 2]  # two executing, one queued
+    hold.set()
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+    assert list(batcher.in_hand()) == []
+
+
 async def test_without_dynamic_batching_each_request_runs_alone() -> None:
     rec = await run_with(BatchPolicy(max_batch_size=8, dynamic=False), items(5))
     assert rec.batches == [[0], [1], [2], [3], [4]]

@@ -3,6 +3,7 @@ the roles' connections (CLIENT KILL, a proxy restarted): requests the data loss 
 once, not at their deadline, and requests Redis still holds are answered as usual."""
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,43 @@ from .control_support import mlp_folder, wait_until
 from .reliability_support import mlp_body, own_redis, worker_paused
 
 REQUEST_TIMEOUT_S = 60
+# Runs until the file RELEASE exists (the test says when), having written STARTED: a model slower than the
+# gateway's grace after Redis lost its data (reply_reader.GRACE_S), as long as the test needs.
+SLOW_MODEL = """
+import os
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        open({started!r}, "a").close()
+        deadline = time.monotonic() + 30
+        while not os.path.exists({release!r}) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "x")]) for r in requests]
+"""
+SLOW_BODY = b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.5]}]}'
+
+
+def role_lines(logs: str, text: str) -> dict[str, int]:
+    """How many log lines of each role ("gateway <id>: ...", "worker <id>: ...") say `text`."""
+    counts: dict[str, int] = {}
+    for role in re.findall(rf"\b(gateway|worker) \S+: {re.escape(text)}", logs):
+        counts[role] = counts.get(role, 0) + 1
+    return counts
+
+
+def slow_folder(root: Path, tmp: Path) -> tuple[Path, Path]:
+    """A repository of one Python model, "slow" (SLOW_MODEL); (its STARTED file, its RELEASE file)."""
+    started, release = tmp / "started", tmp / "release"
+    (root / "slow" / "1").mkdir(parents=True)
+    (root / "slow" / "1" / "model.py").write_text(SLOW_MODEL.format(started=str(started), release=str(release)))
+    (root / "slow" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n')
+    return started, release
 
 
 def post(server: Server) -> httpx.Response:
@@ -48,12 +86,14 @@ two (those a worker had in hand may still be answered meanwhile)."""
                 lost = [answer.result() for answer in answers]
                 answered_after = time.monotonic() - flushed
             wait_until(lambda: post(server).status_code == 200, 30, what="a request to be answered again")
+            wait_until(lambda: role_lines(server.logs(), "Redis lost its data").get("worker"), 10,
+                       what="the worker, stopped meanwhile, to see the loss")
         client.close()
         stop_server(server)
     assert [r.status_code for r in lost] == [503, 503], [r.text for r in lost]
     assert all("lost its data" in r.json()["error"] and r.headers["retry-after"] == "1" for r in lost), lost[0].text
     assert answered_after < 10, answered_after  # not at the request's deadline (60 s)
-    assert server.logs().count("Redis lost its data") == 1, server.logs()[-3000:]
+    assert role_lines(server.logs(), "Redis lost its data") == {"gateway": 1, "worker": 1}, server.logs()[-3000:]
 
 
 def test_requests_waiting_when_redis_drops_every_connection_are_answered(
@@ -82,3 +122,38 @@ def test_requests_waiting_when_redis_drops_every_connection_are_answered(
     assert kept.status_code == 200, kept.text
     assert again.status_code == 200, again.text
     assert "Redis lost its data" not in server.logs()
+
+
+def test_a_request_a_worker_is_running_when_redis_loses_its_data_gets_its_answer(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """Redis lost its data (here FLUSHDB) while a slow model ran a request: the gateway, finding its mark gone,
+    answered 503 to every request waiting that no answer reached within its 1 s grace, this one too, and
+    dropped the model's answer when it came: a client that retried ran the request twice. The worker, finding
+    its own mark gone, tells the gateway which of its requests it still holds, and the gateway keeps them
+    waiting. Each role logs the loss, once."""
+    started, release = slow_folder(tmp_path / "repo", tmp_path)
+    with own_redis(tmp_path) as redis_server:
+        server = serve(tmp_path / "repo", "--redis-url", redis_server.url, "--request-timeout",
+                       str(REQUEST_TIMEOUT_S), use_redis=False, wait_models=("slow",))
+        client = redis.Redis.from_url(redis_server.url)
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(httpx.post, f"{server.url}/v2/models/slow/infer", content=SLOW_BODY,
+                                  timeout=REQUEST_TIMEOUT_S)
+            wait_until(started.exists, 20, what="the model to run the request")
+            queued = pool.submit(httpx.post, f"{server.url}/v2/models/slow/infer", content=SLOW_BODY,
+                                 timeout=REQUEST_TIMEOUT_S)  # read by the worker: in its batcher's queue
+            time.sleep(0.5)
+            client.flushdb()  # (this test's own Redis: the server is its alone)
+            wait_until(lambda: "Redis lost its data" in server.logs(), 10, what="the gateway to see the loss")
+            time.sleep(3.0)  # past the gateway's grace (1 s) after it saw the loss: once, both got 503 here
+            gave_up_early = running.done() or queued.done()
+            release.touch()
+            answers = [running.result(), queued.result()]
+        assert not gave_up_early, [a.text for a in answers]
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        client.close()
+        stop_server(server)
+    assert all(a.json()["outputs"][0]["data"] == [1.5] for a in answers)
+    assert role_lines(server.logs(), "Redis lost its data") == {"gateway": 1, "worker": 1}, server.logs()[-3000:]
+    assert "told 1 gateway(s) it still holds 2 of their request(s)" in server.logs(), server.logs()[-3000:]
+

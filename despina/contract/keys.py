@@ -14,6 +14,12 @@ ATTEMPTS = b"a"  # on a redelivered request entry: deliveries of it that ended w
 # On a gateway's request entry: the requests for that model version the gateway had queued and not yet
 # seen answered when it wrote the entry, the entry's own included (workers/inflight.py)
 IN_FLIGHT = b"n"
+# The field of a gateway's reply-stream entry that a worker writes, instead of FIELD, once it finds Redis
+# lost its data: the ids of that gateway's requests it still has in hand (records.encode_ids), whose answers
+# will come (gateway/reply_reader.py keeps them waiting, and gives the rest up)
+IN_HAND = b"h"
+# On the events channel: a gateway found Redis lost its data; each worker looks for its own mark at once
+DATA_LOST_EVENT = b"lost"
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,13 @@ class Keys:
         gateway's data (restarted without it, flushed, or failed over to a replica that had none), and the
         requests it waits on with it."""
         return f"{self.prefix}:mark:{gateway_id}"
+
+    def worker_mark(self, worker_id: str) -> str:
+        """String a worker keeps while it runs, renewed with its heartbeat (expiring after the gateways'
+        replies would): found missing, Redis lost its data, and the worker tells the gateways of the
+        requests it still holds (workers/in_hand.py). Its heartbeat hash would not do: it expires too when
+        the worker only stalled."""
+        return f"{self.prefix}:mark:worker:{worker_id}"
 
     def executing(self, worker_id: str) -> str:
         """Set of the redelivered entries a worker is running (each alone): should it die, only they

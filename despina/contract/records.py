@@ -270,6 +270,19 @@ def _decode_list(payload: bytes) -> list[Any]:
     return raw
 
 
+def encode_ids(ids: list[str]) -> bytes:
+    """Request ids as a stream entry carries them (keys.IN_HAND)."""
+    return packb(ids)
+
+
+def decode_ids(payload: bytes) -> list[str]:
+    """encode_ids' ids; InvalidArgument when the payload is not a list of strings."""
+    ids = _decode_list(payload)
+    if not all(isinstance(i, str) for i in ids):
+        raise InvalidArgument("a list of request ids must hold strings only")
+    return ids
+
+
 def decode_requests(payload: bytes) -> list[InferRequest]:
     return [InferRequest.unpack(r) for r in _decode_list(payload)]
 

@@ -6,7 +6,9 @@ Should the connection to Redis break, the requests waiting keep waiting if Redis
 connection killed, a proxy restarted); if it cannot be reached, each is answered UNAVAILABLE at once. A Redis
 that lost its data (restarted without it, FLUSHALL, a failover to a replica that had none) is noticed within
 WATCH_S by the gateway's mark (Keys.gateway_mark) gone: the requests then waiting that are not answered
-within GRACE_S (a worker may have had them in hand) are answered UNAVAILABLE.
+within GRACE_S are answered UNAVAILABLE, but for those a worker says it still has in hand (an IN_HAND entry,
+workers/in_hand.py), which wait for their answers to their own deadlines. The gateway tells the workers at
+once (DATA_LOST_EVENT), so that one slower to find its own mark gone still speaks within GRACE_S.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from typing import Any
 
 from redis.exceptions import ConnectionError, RedisError
 
-from ..contract.errors import Unavailable
-from ..contract.keys import FIELD
+from ..contract import records
+from ..contract.errors import DespinaError, Unavailable
+from ..contract.keys import DATA_LOST_EVENT, FIELD, IN_HAND
 from ..logs import Throttled
 from ..resp import ReadAlong, Resp, fields
 from . import refusals
@@ -43,6 +46,7 @@ class ReplyReader(Waiters):
     _read_failed: Throttled
     _resolve: Callable[[bytes], None]  # the Dispatcher's: an entry's replies to their requests
     _marked: bool  # the gateway's mark was written: found missing now, Redis lost the gateway's data
+    _held: set[str]  # requests waiting that a worker said, after Redis lost its data, it still holds
 
     def _read_command(self) -> list[str | int]:
         return ["XREAD", "COUNT", 1000, "BLOCK", 1000, "STREAMS", self.reply_stream, self._last_reply]
@@ -94,7 +98,11 @@ class ReplyReader(Waiters):
         for _, entries in resp or ():
             for entry_id, raw in entries:
                 self._last_reply = entry_id
-                payload = fields(raw).get(FIELD, b"")
+                entry = fields(raw)
+                payload = entry.get(FIELD)
+                if payload is None:  # a worker's word after Redis lost its data (or nothing at all)
+                    self._keep_in_hand(entry.get(IN_HAND, b""))
+                    continue
                 size += len(payload)
                 self._resolve(payload)
             read += len(entries)
@@ -130,9 +138,9 @@ class ReplyReader(Waiters):
 
     async def _look(self) -> None:
         """Renew the gateway's mark in Redis. Found missing, Redis lost its data: the reply stream is read
-        from its start again (a new one, whose ids may start below the last read: a replica's clock), and
-        the requests waiting that no answer reaches within GRACE_S (those a worker was running still get
-        theirs) are answered UNAVAILABLE."""
+        from its start again (a new one, whose ids may start below the last read: a replica's clock), the
+        workers are told (DATA_LOST_EVENT), and the requests waiting that no answer reaches within GRACE_S
+        are answered UNAVAILABLE, but those a worker says it still holds (_keep_in_hand)."""
         mark = self.keys.gateway_mark(self.id)
         if await self._redis.pexpire(mark, self.reply_ttl_ms):
             self._marked = True
@@ -143,9 +151,33 @@ class ReplyReader(Waiters):
             self._last_reply = "0-0"
             log.warning("gateway %s: Redis lost its data (restarted without it, flushed, or failed over to a "
                         "replica that had none): %d request(s) waiting, answered 503 unless answered within "
-                        "%g s", self.id, self.waiting, GRACE_S)
+                        "%g s or still held by a worker", self.id, self.waiting, GRACE_S)
             asyncio.get_running_loop().call_later(GRACE_S, self._give_up_lost, list(self._waiting))
+            await self._redis.publish(self.keys.events, DATA_LOST_EVENT)
+
+    def _keep_in_hand(self, payload: bytes) -> None:
+        """A worker's word, after Redis lost its data, that it still holds these requests (in_hand.py):
+        they wait for their answers, to their own deadlines, instead of being given up (_give_up_lost).
+        Only requests waiting now are kept (a word read again, or too late, names others)."""
+        try:
+            named = records.decode_ids(payload)
+            ids = [one for rid in named  # a grouped request's members wait each under its own id
+                   for one in ([m for m, _ in records.members(rid)] if rid[:1] == records.GROUPED else [rid])]
+        except DespinaError as exc:
+            log.error("gateway %s: undecodable entry on its reply stream: %s", self.id, exc)
+            return
+        waiting = self._waiting
+        self._held = {i for i in self._held if i in waiting}
+        self._held.update(i for i in ids if i in waiting)
 
     def _give_up_lost(self, request_ids: list[str]) -> None:
+        held, self._held = self._held, set()
+        kept = 0
         for request_id in request_ids:
+            if request_id in held:
+                kept += 1
+                continue
             self._finish(request_id, Unavailable(LOST))
+        if kept:
+            log.warning("gateway %s: %d request(s) a worker still holds keep waiting for their answers",
+                        self.id, kept)

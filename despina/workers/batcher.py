@@ -73,7 +73,8 @@ class DynamicBatcher:
         self._pending = 0                   # queued items in all queues (`pending`: asked 5 times a batch)
         self._wake = asyncio.Event()
         self._instances = self._idle = instances
-        self._running: set[asyncio.Task[None]] = set()
+        # each batch handed to `execute` and not yet returned, by its task: what in_hand() names
+        self._running: dict[asyncio.Task[None], list[Item]] = {}
         self._closed = False
         self._preferred = policy.preferred_sizes
         self._max_preferred = max(self._preferred) if policy.batching else 0
@@ -121,16 +122,25 @@ class DynamicBatcher:
                     break
                 self._idle -= 1
                 task = asyncio.create_task(self._run_one(batch))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
+                self._running[task] = batch
+                task.add_done_callback(self._ran)
                 # not held here while the next batch forms (which may take long): its requests' inputs
-                # stay in memory only as long as its run needs them
+                # stay in memory only as long as its run needs them (_running lets go when it ends)
                 del batch
         finally:
             if self._running:
                 await asyncio.gather(*self._running, return_exceptions=True)
             if self._alarm is not None:
                 self._alarm.close()
+
+    def _ran(self, task: asyncio.Task[None]) -> None:
+        self._running.pop(task, None)
+
+    def in_hand(self) -> Iterator[Item]:
+        """Every item queued or in a batch that is executing: what a worker still has to answer."""
+        yield from self._ordered()
+        for batch in list(self._running.values()):
+            yield from batch
 
     async def _run_one(self, batch: list[Item]) -> None:
         try:

@@ -6,6 +6,7 @@ the trim of unpacked Python environments."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from redis.exceptions import RedisError
 
 from .. import clock, logs
 from ..contract.cluster import VersionStatus, WorkerInfo, pack_detail, state_digest
-from ..contract.keys import Keys
+from ..contract.keys import DATA_LOST_EVENT, Keys
 from ..contract.records import packb
 from ..host_metrics import GpuReader
 from ..redis_client import allow_oom
@@ -24,20 +25,28 @@ from ..registry import ArtifactCache
 from ..registry.cache import touch
 from ..response_cache import ResponseCache
 from ..settings import Settings
+from . import in_hand
 from .backends import python_env
 from .ensembles import EnsembleHost
 from .runner import ModelRunner
 
+log = logging.getLogger("despina.worker")
+
 Key = tuple[str, int]
 TRIM_S = 60.0       # how often the artifact cache is brought back under its limit (besides after a fetch)
 
-# The heartbeat: the worker's hash, its TTL, and its membership, in one step. It runs while Redis is full
+# The heartbeat: the worker's hash, its TTL, and its membership, in one step, with its mark renewed (1) or,
+# found missing, set again (0: Redis lost its data, or this is the first). It runs while Redis is full
 # (allow_oom): a full queue must be refused as such, not end with live workers taken for dead. KEYS: the
-# worker's hash, the workers' set; ARGV: TTL in ms, worker id, then the hash's fields and values.
+# worker's hash, the workers' set, its mark; ARGV: TTL in ms, worker id, the mark's TTL in ms, then the hash's
+# fields and values.
 HEARTBEAT = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[2])
+if redis.call('PEXPIRE', KEYS[3], ARGV[3]) == 1 then return 1 end
+redis.call('SET', KEYS[3], 1, 'PX', ARGV[3])
+return 0
 """
 
 
@@ -69,6 +78,8 @@ class Presence:
     _beating: asyncio.Lock
     _announcing: asyncio.Task[None] | None
     _next_announce: asyncio.Task[None] | None
+    _marked: bool  # its mark was written: found missing now, Redis lost its data
+    _telling: set[asyncio.Task[int]]
 
     async def _listen(self) -> None:
         while True:
@@ -83,6 +94,8 @@ class Presence:
                             continue
                         if message is not None and message.get("data") == b"catalog":
                             self._kick.set()
+                        if message is not None and message.get("data") == DATA_LOST_EVENT:
+                            await self._announce()  # a gateway found Redis lost its data: look now
             except asyncio.CancelledError:
                 raise
             except (RedisError, ConnectionError, OSError):
@@ -193,9 +206,26 @@ class Presence:
                 "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
                 "response_cache": orjson.dumps(self.response_cache.figures() if self.response_cache else {}),
                 "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom), "seen": clock.now()}
-            await self.redis.eval(await allow_oom(self.redis, HEARTBEAT), 2, self.keys.worker(self.id),
-                                  self.keys.workers, int(self.settings.worker_ttl_s * 1000), self.id,
-                                  *(x for pair in fields.items() for x in pair))
+            mark_ms = int(self.settings.reply_ttl_s * 1000)
+            kept = await self.redis.eval(await allow_oom(self.redis, HEARTBEAT), 3, self.keys.worker(self.id),
+                                         self.keys.workers, self.keys.worker_mark(self.id),
+                                         int(self.settings.worker_ttl_s * 1000), self.id, mark_ms,
+                                         *(x for pair in fields.items() for x in pair))
+            lost, self._marked = self._marked and not kept, True
+            if lost:
+                self._data_lost()
+
+    def _data_lost(self) -> None:
+        """Its mark was gone: Redis lost its data, and the requests queued with it. Each gateway is told
+        which of its requests this worker still holds (in_hand.py), so that it keeps them waiting."""
+        log.warning("worker %s: Redis lost its data (restarted without it, flushed, or failed over to a "
+                    "replica that had none): it serves on, and tells the gateways of the requests it holds",
+                    self.id)
+        runners = [*self.runners.values(), *self.unloading.values()]
+        task = asyncio.ensure_future(in_hand.tell_gateways(self.redis, self.id, runners,
+                                                           int(self.settings.reply_ttl_s * 1000)))
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
 
 
 

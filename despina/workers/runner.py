@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -149,6 +150,15 @@ class ModelRunner(Intake):
         await self.streams.leave()
         self.writer.close()
         self.state = "UNAVAILABLE"
+
+    def in_hand(self) -> Iterator[tuple[str, str]]:
+        """(reply stream, request id) of each gateway's request read here and not yet run to its end:
+        queued, or in a batch executing. (Those whose replies are being written are not: the write
+        either reached Redis before it lost its data, and went with it, or reaches it after.)"""
+        for item in self.batcher.in_hand():
+            p: Pending = item.payload
+            if p.entry is not None:
+                yield p.request.reply_to, p.request.id
 
     def custom_metrics(self) -> list[dict[str, Any]]:
         """The metric families its model made itself, from every instance (custom_metrics.py)."""

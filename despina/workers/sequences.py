@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -86,6 +86,13 @@ class SequenceBatcher:
     @property
     def executing(self) -> int:
         return sum(b.executing for b in self._batchers)
+
+    def in_hand(self) -> Iterator[Item]:
+        """As DynamicBatcher.in_hand: every request queued here, in an instance's batcher or executing."""
+        for b in self._batchers:
+            yield from b.in_hand()
+        for seq in list(self._sequences.values()):
+            yield from seq.queued
 
     def put(self, item: Item) -> None:
         if self._closed:

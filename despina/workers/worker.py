@@ -104,6 +104,8 @@ class Worker(Loading):
         self._beating = asyncio.Lock()  # one heartbeat in flight: an older one must not land last
         self._announcing: asyncio.Task[None] | None = None     # the announce on its way (_announce)
         self._next_announce: asyncio.Task[None] | None = None  # the next, shared by the calls meanwhile
+        self._marked = False  # its mark was written (presence.py): found missing, Redis lost its data
+        self._telling: set[asyncio.Task[int]] = set()  # telling gateways of the requests held (in_hand.py)
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
         self.skew = clock.Skew(settings.clock_skew_warn_s, f"worker {self.id}")  # measured at each heartbeat
         self.delivery = DeliveryPolicy.from_settings(settings)
