@@ -187,9 +187,12 @@ class Throttled:
         self.level = level
         self.last = -LOG_EVERY_S
         self.unlogged = 0
+        self.since: float | None = None  # when the failure began (monotonic); None: not failing
 
     def log(self, message: str, *args: object) -> None:
         now = time.monotonic()
+        if self.since is None:
+            self.since = now
         if now - self.last < LOG_EVERY_S:
             self.unlogged += 1
             return
@@ -197,6 +200,16 @@ class Throttled:
             message += f" ({self.unlogged} more like it since the last report)"
         self._log.log(self.level, message, *args)
         self.last, self.unlogged = now, 0
+
+    def recovered(self, message: str, *args: object) -> None:
+        """The failure is over: say so once, with how long it lasted (the other half of the pair an
+        operator looks for), at the failure's level though no higher than WARNING. The next failure is
+        logged at once. (Callers look at `since` first: nothing to do while nothing failed.)"""
+        if self.since is None:
+            return
+        lasted, self.since = time.monotonic() - self.since, None
+        self._log.log(min(self.level, logging.WARNING), message + " (after %.1f s)", *args, lasted)
+        self.last, self.unlogged = -LOG_EVERY_S, 0
 
 
 def dump_tasks() -> None:

@@ -130,7 +130,8 @@ def test_a_request_a_worker_is_running_when_redis_loses_its_data_gets_its_answer
     answered 503 to every request waiting that no answer reached within its 1 s grace, this one too, and
     dropped the model's answer when it came: a client that retried ran the request twice. The worker, finding
     its own mark gone, tells the gateway which of its requests it still holds, and the gateway keeps them
-    waiting. Each role logs the loss, once."""
+    waiting. Each role logs the loss, and then, once the control plane has published the catalog again, that
+    Redis has its data again: once each."""
     started, release = slow_folder(tmp_path / "repo", tmp_path)
     with own_redis(tmp_path) as redis_server:
         server = serve(tmp_path / "repo", "--redis-url", redis_server.url, "--request-timeout",
@@ -151,9 +152,35 @@ def test_a_request_a_worker_is_running_when_redis_loses_its_data_gets_its_answer
             answers = [running.result(), queued.result()]
         assert not gave_up_early, [a.text for a in answers]
         assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        wait_until(lambda: role_lines(server.logs(), "Redis has its data again") == {"gateway": 1, "worker": 1},
+                   20, what="both roles to log that Redis has its data again")
         client.close()
         stop_server(server)
     assert all(a.json()["outputs"][0]["data"] == [1.5] for a in answers)
     assert role_lines(server.logs(), "Redis lost its data") == {"gateway": 1, "worker": 1}, server.logs()[-3000:]
     assert "told 1 gateway(s) it still holds 2 of their request(s)" in server.logs(), server.logs()[-3000:]
 
+
+def test_redis_restarted_without_its_data_is_logged_as_pairs(serve: Callable[..., Server], tmp_path: Path) -> None:
+    """After an outage no line said Redis was back: operators saw "reading replies failed" and "lost its data"
+    and could not tell whether, or when, it ended. Each role now logs, once per outage, that Redis is
+    reachable again and that it has its data again."""
+    mlp_folder(tmp_path / "repo")
+    with own_redis(tmp_path) as redis_server:
+        server = serve(tmp_path / "repo", "--redis-url", redis_server.url, "--request-timeout",
+                       str(REQUEST_TIMEOUT_S), use_redis=False, wait_models=("mlp",))
+        redis_server.kill()
+        wait_until(lambda: role_lines(server.logs(), "Redis is unreachable"), 10,
+                   what="the gateway to see Redis gone")
+        time.sleep(1.5)  # the worker's next sync fails too
+        redis_server.start()  # on the same port, without the data
+        wait_until(lambda: post(server).status_code == 200, 60, what="a request to be answered again")
+        wait_until(lambda: role_lines(server.logs(), "Redis has its data again") == {"gateway": 1, "worker": 1},
+                   20, what="both roles to log that Redis has its data again")
+        time.sleep(2.0)  # (no second line comes)
+        stop_server(server)
+    logs = server.logs()
+    assert role_lines(logs, "Redis is unreachable") == {"gateway": 1}, logs[-4000:]
+    assert role_lines(logs, "Redis is reachable again") == {"gateway": 1, "worker": 1}, logs[-4000:]
+    assert role_lines(logs, "Redis lost its data") == {"gateway": 1, "worker": 1}, logs[-4000:]
+    assert role_lines(logs, "Redis has its data again") == {"gateway": 1, "worker": 1}, logs[-4000:]

@@ -88,6 +88,7 @@ class Dispatcher(RequestWriter, ReplyReader):
         self._watching: asyncio.Task[None] | None = None  # whether Redis kept the gateway's data (_watch)
         self._marked = False
         self._held: set[str] = set()  # requests a worker still holds after Redis lost its data (reply_reader)
+        self._lost_at: float | None = None
         self._writes: set[asyncio.Task[None]] = set()
         self.hold_s = hold_us / 1e6
         # statistics hash -> (answers delivered lately and not yet followed by as many new requests,

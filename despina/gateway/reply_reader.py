@@ -8,16 +8,20 @@ that lost its data (restarted without it, FLUSHALL, a failover to a replica that
 WATCH_S by the gateway's mark (Keys.gateway_mark) gone: the requests then waiting that are not answered
 within GRACE_S are answered UNAVAILABLE, but for those a worker says it still has in hand (an IN_HAND entry,
 workers/in_hand.py), which wait for their answers to their own deadlines. The gateway tells the workers at
-once (DATA_LOST_EVENT), so that one slower to find its own mark gone still speaks within GRACE_S.
+once (DATA_LOST_EVENT), so that one slower to find its own mark gone still speaks within GRACE_S. Each outage
+is logged as a pair: unreachable, then reachable again; lost its data, then has it again (the catalog
+published again).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import ConnectionError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from ..contract import records
 from ..contract.errors import DespinaError, Unavailable
@@ -47,6 +51,7 @@ class ReplyReader(Waiters):
     _resolve: Callable[[bytes], None]  # the Dispatcher's: an entry's replies to their requests
     _marked: bool  # the gateway's mark was written: found missing now, Redis lost the gateway's data
     _held: set[str]  # requests waiting that a worker said, after Redis lost its data, it still holds
+    _lost_at: float | None  # when Redis was found to have lost its data, until the catalog is back
 
     def _read_command(self) -> list[str | int]:
         return ["XREAD", "COUNT", 1000, "BLOCK", 1000, "STREAMS", self.reply_stream, self._last_reply]
@@ -120,12 +125,19 @@ class ReplyReader(Waiters):
     async def _watch(self) -> None:
         """Every WATCH_S, whether Redis kept this gateway's data (_look). A Redis flushed, or failed over to
         a replica without the data, kept the gateway's connections but not the requests it had queued:
-        their clients waited out their whole deadlines for answers that could not come."""
+        their clients waited out their whole deadlines for answers that could not come. Also where an outage
+        is logged, with its end, once each: it runs whether or not requests come (the reply reader, idle, does
+        not read)."""
+        unreachable = Throttled(log)
         while True:
             try:
                 await self._look()
-            except (RedisError, OSError):
-                pass  # unreachable (the reply reader says so), or refused: the next look tries again
+                if unreachable.since is not None:
+                    unreachable.recovered("gateway %s: Redis is reachable again", self.id)
+            except (ConnectionError, RedisTimeout, OSError) as exc:
+                unreachable.log("gateway %s: Redis is unreachable (%s)", self.id, exc)
+            except RedisError:
+                pass  # refused (an ACL, a full Redis): the next look tries again
             await asyncio.sleep(WATCH_S)
 
     async def _answers(self) -> bool:
@@ -144,16 +156,27 @@ class ReplyReader(Waiters):
         mark = self.keys.gateway_mark(self.id)
         if await self._redis.pexpire(mark, self.reply_ttl_ms):
             self._marked = True
+            if self._lost_at is not None:
+                await self._look_for_catalog()
             return
         lost, self._marked = self._marked, False
         self._marked = bool(await self._redis.set(mark, 1, px=self.reply_ttl_ms))
         if lost:
             self._last_reply = "0-0"
+            self._lost_at = time.monotonic()
             log.warning("gateway %s: Redis lost its data (restarted without it, flushed, or failed over to a "
                         "replica that had none): %d request(s) waiting, answered 503 unless answered within "
                         "%g s or still held by a worker", self.id, self.waiting, GRACE_S)
             asyncio.get_running_loop().call_later(GRACE_S, self._give_up_lost, list(self._waiting))
             await self._redis.publish(self.keys.events, DATA_LOST_EVENT)
+
+    async def _look_for_catalog(self) -> None:
+        """After Redis lost its data: once the control plane has published the catalog again, say so."""
+        if await self._redis.exists(self.keys.catalog_published):
+            assert self._lost_at is not None
+            log.warning("gateway %s: Redis has its data again: the catalog is published again, %.1f s after "
+                        "the loss was found", self.id, time.monotonic() - self._lost_at)
+            self._lost_at = None
 
     def _keep_in_hand(self, payload: bytes) -> None:
         """A worker's word, after Redis lost its data, that it still holds these requests (in_hand.py):

@@ -79,6 +79,7 @@ class Presence:
     _announcing: asyncio.Task[None] | None
     _next_announce: asyncio.Task[None] | None
     _marked: bool  # its mark was written: found missing now, Redis lost its data
+    _lost_at: float | None  # when it was found to have lost its data, until the catalog is back
     _telling: set[asyncio.Task[int]]
 
     async def _listen(self) -> None:
@@ -218,6 +219,7 @@ class Presence:
     def _data_lost(self) -> None:
         """Its mark was gone: Redis lost its data, and the requests queued with it. Each gateway is told
         which of its requests this worker still holds (in_hand.py), so that it keeps them waiting."""
+        self._lost_at = time.monotonic()
         log.warning("worker %s: Redis lost its data (restarted without it, flushed, or failed over to a "
                     "replica that had none): it serves on, and tells the gateways of the requests it holds",
                     self.id)
@@ -226,6 +228,13 @@ class Presence:
                                                            int(self.settings.reply_ttl_s * 1000)))
         self._telling.add(task)
         task.add_done_callback(self._telling.discard)
+
+    def _catalog_back(self) -> None:
+        """The catalog was read again after Redis lost its data: say so, once."""
+        if self._lost_at is not None:
+            log.warning("worker %s: Redis has its data again: the catalog is published again, %.1f s after "
+                        "the loss was found", self.id, time.monotonic() - self._lost_at)
+            self._lost_at = None
 
 
 

@@ -105,6 +105,7 @@ class Worker(Loading):
         self._announcing: asyncio.Task[None] | None = None     # the announce on its way (_announce)
         self._next_announce: asyncio.Task[None] | None = None  # the next, shared by the calls meanwhile
         self._marked = False  # its mark was written (presence.py): found missing, Redis lost its data
+        self._lost_at: float | None = None
         self._telling: set[asyncio.Task[int]] = set()  # telling gateways of the requests held (in_hand.py)
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
         self.skew = clock.Skew(settings.clock_skew_warn_s, f"worker {self.id}")  # measured at each heartbeat
@@ -131,6 +132,8 @@ class Worker(Loading):
             while not self._stop.is_set():
                 try:
                     await self.sync()
+                    if failed.since is not None:
+                        failed.recovered("worker %s: Redis is reachable again", self.id)
                 except (RedisError, ConnectionError, OSError) as exc:
                     failed.log("worker %s: %s", self.id, trouble(exc))
                 try:
@@ -258,6 +261,8 @@ class Worker(Loading):
             raw = dict(zip(flat[::2], flat[1::2]))
             if not raw and self.runners and not leads:
                 return  # Redis lost its data (restarted without persistence): serve on until republished
+            if raw:
+                self._catalog_back()
             self.catalog = {e.name: e for e in map(CatalogEntry.loads, raw.values())}
             self._generation = generation
         if self.leaving:  # handing its models over (_hand_over): it loads none, and they stop in its drain
