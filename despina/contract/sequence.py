@@ -159,6 +159,23 @@ def _validate_states(config: Any, where: str) -> None:
             if initial.data_file and ("/" in initial.data_file or initial.data_file.startswith(".")):
                 raise ConfigError(f"{name}: its initial_state's data_file must name a file in the "
                                   "model's initial_state/ folder")
+            _validate_initial_shape(name, st, initial)
+
+
+def _validate_initial_shape(where: str, state: Any, initial: Any) -> None:
+    """Triton's load-time checks of an initial_state against its state (its messages after the colon):
+    the state's first START would otherwise feed the model a state of another shape."""
+    if not initial.name:
+        raise ConfigError(f"{where}: Field 'name' must be set when using initial_state for state input "
+                          f"'{state.input_name}'.")
+    if len(initial.dims) != len(state.dims):
+        raise ConfigError(f"{where}: Number of dimensions in 'initial_state' doesn't match the size of "
+                          f"'state' dimensions for state input '{state.input_name}'. "
+                          f"{len(initial.dims)} != {len(state.dims)}")
+    for got, want in zip(initial.dims, state.dims):
+        if want != -1 and got != want:
+            raise ConfigError(f"{where}: 'initial_state' dim for input name '{state.input_name}' doesn't "
+                              f"match 'state' dim description. {got} != {want}")
 
 
 def optional_sequence(parameters: dict[str, Any], model: str) -> tuple[Correlation, int] | None:

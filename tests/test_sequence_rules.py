@@ -1,0 +1,119 @@
+"""Triton's sequence batcher rules, checked one by one against a real `despina serve`: the control
+tensors' values and data types, the correlation ID's type against the CORRID control's, a sequence
+closed by its END, Direct's queue delay, and the implicit state's load-time checks (test_sequence.py
+has the batcher's main paths)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from despina.contract.errors import ConfigError
+
+from .conftest import FULL_QUEUE_DELAY, Server, module_server
+from .test_sequence import spec
+
+# answers with each control input it got: its data type, shape and value; sleeps when x < 0, so that a
+# test can hold a request in the model
+SHOWS = '''
+import json
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+CONTROLS = ("START", "END", "READY", "CORRID")
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = float(pb_utils.get_input_tensor_by_name(request, "x").as_numpy().ravel()[0])
+            if x < 0:
+                time.sleep(-x)
+            got = {}
+            for name in CONTROLS:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    value = tensor.as_numpy()
+                    first = value.ravel()[0]
+                    got[name] = [str(value.dtype), list(value.shape),
+                                 first.decode() if isinstance(first, bytes) else first.item()]
+            out = np.array([[json.dumps(got).encode()]], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("got", out)]))
+        return responses
+'''
+CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "x" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "got" data_type: TYPE_STRING dims: [ 1 ] }} ]
+sequence_batching {{
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START {start} }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END fp32_false_true: [ -1.5, 2.5 ] }} ] }},
+    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY bool_false_true: [ false, true ] }} ] }},
+    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: {corrid} }} ] }}
+  ]
+  {strategy}
+}}
+"""
+MODELS = {
+    "numbered": dict(start="int32_false_true: [ 7, 9 ]", corrid="TYPE_UINT64", strategy="oldest { }"),
+    # Direct's delay only counts with minimum_slot_utilization (Triton's DirectSequenceBatch): here none
+    "named": dict(start="bool_false_true: [ false, true ]", corrid="TYPE_STRING",
+                  strategy="direct { max_queue_delay_microseconds: 10000000 }"),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("sequence-rules-repo")
+    for name, fields in MODELS.items():
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(SHOWS)
+        (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, **fields))
+    # Triton's batching to the letter: a batch waits out its delay even when no request can join it
+    yield from module_server(root, tmp_path_factory, redis_url, tuple(MODELS), env=FULL_QUEUE_DELAY)
+
+
+def infer(server: Server, model: str, x: float, **parameters: Any) -> httpx.Response:
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [x]}],
+            "parameters": parameters}
+    return httpx.post(f"{server.url}/v2/models/{model}/infer", json=body, timeout=30)
+
+
+def controls(r: httpx.Response) -> dict[str, list[Any]]:
+    assert r.status_code == 200, r.text
+    got: dict[str, list[Any]] = json.loads(r.json()["outputs"][0]["data"][0])
+    return got
+
+
+@pytest.mark.parametrize("initial, why", [
+    ('data_type: TYPE_FP32 dims: [ 2 ] zero_data: true', "Field 'name' must be set when using initial_state"),
+    ('data_type: TYPE_FP32 name: "z" zero_data: true', "Number of dimensions in 'initial_state' doesn't match"),
+    ('data_type: TYPE_FP32 dims: [ 3 ] name: "z" zero_data: true', "'initial_state' dim for input name 'S' "
+     "doesn't match 'state' dim description. 3 != 2"),
+])
+def test_an_initial_state_is_checked_against_its_state_as_triton_checks_it(initial: str, why: str) -> None:
+    """Triton refuses these at load; Despina loaded them, and the first START fed the model a state of
+    the wrong shape (or, without dims, the state's)."""
+    with pytest.raises(ConfigError, match=why):
+        spec(f'state [ {{ input_name: "S" output_name: "T" data_type: TYPE_FP32 dims: [ 2 ] '
+             f'initial_state: {{ {initial} }} }} ]')
+    ok = spec('state [ { input_name: "S" output_name: "T" data_type: TYPE_FP32 dims: [ -1 ] '
+              'initial_state: { data_type: TYPE_FP32 dims: [ 3 ] name: "z" zero_data: true } } ]')
+    assert ok.sequence is not None and ok.sequence.states[0].initial_dims == (3,)
+
+
+def test_state_buffer_hints_are_accepted() -> None:
+    """use_same_buffer_for_input_output and use_growable_memory only tell Triton how to place the state
+    in memory; a config with them loads."""
+    s = spec('state [ { input_name: "S" output_name: "T" data_type: TYPE_FP32 dims: [ -1 ] '
+             'use_same_buffer_for_input_output: true use_growable_memory: true } ]')
+    assert s.sequence is not None and s.sequence.states[0].dims == (-1,)
