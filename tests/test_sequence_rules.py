@@ -5,6 +5,7 @@ has the batcher's main paths)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,6 +93,17 @@ def controls(r: httpx.Response) -> dict[str, list[Any]]:
     assert r.status_code == 200, r.text
     got: dict[str, list[Any]] = json.loads(r.json()["outputs"][0]["data"][0])
     return got
+
+
+def test_directs_queue_delay_does_not_hold_a_request_without_minimum_slot_utilization(server: Server) -> None:
+    """Triton's Direct strategy waits max_queue_delay_microseconds only to reach minimum_slot_utilization;
+    with none (0, the default) a ready request runs at once. `named` has a 10 s delay."""
+    began = time.monotonic()
+    r = infer(server, "named", 1.0, sequence_id="quick", sequence_start=True, sequence_end=True)
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - began < 5.0  # it waited out the 10 s delay before
+    assert spec("direct { max_queue_delay_microseconds: 5000 }").sequence.max_queue_delay_us == 0
+    assert spec("oldest { max_queue_delay_microseconds: 5000 }").sequence.max_queue_delay_us == 5000
 
 
 @pytest.mark.parametrize("initial, why", [

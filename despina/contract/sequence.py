@@ -88,9 +88,11 @@ def sequence_policy(config: dict[str, Any]) -> SequencePolicy | None:
     slots = max(int(config.get("max_batch_size") or 0), 1)
     if oldest is not None and int(oldest.get("max_candidate_sequences") or 0) > 0:
         slots = int(oldest["max_candidate_sequences"])
+    delay = int(strategy.get("max_queue_delay_microseconds") or 0)
+    if oldest is None and not strategy.get("minimum_slot_utilization"):
+        delay = 0  # Direct waits only to fill its minimum_slot_utilization; without one a ready slot runs
     return SequencePolicy(int(raw.get("max_sequence_idle_microseconds") or DEFAULT_IDLE_US), tuple(controls),
-                          tuple(states), oldest is not None,
-                          int(strategy.get("max_queue_delay_microseconds") or 0),
+                          tuple(states), oldest is not None, delay,
                           tuple(int(p) for p in (oldest or {}).get("preferred_batch_size") or ()), slots)
 
 
