@@ -95,6 +95,31 @@ def controls(r: httpx.Response) -> dict[str, list[Any]]:
     return got
 
 
+def test_the_control_tensors_have_the_configs_values_and_data_types(server: Server) -> None:
+    """int32_false_true, fp32_false_true and bool_false_true give INT32, FP32 and BOOL tensors of the
+    configured values, shape [1, 1] for a batching model; CORRID is the ID in the control's type."""
+    first = controls(infer(server, "numbered", 1.0, sequence_id=2**63 + 5, sequence_start=True))
+    assert first == {"START": ["int32", [1, 1], 9], "END": ["float32", [1, 1], -1.5],
+                     "READY": ["bool", [1, 1], True], "CORRID": ["uint64", [1, 1], 2**63 + 5]}
+    last = controls(infer(server, "numbered", 1.0, sequence_id=2**63 + 5, sequence_end=True))
+    assert (last["START"][2], last["END"][2]) == (7, 2.5)
+    got = controls(infer(server, "named", 1.0, sequence_id="session-a", sequence_start=True, sequence_end=True))
+    assert got["START"] == ["bool", [1, 1], True] and got["CORRID"] == ["object", [1, 1], "session-a"]
+
+
+def test_an_id_of_the_wrong_type_for_the_corrid_control_is_refused_with_tritons_message(server: Server) -> None:
+    """Triton refuses a string ID where CORRID is a number and a number where it is TYPE_STRING
+    (qa/L0_sequence_corrid_batcher): it does not turn the number into text."""
+    r = infer(server, "numbered", 1.0, sequence_id="abc", sequence_start=True)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == ("sequence batching control 'CORRID' data-type is 'BYTES', but model "
+                                 "'numbered' expects 'UINT64'")
+    r = infer(server, "named", 1.0, sequence_id=42, sequence_start=True)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == ("sequence batching control 'CORRID' data-type is 'UINT64', but model "
+                                 "'named' expects 'BYTES'")
+
+
 def test_directs_queue_delay_does_not_hold_a_request_without_minimum_slot_utilization(server: Server) -> None:
     """Triton's Direct strategy waits max_queue_delay_microseconds only to reach minimum_slot_utilization;
     with none (0, the default) a ready request runs at once. `named` has a 10 s delay."""

@@ -180,6 +180,18 @@ def _validate_initial_shape(where: str, state: Any, initial: Any) -> None:
                               f"match 'state' dim description. {got} != {want}")
 
 
+def check_correlation(policy: SequencePolicy, model: str, correlation: Correlation) -> None:
+    """Triton's check of a correlation ID against the model's CORRID control: a string ID needs a
+    TYPE_STRING control, a number one of the integer types (Triton does not turn one into the other)."""
+    for control in policy.controls:
+        if control.kind != "CORRID":
+            continue
+        given = "BYTES" if isinstance(correlation, str) else "UINT64"
+        if (given == "BYTES") != (control.datatype == "BYTES"):
+            raise InvalidArgument(f"sequence batching control 'CORRID' data-type is '{given}', but model "
+                                  f"'{model}' expects '{control.datatype}'")
+
+
 def optional_sequence(parameters: dict[str, Any], model: str) -> tuple[Correlation, int] | None:
     """An ensemble request's sequence, when it names one: its steps carry it to the stateful models
     they call, as Triton's ensemble scheduler passes the correlation ID and flags on."""

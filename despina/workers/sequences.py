@@ -36,7 +36,7 @@ from ..contract.datatypes import V2_TO_NUMPY, element_count
 from ..contract.errors import ConfigError, InvalidArgument
 from ..contract.modelspec import ModelSpec
 from ..contract.policy import BatchPolicy
-from ..contract.sequence import END, START, Control, Correlation, SequencePolicy, State
+from ..contract.sequence import END, START, Control, Correlation, SequencePolicy, State, check_correlation
 from .batcher import DynamicBatcher, Item
 
 ExecuteOn = Callable[[list[Item], int], Awaitable[None]]  # a batch, and the instance to run it on
@@ -108,6 +108,7 @@ class SequenceBatcher:
             raise InvalidArgument(f"inference request to model '{self.spec.name}' must specify batch-size 1 "
                                   "due to requirements of sequence batcher")
         correlation, flags = request.sequence
+        check_correlation(self.sequence, self.spec.name, correlation)
         controls = control_tensors(self.sequence, self.spec.batched, item.rows, correlation, flags)
         seq = self._sequences.get(correlation)
         if seq is None:
@@ -299,11 +300,8 @@ def control_tensors(policy: SequencePolicy, batched: bool, rows: int, correlatio
 
 def _control(control: Control, shape: tuple[int, ...], correlation: Correlation, flags: int) -> np.ndarray:
     if control.kind == "CORRID":
-        if control.datatype == "BYTES":
+        if control.datatype == "BYTES":  # (check_correlation has refused an ID of the other type)
             return np.full(shape, str(correlation).encode(), dtype=np.object_)
-        if isinstance(correlation, str):
-            raise InvalidArgument(f"the correlation ID of control input '{control.name}' must be a number "
-                                  f"({control.datatype}), got '{correlation}'")
         # the ID's low bytes where the datatype is narrower, as Triton copies them
         return np.full(shape, correlation, dtype=np.uint64).astype(NUMPY[control.datatype])
     on = {"START": bool(flags & START), "END": bool(flags & END), "READY": True}[control.kind]
