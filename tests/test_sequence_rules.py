@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -118,6 +119,24 @@ def test_an_id_of_the_wrong_type_for_the_corrid_control_is_refused_with_tritons_
     assert r.status_code == 400, r.text
     assert r.json()["error"] == ("sequence batching control 'CORRID' data-type is 'UINT64', but model "
                                  "'named' expects 'BYTES'")
+
+
+def test_a_sequence_ends_when_its_end_request_comes_not_when_it_has_run(server: Server) -> None:
+    """Triton forgets a sequence's ID as its END request is queued: a request after it that does not
+    START a new sequence is refused at once, though the END has not run yet; one that does, starts it."""
+    assert infer(server, "numbered", 1.0, sequence_id=4242, sequence_start=True).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        ending = pool.submit(infer, server, "numbered", -1.5, sequence_id=4242, sequence_end=True)  # 1.5 s
+        time.sleep(0.5)
+        r = infer(server, "numbered", 1.0, sequence_id=4242)
+        assert r.status_code == 400, r.text  # (it waited for the END, then ran in the ended sequence)
+        assert not ending.done()
+        assert r.json()["error"] == ("inference request for sequence 4242 to model 'numbered' must specify "
+                                     "the START flag on the first request of the sequence")
+        again = infer(server, "numbered", 1.0, sequence_id=4242, sequence_start=True)
+        assert controls(ending.result(timeout=30))["END"][2] == 2.5
+    assert controls(again)["START"][2] == 9
+    assert infer(server, "numbered", 1.0, sequence_id=4242, sequence_end=True).status_code == 200
 
 
 def test_directs_queue_delay_does_not_hold_a_request_without_minimum_slot_utilization(server: Server) -> None:

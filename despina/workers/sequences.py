@@ -16,8 +16,8 @@ request before (`keep`), or the initial state with a START. A batch mixes sequen
 the same shape only.
 
 A sequence ends after its END request, or once it has had nothing queued or running for
-max_sequence_idle_microseconds; a request for a sequence that is not running and does not START one
-is refused, as Triton refuses it.
+max_sequence_idle_microseconds; a request for a sequence that is not running, or whose END has come
+(though not yet run), and does not START one is refused, as Triton refuses it.
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ class _Sequence:
     instance: int               # -1: waiting for a free slot
     queued: deque[Item] = field(default_factory=deque)
     running: bool = False       # one of its requests is in its instance's batcher, or executing
+    ended: bool = False         # its END request came: only a START may follow (a new sequence)
     last: float = 0.0           # when it last had a request queued or running (monotonic)
     expires: float | None = None  # while waiting for a slot: when its requests' first timeout runs out
     state: dict[str, np.ndarray] = field(default_factory=dict)  # state input -> its next value
@@ -111,17 +112,19 @@ class SequenceBatcher:
         check_correlation(self.sequence, self.spec.name, correlation)
         controls = control_tensors(self.sequence, self.spec.batched, item.rows, correlation, flags)
         seq = self._sequences.get(correlation)
+        # as Triton's, a sequence ends when its END comes, not once it has run: what follows must START
+        if (seq is None or seq.ended) and not flags & START:
+            raise InvalidArgument(f"inference request for sequence {correlation} to model "
+                                  f"'{self.spec.name}' must specify the START flag on the first "
+                                  "request of the sequence")
         if seq is None:
-            if not flags & START:
-                raise InvalidArgument(f"inference request for sequence {correlation} to model "
-                                      f"'{self.spec.name}' must specify the START flag on the first "
-                                      "request of the sequence")
             seq = self._sequences[correlation] = _Sequence(self._free_instance())
             if seq.instance < 0:
                 self._waiting.append(correlation)
             else:
                 self._bound[seq.instance] += 1
         item.payload.inputs.update(controls)
+        seq.ended = bool(flags & END)  # a START after an END runs after it, where the state is
         seq.queued.append(item)
         seq.last = time.monotonic()
         if seq.instance < 0 and item.timeout_us:
