@@ -143,6 +143,35 @@ async def test_preferred_size_is_sent_without_waiting() -> None:
     assert rec.batches[1] == [4, 5]
 
 
+async def test_with_no_delay_a_preferred_size_still_decides_the_batch() -> None:
+    # Triton (dynamic_batch_scheduler.cc GetDynamicBatch): a delay of 0 is never "exceeded", so a batch
+    # that reached a preferred size goes at that size and the request past it waits for the next one
+    policy = BatchPolicy(max_batch_size=8, preferred=(2, 4), max_queue_delay_us=0, dynamic=True)
+    rec = await run_with(policy, items(3))
+    assert rec.batches == [[0, 1], [2]]
+
+
+async def test_a_batch_past_its_delay_grows_beyond_the_largest_preferred_size() -> None:
+    # Triton: once the oldest request has waited max_queue_delay the preferred sizes no longer apply and
+    # the batch takes all it can, up to max_batch_size
+    policy = BatchPolicy(max_batch_size=8, preferred=(4,), max_queue_delay_us=20_000, dynamic=True)
+    hold = asyncio.Event()
+    rec = Recorder(hold)
+    batcher = DynamicBatcher(policy, rec)
+    task = asyncio.create_task(batcher.run())
+    for item in items(4):
+        batcher.put(item)
+    await until(lambda: rec.batches)                     # a preferred size: it goes at once
+    for i in range(4, 12):
+        batcher.put(Item(1, "k", i))
+    await asyncio.sleep(0.06)                            # their delay runs out while the instance is busy
+    hold.set()
+    await until(lambda: len(rec.batches) >= 2)
+    batcher.close()
+    await asyncio.wait_for(task, 5)
+    assert rec.batches == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11]]
+
+
 async def test_instances_execute_concurrently() -> None:
     policy = BatchPolicy(max_batch_size=1, dynamic=False)
     running = 0

@@ -1,10 +1,11 @@
 """Triton's dynamic batching rules, in pure asyncio: no Redis, no HTTP, no model.
 
 Requests are taken in priority order (level 1 first), arrival order within a level. A batch stops
-growing when the next request would exceed max_batch_size or its non-batch shapes differ. If the
-batch reached a preferred size it is sent at the largest preferred size it contains; if it cannot
-grow it is sent now; otherwise it waits until the oldest request has waited max_queue_delay, then
-sends what is there. With a delay of 0, batches form only while every instance is busy. A batch
+growing when the next request would exceed max_batch_size or its non-batch shapes differ. Until the
+oldest request has waited max_queue_delay (a delay of 0 never runs out), a batch that reached a
+preferred size is sent at the largest preferred size it contains, and one that cannot grow is sent
+now; otherwise it waits. Once the delay ran out, the batch takes all it can, up to max_batch_size,
+and goes. With a delay of 0, batches form only while every instance is busy. A batch
 also goes at once when `nothing_coming()` says that no request that could join it is on its way
 (the runner knows when every request its gateways have in flight is already queued here): a
 wait that nobody can end early would only add its delay to every request's latency.
@@ -234,30 +235,31 @@ class DynamicBatcher:
             return 1, 0.0
         ordered = self._ordered()
         first = next(ordered)
-        rows, count, best_preferred = first.rows, 1, 0
-        cannot_grow = rows >= self._max_preferred
-        if rows in self._preferred:
-            best_preferred = 1
-        if rows > policy.max_batch_size:  # gateways refuse these; run it alone rather than never
+        if first.rows > policy.max_batch_size:  # gateways refuse these; run it alone rather than never
             return 1, 0.0
-        if not cannot_grow:
-            for item in ordered:
-                if item.shape_key != first.shape_key or rows + item.rows > policy.max_batch_size:
-                    cannot_grow = True
-                    break
-                rows += item.rows
-                count += 1
-                if rows in self._preferred:
-                    best_preferred = count
-                if rows >= self._max_preferred:
-                    cannot_grow = True
-                    break
         oldest = min([first.arrived, *(q[0].arrived for q in self._queues if q)])
         waited = now - oldest
         delay = policy.max_queue_delay_us / 1e6
-        delay_exceeded = waited >= delay or self._closed
+        # as Triton's: a delay of 0 never runs out, so the preferred sizes still shape each batch; one that
+        # ran out lets the batch take all it can, up to max_batch_size
+        delay_exceeded = (delay > 0 and waited >= delay) or self._closed
+        rows, count = first.rows, 1
+        best_preferred = 1 if rows in self._preferred else 0
+        cannot_grow = False
+        for item in ordered:
+            if rows + item.rows > self._max_preferred and not delay_exceeded:
+                best_preferred = best_preferred or count  # the batch short of the largest preferred size
+                break
+            if item.shape_key != first.shape_key or rows + item.rows > policy.max_batch_size:
+                cannot_grow = True
+                break
+            rows += item.rows
+            count += 1
+            if rows in self._preferred:
+                best_preferred = count
         if best_preferred and not delay_exceeded:
             return best_preferred, 0.0
-        if cannot_grow or delay_exceeded or (self._nothing_coming is not None and self._nothing_coming()):
+        if cannot_grow or delay_exceeded or not delay or rows >= self._max_preferred \
+                or (self._nothing_coming is not None and self._nothing_coming()):
             return count, 0.0
         return 0, delay - waited
