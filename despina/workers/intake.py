@@ -28,6 +28,7 @@ from .streams import Entry
 log = logging.getLogger("despina.worker")
 
 TIMED_OUT = "request timed out in the queue before it could run"
+QUEUE_TIMED_OUT = "Request timeout expired (the queue policy's timeout passed before it could run)"
 ENQUEUED_ONE = {"enqueued": 1}  # a request made in this process, queued (Deferred.add never changes it)
 # gets a request's reply; a decoupled model's response before its last may answer True: the submitter
 # gave the request up (a model's call it cancelled, workers/bls.py), and the model is told
@@ -133,12 +134,15 @@ class Intake(Outbox):
                 return False
         return self._gateways.all_here()
 
-    def _on_timeout(self, item: Item, why: str = "request timed out in the queue (queue policy timeout)"
-                    ) -> None:
-        """The batcher dropped a request whose queue timeout passed (REJECT policy), or the sequence
-        batcher one whose sequence waited too long for a slot: answer it."""
+    def _on_queue_timeout(self, item: Item) -> None:
+        """The batcher dropped a request whose queue timeout passed (REJECT policy): answered as Triton
+        answers it, UNAVAILABLE "Request timeout expired" (HTTP 503), a failure counted as REJECTED."""
+        self._on_timeout(item, QUEUE_TIMED_OUT, Code.RESOURCE_EXHAUSTED)
+
+    def _on_timeout(self, item: Item, why: str, code: Code = Code.DEADLINE_EXCEEDED) -> None:
+        """The sequence batcher dropped a request whose sequence waited too long for a slot: answer it."""
         p: Pending = item.payload
-        reply = answers.error(p.request, Code.DEADLINE_EXCEEDED, f"model '{self.spec.name}': {why}")
+        reply = answers.error(p.request, code, f"model '{self.spec.name}': {why}")
         self._spawn(self._reply([reply], [p.request], [p]))
 
     def _rows(self, inputs: dict[str, np.ndarray]) -> int:

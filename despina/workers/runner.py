@@ -205,7 +205,8 @@ class ModelRunner(Intake):
     def _batcher(self, instances: int) -> DynamicBatcher | SequenceBatcher:
         if self.spec.sequence is not None:  # a stateful model: Triton's sequence batcher
             return SequenceBatcher(self.spec, self._execute, instances, self._on_timeout, self.path)
-        return DynamicBatcher(self.spec.policy, self._execute, instances, self._on_timeout, self._coming)
+        return DynamicBatcher(self.spec.policy, self._execute, instances, self._on_queue_timeout,
+                              self._coming)
 
     async def _execute(self, batch: list[Item], instance: int | None = None) -> None:
         turn = self._order.take() if self._order is not None else None  # before any await (ordering.py)
