@@ -76,7 +76,10 @@ def test_syntax_errors_name_the_model_and_field(text: str, words: str) -> None:
     ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_BF16 dims: [1] }]', "'data_type' TYPE_BF16"),
     ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [0] }]', "field 'dims'"),
     ('backend: "onnxruntime" max_batch_size: 4 dynamic_batching { preferred_batch_size: [8] }',
-     "preferred_batch_size"),
+     "dynamic batching preferred size must be <= max batch size (field "
+     "'dynamic_batching.preferred_batch_size' has 8, max_batch_size is 4)"),
+    ('backend: "onnxruntime" max_batch_size: 4 dynamic_batching { preferred_batch_size: [0] }',
+     "dynamic batching preferred size must be positive (field 'dynamic_batching.preferred_batch_size' has 0)"),
     ('backend: "onnxruntime" dynamic_batching { }', "max_batch_size > 0"),
     ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [1] }, '
      '{ name: "x" data_type: TYPE_FP32 dims: [1] }]', "appears twice"),

@@ -248,10 +248,14 @@ def validate(config: Any) -> None:
         db = config.dynamic_batching
         if config.max_batch_size == 0:
             raise ConfigError(f"model '{model}': field 'dynamic_batching' needs max_batch_size > 0")
-        for size in db.preferred_batch_size:
-            if size <= 0 or size > config.max_batch_size:
-                raise ConfigError(f"model '{model}': field 'dynamic_batching.preferred_batch_size' "
-                                  f"{size} is outside 1..max_batch_size ({config.max_batch_size})")
+        for size in db.preferred_batch_size:  # in Triton's words (model_config_utils.cc)
+            said = f"model '{model}': dynamic batching preferred size must be"
+            where = f"field 'dynamic_batching.preferred_batch_size' has {size}"
+            if size <= 0:
+                raise ConfigError(f"{said} positive ({where})")
+            if size > config.max_batch_size:
+                raise ConfigError(f"{said} <= max batch size ({where}, max_batch_size is "
+                                  f"{config.max_batch_size})")
         if db.priority_levels > MAX_PRIORITY_LEVELS:
             raise ConfigError(f"model '{model}': field 'dynamic_batching.priority_levels' is "
                               f"{db.priority_levels}; Despina serves at most {MAX_PRIORITY_LEVELS} (each "
