@@ -18,7 +18,7 @@ from despina.contract.keys import Keys
 from despina.contract.modelconfig import normalize, parse_text, validate
 from despina.examples import build_mlp
 
-from .conftest import FULL_QUEUE_DELAY, Server, stop_server
+from .conftest import FULL_QUEUE_DELAY, Server, settled_stats, stop_server
 
 HEAVY = (256, 1024, 1024, 1024, 10)  # a few ms per batch on one core
 
@@ -155,6 +155,44 @@ def test_priority_one_waits_less_under_saturation(serve: Callable[..., Server], 
     # default backlog that was queued before them (the worker has read up to 64 ahead: each priority-1
     # request it reads after the hold may wait for one default-level batch that started meanwhile)
     assert max(highs) < float(np.percentile(lows, 75))
+
+
+def test_with_no_delay_a_backlog_goes_at_its_preferred_sizes(serve: Callable[..., Server], tmp_path: Path,
+                                                             redis_url: str, key_prefix: str) -> None:
+    # Triton's GetDynamicBatch: a delay of 0 never runs out, so the three requests queued behind a busy
+    # instance go as a preferred batch of 2, then the one left over (not as one batch of 3)
+    hold = tmp_path / "hold"
+    hold.touch()
+    repo = python_model(tmp_path / "repo", "p", HELD_SLEEPER.format(hold=str(hold)), 'max_batch_size: 8\n'
+                        'input [{ name: "x", data_type: TYPE_FP32, dims: [256] }]\n'
+                        'output [{ name: "y", data_type: TYPE_FP32, dims: [10] }]\n'
+                        "dynamic_batching { preferred_batch_size: [ 2, 4 ] }\n")
+    server = serve(repo, wait_models=("p",))
+    url = f"{server.url}/v2/models/p/infer"
+    stats = Keys(key_prefix).stats("p", 1)
+    store = aioredis.Redis.from_url(redis_url)
+
+    async def queued(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while int(await store.hget(stats, "enqueued") or 0) < n:
+            assert time.monotonic() < deadline, f"{n} requests not queued within 30 s"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # and read by the worker, which holds them while its instance is busy
+
+    async def scenario() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            first = asyncio.create_task(client.post(url, content=body()))
+            await queued(1)
+            rest = [asyncio.create_task(client.post(url, content=body())) for _ in range(3)]
+            await queued(4)
+            hold.unlink()
+            replies = [await first, *[await r for r in rest]]
+        await store.aclose()
+        return [r.status_code for r in replies]
+
+    assert asyncio.run(scenario()) == [200] * 4
+    sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in settled_stats(server.url, "p")["batch_stats"]}
+    assert sizes == {1: 2, 2: 1}
 
 
 def test_queue_timeout_rejects_and_a_request_may_shorten_it(serve: Callable[..., Server],
