@@ -13,6 +13,7 @@ from despina.contract import records
 from despina.contract.ensemble import Ensemble
 from despina.contract.keys import FIELD, IN_FLIGHT, Keys
 from despina.contract.modelspec import ModelSpec
+from despina.contract.policy import batch_policy
 from despina.contract.records import InferRequest, Tensor
 from despina.control.repository import load_model
 from despina.workers.batcher import BatchPolicy, DynamicBatcher, Item, QueueFull, QueuePolicy
@@ -291,6 +292,17 @@ async def test_max_queue_size_refuses_at_once() -> None:
     batcher.put(Item(1, "k", 2))
     with pytest.raises(QueueFull, match="Exceeds maximum queue size"):
         batcher.put(Item(1, "k", 3))
+
+
+async def test_without_priority_levels_a_priority_queue_policy_is_ignored() -> None:
+    # Triton (scheduler_utils.cc PriorityQueue): with priority_levels 0 only the default policy exists and
+    # every request takes it, whatever priority_queue_policy says for level 1
+    policy = batch_policy({"max_batch_size": 4, "dynamic_batching": {
+        "priority_queue_policy": {"1": {"max_queue_size": 1}}}})
+    batcher = DynamicBatcher(policy, Recorder())
+    for i in range(3):
+        batcher.put(Item(1, "k", i, priority=1 if i else 0))
+    assert batcher.pending == 3
 
 
 async def test_max_queue_size_counts_the_delayed_requests() -> None:

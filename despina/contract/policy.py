@@ -78,15 +78,18 @@ def batch_policy(config: dict[str, Any]) -> BatchPolicy:
     db = config.get("dynamic_batching")
     if db is None:
         return BatchPolicy(max_batch_size=mbs)
+    levels = int(db.get("priority_levels", 0))
+    # as in Triton, without priority levels every request takes the default policy: a priority_queue_policy
+    # for level 1 would otherwise apply to all of them
+    per_level = (db.get("priority_queue_policy") or {}) if levels else {}
     return BatchPolicy(
         max_batch_size=mbs,
         preferred=tuple(sorted(int(s) for s in db.get("preferred_batch_size", []))),
         max_queue_delay_us=int(db.get("max_queue_delay_microseconds", 0)),
         dynamic=True,
-        priority_levels=int(db.get("priority_levels", 0)),
+        priority_levels=levels,
         default_priority=int(db.get("default_priority_level", 0)),
         default_queue_policy=_queue_policy(db.get("default_queue_policy")),
-        priority_queue_policy={int(k): _queue_policy(v)
-                               for k, v in (db.get("priority_queue_policy") or {}).items()},
+        priority_queue_policy={int(k): _queue_policy(v) for k, v in per_level.items()},
         preserve_ordering=bool(db.get("preserve_ordering", False)),
     )
