@@ -61,10 +61,10 @@ class Settings:
     clock_skew_warn_s: float = 1.0
     max_stream_length: int = 100_000        # entries on a request stream past which gateways refuse (503)
     worker_memory_mb: int = 0               # memory models may take on a worker; 0 = what it has
-    cache_dir: str | None = None            # model artifact cache (default ~/.cache/despina)
+    cache_dir: str | None = None            # else TRITON_AWS_MOUNT_DIRECTORY, ~/.cache/despina
     cache_max_gb: float = 20.0              # the cache evicts unused model folders past this; 0 = no limit
     s3_endpoint_url: str | None = None      # else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS
-    s3_region: str | None = None            # else boto3's (AWS_REGION, ~/.aws/config)
+    s3_region: str | None = None            # else AWS_REGION, else boto3's (AWS_DEFAULT_REGION, ~/.aws)
     s3_addressing_style: str = "auto"       # auto, path or virtual; auto = path with a custom endpoint
     s3_part_mb: int = 16                    # multipart transfers: files past this go in parts this big
     host_ensembles: bool = True             # a worker with every model an ensemble calls runs it itself
@@ -177,12 +177,24 @@ class Settings:
         for key, value in (args or {}).items():
             if value is not None and key in cls.__dataclass_fields__:
                 values[key] = value
+        _aws_defaults(values, environ)
         if values.get("sagemaker"):
             _sagemaker_defaults(values, environ)
         return cls(**values)
 
     def with_(self, **changes: Any) -> Settings:
         return replace(self, **changes)
+
+
+def _aws_defaults(values: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """What a Triton deployment's variables say where no DESPINA_* one did: the region from AWS_REGION,
+    which the other AWS SDKs read and boto3 does not (it reads AWS_DEFAULT_REGION itself), and the folder
+    that a remote repository's files are copied to from TRITON_AWS_MOUNT_DIRECTORY (Triton's, often a
+    volume mounted for them), where the artifact cache then lives."""
+    if not values.get("s3_region") and environ.get("AWS_REGION"):
+        values["s3_region"] = environ["AWS_REGION"]
+    if not values.get("cache_dir") and environ.get("TRITON_AWS_MOUNT_DIRECTORY"):
+        values["cache_dir"] = environ["TRITON_AWS_MOUNT_DIRECTORY"]
 
 
 SAGEMAKER_MODEL_DIR = "/opt/ml/model"             # where SageMaker puts a single-model endpoint's artifacts

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,27 +30,64 @@ def etag_is_md5(etag: str, response: Any) -> bool:
         and not response.get("SSECustomerAlgorithm")
 
 
-def parse_url(url: str) -> tuple[str, str]:
-    """s3://bucket/prefix -> (bucket, prefix without slashes at either end)."""
+# Triton's s3://[http://|https://]host:port/bucket/path names the store in the URL; a bucket name has no colon
+ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[0-9A-Za-z.-]+)(?::([0-9]{1,5}))?")
+BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}")  # botocore's rule (AWS's own is narrower: 3-63, lowercase)
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """Where a registry lives: a bucket, a prefix in it, and the store's address when the URL names one."""
+
+    bucket: str
+    prefix: str              # without slashes at either end; "" for the bucket's root
+    address: str = ""        # as the URL wrote it: "host:port", "https://host:port"; "" when it names none
+
+    @property
+    def endpoint(self) -> str | None:
+        """The address as boto3 takes it: Triton speaks plain HTTP to a store named without a scheme."""
+        if not self.address:
+            return None
+        return self.address if "://" in self.address else f"http://{self.address}"
+
+    @property
+    def url(self) -> str:
+        return "s3://" + "/".join(p for p in (self.address, self.bucket, self.prefix) if p)
+
+
+def parse_url(url: str) -> S3Location:
+    """Triton's forms: s3://bucket/path, s3://host:port/bucket/path, s3://http(s)://host:port/bucket/path.
+    Empty segments go, as Triton's: leading, doubled and trailing slashes read as one or none."""
     if not url.startswith("s3://"):
         raise InvalidArgument(f"not an S3 URL: {url}")
-    bucket, _, prefix = url[5:].partition("/")
-    if not bucket:
+    rest, scheme = url[5:], ""
+    for prefix in ("https://", "http://"):
+        if rest.startswith(prefix):
+            rest, scheme = rest[len(prefix):], prefix
+    parts = [p for p in rest.split("/") if p]
+    address = ""
+    if parts and (scheme or ":" in parts[0]):
+        address = parts.pop(0)
+        found = ADDRESS.fullmatch(address)
+        if found is None or not (scheme or found[2]) or (found[2] and not 0 < int(found[2]) < 65536):
+            raise InvalidArgument(f"{url}: '{address}' is not a store's host:port (Triton's "
+                                  "s3://host:port/bucket/path, or s3://https://host:port/bucket/path)")
+    if not parts:
         raise InvalidArgument(f"S3 URL without a bucket: {url}")
-    if ":" in bucket:  # Triton's s3://host:port/bucket/prefix: no bucket name has a colon
-        raise InvalidArgument(f"{url}: give s3://bucket/prefix, and the store's address in "
-                              "DESPINA_S3_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3)")
-    return bucket, prefix.strip("/")
+    if not BUCKET.fullmatch(parts[0]):
+        raise InvalidArgument(f"{url}: '{parts[0]}' is not a bucket name (letters, digits, '.', '-', '_')")
+    return S3Location(parts[0], "/".join(parts[1:]), scheme + address)
 
 
-def client(settings: Settings) -> Any:
+def client(settings: Settings, endpoint: str | None = None) -> Any:
+    """A boto3 S3 client: to `endpoint` (the URL's own), else the settings', else boto3's."""
     import boto3
     from botocore.config import Config
 
     for name in ("botocore", "boto3", "s3transfer"):  # their INFO lines ("Found credentials ...") are noise
         if logging.getLogger(name).level == logging.NOTSET:
             logging.getLogger(name).setLevel(logging.WARNING)
-    endpoint = settings.s3_endpoint_url or None
+    endpoint = endpoint or settings.s3_endpoint_url or None
     style = settings.s3_addressing_style
     if style == "auto" and (endpoint or os.environ.get("AWS_ENDPOINT_URL_S3")
                             or os.environ.get("AWS_ENDPOINT_URL")):
@@ -102,10 +140,10 @@ class S3Registry(Registry):
     remote = True
 
     def __init__(self, url: str, settings: Settings, cache: ArtifactCache | None = None) -> None:
-        self.bucket, self.prefix = parse_url(url)
-        self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        location = parse_url(url)
+        self.bucket, self.prefix, self.url = location.bucket, location.prefix, location.url
         self.settings = settings
-        self.client = client(settings)
+        self.client = client(settings, location.endpoint)
         self.transfer = transfer_config(settings)
         self._cache = cache
 
