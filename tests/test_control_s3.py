@@ -315,3 +315,34 @@ def test_a_worker_keeps_the_files_it_serves_and_the_cache_lets_the_rest_go(
     assert '"control"' in evicted and len(evicted) == 2 and sum(evicted.values()) > 0, metrics  # control, the worker
     r = infer(server.url)
     assert r.status_code == 200 and np.allclose(r.json()["outputs"][0]["data"], expected(2), atol=1e-4)
+
+
+def test_the_checksum_agent_checks_files_of_other_versions_fetched_from_s3(
+        serve: Callable[..., Server], s3_env: Weed, tmp_path: Path) -> None:
+    """Triton copies the whole model folder out of S3 before its checksum agent runs; a worker fetched only
+    the files of the version it loads (and those outside version folders), so a digest listed for a file
+    of another version failed the load: "checksum agent: cannot read file 1/model.onnx"."""
+    import hashlib
+
+    src = mlp_folder(tmp_path / "src", versions={1: 0, 2: 1})
+    digests = {v: hashlib.md5((src / str(v) / "model.onnx").read_bytes()).hexdigest() for v in (1, 2)}
+
+    def agent(md5_of_1: str) -> str:
+        return ('model_repository_agents { agents [ { name: "checksum" parameters [ '
+                f'{{ key: "MD5:1/model.onnx" value: "{md5_of_1}" }}, '
+                f'{{ key: "MD5:2/model.onnx" value: "{digests[2]}" }} ] }} ] }}')
+
+    url = s3_env.url()
+    push(mlp_folder(tmp_path / "src", versions={1: 0, 2: 1}, extra=agent(digests[1])), url, s3_env.settings(),
+         out=io.StringIO())
+    server = serve(url, "--model-control-mode", "explicit",
+                   env={**s3_env.env, "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
+    assert r.status_code == 200, r.text
+    answer = infer(server.url)
+    assert answer.status_code == 200 and answer.json()["model_version"] == "2"   # the latest only serves
+    # the other version's file is read, not skipped: a wrong digest for it fails the load
+    push(mlp_folder(tmp_path / "src", versions={1: 0, 2: 1}, extra=agent("0" * 32)), url, s3_env.settings(),
+         out=io.StringIO())
+    r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
+    assert r.status_code == 400 and "mismatched MD5 hash for file 1/model.onnx" in r.json()["error"], r.text

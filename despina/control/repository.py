@@ -23,6 +23,7 @@ from ..contract.modelconfig import (
 from ..contract.unsupported import ignored
 from ..registry import ModelFiles, Registry
 from ..registry.base import check_relative
+from ..workers import checksums
 from ..workers.backends import backend_class
 
 log = logging.getLogger("despina.control")
@@ -91,7 +92,7 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
     canonical = orjson.dumps(as_dict, option=orjson.OPT_SORT_KEYS)
     return CatalogEntry(
         name, model.url, as_dict, tuple(selected), available=tuple(available),
-        revisions={v: model.revision(v, canonical) for v in selected},
+        revisions={v: model.revision(v, canonical, checksums.listed_paths(as_dict)) for v in selected},
         files=tuple(f.pack() for f in model.files) if registry.remote else (),
         footprint=footprint(as_dict, model.size(selected), len(selected)),
         labels=_labels(registry, model, config, paths))

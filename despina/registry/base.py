@@ -57,22 +57,24 @@ class ModelFiles:
         tops = {f.path.split("/", 1)[0] for f in self.files if "/" in f.path} | set(self.folders)
         return sorted(int(t) for t in tops if is_served_version(t))
 
-    def of_versions(self, versions: Iterable[int]) -> tuple[FileInfo, ...]:
-        """The files a folder holding `versions` needs: theirs and those outside every version folder."""
-        wanted = {str(v) for v in versions}
+    def of_versions(self, versions: Iterable[int], also: Iterable[str] = ()) -> tuple[FileInfo, ...]:
+        """The files a folder holding `versions` needs: theirs, those outside every version folder, and
+        those named in `also` (of other versions: what the config's checksum agent lists)."""
+        wanted, named = {str(v) for v in versions}, set(also)
         out = []
         for f in self.files:
             top = f.path.split("/", 1)[0] if "/" in f.path else ""
-            if top in wanted or not is_served_version(top):
+            if top in wanted or not is_served_version(top) or f.path in named:
                 out.append(f)
         return tuple(out)
 
     def size(self, versions: Iterable[int]) -> int:
         return sum(f.size for f in self.of_versions(versions))
 
-    def revision(self, version: int, config: bytes) -> str:
-        """A digest of what one version loads from: its files, the shared files and the config."""
-        return digest([f.pack() for f in self.of_versions([version])], config)
+    def revision(self, version: int, config: bytes, also: Iterable[str] = ()) -> str:
+        """A digest of what one version loads from: its files, the shared files, those named in `also`
+        and the config."""
+        return digest([f.pack() for f in self.of_versions([version], also)], config)
 
     def fingerprint(self) -> str:
         return digest([f.pack() for f in self.files])
@@ -108,8 +110,9 @@ class Registry:
     def scan_one(self, name: str) -> ModelFiles | None:
         raise NotImplementedError
 
-    def folder(self, model: ModelFiles, versions: Iterable[int]) -> Path:
-        """A local folder holding the model's files for `versions` (and its shared files)."""
+    def folder(self, model: ModelFiles, versions: Iterable[int], also: Iterable[str] = ()) -> Path:
+        """A local folder holding the model's files for `versions` (and its shared files, and the files
+        named in `also`)."""
         raise NotImplementedError
 
     def put(self, name: str, path: str, data: bytes) -> None:

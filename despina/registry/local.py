@@ -52,7 +52,7 @@ class LocalRegistry(Registry):
         tops = tuple(sorted(p.name for p in folder.iterdir() if p.is_dir()))
         return ModelFiles(name, str(folder.resolve()), tuple(sorted(files)), tops)
 
-    def folder(self, model: ModelFiles, versions: Iterable[int]) -> Path:
+    def folder(self, model: ModelFiles, versions: Iterable[int], also: Iterable[str] = ()) -> Path:
         return Path(model.url)
 
     def put(self, name: str, path: str, data: bytes) -> None:

@@ -193,8 +193,8 @@ class S3Registry(Registry):
                  for obj in self._objects(root) if not obj["Key"].endswith("/")]
         return ModelFiles(name, self.model_url(name), tuple(sorted(files))) if files else None
 
-    def folder(self, model: ModelFiles, versions: Iterable[int]) -> Path:
-        return self.fetch(model.name, model.of_versions(versions))
+    def folder(self, model: ModelFiles, versions: Iterable[int], also: Iterable[str] = ()) -> Path:
+        return self.fetch(model.name, model.of_versions(versions, also))
 
     def fetch(self, name: str, files: Iterable[FileInfo]) -> Path:
         """A local folder holding `files` of model `name`: from the cache, else downloaded into it."""

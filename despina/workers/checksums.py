@@ -22,6 +22,12 @@ def listed(config: dict[str, Any]) -> list[tuple[str, str]]:
             for key, value in (agent.get("parameters") or {}).items()]
 
 
+def listed_paths(config: dict[str, Any]) -> list[str]:
+    """The files the checksum agent lists: a worker fetching a remote model's files fetches them too, of
+    whichever version they are (Triton copies the whole model folder before its agent runs)."""
+    return [path for path, _ in listed(config)]
+
+
 def verify(model: str, folder: Path, config: dict[str, Any]) -> None:
     """Each listed file's MD5 against the config's, in the words of Triton's agent."""
     for relative, expected in listed(config):

@@ -15,6 +15,7 @@ from ..contract.errors import DespinaError, Unavailable
 from ..contract.modelspec import ModelSpec
 from ..counters import Deferred
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
+from . import checksums
 from .bls import ModelCaller
 from .presence import Key, Presence
 from .redelivery import DeliveryPolicy
@@ -133,4 +134,5 @@ class Loading(Presence):
             registry, _ = open_model_registry(entry.path, self.settings, self._cache)
             self._registries[entry.path] = registry
         model = ModelFiles(entry.name, entry.path, tuple(FileInfo(*f) for f in entry.files))
-        return await asyncio.to_thread(registry.folder, model, [version])
+        checked = checksums.listed_paths(entry.config)  # of any version: Triton's agent sees the whole folder
+        return await asyncio.to_thread(registry.folder, model, [version], checked)
