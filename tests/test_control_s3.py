@@ -346,3 +346,15 @@ def test_the_checksum_agent_checks_files_of_other_versions_fetched_from_s3(
          out=io.StringIO())
     r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
     assert r.status_code == 400 and "mismatched MD5 hash for file 1/model.onnx" in r.json()["error"], r.text
+
+
+def test_a_prefix_holding_no_models_says_so_at_start(serve: Callable[..., Server], s3_env: Weed,
+                                                     tmp_path: Path) -> None:
+    """A mistyped prefix served nothing, ready, and said only "catalog: 0 models, 0 usable (none)". As
+    Triton's, an empty repository still starts; the log now says what is wrong, in one line."""
+    url = s3_env.url()
+    server = serve(url, env={**s3_env.env, "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    wait_until(lambda: "catalog: 0 models" in server.logs(), 30, what="the first read of the repository")
+    assert f"WARNING repository {url} holds no model folders: nothing to serve" in server.logs()
+    assert "Traceback" not in server.logs()
+    assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200

@@ -188,6 +188,9 @@ class Registration:
             plane.catalog.remove(name)
             self._applied.pop(name, None)
         ready = sorted(n for n, e in plane.catalog.entries.items() if e.state == "READY")
+        if first and not models:  # as Triton, not an error; but a mistyped prefix looks just like this
+            log.warning("repository %s holds no model folders: nothing to serve until one is added (is the "
+                        "path right?)", plane.registry.url)
         if first:
             unusable = len(plane.catalog.entries) - len(ready)
             log.info("catalog: %d models, %d usable (%s)%s", len(plane.catalog.entries), len(ready),
