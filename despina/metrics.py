@@ -23,29 +23,33 @@ from .contract.policy import batch_policy
 from .host_metrics import HostMetrics, Sample
 from .workers.stats import COLD_START_BUCKETS_S, LATENCY_BUCKETS_US
 
-COUNTERS = (  # Triton's counter, help, statistics field, scale from the field's unit
+# Triton's counters: name, help (Triton 2.51's, word for word), statistics field, scale from its unit
+COUNTERS = (
     ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
      "success_count", 1),
-    ("nv_inference_count", "Number of inferences performed (a batch of n counts n)", "inference_count", 1),
-    ("nv_inference_exec_count", "Number of model executions performed (one per batch)",
+    ("nv_inference_count", "Number of inferences performed (does not include cached requests)",
+     "inference_count", 1),
+    ("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)",
      "execution_count", 1),
-    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds",
-     "success_ns", 1e-3),
-    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds",
-     "queue_ns", 1e-3),
-    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds",
-     "compute_input_ns", 1e-3),
-    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds",
-     "compute_infer_ns", 1e-3),
+    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds "
+     "(includes cached requests)", "success_ns", 1e-3),
+    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds "
+     "(includes cached requests)", "queue_ns", 1e-3),
+    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds "
+     "(does not include cached requests)", "compute_input_ns", 1e-3),
+    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds "
+     "(does not include cached requests)", "compute_infer_ns", 1e-3),
     ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in "
-     "microseconds", "compute_output_ns", 1e-3),
-    # the response cache (response_cache.py), as Triton names its counters
-    ("nv_cache_num_hits_per_model", "Number of response cache hits per model", "cache_hit_count", 1),
-    ("nv_cache_num_misses_per_model", "Number of response cache misses per model", "cache_miss_count", 1),
-    ("nv_cache_hit_duration_per_model", "Cumulative time requests spend retrieving a cached response "
-     "per model on cache hits (microseconds)", "cache_hit_ns", 1e-3),
-    ("nv_cache_miss_duration_per_model", "Cumulative time requests spend looking up and inserting "
-     "responses into the cache on a cache miss (microseconds)", "cache_miss_ns", 1e-3),
+     "microseconds (does not include cached requests)", "compute_output_ns", 1e-3),
+)
+# the response cache (response_cache.py), as Triton shows it: only for the versions whose config enables it
+CACHE_COUNTERS_PER_MODEL = (
+    ("nv_cache_num_hits_per_model", "Number of cache hits per model", "cache_hit_count", 1),
+    ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds",
+     "cache_hit_ns", 1e-3),
+    ("nv_cache_num_misses_per_model", "Number of cache misses per model", "cache_miss_count", 1),
+    ("nv_cache_miss_duration_per_model", "Total cache miss (insert+lookup) duration per model, in "
+     "microseconds", "cache_miss_ns", 1e-3),
 )
 REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
@@ -135,7 +139,9 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
         stats = {k.decode(): int(v) for k, v in results[cursor].items()}
         backlog = results[cursor + 1: cursor + 1 + len(streams)]
         cursor += 1 + len(streams)
-        models.append({"model": name, "version": str(version), "stats": stats, "backlog": backlog})
+        config = catalog[name].config or {}
+        models.append({"model": name, "version": str(version), "stats": stats, "backlog": backlog,
+                       "cached": bool(config.get("response_cache", {}).get("enable", False))})
     # the metrics Python models made themselves, as each worker reports those of the versions it serves
     custom = [msgpack.unpackb(h[b"custom_metrics"]) for _, h in sorted(heartbeats.items())
               if h.get(b"custom_metrics")]
@@ -190,8 +196,13 @@ def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
         for reason in REASONS:
             out.sample("nv_inference_request_failure", {**_labels(m), "reason": reason},
                        m["stats"].get(f"fail:{reason}", 0))
+    cached = [m for m in models if m.get("cached")]
+    for name, help_, field, scale in CACHE_COUNTERS_PER_MODEL if cached else ():
+        out.family(name, "counter", help_)
+        for m in cached:
+            out.sample(name, _labels(m), m["stats"].get(field, 0) * scale)
     out.family("nv_inference_pending_request_count", "gauge",
-               "Instantaneous number of pending requests awaiting execution per-model")
+               "Instantaneous number of pending requests awaiting execution per-model.")
     for m in models:
         s = m["stats"]
         # requests a gateway refused (queue full) were never enqueued, nor were those it answered from its

@@ -243,6 +243,39 @@ def test_metric_names_are_tritons(server: Server) -> None:
         assert re.search(rf"^# TYPE {name} (counter|gauge)$", text, re.M), name
 
 
+# Triton 2.51's HELP lines, as its /metrics wrote them (tritonserver of the peers kit, CPU only)
+TRITON_HELP = {
+    "nv_inference_request_success": "Number of successful inference requests, all batch sizes",
+    "nv_inference_request_failure": "Number of failed inference requests, all batch sizes",
+    "nv_inference_count": "Number of inferences performed (does not include cached requests)",
+    "nv_inference_exec_count": "Number of model executions performed (does not include cached requests)",
+    "nv_inference_request_duration_us": "Cumulative inference request duration in microseconds (includes "
+                                        "cached requests)",
+    "nv_inference_queue_duration_us": "Cumulative inference queuing duration in microseconds (includes cached "
+                                      "requests)",
+    "nv_inference_compute_input_duration_us": "Cumulative compute input duration in microseconds (does not "
+                                              "include cached requests)",
+    "nv_inference_compute_infer_duration_us": "Cumulative compute inference duration in microseconds (does "
+                                              "not include cached requests)",
+    "nv_inference_compute_output_duration_us": "Cumulative inference compute output duration in microseconds "
+                                               "(does not include cached requests)",
+    "nv_inference_pending_request_count": "Instantaneous number of pending requests awaiting execution "
+                                          "per-model.",
+    "nv_cpu_utilization": "CPU utilization rate [0.0 - 1.0]",
+    "nv_cpu_memory_total_bytes": "CPU total memory (RAM), in bytes",
+    "nv_cpu_memory_used_bytes": "CPU used memory (RAM), in bytes",
+}
+
+
+def test_help_lines_are_tritons_word_for_word(server: Server) -> None:
+    """Dashboards and tools that show a metric's HELP show Triton's; and no per-model cache family for
+    models whose config does not enable the response cache (none of this server's), as Triton 2.51."""
+    text = httpx.get(server.metrics_url).text
+    helps = dict(line[len("# HELP "):].split(" ", 1) for line in text.splitlines() if line.startswith("# HELP "))
+    assert {name: helps.get(name) for name in TRITON_HELP} == TRITON_HELP
+    assert "nv_cache_num_hits_per_model" not in helps
+
+
 def test_request_id_is_echoed_and_reaches_the_worker_log(tmp_path_factory: pytest.TempPathFactory,
                                                          redis_url: str, example_repository: Path) -> None:
     servers = module_server(example_repository, tmp_path_factory, redis_url, ("mlp",),

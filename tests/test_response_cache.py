@@ -246,7 +246,9 @@ def test_the_metrics_count_hits_and_misses(server: Server) -> None:
     assert values[f"nv_cache_num_hits_per_model{labels}"] >= 1
     assert values[f"nv_cache_num_misses_per_model{labels}"] >= 1
     assert f"nv_cache_hit_duration_per_model{labels}" in values
-    assert values['nv_cache_num_hits_per_model{model="plain",version="1"}'] == 0
+    # as Triton 2.51, which shows the per-model cache families for the versions whose config enables
+    # the cache only: a model without it has no series there (it used to show zeros)
+    assert not [k for k in values if k.startswith("nv_cache_") and 'model="plain"' in k]
 
 
 def test_each_processs_cache_figures_reach_the_metrics(server: Server) -> None:
