@@ -133,6 +133,11 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     stale = [gid for gid, r in zip(gateways, reports) if r == [None, None]]
     if stale:
         await redis.srem(keys.gateways, *stale)
+    executing: dict[tuple[str, str], int] = {}  # requests in batches executing now, over every worker
+    for h in heartbeats.values():
+        for name, versions in (orjson.loads(h[b"executing"]) if h.get(b"executing") else {}).items():
+            for version, n in versions.items():
+                executing[name, version] = executing.get((name, version), 0) + n
     models = []
     cursor = 0
     for name, version, streams in targets:
@@ -141,6 +146,7 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
         cursor += 1 + len(streams)
         config = catalog[name].config or {}
         models.append({"model": name, "version": str(version), "stats": stats, "backlog": backlog,
+                       "executing": executing.get((name, str(version)), 0),
                        "cached": bool(config.get("response_cache", {}).get("enable", False))})
     # the metrics Python models made themselves, as each worker reports those of the versions it serves
     custom = [msgpack.unpackb(h[b"custom_metrics"]) for _, h in sorted(heartbeats.items())
@@ -206,10 +212,12 @@ def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
     for m in models:
         s = m["stats"]
         # requests a gateway refused (queue full) were never enqueued, nor were those it answered from its
-        # response cache
+        # response cache; as in Triton, those in a batch being executed are no longer pending (the
+        # workers' heartbeats tell them, up to a beat late)
         answered = s.get("success_count", 0) + s.get("fail_count", 0) - s.get("refused", 0) \
             - s.get("cache_hit_count", 0)
-        out.sample("nv_inference_pending_request_count", _labels(m), max(0, s.get("enqueued", 0) - answered))
+        waiting = s.get("enqueued", 0) - answered - m.get("executing", 0)
+        out.sample("nv_inference_pending_request_count", _labels(m), max(0, waiting))
     out.family("despina_stream_backlog", "gauge", "Entries in a model version's request streams "
                "(queued or being worked on; one entry may carry several requests)")
     for m in models:

@@ -715,3 +715,60 @@ def test_custom_metrics_merge_over_processes_as_one_series_each() -> None:
     assert "despina_workers_alive 1" in lines and "despina_workers_alive 42" not in lines
     assert text.count("# TYPE despina_workers_alive") == 1
     assert 'odd_values{v="nan"} NaN' in lines and 'odd_values{v="inf"} -Inf' in lines
+
+
+HELD_MODEL = '''
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        deadline = time.monotonic() + 30
+        while not os.path.exists(RELEASE) and time.monotonic() < deadline:  # held until the test lets go
+            time.sleep(0.01)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())])
+                for r in requests]
+'''
+
+
+def test_pending_count_leaves_out_the_requests_being_executed(serve, tmp_path: Path) -> None:
+    """Triton's nv_inference_pending_request_count is the requests awaiting execution: with one request
+    executing and two queued behind it (one instance, one request a batch), Triton 2.51 shows 2 (Despina
+    showed 3: every request enqueued and not yet answered); once all are answered, 0."""
+    repo, release = tmp_path / "repo", tmp_path / "release"
+    (repo / "held" / "1").mkdir(parents=True)
+    (repo / "held" / "1" / "model.py").write_text(f"RELEASE = {str(release)!r}\n" + HELD_MODEL)
+    (repo / "held" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 1\ndynamic_batching { }\n'
+        'input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]\n'
+        'instance_group [{ count: 1, kind: KIND_CPU }]\n')
+    server = serve(repo, wait_models=("held",))
+    pending = 'nv_inference_pending_request_count{model="held",version="1"}'
+
+    async def traffic() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            posts = [asyncio.create_task(client.post(f"{server.url}/v2/models/held/infer", content=v2("X", 1, 1)))
+                     for _ in range(3)]
+            seen = await asyncio.to_thread(settled_scrape_within, server, {pending: 2}, 10)
+            release.touch()
+            answers = [r.status_code for r in await asyncio.gather(*posts)]
+            assert seen.get(pending) == 2, seen.get(pending)
+            return answers
+
+    assert asyncio.run(traffic()) == [200, 200, 200]
+    assert settled_scrape_within(server, {pending: 0}, 10)[pending] == 0
+
+
+def settled_scrape_within(server: Server, expected: dict[str, float], seconds: float) -> dict[str, float]:
+    """The metrics once they show `expected`, or as they are after `seconds` (a heartbeat may be a beat
+    late)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        metrics = scrape(server)
+        if all(metrics.get(k) == v for k, v in expected.items()) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)

@@ -198,6 +198,12 @@ class Presence:
             for (name, version), runner in self.runners.items():
                 if families := runner.custom_metrics():
                     custom.setdefault(name, {})[str(version)] = families
+            # requests in batches executing now, by model and version: the metrics' pending count is
+            # Triton's, requests awaiting execution (metrics.py); a dead worker's go with its hash
+            executing: dict[str, dict[str, int]] = {}
+            for (name, version), runner in self.runners.items():
+                if runner.executing:
+                    executing.setdefault(name, {})[str(version)] = runner.executing
             packed, detail, warning = orjson.dumps(models), pack_detail(self.detail()), self.skew.warning()
             fields: dict[str, str | bytes | float] = {
                 "info": self.info.dumps(), "models": packed, "detail": detail,
@@ -206,7 +212,8 @@ class Presence:
                 "clock": orjson.dumps({"offset_s": round(clock.offset(), 3), "warning": warning}),
                 "cache": orjson.dumps(self._cache.stats.as_dict() if self._cache else {}),
                 "response_cache": orjson.dumps(self.response_cache.figures() if self.response_cache else {}),
-                "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom), "seen": clock.now()}
+                "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom),
+                "executing": orjson.dumps(executing), "seen": clock.now()}
             mark_ms = int(self.settings.reply_ttl_s * 1000)
             kept = await self.redis.eval(await allow_oom(self.redis, HEARTBEAT), 3, self.keys.worker(self.id),
                                          self.keys.workers, self.keys.worker_mark(self.id),

@@ -81,6 +81,9 @@ class ModelRunner(Intake):
                                    self._read_along.release)
         batch_io = self.execution.batch_io
         self._ragged = batch_io.ragged if batch_io is not None else frozenset()
+        # requests in batches being executed: Triton's pending count leaves them out (metrics.py),
+        # and only this worker knows of them (its heartbeat tells)
+        self.executing = 0
         self._text: frozenset[str] = frozenset()  # BYTES inputs checked per request (_accept), from load()
         count = self.execution.count
         # with full_queue_delay a batch waits out its delay even when no other request can join it
@@ -210,12 +213,16 @@ class ModelRunner(Intake):
 
     async def _execute(self, batch: list[Item], instance: int | None = None) -> None:
         turn = self._order.take() if self._order is not None else None  # before any await (ordering.py)
+        taken = sum(item.payload.members for item in batch)
+        self.executing += taken
         try:
             await self._run_and_reply(batch, instance, turn)
         except BaseException:  # its replies will not go out: the batches after it must not wait for them
             if turn is not None:
                 turn.end()
             raise
+        finally:
+            self.executing -= taken
 
     async def _run_and_reply(self, batch: list[Item], instance: int | None, turn: Turn | None) -> None:
         pendings: list[Pending] = [item.payload for item in batch]
