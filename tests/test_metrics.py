@@ -772,3 +772,38 @@ def settled_scrape_within(server: Server, expected: dict[str, float], seconds: f
         if all(metrics.get(k) == v for k, v in expected.items()) or time.monotonic() > deadline:
             return metrics
         time.sleep(0.05)
+
+
+RAISES_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
+        if x[0] < 0:
+            raise pb_utils.TritonModelException("negative")
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]) for _ in requests]
+'''
+
+
+def test_a_python_execution_that_raised_counts_as_an_execution_of_no_inference(serve, tmp_path: Path) -> None:
+    """Triton 2.51's Python backend reports an execution whose every request failed (execute raised):
+    one request answered and one raised leave exec_count 2, inference_count 1, one BACKEND failure.
+    (Its onnxruntime backend reports no such execution: test_an_execution_whose_every_request_failed_...)"""
+    repo = tmp_path / "repo"
+    (repo / "raises" / "1").mkdir(parents=True)
+    (repo / "raises" / "1" / "model.py").write_text(RAISES_MODEL)
+    (repo / "raises" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]\n')
+    server = serve(repo, wait_models=("raises",))
+    for value, status_code in ((1.0, 200), (-1.0, 500)):
+        body = orjson.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [value]}]})
+        assert httpx.post(f"{server.url}/v2/models/raises/infer", content=body).status_code == status_code
+    labels = '{model="raises",version="1"}'
+    failed = 'nv_inference_request_failure{model="raises",version="1",reason="BACKEND"}'
+    metrics = settled_scrape(server, {failed: 1, f"nv_inference_exec_count{labels}": 2})
+    assert (metrics[f"nv_inference_request_success{labels}"], metrics[failed]) == (1, 1)
+    assert (metrics[f"nv_inference_exec_count{labels}"], metrics[f"nv_inference_count{labels}"]) == (2, 1)

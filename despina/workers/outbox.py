@@ -180,13 +180,15 @@ class Outbox:
             if self._entries[p.entry] == 0:
                 del self._entries[p.entry]
                 done.append(p.entry)
+        # Triton's Python backend counts an execution whose every request failed; its other backends do not
+        counts = stats.tally(replies, rows, started, timings, later, self.spec.backend == "python")
         if self.deferred is not None and not by_gateway and not done:
             # only requests made in this process (an ensemble's steps): nothing to send but counters,
             # which wait for the next pipeline
-            self.deferred.add(self.stats_key, stats.tally(replies, rows, started, timings, later))
+            self.deferred.add(self.stats_key, counts)
             self._read_along.release()  # nothing goes to Redis for it to ride with
         else:
-            counts, pipe = stats.tally(replies, rows, started, timings, later), Batch()
+            pipe = Batch()
             entries = self.writer.build(pipe, by_gateway, requests, counts, done, quiet=quiet)
             if any(p.alone for p in pendings):
                 self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])

@@ -50,7 +50,8 @@ def record(pipe: Any, key: str, replies: list[InferReply], rows: int, started: f
 
 
 def tally(replies: list[InferReply], rows: int, started: float,
-          timings_ns: tuple[int, int, int] = (0, 0, 0), later: int = 0) -> dict[str, int]:
+          timings_ns: tuple[int, int, int] = (0, 0, 0), later: int = 0,
+          failed_runs_count: bool = False) -> dict[str, int]:
     """One batch's counters; `rows` > 0 when the model executed (then timings are input, infer and
     output compute nanoseconds of that execution). A reply's latency is its queue_us + compute_us, and
     when the model executed, what the execution spent after compute_us was taken (its outputs split, its
@@ -58,10 +59,14 @@ def tally(replies: list[InferReply], rows: int, started: float,
     compute_output, so what it leaves over queue and compute (perf_analyzer's "overhead") is not negative.
     `later`: requests of the execution whose replies come later (a decoupled model's), counted in its
     compute as Triton counts a request's compute, their success with their final reply.
+    `failed_runs_count`: an execution whose every request failed still counts as an execution (Triton
+    2.51's Python backend reports it; its onnxruntime, PyTorch and TensorFlow backends do not).
     (Every field is set once, the failures' excepted: this runs for every batch.)"""
     counts: dict[str, int] = {}
     ok = [r for r in replies if r.error is None]
-    if not ok and replies:  # Triton's backends report no execution whose every request failed
+    if not ok and replies:  # no inference; an execution only where Triton's backend reports one
+        if rows and failed_runs_count:
+            counts["execution_count"] = 1
         rows = 0
     n = len(ok)
     grouped = any(r.id[:1] == GROUPED for r in replies)  # a gateway's several requests sent as one
