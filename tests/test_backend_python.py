@@ -29,6 +29,7 @@ from despina.control.repository import load_model
 from despina.examples import build_add_sub
 from despina.gateway.http import STATUS
 from despina.workers.backends import Instance, backend_class
+from despina.workers.backends.base import visible_gpus
 
 from .conftest import FULL_QUEUE_DELAY, ROOT, Server, module_server
 
@@ -319,6 +320,8 @@ def test_initialize_gets_tritons_args(client: httpclient.InferenceServerClient, 
     assert config["name"] == "strings" and config["max_batch_size"] == 16
     assert config["default_model_filename"] == "model.py"  # as Triton completes it
     assert [(g["name"], g["count"]) for g in config["instance_group"]] == [("strings", 1)]
+    # as Triton's: the kind it runs as, not the KIND_AUTO that GET .../config shows
+    assert config["instance_group"][0]["kind"] == ("KIND_GPU" if visible_gpus() else "KIND_CPU")
     assert config["dynamic_batching"]["preferred_batch_size"] == [16]
 
 

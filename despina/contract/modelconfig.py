@@ -87,6 +87,10 @@ def to_dict(config: Any) -> dict[str, Any]:
     """ModelConfig -> Triton's JSON form: field names as in the .proto, 64-bit integers as numbers."""
     raw = json_format.MessageToDict(config, preserving_proto_field_name=True,
                                     always_print_fields_with_no_presence=True)
+    scheduling = raw.get("ensemble_scheduling")
+    if scheduling is not None and not scheduling.get("max_inflight_requests"):
+        # newer than Triton 2.51, whose ModelConfig (so its /config) has no such field: shown only when set
+        scheduling.pop("max_inflight_requests", None)
     return _fix_int64(config.DESCRIPTOR, raw)
 
 
@@ -187,6 +191,11 @@ def complete(config: Any) -> Any:
         if sb.HasField("oldest") and not sb.oldest.preferred_batch_size:
             sb.oldest.preferred_batch_size.extend(batched)
     if config.platform == "ensemble":
+        # as Triton shows an ensemble: no backend (Despina's marker "ensemble" stops here), and decoupled
+        # when a step is, which Despina refuses (contract/ensemble.py): never
+        config.backend = ""
+        config.model_transaction_policy.decoupled = False
+        config.model_transaction_policy.SetInParent()
         return config
     for pinned in ("input_pinned_memory", "output_pinned_memory"):
         if not config.optimization.HasField(pinned):

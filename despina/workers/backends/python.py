@@ -30,6 +30,7 @@ from google.protobuf import json_format
 
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
 from ...contract.modelconfig import ModelConfig, to_dict
+from ..instances import completed_config
 from .base import Backend, Marks, Outputs, visible_gpus
 from .python_env import interpreter
 from .python_process import DecoupledStub, OnResponse, Stub, StubDied, log
@@ -85,7 +86,8 @@ class PythonBackend(Backend):
     def _args(self) -> dict[str, str]:
         """initialize()'s args, as Triton's Python backend passes them: every value a string."""
         return {
-            "model_config": json.dumps(self.spec.config),
+            # the instance groups as they run here: KIND_AUTO is KIND_CPU or KIND_GPU by now, as in Triton
+            "model_config": json.dumps(completed_config(self.spec, self.gpu_count())),
             "model_instance_kind": self.instance.kind,
             "model_instance_name": self.instance.name,
             "model_instance_device_id": str(self.instance.device),
