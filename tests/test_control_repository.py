@@ -17,6 +17,7 @@ import redis
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from despina.contract.catalog import CatalogEntry
 from despina.contract.errors import ConfigError, DespinaError
 from despina.contract.keys import Keys
 from despina.control.plane import ControlPlane
@@ -84,12 +85,20 @@ def test_explicit_mode_load_unload_and_index(serve: Callable[..., Server], repo:
         client.load_model("mlp", config=orjson.dumps(override).decode())
         assert client.get_model_config("mlp")["max_batch_size"] == 4
         assert infer(server.url).json()["model_version"] == "1"
+        # as Triton's: a load without `config`, its files unchanged, keeps the override (it read config.pbtxt)
+        client.load_model("mlp")
+        assert client.get_model_config("mlp")["max_batch_size"] == 4
+        assert infer(server.url).json()["model_version"] == "1"
+        client.unload_model("mlp")  # an unload forgets it
+        client.load_model("mlp")
+        assert client.get_model_config("mlp")["max_batch_size"] == 8
+        client.load_model("mlp", config=orjson.dumps(override).decode())
 
         # one broken version of three: the load says so, the others serve
         (repo / "mlp" / "3").mkdir()
         (repo / "mlp" / "3" / "model.onnx").write_bytes(b"not onnx")
         with pytest.raises(InferenceServerException, match="failed to load 'mlp' version 3") as failed:
-            client.load_model("mlp")
+            client.load_model("mlp")  # the files changed: read again, without the override
         assert failed.value.status() == "400"  # as Triton's: the files are at fault, a retry will not do
         # the load answers as soon as version 3 failed; version 2 may still be coming up
         deadline = time.monotonic() + 10
@@ -635,3 +644,10 @@ def test_a_reload_serves_a_model_file_replaced_with_one_of_the_same_size_and_tim
         assert httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60).status_code == 200
         got = infer(server.url).json()["outputs"][0]["data"]
         assert np.allclose(got, expected(seed), atol=1e-4), seed
+
+
+def test_a_config_override_is_kept_in_the_catalog() -> None:
+    """The catalog in Redis keeps a load's config override: a control plane taking over keeps it too."""
+    e = CatalogEntry("m", "/repo/m", {}, (1,), override={"max_batch_size": 4}, override_files="f1")
+    assert CatalogEntry.loads(e.dumps()) == e
+    assert "override" not in orjson.loads(CatalogEntry("m", "/repo/m", {}, (1,)).dumps())

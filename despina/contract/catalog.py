@@ -42,6 +42,10 @@ class CatalogEntry:
     # load that brought them was taken back), with the load's error, the latest last: Triton's index goes
     # on listing them UNAVAILABLE with it until a load of theirs succeeds
     dropped: dict[int, str] = field(default_factory=dict)
+    # the load API's `config` it was read with, and the fingerprint of the model's files then: as Triton's,
+    # a later load without one keeps it until the files change (commands.py)
+    override: dict[str, Any] | None = None
+    override_files: str = ""
 
     @property
     def serving(self) -> bool:
@@ -67,7 +71,9 @@ class CatalogEntry:
             "footprint": self.footprint, "step_only": self.step_only,
             **({"labels": {k: list(v) for k, v in self.labels.items()}} if self.labels else {}),
             **({"retired": list(self.retired)} if self.retired else {}),
-            **({"dropped": {str(v): r for v, r in self.dropped.items()}} if self.dropped else {})})
+            **({"dropped": {str(v): r for v, r in self.dropped.items()}} if self.dropped else {}),
+            **({"override": self.override, "override_files": self.override_files}
+               if self.override is not None else {})})
 
     @classmethod
     def loads(cls, raw: bytes | str) -> CatalogEntry:
@@ -80,7 +86,8 @@ class CatalogEntry:
                    {int(v): r for v, r in (d.get("failed") or {}).items()}, int(d.get("footprint", 0)),
                    bool(d.get("step_only", False)),
                    {k: tuple(v) for k, v in (d.get("labels") or {}).items()}, tuple(d.get("retired", ())),
-                   {int(v): r for v, r in (d.get("dropped") or {}).items()})
+                   {int(v): r for v, r in (d.get("dropped") or {}).items()}, d.get("override"),
+                   d.get("override_files", ""))
 
 
 def retire(e: CatalogEntry, gone: Iterable[int], versions: Iterable[int]) -> tuple[int, ...]:

@@ -161,12 +161,19 @@ class Commands:
                 override = None  # written as config.pbtxt: read back like any model
             model = await asyncio.to_thread(plane.registry.model, name)
             old = plane.catalog.get(name)
+            if not files and override is None and old is not None and old.override is not None \
+                    and old.target != UNLOADED:
+                # Triton's: a model loaded with a `config` is unchanged for a load without one until its files
+                # change (their times pass the override's), so that load keeps it; an unload forgets it
+                override = old.override if old.override_files == model.fingerprint() else None
             try:
                 entry = await asyncio.to_thread(read_model, plane.registry, model, override)
             except DespinaError as exc:
                 log.error("load of %s failed: %s", name, exc.message)
                 await self._take_back(model, old, replaced, exc.message)
                 raise
+            if override is not None:
+                entry = replace(entry, override=override, override_files=model.fingerprint())
             if entry.state == "READY" and is_ensemble(entry.config):
                 await self._load_steps(entry, timeout, (*calling, name))
             plane.lifecycle.forget(name)
