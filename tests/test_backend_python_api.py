@@ -190,3 +190,19 @@ def test_auto_complete_may_not_change_whether_a_declared_input_is_optional(tmp_p
     bare = 'name: "optional"\nbackend: "python"\n'
     entry = load_model(write_model(tmp_path / "bare", "optional", OPTIONAL, bare))
     assert [(i["name"], i.get("optional")) for i in entry.config["input"]] == [("X", True)]
+
+
+SHADOW = "raise ImportError(\"the model's own {name} was imported in place of Despina's\")\n"
+
+
+def test_a_models_own_modules_cannot_shadow_pb_utils_private_modules(tmp_path: Path) -> None:
+    """pb_utils is split into private modules beside it (_despina_*); the model's folders go first on
+    sys.path, so a file of the model's with one of their names would win if one were imported after the
+    model's folders are there. The stub imports them all before: the model's own never runs."""
+    folder = write_model(tmp_path, "optional", OPTIONAL, 'name: "optional"\nbackend: "python"\n')
+    stub = Path(__file__).parent.parent / "despina" / "workers" / "backends" / "python_stub"
+    for module in sorted(stub.glob("_despina_*.py")) + [stub / "triton_python_backend_utils.py"]:
+        for place in (folder, folder / "1"):
+            (place / module.name).write_text(SHADOW.format(name=module.name))
+    entry = load_model(folder)
+    assert [(i["name"], i.get("optional")) for i in entry.config["input"]] == [("X", True)]

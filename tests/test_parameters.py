@@ -2,7 +2,6 @@
 `despina serve` with a Python model that echoes them, and the records that carry them on their own."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +18,8 @@ from despina.contract.errors import InvalidArgument
 from despina.contract.records import InferReply, InferRequest, Tensor
 from despina.examples import build_add_sub
 
-from .conftest import FULL_QUEUE_DELAY, ROOT, Server, module_server, settled_stats
+from .conftest import FULL_QUEUE_DELAY, Server, module_server, settled_stats
+from .test_pb_utils import load_pb_utils
 
 # PARAMS: each request's request.parameters() as it came; ID: its request_id(); BATCH: the requests of
 # its execute. Response parameters: how many parameters it saw, and `reply` back when asked; the
@@ -238,11 +238,7 @@ def test_tritonclient_refuses_reserved_names_itself(client: httpclient.Inference
 
 
 def test_pb_utils_takes_parameters_as_tritons_python_backend_does() -> None:
-    path = ROOT / "despina" / "workers" / "backends" / "python_stub" / "triton_python_backend_utils.py"
-    spec = importlib.util.spec_from_file_location("triton_python_backend_utils", path)
-    assert spec and spec.loader
-    pb_utils = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pb_utils)
+    pb_utils = load_pb_utils()
     assert pb_utils.InferenceRequest().parameters() == "{}"
     assert json.loads(pb_utils.InferenceRequest(parameters={"t": 0.5}).parameters()) == {"t": 0.5}
     assert pb_utils.InferenceResponse([]).parameters() == "{}"

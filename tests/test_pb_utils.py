@@ -1,9 +1,10 @@
 """Despina's `triton_python_backend_utils` on its own: the module a Triton `model.py` imports, loaded
-from its file as the model's process loads it (it needs numpy only)."""
+as the model's process loads it (it needs numpy only)."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
+import sys
 from types import ModuleType
 
 import numpy as np
@@ -11,15 +12,22 @@ import pytest
 
 from .conftest import ROOT
 
+STUB_FOLDER = ROOT / "despina" / "workers" / "backends" / "python_stub"
+
+
+def load_pb_utils() -> ModuleType:
+    """The module as the stub imports it: its folder first on sys.path (the private modules beside it
+    come with it), then taken off again, so that nothing else here imports from that folder."""
+    sys.path.insert(0, str(STUB_FOLDER))
+    try:
+        return importlib.import_module("triton_python_backend_utils")
+    finally:
+        sys.path.remove(str(STUB_FOLDER))
+
 
 @pytest.fixture(scope="module")
 def pb_utils() -> ModuleType:
-    path = ROOT / "despina" / "workers" / "backends" / "python_stub" / "triton_python_backend_utils.py"
-    spec = importlib.util.spec_from_file_location("triton_python_backend_utils", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_pb_utils()
 
 
 def test_pb_utils_bytes_codec_and_type_tables(pb_utils: ModuleType) -> None:
@@ -155,3 +163,61 @@ def test_pb_utils_custom_metrics_names_are_prometheus_names(pb_utils: ModuleType
     assert reported["type"] == "counter" and reported["help"] == "d"
     assert reported["metrics"][0]["labels"] == {"model": 'any "value"\n at all'}
     assert reported["metrics"][0]["value"] == 2
+
+
+# Every public name of Triton's module as a model sees it (python_backend, r24.xx and later): those of
+# src/resources/triton_python_backend_utils.py, and those of the c_python_backend_utils module that
+# src/pb_stub.cc binds (PYBIND11_EMBEDDED_MODULE) and sets on it. (get_model_dir, which Triton's stub
+# adds to the module at initialize, is not one of Despina's.)
+TRITON_PY_NAMES = (
+    "TRITON_STRING_TO_NUMPY", "serialize_byte_tensor", "deserialize_bytes_tensor", "get_input_tensor_by_name",
+    "get_output_tensor_by_name", "get_input_config_by_name", "get_output_config_by_name",
+    "using_decoupled_model_transaction_policy", "triton_to_numpy_type", "numpy_to_triton_type",
+    "triton_string_to_numpy", "ModelConfig", "TRITONSERVER_REQUEST_FLAG_SEQUENCE_START",
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_END", "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+    "TRITONSERVER_REQUEST_RELEASE_ALL", "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE", "json", "struct", "np",
+)
+TRITON_C_NAMES = (
+    "TritonError", "TritonModelException", "PreferredMemory", "MemoryType", "TRITONSERVER_MEMORY_GPU",
+    "TRITONSERVER_MEMORY_CPU", "InferenceTrace", "InferenceRequest", "Tensor", "InferenceResponse",
+    "InferenceResponseSender", "ResponseIterator", "Logger", "Metric", "MetricKind", "COUNTER", "GAUGE",
+    "HISTOGRAM", "MetricFamily", "load_model", "unload_model", "is_model_ready",
+)
+
+
+def test_pb_utils_has_every_public_name_of_tritons_module(pb_utils: ModuleType) -> None:
+    """Each name importable from the module (and brought by a star import), the class-level names too;
+    a name the module's split into private modules left behind would fail here."""
+    star: dict[str, object] = {}
+    exec("from triton_python_backend_utils import *", star)  # the module loaded above, from sys.modules
+    for name in TRITON_PY_NAMES + TRITON_C_NAMES:
+        imported: dict[str, object] = {}
+        exec(f"from triton_python_backend_utils import {name}", imported)
+        assert imported[name] is getattr(pb_utils, name) is star[name], name
+    for code in ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED",
+                 "ALREADY_EXISTS", "CANCELLED"):
+        assert isinstance(getattr(pb_utils.TritonError, code), int), code
+    for level in ("INFO", "WARNING", "ERROR", "VERBOSE"):
+        assert getattr(pb_utils.Logger, level) == getattr(pb_utils.Logger.LogLevel, level), level
+    for kind in ("COUNTER", "GAUGE", "HISTOGRAM"):
+        assert getattr(pb_utils.MetricFamily, kind) == getattr(pb_utils, kind), kind
+
+
+def test_pb_utils_state_is_one_object_for_the_stub_and_its_private_modules(
+        pb_utils: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    """The stub sets pb_utils._model_name, _log_settings and _metrics_changed (and the model's calls and
+    senders); the classes that read them live in private modules, and must see what was set on this
+    module, not a copy of their own."""
+    tensor = pb_utils.Tensor("x", np.zeros(2, np.float32))
+    assert isinstance(tensor, sys.modules["_despina_tensor"].Tensor) and isinstance(tensor, pb_utils.Tensor)
+    name, settings = pb_utils._model_name, pb_utils._log_settings
+    try:
+        pb_utils._model_name, pb_utils._log_settings = "shared", {"log_verbose_level": 1}
+        pb_utils.Logger.log_verbose("seen")
+        assert "VERBOSE model 'shared': seen" in capsys.readouterr().err
+    finally:
+        pb_utils._model_name, pb_utils._log_settings = name, settings
+    pb_utils._metrics_changed = False
+    pb_utils.MetricFamily("state_shared", "d", pb_utils.GAUGE).Metric().set(1)
+    assert pb_utils._metrics_changed is True
+    assert "state_shared" in pb_utils._metric_families
