@@ -9,18 +9,15 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
 from despina.contract.errors import BackendError, Code, DespinaError
-from despina.contract.modelspec import ModelSpec
-from despina.control.repository import load_model
-from despina.workers.backends import Instance, backend_class
 
 from .conftest import Server, module_server
+from .test_pytorch_parameters import load_backend
 
 torch = pytest.importorskip("torch")
 
@@ -81,13 +78,6 @@ def build(repo: Path, name: str, module: torch.nn.Module, outputs: str = FP32_OU
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.jit.script(module).save(str(folder / "1" / "model.pt"))
     return folder
-
-
-def load_backend(folder: Path) -> Any:
-    spec = ModelSpec.from_config(load_model(folder).config)
-    backend = backend_class("pytorch")(spec, folder / "1", Instance(f"{spec.name}_0"))
-    backend.load()
-    return backend
 
 
 X = {"INPUT__0": np.ones((1, 2), dtype=np.float32)}
