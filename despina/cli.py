@@ -343,14 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         from .serve import Supervisor
 
         return Supervisor(settings).run()
-    from . import fds, roles
+    from . import fds, roles, started
 
     before, after = fds.raise_limit()  # every connection, to a client or to Redis, takes a descriptor
     if after != before:
         logging.getLogger("despina").debug("open-files limit raised from %d to %d", before, after)
     run = {"gateway": roles.run_gateway, "worker": roles.run_worker, "control": roles.run_control}
     try:
-        run[args.command](settings)
+        run[args.command](settings, started.from_environ())
     except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise

@@ -23,14 +23,17 @@ LAST_WORD_S = 1.0  # how long before its drain's end a server gives up on what i
 
 class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, give_up: Callable[[], None] | None = None,
-                 stopping: Callable[[], None] | None = None) -> None:
+                 stopping: Callable[[], None] | None = None,
+                 started: Callable[[], None] | None = None) -> None:
         """`give_up` answers what still waits, shortly before the drain's time (the config's
         timeout_graceful_shutdown) is spent: the supervisor kills the process then, and a client whose
-        connection is cut gets no status to retry on. `stopping` is called on each stop signal."""
+        connection is cut gets no status to retry on. `stopping` is called on each stop signal, `started`
+        once the server serves (its app's lifespan started)."""
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._give_up = give_up
         self._stopping = stopping
+        self._started = started
         self.exit_code = 0  # what the role exits with once served (leave)
         super().__init__(config)
 
@@ -75,6 +78,8 @@ class Server(uvicorn.Server):
 
     async def main_loop(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        if self._started is not None:  # (uvicorn runs the main loop only after a start that succeeded)
+            self._started()
         every = DATE_S if self.config.date_header else None
         # on_tick renews the headers when its counter is a multiple of 10 (uvicorn's tenths of a second)
         counter = 0

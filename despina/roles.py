@@ -67,7 +67,8 @@ def quiet_collector() -> None:
     gc.set_threshold(20_000, 20, 20)
 
 
-def run_gateway(settings: Settings) -> None:
+def run_gateway(settings: Settings, started: Callable[[], None] = lambda: None) -> None:
+    """`started`: what the gateway calls once it serves (started.py)."""
     from .gateway import http
     from .gateway.app import create_app
     from .gateway.protocol import protocol_class
@@ -105,7 +106,8 @@ def run_gateway(settings: Settings) -> None:
     logging.getLogger("despina.gateway").info("listening on http://%s",
                                               host_port(settings.host, sock.getsockname()[1]))
     quiet_collector()
-    server = Server(config, give_up=app.state.gateway.give_up, stopping=exit_if_stuck(settings))
+    server = Server(config, give_up=app.state.gateway.give_up, stopping=exit_if_stuck(settings),
+                    started=started)
     server.run(sockets=[sock])
     if settings.colocate:
         _leave_stuck_threads(server.exit_code)
@@ -176,7 +178,8 @@ def _run_until_signal(make_and_run: object) -> None:
     uvloop.run(make_and_run())  # type: ignore[operator]
 
 
-def run_worker(settings: Settings) -> None:
+def run_worker(settings: Settings, started: Callable[[], None] = lambda: None) -> None:
+    """`started`: what the worker calls once it joined (its first heartbeat; started.py)."""
     if settings.worker_cpus is not None:  # before any thread starts: the backends' threads inherit it
         pin(parse(settings.worker_cpus))
         log.info("running on CPU %s", settings.worker_cpus)
@@ -189,6 +192,7 @@ def run_worker(settings: Settings) -> None:
         assert settings.redis_url
         redis = connect_worker(settings.redis_url)
         worker = Worker(settings, redis)
+        worker.on_join = started
         quiet_collector()
         loop = asyncio.get_running_loop()
         stuck = exit_if_stuck(settings, settings.worker_handover_s)
@@ -242,7 +246,8 @@ def _leave_stuck_threads(code: int = 0) -> None:
         os._exit(code)
 
 
-def run_control(settings: Settings) -> None:
+def run_control(settings: Settings, started: Callable[[], None] = lambda: None) -> None:
+    """`started`: what the control plane calls once it leads or stands by (started.py)."""
     # the metrics port, before anything starts: uvicorn's failure to bind it, in a task, was a traceback
     metrics = bound_socket(settings.host, settings.metrics_port, "control") if settings.metrics_port else None
 
@@ -254,6 +259,7 @@ def run_control(settings: Settings) -> None:
         # under serve, which names each control plane it starts, and on a restart the one that exited
         plane = ControlPlane(settings, redis, os.environ.get(CONTROL_ID) or None,
                              os.environ.get(CONTROL_PREDECESSOR) or None)
+        plane.on_start = started
         stopped = asyncio.Event()
         stuck = exit_if_stuck(settings)
 

@@ -2,9 +2,12 @@
 
 Starts (when no Redis URL is given) an embedded Valkey, the control plane, N workers and M gateways
 (sharing the HTTP port through SO_REUSEPORT when M > 1), each a child process that dies with this one.
-A worker that exits is restarted; so are a gateway and the control plane that had been up for SETTLED_S
-(one that dies at its start, on a taken port or with a repository it cannot read say, stops everything).
-A role of any kind that says it could not start (exit START_FAILED) stops everything, whenever it says so.
+Each role says when it is up (started.py). One that exits before it is up, at serve's start, could not
+start (a taken port, a repository it cannot read, an import error): restarted, it would fail again, so
+serve stops everything and exits START_FAILED. So does a role, whenever, that exits START_FAILED: it said
+why it cannot go on. One that exits once up crashed, and is restarted: at once the first time, then after
+a backoff that doubles with each crash within CRASH_WINDOW_S; the MAX_CRASHES-th there stops everything,
+as a process supervisor gives up on a service that only crashes.
 The embedded Valkey's end stops everything too: the queues and the catalog went with it, and an
 orchestrator's restart of serve starts clean. SIGINT/SIGTERM drain in order: the gateways stop taking
 requests and answer those in flight, then workers finish, then control, then Valkey; a second signal
@@ -28,13 +31,16 @@ from .cpus import available, format_list, parse
 from .embedded import START_FAILED, EmbeddedValkey, bound_socket, child_setup, host_port
 from .gateway.shm import Registry
 from .settings import Settings
+from .started import Listener
 
 log = logging.getLogger("despina.serve")
 
+# a role that crashed once up is restarted at once; crashing again within CRASH_WINDOW_S, after
+# RESTART_BACKOFF_S, then twice that, and so on; its MAX_CRASHES-th crash there stops everything (a role
+# that fails again at each restart is given up on within about ten seconds)
 RESTART_BACKOFF_S = 1.0
-# a gateway that dies sooner after its start failed to start (an import error, say): stop; one that says
-# it could not start (START_FAILED: its port, its key file) stops everything whenever it says so
-SETTLED_S = 5.0
+CRASH_WINDOW_S = 60.0
+MAX_CRASHES = 5
 LAST_S = 2.0  # what a stage of the drain gets, at least, once the drain's time is spent
 # how often the children are looked at besides when a signal comes (a child's end is SIGCHLD): a net only
 LOOK_S = 5.0
@@ -52,13 +58,35 @@ class Child:
         self.cpus = cpus  # None: wherever this process may run
         self.nice = nice
         self.process: subprocess.Popen[bytes] | None = None
+        self.listener: Listener | None = None  # this start's: whether it said it is up
         self.restarts = 0
-        self.started = 0.0
+        self.crashes: list[float] = []  # when it crashed, within CRASH_WINDOW_S
+        self.restart_at: float | None = None  # its restart, waiting out its backoff
 
     def start(self) -> None:
-        self.started = time.monotonic()
-        self.process = subprocess.Popen([sys.executable, "-m", "despina", self.role], env=self.env,
-                                        preexec_fn=child_setup(self.cpus, self.nice), process_group=0)
+        self.restart_at = None
+        listener = self.listener = Listener()
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "despina", self.role],
+                                            env={**self.env, **listener.env()}, pass_fds=(listener.write_fd,),
+                                            preexec_fn=child_setup(self.cpus, self.nice), process_group=0)
+        finally:
+            listener.spawned()
+
+    def heard(self) -> bool:
+        """Whether it said it is up just now (the first time this start)."""
+        if self.listener is None or self.listener.done:
+            return False
+        return self.listener.listen()
+
+    def up(self) -> bool:
+        """Whether this start said it is up (a byte it wrote before it died is read too)."""
+        return self.listener is not None and self.listener.listen()
+
+    def crashed(self, now: float) -> int:
+        """Count a crash; how many there were within CRASH_WINDOW_S."""
+        self.crashes = [t for t in self.crashes if now - t < CRASH_WINDOW_S] + [now]
+        return len(self.crashes)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -82,6 +110,11 @@ class Child:
             log.warning("%s did not stop within %.0f s; killing it", self.name, timeout)
             self.process.kill()
             self.process.wait()
+
+
+def backoff(crashes: int) -> float:
+    """How long a role that crashed `crashes` times within CRASH_WINDOW_S waits for its restart."""
+    return 0.0 if crashes <= 1 else RESTART_BACKOFF_S * 2 ** (crashes - 2)
 
 
 def worker_id(i: int) -> str:
@@ -162,7 +195,8 @@ class Supervisor:
         code = 0
         with _woken_by_signals() as wait:
             while not self._stopping:
-                wait(LOOK_S)
+                wait(self._next_look(), [c.listener.fd for c in self._children() if c.listener and
+                                         not c.listener.done])
                 code = self._check_children()
                 if code:
                     break
@@ -204,37 +238,58 @@ class Supervisor:
                 if child is not None:
                     child.kill()
 
+    def _children(self) -> list[Child]:
+        return [*self.workers, *self.gateways, *([self.control] if self.control else [])]
+
+    def _next_look(self) -> float:
+        """How long the loop may sleep: LOOK_S, or less where a restart is due sooner."""
+        due = [c.restart_at for c in self._children() if c.restart_at is not None]
+        return max(0.0, min([LOOK_S, *(at - time.monotonic() for at in due)]))
+
     def _check_children(self) -> int:
-        for w in self.workers:
-            if not w.alive() and not self._stopping:
-                assert w.process
-                if w.process.returncode == START_FAILED:  # restarted, it would say so again every second
-                    log.error("%s exited with %s at its start; stopping everything", w.name, START_FAILED)
-                    return START_FAILED
-                log.error("%s exited with %s; restarting it", w.name, w.process.returncode)
-                time.sleep(RESTART_BACKOFF_S)
-                w.restarts += 1
-                w.start()
+        if self._stopping:
+            return 0
+        for child in self._children():
+            if child.heard():
+                assert child.process
+                log.info("%s is up (pid %d)", child.name, child.process.pid)
+            if child.alive() or child.restart_at is not None:
+                continue
+            code = self._judge(child)
+            if code:
+                return code
         valkey = self.valkey.process if self.valkey is not None else None
-        if valkey is not None and valkey.poll() is not None and not self._stopping:
+        if valkey is not None and valkey.poll() is not None:
             log.error("the embedded Valkey exited with %s, and the queues and the catalog with it; stopping "
                       "everything", valkey.returncode)
             return 1
-        # the gateways are stateless, and the control plane takes its state back from Redis and the
-        # repository: a crash is restarted, a failed start stops everything
-        for child in (*self.gateways, self.control):
-            if child and not child.alive() and not self._stopping:
-                assert child.process
-                code = child.process.returncode
-                if code == START_FAILED or time.monotonic() - child.started < SETTLED_S:
-                    log.error("%s exited with %s at its start; stopping everything", child.name, code)
-                    return START_FAILED if code == START_FAILED else 1  # (3: it said why it could not start)
-                log.error("%s exited with %s; restarting it", child.name, child.process.returncode)
+        now = time.monotonic()
+        for child in self._children():
+            if child.restart_at is not None and child.restart_at <= now:
                 if child is self.control:  # reaped, so gone for sure: its successor takes its lease at once
                     child.env = {**child.env, CONTROL_PREDECESSOR: child.env[CONTROL_ID],
                                  CONTROL_ID: control_id()}
                 child.restarts += 1
                 child.start()
+        return 0
+
+    def _judge(self, child: Child) -> int:
+        """A role exited: schedule its restart (0), or the code serve stops everything with. The gateways
+        are stateless, and the control plane and the workers take their state back from Redis and the
+        repository: a crash is restarted. A start that failed is not: it would fail again."""
+        assert child.process
+        code = child.process.returncode
+        if code == START_FAILED or not (child.up() or child.restarts):
+            log.error("%s exited with %s at its start; stopping everything", child.name, code)
+            return START_FAILED  # (with START_FAILED, it said why above in one line)
+        crashes = child.crashed(time.monotonic())
+        if crashes >= MAX_CRASHES:
+            log.error("%s exited with %s, its %d%s exit within %.0f s; stopping everything", child.name, code,
+                      crashes, _nth(crashes), CRASH_WINDOW_S)
+            return 1
+        delay = backoff(crashes)
+        log.error("%s exited with %s; restarting it%s", child.name, code, f" in {delay:g} s" if delay else "")
+        child.restart_at = time.monotonic() + delay
         return 0
 
     def shutdown(self) -> None:
@@ -258,22 +313,29 @@ class Supervisor:
             self.valkey.stop()
         if self.shm is not None:
             self.shm.clear()
+        for child in self._children():
+            if child.listener is not None:
+                child.listener.close()
         log.info("stopped")
 
 
+def _nth(n: int) -> str:
+    return "th" if 10 <= n % 100 < 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+
+
 @contextlib.contextmanager
-def _woken_by_signals() -> Iterator[Callable[[float], None]]:
+def _woken_by_signals() -> Iterator[Callable[[float, list[int]], None]]:
     """A wait (at most its timeout) that a signal ends: a child's end (SIGCHLD) or a stop (SIGTERM,
-    SIGINT, whose handlers are already set). Idle, the supervisor then wakes only for them, not five
-    times a second."""
+    SIGINT, whose handlers are already set), or something to read on one of the descriptors given (a
+    role saying it is up). Idle, the supervisor then wakes only for them, not five times a second."""
     read, write = os.pipe()
     for fd in (read, write):
         os.set_blocking(fd, False)
     before = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     child = signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # a handler: the byte is written
 
-    def wait(timeout: float) -> None:
-        if select.select([read], [], [], timeout)[0]:
+    def wait(timeout: float, more: list[int]) -> None:
+        if read in select.select([read, *more], [], [], timeout)[0]:
             with contextlib.suppress(BlockingIOError):
                 while os.read(read, 512):
                     pass

@@ -25,12 +25,12 @@ import redis
 from despina.contract.keys import Keys
 from despina.embedded import START_FAILED, bound_socket, free_port
 from despina.roles import STOP_MARGIN_S
-from despina.serve import SETTLED_S
 
 from .conftest import FULL_QUEUE_DELAY, Server, descendants, dump_stacks, stop_server
 from .control_support import catalog_entry, infer, mlp_folder
 from .reliability_support import own_redis, role_pids
 from .test_metrics import scrape
+from .test_serve_lifecycle import ended, launch
 
 PENDING = 'nv_inference_pending_request_count{model="mlp",version="1"}'
 
@@ -49,13 +49,13 @@ def alive(pids: set[int]) -> set[int]:
     return out
 
 
-def settle(pid: int) -> None:
-    """Wait until the process has run past serve's SETTLED_S: its death is then a crash to restart, not a
-    failed start that stops serve. Timed from the process's own start (in /proc, after serve's clock for it
-    began), not from the test's call to serve: on a loaded machine the roles start a while after that."""
-    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-    age = float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
-    time.sleep(max(0.0, SETTLED_S + 0.5 - age))
+def settle(server: Server, pid: int, timeout: float = 30) -> None:
+    """Wait until serve heard the role `pid` say it is up (despina/started.py): its death is then a crash to
+    restart, not a failed start that stops serve."""
+    deadline = time.monotonic() + timeout
+    while f"is up (pid {pid})" not in server.logs():
+        assert time.monotonic() < deadline and server.process.poll() is None, server.logs()[-3000:]
+        time.sleep(0.05)
 
 
 def cmdline(pid: int) -> str:
@@ -398,7 +398,7 @@ def test_a_crashed_gateway_is_restarted_and_the_others_serve_meanwhile(
     server = serve(example_repository, "--gateways", "2", wait_models=("mlp",))
     gateways = {p for p in descendants(server.process.pid) if "despina gateway" in cmdline(p)}
     victim = min(gateways)
-    settle(victim)
+    settle(server, victim)
     os.kill(victim, signal.SIGKILL)
     for _ in range(20):  # new connections go to the gateway still listening
         assert httpx.post(f"{server.url}/fn/mlp", content=ROW, timeout=10).status_code == 200
@@ -420,7 +420,7 @@ def test_a_crashed_control_plane_is_restarted_and_the_models_serve_on(
     # serve without it and the control plane takes its state back from Redis and the repository
     server = serve(example_repository, wait_models=("mlp",))
     victim = next(p for p in descendants(server.process.pid) if "despina control" in cmdline(p))
-    settle(victim)
+    settle(server, victim)
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -447,7 +447,7 @@ def test_a_control_plane_that_lost_its_lease_is_restarted_and_leads_again(
     start another (which stands by until the lease is free, then leads), not run on with no control plane."""
     server = serve(example_repository, wait_models=("mlp",))
     (victim,) = role_pids(server, "control")
-    settle(victim)
+    settle(server, victim)
     client = redis.Redis.from_url(redis_url)
     try:
         client.set(Keys(key_prefix).control_leader, "another", px=3000)  # gone in 3 s, as a dead holder's
@@ -476,7 +476,7 @@ def test_a_cold_start_right_after_the_control_plane_is_killed_waits_for_its_rest
     assert infer(server.url).status_code == 200  # (its idle clock starts once it serves)
     wait_until(lambda: getattr(catalog_entry(redis_url, key_prefix, "mlp"), "target", "") == "idle", server, 20)
     (victim,) = role_pids(server, "control")
-    settle(victim)
+    settle(server, victim)
     client = redis.Redis.from_url(redis_url)
     try:  # killed just after a renewal: its lease has 9 s and more to run
         wait_until(lambda: client.pttl(Keys(key_prefix).control_leader) > 9_000, server, 10)
@@ -766,36 +766,23 @@ def test_colocated_workers_beyond_the_gateways_run_as_their_own_processes(
 
 
 def serve_whose_workers_key_is_not_a_set(example_repository: Path, tmp_path: Path, redis_url: str, key_prefix: str,
-                                         *args: str) -> tuple[int, str]:
-    """serve (with SETTLED_S 0 in its process: every start as slow as on a loaded machine) against a Redis
-    where the workers' set is a string, another program's key where Despina's belongs, so that a worker's
-    first write is refused: its exit status and output once it stopped (killed after 60 s), nothing left."""
+                                         *args: str) -> tuple[int | None, str]:
+    """serve against a Redis where the workers' set is a string, another program's key where Despina's
+    belongs, so that a worker's first write is refused: its exit status and output once it stopped (None:
+    it ran on, and was stopped with its roles after 60 s), nothing left."""
     with redis.Redis.from_url(redis_url) as r:
         r.set(f"{key_prefix}:workers", "not a set")
-    mlp = tmp_path / "repo"
-    shutil.copytree(example_repository / "mlp", mlp / "mlp")
-    slow = "import sys; from despina import cli, serve; serve.SETTLED_S = 0.0; sys.exit(cli.main())"
-    process = subprocess.Popen(
-        [sys.executable, "-c", slow, "serve", *args, "--model-repository", str(mlp),
-         "--redis-url", redis_url, "--key-prefix", key_prefix, "--http-port", str(free_port()),
-         "--metrics-port", str(free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    family: set[int] = set()
-    deadline = time.monotonic() + 60
-    try:
-        while process.poll() is None and time.monotonic() < deadline:
-            family |= descendants(process.pid)  # what it started, seen while it runs
-            time.sleep(0.05)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    out = process.communicate()[0]
+    shutil.copytree(example_repository / "mlp", tmp_path / "repo" / "mlp")
+    code, out, family = ended(launch(tmp_path, redis_url, key_prefix, "--workers", "1", *args))
+    deadline = time.monotonic() + 5  # (serve waits for its roles; stopped after 60 s, they die with it)
+    while alive(family) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not alive(family), [cmdline(p) for p in alive(family)]
     assert "Traceback" not in out, out
     # the control plane and the gateway meet the same key: Redis answered, so not "unreachable"
     assert "Redis refused a command (WRONGTYPE" in out and "another program's key under this key prefix?" in out
     assert "Redis unreachable" not in out, out
-    return process.returncode, out
+    return code, out
 
 
 def test_a_colocated_worker_that_cannot_start_stops_serve_with_its_reason(
@@ -803,7 +790,7 @@ def test_a_colocated_worker_that_cannot_start_stops_serve_with_its_reason(
     """A gateway whose worker ends does not go on without it: here the worker's first write to Redis is
     refused, the gateway says why and stops with START_FAILED, and serve stops everything (START_FAILED too), the
     worker's error said once and not as a traceback. The gateway died of its own SIGTERM, and serve judged
-    by the time since its start: on a loaded machine that start took over SETTLED_S, serve restarted the
+    by the time since its start: on a loaded machine that start took over 5 s, serve restarted the
     gateway and the reason was said twice."""
     code, out = serve_whose_workers_key_is_not_a_set(example_repository, tmp_path, redis_url, key_prefix,
                                                      "--colocate")

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -96,6 +96,8 @@ class ControlPlane:
         # --load-model names must load then (registration.py), else the start fails with `start_failure`
         self.starting = predecessor is None
         self.start_failure: str | None = None
+        # called once it leads (its catalog read) or stands by: serve then hears it is up (started.py)
+        self.on_start: Callable[[], None] = lambda: None
         remote = settings.model_repository.startswith("s3://")
         self.cache = ArtifactCache.from_settings(settings) if remote else None
         self.registry = open_registry(settings.model_repository, settings, self.cache)
@@ -146,7 +148,16 @@ class ControlPlane:
         if not await self._lead():
             return
         self._leading = True
-        await self.catalog.load()
+        try:
+            await self.catalog.load()
+        except ResponseError as exc:
+            # Redis refused (another program's key where the catalog belongs): a restart would meet it again,
+            # so the start fails in one line (roles.run_control), not with a traceback
+            self.start_failure = f"cannot start: {trouble(exc)}"
+            self.stop()
+            await self._resign()
+            return
+        self.on_start()
         loops = [self._ticks(), self._serve_commands(), self._listen(), self._keep_lease(),
                  self.registration.run(), self.skew.keep(self.redis, LEASE_MS / 4000)]
         tasks = [asyncio.create_task(loop) for loop in loops]
@@ -157,12 +168,16 @@ class ControlPlane:
                 task.cancel()
             await asyncio.gather(*tasks, *self._tasks, return_exceptions=True)
             await self.replies.close()
-            try:
-                leader = cast(bytes | None, await self.redis.get(self.keys.control_leader))
-                if (leader or b"").decode() == self.id:
-                    await self.redis.delete(self.keys.control_leader)
-            except (RedisError, ConnectionError, OSError):
-                pass
+            await self._resign()
+
+    async def _resign(self) -> None:
+        """Give the lease up, if still ours: a standby takes over at once rather than wait it out."""
+        try:
+            leader = cast(bytes | None, await self.redis.get(self.keys.control_leader))
+            if (leader or b"").decode() == self.id:
+                await self.redis.delete(self.keys.control_leader)
+        except (RedisError, ConnectionError, OSError):
+            pass
 
     # -- leadership --------------------------------------------------------------------------------
 
@@ -178,6 +193,7 @@ class ControlPlane:
                 if not waiting:  # (not while Redis cannot tell: there may be no other)
                     log.info("control plane %s: another one leads; standing by", self.id)
                     waiting, self.starting = True, False  # a standby that takes over later is no start
+                    self.on_start()
             except (RedisError, ConnectionError, OSError) as exc:
                 log.warning("control: %s", trouble(exc))
             await self.sleep(2.0)

@@ -15,6 +15,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -98,6 +99,7 @@ class Worker(Loading):
         self.leads = False   # whether a control plane led at the last sync
         self.leaving = False  # told to stop, it hands its models over (_hand_over): its heartbeat says so
         self.joined = False  # its first heartbeat is written: an end before it is a failed start
+        self.on_join: Callable[[], None] = lambda: None  # called then (serve hears it is up: started.py)
         self._unplaced_warn_at = time.monotonic() + UNPLACED_WARN_S
         self._stop = asyncio.Event()
         self._kick = asyncio.Event()
@@ -122,6 +124,7 @@ class Worker(Loading):
         if not await self._join():
             return  # stopped before Redis ever answered: nothing was read, nothing to drain
         self.joined = True
+        self.on_join()
         self.deferred.script = await allow_oom(self.redis, HINCRBY_MANY)  # asked already: no round trip
         log.info("worker %s: %d CPU(s), %d GPU(s), %.1f GiB for models", self.id, self.info.cpus,
                  self.info.gpus, self.info.memory_bytes / 2**30)
