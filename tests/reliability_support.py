@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import redis
 
-from despina.embedded import free_port
+from despina.embedded import die_with_parent, free_port
 
 from .conftest import Server
 
@@ -219,7 +219,8 @@ def start_gateway(redis_url: str, key_prefix: str, log: Path, env: dict[str, str
     with log.open("wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "despina", "gateway", "--redis-url", redis_url,
                                     "--key-prefix", key_prefix, "--http-port", str(port)],
-                                   stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
+                                   stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True,
+                                   preexec_fn=die_with_parent)  # (else it outlives a pytest that is killed)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

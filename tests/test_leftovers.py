@@ -4,6 +4,7 @@ nothing to say which test had."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from despina.contract.keys import Keys
 from despina.embedded import die_with_parent
 
 from . import leftovers
-from .conftest import LATE_WRITE_S, ROOT, Server, delete_prefix, descendants, new_prefix, stop_server
+from .conftest import LATE_WRITE_S, ROOT, Server, delete_prefix, descendants, new_prefix, started, stop_server
 from .control_support import wait_until
 
 
@@ -77,3 +78,26 @@ def test_a_serve_killed_at_its_stop_timeout_leaves_none_of_its_roles_running(
         assert not client.exists(Keys(key_prefix).catalog_published)
     finally:
         client.close()
+
+
+def test_a_gateway_that_a_test_starts_beside_serve_dies_with_the_test_run(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """reliability_support.start_gateway started its gateway in a session of its own with nothing tying it
+    to pytest: a pytest killed (a CI job's timeout) before its cleanup left it serving, and writing to Redis,
+    for ever. Here the process that started it exits at once, as a killed pytest does."""
+    (tmp_path / "repo").mkdir()
+    serve(tmp_path / "repo", "--workers", "0")  # (its gateway is ready once a control plane published the catalog)
+    script = ("import os, sys; from pathlib import Path; from tests.reliability_support import start_gateway; "
+              "process, url = start_gateway(sys.argv[1], sys.argv[2], Path(sys.argv[3]), {}); "
+              "print(process.pid, flush=True); os._exit(1)")
+    r = subprocess.run([sys.executable, "-c", script, redis_url, key_prefix, str(tmp_path / "gateway.log")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=90, preexec_fn=die_with_parent)
+    gateway = int(r.stdout.split()[-1])
+    try:
+        deadline = time.monotonic() + 15  # (it drains first: SIGTERM)
+        while started(gateway) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started(gateway) is None, (tmp_path / "gateway.log").read_text()[-2000:]
+    finally:
+        if started(gateway) is not None:
+            os.kill(gateway, signal.SIGKILL)
