@@ -338,8 +338,11 @@ def test_scheduling_parameters_are_read_not_passed_on(server: Server) -> None:
     ([1, 2], "a generate request is a JSON object"),
     ({"text_input": "a", "parameters": [1]}, "field 'parameters' must be an object"),
     ({"text_input": "a", "extra": {"nested": 1}}, "field 'extra' is not an input of model 'text'"),
-    ({"text_input": "a", "n": 1, "parameters": {"n": 2}}, "parameter 'n' is given twice"),
-    ({"text_input": "a", "parameters": {"n": None}}, "parameter 'n' must be a string, a number or a boolean"),
+    ({"text_input": "a", "parameters": {"text_input": "b"}}, "input 'text_input' already exists"),
+    ({"parameters": {"text_input": "b"}, "text_input": "a"}, "input 'text_input' already exists"),
+    ({"text_input": "a", "id": 7}, "field 'id' must be a string"),
+    ({"text_input": "a", "parameters": {"n": None}}, "parameter 'n' is not an input of model 'text', and as a "
+                                                     "parameter it must be a string, a number or a boolean"),
     ({"text_input": 5}, "BYTES data must be strings"),
     ({"text_input": ["a", "b"]}, "text_input"),
     ({"text_input": [[["a"]]]}, "nested more than"),
@@ -351,6 +354,35 @@ def test_bad_requests_get_400_with_a_reason(server: Server, body: object, words:
         assert r.status_code == 400, r.text
         assert r.headers["content-type"] == "application/json"
         assert words in r.json()["error"], r.json()
+
+
+def test_a_key_of_parameters_that_names_an_input_is_that_input(server: Server) -> None:
+    """As Triton reads "parameters" (its generate endpoint test sends an input there): an input by its
+    name, any other key a parameter; of a parameter given twice, the later counts."""
+    r = post(server, "text/generate", {"parameters": {"text_input": "inside", "n": 1}})
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == 'inside|{"n": 1}'
+    r = post(server, "add_sub/generate", {"a": [1, 2, 3, 4], "parameters": {"b": [1, 1, 1, 1]}})
+    assert r.status_code == 200, r.text
+    assert r.json()["sum"] == [2.0, 3.0, 4.0, 5.0]
+    r = post(server, "text/generate", b'{"text_input": "t", "n": 1, "parameters": {"n": 2}}')
+    assert r.status_code == 200 and r.json()["text_output"] == 't|{"n": 2}', r.text
+    r = post(server, "text/generate", b'{"parameters": {"n": 2}, "n": 1, "text_input": "t"}')
+    assert r.status_code == 200 and r.json()["text_output"] == 't|{"n": 1}', r.text
+
+
+def test_the_requests_id_comes_back_in_each_response(server: Server) -> None:
+    """Triton's generate: a string "id" is the request's id (and, as any key, a parameter), and every
+    response carries it."""
+    r = post(server, "text/generate", {"text_input": "i", "id": "req-7"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"model_name": "text", "model_version": "1", "id": "req-7", "length": 1,
+                        "text_output": 'i|{"id": "req-7"}'}
+    r = post(server, "streamer/generate_stream", {"text_input": "one two", "id": "s-1"})
+    assert r.status_code == 200, r.text
+    assert [(d["id"], d["text_output"]) for d in events(r)] == [("s-1", "one"), ("s-1", "two")]
+    r = post(server, "text/generate", {"text_input": "i", "parameters": {"id": "inner"}})
+    assert "id" not in r.json() and r.json()["text_output"] == 'i|{"id": "inner"}'
 
 
 def test_unknown_model_is_404(server: Server) -> None:

@@ -2,9 +2,10 @@
 
 A flat JSON object in, as Triton maps one ("exact mapping"): a key that names one of the model's inputs is
 that input (a string, number or boolean is one element, a list its elements, shaped to the model's dims
-with the batch dimension of one added); "parameters" and every other key are request parameters. A flat
-JSON object out: model_name, model_version, each response parameter and each output by name (one element
-as a scalar, more as one flat list whatever the shape, as Triton writes them; BYTES as text).
+with the batch dimension of one added), beside "parameters" or in it; every other key is a request
+parameter, and a string "id" the request's id too. A flat JSON object out: model_name, model_version, the
+request's id, each response parameter and each output by name (one element as a scalar, more as one flat
+list whatever the shape, as Triton writes them; BYTES as text).
 
 /generate answers that object as application/json. /generate_stream answers it as a server-sent event
 (`data: {...}`, text/event-stream) per response of the model: one, or, from a decoupled model, each as it
@@ -63,7 +64,8 @@ class GenerateRoute(Route):
     def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
               timeout: float | None) -> None:
         spec = model.spec
-        inputs, parameters = decode_generate(ex.body, spec, self.gateway.settings.max_tensor_elements)
+        inputs, parameters, client_id = decode_generate(ex.body, spec,
+                                                        self.gateway.settings.max_tensor_elements)
         priority, timeout_us = schedule_parameters(parameters)
         sequence = sequence_of(spec, parameters)
         echo = [(b"x-request-id", trace)] if trace else []
@@ -72,7 +74,7 @@ class GenerateRoute(Route):
         def document(reply: InferReply) -> dict[str, Any]:
             if reply.error is not None:
                 return {"error": reply.error[1]}
-            return encode_generate(spec.name, version, reply.outputs, reply.parameters)
+            return encode_generate(spec.name, version, reply.outputs, reply.parameters, client_id)
 
         def answer(reply: InferReply) -> None:
             if stream:
@@ -92,7 +94,7 @@ class GenerateRoute(Route):
             done = _once(ex, stream, echo, answered)
 
         request_id = submit(self.gateway, spec, version, inputs, (), trace, done, priority, timeout_us,
-                            timeout, model_parameters(parameters), "", sequence, partial)
+                            timeout, model_parameters(parameters), client_id or "", sequence, partial)
         ex.body = b""  # (as InferRoute's: not held while answered)
         if isinstance(ex, EventExchange):
             ex.request_id = request_id
@@ -227,30 +229,46 @@ async def _disconnected(receive: Receive) -> None:
 
 
 def decode_generate(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMENTS
-                    ) -> tuple[list[Tensor], dict[str, Any]]:
-    """The body -> (input tensors, request parameters); InvalidArgument, and nothing else, on any input."""
+                    ) -> tuple[list[Tensor], dict[str, Any], str | None]:
+    """The body -> (input tensors, request parameters, its "id"); InvalidArgument, and nothing else, on
+    any input. As Triton reads it: each key in order, those of "parameters" where that one stands, a key
+    that names an input (in "parameters" too) is that input, any other a parameter (a later one of a
+    name replaces the earlier); a string "id" is also the request's id, which each response carries."""
     doc = loads(body)
     if not isinstance(doc, dict):
         raise InvalidArgument("a generate request is a JSON object: {input_name: value, ..., "
                               "\"parameters\": {...}}")
-    parameters = doc.pop("parameters", None)
-    if parameters is None:
-        parameters = {}
-    elif not isinstance(parameters, dict):
-        raise InvalidArgument("field 'parameters' must be an object")
-    tensors: list[Tensor] = []
+    request_id = doc.get("id") if spec.input("id") is None else None
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidArgument("field 'id' must be a string")
+    tensors: dict[str, Tensor] = {}
+    parameters: dict[str, Any] = {}
     for name, value in doc.items():
-        if spec.input(name) is None:  # not an input: a parameter, as Triton takes it
-            if type(value) not in _SCALARS:
-                raise InvalidArgument(f"field '{name}' is not an input of model '{spec.name}', and as a "
-                                      "parameter it must be a string, a number or a boolean")
-            if name in parameters:
-                raise InvalidArgument(f"parameter '{name}' is given twice (in 'parameters' and beside it)")
-            parameters[name] = value
-            continue
-        tensors.append(_tensor(spec, name, value, max_elements))
-    check_inputs(spec, tensors)
-    return tensors, parameters
+        if name != "parameters":
+            _take(spec, name, value, tensors, parameters, max_elements, False)
+        elif value is not None:
+            if not isinstance(value, dict):
+                raise InvalidArgument("field 'parameters' must be an object")
+            for inner, item in value.items():
+                _take(spec, inner, item, tensors, parameters, max_elements, True)
+    inputs = list(tensors.values())
+    check_inputs(spec, inputs)
+    return inputs, parameters, request_id
+
+
+def _take(spec: ModelSpec, name: str, value: Any, tensors: dict[str, Tensor], parameters: dict[str, Any],
+          max_elements: int, in_parameters: bool) -> None:
+    """One key of the request (`in_parameters`: one of its "parameters"): an input, or else a parameter."""
+    if spec.input(name) is None:
+        if type(value) not in _SCALARS:
+            where = "parameter" if in_parameters else "field"
+            raise InvalidArgument(f"{where} '{name}' is not an input of model '{spec.name}', and as a "
+                                  "parameter it must be a string, a number or a boolean")
+        parameters[name] = value
+    elif name in tensors:
+        raise InvalidArgument(f"input '{name}' already exists in request (given twice)")
+    else:
+        tensors[name] = _tensor(spec, name, value, max_elements)
 
 
 def _tensor(spec: ModelSpec, name: str, value: Any, max_elements: int) -> Tensor:
@@ -264,9 +282,11 @@ def _tensor(spec: ModelSpec, name: str, value: Any, max_elements: int) -> Tensor
                                                                            value))
 
 
-def encode_generate(model: str, version: int, outputs: tuple[Tensor, ...], parameters: Parameters
-                    ) -> dict[str, Any]:
+def encode_generate(model: str, version: int, outputs: tuple[Tensor, ...], parameters: Parameters,
+                    request_id: str | None = None) -> dict[str, Any]:
     doc: dict[str, Any] = {"model_name": model, "model_version": str(version)}
+    if request_id is not None:
+        doc["id"] = request_id
     for name, value in parameters.items():  # a key each, as Triton writes them; its first of a name stays
         doc.setdefault(name, value)
     for t in outputs:
