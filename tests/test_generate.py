@@ -25,7 +25,8 @@ from despina.examples import build_add_sub
 from .conftest import Server, module_server, settled_stats
 from .control_support import wait_until, worker_hashes
 
-# text_output: the text it got, "|", and the parameters it got (sorted JSON); "fail" fails the request
+# text_output: the text it got, "|", and the parameters it got (sorted JSON); "fail" fails the request,
+# "unavailable" too with the code UNAVAILABLE
 TEXT = '''
 import json
 import numpy as np
@@ -40,6 +41,10 @@ class TritonPythonModel:
             said = text.reshape(-1)[0].decode()
             if said == "fail":
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("asked to fail")))
+                continue
+            if said == "unavailable":
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("not now", pb_utils.TritonError.UNAVAILABLE)))
                 continue
             reply = said + "|" + json.dumps(json.loads(request.parameters()), sort_keys=True)
             out = np.array([reply.encode()] * text.size, dtype=np.object_).reshape(text.shape)
@@ -390,14 +395,20 @@ def test_unknown_model_is_404(server: Server) -> None:
     assert r.status_code == 404 and "nope" in r.json()["error"]
 
 
-def test_a_model_failure_is_an_error_event_under_its_status_from_generate_stream_and_an_error_from_generate(
+def test_a_model_failure_is_a_400_error_event_from_generate_stream_and_a_400_error_from_generate(
         server: Server) -> None:
-    """Triton sets a stream's status from its first response: an error's when that fails."""
-    r = post(server, "text/generate_stream", {"text_input": "fail"})
-    assert r.status_code == 500
-    assert events(r) == [{"error": "model 'text': asked to fail"}]
-    r = post(server, "text/generate", {"text_input": "fail"})
-    assert r.status_code == 500 and r.json() == {"error": "model 'text': asked to fail"}
+    """As Triton 2.51 answers them: a failed inference is a 400 from the generate routes whatever the
+    error's code (V2 infer keeps the code's status), and /generate_stream sends it as an event."""
+    for text, words in (("fail", "asked to fail"), ("unavailable", "not now")):
+        r = post(server, "text/generate_stream", {"text_input": text})
+        assert r.status_code == 400, r.text
+        assert events(r) == [{"error": f"model 'text': {words}"}]
+        r = post(server, "text/generate", {"text_input": text})
+        assert r.status_code == 400 and r.json() == {"error": f"model 'text': {words}"}
+        assert r.headers["content-type"] == "application/json"
+    body = {"inputs": [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": ["unavailable"]}]}
+    r = httpx.post(f"{server.url}/v2/models/text/infer", json=body, timeout=30)
+    assert r.status_code == 503, r.text
 
 
 def test_decoupled_models_despina_cannot_serve_are_refused_at_load_with_their_reason(server: Server) -> None:
@@ -441,7 +452,7 @@ def test_a_bare_final_flag_ends_the_stream_and_sends_after_it_raise(server: Serv
 
 def test_an_error_response_is_an_event_and_the_stream_goes_on(server: Server) -> None:
     r = post(server, "streamer/generate_stream", {"text_input": "oops"})
-    assert r.status_code == 500  # its first response's status
+    assert r.status_code == 400  # its first response's status (Triton's for a failed inference)
     docs = events(r)
     assert docs[0] == {"error": "model 'streamer': bad word"}
     assert docs[1]["text_output"] == "after"
@@ -449,7 +460,7 @@ def test_an_error_response_is_an_event_and_the_stream_goes_on(server: Server) ->
 
 def test_execute_failing_and_the_process_dying_end_the_stream_with_an_error(server: Server) -> None:
     r = post(server, "streamer/generate_stream", {"text_input": "raise"})
-    assert r.status_code == 500
+    assert r.status_code == 400
     assert events(r) == [{"error": "model 'streamer': execute failed: execute refused"}]
     r = post(server, "streamer/generate_stream", {"text_input": "first crash"})
     assert r.status_code == 200  # set by its first response, before the error
@@ -482,7 +493,7 @@ def test_generate_takes_a_decoupled_models_single_response_and_refuses_several(s
     assert r.status_code == 200, r.text
     assert r.json() == {"model_name": "streamer", "model_version": "1", "text_output": "alone", "length": 0}
     r = post(server, "streamer/generate", {"text_input": "refuse"})  # its one response an error
-    assert r.status_code == 500 and r.json() == {"error": "model 'streamer': no such word"}
+    assert r.status_code == 400 and r.json() == {"error": "model 'streamer': no such word"}
     r = post(server, "streamer/generate", {"text_input": "a b"})
     assert r.status_code == 400
     assert r.json()["error"] == ("model 'streamer' sent 2 responses to this request: /generate answers with "

@@ -75,3 +75,8 @@ class ResourceExhausted(DespinaError):
 
 class Cancelled(DespinaError):
     code = Code.CANCELLED
+
+
+class ReplyError(DespinaError):
+    """The error a request's reply carried, with the code its worker gave: the request was taken, and
+    the model (or its worker) failed it. Triton's generate endpoint answers these differently."""

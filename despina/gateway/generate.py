@@ -10,10 +10,12 @@ list whatever the shape, as Triton writes them; BYTES as text).
 /generate answers that object as application/json. /generate_stream answers it as a server-sent event
 (`data: {...}`, text/event-stream) per response of the model: one, or, from a decoupled model, each as it
 sends it until its last (the stream then ends; a bare final flag adds no event). A request refused before
-it reaches the model gets a JSON error with its status from either route; the model's own failure comes
-from /generate_stream as an event `data: {"error": "..."}`, under the error's status when it is the first
-response and 200 after a good one: Triton sets a stream's status from its first response. /generate
-takes a decoupled model's answer when it is one response, and says to use /generate_stream otherwise.
+it reaches the model gets a JSON error with its status from either route. A failure of inference itself
+(the model's error response, whatever code it gave, or its execute raising) is a 400, as Triton 2.51
+answers it: from /generate a JSON error, from /generate_stream an event `data: {"error": "..."}`, under
+400 when it is the first response and 200 after a good one (Triton sets a stream's status from its
+first response). /generate takes a decoupled model's answer when it is one response, and says to use
+/generate_stream otherwise.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ..contract.errors import Code, DespinaError, InvalidArgument
+from ..contract.errors import Code, DespinaError, InvalidArgument, ReplyError
 from ..contract.modelspec import ModelSpec, check_inputs, check_shape, known_input
 from ..contract.records import InferReply, Parameters, Tensor
 from . import http
@@ -35,6 +37,7 @@ from .infer import (
     Exchange,
     Route,
     answering,
+    fail,
     schedule_parameters,
     sequence_of,
     submit,
@@ -48,6 +51,9 @@ if TYPE_CHECKING:
     from .app import Gateway
 
 EVENT_STREAM = b"text/event-stream; charset=utf-8"
+# Triton's status for a request whose inference failed, whatever the error's code (the model's choice):
+# /generate's JSON error and the first event of /generate_stream's stream
+FAILED = 400
 _SCALARS = (str, int, float, bool)
 
 
@@ -82,6 +88,12 @@ class GenerateRoute(Route):
             else:
                 ex.respond(200, orjson.dumps(document(reply)), http.JSON, echo)
 
+        def failed(exc: DespinaError) -> None:
+            if stream:
+                fail(ex, exc, trace, FAILED, event({"error": exc.message}), EVENT_STREAM)
+            else:
+                fail(ex, exc, trace, FAILED)
+
         answered = answering(ex, trace, answer)
         partial: Partial | None = None
         if spec.decoupled and stream:
@@ -89,9 +101,9 @@ class GenerateRoute(Route):
                 raise DespinaError("streamed answers are not available on this route", Code.INTERNAL)
             done, partial = _streamed(ex, document, answered)
         elif spec.decoupled:
-            done, partial = _collected(spec.name, answered, self.several)
+            done, partial = _collected(spec.name, answered, failed, self.several)
         else:
-            done = _once(ex, stream, echo, answered)
+            done = _once(answered, failed)
 
         request_id = submit(self.gateway, spec, version, inputs, (), trace, done, priority, timeout_us,
                             timeout, model_parameters(parameters), client_id or "", sequence, partial)
@@ -104,12 +116,20 @@ Done = Callable[[InferReply | DespinaError], None]
 Partial = Callable[[InferReply], None]
 
 
-def _once(ex: Exchange, stream: bool, echo: Headers, answered: Done) -> Done:
-    """A model that answers once: the answer, or the error; from /generate_stream the model's own failure
-    is an event (it ran, and failed) under the error's status."""
+def ran_and_failed(exc: DespinaError) -> bool:
+    """Whether an error came from inference itself (the model's own, whatever its code, or its worker's),
+    not from what kept the request from it (a full queue) or cut it short (its deadline, a 504: Triton
+    has no deadline for a request that runs, and a Python model has no such code to give)."""
+    if exc.code == Code.DEADLINE_EXCEEDED:
+        return False
+    return isinstance(exc, ReplyError) or exc.code == Code.BACKEND
+
+
+def _once(answered: Done, failed: Callable[[DespinaError], None]) -> Done:
+    """A model that answers once: the answer, or the error (the model's own as `failed` answers it)."""
     def done(result: InferReply | DespinaError) -> None:
-        if stream and isinstance(result, DespinaError) and result.code == Code.BACKEND:
-            ex.respond(_status(result.code), event({"error": result.message}), EVENT_STREAM, echo)
+        if isinstance(result, DespinaError) and ran_and_failed(result):
+            failed(result)
         else:
             answered(result)
     return done
@@ -129,14 +149,14 @@ def _streamed(ex: EventExchange, document: Callable[[InferReply], dict[str, Any]
         sent[0] += 1
 
     def partial(reply: InferReply) -> None:
-        send(document(reply), False, 200 if reply.error is None else _status(reply.error[0]))
+        send(document(reply), False, 200 if reply.error is None else FAILED)
 
     def done(result: InferReply | DespinaError) -> None:
         if isinstance(result, DespinaError):
-            if not sent[0] and result.code != Code.BACKEND:
+            if not sent[0] and not ran_and_failed(result):
                 answered(result)
-            else:
-                send({"error": result.message}, True, _status(result.code))
+            else:  # (the status only counts for a first event: then the model's failure)
+                send({"error": result.message}, True, FAILED)
         elif result.empty:
             ex.event(b"", True)
         else:
@@ -144,24 +164,27 @@ def _streamed(ex: EventExchange, document: Callable[[InferReply], dict[str, Any]
     return done, partial
 
 
-def _status(code: Code | str) -> int:
-    return http.STATUS.get(Code(code), 500)
-
-
-def _collected(model: str, answered: Done, several: str) -> tuple[Done, Partial]:
-    """A decoupled model's answers to /generate: one response is the answer (an error one, its error);
-    several are a 400 that says where they can be had (`several`)."""
+def _collected(model: str, answered: Done, failed: Callable[[DespinaError], None], several: str
+               ) -> tuple[Done, Partial]:
+    """A decoupled model's answers to /generate: one response is the answer (an error one, its error as
+    `failed` answers it); several are a 400 that says where they can be had (`several`)."""
     responses: list[InferReply] = []
 
     def done(result: InferReply | DespinaError) -> None:
         if isinstance(result, DespinaError):
-            answered(result)
+            if ran_and_failed(result):
+                failed(result)
+            else:
+                answered(result)
             return
         if not result.empty:
             responses.append(result)
         if len(responses) == 1:
             error = responses[0].error
-            answered(responses[0] if error is None else DespinaError(error[1], error[0]))
+            if error is None:
+                answered(responses[0])
+            else:
+                failed(ReplyError(error[1], Code(error[0])))
             return
         answered(InvalidArgument(f"model '{model}' sent {len(responses)} responses to this request: "
                                  f"{several}"))

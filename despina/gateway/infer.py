@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .. import clock
 from ..contract.ensemble import PLATFORM
-from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, Unavailable
+from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, ReplyError, Unavailable
 from ..contract.modelspec import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
 from ..contract.sequence import optional_sequence, request_sequence
@@ -203,9 +203,16 @@ def answering(ex: Exchange, trace: bytes | None, answer: Callable[[InferReply], 
     return done
 
 
-def fail(ex: Exchange, exc: DespinaError, trace: bytes | None) -> None:
-    """Answer an error; log it with the request's id (model failures loudly, the rest at debug)."""
-    status, body, extra = http.error_parts(exc)
+def fail(ex: Exchange, exc: DespinaError, trace: bytes | None, status: int | None = None,
+         body: bytes | None = None, content_type: bytes = http.JSON) -> None:
+    """Answer an error (`status` and `body` where not the code's and its JSON); log it with the request's
+    id (model failures loudly, the rest at debug)."""
+    own_status, own_body, extra = http.error_parts(exc)
+    if status is None:
+        status = own_status
+    else:
+        extra = []  # (a Retry-After, say, is the code's status's)
+    body = own_body if body is None else body
     level = logging.WARNING if exc.code in (Code.BACKEND, Code.INTERNAL) else logging.DEBUG
     if log.isEnabledFor(level):
         log.log(level, "%s %s -> %d: %s", ex.method, ex.path, status, exc.message,
@@ -213,7 +220,7 @@ def fail(ex: Exchange, exc: DespinaError, trace: bytes | None) -> None:
                                   "code": exc.code.value}})
     if trace:
         extra = [*extra, (b"x-request-id", trace)]
-    ex.respond(status, body, http.JSON, extra)
+    ex.respond(status, body, content_type, extra)
 
 
 def _int_header(raw: bytes) -> int:
@@ -291,7 +298,7 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
                 done(result)
                 return
             code, message = result.error
-            done(DespinaError(message, Code(code)))
+            done(ReplyError(message, Code(code)))
         elif isinstance(result, DespinaError):
             done(result)
         elif isinstance(result, TimeoutError):  # the time it had: less than the whole when woken, or a step
