@@ -91,9 +91,10 @@ class Route:
     def _queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
                timeout: float | None = None) -> None:
         try:
-            if model.spec.decoupled and not self.decoupled:
-                raise InvalidArgument(f"model '{model.spec.name}' is decoupled (it may answer a request with "
-                                      f"several responses): call it through {self.streams_at}")
+            if model.spec.decoupled and not self.decoupled:  # 501, as Triton's HTTP infer refuses one
+                raise DespinaError(f"model '{model.spec.name}' is decoupled (it may answer a request "
+                                   f"with several responses): call it through {self.streams_at}",
+                                   Code.UNIMPLEMENTED)
             self.queue(ex, model, version, trace, timeout)
         except DespinaError as exc:
             fail(ex, exc, trace)
