@@ -346,8 +346,8 @@ def test_scheduling_parameters_are_read_not_passed_on(server: Server) -> None:
     ({"text_input": "a", "parameters": {"text_input": "b"}}, "input 'text_input' already exists"),
     ({"parameters": {"text_input": "b"}, "text_input": "a"}, "input 'text_input' already exists"),
     ({"text_input": "a", "id": 7}, "field 'id' must be a string"),
-    ({"text_input": "a", "parameters": {"n": None}}, "parameter 'n' is not an input of model 'text', and as a "
-                                                     "parameter it must be a string, a number or a boolean"),
+    ({"text_input": "a", "parameters": {"n": None}}, "parameter 'n' must be a string, a number or a boolean "
+                                                     "(model 'text' has no input of that name)"),
     ({"text_input": 5}, "BYTES data must be strings"),
     ({"text_input": ["a", "b"]}, "text_input"),
     ({"text_input": [[["a"]]]}, "nested more than"),

@@ -284,8 +284,10 @@ def _take(spec: ModelSpec, name: str, value: Any, tensors: dict[str, Tensor], pa
     """One key of the request (`in_parameters`: one of its "parameters"): an input, or else a parameter."""
     if spec.input(name) is None:
         if type(value) not in _SCALARS:
-            where = "parameter" if in_parameters else "field"
-            raise InvalidArgument(f"{where} '{name}' is not an input of model '{spec.name}', and as a "
+            if in_parameters:
+                raise InvalidArgument(f"parameter '{name}' must be a string, a number or a boolean (model "
+                                      f"'{spec.name}' has no input of that name)")
+            raise InvalidArgument(f"field '{name}' is not an input of model '{spec.name}', and as a "
                                   "parameter it must be a string, a number or a boolean")
         parameters[name] = value
     elif name in tensors:
