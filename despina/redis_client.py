@@ -10,7 +10,16 @@ from urllib.parse import parse_qs, urlparse
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError, RedisError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    BusyLoadingError,
+    ConnectionError,
+    MaxClientsReachedError,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import fds
 
@@ -91,7 +100,8 @@ _PIPELINED = re.compile(r"Command # \d+ \((.*)\) of pipeline caused error: (.*)"
 def trouble(exc: BaseException) -> str:
     """What a failed Redis call says in a log. Redis that answered with an error is not unreachable: a
     WRONGTYPE error means a key where Despina keeps its own holds another kind of value, most likely
-    another program's key under the same key prefix."""
+    another program's key under the same key prefix. Nor is an entry that Redis returned but that cannot
+    be read (JSON that does not parse, a field missing): the entry is named as the trouble."""
     if isinstance(exc, ResponseError):
         said = str(exc)
         piped = _PIPELINED.match(said)  # redis-py's words for a pipeline's: the command, then the error
@@ -102,7 +112,19 @@ def trouble(exc: BaseException) -> str:
     short = fds.shortage(exc)
     if short is not None:  # no fault of Redis's: the process had no descriptor for the connection
         return f"this process is {short} ({exc})"
-    return f"Redis unreachable ({exc})"
+    # redis-py's ConnectionErrors that Redis answered: a password, the ACL, its maxclients; its data loading
+    if isinstance(exc, (AuthenticationError, AuthorizationError, MaxClientsReachedError)):
+        return f"Redis refused the connection ({exc})"
+    if isinstance(exc, BusyLoadingError):
+        return f"Redis is loading its data ({exc})"
+    if isinstance(exc, (ConnectionError, RedisTimeoutError, OSError)):  # (builtin TimeoutError is an OSError)
+        return f"Redis unreachable ({exc})"
+    if isinstance(exc, RedisError):
+        return f"a Redis call failed ({type(exc).__name__}: {exc})"
+    if isinstance(exc, (ValueError, KeyError, TypeError)):  # (JSON's decode errors are ValueErrors)
+        kind = "" if type(exc) is ValueError else f"{type(exc).__name__}: "
+        return f"an entry read from Redis is malformed ({kind}{exc})"
+    return f"unexpected {type(exc).__name__} ({exc})"
 
 
 # A Lua script's first line that lets it write while Redis is at its maxmemory (policy noeviction refuses

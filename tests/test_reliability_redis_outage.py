@@ -25,6 +25,7 @@ from despina.contract.keys import Keys
 from despina.control.plane import ControlPlane
 from despina.embedded import free_port
 from despina.examples import mlp_numpy
+from despina.gateway.models import ModelView
 from despina.redis_client import allow_oom, connect, trouble
 from despina.settings import Settings
 from despina.workers.worker import Worker
@@ -165,6 +166,27 @@ def test_a_redis_error_says_whether_redis_answered(redis_url: str, key_prefix: s
     # a pipeline's error names its command, after what Redis said
     assert f"; the command: SMEMBERS {key_prefix}:workers)" in trouble(piped), trouble(piped)
     assert trouble(unreachable).startswith("Redis unreachable (")
+
+
+
+async def test_a_malformed_catalog_entry_is_not_called_redis_unreachable(
+        redis_url: str, key_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A gateway that read a catalog entry that is not JSON logged "at start, Redis unreachable (unexpected
+    character...)": an operator looked at a Redis that was fine. The log names the entry as the trouble."""
+    keys = Keys(key_prefix)
+    client = connect(redis_url)
+    await client.hset(keys.catalog, "broken", b"{not json")
+    view = ModelView(client, keys)
+    try:
+        with caplog.at_level(logging.WARNING, logger="despina"):
+            await view.start()
+    finally:
+        await view.close()
+        await client.aclose()
+    said = [r.getMessage() for r in caplog.records if "at start" in r.getMessage()]
+    assert len(said) == 1 and "unreachable" not in said[0], said
+    assert said[0].startswith("gateway: at start, reading the model view failed: an entry read from Redis is "
+                              "malformed (model 'broken' catalog entry: JSONDecodeError: "), said[0]
 
 
 SHORT_OF_FDS = """

@@ -94,7 +94,7 @@ class ModelView:
         try:
             await self.refresh()
         except Exception as exc:
-            log.warning("gateway: at start, %s", trouble(exc))
+            log.warning("gateway: at start, reading the model view failed: %s", trouble(exc))
         self._task = asyncio.create_task(self._loop())
 
     async def close(self) -> None:
@@ -122,7 +122,7 @@ class ModelView:
                 raise
             except Exception as exc:
                 self.connected = False
-                failed.log("gateway: refreshing the model view failed (%s)", exc)
+                failed.log("gateway: refreshing the model view failed: %s", trouble(exc))
                 await asyncio.sleep(REFRESH_S)
 
     async def announce(self, key: str, change: Callable[[bytes | None], bytes], event: bytes) -> bytes:
@@ -200,7 +200,10 @@ class ModelView:
             if old is not None and self._blobs.get(name) == blob:
                 models[name] = old
                 continue
-            entry = CatalogEntry.loads(blob)
+            try:
+                entry = CatalogEntry.loads(blob)
+            except (ValueError, KeyError, TypeError) as exc:  # the log names the entry, not just the fault
+                raise ValueError(f"model '{name}' catalog entry: {type(exc).__name__}: {exc}") from exc
             spec = ModelSpec.from_config(entry.config) if entry.state == "READY" else None
             ensemble = None
             if spec is not None and is_ensemble(entry.config):
