@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
+from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -266,3 +267,66 @@ async def test_a_worker_whose_heartbeat_went_with_the_lease_is_not_taken_for_dea
         await asyncio.gather(*roles, return_exceptions=True)
         await client.aclose(close_connection_pool=True)
     assert "stopped sending heartbeats" not in caplog.text
+
+
+class DroppingProxy:
+    """A TCP proxy to Redis that drops the connection of the first `drops` commands holding `word`: Redis
+    gone for a moment at that command, then back."""
+
+    def __init__(self, redis_url: str, word: bytes, drops: int) -> None:
+        self.target = urlparse(redis_url)
+        self.word, self.drops = word, drops
+        self.server: asyncio.Server | None = None
+
+    async def start(self, port: int) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", port)
+        return self.target._replace(netloc=f"127.0.0.1:{port}").geturl()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self.target.hostname, self.target.port or 6379)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, watch: bool) -> None:
+            while chunk := await source.read(65536):
+                if watch and self.drops and self.word in chunk.upper():
+                    self.drops -= 1
+                    break
+                sink.write(chunk)
+                await sink.drain()
+            writer.close()
+            up_writer.close()
+
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False),
+                             return_exceptions=True)
+
+
+async def test_redis_lost_between_taking_the_lead_and_reading_the_catalog_is_retried(
+        tmp_path: Path, redis_url: str, key_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A connection error just after the lease was taken, as the catalog was read, ended the control plane
+    with a traceback (under serve, at its first start, everything stopped: the role had not said it was up).
+    It is retried as every other Redis outage is, and the plane starts with the catalog that was there."""
+    keys = Keys(key_prefix)
+    check = connect(redis_url)
+    await check.hset(keys.catalog, "m", CatalogEntry("m", "/repo/m", {}, (1,)).dumps())
+    proxy = DroppingProxy(redis_url, b"HGETALL", drops=2)  # (redis-py retries a dropped connection once)
+    client = connect(await proxy.start(23101))
+    plane = ControlPlane(Settings(model_repository=str(tmp_path), key_prefix=key_prefix), client)
+    seen: list[CatalogEntry | None] = []
+    plane.on_start = lambda: seen.append(plane.catalog.get("m"))
+    running = asyncio.create_task(plane.run())
+    try:
+        deadline = time.monotonic() + 15
+        while not seen and not running.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not running.done() or running.exception() is None, running.exception()
+        assert seen and seen[0] is not None and seen[0].name == "m" and plane.start_failure is None
+        assert "control: reading the catalog failed: Redis unreachable" in caplog.text
+    finally:
+        plane.stop()
+        await asyncio.gather(running, return_exceptions=True)
+        await client.aclose()
+        await check.aclose()
+        await proxy.close()

@@ -148,13 +148,7 @@ class ControlPlane:
         if not await self._lead():
             return
         self._leading = True
-        try:
-            await self.catalog.load()
-        except ResponseError as exc:
-            # Redis refused (another program's key where the catalog belongs): a restart would meet it again,
-            # so the start fails in one line (roles.run_control), not with a traceback
-            self.start_failure = f"cannot start: {trouble(exc)}"
-            self.stop()
+        if not await self._load_catalog():
             await self._resign()
             return
         self.on_start()
@@ -169,6 +163,25 @@ class ControlPlane:
             await asyncio.gather(*tasks, *self._tasks, return_exceptions=True)
             await self.replies.close()
             await self._resign()
+
+    async def _load_catalog(self) -> bool:
+        """Read the catalog the lease lets this one own; False when the start failed or the plane stopped.
+        Redis out for a moment just after the lease was taken is retried, as taking the lease is: the error
+        used to end the process with a traceback, and serve stops everything for a role that was not yet up.
+        A lease that lapsed meanwhile is found by the first renewal (lost, or vanished: republished)."""
+        while not self._stop.is_set():
+            try:
+                await self.catalog.load()
+                return True
+            except ResponseError as exc:
+                # Redis refused (another program's key where the catalog belongs): a restart would meet it
+                # again, so the start fails in one line (roles.run_control), not with a traceback
+                self.start_failure = f"cannot start: {trouble(exc)}"
+                self.stop()
+            except (RedisError, ConnectionError, OSError) as exc:
+                log.warning("control: reading the catalog failed: %s; retrying", trouble(exc))
+                await self.sleep(2.0)
+        return False
 
     async def _resign(self) -> None:
         """Give the lease up, if still ours: a standby takes over at once rather than wait it out."""
