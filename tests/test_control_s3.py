@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 import pytest
 
+from despina.control.commands import LOAD_LOOK_S
 from despina.registry.transfer import push
 
 from .conftest import Server
@@ -230,6 +231,28 @@ def test_the_index_answers_while_the_store_hangs(serve: Callable[..., Server], t
             r = httpx.post(f"{server.url}/v2/repository/index", timeout=60)
             assert r.status_code == 503, r.text
             assert "s3://models/hung did not list its models" in r.json()["error"], r.text
+
+
+def test_a_load_answers_503_in_time_while_the_store_hangs(serve: Callable[..., Server], tmp_path: Path) -> None:
+    """A load against a store that takes connections and never answers waited boto3's read timeout three
+    times (~3 min) before its 503, past most clients' timeouts: its registry reads are bounded by
+    LOAD_LOOK_S (and by the request's time, when shorter). Calls meanwhile are refused at once rather than
+    each holding another thread on the hung store."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)   # connections complete in the backlog; nothing ever reads them
+        server = serve("s3://models/hung", "--model-control-mode", "explicit",
+                       env={"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{hung.getsockname()[1]}",
+                            "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
+                            "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+        r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
+        assert r.status_code == 503, r.text
+        said = f"s3://models/hung did not answer the load of model 'mlp' within {LOAD_LOOK_S:.3g} s"
+        assert said in r.json()["error"], r.text
+        r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
+        assert r.status_code == 503, r.text
+        assert "has not yet answered an earlier read of model 'mlp'" in r.json()["error"], r.text
+        assert "Traceback" not in server.logs()
 
 
 def test_a_model_whose_files_the_store_refuses_says_why_and_is_tried_again(

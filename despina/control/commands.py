@@ -4,10 +4,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import clock
 from ..contract.catalog import IDLE, LOADED, UNLOADED, CatalogEntry, retire, version_refused
@@ -33,12 +33,19 @@ LOAD_PARAMETERS = ("config", "fail_without_room")
 # how long the index waits for the registry's listing before it answers from what it knows (a store
 # that accepts connections and never answers holds a listing for boto3's read timeout, three times)
 INDEX_LOOK_S = 5.0
+# how long a load waits, in all, for the registry's reads of the model (its files' listing, its config),
+# at most: the same store held a load for boto3's read timeout three times (~3 min, past most clients'
+# timeouts) before its 503
+LOAD_LOOK_S = 10.0
+
+T = TypeVar("T")
 
 
 class Commands:
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
         self._look: asyncio.Future[list[str]] | None = None  # the index's listing in flight, one at a time
+        self._stuck: dict[str, asyncio.Future[Any]] = {}  # model -> a registry read that outlived its load
 
     async def handle(self, command: Command) -> Answer:
         timeout = self.plane.settings.load_timeout_s
@@ -159,7 +166,9 @@ class Commands:
                 assert override is not None
                 replaced = await asyncio.to_thread(write_files, self.plane.registry, name, files, override)
                 override = None  # written as config.pbtxt: read back like any model
-            model = await asyncio.to_thread(plane.registry.model, name)
+            look_s = min(LOAD_LOOK_S, _left(deadline))
+            looked = time.monotonic() + look_s
+            model = await self._read(name, lambda: plane.registry.model(name), looked, look_s)
             old = plane.catalog.get(name)
             if not files and override is None and old is not None and old.override is not None \
                     and old.target != UNLOADED:
@@ -167,7 +176,8 @@ class Commands:
                 # change (their times pass the override's), so that load keeps it; an unload forgets it
                 override = old.override if old.override_files == model.fingerprint() else None
             try:
-                entry = await asyncio.to_thread(read_model, plane.registry, model, override)
+                entry = await self._read(name, lambda: read_model(plane.registry, model, override), looked,
+                                         look_s)
             except DespinaError as exc:
                 log.error("load of %s failed: %s", name, exc.message)
                 await self._take_back(model, old, replaced, exc.message)
@@ -194,6 +204,29 @@ class Commands:
                 if replaced or _reload_failed(old, tried):
                     await self._take_back(model, old, replaced, exc.message, tried)
                 raise
+
+    async def _read(self, name: str, read: Callable[[], T], until: float, look_s: float) -> T:
+        """`read`, a registry read for model `name`'s load, in a thread, waited on until `until` (monotonic):
+        past it, Unavailable. One that outlived its load is not started again until it ends: a store that
+        hangs holds a thread per model, not one per call (the threads are few)."""
+        url = self.plane.registry.url
+        stuck = self._stuck.get(name)
+        if stuck is not None and not stuck.done():
+            raise Unavailable(f"registry {url} has not yet answered an earlier read of model '{name}'; "
+                              "try again later")
+        future = asyncio.ensure_future(asyncio.to_thread(read))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), max(0.0, until - time.monotonic()))
+        except TimeoutError:
+            self._stuck[name] = future
+
+            def ended(f: asyncio.Future[Any]) -> None:
+                if self._stuck.get(name) is f:
+                    del self._stuck[name]
+                f.cancelled() or f.exception()  # retrieved: no "exception never retrieved" for a late failure
+            future.add_done_callback(ended)
+            raise Unavailable(f"registry {url} did not answer the load of model '{name}' within "
+                              f"{look_s:.3g} s") from None
 
     @asynccontextmanager
     async def _turn(self, name: str, deadline: float) -> AsyncIterator[None]:
