@@ -57,7 +57,7 @@ def test_a_version_is_called_by_its_path_as_in_v2(server: Server) -> None:
             assert r.status_code == 200, (path, r.text)
             np.testing.assert_allclose(r.json()["y"], expected(seed), rtol=1e-5, err_msg=path)
         for path, status, words in (("/fn/mlp/versions/3", 404, "version 3"),
-                                    ("/fn/mlp/versions/x", 400, "version"),
+                                    ("/fn/mlp/versions/x", 404, "version"),
                                     ("/fn/nope/versions/1", 404, "unknown model")):
             r = http.post(path, json=ROW)
             assert r.status_code == status and words in r.json()["error"], (path, r.text)

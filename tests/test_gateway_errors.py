@@ -27,7 +27,8 @@ CASES = [
     ("unknown model", "/v2/models/nope/infer", v2([x_input()]), {}, 404, "unknown model 'nope'"),
     ("unknown version", "/v2/models/mlp/versions/9/infer", v2([x_input()]), {}, 404,
      "Request for unknown model: 'mlp' version 9 is not found"),
-    ("version not a number", "/v2/models/mlp/versions/abc/infer", v2([x_input()]), {}, 400, "not a number"),
+    ("version not a number", "/v2/models/mlp/versions/abc/infer", v2([x_input()]), {}, 404,
+     "no such model version 'abc': a version is a number"),
     ("wrong datatype", "/v2/models/mlp/infer", v2([x_input(datatype="INT32")]), {}, 400,
      "the model expects FP32"),
     ("unknown datatype", "/v2/models/mlp/infer", v2([x_input(datatype="FP128")]), {}, 400, "datatype"),
@@ -171,3 +172,23 @@ def test_statistics_of_every_model_come_in_tritons_order(example_server: Server)
 def test_server_keeps_serving_after_bad_input(example_server: Server) -> None:
     r = httpx.post(example_server.url + "/fn/mlp", content=orjson.dumps(ROW))
     assert r.status_code == 200 and len(r.json()["y"]) == 10
+
+
+VERSIONED = [("GET", ""), ("GET", "/ready"), ("GET", "/config"), ("GET", "/stats"), ("POST", "/infer"),
+             ("POST", "/generate")]
+
+
+@pytest.mark.parametrize("version", ["abc", "1x", "-1", "1234567890123456789"])
+def test_a_version_that_is_not_a_number_is_not_found_on_every_route(example_server: Server, version: str) -> None:
+    """Triton's routes take a version of digits only, so any other path is no route of its: 404 "Not Found"
+    (its http_server.cc, the fall-through of HTTPAPIServer::Handle); a longer number is no model's version.
+    Here they answered 400 "not a number" (and the metadata route's own check said 404 "unknown version"):
+    every route answers 404, saying what a version is."""
+    with httpx.Client(base_url=example_server.url, timeout=30) as http:
+        for method, rest in VERSIONED:
+            for path in (f"/v2/models/mlp/versions/{version}{rest}", f"/fn/mlp/versions/{version}"):
+                body = v2([x_input()]) if method == "POST" else None
+                r = http.request(method, path, content=body)
+                assert r.status_code == 404, (path, r.status_code, r.text)
+                assert f"no such model version '{version}': a version is a number" in r.json()["error"], \
+                    (path, r.text)

@@ -16,7 +16,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from despina.contract.errors import ConfigError, InvalidArgument
+from despina.contract.errors import ConfigError, InvalidArgument, NotFound
 from despina.gateway import http
 from despina.gateway.auth import (
     AuthPolicy,
@@ -135,7 +135,8 @@ def test_paths_name_their_api_group(path: str, target: Target) -> None:
                                            ("x" * 129, None), ("mlp", "²"), ("mlp", "1" * 19),
                                            ("mlp", "-1"), ("mlp", "1e3"), (".hidden", None)])
 def test_bad_model_names_and_versions_are_refused(model: str, version: str | None) -> None:
-    with pytest.raises(InvalidArgument):
+    # a bad name is the client's error (400); a version that is not one is no route of Triton's (404)
+    with pytest.raises(InvalidArgument if version is None else NotFound):
         check_target(Target("inference", model, version))
 
 

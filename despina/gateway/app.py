@@ -262,7 +262,7 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
             raise unloaded(model.entry, version)
         if version is not None:
             if not version.isdigit():
-                raise NotFound(f"unknown version {version} of model '{model.entry.name}'")
+                raise NotFound(f"no such model version '{version}': a version is a number")
             if int(version) not in model.entry.versions:
                 raise version_refused(model.entry, int(version))
             if int(version) in model.entry.failed:

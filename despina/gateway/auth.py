@@ -107,8 +107,11 @@ def check_target(target: Target) -> None:
             raise InvalidArgument("invalid model name: longer than 128 characters")
         check_model_name(target.model)
     if target.version is not None and not _VERSION.fullmatch(target.version):
+        # 404 on every route, as Triton's: its routes take a version of digits only, and answer any other
+        # path "Not Found" (a longer number is no version of any model either)
         shown = target.version if len(target.version) <= 32 else target.version[:32] + "..."
-        raise InvalidArgument(f"model version {shown!r} is not a number (1 to {VERSION_DIGITS} digits)")
+        raise NotFound(f"no such model version {shown!r}: a version is a number of 1 to {VERSION_DIGITS} "
+                       "digits")
 
 
 @dataclass(frozen=True)

@@ -389,8 +389,8 @@ async def _answered(reading: Awaitable[None]) -> None:
 
 def _known_version(e: CatalogEntry, version: str) -> int:
     """A version named in a URL: a number, and one of the model's."""
-    if not version.isdigit():
-        raise InvalidArgument(f"model version '{version}' is not a number")
+    if not version.isdigit():  # (check_target answers such a path before it gets here)
+        raise NotFound(f"no such model version '{version}': a version is a number")
     v = int(version)
     if v not in e.versions:
         raise version_refused(e, v)
