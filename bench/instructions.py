@@ -5,6 +5,7 @@ machines moves by 10-50 %.
     python bench/instructions.py [--tree DIR] [--batches 200 1200]
     python bench/instructions.py --gateway [--worker] [--tree DIR] [--conc 1 8 64] [--requests 3000]
         [--format binary json json-rows fn] [--profile DIR] [--redis-url redis://127.0.0.1:6379/0]
+        [--model mlp]
     python bench/instructions.py --valkey [--sizes 8 32 64]
 
 W1 (bench/out/repo's `mlp`: bench/models.py) in a ModelRunner, one request per batch, as at low
@@ -108,7 +109,7 @@ GATEWAY_MODEL = "mlp"
 IDLE_S = 4.0  # the idle stretch that measures the gateway's background rate
 
 
-def bodies(fmt: str, port: int) -> list[bytes]:
+def bodies(fmt: str, port: int, model: str = GATEWAY_MODEL) -> list[bytes]:
     """16 requests of W1 as the client sends them: perf_analyzer's binary tensors, JSON as perf_analyzer
     writes it (one flat "data" array), JSON as bench/loadgen.py and numpy's tolist() write it (`[[...]]`:
     json-rows), or /fn."""
@@ -119,17 +120,29 @@ def bodies(fmt: str, port: int) -> list[bytes]:
     from loadgen import request
     rows = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32)
     host = f"127.0.0.1:{port}"
-    if fmt == "binary":
-        return [request(host, f"/v2/models/{GATEWAY_MODEL}/infer", fmt, rows[k:k + 1]) for k in range(16)]
+    if fmt == "binary" and model == GATEWAY_MODEL:
+        return [request(host, f"/v2/models/{model}/infer", fmt, rows[k:k + 1]) for k in range(16)]
+    if fmt == "binary":  # another model's outputs are not `y`: every output it has, binary
+        out = []
+        for row in rows:
+            header = json.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                                             "parameters": {"binary_data_size": row.nbytes}}],
+                                 "parameters": {"binary_data_output": True}}).encode()
+            body = header + row.tobytes()
+            head = (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {host}\r\n"
+                    "Content-Type: application/octet-stream\r\n"
+                    f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(body)}\r\n\r\n")
+            out.append(head.encode() + body)
+        return out
     out = []
     for row in rows:
         if fmt in ("json", "json-rows"):
-            path = f"/v2/models/{GATEWAY_MODEL}/infer"
+            path = f"/v2/models/{model}/infer"
             data = row.tolist() if fmt == "json" else [row.tolist()]
             body = json.dumps({"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": data}]}
                               ).encode()
         else:
-            path, body = f"/fn/{GATEWAY_MODEL}", json.dumps({"x": row.tolist()}).encode()
+            path, body = f"/fn/{model}", json.dumps({"x": row.tolist()}).encode()
         out.append(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     return out
@@ -233,11 +246,11 @@ def summary(dump: Path, per: int, callee: str | None = None, top: int = 40) -> N
         print(f"{100 * cost / total:6.1f} %  {cost / per:10,.0f}  {name}")
 
 
-def statistics(port: int) -> tuple[int, int]:
-    """W1's inference and execution counts so far, from the gateway's statistics extension."""
+def statistics(port: int, model: str = GATEWAY_MODEL) -> tuple[int, int]:
+    """The model's inference and execution counts so far, from the gateway's statistics extension."""
     import json
     import urllib.request
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{GATEWAY_MODEL}/stats", timeout=60) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/stats", timeout=60) as r:
         model = json.load(r)["model_stats"][0]
     return model["inference_count"], model["execution_count"]
 
@@ -266,7 +279,7 @@ def gateway(args: argparse.Namespace) -> None:
 
     procs = [
         role("control", "--model-repository", str(ROOT / "bench" / "out" / "repo"), "--model-control-mode",
-             "explicit", "--load-model", GATEWAY_MODEL, "--metrics-port", "0"),
+             "explicit", "--load-model", args.model, "--metrics-port", "0"),
         role("worker"),
         role("gateway", "--http-port", str(port)),
     ]
@@ -275,7 +288,7 @@ def gateway(args: argparse.Namespace) -> None:
         deadline = time.monotonic() + 600
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{GATEWAY_MODEL}/ready",
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{args.model}/ready",
                                             timeout=30) as r:
                     if r.status == 200:
                         break
@@ -288,10 +301,10 @@ def gateway(args: argparse.Namespace) -> None:
         time.sleep(IDLE_S)
         idle_rate = (counter(gw.pid) - before) / IDLE_S
         for fmt in args.format:
-            requests = bodies(fmt, port)
+            requests = bodies(fmt, port, args.model)
             for conc in args.conc:
                 asyncio.run(drive(port, requests, conc, max(conc * 20, args.requests // 5)))  # warm-up
-                runs = statistics(port)[1] if args.worker else 0
+                runs = statistics(port, args.model)[1] if args.worker else 0
                 if args.profile is None:
                     before, t0 = counter(gw.pid), time.monotonic()
                     asyncio.run(drive(port, requests, conc, args.requests))
@@ -304,11 +317,12 @@ def gateway(args: argparse.Namespace) -> None:
                     elapsed = time.monotonic() - t0
                     spent = dump(gw.pid, f"{fmt} c={conc}", args.profile) - idle_rate * elapsed
                 idle = idle_rate * elapsed
-                point = {"tree": str(args.tree), "counted": counted_role, "format": fmt, "conc": conc,
+                point = {"tree": str(args.tree), "model": args.model, "counted": counted_role, "format": fmt,
+                         "conc": conc,
                          "requests": args.requests, "instructions_per_request": round(spent / args.requests),
                          "idle_share": round(idle / (spent + idle), 4), "seconds": round(elapsed, 1)}
                 if args.worker:
-                    executions = statistics(port)[1] - runs
+                    executions = statistics(port, args.model)[1] - runs
                     point["mean_batch"] = round(args.requests / executions, 2)
                     point["instructions_per_batch"] = round(spent / executions)
                 print(json.dumps(point), flush=True)
@@ -425,6 +439,8 @@ def main() -> None:
                              "(--sizes) and its encoding")
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 32, 64], metavar="S",
                         help="--valkey: the statistics hash holds batch sizes 1..S (four fields each)")
+    parser.add_argument("--model", default=GATEWAY_MODEL,
+                        help="--gateway: the model served and sent W1's rows (mlp_classify: W3, say)")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     args = parser.parse_args()
     if args.summary is not None:
