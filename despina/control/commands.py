@@ -203,6 +203,8 @@ class Commands:
                 tried = plane.catalog.get(name)
                 if replaced or _reload_failed(old, tried):
                     await self._take_back(model, old, replaced, exc.message, tried)
+                elif tried is not None and tried.override is not None:  # a config that failed to load is not
+                    plane.catalog.put(replace(tried, override=None))   # kept: the next load reads the files
                 raise
 
     async def _read(self, name: str, read: Callable[[], T], until: float, look_s: float) -> T:
