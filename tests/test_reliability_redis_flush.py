@@ -152,8 +152,11 @@ def test_a_request_a_worker_is_running_when_redis_loses_its_data_gets_its_answer
             answers = [running.result(), queued.result()]
         assert not gave_up_early, [a.text for a in answers]
         assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
-        wait_until(lambda: role_lines(server.logs(), "Redis has its data again") == {"gateway": 1, "worker": 1},
-                   20, what="both roles to log that Redis has its data again")
+        try:
+            wait_until(lambda: role_lines(server.logs(), "Redis has its data again") == {"gateway": 1, "worker": 1},
+                       20, what="both roles to log that Redis has its data again")
+        except AssertionError:
+            raise AssertionError(server.logs()[-6000:]) from None
         client.close()
         stop_server(server)
     assert all(a.json()["outputs"][0]["data"] == [1.5] for a in answers)

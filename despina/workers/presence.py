@@ -235,6 +235,10 @@ class Presence:
                                                            int(self.settings.reply_ttl_s * 1000)))
         self._telling.add(task)
         task.add_done_callback(self._telling.discard)
+        # the catalog read again whatever its generation: the control plane may have published it again before
+        # this worker saw the loss, and that read is what says Redis has its data again (_catalog_back)
+        self._generation = b""
+        self._kick.set()
 
     def _catalog_back(self) -> None:
         """The catalog was read again after Redis lost its data: say so, once."""
