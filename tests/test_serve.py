@@ -31,22 +31,12 @@ from .control_support import catalog_entry, infer, mlp_folder
 from .reliability_support import own_redis, role_pids
 from .test_metrics import scrape
 from .test_serve_lifecycle import ended, launch
+from .test_serve_lifecycle import running as alive
 
 PENDING = 'nv_inference_pending_request_count{model="mlp",version="1"}'
 
 ROW = orjson.dumps([0.25] * 256)
 
-
-def alive(pids: set[int]) -> set[int]:
-    out = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.add(pid)
-    return out
 
 
 def settle(server: Server, pid: int, timeout: float = 30) -> None:
