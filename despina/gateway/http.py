@@ -31,14 +31,14 @@ STATUS = {
     Code.INTERNAL: 500,
     Code.CANCELLED: 499,  # nobody reads it: the client is gone
     Code.ALREADY_EXISTS: 400,  # as Triton's HTTP frontend answers ALREADY_EXISTS
-    Code.UNSUPPORTED_ENCODING: 415,
+    Code.UNSUPPORTED_ENCODING: 415,  # HTTP's status for it (RFC 7694); Triton 2.51 answers 501
     Code.UNIMPLEMENTED: 501,
 }
 EXTRA_HEADERS = {
     Code.UNAVAILABLE: [(b"retry-after", b"1")],
     Code.RESOURCE_EXHAUSTED: [(b"retry-after", b"1")],
     Code.UNAUTHENTICATED: [(b"www-authenticate", b'Bearer realm="despina"')],
-    Code.UNSUPPORTED_ENCODING: [(b"accept-encoding", b"gzip, deflate")],  # as Triton's 415 (RFC 7694)
+    Code.UNSUPPORTED_ENCODING: [(b"accept-encoding", b"gzip, deflate")],  # what RFC 7694 asks of a 415
 }
 JSON = b"application/json"
 
