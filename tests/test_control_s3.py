@@ -2,6 +2,7 @@
 version leaves the old one serving, reloads come from the cache, and a dead store harms nothing loaded."""
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -217,16 +218,22 @@ def test_a_store_that_refuses_the_keys_is_unavailable_not_an_internal_error(
     assert "Traceback" not in server.logs()
 
 
-def test_the_index_answers_while_the_store_hangs(serve: Callable[..., Server], tmp_path: Path) -> None:
-    """A store that takes connections and never answers held each index for boto3's read timeout: the
-    gateway gave up after 30 s, blaming the control plane; an empty catalog answered [] as if all was well."""
+@contextlib.contextmanager
+def served_by_a_hung_store(serve: Callable[..., Server], tmp_path: Path) -> Iterator[Server]:
+    """serve in explicit mode on a store that takes connections and never answers them."""
     with socket.socket() as hung:
         hung.bind(("127.0.0.1", 0))
         hung.listen(64)   # connections complete in the backlog; nothing ever reads them
-        server = serve("s3://models/hung", "--model-control-mode", "explicit",
-                       env={"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{hung.getsockname()[1]}",
-                            "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
-                            "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+        yield serve("s3://models/hung", "--model-control-mode", "explicit",
+                    env={"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{hung.getsockname()[1]}",
+                         "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
+                         "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+
+
+def test_the_index_answers_while_the_store_hangs(serve: Callable[..., Server], tmp_path: Path) -> None:
+    """A store that takes connections and never answers held each index for boto3's read timeout: the
+    gateway gave up after 30 s, blaming the control plane; an empty catalog answered [] as if all was well."""
+    with served_by_a_hung_store(serve, tmp_path) as server:
         for _ in range(2):  # the second one shares the first one's listing, still hanging
             r = httpx.post(f"{server.url}/v2/repository/index", timeout=60)
             assert r.status_code == 503, r.text
@@ -238,13 +245,7 @@ def test_a_load_answers_503_in_time_while_the_store_hangs(serve: Callable[..., S
     times (~3 min) before its 503, past most clients' timeouts: its registry reads are bounded by
     LOAD_LOOK_S (and by the request's time, when shorter). Calls meanwhile are refused at once rather than
     each holding another thread on the hung store."""
-    with socket.socket() as hung:
-        hung.bind(("127.0.0.1", 0))
-        hung.listen(64)   # connections complete in the backlog; nothing ever reads them
-        server = serve("s3://models/hung", "--model-control-mode", "explicit",
-                       env={"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{hung.getsockname()[1]}",
-                            "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
-                            "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    with served_by_a_hung_store(serve, tmp_path) as server:
         r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
         assert r.status_code == 503, r.text
         said = f"s3://models/hung did not answer the load of model 'mlp' within {LOAD_LOOK_S:.3g} s"
