@@ -422,7 +422,8 @@ def test_a_sequence_with_no_free_slot_waits_for_one(server: Server) -> None:
 
 def test_a_sequence_waiting_for_a_slot_past_its_requests_timeout_is_refused(server: Server) -> None:
     """As Triton's backlog: a sequence that waits for a slot longer than a request's `timeout` is
-    refused, and is then unknown (its next request must start it again)."""
+    refused, as Triton refuses it (UNAVAILABLE, 503, "timeout of the corresponding sequence has been
+    expired"), and is then unknown (its next request must start it again)."""
     def send(client: httpx.Client, corr: int, x: float, **parameters: Any) -> httpx.Response:
         body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [x]}],
                 "parameters": {"sequence_id": corr, **parameters}}
@@ -432,7 +433,9 @@ def test_a_sequence_waiting_for_a_slot_past_its_requests_timeout_is_refused(serv
         assert send(first, 51, 1.0, sequence_start=True).status_code == 200  # holds acc0's one slot
         began = time.monotonic()
         r = send(second, 52, 5.0, sequence_start=True, timeout=100_000)  # 100 ms
-        assert r.status_code == 504 and "sequence slot" in r.json()["error"], r.text
+        assert r.status_code == 503, r.text
+        assert r.json()["error"].startswith("model 'acc0': timeout of the corresponding sequence has been "
+                                            "expired (") and "sequence slot" in r.json()["error"], r.text
         assert time.monotonic() - began < 0.8  # not when sequence 51 idles out (1 s) and frees the slot
         r = send(second, 52, 1.0)
         assert r.status_code == 400 and "START" in r.json()["error"], r.text

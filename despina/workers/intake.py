@@ -137,12 +137,14 @@ class Intake(Outbox):
     def _on_queue_timeout(self, item: Item) -> None:
         """The batcher dropped a request whose queue timeout passed (REJECT policy): answered as Triton
         answers it, UNAVAILABLE "Request timeout expired" (HTTP 503), a failure counted as REJECTED."""
-        self._on_timeout(item, QUEUE_TIMED_OUT, Code.RESOURCE_EXHAUSTED)
+        self._on_timeout(item, QUEUE_TIMED_OUT)
 
-    def _on_timeout(self, item: Item, why: str, code: Code = Code.DEADLINE_EXCEEDED) -> None:
-        """The sequence batcher dropped a request whose sequence waited too long for a slot: answer it."""
+    def _on_timeout(self, item: Item, why: str) -> None:
+        """A batcher dropped a request that waited past its timeout (the queue policy's, or, in the
+        sequence batcher, the request's while its sequence waited for a slot): Triton answers both
+        UNAVAILABLE (HTTP 503), each with its own message, `why`."""
         p: Pending = item.payload
-        reply = answers.error(p.request, code, f"model '{self.spec.name}': {why}")
+        reply = answers.error(p.request, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {why}")
         self._spawn(self._reply([reply], [p.request], [p]))
 
     def _rows(self, inputs: dict[str, np.ndarray]) -> int:

@@ -41,7 +41,8 @@ from .batcher import DynamicBatcher, Item
 
 ExecuteOn = Callable[[list[Item], int], Awaitable[None]]  # a batch, and the instance to run it on
 Refuse = Callable[[Item, str], None]  # a request dropped before it ran, and why
-SLOT_TIMED_OUT = "the sequence timed out waiting for a free sequence slot (the request's timeout)"
+SLOT_TIMED_OUT = ("timeout of the corresponding sequence has been expired (it waited for a free "
+                  "sequence slot past the request's timeout)")  # Triton's message, and why
 NUMPY = {"INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_, "UINT64": np.uint64, "INT64": np.int64,
          "UINT32": np.uint32}
 
