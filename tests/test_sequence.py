@@ -271,7 +271,8 @@ def build_shows(path: Path) -> None:
 @pytest.fixture(scope="module")
 def server(repository: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
     yield from module_server(repository, tmp_path_factory, redis_url,
-                             ("shows", "sums", "keyed", "calls", "acc", "pacc", "drives", "chain", "acc0"))
+                             ("shows", "sums", "keyed", "unkeyed", "calls", "acc", "pacc", "drives", "chain",
+                              "acc0"))
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +286,10 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "keyed" / "1").mkdir(parents=True)
     (root / "keyed" / "1" / "model.py").write_text(KEYED)
     (root / "keyed" / "config.pbtxt").write_text(KEYED_CONFIG)
+    (root / "unkeyed" / "1").mkdir(parents=True)  # the same model without sequence batching
+    (root / "unkeyed" / "1" / "model.py").write_text(KEYED)
+    (root / "unkeyed" / "config.pbtxt").write_text(
+        KEYED_CONFIG.replace('name: "keyed"', 'name: "unkeyed"').replace("sequence_batching { }", ""))
     (root / "calls" / "1").mkdir(parents=True)
     (root / "calls" / "1" / "model.py").write_text(CALLS)
     (root / "calls" / "config.pbtxt").write_text(CALLS_CONFIG)
@@ -336,6 +341,21 @@ def test_a_python_model_reads_the_correlation_id_and_the_flags(server: Server) -
                                            (4.0, 77, False, True))]
     assert [(out(r, "sum"), out(r, "flags"), out(r, "key")) for r in got] == \
         [(1.0, 1, "alpha"), (5.0, 1, "77"), (3.0, 0, "alpha"), (6.0, 2, "alpha"), (9.0, 2, "77")]
+
+
+def test_a_python_model_without_sequence_batching_still_reads_the_requests_sequence(server: Server) -> None:
+    """Triton hands a request's sequence_id and flags to every model (request.correlation_id() and
+    .flags() of a Python model read them), not only to those with sequence_batching; an ID it cannot
+    read is an error there too (Triton's is a 500, ours a 400)."""
+    got = [infer(server, "unkeyed", x, sequence_id=corr, sequence_start=True, sequence_end=end)
+           for x, corr, end in ((1.0, 7, True), (2.0, "abc", False))]
+    assert [(out(r, "sum"), out(r, "flags"), out(r, "key")) for r in got] == [(1.0, 3, "7"), (2.0, 1, "abc")]
+    # an ID of 0, or none, with flags: Triton hands on the flags, and the ID 0
+    got = [infer(server, "unkeyed", 4.0, sequence_start=True, sequence_end=True, **more)
+           for more in ({"sequence_id": 0}, {})]
+    assert [(out(r, "sum"), out(r, "flags"), out(r, "key")) for r in got] == [(4.0, 3, "0")] * 2
+    r = infer(server, "unkeyed", 1.0, sequence_id=-1)
+    assert r.status_code == 400 and "sequence_id" in r.json()["error"], r.text
 
 
 def test_requests_without_a_sequence_or_of_one_never_started_are_refused(server: Server) -> None:

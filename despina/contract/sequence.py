@@ -207,8 +207,29 @@ def request_sequence(parameters: dict[str, Any], model: str) -> tuple[Correlatio
     if isinstance(raw, bool) or not isinstance(raw, (int, str)) or raw == 0 or raw == "":
         raise InvalidArgument(f"inference request to model '{model}' must specify a non-zero or non-empty "
                               "correlation ID (the parameter 'sequence_id')")
-    if isinstance(raw, int) and not 0 < raw < 2**64:
+    return _in_range(raw), _flags(parameters)
+
+
+def passed_sequence(parameters: dict[str, Any]) -> tuple[Correlation, int] | None:
+    """A request's (correlation ID, flags) for a model without sequence batching, when it names either:
+    Triton hands them to every model as they are (a Python model reads request.correlation_id() and
+    .flags()), an ID of 0 or "" and flags without an ID included."""
+    if not parameters or ("sequence_id" not in parameters and "sequence_start" not in parameters
+                          and "sequence_end" not in parameters):
+        return None
+    raw = parameters.get("sequence_id", 0)
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise InvalidArgument("parameter 'sequence_id' must be an unsigned integer or a string")
+    return _in_range(raw), _flags(parameters)
+
+
+def _in_range(raw: Correlation) -> Correlation:
+    if isinstance(raw, int) and not 0 <= raw < 2**64:
         raise InvalidArgument(f"parameter 'sequence_id' {raw} is outside the range of a uint64")
+    return raw
+
+
+def _flags(parameters: dict[str, Any]) -> int:
     flags = 0
     for name, flag in (("sequence_start", START), ("sequence_end", END)):
         value = parameters.get(name, False)
@@ -216,4 +237,4 @@ def request_sequence(parameters: dict[str, Any], model: str) -> tuple[Correlatio
             raise InvalidArgument(f"parameter '{name}' must be true or false")
         if value:
             flags |= flag
-    return raw, flags
+    return flags

@@ -18,7 +18,7 @@ from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, ReplyError, Unavailable
 from ..contract.modelspec import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
-from ..contract.sequence import optional_sequence, request_sequence
+from ..contract.sequence import optional_sequence, passed_sequence, request_sequence
 from ..response_cache import cache_key, through
 from . import ensemble, http
 from .classification import classify
@@ -246,10 +246,12 @@ def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
 
 def sequence_of(spec: ModelSpec, parameters: dict[str, object]) -> tuple[int | str, int] | None:
     """The sequence a request names in its parameters: required by a stateful model, carried through an
-    ensemble to its stateful steps, ignored by the rest."""
+    ensemble to its stateful steps, handed as it is to the rest (as Triton hands it to every model)."""
     if spec.sequence:
         return request_sequence(parameters, spec.name)
-    return optional_sequence(parameters, spec.name) if spec.platform == PLATFORM else None
+    if spec.platform == PLATFORM:
+        return optional_sequence(parameters, spec.name)
+    return passed_sequence(parameters)
 
 
 def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], outputs: tuple[str, ...],
