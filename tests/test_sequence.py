@@ -4,6 +4,7 @@ of an ONNX model that shows its controls and a Python model that keeps a running
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,9 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            if not pb_utils.get_input_tensor_by_name(request, "READY").as_numpy().ravel()[0]:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("sum", x)]))  # an empty row
+                continue
             corr = int(pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy().ravel()[0])
             if pb_utils.get_input_tensor_by_name(request, "START").as_numpy().ravel()[0]:
                 self.sums[corr] = 0.0
@@ -99,6 +103,8 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             key, flags = request.correlation_id(), request.flags()
+            if not key and key not in self.sums:  # Direct's empty row (no sequence), or no sequence at all
+                self.sums[key] = 0.0
             if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
                 self.sums[key] = 0.0
             self.sums[key] += float(pb_utils.get_input_tensor_by_name(request, "x").as_numpy().ravel()[0])
@@ -118,6 +124,35 @@ input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]
 output [ { name: "sum" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "flags" data_type: TYPE_INT32 dims: [ 1 ] },
          { name: "key" data_type: TYPE_STRING dims: [ 1 ] } ]
 sequence_batching { }
+"""
+
+
+# Direct, two rows: answers each request with what every request of its execute showed (CORRID, READY,
+# correlation_id(), flags())
+SEEN = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        seen = [[int(pb_utils.get_input_tensor_by_name(r, name).as_numpy().ravel()[0]) for name in ("CORRID", "READY")]
+                + [r.correlation_id(), r.flags()] for r in requests]
+        out = np.array([[json.dumps(seen).encode()]], dtype=np.object_)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("seen", out)]) for _ in requests]
+'''
+SEEN_CONFIG = f"""
+name: "seen"
+backend: "python"
+max_batch_size: 2
+input [ {{ name: "x" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "seen" data_type: TYPE_STRING dims: [ 1 ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+sequence_batching {{
+  {CONTROLS}
+  direct {{ }}
+}}
 """
 
 
@@ -272,13 +307,20 @@ def build_shows(path: Path) -> None:
 def server(repository: Path, tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
     yield from module_server(repository, tmp_path_factory, redis_url,
                              ("shows", "sums", "keyed", "unkeyed", "calls", "acc", "pacc", "drives", "chain",
-                              "acc0"))
+                              "acc0", "seen", "dshows"))
 
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("sequence-repo")
     build_shows(root / "shows" / "1" / "model.onnx")
+    build_shows(root / "dshows" / "1" / "model.onnx")  # shows, Direct, two rows
+    (root / "dshows" / "config.pbtxt").write_text(SHOWS.replace('name: "shows"', 'name: "dshows"').replace(
+        "max_batch_size: 8", "max_batch_size: 2\ninstance_group [ { count: 1 kind: KIND_CPU } ]").replace(
+        "oldest { max_candidate_sequences: 8 max_queue_delay_microseconds: 20000 }", "direct { }"))
+    (root / "seen" / "1").mkdir(parents=True)
+    (root / "seen" / "1" / "model.py").write_text(SEEN)
+    (root / "seen" / "config.pbtxt").write_text(SEEN_CONFIG)
     (root / "shows" / "config.pbtxt").write_text(SHOWS)
     (root / "sums" / "1").mkdir(parents=True)
     (root / "sums" / "1" / "model.py").write_text(SUMS)
@@ -341,6 +383,28 @@ def test_a_python_model_reads_the_correlation_id_and_the_flags(server: Server) -
                                            (4.0, 77, False, True))]
     assert [(out(r, "sum"), out(r, "flags"), out(r, "key")) for r in got] == \
         [(1.0, 1, "alpha"), (5.0, 1, "77"), (3.0, 0, "alpha"), (6.0, 2, "alpha"), (9.0, 2, "77")]
+
+
+def test_direct_fills_the_empty_rows_below_a_sequences_row_as_triton_does(server: Server) -> None:
+    """Direct: a sequence keeps one row of its instance's batches; a batch runs up to the highest row
+    with a request, and the rows below without one hold a request that is not READY, CORRID 0, flags 0,
+    as Triton's (seen there: a Python model gets a request per such row). The model's answers for
+    those go nowhere."""
+    def seen(corr: int, **flags: bool) -> list[list[int]]:
+        return json.loads(out(infer(server, "seen", 1.0, sequence_id=corr, **flags), "seen"))
+
+    assert seen(61, sequence_start=True) == [[61, 1, 61, 1]]  # row 0
+    assert seen(62, sequence_start=True) == [[0, 0, 0, 0], [62, 1, 62, 1]]  # row 1: row 0 not READY
+    assert seen(62) == [[0, 0, 0, 0], [62, 1, 62, 0]]
+    assert seen(61, sequence_end=True) == [[61, 1, 61, 2]]
+    assert seen(63, sequence_start=True) == [[63, 1, 63, 1]]  # 61's row, free again
+    assert seen(62, sequence_end=True) == [[0, 0, 0, 0], [62, 1, 62, 2]]
+    assert seen(63, sequence_end=True) == [[63, 1, 63, 2]]
+    # an ONNX model's batch of two rows, the first a null one: the answer is the second row's
+    assert out(infer(server, "dshows", 1.0, sequence_id=64, sequence_start=True), "y") == 102.0
+    r = infer(server, "dshows", 1.0, sequence_id=65, sequence_start=True, sequence_end=True)
+    assert (out(r, "y"), out(r, "corr")) == (112.0, 65)
+    assert out(infer(server, "dshows", 1.0, sequence_id=64, sequence_end=True), "y") == 12.0
 
 
 def test_a_python_model_without_sequence_batching_still_reads_the_requests_sequence(server: Server) -> None:

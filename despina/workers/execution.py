@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -43,6 +43,7 @@ INLINE_BELOW_US = 1000
 # the implicit states' outputs of a stateful model's batch kept by its sequence batcher: (requests, rows
 # per request, results) -> the results without them
 Keep = Callable[[list["Pending"], list[int], list[Any]], list[Any]]
+Nulls = Sequence[tuple[int, dict[str, np.ndarray]]]  # (row of a batch, its inputs): SequenceBatcher.nulls
 
 
 async def _loaded(executor: ThreadPoolExecutor, backend: Backend) -> None:
@@ -138,10 +139,12 @@ class Execution:
         return on_response
 
     async def run_batch(self, live: list[Pending], sizes: list[int], started: float, marks: dict[str, int],
-                        instance: int | None = None, keep: Keep | None = None) -> list[InferReply]:
+                        instance: int | None = None, keep: Keep | None = None,
+                        nulls: Nulls = ()) -> list[InferReply]:
         """Run one batch (on the instance the sequence batcher names, else the first free one); `marks`
         records when its inputs were ready and when the model returned. `keep`: a stateful model's
-        sequence batcher, which takes the implicit states' outputs."""
+        sequence batcher, which takes the implicit states' outputs; `nulls`: its rows that no request
+        fills (SequenceBatcher.nulls), run with the batch and dropped from its outputs."""
         names = self._output_names(live)
         if self.state_outputs:
             names += [n for n in self.state_outputs if n not in names]
@@ -149,14 +152,20 @@ class Execution:
         backend = await self.instances.get() if instance is None else self.backends[instance]
         try:
             if backend.per_request:
-                return await self._run_requests(backend, live, started, marks, keep)
+                return await self._run_requests(backend, live, started, marks, keep, nulls)
             if len(live) > 1 and not self.spec.batched:  # no batch dimension: one request at a time
                 marks["input"] = time.perf_counter_ns()
                 results = [await self.call(backend, self._assemble([p.inputs]), names, 1) for p in live]
             else:
-                inputs = self._assemble([p.inputs for p in live])
+                arrays = [p.inputs for p in live]
+                for row, null in nulls:
+                    arrays.insert(row, null)
+                inputs = self._assemble(arrays)
                 marks["input"] = time.perf_counter_ns()
-                results = [await self.call(backend, inputs, names, sum(sizes))]
+                results = [await self.call(backend, inputs, names, len(arrays) if nulls else sum(sizes))]
+                if nulls:
+                    rows = [row for row, _ in nulls]
+                    results = [{n: np.delete(a, rows, axis=0) for n, a in results[0].items()}]
             marks["infer"] = time.perf_counter_ns()
         except DespinaError as exc:
             return [answers.error(p.request, exc.code, exc.message, started) for p in live]
@@ -192,10 +201,13 @@ class Execution:
         return arrays, asked
 
     async def _run_requests(self, backend: Backend, live: list[Pending], started: float,
-                            marks: dict[str, int], keep: Keep | None) -> list[InferReply]:
+                            marks: dict[str, int], keep: Keep | None, nulls: Nulls = ()) -> list[InferReply]:
         """A per-request backend: each request keeps its own inputs, and its own error. `marks` as
         run_batch's: the backend stamps them where it can tell (Backend.execute_requests)."""
         arrays, asked = self._each_request(live)
+        for row, null in nulls:
+            arrays.insert(row, null if self.reshape is None else self.reshape.to_model(null))
+            asked.insert(row, asked[0])
         reshape = self.reshape
         marks["input"] = time.perf_counter_ns()
         if backend.awaitable and backend.quick():  # it waits on its model's process: no thread needed
@@ -204,6 +216,9 @@ class Execution:
             results = await asyncio.get_running_loop().run_in_executor(
                 self.executor, backend.execute_requests, arrays, asked, marks)
         marks.setdefault("infer", time.perf_counter_ns())
+        if nulls and len(results) == len(arrays):
+            dropped = {row for row, _ in nulls}
+            results = [r for row, r in enumerate(results) if row not in dropped]
         if len(results) != len(live):
             msg = f"model '{self.spec.name}' returned {len(results)} results for {len(live)} requests"
             return [answers.error(p.request, Code.BACKEND, msg, started) for p in live]

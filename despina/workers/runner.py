@@ -251,8 +251,13 @@ class ModelRunner(Intake):
                                     timings=durations(marks, time.perf_counter_ns()), later=len(live)))
             return
         if live:
-            keep = cast(SequenceBatcher, self.batcher).keep if self.execution.state_outputs else None
-            replies.extend(await self.execution.run_batch(live, sizes, started, marks, instance, keep))
+            keep, nulls = None, None
+            if self.spec.sequence is not None:
+                sequences = cast(SequenceBatcher, self.batcher)
+                keep = sequences.keep if self.execution.state_outputs else None
+                nulls = sequences.nulls(live_items)
+            replies.extend(await self.execution.run_batch(live, sizes, started, marks, instance, keep,
+                                                          nulls or ()))
         rows = sum(sizes)
         # the instance is free as soon as the model ran: replies go out in the background
         reply = self._reply(replies, [p.request for p in expired + live], pendings, rows=rows if live else 0,

@@ -9,9 +9,11 @@ every request it has queued, once one of them waited past its own `timeout`.
 
 A sequence has at most one request in its instance's batcher at a time, so its requests run in the
 order they came and no batch holds two of them; the instance's batcher (Triton's dynamic batching
-rules, max_queue_delay from the strategy) puts requests of several sequences together. Each request
-carries the control inputs the config names (START, END, READY, always true since a row is a request,
-and CORRID) and each implicit state's input: the state output the model gave with the sequence's
+rules, max_queue_delay from the strategy) puts requests of several sequences together. With Direct a
+sequence keeps one row of its instance's batches (its slot): a batch runs in its sequences' rows, the
+rows below its highest that no request fills holding a request that is not READY, as in Triton (nulls).
+Each request carries the control inputs the config names (START, END, READY, true but in those null
+rows, and CORRID) and each implicit state's input: the state output the model gave with the sequence's
 request before (`keep`), or the initial state with a START. A batch mixes sequences whose states have
 the same shape only.
 
@@ -22,6 +24,7 @@ max_sequence_idle_microseconds; a request for a sequence that is not running, or
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -50,6 +53,7 @@ NUMPY = {"INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_, "UINT64": np.u
 @dataclass
 class _Sequence:
     instance: int               # -1: waiting for a free slot
+    slot: int = -1              # Direct: its row in its instance's batches
     queued: deque[Item] = field(default_factory=deque)
     running: bool = False       # one of its requests is in its instance's batcher, or executing
     ended: bool = False         # its END request came: only a START may follow (a new sequence)
@@ -77,6 +81,9 @@ class SequenceBatcher:
         # their policy has no queue timeout: a request that reached one is never dropped there
         self._batchers = [DynamicBatcher(self.policy, partial(self._run, i), 1) for i in range(instances)]
         self._bound = [0] * instances  # sequences on each instance
+        # Direct (batched): a sequence keeps one row of its instance's batches, as in Triton; the free ones
+        self._direct = not self.sequence.oldest and spec.batched
+        self._free = [list(range(self.sequence.slots)) for _ in range(instances)]
         self._sequences: dict[Correlation, _Sequence] = {}
         self._waiting: deque[Correlation] = deque()  # sequences waiting for a slot, oldest first
         self._closed = False
@@ -119,11 +126,12 @@ class SequenceBatcher:
                                   f"'{self.spec.name}' must specify the START flag on the first "
                                   "request of the sequence")
         if seq is None:
-            seq = self._sequences[correlation] = _Sequence(self._free_instance())
-            if seq.instance < 0:
+            seq = self._sequences[correlation] = _Sequence(-1)
+            instance = self._free_instance()
+            if instance < 0:
                 self._waiting.append(correlation)
             else:
-                self._bound[seq.instance] += 1
+                self._bind(seq, instance)
         item.payload.inputs.update(controls)
         seq.ended = bool(flags & END)  # a START after an END runs after it, where the state is
         seq.queued.append(item)
@@ -159,6 +167,12 @@ class SequenceBatcher:
         """The instance with the fewest sequences, or -1 when every instance's slots are taken."""
         instance = min(range(len(self._bound)), key=self._bound.__getitem__)
         return -1 if self._bound[instance] >= self.sequence.slots else instance
+
+    def _bind(self, seq: _Sequence, instance: int) -> None:
+        seq.instance, seq.expires = instance, None  # bound: no more waiting for a slot
+        self._bound[instance] += 1
+        if self._direct:
+            seq.slot = heapq.heappop(self._free[instance])
 
     def _feed(self, seq: _Sequence) -> None:
         if not seq.running and seq.queued and seq.instance >= 0:
@@ -211,6 +225,8 @@ class SequenceBatcher:
         return results
 
     async def _run(self, instance: int, batch: list[Item]) -> None:
+        if self._direct and len(batch) > 1:  # in its sequences' rows (nulls() fills those between)
+            batch = sorted(batch, key=self._slot)
         try:
             await self._execute(batch, instance)
         finally:
@@ -227,12 +243,34 @@ class SequenceBatcher:
                     self._feed(seq)
             self._close_when_done()
 
+    def _slot(self, item: Item) -> int:
+        seq = self._sequences.get(item.payload.request.sequence[0])
+        return -1 if seq is None else seq.slot
+
+    def nulls(self, live: list[Item]) -> list[tuple[int, dict[str, np.ndarray]]]:
+        """Direct's rows of a batch (in its sequences' rows, `live`) that no request fills, below the
+        highest one that is filled: (row, its inputs), as Triton fills them: not READY, START and END
+        false, CORRID 0, the other inputs zeros in the first request's shapes, states included (Triton's
+        hold whatever its buffers held). None for Oldest, or when the batch fills its rows from 0 up."""
+        if not self._direct:
+            return []
+        slots = [self._slot(item) for item in live]
+        if slots == list(range(len(slots))) or -1 in slots:
+            return []
+        first = live[0].payload.inputs
+        null = {name: np.full(value.shape, b"", dtype=np.object_) if value.dtype == np.object_
+                else np.zeros_like(value) for name, value in first.items()}
+        null.update(control_tensors(self.sequence, True, 1, 0, 0, ready=False))
+        return [(row, null) for row in range(slots[-1]) if row not in slots]
+
     def _release(self, correlation: Correlation) -> None:
         """The sequence ends: its slot goes to the sequence that has waited longest, if any."""
         seq = self._sequences.pop(correlation)
         if seq.instance < 0:
             return
         self._bound[seq.instance] -= 1
+        if self._direct:
+            heapq.heappush(self._free[seq.instance], seq.slot)
         while self._waiting:
             instance = self._free_instance()
             if instance < 0:
@@ -240,8 +278,7 @@ class SequenceBatcher:
             waiting = self._sequences.get(self._waiting.popleft())
             if waiting is None:
                 continue
-            waiting.instance, waiting.expires = instance, None  # bound: no more waiting for a slot
-            self._bound[instance] += 1
+            self._bind(waiting, instance)
             self._feed(waiting)
 
     def close(self) -> None:
@@ -292,22 +329,23 @@ def initial_state(model: str, state: State, model_dir: Path | None) -> np.ndarra
     return np.frombuffer(raw, dtype=dtype, count=element_count(dims)).reshape(dims)
 
 
-def control_tensors(policy: SequencePolicy, batched: bool, rows: int, correlation: Correlation, flags: int
-                    ) -> dict[str, np.ndarray]:
+def control_tensors(policy: SequencePolicy, batched: bool, rows: int, correlation: Correlation, flags: int,
+                    ready: bool = True) -> dict[str, np.ndarray]:
     """The control inputs of one request: each row gets its value (shape [rows, 1], or [1] unbatched)."""
     shape = (rows, 1) if batched else (1,)
     out = {}
     for control in policy.controls:
-        out[control.name] = _control(control, shape, correlation, flags)
+        out[control.name] = _control(control, shape, correlation, flags, ready)
     return out
 
 
-def _control(control: Control, shape: tuple[int, ...], correlation: Correlation, flags: int) -> np.ndarray:
+def _control(control: Control, shape: tuple[int, ...], correlation: Correlation, flags: int,
+             ready: bool) -> np.ndarray:
     if control.kind == "CORRID":
         if control.datatype == "BYTES":  # (check_correlation has refused an ID of the other type)
-            return np.full(shape, str(correlation).encode(), dtype=np.object_)
+            return np.full(shape, str(correlation).encode() if correlation else b"", dtype=np.object_)
         # the ID's low bytes where the datatype is narrower, as Triton copies them
         return np.full(shape, correlation, dtype=np.uint64).astype(NUMPY[control.datatype])
-    on = {"START": bool(flags & START), "END": bool(flags & END), "READY": True}[control.kind]
+    on = {"START": bool(flags & START), "END": bool(flags & END), "READY": ready}[control.kind]
     value = control.false_true[1] if on else control.false_true[0]
     return np.full(shape, value, dtype=NUMPY[control.datatype])
