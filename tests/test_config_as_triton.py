@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from despina.contract.instance_groups import completed_config, resolve
 from despina.contract.modelspec import ModelSpec
 from despina.control.repository import load_model
-from despina.workers.instances import completed_config, resolve
 
 RECORDED: dict[str, dict[str, Any]] = json.loads(
     (Path(__file__).parent / "triton_2_51_configs.json").read_text())
@@ -51,21 +51,24 @@ def despina_config(tmp_path: Path, name: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", sorted(n for n in RECORDED if n != "c_ens"))
 def test_a_python_models_config_is_tritons(tmp_path: Path, name: str) -> None:
-    """What initialize() gets on a worker without a GPU is Triton's JSON, field for field. GET .../config
-    differs only in KIND_AUTO: each worker resolves it for itself (placement prefers a GPU worker for it)."""
+    """What initialize() gets on a worker without a GPU, and what GET .../config shows of a model served by
+    such workers (or by none yet), is Triton's JSON, field for field. The catalog's config differs only in
+    KIND_AUTO: each worker resolves it for itself (placement prefers a GPU worker for it)."""
     config = despina_config(tmp_path, name)
     triton = RECORDED[name]["triton"]
     assert completed_config(ModelSpec.from_config(config), gpu_count=0) == triton
     auto = [g["kind"] == "KIND_AUTO" for g in config["instance_group"]]
-    shown = {**config, "instance_group": [{**g, "kind": "KIND_CPU"} if a else g
-                                          for g, a in zip(config["instance_group"], auto)]}
-    assert shown == triton
+    kept = {**config, "instance_group": [{**g, "kind": "KIND_CPU"} if a else g
+                                         for g, a in zip(config["instance_group"], auto)]}
+    assert kept == triton
 
 
 def test_an_ensembles_config_is_tritons(tmp_path: Path) -> None:
     """No backend (Triton's is ""), model_transaction_policy {decoupled: false} (Triton: decoupled when a
     step is; Despina's never are), and no ensemble_scheduling.max_inflight_requests: 2.51 has no such field."""
-    assert despina_config(tmp_path, "c_ens") == RECORDED["c_ens"]["triton"]
+    config = despina_config(tmp_path, "c_ens")
+    assert config == RECORDED["c_ens"]["triton"]
+    assert completed_config(ModelSpec.from_config(config), gpu_count=2) == config  # it has no instances
 
 
 def test_instance_groups_resolve_to_where_they_run(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from despina.contract.cluster import VersionStatus, pack_detail
+from despina.contract.instance_groups import completed_config
 from despina.gateway.models import ModelView
 
 from .cluster_support import Cluster, own_cluster
@@ -144,3 +145,24 @@ async def test_a_refresh_reads_the_lengths_of_the_streams_requests_went_to(clust
     assert view.full == {stream}
     await view.refresh()  # none since
     assert view.full == set()
+
+
+async def test_the_gpus_a_serving_worker_saw_are_read_with_its_state(cluster: ViewCluster) -> None:
+    """GET .../config shows KIND_AUTO as Triton does, resolved where the model runs: the gateway knows how
+    from the GPUs each worker's backend saw (none here; a worker with two reports 2), the most of any."""
+    await cluster.place("m0")
+    entry = cluster.catalog.entries["m0"]
+    cluster.catalog.put(replace(entry, name="m9", workers=("gpu",)))
+    await cluster.catalog.flush()
+    await cluster.redis.hset(cluster.keys.worker("gpu"), mapping={
+        "models": orjson.dumps({"m0": {"1": "READY"}, "m9": {"1": "READY"}}), "state": b"1",
+        "detail": pack_detail({"m0": {1: VersionStatus("READY", "r0")},
+                               "m9": {1: VersionStatus("READY", "r9", gpus=2)}})})
+    await cluster.redis.sadd(cluster.keys.workers, "gpu")
+    view = ModelView(cluster.redis, cluster.keys)
+    await view.refresh()
+    assert view.states.gpus == {("m9", 1): 2}  # m0: no GPU on the test's worker, nor in the other's word
+    groups = completed_config(view.models["m9"].spec, view.states.gpus[("m9", 1)])["instance_group"]
+    assert [(g["kind"], g["gpus"]) for g in groups] == [("KIND_GPU", [0, 1])]
+    assert [(g["kind"], g["gpus"]) for g in completed_config(view.models["m0"].spec, 0)["instance_group"]] \
+        == [("KIND_CPU", [])]

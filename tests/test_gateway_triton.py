@@ -12,6 +12,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from despina.examples import mlp_numpy
+from despina.workers.backends import backend_class
 
 from .conftest import Server, settled_stats
 from .reliability_support import worker_paused
@@ -66,6 +67,11 @@ def test_config_shows_what_triton_fills_in(client: httpclient.InferenceServerCli
     add_sub = client.get_model_config("add_sub")  # its config.pbtxt names no instance_group
     assert add_sub["default_model_filename"] == "model.onnx"
     assert [(g["name"], g["count"]) for g in add_sub["instance_group"]] == [("add_sub", 1)]
+    # KIND_AUTO as the worker that serves it resolved it, as Triton shows it: KIND_CPU where onnxruntime
+    # sees no GPU, else KIND_GPU on every GPU
+    gpus = backend_class("onnxruntime").gpu_count()
+    assert (add_sub["instance_group"][0]["kind"], add_sub["instance_group"][0]["gpus"]) == (
+        ("KIND_GPU", list(range(gpus))) if gpus else ("KIND_CPU", []))
     assert add_sub["optimization"]["input_pinned_memory"] == {"enable": True}
     assert add_sub["optimization"]["output_pinned_memory"] == {"enable": True}
     mlp = client.get_model_config("mlp")  # dynamic_batching with no preferred_batch_size

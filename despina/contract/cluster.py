@@ -47,6 +47,7 @@ class VersionStatus:
     error: str = ""                # why `failed` could not be loaded
     failed: str = ""               # the revision that failed
     load_ms: float = 0.0           # how long the serving runner took to load
+    gpus: int = 0                  # the GPUs the serving runner's backend saw: how its KIND_AUTO resolved
 
     def pack(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v}

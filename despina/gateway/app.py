@@ -20,6 +20,7 @@ from starlette.routing import Route
 from .. import __version__, clock, fds
 from ..contract.catalog import UNLOADED, unloaded, version_refused
 from ..contract.errors import DespinaError, NotFound, Unavailable
+from ..contract.instance_groups import completed_config
 from ..contract.keys import Keys
 from ..contract.modelspec import ModelSpec
 from ..logs import dump_tasks_on_sigusr2
@@ -239,10 +240,14 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
 
     async def model_config(request: Request) -> Response:
         try:
-            model, _ = _model(request)
+            model, version = _model(request)
         except DespinaError as exc:
             return error_response(exc)
-        return json_response(model.spec.config)
+        # as Triton shows it: KIND_AUTO resolved as the workers that serve it did (as a worker without a GPU
+        # would while none serves it)
+        versions = [int(version)] if version is not None else model.entry.versions
+        gpus = max((gw.view.states.gpus.get((model.entry.name, v), 0) for v in versions), default=0)
+        return json_response(completed_config(model.spec, gpus))
 
     async def stats(request: Request) -> Response:
         p = request.path_params

@@ -15,6 +15,7 @@ from ..contract.keys import Keys
 
 Ready = dict[str, set[int]]              # model -> versions READY on some live worker
 Served = dict[tuple[str, int], set[str]]  # (model, version) -> the revisions workers serve or load
+Gpus = dict[tuple[str, int], int]         # (model, version) -> the most GPUs a worker serving it saw
 
 
 class WorkerStates:
@@ -22,7 +23,9 @@ class WorkerStates:
         self.keys = keys
         self.ready: Ready = {}
         self.served: Served = {}
-        self._each: dict[bytes, tuple[bytes | None, Ready, Served]] = {}  # worker id -> digest, its part
+        self.gpus: Gpus = {}  # how KIND_AUTO resolved where it serves: GET .../config shows that, as Triton
+        # worker id -> the digest of its state, and its part
+        self._each: dict[bytes, tuple[bytes | None, Ready, Served, Gpus]] = {}
 
     def ask(self, pipe: aioredis.client.Pipeline, workers: list[bytes]) -> None:
         """Ask for the workers' digests on the caller's pipeline (its replies go to update(), in order)."""
@@ -44,19 +47,23 @@ class WorkerStates:
                 each[wid] = (cast(bytes | None, digest), *_parse(models, detail))
         ready: Ready = {}
         served: Served = {}
-        for _, its_ready, its_served in each.values():
+        gpus: Gpus = {}
+        for _, its_ready, its_served, its_gpus in each.values():
             for name, versions in its_ready.items():
                 ready.setdefault(name, set()).update(versions)
             for key, revisions in its_served.items():
                 served.setdefault(key, set()).update(revisions)
-        self._each, self.ready, self.served = each, ready, served
+            for key, n in its_gpus.items():
+                gpus[key] = max(n, gpus.get(key, 0))
+        self._each, self.ready, self.served, self.gpus = each, ready, served, gpus
 
 
-def _parse(models: bytes | None, detail: bytes | None) -> tuple[Ready, Served]:
-    """One worker's part: the versions it has READY, and the revisions it serves or loads (an expired hash:
-    nothing)."""
+def _parse(models: bytes | None, detail: bytes | None) -> tuple[Ready, Served, Gpus]:
+    """One worker's part: the versions it has READY, the revisions it serves or loads, and the GPUs each
+    serving one saw where it saw any (an expired hash: nothing)."""
     ready: Ready = {}
     served: Served = {}
+    gpus: Gpus = {}
     for name, versions in (orjson.loads(models) if models else {}).items():
         for v, s in versions.items():
             if s == "READY":
@@ -65,4 +72,6 @@ def _parse(models: bytes | None, detail: bytes | None) -> tuple[Ready, Served]:
         for v, d in versions.items():
             revs = served.setdefault((name, int(v)), set())
             revs.update(r for r in (d.get("revision"), d.get("loading"), d.get("replaced")) if r)
-    return ready, served
+            if d.get("gpus"):
+                gpus[(name, int(v))] = int(d["gpus"])
+    return ready, served, gpus

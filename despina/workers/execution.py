@@ -84,6 +84,7 @@ class Execution:
         self.executor = ThreadPoolExecutor(max_workers=self.count, thread_name_prefix=f"{spec.name}-")
         self.row_us: float | None = None  # moving average of a batch's cost per row (µs)
         self.text: frozenset[str] = frozenset()  # BYTES inputs the backend takes as UTF-8 only (from load)
+        self.gpus = 0  # GPUs the backend saw as it planned the instances (from load): how KIND_AUTO resolved
 
     async def load(self) -> None:
         """Load every instance of the instance groups, then run the warmup samples on each. `count` may
@@ -95,7 +96,7 @@ class Execution:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.executor, checksums.verify, self.spec.name, self.path,
                                    self.spec.config)
-        gpus = await loop.run_in_executor(self.executor, cls.gpu_count)
+        self.gpus = gpus = await loop.run_in_executor(self.executor, cls.gpu_count)
         instances = plan_instances(self.spec, gpus, self.threads)
         warmups = samples(self.spec, self.path)
         active = sum(not i.passive for i in instances)

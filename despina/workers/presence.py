@@ -171,7 +171,8 @@ class Presence:
                 status = VersionStatus(runner.state, self.revision.get(key, ""), loading,
                                        self.replaced.get(key, ""),
                                        error=error or self.fetch_errors.get(key, ""), failed=failed_rev,
-                                       load_ms=round(self.load_ms.get(key, 0.0), 1))
+                                       load_ms=round(self.load_ms.get(key, 0.0), 1),
+                                       gpus=runner.execution.gpus)
             else:
                 state = "LOADING" if loading else "UNLOADING" if key in self.unloading else "UNAVAILABLE"
                 status = VersionStatus(state, loading, error=error or self.fetch_errors.get(key, ""),

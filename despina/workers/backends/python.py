@@ -29,8 +29,8 @@ import numpy as np
 from google.protobuf import json_format
 
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
+from ...contract.instance_groups import completed_config
 from ...contract.modelconfig import ModelConfig, to_dict
-from ..instances import completed_config
 from .base import Backend, Marks, Outputs, visible_gpus
 from .python_env import interpreter
 from .python_process import DecoupledStub, OnResponse, Stub, StubDied, log
