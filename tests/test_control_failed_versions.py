@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import orjson
 
 from despina.contract.catalog import LOADED, RETIRED_KEPT, CatalogEntry, drop, version_refused
 from despina.contract.errors import NotFound, Unavailable
-from despina.control.versions import transition
+from despina.control.versions import transition, try_again
 from despina.examples import build_mlp
 
 from .conftest import Server
@@ -152,3 +153,61 @@ def test_a_transition_drops_failed_versions_and_takes_back_those_that_load_again
     again = transition(e, CatalogEntry("m", "/repo/m", {}, (2, 4), revisions={2: "b2", 4: "d"}), LOADED,
                        lambda v: v == 4)
     assert again.dropped == {} and 2 in again.versions
+
+
+FLAKY_MODEL = """
+from pathlib import Path
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        here = Path({here!r})
+        with open(here / "inits", "a") as f:
+            f.write("x")
+        if (here / "fail").exists():
+            raise RuntimeError("flaky: its resource is missing")
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_a_load_of_unchanged_files_tries_a_failed_model_again_and_leaves_a_loaded_one_be(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """As Triton 2.51's: a model whose load failed (initialize raised: a resource it needs was missing) is
+    tried again by a plain load of the same files, which now succeeds; a plain load of a model that serves,
+    its files unchanged, changes nothing (initialize is not called again). Despina's worker remembered the
+    failure of those files and the load answered 400 with the first error again."""
+    repo = tmp_path / "repo"
+    (repo / "flaky" / "1").mkdir(parents=True)
+    (repo / "flaky" / "1" / "model.py").write_text(FLAKY_MODEL.format(here=str(tmp_path)))
+    (repo / "flaky" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 4\ninput [ { name: "IN", data_type: TYPE_INT32, dims: [ 3 ] } ]\n'
+        'output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 3 ] } ]\n')
+    server = serve(repo, "--model-control-mode", "explicit")
+    inits = tmp_path / "inits"
+
+    def load() -> httpx.Response:
+        return httpx.post(f"{server.url}/v2/repository/models/flaky/load", timeout=60)
+
+    (tmp_path / "fail").touch()
+    r = load()
+    assert r.status_code == 400 and "its resource is missing" in r.json()["error"], r.text
+    (tmp_path / "fail").unlink()
+    r = load()
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{server.url}/v2/models/flaky/ready").status_code == 200
+    assert inits.read_text() == "xx"
+    assert load().status_code == 200
+    assert [(r["name"], r["state"]) for r in index(server.url)] == [("flaky", "READY")]
+    assert inits.read_text() == "xx"  # not loaded again: nothing changed
+
+
+def test_a_load_tries_failed_versions_again_by_moving_tries() -> None:
+    """try_again(): the versions a load loads that failed with the same files lose their failure and the
+    entry's tries moves, which workers know failures by (attempt()); nothing else moves anything."""
+    old = CatalogEntry("m", "/repo/m", {}, (1, 2), revisions={1: "a", 2: "b"}, failed={2: "bad 2"})
+    e = try_again(transition(old, replace(old, failed={}), LOADED, lambda v: v == 1))
+    assert e.failed == {} and e.tries == 1 and (e.attempt(1), e.attempt(2)) == ("a/1", "b/1")
+    assert old.attempt(2) == "b" and CatalogEntry.loads(e.dumps()) == e
+    assert try_again(e) is e and transition(e, replace(old, failed={}), LOADED, lambda v: True).tries == 1

@@ -46,6 +46,9 @@ class CatalogEntry:
     # a later load without one keeps it until the files change (commands.py)
     override: dict[str, Any] | None = None
     override_files: str = ""
+    # the loads that asked again for versions that had failed with these same files (commands.py): a worker
+    # tries such a version's files again when it moves (attempt()), as Triton's load tries a failed model
+    tries: int = 0
 
     @property
     def serving(self) -> bool:
@@ -55,6 +58,11 @@ class CatalogEntry:
     def loaded(self) -> bool:
         """Usable and not unloaded: serving, or scaled to zero (a request wakes it)."""
         return self.state == "READY" and self.target != UNLOADED
+
+    def attempt(self, version: int) -> str:
+        """What a worker's failure to load a version is known by: its revision, and `tries` once moved."""
+        rev = self.revisions.get(version, "")
+        return f"{rev}/{self.tries}" if self.tries else rev
 
     def streams(self, keys: Any, version: int) -> list[str]:
         """Every request stream of one version: one per priority level."""
@@ -73,7 +81,8 @@ class CatalogEntry:
             **({"retired": list(self.retired)} if self.retired else {}),
             **({"dropped": {str(v): r for v, r in self.dropped.items()}} if self.dropped else {}),
             **({"override": self.override, "override_files": self.override_files}
-               if self.override is not None else {})})
+               if self.override is not None else {}),
+            **({"tries": self.tries} if self.tries else {})})
 
     @classmethod
     def loads(cls, raw: bytes | str) -> CatalogEntry:
@@ -87,7 +96,7 @@ class CatalogEntry:
                    bool(d.get("step_only", False)),
                    {k: tuple(v) for k, v in (d.get("labels") or {}).items()}, tuple(d.get("retired", ())),
                    {int(v): r for v, r in (d.get("dropped") or {}).items()}, d.get("override"),
-                   d.get("override_files", ""))
+                   d.get("override_files", ""), int(d.get("tries", 0)))
 
 
 def retire(e: CatalogEntry, gone: Iterable[int], versions: Iterable[int]) -> tuple[int, ...]:

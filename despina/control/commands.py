@@ -20,7 +20,7 @@ from .backlog import refuse
 from .lease import LeaseLost
 from .load_files import config_override, restore_files, write_files
 from .repository import read_model, unavailable
-from .versions import dropped_since, retired_since, transition
+from .versions import dropped_since, retired_since, transition, try_again
 
 if TYPE_CHECKING:
     from ..registry.base import ModelFiles
@@ -191,7 +191,7 @@ class Commands:
                 plane.lifecycle.idle.awake_since[name] = clock.now()
             # Triton's unload_dependents unloads the steps an ensemble loaded, not those asked for by name
             step_only = bool(calling) and (old is None or old.target == UNLOADED or old.step_only)
-            entry = transition(old, entry, LOADED, lambda v: bool(plane.workers.ready_on(name, v)))
+            entry = try_again(transition(old, entry, LOADED, lambda v: bool(plane.workers.ready_on(name, v))))
             plane.catalog.put(replace(entry, step_only=step_only))
             log.info("model %s: loading version %s", name, ",".join(map(str, entry.versions)))
             plane.kick()
@@ -247,8 +247,9 @@ class Commands:
         stay listed with their errors, as Triton's index keeps them."""
         if replaced:
             await asyncio.to_thread(restore_files, self.plane.registry, model.name, replaced)
-        if old is not None and old.loaded:
-            self.plane.catalog.put(replace(old, dropped=dropped_since(tried, old)))
+        if old is not None and old.loaded:  # (with the tries the workers failed it by: not tried once more)
+            tries = tried.tries if tried is not None else old.tries
+            self.plane.catalog.put(replace(old, dropped=dropped_since(tried, old), tries=tries))
         else:  # (the versions it loaded once are still listed once it loads again)
             entry = unavailable(model, why)
             self.plane.catalog.put(replace(entry, retired=retired_since(old, entry)))

@@ -203,13 +203,13 @@ class Lifecycle:
             status = self.workers.status.get(wid)
             if status is None:
                 continue
-            errors = [status.failed(e.name, v, e.revisions.get(v, "")) for v in e.versions]
+            errors = [status.failed(e.name, v, e.attempt(v)) for v in e.versions]
             # every version failed there and nothing of the model serves there: another worker's turn
             if errors and all(errors) and not any(status.ready(e.name, v) for v in e.versions):
                 self.excluded.setdefault(e.name, set()).add(wid)
         for v in e.versions:
-            rev = e.revisions.get(v, "")
-            tried = {wid: err for wid, s in self.workers.status.items() if (err := s.failed(e.name, v, rev))}
+            rev, attempt = e.revisions.get(v, ""), e.attempt(v)
+            tried = {w: err for w, s in self.workers.status.items() if (err := s.failed(e.name, v, attempt))}
             live = [w for w in e.workers if w in self.workers.status]
             if v in failed and self.workers.ready_on(e.name, v, rev):  # another worker managed it
                 del failed[v]

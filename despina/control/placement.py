@@ -196,6 +196,6 @@ def handing_over(entry: CatalogEntry, homes: tuple[str, ...], status: Mapping[st
         for v in entry.versions:
             rev = entry.revisions.get(v)
             if v not in entry.failed and not (status[wid].ready(entry.name, v, rev)
-                                              or status[wid].failed(entry.name, v, rev or "")):
+                                              or status[wid].failed(entry.name, v, entry.attempt(v))):
                 return serving
     return ()

@@ -14,10 +14,21 @@ def transition(old: CatalogEntry | None, new: CatalogEntry, target: str,
     A new version loads beside the old ones; the old ones that serve now stay loaded (`retiring`) until
     the new ones are READY, and keep serving if they fail. New files that cannot even be read leave a
     serving model as it is, with the reason. A version that failed to load and is loaded no more is
-    remembered with its error (`dropped`).
+    remembered with its error (`dropped`). The loads' `tries` carry over (workers know failures by it).
     """
     entry = _next(old, new, target, ready)
-    return replace(entry, dropped=dropped_since(old, entry, ready))
+    return replace(entry, dropped=dropped_since(old, entry, ready), tries=old.tries if old is not None else 0)
+
+
+def try_again(e: CatalogEntry) -> CatalogEntry:
+    """The entry a load publishes: the versions it loads that failed with these same files are tried again,
+    as Triton's load tries a model whose load failed (a resource it lacked may be there now). Their failures
+    are forgotten and `tries` moves, so that the workers that failed them load them again. An entry with no
+    such version is left as it is: a model that serves, its files unchanged, is not loaded again."""
+    again = [v for v in e.failed if v in e.versions and v not in e.retiring]
+    if not again:
+        return e
+    return replace(e, failed={v: why for v, why in e.failed.items() if v not in again}, tries=e.tries + 1)
 
 
 def _next(old: CatalogEntry | None, new: CatalogEntry, target: str,

@@ -66,7 +66,7 @@ class Loading(Presence):
             if not isinstance(exc, DespinaError):
                 log.exception("worker %s: loading %s version %d failed", self.id, *key)
             log.error("worker %s: %s", self.id, message)
-            self.failures[key] = (rev, message)
+            self.failures[key] = (entry.attempt(key[1]), message)
             if runner is not None:
                 await runner.stop()
         else:

@@ -87,7 +87,7 @@ class Worker(Loading):
         self.load_ms: dict[Key, float] = {}
         self.loading: dict[Key, tuple[str, asyncio.Task[None]]] = {}
         self._loading_from: dict[Key, Path] = {}     # the folder each load in progress reads
-        self.failures: dict[Key, tuple[str, str]] = {}  # key -> (revision, why it failed)
+        self.failures: dict[Key, tuple[str, str]] = {}  # key -> (the entry's attempt(), why it failed)
         self.fetch_errors: dict[Key, str] = {}  # a load waiting for the registry -> why (it tries again)
         self._registries: dict[str, Registry] = {}
         self._cache: ArtifactCache | None = None
@@ -298,7 +298,8 @@ class Worker(Loading):
             del self.failures[key]
         for key, (entry, rev) in wanted.items():
             serving = key in self.runners and self.revision.get(key) == rev
-            if serving or self.failures.get(key, ("",))[0] == rev or self.loading.get(key, ("",))[0] == rev:
+            tried = self.failures.get(key, ("",))[0] == entry.attempt(key[1])  # a load asking again moves it
+            if serving or tried or self.loading.get(key, ("",))[0] == rev:
                 continue
             task = asyncio.create_task(self._load(key, entry, rev))
             self.loading[key] = (rev, task)
