@@ -113,6 +113,9 @@ class TritonPythonModel:
                 time.sleep(0.05)
             sender.send(flags=FINAL)
             return
+        if words[0] == "none":  # no response: the final flag alone
+            sender.send(flags=FINAL)
+            return
         if words[0] == "silent":  # never a response, nor the final flag
             return
         if words[0] == "refuse":  # an error response, then the final flag alone
@@ -330,12 +333,40 @@ def test_generate_numeric_lists(server: Server) -> None:
     assert r.status_code == 400 and "'a'" in r.json()["error"], r.text
 
 
-def test_scheduling_parameters_are_read_not_passed_on(server: Server) -> None:
-    r = post(server, "text/generate", {"text_input": "p", "parameters": {"priority": 0, "timeout": 0}})
+def test_the_names_infer_reads_itself_are_parameters_for_the_model_here(server: Server) -> None:
+    """Triton 2.51's generate reads no key as /infer's priority, timeout, sequence or binary flags: each
+    is a parameter that reaches the model as it came (request.timeout() stays 0)."""
+    r = post(server, "text/generate", {"text_input": "p", "priority": -1, "timeout": "soon",
+                                       "sequence_id": 7, "parameters": {"binary_data_output": True}})
     assert r.status_code == 200, r.text
-    assert r.json()["text_output"] == "p|{}"
-    r = post(server, "text/generate", {"text_input": "p", "priority": -1})
-    assert r.status_code == 400 and "priority" in r.json()["error"]
+    assert r.json()["text_output"] == ('p|{"binary_data_output": true, "priority": -1, "sequence_id": 7, '
+                                       '"timeout": "soon"}')
+
+
+@pytest.mark.parametrize("body, said", [
+    # of a key given twice in one object, each time its first value, as rapidjson finds a member
+    (b'{"text_input": "t", "n": 1, "n": 2}', 't|{"n": 1}'),
+    (b'{"text_input": "t", "n": 1, "n": {"deep": 1}}', 't|{"n": 1}'),
+    (b'{"text_input": "t", "parameters": {"n": 1}, "parameters": {"m": 2}}', 't|{"n": 1}'),
+    (b'{"text_input": "t", "parameters": {"n": 1, "n": 2}, "n": 3}', 't|{"n": 3}'),
+    (b'{"text_input": "t", "id": "a", "id": "b"}', 't|{"id": "a"}'),
+])
+def test_a_key_given_twice_is_read_as_triton_reads_it(server: Server, body: bytes, said: str) -> None:
+    r = post(server, "text/generate", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == said
+
+
+@pytest.mark.parametrize("body, words", [
+    (b'{"text_input": "a", "text_input": "b"}', "input 'text_input' already exists"),
+    (b'{"text_input": "a", "\\u0074ext_input": "b"}', "input 'text_input' already exists"),
+    (b'{"text_input": "a", "n": {"deep": 1}, "n": 1}', "field 'n' is not an input"),
+    (b'{"parameters": {"n": 1}, "parameters": {"text_input": "b"}}', "text_input"),  # the second unread
+])
+def test_a_key_given_twice_is_refused_where_triton_refuses_it(server: Server, body: bytes, words: str) -> None:
+    r = post(server, "text/generate", body)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"], r.text
 
 
 @pytest.mark.parametrize("body, words", [
@@ -494,10 +525,11 @@ def test_generate_takes_a_decoupled_models_single_response_and_refuses_several(s
     assert r.json() == {"model_name": "streamer", "model_version": "1", "text_output": "alone", "length": 0}
     r = post(server, "streamer/generate", {"text_input": "refuse"})  # its one response an error
     assert r.status_code == 400 and r.json() == {"error": "model 'streamer': no such word"}
-    r = post(server, "streamer/generate", {"text_input": "a b"})
-    assert r.status_code == 400
-    assert r.json()["error"] == ("model 'streamer' sent 2 responses to this request: /generate answers with "
-                                 "one, /generate_stream with all")
+    for text in ("a b", "none"):  # two responses, or none: Triton's words (under a 400, not its 200)
+        r = post(server, "streamer/generate", {"text_input": text})
+        assert r.status_code == 400
+        assert r.json()["error"] == ("generate expects model to produce exactly 1 response, use generate "
+                                     "stream for model that generates various number of responses")
 
 
 def test_infer_and_fn_refuse_a_decoupled_model(server: Server) -> None:

@@ -3,9 +3,10 @@
 A flat JSON object in, as Triton maps one ("exact mapping"): a key that names one of the model's inputs is
 that input (a string, number or boolean is one element, a list its elements, shaped to the model's dims
 with the batch dimension of one added), beside "parameters" or in it; every other key is a request
-parameter, and a string "id" the request's id too. A flat JSON object out: model_name, model_version, the
-request's id, each response parameter and each output by name (one element as a scalar, more as one flat
-list whatever the shape, as Triton writes them; BYTES as text).
+parameter that reaches the model as it came (priority, timeout, sequence_id and binary_data_output too:
+Triton's generate reads none of them), and a string "id" the request's id too. A flat JSON object out:
+model_name, model_version, the request's id, each response parameter and each output by name (one
+element as a scalar, more as one flat list whatever the shape, as Triton writes them; BYTES as text).
 
 /generate answers that object as application/json. /generate_stream answers it as a server-sent event
 (`data: {...}`, text/event-stream) per response of the model: one, or, from a decoupled model, each as it
@@ -14,20 +15,22 @@ it reaches the model gets a JSON error with its status from either route. A fail
 (the model's error response, whatever code it gave, or its execute raising) is a 400, as Triton 2.51
 answers it: from /generate a JSON error, from /generate_stream an event `data: {"error": "..."}`, under
 400 when it is the first response and 200 after a good one (Triton sets a stream's status from its
-first response). /generate takes a decoupled model's answer when it is one response, and says to use
-/generate_stream otherwise.
+first response). /generate takes a decoupled model's answer when it is one response, and otherwise says
+to use /generate_stream in Triton's words, under a 400 (Triton's is a 200 carrying the error).
 """
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import json
+import re
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ..contract.errors import Code, DespinaError, InvalidArgument, ReplyError
 from ..contract.modelspec import ModelSpec, check_inputs, check_shape, known_input
-from ..contract.records import InferReply, Parameters, Tensor
+from ..contract.records import NO_PARAMETERS, InferReply, Parameters, Tensor
 from . import http
 from .fn import plain, shape_of
 from .http import Headers, Receive, Scope, Send, loads
@@ -38,14 +41,13 @@ from .infer import (
     Route,
     answering,
     fail,
-    schedule_parameters,
     sequence_of,
     submit,
 )
 from .jsondata import json_data_to_bytes, nonfinite_json
 from .models import Model
 from .v2 import MAX_ELEMENTS
-from .v2_fields import check_count, model_parameters
+from .v2_fields import check_count
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -55,13 +57,17 @@ EVENT_STREAM = b"text/event-stream; charset=utf-8"
 # /generate's JSON error and the first event of /generate_stream's stream
 FAILED = 400
 _SCALARS = (str, int, float, bool)
+# a decoupled model's 0 or 2+ responses to /generate, in Triton's words (under a 400, not Triton's 200)
+NOT_ONE = ("generate expects model to produce exactly 1 response, use generate stream for model that "
+           "generates various number of responses")
+_KEY_END = re.compile(rb'"\s*:')  # the end of each key of a JSON object (and of some strings' text)
 
 
 class GenerateRoute(Route):
     """POST /v2/models/{model}[/versions/{version}]/generate, or /generate_stream with `stream`."""
 
     decoupled = True
-    several = "/generate answers with one, /generate_stream with all"  # a decoupled model's several responses
+    several = NOT_ONE  # the error for a decoupled model's 0 or 2+ responses
 
     def __init__(self, gateway: Gateway, stream: bool) -> None:
         super().__init__(gateway)
@@ -72,7 +78,6 @@ class GenerateRoute(Route):
         spec = model.spec
         inputs, parameters, client_id = decode_generate(ex.body, spec,
                                                         self.gateway.settings.max_tensor_elements)
-        priority, timeout_us = schedule_parameters(parameters)
         sequence = sequence_of(spec, parameters)
         echo = [(b"x-request-id", trace)] if trace else []
         stream = self.stream
@@ -101,12 +106,12 @@ class GenerateRoute(Route):
                 raise DespinaError("streamed answers are not available on this route", Code.INTERNAL)
             done, partial = _streamed(ex, document, answered)
         elif spec.decoupled:
-            done, partial = _collected(spec.name, answered, failed, self.several)
+            done, partial = _collected(answered, failed, self.several)
         else:
             done = _once(answered, failed)
 
-        request_id = submit(self.gateway, spec, version, inputs, (), trace, done, priority, timeout_us,
-                            timeout, model_parameters(parameters), client_id or "", sequence, partial)
+        request_id = submit(self.gateway, spec, version, inputs, (), trace, done, 0, 0, timeout,
+                            parameters or NO_PARAMETERS, client_id or "", sequence, partial)
         ex.body = b""  # (as InferRoute's: not held while answered)
         if isinstance(ex, EventExchange):
             ex.request_id = request_id
@@ -164,10 +169,10 @@ def _streamed(ex: EventExchange, document: Callable[[InferReply], dict[str, Any]
     return done, partial
 
 
-def _collected(model: str, answered: Done, failed: Callable[[DespinaError], None], several: str
+def _collected(answered: Done, failed: Callable[[DespinaError], None], several: str
                ) -> tuple[Done, Partial]:
     """A decoupled model's answers to /generate: one response is the answer (an error one, its error as
-    `failed` answers it); several are a 400 that says where they can be had (`several`)."""
+    `failed` answers it); none or several are a 400 that says where they can be had (`several`)."""
     responses: list[InferReply] = []
 
     def done(result: InferReply | DespinaError) -> None:
@@ -186,8 +191,7 @@ def _collected(model: str, answered: Done, failed: Callable[[DespinaError], None
             else:
                 failed(ReplyError(error[1], Code(error[0])))
             return
-        answered(InvalidArgument(f"model '{model}' sent {len(responses)} responses to this request: "
-                                 f"{several}"))
+        answered(InvalidArgument(several))
     return done, responses.append
 
 
@@ -256,27 +260,51 @@ def decode_generate(body: bytes, spec: ModelSpec, max_elements: int = MAX_ELEMEN
     """The body -> (input tensors, request parameters, its "id"); InvalidArgument, and nothing else, on
     any input. As Triton reads it: each key in order, those of "parameters" where that one stands, a key
     that names an input (in "parameters" too) is that input, any other a parameter (a later one of a
-    name replaces the earlier); a string "id" is also the request's id, which each response carries."""
+    name replaces the earlier); a string "id" is also the request's id, which each response carries. A
+    key given twice in one object is read twice, each time as its first value (rapidjson's lookup): an
+    input twice is refused, and only the first "parameters" is read."""
     doc = loads(body)
     if not isinstance(doc, dict):
         raise InvalidArgument("a generate request is a JSON object: {input_name: value, ..., "
                               "\"parameters\": {...}}")
+    inner = doc.get("parameters")
+    if len(_KEY_END.findall(body)) != len(doc) + (len(inner) if isinstance(inner, dict) else 0):
+        doc = json.loads(body, object_pairs_hook=_Members.of)  # a key twice, or text that looks like one
     request_id = doc.get("id") if spec.input("id") is None else None
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidArgument("field 'id' must be a string")
     tensors: dict[str, Tensor] = {}
     parameters: dict[str, Any] = {}
-    for name, value in doc.items():
+    for name in _names(doc):
+        value = doc[name]
         if name != "parameters":
             _take(spec, name, value, tensors, parameters, max_elements, False)
         elif value is not None:
             if not isinstance(value, dict):
                 raise InvalidArgument("field 'parameters' must be an object")
-            for inner, item in value.items():
-                _take(spec, inner, item, tensors, parameters, max_elements, True)
+            for key in _names(value):
+                _take(spec, key, value[key], tensors, parameters, max_elements, True)
     inputs = list(tensors.values())
     check_inputs(spec, inputs)
     return inputs, parameters, request_id
+
+
+class _Members(dict[str, Any]):
+    """A JSON object as rapidjson holds it: each key's first value, and every key in order (`names`)."""
+
+    names: list[str]
+
+    @classmethod
+    def of(cls, pairs: list[tuple[str, Any]]) -> _Members:
+        members = cls()
+        for name, value in pairs:
+            members.setdefault(name, value)
+        members.names = [name for name, _ in pairs]
+        return members
+
+
+def _names(obj: dict[str, Any]) -> Iterable[str]:
+    return obj.names if isinstance(obj, _Members) else obj
 
 
 def _take(spec: ModelSpec, name: str, value: Any, tensors: dict[str, Tensor], parameters: dict[str, Any],

@@ -86,7 +86,7 @@ class GenerateInvocations(EndpointModel, GenerateRoute):
     """POST /invocations as Triton's generate extension (SAGEMAKER_TRITON_INFERENCE_TYPE=generate), or as
     its generate_stream (=generate_stream: server-sent events, under StreamInvocationsEndpoint)."""
 
-    several = ("/invocations answers with one under SAGEMAKER_TRITON_INFERENCE_TYPE=generate, with all under "
+    several = ("generate expects model to produce exactly 1 response: /invocations answers with all under "
                "SAGEMAKER_TRITON_INFERENCE_TYPE=generate_stream")
 
 
