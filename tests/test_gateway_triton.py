@@ -229,3 +229,17 @@ async def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(
     assert inferences == 64
     assert executions < 64, "concurrent requests should have been batched"
     assert max(b["batch_size"] for b in after["batch_stats"]) > 1
+
+
+def test_a_raw_binary_request_is_the_one_inputs_data_and_answers_binary(example_server: Server) -> None:
+    """Triton's raw binary request: Inference-Header-Content-Length 0, the body the data of mlp's one
+    input (a batch of one), every output answered as binary data."""
+    x = np.random.default_rng(3).standard_normal((1, 256)).astype(np.float32)
+    r = httpx.post(f"{example_server.url}/v2/models/mlp/infer", content=x.tobytes(),
+                   headers={"inference-header-content-length": "0"}, timeout=10)
+    assert r.status_code == 200, r.text
+    size = int(r.headers["inference-header-content-length"])
+    assert orjson.loads(r.content[:size])["outputs"] == [
+        {"name": "y", "datatype": "FP32", "shape": [1, 10], "parameters": {"binary_data_size": 40}}]
+    np.testing.assert_allclose(np.frombuffer(r.content[size:], np.float32), mlp_numpy(x)[0], rtol=1e-4,
+                               atol=1e-5)

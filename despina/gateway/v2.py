@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from ..contract.datatypes import element_count
+from ..contract.datatypes import V2_TO_NUMPY, element_count
 from ..contract.errors import InvalidArgument
 from ..contract.modelspec import ModelSpec, check_inputs
 from ..contract.records import Parameters, Tensor
@@ -29,6 +29,8 @@ from .shm import Registry, ShmOutput
 from .v2_fields import (
     InShm,
     as_object,
+    check_count,
+    check_size,
     decode_input,
     decode_outputs,
     flag,
@@ -126,6 +128,8 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
     Raises InvalidArgument, and nothing else, on any input; a tensor of more than `max_elements`
     elements is refused before anything is allocated for it. `shm`: the server's shared memory regions,
     which inputs may be read from and outputs asked into (None: the server allows none)."""
+    if header_length == 0:  # Triton's raw binary request: no JSON at all
+        return _raw(body, spec, max_elements)
     if header_length is None or header_length == len(body):  # all JSON (perf_analyzer says so)
         decoded = _json_planned(body, spec, max_elements, shm)
         if decoded is not None:
@@ -143,6 +147,34 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
     if header_length > PLAN_HEADER_MAX:
         return _decode(body[:header_length], memoryview(body)[header_length:], spec, max_elements, shm)[0]
     return _planned(body, header_length, spec, max_elements, shm)
+
+
+def _raw(body: bytes, spec: ModelSpec, max_elements: int) -> Decoded:
+    """A raw binary request: the body is the data of the model's one input, of its datatype and shape (a
+    batch of one; a variable dimension as the body's length makes it; a BYTES input one element), and every
+    output is answered as binary data. Triton 2.51's rules and words."""
+    if len(spec.inputs) != 1:
+        raise InvalidArgument(f"Raw request must only have 1 input (found 1) to be deduced but got "
+                              f"{len(spec.inputs)} inputs in '{spec.name}' model configuration")
+    expected = spec.inputs[0]
+    dims = list(expected.dims)
+    if dims.count(-1) > 1:
+        raise InvalidArgument(f"The shape of the raw input '{expected.name}' can not be deduced because "
+                              "there are more than one variable-sized dimension")
+    fixed = element_count([d for d in dims if d != -1])
+    if expected.datatype == "BYTES":
+        if dims.count(-1) or fixed != 1:
+            raise InvalidArgument(f"For BYTE datatype raw input '{expected.name}', the model must have input "
+                                  "shape [1]")
+        data = struct.pack("<I", len(body)) + body
+    else:
+        if -1 in dims:
+            dims[dims.index(-1)] = len(body) // V2_TO_NUMPY[expected.datatype].itemsize // max(fixed, 1)
+        data = body
+    shape = [1, *dims] if spec.batched else dims
+    check_count(expected.name, shape, max_elements)
+    check_size(expected.name, expected.datatype, shape, data)
+    return Decoded(None, [Tensor(expected.name, expected.datatype, tuple(shape), data)], [], binary_all=True)
 
 
 def _planned(body: bytes, header_length: int, spec: ModelSpec, max_elements: int, shm: Registry | None
