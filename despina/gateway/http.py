@@ -223,18 +223,23 @@ async def send(send_: Send, status: int, body: bytes, content_type: bytes = JSON
     await send_({"type": "http.response.body", "body": body})
 
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark
+
+
 def loads(raw: bytes | memoryview) -> Any:
     """A request body's JSON; InvalidArgument when it is not JSON.
 
     NaN, Infinity and -Infinity are taken as numbers, as Triton takes them (rapidjson's NaN and Inf
     flag) and as tritonclient and Python's json write a non-finite float. orjson refuses them, so a
     document it refuses that holds one is read again by the standard library: the cost falls on those
-    documents alone."""
+    documents alone. So is one after a UTF-8 byte order mark, which Triton skips (as RFC 8259 allows)."""
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         error = exc
     data = raw if isinstance(raw, bytes) else bytes(raw)
+    if data[:3] == BOM:
+        return loads(data[3:])
     if b"NaN" in data or b"Infinity" in data:
         try:
             doc = json.loads(data.decode("utf-8"))
