@@ -217,3 +217,16 @@ def test_reply_headers_remembered_per_request_header_match_fresh_ones() -> None:
     for version, req_id in ((1, "a"), (1, "a"), (1, "b"), (2, "b"), (2, None), (1, None), (1, "a")):
         assert encode_infer("m", version, req_id, outputs, {"y"}, False, heads) == \
             encode_infer("m", version, req_id, outputs, {"y"}, False)
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"\x09\x00\x00\x00abc", "input 'x': BYTES tensor element runs past the end of its data"),
+    (b"\x03\x00\x00\x00abc\x03\x00\x00\x00def", "input 'x': BYTES tensor holds more than the 1 elements"),
+])
+def test_a_binary_bytes_input_that_does_not_frame_says_which_input(data: bytes, words: str) -> None:
+    spec = spec_of(MLP.replace("TYPE_FP32, dims: [ -1, 4 ]", "TYPE_STRING, dims: [ 1 ]"))
+    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 1], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": len(data)}}]}).encode()
+    with pytest.raises(InvalidArgument) as caught:
+        decode_infer(header + data, len(header), spec)
+    assert words in caught.value.message

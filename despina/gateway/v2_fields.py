@@ -98,7 +98,10 @@ def decode_input(raw: Any, spec: ModelSpec, binary: memoryview, max_elements: in
 def check_size(name: str, datatype: str, shape: list[int], data: bytes) -> None:
     """Raw bytes of an input (binary data or shared memory) fit its shape and datatype."""
     if datatype == "BYTES":
-        to_numpy(datatype, shape, data)  # validates the framing
+        try:
+            to_numpy(datatype, shape, data)  # validates the framing
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"input '{name}': {exc.message}") from None
     elif len(data) != element_count(shape) * V2_TO_NUMPY[datatype].itemsize:
         raise InvalidArgument(f"input '{name}': {len(data)} bytes of data do not match shape {shape} of "
                               f"{datatype} ({element_count(shape) * V2_TO_NUMPY[datatype].itemsize} bytes)")
