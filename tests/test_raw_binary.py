@@ -63,3 +63,16 @@ def test_a_raw_request_the_model_cannot_take_is_refused_as_triton_refuses_it(spe
     with pytest.raises(InvalidArgument) as caught:
         decode_infer(body, 0, spec)
     assert words in caught.value.message
+
+
+def test_binary_data_after_json_without_the_header_says_what_is_missing() -> None:
+    """Triton 2.51: 400 "unexpected size for input 'x', expecting 12 additional bytes"; here the JSON
+    error (the binary bytes are not JSON) says what the body lacks."""
+    header = (b'{"inputs": [{"name": "inp", "shape": [3], "datatype": "FP32", '
+              b'"parameters": {"binary_data_size": 12}}]}')
+    for body in (header + X, header + b"\xff" * 12):
+        with pytest.raises(InvalidArgument) as caught:
+            decode_infer(body, None, spec_of("FP32", "3"))
+        assert "malformed JSON" in caught.value.message
+        assert "binary tensor data after the JSON needs the header Inference-Header-Content-Length" in \
+            caught.value.message

@@ -137,7 +137,13 @@ def decode_infer(body: bytes, header_length: int | None, spec: ModelSpec,
     if header_length is None:
         if shm is not None and len(body) <= PLAN_HEADER_MAX and body.find(b"shared_memory_") >= 0:
             return _planned(body, len(body), spec, max_elements, shm)  # all header: the data is elsewhere
-        return _decode(body, memoryview(b""), spec, max_elements, shm)[0]
+        try:
+            return _decode(body, memoryview(b""), spec, max_elements, shm)[0]
+        except InvalidArgument as exc:
+            if exc.message.startswith("malformed JSON") and b"binary_data_size" in body:
+                raise InvalidArgument(f"{exc.message} (binary tensor data after the JSON needs the header "
+                                      "Inference-Header-Content-Length: the JSON's length)") from None
+            raise
     if header_length < 0:
         raise InvalidArgument(f"Inference-Header-Content-Length {header_length} is negative: it is the "
                               "length of the JSON header that starts the body")
