@@ -7,6 +7,8 @@ Every model.py here is written against Triton's documented `triton_python_backen
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,46 @@ input [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]
 output [ { name: "OK", data_type: TYPE_BOOL, dims: [ 5 ] } ]
 '''
 
+# What Triton's stub tells a model about itself and its requests, as JSON (a BYTES output): the model's
+# folder (get_model_dir: auto_complete_config checks it, initialize tells it), and a request's asked outputs and
+# parameters as the model reads them.
+ABOUT = '''
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):  # (in a process of its own: it cannot tell execute what it saw)
+        if not os.path.isfile(os.path.join(pb_utils.get_model_dir(), "model.py")):
+            raise ValueError(f"get_model_dir() is {pb_utils.get_model_dir()!r} in auto_complete_config")
+        return config
+
+    def initialize(self, args):
+        self.about = {"initialize": pb_utils.get_model_dir(),
+                      "version_dir": os.path.join(args["model_repository"], args["model_version"])}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            asked = request.requested_output_names()
+            about = dict(self.about, asked=sorted(asked), asked_type=type(asked).__name__,
+                         parameters=request.parameters())
+            text = np.array([json.dumps(about).encode()], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("ABOUT", text)]))
+        return responses
+'''
+ABOUT_CONFIG = '''name: "about"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "ABOUT", data_type: TYPE_STRING, dims: [ 1 ] } ]
+'''
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
@@ -113,7 +155,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     write_model(root, "timeouts", TIMEOUTS, TIMEOUTS_CONFIG)
     write_model(root, "calls_timeouts", CALLS_TIMEOUTS, CALLS_TIMEOUTS_CONFIG)
     write_model(root, "names", NAMES, NAMES_CONFIG)
-    yield from module_server(root, tmp_path_factory, redis_url, ("timeouts", "calls_timeouts", "names"))
+    write_model(root, "about", ABOUT, ABOUT_CONFIG)
+    yield from module_server(root, tmp_path_factory, redis_url, ("timeouts", "calls_timeouts", "names", "about"))
 
 
 def infer(server: Server, model: str, **parameters: Any) -> dict[str, list[Any]]:
@@ -141,6 +184,32 @@ def test_a_model_naming_tritons_sender_iterator_and_memory_types_loads_and_runs(
     """pb_utils.InferenceResponseSender, ResponseIterator and MemoryType are Triton's names: a model.py
     whose annotations use them failed to import (AttributeError), so it could not load."""
     assert infer(server, "names") == {"OK": [True] * 5}
+
+
+def about(server: Server, **body: Any) -> dict[str, Any]:
+    body["inputs"] = [{"name": "X", "datatype": "FP32", "shape": [1], "data": [1.0]}]
+    response = httpx.post(f"{server.url}/v2/models/about/infer", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    return json.loads(response.json()["outputs"][0]["data"][0])
+
+
+def test_a_model_knows_its_folder(server: Server) -> None:
+    """Triton's pb_utils.get_model_dir() (the folder of the model's model.py: its version folder), in
+    auto_complete_config and after. pb_utils had no get_model_dir: a model calling it failed to load."""
+    seen = about(server)
+    assert seen["initialize"] == seen["version_dir"]
+    assert os.path.isfile(os.path.join(seen["initialize"], "model.py"))
+
+
+def test_a_request_tells_its_model_the_outputs_asked_for_and_its_parameters_as_triton_does(
+        server: Server) -> None:
+    """Triton 2.51's requested_output_names() is a set (a model may not rely on their order), and
+    parameters() compact JSON of the client's own parameters (those Triton reads itself left out). They
+    were a list, and JSON with spaces."""
+    seen = about(server, outputs=[{"name": "ABOUT"}],
+                 parameters={"i": 3, "f": 1.5, "b": True, "s": "x", "priority": 0, "timeout": 5_000_000})
+    assert (seen["asked"], seen["asked_type"]) == (["ABOUT"], "set")
+    assert seen["parameters"] == '{"i":3,"f":1.5,"b":true,"s":"x"}'
 
 
 def test_a_model_call_through_redis_gives_the_called_request_its_timeout(

@@ -322,7 +322,7 @@ def test_a_call_passes_its_request_id_and_parameters_and_returns_the_response_pa
     called model's response parameters (response.parameters())."""
     r = infer(server, "caller", X, target="add_sub_py", call_id="call-7", sleep_ms=1)
     assert r.status_code == 200, r.text
-    assert r.json()["parameters"] == {"request_id": "call-7", "parameters": '{"sleep_ms": 1}'}
+    assert r.json()["parameters"] == {"request_id": "call-7", "parameters": '{"sleep_ms":1}'}
     r = infer(server, "caller", X, target="add_sub")  # a model that sets none: none
     assert r.status_code == 200 and "parameters" not in r.json(), r.text
 
@@ -482,7 +482,7 @@ def test_a_call_through_redis_passes_its_request_id_and_returns_the_response_par
     assert len({w for ws in placed.values() for w in ws}) == 2, placed
     r = infer(server, "caller", X, target="add_sub_py", call_id="far-1")
     assert r.status_code == 200, r.text
-    assert r.json()["parameters"] == {"request_id": "far-1", "parameters": '{"sleep_ms": 0}'}
+    assert r.json()["parameters"] == {"request_id": "far-1", "parameters": '{"sleep_ms":0}'}
 
 
 # -- the pipe on its own -----------------------------------------------------------------------------

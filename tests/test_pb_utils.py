@@ -181,7 +181,7 @@ TRITON_C_NAMES = (
     "TritonError", "TritonModelException", "PreferredMemory", "MemoryType", "TRITONSERVER_MEMORY_GPU",
     "TRITONSERVER_MEMORY_CPU", "InferenceTrace", "InferenceRequest", "Tensor", "InferenceResponse",
     "InferenceResponseSender", "ResponseIterator", "Logger", "Metric", "MetricKind", "COUNTER", "GAUGE",
-    "HISTOGRAM", "MetricFamily", "load_model", "unload_model", "is_model_ready",
+    "HISTOGRAM", "MetricFamily", "load_model", "unload_model", "is_model_ready", "get_model_dir",
 )
 
 

@@ -176,7 +176,7 @@ class ModelCalls:
         correlation = request.correlation_id()
         sequence = (correlation, request.flags()) if correlation not in (0, "") else None
         message = ("bls", (call_id, request.model_name(), request.model_version(), inputs,
-                           request.requested_output_names(), request.timeout(),
+                           request._requested, request.timeout(),
                            _parameters(request.parameters()), sequence, decoupled, str(request.request_id())))
         self.send(message)
 

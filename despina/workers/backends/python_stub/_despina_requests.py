@@ -71,8 +71,8 @@ class InferenceRequest:
         self._trace = trace if trace is not None else InferenceTrace()
         if isinstance(parameters, str):
             self._parameters = parameters
-        else:  # a dict, as the stub passes the request's: JSON, as Triton's parameters() returns
-            self._parameters = json.dumps(parameters) if parameters else "{}"
+        else:  # a dict, as the stub passes the request's: compact JSON, as Triton's parameters() returns
+            self._parameters = json.dumps(parameters, separators=(",", ":")) if parameters else "{}"
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -83,8 +83,10 @@ class InferenceRequest:
     def correlation_id(self) -> int | str:
         return self._correlation_id
 
-    def requested_output_names(self) -> list[str]:
-        return self._requested
+    def requested_output_names(self) -> set[str]:
+        """A set, as Triton's: a model may not rely on their order. (A model's call of another
+        model sends them as the model listed them: _requested.)"""
+        return set(self._requested)
 
     def flags(self) -> int:
         return self._flags

@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
 Answer = tuple[str, Any, Any]  # ("ok", outputs, response parameters) or ("error", (message, code), None)
-Convert = Callable[[Any, list[str]], Answer]  # an InferenceResponse and the outputs asked for -> its answer
+Convert = Callable[[Any, Collection[str]], Answer]  # a response, the outputs asked for -> its answer
 
 UNSUPPORTED_FLAG = "Unable to send response. Unsupported flag provided."
 NO_RESPONSE = "Inference Response object must be provided when the response flags is set to zero."

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Collection
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,7 @@ class Stub:
 
     def auto_complete(self, payload: dict[str, Any]) -> str | None:
         """The config JSON after the model's auto_complete_config, or None when it has none."""
+        pb_utils._model_dir = str(Path(payload["model_file"]).parent)
         cls = _load_module(payload["model_file"]).TritonPythonModel
         if not hasattr(cls, "auto_complete_config"):
             return None
@@ -136,6 +138,7 @@ class Stub:
 
     def initialize(self, payload: dict[str, Any]) -> None:
         pb_utils._model_name = payload["args"]["model_name"]
+        pb_utils._model_dir = str(Path(payload["model_file"]).parent)
         config = json.loads(payload["args"]["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         pb_utils._default_senders = None if self.decoupled else self.default_senders
@@ -272,7 +275,7 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def _answer(response: Any, asked: list[str]) -> tuple[str, Any, Any]:
+def _answer(response: Any, asked: Collection[str]) -> tuple[str, Any, Any]:
     if not isinstance(response, pb_utils.InferenceResponse):
         return ("error", (f"execute returned {type(response).__name__} instead of an "
                           "InferenceResponse", pb_utils.TritonError.INTERNAL), None)

@@ -69,7 +69,7 @@ __all__ = [
     "InferenceResponse", "InferenceResponseSender", "InferenceTrace", "Logger", "MemoryType", "Metric",
     "MetricFamily", "MetricKind", "ModelConfig", "PreferredMemory", "ResponseIterator", "Tensor",
     "TritonError", "TritonModelException", "deserialize_bytes_tensor", "get_input_config_by_name",
-    "get_input_tensor_by_name", "get_output_config_by_name", "get_output_tensor_by_name",
+    "get_input_tensor_by_name", "get_model_dir", "get_output_config_by_name", "get_output_tensor_by_name",
     "is_model_ready", "json", "load_model", "np", "numpy_to_triton_type", "serialize_byte_tensor",
     "struct", "triton_string_to_numpy", "triton_to_numpy_type", "unload_model",
     "using_decoupled_model_transaction_policy",
@@ -77,6 +77,7 @@ __all__ = [
 
 # -- the stub's state: set and read as pb_utils.<name>, by the stub and by the modules above -----------
 _model_name = ""  # set by the stub; Logger prefixes it
+_model_dir = ""  # set by the stub: the folder of the model's model.py
 _model_calls: Any = None  # set by the stub while execute runs (_despina_calls.ModelCalls): exec() uses it
 # set by the stub of a model that is not decoupled (_despina_senders.DefaultSenders): its requests' senders
 _default_senders: Any = None
@@ -86,3 +87,8 @@ _log_settings: dict[str, Any] = {}
 # the model's custom metrics: name -> (kind, description, its Metrics by their labels)
 _metric_families: dict[str, tuple[int, str, dict[tuple[tuple[str, str], ...], Metric]]] = {}
 _metrics_changed = False  # set by every update; the stub's reporter clears it (_despina_metrics.py)
+
+
+def get_model_dir() -> str:
+    """The folder of the model's model.py (its version folder), as Triton's stub gives it."""
+    return _model_dir
