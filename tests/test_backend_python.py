@@ -574,7 +574,8 @@ CODES_CONFIG = ('name: "codes"\nbackend: "python"\nmax_batch_size: 0\n'
 
 def test_an_error_responses_code_gives_tritons_status(tmp_path: Path) -> None:
     """Triton's HTTP status of a TritonError code: UNKNOWN, ALREADY_EXISTS and CANCELLED are a 400 as
-    INVALID_ARG is, NOT_FOUND a 404, UNAVAILABLE a 503, UNSUPPORTED a 501, INTERNAL a 500."""
+    INVALID_ARG is, NOT_FOUND a 404, UNAVAILABLE a 503, UNSUPPORTED a 501, INTERNAL a 500. The message
+    is the model's own, as Triton passes it to the client (it was prefixed "model 'codes': ")."""
     backend: Any = backend_for(write_model(tmp_path, "codes", CODES, CODES_CONFIG))
     backend.load()
     try:
@@ -584,7 +585,7 @@ def test_an_error_responses_code_gives_tritons_status(tmp_path: Path) -> None:
         assert [r.code for r in results] == [Code.INVALID_ARGUMENT, Code.BACKEND, Code.NOT_FOUND,
                                              Code.INVALID_ARGUMENT, Code.UNAVAILABLE, Code.UNIMPLEMENTED,
                                              Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT]
-        assert results[6].message == "model 'codes': code 6"
+        assert results[6].message == "code 6"
         assert [STATUS[r.code] for r in results] == [400, 500, 404, 400, 503, 501, 400, 400]
     finally:
         backend.unload()

@@ -176,9 +176,10 @@ class PythonBackend(Backend):
 
     def _result(self, status: str, out: Any, parameters: Any) -> dict[str, np.ndarray] | DespinaError:
         """One request's answer from the stub: ("ok", outputs, response parameters or None), or
-        ("error", (message, code), None)."""
+        ("error", (message, code), None): the message as it came, the model's own as Triton passes it on
+        (the stub names the model in the failures it makes itself)."""
         if status != "ok":
-            return DespinaError(f"model '{self.spec.name}': {out[0]}", ERROR_CODES.get(out[1], Code.BACKEND))
+            return DespinaError(out[0], ERROR_CODES.get(out[1], Code.BACKEND))
         outputs = wire.unpack_all(out)
         return Outputs(outputs, parameters) if parameters else outputs
 

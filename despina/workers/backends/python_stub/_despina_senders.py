@@ -116,7 +116,7 @@ class SentResponses:
             if failure is not None:  # as in Triton: the senders close, the requests without a response fail
                 for sender in self._senders.values():
                     sender.closed = True
-                failed: Answer = ("error", (failure, pb_utils.TritonError.INTERNAL), None)
+                failed: Answer = ("error", (pb_utils._named(failure), pb_utils.TritonError.INTERNAL), None)
                 for i in range(count):
                     if self._answers[i] is None:
                         self._answer(i, failed)

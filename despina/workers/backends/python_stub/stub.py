@@ -205,7 +205,7 @@ class Stub:
                 if done.result() is not None:
                     raise pb_utils.TritonModelException(RETURNED)
             except BaseException as exc:
-                failed = pb_utils.TritonError(f"execute failed: {_describe(exc)}")
+                failed = pb_utils.TritonError(pb_utils._named(f"execute failed: {_describe(exc)}"))
                 for request in requests:
                     try:
                         request.get_response_sender().send(pb_utils.InferenceResponse(error=failed),
@@ -277,8 +277,8 @@ async def _awaited(awaitable: Any) -> Any:
 
 def _answer(response: Any, asked: Collection[str]) -> tuple[str, Any, Any]:
     if not isinstance(response, pb_utils.InferenceResponse):
-        return ("error", (f"execute returned {type(response).__name__} instead of an "
-                          "InferenceResponse", pb_utils.TritonError.INTERNAL), None)
+        return ("error", (pb_utils._named(f"execute returned {type(response).__name__} instead of an "
+                                          "InferenceResponse"), pb_utils.TritonError.INTERNAL), None)
     if response.has_error():
         error = response.error()
         return ("error", (str(error.message() if hasattr(error, "message") else error),

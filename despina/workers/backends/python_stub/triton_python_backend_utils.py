@@ -89,6 +89,12 @@ _metric_families: dict[str, tuple[int, str, dict[tuple[tuple[str, str], ...], Me
 _metrics_changed = False  # set by every update; the stub's reporter clears it (_despina_metrics.py)
 
 
+def _named(failure: str) -> str:
+    """A failure of the stub's own making, for a request's answer: named with its model, as the worker
+    names its failures. (A model's own TritonError goes to the client as it is, as in Triton.)"""
+    return f"model '{_model_name}': {failure}"
+
+
 def get_model_dir() -> str:
     """The folder of the model's model.py (its version folder), as Triton's stub gives it."""
     return _model_dir
