@@ -284,6 +284,13 @@ def test_generate_maps_keys_to_inputs_and_parameters_and_outputs_to_keys(server:
                         "text_output": 'hello|{"max_tokens": 7, "stream": false, "temperature": 0.5}'}
 
 
+def test_a_key_that_starts_with_triton_is_a_parameter_of_generate(server: Server) -> None:
+    """Triton 2.51's /generate passes it on to the model (its /infer refuses it: test_parameters.py)."""
+    r = post(server, "text/generate", {"text_input": "hi", "triton_x": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == 'hi|{"triton_x": true}'
+
+
 def test_an_output_of_several_elements_is_one_flat_list(server: Server) -> None:
     """Triton writes a tensor's elements as one list whatever its shape (and one element as a scalar)."""
     r = post(server, "matrix/generate", {"text_input": "x"})

@@ -206,6 +206,9 @@ def test_requests_with_different_parameters_share_a_batch_on_other_backends(
     ({"temperature": {"value": 1}}, "parameter 'temperature' must be a string, a number or a boolean, not an object"),
     ({"stop": ["a", "b"]}, "parameter 'stop' must be a string, a number or a boolean, not an array"),
     ({"seed": None}, "parameter 'seed' must be a string, a number or a boolean, not null"),
+    # Triton 2.51's words; the model got it
+    ({"seed": 1, "triton_x": True}, "parameter keys starting with 'triton_' are reserved for Triton usage and "
+                                    "should not be specified."),
 ])
 def test_bad_parameters_are_a_400_with_a_clear_message(server: Server, parameters: Any, message: str) -> None:
     r = post_echo(server, {"parameters": parameters})

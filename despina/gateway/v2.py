@@ -333,4 +333,4 @@ def _decoded(doc: dict[str, Any], header: bytes, binary: memoryview, spec: Model
     # it lists none); a listed one is binary when its own binary_data says so
     binary_all = flag(params, "binary_data_output", "the request's parameters") and not outputs
     return Decoded(req_id, inputs, outputs, binary_outputs, binary_all, params,
-                   model_parameters(params), classes=classes, shm_outputs=shm_outputs), sources
+                   model_parameters(params, infer=True), classes=classes, shm_outputs=shm_outputs), sources

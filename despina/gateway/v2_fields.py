@@ -20,6 +20,8 @@ InShm = tuple[str, int, int]  # (region, byte size, offset): where a tensor is i
 CONSUMED = frozenset({"priority", "timeout", "binary_data_output", "sequence_id", "sequence_start",
                       "sequence_end"})
 
+RESERVED = "parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified."
+
 
 def flag(params: dict[str, Any], name: str, where: str) -> bool:
     """A boolean parameter of Triton's binary extension (false when absent); anything else is refused, as
@@ -31,15 +33,18 @@ def flag(params: dict[str, Any], name: str, where: str) -> bool:
     return value
 
 
-def model_parameters(params: dict[str, Any]) -> Parameters:
+def model_parameters(params: dict[str, Any], infer: bool = False) -> Parameters:
     """A request's parameters as its model gets them: all but those Despina reads itself (CONSUMED).
-    Every value must be a string, a number or a boolean, as in Triton."""
+    Every value must be a string, a number or a boolean, as in Triton; and on /infer (`infer`) no name may
+    start with triton_, as Triton 2.51 refuses there (its /generate passes them on)."""
     if not params:
         return NO_PARAMETERS
     for name, value in params.items():
         if type(value) not in (str, int, float, bool):
             kind = "null" if value is None else "an object" if isinstance(value, dict) else "an array"
             raise InvalidArgument(f"parameter '{name}' must be a string, a number or a boolean, not {kind}")
+        if infer and name.startswith("triton_"):
+            raise InvalidArgument(RESERVED)
     if params.keys() <= CONSUMED:  # tritonclient sends binary_data_output with every request
         return NO_PARAMETERS
     return {name: value for name, value in params.items() if name not in CONSUMED}
