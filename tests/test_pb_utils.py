@@ -60,6 +60,9 @@ def test_pb_utils_inference_response_takes_a_list_or_tuple_of_tensors(pb_utils: 
     assert pb_utils.InferenceResponse([tensor]).output_tensors() == [tensor]
     with pytest.raises(pb_utils.TritonModelException):
         pb_utils.InferenceResponse(output_tensors=tensor)
+    # Triton's binding refuses anything but Tensors there (a TypeError), not the stub later on
+    with pytest.raises(TypeError, match="output_tensors must be pb_utils.Tensor objects, not ndarray"):
+        pb_utils.InferenceResponse([tensor, np.zeros(2)])
 
 
 def test_pb_utils_model_config_checks_conflicts(pb_utils: ModuleType) -> None:

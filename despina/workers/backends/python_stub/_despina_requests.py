@@ -189,6 +189,10 @@ class InferenceResponse:
             output_tensors = []
         if not isinstance(output_tensors, (list, tuple)):  # Triton's binding takes any sequence of them
             raise TritonModelException('"output_tensors" must be a list.')
+        for tensor in output_tensors:  # as Triton's binding: here, not when the stub reads it
+            if not isinstance(tensor, Tensor):
+                raise TypeError("InferenceResponse: output_tensors must be pb_utils.Tensor objects, not "
+                                f"{type(tensor).__name__}")
         self._output_tensors = list(output_tensors)
         self._error = error
         self._parameters = _response_parameters(parameters)
