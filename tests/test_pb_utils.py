@@ -99,6 +99,11 @@ def test_pb_utils_tensor_speaks_the_dlpack_protocol(pb_utils: ModuleType) -> Non
     tensor = pb_utils.Tensor("X", np.arange(6, dtype=np.float32).reshape(2, 3))
     assert tensor.__dlpack_device__() == (1, 0)
     np.testing.assert_array_equal(np.from_dlpack(tensor), tensor.as_numpy())
+    # Triton's error (numpy's was a BufferError, which a model catching TritonModelException missed)
+    text = pb_utils.Tensor("T", np.array([b"a"], dtype=np.object_))
+    for way in (text.to_dlpack, text.__dlpack__):
+        with pytest.raises(pb_utils.TritonModelException, match="DLPack does not have support for string tensors"):
+            way()
     assert pb_utils.Tensor.from_dlpack("Y", tensor).as_numpy().shape == (2, 3)
 
 

@@ -109,10 +109,12 @@ class Tensor:
         return True
 
     def to_dlpack(self) -> Any:
-        return self._array.__dlpack__()
+        return self.__dlpack__()
 
     def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
         """The DLPack protocol, as Triton's Tensor has it: torch.from_dlpack(tensor) takes it as it is."""
+        if self._array.dtype == np.object_:
+            raise TritonModelException("DLPack does not have support for string tensors.")
         return self._array.__dlpack__(stream=stream, **kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
