@@ -254,8 +254,11 @@ def test_auto_complete_may_not_change_whether_a_declared_input_is_optional(tmp_p
     lists every field, so an input of config.pbtxt says false); it was taken, the input made optional."""
     declared = 'name: "optional"\nbackend: "python"\ninput [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
     with pytest.raises(ConfigError, match="the model expects optional True but the configuration specifies "
-                                          "optional False"):
+                                          "optional False") as refused:
         load_model(write_model(tmp_path / "declared", "optional", OPTIONAL, declared))
+    # named once (it read "model 'optional': auto_complete_config failed: model 'optional': auto_complete
+    # failed: ValueError: ...")
+    assert refused.value.message.startswith("model 'optional': auto_complete_config failed: ValueError: ")
     bare = 'name: "optional"\nbackend: "python"\n'
     entry = load_model(write_model(tmp_path / "bare", "optional", OPTIONAL, bare))
     assert [(i["name"], i.get("optional")) for i in entry.config["input"]] == [("X", True)]

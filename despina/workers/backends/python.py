@@ -251,9 +251,10 @@ class PythonBackend(Backend):
             answer = stub.call("auto_complete", {"model_file": str(path),
                                                  "config": json.dumps(to_dict(config))},
                                AUTO_COMPLETE_TIMEOUT_S)
-        except (StubDied, BackendError) as exc:
-            raise ConfigError(f"model '{config.name}': auto_complete_config failed: "
-                              f"{exc.message if isinstance(exc, BackendError) else exc}") from None
+        except BackendError as exc:  # the stub's error names the model and the call already
+            raise ConfigError(exc.message) from None
+        except StubDied as exc:
+            raise ConfigError(f"model '{config.name}': auto_complete_config failed: {exc}") from None
         finally:
             stub.stop()
         if answer is None:

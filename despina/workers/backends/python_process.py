@@ -255,7 +255,8 @@ class Stub:
 
     def _answer(self, op: str, status: str, answer: Any) -> Any:
         if status == "error":
-            raise BackendError(f"model '{self.name}': {op} failed: {answer}")
+            shown = "auto_complete_config" if op == "auto_complete" else op  # (the model's function)
+            raise BackendError(f"model '{self.name}': {shown} failed: {answer}")
         return answer
 
     def metrics(self) -> list[dict[str, Any]]:
