@@ -14,16 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import redis
 
 from despina.contract.catalog import CatalogEntry
-from despina.contract.errors import ConfigError
+from despina.contract.errors import ConfigError, DespinaError
 from despina.contract.keys import Keys
 from despina.control.repository import load_model
 
 from .conftest import Server, module_server
-from .test_backend_python import write_model
+from .test_backend_python import backend_for, write_model
 
 # Each request's timeout (µs) as the model reads it.
 TIMEOUTS = '''
@@ -278,3 +279,31 @@ def test_a_models_own_modules_cannot_shadow_pb_utils_private_modules(tmp_path: P
             (place / module.name).write_text(SHADOW.format(name=module.name))
     entry = load_model(folder)
     assert [(i["name"], i.get("optional")) for i in entry.config["input"]] == [("X", True)]
+
+
+# Makes a response of a numpy array, not a Tensor (line 7), then asks pb_utils for what is not there.
+NOT_A_TENSOR = '''import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([np.zeros(1, np.float32)]) for _ in requests]
+'''
+
+
+def test_a_models_mistake_inside_pb_utils_is_shown_at_the_models_line(tmp_path: Path) -> None:
+    """An exception raised inside pb_utils by the model's call is shown where the model made that call, as
+    Triton's traceback shows the model's line; it was shown at pb_utils' own line (_despina_requests.py)."""
+    config = ('name: "m"\nbackend: "python"\nmax_batch_size: 0\n'
+              'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+              'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+    backend: Any = backend_for(write_model(tmp_path, "m", NOT_A_TENSOR, config))
+    backend.load()
+    try:
+        [failed] = backend.execute_requests([{"X": np.zeros(1, np.float32)}], [["Y"]])
+    finally:
+        backend.unload()
+    assert isinstance(failed, DespinaError)
+    assert failed.message == ("model 'm': execute failed: TypeError: InferenceResponse: output_tensors must be "
+                              "pb_utils.Tensor objects, not ndarray (model.py:7)")

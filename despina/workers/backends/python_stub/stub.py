@@ -39,6 +39,7 @@ from _despina_metrics import start_reporting
 from _despina_senders import CLOSED, NO_RESPONSE, UNSUPPORTED_FLAG, DefaultSenders
 
 PARENT_CHECK_S = 1.0
+HERE = Path(__file__).resolve().parent  # the stub's and pb_utils' folder
 OPERATIONS = ("auto_complete", "initialize", "execute", "finalize")
 RETURNED = "a decoupled model's execute must return None: it answers through each request's response sender"
 
@@ -91,7 +92,9 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, pb_utils.TritonModelException):
         return exc.message()
     frames = traceback.extract_tb(exc.__traceback__)
-    where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames)), "")
+    # the innermost frame of the model's code: a mistake pb_utils raised on is shown at the model's call
+    models = [f for f in frames if Path(f.filename).resolve().parent != HERE]
+    where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(models or frames)), "")
     return f"{type(exc).__name__}: {exc}" + (f" ({where})" if where else "")
 
 
