@@ -65,6 +65,13 @@ def test_pb_utils_inference_response_takes_a_list_or_tuple_of_tensors(pb_utils: 
         pb_utils.InferenceResponse([tensor, np.zeros(2)])
 
 
+def test_pb_utils_tensor_name_must_be_a_str(pb_utils: ModuleType) -> None:
+    """Triton's binding refuses another name (a TypeError); a Tensor named 5 was made, and its output
+    dropped as one nobody asked for."""
+    with pytest.raises(TypeError, match="Tensor: name must be a str, not int"):
+        pb_utils.Tensor(5, np.zeros(1))
+
+
 def test_pb_utils_model_config_checks_conflicts(pb_utils: ModuleType) -> None:
     config = pb_utils.ModelConfig(json.dumps({"name": "m", "max_batch_size": 8, "input": [
         {"name": "IN", "data_type": "TYPE_FP32", "dims": [4]}], "output": []}))

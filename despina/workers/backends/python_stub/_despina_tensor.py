@@ -79,6 +79,8 @@ class Tensor:
     """A named tensor of a request or a response, backed by a numpy array in this process."""
 
     def __init__(self, name: str, numpy_array: Any = None, triton_dtype: int | None = None) -> None:
+        if not isinstance(name, str):  # as Triton's binding
+            raise TypeError(f"Tensor: name must be a str, not {type(name).__name__}")
         array = np.asarray(numpy_array) if not isinstance(numpy_array, np.ndarray) else numpy_array
         if array.dtype.type is np.str_ or array.dtype.type is np.void:
             raise TritonModelException("Tensor dtype used for numpy_array is not supported by the "
