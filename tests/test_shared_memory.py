@@ -220,6 +220,35 @@ def test_registrations_are_shared_through_the_servers_file(tmp_path: Path) -> No
         shm_module.SHM_DIR = saved
 
 
+def test_a_region_an_output_is_under_way_into_is_not_unregistered(tmp_path: Path) -> None:
+    """As Triton 2.51 refuses it ("currently in use"): while a request of any gateway is to write an output
+    into a region, unregistering the region is refused, and unregistering all leaves it and says so; once
+    the request is done with it (its decoded form gone), it unregisters. A region inputs were read from is
+    not held: they are copied as the request arrives."""
+    first, second = Registry("s", tmp_path), Registry("s", tmp_path)  # two gateways of one server
+    (tmp_path / "obj").write_bytes(bytes(64))
+    (tmp_path / "other").write_bytes(bytes(64))
+
+    import despina.gateway.shm as shm_module
+    shm_module.SHM_DIR, saved = tmp_path, shm_module.SHM_DIR  # keys resolve in tmp_path
+    try:
+        first.register("r", "/obj", 0, 64)
+        first.register("o", "/other", 0, 64)
+        second.region("r").read(0, 8, "input")  # an input's use ends as it is read
+        out = second.region("r").output("y", 8, 8)  # a request of the second gateway, under way
+        with pytest.raises(DespinaError, match="Cannot unregister shared memory region 'r', it is currently in use"):
+            first.unregister("r")
+        with pytest.raises(DespinaError, match="Failed to unregister the following system shared memory regions: r"):
+            first.unregister()
+        assert [r["name"] for r in first.status()] == ["r"]  # the other one went
+        out.write("y", b"\1" * 8)
+        del out  # the request is answered
+        first.unregister("r")
+        assert first.status() == []
+    finally:
+        shm_module.SHM_DIR = saved
+
+
 def start_gateway_on(server: Server, redis_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
     """A `despina gateway` started by hand on `port` with DESPINA_REUSE_PORT, beside the server's own roles:
     returned once it serves (its log says so; the port may be answered by another gateway)."""

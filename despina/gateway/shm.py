@@ -13,9 +13,10 @@ when it stops, as Triton does: `serve` clears them itself; gateways started by h
 last to stop clear them, not one that joins or leaves the others (Registry.join, Registry.leave).
 
 Each gateway maps a region on its first use and keeps the mapping while the region stays registered (it
-looks every RELEASE_S whether it still is: Registry.let_go). A
-request holds the mapping it was decoded with: a region unregistered while a request is under way still
-gets that request's outputs, as in Triton.
+looks every RELEASE_S whether it still is: Registry.let_go). A request that is to write an output into a
+region holds it (Held) from its decoding to its answer, in whichever gateway it runs: as Triton 2.51,
+unregistering a region held is refused ("currently in use"), so that once a client has unregistered a
+region the server writes nothing more there. (Inputs are copied as a request arrives: they hold nothing.)
 """
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ class Region:
             os.close(fd)
             raise
         self.fd = fd
+        self.users = 0  # this gateway's requests that hold it (Held)
 
     def __del__(self) -> None:  # the mapping goes with its last holder; the descriptor with it
         fd = getattr(self, "fd", None)
@@ -132,7 +134,45 @@ class Region:
         """Where output `name` goes, checked to fit the region as the request arrives, as Triton checks it:
         before the model runs, not only when the result is written."""
         self._span(offset, byte_size, f"output '{name}'")
-        return ShmOutput(self, byte_size, offset)
+        return ShmOutput(self, byte_size, offset, Held(self))
+
+
+class Held:
+    """A request's hold on a region, for as long as the request keeps it: the gateways' holds on a region
+    are a shared flock on their descriptors of its object, which unregistering tries to take exclusively
+    (Registry.unregister). Let go when dropped, so that no way a request ends can leave a region held."""
+
+    __slots__ = ("region",)
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        if not region.users:
+            with contextlib.suppress(OSError):  # (held exclusively this instant: an unregistration's look)
+                fcntl.flock(region.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        region.users += 1
+
+    def __del__(self) -> None:
+        region = self.region
+        region.users -= 1
+        if not region.users:
+            with contextlib.suppress(OSError):
+                fcntl.flock(region.fd, fcntl.LOCK_UN)
+
+
+def _in_use(reg: Registration) -> bool:
+    """Whether a request of some gateway holds the region (Held). An object gone from /dev/shm cannot be
+    asked: its region is not held, as far as anyone can tell."""
+    try:
+        fd = os.open(object_path(reg.key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (OSError, InvalidArgument):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # (and the lock with it)
+    return False
 
 
 class Registry:
@@ -221,12 +261,20 @@ class Registry:
         self._mapped[name] = region
 
     def unregister(self, name: str = "") -> None:
-        """Unregister `name`, or every region (''); a name that is not registered is no error."""
+        """Unregister `name`, or every region (''); a name that is not registered is no error. A region
+        that a request holds stays, and the error says so (every other one goes), as Triton answers."""
         with self._locked() as registered:
-            if name:
-                registered.pop(name, None)
-            else:
-                registered.clear()
+            held = [n for n in ([name] if name else list(registered))
+                    if n in registered and _in_use(registered[n])]
+            for n in [name] if name else list(registered):
+                if n not in held:
+                    registered.pop(n, None)
+        if held and name:
+            raise DespinaError(f"Cannot unregister shared memory region '{name}', it is currently in use.",
+                               Code.FAILED_PRECONDITION)
+        if held:
+            raise DespinaError("Failed to unregister the following system shared memory regions: "
+                               f"{', '.join(held)} (currently in use)", Code.FAILED_PRECONDITION)
 
     def clear(self) -> None:
         """No regions: a server starting, or stopping."""
@@ -315,6 +363,7 @@ class ShmOutput:
     region: Region
     byte_size: int
     offset: int
+    held: Held  # the region, while the request keeps this
 
     def write(self, name: str, data: bytes) -> None:
         """Write the output's bytes, if they fit."""
