@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from despina.contract.errors import DespinaError, InvalidArgument, NotFound
 from despina.embedded import free_port
-from despina.gateway.shm import Registry
+from despina.gateway.shm import Registry, object_path
 
 from .conftest import Server, module_server, start_server, stop_server
 
@@ -313,6 +313,16 @@ def test_an_unreadable_registrations_file_is_a_despina_error(tmp_path: Path) -> 
         registry.region("r")
     with pytest.raises(DespinaError, match="are unreadable"):
         registry.let_go()
+
+
+def test_a_key_names_its_object_as_shm_open_does() -> None:
+    """glibc's shm_open skips every leading slash of a key and refuses a name of NAME_MAX - 1 characters
+    or more: Triton (which calls it) registers '//obj' as '/obj', and so must a gateway."""
+    assert object_path("//obj") == object_path("/obj") == object_path("obj") == Path("/dev/shm/obj")
+    assert object_path("/" + "n" * 253) == Path("/dev/shm/" + "n" * 253)
+    for key in ("/", "//", "", "/a/b", "/" + "n" * 254):
+        with pytest.raises(InvalidArgument, match="not a shared memory key"):
+            object_path(key)
 
 
 def http_error(call: object, *args: object, **kwargs: object) -> str:

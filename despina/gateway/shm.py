@@ -58,9 +58,10 @@ class Registration:
 
 
 def object_path(key: str) -> Path:
-    """Where shm_open(key) finds the object: /dev/shm/NAME for key /NAME (or NAME), as glibc's."""
-    name = key[1:] if key.startswith("/") else key
-    if not name or "/" in name or name in (".", "..") or "\0" in name:
+    """Where shm_open(key) finds the object: /dev/shm/NAME for key /NAME (NAME, //NAME), as glibc's, which
+    skips every leading slash and refuses a name of NAME_MAX - 1 (254) characters or more."""
+    name = key.lstrip("/")
+    if not name or len(name) >= 254 or "/" in name or name in (".", "..") or "\0" in name:
         raise InvalidArgument(f"Unable to open shared memory region: '{key}' (not a shared memory key)")
     return SHM_DIR / name
 
