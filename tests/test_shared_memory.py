@@ -150,8 +150,9 @@ def test_every_gateway_of_the_server_sees_its_regions(server: Server, client: ht
 
 def holders(root: int, key: str) -> dict[int, int]:
     """The processes of the server started as `root` that map the object `key` or hold a descriptor of it:
-    pid -> how many such mappings and descriptors."""
-    name, found = key.lstrip("/"), {}
+    pid -> how many such mappings and descriptors. By its inode: a gateway may open it through the
+    registry's link to it, another name."""
+    inode, found = os.stat(f"/dev/shm/{key.lstrip('/')}").st_ino, {}
     family, pending = set(), [root]
     while pending:  # the server's process tree, from each process's parent in /proc/N/stat
         parent = pending.pop()
@@ -162,8 +163,11 @@ def holders(root: int, key: str) -> dict[int, int]:
                     pending.append(int(entry.name))
     for pid in family:
         with contextlib.suppress(OSError):
-            count = (Path(f"/proc/{pid}/maps").read_text().count(name)
-                     + sum(name in os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()))
+            maps = [line.split() for line in Path(f"/proc/{pid}/maps").read_text().splitlines()]
+            count = sum(len(f) >= 6 and f[4] == str(inode) and f[5].startswith("/dev/shm/") for f in maps)
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    count += os.readlink(fd).startswith("/dev/shm/") and os.stat(fd).st_ino == inode
             if count:
                 found[pid] = count
     return found
@@ -245,6 +249,32 @@ def test_a_region_an_output_is_under_way_into_is_not_unregistered(tmp_path: Path
         del out  # the request is answered
         first.unregister("r")
         assert first.status() == []
+    finally:
+        shm_module.SHM_DIR = saved
+
+
+def test_a_region_whose_object_its_client_unlinked_serves_on_in_every_gateway(tmp_path: Path) -> None:
+    """A client may unlink its object once it is registered (so that none is left behind if it dies):
+    Triton's one process maps it as it registers it and serves on. Every gateway does, the ones that map it
+    only for a later request included, and the object's memory goes with the region's registration."""
+    first, second = Registry("s", tmp_path), Registry("s", tmp_path)  # two gateways of one server
+    data = tmp_path / "obj"
+    data.write_bytes(bytes(range(64)))
+
+    import despina.gateway.shm as shm_module
+    shm_module.SHM_DIR, saved = tmp_path, shm_module.SHM_DIR  # keys resolve in tmp_path
+    try:
+        first.register("r", "/obj", 16, 32)
+        data.unlink()
+        assert second.region("r").read(0, 4, "x") == bytes([16, 17, 18, 19])
+        data.write_bytes(bytes(64))  # another object of that name: the region is still the first one's
+        assert Registry("s", tmp_path).region("r").read(0, 4, "x") == bytes([16, 17, 18, 19])
+        kept = {p.name for p in tmp_path.iterdir()} - {"obj"}
+        first.unregister("r")
+        assert {p.name for p in tmp_path.iterdir()} - {"obj"} < kept  # nothing keeps its memory now
+        first.register("r", "/obj", 0, 8)
+        first.clear()
+        assert [p.name for p in tmp_path.iterdir()] == ["obj"]
     finally:
         shm_module.SHM_DIR = saved
 

@@ -12,11 +12,13 @@ when it stops, as Triton does: `serve` clears them itself; gateways started by h
 (DESPINA_REUSE_PORT) each hold a shared lock while they serve, so that only the first to start and the
 last to stop clear them, not one that joins or leaves the others (Registry.join, Registry.leave).
 
-Each gateway maps a region on its first use and keeps the mapping while the region stays registered (it
-looks every RELEASE_S whether it still is: Registry.let_go). A request that is to write an output into a
-region holds it (Held) from its decoding to its answer, in whichever gateway it runs: as Triton 2.51,
-unregistering a region held is refused ("currently in use"), so that once a client has unregistered a
-region the server writes nothing more there. (Inputs are copied as a request arrives: they hold nothing.)
+Each gateway maps a region on its first use, through the registry's link to the object registered (one
+unlinked by its client since lives on, as Triton's mapping keeps it), and keeps the mapping while the
+region stays registered (it looks every RELEASE_S whether it still is: Registry.let_go). A request that
+is to write an output into a region holds it (Held) from its decoding to its answer, in whichever gateway
+it runs: as Triton 2.51, unregistering a region held is refused ("currently in use"), so that once a client
+has unregistered a region the server writes nothing more there. (Inputs are copied as a request arrives:
+they hold nothing.)
 """
 from __future__ import annotations
 
@@ -76,13 +78,14 @@ class Region:
     """A registration mapped into this process. Reads and writes check first that the object is still as
     large as the region (one that shrank would fault the process), then copy."""
 
-    def __init__(self, reg: Registration, registering: bool = True) -> None:
+    def __init__(self, reg: Registration, registering: bool = True, path: Path | None = None) -> None:
         """`registering`: mapped for its registration; else for a request, in a gateway that had not mapped
-        it yet (another gateway registered it): an object that shrank since is the request's error."""
+        it yet (another gateway registered it): an object that shrank since is the request's error.
+        `path`: where the object is, if not at its key (the registry's own link to it)."""
         self.reg = reg
         try:
             # O_NOFOLLOW as shm_open has it: a link in /dev/shm does not lead elsewhere
-            fd = os.open(object_path(reg.key), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path or object_path(reg.key), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise InvalidArgument(f"Unable to open shared memory region: '{reg.key}' "
                                   f"({exc.strerror})") from None
@@ -160,11 +163,11 @@ class Held:
                 fcntl.flock(region.fd, fcntl.LOCK_UN)
 
 
-def _in_use(reg: Registration) -> bool:
-    """Whether a request of some gateway holds the region (Held). An object gone from /dev/shm cannot be
-    asked: its region is not held, as far as anyone can tell."""
+def _in_use(path: Path) -> bool:
+    """Whether a request of some gateway holds the region whose object is at `path` (Held). An object
+    gone cannot be asked: its region is not held, as far as anyone can tell."""
     try:
-        fd = os.open(object_path(reg.key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (OSError, InvalidArgument):
         return False
     try:
@@ -181,6 +184,7 @@ class Registry:
 
     def __init__(self, server: str, folder: Path = SHM_DIR) -> None:
         digest = hashlib.sha256(server.encode()).hexdigest()[:16]
+        self._stem = f"despina-shm-regions-{digest}"
         self.path = folder / f"despina-shm-regions-{digest}.json"
         self._lock_path = folder / f"despina-shm-regions-{digest}.lock"
         self._users_path = folder / f"despina-shm-regions-{digest}.users"  # locked shared by each gateway
@@ -227,8 +231,17 @@ class Registry:
             raise NotFound(f"Unable to find shared memory region: '{name}'")
         region = self._mapped.get(name)
         if region is None:
-            region = self._mapped[name] = Region(reg, registering=False)
+            region = self._mapped[name] = Region(reg, registering=False, path=self._object(reg))
         return region
+
+    def _link(self, reg: Registration) -> Path:
+        """The registry's own link to a region's object (made as it is registered): through it each gateway
+        maps the object registered, even once its client unlinked it or made another of its name."""
+        return self.path.parent / f"{self._stem}.{reg.id}.obj"
+
+    def _object(self, reg: Registration) -> Path:
+        link = self._link(reg)
+        return link if link.exists() else object_path(reg.key)  # (no link: one could not be made)
 
     def let_go(self) -> None:
         """Unmap the regions unregistered since (through another gateway) without waiting for a request
@@ -258,18 +271,29 @@ class Registry:
                                       "different name is not currently supported")
             reg = Registration(name, key, offset, byte_size, uuid.uuid4().hex)
             region = Region(reg)  # it opens and fits, or the error says why
+            self._keep(region)
             registered[name] = reg
         self._mapped[name] = region
+
+    def _keep(self, region: Region) -> None:
+        """Link the inode just opened as _link names it (src_dir_fd: a linkat that follows /proc's link)."""
+        folder = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.link(f"/proc/self/fd/{region.fd}", self._link(region.reg), src_dir_fd=folder)
+        except OSError:
+            pass  # (no /proc, say: the gateways open the object at its key)
+        finally:
+            os.close(folder)
 
     def unregister(self, name: str = "") -> None:
         """Unregister `name`, or every region (''); a name that is not registered is no error. A region
         that a request holds stays, and the error says so (every other one goes), as Triton answers."""
         with self._locked() as registered:
             held = [n for n in ([name] if name else list(registered))
-                    if n in registered and _in_use(registered[n])]
+                    if n in registered and _in_use(self._object(registered[n]))]
             for n in [name] if name else list(registered):
-                if n not in held:
-                    registered.pop(n, None)
+                if n not in held and n in registered:
+                    self._link(registered.pop(n)).unlink(missing_ok=True)  # (memory goes with its last map)
         if held and name:
             raise DespinaError(f"Cannot unregister shared memory region '{name}', it is currently in use.",
                                Code.FAILED_PRECONDITION)
@@ -279,7 +303,7 @@ class Registry:
 
     def clear(self) -> None:
         """No regions: a server starting, or stopping."""
-        for path in (self.path, self._lock_path):
+        for path in (self.path, self._lock_path, *self.path.parent.glob(f"{self._stem}.*.obj")):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         self._seen, self._registered, self._mapped = None, {}, {}
