@@ -40,7 +40,6 @@ from ..contract.errors import Code, DespinaError, InvalidArgument, NotFound
 
 SHM_DIR = Path("/dev/shm")
 RELEASE_S = 1.0  # how soon a gateway unmaps a region unregistered through another
-PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
 class AlreadyExists(DespinaError):
@@ -360,25 +359,6 @@ class Registry:
         finally:
             os.close(fd)  # (and its lock with it)
         self._current()
-
-
-def tensor_parameters(params: dict[str, Any], what: str) -> tuple[str, int, int] | None:
-    """An input's or a requested output's shared memory parameters: (region, byte size, offset), or None
-    when it names none. The region and its byte size come together, as Triton asks."""
-    if not any(p in params for p in PARAMETERS):
-        return None
-    region = params.get("shared_memory_region")
-    size = params.get("shared_memory_byte_size")
-    offset = params.get("shared_memory_offset", 0)
-    if region is None or size is None:
-        raise InvalidArgument(f"{what}: shared_memory_region and shared_memory_byte_size must be given "
-                              "together")
-    if type(region) is not str or not region:
-        raise InvalidArgument(f"{what}: shared_memory_region must be a region's name")
-    for field, value in (("shared_memory_byte_size", size), ("shared_memory_offset", offset)):
-        if type(value) is not int or value < 0:
-            raise InvalidArgument(f"{what}: {field} must be a non-negative integer")
-    return region, size, offset
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,12 +13,13 @@ from ..contract.errors import InvalidArgument
 from ..contract.modelspec import ModelSpec, check_datatype, check_shape, known_input, known_output
 from ..contract.records import NO_PARAMETERS, Parameters, Tensor
 from .jsondata import json_data_to_bytes
-from .shm import Region, Registry, ShmOutput, tensor_parameters
+from .shm import Region, Registry, ShmOutput
 
 InShm = tuple[str, int, int]  # (region, byte size, offset): where a tensor is in shared memory
 # Request parameters Despina reads itself (Triton's reserved ones): they never reach the model.
 CONSUMED = frozenset({"priority", "timeout", "binary_data_output", "sequence_id", "sequence_start",
                       "sequence_end"})
+SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 RESERVED = "parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified."
 
@@ -110,6 +111,25 @@ def check_size(name: str, datatype: str, shape: list[int], data: bytes) -> None:
     elif len(data) != element_count(shape) * V2_TO_NUMPY[datatype].itemsize:
         raise InvalidArgument(f"input '{name}': {len(data)} bytes of data do not match shape {shape} of "
                               f"{datatype} ({element_count(shape) * V2_TO_NUMPY[datatype].itemsize} bytes)")
+
+
+def tensor_parameters(params: dict[str, Any], what: str) -> tuple[str, int, int] | None:
+    """An input's or a requested output's shared memory parameters: (region, byte size, offset), or None
+    when it names none. The region and its byte size come together, as Triton asks."""
+    if not any(p in params for p in SHM_PARAMETERS):
+        return None
+    region = params.get("shared_memory_region")
+    size = params.get("shared_memory_byte_size")
+    offset = params.get("shared_memory_offset", 0)
+    if region is None or size is None:
+        raise InvalidArgument(f"{what}: shared_memory_region and shared_memory_byte_size must be given "
+                              "together")
+    if type(region) is not str or not region:
+        raise InvalidArgument(f"{what}: shared_memory_region must be a region's name")
+    for field, value in (("shared_memory_byte_size", size), ("shared_memory_offset", offset)):
+        if type(value) is not int or value < 0:
+            raise InvalidArgument(f"{what}: {field} must be a non-negative integer")
+    return region, size, offset
 
 
 def shm_region(shm: Registry | None, name: str, looked: bool = False) -> Region:
