@@ -146,6 +146,11 @@ class Keys:
         """Hash of cumulative statistics counters for one model version, all workers together."""
         return f"{self.prefix}:stats:{model}:{version}"
 
+    def stats_base(self, model: str, version: int) -> str:
+        """Copy of stats() taken when a load last made the version anew: the statistics API counts from it
+        (Triton's start again at a load), the Prometheus metrics from nothing (Triton's go on)."""
+        return f"{self.prefix}:stats0:{model}:{version}"
+
     @property
     def control_commands(self) -> str:
         """Stream of repository commands (index, load, unload, wake) for the control plane."""

@@ -17,6 +17,7 @@ from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument,
 from ..contract.modelconfig import check_model_name
 from ..workers.redelivery import Queue
 from .backlog import refuse
+from .fresh_stats import made_anew, start_stats_afresh
 from .lease import LeaseLost
 from .load_files import config_override, restore_files, write_files
 from .repository import read_model, unavailable
@@ -195,6 +196,9 @@ class Commands:
             plane.catalog.put(replace(entry, step_only=step_only))
             log.info("model %s: loading version %s", name, ",".join(map(str, entry.versions)))
             plane.kick()
+            anew = old is None or not old.loaded  # else what serves keeps its statistics until the load ends
+            if anew or not wait:
+                await start_stats_afresh(plane.redis, plane.keys, name, made_anew(entry))
             if not wait:
                 return
             try:
@@ -206,6 +210,8 @@ class Commands:
                 elif tried is not None and tried.override is not None:  # a config that failed to load is not
                     plane.catalog.put(replace(tried, override=None))   # kept: the next load reads the files
                 raise
+            if not anew and (done := plane.catalog.get(name)) is not None:
+                await start_stats_afresh(plane.redis, plane.keys, name, made_anew(done))
 
     async def _read(self, name: str, read: Callable[[], T], until: float, look_s: float) -> T:
         """`read`, a registry read for model `name`'s load, in a thread, waited on until `until` (monotonic):

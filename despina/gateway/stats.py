@@ -32,8 +32,10 @@ async def model_statistics(gw: Gateway, model: str | None, version: str | None) 
     pipe = gw.redis.pipeline(transaction=False)
     for name, v in targets:
         pipe.hgetall(gw.keys.stats(name, v))
+        pipe.hgetall(gw.keys.stats_base(name, v))
     raw = await pipe.execute() if targets else []
-    return {"model_stats": [_one(name, v, h) for (name, v), h in zip(targets, raw)]}
+    return {"model_stats": [_one(name, v, _since(raw[2 * i], raw[2 * i + 1]))
+                            for i, (name, v) in enumerate(targets)]}
 
 
 def _loaded(entry: CatalogEntry) -> list[int]:
@@ -43,8 +45,21 @@ def _loaded(entry: CatalogEntry) -> list[int]:
     return [v for v in entry.versions if v not in entry.failed]
 
 
-def _one(name: str, version: int, h: dict[bytes, bytes]) -> dict[str, Any]:
-    c = {k.decode(): int(v) for k, v in h.items()}
+def _since(now: dict[bytes, bytes], base: dict[bytes, bytes]) -> dict[str, int]:
+    """The counters since the version's last load (Keys.stats_base), as Triton's statistics start again at
+    a load: a last_inference unchanged since is none. Counters below their base (Redis lost them) are
+    whole."""
+    c = {k.decode(): int(v) for k, v in now.items()}
+    b = {k.decode(): int(v) for k, v in base.items()}
+    if not b or any(c.get(k, 0) < b.get(k, 0) for k in ("inference_count", "execution_count", "fail_count")):
+        return c
+    since = {k: n - b.get(k, 0) for k, n in c.items()}  # (fields that are no counters are not read)
+    last = c.get("last_inference", 0)
+    since["last_inference"] = 0 if last == b.get("last_inference") else last
+    return {k: n for k, n in since.items() if n}  # (a batch size not run since is not listed)
+
+
+def _one(name: str, version: int, c: dict[str, int]) -> dict[str, Any]:
     stats = {d: {"count": c.get(f"{d}_count", 0), "ns": c.get(f"{d}_ns", 0)} for d in DURATIONS}
     batches = sorted(int(k.split(":", 1)[1]) for k in c if k.startswith("batch:"))
     return {

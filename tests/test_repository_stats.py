@@ -1,0 +1,56 @@
+"""The statistics extension across the repository API's loads and unloads, as Triton 2.51 answers."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import Server
+from .control_support import infer, mlp_folder, wait_until
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    mlp_folder(root, "mlp", {1: 0, 2: 1}, extra="version_policy { all { } }")
+    return root
+
+
+def counts(server: Server) -> dict[str, int]:
+    r = httpx.get(f"{server.url}/v2/models/mlp/stats", timeout=10)
+    assert r.status_code == 200, r.text
+    return {s["version"]: s["inference_count"] for s in r.json()["model_stats"]}
+
+
+def metric(server: Server) -> float:
+    lines = httpx.get(server.metrics_url, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines.splitlines()
+               if line.startswith('nv_inference_count{model="mlp"'))
+
+
+def test_a_load_starts_the_statistics_of_what_it_loads_afresh(serve: Callable[..., Server], repo: Path) -> None:
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "mlp", wait_models=("mlp",))
+    for version in (1, 2, 2):
+        assert infer(server.url, version=version).status_code == 200
+    wait_until(lambda: counts(server) == {"1": 1, "2": 2}, 10, what="the inferences counted")
+
+    # Triton's load of a loaded model makes it anew: its statistics start again from nothing ...
+    assert httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60).status_code == 200
+    stats = httpx.get(f"{server.url}/v2/models/mlp/versions/2/stats", timeout=10).json()["model_stats"][0]
+    assert (stats["inference_count"], stats["execution_count"], stats["last_inference"]) == (0, 0, 0)
+    assert stats["inference_stats"]["success"] == {"count": 0, "ns": 0} and stats["batch_stats"] == []
+    # ... while its Prometheus counters go on counting, as Triton's do
+    assert metric(server) == 3
+
+    assert infer(server.url, version=2).status_code == 200
+    wait_until(lambda: counts(server) == {"1": 0, "2": 1}, 10, what="the inference after the load counted")
+    stats = httpx.get(f"{server.url}/v2/models/mlp/versions/2/stats", timeout=10).json()["model_stats"][0]
+    assert stats["last_inference"] > 0 and stats["batch_stats"][0]["compute_infer"]["count"] == 1
+
+    # an unload and a load: from nothing again
+    assert httpx.post(f"{server.url}/v2/repository/models/mlp/unload", timeout=60).status_code == 200
+    assert httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60).status_code == 200
+    assert counts(server) == {"1": 0, "2": 0}
+    assert metric(server) == 4
