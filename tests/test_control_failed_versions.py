@@ -112,6 +112,26 @@ def test_a_failed_load_with_files_leaves_its_version_in_the_index(serve: Callabl
     assert infer(server.url, version=2).json()["model_version"] == "2"
 
 
+def test_a_model_whose_every_version_failed_has_no_available_versions(serve: Callable[..., Server],
+                                                                      tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    mlp_folder(repo, "mlp", {1: 0})
+    (repo / "mlp" / "1" / "model.onnx").write_bytes(b"not onnx")
+    server = serve(repo, "--model-control-mode", "explicit")
+    r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
+    assert r.status_code == 400 and "version 1" in r.json()["error"], r.text
+    # as Triton's: the model has no version to answer for, 404 in its words (Despina's say why); it was
+    # metadata and config 200 (of no version) and an infer's 503
+    for r in (infer(server.url), httpx.get(f"{server.url}/v2/models/mlp"),
+              httpx.get(f"{server.url}/v2/models/mlp/config")):
+        error = r.json()["error"]
+        assert r.status_code == 404 and error.startswith("Request for unknown model: 'mlp' has no available "
+                                                         "versions (its load failed: "), (r.url, r.text)
+        assert "model.onnx" in error
+    for r in version_answers(server.url, 1):  # the version itself: Triton's 503 (Despina's words say why)
+        assert r.status_code == 503 and "version 1 failed to load: " in r.json()["error"], (r.url, r.text)
+
+
 def test_a_model_deleted_from_a_polled_repository_leaves_the_index(serve: Callable[..., Server],
                                                                    tmp_path: Path) -> None:
     # Triton's index lists the repository's folders only (RepositoryIndex walks them): a model deleted

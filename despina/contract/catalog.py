@@ -132,6 +132,17 @@ def not_loaded(name: str) -> NotFound:
     return NotFound(f"Request for unknown model: '{name}' has no available versions (it is not loaded)")
 
 
+def none_loaded(e: CatalogEntry, versions: tuple[int, ...] | list[int] | None = None) -> NotFound | None:
+    """What infer, metadata and config answer for a model whose every version (of `versions`, else all)
+    failed to load: Triton's 404 and words (with why); None while one has not."""
+    versions = e.versions if versions is None else versions
+    if not versions or any(v not in e.failed for v in versions):
+        return None
+    why = e.failed[versions[-1]]
+    return NotFound(f"Request for unknown model: '{e.name}' has no available versions (its load failed: "
+                    f"{why})")
+
+
 def unloaded(e: CatalogEntry, version: str | None) -> DespinaError:
     """What a request to a model unloaded through the API hears: not_loaded(), or for a version it had
     loaded, Triton's 503 (its versions stay known, UNAVAILABLE)."""

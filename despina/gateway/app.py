@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .. import __version__, clock, fds
-from ..contract.catalog import UNLOADED, unloaded, version_refused
+from ..contract.catalog import UNLOADED, none_loaded, unloaded, version_refused
 from ..contract.errors import DespinaError, NotFound, Unavailable
 from ..contract.instance_groups import completed_config
 from ..contract.keys import Keys
@@ -273,6 +273,8 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
             if int(version) in model.entry.failed:
                 raise Unavailable(f"model '{model.entry.name}' version {int(version)} failed to load: "
                                   f"{model.entry.failed[int(version)]}")
+        elif (failed := none_loaded(model.entry)) is not None:
+            raise failed
         return model, version
 
     extensions = [*EXTENSIONS, SHM_EXTENSION] if gw.shm is not None else EXTENSIONS

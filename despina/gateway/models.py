@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from .. import logs
-from ..contract.catalog import LOADED, UNLOADED, CatalogEntry, unloaded, version_refused
+from ..contract.catalog import LOADED, UNLOADED, CatalogEntry, none_loaded, unloaded, version_refused
 from ..contract.commands import WAKE
 from ..contract.ensemble import Ensemble, is_ensemble
 from ..contract.errors import (
@@ -252,8 +252,8 @@ class ModelView:
             serving = [v for v in group if v in ready]
             if serving:
                 return self._remember(name, version, model, max(serving))
-        if current and all(v in e.failed for v in current):
-            raise Unavailable(f"model '{name}' failed to load: {e.failed[current[-1]]}")
+        if (failed := none_loaded(e, current)) is not None:
+            raise failed
         raise NotLoaded(f"model '{name}' is not ready")
 
     def _remember(self, name: str, version: str | None, model: Model, v: int) -> tuple[Model, int]:
