@@ -54,3 +54,28 @@ def test_a_load_starts_the_statistics_of_what_it_loads_afresh(serve: Callable[..
     assert httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60).status_code == 200
     assert counts(server) == {"1": 0, "2": 0}
     assert metric(server) == 4
+
+
+def test_a_version_a_polled_repository_loads_again_counts_from_nothing(serve: Callable[..., Server],
+                                                                       tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    mlp_folder(root, "mlp", {1: 0, 2: 1})  # the latest version serves
+    (root / "mlp" / "2").rename(root / "spare")
+    server = serve(root, "--model-control-mode", "poll", "--repository-poll-secs", "0.2", wait_models=("mlp",))
+    for _ in range(2):
+        assert infer(server.url).json()["model_version"] == "1"
+    wait_until(lambda: counts(server) == {"1": 2}, 10, what="version 1's inferences counted")
+
+    (root / "spare").rename(root / "mlp" / "2")  # version 2 comes, version 1 goes
+    wait_until(lambda: counts(server) == {"2": 0}, 30, what="version 2 alone")
+    assert infer(server.url).json()["model_version"] == "2"
+    wait_until(lambda: counts(server) == {"2": 1}, 10, what="version 2's inference counted")
+
+    # version 2 goes, version 1 is loaded again: a version loaded anew counts from nothing, as Triton's
+    # (it went on from the 2 inferences of its earlier load), and so does version 2 when it comes back
+    (root / "mlp" / "2").rename(root / "spare")
+    wait_until(lambda: counts(server).keys() == {"1"}, 30, what="version 1 alone again")
+    assert counts(server) == {"1": 0}
+    (root / "spare").rename(root / "mlp" / "2")
+    wait_until(lambda: counts(server).keys() == {"2"}, 30, what="version 2 alone again")
+    assert counts(server) == {"2": 0}

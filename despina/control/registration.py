@@ -15,6 +15,7 @@ from ..contract.catalog import LOADED, CatalogEntry
 from ..contract.errors import DespinaError, InvalidArgument, NotFound, Unavailable
 from ..redis_client import trouble
 from ..registry import ModelFiles
+from .fresh_stats import made_anew, start_stats_afresh
 from .lease import LeaseLost
 from .repository import read_model, unavailable
 from .versions import transition
@@ -178,6 +179,10 @@ class Registration:
                 plane.lifecycle.forget(name)
                 new = transition(old, entry, target, self._ready_check(name))
                 plane.catalog.put(new)
+                if new.loaded:  # a version loaded anew counts from nothing (one reloaded in place goes on)
+                    before = old.versions if old is not None and old.loaded else ()
+                    await start_stats_afresh(plane.redis, plane.keys, name,
+                                             [v for v in made_anew(new) if v not in before])
                 self._applied[name] = fingerprint
                 if old is not None and _differs(old, entry):  # a new leader reads the same, unchanged
                     log.info("model %s changed in the repository: %s", name,
