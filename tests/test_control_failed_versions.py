@@ -126,7 +126,7 @@ def test_a_model_whose_every_version_failed_has_no_available_versions(serve: Cal
               httpx.get(f"{server.url}/v2/models/mlp/config")):
         error = r.json()["error"]
         assert r.status_code == 404 and error.startswith("Request for unknown model: 'mlp' has no available "
-                                                         "versions (its load failed: "), (r.url, r.text)
+                                                         "versions (version 1: "), (r.url, r.text)
         assert "model.onnx" in error
     for r in version_answers(server.url, 1):  # the version itself: Triton's 503 (Despina's words say why)
         assert r.status_code == 503 and "version 1 failed to load: " in r.json()["error"], (r.url, r.text)

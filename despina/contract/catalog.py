@@ -138,9 +138,9 @@ def none_loaded(e: CatalogEntry, versions: tuple[int, ...] | list[int] | None = 
     versions = e.versions if versions is None else versions
     if not versions or any(v not in e.failed for v in versions):
         return None
-    why = e.failed[versions[-1]]
-    return NotFound(f"Request for unknown model: '{e.name}' has no available versions (its load failed: "
-                    f"{why})")
+    v = versions[-1]
+    return NotFound(f"Request for unknown model: '{e.name}' has no available versions (version {v}: "
+                    f"{e.failed[v]})")
 
 
 def unloaded(e: CatalogEntry, version: str | None) -> DespinaError:
