@@ -460,7 +460,9 @@ def test_an_ensemble_calling_a_missing_model_is_unavailable_with_the_reason(serv
     assert row["state"] == "UNAVAILABLE"
     assert "step 1 (model 'no_such_model')" in row["reason"] and "not in the repository" in row["reason"]
     answer = infer(server, "orphan", {"IN0": np.zeros((1, 4), np.float32), "IN1": np.zeros((1, 4), np.float32)})
-    assert answer.status_code == 503 and "no_such_model" in answer.json()["error"]
+    # Triton's 404: no version of it serves (it was a 503)
+    assert answer.status_code == 404 and "no_such_model" in answer.json()["error"], answer.text
+    assert "has no available versions" in answer.json()["error"]
     assert httpx.get(f"{server.url}/v2/models/orphan/ready").status_code == 400
     row = next(r for r in index(server.url) if r["name"] == "unpinned")
     assert row["state"] == "UNAVAILABLE" and "version 7 of model 'add_sub' is not loaded" in row["reason"]

@@ -264,6 +264,8 @@ class ModelView:
 
     def _ensemble_version(self, model: Model, version: str | None) -> int:
         e = model.entry
+        if not version and (failed := none_loaded(e)) is not None:
+            raise failed
         v = _known_version(e, version) if version else max(e.versions)
         if v in e.failed:
             raise Unavailable(f"ensemble '{e.name}' cannot serve: {e.failed[v]}")
