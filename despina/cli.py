@@ -79,6 +79,10 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--write-timeout", dest="write_timeout_s", type=float,
                         help="seconds a client may leave the answers owed to it unread before its "
                              "connection is cut (default 60)")
+        sp.add_argument("--strict-readiness", dest="strict_readiness", nargs="?", const=True, type=_boolean,
+                        metavar="BOOL", help="as Triton's: /v2/health/ready is 200 only while every model "
+                        "asked to load serves (default true: one that failed to load keeps it 400; false: "
+                        "once each has loaded or failed)")
         sp.add_argument("--api-keys-file", dest="api_keys_file",
                         help="API keys, one a line: KEY or KEY: model1,model2 (keys themselves only "
                              "through this file or $DESPINA_API_KEYS, never on the command line)")

@@ -46,6 +46,9 @@ class Settings:
     # Triton's --exit-on-error: a --load-model model (not "*") that cannot be loaded stops the control plane's
     # start (cli.START_FAILED); false: it serves on without it. Models of the repository as a whole never do
     exit_on_error: bool = True
+    # Triton's --strict-readiness: /v2/health/ready only while every model asked to load serves every version
+    # (one whose load failed keeps it not ready); false: once each has a READY version or failed
+    strict_readiness: bool = True
     repository_poll_secs: float = 15.0      # poll mode: seconds between two scans of the repository
     idle_timeout_s: float = 0.0             # scale-to-zero: unload a model idle this long; 0 = never
     model_replicas: int = 1                 # workers that load each model; 0 = every eligible worker

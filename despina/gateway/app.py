@@ -39,6 +39,7 @@ from .logging_api import logging_routes
 from .models import ModelView
 from .openapi import document
 from .protocol import HotRoutes
+from .readiness import server_ready
 from .refusals import unreachable
 from .repository import EXTENSIONS as REPOSITORY_EXTENSIONS
 from .repository import repository_routes
@@ -205,9 +206,7 @@ def create_app(settings: Settings, alongside: Alongside | None = None) -> Starle
         return Response(b"", 200)
 
     async def ready(request: Request) -> Response:
-        view = gw.view
-        ok = view.server_ready()
-        return Response(b"", 200 if ok else 400)
+        return Response(b"", 200 if server_ready(gw.view, gw.settings.strict_readiness) else 400)
 
     async def gateway_ready(request: Request) -> Response:
         # this gateway can take requests (Redis answers, the catalog is published), whatever the models'

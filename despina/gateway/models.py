@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from .. import logs
-from ..contract.catalog import LOADED, UNLOADED, CatalogEntry, none_loaded, unloaded, version_refused
+from ..contract.catalog import UNLOADED, CatalogEntry, none_loaded, unloaded, version_refused
 from ..contract.commands import WAKE
 from ..contract.ensemble import Ensemble, is_ensemble
 from ..contract.errors import (
@@ -362,19 +362,6 @@ class ModelView:
         return depth < 8 and all(
             self.is_ready(s.model, None if s.version is None else str(s.version), depth + 1)
             for s in model.ensemble.steps)
-
-    def server_ready(self) -> bool:
-        """Connected, the control plane has published the catalog, and every model that should be loaded
-        has a READY version (or failed to load)."""
-        if not self.connected or not self.published:
-            return False
-        for name, m in self.models.items():
-            e = m.entry
-            if e.state != "READY" or e.target != LOADED or self.ready.get(name) or m.ensemble is not None:
-                continue
-            if not all(v in e.failed for v in e.versions if v not in e.retiring):
-                return False
-        return True
 
 
 async def _answered(reading: Awaitable[None]) -> None:

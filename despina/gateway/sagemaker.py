@@ -32,6 +32,7 @@ from .generate import GenerateRoute, StreamEndpoint
 from .http import Receive, Scope, Send
 from .infer import AsgiEndpoint, Exchange, InferRoute, Route, fail
 from .models import NotLoaded
+from .readiness import server_ready
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -141,7 +142,8 @@ def sagemaker_routes(gw: Gateway) -> list[HttpRoute]:
     async def ping(request: Request) -> Response:
         if gw.settings.sagemaker_ping_mode == "live":  # as /v2/health/live: a load under way is no sickness
             return Response(b"", 200)
-        return Response(b"", 200 if gw.view.server_ready() and _endpoint_serves(gw) else 400)
+        ready = server_ready(gw.view, gw.settings.strict_readiness) and _endpoint_serves(gw)
+        return Response(b"", 200 if ready else 400)
 
     return [
         HttpRoute("/ping", ping, methods=["GET"]),
