@@ -330,3 +330,40 @@ async def test_redis_lost_between_taking_the_lead_and_reading_the_catalog_is_ret
         await client.aclose()
         await check.aclose()
         await proxy.close()
+
+
+async def test_a_malformed_catalog_entry_at_the_start_is_named_skipped_and_removed(
+        tmp_path: Path, redis_url: str, key_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An entry of the catalog this control plane cannot read (written by hand, or by another version) ended
+    its start with a traceback, for good: every restart met it again. It is named in one error line and
+    skipped, the others adopted, and the next write of the catalog takes it out (the workers and gateways
+    could not read it either); the repository brings the model back."""
+    keys = Keys(key_prefix)
+    check = connect(redis_url)
+    await check.hset(keys.catalog, mapping={"m": CatalogEntry("m", "/repo/m", {}, (1,)).dumps(),
+                                            "bad": b"{not json", "half": b'{"name": "half"}'})
+    mlp_folder(tmp_path, "bad")
+    plane = ControlPlane(Settings(model_repository=str(tmp_path), key_prefix=key_prefix), check)
+    seen: list[dict[str, CatalogEntry]] = []
+    plane.on_start = lambda: seen.append(dict(plane.catalog.entries))
+    running = asyncio.create_task(plane.run())
+    try:
+        wait = time.monotonic() + 15
+        while not (seen and await check.hget(keys.catalog, "half") is None and await check.hget(
+                keys.catalog, "bad") not in (None, b"{not json")) and not running.done() \
+                and time.monotonic() < wait:
+            await asyncio.sleep(0.05)
+        assert not running.done(), running.exception()
+        assert seen and sorted(seen[0]) == ["m"] and plane.start_failure is None
+        for name in ("bad", "half"):
+            said = [r.getMessage() for r in caplog.records if f"'{name}'" in r.getMessage()]
+            assert len(said) == 1 and said[0].startswith(f"catalog entry '{name}' ({keys.catalog}) cannot be "
+                                                         "read"), said
+        assert "Traceback" not in caplog.text
+        assert await check.hget(keys.catalog, "half") is None
+        bad = await check.hget(keys.catalog, "bad")  # read again from the repository
+        assert bad is not None and CatalogEntry.loads(bad).state == "READY"
+    finally:
+        plane.stop()
+        await asyncio.gather(running, return_exceptions=True)
+        await check.aclose()

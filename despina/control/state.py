@@ -63,9 +63,21 @@ class Catalog:
         self._flushing = asyncio.Lock()
 
     async def load(self) -> None:
-        """Adopt what a previous control plane published: placement and targets survive a restart."""
+        """Adopt what a previous control plane published: placement and targets survive a restart. An entry
+        that cannot be read (written by hand, or by another version) is named and skipped, and the next
+        flush takes it out: the workers and gateways cannot read it either (it failed this start with a
+        traceback, and every restart after), and the repository brings its model back."""
         raw = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.catalog))
-        self.entries = {k.decode(): CatalogEntry.loads(v) for k, v in raw.items()}
+        self.entries = {}
+        for key, blob in raw.items():
+            name = key.decode(errors="replace")
+            try:
+                self.entries[name] = CatalogEntry.loads(blob)
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+                log.error("catalog entry '%s' (%s) cannot be read (%s: %s); skipped and removed: the "
+                          "repository brings the model back (explicit mode: when it is loaded again)", name,
+                          self.keys.catalog, type(exc).__name__, exc)
+                self._removed.add(name)
         self.changes += 1
 
     def get(self, name: str) -> CatalogEntry | None:
