@@ -2,6 +2,7 @@
 version leaves the old one serving, reloads come from the cache, and a dead store harms nothing loaded."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import os
@@ -20,6 +21,7 @@ import orjson
 import pytest
 
 from despina.control.commands import LOAD_LOOK_S
+from despina.control.registration import SCAN_LOOK_S
 from despina.registry.transfer import push
 
 from .conftest import Server
@@ -219,12 +221,14 @@ def test_a_store_that_refuses_the_keys_is_unavailable_not_an_internal_error(
 
 
 @contextlib.contextmanager
-def served_by_a_hung_store(serve: Callable[..., Server], tmp_path: Path) -> Iterator[Server]:
-    """serve in explicit mode on a store that takes connections and never answers them."""
+def served_by_a_hung_store(serve: Callable[..., Server], tmp_path: Path, *extra: str,
+                           health: str = "ready") -> Iterator[Server]:
+    """serve (in explicit mode, unless `extra` says otherwise) on a store that takes connections and never
+    answers them."""
     with socket.socket() as hung:
         hung.bind(("127.0.0.1", 0))
         hung.listen(64)   # connections complete in the backlog; nothing ever reads them
-        yield serve("s3://models/hung", "--model-control-mode", "explicit",
+        yield serve("s3://models/hung", *(extra or ("--model-control-mode", "explicit")), health=health,
                     env={"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{hung.getsockname()[1]}",
                          "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
                          "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
@@ -253,6 +257,36 @@ def test_a_load_answers_503_in_time_while_the_store_hangs(serve: Callable[..., S
         r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60)
         assert r.status_code == 503, r.text
         assert "has not yet answered an earlier read of model 'mlp'" in r.json()["error"], r.text
+        assert "Traceback" not in server.logs()
+
+
+def test_a_load_with_files_answers_503_in_time_while_the_store_hangs(serve: Callable[..., Server],
+                                                                     tmp_path: Path) -> None:
+    """A load with `file:` entries writes them into the store before it reads the model: against a store that
+    takes connections and never answers, those writes (and the reads of what they replace) held the load
+    for boto3's read timeout three times, past the client's time. They are bounded as the load's reads are
+    (LOAD_LOOK_S, and a second a MB written)."""
+    config = orjson.dumps({"backend": "onnxruntime", "max_batch_size": 4}).decode()
+    onnx = base64.b64encode(b"weights").decode()
+    with served_by_a_hung_store(serve, tmp_path) as server:
+        started = time.monotonic()
+        r = httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60,
+                       json={"parameters": {"config": config, "file:1/model.onnx": onnx}})
+        assert r.status_code == 503, r.text
+        assert "s3://models/hung did not answer the writes of the load's files of model 'mlp' within" \
+            in r.json()["error"], r.text
+        assert time.monotonic() - started < LOAD_LOOK_S + 5
+        assert "Traceback" not in server.logs()
+
+
+def test_a_poll_whose_scan_hangs_is_logged_and_skipped(serve: Callable[..., Server], tmp_path: Path) -> None:
+    """A look at a store that takes connections and never answers held the registry's loop for boto3's read
+    timeout three times (and the same again for each poll), saying nothing. A scan is bounded by SCAN_LOOK_S,
+    logged; the polls while it is still out are skipped rather than queued behind it."""
+    with served_by_a_hung_store(serve, tmp_path, "--model-control-mode", "poll", "--repository-poll-secs", "1",
+                                health="live") as server:
+        said = f"s3://models/hung did not answer a scan of the repository within {SCAN_LOOK_S:g} s"
+        wait_until(lambda: said in server.logs(), SCAN_LOOK_S + 15, what="the scan's bound")
         assert "Traceback" not in server.logs()
 
 

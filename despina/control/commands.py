@@ -38,6 +38,7 @@ INDEX_LOOK_S = 5.0
 # at most: the same store held a load for boto3's read timeout three times (~3 min, past most clients'
 # timeouts) before its 503
 LOAD_LOOK_S = 10.0
+WRITE_RATE = 1 << 20  # bytes a second: the load API's `file:` writes wait LOAD_LOOK_S, and 1 s a WRITE_RATE
 
 T = TypeVar("T")
 
@@ -164,8 +165,7 @@ class Commands:
         async with self._turn(name, deadline):
             replaced: dict[str, bytes | None] = {}
             if files:
-                assert override is not None
-                replaced = await asyncio.to_thread(write_files, self.plane.registry, name, files, override)
+                replaced = await self._write(name, files, override or {}, deadline)
                 override = None  # written as config.pbtxt: read back like any model
             look_s = min(LOAD_LOOK_S, _left(deadline))
             looked = time.monotonic() + look_s
@@ -213,10 +213,23 @@ class Commands:
             if not anew and (done := plane.catalog.get(name)) is not None:
                 await start_stats_afresh(plane.redis, plane.keys, name, made_anew(done))
 
-    async def _read(self, name: str, read: Callable[[], T], until: float, look_s: float) -> T:
-        """`read`, a registry read for model `name`'s load, in a thread, waited on until `until` (monotonic):
-        past it, Unavailable. One that outlived its load is not started again until it ends: a store that
-        hangs holds a thread per model, not one per call (the threads are few)."""
+    async def _write(self, name: str, files: dict[str, Any], config: dict[str, Any], deadline: float
+                     ) -> dict[str, bytes | None]:
+        """write_files, waited on as the load's reads are; writes that end after the load answered are
+        taken back out, as a failed load's are."""
+        registry = self.plane.registry
+        write_s = min(LOAD_LOOK_S + sum(len(str(d)) for d in files.values()) / WRITE_RATE, _left(deadline))
+        return await self._read(
+            name, lambda: write_files(registry, name, files, config), time.monotonic() + write_s, write_s,
+            "the writes of the load's files of",
+            lambda before: self.plane.spawn(asyncio.to_thread(restore_files, registry, name, before)))
+
+    async def _read(self, name: str, read: Callable[[], T], until: float, look_s: float,
+                    doing: str = "the load of", late: Callable[[T], None] | None = None) -> T:
+        """`read`, a registry read (or write: `doing`) for model `name`'s load, in a thread, waited on until
+        `until` (monotonic): past it, Unavailable, and `late` gets its result if it ends well after all. One
+        that outlived its load is not started again until it ends: a store that hangs holds a thread per
+        model, not one per call (the threads are few)."""
         url = self.plane.registry.url
         stuck = self._stuck.get(name)
         if stuck is not None and not stuck.done():
@@ -228,12 +241,14 @@ class Commands:
         except TimeoutError:
             self._stuck[name] = future
 
-            def ended(f: asyncio.Future[Any]) -> None:
+            def ended(f: asyncio.Future[T]) -> None:
                 if self._stuck.get(name) is f:
                     del self._stuck[name]
-                f.cancelled() or f.exception()  # retrieved: no "exception never retrieved" for a late failure
+                # retrieved: no "exception never retrieved" for a late failure
+                if not f.cancelled() and f.exception() is None and late is not None:
+                    late(f.result())
             future.add_done_callback(ended)
-            raise Unavailable(f"registry {url} did not answer the load of model '{name}' within "
+            raise Unavailable(f"registry {url} did not answer {doing} model '{name}' within "
                               f"{look_s:.3g} s") from None
 
     @asynccontextmanager

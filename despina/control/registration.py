@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("despina.control")
 
+# how long a look at the repository waits for the registry's listing (one call a 1,000 files): a store that
+# takes connections and never answers held each look, saying nothing, for boto3's read timeout three times
+SCAN_LOOK_S = 30.0
+
 
 class Registration:
     def __init__(self, plane: ControlPlane) -> None:
@@ -35,6 +39,7 @@ class Registration:
         self._seen: dict[str, str] = {}     # model -> fingerprint seen by the last poll
         self._load_waits: set[str] = set()  # --load-model models whose failure to load was logged
         self._start_failures: dict[str, str] = {}  # --load-model model -> why it cannot load, at the start
+        self._scan: asyncio.Future[dict[str, ModelFiles]] | None = None  # the registry's listing in flight
 
     async def run(self) -> None:
         """Register the repository's models as the mode says; in poll mode, keep looking."""
@@ -141,13 +146,29 @@ class Registration:
         """Bring the catalog to the registry. After the first look, a model's change is applied once two
         looks in a row see the same files (an upload in progress is not loaded half-done)."""
         plane = self.plane
-        models = await asyncio.to_thread(plane.registry.scan)
+        models = await self._scanned()
         self.error = ""
         plane.lifecycle.ensembles.syncing = True  # checked once the models they call are all read
         try:
             await self._sync(models, first)
         finally:
             plane.lifecycle.ensembles.syncing = False
+
+    async def _scanned(self) -> dict[str, ModelFiles]:
+        """The registry's listing, waited on at most SCAN_LOOK_S. One that outlived its look is not started
+        again until it ends: the looks meanwhile are skipped (run() logs why), and a store that hangs holds
+        one thread, not one a poll."""
+        url = self.plane.registry.url
+        if self._scan is not None and not self._scan.done():
+            raise Unavailable(f"registry {url} has not yet answered an earlier scan of the repository; this "
+                              "look is skipped")
+        self._scan = scan = asyncio.ensure_future(asyncio.to_thread(self.plane.registry.scan))
+        scan.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, if late
+        try:
+            return await asyncio.wait_for(asyncio.shield(scan), SCAN_LOOK_S)
+        except TimeoutError:
+            raise Unavailable(f"registry {url} did not answer a scan of the repository within "
+                              f"{SCAN_LOOK_S:g} s") from None
 
     async def _sync(self, models: dict[str, ModelFiles], first: bool) -> None:
         plane = self.plane
