@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
 from urllib.parse import urlparse
@@ -32,8 +32,8 @@ from despina.redis_client import connect
 from despina.settings import Settings
 from despina.workers.worker import Worker
 
-from .conftest import delete_prefix
-from .control_support import mlp_folder, wait_until
+from .conftest import Server, delete_prefix
+from .control_support import infer, mlp_folder, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -367,3 +367,24 @@ async def test_a_malformed_catalog_entry_at_the_start_is_named_skipped_and_remov
         plane.stop()
         await asyncio.gather(running, return_exceptions=True)
         await check.aclose()
+
+
+def test_a_worker_skips_a_catalog_entry_it_cannot_read_and_serves_on(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """An entry written into the running catalog that cannot be read ended the worker's loop with a traceback
+    (serve then stopped everything). The worker names it in one error line, skips it, and serves on."""
+    mlp_folder(tmp_path / "repo")
+    server = serve(tmp_path / "repo", wait_models=("mlp",))
+    keys = Keys(key_prefix)
+    with redis.Redis.from_url(redis_url) as client:
+        client.hset(keys.catalog, "junk", b"{not json")
+        client.incr(keys.catalog_generation)  # the catalog moved: the worker reads it again
+        client.publish(keys.events, "catalog")
+    wait_until(lambda: "catalog entry 'junk' cannot be read (JSONDecodeError" in server.logs(), 30,
+               what="the worker's error line")
+    wait_until(lambda: "gateway: catalog entry 'junk' cannot be read (JSONDecodeError" in server.logs(), 30,
+               what="the gateway's error line")  # (its view follows the catalog on: it used to stop)
+    time.sleep(1)
+    assert infer(server.url).status_code == 200, server.logs()[-3000:]
+    assert server.logs().count("gateway: catalog entry 'junk'") == 1
+    assert "Traceback" not in server.logs() and server.process.poll() is None

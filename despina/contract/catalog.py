@@ -5,7 +5,7 @@ The control plane is the only writer. Workers load what names them in `workers`;
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,20 @@ class CatalogEntry:
                    {k: tuple(v) for k, v in (d.get("labels") or {}).items()}, tuple(d.get("retired", ())),
                    {int(v): r for v, r in (d.get("dropped") or {}).items()}, d.get("override"),
                    d.get("override_files", ""), int(d.get("tries", 0)))
+
+
+def read_entries(raw: Mapping[bytes, bytes]) -> tuple[dict[str, CatalogEntry], dict[str, str]]:
+    """The catalog hash's entries by name, and those that cannot be read (name -> why: written by hand, or
+    by another version), which each reader skips, saying so."""
+    entries: dict[str, CatalogEntry] = {}
+    bad: dict[str, str] = {}
+    for key, blob in raw.items():
+        name = key.decode(errors="replace")
+        try:
+            entries[name] = CatalogEntry.loads(blob)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            bad[name] = f"{type(exc).__name__}: {exc}"
+    return entries, bad
 
 
 def retire(e: CatalogEntry, gone: Iterable[int], versions: Iterable[int]) -> tuple[int, ...]:

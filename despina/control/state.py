@@ -8,7 +8,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from ..contract.catalog import CatalogEntry
+from ..contract.catalog import CatalogEntry, read_entries
 from ..contract.cluster import WorkerInfo, WorkerStatus
 from ..contract.keys import Keys
 from .lease import LeaseLost, LeaseVanished
@@ -68,16 +68,12 @@ class Catalog:
         flush takes it out: the workers and gateways cannot read it either (it failed this start with a
         traceback, and every restart after), and the repository brings its model back."""
         raw = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.catalog))
-        self.entries = {}
-        for key, blob in raw.items():
-            name = key.decode(errors="replace")
-            try:
-                self.entries[name] = CatalogEntry.loads(blob)
-            except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-                log.error("catalog entry '%s' (%s) cannot be read (%s: %s); skipped and removed: the "
-                          "repository brings the model back (explicit mode: when it is loaded again)", name,
-                          self.keys.catalog, type(exc).__name__, exc)
-                self._removed.add(name)
+        self.entries, bad = read_entries(raw)
+        for name, why in bad.items():
+            log.error("catalog entry '%s' (%s) cannot be read (%s); skipped and removed: the repository "
+                      "brings the model back (explicit mode: when it is loaded again)", name,
+                      self.keys.catalog, why)
+            self._removed.add(name)
         self.changes += 1
 
     def get(self, name: str) -> CatalogEntry | None:

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from .. import logs
-from ..contract.catalog import UNLOADED, CatalogEntry, none_loaded, unloaded, version_refused
+from ..contract.catalog import UNLOADED, CatalogEntry, none_loaded, read_entries, unloaded, version_refused
 from ..contract.commands import WAKE
 from ..contract.ensemble import Ensemble, is_ensemble
 from ..contract.errors import (
@@ -200,10 +200,12 @@ class ModelView:
             if old is not None and self._blobs.get(name) == blob:
                 models[name] = old
                 continue
-            try:
-                entry = CatalogEntry.loads(blob)
-            except (ValueError, KeyError, TypeError) as exc:  # the log names the entry, not just the fault
-                raise ValueError(f"model '{name}' catalog entry: {type(exc).__name__}: {exc}") from exc
+            read, bad = read_entries({name_raw: blob})
+            if name in bad:  # written by hand, or by another version: skipped, as workers do (logged once)
+                if self._blobs.get(name) != blob:
+                    log.error("gateway: catalog entry '%s' cannot be read (%s); skipped", name, bad[name])
+                continue
+            entry = read[name]
             spec = ModelSpec.from_config(entry.config) if entry.state == "READY" else None
             ensemble = None
             if spec is not None and is_ensemble(entry.config):

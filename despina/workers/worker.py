@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from .. import clock, cpus, logs
-from ..contract.catalog import CatalogEntry
+from ..contract.catalog import CatalogEntry, read_entries
 from ..contract.cluster import WorkerInfo
 from ..contract.ensemble import Ensemble, Step, is_ensemble
 from ..contract.errors import ConfigError
@@ -266,7 +266,10 @@ class Worker(Loading):
                 return  # Redis lost its data (restarted without persistence): serve on until republished
             if raw:
                 self._catalog_back()
-            self.catalog = {e.name: e for e in map(CatalogEntry.loads, raw.values())}
+            entries, bad = read_entries(raw)
+            for name, why in bad.items():  # (the control plane removes it at its next start)
+                log.error("worker %s: catalog entry '%s' cannot be read (%s); skipped", self.id, name, why)
+            self.catalog = {e.name: e for e in entries.values()}
             self._generation = generation
         if self.leaving:  # handing its models over (_hand_over): it loads none, and they stop in its drain
             return
