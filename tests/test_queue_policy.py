@@ -357,3 +357,63 @@ def test_preserve_ordering_is_refused_where_triton_refuses_it(extra: str, messag
             'output [{ name: "y" data_type: TYPE_FP32 dims: [1] }] ')
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(normalize("m", parse_text("m", base + extra)))
+
+
+# SLEEPER that says when it runs (the file STARTED), and holds its batches while the file HOLD is there
+TOLD_SLEEPER = """
+import os
+import time
+import triton_python_backend_utils as pb_utils
+
+HOLD, STARTED = {hold!r}, {started!r}
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        open(STARTED, "a").close()
+        while os.path.exists(HOLD):
+            time.sleep(0.01)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy()[:, :10].copy())]) for r in requests]
+"""
+
+
+def test_max_queue_size_leaves_out_the_batch_executing(serve: Callable[..., Server], tmp_path: Path,
+                                                        redis_url: str, key_prefix: str) -> None:
+    """Triton's max_queue_size counts the scheduler's queue: the batch being executed is out of it. One
+    request runs (held), then three come: two queue, the third is refused (Triton 2.51: 3 of 4 accepted).
+    Once all are answered the level's counter is back to 0."""
+    hold, started = tmp_path / "hold", tmp_path / "started"
+    hold.touch()
+    repo = python_model(tmp_path / "repo", "b", TOLD_SLEEPER.format(hold=str(hold), started=str(started)),
+                        'max_batch_size: 1\n'
+                        'input [{ name: "x", data_type: TYPE_FP32, dims: [256] }]\n'
+                        'output [{ name: "y", data_type: TYPE_FP32, dims: [10] }]\n'
+                        "dynamic_batching { default_queue_policy { max_queue_size: 2 } }\n")
+    server = serve(repo, wait_models=("b",))
+    url = f"{server.url}/v2/models/b/infer"
+    counter = Keys(key_prefix).queued("b", 1)
+    store = aioredis.Redis.from_url(redis_url)
+
+    async def scenario() -> tuple[int, list[int], int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            first = asyncio.create_task(client.post(url, content=body()))
+            deadline = time.monotonic() + 30
+            while not started.exists():
+                assert time.monotonic() < deadline, "the first request did not start within 30 s"
+                await asyncio.sleep(0.01)
+            settle = time.monotonic() + 2  # its batch leaves the queue (the worker says so in Redis)
+            while int(await store.get(counter) or 0) and time.monotonic() < settle:
+                await asyncio.sleep(0.01)
+            rest = [asyncio.create_task(client.post(url, content=body())) for _ in range(3)]
+            done, _ = await asyncio.wait(rest, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+            hold.unlink()
+            codes = [(await first).status_code, *[(await r).status_code for r in rest]]
+        left = int(await store.get(counter) or 0)
+        await store.aclose()
+        return len(done), codes, left
+
+    refused_at_once, codes, left = asyncio.run(scenario())
+    assert sorted(codes) == [200, 200, 200, 503] and codes[0] == 200, codes
+    assert refused_at_once == 1
+    assert left == 0

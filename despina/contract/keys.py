@@ -34,8 +34,9 @@ class Keys:
         return base if level <= 1 else f"{base}:p{level}"
 
     def queued(self, model: str, version: int, level: int = 1) -> str:
-        """Counter of requests queued or running at one priority level, kept where the model's queue
-        policy sets max_queue_size: gateways refuse past it."""
+        """Counter of requests queued at one priority level (on its stream, or read and waiting for a
+        batch; not those in a batch that started: workers/queued.py), kept where the model's queue policy
+        sets max_queue_size: gateways refuse past it."""
         return f"{self.prefix}:queued:{model}:{version}:{level}"
 
     def dead_letters(self, model: str, version: int) -> str:
@@ -67,7 +68,8 @@ class Keys:
 
     def executing(self, worker_id: str) -> str:
         """Set of the redelivered entries a worker is running (each alone): should it die, only they
-        are charged an attempt."""
+        are charged an attempt; and of the entries of levels with max_queue_size whose batch started, which
+        a redelivery counts as queued again."""
         return f"{self.prefix}:executing:{worker_id}"
 
     @property

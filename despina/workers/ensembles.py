@@ -245,7 +245,7 @@ class EnsembleHost:
                 acks.append(entry)
         # the counters waiting (the steps') go too
         pipe = Batch()
-        entries = self.writer.build(pipe, by_gateway, answered, counts, acks, quiet=True)
+        entries = self.writer.build(pipe, by_gateway, counts, acks, quiet=True)
         task = asyncio.get_running_loop().create_task(self._write(pipe, answered, entries))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)

@@ -114,7 +114,7 @@ class Intake(Outbox):
         if len(self._entries) and self._in_flight >= self._read_ahead:
             self._room.clear()
         if failures:
-            await self._reply(failures, failed, [])
+            await self._reply(failures, failed, [], ran=False)
         done = [e for e, n in self._entries.items() if n == 0]
         if done:  # entries none of whose requests reached the batcher
             for e in done:
@@ -145,7 +145,7 @@ class Intake(Outbox):
         UNAVAILABLE (HTTP 503), each with its own message, `why`."""
         p: Pending = item.payload
         reply = answers.error(p.request, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {why}")
-        self._spawn(self._reply([reply], [p.request], [p]))
+        self._spawn(self._reply([reply], [p.request], [p], ran=False))
 
     def _rows(self, inputs: dict[str, np.ndarray]) -> int:
         if not self.spec.batched or not inputs:

@@ -151,10 +151,11 @@ class Outbox:
 
     async def _reply(self, replies: list[InferReply], requests: list[InferRequest],
                      pendings: list[Pending], rows: int = 0, started: float = 0.0,
-                     timings: tuple[int, int, int] = (0, 0, 0), later: int = 0) -> None:
+                     timings: tuple[int, int, int] = (0, 0, 0), later: int = 0, ran: bool = True) -> None:
         """One round trip: a reply entry per gateway, statistics, queue counters, and the
         acknowledgement of every stream entry now fully answered (after its replies, in order).
-        replies[i] answers requests[i]: ids are unique per gateway only, so a batch may hold two alike."""
+        replies[i] answers requests[i]: ids are unique per gateway only, so a batch may hold two alike.
+        `ran` False: the requests never were in a batch (answered from the queue), so still counted queued."""
         by_gateway: dict[str, list[InferReply]] = {}
         for r, req in zip(replies, requests, strict=True):
             if req.reply_to:
@@ -189,7 +190,9 @@ class Outbox:
             self._read_along.release()  # nothing goes to Redis for it to ride with
         else:
             pipe = Batch()
-            entries = self.writer.build(pipe, by_gateway, requests, counts, done, quiet=quiet)
+            if self.writer.moves is not None:
+                self.writer.moves.answered(requests, pendings, ran)
+            entries = self.writer.build(pipe, by_gateway, counts, done, quiet=quiet)
             if any(p.alone for p in pendings):
                 self.streams.unmark_into(pipe, [p.entry for p in pendings if p.alone and p.entry is not None])
             room = self._room_entries(self._in_flight - answered)

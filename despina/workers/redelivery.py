@@ -38,7 +38,7 @@ log = logging.getLogger("despina.worker")
 DEAD_LETTER_MAXLEN = 1_000
 EXECUTING_TTL_S = 3_600  # outlives any heartbeat TTL or visibility timeout; deleted once used
 # The queue counter of a priority level exists only where its queue policy sets max_queue_size.
-DECR_IF_EXISTS = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('DECR', KEYS[1]) end"
+INCRBY_IF_EXISTS = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('INCRBY', KEYS[1], ARGV[1]) end"
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ async def redeliver(redis: aioredis.Redis, queue: Queue, pending: list[dict[str,
     running = dict(zip(consumers, await pipe.execute()))
     pipe = redis.pipeline(transaction=True)
     moved, dead = 0, []
+    queued = 0  # what the level's queued count gains: started requests back on the stream, less those dropped
     for entry_id, fields in claimed:
         if not fields:  # deleted meanwhile
             continue
@@ -99,16 +100,23 @@ async def redeliver(redis: aioredis.Redis, queue: Queue, pending: list[dict[str,
         consumer = consumer_of.get(entry_id, "")
         mark = marker(stream, entry_id).encode()
         before = int(fields.get(ATTEMPTS, 0))
-        attempts = before + int(before == 0 or mark in running.get(consumer, ()))
-        if mark in running.get(consumer, ()):
+        # named: it was running (each redelivered entry is), or its requests' batch had started (each on a
+        # level with max_queue_size: workers/queued.py), and they had left their level's queued count
+        started = mark in running.get(consumer, ())
+        attempts = before + int(before == 0 or started)
+        if started:
             pipe.srem(queue.keys.executing(consumer), mark)
         for req in requests:
             if attempts >= policy.max_attempts:
                 dead.append(req)
                 _dead_letter(pipe, queue, req, attempts, consumer, policy)
+                queued -= not started
             else:
                 pipe.xadd(stream, {FIELD: records.encode([req]), ATTEMPTS: attempts})
                 moved += 1
+                queued += started
+    if queued:
+        pipe.eval(INCRBY_IF_EXISTS, 1, queue.keys.queued(queue.model, queue.version, queue.level), queued)
     if dead:
         stats.record(pipe, queue.keys.stats(queue.model, queue.version),
                      [InferReply(r.id, (), (Code.BACKEND, "")) for r in dead], 0, 0.0)
@@ -136,7 +144,6 @@ def _dead_letter(pipe: Any, queue: Queue, req: InferRequest, attempts: int, cons
     pipe.xadd(queue.keys.dead_letters(queue.model, queue.version),
               {FIELD: records.encode([req]), ATTEMPTS: attempts, b"worker": consumer, b"at": clock.now()},
               maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-    pipe.eval(DECR_IF_EXISTS, 1, queue.keys.queued(queue.model, queue.version, queue.level))
 
 
 def _text(value: bytes | str) -> str:

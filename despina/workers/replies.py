@@ -1,5 +1,6 @@
 """What a worker writes back to Redis with its answers: the reply entries, the queued counters of priority
-levels with a max_queue_size, the statistics and the acknowledgements, in one pipeline (ReplyWriter).
+levels with a max_queue_size (queued.py), the statistics and the acknowledgements, in one pipeline
+(ReplyWriter).
 Shared by a model's runner (outbox.py) and an ensemble run in the worker (ensembles.py)."""
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from ..contract import records
 from ..contract.errors import Code
 from ..contract.keys import FIELD, Keys
 from ..contract.modelspec import ModelSpec
-from ..contract.records import InferReply, InferRequest
+from ..contract.records import InferReply
 from ..counters import Deferred, record_counts
 from ..redis_client import BULK_DEFAULT, allow_oom, bulk_limit
 from ..resp import Batch, Command, ReadAlong, Resp
+from .queued import QUEUE_MOVES, QueueMoves, bounded_levels
 
 if TYPE_CHECKING:
     from .streams import ModelStreams
@@ -28,33 +30,6 @@ log = logging.getLogger("despina.worker")
 
 REPLY_MAXLEN = 100_000       # backstop: gateways trim what they have read
 RESEND_S = 0.5               # how often reply entries Redis refused are written again
-
-
-def bounded_levels(spec: ModelSpec) -> set[int]:
-    """The priority levels whose queue policy sets max_queue_size: gateways count what they queue there."""
-    return {level for level in range(1, max(spec.policy.priority_levels, 1) + 1)
-            if spec.policy.queue_policy(level).max_queue_size}
-
-
-# Takes answered requests off a level's queued counter (KEYS[1]) while Redis is full too (allow_oom: the
-# counter exists, and shrinks): else Redis refused it then, took the acknowledgement, and the requests
-# stayed counted for good, until the level refused every request as full on an empty queue.
-DEQUEUED = "return redis.call('DECRBY', KEYS[1], ARGV[1])"
-
-
-def count_dequeued(pipe: Batch, keys: Keys, spec: ModelSpec, version: int, bounded: set[int],
-                   answered: list[InferRequest], script: str = DEQUEUED) -> None:
-    """Take the answered requests off their levels' queued counters (those `bounded` ones), with DEQUEUED
-    as allow_oom made it for this Redis (`script`)."""
-    levels: dict[int, int] = {}
-    for req in answered:
-        if not req.reply_to:
-            continue  # made in this process: never counted as queued
-        level = spec.policy.level(req.priority)
-        if level in bounded:
-            levels[level] = levels.get(level, 0) + 1
-    for level, n in levels.items():
-        pipe.eval(script, 1, keys.queued(spec.name, version, level), n)
 
 
 def replies_into(pipe: Batch, by_gateway: dict[str, list[InferReply]], ttl_ms: int, name: str,
@@ -131,14 +106,15 @@ class ReplyWriter:
         self.name = spec.name
         self.streams, self.ttl_ms, self.deferred, self.read_along = streams, ttl_ms, deferred, read_along
         self.stats_key = keys.stats(spec.name, version)
-        self.bounded = bounded_levels(spec)
-        self.dequeued = DEQUEUED  # as allow_oom makes it for this Redis, at start
+        # the bounded levels' queued counters (queued.py); None: no level has a max_queue_size
+        self.moves = QueueMoves(keys, spec, version, streams.consumer) if bounded_levels(spec) else None
+        self.moves_script = QUEUE_MOVES  # as allow_oom makes it for this Redis, at start
         self.bulk = BULK_DEFAULT  # the most bytes of one reply entry: this Redis's, at start (bulk_limit)
         self.out: Resp | None = None  # replies, statistics and acknowledgements go out here
 
     async def start(self) -> None:
-        if self.bounded:
-            self.dequeued = await allow_oom(self.redis, DEQUEUED)
+        if self.moves is not None:
+            self.moves_script = await allow_oom(self.redis, QUEUE_MOVES)
         self.bulk = await bulk_limit(self.redis)
 
     def close(self) -> None:
@@ -155,15 +131,15 @@ class ReplyWriter:
         pipe = Batch()
         return pipe, replies_into(pipe, by_gateway, self.ttl_ms, self.name, self.bulk)
 
-    def build(self, pipe: Batch, by_gateway: dict[str, list[InferReply]], answered: list[InferRequest],
-              counts: dict[str, int], acks: list[tuple[str, bytes]], quiet: bool) -> int:
-        """Into `pipe`: the replies' entries, then the `answered` requests off their queued counters, the
+    def build(self, pipe: Batch, by_gateway: dict[str, list[InferReply]], counts: dict[str, int],
+              acks: list[tuple[str, bytes]], quiet: bool) -> int:
+        """Into `pipe`: the replies' entries, then the queued counters' moves waiting (queued.py), the
         statistics `counts` (with a Deferred: every counter waiting goes along when `quiet`, else they wait
         for a later pipeline) and the acknowledgement of the entries `acks`. How many reply entries.
         (Not begin's tuple and call: this runs for every batch.)"""
         entries = replies_into(pipe, by_gateway, self.ttl_ms, self.name, self.bulk)
-        if self.bounded:
-            count_dequeued(pipe, self.keys, self.spec, self.version, self.bounded, answered, self.dequeued)
+        if self.moves:
+            self.moves.into(pipe, self.moves_script)
         if self.deferred is None:
             record_counts(pipe, self.stats_key, counts)
         else:

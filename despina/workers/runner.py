@@ -22,7 +22,7 @@ from ..contract.keys import Keys
 from ..contract.modelspec import ModelSpec
 from ..counters import Deferred
 from ..logs import Throttled
-from ..resp import ReadAlong
+from ..resp import Batch, ReadAlong
 from ..response_cache import LOADS, ResponseCache
 from . import answers
 from .batcher import DynamicBatcher, Item
@@ -49,6 +49,9 @@ log = logging.getLogger("despina.worker")
 # The longest a read waits to go out with replies (_read_with_replies of ModelRunner and EnsembleHost):
 # a safety net, every batch that does not reply to Redis lets it go at once.
 READ_WAITS_S = 0.01
+# The longest the start of a batch waits to leave its levels' queued counters (queued.py) with the replies of
+# a batch before it, or its own: a batch that took longer has its own write.
+MOVES_WAIT_S = 0.001
 STREAMS_END_S = 10.0  # how long an unload waits for a decoupled model's open requests to end (then they fail)
 
 
@@ -102,6 +105,7 @@ class ModelRunner(Intake):
         self._background: set[asyncio.Task[None]] = set()
         self._held: dict[int, deque[Held]] = {}  # a decoupled model's responses Redis refused (outbox)
         self._stopping = False
+        self._moves_due = False  # a write of the queued counters' moves is due (_write_moves)
         self._order = ReplyOrder() if spec.policy.preserve_ordering else None
         self.state = "LOADING"
 
@@ -215,6 +219,11 @@ class ModelRunner(Intake):
         turn = self._order.take() if self._order is not None else None  # before any await (ordering.py)
         taken = sum(item.payload.members for item in batch)
         self.executing += taken
+        if self.writer.moves is not None:  # out of the queue: Triton's max_queue_size leaves them out
+            self.writer.moves.start(item.payload for item in batch)
+            if not self._moves_due:
+                self._moves_due = True
+                asyncio.get_running_loop().call_later(MOVES_WAIT_S, self._write_moves)
         try:
             await self._run_and_reply(batch, instance, turn)
         except BaseException:  # its replies will not go out: the batches after it must not wait for them
@@ -223,6 +232,22 @@ class ModelRunner(Intake):
             raise
         finally:
             self.executing -= taken
+
+    def _write_moves(self) -> None:
+        """The queued counters' moves that no pipeline took within MOVES_WAIT_S, in a write of their own."""
+        self._moves_due = False
+        moves = self.writer.moves
+        if moves:
+            assert moves is not None
+            pipe = Batch()
+            moves.into(pipe, self.writer.moves_script)
+            self._spawn(self._send_moves(pipe))
+
+    async def _send_moves(self, pipe: Batch) -> None:
+        try:
+            await self.writer.resp().execute(pipe.commands)
+        except Exception as exc:  # its requests stay counted (and unmarked: a redelivery leaves them so)
+            log.error("model %s: counting a batch out of the queue failed: %s", self.spec.name, exc)
 
     async def _run_and_reply(self, batch: list[Item], instance: int | None, turn: Turn | None) -> None:
         pendings: list[Pending] = [item.payload for item in batch]
@@ -241,6 +266,10 @@ class ModelRunner(Intake):
                 "request_ids": [p.request.trace or p.request.id for p in pendings]}})
         marks: dict[str, int] = {"start": time.perf_counter_ns()}
         if any(p.alone for p in live):
+            if self.writer.moves:  # counted out (and marked) before it runs: a death finds both or neither
+                moves = Batch()
+                self.writer.moves.into(moves, self.writer.moves_script)
+                await self._send_moves(moves)
             await self.streams.mark_executing([p.entry for p in live if p.entry is not None])
         sizes = [item.rows for item in live_items]  # rows per request
         if self.spec.decoupled and live:
