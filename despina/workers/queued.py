@@ -92,8 +92,10 @@ class QueueMoves:
 
     def into(self, pipe: Batch, script: str = QUEUE_MOVES) -> None:
         """Every move waiting into `pipe`, one `script` (QUEUE_MOVES as allow_oom made it) per level."""
-        for level in self.started.keys() | self.unstarted.keys() | self.finished.keys():
-            started = self.started.get(level, [])
-            pipe.eval(script, 2, self.counters[level], self.executing, self.unstarted.get(level, 0),
-                      len(started), *started, *self.finished.get(level, ()), EXECUTING_TTL_S)
+        for level, counter in self.counters.items():  # (mostly one)
+            started, unstarted, finished = self.started.get(level, ()), self.unstarted.get(level, 0), \
+                self.finished.get(level, ())
+            if started or unstarted or finished:
+                pipe.eval(script, 2, counter, self.executing, unstarted, len(started), *started, *finished,
+                          EXECUTING_TTL_S)
         self.started, self.unstarted, self.finished = {}, {}, {}
