@@ -132,8 +132,14 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--metrics-port", dest="metrics_port", type=int,
                         help="Prometheus /metrics port of the control plane (default 8002; 0 = off)")
 
+    def metrics_config(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--metrics-config", dest="metrics_config", action="append", metavar="SETTING=VALUE",
+                        help="as Triton's: summary_latencies=true adds the latency summaries "
+                             "(nv_inference_*_summary_us), summary_quantiles=Q:ERROR,... their quantiles "
+                             "(repeatable; serve's workers take serve's, `despina worker` needs its own)")
+
     serve = sub.add_parser("serve", help="start control plane, workers and gateway on this machine")
-    for add in (common, repo, http, worker, cache, metrics):
+    for add in (common, repo, http, worker, cache, metrics, metrics_config):
         add(serve)
     serve.add_argument("--worker-nice", dest="worker_nice", type=int, metavar="N",
                        help="the niceness of workers that share CPUs with the gateways, 0-19 (default 5: "
@@ -153,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
     for add in (common, http, cache):
         add(gw)
     wk = sub.add_parser("worker", help="run one worker process against a shared Redis")
-    for add in (common, worker, cache):
+    for add in (common, worker, cache, metrics_config):
         add(wk)
     wk.add_argument("--worker-id", dest="worker_id",
                     help="a name for this worker; each process adds a suffix of its own")
@@ -163,7 +169,7 @@ def parser() -> argparse.ArgumentParser:
     wk.add_argument("--host", dest="host", help="address the health port binds (default 127.0.0.1; ::, "
                     "every IPv6 and IPv4 address)")
     ctl = sub.add_parser("control", help="run the control plane against a shared Redis")
-    for add in (common, repo, metrics):
+    for add in (common, repo, metrics, metrics_config):
         add(ctl)
     ctl.add_argument("--host", dest="host", help="address the metrics port binds (default 127.0.0.1; ::, "
                      "every IPv6 and IPv4 address)")
@@ -213,7 +219,30 @@ def settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None = No
                              "start; the other trace settings are the trace API's (POST /v2/trace/setting)")
         if not vars(args).get("trace_file"):  # --trace-file wins; of several --trace-config the last
             values["trace_file"] = path
+    values.update(_metrics_config(values.pop("metrics_config", None) or []))
     return Settings.from_sources(values, environ)
+
+
+METRICS_CONFIG = {"summary_latencies": "summary_latencies", "summary_quantiles": "summary_quantiles"}
+
+
+def _metrics_config(entries: list[str]) -> dict[str, Any]:
+    """Triton's --metrics-config SETTING=VALUE entries as settings (the last of each wins). Triton logs a
+    setting it cannot use and starts without it; here it stops the start, in one line."""
+    values: dict[str, Any] = {}
+    for entry in entries:
+        setting, sep, value = entry.partition("=")
+        if setting not in METRICS_CONFIG or not sep:
+            raise BadSetting(f"--metrics-config {entry!r}: only summary_latencies=true|false and "
+                             "summary_quantiles=<quantile>:<error>,... are taken")
+        if setting == "summary_latencies":
+            try:
+                values[setting] = _boolean(value)
+            except argparse.ArgumentTypeError as exc:
+                raise BadSetting(f"--metrics-config {entry!r}: {exc}") from None
+        else:
+            values[setting] = value
+    return values
 
 
 def _unusable(repository: str) -> str | None:

@@ -21,6 +21,7 @@ from .contract.catalog import CatalogEntry
 from .contract.keys import Keys
 from .contract.policy import batch_policy
 from .host_metrics import HostMetrics, Sample
+from .workers import summaries
 from .workers.stats import COLD_START_BUCKETS_S, LATENCY_BUCKETS_US
 
 # Triton's counters: name, help (Triton 2.51's, word for word), statistics field, scale from its unit
@@ -50,6 +51,20 @@ CACHE_COUNTERS_PER_MODEL = (
     ("nv_cache_num_misses_per_model", "Number of cache misses per model", "cache_miss_count", 1),
     ("nv_cache_miss_duration_per_model", "Total cache miss (insert+lookup) duration per model, in "
      "microseconds", "cache_miss_ns", 1e-3),
+)
+# Triton's latency summaries (--metrics-config summary_latencies=true): name, help (Triton 2.51's), the
+# statistics fields of its count and sum, the quantity of the workers' windows (workers/summaries.py)
+SUMMARIES = (
+    ("nv_inference_request_summary_us", "Summary of inference request duration in microseconds (includes "
+     "cached requests)", "success", "request"),
+    ("nv_inference_queue_summary_us", "Summary of inference queuing duration in microseconds (includes "
+     "cached requests)", "queue", "queue"),
+    ("nv_inference_compute_input_summary_us", "Cumulative compute input duration in microseconds (does not "
+     "include cached requests)", "compute_input", "compute_input"),
+    ("nv_inference_compute_infer_summary_us", "Cumulative compute inference duration in microseconds (does "
+     "not include cached requests)", "compute_infer", "compute_infer"),
+    ("nv_inference_compute_output_summary_us", "Cumulative inference compute output duration in "
+     "microseconds (does not include cached requests)", "compute_output", "compute_output"),
 )
 REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
@@ -151,8 +166,11 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     # the metrics Python models made themselves, as each worker reports those of the versions it serves
     custom = [msgpack.unpackb(h[b"custom_metrics"]) for _, h in sorted(heartbeats.items())
               if h.get(b"custom_metrics")]
+    # each worker's recent latencies by model and version, where summaries are on (workers/summaries.py)
+    latencies = [msgpack.unpackb(h[b"summaries"]) for _, h in sorted(heartbeats.items())
+                 if h.get(b"summaries")]
     return {"models": models, "workers_alive": len(heartbeats), "cache": cache, "gpus": gpus,
-            "custom": custom,
+            "custom": custom, "summaries": latencies,
             "response_cache": {p: f for p, f in responses.items() if f}, "clients": clients,
             "catalog": catalog, "heartbeats": heartbeats}  # as read, for the status page
 
@@ -189,7 +207,9 @@ CLIENTS = (
 )
 
 
-def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
+def render(data: dict[str, Any], host: Iterable[Sample] = (), quantiles: tuple[float, ...] | None = None
+           ) -> bytes:
+    """`quantiles`: those of Triton's latency summaries, None when they are off."""
     out = Exposition()
     models = data["models"]
     for name, help_, field, scale in COUNTERS:
@@ -218,6 +238,8 @@ def render(data: dict[str, Any], host: Iterable[Sample] = ()) -> bytes:
             - s.get("cache_hit_count", 0)
         waiting = s.get("enqueued", 0) - answered - m.get("executing", 0)
         out.sample("nv_inference_pending_request_count", _labels(m), max(0, waiting))
+    if quantiles is not None:
+        _summaries(out, models, data.get("summaries", ()), quantiles)
     out.family("despina_stream_backlog", "gauge", "Entries in a model version's request streams "
                "(queued or being worked on; one entry may carry several requests)")
     for m in models:
@@ -271,6 +293,25 @@ def _labels(m: dict[str, Any]) -> dict[str, str]:
     return {"model": m["model"], "version": m["version"]}
 
 
+def _summaries(out: Exposition, models: list[dict[str, Any]], windows: Iterable[dict[str, Any]],
+               quantiles: tuple[float, ...]) -> None:
+    """Count and sum from the statistics (the counters' own, as Triton's documentation says they are); the
+    quantiles from every worker's window of the version. As in Triton, a model with the response cache on
+    shows no request summary."""
+    for name, help_, field, quantity in SUMMARIES:
+        out.family(name, "summary", help_)
+        for m in models:
+            if quantity == "request" and m.get("cached"):
+                continue
+            exports = [w[m["model"]][m["version"]] for w in windows
+                       if m["version"] in w.get(m["model"], {})]
+            out.sample(f"{name}_count", _labels(m), m["stats"].get(f"{field}_count", 0))
+            out.sample(f"{name}_sum", _labels(m), m["stats"].get(f"{field}_ns", 0) * 1e-3)
+            for q in quantiles:
+                value = summaries.quantile(exports, quantity, q)
+                out.sample(name, {**_labels(m), "quantile": f"{q:g}"}, value)
+
+
 def _batch_histogram(out: Exposition, models: list[dict[str, Any]]) -> None:
     out.family("despina_batch_size", "histogram", "Rows per model execution (the batch actually formed)")
     bounds = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -315,9 +356,11 @@ def _cold_start_histogram(out: Exposition, models: list[dict[str, Any]]) -> None
 
 
 async def metrics_text(redis: aioredis.Redis, keys: Keys, host: HostMetrics,
-                       own_cache: dict[str, int] | None = None) -> bytes:
-    """`own_cache`: the control plane's artifact cache counters, when it has a cache."""
+                       own_cache: dict[str, int] | None = None, quantiles: tuple[float, ...] | None = None
+                       ) -> bytes:
+    """`own_cache`: the control plane's artifact cache counters, when it has a cache; `quantiles`: those of
+    the latency summaries, None when they are off."""
     data = await collect(redis, keys)
     if own_cache is not None:
         data["cache"]["control"] = own_cache
-    return render(data, host.samples(data["gpus"]))
+    return render(data, host.samples(data["gpus"]), quantiles)

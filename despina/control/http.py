@@ -21,6 +21,7 @@ from ..host_metrics import HostMetrics
 from ..metrics import metrics_text
 from ..registry import ArtifactCache
 from ..settings import Settings
+from ..workers.summaries import parse_quantiles
 from .status import PERIOD_S, StatusTracker
 from .status_page import HTML
 
@@ -36,6 +37,7 @@ def create_app(settings: Settings, redis: aioredis.Redis, cache: ArtifactCache |
     control plane leads."""
     keys = Keys(settings.key_prefix)
     host = HostMetrics()
+    quantiles = parse_quantiles(settings.summary_quantiles) if settings.summary_latencies else None
 
     async def metrics(request: Request) -> Response:
         # A standby serves no figures: they are the whole deployment's, read from Redis, and Prometheus
@@ -44,7 +46,8 @@ def create_app(settings: Settings, redis: aioredis.Redis, cache: ArtifactCache |
         leader = leads()
         try:
             if leader:
-                body = await metrics_text(redis, keys, host, cache.stats.as_dict() if cache else None)
+                body = await metrics_text(redis, keys, host, cache.stats.as_dict() if cache else None,
+                                          quantiles)
             else:
                 await redis.ping()
                 body = b""

@@ -53,7 +53,8 @@ class Loading(Presence):
             runner = ModelRunner(self.redis, self.keys, ModelSpec.from_config(entry.config), key[1], path,
                                  self.id, self.settings.intra_op_threads, delivery=self.delivery,
                                  deferred=self.deferred, full_queue_delay=self.settings.full_queue_delay,
-                                 caller=self.caller, response_cache=self.response_cache, sweep=self.sweep)
+                                 caller=self.caller, response_cache=self.response_cache, sweep=self.sweep,
+                                 summaries=self.settings.summary_latencies)
             async with self._load_turns:
                 await runner.load()
             await runner.start()

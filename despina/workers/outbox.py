@@ -19,7 +19,7 @@ from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, InferRequest
 from ..counters import Deferred
 from ..resp import Batch, Command, ReadAlong
-from . import stats
+from . import stats, summaries
 from .batcher import DynamicBatcher
 from .execution import Execution
 from .inflight import Gateways
@@ -46,6 +46,7 @@ class Outbox:
     consumer: str
     deferred: Deferred | None
     stats_key: str
+    summary: summaries.LatencyWindow | None
     streams: ModelStreams
     execution: Execution
     batcher: DynamicBatcher | SequenceBatcher
@@ -183,6 +184,8 @@ class Outbox:
                 done.append(p.entry)
         # Triton's Python backend counts an execution whose every request failed; its other backends do not
         counts = stats.tally(replies, rows, started, timings, later, self.spec.backend == "python")
+        if self.summary is not None:
+            summaries.observe(self.summary, replies, rows, timings, later)
         if self.deferred is not None and not by_gateway and not done:
             # only requests made in this process (an ensemble's steps): nothing to send but counters,
             # which wait for the next pipeline

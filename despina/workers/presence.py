@@ -215,6 +215,12 @@ class Presence:
                 "response_cache": orjson.dumps(self.response_cache.figures() if self.response_cache else {}),
                 "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom),
                 "executing": orjson.dumps(executing), "seen": clock.now()}
+            if self.settings.summary_latencies:  # its requests' recent latencies (workers/summaries.py)
+                latencies: dict[str, dict[str, Any]] = {}
+                for (name, version), runner in self.runners.items():
+                    if runner.summary is not None:
+                        latencies.setdefault(name, {})[str(version)] = runner.summary.export()
+                fields["summaries"] = packb(latencies)
             mark_ms = int(self.settings.reply_ttl_s * 1000)
             kept = await self.redis.eval(await allow_oom(self.redis, HEARTBEAT), 3, self.keys.worker(self.id),
                                          self.keys.workers, self.keys.worker_mark(self.id),

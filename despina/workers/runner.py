@@ -34,6 +34,7 @@ from .redelivery import DeliveryPolicy
 from .replies import ReplyWriter
 from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
+from .summaries import LatencyWindow
 
 if TYPE_CHECKING:
     from collections import deque
@@ -60,7 +61,8 @@ class ModelRunner(Intake):
                  consumer: str, threads: int = 1, read_ahead: int | None = None,
                  delivery: DeliveryPolicy | None = None, deferred: Deferred | None = None,
                  full_queue_delay: bool = False, caller: ModelCaller | None = None,
-                 response_cache: ResponseCache | None = None, sweep: PendingSweep | None = None) -> None:
+                 response_cache: ResponseCache | None = None, sweep: PendingSweep | None = None,
+                 summaries: bool = False) -> None:
         self.redis, self.keys, self.spec, self.version = redis, keys, spec, version
         self.sweep = sweep  # the worker's, which redelivers its streams' abandoned entries (sweep.py)
         # the worker's response cache, for requests made in this process (response_cache.py)
@@ -87,6 +89,8 @@ class ModelRunner(Intake):
         # requests in batches being executed: Triton's pending count leaves them out (metrics.py),
         # and only this worker knows of them (its heartbeat tells)
         self.executing = 0
+        # its requests' recent latencies, for Triton's latency summaries (summaries.py); None: not asked for
+        self.summary = LatencyWindow() if summaries else None
         self._text: frozenset[str] = frozenset()  # BYTES inputs checked per request (_accept), from load()
         count = self.execution.count
         # with full_queue_delay a batch waits out its delay even when no other request can join it

@@ -1,0 +1,130 @@
+"""Triton's latency summaries (--metrics-config summary_latencies=true): nv_inference_*_summary_us."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from despina.workers.summaries import LatencyWindow, quantile
+
+from .conftest import ROOT
+from .control_support import wait_until
+
+FAMILIES = {  # Triton 2.51's HELP lines, word for word
+    "nv_inference_request_summary_us":
+        "Summary of inference request duration in microseconds (includes cached requests)",
+    "nv_inference_queue_summary_us":
+        "Summary of inference queuing duration in microseconds (includes cached requests)",
+    "nv_inference_compute_input_summary_us":
+        "Cumulative compute input duration in microseconds (does not include cached requests)",
+    "nv_inference_compute_infer_summary_us":
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+    "nv_inference_compute_output_summary_us":
+        "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+}
+BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+                   {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+
+
+def _repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "model_repository" / "add_sub_python", repo / "add_sub_python")
+    return repo
+
+
+def _value(text: str, sample: str) -> float | None:
+    found = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else None
+
+
+def test_summaries_as_tritons_after_traffic(tmp_path: Path, serve: Any) -> None:
+    server = serve(_repo(tmp_path), "--metrics-config", "summary_latencies=true",
+                   "--metrics-config=summary_quantiles=0.5:0.05,0.99:0.001", wait_models=("add_sub_python",))
+    for _ in range(20):
+        assert httpx.post(f"{server.url}/v2/models/add_sub_python/infer", json=BODY).status_code == 200
+    labels = 'model="add_sub_python",version="1"'
+
+    def scraped() -> str | None:  # the quantiles come with the worker's next heartbeat
+        text = httpx.get(server.metrics_url).text
+        p99 = _value(text, f'nv_inference_request_summary_us{{{labels},quantile="0.99"}}')
+        return text if p99 is not None and p99 == p99 else None
+
+    text = wait_until(scraped, what="the request summary's quantiles")
+    for name, help_ in FAMILIES.items():
+        assert f"# HELP {name} {help_}\n# TYPE {name} summary\n" in text
+        assert _value(text, f"{name}_count{{{labels}}}") == 20
+        p50 = _value(text, f'{name}{{{labels},quantile="0.5"}}')
+        p99 = _value(text, f'{name}{{{labels},quantile="0.99"}}')
+        assert p50 is not None and p99 is not None and 0 <= p50 <= p99, (name, p50, p99)
+        assert not re.search(rf'^{name}{{{labels},quantile="0.9"}}', text, re.M)  # only those asked for
+    # as Triton's documentation says: a summary's count and sum are its counters'
+    assert _value(text, f"nv_inference_request_summary_us_sum{{{labels}}}") == \
+        _value(text, f"nv_inference_request_duration_us{{{labels}}}")
+    assert _value(text, f"nv_inference_queue_summary_us_sum{{{labels}}}") == \
+        _value(text, f"nv_inference_queue_duration_us{{{labels}}}")
+    p99 = _value(text, f'nv_inference_request_summary_us{{{labels},quantile="0.99"}}')
+    assert p99 is not None and p99 * 20 >= _value(text, f"nv_inference_request_duration_us{{{labels}}}")
+
+
+def test_no_summaries_unless_asked(tmp_path: Path, serve: Any) -> None:
+    server = serve(_repo(tmp_path), wait_models=("add_sub_python",))
+    assert httpx.post(f"{server.url}/v2/models/add_sub_python/infer", json=BODY).status_code == 200
+    text = httpx.get(server.metrics_url).text
+    assert "nv_inference_request_duration_us{" in text and "_summary_us" not in text
+
+
+@pytest.mark.parametrize(("config", "said"), [
+    ("summary_quantiles=abc", "summary_quantiles"),
+    ("summary_quantiles=1.5:0.01", "summary_quantiles"),
+    ("summary_latencies=maybe", "summary_latencies"),
+    ("counter_latencies=false", "counter_latencies"),
+    ("summary_latencies", "summary_latencies"),
+])
+def test_a_metrics_config_it_cannot_take_is_refused(tmp_path: Path, config: str, said: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "despina", "serve", "--model-repository", str(_repo(tmp_path)),
+                        "--metrics-config", config], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and said in r.stderr and "--metrics-config" in r.stderr, r.stderr
+    assert "unrecognized" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_window_quantiles_are_within_a_percent() -> None:
+    window = LatencyWindow(now=lambda: 100.0)
+    for us in range(1, 10_001):
+        window.add(window.request, us)
+    merged = [window.export()]
+    for q, want in ((0.5, 5000), (0.9, 9000), (0.99, 9900), (0.999, 9990)):
+        got = quantile(merged, "request", q)
+        assert abs(got - want) <= want * 0.01, (q, got, want)
+    assert quantile(merged, "queue", 0.5) != quantile(merged, "queue", 0.5)  # none seen: NaN
+    zeros = LatencyWindow(now=lambda: 100.0)
+    zeros.add(zeros.queue, 0, 3)
+    assert quantile([zeros.export()], "queue", 0.99) == 0
+
+
+def test_window_forgets_what_is_older_than_its_age() -> None:
+    clock = [0.0]
+    window = LatencyWindow(now=lambda: clock[0])
+    window.add(window.request, 50_000, 10)
+    clock[0] = 30.0
+    window.turn_if_due()
+    window.add(window.request, 100, 10)
+    both = quantile([window.export()], "request", 0.9)
+    assert both > 40_000
+    clock[0] = 61.0  # the first observations are past the window's 60 s (Triton's default max age)
+    assert abs(quantile([window.export()], "request", 0.9) - 100) <= 1
+    clock[0] = 200.0
+    assert window.export() == {}
+    # two workers' windows merge as one
+    other = LatencyWindow(now=lambda: clock[0])
+    other.add(other.request, 1000, 30)
+    window.turn_if_due()
+    window.add(window.request, 10, 70)
+    assert quantile([window.export(), other.export()], "request", 0.5) <= 11
+    assert abs(quantile([window.export(), other.export()], "request", 0.8) - 1000) <= 10
