@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from despina.metrics import render
 from despina.workers.summaries import LatencyWindow, quantile
 
 from .conftest import ROOT
@@ -128,3 +129,18 @@ def test_window_forgets_what_is_older_than_its_age() -> None:
     window.add(window.request, 10, 70)
     assert quantile([window.export(), other.export()], "request", 0.5) <= 11
     assert abs(quantile([window.export(), other.export()], "request", 0.8) - 1000) <= 10
+
+
+def test_a_cached_models_request_summary_is_left_out_as_in_triton() -> None:
+    window = LatencyWindow(now=lambda: 5.0)
+    window.add(window.queue, 40, 2)
+    stats = {"success_count": 2, "success_ns": 90_000, "queue_count": 2, "queue_ns": 80_000}
+    models = [{"model": name, "version": "1", "stats": stats, "backlog": [], "cached": cached}
+              for name, cached in (("c", True), ("p", False))]
+    text = render({"models": models, "workers_alive": 1, "summaries": [{"c": {"1": window.export()}}]},
+                  quantiles=(0.5,)).decode()
+    assert 'nv_inference_request_summary_us_count{model="c"' not in text
+    assert 'nv_inference_request_summary_us_count{model="p",version="1"} 2' in text
+    assert 'nv_inference_queue_summary_us{model="c",version="1",quantile="0.5"} 40' in text
+    assert 'nv_inference_queue_summary_us{model="p",version="1",quantile="0.5"} NaN' in text  # no window
+    assert "_summary_us" not in render({"models": models, "workers_alive": 1}).decode()  # off
