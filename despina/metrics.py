@@ -66,6 +66,13 @@ SUMMARIES = (
     ("nv_inference_compute_output_summary_us", "Cumulative inference compute output duration in "
      "microseconds (does not include cached requests)", "compute_output", "compute_output"),
 )
+# and of the response cache, for the versions whose config enables it
+CACHE_SUMMARIES = (
+    ("nv_cache_hit_summary_per_model", "Summary of cache hit counts/durations per model, in microseconds.",
+     "cache_hit", "cache_hit"),
+    ("nv_cache_miss_summary_per_model", "Summary of cache miss counts/durations per model, in microseconds.",
+     "cache_miss", "cache_miss"),
+)
 REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
 
@@ -169,6 +176,7 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     # each worker's recent latencies by model and version, where summaries are on (workers/summaries.py)
     latencies = [msgpack.unpackb(h[b"summaries"]) for _, h in sorted(heartbeats.items())
                  if h.get(b"summaries")]
+    latencies += [f["summaries"] for _, f in sorted(responses.items()) if f.get("summaries")]
     return {"models": models, "workers_alive": len(heartbeats), "cache": cache, "gpus": gpus,
             "custom": custom, "summaries": latencies,
             "response_cache": {p: f for p, f in responses.items() if f}, "clients": clients,
@@ -298,9 +306,10 @@ def _summaries(out: Exposition, models: list[dict[str, Any]], windows: Iterable[
     """Count and sum from the statistics (the counters' own, as Triton's documentation says they are); the
     quantiles from every worker's window of the version. As in Triton, a model with the response cache on
     shows no request summary."""
-    for name, help_, field, quantity in SUMMARIES:
+    cached = [m for m in models if m.get("cached")]
+    for name, help_, field, quantity in SUMMARIES + (CACHE_SUMMARIES if cached else ()):
         out.family(name, "summary", help_)
-        for m in models:
+        for m in cached if quantity.startswith("cache") else models:
             if quantity == "request" and m.get("cached"):
                 continue
             exports = [w[m["model"]][m["version"]] for w in windows

@@ -23,6 +23,7 @@ from typing import Any
 
 from . import clock
 from .contract.records import InferReply, Parameters, Tensor
+from .workers.summaries import Exported, LatencyWindow
 
 ENTRY_BYTES = 400  # what an entry costs besides its tensors' bytes (the key's and the reply's objects)
 
@@ -42,8 +43,10 @@ def cache_key(model: str, version: int, revision: str, inputs: list[Tensor] | tu
 class ResponseCache:
     """A least-recently-used map from cache_key to the reply, bounded by bytes."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, summaries: bool = False) -> None:
+        """`summaries`: keep its lookups' recent times by model version, for Triton's cache summaries."""
         self.max_bytes = max_bytes
+        self.latencies: dict[tuple[str, int], LatencyWindow] | None = {} if summaries else None
         self.bytes = 0
         self.evictions = 0
         self._entries: OrderedDict[Key, tuple[InferReply, int]] = OrderedDict()
@@ -51,10 +54,25 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def figures(self) -> dict[str, int]:
-        """What the metrics show of it (despina_response_cache_*)."""
-        return {"entries": len(self._entries), "bytes": self.bytes, "capacity_bytes": self.max_bytes,
-                "evictions": self.evictions}
+    def figures(self) -> dict[str, Any]:
+        """What the metrics show of it (despina_response_cache_*, and the cache summaries' quantiles)."""
+        figures: dict[str, Any] = {"entries": len(self._entries), "bytes": self.bytes,
+                                   "capacity_bytes": self.max_bytes, "evictions": self.evictions}
+        if self.latencies is not None:
+            latencies: dict[str, dict[str, Exported]] = {}
+            for (model, version), window in self.latencies.items():
+                latencies.setdefault(model, {})[str(version)] = window.export()
+            figures["summaries"] = latencies
+        return figures
+
+    def took(self, key: Key, hit: bool, ns: int) -> None:
+        """A lookup's time (and a miss's insert's), where summaries are kept."""
+        assert self.latencies is not None
+        window = self.latencies.get(key[:2])
+        if window is None:
+            window = self.latencies[key[:2]] = LatencyWindow()
+        window.turn_if_due()
+        window.add(window.cache_hit if hit else window.cache_miss, ns / 1000)
 
     def get(self, key: Key) -> InferReply | None:
         found = self._entries.get(key)
@@ -104,6 +122,8 @@ def through(cache: ResponseCache, key: Key, answer: Callable[[Any], object],
         took = time.perf_counter_ns() - started
         count({"success_count": 1, "success_ns": took, "queue_count": 1, "cache_hit_count": 1,
                "cache_hit_ns": took, "last_inference": int(clock.now() * 1000)})
+        if cache.latencies is not None:
+            cache.took(key, True, took)
         answer(hit)
         return None
     lookup = time.perf_counter_ns() - started
@@ -115,5 +135,7 @@ def through(cache: ResponseCache, key: Key, answer: Callable[[Any], object],
             cache.put(key, result)
             took += time.perf_counter_ns() - started
         count({"cache_miss_count": 1, "cache_miss_ns": took})
+        if cache.latencies is not None:
+            cache.took(key, False, took)
         answer(result)
     return keeping

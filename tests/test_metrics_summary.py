@@ -144,3 +144,35 @@ def test_a_cached_models_request_summary_is_left_out_as_in_triton() -> None:
     assert 'nv_inference_queue_summary_us{model="c",version="1",quantile="0.5"} 40' in text
     assert 'nv_inference_queue_summary_us{model="p",version="1",quantile="0.5"} NaN' in text  # no window
     assert "_summary_us" not in render({"models": models, "workers_alive": 1}).decode()  # off
+
+
+def test_cache_summaries_as_tritons(tmp_path: Path, serve: Any) -> None:
+    repo = _repo(tmp_path)
+    shutil.copytree(repo / "add_sub_python", repo / "add_sub_cached")
+    config = repo / "add_sub_cached" / "config.pbtxt"
+    config.write_text(config.read_text().replace('"add_sub_python"', '"add_sub_cached"')
+                      + "response_cache { enable: true }\n")
+    server = serve(repo, "--metrics-config", "summary_latencies=true", "--response-cache-bytes", "1048576",
+                   wait_models=("add_sub_cached", "add_sub_python"))
+    for _ in range(2):  # a miss, then a hit
+        assert httpx.post(f"{server.url}/v2/models/add_sub_cached/infer", json=BODY).status_code == 200
+    labels = 'model="add_sub_cached",version="1"'
+
+    def scraped() -> str | None:  # the gateway reports its cache's figures every 5 s
+        text = httpx.get(server.metrics_url).text
+        hit = _value(text, f'nv_cache_hit_summary_per_model{{{labels},quantile="0.5"}}')
+        return text if hit is not None and hit == hit else None
+
+    text = wait_until(scraped, what="the cache hit summary's quantiles")
+    for name, count in (("nv_cache_hit_summary_per_model", 1), ("nv_cache_miss_summary_per_model", 1)):
+        kind = name.split("_")[2]
+        assert f"# HELP {name} Summary of cache {kind} counts/durations per model, in microseconds.\n" \
+            f"# TYPE {name} summary\n" in text
+        assert _value(text, f"{name}_count{{{labels}}}") == count
+        assert _value(text, f"{name}_sum{{{labels}}}") == \
+            _value(text, f"nv_cache_{kind}_duration_per_model{{{labels}}}")
+        assert _value(text, f'{name}{{{labels},quantile="0.999"}}') is not None
+    # as Triton: no request summary for a model with the cache on, and no cache summary for one without
+    assert f"nv_inference_request_summary_us_count{{{labels}}}" not in text
+    assert _value(text, f"nv_inference_queue_summary_us_count{{{labels}}}") == 2
+    assert 'nv_cache_hit_summary_per_model_count{model="add_sub_python"' not in text

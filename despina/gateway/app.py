@@ -78,7 +78,8 @@ class Gateway:
         # (model, version, priority) -> (its spec, where its requests go): infer.lane
         self.lanes: dict[tuple[str, int, int], tuple[ModelSpec, Lane]] = {}
         # Triton's response cache (models with response_cache { enable: true }), when given its memory
-        self.cache = ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None
+        self.cache = ResponseCache(settings.response_cache_bytes,
+                                   settings.summary_latencies) if settings.response_cache_bytes else None
         self.clients = Clients(fds.connection_limit(settings.max_connections))  # counted by its connections
         # clients' shared memory regions (Triton's --allow-client-shm), the server's: its gateways share them
         self.shm = Registry.of(settings.key_prefix, settings.http_port) if settings.allow_client_shm else None

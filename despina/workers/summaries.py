@@ -20,7 +20,8 @@ GAMMA = 1.02
 _LOG_GAMMA = math.log(GAMMA)
 MAX_AGE_S = 60.0    # prometheus-cpp's default, which Triton 2.51 keeps
 AGE_BUCKETS = 5
-QUANTITIES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
+QUANTITIES = ("request", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
+              "cache_miss")
 
 Counts = dict[int, int]           # bucket -> requests; bucket 0 holds latencies under 1 us
 Exported = dict[str, list[int]]   # quantity -> [bucket, count, bucket, count, ...]
@@ -46,14 +47,17 @@ class LatencyWindow:
         self.compute_input: Counts = {}
         self.compute_infer: Counts = {}
         self.compute_output: Counts = {}
+        self.cache_hit: Counts = {}     # a response cache's lookups that found the answer (response_cache.py)
+        self.cache_miss: Counts = {}    # and those that did not: lookup and insert
         self._turn()
 
     def _turn(self) -> None:
         """Start a new window (its counts become the ones `add` is given), and forget those too old."""
         now = self._now()
         self._windows = [w for w in self._windows if now - w[0] < MAX_AGE_S]
-        fresh: tuple[Counts, Counts, Counts, Counts, Counts] = ({}, {}, {}, {}, {})
-        self.request, self.queue, self.compute_input, self.compute_infer, self.compute_output = fresh
+        fresh: tuple[Counts, ...] = tuple({} for _ in QUANTITIES)
+        (self.request, self.queue, self.compute_input, self.compute_infer, self.compute_output,
+         self.cache_hit, self.cache_miss) = fresh
         self._windows.append((now, dict(zip(QUANTITIES, fresh, strict=True))))
 
     def turn_if_due(self) -> None:

@@ -116,7 +116,7 @@ class Worker(Loading):
         self.sweep = PendingSweep(redis)  # its models' entries abandoned by a dead consumer go back
         # the answers of models with response_cache to requests made here (ensemble steps, BLS calls)
         size = settings.response_cache_bytes
-        self.response_cache = ResponseCache(size) if size else None
+        self.response_cache = ResponseCache(size, settings.summary_latencies) if size else None
         self.caller = ModelCaller(self)  # models calling models (workers/bls.py)
         self.gpus = GpuReader()  # this machine's GPUs, for the control plane's /metrics
 
