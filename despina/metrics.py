@@ -16,12 +16,11 @@ import msgpack
 import orjson
 import redis.asyncio as aioredis
 
-from . import custom_metrics
+from . import custom_metrics, summaries
 from .contract.catalog import CatalogEntry
 from .contract.keys import Keys
 from .contract.policy import batch_policy
 from .host_metrics import HostMetrics, Sample
-from .workers import summaries
 from .workers.stats import COLD_START_BUCKETS_S, LATENCY_BUCKETS_US
 
 # Triton's counters: name, help (Triton 2.51's, word for word), statistics field, scale from its unit
@@ -53,7 +52,7 @@ CACHE_COUNTERS_PER_MODEL = (
      "microseconds", "cache_miss_ns", 1e-3),
 )
 # Triton's latency summaries (--metrics-config summary_latencies=true): name, help (Triton 2.51's), the
-# statistics fields of its count and sum, the quantity of the workers' windows (workers/summaries.py)
+# statistics fields of its count and sum, the quantity of the workers' windows (summaries.py)
 SUMMARIES = (
     ("nv_inference_request_summary_us", "Summary of inference request duration in microseconds (includes "
      "cached requests)", "success", "request"),
@@ -173,7 +172,7 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     # the metrics Python models made themselves, as each worker reports those of the versions it serves
     custom = [msgpack.unpackb(h[b"custom_metrics"]) for _, h in sorted(heartbeats.items())
               if h.get(b"custom_metrics")]
-    # each worker's recent latencies by model and version, where summaries are on (workers/summaries.py)
+    # each worker's recent latencies by model and version, where summaries are on (summaries.py)
     latencies = [msgpack.unpackb(h[b"summaries"]) for _, h in sorted(heartbeats.items())
                  if h.get(b"summaries")]
     latencies += [f["summaries"] for _, f in sorted(responses.items()) if f.get("summaries")]

@@ -23,7 +23,7 @@ from typing import Any
 
 from . import clock
 from .contract.records import InferReply, Parameters, Tensor
-from .workers.summaries import Exported, LatencyWindow
+from .summaries import Exported, LatencyWindow
 
 ENTRY_BYTES = 400  # what an entry costs besides its tensors' bytes (the key's and the reply's objects)
 

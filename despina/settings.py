@@ -84,9 +84,9 @@ class Settings:
     worker_nice: int = 5
     worker_id: str | None = None
     # Triton's --metrics-config summary_latencies / summary_quantiles: workers keep their requests' recent
-    # latencies (workers/summaries.py) and /metrics shows them as summaries, at these quantiles
+    # latencies (summaries.py) and /metrics shows them as summaries, at these quantiles
     summary_latencies: bool = False
-    # Triton 2.51's default (its errors unused: workers/summaries.py keeps every quantile within 1%)
+    # Triton 2.51's default (its errors unused: summaries.py keeps every quantile within 1%)
     summary_quantiles: str = "0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001,0.999:0.000001"
     log_level: str = "info"
     log_format: str = "text"                # or "json"
@@ -144,7 +144,7 @@ class Settings:
 
             if why := url_trouble(self.redis_url):
                 raise BadSetting(f"DESPINA_REDIS_URL (or REDIS_URL, --redis-url): {why}")
-        from .workers.summaries import parse_quantiles
+        from .summaries import parse_quantiles
 
         try:
             parse_quantiles(self.summary_quantiles)

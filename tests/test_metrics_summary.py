@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from despina.metrics import render
-from despina.workers.summaries import LatencyWindow, quantile
+from despina.summaries import LatencyWindow, quantile
 
 from .conftest import ROOT
 from .control_support import wait_until

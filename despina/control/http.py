@@ -21,7 +21,7 @@ from ..host_metrics import HostMetrics
 from ..metrics import metrics_text
 from ..registry import ArtifactCache
 from ..settings import Settings
-from ..workers.summaries import parse_quantiles
+from ..summaries import parse_quantiles
 from .status import PERIOD_S, StatusTracker
 from .status_page import HTML
 

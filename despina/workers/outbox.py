@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 import hiredis
 from redis.exceptions import RedisError
 
-from .. import clock
+from .. import clock, summaries
 from ..contract.keys import ENTRY_REQUESTS, GROUP, Keys
 from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, InferRequest
 from ..counters import Deferred
 from ..resp import Batch, Command, ReadAlong
-from . import stats, summaries
+from . import stats
 from .batcher import DynamicBatcher
 from .execution import Execution
 from .inflight import Gateways

@@ -215,7 +215,7 @@ class Presence:
                 "response_cache": orjson.dumps(self.response_cache.figures() if self.response_cache else {}),
                 "gpus": orjson.dumps(gpus), "custom_metrics": packb(custom),
                 "executing": orjson.dumps(executing), "seen": clock.now()}
-            if self.settings.summary_latencies:  # its requests' recent latencies (workers/summaries.py)
+            if self.settings.summary_latencies:  # its requests' recent latencies (summaries.py)
                 latencies: dict[str, dict[str, Any]] = {}
                 for (name, version), runner in self.runners.items():
                     if runner.summary is not None:

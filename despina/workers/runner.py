@@ -24,6 +24,7 @@ from ..counters import Deferred
 from ..logs import Throttled
 from ..resp import Batch, ReadAlong
 from ..response_cache import LOADS, ResponseCache
+from ..summaries import LatencyWindow
 from . import answers
 from .batcher import DynamicBatcher, Item
 from .execution import Execution, durations
@@ -34,7 +35,6 @@ from .redelivery import DeliveryPolicy
 from .replies import ReplyWriter
 from .sequences import SequenceBatcher
 from .streams import Entry, ModelStreams
-from .summaries import LatencyWindow
 
 if TYPE_CHECKING:
     from collections import deque

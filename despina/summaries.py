@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 
-from ..contract.records import GROUPED, InferReply, requests_in
+from .contract.records import GROUPED, InferReply, requests_in
 
 GAMMA = 1.02
 _LOG_GAMMA = math.log(GAMMA)
