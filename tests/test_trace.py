@@ -125,7 +125,7 @@ def test_a_models_own_settings_count_and_clear(client: httpclient.InferenceServe
     assert [t["model_name"] for t in found] == ["add_sub", "add_sub"]  # trace_count 2
     # null: that setting follows the global one again; {}: all of them do
     assert client.update_trace_settings("add_sub", {"trace_rate": None})["trace_rate"] == "1000"
-    assert client.get_trace_settings("add_sub")["trace_count"] == "2"
+    assert client.get_trace_settings("add_sub")["trace_count"] == "0"  # its 2 taken, as Triton's answers
     client.update_trace_settings(settings={"trace_rate": "7"})
     assert client.get_trace_settings("add_sub")["trace_rate"] == "7"
     assert client.update_trace_settings("add_sub", {}) == {**DEFAULTS, "trace_file": str(base), "log_frequency": "1",
@@ -157,6 +157,22 @@ def test_the_models_on_the_global_settings_share_its_count(client: httpclient.In
         add_sub(client, 1)
         client.infer("mlp", [x])
     assert [t["model_name"] for t in traces(base)] == ["add_sub", "mlp", "add_sub"]  # 3 in all, not 3 each
+
+
+def test_trace_count_answers_what_is_left_as_triton_does(client: httpclient.InferenceServerClient,
+                                                          base: Path) -> None:
+    """Triton's GET answers the traces still to take, shared by the models on the global settings, and a
+    change that does not name trace_count goes on from what is left; one that names it starts again."""
+    client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "3",
+                                           "log_frequency": "2"})
+    add_sub(client, 2)
+    assert client.get_trace_settings()["trace_count"] == "1"
+    assert client.get_trace_settings("add_sub")["trace_count"] == "1"
+    assert client.update_trace_settings(settings={"log_frequency": "1"})["trace_count"] == "1"
+    add_sub(client, 2)
+    assert client.get_trace_settings()["trace_count"] == "0"
+    assert len(traced(base, 3)) == 3
+    assert client.update_trace_settings(settings={"trace_count": "2"})["trace_count"] == "2"
 
 
 def test_a_null_resets_a_global_setting(client: httpclient.InferenceServerClient, base: Path) -> None:

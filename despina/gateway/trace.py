@@ -167,23 +167,35 @@ class Tracer:
 
     def follow(self, doc: dict[str, Any]) -> None:
         """New settings (global and per model): what was kept under the old ones is written first. The same
-        settings again (the event of this gateway's own change) change nothing: the counts go on."""
+        settings again (the event of this gateway's own change) change nothing: the counts go on. As
+        Triton's, a trace_count that did not change goes on from what is left of it (a model given settings
+        of its own, from what the global ones left)."""
         if doc == self._doc:
             return
+        sampled: dict[str | None, _Sampling] = {}
+        for key in [None, *doc.get("models", {})]:
+            s = effective(doc, key, self.file)
+            sampling = sampled[key] = _Sampling(s["trace_level"] != ["OFF"] and not problem(s),
+                                                int(s["trace_rate"]), int(s["trace_count"]))
+            was = key if key in self._doc.get("models", {}) else None
+            if was in self._sampling and self.settings(was)["trace_count"] == s["trace_count"]:
+                sampling.left = self._sampling[was].left
         self.flush()
-        self._doc = doc
-        self._sampling = {}
-        self.on = any(self.settings(m)["trace_level"] != ["OFF"] for m in [None, *doc.get("models", {})])
+        self._doc, self._sampling = doc, sampled
+        self.on = any(s.on for s in sampled.values())
 
     def _of(self, model: str) -> _Sampling:
         # as Triton's: the models on the global settings sample and count together, on the global ones
-        key = model if model in self._doc.get("models", {}) else None
-        sampling = self._sampling.get(key)
-        if sampling is None:
-            s = self.settings(key)
-            sampling = self._sampling[key] = _Sampling(s["trace_level"] != ["OFF"] and not problem(s),
-                                                         int(s["trace_rate"]), int(s["trace_count"]))
-        return sampling
+        return self._sampling[model if model in self._doc.get("models", {}) else None]
+
+    def shown(self, doc: dict[str, Any], model: str | None) -> dict[str, Any]:
+        """The settings `doc` gives a model (or the global ones), as Triton's GET answers them: trace_count
+        what is left of it (on this gateway, when it follows these settings)."""
+        settings = effective(doc, model, self.file)
+        sampling = self._sampling.get(model if model in doc.get("models", {}) else None)
+        if doc == self._doc and sampling is not None:
+            settings["trace_count"] = str(sampling.left)
+        return settings
 
     def begin(self, model: str, version: int, request_id: str, started_ns: int) -> Trace | None:
         """A trace of this request (REQUEST_START when it arrived), when it is one to trace, else None."""

@@ -1,8 +1,9 @@
 """Triton's trace extension: `GET /v2[/models/{m}]/trace/setting` answers the trace settings that apply
-(a model's over the global ones), `POST` changes those it names and answers them all; a model keeps
-only the settings it was given, following the global ones for the rest, and a null clears one of its
-own, an empty body all of them. The settings are kept in Redis and followed by every gateway (trace.py).
-trace_file is the server's (--trace-file): a POST naming one is refused, as Triton's is."""
+(a model's over the global ones, trace_count what is left of it, as Triton's), `POST` changes those it
+names and answers them all; a model keeps only the settings it was given, following the global ones for
+the rest, and a null clears one of its own, an empty body all of them. The settings are kept in Redis
+and followed by every gateway (trace.py). trace_file is the server's (--trace-file): a POST naming one
+is refused, as Triton's is."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
@@ -47,7 +48,7 @@ def trace_routes(gw: Gateway) -> list[Route]:
 
     async def get(request: Request) -> Response:
         try:
-            return json_response(trace.effective(await current(), model_of(request), gw.settings.trace_file))
+            return json_response(gw.tracer.shown(await current(), model_of(request)))
         except DespinaError as exc:
             return error_response(exc)
 
@@ -61,7 +62,7 @@ def trace_routes(gw: Gateway) -> list[Route]:
             return error_response(exc)
         doc = read(raw)
         gw.tracer.follow(doc)  # this gateway at once; the others as the event reaches them
-        return json_response(trace.effective(doc, model, gw.settings.trace_file))
+        return json_response(gw.tracer.shown(doc, model))
 
     def changed(doc: dict[str, Any], model: str | None, update: dict[str, Any]) -> bytes:
         """The settings `doc` with `update` made to the global ones or the model's own; InvalidArgument
