@@ -27,6 +27,7 @@ from .conftest import Server, module_server, start_server, stop_server
 DEFAULTS = {"trace_file": "", "trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
             "log_frequency": "0", "trace_mode": "triton"}
 ORDER = ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END", "REQUEST_END"]
+CLEAR = {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None}  # a model's own
 FIXED = "trace file location can not be updated through network protocol"  # Triton's words
 
 
@@ -48,7 +49,7 @@ def client(server: Server, base: Path) -> Iterator[httpclient.InferenceServerCli
     c = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
     yield c
     for model in ("add_sub", "mlp"):
-        c.update_trace_settings(model, {})
+        c.update_trace_settings(model, CLEAR)
     c.update_trace_settings(settings={"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
                                       "log_frequency": "0"})  # writes what was kept: then gone too
     c.close()
@@ -123,13 +124,16 @@ def test_a_models_own_settings_count_and_clear(client: httpclient.InferenceServe
     client.infer("mlp", [x])  # not traced: its level is the global OFF
     found = traces(base)
     assert [t["model_name"] for t in found] == ["add_sub", "add_sub"]  # trace_count 2
-    # null: that setting follows the global one again; {}: all of them do
+    # null: that setting follows the global one again
     assert client.update_trace_settings("add_sub", {"trace_rate": None})["trace_rate"] == "1000"
     assert client.get_trace_settings("add_sub")["trace_count"] == "0"  # its 2 taken, as Triton's answers
     client.update_trace_settings(settings={"trace_rate": "7"})
     assert client.get_trace_settings("add_sub")["trace_rate"] == "7"
-    assert client.update_trace_settings("add_sub", {}) == {**DEFAULTS, "trace_file": str(base), "log_frequency": "1",
-                                                           "trace_rate": "7"}
+    own = client.get_trace_settings("add_sub")
+    assert own["trace_level"] == ["TIMESTAMPS"]
+    assert client.update_trace_settings("add_sub", {}) == own  # no settings change nothing, as Triton's
+    assert client.update_trace_settings("add_sub", CLEAR) == {**DEFAULTS, "trace_file": str(base),
+                                                              "log_frequency": "1", "trace_rate": "7"}
 
 
 def test_a_models_unset_settings_follow_the_global_ones(client: httpclient.InferenceServerClient,
@@ -180,9 +184,12 @@ def test_a_null_resets_a_global_setting(client: httpclient.InferenceServerClient
     client.update_trace_settings(settings={"trace_rate": "56", "trace_count": "78", "log_frequency": "9"})
     cleared = client.update_trace_settings(settings={"trace_rate": None, "trace_count": None})
     assert cleared == {**DEFAULTS, "trace_file": str(base), "log_frequency": "9"}
-    # no levels clears trace_level as a null does (Triton's): it was refused
+    # no levels change nothing, as Triton 2.51's (for the global settings and a model's)
     client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
-    assert client.update_trace_settings(settings={"trace_level": []})["trace_level"] == ["OFF"]
+    assert client.update_trace_settings(settings={"trace_level": []})["trace_level"] == ["TIMESTAMPS"]
+    client.update_trace_settings("add_sub", {"trace_level": ["OFF"]})
+    assert client.update_trace_settings("add_sub", {"trace_level": []})["trace_level"] == ["OFF"]
+    assert client.update_trace_settings("add_sub", {"trace_level": None})["trace_level"] == ["TIMESTAMPS"]
 
 
 def test_with_log_frequency_0_the_traces_are_written_when_the_settings_change(
@@ -325,7 +332,7 @@ def test_a_server_writes_traces_to_the_file_it_started_with(client: httpclient.I
     assert client.get_trace_settings("mlp")["trace_file"] == str(base)
     client.update_trace_settings("add_sub", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
     add_sub(client, 3, request_id="mine-")
-    client.update_trace_settings("add_sub", {})  # log_frequency 0: written as the settings change
+    client.update_trace_settings("add_sub", CLEAR)  # log_frequency 0: written as the settings change
     assert [t["request_id"] for t in json.loads(base.read_text())] == ["mine-0", "mine-1", "mine-2"]
 
 

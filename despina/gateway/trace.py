@@ -93,13 +93,16 @@ def checked(name: str, value: Any) -> Any:
 
 def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
     """`current` with the settings a POST gives; a null clears one (a model's: the global one applies again;
-    a global one: its default does, as Triton's clears it; trace_file: nothing, it is the server's)."""
+    a global one: its default does, as Triton's clears it; trace_file: nothing, it is the server's). No
+    levels (trace_level []) change nothing, as Triton 2.51's."""
     if not isinstance(update, dict):
         raise InvalidArgument("the trace settings must be a JSON object")
     out = dict(current)
     for name, value in update.items():
-        if (value is None or (name == "trace_level" and value == [])) and name in DEFAULTS:
-            out.pop(name, None)  # no levels clears them too, as Triton's
+        if value is None and name in DEFAULTS:
+            out.pop(name, None)
+        elif name == "trace_level" and value == []:
+            continue
         else:
             out[name] = checked(name, value)
     return out

@@ -1,9 +1,9 @@
 """Triton's trace extension: `GET /v2[/models/{m}]/trace/setting` answers the trace settings that apply
 (a model's over the global ones, trace_count what is left of it, as Triton's), `POST` changes those it
 names and answers them all; a model keeps only the settings it was given, following the global ones for
-the rest, and a null clears one of its own, an empty body all of them. The settings are kept in Redis
-and followed by every gateway (trace.py). trace_file is the server's (--trace-file): a POST naming one
-is refused, as Triton's is."""
+the rest, and a null clears one of its own (an empty body changes nothing, as Triton's). The settings
+are kept in Redis and followed by every gateway (trace.py). trace_file is the server's (--trace-file): a
+POST naming one is refused, as Triton's is."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
@@ -69,13 +69,11 @@ def trace_routes(gw: Gateway) -> list[Route]:
         when what would apply to any model is wrong."""
         if model is None:
             doc["global"] = trace.merged(doc.get("global", {}), update)
-        elif not update:  # the model follows the global settings again
-            doc.get("models", {}).pop(model, None)
         else:  # only what it sets: the rest follows the global settings, as they change (as Triton's)
-            models = doc.setdefault("models", {})
+            models = doc.get("models", {})
             own = trace.merged(models.get(model, {}), update)
             if own:
-                models[model] = own
+                doc["models"] = {**models, model: own}
             else:
                 models.pop(model, None)
         for name in [None, *doc.get("models", {})]:
