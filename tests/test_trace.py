@@ -92,6 +92,9 @@ def check_timestamps(trace: dict) -> None:
 def test_settings_rate_and_files_by_log_frequency(client: httpclient.InferenceServerClient, base: Path) -> None:
     assert "trace" in client.get_server_metadata()["extensions"]
     assert client.get_trace_settings() == {**DEFAULTS, "trace_file": str(base)}
+    # in Triton's order, as its answer lists them
+    assert list(client.get_trace_settings()) == ["trace_level", "trace_rate", "trace_count", "log_frequency",
+                                                 "trace_file", "trace_mode"]
     settings = client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "2",
                                                       "log_frequency": "3"})
     assert settings == {**DEFAULTS, "trace_file": str(base), "trace_level": ["TIMESTAMPS"], "trace_rate": "2",

@@ -39,8 +39,9 @@ from ..contract.records import InferReply
 log = logging.getLogger("despina.gateway")
 
 EVENT = b"trace"  # on the events channel: the trace settings changed
-DEFAULTS: dict[str, Any] = {"trace_file": "", "trace_level": ["OFF"], "trace_rate": "1000",
-                            "trace_count": "-1", "log_frequency": "0", "trace_mode": "triton"}
+# in the order Triton's answers list them
+DEFAULTS: dict[str, Any] = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
+                            "log_frequency": "0", "trace_file": "", "trace_mode": "triton"}
 LEVELS = ("OFF", "TIMESTAMPS")
 INT_MAX = 2**31 - 1
 KEPT_MAX = 100_000  # traces a gateway keeps for a log_frequency of 0; past it they are counted, not kept
