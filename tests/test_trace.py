@@ -182,6 +182,18 @@ def test_trace_count_answers_what_is_left_as_triton_does(client: httpclient.Infe
     assert client.update_trace_settings(settings={"trace_count": "2"})["trace_count"] == "2"
 
 
+def test_traces_go_to_the_next_part_once_trace_count_is_used_up(client: httpclient.InferenceServerClient,
+                                                                base: Path) -> None:
+    """As Triton's: with log_frequency 0, the traces are written to ${trace_file}.N as soon as the last one
+    trace_count allows is done, not kept until the settings change."""
+    client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "2"})
+    add_sub(client, 1, request_id="a")
+    add_sub(client, 2, request_id="b")
+    found = traced(base, 2)
+    assert [t["request_id"] for t in found] == ["a0", "b0"]
+    assert len(list(base.parent.glob(base.name + ".*"))) == 1 and not base.exists()
+
+
 def test_a_null_resets_a_global_setting(client: httpclient.InferenceServerClient, base: Path) -> None:
     """As Triton's trace_endpoint_test clears them: a null puts a global setting back to its default."""
     client.update_trace_settings(settings={"trace_rate": "56", "trace_count": "78", "log_frequency": "9"})

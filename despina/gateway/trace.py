@@ -9,7 +9,8 @@ with the timestamps REQUEST_START (the gateway has the request), QUEUE_START (it
 stream), COMPUTE_START and COMPUTE_END (the batch that ran it, as the worker timed it: on the gateway's
 clock when they share a host) and REQUEST_END (the answer written). With `log_frequency` N a gateway
 writes each N traces to `${trace_file}.0`, `.1`, ...; with 0, all it collected to `${trace_file}` when
-its settings change and when it stops. Each gateway traces and writes its own requests; of `serve
+its settings change and when it stops; and, as Triton's, those to the next part once the last trace that
+trace_count allows is done. Each gateway traces and writes its own requests; of `serve
 --gateways N` gateway i writes `${trace_file}-i` (and `-i.0`, ...), and counts its own trace_count: once
 for all the models on the global settings, and apart for each model with settings of its own.
 
@@ -135,6 +136,7 @@ class _Sampling:
     rate: int
     left: int  # traces still to take; -1: no limit
     seen: int = 0
+    open: int = 0  # traces taken and not yet done
 
 
 @dataclass
@@ -145,6 +147,7 @@ class Trace:
     model: str
     version: int
     request_id: str
+    of: _Sampling
     stamps: list[tuple[str, int]] = field(default_factory=list)
 
     def stamp(self, name: str, ns: int | None = None) -> None:
@@ -211,7 +214,8 @@ class Tracer:
             return None
         if sampling.left > 0:
             sampling.left -= 1
-        trace = Trace(next(self._ids), model, version, request_id)
+        sampling.open += 1
+        trace = Trace(next(self._ids), model, version, request_id, sampling)
         trace.stamp("REQUEST_START", started_ns)
         return trace
 
@@ -235,6 +239,7 @@ class Tracer:
         return end
 
     def _finished(self, trace: Trace) -> None:
+        trace.of.open -= 1
         record: dict[str, Any] = {"id": trace.id, "model_name": trace.model, "model_version": trace.version}
         if trace.request_id:
             record["request_id"] = trace.request_id
@@ -247,7 +252,8 @@ class Tracer:
                             "dropped until the settings change or the gateway stops", KEPT_MAX, self.file)
             return
         self._kept.append(record)
-        if frequency and len(self._kept) >= frequency:
+        # as Triton's: each log_frequency traces, and the last that trace_count allows, to the next part
+        if (frequency and len(self._kept) >= frequency) or (trace.of.left == 0 and not trace.of.open):
             self._parts += 1
             self._write(f".{self._parts - 1}")
 
