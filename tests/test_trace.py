@@ -233,7 +233,7 @@ def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, 
 
     assert "TENSORS" in refused({"trace_level": ["TENSORS"]})
     assert "unknown trace level" in refused({"trace_level": ["LOUD"]})
-    # Triton's: OFF with another level is refused (it was taken for TIMESTAMPS); no levels clears them
+    # Triton's: OFF with another level is refused (it was taken for TIMESTAMPS)
     assert "Expect only one trace level 'OFF'" in refused({"trace_level": ["OFF", "TIMESTAMPS"]})
     assert "opentelemetry" in refused({"trace_mode": "opentelemetry"})
     assert "unknown trace setting 'rate'" in refused({"rate": "1"})
@@ -244,8 +244,10 @@ def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, 
     assert "integer" in refused({"trace_rate": "\u00b2"})
     assert "at most 2147483647" in refused({"trace_rate": "9" * 5000})  # past int()'s digits: was a 500 too
     assert client.get_trace_settings() == {**DEFAULTS, "trace_file": str(base)}  # nothing changed
-    r = httpx.get(f"{server.url}/v2/models/nope/trace/setting")
-    assert r.status_code == 404
+    # Triton's 400 and words for a model it does not have, as for its statistics
+    for r in (httpx.get(f"{server.url}/v2/models/nope/trace/setting"),
+              httpx.post(f"{server.url}/v2/models/nope/trace/setting", json={"trace_rate": "1"})):
+        assert (r.status_code, r.json()["error"]) == (400, "Request for unknown model : nope")
     r = httpx.post(f"{server.url}/v2/trace/setting", content=b"[1, 2]")
     assert r.status_code == 400
 

@@ -28,6 +28,7 @@ def _errors(*statuses: int) -> Doc:
              404: "Unknown model or version",
              413: "Body over the size limit (as sent, or inflated)",
              415: "Content-Encoding other than gzip, deflate or identity (with `Accept-Encoding`)",
+             501: "Not supported (as Triton's: a trace or log file named by the API)",
              503: "Not ready, or the queue is unavailable (with `Retry-After`)",
              504: "No answer before the request's deadline"}
     return {str(s): {"description": words[s], "content": _json(_ref("Error"))} for s in statuses}
@@ -131,7 +132,7 @@ def _schemas() -> Doc:
         "TraceSettings": {"type": "object", "description": "Values are strings (trace_level a list of them)",
                           "properties": {
             "trace_file": {"type": "string", "description": "The server's trace file (--trace-file, "
-                           "DESPINA_TRACE_FILE; \"\": none), set at start: a POST naming one gets 400"},
+                           "DESPINA_TRACE_FILE; \"\": none), set at start: a POST naming one gets 501"},
             "trace_level": {"type": "array", "items": {
                 "type": "string", "enum": ["OFF", "TIMESTAMPS"]}},
             "trace_rate": {"type": "string"}, "trace_count": {"type": "string"},
@@ -287,15 +288,15 @@ def _paths() -> Doc:
         "get": _op("log_settings", "The log settings every process follows", "logging",
                    _ok("Log settings", _ref("LogSettings")), (401, 403)),
         "post": _op("update_log_settings", "Change the log settings it names, in every process", "logging",
-                    _ok("Log settings, all of them", _ref("LogSettings")), (400, 401, 403),
+                    _ok("Log settings, all of them", _ref("LogSettings")), (400, 401, 403, 501),
                     requestBody={"required": True, "content": _json(_ref("LogSettings"))})}
     for where, params, one in (("/v2", [], ""), ("/v2/models/{model}", [MODEL], "model_")):
         paths[f"{where}/trace/setting"] = {"parameters": params, "get": _op(
             f"{one}trace_settings", "The trace settings that apply" + (" to the model" if one else ""),
-            "trace", _ok("Trace settings", _ref("TraceSettings")), (401, 403, 404)), "post": _op(
+            "trace", _ok("Trace settings", _ref("TraceSettings")), (400, 401, 403)), "post": _op(
             f"update_{one}trace_settings", "Change the trace settings it names" +
-            (" for the model (null: back to the global one; {}: all of them)" if one else ""), "trace",
-            _ok("Trace settings, all of them", _ref("TraceSettings")), (400, 401, 403, 404),
+            (" for the model (null: back to the global one)" if one else ""), "trace",
+            _ok("Trace settings, all of them", _ref("TraceSettings")), (400, 401, 403, 501),
             requestBody={"required": True, "content": _json(_ref("TraceSettings"))})}
     region = {"name": "region", "in": "path", "required": True, "schema": {"type": "string"},
               "description": "The region's name"}

@@ -42,8 +42,8 @@ def trace_routes(gw: Gateway) -> list[Route]:
 
     def model_of(request: Request) -> str | None:
         model = request.path_params.get("model")
-        if model is not None:
-            gw.view.get(model)  # NotFound for a model the repository does not have
+        if model is not None and model not in gw.view.models:  # Triton's status and words (INVALID_ARG)
+            raise InvalidArgument(f"Request for unknown model : {model}")
         return model
 
     async def get(request: Request) -> Response:
