@@ -26,6 +26,7 @@ EXAMPLES_PER_OPERATION = 20
 MODELS = ["mlp", "add_sub", "nope", "a..b"]     # the fuzzed names: real ones reach the decoders
 VERSIONS = ["1", "3", "0", "x", "\u00b2", "1" * 25]  # a superscript digit and int() overflows once gave 500
 STATS: dict[int, int] = {}  # answers by status, reported at the end
+FILE_FIXED = "file location can not be updated through network protocol"  # Triton's 501, trace and logging
 
 
 def test_document_is_valid_openapi() -> None:
@@ -90,6 +91,8 @@ def test_served_document(fuzz_server: Server) -> None:
 def test_fuzz_finds_no_server_error(case: schemathesis.Case, fuzz_server: Server) -> None:
     response = case.call(base_url=fuzz_server.url, timeout=10)
     STATS[response.status_code] = STATS.get(response.status_code, 0) + 1
+    if response.status_code == 501 and FILE_FIXED in response.text:
+        return  # Triton's UNSUPPORTED (documented) for a trace or log file a POST names: no server fault
     case.validate_response(response, checks=[not_a_server_error])
 
 
@@ -101,5 +104,5 @@ def test_server_healthy_after_fuzzing(fuzz_server: Server) -> None:
     assert httpx.get(f"{fuzz_server.url}/ping").status_code == 200
     assert httpx.get(f"{fuzz_server.url}/models").json() == {"models": []}  # nothing the fuzzer sent loaded
     assert "Traceback" not in fuzz_server.logs()
-    assert not [status for status in STATS if status >= 500]
+    assert not [status for status in STATS if status >= 500 and status != 501]  # 501: FILE_FIXED alone
     print(f"\nschemathesis: {sum(STATS.values())} cases; answers by status: {dict(sorted(STATS.items()))}")
