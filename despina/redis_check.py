@@ -78,6 +78,7 @@ def probe_commands(keys: Keys) -> list[tuple[str, ...]]:
         ("XGROUP", "CREATE", keys.control_commands, CONTROL_GROUP, "0", "MKSTREAM"),
         ("HSET", worker, "f", ""), ("HGET", worker, "f"), ("HMGET", worker, "f"), ("HGETALL", worker),
         ("HEXISTS", worker, "f"), ("HDEL", worker, "f"), ("HINCRBY", keys.stats(PROBE, 1), "f", "1"),
+        ("COPY", keys.stats(PROBE, 1), keys.stats_base(PROBE, 1)),
         ("SADD", keys.workers, PROBE), ("SREM", keys.workers, PROBE), ("SMEMBERS", keys.workers),
         ("SISMEMBER", keys.cancelled(replies), PROBE),
         ("GET", keys.catalog_generation), ("SET", keys.control_leader, PROBE),
