@@ -65,13 +65,24 @@ def redis_url() -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def unclosed_in_this_module() -> Iterator[None]:
+    """What a test's collection froze while something still held it (a cancelled task's frame holding its
+    connections, say), looked at again once the module is done: its warnings fail the module's last test."""
+    yield
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
-def unclosed_is_this_tests() -> Iterator[None]:
+def unclosed_is_this_tests(unclosed_in_this_module: None) -> Iterator[None]:
     """Free what a test left unclosed (a Redis connection, a transport of a closed event loop) at its end, so
     that pytest's collection of unraisable warnings, which runs next, fails this test: left to the
     collector's own time, the warnings failed whichever later test of the process it happened to run in.
-    What survives is frozen (never scanned again), so that each test's collection looks only at what was
-    made since the last one's."""
+    What survives is frozen (not scanned again until its module ends), so that each test's collection
+    looks only at what was made since the last one's: a full collection costs up to a second in a process
+    that has imported torch and TensorFlow."""
     yield
     gc.collect()
     gc.freeze()
