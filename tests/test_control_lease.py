@@ -271,36 +271,58 @@ async def test_a_worker_whose_heartbeat_went_with_the_lease_is_not_taken_for_dea
 
 class DroppingProxy:
     """A TCP proxy to Redis that drops the connection of the first `drops` commands holding `word`: Redis
-    gone for a moment at that command, then back."""
+    gone for a moment at that command, then back. Either side's end (an EOF, a drop, a reset) ends the
+    relay's two connections, and `close` ends the relays still open: a relay left to the event loop's end
+    was cancelled with its connection to Redis open, and the collector reported its socket, transport and
+    StreamWriter ("loop is closed") in whichever later test of the process it happened to run."""
 
     def __init__(self, redis_url: str, word: bytes, drops: int) -> None:
         self.target = urlparse(redis_url)
         self.word, self.drops = word, drops
         self.server: asyncio.Server | None = None
+        self.relays: set[asyncio.Task[None]] = set()
 
-    async def start(self, port: int) -> str:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", port)
+    async def start(self) -> str:
+        """The proxy's URL: the Redis URL with a port of the system's choosing."""
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
         return self.target._replace(netloc=f"127.0.0.1:{port}").geturl()
 
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        for relay in self.relays:
+            relay.cancel()
+        await asyncio.gather(*self.relays, return_exceptions=True)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(self.target.hostname, self.target.port or 6379)
+        relay = cast("asyncio.Task[None]", asyncio.current_task())
+        self.relays.add(relay)
+        up_writer: asyncio.StreamWriter | None = None
+
+        def end() -> None:
+            writer.close()
+            if up_writer is not None:
+                up_writer.close()
 
         async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, watch: bool) -> None:
-            while chunk := await source.read(65536):
-                if watch and self.drops and self.word in chunk.upper():
-                    self.drops -= 1
-                    break
-                sink.write(chunk)
-                await sink.drain()
-            writer.close()
-            up_writer.close()
+            try:
+                while chunk := await source.read(65536):
+                    if watch and self.drops and self.word in chunk.upper():
+                        self.drops -= 1
+                        break
+                    sink.write(chunk)
+                    await sink.drain()
+            finally:  # a client that reset its connection (closed it with a reply unread) raised here
+                end()
 
-        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False),
-                             return_exceptions=True)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.target.hostname, self.target.port or 6379)
+            await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False),
+                                 return_exceptions=True)
+        finally:
+            end()
+            self.relays.discard(relay)
 
 
 async def test_redis_lost_between_taking_the_lead_and_reading_the_catalog_is_retried(
@@ -312,7 +334,7 @@ async def test_redis_lost_between_taking_the_lead_and_reading_the_catalog_is_ret
     check = connect(redis_url)
     await check.hset(keys.catalog, "m", CatalogEntry("m", "/repo/m", {}, (1,)).dumps())
     proxy = DroppingProxy(redis_url, b"HGETALL", drops=2)  # (redis-py retries a dropped connection once)
-    client = connect(await proxy.start(23101))
+    client = connect(await proxy.start())
     plane = ControlPlane(Settings(model_repository=str(tmp_path), key_prefix=key_prefix), client)
     seen: list[CatalogEntry | None] = []
     plane.on_start = lambda: seen.append(plane.catalog.get("m"))
