@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import clock
-from ..contract.catalog import IDLE, LOADED, UNLOADED, CatalogEntry, retire, version_refused
+from ..contract.catalog import LOADED, UNLOADED, CatalogEntry, retire, version_refused
 from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
 from ..contract.ensemble import called_by, is_ensemble
 from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, Unavailable
@@ -18,6 +18,7 @@ from ..contract.modelconfig import check_model_name
 from ..workers.redelivery import Queue
 from .backlog import refuse
 from .fresh_stats import made_anew, start_stats_afresh
+from .index import RepositoryIndex
 from .lease import LeaseLost
 from .load_files import config_override, restore_files, write_files
 from .repository import read_model, unavailable
@@ -31,9 +32,6 @@ log = logging.getLogger("despina.control")
 
 # the load API's parameters beside its `file:<path>` entries: Triton's config, and Despina's own
 LOAD_PARAMETERS = ("config", "fail_without_room")
-# how long the index waits for the registry's listing before it answers from what it knows (a store
-# that accepts connections and never answers holds a listing for boto3's read timeout, three times)
-INDEX_LOOK_S = 5.0
 # how long a load waits, in all, for the registry's reads of the model (its files' listing, its config),
 # at most: the same store held a load for boto3's read timeout three times (~3 min, past most clients'
 # timeouts) before its 503
@@ -46,7 +44,7 @@ T = TypeVar("T")
 class Commands:
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
-        self._look: asyncio.Future[list[str]] | None = None  # the index's listing in flight, one at a time
+        self._index = RepositoryIndex(plane)
         self._stuck: dict[str, asyncio.Future[Any]] = {}  # model -> a registry read that outlived its load
 
     async def handle(self, command: Command) -> Answer:
@@ -80,67 +78,8 @@ class Commands:
                 "explicit model load / unload is not allowed if polling is enabled (the model control "
                 f"mode is '{mode}'; start with --model-control-mode explicit)")
 
-    # -- index -------------------------------------------------------------------------------------
-
     async def index(self, ready: Any) -> list[dict[str, str]]:
-        plane = self.plane
-        names = set(plane.catalog.entries)
-        note = plane.registration.error
-        try:
-            names |= set(await self._names())
-        except DespinaError as exc:
-            note = exc.message
-            names |= set(plane.registration.names)
-        if note and not names:  # nothing to list: the answer is that the repository cannot be read
-            raise Unavailable(f"the repository cannot be read: {note}")
-        rows: list[dict[str, str]] = []
-        for name in sorted(names):
-            e = plane.catalog.get(name)
-            if e is None:
-                rows.append({"name": name})  # in the repository, never loaded (as Triton answers)
-            elif e.state != "READY":
-                rows.append(_row(name, "UNAVAILABLE", e.reason))
-            else:
-                for v in sorted(set(e.versions) | set(e.failed) | set(e.retired) | set(e.dropped)):
-                    state, reason = self._version_state(e, v)
-                    if note:
-                        told = f"the repository cannot be read: {note}; the files already fetched serve"
-                        reason = f"{reason}; {told}" if reason else told
-                    rows.append(_row(name, state, reason, v))
-        if ready is True:
-            rows = [r for r in rows if r.get("state") == "READY"]
-        return rows
-
-    async def _names(self) -> list[str]:
-        """The registry's model folders, waiting at most INDEX_LOOK_S: indexes asked meanwhile share one
-        listing, so a store that hangs holds one thread, not one per index."""
-        if self._look is None or self._look.done():
-            self._look = asyncio.ensure_future(asyncio.to_thread(self.plane.registry.names))
-            self._look.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, if late
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._look), INDEX_LOOK_S)
-        except TimeoutError:
-            raise Unavailable(f"registry {self.plane.registry.url} did not list its models within "
-                              f"{INDEX_LOOK_S:g} s") from None
-
-    def _version_state(self, e: CatalogEntry, v: int) -> tuple[str, str]:
-        plane = self.plane
-        if v in e.dropped and v not in e.versions:  # as Triton's: its failed load's record stays
-            return "UNAVAILABLE", e.dropped[v]
-        if e.target == UNLOADED or (v in e.retired and v not in e.versions):  # as Triton's, once unloaded
-            return "UNAVAILABLE", "unloaded"
-        if is_ensemble(e.config):
-            return plane.lifecycle.ensembles.state(e, v)
-        if e.target == IDLE:
-            return "UNAVAILABLE", (f"idle: unloaded after {plane.lifecycle.idle.timeout(e):g} s without "
-                                   "requests; the next request loads it")
-        if plane.workers.ready_on(e.name, v):
-            return "READY", e.failed.get(v, "") or e.reason
-        if v in e.failed:
-            return "UNAVAILABLE", e.failed[v]
-        if v in e.retiring:
-            return "UNLOADING", ""
-        return "LOADING", plane.lifecycle.shortfall.get(e.name, "") or plane.workers.held_up(e.name, v)
+        return await self._index.rows(ready)
 
     # -- load / unload -----------------------------------------------------------------------------
 
@@ -390,15 +329,6 @@ def _reload_failed(old: CatalogEntry | None, new: CatalogEntry | None) -> bool:
     if old is None or not old.loaded or new is None:
         return False
     return all(v in new.failed for v in new.versions if v not in new.retiring)
-
-
-def _row(name: str, state: str, reason: str, version: int | None = None) -> dict[str, str]:
-    """One row of the index, as Triton writes it: no "version" for the model as a whole, no empty "reason"."""
-    row = {"name": name} if version is None else {"name": name, "version": str(version)}
-    row["state"] = state
-    if reason:
-        row["reason"] = reason
-    return row
 
 
 def _left(deadline: float) -> float:
