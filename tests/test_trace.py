@@ -182,6 +182,27 @@ def test_trace_count_answers_what_is_left_as_triton_does(client: httpclient.Infe
     assert client.update_trace_settings(settings={"trace_count": "2"})["trace_count"] == "2"
 
 
+def test_the_same_trace_count_posted_again_starts_it_again(client: httpclient.InferenceServerClient,
+                                                           base: Path) -> None:
+    """As Triton's: a POST that names trace_count sets the traces still to take to it, even to the value it
+    had (re-arming tracing for the next N requests); the settings kept did not change, so the gateways did
+    not see it, and the count went on from what was left."""
+    client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "2"})
+    add_sub(client, 2)
+    assert client.get_trace_settings()["trace_count"] == "0"
+    assert client.update_trace_settings(settings={"trace_count": "2"})["trace_count"] == "2"
+    assert client.get_trace_settings()["trace_count"] == "2"
+    add_sub(client, 1)
+    assert client.get_trace_settings()["trace_count"] == "1"
+    client.update_trace_settings("add_sub", settings={"trace_count": "3"})
+    add_sub(client, 1)
+    assert client.update_trace_settings("add_sub", settings={"trace_count": "3"})["trace_count"] == "3"
+    assert client.get_trace_settings()["trace_count"] == "1"  # the global count went on
+    add_sub(client, 1)
+    client.update_trace_settings(settings={"trace_count": "2"})
+    assert client.get_trace_settings("add_sub")["trace_count"] == "2"  # its own count went on
+
+
 def test_traces_go_to_the_next_part_once_trace_count_is_used_up(client: httpclient.InferenceServerClient,
                                                                 base: Path) -> None:
     """As Triton's: with log_frequency 0, the traces are written to ${trace_file}.N as soon as the last one

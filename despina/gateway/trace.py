@@ -185,7 +185,8 @@ class Tracer:
             sampling = sampled[key] = _Sampling(s["trace_level"] != ["OFF"] and not problem(s),
                                                 int(s["trace_rate"]), int(s["trace_count"]))
             was = key if key in self._doc.get("models", {}) else None
-            if was in self._sampling and self.settings(was)["trace_count"] == s["trace_count"]:
+            if was in self._sampling and self.settings(was)["trace_count"] == s["trace_count"] \
+                    and _armed(doc, key) == _armed(self._doc, key):
                 sampling.left = self._sampling[was].left
         self.flush()
         self._doc, self._sampling = doc, sampled
@@ -273,3 +274,14 @@ class Tracer:
             os.replace(partial, path)
         except OSError as exc:
             log.error("trace: writing %d traces to %s failed: %s", len(records), path, exc)
+
+
+def _armed(doc: dict[str, Any], model: str | None) -> tuple[int, int]:
+    """How many times a POST named trace_count, globally and for `model` (trace_api.changed): a change
+    starts the count again, even at the value it had."""
+    armed = doc.get("armed", {})
+    if model is None:
+        return armed.get("", 0), 0
+    if "trace_count" in doc.get("models", {}).get(model, {}):  # its own count: the global one's POSTs not
+        return 0, armed.get(model, 0)
+    return armed.get("", 0), armed.get(model, 0)

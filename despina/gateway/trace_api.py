@@ -76,6 +76,9 @@ def trace_routes(gw: Gateway) -> list[Route]:
                 doc["models"] = {**models, model: own}
             else:
                 models.pop(model, None)
+        if update.get("trace_count") is not None:  # counted afresh, even at the value it had (Triton's)
+            armed = doc.setdefault("armed", {})
+            armed[model or ""] = armed.get(model or "", 0) + 1
         for name in [None, *doc.get("models", {})]:
             why = trace.problem(trace.effective(doc, name, gw.settings.trace_file))
             if why:
