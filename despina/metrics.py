@@ -315,8 +315,7 @@ def _summaries(out: Exposition, models: list[dict[str, Any]], windows: Iterable[
                        if m["version"] in w.get(m["model"], {})]
             out.sample(f"{name}_count", _labels(m), m["stats"].get(f"{field}_count", 0))
             out.sample(f"{name}_sum", _labels(m), m["stats"].get(f"{field}_ns", 0) * 1e-3)
-            for q in quantiles:
-                value = summaries.quantile(exports, quantity, q)
+            for q, value in zip(quantiles, summaries.quantiles(exports, quantity, quantiles), strict=True):
                 out.sample(name, {**_labels(m), "quantile": f"{q:g}"}, value)
 
 

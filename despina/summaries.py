@@ -1,4 +1,5 @@
-"""Triton's latency summaries (--metrics-config summary_latencies=true): a worker's recent latencies.
+"""Triton's latency summaries (--metrics-config summary_latencies=true): recent latencies, kept by each
+worker for its requests and by each response cache (a gateway's or a worker's) for its lookups.
 
 Per model version a worker keeps, for the last MAX_AGE_S seconds, how many requests took about how long:
 counts in buckets whose bounds grow by GAMMA (each bucket's middle is within 1% of every latency in it),
@@ -113,24 +114,30 @@ def observe(window: LatencyWindow, replies: list[InferReply], rows: int, timings
         add(queue, r.queue_us, k)
 
 
-def quantile(exports: Iterable[Exported], quantity: str, q: float) -> float:
-    """The q-quantile of `quantity` over several windows' exports (every worker's): NaN when they hold
-    none, as Triton's summary shows before any request. Rounded to a microsecond, as Triton's are."""
+def quantiles(exports: Iterable[Exported], quantity: str, qs: Iterable[float]) -> list[float]:
+    """The qs-quantiles of `quantity` over several windows' exports (every worker's), their counts summed
+    once: NaN when they hold none, as Triton's summary shows before any request. Rounded to a microsecond,
+    as Triton's are."""
     total: Counts = {}
     for exported in exports:
         flat = exported.get(quantity, ())
         for i in range(0, len(flat), 2):
             total[flat[i]] = total.get(flat[i], 0) + flat[i + 1]
     seen = sum(total.values())
-    if not seen:
-        return math.nan
-    rank = max(1, math.ceil(q * seen))  # the smallest latency that at least q of them do not exceed
-    running = 0
-    for index in sorted(total):
-        running += total[index]
-        if running >= rank:
-            return float(round(middle(index)))
-    return float(round(middle(max(total))))
+    indexes = sorted(total)
+    out = []
+    for q in qs:
+        if not seen:
+            out.append(math.nan)
+            continue
+        rank = max(1, math.ceil(q * seen))  # the smallest latency that at least q of them do not exceed
+        running = 0
+        for index in indexes:
+            running += total[index]
+            if running >= rank:
+                break
+        out.append(float(round(middle(index))))
+    return out
 
 
 def parse_quantiles(text: str) -> tuple[float, ...]:

@@ -81,8 +81,8 @@ def unclosed_is_this_tests(unclosed_in_this_module: None) -> Iterator[None]:
     that pytest's collection of unraisable warnings, which runs next, fails this test: left to the
     collector's own time, the warnings failed whichever later test of the process it happened to run in.
     What survives is frozen (not scanned again until its module ends), so that each test's collection
-    looks only at what was made since the last one's: a full collection costs up to a second in a process
-    that has imported torch and TensorFlow."""
+    looks only at what was made since the last one's: a full collection of a process that has imported torch
+    and TensorFlow (~460k objects) took 1.9-2.8 s on a loaded 2-core machine."""
     yield
     gc.collect()
     gc.freeze()
