@@ -96,11 +96,15 @@ async def worker(tmp_path: Path, redis_url: str, key_prefix: str, monkeypatch: p
     monkeypatch.setattr(ensembles, "READ_WAITS_S", 60.0)
     redis = aioredis.Redis.from_url(redis_url)
     deferred = Deferred(redis)
-    runner = await mlp_runner(tmp_path, redis, key_prefix, deferred)
-    yield Worker(runner, redis, f"{key_prefix}:replies")
-    await runner.stop()
-    await deferred.close()
-    await redis.aclose()
+    try:  # a runner that fails to load or start leaves no connection open
+        runner = await mlp_runner(tmp_path, redis, key_prefix, deferred)
+        try:
+            yield Worker(runner, redis, f"{key_prefix}:replies")
+        finally:
+            await runner.stop()
+    finally:
+        await deferred.close()
+        await redis.aclose()
 
 
 async def mlp_runner(tmp_path: Path, redis: aioredis.Redis, key_prefix: str, deferred: Deferred | None = None
@@ -124,25 +128,27 @@ async def test_a_stop_ends_the_read_blocked_on_an_empty_stream_at_once(tmp_path:
     nothing); a stop ends it with CLIENT UNBLOCK instead of waiting it out, and what came before is
     answered."""
     redis = aioredis.Redis.from_url(redis_url)
-    runner = await mlp_runner(tmp_path, redis, key_prefix)
-    worker = Worker(runner, redis, f"{key_prefix}:replies")
-    try:
-        await worker.enqueue("before")
-        (reply,) = await worker.replies(1)
-        assert reply.id == "before" and reply.error is None
-        # the first read blocked READ_BLOCK_MS (the connection's id is known once it is open); the one
-        # in flight now blocks LONG_BLOCK_MS
-        await asyncio.sleep(READ_BLOCK_MS / 1000 + 0.3)
-        assert runner.streams.block_ms == LONG_BLOCK_MS
-        reader = runner._tasks[1]
-        started = time.monotonic()
-        await runner.stop()
-        # the read ended by itself, not cancelled: whatever it had brought would have been answered
-        assert reader.done() and not reader.cancelled()
-        assert time.monotonic() - started < LONG_BLOCK_MS / 1000 / 3
-    finally:
-        if runner.state != "UNAVAILABLE":  # an assertion failed before the stop
+    try:  # a runner that fails to load leaves no connection open
+        runner = await mlp_runner(tmp_path, redis, key_prefix)
+        worker = Worker(runner, redis, f"{key_prefix}:replies")
+        try:
+            await worker.enqueue("before")
+            (reply,) = await worker.replies(1)
+            assert reply.id == "before" and reply.error is None
+            # the first read blocked READ_BLOCK_MS (the connection's id is known once it is open); the one
+            # in flight now blocks LONG_BLOCK_MS
+            await asyncio.sleep(READ_BLOCK_MS / 1000 + 0.3)
+            assert runner.streams.block_ms == LONG_BLOCK_MS
+            reader = runner._tasks[1]
+            started = time.monotonic()
             await runner.stop()
+            # the read ended by itself, not cancelled: whatever it had brought would have been answered
+            assert reader.done() and not reader.cancelled()
+            assert time.monotonic() - started < LONG_BLOCK_MS / 1000 / 3
+        finally:
+            if runner.state != "UNAVAILABLE":  # an assertion failed before the stop
+                await runner.stop()
+    finally:
         await redis.aclose()
 
 
