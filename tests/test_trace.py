@@ -26,7 +26,11 @@ from .conftest import Server, module_server, start_server, stop_server
 
 DEFAULTS = {"trace_file": "", "trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
             "log_frequency": "0", "trace_mode": "triton"}
-ORDER = ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END", "REQUEST_END"]
+# as Triton 2.51 stamps an HTTP request (its trace file, in time order): the HTTP receive and send as the
+# gateway's HTTP protocol sees them, and INFER_RESPONSE_COMPLETE when the model's answer is back
+ORDER = ["HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END",
+         "INFER_RESPONSE_COMPLETE", "HTTP_SEND_START", "HTTP_SEND_END", "REQUEST_END"]
+STEP = ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END", "REQUEST_END"]  # an ensemble's step
 CLEAR = {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None}  # a model's own
 FIXED = "trace file location can not be updated through network protocol"  # Triton's words
 
@@ -81,9 +85,9 @@ def traced(base: Path, n: int) -> list[dict]:
     return found
 
 
-def check_timestamps(trace: dict) -> None:
+def check_timestamps(trace: dict, order: list[str] = ORDER) -> None:
     names = [t["name"] for t in trace["timestamps"]]
-    assert names == ORDER, names
+    assert names == order, names
     ns = [t["ns"] for t in trace["timestamps"]]
     assert ns == sorted(ns) and ns[-1] - ns[0] < 10e9
     assert abs(ns[0] - time.time_ns()) < 120e9  # the wall clock, in nanoseconds
@@ -409,3 +413,40 @@ def test_trace_config_takes_the_file_only() -> None:
     for entry in ("level=TIMESTAMPS", "triton,file=", "opentelemetry,url=http://x"):
         with pytest.raises(BadSetting, match="only triton,file=PATH"):
             settings_of(parser().parse_args(["serve", "--trace-config", entry]), {})
+
+
+def test_a_gateway_run_ensemble_writes_a_child_trace_per_step(tmp_path: Path, redis_url: str, key_prefix: str,
+                                                             example_repository: Path) -> None:
+    """As Triton 2.51's: the ensemble's trace has no compute of its own; each step's request has a trace of
+    its own, with the ensemble's as parent_id and its request_id, inside the ensemble's time, not counted
+    by trace_count. (A gateway runs the steps when no worker runs the ensemble: DESPINA_HOST_ENSEMBLES.)"""
+    base = tmp_path / "traces" / "e.json"
+    served = start_server(example_repository, tmp_path, redis_url, key_prefix, "--trace-file", str(base),
+                          env={"DESPINA_HOST_ENSEMBLES": "false"}, wait_models=("mlp", "classify_post"))
+    try:
+        c = httpclient.InferenceServerClient(served.url.removeprefix("http://"))
+        c.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1",
+                                          "log_frequency": "1"})
+        x = httpclient.InferInput("x", [1, 256], "FP32")
+        x.set_data_from_numpy(np.zeros((1, 256), np.float32))
+        for i in range(2):
+            c.infer("mlp_classify", [x], request_id=f"e-{i}")
+        c.close()
+        found = {t["id"]: t for t in traced(base, 3)}
+        time.sleep(0.3)
+        assert len(traces(base)) == 3  # the first request's three: trace_count 1 counts the ensemble's alone
+        parent = next(t for t in found.values() if "parent_id" not in t)
+        assert parent["model_name"] == "mlp_classify" and parent["request_id"] == "e-0"
+        check_timestamps(parent, [n for n in ORDER if not n.startswith("COMPUTE")])
+        steps = sorted((t for t in found.values() if "parent_id" in t), key=lambda t: t["id"])
+        assert [t["model_name"] for t in steps] == ["mlp", "classify_post"]
+        assert [t["id"] for t in steps] == [parent["id"] + 1, parent["id"] + 2]  # as Triton numbers them
+        stamps = {n["name"]: n["ns"] for n in parent["timestamps"]}
+        for step in steps:
+            assert list(step) == ["id", "model_name", "model_version", "request_id", "parent_id", "timestamps"]
+            assert step["parent_id"] == parent["id"] and step["request_id"] == "e-0" and step["model_version"] == 1
+            check_timestamps(step, STEP)
+            assert stamps["QUEUE_START"] <= step["timestamps"][0]["ns"]
+            assert step["timestamps"][-1]["ns"] <= stamps["INFER_RESPONSE_COMPLETE"]
+    finally:
+        stop_server(served)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import clock
-from ..contract.ensemble import Ensemble, Run, Step
+from ..contract.ensemble import PLATFORM, Ensemble, Run, Step
 from ..contract.errors import DespinaError, Unavailable
 from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply, Tensor
@@ -24,6 +24,7 @@ from .models import NotLoaded
 
 if TYPE_CHECKING:
     from .app import Gateway
+    from .trace import Trace
 
 Done = Callable[[InferReply | DespinaError], None]
 Submit = Callable[..., str | None]  # infer.submit: queue one request on a model's stream
@@ -31,24 +32,27 @@ Submit = Callable[..., str | None]  # infer.submit: queue one request on a model
 
 def run(submit: Submit, gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int,
         inputs: list[Tensor], outputs: tuple[str, ...], trace: bytes | None, done: Done, priority: int,
-        timeout_us: int, timeout: float, sequence: tuple[int | str, int] | None = None) -> None:
+        timeout_us: int, timeout: float, sequence: tuple[int | str, int] | None = None,
+        traced: Trace | None = None) -> None:
     """Start the ensemble on `inputs`, queueing each step with `submit` (infer.submit); `done` gets a
     reply with the requested outputs (all when none are named), or the error of the step that failed.
     Like a plain request, a run is callbacks on the dispatcher's replies: no task of its own, unless a
-    step has to wake its model. Every step carries the request's `sequence`, if any."""
+    step has to wake its model. Every step carries the request's `sequence`, if any; a `traced` request's
+    steps are traced as its children (Triton's child traces)."""
     _GatewayRun(submit, gw, spec, ensemble, version, trace, done, priority, timeout_us, timeout,
-                sequence).start(inputs, outputs)
+                sequence, traced).start(inputs, outputs)
 
 
 class _GatewayRun(Run):
     def __init__(self, submit: Submit, gw: Gateway, spec: ModelSpec, ensemble: Ensemble, version: int,
                  trace: bytes | None, done: Done, priority: int, timeout_us: int, timeout: float,
-                 sequence: tuple[int | str, int] | None = None) -> None:
+                 sequence: tuple[int | str, int] | None = None, traced: Trace | None = None) -> None:
         super().__init__(spec, ensemble, timeout)
         self.submit, self.gw, self.version = submit, gw, version
         self.trace, self.done = trace, done
         self.priority, self.timeout_us = priority, timeout_us
         self.sequence = sequence
+        self.traced = traced
 
     def _call(self, step: Step) -> None:
         version = None if step.version is None else str(step.version)
@@ -75,9 +79,15 @@ class _GatewayRun(Run):
     def _queue(self, step: Step, spec: ModelSpec, v: int) -> None:
         """Queue the step on its model's stream; the reply reader calls back (and the steps it
         completes go out in that tick's pipeline)."""
+        done: Done = lambda result: self.settled(step, result)  # noqa: E731
+        child = None
+        if self.traced is not None:
+            child = self.gw.tracer.child(self.traced, spec.name, v)
+            done = self.gw.tracer.ending(child, done, computes=spec.platform != PLATFORM)
+            child.queue()
         self.submit(self.gw, spec, v, self.step_inputs(step, spec), tuple(o for o, _ in step.outputs),
-                    self.trace, lambda result: self.settled(step, result), self.priority, self.timeout_us,
-                    self.left(), sequence=self.sequence)
+                    self.trace, done, self.priority, self.timeout_us, self.left(), sequence=self.sequence,
+                    traced=child)
 
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
         us = int((time.monotonic() - self.started) * 1e6)

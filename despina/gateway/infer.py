@@ -28,11 +28,13 @@ from .grouping import group_rows
 from .http import Headers, Receive, Scope, Send
 from .models import Model, NotLoaded
 from .v2 import decode_infer
+from .v2_fields import schedule_parameters
 from .v2_reply import encode_infer
 from .waiters import Result
 
 if TYPE_CHECKING:
     from .app import Gateway
+    from .trace import Trace
 
 log = logging.getLogger("despina.gateway")
 
@@ -132,11 +134,15 @@ class InferRoute(Route):
 
         done = answering(ex, trace, answer)
         traced = gw.tracer.begin(spec.name, version, decoded.id or "", arrived) if arrived else None
-        if traced is not None:
+        if traced is None:
+            submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace, done, priority,
+                   timeout_us, timeout, decoded.model_parameters, decoded.id or "", sequence)
+        else:
             done = gw.tracer.ending(traced, done, computes=spec.platform != PLATFORM)
-            traced.stamp("QUEUE_START")
-        submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace, done, priority,
-               timeout_us, timeout, decoded.model_parameters, decoded.id or "", sequence)
+            traced.over_http(ex)
+            traced.queue()
+            submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace, done, priority,
+                   timeout_us, timeout, decoded.model_parameters, decoded.id or "", sequence, traced=traced)
         # the request holds its inputs until it is written, and its answer needs neither them nor the body:
         # a large request is not kept twice over while its answer is awaited
         ex.body, decoded.inputs = b"", []
@@ -231,19 +237,6 @@ def _int_header(raw: bytes) -> int:
     return int(raw)
 
 
-def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
-    """Triton's schedule-policy extension: `priority` (1 = highest, 0 = default) and `timeout` (µs)."""
-    if not parameters:
-        return 0, 0
-    values = []
-    for name in ("priority", "timeout"):
-        value = parameters.get(name, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidArgument(f"parameter '{name}' must be a non-negative integer")
-        values.append(value)
-    return values[0], values[1]
-
-
 def sequence_of(spec: ModelSpec, parameters: dict[str, object]) -> tuple[int | str, int] | None:
     """The sequence a request names in its parameters: required by a stateful model, carried through an
     ensemble to its stateful steps, handed as it is to the rest (as Triton hands it to every model)."""
@@ -258,14 +251,15 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
            trace: bytes | None, done: Callable[[InferReply | DespinaError], None], priority: int = 0,
            timeout_us: int = 0, timeout: float | None = None, parameters: Parameters = NO_PARAMETERS,
            request_id: str = "", sequence: tuple[int | str, int] | None = None,
-           partial: Callable[[InferReply], None] | None = None) -> str | None:
+           partial: Callable[[InferReply], None] | None = None, traced: Trace | None = None) -> str | None:
     """Queue one request on the model version's stream (its priority level's); `done` gets the reply,
     or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down), and
     `partial` a decoupled model's responses before its last one (an error among them included). The
     request's id with the dispatcher (for Dispatcher.cancel), or None for an ensemble run from here.
     `timeout` (default: request_timeout_s) is how long it may still take; `parameters` and `request_id`
     (the client's V2 "id") are for the model (an ensemble's steps get neither), as is `sequence` (its
-    correlation ID and flags) for a model with sequence batching."""
+    correlation ID and flags) for a model with sequence batching. `traced`: the request's trace, when it
+    is traced (an ensemble run from here traces its steps as its children)."""
     model = spec.name
     if gw.cache is not None and spec.response_cache and sequence is None and spec.sequence is None:
         keeping = cached(gw, spec, version, inputs, outputs, parameters, done)
@@ -279,7 +273,7 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
         if graph is None:
             raise Unavailable(f"ensemble '{model}' cannot be read by this gateway")
         ensemble.run(submit, gw, spec, graph, version, inputs, outputs, trace, done, priority, timeout_us,
-                     timeout, sequence)
+                     timeout, sequence, traced)
         return None
     now = clock.now()
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,

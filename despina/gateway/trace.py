@@ -1,13 +1,21 @@
 """Triton's request tracing (the trace extension, `--trace-config`): one request in every `trace_rate` of a
 model is traced at level TIMESTAMPS, `trace_count` of them at most (-1: no limit), and written to
-the server's trace file (`--trace-file`, the setting trace_file) as Triton writes it, a JSON array of
+the server's trace file (`--trace-file`, the setting trace_file) in Triton's form, a JSON array of
 
     {"id": N, "model_name": ..., "model_version": V, "request_id": ...,
      "timestamps": [{"name": ..., "ns": ...}, ...]}
 
-with the timestamps REQUEST_START (the gateway has the request), QUEUE_START (it goes to the model's
-stream), COMPUTE_START and COMPUTE_END (the batch that ran it, as the worker timed it: on the gateway's
-clock when they share a host) and REQUEST_END (the answer written). With `log_frequency` N a gateway
+with Triton 2.51's timestamps, on the wall clock: HTTP_RECV_START and HTTP_RECV_END (the request's
+message began, its body was whole: the gateway's HTTP protocol, protocol.py), REQUEST_START (the gateway has
+the request), QUEUE_START (it goes to the model's stream), COMPUTE_START and COMPUTE_END (the batch that ran
+it, as the worker timed it, from QUEUE_START), INFER_RESPONSE_COMPLETE (the answer is back),
+HTTP_SEND_START and HTTP_SEND_END (around its writing) and REQUEST_END (answered). (A request the ASGI
+stack serves, an escaped path say, has no HTTP stamps.) An ensemble the gateway runs (ensemble.py) has no
+compute of its own, and each step a trace of its own with "parent_id" (Triton's child traces: taken with
+their parent, neither sampled nor counted); an ensemble a worker runs has no child traces (the gateway
+has not its steps' times). Triton writes each stamp as an entry of its own ({"id", "timestamps": [one]}
+after {"id", "model_name", ...}); Despina one entry per trace, which Triton's tools read the same, as they
+merge the entries of an id. With `log_frequency` N a gateway
 writes each N traces to `${trace_file}.0`, `.1`, ...; with 0, all it collected to `${trace_file}` when
 its settings change and when it stops; and, as Triton's, those to the next part once the last trace that
 trace_count allows is done. Each gateway traces and writes its own requests; of `serve
@@ -141,17 +149,39 @@ class _Sampling:
 
 @dataclass
 class Trace:
-    """One traced request's timestamps."""
+    """One traced request's timestamps; `parent` the id of the ensemble's trace whose step it is (0: none)."""
 
     id: int
     model: str
     version: int
     request_id: str
     of: _Sampling
+    parent: int = 0
+    queued: int = 0  # QUEUE_START: the worker's queue time counts from there
     stamps: list[tuple[str, int]] = field(default_factory=list)
 
     def stamp(self, name: str, ns: int | None = None) -> None:
         self.stamps.append((name, time.time_ns() if ns is None else ns))
+
+    def queue(self) -> None:
+        """QUEUE_START: it goes to the model's stream now (or its ensemble's steps begin)."""
+        self.queued = time.time_ns()
+        self.stamps.append(("QUEUE_START", self.queued))
+
+    def over_http(self, ex: Any) -> None:
+        """HTTP_RECV_START and _END of the exchange it came in, when the gateway's HTTP protocol took them
+        (protocol.TracedHotRequest, which then stamps HTTP_SEND_START and _END as it answers)."""
+        began = getattr(ex, "began", 0)
+        if began:
+            self.stamps += [("HTTP_RECV_START", began), ("HTTP_RECV_END", ex.received)]
+            ex.traced = self
+
+    def ended(self, result: Any, computes: bool) -> None:
+        """COMPUTE_START and _END of the batch that ran it (from its reply), and REQUEST_END."""
+        if computes and isinstance(result, InferReply) and result.compute_us and self.queued:
+            start = self.queued + result.queue_us * 1000
+            self.stamps += [("COMPUTE_START", start), ("COMPUTE_END", start + result.compute_us * 1000)]
+        self.stamp("REQUEST_END")
 
 
 class Tracer:
@@ -220,22 +250,34 @@ class Tracer:
         trace.stamp("REQUEST_START", started_ns)
         return trace
 
+    def child(self, parent: Trace, model: str, version: int) -> Trace:
+        """The trace of an ensemble's step, as Triton's: a trace of its own (REQUEST_START now), with its
+        parent's id and request_id, taken whenever its parent is (neither sampled nor counted)."""
+        parent.of.open += 1
+        trace = Trace(next(self._ids), model, version, parent.request_id, parent.of, parent.id)
+        trace.stamp("REQUEST_START")
+        return trace
+
     def ending(self, trace: Trace, done: Callable[[Any], None], computes: bool = True
                ) -> Callable[[Any], None]:
-        """`done` that records the request's end (and its batch's compute, from a reply) after answering.
-        `computes` False: an ensemble, whose trace, as Triton's, has no compute of its own (its steps
-        compute; its reply's compute is theirs, summed, no span of time)."""
+        """`done` that records the request's end (and its batch's compute, from a reply). A request's
+        answer is INFER_RESPONSE_COMPLETE as it comes, its REQUEST_END once answered; an ensemble step's
+        request ends as its answer comes, before its ensemble goes on. `computes` False: an ensemble, whose
+        trace, as Triton's, has no compute of its own (its steps compute; its reply's compute is theirs,
+        summed, no span of time)."""
+        if trace.parent:
+            def step_end(result: Any) -> None:
+                trace.ended(result, computes)
+                self._finished(trace)
+                done(result)
+            return step_end
+
         def end(result: Any) -> None:
+            trace.stamp("INFER_RESPONSE_COMPLETE")
             try:
                 done(result)
             finally:
-                if (computes and isinstance(result, InferReply) and result.compute_us
-                        and len(trace.stamps) > 1):
-                    queued = trace.stamps[1][1]  # QUEUE_START: the worker's queue time counts from there
-                    start = queued + result.queue_us * 1000
-                    trace.stamp("COMPUTE_START", start)
-                    trace.stamp("COMPUTE_END", start + result.compute_us * 1000)
-                trace.stamp("REQUEST_END")
+                trace.ended(result, computes)
                 self._finished(trace)
         return end
 
@@ -244,6 +286,8 @@ class Tracer:
         record: dict[str, Any] = {"id": trace.id, "model_name": trace.model, "model_version": trace.version}
         if trace.request_id:
             record["request_id"] = trace.request_id
+        if trace.parent:
+            record["parent_id"] = trace.parent
         record["timestamps"] = [{"name": n, "ns": ns} for n, ns in sorted(trace.stamps, key=lambda s: s[1])]
         frequency = int(self.settings(trace.model)["log_frequency"])
         if not frequency and len(self._kept) >= KEPT_MAX:

@@ -203,3 +203,16 @@ def classification_count(spec: ModelSpec, name: str, count: Any) -> int:
 
 CLASSIFIABLE = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP32",
                           "FP64"})
+
+
+def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
+    """Triton's schedule-policy extension: `priority` (1 = highest, 0 = default) and `timeout` (µs)."""
+    if not parameters:
+        return 0, 0
+    values = []
+    for name in ("priority", "timeout"):
+        value = parameters.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidArgument(f"parameter '{name}' must be a non-negative integer")
+        values.append(value)
+    return values[0], values[1]
