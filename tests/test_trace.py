@@ -450,3 +450,43 @@ def test_a_gateway_run_ensemble_writes_a_child_trace_per_step(tmp_path: Path, re
             assert step["timestamps"][-1]["ns"] <= stamps["INFER_RESPONSE_COMPLETE"]
     finally:
         stop_server(served)
+
+
+def test_trace_count_is_the_servers_across_its_gateways(tmp_path: Path, redis_url: str, key_prefix: str,
+                                                         example_repository: Path) -> None:
+    """As one Triton server counts it: trace_count 3 with `--gateways 2` gives 3 traces in all, not 3 on
+    each gateway, and GET answers what is left of it on either."""
+    base = tmp_path / "traces" / "gw.json"
+    served = start_server(example_repository, tmp_path, redis_url, key_prefix, "--gateways", "2",
+                          "--trace-file", str(base), wait_models=("add_sub",))
+    try:
+        c = httpclient.InferenceServerClient(served.url.removeprefix("http://"))
+        c.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "log_frequency": "1"})
+        body = {"inputs": [{"name": n, "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]} for n in "ab"]}
+
+        def send(n: int) -> None:
+            for _ in range(n):  # a new connection each time: the kernel spreads them over both gateways
+                with httpx.Client() as fresh:
+                    assert fresh.post(f"{served.url}/v2/models/add_sub/infer", json=body,
+                                      headers={"connection": "close"}).status_code == 200
+
+        def writers() -> set[str]:  # gw.json-0.N and gw.json-1.N
+            return {p.name.split(".json")[1].split(".")[0] for p in base.parent.glob("gw.json*")}
+
+        deadline = time.monotonic() + 20
+        while writers() != {"-0", "-1"}:  # both gateways follow the settings
+            assert time.monotonic() < deadline, writers()
+            send(1)
+        time.sleep(0.5)
+        before = len(traces(base))
+        c.update_trace_settings(settings={"trace_count": "3"})
+        time.sleep(0.5)  # the other gateway hears of it through the events channel
+        send(30)
+        time.sleep(1)
+        assert len(traces(base)) - before == 3
+        for _ in range(4):  # whichever gateway answers
+            with httpx.Client() as fresh:
+                assert fresh.get(f"{served.url}/v2/trace/setting").json()["trace_count"] == "0"
+        c.close()
+    finally:
+        stop_server(served)

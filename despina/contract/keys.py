@@ -119,6 +119,11 @@ class Keys:
         b"trace"."""
         return f"{self.prefix}:trace"
 
+    def trace_left(self, counter: str) -> str:
+        """Integer: how many traces are left of a trace_count, the server's (all its gateways claim from
+        it): `counter` names the settings it counts for and their arming (gateway/trace.py _counter)."""
+        return f"{self.prefix}:trace:left:{counter}"
+
     @property
     def gateways(self) -> str:
         """Set of gateway ids that report their figures; each one's report expires (gateway())."""

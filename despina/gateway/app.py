@@ -148,6 +148,7 @@ class Gateway:
         for task in self.ensembles:
             task.cancel()
         await asyncio.gather(*self.ensembles, return_exceptions=True)
+        await self.tracer.settle()  # the traces' claims on trace_count, before Redis goes
         await self.view.close()
         await self.redis.aclose()
         self.tracer.flush()  # log_frequency 0: the traces go to trace_file when the gateway stops

@@ -31,11 +31,12 @@ trace_mode opentelemetry are refused: not supported.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,9 @@ class _Sampling:
 
     on: bool
     rate: int
-    left: int  # traces still to take; -1: no limit
+    left: int  # traces still to take, as far as this gateway knows; -1: no limit
+    counter: str = ""  # the server's count it claims each trace from (Keys.trace_left); '': none
+    first: int = 0  # what that count starts at (the first claim sets it)
     seen: int = 0
     open: int = 0  # traces taken and not yet done
 
@@ -157,6 +160,7 @@ class Trace:
     request_id: str
     of: _Sampling
     parent: int = 0
+    claim: asyncio.Future[bool] | None = None  # its claim on the server's trace_count: whether it is kept
     queued: int = 0  # QUEUE_START: the worker's queue time counts from there
     stamps: list[tuple[str, int]] = field(default_factory=list)
 
@@ -197,6 +201,10 @@ class Tracer:
         self._parts = 0  # the next ${trace_file}.N: it goes on as the settings change (as Triton's)
         self._dropped = 0
         self._suffix = f"-{index}" if index is not None else ""
+        # claims one of a server's trace_count (counter, what it starts at) -> what is left after, -1: none
+        # was (trace_api sets it: the count in Redis); None: each gateway counts its own
+        self.claimer: Callable[[str, int], Awaitable[int]] | None = None
+        self._claims: set[asyncio.Future[bool]] = set()
 
     def settings(self, model: str | None = None) -> dict[str, Any]:
         """The settings that apply (to a model, or the global ones)."""
@@ -218,6 +226,8 @@ class Tracer:
             if was in self._sampling and self.settings(was)["trace_count"] == s["trace_count"] \
                     and _armed(doc, key) == _armed(self._doc, key):
                 sampling.left = self._sampling[was].left
+            if sampling.left > 0:
+                sampling.counter, sampling.first = _counter(doc, key, s["trace_count"]), sampling.left
         self.flush()
         self._doc, self._sampling = doc, sampled
         self.on = any(s.on for s in sampled.values())
@@ -228,12 +238,19 @@ class Tracer:
 
     def shown(self, doc: dict[str, Any], model: str | None) -> dict[str, Any]:
         """The settings `doc` gives a model (or the global ones), as Triton's GET answers them: trace_count
-        what is left of it (on this gateway, when it follows these settings)."""
+        what is left of it as this gateway knows (when it follows these settings; trace_api answers the
+        server's count)."""
         settings = effective(doc, model, self.file)
         sampling = self._sampling.get(model if model in doc.get("models", {}) else None)
         if doc == self._doc and sampling is not None:
             settings["trace_count"] = str(sampling.left)
         return settings
+
+    def counter(self, doc: dict[str, Any], model: str | None) -> str:
+        """The server's count the settings `doc` gives a model (or the global ones) claim from, when this
+        gateway follows them and their trace_count is limited; else ''."""
+        sampling = self._sampling.get(model if model in doc.get("models", {}) else None)
+        return sampling.counter if doc == self._doc and sampling is not None else ""
 
     def begin(self, model: str, version: int, request_id: str, started_ns: int) -> Trace | None:
         """A trace of this request (REQUEST_START when it arrived), when it is one to trace, else None."""
@@ -243,18 +260,39 @@ class Tracer:
         sampling.seen += 1
         if sampling.seen % sampling.rate:  # the rate-th, the 2 x rate-th... as Triton's SampleTrace
             return None
-        if sampling.left > 0:
-            sampling.left -= 1
         sampling.open += 1
         trace = Trace(next(self._ids), model, version, request_id, sampling)
+        if sampling.left > 0:
+            sampling.left -= 1
+            if self.claimer is not None:  # the count is the server's: claimed while the request runs
+                trace.claim = asyncio.ensure_future(self._claim(sampling))
+                self._claims.add(trace.claim)
+                trace.claim.add_done_callback(self._claims.discard)
         trace.stamp("REQUEST_START", started_ns)
         return trace
+
+    async def _claim(self, sampling: _Sampling) -> bool:
+        """Take one of the server's trace_count (its gateways share it, as Triton's one server counts);
+        False: none was left, the trace is dropped, and this gateway takes no more."""
+        assert self.claimer is not None
+        try:
+            left = await self.claimer(sampling.counter, sampling.first)
+        except Exception as exc:  # (Redis out of reach) this gateway's own count decides meanwhile
+            log.debug("trace: claiming one of trace_count failed (%s)", exc)
+            return True
+        sampling.left = max(min(sampling.left, left), 0)
+        return left >= 0
+
+    async def settle(self) -> None:
+        """Wait for the claims under way (before Redis goes: then flush), a Redis out of reach a while."""
+        if self._claims:
+            await asyncio.wait(self._claims, timeout=SETTLE_S)
 
     def child(self, parent: Trace, model: str, version: int) -> Trace:
         """The trace of an ensemble's step, as Triton's: a trace of its own (REQUEST_START now), with its
         parent's id and request_id, taken whenever its parent is (neither sampled nor counted)."""
         parent.of.open += 1
-        trace = Trace(next(self._ids), model, version, parent.request_id, parent.of, parent.id)
+        trace = Trace(next(self._ids), model, version, parent.request_id, parent.of, parent.id, parent.claim)
         trace.stamp("REQUEST_START")
         return trace
 
@@ -282,23 +320,35 @@ class Tracer:
         return end
 
     def _finished(self, trace: Trace) -> None:
-        trace.of.open -= 1
         record: dict[str, Any] = {"id": trace.id, "model_name": trace.model, "model_version": trace.version}
         if trace.request_id:
             record["request_id"] = trace.request_id
         if trace.parent:
             record["parent_id"] = trace.parent
         record["timestamps"] = [{"name": n, "ns": ns} for n, ns in sorted(trace.stamps, key=lambda s: s[1])]
+        claim = trace.claim
+        if claim is None or claim.done():
+            self._settled(trace, record)
+        else:  # (its claim is usually back long before it is answered)
+            claim.add_done_callback(lambda _: self._settled(trace, record))
+
+    def _settled(self, trace: Trace, record: dict[str, Any]) -> None:
+        """Keep a finished trace whose claim was granted (or that needed none)."""
+        trace.of.open -= 1
+        claim = trace.claim
+        kept = claim is None or claim.cancelled() or claim.result()
         frequency = int(self.settings(trace.model)["log_frequency"])
-        if not frequency and len(self._kept) >= KEPT_MAX:
+        if kept and not frequency and len(self._kept) >= KEPT_MAX:
             self._dropped += 1
             if self._dropped == 1:
                 log.warning("trace: %d traces kept for %s already (log_frequency 0); further ones are "
                             "dropped until the settings change or the gateway stops", KEPT_MAX, self.file)
             return
-        self._kept.append(record)
+        if kept:
+            self._kept.append(record)
         # as Triton's: each log_frequency traces, and the last that trace_count allows, to the next part
-        if (frequency and len(self._kept) >= frequency) or (trace.of.left == 0 and not trace.of.open):
+        if (frequency and len(self._kept) >= frequency) or (trace.of.left == 0 and not trace.of.open
+                                                             and (kept or self._kept)):
             self._parts += 1
             self._write(f".{self._parts - 1}")
 
@@ -318,6 +368,23 @@ class Tracer:
             os.replace(partial, path)
         except OSError as exc:
             log.error("trace: writing %d traces to %s failed: %s", len(records), path, exc)
+
+
+def _counter(doc: dict[str, Any], model: str | None, count: str) -> str:
+    """The name of the server's count of a model's settings (None: the global ones): a POST naming
+    trace_count arms a new one."""
+    armed = _armed(doc, model)
+    return f"{armed[0]}.{armed[1]}.{count}:{model or ''}"
+
+
+CLAIM = """local left = redis.call('GET', KEYS[1])
+if not left then left = ARGV[1] end
+left = tonumber(left)
+if left <= 0 then return -1 end
+redis.call('SET', KEYS[1], left - 1, 'EX', ARGV[2])
+return left - 1"""  # Tracer._claim: one of the count, which starts at ARGV[1]; kept ARGV[2] s from the last
+COUNT_KEPT_S = 7 * 86400
+SETTLE_S = 2.0  # the longest a stopping gateway waits for its traces' claims
 
 
 def _armed(doc: dict[str, Any], model: str | None) -> tuple[int, int]:

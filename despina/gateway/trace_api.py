@@ -2,7 +2,8 @@
 (a model's over the global ones, trace_count what is left of it, as Triton's), `POST` changes those it
 names and answers them all; a model keeps only the settings it was given, following the global ones for
 the rest, and a null clears one of its own (an empty body changes nothing, as Triton's). The settings
-are kept in Redis and followed by every gateway (trace.py). trace_file is the server's (--trace-file): a
+are kept in Redis and followed by every gateway (trace.py), and trace_count is counted there, the server's
+(each trace claimed from it). trace_file is the server's (--trace-file): a
 POST naming one is refused, as Triton's is."""
 from __future__ import annotations
 
@@ -39,6 +40,22 @@ def trace_routes(gw: Gateway) -> list[Route]:
             trace.log.warning("ignoring unreadable trace settings (%s)", exc)
 
     gw.view.followers[trace.EVENT] = follow
+    claim = gw.redis.register_script(trace.CLAIM)
+
+    async def claimer(counter: str, first: int) -> int:
+        return int(await claim(keys=[gw.keys.trace_left(counter)], args=[first, trace.COUNT_KEPT_S]))
+
+    gw.tracer.claimer = claimer  # trace_count is the server's: its gateways claim each trace from Redis
+
+    async def shown(doc: dict[str, Any], model: str | None) -> dict[str, Any]:
+        """The settings as Triton answers them, trace_count what is left of the server's count."""
+        settings = gw.tracer.shown(doc, model)
+        counter = gw.tracer.counter(doc, model)
+        if counter:
+            left = await gw.redis.get(gw.keys.trace_left(counter))
+            if left is not None:  # (none yet: nothing claimed)
+                settings["trace_count"] = str(max(int(left), 0))
+        return settings
 
     def model_of(request: Request) -> str | None:
         model = request.path_params.get("model")
@@ -48,7 +65,8 @@ def trace_routes(gw: Gateway) -> list[Route]:
 
     async def get(request: Request) -> Response:
         try:
-            return json_response(gw.tracer.shown(await current(), model_of(request)))
+            model = model_of(request)
+            return json_response(await shown(await current(), model))
         except DespinaError as exc:
             return error_response(exc)
 
@@ -62,7 +80,7 @@ def trace_routes(gw: Gateway) -> list[Route]:
             return error_response(exc)
         doc = read(raw)
         gw.tracer.follow(doc)  # this gateway at once; the others as the event reaches them
-        return json_response(gw.tracer.shown(doc, model))
+        return json_response(await shown(doc, model))
 
     def changed(doc: dict[str, Any], model: str | None, update: dict[str, Any]) -> bytes:
         """The settings `doc` with `update` made to the global ones or the model's own; InvalidArgument
