@@ -134,6 +134,7 @@ class GatewayProtocol(ConnectionProtocol):
     def _asgi(self) -> None:
         """Hand the request to uvicorn's ASGI cycle, with the scope it would have built."""
         url, headers, expect, previous = self.url, self.headers, self.expect_100_continue, self.cycle
+        self.__dict__.pop("_hot", None)  # not a hot request: the next one is a HotRequest unless traced
         super().on_message_begin()
         self.url, self.headers, self.expect_100_continue = url, headers, expect
         self.scope["headers"] = headers

@@ -15,12 +15,13 @@ compute of its own, and each step a trace of its own with "parent_id" (Triton's 
 their parent, neither sampled nor counted); an ensemble a worker runs has no child traces (the gateway
 has not its steps' times). Triton writes each stamp as an entry of its own ({"id", "timestamps": [one]}
 after {"id", "model_name", ...}); Despina one entry per trace, which Triton's tools read the same, as they
-merge the entries of an id. With `log_frequency` N a gateway
-writes each N traces to `${trace_file}.0`, `.1`, ...; with 0, all it collected to `${trace_file}` when
-its settings change and when it stops; and, as Triton's, those to the next part once the last trace that
-trace_count allows is done. Each gateway traces and writes its own requests; of `serve
---gateways N` gateway i writes `${trace_file}-i` (and `-i.0`, ...), and counts its own trace_count: once
-for all the models on the global settings, and apart for each model with settings of its own.
+merge the entries of an id. With `log_frequency` N a gateway writes each N traces to `${trace_file}.0`, `.1`,
+...; with 0, all it collected to `${trace_file}` when its settings change and when it stops; and, as Triton's,
+those to the next part once the last trace that trace_count allows is done. Each gateway traces and writes its
+own requests (one in trace_rate of those it has); of `serve --gateways N` gateway i writes `${trace_file}-i`
+(and `-i.0`, ...). trace_count is the server's, as one Triton's: each trace is claimed from a count in Redis
+that all the gateways share (Keys.trace_left), once for all the models on the global settings, and apart for
+each model with settings of its own.
 
 The settings are the deployment's: global ones and each model's own, kept in Redis (Keys.trace_settings)
 and announced on the events channel, as the log settings are. A model's own settings override the
