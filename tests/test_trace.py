@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,6 +116,33 @@ def test_settings_rate_and_files_by_log_frequency(client: httpclient.InferenceSe
     for t in found:
         assert t["model_name"] == "add_sub" and t["model_version"] == 1
         check_timestamps(t)
+
+
+def test_pipelined_requests_each_have_their_own_http_stamps(server: Server,
+                                                           client: httpclient.InferenceServerClient,
+                                                           base: Path) -> None:
+    """Two requests in one write on one connection: each trace has its own receive and send, the second
+    answered after the first (HTTP/1.1 pipelining: in order)."""
+    client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "log_frequency": "1"})
+    host, port = server.url.removeprefix("http://").split(":")
+    one = json.dumps({"inputs": [{"name": n, "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}
+                                 for n in "ab"]}).encode()
+    heads = [f"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: x\r\nX-Request-Id: p{i}\r\n"
+             f"Content-Length: {len(one)}\r\n\r\n".encode() for i in range(2)]
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(heads[0] + one + heads[1] + one)
+        got = b""
+        while got.count(b"HTTP/1.1 200") < 2 or not got.endswith(b"}]}"):
+            part = s.recv(65536)
+            assert part, got
+            got += part
+    found = sorted(traced(base, 2), key=lambda t: t["id"])
+    assert len(found) == 2
+    for t in found:
+        check_timestamps(t)
+    first, second = ({n["name"]: n["ns"] for n in t["timestamps"]} for t in found)
+    assert second["HTTP_RECV_START"] > first["HTTP_RECV_START"]  # its own message's
+    assert second["HTTP_SEND_START"] >= first["HTTP_SEND_END"]
 
 
 def test_a_models_own_settings_count_and_clear(client: httpclient.InferenceServerClient, base: Path) -> None:
