@@ -73,7 +73,11 @@ def add_sub(client: httpclient.InferenceServerClient, n: int, request_id: str = 
 
 def traces(base: Path) -> list[dict]:
     found = []
-    for path in sorted(base.parent.glob(base.name + "*")):
+    def written(path: Path) -> tuple[str, int]:  # .json.10 after .json.9, not after .json.1
+        head, _, part = path.name.rpartition(".")
+        return (head, int(part)) if part.isdigit() else (path.name, -1)
+
+    for path in sorted(base.parent.glob(base.name + "*"), key=written):
         found += json.loads(path.read_text())
     return found
 
