@@ -11,17 +11,13 @@ the names, types and shapes the ensemble wires together, no ensemble calls itsel
 """
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import Code, ConfigError, DeadlineExceeded, DespinaError
-from .modelspec import ModelSpec, TensorSpec, check_inputs, check_shape
-from .records import InferReply, Tensor
-
-log = logging.getLogger("despina.ensemble")
+from .ensemble_stream import problem
+from .errors import ConfigError
+from .modelspec import ModelSpec, TensorSpec
 
 PLATFORM = "ensemble"
 
@@ -150,6 +146,7 @@ class Ensemble:
         for t in own.inputs:
             tensors[t.name] = (t, own.batched, "the ensemble's input")
         specs: dict[int, ModelSpec] = {}
+        decoupled: list[Step] = []
         for step in self.steps:
             spec, why = lookup(step.model)
             if spec is None:
@@ -157,7 +154,7 @@ class Ensemble:
             if is_ensemble(spec.config) and self._reaches(step.model, lookup):
                 return f"{step}: the ensembles call each other in a cycle"
             if spec.decoupled:
-                return f"{step}: the model is decoupled (several responses to a request): not in an ensemble"
+                decoupled.append(step)
             # a model that does not batch may take a batching ensemble's tensors whole, as in Triton,
             # when its dims hold the batch dimension (the shapes, checked below, agree)
             if own.batched and spec.batched and spec.max_batch_size < own.max_batch_size:
@@ -193,6 +190,12 @@ class Ensemble:
             if not _dims_fit(_full(got, batched), _full(t, own.batched)):
                 return (f"ensemble output '{t.name}' has shape {list(_full(t, own.batched))} but {maker} "
                         f"makes {list(_full(got, batched))}")
+        if decoupled and own.response_cache:  # Triton refuses it, as a decoupled model's (modelconfig.py)
+            return (f"{decoupled[0]}: the model is decoupled, and so the ensemble (one request, several "
+                    "responses): the response cache does not support it; remove response_cache or its "
+                    "enable: true")
+        if decoupled:
+            return problem(self, decoupled)
         return ""
 
     def cycle(self, lookup: Callable[[str], tuple[ModelSpec | None, str]]) -> str:
@@ -220,147 +223,6 @@ class Ensemble:
             if spec is not None:
                 todo.extend(called_by(spec.config))
         return False
-
-
-class Run:
-    """One request through an ensemble's graph: a step starts as soon as the tensors it reads exist, so
-    independent steps run at once, and a step's outputs become ensemble tensors for the steps after it.
-    The request keeps one deadline across all its steps; the first step that fails ends the run with
-    its error, named by step and model.
-
-    Where steps go is the subclass's: `_call(step)` queues one (through `step_inputs` and, when its
-    answer comes, `settled`); `_finish(result, rows)` gets the reply with the requested outputs, or the
-    error. The gateway runs an ensemble this way over the models' streams (gateway/ensemble.py), a
-    worker that has every model it calls over their batchers (workers/ensembles.py). Everything is
-    callbacks: no task of its own."""
-
-    def __init__(self, spec: ModelSpec, ensemble: Ensemble, timeout: float) -> None:
-        self.spec, self.ensemble = spec, ensemble
-        self.started = time.monotonic()
-        self.deadline = self.started + timeout
-        self.pending: list[Step] = []
-        self.running = 0
-        self.over = False
-        self.tensors: dict[str, Tensor] = {}
-        self.compute_us = 0  # its steps' compute, its own in the statistics as in Triton
-
-    def _call(self, step: Step) -> None:
-        raise NotImplementedError
-
-    def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
-        raise NotImplementedError
-
-    def start(self, inputs: list[Tensor], outputs: tuple[str, ...]) -> None:
-        """Run on `inputs` (checked against the ensemble's own spec); answer `outputs` (all when none)."""
-        self._plan(inputs, outputs)
-        self._next()
-
-    def _plan(self, inputs: list[Tensor], outputs: tuple[str, ...]) -> None:
-        self.tensors = {t.name: t for t in inputs}
-        self.wanted = outputs or tuple(t.name for t in self.spec.outputs)
-        self.pending = self.ensemble.needed_for(self.wanted)
-        # what will exist: the inputs given and the outputs of every step that runs (an optional input
-        # that was not given is not waited for)
-        self.coming = set(self.tensors) | {t for s in self.pending for _, t in s.outputs}
-
-    def _next(self) -> None:
-        try:
-            self._advance()
-        except Exception as exc:  # a fault here must still answer the caller, never leave it waiting
-            log.exception("ensemble %s failed", self.spec.name)
-            self.fail(DespinaError(f"ensemble '{self.spec.name}' failed: {exc}", Code.INTERNAL))
-
-    def _advance(self) -> None:
-        """Start every step whose tensors exist; answer once nothing runs and nothing is left."""
-        tensors, coming = self.tensors, self.coming
-        ready = [s for s in self.pending if all(t in tensors or t not in coming for _, t in s.inputs)]
-        for step in ready:
-            if step not in self.pending:
-                continue  # a step answered at once (from a response cache) started it already
-            self.pending.remove(step)
-            self.running += 1
-            try:
-                self._call(step)
-            except DespinaError as exc:
-                self.fail(self.named(step, exc))
-            if self.over:
-                return
-        if self.running:
-            return
-        if self.pending:
-            missing = sorted({t for s in self.pending for _, t in s.inputs if t not in tensors})
-            self.fail(DespinaError(f"ensemble '{self.spec.name}': {self.pending[0]} waits for tensor(s) "
-                                   f"{', '.join(missing)} that no step returned", Code.INTERNAL))
-            return
-        # an output no step returned is left out, as in Triton. The reply carries its steps' compute: an
-        # ensemble that calls this one counts that as its own, as Triton's does (a step reports its
-        # compute to its ensemble's statistics, an ensemble step the sums of its own steps)
-        reply = InferReply("", tuple(_renamed(tensors[n], n) for n in self.wanted if n in tensors),
-                           compute_us=self.compute_us)
-        self.over = True
-        self._finish(reply, self._rows())
-
-    def step_inputs(self, step: Step, spec: ModelSpec) -> list[Tensor]:
-        """The step's inputs, renamed to its model's and checked against its spec."""
-        inputs = []
-        for model_input, name in step.inputs:
-            t = self.tensors.get(name)
-            if t is None:
-                continue  # an optional input the caller left out, or an output a step did not return
-            expected = spec.input(model_input)
-            if expected is not None:
-                check_shape(spec, expected, list(t.shape))
-            inputs.append(Tensor(model_input, t.datatype, t.shape, t.data))
-        check_inputs(spec, inputs)
-        return inputs
-
-    def settled(self, step: Step, result: InferReply | DespinaError) -> None:
-        """A step's answer: its outputs become ensemble tensors, and the steps they complete start."""
-        if self.over:
-            return  # another step failed first: its error was the answer
-        self.running -= 1
-        if isinstance(result, DespinaError):
-            self.fail(self.named(step, result))
-            return
-        self.compute_us += result.compute_us
-        names = dict(step.outputs)
-        for t in result.outputs:
-            if t.name in names:
-                self.tensors[names.pop(t.name)] = t
-        # what it did not return never comes: a step that reads it runs without it (Triton's placeholder)
-        self.coming.difference_update(names.values())
-        self._next()
-
-    def fail(self, error: DespinaError) -> None:
-        if self.over:
-            return
-        self.over = True
-        self._finish(error, 0)
-
-    def left(self) -> float:
-        """Seconds left of the request's time; DeadlineExceeded when none is."""
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded(f"ensemble '{self.spec.name}' ran out of time")
-        return left
-
-    def named(self, step: Step, exc: DespinaError) -> DespinaError:
-        code = exc.code
-        if code == Code.INVALID_ARGUMENT and any(t not in self.ensemble.inputs for _, t in step.inputs):
-            code = Code.INTERNAL  # a tensor another step made does not fit: the ensemble's fault
-        elif code == Code.NOT_FOUND:
-            code = Code.UNAVAILABLE  # the ensemble exists; a model it calls went away
-        return DespinaError(f"ensemble '{self.spec.name}' {step}: {exc.message}", code)
-
-    def _rows(self) -> int:
-        if not self.spec.batched:
-            return 1
-        first = next((self.tensors[n] for n in self.ensemble.inputs if n in self.tensors), None)
-        return first.shape[0] if first is not None and first.shape else 1
-
-
-def _renamed(t: Tensor, name: str) -> Tensor:
-    return t if t.name == name else Tensor(name, t.datatype, t.shape, t.data)
 
 
 def _full(t: TensorSpec, batched: bool) -> tuple[int, ...]:

@@ -192,7 +192,7 @@ def complete(config: Any) -> Any:
             sb.oldest.preferred_batch_size.extend(batched)
     if config.platform == "ensemble":
         # as Triton shows an ensemble: no backend (Despina's marker "ensemble" stops here), and decoupled
-        # when a step is, which Despina refuses (contract/ensemble.py): never
+        # when a step is, which the control plane marks once it sees the steps (control/ensembles.py)
         config.backend = ""
         config.model_transaction_policy.decoupled = False
         config.model_transaction_policy.SetInParent()

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..contract.catalog import IDLE, UNLOADED, CatalogEntry
-from ..contract.ensemble import Ensemble, is_ensemble
+from ..contract.ensemble import Ensemble, called_by, is_ensemble
 from ..contract.errors import DespinaError
 from ..contract.modelspec import ModelSpec
 from .state import Catalog, Workers
@@ -46,12 +46,33 @@ class Ensembles:
             except DespinaError as exc:
                 why = exc.message
             failed = {v: why for v in e.versions} if why else {}
-            if failed != e.failed:
-                if why:
+            config = e.config if why else self._decoupled_as_its_steps(e, ensemble)
+            if failed != e.failed or config is not e.config:
+                if failed != e.failed and why:
                     log.error("ensemble %s cannot serve: %s", e.name, why)
-                else:
+                elif failed != e.failed:
                     log.info("ensemble %s: every model it calls is there", e.name)
-                self.catalog.put(replace(e, failed=failed))
+                self.catalog.put(replace(e, failed=failed, config=config))
+
+    def _decoupled_as_its_steps(self, e: CatalogEntry, ensemble: Ensemble) -> dict[str, Any]:
+        """The ensemble's config, decoupled when a step's model is (several responses to a request, as
+        Triton marks such an ensemble; contract/ensemble_stream.py), and not when none is."""
+        decoupled = any(self._streams(s.model) for s in ensemble.steps)
+        policy = e.config.get("model_transaction_policy") or {}
+        if bool(policy.get("decoupled", False)) == decoupled:
+            return e.config
+        return {**e.config, "model_transaction_policy": {**policy, "decoupled": decoupled}}
+
+    def _streams(self, name: str, depth: int = 0) -> bool:
+        """Whether a model answers a request with several responses: it is decoupled, or an ensemble
+        that calls one (followed through the configs, so that an ensemble over an ensemble is marked in
+        the same tick as the one it calls, whichever comes first)."""
+        spec, _ = self._usable(name)
+        if spec is None or depth > 8:
+            return False
+        if is_ensemble(spec.config):
+            return any(self._streams(m, depth + 1) for m in called_by(spec.config))
+        return spec.decoupled
 
     def _parsed(self, name: str) -> tuple[ModelSpec | None, str]:
         """A model's spec whenever its config could be read, failed or not (cycles are in the configs:

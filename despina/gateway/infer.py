@@ -273,7 +273,7 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
         if graph is None:
             raise Unavailable(f"ensemble '{model}' cannot be read by this gateway")
         ensemble.run(submit, gw, spec, graph, version, inputs, outputs, trace, done, priority, timeout_us,
-                     timeout, sequence, traced)
+                     timeout, sequence, traced, partial)
         return None
     now = clock.now()
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,

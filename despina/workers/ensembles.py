@@ -2,7 +2,7 @@
 
 A worker that has a READY version of each model an ensemble's steps call (the pinned version where a
 step pins one) runs the ensemble itself, as Triton does: it reads the ensemble's own stream through
-the consumer group like a model's, runs each request's graph (contract.ensemble.Run) with every step
+the consumer group like a model's, runs each request's graph (contract.ensemble_run.Run) with every step
 queued straight into its model's batcher in this process — batched there with that model's other
 requests — and writes the final reply to the gateway, the ensemble's statistics, and the
 acknowledgement in one pipeline. The step tensors never leave the process. Its heartbeat reports the
@@ -22,7 +22,8 @@ from redis.exceptions import RedisError
 
 from .. import clock
 from ..contract import records
-from ..contract.ensemble import Ensemble, Run, Step
+from ..contract.ensemble import Ensemble, Step
+from ..contract.ensemble_run import Run
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, Unavailable
 from ..contract.keys import FIELD, Keys
 from ..contract.modelspec import ModelSpec

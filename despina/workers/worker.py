@@ -356,6 +356,8 @@ class Worker(Loading):
         for entry in self.catalog.values() if self.settings.host_ensembles else ():
             if not (entry.serving and is_ensemble(entry.config)):
                 continue
+            if (entry.config.get("model_transaction_policy") or {}).get("decoupled"):
+                continue  # several responses to a request: the gateway runs it (contract/ensemble_stream.py)
             try:
                 graph = Ensemble.from_config(entry.config)
             except ConfigError:
