@@ -20,7 +20,8 @@ from .conftest import Server, module_server, settled_stats
 from .test_ensemble import step, write
 
 # a response per count up to IN (OUT = its index), then the final flag alone; at index ERR an error
-# response instead, a moment later than the others (so the responses before it are out first)
+# response instead, a moment later than the others (so the responses before it are out first); with ERR
+# -2 the last response carries the final flag
 DEC = """
 import time
 import numpy as np
@@ -38,8 +39,13 @@ class TritonPythonModel:
                     sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"bad response {i}")))
                     continue
                 out = pb_utils.Tensor("OUT", np.array([i], dtype=np.int32))
+                if err == -2 and i == n - 1:  # the last response with the final flag
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[out]),
+                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    break
                 sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 """
 PLUS = """
@@ -111,6 +117,12 @@ def test_each_response_of_the_decoupled_step_is_a_response_of_the_ensemble(serve
     assert r.status_code == 200 and ys(events(r)) == [100]
     r = post(server, "generate_stream", 0)  # no response, then the final flag alone: no event
     assert r.status_code == 200 and r.text == ""
+    r = post(server, "generate_stream", 2, err=-2)  # the last response with the final flag goes through too
+    assert r.status_code == 200 and ys(events(r)) == [100, 101]
+    r = post(server, "generate", 1, err=-2)
+    assert r.status_code == 200 and ys([r.json()]) == [100]
+    # the gateway runs it: a worker runs only ensembles that answer once
+    assert "ensemble ens version 1: run in this worker" not in server.logs()
 
 
 def test_an_ensemble_over_a_decoupled_ensemble_streams_too(server: Server) -> None:
