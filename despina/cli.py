@@ -135,7 +135,9 @@ def parser() -> argparse.ArgumentParser:
     def metrics_config(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--metrics-config", dest="metrics_config", action="append", metavar="SETTING=VALUE",
                         help="as Triton's: summary_latencies=true adds the latency summaries "
-                             "(nv_inference_*_summary_us), summary_quantiles=Q:ERROR,... their quantiles "
+                             "(nv_inference_*_summary_us), summary_quantiles=Q:ERROR,... their quantiles, "
+                             "counter_latencies=false leaves out the latency counters; histogram_latencies "
+                             "is taken and adds nothing, as in Triton 2.51 "
                              "(repeatable; serve's workers take serve's, `despina worker` needs its own)")
 
     serve = sub.add_parser("serve", help="start control plane, workers and gateway on this machine")
@@ -223,25 +225,30 @@ def settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     return Settings.from_sources(values, environ)
 
 
-METRICS_CONFIG = {"summary_latencies": "summary_latencies", "summary_quantiles": "summary_quantiles"}
+# Triton 2.51's --metrics-config settings. histogram_latencies it takes and does nothing with: 2.51 has no
+# latency histogram (nv_inference_first_response_histogram_ms came in a later release), so neither here
+METRICS_CONFIG = ("summary_latencies", "summary_quantiles", "counter_latencies", "histogram_latencies")
 
 
 def _metrics_config(entries: list[str]) -> dict[str, Any]:
-    """Triton's --metrics-config SETTING=VALUE entries as settings (the last of each wins). Triton logs a
-    setting it cannot use and starts without it; here it stops the start, in one line."""
+    """Triton's --metrics-config SETTING=VALUE entries as settings (the last of each wins). Triton 2.51
+    takes any setting and value, using what it knows; here one it cannot use stops the start, in one line."""
     values: dict[str, Any] = {}
     for entry in entries:
         setting, sep, value = entry.partition("=")
         if setting not in METRICS_CONFIG or not sep:
-            raise BadSetting(f"--metrics-config {entry!r}: only summary_latencies=true|false and "
-                             "summary_quantiles=<quantile>:<error>,... are taken")
-        if setting == "summary_latencies":
-            try:
-                values[setting] = _boolean(value)
-            except argparse.ArgumentTypeError as exc:
-                raise BadSetting(f"--metrics-config {entry!r}: {exc}") from None
-        else:
+            raise BadSetting(f"--metrics-config {entry!r}: only summary_latencies, counter_latencies, "
+                             "histogram_latencies =true|false and summary_quantiles=<quantile>:<error>,... "
+                             "are taken")
+        if setting == "summary_quantiles":
             values[setting] = value
+            continue
+        try:
+            on = _boolean(value)
+        except argparse.ArgumentTypeError as exc:
+            raise BadSetting(f"--metrics-config {entry!r}: {exc}") from None
+        if setting != "histogram_latencies":
+            values[setting] = on
     return values
 
 

@@ -24,13 +24,16 @@ from .host_metrics import HostMetrics, Sample
 from .workers.stats import COLD_START_BUCKETS_S, LATENCY_BUCKETS_US
 
 # Triton's counters: name, help (Triton 2.51's, word for word), statistics field, scale from its unit
-COUNTERS = (
+COUNTS = (
     ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
      "success_count", 1),
     ("nv_inference_count", "Number of inferences performed (does not include cached requests)",
      "inference_count", 1),
     ("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)",
      "execution_count", 1),
+)
+# and its latency counters, which --metrics-config counter_latencies=false leaves out
+LATENCY_COUNTERS = (
     ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds "
      "(includes cached requests)", "success_ns", 1e-3),
     ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds "
@@ -43,6 +46,7 @@ COUNTERS = (
      "microseconds (does not include cached requests)", "compute_output_ns", 1e-3),
 )
 # the response cache (response_cache.py), as Triton shows it: only for the versions whose config enables it
+# (counter_latencies=false leaves these out too, the counts with the durations, as Triton 2.51 does)
 CACHE_COUNTERS_PER_MODEL = (
     ("nv_cache_num_hits_per_model", "Number of cache hits per model", "cache_hit_count", 1),
     ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds",
@@ -214,12 +218,13 @@ CLIENTS = (
 )
 
 
-def render(data: dict[str, Any], host: Iterable[Sample] = (), quantiles: tuple[float, ...] | None = None
-           ) -> bytes:
-    """`quantiles`: those of Triton's latency summaries, None when they are off."""
+def render(data: dict[str, Any], host: Iterable[Sample] = (), quantiles: tuple[float, ...] | None = None,
+           latency_counters: bool = True) -> bytes:
+    """`quantiles`: those of Triton's latency summaries, None when they are off; `latency_counters`: False
+    leaves out the latency counters and the per-model cache counters, as Triton's counter_latencies=false."""
     out = Exposition()
     models = data["models"]
-    for name, help_, field, scale in COUNTERS:
+    for name, help_, field, scale in COUNTS + LATENCY_COUNTERS if latency_counters else COUNTS:
         out.family(name, "counter", help_)
         for m in models:
             out.sample(name, _labels(m), m["stats"].get(field, 0) * scale)
@@ -230,7 +235,7 @@ def render(data: dict[str, Any], host: Iterable[Sample] = (), quantiles: tuple[f
             out.sample("nv_inference_request_failure", {**_labels(m), "reason": reason},
                        m["stats"].get(f"fail:{reason}", 0))
     cached = [m for m in models if m.get("cached")]
-    for name, help_, field, scale in CACHE_COUNTERS_PER_MODEL if cached else ():
+    for name, help_, field, scale in CACHE_COUNTERS_PER_MODEL if cached and latency_counters else ():
         out.family(name, "counter", help_)
         for m in cached:
             out.sample(name, _labels(m), m["stats"].get(field, 0) * scale)
@@ -363,11 +368,11 @@ def _cold_start_histogram(out: Exposition, models: list[dict[str, Any]]) -> None
 
 
 async def metrics_text(redis: aioredis.Redis, keys: Keys, host: HostMetrics,
-                       own_cache: dict[str, int] | None = None, quantiles: tuple[float, ...] | None = None
-                       ) -> bytes:
+                       own_cache: dict[str, int] | None = None, quantiles: tuple[float, ...] | None = None,
+                       latency_counters: bool = True) -> bytes:
     """`own_cache`: the control plane's artifact cache counters, when it has a cache; `quantiles`: those of
-    the latency summaries, None when they are off."""
+    the latency summaries, None when they are off; `latency_counters`: as render's."""
     data = await collect(redis, keys)
     if own_cache is not None:
         data["cache"]["control"] = own_cache
-    return render(data, host.samples(data["gpus"]), quantiles)
+    return render(data, host.samples(data["gpus"]), quantiles, latency_counters)

@@ -88,6 +88,10 @@ class Settings:
     summary_latencies: bool = False
     # Triton 2.51's default (its errors unused: summaries.py keeps every quantile within 1%)
     summary_quantiles: str = "0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001,0.999:0.000001"
+    # Triton's --metrics-config counter_latencies: false leaves the latency counters
+    # (nv_inference_*_duration_us, nv_cache_*_per_model) out of /metrics, as Triton 2.51 does; the
+    # statistics API keeps them
+    counter_latencies: bool = True
     log_level: str = "info"
     log_format: str = "text"                # or "json"
     # Triton's --trace-config triton,file=PATH: where a gateway writes traces ('': none, tracing refused).

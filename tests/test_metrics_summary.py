@@ -84,7 +84,9 @@ def test_no_summaries_unless_asked(tmp_path: Path, serve: Any) -> None:
     ("summary_quantiles=abc", "summary_quantiles"),
     ("summary_quantiles=1.5:0.01", "summary_quantiles"),
     ("summary_latencies=maybe", "summary_latencies"),
-    ("counter_latencies=false", "counter_latencies"),
+    ("counter_latencies=maybe", "counter_latencies"),
+    ("histogram_latencies=maybe", "histogram_latencies"),
+    ("summary_count=true", "summary_count"),
     ("summary_latencies", "summary_latencies"),
 ])
 def test_a_metrics_config_it_cannot_take_is_refused(tmp_path: Path, config: str, said: str) -> None:
@@ -177,3 +179,51 @@ def test_cache_summaries_as_tritons(tmp_path: Path, serve: Any) -> None:
     assert f"nv_inference_request_summary_us_count{{{labels}}}" not in text
     assert _value(text, f"nv_inference_queue_summary_us_count{{{labels}}}") == 2
     assert 'nv_cache_hit_summary_per_model_count{model="add_sub_python"' not in text
+
+
+# what Triton 2.51's --metrics-config counter_latencies=false leaves out (scraped from tritonserver 2.51 with
+# a cached and a plain Python-backend model): the latency counters, and every per-model cache counter
+LATENCY_COUNTERS = ("nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+                    "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
+                    "nv_inference_compute_output_duration_us", "nv_cache_num_hits_per_model",
+                    "nv_cache_hit_duration_per_model", "nv_cache_num_misses_per_model",
+                    "nv_cache_miss_duration_per_model")
+
+
+def _cached_repo(tmp_path: Path) -> Path:
+    repo = _repo(tmp_path)
+    shutil.copytree(repo / "add_sub_python", repo / "add_sub_cached")
+    config = repo / "add_sub_cached" / "config.pbtxt"
+    config.write_text(config.read_text().replace('"add_sub_python"', '"add_sub_cached"')
+                      + "response_cache { enable: true }\n")
+    return repo
+
+
+def test_counter_latencies_false_leaves_out_the_latency_counters_as_triton(tmp_path: Path, serve: Any) -> None:
+    """Triton 2.51 takes counter_latencies=false and shows no latency counters (its request, inference and
+    execution counts stay, so do the summaries, count and sum included); it takes histogram_latencies=true
+    too and adds nothing (2.51 has no latency histogram: nv_inference_first_response_histogram_ms came
+    later)."""
+    server = serve(_cached_repo(tmp_path), "--metrics-config", "counter_latencies=false",
+                   "--metrics-config", "histogram_latencies=true", "--metrics-config", "summary_latencies=true",
+                   "--response-cache-bytes", "1048576", wait_models=("add_sub_cached", "add_sub_python"))
+    for model in ("add_sub_cached", "add_sub_cached", "add_sub_python"):  # a miss, a hit; one plain
+        assert httpx.post(f"{server.url}/v2/models/{model}/infer", json=BODY).status_code == 200
+    cached = 'model="add_sub_cached",version="1"'
+
+    def scraped() -> str | None:
+        text = httpx.get(server.metrics_url).text
+        return text if _value(text, f"nv_inference_request_success{{{cached}}}") == 2 else None
+
+    text = wait_until(scraped, what="the cached model's two successes")
+    for name in LATENCY_COUNTERS:
+        assert name not in text, name
+    assert _value(text, 'nv_inference_count{model="add_sub_python",version="1"}') == 1
+    assert _value(text, 'nv_inference_exec_count{model="add_sub_python",version="1"}') == 1
+    assert _value(text, f"nv_inference_queue_summary_us_count{{{cached}}}") == 2
+    assert _value(text, 'nv_inference_request_summary_us_count{model="add_sub_python",version="1"}') == 1
+    assert _value(text, f"nv_cache_hit_summary_per_model_count{{{cached}}}") == 1
+    assert not re.search(r"^# TYPE nv_\S+ histogram$", text, re.M)  # (Despina's own histograms stay)
+    # the statistics API still counts the durations (Triton's does): only /metrics leaves them out
+    stats = httpx.get(f"{server.url}/v2/models/add_sub_python/stats").json()["model_stats"][0]
+    assert stats["inference_stats"]["success"]["ns"] > 0

@@ -47,7 +47,7 @@ def create_app(settings: Settings, redis: aioredis.Redis, cache: ArtifactCache |
         try:
             if leader:
                 body = await metrics_text(redis, keys, host, cache.stats.as_dict() if cache else None,
-                                          quantiles)
+                                          quantiles, settings.counter_latencies)
             else:
                 await redis.ping()
                 body = b""
