@@ -158,7 +158,7 @@ def parser() -> argparse.ArgumentParser:
                             "them can hold (GPUs, memory) fails at once; --no-fixed-workers waits for a "
                             "worker that can take it to join (workers started by hand)")
     gw = sub.add_parser("gateway", help="run one HTTP gateway against a shared Redis")
-    for add in (common, http, cache):
+    for add in (common, http, cache, metrics_config):
         add(gw)
     wk = sub.add_parser("worker", help="run one worker process against a shared Redis")
     for add in (common, worker, cache, metrics_config):

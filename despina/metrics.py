@@ -142,7 +142,7 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     for wid in workers:
         pipe.hgetall(keys.worker(wid.decode()))
     for gid in gateways:
-        pipe.hmget(keys.gateway(gid.decode()), "response_cache", "connections")
+        pipe.hmget(keys.gateway(gid.decode()), "response_cache", "connections", "summaries")
     got = await pipe.execute() if workers or gateways else []
     hashes, reports = got[:len(workers)], got[len(workers):]
     # a worker's hash is there while its heartbeat has not expired
@@ -155,7 +155,7 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     reported = {f"gateway:{gid.decode()}": r for gid, r in zip(gateways, reports)}
     responses.update({p: orjson.loads(r[0]) for p, r in reported.items() if r[0]})
     clients = {p: orjson.loads(r[1]) for p, r in reported.items() if r[1]}  # each gateway's connections
-    stale = [gid for gid, r in zip(gateways, reports) if r == [None, None]]
+    stale = [gid for gid, r in zip(gateways, reports) if r == [None, None, None]]
     if stale:
         await redis.srem(keys.gateways, *stale)
     executing: dict[tuple[str, str], int] = {}  # requests in batches executing now, over every worker
@@ -180,6 +180,7 @@ async def collect(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     latencies = [msgpack.unpackb(h[b"summaries"]) for _, h in sorted(heartbeats.items())
                  if h.get(b"summaries")]
     latencies += [f["summaries"] for _, f in sorted(responses.items()) if f.get("summaries")]
+    latencies += [orjson.loads(r[2]) for _, r in sorted(reported.items()) if r[2]]  # gateways' ensembles
     return {"models": models, "workers_alive": len(heartbeats), "cache": cache, "gpus": gpus,
             "custom": custom, "summaries": latencies,
             "response_cache": {p: f for p, f in responses.items() if f}, "clients": clients,

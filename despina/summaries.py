@@ -1,10 +1,12 @@
 """Triton's latency summaries (--metrics-config summary_latencies=true): recent latencies, kept by each
-worker for its requests and by each response cache (a gateway's or a worker's) for its lookups.
+worker for its requests, by whoever runs an ensemble (a worker or a gateway) for its requests, and by each
+response cache (a gateway's or a worker's) for its lookups.
 
 Per model version a worker keeps, for the last MAX_AGE_S seconds, how many requests took about how long:
 counts in buckets whose bounds grow by GAMMA (each bucket's middle is within 1% of every latency in it),
-for the request, its queue wait and its compute input, infer and output. Its heartbeat carries them; the
-control plane adds every worker's together and answers a quantile from the sum (metrics.py). Counts add
+for the request, its queue wait and its compute input, infer and output. Its heartbeat carries them (a
+gateway's report, every 5 s, its ensembles'); the control plane adds every process's together and
+answers a quantile from the sum (metrics.py). Counts add
 where quantile sketches would not: the cluster's quantile is one over every worker's requests.
 The window slides as Triton's (prometheus-cpp's) does: AGE_BUCKETS windows of MAX_AGE_S / AGE_BUCKETS
 each, the oldest dropped as a new one starts. Nothing of this runs unless the setting is on.
@@ -112,6 +114,18 @@ def observe(window: LatencyWindow, replies: list[InferReply], rows: int, timings
         k = requests_in(r.id) if grouped else 1
         add(request, r.queue_us + max(r.compute_us + output_us, least_us), k)
         add(queue, r.queue_us, k)
+
+
+def observe_ensemble(window: LatencyWindow, us: int, queue_us: int, compute_us: int) -> None:
+    """An ensemble request that succeeded, as stats.ensemble_counts counts it: its latency, its own queue
+    wait, and its steps' compute, all of it as infer (its input and output none)."""
+    window.turn_if_due()
+    add = window.add
+    add(window.request, us)
+    add(window.queue, queue_us)
+    add(window.compute_input, 0)
+    add(window.compute_infer, compute_us)
+    add(window.compute_output, 0)
 
 
 def quantiles(exports: Iterable[Exported], quantity: str, qs: Iterable[float]) -> list[float]:

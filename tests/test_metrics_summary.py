@@ -227,3 +227,37 @@ def test_counter_latencies_false_leaves_out_the_latency_counters_as_triton(tmp_p
     # the statistics API still counts the durations (Triton's does): only /metrics leaves them out
     stats = httpx.get(f"{server.url}/v2/models/add_sub_python/stats").json()["model_stats"][0]
     assert stats["inference_stats"]["success"]["ns"] > 0
+
+
+@pytest.mark.parametrize("runs", ["worker", "gateway"])
+def test_an_ensembles_summaries_have_quantiles_as_tritons(tmp_path: Path, serve: Any, runs: str,
+                                                          example_repository: Path) -> None:
+    """Triton 2.51 shows an ensemble's quantiles as a model's (scraped: mlp_classify's request, queue and
+    compute summaries all have them), whether a worker runs it or the gateway does."""
+    repo = tmp_path / "repo"
+    for name in ("mlp", "classify_post", "mlp_classify"):
+        shutil.copytree(example_repository / name, repo / name)
+    env = {"DESPINA_HOST_ENSEMBLES": "false"} if runs == "gateway" else {}
+    server = serve(repo, "--metrics-config", "summary_latencies=true", env=env,
+                   wait_models=("mlp", "classify_post", "mlp_classify"))
+    body = {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [0.5] * 256}]}
+    for _ in range(3):
+        assert httpx.post(f"{server.url}/v2/models/mlp_classify/infer", json=body).status_code == 200
+    labels = 'model="mlp_classify",version="1"'
+
+    def scraped() -> str | None:  # with the next heartbeat (a worker's) or report (a gateway's, 5 s)
+        text = httpx.get(server.metrics_url).text
+        p50 = _value(text, f'nv_inference_request_summary_us{{{labels},quantile="0.5"}}')
+        return text if p50 is not None and p50 == p50 else None
+
+    text = wait_until(scraped, what="the ensemble's request summary's quantiles", timeout=20)
+    for name in FAMILIES:
+        assert _value(text, f"{name}_count{{{labels}}}") == 3, name
+        p50 = _value(text, f'{name}{{{labels},quantile="0.5"}}')
+        p999 = _value(text, f'{name}{{{labels},quantile="0.999"}}')
+        assert p50 is not None and p999 is not None and 0 <= p50 <= p999, (name, p50, p999)
+        total = _value(text, f"{name}_sum{{{labels}}}")
+        assert total is not None and p50 <= total * 1.01 + 1, (name, p50, total)  # one of three at most
+    request = _value(text, f'nv_inference_request_summary_us{{{labels},quantile="0.999"}}')
+    infer = _value(text, f'nv_inference_compute_infer_summary_us{{{labels},quantile="0.5"}}')
+    assert request is not None and infer is not None and 0 < infer <= request * 1.01

@@ -27,6 +27,7 @@ from ..logs import dump_tasks_on_sigusr2
 from ..redis_client import connect
 from ..response_cache import ResponseCache
 from ..settings import Settings
+from ..summaries import Exported, LatencyWindow
 from .auth import AuthPolicy, Guard
 from .connection import Clients
 from .cors import CorsMiddleware, CorsPolicy
@@ -80,6 +81,9 @@ class Gateway:
         # Triton's response cache (models with response_cache { enable: true }), when given its memory
         self.cache = ResponseCache(settings.response_cache_bytes,
                                    settings.summary_latencies) if settings.response_cache_bytes else None
+        # the ensembles it runs: their requests' recent latencies, for Triton's latency summaries
+        self.latencies: dict[tuple[str, int], LatencyWindow] | None = \
+            {} if settings.summary_latencies else None
         self.clients = Clients(fds.connection_limit(settings.max_connections))  # counted by its connections
         # clients' shared memory regions (Triton's --allow-client-shm), the server's: its gateways share them
         self.shm = Registry.of(settings.key_prefix, settings.http_port) if settings.allow_client_shm else None
@@ -122,12 +126,29 @@ class Gateway:
                 pipe.hset(key, "connections", orjson.dumps(self.clients.figures()))
                 if self.cache is not None:
                     pipe.hset(key, "response_cache", orjson.dumps(self.cache.figures()))
+                if self.latencies:
+                    pipe.hset(key, "summaries", orjson.dumps(self.latency_exports()))
                 pipe.pexpire(key, int(REPORT_S * 3000))
                 pipe.sadd(self.keys.gateways, self.dispatcher.id)
                 await pipe.execute()
             except (RedisError, OSError) as exc:  # the next round tries again; the figures are not urgent
                 log.debug("gateway: reporting its figures failed (%s)", exc)
             await asyncio.sleep(REPORT_S)
+
+    def latency_window(self, model: str, version: int) -> LatencyWindow:
+        """The window of an ensemble version this gateway runs (summary_latencies only)."""
+        assert self.latencies is not None
+        window = self.latencies.get((model, version))
+        if window is None:
+            window = self.latencies[model, version] = LatencyWindow()
+        return window
+
+    def latency_exports(self) -> dict[str, dict[str, Exported]]:
+        assert self.latencies is not None
+        out: dict[str, dict[str, Exported]] = {}
+        for (model, version), window in self.latencies.items():
+            out.setdefault(model, {})[str(version)] = window.export()
+        return out
 
     @staticmethod
     async def _release_shm(shm: Registry) -> None:

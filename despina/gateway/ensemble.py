@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .. import clock
+from .. import clock, summaries
 from ..contract.ensemble import PLATFORM, Ensemble, Step
 from ..contract.ensemble_run import Run
 from ..contract.errors import DespinaError, Unavailable
@@ -102,8 +102,11 @@ class _GatewayRun(Run):
 
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
         us = int((time.monotonic() - self.started) * 1e6)
-        counts = ensemble_counts(result if isinstance(result, DespinaError) else None, us, rows,
-                                 compute_us=self.compute_us)
+        error = result if isinstance(result, DespinaError) else None
+        counts = ensemble_counts(error, us, rows, compute_us=self.compute_us)
+        if error is None and self.gw.latencies is not None:
+            summaries.observe_ensemble(self.gw.latency_window(self.spec.name, self.version), us, 0,
+                                       self.compute_us)
         if rows:
             counts["last_inference"] = int(clock.now() * 1000)
         self.gw.dispatcher.count(self.gw.keys.stats(self.spec.name, self.version), counts)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .. import clock
+from .. import clock, summaries
 from ..contract import records
 from ..contract.ensemble import Ensemble, Step
 from ..contract.ensemble_run import Run
@@ -52,7 +52,10 @@ StepRunner = Callable[[Step], ModelRunner | None]
 class EnsembleHost:
     def __init__(self, redis: aioredis.Redis, keys: Keys, spec: ModelSpec, ensemble: Ensemble, version: int,
                  runner: StepRunner, consumer: str, delivery: DeliveryPolicy, config: bytes = b"",
-                 deferred: Deferred | None = None, sweep: PendingSweep | None = None) -> None:
+                 deferred: Deferred | None = None, sweep: PendingSweep | None = None,
+                 summary: bool = False) -> None:
+        """`summary`: keep its requests' recent latencies, for Triton's latency summaries."""
+        self.summary = summaries.LatencyWindow() if summary else None
         self.redis, self.keys, self.spec, self.ensemble, self.version = redis, keys, spec, ensemble, version
         self.sweep = sweep  # the worker's, which redelivers its streams' abandoned entries (sweep.py)
         self.runner = runner
@@ -207,6 +210,8 @@ class EnsembleHost:
         us = max(0, int((clock.now() - req.enqueued) * 1e6))
         error = result if isinstance(result, DespinaError) else None
         ensemble_counts(error, us, rows, self._counts, compute_us, queue_us)
+        if error is None and self.summary is not None:
+            summaries.observe_ensemble(self.summary, us, queue_us, compute_us)
         if error is None:
             self._counts["last_inference"] = int(clock.now() * 1000)
             reply = InferReply(req.id, result.outputs, None, queue_us, compute_us)  # type: ignore[union-attr]

@@ -220,6 +220,9 @@ class Presence:
                 for (name, version), runner in self.runners.items():
                     if runner.summary is not None:
                         latencies.setdefault(name, {})[str(version)] = runner.summary.export()
+                for (name, version), host in self.hosts.items():  # the ensembles it runs
+                    if host.summary is not None:
+                        latencies.setdefault(name, {})[str(version)] = host.summary.export()
                 fields["summaries"] = packb(latencies)
             mark_ms = int(self.settings.reply_ttl_s * 1000)
             kept = await self.redis.eval(await allow_oom(self.redis, HEARTBEAT), 3, self.keys.worker(self.id),

@@ -379,7 +379,8 @@ class Worker(Loading):
             if key in self.hosts:
                 continue
             host = EnsembleHost(self.redis, self.keys, ModelSpec.from_config(entry.config), graph, key[1],
-                                self.step_runner, self.id, self.delivery, config, self.deferred, self.sweep)
+                                self.step_runner, self.id, self.delivery, config, self.deferred, self.sweep,
+                                self.settings.summary_latencies)
             try:
                 await host.start()
             except (RedisError, OSError) as exc:
