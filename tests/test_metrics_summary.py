@@ -261,3 +261,16 @@ def test_an_ensembles_summaries_have_quantiles_as_tritons(tmp_path: Path, serve:
     request = _value(text, f'nv_inference_request_summary_us{{{labels},quantile="0.999"}}')
     infer = _value(text, f'nv_inference_compute_infer_summary_us{{{labels},quantile="0.5"}}')
     assert request is not None and infer is not None and 0 < infer <= request * 1.01
+
+
+@pytest.mark.parametrize("command", ["serve", "control", "worker", "gateway"])
+def test_every_command_takes_the_metrics_config(command: str) -> None:
+    """A gateway started alone runs ensembles and a response cache, whose latencies it keeps for the
+    summaries: it takes --metrics-config as the others do."""
+    from despina.cli import parser, settings_of
+
+    args = parser().parse_args([command, "--metrics-config", "summary_latencies=true",
+                                "--metrics-config", "counter_latencies=false",
+                                "--metrics-config", "histogram_latencies=true"])
+    settings = settings_of(args, environ={})
+    assert settings.summary_latencies and not settings.counter_latencies
