@@ -93,10 +93,11 @@ class LatencyWindow:
 def observe(window: LatencyWindow, replies: list[InferReply], rows: int, timings_ns: tuple[int, int, int],
             later: int = 0) -> None:
     """One batch's latencies, as stats.tally counts them into the counters: a succeeded request's
-    latency and queue wait, and each request the execution computed its compute input, infer and output."""
+    latency and queue wait, and each request the execution computed its compute input, infer and output,
+    those whose replies come later (`later`, a decoupled model's) included: their batch has no reply."""
     window.turn_if_due()
     ok = [r for r in replies if r.error is None]
-    if not ok:
+    if not ok and (replies or not later):  # every request failed, or none ran
         return
     grouped = any(r.id[:1] == GROUPED for r in replies)  # a gateway's several requests sent as one
     add = window.add

@@ -274,3 +274,29 @@ def test_every_command_takes_the_metrics_config(command: str) -> None:
                                 "--metrics-config", "histogram_latencies=true"])
     settings = settings_of(args, environ={})
     assert settings.summary_latencies and not settings.counter_latencies
+
+
+def test_a_decoupled_models_compute_summaries_have_quantiles(tmp_path: Path, serve: Any) -> None:
+    """A decoupled model's execution answers later (its replies are not the batch's): its compute goes
+    into the counters then (stats.tally's `later`), and into the summaries' windows too. Triton 2.51
+    (scraped, text_stream) shows its compute quantiles as any model's."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "model_repository" / "text_stream", repo / "text_stream")
+    server = serve(repo, "--metrics-config", "summary_latencies=true", wait_models=("text_stream",))
+    for _ in range(2):
+        r = httpx.post(f"{server.url}/v2/models/text_stream/generate", json={"text_input": "one"})
+        assert r.status_code == 200, r.text
+    labels = 'model="text_stream",version="1"'
+
+    def scraped() -> str | None:
+        text = httpx.get(server.metrics_url).text
+        p50 = _value(text, f'nv_inference_request_summary_us{{{labels},quantile="0.5"}}')
+        return text if p50 is not None and p50 == p50 else None
+
+    text = wait_until(scraped, what="the decoupled model's request summary's quantiles", timeout=20)
+    for name in FAMILIES:
+        assert _value(text, f"{name}_count{{{labels}}}") == 2, name
+        p50 = _value(text, f'{name}{{{labels},quantile="0.5"}}')
+        assert p50 is not None and p50 == p50 and p50 >= 0, (name, p50)
+    infer = _value(text, f'nv_inference_compute_infer_summary_us{{{labels},quantile="0.5"}}')
+    assert infer is not None and infer > 0
