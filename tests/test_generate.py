@@ -224,6 +224,37 @@ output [
 ]
 '''
 
+# Says the shape its input "x" came with ("zz") and its element count ("aa"): names on either side of
+# model_name in an answer's keys
+SHAPES = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("zz", np.array([str(list(x.shape)).encode()], dtype=np.object_)),
+                pb_utils.Tensor("aa", np.array([x.size], dtype=np.int32))]))
+        return out
+'''
+
+SHAPES_CONFIG = '''
+name: "{name}"
+backend: "python"
+max_batch_size: {batch}
+input [ {{ name: "x", data_type: TYPE_FP32, dims: {dims} }} ]
+output [
+  {{ name: "zz", data_type: TYPE_STRING, dims: [ 1 ] }},
+  {{ name: "aa", data_type: TYPE_INT32, dims: [ 1 ] }}
+]
+'''
+SHAPES_MODELS = {"shapes": (4, "[ 2 ]"), "shapes_fixed": (0, "[ 2, 2 ]"), "shapes_open": (0, "[ -1, 2, -1 ]")}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("generate-repo")
@@ -247,13 +278,17 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     (root / "matrix" / "1").mkdir(parents=True)
     (root / "matrix" / "1" / "model.py").write_text(MATRIX)
     (root / "matrix" / "config.pbtxt").write_text(MATRIX_CONFIG)
+    for name, (batch, dims) in SHAPES_MODELS.items():
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(SHAPES)
+        (root / name / "config.pbtxt").write_text(SHAPES_CONFIG.format(name=name, batch=batch, dims=dims))
     for name, extra in (("add_sub", ""), ("add_sub_decoupled", "model_transaction_policy { decoupled: true }\n")):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(f'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n{extra}')
         build_add_sub(root / name / "1" / "model.onnx")
     yield from module_server(root, tmp_path_factory, redis_url,
                              ("text", "text_unbatched", "add_sub", "streamer", "async_streamer", "caller",
-                              "matrix"))
+                              "matrix", *SHAPES_MODELS))
 
 
 def post(server: Server, path: str, body: object) -> httpx.Response:
@@ -322,6 +357,15 @@ def test_generate_stream_answers_one_event(server: Server) -> None:
     assert events(r) == [{"model_name": "text", "model_version": "1", "length": 2,
                           "text_output": 'hi|{"n": 1}'}]
 
+
+def test_an_answers_keys_come_sorted_as_triton_writes_them(server: Server) -> None:
+    """Triton 2.51 writes a generate answer's keys in their sorted order, the outputs' among the others."""
+    r = post(server, "shapes/generate", {"x": [1, 2], "id": "q"})
+    assert r.status_code == 200, r.text
+    assert r.content == b'{"aa":2,"id":"q","model_name":"shapes","model_version":"1","zz":"[1, 2]"}'
+    r = post(server, "streamer/generate_stream", {"text_input": "one two"})
+    assert r.content == (b'data: {"length":0,"model_name":"streamer","model_version":"1","text_output":"one"}\n\n'
+                         b'data: {"length":1,"model_name":"streamer","model_version":"1","text_output":"two"}\n\n')
 
 
 @pytest.mark.parametrize("route", ["generate", "generate_stream"])

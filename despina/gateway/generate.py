@@ -6,7 +6,8 @@ with the batch dimension of one added), beside "parameters" or in it; every othe
 parameter that reaches the model as it came (priority, timeout, sequence_id and binary_data_output too:
 Triton's generate reads none of them), and a string "id" the request's id too. A flat JSON object out:
 model_name, model_version, the request's id, each response parameter and each output by name (one
-element as a scalar, more as one flat list whatever the shape, as Triton writes them; BYTES as text).
+element as a scalar, more as one flat list whatever the shape, as Triton writes them; BYTES as text), its
+keys sorted as Triton 2.51 writes them.
 
 /generate answers that object as application/json. /generate_stream answers it as a server-sent event
 (`data: {...}`, text/event-stream) per response of the model: one, or, from a decoupled model, each as it
@@ -91,7 +92,7 @@ class GenerateRoute(Route):
             if stream:
                 ex.respond(200, event(document(reply)), EVENT_STREAM, echo)
             else:
-                ex.respond(200, orjson.dumps(document(reply)), http.JSON, echo)
+                ex.respond(200, orjson.dumps(document(reply), option=orjson.OPT_SORT_KEYS), http.JSON, echo)
 
         def failed(exc: DespinaError) -> None:
             if stream:
@@ -352,5 +353,6 @@ def encode_generate(model: str, version: int, outputs: tuple[Tensor, ...], param
 
 
 def event(doc: dict[str, Any]) -> bytes:
-    """One server-sent event carrying `doc` (JSON has no raw newlines, so one data line)."""
-    return b"data: " + orjson.dumps(doc) + b"\n\n"
+    """One server-sent event carrying `doc` (JSON has no raw newlines, so one data line), its keys sorted
+    as Triton writes them."""
+    return b"data: " + orjson.dumps(doc, option=orjson.OPT_SORT_KEYS) + b"\n\n"
