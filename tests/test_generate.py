@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import signal
 import time
@@ -368,6 +369,33 @@ def test_an_answers_keys_come_sorted_as_triton_writes_them(server: Server) -> No
                          b'data: {"length":1,"model_name":"streamer","model_version":"1","text_output":"two"}\n\n')
 
 
+@pytest.mark.parametrize(("model", "value", "shape"), [
+    ("shapes", [1, 2], [1, 2]),
+    ("shapes", [1, 2, 3, 4], [2, 2]),  # the batch dimension is the one left open
+    ("shapes", [[1, 2], [3, 4]], [2, 2]),  # nested lists are their shape (Triton refuses them)
+    ("shapes_fixed", [1, 2, 3, 4], [2, 2]),
+    ("shapes_open", [1, 2, 3, 4, 5, 6], [1, 2, 3]),  # the last open dimension takes the rest, the others 1
+    ("shapes_open", [], [1, 2, 0]),
+    ("shapes_open", 7, None),
+    ("shapes", [1, 2, 3], None),
+    ("shapes_fixed", [1, 2], None),
+    ("shapes", list(range(10)), None),  # [5, 2]: past max_batch_size 4
+])
+def test_a_flat_list_fills_the_models_shape_as_triton_does(server: Server, model: str, value: object,
+                                                           shape: list[int] | None) -> None:
+    """Triton 2.51 reads an input's value as its elements, in the model's shape (batch dimension
+    included, as -1) with each -1 but the last 1 and the last what the count leaves for it."""
+    for route in ("generate", "generate_stream"):
+        r = post(server, f"{model}/{route}", {"x": value})
+        if shape is None:
+            assert r.status_code == 400, r.text
+            assert "'x'" in r.json()["error"]
+            continue
+        assert r.status_code == 200, r.text
+        doc = r.json() if route == "generate" else events(r)[0]
+        assert doc["zz"] == str(shape) and doc["aa"] == math.prod(shape)
+
+
 @pytest.mark.parametrize("route", ["generate", "generate_stream"])
 def test_generate_reads_a_gzip_body(server: Server, route: str) -> None:
     r = httpx.post(f"{server.url}/v2/models/text/{route}", content=gzip.compress(b'{"text_input": "zip"}'),
@@ -431,7 +459,7 @@ def test_a_key_given_twice_is_refused_where_triton_refuses_it(server: Server, bo
     ({"text_input": "a", "parameters": {"n": None}}, "parameter 'n' must be a string, a number or a boolean "
                                                      "(model 'text' has no input of that name)"),
     ({"text_input": 5}, "BYTES data must be strings"),
-    ({"text_input": ["a", "b"]}, "text_input"),
+    ({"text_input": ["a"] * 9}, "text_input"),  # [9, 1]: past max_batch_size 8 (["a", "b"] is a batch of 2)
     ({"text_input": [[["a"]]]}, "nested more than"),
     ({}, "text_input"),
 ])

@@ -1,8 +1,9 @@
 """Triton's generate extension: `POST /v2/models/{m}[/versions/{v}]/generate` and `.../generate_stream`.
 
 A flat JSON object in, as Triton maps one ("exact mapping"): a key that names one of the model's inputs is
-that input (a string, number or boolean is one element, a list its elements, shaped to the model's dims
-with the batch dimension of one added), beside "parameters" or in it; every other key is a request
+that input (a string, number or boolean is one element, a list its elements, in the model's shape with the
+batch dimension as -1: each -1 but the last is 1, the last what the count leaves for it; nested lists,
+which Triton refuses, their own shape), beside "parameters" or in it; every other key is a request
 parameter that reaches the model as it came (priority, timeout, sequence_id and binary_data_output too:
 Triton's generate reads none of them), and a string "id" the request's id too. A flat JSON object out:
 model_name, model_version, the request's id, each response parameter and each output by name (one
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -327,13 +329,30 @@ def _take(spec: ModelSpec, name: str, value: Any, tensors: dict[str, Tensor], pa
 
 def _tensor(spec: ModelSpec, name: str, value: Any, max_elements: int) -> Tensor:
     expected = known_input(spec, name)
-    rank = len(expected.dims) + (1 if spec.batched else 0)
-    shape = shape_of(name, value, rank)
-    shape = [1] * (rank - len(shape)) + shape  # a scalar is one element; a batch of one is added
+    dims = [-1, *expected.dims] if spec.batched else list(expected.dims)
+    shape = shape_of(name, value, len(dims))
+    if len(shape) < 2:  # a scalar or a flat list: its elements, as Triton shapes them
+        shape = filled(name, dims, shape[0] if shape else 1)
+    else:  # nested lists (which Triton refuses): their shape, a batch of one added where they leave it out
+        shape = [1] * (len(dims) - len(shape)) + shape
     check_shape(spec, expected, shape)
     check_count(name, shape, max_elements)
     return Tensor(name, expected.datatype, tuple(shape), json_data_to_bytes(name, expected.datatype, shape,
                                                                            value))
+
+
+def filled(name: str, dims: list[int], count: int) -> list[int]:
+    """The shape Triton's generate gives `count` elements for an input of `dims` (batch dimension included,
+    as -1): each -1 but the last is 1, the last is what the other sizes leave for it; InvalidArgument where
+    they leave no whole number."""
+    fixed = math.prod(size for size in dims if size != -1)
+    shape = [1 if size == -1 else size for size in dims]
+    if -1 in dims and fixed and count % fixed == 0:
+        shape[len(dims) - 1 - dims[::-1].index(-1)] = count // fixed
+    elif fixed != count:
+        raise InvalidArgument(f"input '{name}': {count} element{'' if count == 1 else 's'} cannot fill the "
+                              f"model's shape {dims}")
+    return shape
 
 
 def encode_generate(model: str, version: int, outputs: tuple[Tensor, ...], parameters: Parameters,
