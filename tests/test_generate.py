@@ -89,6 +89,9 @@ class TritonPythonModel:
             text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0].decode()
             if text == "raise":
                 raise pb_utils.TritonModelException("execute refused")
+            if text == "sent then raise":  # a response from execute, then execute raises
+                request.get_response_sender().send(response("sent", 0))
+                raise pb_utils.TritonModelException("raised after a response")
             threading.Thread(target=self.stream, args=(text, request.get_response_sender())).start()
         return None
 
@@ -572,6 +575,10 @@ def test_execute_failing_and_the_process_dying_end_the_stream_with_an_error(serv
     r = post(server, "streamer/generate_stream", {"text_input": "raise"})
     assert r.status_code == 400
     assert events(r) == [{"error": "model 'streamer': execute failed: execute refused"}]
+    r = post(server, "streamer/generate_stream", {"text_input": "sent then raise"})
+    assert r.status_code == 200  # set by its first response, before the error
+    assert events(r) == [{"model_name": "streamer", "model_version": "1", "text_output": "sent", "length": 0},
+                         {"error": "model 'streamer': execute failed: raised after a response"}]
     r = post(server, "streamer/generate_stream", {"text_input": "first crash"})
     assert r.status_code == 200  # set by its first response, before the error
     docs = events(r)
@@ -604,7 +611,9 @@ def test_generate_takes_a_decoupled_models_single_response_and_refuses_several(s
     assert r.json() == {"model_name": "streamer", "model_version": "1", "text_output": "alone", "length": 0}
     r = post(server, "streamer/generate", {"text_input": "refuse"})  # its one response an error
     assert r.status_code == 400 and r.json() == {"error": "no such word"}
-    for text in ("a b", "none"):  # two responses, or none: Triton's words (under a 400, not its 200)
+    # two responses, or none, or one and then execute raising (Triton's error response, a second one):
+    # Triton's words (under a 400, not its 200)
+    for text in ("a b", "none", "sent then raise"):
         r = post(server, "streamer/generate", {"text_input": text})
         assert r.status_code == 400
         assert r.json()["error"] == ("generate expects model to produce exactly 1 response, use generate "

@@ -175,15 +175,18 @@ def _streamed(ex: EventExchange, document: Callable[[InferReply], dict[str, Any]
 def _collected(answered: Done, failed: Callable[[DespinaError], None], several: str
                ) -> tuple[Done, Partial]:
     """A decoupled model's answers to /generate: one response is the answer (an error one, its error as
-    `failed` answers it); none or several are a 400 that says where they can be had (`several`)."""
+    `failed` answers it); none or several are a 400 that says where they can be had (`several`), and so is
+    a failure of the model after a response, as Triton counts it (an error response after it)."""
     responses: list[InferReply] = []
 
     def done(result: InferReply | DespinaError) -> None:
         if isinstance(result, DespinaError):
-            if ran_and_failed(result):
-                failed(result)
-            else:
+            if not ran_and_failed(result):
                 answered(result)
+            elif responses:  # (Triton sends the failure as an error response: a second one)
+                answered(InvalidArgument(several))
+            else:
+                failed(result)
             return
         if not result.empty:
             responses.append(result)
