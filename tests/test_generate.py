@@ -625,7 +625,10 @@ def test_infer_and_fn_refuse_a_decoupled_model(server: Server) -> None:
     for path, doc in (("v2/models/streamer/infer", body), ("fn/streamer", {"text_input": ["a"]})):
         r = httpx.post(f"{server.url}/{path}", json=doc, timeout=30)
         assert r.status_code == 501, r.text  # Triton's HTTP infer: 501, the endpoint does not support it
-        assert "is decoupled" in r.json()["error"] and "generate_stream" in r.json()["error"]
+        # Triton's words first, then where such a model's responses can be had
+        assert r.json()["error"] == ("HTTP end point doesn't support models with decoupled transaction policy: "
+                                     "model 'streamer' is decoupled (several responses to a request): call it "
+                                     "through .../generate_stream"), r.text
 
 
 def test_a_client_that_goes_away_mid_stream_cancels_it(server: Server, tmp_path: Path) -> None:

@@ -94,9 +94,9 @@ class Route:
                timeout: float | None = None) -> None:
         try:
             if model.spec.decoupled and not self.decoupled:  # 501, as Triton's HTTP infer refuses one
-                raise DespinaError(f"model '{model.spec.name}' is decoupled (it may answer a request "
-                                   f"with several responses): call it through {self.streams_at}",
-                                   Code.UNIMPLEMENTED)
+                raise DespinaError("HTTP end point doesn't support models with decoupled transaction policy: "
+                                   f"model '{model.spec.name}' is decoupled (several responses to a request):"
+                                   f" call it through {self.streams_at}", Code.UNIMPLEMENTED)
             self.queue(ex, model, version, trace, timeout)
         except DespinaError as exc:
             fail(ex, exc, trace)
