@@ -425,6 +425,17 @@ def test_the_names_infer_reads_itself_are_parameters_for_the_model_here(server: 
                                        '"timeout": "soon"}')
 
 
+def test_an_integer_past_int64_reaches_the_model_as_a_double(server: Server) -> None:
+    """Triton's parameters hold int64, double, bool or string: a larger integer (up to uint64's and past
+    it) comes as a double, beside or in "parameters"."""
+    r = post(server, "text/generate", {"text_input": "i", "a": 2**63, "b": -(2**63), "c": 2**63 - 1,
+                                       "parameters": {"d": 2**64 - 1, "e": -(2**63) - 1, "f": 2**70}})
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == ('i|{"a": 9.223372036854776e+18, "b": -9223372036854775808, '
+                                       '"c": 9223372036854775807, "d": 1.8446744073709552e+19, '
+                                       '"e": -9.223372036854776e+18, "f": 1.1805916207174113e+21}')
+
+
 @pytest.mark.parametrize("body, said", [
     # of a key given twice in one object, each time its first value, as rapidjson finds a member
     (b'{"text_input": "t", "n": 1, "n": 2}', 't|{"n": 1}'),

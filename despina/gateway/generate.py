@@ -4,8 +4,9 @@ A flat JSON object in, as Triton maps one ("exact mapping"): a key that names on
 that input (a string, number or boolean is one element, a list its elements, in the model's shape with the
 batch dimension as -1: each -1 but the last is 1, the last what the count leaves for it; nested lists,
 which Triton refuses, their own shape), beside "parameters" or in it; every other key is a request
-parameter that reaches the model as it came (priority, timeout, sequence_id and binary_data_output too:
-Triton's generate reads none of them), and a string "id" the request's id too. A flat JSON object out:
+parameter that reaches the model as it came (an integer past int64 as a double, as Triton holds it;
+priority, timeout, sequence_id and binary_data_output too: Triton's generate reads none of them), and a
+string "id" the request's id too. A flat JSON object out:
 model_name, model_version, the request's id, each response parameter and each output by name (one
 element as a scalar, more as one flat list whatever the shape, as Triton writes them; BYTES as text), its
 keys sorted as Triton 2.51 writes them.
@@ -60,6 +61,7 @@ EVENT_STREAM = b"text/event-stream; charset=utf-8"
 # /generate's JSON error and the first event of /generate_stream's stream
 FAILED = 400
 _SCALARS = (str, int, float, bool)
+INT64 = (-(1 << 63), (1 << 63) - 1)
 # a decoupled model's 0 or 2+ responses to /generate, in Triton's words (under a 400, not Triton's 200)
 NOT_ONE = ("generate expects model to produce exactly 1 response, use generate stream for model that "
            "generates various number of responses")
@@ -323,6 +325,8 @@ def _take(spec: ModelSpec, name: str, value: Any, tensors: dict[str, Tensor], pa
                                       f"'{spec.name}' has no input of that name)")
             raise InvalidArgument(f"field '{name}' is not an input of model '{spec.name}', and as a "
                                   "parameter it must be a string, a number or a boolean")
+        if type(value) is int and not INT64[0] <= value <= INT64[1]:
+            value = float(value)  # as Triton holds it: its parameters' integers are int64
         parameters[name] = value
     elif name in tensors:
         raise InvalidArgument(f"input '{name}' already exists in request (given twice)")
