@@ -389,13 +389,14 @@ def explicit(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
 
 def test_a_key_limited_to_a_model_loads_it_only_as_the_repository_holds_it(explicit: tuple[Server, Path]
                                                                            ) -> None:
-    """The load API's config and file: parameters rewrite the model in the repository (and a Python
-    model's files are code the server runs, that may call any model): a key for some models would reach
-    them all."""
+    """The load API's config and file: parameters replace the model (and a Python model's files are code
+    the server runs, that may call any model): a key for some models would reach them all."""
     server, repo = explicit
     url = f"{server.url}/v2/repository/models/add_sub/load"
     config = httpx.get(f"{server.url}/v2/models/add_sub/config", headers=bearer()).json()
     rewrite = {"parameters": {"config": orjson.dumps(config).decode(),
+                              "file:1/model.onnx": base64.b64encode(
+                                  (repo / "add_sub" / "1" / "model.onnx").read_bytes()).decode(),
                               "file:1/extra.txt": base64.b64encode(b"written by a limited key").decode()}}
     r = httpx.post(url, json=rewrite, headers=bearer(SCOPED), timeout=60)
     assert r.status_code == 403 and "a key for every model" in r.json()["error"], r.text
@@ -404,4 +405,5 @@ def test_a_key_limited_to_a_model_loads_it_only_as_the_repository_holds_it(expli
     assert r.status_code == 403
     assert httpx.post(url, headers=bearer(SCOPED), timeout=60).status_code == 200  # as the repository holds it
     assert httpx.post(url, json=rewrite, headers=bearer(), timeout=60).status_code == 200
-    assert (repo / "add_sub" / "1" / "extra.txt").exists()
+    assert not (repo / "add_sub" / "1" / "extra.txt").exists()  # the files given are loaded, never written
+    assert httpx.post(url, headers=bearer(), timeout=60).status_code == 200  # the repository's again

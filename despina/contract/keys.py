@@ -81,6 +81,11 @@ class Keys:
         """String, while a SageMaker load of `name` runs (it expires): one load of a name at a time."""
         return f"{self.prefix}:sagemaker:loading:{name}"
 
+    def given_files(self, model: str) -> str:
+        """Hash: `<digest>/<path>` -> the bytes of a file a load API call gave for `model` (its `file:`
+        entries), kept while the model is loaded from them (registry/given.py)."""
+        return f"{self.prefix}:given:{model}"
+
     @property
     def catalog(self) -> str:
         """Hash: model name -> catalog entry (JSON), written by the control plane."""

@@ -15,17 +15,19 @@ from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
 from ..contract.ensemble import called_by, is_ensemble
 from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, Unavailable
 from ..contract.modelconfig import check_model_name
+from ..registry import ArtifactCache
 from ..workers.redelivery import Queue
 from .backlog import refuse
 from .fresh_stats import made_anew, start_stats_afresh
 from .index import RepositoryIndex
 from .lease import LeaseLost
-from .load_files import config_override, restore_files, write_files
+from .load_files import config_override, forget, given_files, keep
 from .repository import read_model, unavailable
 from .versions import dropped_since, retired_since, transition, try_again
 
 if TYPE_CHECKING:
-    from ..registry.base import ModelFiles
+    from ..registry.base import ModelFiles, Registry
+    from ..registry.given import GivenFiles
     from .plane import ControlPlane
 
 log = logging.getLogger("despina.control")
@@ -36,7 +38,6 @@ LOAD_PARAMETERS = ("config", "fail_without_room")
 # at most: the same store held a load for boto3's read timeout three times (~3 min, past most clients'
 # timeouts) before its 503
 LOAD_LOOK_S = 10.0
-WRITE_RATE = 1 << 20  # bytes a second: the load API's `file:` writes wait LOAD_LOOK_S, and 1 s a WRITE_RATE
 
 T = TypeVar("T")
 
@@ -46,6 +47,7 @@ class Commands:
         self.plane = plane
         self._index = RepositoryIndex(plane)
         self._stuck: dict[str, asyncio.Future[Any]] = {}  # model -> a registry read that outlived its load
+        self._cache = plane.cache
 
     async def handle(self, command: Command) -> Answer:
         timeout = self.plane.settings.load_timeout_s
@@ -85,9 +87,10 @@ class Commands:
 
     async def load(self, name: str, params: dict[str, Any], timeout: float, wait: bool = True,
                    calling: tuple[str, ...] = ()) -> None:
-        """Read the model from the registry (with the `config` override, after writing `file:` entries
-        there) and load it; a loaded model is reloaded, its old versions serving until the new are READY.
-        An ensemble loads the models it calls first (those not loaded yet), as Triton does."""
+        """Read the model from the registry (with the `config` override), or from the `file:` entries alone
+        (kept in Redis, never written into the registry), and load it; a loaded model is reloaded, its old
+        versions serving until the new are READY. An ensemble loads the models it calls first (those not
+        loaded yet), as Triton does."""
         plane = self.plane
         check_model_name(name)
         for key in params:  # as Triton's: a misspelt "config" must not load the repository's own config
@@ -102,27 +105,29 @@ class Commands:
             raise InvalidArgument("load parameters with 'file:' entries need 'config' too")
         deadline = time.monotonic() + timeout
         async with self._turn(name, deadline):
-            replaced: dict[str, bytes | None] = {}
-            if files:
-                replaced = await self._write(name, files, override or {}, deadline)
-                override = None  # written as config.pbtxt: read back like any model
             look_s = min(LOAD_LOOK_S, _left(deadline))
             looked = time.monotonic() + look_s
-            model = await self._read(name, lambda: plane.registry.model(name), looked, look_s)
             old = plane.catalog.get(name)
+            given: GivenFiles | None = None
+            registry: Registry = plane.registry
+            if files:  # as Triton's (a temporary folder): these files alone are the model
+                registry = given = await asyncio.to_thread(given_files, name, files, self._given_cache())
+                model = given.files
+                await self._keep(given, deadline)
+            else:
+                model = await self._read(name, lambda: plane.registry.model(name), looked, look_s)
             if not files and override is None and old is not None and old.override is not None \
                     and old.target != UNLOADED:
                 # Triton's: a model loaded with a `config` is unchanged for a load without one until its files
                 # change (their times pass the override's), so that load keeps it; an unload forgets it
                 override = old.override if old.override_files == model.fingerprint() else None
             try:
-                entry = await self._read(name, lambda: read_model(plane.registry, model, override), looked,
-                                         look_s)
+                entry = await self._read(name, lambda: read_model(registry, model, override), looked, look_s)
             except DespinaError as exc:
                 log.error("load of %s failed: %s", name, exc.message)
-                await self._take_back(model, old, replaced, exc.message)
+                await self._take_back(model, old, given, exc.message)
                 raise
-            if override is not None:
+            if override is not None and given is None:  # (a later load without files reads the registry)
                 entry = replace(entry, override=override, override_files=model.fingerprint())
             if entry.state == "READY" and is_ensemble(entry.config):
                 await self._load_steps(entry, timeout, (*calling, name))
@@ -144,24 +149,27 @@ class Commands:
                 await plane.lifecycle.wait(name, "load", None, _left(deadline), no_room_fails)
             except InvalidArgument as exc:  # it failed on the workers
                 tried = plane.catalog.get(name)
-                if replaced or _reload_failed(old, tried):
-                    await self._take_back(model, old, replaced, exc.message, tried)
+                if given is not None or _reload_failed(old, tried):
+                    await self._take_back(model, old, given, exc.message, tried)
                 elif tried is not None and tried.override is not None:  # a config that failed to load is not
                     plane.catalog.put(replace(tried, override=None))   # kept: the next load reads the files
                 raise
             if not anew and (done := plane.catalog.get(name)) is not None:
                 await start_stats_afresh(plane.redis, plane.keys, name, made_anew(done))
+            await forget(plane.redis, plane.keys, name, entry.path)  # what loaded before is gone now
 
-    async def _write(self, name: str, files: dict[str, Any], config: dict[str, Any], deadline: float
-                     ) -> dict[str, bytes | None]:
-        """write_files, waited on as the load's reads are; writes that end after the load answered are
-        taken back out, as a failed load's are."""
-        registry = self.plane.registry
-        write_s = min(LOAD_LOOK_S + sum(len(str(d)) for d in files.values()) / WRITE_RATE, _left(deadline))
-        return await self._read(
-            name, lambda: write_files(registry, name, files, config), time.monotonic() + write_s, write_s,
-            "the writes of the load's files of",
-            lambda before: self.plane.spawn(asyncio.to_thread(restore_files, registry, name, before)))
+    def _given_cache(self) -> ArtifactCache:
+        """Where the control plane reads a load's given files from (a local registry's plane has no cache)."""
+        if self._cache is None:
+            self._cache = ArtifactCache.from_settings(self.plane.settings)
+        return self._cache
+
+    async def _keep(self, given: GivenFiles, deadline: float) -> None:
+        try:
+            await asyncio.wait_for(keep(self.plane.redis, self.plane.keys, given), _left(deadline))
+        except TimeoutError:  # (whatever landed is removed by the model's next load or unload)
+            raise Unavailable(f"Redis did not take the files the load of model '{given.name}' gave in "
+                              "time") from None
 
     async def _read(self, name: str, read: Callable[[], T], until: float, look_s: float,
                     doing: str = "the load of", late: Callable[[T], None] | None = None) -> T:
@@ -199,14 +207,15 @@ class Commands:
         async with self.plane.locks.hold(name, _left(deadline), late):
             yield
 
-    async def _take_back(self, model: ModelFiles, old: CatalogEntry | None, replaced: dict[str, bytes | None],
+    async def _take_back(self, model: ModelFiles, old: CatalogEntry | None, given: GivenFiles | None,
                          why: str, tried: CatalogEntry | None = None) -> None:
-        """After a failed load: the load API's files come back out (as Triton's, a load that fails leaves
-        the repository as it was); a model that served serves on from its old files, one that did not
-        says why. The versions that failed on the workers (`tried`) and that the old model does not load
-        stay listed with their errors, as Triton's index keeps them."""
-        if replaced:
-            await asyncio.to_thread(restore_files, self.plane.registry, model.name, replaced)
+        """After a failed load: the files it gave are removed (those an old model still loads from stay);
+        a model that served serves on from its old files, one that did not says why. The versions that
+        failed on the workers (`tried`) and that the old model does not load stay listed with their
+        errors, as Triton's index keeps them."""
+        if given is not None:
+            await forget(self.plane.redis, self.plane.keys, model.name,
+                         old.path if old is not None and old.loaded else None)
         if old is not None and old.loaded:  # (with the tries the workers failed it by: not tried once more)
             tries = tried.tries if tried is not None else old.tries
             self.plane.catalog.put(replace(old, dropped=dropped_since(tried, old), tries=tries))
@@ -244,6 +253,7 @@ class Commands:
             plane.kick()
             for n in names:
                 await plane.lifecycle.wait(n, "unload", None, _left(deadline))
+                await forget(plane.redis, plane.keys, n)  # the files a load gave it, if any
                 if not await plane.lease.confirm():  # the queue is the new leader's to empty, or not
                     raise LeaseLost(f"not emptying unloaded model '{n}''s queue: another control plane leads")
                 e = plane.catalog.get(n)

@@ -1,24 +1,29 @@
-"""The load API's `config` and `file:<path>` parameters: the config override read, and the files written
-into the registry's model folder (and put back as they were after a load that failed), as Triton's load
-with files does."""
+"""The load API's `config` and `file:<path>` parameters: the config override read, and the files given
+checked and kept in Redis, where every worker finds them (registry/given.py). As Triton's load with files
+(which loads from a temporary folder), the model is those files alone and the repository is never written;
+a load's files are removed once nothing loads from them: after a later load succeeds, after an unload, and
+after their own load fails."""
 from __future__ import annotations
 
 import base64
 import binascii
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
-from google.protobuf import text_format
 
-from ..contract.errors import DespinaError, InvalidArgument
-from ..contract.modelconfig import normalize, parse_json
+from ..contract.errors import InvalidArgument
 from ..registry.base import VERSION_DIGITS, check_relative, is_served_version
+from ..registry.given import GivenFiles, given_digest
 
 if TYPE_CHECKING:
-    from ..registry.base import Registry
+    from redis.asyncio import Redis
+
+    from ..contract.keys import Keys
+    from ..registry.cache import ArtifactCache
 
 log = logging.getLogger("despina.control")
+NAME_MAX = 255  # bytes of one name in a path, on the file systems a cache is on (ext4, xfs, overlayfs)
 
 
 def config_override(name: str, raw: Any) -> dict[str, Any] | None:
@@ -33,13 +38,8 @@ def config_override(name: str, raw: Any) -> dict[str, Any] | None:
     return config
 
 
-def write_files(registry: Registry, name: str, files: dict[str, Any], config: dict[str, Any]
-                ) -> dict[str, bytes | None]:
-    """The load API's `file:` entries and config, written into the registry's model folder; returns
-    what each file written held before (None: there was none), for restore_files."""
-    message = parse_json(name, config)
-    if message.platform or message.backend:  # else read_model finds it from the files, once written
-        normalize(name, message)
+def given_files(name: str, files: dict[str, Any], cache: ArtifactCache) -> GivenFiles:
+    """The load API's `file:` entries, decoded and checked: the model they alone make up."""
     decoded = {}
     for path, data in files.items():
         top = path.split("/", 1)[0]  # a number that names no version (01, 0): the file would go unread
@@ -51,30 +51,39 @@ def write_files(registry: Registry, name: str, files: dict[str, Any], config: di
             decoded[check_relative(path)] = base64.b64decode(data, validate=True)
         except (binascii.Error, TypeError, ValueError):
             raise InvalidArgument(f"load parameter 'file:{path}' is not base64") from None
-    decoded["config.pbtxt"] = text_format.MessageToString(message).encode()
-    before = {path: registry.get(name, path) for path in decoded}
-    written: list[str] = []
-    try:
-        for path, data in sorted(decoded.items()):
-            registry.put(name, path, data)  # each put replaces its file whole, or leaves it
-            written.append(path)
-    except (DespinaError, OSError):
-        restore_files(registry, name, {path: before[path] for path in written})
-        raise
-    log.info("model %s: %d file(s) and its config written to %s", name, len(decoded) - 1,
-             registry.model_url(name))
-    return before
+    _check_tree(name, decoded)
+    return GivenFiles(name, decoded, cache)
 
-def restore_files(registry: Registry, name: str, before: dict[str, bytes | None]) -> None:
-    """Put back what write_files replaced, and remove what it added (best effort: a failure is logged)."""
-    try:
-        for path, data in before.items():
-            if data is None:
-                registry.delete(name, path)
-            else:
-                registry.put(name, path, data)
-    except (DespinaError, OSError) as exc:
-        log.error("model %s: putting back the files a failed load replaced failed: %s", name, exc)
+
+def _check_tree(name: str, paths: dict[str, bytes]) -> None:
+    """No path is both a file and a folder ('1' and '1/model.onnx'): no folder could hold them; no name
+    is longer than a file system takes."""
+    for path in paths:
+        if any(len(part.encode()) > NAME_MAX for part in path.split("/")):
+            raise InvalidArgument(f"load parameter 'file:{path}' of model '{name}': File name too long (a "
+                                  f"name in a path has {NAME_MAX} bytes at most)")
+        folder = path.rpartition("/")[0]
+        while folder:
+            if folder in paths:
+                raise InvalidArgument(f"load parameters 'file:{folder}' and 'file:{path}' of model '{name}': "
+                                      f"'{folder}' cannot be both a file and a folder")
+            folder = folder.rpartition("/")[0]
+
+
+async def keep(redis: Redis, keys: Keys, given: GivenFiles) -> None:
+    """The given files into Redis (one write: all of them, or none)."""
+    await redis.hset(keys.given_files(given.name), mapping=given.fields())  # type: ignore[arg-type]
+    log.info("model %s: the %d file(s) its load gave kept as %s", given.name, len(given.data), given.url)
+
+
+async def forget(redis: Redis, keys: Keys, name: str, path: str | None = None) -> None:
+    """Remove the model's given files but those its entry's `path` names (all where it names none)."""
+    key = keys.given_files(name)
+    keeping = given_digest(path or "")
+    if keeping is None:
+        await redis.delete(key)
         return
-    log.info("model %s: the failed load's files were taken back out of %s", name,
-             registry.model_url(name))
+    mine = f"{keeping}/".encode()
+    stale = [f for f in await redis.hkeys(key) if not cast(bytes, f).startswith(mine)]
+    if stale:
+        await redis.hdel(key, *stale)

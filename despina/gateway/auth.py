@@ -328,8 +328,9 @@ def check_key_scope(scope: Scope, model: str) -> None:
 
 
 def check_key_may_rewrite(scope: Scope, params: dict[str, object]) -> None:
-    """The load API's `config` and `file:` parameters rewrite a model in the repository, and a Python
-    model's files are code the server runs, which may call any model: not for a key limited to some."""
+    """The load API's `config` and `file:` parameters replace a model's config and files (never written into
+    the repository), and a Python model's files are code the server runs, which may call any model: not
+    for a key limited to some."""
     if scope.get(KEY_MODELS) is not None and any(k == "config" or k.startswith("file:") for k in params):
         raise PermissionDenied("a load with 'config' or 'file:' parameters needs a key for every model; "
                                "this one may load a model only as the repository holds it")

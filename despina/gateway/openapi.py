@@ -152,7 +152,8 @@ def _schemas() -> Doc:
                 "config": {"type": "string", "description": "Model config JSON, overriding config.pbtxt"},
                 "fail_without_room": {"type": "boolean", "description": "Despina's: answer 503 at once when "
                                       "memory alone keeps the model off every worker, not wait for room"}},
-            "description": "`file:<version>/<name>` entries carry base64 file contents (need `config`)"}}},
+            "description": "`file:<version>/<name>` entries carry base64 file contents (need `config`): "
+                           "the model is these files alone; the repository is not written"}}},
         "UnloadRequest": {"type": "object", "properties": {"parameters": {
             "type": "object", "additionalProperties": True,
             "properties": {"unload_dependents": {"type": "boolean"}}}}},

@@ -116,15 +116,15 @@ class Registry:
         raise NotImplementedError
 
     def put(self, name: str, path: str, data: bytes) -> None:
-        """Write one file of a model (the load API's `file:` entries, its config)."""
+        """Write one file of a model (`despina push`: a renamed model's config)."""
         raise NotImplementedError
 
     def get(self, name: str, path: str) -> bytes | None:
-        """One file of a model, or None where there is none (what a load API's `file:` entry replaces)."""
+        """One file of a model, or None where there is none."""
         raise NotImplementedError
 
     def delete(self, name: str, path: str) -> None:
-        """Remove one file of a model (nothing where there is none): a failed load's new files."""
+        """Remove one file of a model (nothing where there is none)."""
         raise NotImplementedError
 
     def upload(self, name: str, path: str, source: Path, progress: Progress | None = None) -> FileInfo:

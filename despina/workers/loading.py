@@ -15,6 +15,7 @@ from ..contract.errors import DespinaError, Unavailable
 from ..contract.modelspec import ModelSpec
 from ..counters import Deferred
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
+from ..registry.given import given_digest, read_given
 from . import checksums
 from .bls import ModelCaller
 from .presence import Key, Presence
@@ -128,12 +129,15 @@ class Loading(Presence):
         """The local folder to load from: the registry's own, or the cache's copy of a remote one."""
         if not entry.files:
             return Path(entry.path)
-        registry = self._registries.get(entry.path)
-        if registry is None:
-            if self._cache is None:
-                self._cache = ArtifactCache.from_settings(self.settings)
-            registry, _ = open_model_registry(entry.path, self.settings, self._cache)
-            self._registries[entry.path] = registry
+        if self._cache is None:
+            self._cache = ArtifactCache.from_settings(self.settings)
         model = ModelFiles(entry.name, entry.path, tuple(FileInfo(*f) for f in entry.files))
         checked = checksums.listed_paths(entry.config)  # of any version: Triton's agent sees the whole folder
+        registry = self._registries.get(entry.path)
+        if given_digest(entry.path) is not None:  # a load's given files: from Redis, those of this version
+            wanted = [f.path for f in model.of_versions([version], checked)]
+            registry = await read_given(self.redis, self.keys, entry.name, entry.path, wanted, self._cache)
+        elif registry is None:
+            registry, _ = open_model_registry(entry.path, self.settings, self._cache)
+            self._registries[entry.path] = registry
         return await asyncio.to_thread(registry.folder, model, [version], checked)
