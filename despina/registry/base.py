@@ -119,10 +119,6 @@ class Registry:
         """Write one file of a model (`despina push`: a renamed model's config)."""
         raise NotImplementedError
 
-    def get(self, name: str, path: str) -> bytes | None:
-        """One file of a model, or None where there is none."""
-        raise NotImplementedError
-
     def delete(self, name: str, path: str) -> None:
         """Remove one file of a model (nothing where there is none)."""
         raise NotImplementedError

@@ -71,14 +71,6 @@ class LocalRegistry(Registry):
             _prune(self.root / name, target)  # the folders made for it: an empty "2/" would be a version
             raise unfit(name, path, exc) from None
 
-    def get(self, name: str, path: str) -> bytes | None:
-        try:
-            return (self.root / name / check_relative(path)).read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise unfit(name, path, exc) from None
-
     def delete(self, name: str, path: str) -> None:
         folder = self.root / name
         target = folder / check_relative(path)

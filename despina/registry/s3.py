@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..settings import Settings
@@ -224,15 +224,6 @@ class S3Registry(Registry):
     def put(self, name: str, path: str, data: bytes) -> None:
         try:
             self.client.put_object(Bucket=self.bucket, Key=self._key(name, check_relative(path)), Body=data)
-        except Exception as exc:
-            raise registry_error(self.url, exc) from None
-
-    def get(self, name: str, path: str) -> bytes | None:
-        try:
-            return cast(bytes, self.client.get_object(
-                Bucket=self.bucket, Key=self._key(name, check_relative(path)))["Body"].read())
-        except self.client.exceptions.NoSuchKey:
-            return None
         except Exception as exc:
             raise registry_error(self.url, exc) from None
 
