@@ -159,7 +159,7 @@ def test_a_single_model_endpoint_answers_ping_and_invocations_json_and_binary(
     for ctype, content in ((f"text/plain;{BINARY}{json_size}", body),   # the binary type not first
                            (f"{BINARY}many", body),
                            (f"{BINARY}{len(body) + 1}", body),          # past the body
-                           (f"{BINARY}0", body),
+                           (f"{BINARY}0", body),                        # raw: add_sub has two inputs
                            ("application/json", b"{not json")):
         r = httpx.post(f"{server.url}/invocations", content=content, headers={"content-type": ctype})
         assert r.status_code == 400, (ctype, r.status_code, r.text)
@@ -171,6 +171,27 @@ def test_a_single_model_endpoint_answers_ping_and_invocations_json_and_binary(
     assert httpx.get(f"{server.url}/invocations").status_code == 405
     # the V2 routes serve as ever beside the contract
     assert httpx.post(f"{server.url}/v2/models/add_sub/infer", json=v2_body()).status_code == 200
+
+
+def test_a_json_header_size_of_0_is_a_raw_binary_request_as_in_triton(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # json-header-size=0 is Triton's raw binary request, as Inference-Header-Content-Length: 0 is on the V2
+    # route: the body is the one input's data, the answer binary. Triton 2.51's SageMaker port answers 200;
+    # Despina's answered 400 "json-header-size must be a number from 1 to the body's length"
+    repo = tmp_path / "model"
+    shutil.copytree(example_repository / "mlp", repo / "mlp")
+    server: Server = serve(repo, "--sagemaker", "--host", "127.0.0.1")
+    x = np.linspace(-1, 1, 256, dtype=np.float32)
+    r = httpx.post(f"{server.url}/invocations", content=x.tobytes(), headers={"content-type": f"{BINARY}0"})
+    assert r.status_code == 200, r.text
+    ctype = r.headers["content-type"]
+    assert ctype.startswith(BINARY)
+    result = httpclient.InferenceServerClient.parse_response_body(
+        r.content, header_length=int(ctype[len(BINARY):]))
+    np.testing.assert_allclose(result.as_numpy("y"), mlp_numpy(x[None]), rtol=1e-5, atol=1e-5)
+    # a body not of the input's size: a 400 saying so, as Triton's
+    r = httpx.post(f"{server.url}/invocations", content=x.tobytes()[:100], headers={"content-type": f"{BINARY}0"})
+    assert r.status_code == 400 and "1024 bytes" in r.json()["error"], r.text
 
 
 def test_a_single_model_endpoint_refuses_a_model_load_before_copying_anything(

@@ -11,7 +11,8 @@ SageMaker's port 8080 and its artifacts' folder /opt/ml/model; settings.py):
 - POST /invocations: a V2 inference request for the endpoint's model (`sagemaker_model`, Triton's
   SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, else the repository's only model): JSON, or binary tensors with
   the content type `application/vnd.sagemaker-triton.binary+json;json-header-size=N` in place of the
-  Inference-Header-Content-Length header. The answer comes back the same way. With Triton's
+  Inference-Header-Content-Length header (0: Triton's raw binary request, the body the one input's data).
+  The answer comes back the same way. With Triton's
   SAGEMAKER_TRITON_INFERENCE_TYPE=generate it is a request of the generate extension instead (generate.py:
   JSON in, JSON out), with =generate_stream one of generate_stream (its answer server-sent events), as an
   LLM endpoint built for Triton's image sends them.
@@ -55,9 +56,9 @@ class SageMakerInfer(InferRoute):
             raise InvalidArgument(f"the content type of binary data must start with "
                                   f"'{BINARY.decode()}', got '{raw.decode('latin-1')}'")
         size = ctype[len(BINARY):].split(b";", 1)[0]
-        if not size.isdigit() or not 0 < int(size) <= len(ex.body):
-            raise InvalidArgument(f"json-header-size must be a number from 1 to the body's length "
-                                  f"({len(ex.body)}), got '{size.decode('latin-1')}'")
+        if not size.isdigit() or int(size) > len(ex.body):  # 0: Triton's raw request, the one input's data
+            raise InvalidArgument(f"json-header-size must be a number from 0 (a raw binary request) to the "
+                                  f"body's length ({len(ex.body)}), got '{size.decode('latin-1')}'")
         return int(size)
 
     @staticmethod
