@@ -445,6 +445,7 @@ def test_an_archive_of_an_ensemble_and_its_models_loads_as_one_endpoint_model(
     assert httpx.delete(f"{url}/models/pipeline", timeout=60).status_code == 200
     states = {row["name"]: row.get("state") for row in httpx.post(f"{url}/v2/repository/index").json()}
     assert states["pipeline"] == states["mlp"] == states["classify_post"] == "UNAVAILABLE"
+    assert sorted((tmp_path / "staged").iterdir()) == []  # their copies with them, the steps' too
     assert httpx.get(f"{url}/ping").status_code == 200
     # and loaded again after that
     r = httpx.post(f"{url}/models", json={"model_name": "pipeline", "url": str(archive)}, timeout=120)
@@ -553,6 +554,36 @@ def test_a_model_whose_load_failed_may_be_loaded_again_under_its_name(
     assert r.status_code == 200, r.text
     assert httpx.get(f"{server.url}/models").json() == {"models": [{"modelName": "m1", "modelUrl": str(good)}]}
 
+
+
+def test_an_unloaded_models_copy_leaves_the_repository_and_so_does_a_failed_loads(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # SageMaker loads and unloads model after model on one instance, and frees the disk of those it
+    # unloads: Triton's image unregisters an unloaded (or failed) model's repository, and its index is
+    # empty after. Despina's copies stayed in the staged repository for good, one per model ever loaded,
+    # until the disk filled
+    server = multi_model_endpoint(serve, tmp_path, **READY)
+    staged = tmp_path / "staged"
+    archive = tmp_path / "models" / "0a1b2c" / "model"
+    shutil.copytree(example_repository / "add_sub", archive / "add_sub")
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m1", "url": str(archive)}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert (staged / "m1" / "config.pbtxt").is_file()
+    assert httpx.delete(f"{server.url}/models/m1", timeout=60).status_code == 200
+    assert sorted(staged.iterdir()) == []
+    # loaded again from its archive after that, as SageMaker does
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m1", "url": str(archive)}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.post(f"{server.url}/models/m1/invoke", json=v2_body()).status_code == 200
+
+    broken = tmp_path / "models" / "1a2b3c" / "model"
+    shutil.copytree(example_repository / "add_sub", broken)
+    for onnx in broken.rglob("*.onnx"):
+        onnx.write_bytes(b"not a model")
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m2", "url": str(broken)}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert [p.name for p in staged.iterdir()] == ["m1"]
+    assert httpx.post(f"{server.url}/models/m1/invoke", json=v2_body()).status_code == 200
 
 
 def test_a_multi_model_endpoints_load_errors_name_the_target_model(

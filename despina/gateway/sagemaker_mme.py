@@ -17,6 +17,7 @@ import asyncio
 import io
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -30,6 +31,7 @@ from ..contract.commands import LOAD, UNLOAD
 from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DespinaError, FailedPrecondition, InvalidArgument, NotFound
 from ..contract.modelconfig import check_model_name, parse_text
+from ..registry import LocalRegistry, open_registry
 from ..registry.base import is_version
 from ..registry.transfer import push
 from . import http
@@ -142,16 +144,22 @@ def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
             for step in steps:  # as Triton: an archive's other models keep their names, once
                 if step.name == name or _loaded(gw, step.name):
                     raise AlreadyLoaded(f"model '{step.name}' of the archive at '{url}' is already loaded")
+        except DespinaError as exc:
+            return _load_error(exc, name, target)
+        staged = [name, *(step.name for step in steps)]
+        try:
             await asyncio.to_thread(stage, folder, name, gw.settings, steps)
         except DespinaError as exc:
+            await _unstage(gw, staged)  # what it copied before it stopped
             return _load_error(exc, name, target)
         try:
             # no room on any worker: 507 at once, SageMaker's cue to unload others and retry
             await gw.view.control.call(LOAD, name, {"fail_without_room": True}, gw.settings.load_timeout_s)
         except DespinaError as exc:
             await _give_up(gw, name)
+            await _unstage(gw, staged)
             return _load_error(exc, name, target)
-        await gw.redis.hset(key, name, orjson.dumps({"url": url}))
+        await gw.redis.hset(key, name, orjson.dumps({"url": url, "staged": staged}))
         await gw.view.refresh()
         log.info("SageMaker model %s (TargetModel %s) loaded from %s", name, target or name, url)
         return Response(b"", 200)
@@ -179,7 +187,8 @@ def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
     async def unload(request: Request) -> Response:
         name = request.path_params["model"]
         try:
-            if not await gw.redis.hexists(key, name):
+            raw = await gw.redis.hget(key, name)
+            if raw is None:
                 raise NotFound(f"model '{name}' is not loaded")
             await gw.view.control.call(UNLOAD, name, {"unload_dependents": True},  # an ensemble's steps too
                                        gw.settings.load_timeout_s)
@@ -187,6 +196,7 @@ def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
             await gw.view.refresh()
         except DespinaError as exc:
             return error_response(exc)
+        await _unstage(gw, orjson.loads(raw).get("staged", [name]))
         log.info("SageMaker model %s unloaded", name)
         return Response(b"", 200)
 
@@ -226,6 +236,18 @@ async def _give_up(gw: Gateway, name: str) -> None:
         await gw.view.refresh()
     except DespinaError as exc:
         log.warning("SageMaker model %s: unloading after its failed load failed too: %s", name, exc.message)
+
+
+async def _unstage(gw: Gateway, names: Sequence[str]) -> None:
+    """Remove the copies a load staged, as Triton's image unregisters the repository of a model it unloads
+    or failed to load: SageMaker loads and unloads model after model, and each copy would stay on the
+    disk for good. A name loaded all the same (by the V2 API: an ensemble's step it also loaded) keeps
+    its files."""
+    gone = [n for n in names if not _loaded(gw, n)]
+    try:
+        await asyncio.to_thread(unstage, gone, gw.settings)
+    except (DespinaError, OSError) as exc:
+        log.warning("SageMaker models %s: removing their staged copies failed: %s", ", ".join(gone), exc)
 
 
 def _int_param(request: Request, name: str, default: int) -> int:
@@ -289,6 +311,22 @@ def _is_ensemble(folder: Path) -> bool:
 def _is_model(folder: Path) -> bool:
     return (folder / "config.pbtxt").is_file() or any(
         p.is_dir() and is_version(p.name) for p in folder.iterdir())
+
+
+def unstage(names: Sequence[str], settings: Settings) -> None:
+    """Remove each model folder of `names` from the model repository: a local one whole (what a model
+    wrote there too, a __pycache__), a store's file by file, its config first (what is left of one is no
+    model a poll would load)."""
+    registry = open_registry(settings.model_repository, settings)
+    for name in names:
+        if isinstance(registry, LocalRegistry):
+            shutil.rmtree(registry.root / name, ignore_errors=True)
+            continue
+        model = registry.scan_one(name)
+        if model is None:
+            continue
+        for path in sorted((f.path for f in model.files), key=lambda p: p != "config.pbtxt"):
+            registry.delete(name, path)
 
 
 def stage(folder: Path, name: str, settings: Settings, steps: Sequence[Path] = ()) -> None:
