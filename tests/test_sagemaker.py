@@ -614,6 +614,59 @@ def test_a_multi_model_endpoints_load_errors_name_the_target_model(
     assert "preferred_batch_size" in said
 
 
+OUT_OF_MEMORY_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        first = pb_utils.get_input_tensor_by_name(requests[0], "x").as_numpy()[0]
+        if first > 1:
+            raise RuntimeError("the weights are on fire")
+        if first > 0:
+            raise MemoryError("out of memory allocating the activations")
+        return [pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB")) for _ in requests]
+"""
+
+
+def test_a_models_out_of_memory_failure_answers_an_invoke_or_a_load_with_507(serve, tmp_path: Path) -> None:
+    # SageMaker's multi-model contract: 507 says the instance has no memory for the model, and SageMaker
+    # unloads others and tries again. Triton's image answers an invoke whose model failed for memory (its
+    # list of the frameworks' words: "out of memory", "MemoryError", "CUDA out of memory", ...) with 507;
+    # Despina answered 500 and SageMaker went on sending it requests it could not serve
+    server = multi_model_endpoint(serve, tmp_path)
+    archive = tmp_path / "models" / "0a1b2c" / "model" / "greedy"
+    (archive / "1").mkdir(parents=True)
+    (archive / "1" / "model.py").write_text(OUT_OF_MEMORY_MODEL)
+    (archive / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "x", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+        'output [ { name: "y", data_type: TYPE_FP32, dims: [ 1 ] } ]\n')
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m1", "url": str(archive.parent)}, timeout=60)
+    assert r.status_code == 200, r.text
+
+    def invoke(x: float, path: str = "/models/m1/invoke") -> httpx.Response:
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [x]}]}
+        return httpx.post(f"{server.url}{path}", json=body, timeout=30)
+
+    for x, said in ((1.0, "MemoryError: out of memory"), (-1.0, "CUDA out of memory")):
+        r = invoke(x)
+        assert r.status_code == 507 and said in r.json()["error"], r.text
+        assert invoke(x, "/v2/models/m1/infer").status_code == 500  # the V2 route's as before
+    r = invoke(2.0)  # any other failure of the model stays what it was
+    assert r.status_code == 500 and "on fire" in r.json()["error"], r.text
+
+    # a load that fails for memory too (Triton's 507; Despina's was a 400), and leaves the endpoint healthy
+    (archive / "1" / "model.py").write_text(
+        "class TritonPythonModel:\n    def initialize(self, args):\n"
+        "        raise MemoryError('CUDA out of memory. Tried to allocate 20.00 GiB')\n")
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m2", "url": str(archive.parent)}, timeout=60)
+    assert r.status_code == 507 and "CUDA out of memory" in r.json()["error"], r.text
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+    assert httpx.get(f"{server.url}/models").json()["models"] == [{"modelName": "m1", "modelUrl": str(archive.parent)}]
+
+
 def test_ping_mode_is_triton_images_ready_on_a_single_model_endpoint_live_on_a_multi_model_one() -> None:
     # Triton's serve script sets the ping mode from SAGEMAKER_TRITON_OVERRIDE_PING_MODE, else ready on a
     # single-model endpoint and live on a multi-model one (a failed load must not fail /ping, or SageMaker

@@ -50,6 +50,12 @@ log = logging.getLogger("despina.gateway")
 TARGET_MODEL = b"x-amzn-sagemaker-target-model"  # InvokeEndpoint's TargetModel: "[path/]archive.tar.gz"
 FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")  # as Triton: a load never reads from these
 PAGE_MAX = 1000  # models in one GET /models answer at most
+# a model's failure for lack of memory, in the frameworks' words that Triton's SageMaker front end looks for
+OUT_OF_MEMORY = ("out of memory", "Out of memory", "Out Of Memory", "CUDA_OUT_OF_MEMORY", "MemoryError",
+                 "OutOfMemory", "OOM", "Dst tensor is not initialized", "Src tensor is not initialized",
+                 "CNMEM_STATUS_OUT_OF_MEMORY", "CUDNN_STATUS_NOT_INITIALIZED", "CUBLAS_STATUS_ALLOC_FAILED",
+                 "CUBLAS_STATUS_NOT_INITIALIZED", "failed to allocate memory", "Failed to allocate memory",
+                 "No space left on device")
 
 
 class AlreadyLoaded(DespinaError):
@@ -75,13 +81,18 @@ class ModelInvoke(SageMakerInfer):
 
 class TargetExchange(AsgiExchange):
     """An invoke's exchange: its errors name the TargetModel as its answers do (Triton's name the model it
-    loaded under the TargetModel), where they named SageMaker's model_name, which the client never saw."""
+    loaded under the TargetModel), where they named SageMaker's model_name, which the client never saw;
+    a model's failure for lack of memory is a 507, as Triton's image answers it."""
 
     def respond(self, status: int, body: bytes, content_type: bytes, extra: http.Headers) -> None:
-        if status >= 400 and (target := target_model(self.headers)):  # errors only: answers name it already
+        if status >= 400:  # errors only: an answer goes as it is
+            target = target_model(self.headers)
             try:
                 message = orjson.loads(body)["error"]
-                body = orjson.dumps({"error": named_as_sent(message, self.params["model"], target)})
+                if target:
+                    body = orjson.dumps({"error": named_as_sent(message, self.params["model"], target)})
+                if status >= 500 and out_of_memory(message):
+                    status = 507
             except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
                 pass  # not an error of ours (there is none such): as it is
         super().respond(status, body, content_type, extra)
@@ -99,6 +110,14 @@ def target_model(headers: http.Headers) -> str | None:
     (not in a test on one's own machine)."""
     target = http.header(headers, TARGET_MODEL)
     return target.decode("utf-8", "replace") if target else None
+
+
+def out_of_memory(message: object) -> bool:
+    """Whether a model's failure says it ran out of memory, in the words Triton's SageMaker front end
+    looks for (the frameworks'): SageMaker reads the 507 it answers as "unload others and retry". A
+    model's failures only (5xx): Triton's check also turns a refused request naming, say, an input
+    "BLOOM" into a 507."""
+    return isinstance(message, str) and any(words in message for words in OUT_OF_MEMORY)
 
 
 def named_as_sent(message: str, name: str, target: str | None) -> str:
@@ -158,7 +177,7 @@ def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
         except DespinaError as exc:
             await _give_up(gw, name)
             await _unstage(gw, staged)
-            return _load_error(exc, name, target)
+            return _load_error(exc, name, target, loading=True)
         await gw.redis.hset(key, name, orjson.dumps({"url": url, "staged": staged}))
         await gw.view.refresh()
         log.info("SageMaker model %s (TargetModel %s) loaded from %s", name, target or name, url)
@@ -259,13 +278,14 @@ def _int_param(request: Request, name: str, default: int) -> int:
     return int(raw)
 
 
-def _load_error(exc: DespinaError, name: str, target: str | None) -> Response:
-    """SageMaker reads 409 as "loaded already" and 507 as "no room: unload another and retry". The message
-    names the TargetModel where it named the model_name `name`."""
+def _load_error(exc: DespinaError, name: str, target: str | None, loading: bool = False) -> Response:
+    """SageMaker reads 409 as "loaded already" and 507 as "no room: unload another and retry" (no worker
+    has room, or, `loading`, the model failed for memory as it loaded). The message names the
+    TargetModel where it named the model_name `name`."""
     response = error_response(DespinaError(named_as_sent(exc.message, name, target), exc.code))
     if isinstance(exc, AlreadyLoaded):
         response.status_code = 409
-    elif exc.code == Code.RESOURCE_EXHAUSTED:
+    elif exc.code == Code.RESOURCE_EXHAUSTED or (loading and out_of_memory(exc.message)):
         response.status_code = 507
     return response
 
