@@ -26,11 +26,13 @@ def _errors(*statuses: int) -> Doc:
     words = {400: "Bad request", 401: "No valid API key (see `WWW-Authenticate`)",
              403: "The API key may not use this model or API, or a restricted API's header is missing",
              404: "Unknown model or version",
+             409: "A model of that name is loaded, or being loaded",
              413: "Body over the size limit (as sent, or inflated)",
              415: "Content-Encoding other than gzip, deflate or identity (with `Accept-Encoding`)",
              501: "Not supported (as Triton's: a trace or log file named by the API)",
              503: "Not ready, or the queue is unavailable (with `Retry-After`)",
-             504: "No answer before the request's deadline"}
+             504: "No answer before the request's deadline",
+             507: "No memory for the model (SageMaker's cue to unload others and retry)"}
     return {str(s): {"description": words[s], "content": _json(_ref("Error"))} for s in statuses}
 
 
@@ -325,12 +327,13 @@ def _paths() -> Doc:
 
 
 SAGEMAKER_BINARY = """SageMaker's framing of Triton's binary tensor extension: the JSON header's length in
-the content type, `application/vnd.sagemaker-triton.binary+json;json-header-size=N`, not in a header."""
+the content type, `application/vnd.sagemaker-triton.binary+json;json-header-size=N`, not in a header; N=0
+is a raw binary request, the body the data of the model's one input."""
 
 
-def _sagemaker_infer_op(op_id: str, summary: str) -> Doc:
+def _sagemaker_infer_op(op_id: str, summary: str, errors: tuple[int, ...] = ()) -> Doc:
     op = _infer_op(op_id)
-    op["summary"], op["parameters"] = summary, []
+    op["summary"], op["parameters"], op["responses"] = summary, [], {**op["responses"], **_errors(*errors)}
     op["description"] = SAGEMAKER_BINARY
     binary = {"schema": {"type": "string", "format": "binary"}}
     op["requestBody"]["content"] = {"application/json": op["requestBody"]["content"]["application/json"],
@@ -358,7 +361,7 @@ def _sagemaker_paths() -> Doc:
                        "model-repository", _ok("Models", _ref("SageMakerModels")), (400, 401, 403),
                        parameters=page),
             "post": _op("sagemaker_load", "SageMaker: load a model from the folder SageMaker unpacked",
-                        "model-repository", _ok("Loaded"), (400, 401, 403, 503),
+                        "model-repository", _ok("Loaded"), (400, 401, 403, 409, 503, 507),
                         requestBody={"required": True, "content": _json(_ref("SageMakerLoad"))})},
         "/models/{model}": {
             "parameters": [name],
@@ -367,7 +370,7 @@ def _sagemaker_paths() -> Doc:
             "delete": _op("sagemaker_unload", "SageMaker: unload a model", "model-repository",
                           _ok("Unloaded"), (401, 403, 404, 503))},
         "/models/{model}/invoke": {"parameters": [name], "post": _sagemaker_infer_op(
-            "sagemaker_invoke", "SageMaker: run one model of a multi-model endpoint")},
+            "sagemaker_invoke", "SageMaker: run one model of a multi-model endpoint", (404, 507))},
     }
 
 
