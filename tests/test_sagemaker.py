@@ -4,6 +4,7 @@ own SageMaker tests do (tritonclient builds and parses the binary bodies)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import gzip
 import os
 import shutil
@@ -22,6 +23,7 @@ import tritonclient.http as httpclient
 from despina.embedded import die_with_parent, free_port
 from despina.examples import mlp_numpy
 from despina.gateway.auth import classify
+from despina.gateway.sagemaker_mme import _copy_error, _load_error
 from despina.settings import BadSetting, Settings
 
 from .conftest import Server
@@ -584,6 +586,29 @@ def test_an_unloaded_models_copy_leaves_the_repository_and_so_does_a_failed_load
     assert r.status_code == 400, r.text
     assert [p.name for p in staged.iterdir()] == ["m1"]
     assert httpx.post(f"{server.url}/models/m1/invoke", json=v2_body()).status_code == 200
+
+
+def test_a_load_whose_files_cannot_be_copied_is_a_400_and_leaves_nothing(
+        serve, example_repository: Path, tmp_path: Path) -> None:
+    # a file of the archive that cannot be copied (here a named pipe) raised an OSError out of the load:
+    # a 500 "internal error", and the half-copied folder stayed in the staged repository
+    server = multi_model_endpoint(serve, tmp_path)
+    archive = tmp_path / "models" / "0a1b2c" / "model"
+    shutil.copytree(example_repository / "add_sub", archive / "add_sub")
+    os.mkfifo(archive / "add_sub" / "1" / "weights.bin")
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m1", "url": str(archive)}, timeout=60)
+    assert r.status_code == 400 and "named pipe" in r.json()["error"], r.text
+    assert sorted((tmp_path / "staged").iterdir()) == []
+    (archive / "add_sub" / "1" / "weights.bin").unlink()
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m1", "url": str(archive)}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_copy_that_fills_the_disk_is_a_507() -> None:
+    # a full disk is Triton's 507 ("No space left on device"): SageMaker unloads others and retries
+    full = _load_error(_copy_error(OSError(errno.ENOSPC, "No space left on device"), "/a"), "m1", None)
+    assert full.status_code == 507 and b"No space left on device" in full.body
+    assert _load_error(_copy_error(OSError(errno.EIO, "I/O error"), "/a"), "m1", None).status_code == 400
 
 
 def test_a_multi_model_endpoints_load_errors_name_the_target_model(

@@ -14,6 +14,7 @@ Redis hash, so that every gateway of the endpoint answers for them alike.
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import logging
 import os
@@ -168,9 +169,9 @@ def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
         staged = [name, *(step.name for step in steps)]
         try:
             await asyncio.to_thread(stage, folder, name, gw.settings, steps)
-        except DespinaError as exc:
+        except (DespinaError, OSError) as exc:
             await _unstage(gw, staged)  # what it copied before it stopped
-            return _load_error(exc, name, target)
+            return _load_error(exc if isinstance(exc, DespinaError) else _copy_error(exc, url), name, target)
         try:
             # no room on any worker: 507 at once, SageMaker's cue to unload others and retry
             await gw.view.control.call(LOAD, name, {"fail_without_room": True}, gw.settings.load_timeout_s)
@@ -276,6 +277,16 @@ def _int_param(request: Request, name: str, default: int) -> int:
     if not (raw.isascii() and raw.isdigit()):  # str.isdigit() takes '²', which int() refuses
         raise InvalidArgument(f"'{name}' must be a whole number, got '{raw[:32]}'")
     return int(raw)
+
+
+def _copy_error(exc: OSError, url: str) -> DespinaError:
+    """A copy of the archive's files that failed: a full disk is a 507, as Triton's image answers "No space
+    left on device" (SageMaker unloads others, which frees theirs, and retries); anything else is the
+    archive's (a file that cannot be read or copied), a 400."""
+    message = f"the model's files at '{url}' could not be copied: {exc}"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DespinaError(message, Code.RESOURCE_EXHAUSTED)
+    return InvalidArgument(message)
 
 
 def _load_error(exc: DespinaError, name: str, target: str | None, loading: bool = False) -> Response:
