@@ -231,3 +231,54 @@ def test_a_load_tries_failed_versions_again_by_moving_tries() -> None:
     assert e.failed == {} and e.tries == 1 and (e.attempt(1), e.attempt(2)) == ("a/1", "b/1")
     assert old.attempt(2) == "b" and CatalogEntry.loads(e.dumps()) == e
     assert try_again(e) is e and transition(e, replace(old, failed={}), LOADED, lambda v: True).tries == 1
+
+
+STEP_MODEL = """
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if Path({fail!r}).exists():
+            raise RuntimeError("step: its resource is missing")
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(
+            r, "IN").as_numpy() * 2)]) for r in requests]
+"""
+
+
+def test_an_ensemble_load_tries_its_failed_step_again(serve: Callable[..., Server], tmp_path: Path) -> None:
+    """As Triton 2.51's: the load of an ensemble loads its steps, and a step whose own load failed earlier
+    (initialize raised: a resource it needs was missing) is tried again with it, and now loads; the
+    ensemble serves. Despina's took the failed step for loaded and answered 400 "ensemble 'double2' cannot
+    serve: step 1 (model 'double'): model 'double' failed to load"."""
+    repo = tmp_path / "repo"
+    (repo / "double" / "1").mkdir(parents=True)
+    (repo / "double" / "1" / "model.py").write_text(STEP_MODEL.format(fail=str(tmp_path / "fail")))
+    (repo / "double" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 4\ninput [ { name: "IN", data_type: TYPE_INT32, dims: [ 3 ] } ]\n'
+        'output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 3 ] } ]\n')
+    (repo / "double2" / "1").mkdir(parents=True)
+    (repo / "double2" / "config.pbtxt").write_text(
+        'platform: "ensemble"\nmax_batch_size: 4\ninput [ { name: "X", data_type: TYPE_INT32, dims: [ 3 ] } ]\n'
+        'output [ { name: "Y", data_type: TYPE_INT32, dims: [ 3 ] } ]\nensemble_scheduling { step [ {\n'
+        '  model_name: "double" model_version: -1 input_map { key: "IN" value: "X" }\n'
+        '  output_map { key: "OUT" value: "Y" } } ] }\n')
+    server = serve(repo, "--model-control-mode", "explicit")
+
+    def load(name: str) -> httpx.Response:
+        return httpx.post(f"{server.url}/v2/repository/models/{name}/load", timeout=60)
+
+    (tmp_path / "fail").touch()
+    r = load("double")
+    assert r.status_code == 400 and "its resource is missing" in r.json()["error"], r.text
+    (tmp_path / "fail").unlink()
+    r = load("double2")
+    assert r.status_code == 200, r.text
+    assert [(r["name"], r["state"]) for r in index(server.url)] == [("double", "READY"), ("double2", "READY")]
+    r = httpx.post(f"{server.url}/v2/models/double2/infer", json={
+        "inputs": [{"name": "X", "datatype": "INT32", "shape": [1, 3], "data": [1, 2, 3]}]}, timeout=30)
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2, 4, 6], r.text

@@ -225,10 +225,11 @@ class Commands:
         self.plane.kick()
 
     async def _load_steps(self, entry: CatalogEntry, timeout: float, calling: tuple[str, ...]) -> None:
-        """Load what an ensemble calls and is not loaded (an idle model stays idle: a request wakes it)."""
+        """Load what an ensemble calls and is not loaded (an idle model stays idle: a request wakes it), and
+        what it calls whose load failed: as Triton's, the ensemble's load tries it again (try_again)."""
         for model in sorted(called_by(entry.config)):
             step = self.plane.catalog.get(model)
-            if model in calling or (step is not None and step.loaded):
+            if model in calling or (step is not None and step.loaded and not _failed(step)):
                 continue
             try:
                 await self.load(model, {}, timeout, wait=False, calling=calling)
@@ -339,6 +340,11 @@ def _reload_failed(old: CatalogEntry | None, new: CatalogEntry | None) -> bool:
     if old is None or not old.loaded or new is None:
         return False
     return all(v in new.failed for v in new.versions if v not in new.retiring)
+
+
+def _failed(e: CatalogEntry) -> bool:
+    """Whether a version the model loads failed to (a load tries it again: try_again)."""
+    return any(v in e.failed for v in e.versions if v not in e.retiring)
 
 
 def _left(deadline: float) -> float:
