@@ -3,7 +3,10 @@ device it runs on. A worker resolves them for itself (it knows its GPUs); a gate
 .../config, as the workers that serve the model resolved them (they report how many GPUs they used)."""
 from __future__ import annotations
 
+import hashlib
 from typing import Any
+
+import orjson
 
 from .ensemble import is_ensemble
 from .modelspec import ModelSpec
@@ -36,3 +39,20 @@ def completed_config(spec: ModelSpec, gpu_count: int) -> dict[str, Any]:
     if is_ensemble(spec.config):
         return spec.config
     return {**spec.config, "instance_group": resolve(spec, gpu_count)}
+
+
+def revision_parts(config: dict[str, Any]) -> tuple[bytes, str]:
+    """What a version's revision is made of: the config but its instance groups, canonical (hashed with the
+    files), and the instance groups' digest, the revision's end after a '.'. A reload that moves the end
+    alone is Triton's in-place instance update (same_but_instances)."""
+    rest = {k: v for k, v in config.items() if k != "instance_group"}
+    body = orjson.dumps(rest, option=orjson.OPT_SORT_KEYS)
+    groups = orjson.dumps(config.get("instance_group") or [], option=orjson.OPT_SORT_KEYS)
+    return body, "." + hashlib.sha256(groups).hexdigest()[:12]
+
+
+def same_but_instances(old: str, new: str) -> bool:
+    """Whether revisions `old` and `new` (revision_parts) have the same files and config but perhaps their
+    instance groups: as Triton's, a load that moves one to the other adds or removes instances in place."""
+    base = old.partition(".")[0]
+    return bool(base) and "." in old and "." in new and base == new.partition(".")[0]

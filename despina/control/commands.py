@@ -142,7 +142,7 @@ class Commands:
             plane.kick()
             anew = old is None or not old.loaded  # else what serves keeps its statistics until the load ends
             if anew or not wait:
-                await start_stats_afresh(plane.redis, plane.keys, name, made_anew(entry))
+                await start_stats_afresh(plane.redis, plane.keys, name, made_anew(entry, old))
             if not wait:
                 return
             try:
@@ -155,7 +155,7 @@ class Commands:
                     plane.catalog.put(replace(tried, override=None))   # kept: the next load reads the files
                 raise
             if not anew and (done := plane.catalog.get(name)) is not None:
-                await start_stats_afresh(plane.redis, plane.keys, name, made_anew(done))
+                await start_stats_afresh(plane.redis, plane.keys, name, made_anew(done, old))
             await forget(plane.redis, plane.keys, name, entry.path)  # what loaded before is gone now
 
     def _given_cache(self) -> ArtifactCache:

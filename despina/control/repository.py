@@ -5,11 +5,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from ..contract.catalog import CatalogEntry
 from ..contract.ensemble import PLATFORM, Ensemble, is_ensemble
 from ..contract.errors import ConfigError, DespinaError
+from ..contract.instance_groups import revision_parts
 from ..contract.modelconfig import (
     ModelConfig,
     check_model_name,
@@ -89,10 +88,10 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
     as_dict = to_dict(config)
     if ensemble:
         Ensemble.from_config(as_dict)  # the graph alone; the models it calls are checked as they come
-    canonical = orjson.dumps(as_dict, option=orjson.OPT_SORT_KEYS)
+    body, groups = revision_parts(as_dict)
     return CatalogEntry(
         name, model.url, as_dict, tuple(selected), available=tuple(available),
-        revisions={v: model.revision(v, canonical, checksums.listed_paths(as_dict)) for v in selected},
+        revisions={v: model.revision(v, body, checksums.listed_paths(as_dict)) + groups for v in selected},
         files=tuple(f.pack() for f in model.files) if registry.remote else (),
         footprint=footprint(as_dict, model.size(selected), len(selected)),
         labels=_labels(registry, model, config, paths))

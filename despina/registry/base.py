@@ -73,8 +73,9 @@ class ModelFiles:
 
     def revision(self, version: int, config: bytes, also: Iterable[str] = ()) -> str:
         """A digest of what one version loads from: its files, the shared files, those named in `also`
-        and the config."""
-        return digest([f.pack() for f in self.of_versions([version], also)], config)
+        and the config (config.pbtxt as the config it holds: what else it holds changes nothing)."""
+        files = [f.pack() for f in self.of_versions([version], also) if f.path != "config.pbtxt"]
+        return digest(files, config)
 
     def fingerprint(self) -> str:
         return digest([f.pack() for f in self.files])

@@ -109,6 +109,13 @@ class DynamicBatcher:
         """Batches handed to `execute` and not yet returned from it (their instance still taken)."""
         return self._instances - self._idle
 
+    def resize(self, instances: int) -> None:
+        """Run at most `instances` batches at once from now on (Triton's in-place instance update): with
+        fewer, no batch starts until those running are fewer than that."""
+        self._idle += instances - self._instances
+        self._instances = instances
+        self._wake.set()
+
     def close(self) -> None:
         """Stop taking items; run() returns once everything queued has been executed."""
         self._closed = True

@@ -20,7 +20,8 @@ from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply
 from . import answers, checksums
 from .backends import Backend, backend_class
-from .backends.base import text_inputs
+from .backends.base import Instance, text_inputs
+from .instances import matched
 from .instances import plan as plan_instances
 from .ragged import BatchIO
 from .reshape import Reshapes
@@ -85,6 +86,7 @@ class Execution:
         self.row_us: float | None = None  # moving average of a batch's cost per row (µs)
         self.text: frozenset[str] = frozenset()  # BYTES inputs the backend takes as UTF-8 only (from load)
         self.gpus = 0  # GPUs the backend saw as it planned the instances (from load): how KIND_AUTO resolved
+        self._retiring: asyncio.Future[None] | None = None  # instances an update removes, as each frees
 
     async def load(self) -> None:
         """Load every instance of the instance groups, then run the warmup samples on each. `count` may
@@ -92,7 +94,6 @@ class Execution:
         loaded and warmed up too, and left out of `count`, `instances` and `backends`."""
         cls = backend_class(self.spec.backend)
         self.text = text_inputs(self.spec, cls)
-        version_dir = self.path / str(self.version)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.executor, checksums.verify, self.spec.name, self.path,
                                    self.spec.config)
@@ -106,10 +107,7 @@ class Execution:
                                                thread_name_prefix=f"{self.spec.name}-")
         self.count = active
         for instance in instances:
-            backend = cls(self.spec, version_dir, instance)
-            backend.caller = self.caller
-            if self.spec.decoupled:  # a Python model (checked at load)
-                cast(Any, backend).on_response = self._from_thread(loop)
+            backend = self._backend(cls, self.spec, instance, loop)
             try:
                 await _loaded(self.executor, backend)
                 if instance.passive:
@@ -124,7 +122,84 @@ class Execution:
                 log.exception("model %s: loading instance %s failed", self.spec.name, instance.name)
                 raise ConfigError(f"model '{self.spec.name}': loading failed: {exc}") from None
 
+    def _backend(self, cls: type[Backend], spec: ModelSpec, instance: Instance,
+                 loop: asyncio.AbstractEventLoop) -> Backend:
+        backend = cls(spec, self.path / str(self.version), instance)
+        backend.caller = self.caller
+        if spec.decoupled:  # a Python model (checked at load)
+            cast(Any, backend).on_response = self._from_thread(loop)
+        return backend
+
+    async def resize(self, spec: ModelSpec, resized: Callable[[int], None]) -> None:
+        """Triton's in-place instance update, to `spec`'s instance groups (its config otherwise the same): the
+        instances they add are loaded and warmed up beside those serving, then serve; those they remove are
+        taken out of service, each as it is free, and unloaded; the others serve on all along. `resized`
+        hears the count that take requests, once the added ones do. Should an added one fail to load, those
+        loaded are unloaded and nothing changed (the error is raised)."""
+        if self._retiring is not None:  # an earlier update's instances still leaving
+            await asyncio.shield(self._retiring)
+        loop = asyncio.get_running_loop()
+        cls = backend_class(spec.backend)
+        have = [*self.backends, *self.standby]
+        wanted = plan_instances(spec, self.gpus, self.threads)
+        add, drop = matched([b.instance for b in have], wanted)
+        executor = ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix=f"{spec.name}-")
+        added: list[Backend] = []
+        try:
+            warmups = samples(spec, self.path) if add else []
+            for instance in add:
+                backend = self._backend(cls, spec, instance, loop)
+                await _loaded(executor, backend)
+                added.append(backend)
+                await loop.run_in_executor(executor, warmup, backend, spec, warmups)
+        except BaseException as exc:
+            for backend in added:
+                await loop.run_in_executor(executor, backend.unload)
+            executor.shutdown(wait=False)
+            if isinstance(exc, (DespinaError, asyncio.CancelledError)) or not isinstance(exc, Exception):
+                raise
+            log.exception("model %s: loading an added instance failed", spec.name)
+            raise ConfigError(f"model '{spec.name}': loading failed: {exc}") from None
+        old, self.executor, self.spec = self.executor, executor, spec
+        old.shutdown(wait=False)  # (a batch running there ends as it would)
+        leaving = [have[i] for i in drop]
+        for backend in added:
+            if backend.instance.passive:
+                self.standby.append(backend)
+            else:
+                self.backends.append(backend)
+                self.instances.put_nowait(backend)
+        self.backends = [b for b in self.backends if b not in leaving]
+        self.standby = [b for b in self.standby if b not in leaving]
+        self.count = len(self.backends)
+        resized(self.count)
+        self._retiring = asyncio.ensure_future(self._retire(leaving))
+        await asyncio.shield(self._retiring)  # cancelled, the update still ends: it owns the instances
+
+    async def _retire(self, leaving: list[Backend]) -> None:
+        """Unload the instances `leaving`, each once it is free (the free ones the others serve meanwhile
+        are held back for as long: one batch at most)."""
+        loop = asyncio.get_running_loop()
+        busy = {b for b in leaving if not b.instance.passive}
+        aside: list[Backend] = []
+        try:
+            for backend in [b for b in leaving if b not in busy]:
+                await loop.run_in_executor(self.executor, backend.unload)
+            while busy:
+                backend = await self.instances.get()
+                if backend in busy:
+                    busy.discard(backend)
+                    await loop.run_in_executor(self.executor, backend.unload)
+                else:
+                    aside.append(backend)
+        finally:
+            for backend in aside:
+                self.instances.put_nowait(backend)
+            self._retiring = None
+
     async def unload(self) -> None:
+        if self._retiring is not None:
+            await asyncio.shield(self._retiring)
         while not self.instances.empty() or self.standby:
             backend = self.instances.get_nowait() if not self.instances.empty() else self.standby.pop()
             await asyncio.get_running_loop().run_in_executor(self.executor, backend.unload)

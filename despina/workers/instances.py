@@ -1,6 +1,8 @@
 """Triton's instance groups: how many copies of a model run, and on which device each one runs."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..contract.errors import ConfigError
 from ..contract.instance_groups import resolve
 from ..contract.modelspec import ModelSpec
@@ -37,3 +39,26 @@ def plan(spec: ModelSpec, gpu_count: int, threads: int = 1) -> list[Instance]:
                       for i, (k, device) in enumerate(places)]
     return instances
 
+
+
+def matched(have: list[Instance], wanted: list[Instance]) -> tuple[list[Instance], list[int]]:
+    """Triton's in-place instance update: the instances of `wanted` to add, and the indices of those of `have`
+    to remove. An instance stays where one of `wanted` runs where it does (kind, device, passive), one of the
+    same name first; it keeps its name."""
+    left = list(range(len(have)))
+    add: list[Instance] = []
+    unmatched = []
+    for want in wanted:  # the same instance first, then any that runs where it would
+        same = next((i for i in left if have[i] == replace(want, threads=have[i].threads)), None)
+        if same is None:
+            unmatched.append(want)
+        else:
+            left.remove(same)
+    for want in unmatched:
+        alike = next((i for i in left if (have[i].kind, have[i].device, have[i].passive)
+                      == (want.kind, want.device, want.passive)), None)
+        if alike is None:
+            add.append(want)
+        else:
+            left.remove(alike)
+    return add, left

@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 
 from ..contract.catalog import CatalogEntry
 from ..contract.errors import DespinaError, Unavailable
+from ..contract.instance_groups import same_but_instances
 from ..contract.modelspec import ModelSpec
 from ..counters import Deferred
 from ..registry import ArtifactCache, FileInfo, ModelFiles, Registry, open_model_registry
@@ -64,11 +65,7 @@ class Loading(Presence):
                 await runner.stop()
             raise
         except Exception as exc:
-            message = exc.message if isinstance(exc, DespinaError) else f"model '{key[0]}': {exc}"
-            if not isinstance(exc, DespinaError):
-                log.exception("worker %s: loading %s version %d failed", self.id, *key)
-            log.error("worker %s: %s", self.id, message)
-            self.failures[key] = (entry.attempt(key[1]), message)
+            self._failed(key, entry, exc)
             if runner is not None:
                 await runner.stop()
         else:
@@ -91,6 +88,40 @@ class Loading(Presence):
             slow.cancel()
             self.fetch_errors.pop(key, None)
             self._loading_from.pop(key, None)
+            if self.loading.get(key, ("", None))[0] == rev:
+                del self.loading[key]
+            await self._announce()
+
+    def _failed(self, key: Key, entry: CatalogEntry, exc: Exception) -> None:
+        message = exc.message if isinstance(exc, DespinaError) else f"model '{key[0]}': {exc}"
+        if not isinstance(exc, DespinaError):
+            log.exception("worker %s: loading %s version %d failed", self.id, *key)
+        log.error("worker %s: %s", self.id, message)
+        self.failures[key] = (entry.attempt(key[1]), message)
+
+    def _in_place(self, key: Key, rev: str) -> bool:
+        """Whether the runner serving `key` takes the entry's revision `rev` in place (_resize)."""
+        runner = self.runners.get(key)
+        return runner is not None and runner.resizable and same_but_instances(self.revision.get(key, ""), rev)
+
+    async def _resize(self, key: Key, entry: CatalogEntry, rev: str) -> None:
+        """Triton's in-place instance update: the runner serving `key` adds or removes instances as the
+        entry's instance groups say, its files and the rest of its config being those it loaded (_in_place).
+        It serves all along; should it fail, it serves on as it was, and the new revision failed."""
+        runner = self.runners[key]
+        log.info("worker %s: updating the instances of %s version %d in place", self.id, *key)
+        try:
+            await self._announce()
+            async with self._load_turns:
+                await runner.resize(ModelSpec.from_config(entry.config))
+        except Exception as exc:
+            self._failed(key, entry, exc)
+        else:
+            self.revision[key] = rev
+            self.failures.pop(key, None)
+            self._steps.clear()
+            log.info("worker %s: %s version %d runs %d instance(s)", self.id, *key, runner.execution.count)
+        finally:
             if self.loading.get(key, ("", None))[0] == rev:
                 del self.loading[key]
             await self._announce()

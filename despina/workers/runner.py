@@ -97,6 +97,7 @@ class ModelRunner(Intake):
         self._coming = None if full_queue_delay else self._nothing_coming
         self.batcher = self._batcher(count)
         limit = max(spec.max_batch_size, 1) * count * 4
+        self._asked_read_ahead = read_ahead
         self._read_ahead = read_ahead or max(limit, 64)
         self._entries: dict[tuple[str, bytes], int] = {}  # stream entry -> requests not yet answered
         # id() of a submitted request -> where its reply goes, and who says whether more may come
@@ -122,6 +123,21 @@ class ModelRunner(Intake):
         self._text = self.execution.text
         if self.execution.count != count:  # e.g. KIND_GPU without `gpus`: count on every GPU
             self.batcher = self._batcher(self.execution.count)
+
+    @property
+    def resizable(self) -> bool:
+        """Whether its instances can be added or removed in place (resize): a stateful model's sequences
+        keep to their instance, and it loads anew instead."""
+        return self.state == "READY" and isinstance(self.batcher, DynamicBatcher)
+
+    async def resize(self, spec: ModelSpec) -> None:
+        """Triton's in-place instance update to `spec`'s instance groups (Execution.resize)."""
+        await self.execution.resize(spec, self._resized)
+        self.spec = spec
+
+    def _resized(self, count: int) -> None:
+        cast(DynamicBatcher, self.batcher).resize(count)
+        self._read_ahead = self._asked_read_ahead or max(max(self.spec.max_batch_size, 1) * count * 4, 64)
 
     async def start(self) -> None:
         await self.streams.ensure_groups()

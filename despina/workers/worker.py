@@ -304,7 +304,8 @@ class Worker(Loading):
             tried = self.failures.get(key, ("",))[0] == entry.attempt(key[1])  # a load asking again moves it
             if serving or tried or self.loading.get(key, ("",))[0] == rev:
                 continue
-            task = asyncio.create_task(self._load(key, entry, rev))
+            load = self._resize if self._in_place(key, rev) else self._load  # (Triton's instance update)
+            task = asyncio.create_task(load(key, entry, rev))
             self.loading[key] = (rev, task)
         self._note_placed(bool(placed))  # after its loads are under way: none missed by a readiness probe
         if gone:
