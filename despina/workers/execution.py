@@ -177,24 +177,30 @@ class Execution:
         await asyncio.shield(self._retiring)  # cancelled, the update still ends: it owns the instances
 
     async def _retire(self, leaving: list[Backend]) -> None:
-        """Unload the instances `leaving`, each once it is free (the free ones the others serve meanwhile
-        are held back for as long: one batch at most)."""
-        loop = asyncio.get_running_loop()
+        """Unload the instances `leaving`, each taken out of service once it is free (the free ones that stay
+        are held back meanwhile, so that it is the one taken: one batch at most)."""
+        taken = [b for b in leaving if b.instance.passive]
         busy = {b for b in leaving if not b.instance.passive}
         aside: list[Backend] = []
         try:
-            for backend in [b for b in leaving if b not in busy]:
-                await loop.run_in_executor(self.executor, backend.unload)
             while busy:
                 backend = await self.instances.get()
                 if backend in busy:
                     busy.discard(backend)
-                    await loop.run_in_executor(self.executor, backend.unload)
+                    taken.append(backend)
                 else:
                     aside.append(backend)
         finally:
             for backend in aside:
                 self.instances.put_nowait(backend)
+        try:
+            for backend in taken:
+                try:
+                    await asyncio.get_running_loop().run_in_executor(self.executor, backend.unload)
+                except Exception:  # the update is done all the same: the instance serves no more
+                    log.exception("model %s: unloading instance %s failed", self.spec.name,
+                                  backend.instance.name)
+        finally:
             self._retiring = None
 
     async def unload(self) -> None:
