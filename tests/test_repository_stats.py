@@ -6,6 +6,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tritonclient.http as httpclient
 
 from .conftest import Server
 from .control_support import infer, mlp_folder, wait_until
@@ -64,6 +65,26 @@ def test_a_load_starts_the_statistics_of_what_it_loads_afresh(serve: Callable[..
     assert httpx.post(f"{server.url}/v2/repository/models/mlp/load", timeout=60).status_code == 200
     assert counts(server) == {"1": 0, "2": 0}
     assert metric(server) == 4
+
+
+def test_a_load_of_a_model_whose_files_did_not_change_keeps_its_statistics(serve: Callable[..., Server],
+                                                                           repo: Path) -> None:
+    # Triton 2.51 loads again only a model whose files changed since it loaded them: a client's load_model
+    # of a model that serves, unchanged, keeps it as it is, its statistics with it
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "mlp", wait_models=("mlp",))
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        for version in (2, 2):
+            assert infer(server.url, version=version).status_code == 200
+        wait_until(lambda: counts(server) == {"1": 0, "2": 2}, 10, what="the inferences counted")
+        client.load_model("mlp")
+        assert client.is_model_ready("mlp", "2")
+        stats = client.get_inference_statistics("mlp", "2")["model_stats"][0]
+        assert (stats["inference_count"], stats["execution_count"]) == (2, 2)
+        assert stats["last_inference"] > 0 and stats["inference_stats"]["success"]["count"] == 2
+        assert counts(server) == {"1": 0, "2": 2}
+    finally:
+        client.close()
 
 
 def test_a_version_a_polled_repository_loads_again_counts_from_nothing(serve: Callable[..., Server],
