@@ -330,7 +330,7 @@ def test_a_call_passes_its_request_id_and_parameters_and_returns_the_response_pa
 def test_calling_a_missing_model_is_an_error_response(server: Server) -> None:
     response = infer(server, "caller", X, target="nope")
     assert response.status_code == 500
-    assert "the call failed (2): unknown model 'nope'" in response.json()["error"]
+    assert "the call failed (2): Request for unknown model: 'nope' is not found" in response.json()["error"]
 
 
 def test_a_call_with_a_wrong_shape_is_an_error_response(server: Server) -> None:

@@ -24,7 +24,7 @@ def x_input(**changes: object) -> dict:
 
 CASES = [
     # (name, path, body, headers, status, words in the message)
-    ("unknown model", "/v2/models/nope/infer", v2([x_input()]), {}, 404, "unknown model 'nope'"),
+    ("unknown model", "/v2/models/nope/infer", v2([x_input()]), {}, 404, "Request for unknown model: 'nope' is not found"),
     ("unknown version", "/v2/models/mlp/versions/9/infer", v2([x_input()]), {}, 404,
      "Request for unknown model: 'mlp' version 9 is not found"),
     ("version not a number", "/v2/models/mlp/versions/abc/infer", v2([x_input()]), {}, 404,

@@ -10,6 +10,7 @@ import onnxruntime as ort
 import orjson
 import pytest
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from despina.examples import mlp_numpy
 from despina.workers.backends import backend_class
@@ -124,6 +125,22 @@ def test_requested_output_subset(client: httpclient.InferenceServerClient) -> No
     np.testing.assert_array_equal(result.as_numpy("diff"), a - b)
     both = client.infer("add_sub", inputs)
     np.testing.assert_array_equal(both.as_numpy("sum"), a + b)
+
+
+def test_an_unknown_model_is_refused_in_tritons_words(client: httpclient.InferenceServerClient) -> None:
+    # Triton 2.51 answers 404 "Request for unknown model: 'nope' is not found" to each of these calls, as
+    # Despina already did for a version it lacks ("... 'mlp' version 9 is not found")
+    x = httpclient.InferInput("x", [1, 256], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 256), np.float32))
+    calls = {"metadata": lambda: client.get_model_metadata("nope"),
+             "config": lambda: client.get_model_config("nope"),
+             "infer": lambda: client.infer("nope", [x]),
+             "async_infer": lambda: client.async_infer("nope", [x]).get_result()}
+    for what, call in calls.items():
+        with pytest.raises(InferenceServerException) as raised:
+            call()
+        assert (raised.value.status(), raised.value.message()) == (
+            "404", "Request for unknown model: 'nope' is not found"), what
 
 
 def test_binary_data_output_is_the_kind_of_the_outputs_a_request_does_not_list(example_server: Server) -> None:

@@ -219,7 +219,7 @@ class ModelView:
     def get(self, name: str) -> Model:
         model = self.models.get(name)
         if model is None:
-            raise NotFound(f"unknown model '{name}'")
+            raise NotFound(f"Request for unknown model: '{name}' is not found")
         return model
 
     def resolve(self, name: str, version: str | None) -> tuple[Model, int]:
