@@ -428,6 +428,30 @@ def test_without_a_trace_file_tracing_is_refused(tmp_path: Path, redis_url: str,
         stop_server(served)
 
 
+def test_a_model_not_loaded_has_no_trace_settings(tmp_path: Path, redis_url: str, key_prefix: str,
+                                                  example_repository: Path) -> None:
+    # Triton 2.51 answers a model of its repository that is not loaded as one it lacks: 400 "Request for
+    # unknown model : mlp" to GET and POST of its settings, until a load
+    served = start_server(example_repository, tmp_path, redis_url, key_prefix, "--model-control-mode",
+                          "explicit", "--load-model", "add_sub", wait_models=("add_sub",))
+    c = httpclient.InferenceServerClient(served.url.removeprefix("http://"))
+    try:
+        for ask in (lambda: c.get_trace_settings("mlp"),
+                    lambda: c.update_trace_settings("mlp", {"trace_rate": "3"}),
+                    lambda: c.update_trace_settings("mlp", {"trace_rate": None})):
+            with pytest.raises(InferenceServerException) as raised:
+                ask()
+            assert (raised.value.status(), raised.value.message()) == ("400", "Request for unknown model : mlp")
+        c.load_model("mlp")
+        assert c.get_trace_settings("mlp") == DEFAULTS
+        c.unload_model("mlp")
+        with pytest.raises(InferenceServerException, match="Request for unknown model : mlp"):
+            c.get_trace_settings("mlp")
+    finally:
+        c.close()
+        stop_server(served)
+
+
 @pytest.mark.parametrize(("argv", "environ", "expected"), [
     (["--trace-file", "/srv/t.json"], {}, "/srv/t.json"),
     ([], {"DESPINA_TRACE_FILE": "/srv/e.json"}, "/srv/e.json"),

@@ -59,7 +59,9 @@ def trace_routes(gw: Gateway) -> list[Route]:
 
     def model_of(request: Request) -> str | None:
         model = request.path_params.get("model")
-        if model is not None and model not in gw.view.models:  # Triton's status and words (INVALID_ARG)
+        known = gw.view.models.get(model) if model is not None else None
+        # Triton's status and words (INVALID_ARG) for a model it lacks, and for one it has not loaded
+        if model is not None and (known is None or not known.entry.loaded):
             raise InvalidArgument(f"Request for unknown model : {model}")
         return model
 
