@@ -11,11 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from despina.contract.errors import ConfigError
 
-from .conftest import FULL_QUEUE_DELAY, Server, module_server
+from .conftest import FULL_QUEUE_DELAY, Server, module_server, settled_stats
 from .test_sequence import spec
 
 # answers with each control input it got: its data type, shape and value; sleeps when x < 0, so that a
@@ -119,6 +122,32 @@ def test_an_id_of_the_wrong_type_for_the_corrid_control_is_refused_with_tritons_
     assert r.status_code == 400, r.text
     assert r.json()["error"] == ("sequence batching control 'CORRID' data-type is 'UINT64', but model "
                                  "'named' expects 'BYTES'")
+
+
+def test_a_request_the_sequence_batcher_refuses_is_no_failure_in_the_statistics(server: Server) -> None:
+    """Triton 2.51 refuses these before its scheduler queues them: get_inference_statistics counts no
+    failure for them, nor its metrics, and they were never pending."""
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    x = httpclient.InferInput("x", [1, 1], "FP32")
+    x.set_data_from_numpy(np.array([[1.0]], np.float32))
+    try:
+        before = settled_stats(server.url, "numbered")
+        for wrong in ({"sequence_id": 31337},  # a new sequence without START
+                      {"sequence_id": "abc", "sequence_start": True}):  # the wrong type for CORRID
+            with pytest.raises(InferenceServerException) as raised:
+                client.infer("numbered", [x], **wrong)
+            assert raised.value.status() == "400"
+        client.infer("numbered", [x], sequence_id=31338, sequence_start=True, sequence_end=True)
+        after = settled_stats(server.url, "numbered")
+        assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 1
+        assert after["inference_stats"]["fail"] == before["inference_stats"]["fail"]
+        metrics = httpx.get(server.metrics_url, timeout=10).text
+        failures = [line for line in metrics.splitlines()
+                    if line.startswith('nv_inference_request_failure{model="numbered"')]
+        assert len(failures) == 4 and all(line.endswith("} 0") for line in failures), failures
+        assert 'nv_inference_pending_request_count{model="numbered",version="1"} 0' in metrics
+    finally:
+        client.close()
 
 
 def test_a_sequence_ends_when_its_end_request_comes_not_when_it_has_run(server: Server) -> None:

@@ -63,10 +63,13 @@ class Intake(Outbox):
         now = clock.now()
         failures: list[InferReply] = []
         failed: list[InferRequest] = []  # failures[i] answers failed[i]
+        refusals: list[InferReply] = []  # as failures, of requests refused before they were queued
+        refused: list[InferRequest] = []
 
-        def fail(req: InferRequest, entry: tuple[str, bytes], code: Code, message: str) -> None:
-            failures.append(answers.error(req, code, message))
-            failed.append(req)
+        def fail(req: InferRequest, entry: tuple[str, bytes], code: Code, message: str,
+                 queued: bool = True) -> None:
+            (failures if queued else refusals).append(answers.error(req, code, message))
+            (failed if queued else refused).append(req)
             self._entries[entry] -= 1
 
         for stream, entry_id, fields in entries:
@@ -102,8 +105,9 @@ class Intake(Outbox):
                 except QueueFull as exc:
                     fail(req, entry, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}")
                     continue
-                except DespinaError as exc:  # its inputs, or the sequence batcher's refusal
-                    fail(req, entry, exc.code, exc.message)
+                except DespinaError as exc:  # its inputs, or the sequence batcher's refusal: as Triton
+                    # refuses these before its scheduler queues them, no failure in the statistics
+                    fail(req, entry, exc.code, exc.message, exc.code != Code.INVALID_ARGUMENT)
                     continue
                 except Exception as exc:  # a bug: it fails this request, and the model reads on
                     log.exception("model %s: taking request %s failed", self.spec.name, req.id)
@@ -115,6 +119,8 @@ class Intake(Outbox):
             self._room.clear()
         if failures:
             await self._reply(failures, failed, [], ran=False)
+        if refusals:
+            await self._reply(refusals, refused, [], ran=False, counted=False)
         done = [e for e, n in self._entries.items() if n == 0]
         if done:  # entries none of whose requests reached the batcher
             for e in done:

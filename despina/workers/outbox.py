@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 from .. import clock, summaries
 from ..contract.keys import ENTRY_REQUESTS, GROUP, Keys
 from ..contract.modelspec import ModelSpec
-from ..contract.records import InferReply, InferRequest
+from ..contract.records import InferReply, InferRequest, requests_in
 from ..counters import Deferred
 from ..resp import Batch, Command, ReadAlong
 from . import stats
@@ -152,11 +152,14 @@ class Outbox:
 
     async def _reply(self, replies: list[InferReply], requests: list[InferRequest],
                      pendings: list[Pending], rows: int = 0, started: float = 0.0,
-                     timings: tuple[int, int, int] = (0, 0, 0), later: int = 0, ran: bool = True) -> None:
+                     timings: tuple[int, int, int] = (0, 0, 0), later: int = 0, ran: bool = True,
+                     counted: bool = True) -> None:
         """One round trip: a reply entry per gateway, statistics, queue counters, and the
         acknowledgement of every stream entry now fully answered (after its replies, in order).
         replies[i] answers requests[i]: ids are unique per gateway only, so a batch may hold two alike.
-        `ran` False: the requests never were in a batch (answered from the queue), so still counted queued."""
+        `ran` False: the requests never were in a batch (answered from the queue), so still counted queued.
+        `counted` False: refusals of requests never queued, which the statistics do not count (the
+        gateway's `enqueued` count is taken back instead, so that they were never pending)."""
         by_gateway: dict[str, list[InferReply]] = {}
         for r, req in zip(replies, requests, strict=True):
             if req.reply_to:
@@ -183,8 +186,11 @@ class Outbox:
                 del self._entries[p.entry]
                 done.append(p.entry)
         # Triton's Python backend counts an execution whose every request failed; its other backends do not
-        counts = stats.tally(replies, rows, started, timings, later, self.spec.backend == "python")
-        if self.summary is not None:
+        if not counted:
+            counts = {"enqueued": -sum(requests_in(r.id) for r in replies)}
+        else:
+            counts = stats.tally(replies, rows, started, timings, later, self.spec.backend == "python")
+        if self.summary is not None and counted:
             summaries.observe(self.summary, replies, rows, timings, later)
         if self.deferred is not None and not by_gateway and not done:
             # only requests made in this process (an ensemble's steps): nothing to send but counters,
