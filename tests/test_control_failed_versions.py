@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +13,9 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from despina.contract.catalog import LOADED, RETIRED_KEPT, CatalogEntry, drop, version_refused
 from despina.contract.errors import NotFound, Unavailable
@@ -130,6 +134,69 @@ def test_a_model_whose_every_version_failed_has_no_available_versions(serve: Cal
         assert "model.onnx" in error
     for r in version_answers(server.url, 1):  # the version itself: Triton's 503 (Despina's words say why)
         assert r.status_code == 503 and "version 1 failed to load: " in r.json()["error"], (r.url, r.text)
+
+
+PY_CONFIG = """
+name: "py"
+backend: "python"
+max_batch_size: 4
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+PY_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if BROKEN:
+            raise RuntimeError("boom")
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X")
+                                                            .as_numpy())]) for r in requests]
+"""
+
+
+def test_an_unload_of_a_model_whose_load_failed_keeps_its_error_and_the_server_not_ready(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    # Triton 2.51 (strict readiness, its default): the unload succeeds, yet the version's load error stays
+    # its state's reason in the index, and the server stays not ready, until a load of it succeeds
+    repo = tmp_path / "repo"
+    (repo / "py" / "1").mkdir(parents=True)
+    (repo / "py" / "config.pbtxt").write_text(PY_CONFIG)
+    (repo / "py" / "1" / "model.py").write_text("BROKEN = True\n" + PY_MODEL)
+    server = serve(repo, "--model-control-mode", "explicit", env={"DESPINA_STRICT_READINESS": "true"})
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+
+    def rows() -> list[tuple[str, str]]:
+        return [(r["state"], r["reason"]) for r in client.get_model_repository_index() if r["name"] == "py"]
+
+    def never_ready() -> bool:  # (the gateways learn of a load or unload a moment after it answers)
+        for _ in range(20):
+            if client.is_server_ready():
+                return False
+            time.sleep(0.1)
+        return True
+
+    try:
+        with pytest.raises(InferenceServerException, match="boom"):
+            client.load_model("py")
+        wait_until(lambda: not client.is_server_ready(), 5, what="the failed model known to the gateway")
+        [(state, why)] = rows()
+        assert state == "UNAVAILABLE" and "RuntimeError: boom" in why
+        client.unload_model("py")
+        assert rows() == [("UNAVAILABLE", why)]
+        assert never_ready() and not client.is_model_ready("py")
+        (repo / "py" / "1" / "model.py").write_text("BROKEN = False\n" + PY_MODEL)  # fixed: it loads
+        client.load_model("py")
+        assert client.is_model_ready("py")
+        wait_until(client.is_server_ready, 5, what="the server ready")
+        client.unload_model("py")  # the unload of a model that served: "unloaded", and ready
+        assert rows() == [("UNAVAILABLE", "unloaded")]
+        wait_until(client.is_server_ready, 5, what="the server ready")
+    finally:
+        client.close()
 
 
 def test_a_model_deleted_from_a_polled_repository_leaves_the_index(serve: Callable[..., Server],

@@ -1,20 +1,23 @@
 """/v2/health/ready: whether the server is ready, as Triton's --strict-readiness says."""
 from __future__ import annotations
 
-from ..contract.catalog import LOADED
+from ..contract.catalog import LOADED, UNLOADED
 from .models import ModelView
 
 
 def server_ready(view: ModelView, strict: bool) -> bool:
     """Connected, the control plane has published the catalog, and every model asked to load has settled.
     Strict (Triton's default): every version it loads is READY, so one still loading or one whose load
-    failed keeps the server not ready (until the model loads, or is unloaded). Not strict: it has a READY
-    version, or every version failed to load."""
+    failed keeps the server not ready, until the model loads (as Triton's, an unload of the model leaves a
+    failed load's record, and the server not ready). Not strict: it has a READY version, or every version
+    failed to load."""
     if not view.connected or not view.published:
         return False
     for name, m in view.models.items():
         e = m.entry
         if e.target != LOADED:  # unloaded, or scaled to zero: a request wakes it
+            if strict and e.target == UNLOADED and any(v in e.failed for v in e.versions):
+                return False
             continue
         if e.state != "READY":  # its config cannot be used, or the store kept it from being read
             if strict:
