@@ -71,8 +71,8 @@ class RepositoryIndex:
         plane = self.plane
         if v in e.dropped and v not in e.versions:  # as Triton's: its failed load's record stays
             return "UNAVAILABLE", e.dropped[v]
-        if e.target == UNLOADED and v in e.failed:  # as Triton's: an unload leaves a failed load's record
-            return "UNAVAILABLE", e.failed[v]
+        if e.target == UNLOADED and v in e.failed and not is_ensemble(e.config):
+            return "UNAVAILABLE", e.failed[v]  # as Triton's: an unload leaves a failed load's record
         if e.target == UNLOADED or (v in e.retired and v not in e.versions):  # as Triton's, once unloaded
             return "UNAVAILABLE", "unloaded"
         if is_ensemble(e.config):

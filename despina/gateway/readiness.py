@@ -16,7 +16,9 @@ def server_ready(view: ModelView, strict: bool) -> bool:
     for name, m in view.models.items():
         e = m.entry
         if e.target != LOADED:  # unloaded, or scaled to zero: a request wakes it
-            if strict and e.target == UNLOADED and any(v in e.failed for v in e.versions):
+            # (an ensemble's failures are its steps', not a load of its own)
+            failed = m.ensemble is None and any(v in e.failed for v in e.versions)
+            if strict and e.target == UNLOADED and failed:
                 return False
             continue
         if e.state != "READY":  # its config cannot be used, or the store kept it from being read
