@@ -452,7 +452,7 @@ def test_bad_inputs_are_refused_before_any_step_runs(server: Server) -> None:
     assert missing.status_code == 400 and "needs input(s) IN1" in missing.json()["error"]
     unknown = infer(server, "diamond", {"IN0": np.zeros((1, 4), np.float32), "IN1": np.zeros((1, 4), np.float32)},
                     outputs=[{"name": "S"}])
-    assert unknown.status_code == 400 and "has no output 'S'" in unknown.json()["error"]
+    assert unknown.status_code == 400 and "unexpected inference output 'S' for model 'diamond'" in unknown.json()["error"]
 
 
 def test_an_ensemble_calling_a_missing_model_is_unavailable_with_the_reason(server: Server) -> None:

@@ -54,7 +54,7 @@ CASES = [
     ("unknown input", "/v2/models/mlp/infer", v2([x_input(name="z")]), {}, 400, "has no input 'z'"),
     ("input twice", "/v2/models/mlp/infer", v2([x_input(), x_input()]), {}, 400, "given twice"),
     ("unknown output", "/v2/models/mlp/infer", v2([x_input()], outputs=[{"name": "q"}]), {}, 400,
-     "has no output 'q'"),
+     "unexpected inference output 'q' for model 'mlp'"),
     ("header length past body", "/v2/models/mlp/infer", v2([x_input()]),
      {"Inference-Header-Content-Length": "100000"}, 400, "past the end"),
     ("header length negative", "/v2/models/mlp/infer", v2([x_input()]),

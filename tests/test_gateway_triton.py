@@ -143,6 +143,24 @@ def test_an_unknown_model_is_refused_in_tritons_words(client: httpclient.Inferen
             "404", "Request for unknown model: 'nope' is not found"), what
 
 
+def test_an_unknown_output_is_refused_in_tritons_words(client: httpclient.InferenceServerClient) -> None:
+    # Triton 2.51: 400 "unexpected inference output 'NOPE' for model 'add_sub'", an ensemble's alike
+    # (Despina's words add the outputs the model has)
+    a = httpclient.InferInput("a", [1, 4], "FP32")
+    a.set_data_from_numpy(np.ones((1, 4), np.float32))
+    b = httpclient.InferInput("b", [1, 4], "FP32")
+    b.set_data_from_numpy(np.ones((1, 4), np.float32))
+    x = httpclient.InferInput("x", [1, 256], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 256), np.float32))
+    for model, inputs in (("add_sub", [a, b]), ("mlp_classify", [x])):
+        for binary in (True, False):
+            with pytest.raises(InferenceServerException) as raised:
+                client.infer(model, inputs, outputs=[httpclient.InferRequestedOutput("NOPE", binary_data=binary)])
+            assert raised.value.status() == "400"
+            assert raised.value.message().startswith(f"unexpected inference output 'NOPE' for model '{model}' ("), \
+                raised.value.message()
+
+
 def test_binary_data_output_is_the_kind_of_the_outputs_a_request_does_not_list(example_server: Server) -> None:
     # as Triton: a listed output is binary when its own binary_data says so, whatever binary_data_output
     # says (an explicit false used to come back binary)

@@ -129,7 +129,8 @@ def known_output(spec: ModelSpec, name: str) -> None:
     """The error a client gets for asking for an output the model lacks."""
     if spec.output(name) is None:
         known = ", ".join(t.name for t in spec.outputs)
-        raise InvalidArgument(f"model '{spec.name}' has no output '{name}' (outputs: {known})")
+        raise InvalidArgument(f"unexpected inference output '{name}' for model '{spec.name}' "
+                              f"(outputs: {known})")
 
 
 def check_shape(spec: ModelSpec, expected: TensorSpec, shape: list[int]) -> None:
