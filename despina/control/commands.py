@@ -101,7 +101,6 @@ class Commands:
             raise InvalidArgument("'fail_without_room' must be true or false")
         override = config_override(name, params.get("config"))
         files = {k[5:]: v for k, v in params.items() if k.startswith("file:")}
-        given = override is not None  # Triton loads anew a model loaded with a config, changed or not
         if files and override is None:
             raise InvalidArgument("load parameters with 'file:' entries need 'config' too")
         deadline = time.monotonic() + timeout
