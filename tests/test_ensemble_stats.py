@@ -103,5 +103,7 @@ def test_an_ensembles_trace_has_no_compute_span_of_its_own(server: Server, trace
     assert len(found) == 2
     for trace in found:
         names = [t["name"] for t in trace["timestamps"]]
-        assert names == ["REQUEST_START", "QUEUE_START", "REQUEST_END"], trace
+        # Triton 2.51's ensemble trace: the HTTP stamps, its model span and its response, no compute
+        assert names == ["HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START",
+                         "INFER_RESPONSE_COMPLETE", "HTTP_SEND_START", "HTTP_SEND_END", "REQUEST_END"], trace
 
