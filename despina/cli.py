@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import cpus, logs
+from .cli_worker import worker_args
 from .embedded import START_FAILED
 from .settings import CHOICES, FALSE_WORDS, TRUE_WORDS, BadSetting, Settings
 
@@ -113,15 +114,6 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--sagemaker-model", dest="sagemaker_model", metavar="NAME",
                         help="the model /invocations runs (default: the repository's only model)")
 
-    def worker(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--intra-op-threads", dest="intra_op_threads", type=int,
-                        help="threads per backend instance (default 1)")
-        sp.add_argument("--model-load-thread-count", dest="model_load_threads", type=int, metavar="N",
-                        help="models a worker loads at once, as Triton's option (default 4)")
-        sp.add_argument("--worker-cpus", dest="worker_cpus", metavar="LIST",
-                        help="run workers on these CPUs only, as taskset -c lists them (0-3,8); serve "
-                             "runs its other processes on the remaining CPUs")
-
     def cache(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--response-cache-bytes", dest="response_cache_bytes", type=int, metavar="BYTES",
                         help="memory each gateway and worker keeps answers in, for models with "
@@ -141,7 +133,7 @@ def parser() -> argparse.ArgumentParser:
                              "(repeatable; serve's workers take serve's, `despina worker` needs its own)")
 
     serve = sub.add_parser("serve", help="start control plane, workers and gateway on this machine")
-    for add in (common, repo, http, worker, cache, metrics, metrics_config):
+    for add in (common, repo, http, worker_args, cache, metrics, metrics_config):
         add(serve)
     serve.add_argument("--worker-nice", dest="worker_nice", type=int, metavar="N",
                        help="the niceness of workers that share CPUs with the gateways, 0-19 (default 5: "
@@ -161,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     for add in (common, http, cache, metrics_config):
         add(gw)
     wk = sub.add_parser("worker", help="run one worker process against a shared Redis")
-    for add in (common, worker, cache, metrics_config):
+    for add in (common, worker_args, cache, metrics_config):
         add(wk)
     wk.add_argument("--worker-id", dest="worker_id",
                     help="a name for this worker; each process adds a suffix of its own")
@@ -212,6 +204,8 @@ def settings_of(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     values: dict[str, Any] = dict(vars(args))
     if values.get("load_model"):
         values["load_model"] = ",".join(values["load_model"])
+    if values.get("rate_limit_resource"):
+        values["rate_limit_resource"] = ",".join(values["rate_limit_resource"])
     if values.get("http_restricted_api"):
         values["http_restricted_api"] = ";".join(values["http_restricted_api"])
     for entry in values.pop("trace_config", None) or []:

@@ -76,6 +76,12 @@ class Settings:
     response_cache_bytes: int = 0           # per gateway: memory for models with response_cache; 0 = off
     allow_client_shm: bool = False          # Triton's --allow-client-shm: clients' system shared memory
     intra_op_threads: int = 1               # per backend instance; 1 is fastest on a loaded machine
+    # Triton's --rate-limit: execution_count, a worker runs an instance's batch once the resources of its
+    # instance group's rate_limiter are free (workers/rate_limiter.py); off, rate_limiter is ignored
+    rate_limit: str = "off"
+    # Triton's --rate-limit-resource NAME:COUNT[:DEVICE], entries joined by ','; a resource not named here has
+    # as many copies as the most any loaded instance needs
+    rate_limit_resource: str = ""
     # backends a worker loads at once (Triton's --model-load-thread-count); the others wait their turn
     model_load_threads: int = 4
     worker_cpus: str | None = None          # CPUs the workers run on ("0-3,8"); serve's others run elsewhere
@@ -148,6 +154,12 @@ class Settings:
 
             if why := url_trouble(self.redis_url):
                 raise BadSetting(f"DESPINA_REDIS_URL (or REDIS_URL, --redis-url): {why}")
+        from .workers.rate_limiter import parse_resources
+
+        try:
+            parse_resources(self.rate_limit_resource)
+        except ValueError as exc:
+            raise BadSetting(f"DESPINA_RATE_LIMIT_RESOURCE (or --rate-limit-resource): {exc}") from None
         from .summaries import parse_quantiles
 
         try:
@@ -294,7 +306,8 @@ POSITIVE = ("request_timeout_s", "visibility_timeout_s", "worker_ttl_s", "load_t
 CHOICES = {"log_level": ("debug", "info", "warning", "error"), "log_format": ("text", "json"),
             "model_control_mode": ("none", "explicit", "poll"),
             "s3_addressing_style": ("auto", "path", "virtual"), "sagemaker_ping_mode": ("ready", "live"),
-            "sagemaker_inference_type": ("infer", "generate", "generate_stream")}
+            "sagemaker_inference_type": ("infer", "generate", "generate_stream"),
+            "rate_limit": ("off", "execution_count")}
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
 

@@ -58,14 +58,15 @@ def refuse(config: Any) -> None:
                                   f"{algorithm} (Triton's agent has MD5 only)")
 
 
-def ignored(config: Any) -> list[str]:
+def ignored(config: Any, rate_limited: bool = False) -> list[str]:
     """The fields set in `config` (a validated ModelConfig) that Despina ignores, each with why; a field
-    present with nothing in it (as a config sent back from GET .../config may have) is no setting."""
+    present with nothing in it (as a config sent back from GET .../config may have) is no setting.
+    `rate_limited`: the rate limiter is on (--rate-limit), which heeds rate_limiter."""
     found = []
     for index, group in enumerate(config.instance_group):
         where = f"instance_group[{index}]"
-        if group.rate_limiter.resources or group.rate_limiter.priority:
-            found.append(f"{where}.rate_limiter (Despina has no rate limiter)")
+        if not rate_limited and (group.rate_limiter.resources or group.rate_limiter.priority):
+            found.append(f"{where}.rate_limiter (the rate limiter is off, as Triton's without --rate-limit)")
         if group.host_policy:
             found.append(f"{where}.host_policy (Despina has no host policies)")
         if group.secondary_devices:

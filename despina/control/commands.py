@@ -100,6 +100,7 @@ class Commands:
         if not isinstance(no_room_fails, bool):
             raise InvalidArgument("'fail_without_room' must be true or false")
         override = config_override(name, params.get("config"))
+        limited = plane.settings.rate_limit != "off"  # the workers heed rate_limiter: no warning
         files = {k[5:]: v for k, v in params.items() if k.startswith("file:")}
         if files and override is None:
             raise InvalidArgument("load parameters with 'file:' entries need 'config' too")
@@ -122,7 +123,8 @@ class Commands:
                 # change (their times pass the override's), so that load keeps it; an unload forgets it
                 override = old.override if old.override_files == model.fingerprint() else None
             try:
-                entry = await self._read(name, lambda: read_model(registry, model, override), looked, look_s)
+                entry = await self._read(name, lambda: read_model(registry, model, override, limited),
+                                         looked, look_s)
             except DespinaError as exc:
                 log.error("load of %s failed: %s", name, exc.message)
                 await self._take_back(model, old, given, exc.message)

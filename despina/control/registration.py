@@ -182,7 +182,8 @@ class Registration:
                 continue
             async with plane.locks.hold(name):
                 try:
-                    entry = await asyncio.to_thread(read_model, plane.registry, files)
+                    entry = await asyncio.to_thread(read_model, plane.registry, files, None,
+                                                  plane.settings.rate_limit != "off")
                 except Unavailable as exc:  # the store, not the model: try again next time
                     self.error = exc.message
                     log.error("model %s: %s; what is loaded keeps serving", name, exc.message)

@@ -51,8 +51,10 @@ def select_versions(config: Any, available: list[int]) -> list[int]:
     return available[-n:]
 
 
-def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] | None = None) -> CatalogEntry:
-    """Parse, normalize, auto-complete and validate one model folder (`override`: the load API's config)."""
+def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] | None = None,
+               rate_limited: bool = False) -> CatalogEntry:
+    """Parse, normalize, auto-complete and validate one model folder (`override`: the load API's config;
+    `rate_limited`: the workers run Triton's rate limiter, and heed instance groups' rate_limiter)."""
     name = check_model_name(model.name)
     available = model.versions
     paths = {f.path for f in model.files}
@@ -84,7 +86,7 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
         backend.auto_complete(config, folder / str(selected[-1]))
     complete(config)
     validate(config)
-    _warn_ignored(config)
+    _warn_ignored(config, rate_limited)
     as_dict = to_dict(config)
     if ensemble:
         Ensemble.from_config(as_dict)  # the graph alone; the models it calls are checked as they come
@@ -97,8 +99,8 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
         labels=_labels(registry, model, config, paths))
 
 
-def _warn_ignored(config: Any) -> None:
-    fields = ignored(config)
+def _warn_ignored(config: Any, rate_limited: bool) -> None:
+    fields = ignored(config, rate_limited)
     if not fields:
         return
     line = f"model '{config.name}': Despina ignores {'; '.join(fields)}"

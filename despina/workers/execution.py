@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -16,14 +16,16 @@ import numpy as np
 
 from .. import clock
 from ..contract.errors import Code, ConfigError, DespinaError
+from ..contract.instance_groups import resolve
 from ..contract.modelspec import ModelSpec
 from ..contract.records import InferReply
-from . import answers, checksums
+from . import answers, checksums, instance_update
 from .backends import Backend, backend_class
 from .backends.base import Instance, text_inputs
-from .instances import matched
+from .instance_update import loaded
 from .instances import plan as plan_instances
 from .ragged import BatchIO
+from .rate_limiter import RateLimiter, Slot
 from .reshape import Reshapes
 from .responses import OpenRequests, Send
 from .warmup import run as warmup
@@ -47,26 +49,14 @@ Keep = Callable[[list["Pending"], list[int], list[Any]], list[Any]]
 Nulls = Sequence[tuple[int, dict[str, np.ndarray]]]  # (row of a batch, its inputs): SequenceBatcher.nulls
 
 
-async def _loaded(executor: ThreadPoolExecutor, backend: Backend) -> None:
-    """backend.load on the executor. Cancelled (the model is no longer wanted), the thread goes on
-    loading the instance; what it loads is unloaded as it is done (a Python model's stub process)."""
-    future = executor.submit(backend.load)
-    try:
-        await asyncio.wrap_future(future)
-    except asyncio.CancelledError:
-        def unload(done: Future[None]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                backend.unload()
-        future.add_done_callback(unload)
-        raise
-
-
 class Execution:
     def __init__(self, spec: ModelSpec, path: Path, version: int, threads: int, caller: ModelCaller | None,
-                 send: Send, finish: Send, release: Callable[[], None]) -> None:
+                 send: Send, finish: Send, release: Callable[[], None], limiter: RateLimiter | None = None,
+                 more: Callable[[], bool] = lambda: False) -> None:
         """`send` and `finish`: how a decoupled model's responses go out, one before its last and the
         last (responses.py); `release` is called when a batch goes to a thread: the loop is free
-        meanwhile."""
+        meanwhile. `limiter`: the worker's rate limiter (None: off), which an instance asks for the
+        resources its batch takes; `more`: whether the model has requests waiting for an instance."""
         self.spec, self.path, self.version, self.threads = spec, path, version, threads
         self.caller = caller  # how its models call other models (workers/bls.py); None: they cannot
         self._release = release
@@ -87,6 +77,9 @@ class Execution:
         self.text: frozenset[str] = frozenset()  # BYTES inputs the backend takes as UTF-8 only (from load)
         self.gpus = 0  # GPUs the backend saw as it planned the instances (from load): how KIND_AUTO resolved
         self._retiring: asyncio.Future[None] | None = None  # instances an update removes, as each frees
+        self.limiter, self._more = limiter, more
+        self.slots: dict[Backend, Slot] = {}  # the instances that need rate limiter resources, their slots
+        self._claimed: list[Slot] = []  # every slot this model took in the limiter (given back at unload)
 
     async def load(self) -> None:
         """Load every instance of the instance groups, then run the warmup samples on each. `count` may
@@ -101,6 +94,7 @@ class Execution:
         instances = plan_instances(self.spec, gpus, self.threads)
         warmups = samples(self.spec, self.path)
         active = sum(not i.passive for i in instances)
+        slots = self._rate_limited(instances, gpus) if self.limiter is not None else {}
         if len(instances) != self.count:
             self.executor.shutdown(wait=False)
             self.executor = ThreadPoolExecutor(max_workers=len(instances),
@@ -109,18 +103,60 @@ class Execution:
         for instance in instances:
             backend = self._backend(cls, self.spec, instance, loop)
             try:
-                await _loaded(self.executor, backend)
+                await loaded(self.executor, backend)
                 if instance.passive:
                     self.standby.append(backend)
                 else:
                     self.instances.put_nowait(backend)
                     self.backends.append(backend)
+                    if (slot := slots.get(id(instance))) is not None:
+                        self.slots[backend] = slot
                 await loop.run_in_executor(self.executor, warmup, backend, self.spec, warmups)
             except DespinaError:
                 raise
             except Exception as exc:  # a backend bug must fail this model, not the worker
                 log.exception("model %s: loading instance %s failed", self.spec.name, instance.name)
                 raise ConfigError(f"model '{self.spec.name}': loading failed: {exc}") from None
+
+    def _rate_limited(self, instances: list[Instance], gpus: int, spec: ModelSpec | None = None
+                      ) -> dict[int, Slot]:
+        """Each active instance's slot in the rate limiter, by id() of its Instance, where it needs resources
+        (ConfigError where the limiter can never give them: the slots this call took are given back)."""
+        assert self.limiter is not None
+        spec = spec or self.spec
+        groups = resolve(spec, gpus)
+        slots: dict[int, Slot] = {}
+        try:
+            for instance in (i for i in instances if not i.passive):
+                limiter = groups[instance.group].get("rate_limiter") or {}
+                slot = self.limiter.add(spec.name, instance.name, limiter, instance.device)
+                if slot is not None:
+                    self._claimed.append(slot)
+                    slots[id(instance)] = slot
+        except ConfigError:
+            self._unclaim(slots.values())
+            raise
+        return slots
+
+    def _unclaim(self, slots: Iterable[Slot]) -> None:
+        """Give back the slots of instances unloaded (or that never served)."""
+        assert self.limiter is not None
+        for slot in list(slots):
+            self.limiter.remove(slot)
+            self._claimed.remove(slot)
+
+    async def _allocate(self, backend: Backend) -> bool:
+        """Wait for the resources a batch of `backend` takes, when it needs any (True: it holds them)."""
+        slot = self.slots.get(backend)
+        if slot is None:
+            return False
+        assert self.limiter is not None
+        await self.limiter.acquire(slot)
+        return True
+
+    def _free(self, backend: Backend) -> None:
+        assert self.limiter is not None
+        self.limiter.release(self.slots[backend], self._more())
 
     def _backend(self, cls: type[Backend], spec: ModelSpec, instance: Instance,
                  loop: asyncio.AbstractEventLoop) -> Backend:
@@ -131,81 +167,15 @@ class Execution:
         return backend
 
     async def resize(self, spec: ModelSpec, resized: Callable[[int], None]) -> None:
-        """Triton's in-place instance update, to `spec`'s instance groups (its config otherwise the same): the
-        instances they add are loaded and warmed up beside those serving, then serve; those they remove are
-        taken out of service, each as it is free, and unloaded; the others serve on all along. `resized`
-        hears the count that take requests, once the added ones do. Should an added one fail to load, those
-        loaded are unloaded and nothing changed (the error is raised)."""
-        if self._retiring is not None:  # an earlier update's instances still leaving
-            await asyncio.shield(self._retiring)
-        loop = asyncio.get_running_loop()
-        cls = backend_class(spec.backend)
-        have = [*self.backends, *self.standby]
-        wanted = plan_instances(spec, self.gpus, self.threads)
-        add, drop = matched([b.instance for b in have], wanted)
-        executor = ThreadPoolExecutor(max_workers=len(wanted), thread_name_prefix=f"{spec.name}-")
-        added: list[Backend] = []
-        try:
-            warmups = samples(spec, self.path) if add else []
-            for instance in add:
-                backend = self._backend(cls, spec, instance, loop)
-                await _loaded(executor, backend)
-                added.append(backend)
-                await loop.run_in_executor(executor, warmup, backend, spec, warmups)
-        except BaseException as exc:
-            for backend in added:
-                await loop.run_in_executor(executor, backend.unload)
-            executor.shutdown(wait=False)
-            if isinstance(exc, (DespinaError, asyncio.CancelledError)) or not isinstance(exc, Exception):
-                raise
-            log.exception("model %s: loading an added instance failed", spec.name)
-            raise ConfigError(f"model '{spec.name}': loading failed: {exc}") from None
-        old, self.executor, self.spec = self.executor, executor, spec
-        old.shutdown(wait=False)  # (a batch running there ends as it would)
-        leaving = [have[i] for i in drop]
-        for backend in added:
-            if backend.instance.passive:
-                self.standby.append(backend)
-            else:
-                self.backends.append(backend)
-                self.instances.put_nowait(backend)
-        self.backends = [b for b in self.backends if b not in leaving]
-        self.standby = [b for b in self.standby if b not in leaving]
-        self.count = len(self.backends)
-        resized(self.count)
-        self._retiring = asyncio.ensure_future(self._retire(leaving))
-        await asyncio.shield(self._retiring)  # cancelled, the update still ends: it owns the instances
-
-    async def _retire(self, leaving: list[Backend]) -> None:
-        """Unload the instances `leaving`, each taken out of service once it is free (the free ones that stay
-        are held back meanwhile, so that it is the one taken: one batch at most)."""
-        taken = [b for b in leaving if b.instance.passive]
-        busy = {b for b in leaving if not b.instance.passive}
-        aside: list[Backend] = []
-        try:
-            while busy:
-                backend = await self.instances.get()
-                if backend in busy:
-                    busy.discard(backend)
-                    taken.append(backend)
-                else:
-                    aside.append(backend)
-        finally:
-            for backend in aside:
-                self.instances.put_nowait(backend)
-        try:
-            for backend in taken:
-                try:
-                    await asyncio.get_running_loop().run_in_executor(self.executor, backend.unload)
-                except Exception:  # the update is done all the same: the instance serves no more
-                    log.exception("model %s: unloading instance %s failed", self.spec.name,
-                                  backend.instance.name)
-        finally:
-            self._retiring = None
+        """Triton's in-place instance update (instance_update.py)."""
+        await instance_update.resize(self, spec, resized)
 
     async def unload(self) -> None:
         if self._retiring is not None:
             await asyncio.shield(self._retiring)
+        if self.limiter is not None:
+            for slot in self._claimed:
+                self.limiter.remove(slot)
         while not self.instances.empty() or self.standby:
             backend = self.instances.get_nowait() if not self.instances.empty() else self.standby.pop()
             await asyncio.get_running_loop().run_in_executor(self.executor, backend.unload)
@@ -232,7 +202,9 @@ class Execution:
             names += [n for n in self.state_outputs if n not in names]
         # a sequence batcher runs one batch at a time per instance: the instance it names is free
         backend = await self.instances.get() if instance is None else self.backends[instance]
+        limited = False
         try:
+            limited = self.limiter is not None and await self._allocate(backend)
             if backend.per_request:
                 return await self._run_requests(backend, live, started, marks, keep, nulls)
             if len(live) > 1 and not self.spec.batched:  # no batch dimension: one request at a time
@@ -256,6 +228,8 @@ class Execution:
             failed = f"model '{self.spec.name}' failed: {exc}"
             return [answers.error(p.request, Code.BACKEND, failed, started) for p in live]
         finally:
+            if limited:
+                self._free(backend)
             if instance is None:
                 self.instances.put_nowait(backend)
         compute_us = int((clock.now() - started) * 1e6)
@@ -317,6 +291,12 @@ class Execution:
         likes (self.streams); the instance is free when execute returns. `marks` as run_batch's."""
         arrays, asked = self._each_request(live)
         backend: Any = await self.instances.get()
+        limited = False
+        try:
+            limited = self.limiter is not None and await self._allocate(backend)
+        except BaseException:
+            self.instances.put_nowait(backend)
+            raise
         ids = self.streams.open(live, started, backend)
         marks["input"] = time.perf_counter_ns()
         try:
@@ -326,6 +306,8 @@ class Execution:
                 results = await asyncio.get_running_loop().run_in_executor(
                     self.executor, backend.execute_streams, arrays, asked, ids, marks)
         finally:
+            if limited:
+                self._free(backend)
             self.instances.put_nowait(backend)
             marks.setdefault("infer", time.perf_counter_ns())
         for stream, result in zip(ids, results):

@@ -35,7 +35,7 @@ def plan(spec: ModelSpec, gpu_count: int, threads: int = 1) -> list[Instance]:
         else:
             raise ConfigError(f"{where}: field 'kind' {kind} is not supported")
         passive = bool(group.get("passive", False))
-        instances += [Instance(f"{name}_{i % count}", k, device, threads, passive)
+        instances += [Instance(f"{name}_{i % count}", k, device, threads, passive, index)
                       for i, (k, device) in enumerate(places)]
     return instances
 

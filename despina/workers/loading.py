@@ -20,6 +20,7 @@ from ..registry.given import given_digest, read_given
 from . import checksums
 from .bls import ModelCaller
 from .presence import Key, Presence
+from .rate_limiter import RateLimiter
 from .redelivery import DeliveryPolicy
 from .runner import ModelRunner
 from .sweep import PendingSweep
@@ -36,6 +37,7 @@ class Loading(Presence):
     delivery: DeliveryPolicy
     deferred: Deferred
     caller: ModelCaller
+    rate_limiter: RateLimiter | None
     sweep: PendingSweep
     _steps: dict[tuple[str, int | None], ModelRunner | None]
     _load_turns: asyncio.Semaphore
@@ -56,7 +58,7 @@ class Loading(Presence):
                                  self.id, self.settings.intra_op_threads, delivery=self.delivery,
                                  deferred=self.deferred, full_queue_delay=self.settings.full_queue_delay,
                                  caller=self.caller, response_cache=self.response_cache, sweep=self.sweep,
-                                 summaries=self.settings.summary_latencies)
+                                 summaries=self.settings.summary_latencies, rate_limiter=self.rate_limiter)
             async with self._load_turns:
                 await runner.load()
             await runner.start()

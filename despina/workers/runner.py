@@ -31,6 +31,7 @@ from .execution import Execution, durations
 from .inflight import Gateways
 from .intake import TIMED_OUT, Answer, Intake, Pending, Settled
 from .ordering import ReplyOrder, Turn
+from .rate_limiter import RateLimiter
 from .redelivery import DeliveryPolicy
 from .replies import ReplyWriter
 from .sequences import SequenceBatcher
@@ -62,7 +63,7 @@ class ModelRunner(Intake):
                  delivery: DeliveryPolicy | None = None, deferred: Deferred | None = None,
                  full_queue_delay: bool = False, caller: ModelCaller | None = None,
                  response_cache: ResponseCache | None = None, sweep: PendingSweep | None = None,
-                 summaries: bool = False) -> None:
+                 summaries: bool = False, rate_limiter: RateLimiter | None = None) -> None:
         self.redis, self.keys, self.spec, self.version = redis, keys, spec, version
         self.sweep = sweep  # the worker's, which redelivers its streams' abandoned entries (sweep.py)
         # the worker's response cache, for requests made in this process (response_cache.py)
@@ -83,7 +84,7 @@ class ModelRunner(Intake):
         self.execution = Execution(spec, path, version, threads, caller,
                                    lambda s, r, p: self._spawn(self._send_response(s, r, p)),
                                    lambda s, r, p: self._spawn(self._finish_response(s, r, p)),
-                                   self._read_along.release)
+                                   self._read_along.release, rate_limiter, lambda: self.batcher.pending > 0)
         batch_io = self.execution.batch_io
         self._ragged = batch_io.ragged if batch_io is not None else frozenset()
         # requests in batches being executed: Triton's pending count leaves them out (metrics.py),

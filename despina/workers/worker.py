@@ -40,6 +40,7 @@ from .bls import ModelCaller
 from .ensembles import EnsembleHost
 from .loading import Loading
 from .presence import Key, memory_bytes
+from .rate_limiter import limiter_of
 from .redelivery import DeliveryPolicy
 from .runner import ModelRunner
 from .sweep import PendingSweep
@@ -118,6 +119,7 @@ class Worker(Loading):
         size = settings.response_cache_bytes
         self.response_cache = ResponseCache(size, settings.summary_latencies) if size else None
         self.caller = ModelCaller(self)  # models calling models (workers/bls.py)
+        self.rate_limiter = limiter_of(settings)  # Triton's --rate-limit: None when off
         self.gpus = GpuReader()  # this machine's GPUs, for the control plane's /metrics
 
     async def run(self) -> None:

@@ -32,13 +32,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Instance:
     """Where one instance runs: `kind` is "CPU", "GPU" or "MODEL"; `device` is the GPU index. A passive one
-    is loaded and warmed up, and given no requests (Triton's `passive: true`)."""
+    is loaded and warmed up, and given no requests (Triton's `passive: true`). `group`: the index of its
+    instance group."""
 
     name: str
     kind: str = "CPU"
     device: int = 0
     threads: int = 1
     passive: bool = False
+    group: int = 0
 
 
 class Request(dict[str, np.ndarray]):
