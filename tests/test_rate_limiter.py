@@ -155,10 +155,11 @@ def test_an_instance_that_needs_more_than_the_device_has_fails_to_load(tmp_path:
     ("--rate-limit-resource=R:x", "'R:x': the count and the device must be whole numbers, 0 or more"),
     ("--rate-limit-resource=R:-1", "'R:-1': the count and the device must be whole numbers, 0 or more"),
 ])
-def test_bad_rate_limit_settings_stop_the_start_in_one_line(flag: str, said: str) -> None:
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_bad_rate_limit_settings_stop_the_start_in_one_line(command: str, flag: str, said: str) -> None:
     """Triton 2.51 refuses them too ('Bad option', 'Invalid option value'), but takes R:-1 and runs with a
     count of -1."""
-    r = despina("serve", "--redis-url", "redis://127.0.0.1:1/0", flag)
+    r = despina(command, "--redis-url", "redis://127.0.0.1:1/0", flag)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
 
 
