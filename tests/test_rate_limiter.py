@@ -3,6 +3,7 @@ with Python models that sleep in execute and write when each execution started a
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -108,6 +109,25 @@ def test_two_models_that_each_need_the_only_copy_of_a_resource_never_run_togethe
     assert Counter(name for name, _, _ in runs).keys() == {"a", "b"}, runs
     assert most_at_once(runs) == 1, runs
     assert "ignores" not in server.logs()  # rate_limiter is heeded: no warning
+
+
+def test_instances_an_in_place_update_adds_take_their_place_in_the_limiter(tmp_path: Path, serve: Any) -> None:
+    """A load whose config only raises a's instance count is made in place (docs/backends.md): the instance it
+    adds needs R:1 as the others do, so a's two and b's one still never run at once."""
+    repo = repository(tmp_path)
+    server = serve(repo, "--rate-limit=execution_count", "--model-control-mode=explicit", "--load-model=a",
+                   "--load-model=b", wait_models=("a", "b"))
+    config = httpx.get(f"{server.url}/v2/models/a/config", timeout=10).json()
+    config["instance_group"][0]["count"] = 2
+    answer = httpx.post(f"{server.url}/v2/repository/models/a/load", timeout=60,
+                        json={"parameters": {"config": json.dumps(config)}})
+    assert answer.status_code == 200, answer.text
+    assert httpx.get(f"{server.url}/v2/models/a/config", timeout=10).json()["instance_group"][0]["count"] == 2
+    (repo / "executions.log").unlink(missing_ok=True)
+    load(server, 1.5, clients=3)
+    runs = executions(repo)
+    assert Counter(name for name, _, _ in runs).keys() == {"a", "b"}, runs
+    assert most_at_once(runs) == 1, runs
 
 
 @pytest.mark.parametrize("flags", [("--rate-limit-resource=R:2",), ()], ids=["R:2", "off"])
