@@ -48,6 +48,7 @@ class TritonPythonModel:
                     first = value.ravel()[0]
                     got[name] = [str(value.dtype), list(value.shape),
                                  first.decode() if isinstance(first, bytes) else first.item()]
+            got["rows"] = len(requests)  # the batch it ran in (Direct's empty rows included)
             out = np.array([[json.dumps(got).encode()]], dtype=np.object_)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("got", out)]))
         return responses
@@ -73,6 +74,9 @@ MODELS = {
     # Direct's delay only counts with minimum_slot_utilization (Triton's DirectSequenceBatch): here none
     "named": dict(start="bool_false_true: [ false, true ]", corrid="TYPE_STRING",
                   strategy="direct { max_queue_delay_microseconds: 10000000 }"),
+    # a batch of 4 slots goes once 2 hold a request (0.5), or once its oldest waited 2 s
+    "utilized": dict(start="int32_false_true: [ 0, 1 ]", corrid="TYPE_UINT64",
+                     strategy="direct { max_queue_delay_microseconds: 2000000 minimum_slot_utilization: 0.5 }"),
 }
 
 
@@ -96,7 +100,13 @@ def infer(server: Server, model: str, x: float, **parameters: Any) -> httpx.Resp
 def controls(r: httpx.Response) -> dict[str, list[Any]]:
     assert r.status_code == 200, r.text
     got: dict[str, list[Any]] = json.loads(r.json()["outputs"][0]["data"][0])
+    got.pop("rows")
     return got
+
+
+def rows(r: httpx.Response) -> int:
+    assert r.status_code == 200, r.text
+    return int(json.loads(r.json()["outputs"][0]["data"][0])["rows"])
 
 
 def test_the_control_tensors_have_the_configs_values_and_data_types(server: Server) -> None:
@@ -179,6 +189,26 @@ def test_directs_queue_delay_does_not_hold_a_request_without_minimum_slot_utiliz
     assert spec("oldest { max_queue_delay_microseconds: 5000 }").sequence.max_queue_delay_us == 5000
 
 
+def test_directs_batch_goes_once_minimum_slot_utilization_is_reached(server: Server) -> None:
+    """Triton's DirectSequenceBatch runs a batch once ready slots / max_batch_size reaches
+    minimum_slot_utilization, or once its oldest request waited max_queue_delay_microseconds: with 0.5 of
+    4 slots, a second sequence's request sends the first's at once; one alone waits out the 2 s."""
+    began = time.monotonic()
+    assert rows(infer(server, "utilized", 1.0, sequence_id=61, sequence_start=True)) == 1
+    assert time.monotonic() - began >= 1.9  # alone: 1 of 4 slots, short of 0.5
+    with ThreadPoolExecutor(2) as pool:
+        began = time.monotonic()
+        first = pool.submit(infer, server, "utilized", 2.0, sequence_id=62, sequence_start=True)
+        time.sleep(0.3)
+        second = pool.submit(infer, server, "utilized", 3.0, sequence_id=63, sequence_start=True)
+        answers = first.result(timeout=30), second.result(timeout=30)
+    assert time.monotonic() - began < 1.5  # 2 of 4 slots ready: they went at once, not after 2 s
+    assert [rows(r) for r in answers] == [3, 3]  # sequence 61's slot, not ready, and theirs
+    with ThreadPoolExecutor(3) as pool:
+        ends = [pool.submit(infer, server, "utilized", 9.0, sequence_id=s, sequence_end=True) for s in (61, 62, 63)]
+        assert all(f.result(timeout=30).status_code == 200 for f in ends)
+
+
 @pytest.mark.parametrize("initial, why", [
     ('data_type: TYPE_FP32 dims: [ 2 ] zero_data: true', "Field 'name' must be set when using initial_state"),
     ('data_type: TYPE_FP32 name: "z" zero_data: true', "Number of dimensions in 'initial_state' doesn't match"),
@@ -202,3 +232,17 @@ def test_state_buffer_hints_are_accepted() -> None:
     s = spec('state [ { input_name: "S" output_name: "T" data_type: TYPE_FP32 dims: [ -1 ] '
              'use_same_buffer_for_input_output: true use_growable_memory: true } ]')
     assert s.sequence is not None and s.sequence.states[0].dims == (-1,)
+
+
+def test_minimum_slot_utilization_becomes_the_batch_sizes_that_go_at_once() -> None:
+    """Triton compares ready / max_batch_size with minimum_slot_utilization in float32; the sizes that reach
+    it are Direct's preferred sizes (spec() has max_batch_size 4). Without a delay nothing waits."""
+    def sizes(utilization: str, delay: int = 1000) -> tuple[tuple[int, ...], int]:
+        policy = spec(f"direct {{ max_queue_delay_microseconds: {delay} minimum_slot_utilization: {utilization} }}")
+        assert policy.sequence is not None
+        return policy.sequence.preferred, policy.sequence.max_queue_delay_us
+    assert sizes("0.5") == ((2, 3, 4), 1000)
+    assert sizes("0.3") == ((2, 3, 4), 1000)  # 1/4 is short of 0.3
+    assert sizes("0.25") == ((1, 2, 3, 4), 1000)
+    assert sizes("0.75") == ((3, 4), 1000) and sizes("1") == ((4,), 1000)
+    assert sizes("0") == ((), 0) and sizes("0.5", delay=0)[1] == 0

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ._schema import model_config_pb2 as pb
 from .datatypes import CONFIG_TO_V2
 from .errors import ConfigError, InvalidArgument
@@ -55,7 +57,7 @@ class SequencePolicy:
     states: tuple[State, ...] = ()
     oldest: bool = False               # Triton's Oldest strategy, else Direct
     max_queue_delay_us: int = 0        # how long a batch may wait for more sequences' requests
-    preferred: tuple[int, ...] = ()    # Oldest's preferred batch sizes
+    preferred: tuple[int, ...] = ()    # Oldest's preferred sizes; Direct's from minimum_slot_utilization
     slots: int = 1                     # sequences an instance runs at once; others wait
 
 
@@ -89,11 +91,26 @@ def sequence_policy(config: dict[str, Any]) -> SequencePolicy | None:
     if oldest is not None and int(oldest.get("max_candidate_sequences") or 0) > 0:
         slots = int(oldest["max_candidate_sequences"])
     delay = int(strategy.get("max_queue_delay_microseconds") or 0)
-    if oldest is None and not strategy.get("minimum_slot_utilization"):
-        delay = 0  # Direct waits only to fill its minimum_slot_utilization; without one a ready slot runs
+    preferred = tuple(int(p) for p in (oldest or {}).get("preferred_batch_size") or ())
+    if oldest is None:
+        preferred = _utilized_sizes(config, float(strategy.get("minimum_slot_utilization") or 0))
+        if not preferred:
+            delay = 0  # Direct waits only to fill its minimum_slot_utilization; without one a ready slot runs
     return SequencePolicy(int(raw.get("max_sequence_idle_microseconds") or DEFAULT_IDLE_US), tuple(controls),
-                          tuple(states), oldest is not None, delay,
-                          tuple(int(p) for p in (oldest or {}).get("preferred_batch_size") or ()), slots)
+                          tuple(states), oldest is not None, delay, preferred, slots)
+
+
+def _utilized_sizes(config: dict[str, Any], utilization: float) -> tuple[int, ...]:
+    """Direct's minimum_slot_utilization as the batch sizes that go at once (the batcher's preferred sizes,
+    each of the ready requests there are, up to max_batch_size): Triton's DirectSequenceBatch sends the
+    ready slots once ready / max_batch_size reaches it (in float32), else once its oldest request waited
+    max_queue_delay_microseconds. Empty without one (0): then nothing waits."""
+    size = int(config.get("max_batch_size") or 0)
+    if utilization <= 0 or size <= 0:
+        return ()
+    least = next(n for n in range(1, size + 1)
+                 if np.float32(n) / np.float32(size) >= np.float32(utilization) or n == size)
+    return tuple(range(least, size + 1))
 
 
 def validate(config: Any) -> None:

@@ -88,8 +88,6 @@ def ignored(config: Any, rate_limited: bool = False) -> list[str]:
     if sequence.oldest.preserve_ordering:
         found.append("sequence_batching.oldest.preserve_ordering (each sequence's replies keep their order; "
                      "different sequences' may pass each other)")
-    if sequence.direct.minimum_slot_utilization:
-        found.append("sequence_batching.direct.minimum_slot_utilization")
     if config.ensemble_scheduling.max_inflight_requests:
         found.append("ensemble_scheduling.max_inflight_requests (an ensemble's requests are not limited)")
     if config.cc_model_filenames:
