@@ -246,3 +246,15 @@ def test_minimum_slot_utilization_becomes_the_batch_sizes_that_go_at_once() -> N
     assert sizes("0.25") == ((1, 2, 3, 4), 1000)
     assert sizes("0.75") == ((3, 4), 1000) and sizes("1") == ((4,), 1000)
     assert sizes("0") == ((), 0) and sizes("0.5", delay=0)[1] == 0
+
+
+@pytest.mark.parametrize("given, shown", [(1.5, "1.5"), (True, "True"), (2**64, "18446744073709551616")])
+def test_a_correlation_id_that_is_no_id_says_what_an_id_must_be(server: Server, given: Any, shown: str) -> None:
+    """Triton answers these with a 500 ("attempt to access JSON non-string as string"); Despina said a
+    non-zero ID was missing, though one was given."""
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}],
+                       "parameters": {"sequence_id": given, "sequence_start": True}})
+    r = httpx.post(f"{server.url}/v2/models/numbered/infer", content=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] in (f"parameter 'sequence_id' must be an unsigned integer or a string, got {shown}",
+                                 f"parameter 'sequence_id' {shown} is outside the range of a uint64")

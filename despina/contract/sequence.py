@@ -221,10 +221,18 @@ def request_sequence(parameters: dict[str, Any], model: str) -> tuple[Correlatio
     """A request's (correlation ID, flags) from its V2 parameters, for a model with sequence batching:
     Triton's errors for a missing or malformed ID."""
     raw = parameters.get("sequence_id")
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)) or raw == 0 or raw == "":
+    if raw is None or raw == 0 or raw == "":
         raise InvalidArgument(f"inference request to model '{model}' must specify a non-zero or non-empty "
                               "correlation ID (the parameter 'sequence_id')")
-    return _in_range(raw), _flags(parameters)
+    return _in_range(_id(raw)), _flags(parameters)
+
+
+def _id(raw: Any) -> Correlation:
+    if isinstance(raw, float) and raw.is_integer() and abs(raw) >= 2**63:
+        raw = int(raw)  # (the JSON parser gives a number past 64 bits as a float)
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise InvalidArgument(f"parameter 'sequence_id' must be an unsigned integer or a string, got {raw}")
+    return raw
 
 
 def passed_sequence(parameters: dict[str, Any]) -> tuple[Correlation, int] | None:
@@ -234,10 +242,7 @@ def passed_sequence(parameters: dict[str, Any]) -> tuple[Correlation, int] | Non
     if not parameters or ("sequence_id" not in parameters and "sequence_start" not in parameters
                           and "sequence_end" not in parameters):
         return None
-    raw = parameters.get("sequence_id", 0)
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        raise InvalidArgument("parameter 'sequence_id' must be an unsigned integer or a string")
-    return _in_range(raw), _flags(parameters)
+    return _in_range(_id(parameters.get("sequence_id", 0))), _flags(parameters)
 
 
 def _in_range(raw: Correlation) -> Correlation:
