@@ -74,9 +74,11 @@ MODELS = {
     # Direct's delay only counts with minimum_slot_utilization (Triton's DirectSequenceBatch): here none
     "named": dict(start="bool_false_true: [ false, true ]", corrid="TYPE_STRING",
                   strategy="direct { max_queue_delay_microseconds: 10000000 }"),
-    # a batch of 4 slots goes once 2 hold a request (0.5), or once its oldest waited 2 s
+    # a batch of 4 slots goes once 2 hold a request (0.5), or once its oldest waited 2 s (its sequences
+    # never idle out under a loaded test run)
     "utilized": dict(start="int32_false_true: [ 0, 1 ]", corrid="TYPE_UINT64",
-                     strategy="direct { max_queue_delay_microseconds: 2000000 minimum_slot_utilization: 0.5 }"),
+                     strategy="max_sequence_idle_microseconds: 60000000 "
+                     "direct { max_queue_delay_microseconds: 2000000 minimum_slot_utilization: 0.5 }"),
 }
 
 
@@ -206,7 +208,7 @@ def test_directs_batch_goes_once_minimum_slot_utilization_is_reached(server: Ser
     assert [rows(r) for r in answers] == [3, 3]  # sequence 61's slot, not ready, and theirs
     with ThreadPoolExecutor(3) as pool:
         ends = [pool.submit(infer, server, "utilized", 9.0, sequence_id=s, sequence_end=True) for s in (61, 62, 63)]
-        assert all(f.result(timeout=30).status_code == 200 for f in ends)
+        assert [f.result(timeout=30).status_code for f in ends] == [200] * 3
 
 
 @pytest.mark.parametrize("initial, why", [
