@@ -757,3 +757,39 @@ def test_a_sequence_waiting_for_a_slot_is_refused_when_its_timer_fires_early() -
 
     asyncio.run(main())
     assert refused == [(2, SLOT_TIMED_OUT)]
+
+
+def test_a_request_past_its_sequences_idle_limit_finds_it_ended_though_the_reaper_has_not_come() -> None:
+    """The reaper looks every quarter of max_sequence_idle_microseconds (here 0.25 s of 1 s): a request
+    1.1 s after its sequence's last one was taken into the sequence when the reaper's last look came
+    before the limit (by hand, with a limit of 0.3 s, a request 0.33 s after the last: 1 in 8) (Triton's reaper wakes at the limit itself: a request past it is always refused)."""
+    from types import SimpleNamespace
+
+    from despina.contract.sequence import START
+    from despina.workers.batcher import Item
+    from despina.workers.sequences import SequenceBatcher
+
+    ran: list[int] = []
+
+    async def execute(batch: list[Item], instance: int) -> None:
+        ran.extend(item.payload.request.sequence[1] for item in batch)
+
+    def item(flags: int) -> Item:
+        return Item(1, (), SimpleNamespace(request=SimpleNamespace(sequence=(7, flags)), inputs={}))
+
+    async def main() -> None:
+        batcher = SequenceBatcher(spec("oldest { }"), execute, 1, lambda it, why: None)
+        running = asyncio.create_task(batcher.run())  # its reaper looks at 0.25, 0.5, 0.75, 1.0, 1.25 s
+        await asyncio.sleep(0.1)
+        batcher.put(item(START))  # runs at once: the reaper's look at 1.0 s comes 0.9 s after it
+        await asyncio.sleep(1.1)
+        try:
+            with pytest.raises(InvalidArgument, match="must specify the START flag"):
+                batcher.put(item(0))
+        finally:
+            batcher.close()
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(main())
+    assert ran == [START]

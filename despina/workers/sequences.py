@@ -120,6 +120,10 @@ class SequenceBatcher:
         check_correlation(self.sequence, self.spec.name, correlation)
         controls = control_tensors(self.sequence, self.spec.batched, item.rows, correlation, flags)
         seq = self._sequences.get(correlation)
+        now = time.monotonic()
+        if seq is not None and self._idle(seq, now):  # idled out, though the reaper has not come by yet
+            self._release(correlation)
+            seq = None
         # as Triton's, a sequence ends when its END comes, not once it has run: what follows must START
         if (seq is None or seq.ended) and not flags & START:
             raise InvalidArgument(f"inference request for sequence {correlation} to model "
@@ -135,7 +139,7 @@ class SequenceBatcher:
         item.payload.inputs.update(controls)
         seq.ended = bool(flags & END)  # a START after an END runs after it, where the state is
         seq.queued.append(item)
-        seq.last = time.monotonic()
+        seq.last = now
         if seq.instance < 0 and item.timeout_us:
             self._expires(correlation, seq, item)
         self._feed(seq)
@@ -300,14 +304,18 @@ class SequenceBatcher:
             await asyncio.gather(idle, return_exceptions=True)
 
     async def _release_idle(self) -> None:
-        """Sequences with nothing queued or running for max_sequence_idle_microseconds end."""
+        """Sequences with nothing queued or running for max_sequence_idle_microseconds end (a request
+        that comes before this finds one finds it idle itself: put())."""
         limit = self.sequence.idle_us / 1e6
         while True:
             await asyncio.sleep(min(max(limit / 4, 0.01), 1.0))
             now = time.monotonic()
-            for correlation in [c for c, s in self._sequences.items()
-                                if not s.running and not s.queued and now - s.last >= limit]:
+            for correlation in [c for c, s in self._sequences.items() if self._idle(s, now)]:
                 self._release(correlation)
+
+    def _idle(self, seq: _Sequence, now: float) -> bool:
+        """Whether the sequence has had nothing queued or running for max_sequence_idle_microseconds."""
+        return not seq.running and not seq.queued and now - seq.last >= self.sequence.idle_us / 1e6
 
 
 def initial_state(model: str, state: State, model_dir: Path | None) -> np.ndarray:
