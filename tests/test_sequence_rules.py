@@ -74,6 +74,9 @@ MODELS = {
     # Direct's delay only counts with minimum_slot_utilization (Triton's DirectSequenceBatch): here none
     "named": dict(start="bool_false_true: [ false, true ]", corrid="TYPE_STRING",
                   strategy="direct { max_queue_delay_microseconds: 10000000 }"),
+    # Oldest with a queue delay
+    "delayed": dict(start="int32_false_true: [ 0, 1 ]", corrid="TYPE_UINT64",
+                    strategy="oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 500000 }"),
     # a batch of 4 slots goes once 2 hold a request (0.5), or once its oldest waited 2 s (its sequences
     # never idle out under a loaded test run)
     "utilized": dict(start="int32_false_true: [ 0, 1 ]", corrid="TYPE_UINT64",
@@ -209,6 +212,29 @@ def test_directs_batch_goes_once_minimum_slot_utilization_is_reached(server: Ser
     with ThreadPoolExecutor(3) as pool:
         ends = [pool.submit(infer, server, "utilized", 9.0, sequence_id=s, sequence_end=True) for s in (61, 62, 63)]
         assert [f.result(timeout=30).status_code for f in ends] == [200] * 3
+
+
+def test_oldests_queue_delay_counts_from_when_a_request_may_run_not_from_its_arrival(server: Server) -> None:
+    """Triton's Oldest hands a sequence's request to its dynamic batcher once the one before has run, and
+    the queue delay counts from there (DynamicBatchScheduler::Enqueue captures the batcher start again,
+    "in the case of oldest sequence batcher, this will overwrite the value"): an END that came 0.2 s
+    after a request of 0.5 s delay and 1 s run waited 0.5 s more in Triton 2.51 (answered at 2.0 s),
+    none in Despina (at 1.5 s, with it)."""
+    assert infer(server, "delayed", 1.0, sequence_id=71, sequence_start=True).status_code == 200
+    done: dict[str, float] = {}
+
+    def timed(name: str, x: float, **parameters: Any) -> httpx.Response:
+        r = infer(server, "delayed", x, sequence_id=71, **parameters)
+        done[name] = time.monotonic()
+        return r
+
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(timed, "slow", -1.0)  # waits the 0.5 s delay, then runs 1 s
+        time.sleep(0.2)
+        end = pool.submit(timed, "end", 1.0, sequence_end=True)
+        assert controls(slow.result(timeout=30))["END"][2] == -1.5
+        assert controls(end.result(timeout=30))["END"][2] == 2.5
+    assert done["end"] - done["slow"] >= 0.4, done  # its own 0.5 s delay, counted from 1.5 s
 
 
 @pytest.mark.parametrize("initial, why", [

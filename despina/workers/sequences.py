@@ -9,7 +9,8 @@ every request it has queued, once one of them waited past its own `timeout`.
 
 A sequence has at most one request in its instance's batcher at a time, so its requests run in the
 order they came and no batch holds two of them; the instance's batcher (Triton's dynamic batching
-rules, max_queue_delay from the strategy) puts requests of several sequences together. With Direct a
+rules, max_queue_delay from the strategy, with Oldest counted from when a request enters it, as
+Triton's) puts requests of several sequences together. With Direct a
 sequence keeps one row of its instance's batches (its slot): a batch runs in its sequences' rows, the
 rows below its highest that no request fills holding a request that is not READY, as in Triton (nulls).
 Each request carries the control inputs the config names (START, END, READY, true but in those null
@@ -182,6 +183,10 @@ class SequenceBatcher:
         if not seq.running and seq.queued and seq.instance >= 0:
             seq.running = True
             item = seq.queued.popleft()
+            if self.sequence.oldest:  # as Triton's Oldest, whose dynamic batcher starts the queue delay
+                # anew: the delay counts from when the request may run (the queue timeout, from arrival)
+                item.since = item.arrived if item.since is None else item.since
+                item.arrived = time.monotonic()
             if self._initial:
                 self._with_state(item, seq)
             self._batchers[seq.instance].put(item)
