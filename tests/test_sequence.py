@@ -760,9 +760,9 @@ def test_a_sequence_waiting_for_a_slot_is_refused_when_its_timer_fires_early() -
 
 
 def test_a_request_past_its_sequences_idle_limit_finds_it_ended_though_the_reaper_has_not_come() -> None:
-    """The reaper looks every quarter of max_sequence_idle_microseconds (here 0.25 s of 1 s): a request
+    """The reaper looked every quarter of max_sequence_idle_microseconds (here 0.25 s of 1 s): a request
     1.1 s after its sequence's last one was taken into the sequence when the reaper's last look came
-    before the limit (by hand, with a limit of 0.3 s, a request 0.33 s after the last: 1 in 8) (Triton's reaper wakes at the limit itself: a request past it is always refused)."""
+    before the limit (put() now asks itself; the reaper, since, also wakes when a sequence is due) (by hand, with a limit of 0.3 s, a request 0.33 s after the last: 1 in 8) (Triton's reaper wakes at the limit itself: a request past it is always refused)."""
     from types import SimpleNamespace
 
     from despina.contract.sequence import START
@@ -779,7 +779,7 @@ def test_a_request_past_its_sequences_idle_limit_finds_it_ended_though_the_reape
 
     async def main() -> None:
         batcher = SequenceBatcher(spec("oldest { }"), execute, 1, lambda it, why: None)
-        running = asyncio.create_task(batcher.run())  # its reaper looks at 0.25, 0.5, 0.75, 1.0, 1.25 s
+        running = asyncio.create_task(batcher.run())  # its reaper looked at 0.25, 0.5, 0.75, 1.0, 1.25 s
         await asyncio.sleep(0.1)
         batcher.put(item(START))  # runs at once: the reaper's look at 1.0 s comes 0.9 s after it
         await asyncio.sleep(1.1)
@@ -793,3 +793,38 @@ def test_a_request_past_its_sequences_idle_limit_finds_it_ended_though_the_reape
 
     asyncio.run(main())
     assert ran == [START]
+
+
+def test_a_sequence_waiting_for_a_slot_gets_it_when_the_one_there_idles_out_not_at_the_reapers_next_look() -> None:
+    """Triton's reaper wakes when the earliest idle sequence is due; Despina's looked every quarter of the
+    limit (here 0.5 s of 2 s), so a sequence waiting for the slot of one that idled out 0.1 s after a
+    look waited 0.4 s more (by hand, a backlog sequence ran at 3.2 s where it was due at 3.0 s)."""
+    from types import SimpleNamespace
+
+    from despina.contract.sequence import START
+    from despina.workers.batcher import Item
+    from despina.workers.sequences import SequenceBatcher
+
+    ran: dict[int, float] = {}
+
+    async def execute(batch: list[Item], instance: int) -> None:
+        for item in batch:
+            ran[item.payload.request.sequence[0]] = time.monotonic()
+
+    def item(correlation: int) -> Item:
+        return Item(1, (), SimpleNamespace(request=SimpleNamespace(sequence=(correlation, START)), inputs={}))
+
+    async def main() -> None:
+        batcher = SequenceBatcher(spec("max_sequence_idle_microseconds: 2000000 "
+                                       "oldest { max_candidate_sequences: 1 }"), execute, 1, lambda it, why: None)
+        running = asyncio.create_task(batcher.run())  # its reaper looked at 0.5, 1.0, ... 2.0, 2.5 s
+        await asyncio.sleep(0.1)
+        batcher.put(item(1))  # takes the one slot; idle from 0.1 s, due at 2.1 s
+        batcher.put(item(2))  # waits for it
+        await asyncio.sleep(2.6)
+        batcher.close()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(main())
+    assert 1.95 <= ran[2] - ran[1] < 2.25, ran

@@ -309,14 +309,25 @@ class SequenceBatcher:
             await asyncio.gather(idle, return_exceptions=True)
 
     async def _release_idle(self) -> None:
-        """Sequences with nothing queued or running for max_sequence_idle_microseconds end (a request
-        that comes before this finds one finds it idle itself: put())."""
+        """Sequences with nothing queued or running for max_sequence_idle_microseconds end, each when it
+        is due, as Triton's reaper wakes for the earliest (a request that comes first finds it idle
+        itself: put()). A sequence that goes idle after a look is due a whole limit later: the next
+        look, at most a quarter of the limit on, sees it."""
         limit = self.sequence.idle_us / 1e6
+        look = min(max(limit / 4, 0.01), 1.0)
+        wait = look
         while True:
-            await asyncio.sleep(min(max(limit / 4, 0.01), 1.0))
+            await asyncio.sleep(wait)
             now = time.monotonic()
-            for correlation in [c for c, s in self._sequences.items() if self._idle(s, now)]:
-                self._release(correlation)
+            due = now + look
+            for correlation, seq in list(self._sequences.items()):
+                if seq.running or seq.queued:
+                    continue
+                if now - seq.last >= limit:
+                    self._release(correlation)
+                else:
+                    due = min(due, seq.last + limit)
+            wait = max(due - time.monotonic(), 0.001)  # (a timer may fire a little early: look again)
 
     def _idle(self, seq: _Sequence, now: float) -> bool:
         """Whether the sequence has had nothing queued or running for max_sequence_idle_microseconds."""
