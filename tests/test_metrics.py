@@ -807,3 +807,47 @@ def test_a_python_execution_that_raised_counts_as_an_execution_of_no_inference(s
     metrics = settled_scrape(server, {failed: 1, f"nv_inference_exec_count{labels}": 2})
     assert (metrics[f"nv_inference_request_success{labels}"], metrics[failed]) == (1, 1)
     assert (metrics[f"nv_inference_exec_count{labels}"], metrics[f"nv_inference_count{labels}"]) == (2, 1)
+
+
+DECOUPLED_MODEL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            sender = request.get_response_sender()
+            for k in (1, 2):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * k)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
+def test_a_decoupled_requests_final_flag_alone_still_counts_its_time(serve, tmp_path: Path) -> None:
+    """A decoupled model that sends its responses and then the final flag alone (no response in it):
+    Triton 2.51 counts each request's success and queue time (success.ns 56 ms, queue.ns 24 ms for two
+    such requests); Despina counted them but with 0 ns, and 0 in nv_inference_request_duration_us and
+    nv_inference_queue_duration_us."""
+    repo = tmp_path / "repo"
+    (repo / "dec" / "1").mkdir(parents=True)
+    (repo / "dec" / "1" / "model.py").write_text(DECOUPLED_MODEL)
+    (repo / "dec" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n'
+        'input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]\n')
+    server = serve(repo, wait_models=("dec",))
+    for _ in range(2):
+        r = httpx.post(f"{server.url}/v2/models/dec/generate_stream", json={"X": [1.0]})
+        assert (r.status_code, r.text.count("data:")) == (200, 2), r.text
+    stats = settled_stats(server.url, "dec")
+    inference = stats["inference_stats"]
+    assert (inference["success"]["count"], inference["queue"]["count"], inference["fail"]["count"]) == (2, 2, 0)
+    assert inference["success"]["ns"] > inference["queue"]["ns"] > 0, inference
+    labels = '{model="dec",version="1"}'
+    metrics = scrape(server)
+    assert metrics[f"nv_inference_request_duration_us{labels}"] == inference["success"]["ns"] // 1000
+    assert metrics[f"nv_inference_queue_duration_us{labels}"] == inference["queue"]["ns"] // 1000
+

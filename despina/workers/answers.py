@@ -110,6 +110,13 @@ def answer(req: InferRequest, out: dict[str, np.ndarray], started: float, comput
     return InferReply(req.id, tuple(tensors), None, queue_us, compute_us, response_parameters(out))
 
 
+def empty(req: InferRequest, started: float, compute_us: int) -> InferReply:
+    """A decoupled model's final flag sent alone (no response in it), with the request's queue and
+    compute time as an answer has them: its success is counted with it."""
+    queue_us = max(0, int((started - req.enqueued) * 1e6))
+    return InferReply(req.id, queue_us=queue_us, compute_us=compute_us, empty=True)
+
+
 def error(req: InferRequest, code: Code, message: str, started: float = 0.0) -> InferReply:
     """An error reply, with the time the request took (counted as the failure's duration, as Triton
     counts it): queued until `started`, when its batch ran, and computing since; without `started`, it

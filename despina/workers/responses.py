@@ -102,8 +102,8 @@ class OpenRequests:
                 result = self.reshape.from_model(result)
             except DespinaError as exc:
                 result = exc
-        if result is None:
-            reply = InferReply(p.request.id, empty=True)
+        if result is None:  # the final flag alone: the request's time is counted with it, as an answer's
+            reply = answers.empty(p.request, state.started, int((clock.now() - state.started) * 1e6))
         elif isinstance(result, DespinaError):
             reply = answers.error(p.request, result.code, result.message)
         else:
