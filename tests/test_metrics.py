@@ -851,3 +851,28 @@ def test_a_decoupled_requests_final_flag_alone_still_counts_its_time(serve, tmp_
     assert metrics[f"nv_inference_request_duration_us{labels}"] == inference["success"]["ns"] // 1000
     assert metrics[f"nv_inference_queue_duration_us{labels}"] == inference["queue"]["ns"] // 1000
 
+
+def test_a_python_execution_that_raised_counts_in_batch_stats(serve, tmp_path: Path) -> None:
+    """Triton 2.51's Python backend reports an execution whose every request failed in batch_stats too:
+    one execution answered and one that raised leave batch_stats[batch_size 1] with 2 executions (and the
+    failed one's compute time), inference_stats' compute with 1. Despina counted 1 in batch_stats."""
+    repo = tmp_path / "repo"
+    (repo / "raises" / "1").mkdir(parents=True)
+    (repo / "raises" / "1" / "model.py").write_text(RAISES_MODEL)
+    (repo / "raises" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]\n')
+    server = serve(repo, wait_models=("raises",))
+    for value, status_code in ((1.0, 200), (-1.0, 500)):
+        body = orjson.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [value]}]})
+        assert httpx.post(f"{server.url}/v2/models/raises/infer", content=body).status_code == status_code
+    stats = settled_stats(server.url, "raises")
+    assert (stats["execution_count"], stats["inference_count"]) == (2, 1)
+    inference = stats["inference_stats"]
+    assert [b["batch_size"] for b in stats["batch_stats"]] == [1]
+    batch = stats["batch_stats"][0]
+    assert (batch["compute_input"]["count"], batch["compute_infer"]["count"], batch["compute_output"]["count"]) \
+        == (2, 2, 2)
+    assert inference["compute_infer"]["count"] == 1
+    assert batch["compute_infer"]["ns"] > inference["compute_infer"]["ns"] > 0

@@ -59,14 +59,16 @@ def tally(replies: list[InferReply], rows: int, started: float,
     compute_output, so what it leaves over queue and compute (perf_analyzer's "overhead") is not negative.
     `later`: requests of the execution whose replies come later (a decoupled model's), counted in its
     compute as Triton counts a request's compute, their success with their final reply.
-    `failed_runs_count`: an execution whose every request failed still counts as an execution (Triton
-    2.51's Python backend reports it; its onnxruntime, PyTorch and TensorFlow backends do not).
+    `failed_runs_count`: an execution whose every request failed still counts as an execution, in
+    execution_count and in batch_stats with its compute time (Triton 2.51's Python backend reports it;
+    its onnxruntime, PyTorch and TensorFlow backends do not).
     (Every field is set once, the failures' excepted: this runs for every batch.)"""
     counts: dict[str, int] = {}
     ok = [r for r in replies if r.error is None]
     if not ok and replies:  # no inference; an execution only where Triton's backend reports one
         if rows and failed_runs_count:
             counts["execution_count"] = 1
+            _count_batch(counts, rows, timings_ns)
         rows = 0
     n = len(ok)
     grouped = any(r.id[:1] == GROUPED for r in replies)  # a gateway's several requests sent as one
@@ -77,15 +79,9 @@ def tally(replies: list[InferReply], rows: int, started: float,
         input_ns, infer_ns, output_ns = timings_ns
         output_us = -(-output_ns // 1000)  # rounded up, as the execution's least
         least_us = -(-(input_ns + infer_ns + output_ns) // 1000)
-        names = _batch_fields(rows)
         counts["inference_count"] = rows
         counts["execution_count"] = 1
-        counts[names[0]] = 1
-        counts[names[1]] = infer_ns
-        if input_ns:
-            counts[names[2]] = input_ns
-        if output_ns:
-            counts[names[3]] = output_ns
+        _count_batch(counts, rows, timings_ns)
         if computed := n + later:
             counts["compute_input_count"] = counts["compute_infer_count"] = computed
             counts["compute_output_count"] = computed
@@ -120,6 +116,18 @@ def tally(replies: list[InferReply], rows: int, started: float,
     if rows:
         counts["last_inference"] = int(started * 1000)
     return counts
+
+
+def _count_batch(counts: dict[str, int], rows: int, timings_ns: tuple[int, int, int]) -> None:
+    """An execution of `rows` and its compute input / infer / output time, in its batch size's fields."""
+    names = _batch_fields(rows)
+    input_ns, infer_ns, output_ns = timings_ns
+    counts[names[0]] = 1
+    counts[names[1]] = infer_ns
+    if input_ns:
+        counts[names[2]] = input_ns
+    if output_ns:
+        counts[names[3]] = output_ns
 
 
 @functools.lru_cache(maxsize=4096)  # batch sizes are few (max_batch_size); a model without one, any rows
