@@ -16,7 +16,7 @@ import msgpack
 import orjson
 import redis.asyncio as aioredis
 
-from . import custom_metrics, summaries
+from . import cache_metrics, custom_metrics, summaries
 from .contract.catalog import CatalogEntry
 from .contract.keys import Keys
 from .contract.policy import batch_policy
@@ -278,6 +278,7 @@ def render(data: dict[str, Any], host: Iterable[Sample] = (), quantiles: tuple[f
         out.family(name, "counter", help_)
         for process, stats in sorted(data.get("cache", {}).items()):
             out.sample(name, {"process": process}, stats.get(field, 0))
+    cache_metrics.render(out, data.get("response_cache", {}), models)
     for name, kind, field, help_ in RESPONSE_CACHE:
         out.family(name, kind, help_)
         for process, figures in sorted(data.get("response_cache", {}).items()):

@@ -366,3 +366,55 @@ def test_a_kept_answer_owns_its_bytes() -> None:
     cache.put(key(b"\x01"), InferReply("r", (Tensor("y", "UINT8", (8,), view),)))  # type: ignore[arg-type]
     kept = cache.get(key(b"\x01"))
     assert kept is not None and type(kept.outputs[0].data) is bytes and kept.outputs[0].data == b"\x05" * 8
+
+
+TRITON_CACHE_GAUGES = {  # Triton 2.51's server-wide response cache gauges, HELP word for word
+    "nv_cache_util": "Cache utilization [0.0 - 1.0]",
+    "nv_cache_num_entries": "Number of responses stored in response cache",
+    "nv_cache_num_hits": "Number of cache hits in response cache",
+    "nv_cache_num_misses": "Number of cache misses in response cache",
+    "nv_cache_num_lookups": "Number of cache lookups in response cache",
+    "nv_cache_num_evictions": "Number of cache evictions in response cache",
+    "nv_cache_lookup_duration": "Total cache lookup duration (hit and miss), in microseconds",
+    "nv_cache_insertion_duration": "Total cache insertion duration, in microseconds",
+}
+
+
+def cache_gauges(server: Server) -> dict[str, float]:
+    text = httpx.get(server.metrics_url, timeout=10).text
+    return {line.split(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("nv_cache_") and "{" not in line.split(" ", 1)[0]}
+
+
+def test_the_caches_server_wide_gauges_are_tritons(server: Server) -> None:
+    """Triton 2.51 with --cache-config shows server-wide nv_cache_* gauges beside the per-model counters
+    (after 4 lookups, 2 hits: nv_cache_num_lookups 4, nv_cache_num_hits 2, nv_cache_num_misses 2,
+    nv_cache_num_entries 2, nv_cache_util 0.00027); Despina showed none of them."""
+    text = httpx.get(server.metrics_url, timeout=10).text
+    for name, help_ in TRITON_CACHE_GAUGES.items():
+        assert f"# HELP {name} {help_}\n# TYPE {name} gauge\n" in text, name
+    before = cache_gauges(server)
+    answer(infer(server, "cached", [31.0, 32.0]))   # a miss, kept
+    answer(infer(server, "cached", [31.0, 32.0]))   # a hit
+    settled_stats(server.url, "cached")
+    after = cache_gauges(server)
+    for name, more in (("nv_cache_num_lookups", 2), ("nv_cache_num_hits", 1), ("nv_cache_num_misses", 1)):
+        assert after[name] - before[name] == more, (name, before, after)
+    assert after["nv_cache_num_lookups"] == after["nv_cache_num_hits"] + after["nv_cache_num_misses"]
+    assert after["nv_cache_lookup_duration"] > before["nv_cache_lookup_duration"]
+    assert after["nv_cache_insertion_duration"] > before["nv_cache_insertion_duration"]
+    deadline = time.monotonic() + 15  # entries and bytes come with each process's report, every few seconds
+    while after["nv_cache_num_entries"] <= before["nv_cache_num_entries"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        after = cache_gauges(server)
+    assert after["nv_cache_num_entries"] > before["nv_cache_num_entries"], (before, after)
+    assert 0 < after["nv_cache_util"] < 1
+    assert after["nv_cache_num_evictions"] >= 0
+
+
+def test_without_a_cache_there_are_no_server_wide_cache_gauges(serve: Callable[..., Server], repo: Path) -> None:
+    """As Triton without --cache-config: none of the server-wide nv_cache_* gauges."""
+    server = serve(repo, wait_models=("plain",))
+    answer(infer(server, "plain", [1.0, 1.0]))
+    text = httpx.get(server.metrics_url, timeout=10).text
+    assert not [name for name in TRITON_CACHE_GAUGES if f"# TYPE {name} " in text]
