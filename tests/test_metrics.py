@@ -876,3 +876,31 @@ def test_a_python_execution_that_raised_counts_in_batch_stats(serve, tmp_path: P
         == (2, 2, 2)
     assert inference["compute_infer"]["count"] == 1
     assert batch["compute_infer"]["ns"] > inference["compute_infer"]["ns"] > 0
+
+
+@pytest.mark.parametrize("host_ensembles", ["true", "false"])
+def test_an_ensemble_failed_by_its_steps_backend_counts_other(serve, tmp_path: Path, host_ensembles: str) -> None:
+    """Triton 2.51: an ensemble whose Python step raised counts the ensemble's failure with reason OTHER
+    (its step's with BACKEND): the ensemble has no backend of its own. Despina counted BACKEND at both.
+    (Triton counts that one failed ensemble request twice, fail.count 2: a Triton bug, not followed.)
+    Both ways: the ensemble run by a worker, and by the gateway."""
+    repo = tmp_path / "repo"
+    (repo / "raises" / "1").mkdir(parents=True)
+    (repo / "raises" / "1" / "model.py").write_text(RAISES_MODEL)
+    io = ('input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]\n'
+          'output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]\n')
+    (repo / "raises" / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 0\n' + io)
+    (repo / "chain" / "1").mkdir(parents=True)
+    (repo / "chain" / "config.pbtxt").write_text(
+        'platform: "ensemble"\nmax_batch_size: 0\n' + io + 'ensemble_scheduling { step [{ model_name: "raises" '
+        'model_version: -1 input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y" } }] }\n')
+    server = serve(repo, wait_models=("raises", "chain"), env={"DESPINA_HOST_ENSEMBLES": host_ensembles})
+    for value, status_code in ((1.0, 200), (-1.0, 500)):
+        body = orjson.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [value]}]})
+        assert httpx.post(f"{server.url}/v2/models/chain/infer", content=body).status_code == status_code
+    failed = 'nv_inference_request_failure{{model="{}",version="1",reason="{}"}}'
+    metrics = settled_scrape(server, {failed.format("chain", "OTHER"): 1, failed.format("raises", "BACKEND"): 1})
+    assert (metrics[failed.format("chain", "OTHER")], metrics[failed.format("chain", "BACKEND")]) == (1, 0)
+    assert (metrics[failed.format("raises", "BACKEND")], metrics[failed.format("raises", "OTHER")]) == (1, 0)
+    stats = settled_stats(server.url, "chain")["inference_stats"]
+    assert (stats["success"]["count"], stats["fail"]["count"]) == (1, 1)
