@@ -477,10 +477,23 @@ def test_an_ensemble_requests_counters_are_a_requests_as_a_model_counts_it(us: i
         del queued["last_inference"]
         assert nonzero(ensemble_counts(None, us, 3, compute_us=7, queue_us=40)) == nonzero(queued)
     failed = DespinaError("late", Code.DEADLINE_EXCEEDED)
-    assert ensemble_counts(failed, us, 0) == tally([InferReply("", (), (failed.code, "late"), 0, us)], 0, 0.0)
+    as_a_model = tally([InferReply("", (), (failed.code, "late"), 0, us)], 0, 0.0)
+    as_a_model["fail:OTHER"] = as_a_model.pop("fail:REJECTED")  # an ensemble's failure is OTHER
+    assert ensemble_counts(failed, us, 0) == as_a_model
     into = ensemble_counts(None, us, 3)
     assert ensemble_counts(failed, us, 0, ensemble_counts(None, us, 3, into)) is into
     assert into["success_count"] == 2 and into["inference_count"] == 6 and into["fail_count"] == 1
+
+
+@pytest.mark.parametrize(("code", "reason"), [
+    (Code.BACKEND, "OTHER"), (Code.DEADLINE_EXCEEDED, "OTHER"), (Code.RESOURCE_EXHAUSTED, "OTHER"),
+    (Code.INTERNAL, "OTHER"), (Code.CANCELLED, "CANCELED")])
+def test_an_ensembles_failure_is_other_whatever_failed_its_step(code: Code, reason: str) -> None:
+    """Triton 2.51 counts an ensemble's failure with reason OTHER, whatever failed its step (seen: a step's
+    backend failure, a step's request timed out in its queue, both REJECTED / BACKEND at the step); a
+    cancelled one stays CANCELED."""
+    counts = ensemble_counts(DespinaError("no", code), 10, 0)
+    assert {k: v for k, v in counts.items() if k.startswith("fail:")} == {f"fail:{reason}": 1}
 
 
 def test_gpu_metrics_cover_every_workers_gpus_each_family_together(serve, tmp_path: Path) -> None:

@@ -159,8 +159,8 @@ def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[s
                          ("compute_output_count", 1), ("compute_infer_ns", compute_us * 1000), (batch, 1),
                          (batch_ns, compute_us * 1000)):
             counts[field] = get(field, 0) + n
-    else:  # an ensemble has no backend: a step's backend failure is the ensemble's OTHER (Triton 2.51's)
-        reason = "fail:OTHER" if error.code == Code.BACKEND else f"fail:{failure_reason(error.code)}"
+    else:  # whatever failed its step (its backend, its queue), Triton 2.51 counts an ensemble's OTHER
+        reason = "fail:CANCELED" if error.code == Code.CANCELLED else "fail:OTHER"
         counts["fail_count"] = get("fail_count", 0) + 1
         if us:
             counts["fail_ns"] = get("fail_ns", 0) + us * 1000
