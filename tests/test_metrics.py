@@ -917,3 +917,44 @@ def test_an_ensemble_failed_by_its_steps_backend_counts_other(serve, tmp_path: P
     assert (metrics[failed.format("raises", "BACKEND")], metrics[failed.format("raises", "OTHER")]) == (1, 0)
     stats = settled_stats(server.url, "chain")["inference_stats"]
     assert (stats["success"]["count"], stats["fail"]["count"]) == (1, 1)
+
+
+DECOUPLED_RAISES_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            sender = request.get_response_sender()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+            if x[0] < 0:
+                raise pb_utils.TritonModelException("negative")
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
+def test_a_decoupled_execution_that_raised_counts_no_inference(serve, tmp_path: Path) -> None:
+    """Triton 2.51: a decoupled Python model's execution that raised (after a first response) counts as an
+    execution (execution_count, batch_stats) but its request as no inference and no compute, as a
+    non-decoupled one's: one request answered and one raised leave execution_count 2, batch_stats[1] 2,
+    inference_count 1, compute counts 1, success 1, fail 1. Despina counted inference_count 2, compute 2."""
+    repo = tmp_path / "repo"
+    (repo / "decr" / "1").mkdir(parents=True)
+    (repo / "decr" / "1" / "model.py").write_text(DECOUPLED_RAISES_MODEL)
+    (repo / "decr" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n'
+        'input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]\n'
+        'output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]\n')
+    server = serve(repo, wait_models=("decr",))
+    for value in (1.0, -1.0):
+        r = httpx.post(f"{server.url}/v2/models/decr/generate_stream", json={"X": [value]})
+        assert r.status_code == 200 and r.text.count("data:") == (1 if value > 0 else 2), r.text
+    stats = settled_stats(server.url, "decr")
+    inference = stats["inference_stats"]
+    assert (inference["success"]["count"], inference["fail"]["count"]) == (1, 1), inference
+    assert (stats["execution_count"], stats["inference_count"]) == (2, 1)
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [(1, 2)]
+    assert [inference[k]["count"] for k in ("compute_input", "compute_infer", "compute_output")] == [1, 1, 1]

@@ -286,9 +286,10 @@ class Execution:
         return [answers.error(p.request, r.code, r.message, started) if isinstance(r, DespinaError)
                 else answers.answer(p.request, r, started, compute_us) for p, r in zip(live, results)]
 
-    async def run_streams(self, live: list[Pending], started: float, marks: dict[str, int]) -> None:
+    async def run_streams(self, live: list[Pending], started: float, marks: dict[str, int]) -> list[int]:
         """A decoupled model's batch: its requests stay open for the responses the model sends whenever it
-        likes (self.streams); the instance is free when execute returns. `marks` as run_batch's."""
+        likes (self.streams); the instance is free when execute returns. `marks` as run_batch's. Returns
+        the places in `live` of the requests that execute failed (it raised): they count no inference."""
         arrays, asked = self._each_request(live)
         backend: Any = await self.instances.get()
         limited = False
@@ -310,9 +311,12 @@ class Execution:
                 self._free(backend)
             self.instances.put_nowait(backend)
             marks.setdefault("infer", time.perf_counter_ns())
-        for stream, result in zip(ids, results):
+        failed = []
+        for i, (stream, result) in enumerate(zip(ids, results)):
             if result is not None:  # execute failed: the requests it did not finish end with its error
                 self.streams.response(stream, result, True)
+                failed.append(i)
+        return failed
 
     async def call(self, backend: Backend, inputs: dict[str, np.ndarray], names: list[str], rows: int
                    ) -> dict[str, np.ndarray]:

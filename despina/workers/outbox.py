@@ -153,13 +153,14 @@ class Outbox:
     async def _reply(self, replies: list[InferReply], requests: list[InferRequest],
                      pendings: list[Pending], rows: int = 0, started: float = 0.0,
                      timings: tuple[int, int, int] = (0, 0, 0), later: int = 0, ran: bool = True,
-                     counted: bool = True) -> None:
+                     counted: bool = True, inferred: int | None = None) -> None:
         """One round trip: a reply entry per gateway, statistics, queue counters, and the
         acknowledgement of every stream entry now fully answered (after its replies, in order).
         replies[i] answers requests[i]: ids are unique per gateway only, so a batch may hold two alike.
         `ran` False: the requests never were in a batch (answered from the queue), so still counted queued.
         `counted` False: refusals of requests never queued, which the statistics do not count (the
-        gateway's `enqueued` count is taken back instead, so that they were never pending)."""
+        gateway's `enqueued` count is taken back instead, so that they were never pending). `inferred`: as
+        stats.tally's."""
         by_gateway: dict[str, list[InferReply]] = {}
         for r, req in zip(replies, requests, strict=True):
             if req.reply_to:
@@ -189,7 +190,8 @@ class Outbox:
         if not counted:
             counts = {"enqueued": -sum(requests_in(r.id) for r in replies)}
         else:
-            counts = stats.tally(replies, rows, started, timings, later, self.spec.backend == "python")
+            counts = stats.tally(replies, rows, started, timings, later, self.spec.backend == "python",
+                                 inferred)
         if self.summary is not None and counted:
             summaries.observe(self.summary, replies, rows, timings, later)
         if self.deferred is not None and not by_gateway and not done:

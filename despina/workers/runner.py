@@ -296,9 +296,11 @@ class ModelRunner(Intake):
         if self.spec.decoupled and live:
             if expired:
                 self._spawn(self._reply(replies, [p.request for p in expired], expired))
-            await self.execution.run_streams(live, started, marks)
+            failed = await self.execution.run_streams(live, started, marks)
+            inferred = sum(sizes) - sum(sizes[i] for i in failed)  # a request execute failed infers nothing
             self._spawn(self._reply([], [], [], rows=sum(sizes), started=started,  # the execution's counters
-                                    timings=durations(marks, time.perf_counter_ns()), later=len(live)))
+                                    timings=durations(marks, time.perf_counter_ns()),
+                                    later=len(live) - len(failed), inferred=inferred))
             return
         if live:
             keep, nulls = None, None

@@ -51,7 +51,7 @@ def record(pipe: Any, key: str, replies: list[InferReply], rows: int, started: f
 
 def tally(replies: list[InferReply], rows: int, started: float,
           timings_ns: tuple[int, int, int] = (0, 0, 0), later: int = 0,
-          failed_runs_count: bool = False) -> dict[str, int]:
+          failed_runs_count: bool = False, inferred: int | None = None) -> dict[str, int]:
     """One batch's counters; `rows` > 0 when the model executed (then timings are input, infer and
     output compute nanoseconds of that execution). A reply's latency is its queue_us + compute_us, and
     when the model executed, what the execution spent after compute_us was taken (its outputs split, its
@@ -62,6 +62,8 @@ def tally(replies: list[InferReply], rows: int, started: float,
     `failed_runs_count`: an execution whose every request failed still counts as an execution, in
     execution_count and in batch_stats with its compute time (Triton 2.51's Python backend reports it;
     its onnxruntime, PyTorch and TensorFlow backends do not).
+    `inferred`: the rows of the execution that count as inferences where not all of `rows` do (a decoupled
+    execution that raised for some requests: those are counted in `later` neither).
     (Every field is set once, the failures' excepted: this runs for every batch.)"""
     counts: dict[str, int] = {}
     ok = [r for r in replies if r.error is None]
@@ -79,7 +81,8 @@ def tally(replies: list[InferReply], rows: int, started: float,
         input_ns, infer_ns, output_ns = timings_ns
         output_us = -(-output_ns // 1000)  # rounded up, as the execution's least
         least_us = -(-(input_ns + infer_ns + output_ns) // 1000)
-        counts["inference_count"] = rows
+        if inferred is None or inferred:
+            counts["inference_count"] = rows if inferred is None else inferred
         counts["execution_count"] = 1
         _count_batch(counts, rows, timings_ns)
         if computed := n + later:
