@@ -145,6 +145,25 @@ def test_records_round_trip() -> None:
     assert records.decode_replies(records.encode([rep])) == [rep]
 
 
+@pytest.mark.parametrize("sequence", [None, (5, 1)])
+def test_a_traced_request_and_its_replys_compute_split_round_trip(sequence: tuple[int, int] | None) -> None:
+    """Triton's tracing: a traced request says so, and its reply carries its compute's input and infer ns;
+    an untraced one packs as before (9 elements, a reply 5)."""
+    t = Tensor("x", "FP32", (1, 2), b"\0" * 8)
+    req = InferRequest("7", "rep", 12.5, (t,), (), 0, 0, 11.0, "", sequence=sequence, traced=True)
+    assert records.decode_requests(records.encode([req])) == [req]
+    assert len(req.pack()) == 13 and len(InferRequest("7", "rep", 1.0, (t,)).pack()) == 9
+    rep = InferReply("7", (t,), None, 3, 40, split=(1200, 30_000))
+    assert records.decode_replies(records.encode([rep])) == [rep]
+    assert len(InferReply("7", (t,), None, 3, 40).pack()) == 5
+    bad = req.pack()
+    bad[12] = 1
+    with pytest.raises(InvalidArgument):
+        InferRequest.unpack(bad)
+    with pytest.raises(InvalidArgument):
+        InferReply.unpack([*rep.pack()[:7], [1]])
+
+
 def test_the_kept_packer_packs_as_msgpack_does_after_a_failure_and_a_large_message() -> None:
     import msgpack
     small = [b"id", "reply", 3, 2.5, [["y", "FP32", [1, 10], b"\1" * 40]], {"a": True}]

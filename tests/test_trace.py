@@ -28,10 +28,12 @@ from .conftest import Server, module_server, start_server, stop_server
 DEFAULTS = {"trace_file": "", "trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
             "log_frequency": "0", "trace_mode": "triton"}
 # as Triton 2.51 stamps an HTTP request (its trace file, in time order): the HTTP receive and send as the
-# gateway's HTTP protocol sees them, and INFER_RESPONSE_COMPLETE when the model's answer is back
-ORDER = ["HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END",
+# gateway's HTTP protocol sees them, the compute's input, infer and output as the worker timed its batch,
+# and INFER_RESPONSE_COMPLETE when the model's answer is back
+COMPUTE = ["COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
+ORDER = ["HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START", *COMPUTE,
          "INFER_RESPONSE_COMPLETE", "HTTP_SEND_START", "HTTP_SEND_END", "REQUEST_END"]
-STEP = ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END", "REQUEST_END"]  # an ensemble's step
+STEP = ["REQUEST_START", "QUEUE_START", *COMPUTE, "REQUEST_END"]  # an ensemble's step
 CLEAR = {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None}  # a model's own
 FIXED = "trace file location can not be updated through network protocol"  # Triton's words
 

@@ -89,11 +89,15 @@ class InferRequest:
     parameters: Parameters = field(default_factory=_no_parameters)  # for the model (Python backend)
     request_id: str = ""         # the client's V2 "id", for the model (Python backend)
     sequence: tuple[int | str, int] | None = None  # (correlation ID, START|END flags): contract/sequence.py
+    traced: bool = False         # Triton's tracing traces it: its reply carries its compute's split (`split`)
 
     def pack(self) -> list[Any]:
         packed = [self.id, self.reply_to, self.deadline, [t.pack() for t in self.inputs],
                   list(self.outputs), self.priority, self.timeout_us, self.enqueued, self.trace]
-        if self.sequence is not None:
+        if self.traced:
+            packed += [self.parameters, self.request_id,
+                       None if self.sequence is None else list(self.sequence), True]
+        elif self.sequence is not None:
             packed += [self.parameters, self.request_id, list(self.sequence)]
         elif self.request_id:
             packed += [self.parameters, self.request_id]
@@ -104,7 +108,7 @@ class InferRequest:
     @classmethod
     def unpack(cls, raw: Any) -> InferRequest:
         try:
-            n = len(raw)  # 9; a newer gateway's may end with its parameters, request_id and sequence
+            n = len(raw)  # 9; a newer gateway's may end with its parameters, request_id, sequence and traced
             head = raw if n == 9 else raw[:9]
             rid, reply_to, deadline, inputs, outputs, priority, timeout_us, enqueued, trace = head
             if type(rid) is not str or type(reply_to) is not str or type(trace) is not str:
@@ -112,16 +116,17 @@ class InferRequest:
             for o in outputs:
                 if type(o) is not str:
                     raise TypeError("output names must be strings")
-            parameters, request_id, sequence = NO_PARAMETERS, "", None
+            parameters, request_id, sequence, traced = NO_PARAMETERS, "", None, False
             if n > 9:
-                if n > 12 or (n >= 11 and type(raw[10]) is not str):
-                    raise TypeError("a request record ends with its parameters, request_id and sequence")
+                if n > 13 or (n >= 11 and type(raw[10]) is not str) or (n == 13 and raw[12] is not True):
+                    raise TypeError("a request record ends with its parameters, request_id, sequence, traced")
                 parameters = _parameters(raw[9])
                 request_id = raw[10] if n >= 11 else ""
-                sequence = _sequence(raw[11]) if n == 12 else None
+                sequence = _sequence(raw[11]) if n >= 12 and (n == 12 or raw[11] is not None) else None
+                traced = n == 13
             return cls(rid, reply_to, float(deadline), tuple([Tensor.unpack(t) for t in inputs]),
                        tuple(outputs), int(priority), int(timeout_us), float(enqueued), trace,
-                       parameters, request_id, sequence)
+                       parameters, request_id, sequence, traced)
         except MALFORMED as exc:
             raise InvalidArgument(f"malformed request record: {exc}") from None
 
@@ -143,11 +148,16 @@ class InferReply:
     index: int = 0
     final: bool = True
     empty: bool = False  # a decoupled model's last word with no response in it (only the FINAL flag)
+    # a traced request's (InferRequest.traced): its batch's compute input and infer, in ns (its output the
+    # rest of compute_us), for Triton's COMPUTE_INPUT_END and COMPUTE_OUTPUT_START; None: not measured
+    split: tuple[int, int] | None = None
 
     def pack(self) -> list[Any]:
         err = [self.error[0].value, self.error[1]] if self.error else None
         packed: list[Any] = [self.id, [t.pack() for t in self.outputs], err, self.queue_us, self.compute_us]
-        if self.index or not self.final or self.empty:
+        if self.split is not None:
+            packed += [self.parameters, [self.index, self.final, self.empty], list(self.split)]
+        elif self.index or not self.final or self.empty:
             packed += [self.parameters, [self.index, self.final, self.empty]]
         elif self.parameters:
             packed.append(self.parameters)
@@ -156,21 +166,25 @@ class InferReply:
     @classmethod
     def unpack(cls, raw: Any) -> InferReply:
         try:
-            n = len(raw)  # 5; a newer worker's may end with the response's parameters and its place
-            if n > 7:
-                raise TypeError(f"a reply record has 5 to 7 elements, not {n}")
+            n = len(raw)  # 5; a newer worker's may end with the response's parameters, its place and split
+            if n > 8:
+                raise TypeError(f"a reply record has 5 to 8 elements, not {n}")
             rid, outputs, err, queue_us, compute_us = raw if n == 5 else raw[:5]
             if type(rid) is not str:
                 raise TypeError("the id must be a string")
             error = (Code(err[0]), str(err[1])) if err else None
             parameters = _parameters(raw[5]) if n >= 6 else NO_PARAMETERS
-            index, final, empty = 0, True, False
-            if n == 7:
+            index, final, empty, split = 0, True, False, None
+            if n == 8:
+                split = raw[7][0], raw[7][1]
+                if len(raw[7]) != 2 or type(split[0]) is not int or type(split[1]) is not int:
+                    raise TypeError("a reply's split is [input ns, infer ns]")
+            if n >= 7:
                 index, final, empty = raw[6]
                 if type(index) is not int or index < 0 or type(final) is not bool or type(empty) is not bool:
                     raise TypeError("a reply's place is [index, final, empty]")
             return cls(rid, tuple([Tensor.unpack(t) for t in outputs]), error, int(queue_us), int(compute_us),
-                       parameters, index, final, empty)
+                       parameters, index, final, empty, split)
         except MALFORMED as exc:
             raise InvalidArgument(f"malformed reply record: {exc}") from None
 

@@ -278,7 +278,8 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     now = clock.now()
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,
                            tuple(inputs), outputs, priority, timeout_us, now,
-                           trace.decode("latin-1") if trace else "", parameters, request_id, sequence)
+                           trace.decode("latin-1") if trace else "", parameters, request_id, sequence,
+                           traced is not None)
     stream, stats, bound, rows = lane(gw, spec, version, priority)
     if stream in gw.view.full:  # refused now rather than accepted and then trimmed away
         gw.dispatcher.refused(stats)

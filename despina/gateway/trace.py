@@ -1,33 +1,34 @@
 """Triton's request tracing (the trace extension, `--trace-config`): one request in every `trace_rate` of a
-model is traced at level TIMESTAMPS, `trace_count` of them at most (-1: no limit), and written to
-the server's trace file (`--trace-file`, the setting trace_file) in Triton's form, a JSON array of
+model is traced at level TIMESTAMPS, `trace_count` of them at most (-1: no limit), and written to the server's
+trace file (`--trace-file`, the setting trace_file) in Triton's form, a JSON array of
 
     {"id": N, "model_name": ..., "model_version": V, "request_id": ...,
      "timestamps": [{"name": ..., "ns": ...}, ...]}
 
-with Triton 2.51's timestamps, on the wall clock: HTTP_RECV_START and HTTP_RECV_END (the request's
-message began, its body was whole: the gateway's HTTP protocol, protocol.py), REQUEST_START (the gateway has
-the request), QUEUE_START (it goes to the model's stream), COMPUTE_START and COMPUTE_END (the batch that ran
-it, as the worker timed it, from QUEUE_START), INFER_RESPONSE_COMPLETE (the answer is back),
-HTTP_SEND_START and HTTP_SEND_END (around its writing) and REQUEST_END (answered). (A request the ASGI
+with Triton 2.51's timestamps, on the wall clock: HTTP_RECV_START and HTTP_RECV_END (the request's message
+began, its body was whole: the gateway's HTTP protocol, protocol.py), REQUEST_START (the gateway has the
+request), QUEUE_START (it goes to the model's stream), COMPUTE_START, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START
+and COMPUTE_END (the batch that ran it, as the worker timed it, from QUEUE_START: a traced request's record
+says so, and its reply carries the batch's input and infer times), INFER_RESPONSE_COMPLETE (the answer is
+back), HTTP_SEND_START and HTTP_SEND_END (around its writing) and REQUEST_END (answered). (A request the ASGI
 stack serves, an escaped path say, has no HTTP stamps.) An ensemble the gateway runs (ensemble.py) has no
-compute of its own, and each step a trace of its own with "parent_id" (Triton's child traces: taken with
-their parent, neither sampled nor counted); an ensemble a worker runs has no child traces (the gateway
-has not its steps' times). Triton writes each stamp as an entry of its own ({"id", "timestamps": [one]}
-after {"id", "model_name", ...}); Despina one entry per trace, which Triton's tools read the same, as they
-merge the entries of an id. With `log_frequency` N a gateway writes each N traces to `${trace_file}.0`, `.1`,
-...; with 0, all it collected to `${trace_file}` when its settings change and when it stops; and, as Triton's,
-those to the next part once the last trace that trace_count allows is done. Each gateway traces and writes its
-own requests (one in trace_rate of those it has); of `serve --gateways N` gateway i writes `${trace_file}-i`
-(and `-i.0`, ...). trace_count is the server's, as one Triton's: each trace is claimed from a count in Redis
-that all the gateways share (Keys.trace_left), once for all the models on the global settings, and apart for
-each model with settings of its own.
+compute of its own, and each step a trace of its own with "parent_id" (Triton's child traces: taken with their
+parent, neither sampled nor counted); an ensemble a worker runs has no child traces (the gateway has not its
+steps' times). Triton writes each stamp as an entry of its own ({"id", "timestamps": [one]} after {"id",
+"model_name", ...}); Despina one entry per trace, which Triton's tools read the same, as they merge the
+entries of an id. With `log_frequency` N a gateway writes each N traces to `${trace_file}.0`, `.1`, ...; with
+0, all it collected to `${trace_file}` when its settings change and when it stops; and, as Triton's, those to
+the next part once the last trace that trace_count allows is done. Each gateway traces and writes its own
+requests (one in trace_rate of those it has); of `serve --gateways N` gateway i writes `${trace_file}-i` (and
+`-i.0`, ...). trace_count is the server's, as one Triton's: each trace is claimed from a count in Redis that
+all the gateways share (Keys.trace_left), once for all the models on the global settings, and apart for each
+model with settings of its own.
 
-The settings are the deployment's: global ones and each model's own, kept in Redis (Keys.trace_settings)
-and announced on the events channel, as the log settings are. A model's own settings override the
-global ones, which it follows for the rest as they change; a null clears one (a global one: back to its
-default). trace_file is the server's alone, set at start: as Triton's, the API refuses to change it (else
-whoever reaches the API could overwrite any file the server may write). TENSORS (tensor contents) and
+The settings (trace_settings.py) are the deployment's: global ones and each model's own, kept in Redis
+(Keys.trace_settings) and announced on the events channel, as the log settings are. A model's own settings
+override the global ones, which it follows for the rest as they change; a null clears one (a global one: back
+to its default). trace_file is the server's alone, set at start: as Triton's, the API refuses to change it
+(else whoever reaches the API could overwrite any file the server may write). TENSORS (tensor contents) and
 trace_mode opentelemetry are refused: not supported.
 """
 from __future__ import annotations
@@ -44,98 +45,13 @@ from typing import Any
 
 import orjson
 
-from ..contract.errors import Code, DespinaError, InvalidArgument
 from ..contract.records import InferReply
+from .trace_settings import effective, problem
 
 log = logging.getLogger("despina.gateway")
 
 EVENT = b"trace"  # on the events channel: the trace settings changed
-# in the order Triton's answers list them
-DEFAULTS: dict[str, Any] = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
-                            "log_frequency": "0", "trace_file": "", "trace_mode": "triton"}
-LEVELS = ("OFF", "TIMESTAMPS")
-INT_MAX = 2**31 - 1
 KEPT_MAX = 100_000  # traces a gateway keeps for a log_frequency of 0; past it they are counted, not kept
-# Triton's words (its L0_trace tests look for them) and status (501), then where the file is set
-FILE_FIXED = ("trace file location can not be updated through network protocol: it is set when the server "
-              "starts, with --trace-file (DESPINA_TRACE_FILE)")
-
-
-def _number(name: str, value: Any, least: int) -> str:
-    raw = value[0] if type(value) is list and len(value) == 1 else value
-    if type(raw) is int and not isinstance(raw, bool):
-        raw = str(raw)
-    # Triton reads them with stoi: at most INT_MAX, and no int() of thousands of digits
-    if type(raw) is not str or not raw.removeprefix("-").isdecimal() or len(raw) > 11 \
-            or not least <= int(raw) <= INT_MAX:
-        raise InvalidArgument(f"trace setting '{name}' must be an integer of at least {least} and at most "
-                              f"{INT_MAX} (as a string)")
-    return str(int(raw))
-
-
-def checked(name: str, value: Any) -> Any:
-    """A setting's value as kept (strings, trace_level a list); InvalidArgument names a bad one."""
-    if name == "trace_level":
-        levels = [value] if type(value) is str else value
-        if type(levels) is not list or not levels or any(type(v) is not str for v in levels):
-            raise InvalidArgument("trace setting 'trace_level' must be a list of levels (OFF, TIMESTAMPS)")
-        if "TENSORS" in levels:
-            raise InvalidArgument("trace level TENSORS (tensor contents) is not supported; use TIMESTAMPS")
-        bad = [v for v in levels if v not in LEVELS]
-        if bad:
-            raise InvalidArgument(f"unknown trace level {bad[0]!r} (known: OFF, TIMESTAMPS)")
-        if "OFF" in levels and len(levels) > 1:  # Triton's words: OFF beside TIMESTAMPS was taken as on
-            raise InvalidArgument("Expect only one trace level 'OFF' is specified")
-        return levels
-    if name == "trace_rate":
-        return _number(name, value, 1)
-    if name == "trace_count":
-        return _number(name, value, -1)
-    if name == "log_frequency":
-        return _number(name, value, 0)
-    if name == "trace_file":
-        raise DespinaError(FILE_FIXED, Code.UNIMPLEMENTED)  # Triton's UNSUPPORTED: a 501
-    if name == "trace_mode":
-        if value not in ("triton", ["triton"]):
-            raise InvalidArgument("trace setting 'trace_mode': only \"triton\" is supported (not "
-                                  "opentelemetry)")
-        return "triton"
-    raise InvalidArgument(f"unknown trace setting '{name}' (known: {', '.join(DEFAULTS)})")
-
-
-def merged(current: dict[str, Any], update: Any) -> dict[str, Any]:
-    """`current` with the settings a POST gives; a null clears one (a model's: the global one applies again;
-    a global one: its default does, as Triton's clears it; trace_file: nothing, it is the server's). No
-    levels (trace_level []) change nothing, as Triton 2.51's."""
-    if not isinstance(update, dict):
-        raise InvalidArgument("the trace settings must be a JSON object")
-    out = dict(current)
-    for name, value in update.items():
-        if value is None and name in DEFAULTS:
-            out.pop(name, None)
-        elif name == "trace_level" and value == []:
-            continue
-        else:
-            out[name] = checked(name, value)
-    return out
-
-
-def effective(doc: dict[str, Any], model: str | None, trace_file: str) -> dict[str, Any]:
-    """The settings that apply: the global ones, under a model's own, and the server's trace file (whatever
-    the settings kept in Redis say: one a Despina before --trace-file took through the API is not used)."""
-    settings = {**DEFAULTS, **doc.get("global", {})}
-    if model is not None:
-        settings.update(doc.get("models", {}).get(model, {}))
-    settings["trace_file"] = trace_file
-    return settings
-
-
-def problem(settings: dict[str, Any]) -> str:
-    """Why these settings cannot trace ('' when they can, or trace nothing)."""
-    if settings["trace_level"] != ["OFF"] and not settings["trace_file"]:
-        return "tracing needs a trace file, which this server was started without: start it with " \
-               "--trace-file PATH (or DESPINA_TRACE_FILE)"
-    return ""
 
 
 @dataclass
@@ -182,10 +98,17 @@ class Trace:
             ex.traced = self
 
     def ended(self, result: Any, computes: bool) -> None:
-        """COMPUTE_START and _END of the batch that ran it (from its reply), and REQUEST_END."""
+        """COMPUTE_START, _INPUT_END, _OUTPUT_START and _END of the batch that ran it (from its reply: its
+        worker measures the split for a traced request), and REQUEST_END."""
         if computes and isinstance(result, InferReply) and result.compute_us and self.queued:
             start = self.queued + result.queue_us * 1000
-            self.stamps += [("COMPUTE_START", start), ("COMPUTE_END", start + result.compute_us * 1000)]
+            end = start + result.compute_us * 1000
+            self.stamps.append(("COMPUTE_START", start))
+            if result.split is not None:  # (clocks apart: kept within the compute's span)
+                inputs = min(start + result.split[0], end)
+                self.stamps += [("COMPUTE_INPUT_END", inputs),
+                                ("COMPUTE_OUTPUT_START", min(inputs + result.split[1], end))]
+            self.stamps.append(("COMPUTE_END", end))
         self.stamp("REQUEST_END")
 
 

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..contract.errors import DespinaError, InvalidArgument
-from . import trace
+from . import trace, trace_settings
 from .responses import error_response, json_body, json_response
 
 if TYPE_CHECKING:
@@ -88,10 +88,10 @@ def trace_routes(gw: Gateway) -> list[Route]:
         """The settings `doc` with `update` made to the global ones or the model's own; InvalidArgument
         when what would apply to any model is wrong."""
         if model is None:
-            doc["global"] = trace.merged(doc.get("global", {}), update)
+            doc["global"] = trace_settings.merged(doc.get("global", {}), update)
         else:  # only what it sets: the rest follows the global settings, as they change (as Triton's)
             models = doc.get("models", {})
-            own = trace.merged(models.get(model, {}), update)
+            own = trace_settings.merged(models.get(model, {}), update)
             if own:
                 doc["models"] = {**models, model: own}
             else:
@@ -100,7 +100,7 @@ def trace_routes(gw: Gateway) -> list[Route]:
             armed = doc.setdefault("armed", {})
             armed[model or ""] = armed.get(model or "", 0) + 1
         for name in [None, *doc.get("models", {})]:
-            why = trace.problem(trace.effective(doc, name, gw.settings.trace_file))
+            why = trace_settings.problem(trace_settings.effective(doc, name, gw.settings.trace_file))
             if why:
                 raise InvalidArgument(why if name is None else f"model '{name}': {why}")
         return orjson.dumps(doc)

@@ -163,6 +163,8 @@ class Outbox:
         stats.tally's."""
         by_gateway: dict[str, list[InferReply]] = {}
         for r, req in zip(replies, requests, strict=True):
+            if req.traced and rows:  # (all an untraced request pays for tracing: this test)
+                r.split = timings[0], timings[1]
             if req.reply_to:
                 by_gateway.setdefault(req.reply_to, []).append(r)
                 continue
