@@ -117,16 +117,17 @@ def observe(window: LatencyWindow, replies: list[InferReply], rows: int, timings
         add(queue, r.queue_us, k)
 
 
-def observe_ensemble(window: LatencyWindow, us: int, queue_us: int, compute_us: int) -> None:
+def observe_ensemble(window: LatencyWindow, us: int, queue_us: int,
+                     compute_ns: tuple[int, int, int] | list[int]) -> None:
     """An ensemble request that succeeded, as stats.ensemble_counts counts it: its latency, its own queue
-    wait, and its steps' compute, all of it as infer (its input and output none)."""
+    wait, and its steps' compute input, infer and output, each summed."""
     window.turn_if_due()
     add = window.add
     add(window.request, us)
     add(window.queue, queue_us)
-    add(window.compute_input, 0)
-    add(window.compute_infer, compute_us)
-    add(window.compute_output, 0)
+    add(window.compute_input, compute_ns[0] / 1000)
+    add(window.compute_infer, compute_ns[1] / 1000)
+    add(window.compute_output, compute_ns[2] / 1000)
 
 
 def quantiles(exports: Iterable[Exported], quantity: str, qs: Iterable[float]) -> list[float]:

@@ -146,14 +146,14 @@ def test_records_round_trip() -> None:
 
 
 @pytest.mark.parametrize("sequence", [None, (5, 1)])
-def test_a_traced_request_and_its_replys_compute_split_round_trip(sequence: tuple[int, int] | None) -> None:
-    """Triton's tracing: a traced request says so, and its reply carries its compute's input and infer ns;
-    an untraced one packs as before (9 elements, a reply 5)."""
+def test_a_timed_request_and_its_replys_compute_split_round_trip(sequence: tuple[int, int] | None) -> None:
+    """A traced request (or a gateway-run ensemble's step) asks for its compute's input, infer and output ns,
+    which its reply carries; any other packs as before (9 elements, a reply 5)."""
     t = Tensor("x", "FP32", (1, 2), b"\0" * 8)
-    req = InferRequest("7", "rep", 12.5, (t,), (), 0, 0, 11.0, "", sequence=sequence, traced=True)
+    req = InferRequest("7", "rep", 12.5, (t,), (), 0, 0, 11.0, "", sequence=sequence, timed=True)
     assert records.decode_requests(records.encode([req])) == [req]
     assert len(req.pack()) == 13 and len(InferRequest("7", "rep", 1.0, (t,)).pack()) == 9
-    rep = InferReply("7", (t,), None, 3, 40, split=(1200, 30_000))
+    rep = InferReply("7", (t,), None, 3, 40, split=(1200, 30_000, 800))
     assert records.decode_replies(records.encode([rep])) == [rep]
     assert len(InferReply("7", (t,), None, 3, 40).pack()) == 5
     bad = req.pack()

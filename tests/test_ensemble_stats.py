@@ -75,6 +75,22 @@ def test_a_nested_ensembles_compute_is_its_inner_steps_compute(server: Server) -
         assert g[m]["compute_ns"] < g[m]["success_ns"], g
 
 
+def test_an_ensembles_compute_input_infer_and_output_are_its_steps_sums(server: Server) -> None:
+    """As Triton 2.51's (an ensemble of two Python-backend steps, after 5 requests: its compute_input,
+    compute_infer and compute_output ns each the sum of its steps'): not all of it as infer."""
+    models = ("mlp_classify", "mlp", "classify_post")
+    x = np.random.default_rng(13).standard_normal((1, 256)).astype(np.float32)
+    outputs(infer(server, "mlp_classify", {"x": x}))
+    before = {m: settled_stats(server.url, m)["inference_stats"] for m in models}
+    for _ in range(3):  # one at a time: each step runs alone, its model's compute is this request's
+        outputs(infer(server, "mlp_classify", {"x": x}))
+    after = {m: settled_stats(server.url, m)["inference_stats"] for m in models}
+    grew = {m: {k: after[m][k]["ns"] - before[m][k]["ns"] for k in COMPUTE} for m in models}
+    assert all(after[m][k]["count"] - before[m][k]["count"] == 3 for m in models for k in COMPUTE), grew
+    assert grew["mlp_classify"] == {k: grew["mlp"][k] + grew["classify_post"][k] for k in COMPUTE}, grew
+    assert grew["mlp_classify"]["compute_input"] > 0 and grew["mlp_classify"]["compute_output"] > 0, grew
+
+
 def traces(trace_file: Path, model: str, n: int) -> list[dict]:
     deadline = time.monotonic() + 10
     while True:

@@ -471,11 +471,18 @@ def test_an_ensemble_requests_counters_are_a_requests_as_a_model_counts_it(us: i
     def nonzero(counts: dict[str, int]) -> dict[str, int]:
         return {k: v for k, v in counts.items() if v or k.endswith("_count")}
 
-    assert nonzero(ensemble_counts(None, us, 3, compute_us=compute_us)) == nonzero(ok)
+    assert nonzero(ensemble_counts(None, us, 3, compute_ns=(0, compute_us * 1000, 0))) == nonzero(ok)
     if us >= 40:
         queued = tally([InferReply("", (), None, 40, us - 40)], 3, 0.0, (0, 7000, 0))
         del queued["last_inference"]
-        assert nonzero(ensemble_counts(None, us, 3, compute_us=7, queue_us=40)) == nonzero(queued)
+        assert nonzero(ensemble_counts(None, us, 3, compute_ns=(0, 7000, 0), queue_us=40)) == nonzero(queued)
+    # its steps' compute input, infer and output, each summed (as Triton's), as a batch's are counted
+    split = (1500, 7000, 2500)
+    def compute(counts: dict[str, int]) -> dict[str, int]:
+        return {k: v for k, v in counts.items() if k.startswith(("compute_", "batch"))}
+
+    assert compute(ensemble_counts(None, us, 3, compute_ns=split)) == compute(tally(
+        [InferReply("", (), None, 0, us)], 3, 0.0, split))
     failed = DespinaError("late", Code.DEADLINE_EXCEEDED)
     as_a_model = tally([InferReply("", (), (failed.code, "late"), 0, us)], 0, 0.0)
     as_a_model["fail:OTHER"] = as_a_model.pop("fail:REJECTED")  # an ensemble's failure is OTHER

@@ -46,6 +46,7 @@ class Run:
         self.over = False
         self.tensors: dict[str, Tensor] = {}
         self.compute_us = 0  # its steps' compute, its own in the statistics as in Triton
+        self.compute_ns = [0, 0, 0]  # that compute's input, infer and output, as its steps' replies split it
 
     def _call(self, step: Step) -> None:
         self._call_in(self, step)
@@ -102,11 +103,12 @@ class Run:
         # an output no step returned is left out, as in Triton. The reply carries its steps' compute: an
         # ensemble that calls this one counts that as its own, as Triton's does (a step reports its
         # compute to its ensemble's statistics, an ensemble step the sums of its own steps)
+        split = (self.compute_ns[0], self.compute_ns[1], self.compute_ns[2])
         if self.streaming is not None:  # each response went out: the last word is the final flag alone
-            reply = InferReply("", (), compute_us=self.compute_us, empty=True)
+            reply = InferReply("", (), compute_us=self.compute_us, empty=True, split=split)
         else:
             reply = InferReply("", tuple(_renamed(tensors[n], n) for n in self.wanted if n in tensors),
-                               compute_us=self.compute_us)
+                               compute_us=self.compute_us, split=split)
         self.over = True
         self._finish(reply, self._rows())
 
@@ -132,7 +134,7 @@ class Run:
         if isinstance(result, DespinaError):
             self.fail(self.named(step, result))
             return
-        self.compute_us += result.compute_us
+        self.computed(result)
         if self.streaming is not None and step.index in self.streaming:  # a decoupled step's last word
             if not result.empty:
                 self._branch(step, result)
@@ -162,8 +164,20 @@ class Run:
             code, message = reply.error
             self.fail(self.named(step, ReplyError(message, Code(code))))
             return
-        self.compute_us += reply.compute_us
+        self.computed(reply)
         self._branch(step, reply)
+
+    def computed(self, reply: InferReply) -> None:
+        """Count a step's compute as the ensemble's: its input, infer and output as its reply splits them (as
+        Triton sums its steps'), all of it as infer where the reply does not (a decoupled step's)."""
+        self.compute_us += reply.compute_us
+        split, ns = reply.split, self.compute_ns
+        if split is None:
+            ns[1] += reply.compute_us * 1000
+        else:
+            ns[0] += split[0]
+            ns[1] += split[1]
+            ns[2] += split[2]
 
     def _branch(self, step: Step, reply: InferReply) -> None:
         self.branches += 1
@@ -228,6 +242,7 @@ class Branch(Run):
             root.fail(result)
             return
         root.compute_us += self.compute_us
+        root.compute_ns = [a + b for a, b in zip(root.compute_ns, self.compute_ns)]
         if not root.over and root.partial is not None and not result.empty:
             root.partial(result)
         self.parent.branches -= 1

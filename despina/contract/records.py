@@ -89,12 +89,13 @@ class InferRequest:
     parameters: Parameters = field(default_factory=_no_parameters)  # for the model (Python backend)
     request_id: str = ""         # the client's V2 "id", for the model (Python backend)
     sequence: tuple[int | str, int] | None = None  # (correlation ID, START|END flags): contract/sequence.py
-    traced: bool = False         # Triton's tracing traces it: its reply carries its compute's split (`split`)
+    timed: bool = False          # its reply carries its batch's compute split (InferReply.split): a request
+    #                              Triton's tracing traces, a step of an ensemble the gateway runs
 
     def pack(self) -> list[Any]:
         packed = [self.id, self.reply_to, self.deadline, [t.pack() for t in self.inputs],
                   list(self.outputs), self.priority, self.timeout_us, self.enqueued, self.trace]
-        if self.traced:
+        if self.timed:
             packed += [self.parameters, self.request_id,
                        None if self.sequence is None else list(self.sequence), True]
         elif self.sequence is not None:
@@ -108,7 +109,7 @@ class InferRequest:
     @classmethod
     def unpack(cls, raw: Any) -> InferRequest:
         try:
-            n = len(raw)  # 9; a newer gateway's may end with its parameters, request_id, sequence and traced
+            n = len(raw)  # 9; a newer gateway's may end with its parameters, request_id, sequence and timed
             head = raw if n == 9 else raw[:9]
             rid, reply_to, deadline, inputs, outputs, priority, timeout_us, enqueued, trace = head
             if type(rid) is not str or type(reply_to) is not str or type(trace) is not str:
@@ -116,17 +117,17 @@ class InferRequest:
             for o in outputs:
                 if type(o) is not str:
                     raise TypeError("output names must be strings")
-            parameters, request_id, sequence, traced = NO_PARAMETERS, "", None, False
+            parameters, request_id, sequence, timed = NO_PARAMETERS, "", None, False
             if n > 9:
                 if n > 13 or (n >= 11 and type(raw[10]) is not str) or (n == 13 and raw[12] is not True):
-                    raise TypeError("a request record ends with its parameters, request_id, sequence, traced")
+                    raise TypeError("a request record ends with its parameters, request_id, sequence, timed")
                 parameters = _parameters(raw[9])
                 request_id = raw[10] if n >= 11 else ""
                 sequence = _sequence(raw[11]) if n >= 12 and (n == 12 or raw[11] is not None) else None
-                traced = n == 13
+                timed = n == 13
             return cls(rid, reply_to, float(deadline), tuple([Tensor.unpack(t) for t in inputs]),
                        tuple(outputs), int(priority), int(timeout_us), float(enqueued), trace,
-                       parameters, request_id, sequence, traced)
+                       parameters, request_id, sequence, timed)
         except MALFORMED as exc:
             raise InvalidArgument(f"malformed request record: {exc}") from None
 
@@ -148,9 +149,10 @@ class InferReply:
     index: int = 0
     final: bool = True
     empty: bool = False  # a decoupled model's last word with no response in it (only the FINAL flag)
-    # a traced request's (InferRequest.traced): its batch's compute input and infer, in ns (its output the
-    # rest of compute_us), for Triton's COMPUTE_INPUT_END and COMPUTE_OUTPUT_START; None: not measured
-    split: tuple[int, int] | None = None
+    # its batch's compute input, infer and output ns (an ensemble's: its steps' sums), for a request that
+    # asks (InferRequest.timed) or made in the worker: Triton's COMPUTE_INPUT_END and _OUTPUT_START, and
+    # an ensemble's statistics; None: not measured (then compute_us is all infer)
+    split: tuple[int, int, int] | None = None
 
     def pack(self) -> list[Any]:
         err = [self.error[0].value, self.error[1]] if self.error else None
@@ -176,9 +178,9 @@ class InferReply:
             parameters = _parameters(raw[5]) if n >= 6 else NO_PARAMETERS
             index, final, empty, split = 0, True, False, None
             if n == 8:
-                split = raw[7][0], raw[7][1]
-                if len(raw[7]) != 2 or type(split[0]) is not int or type(split[1]) is not int:
-                    raise TypeError("a reply's split is [input ns, infer ns]")
+                split = raw[7][0], raw[7][1], raw[7][2]
+                if len(raw[7]) != 3 or any(type(ns) is not int for ns in split):
+                    raise TypeError("a reply's split is [input ns, infer ns, output ns]")
             if n >= 7:
                 index, final, empty = raw[6]
                 if type(index) is not int or index < 0 or type(final) is not bool or type(empty) is not bool:

@@ -98,15 +98,15 @@ class _GatewayRun(Run):
             partial = lambda reply: run.streamed(step, reply)  # noqa: E731
         self.submit(self.gw, spec, v, run.step_inputs(step, spec), tuple(o for o, _ in step.outputs),
                     self.trace, done, self.priority, self.timeout_us, run.left(), sequence=self.sequence,
-                    traced=child, partial=partial)
+                    traced=child, partial=partial, timed=True)
 
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
         us = int((time.monotonic() - self.started) * 1e6)
         error = result if isinstance(result, DespinaError) else None
-        counts = ensemble_counts(error, us, rows, compute_us=self.compute_us)
+        counts = ensemble_counts(error, us, rows, compute_ns=self.compute_ns)
         if error is None and self.gw.latencies is not None:
             summaries.observe_ensemble(self.gw.latency_window(self.spec.name, self.version), us, 0,
-                                       self.compute_us)
+                                       self.compute_ns)
         if rows:
             counts["last_inference"] = int(clock.now() * 1000)
         self.gw.dispatcher.count(self.gw.keys.stats(self.spec.name, self.version), counts)

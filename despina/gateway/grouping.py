@@ -42,7 +42,7 @@ def group_key(req: InferRequest) -> tuple[object, ...] | None:
     shapes past the batch dimension. None: the request goes alone (it carries what the model sees of it,
     or BYTES, whose rows are not of one size)."""
     if req.parameters is not NO_PARAMETERS or req.sequence is not None or req.priority or req.timeout_us \
-            or req.trace or req.traced or req.request_id or not req.inputs:
+            or req.trace or req.timed or req.request_id or not req.inputs:
         return None
     inputs = req.inputs
     if len(inputs) == 1:  # the usual case, without a list

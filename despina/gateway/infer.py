@@ -251,7 +251,8 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
            trace: bytes | None, done: Callable[[InferReply | DespinaError], None], priority: int = 0,
            timeout_us: int = 0, timeout: float | None = None, parameters: Parameters = NO_PARAMETERS,
            request_id: str = "", sequence: tuple[int | str, int] | None = None,
-           partial: Callable[[InferReply], None] | None = None, traced: Trace | None = None) -> str | None:
+           partial: Callable[[InferReply], None] | None = None, traced: Trace | None = None,
+           timed: bool = False) -> str | None:
     """Queue one request on the model version's stream (its priority level's); `done` gets the reply,
     or the DespinaError that ended it (the model's own, a timeout, a full queue, Redis down), and
     `partial` a decoupled model's responses before its last one (an error among them included). The
@@ -259,7 +260,8 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     `timeout` (default: request_timeout_s) is how long it may still take; `parameters` and `request_id`
     (the client's V2 "id") are for the model (an ensemble's steps get neither), as is `sequence` (its
     correlation ID and flags) for a model with sequence batching. `traced`: the request's trace, when it
-    is traced (an ensemble run from here traces its steps as its children)."""
+    is traced (an ensemble run from here traces its steps as its children). Its reply splits its compute
+    (InferReply.split) when it is traced or `timed` (an ensemble's step run from here)."""
     model = spec.name
     if gw.cache is not None and spec.response_cache and sequence is None and spec.sequence is None:
         keeping = cached(gw, spec, version, inputs, outputs, parameters, done)
@@ -279,7 +281,7 @@ def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     request = InferRequest(gw.dispatcher.new_id(), gw.dispatcher.reply_stream, now + timeout,
                            tuple(inputs), outputs, priority, timeout_us, now,
                            trace.decode("latin-1") if trace else "", parameters, request_id, sequence,
-                           traced is not None)
+                           timed or traced is not None)
     stream, stats, bound, rows = lane(gw, spec, version, priority)
     if stream in gw.view.full:  # refused now rather than accepted and then trimmed away
         gw.dispatcher.refused(stats)

@@ -9,9 +9,9 @@ with Triton 2.51's timestamps, on the wall clock: HTTP_RECV_START and HTTP_RECV_
 began, its body was whole: the gateway's HTTP protocol, protocol.py), REQUEST_START (the gateway has the
 request), QUEUE_START (it goes to the model's stream), COMPUTE_START, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START
 and COMPUTE_END (the batch that ran it, as the worker timed it, from QUEUE_START: a traced request's record
-says so, and its reply carries the batch's input and infer times), INFER_RESPONSE_COMPLETE (the answer is
-back), HTTP_SEND_START and HTTP_SEND_END (around its writing) and REQUEST_END (answered). (A request the ASGI
-stack serves, an escaped path say, has no HTTP stamps.) An ensemble the gateway runs (ensemble.py) has no
+says so, and its reply carries the batch's input, infer and output times), INFER_RESPONSE_COMPLETE (the answer
+is back), HTTP_SEND_START and HTTP_SEND_END (around its writing) and REQUEST_END (answered). (A request the
+ASGI stack serves, an escaped path say, has no HTTP stamps.) An ensemble the gateway runs (ensemble.py) has no
 compute of its own, and each step a trace of its own with "parent_id" (Triton's child traces: taken with their
 parent, neither sampled nor counted); an ensemble a worker runs has no child traces (the gateway has not its
 steps' times). Triton writes each stamp as an entry of its own ({"id", "timestamps": [one]} after {"id",
@@ -102,13 +102,14 @@ class Trace:
         worker measures the split for a traced request), and REQUEST_END."""
         if computes and isinstance(result, InferReply) and result.compute_us and self.queued:
             start = self.queued + result.queue_us * 1000
-            end = start + result.compute_us * 1000
-            self.stamps.append(("COMPUTE_START", start))
-            if result.split is not None:  # (clocks apart: kept within the compute's span)
-                inputs = min(start + result.split[0], end)
-                self.stamps += [("COMPUTE_INPUT_END", inputs),
-                                ("COMPUTE_OUTPUT_START", min(inputs + result.split[1], end))]
-            self.stamps.append(("COMPUTE_END", end))
+            split = result.split
+            if split is None:
+                self.stamps += [("COMPUTE_START", start), ("COMPUTE_END", start + result.compute_us * 1000)]
+            else:
+                inputs = start + split[0]
+                self.stamps += [("COMPUTE_START", start), ("COMPUTE_INPUT_END", inputs),
+                                ("COMPUTE_OUTPUT_START", inputs + split[1]),
+                                ("COMPUTE_END", inputs + split[1] + split[2])]
         self.stamp("REQUEST_END")
 
 

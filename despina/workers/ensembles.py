@@ -202,19 +202,22 @@ class EnsembleHost:
     # -- answering -------------------------------------------------------------------------------
 
     def _answer(self, req: InferRequest, entry: tuple[str, bytes], result: InferReply | DespinaError,
-                rows: int, compute_us: int = 0, queue_us: int = 0) -> None:
+                rows: int, compute_us: int = 0, queue_us: int = 0,
+                compute_ns: tuple[int, int, int] | list[int] = (0, 0, 0)) -> None:
         """`queue_us`: how long the request waited on the ensemble's stream before its run began (Triton's
         ensemble's own queue time: from its enqueue until the ensemble scheduler starts it). The reply
         carries it and `compute_us`, its steps' compute, not its whole latency: an ensemble that calls
-        this one counts that compute as its own."""
+        this one counts that compute as its own; `compute_ns` that compute's input, infer and output."""
         us = max(0, int((clock.now() - req.enqueued) * 1e6))
         error = result if isinstance(result, DespinaError) else None
-        ensemble_counts(error, us, rows, self._counts, compute_us, queue_us)
+        ensemble_counts(error, us, rows, self._counts, compute_ns, queue_us)
         if error is None and self.summary is not None:
-            summaries.observe_ensemble(self.summary, us, queue_us, compute_us)
+            summaries.observe_ensemble(self.summary, us, queue_us, compute_ns)
         if error is None:
             self._counts["last_inference"] = int(clock.now() * 1000)
             reply = InferReply(req.id, result.outputs, None, queue_us, compute_us)  # type: ignore[union-attr]
+            if req.timed:  # (a step of an ensemble that a gateway runs: its compute is that one's too)
+                reply.split = (compute_ns[0], compute_ns[1], compute_ns[2])
         else:
             reply = InferReply(req.id, (), (error.code, error.message))
         self._finished(req, reply, entry)
@@ -296,4 +299,5 @@ class _HostRun(Run):
 
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
         self.host._reaching(self.pending, -1)  # steps it never called
-        self.host._answer(self.request, self.entry, result, rows, self.compute_us, self.queue_us)
+        self.host._answer(self.request, self.entry, result, rows, self.compute_us, self.queue_us,
+                          self.compute_ns)

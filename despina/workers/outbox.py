@@ -162,12 +162,14 @@ class Outbox:
         gateway's `enqueued` count is taken back instead, so that they were never pending). `inferred`: as
         stats.tally's."""
         by_gateway: dict[str, list[InferReply]] = {}
+        split = timings if rows else None  # the batch's compute input, infer and output, when it ran
         for r, req in zip(replies, requests, strict=True):
-            if req.traced and rows:  # (all an untraced request pays for tracing: this test)
-                r.split = timings[0], timings[1]
             if req.reply_to:
+                if req.timed:  # (all that another request pays for it: this test)
+                    r.split = split
                 by_gateway.setdefault(req.reply_to, []).append(r)
                 continue
+            r.split = split  # an ensemble's step: its compute is its ensemble's too
             answer = self._local.pop(id(req))[0]
             try:
                 answer(r)

@@ -140,13 +140,14 @@ def _batch_fields(rows: int) -> tuple[str, str, str, str]:
 
 
 def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[str, int] | None = None,
-                    compute_us: int = 0, queue_us: int = 0) -> dict[str, int]:
+                    compute_ns: tuple[int, int, int] | list[int] = (0, 0, 0), queue_us: int = 0
+                    ) -> dict[str, int]:
     """An ensemble request's own counters, counted as a model counts a request, as Triton's ensemble
     scheduler does: `queue_us` its own wait before its graph began (on the ensemble's stream, for a
     worker that runs it; none where the gateway starts it as it arrives; its steps queue, and count it,
     at their models), one execution of its rows per request that succeeded, `us` its latency,
-    `compute_us` its steps' compute (as Triton, which has each step's split into input, infer and output
-    where Despina's replies carry the whole: all counted as infer).
+    `compute_ns` its steps' compute input, infer and output, each the sum of its steps' (as Triton's; a
+    step whose reply does not split it, a decoupled one's, counted as infer: ensemble_run.Run.computed).
     Clients such as perf_analyzer find the version that served by its queue count.
     Added into `into` (a fresh dict when None), which is returned: this runs once per request, so it
     adds the few fields itself instead of going through `tally`."""
@@ -155,12 +156,14 @@ def ensemble_counts(error: DespinaError | None, us: int, rows: int, into: dict[s
     if error is None:
         lat = LAT[bisect.bisect_left(LATENCY_BUCKETS_US, us)]
         qlat = QLAT[bisect.bisect_left(LATENCY_BUCKETS_US, queue_us)] if queue_us else _QLAT_NONE
-        batch, batch_ns = _batch_fields(max(rows, 1))[:2]
+        batch, batch_ns, batch_in_ns, batch_out_ns = _batch_fields(max(rows, 1))
+        input_ns, infer_ns, output_ns = compute_ns
         for field, n in (("success_count", 1), ("success_ns", us * 1000), ("queue_count", 1),
                          ("queue_ns", queue_us * 1000), (lat, 1), (qlat, 1), ("inference_count", rows),
                          ("execution_count", 1), ("compute_input_count", 1), ("compute_infer_count", 1),
-                         ("compute_output_count", 1), ("compute_infer_ns", compute_us * 1000), (batch, 1),
-                         (batch_ns, compute_us * 1000)):
+                         ("compute_output_count", 1), ("compute_input_ns", input_ns),
+                         ("compute_infer_ns", infer_ns), ("compute_output_ns", output_ns), (batch, 1),
+                         (batch_ns, infer_ns), (batch_in_ns, input_ns), (batch_out_ns, output_ns)):
             counts[field] = get(field, 0) + n
     else:  # whatever failed its step (its backend, its queue), Triton 2.51 counts an ensemble's OTHER
         reason = "fail:CANCELED" if error.code == Code.CANCELLED else "fail:OTHER"
