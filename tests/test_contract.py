@@ -148,7 +148,8 @@ def test_records_round_trip() -> None:
 @pytest.mark.parametrize("sequence", [None, (5, 1)])
 def test_a_timed_request_and_its_replys_compute_split_round_trip(sequence: tuple[int, int] | None) -> None:
     """A traced request (or a gateway-run ensemble's step) asks for its compute's input, infer and output ns,
-    which its reply carries; any other packs as before (9 elements, a reply 5)."""
+    which its reply carries (an ensemble's, its steps' times too); any other packs as before (9 elements, a
+    reply 5)."""
     t = Tensor("x", "FP32", (1, 2), b"\0" * 8)
     req = InferRequest("7", "rep", 12.5, (t,), (), 0, 0, 11.0, "", sequence=sequence, timed=True)
     assert records.decode_requests(records.encode([req])) == [req]
@@ -156,6 +157,11 @@ def test_a_timed_request_and_its_replys_compute_split_round_trip(sequence: tuple
     rep = InferReply("7", (t,), None, 3, 40, split=(1200, 30_000, 800))
     assert records.decode_replies(records.encode([rep])) == [rep]
     assert len(InferReply("7", (t,), None, 3, 40).pack()) == 5
+    ensemble = InferReply("7", (t,), None, 3, 40, split=(1, 2, 3),
+                          steps=(("mlp", 1, 10, 900, 5, 80, 100, 600, 50), ("post", 2, 950, 990, 1, 3, 0, 0, 0)))
+    assert records.decode_replies(records.encode([ensemble])) == [ensemble]
+    with pytest.raises(InvalidArgument):
+        InferReply.unpack([*ensemble.pack()[:8], [["mlp", 1, 10]]])
     bad = req.pack()
     bad[12] = 1
     with pytest.raises(InvalidArgument):

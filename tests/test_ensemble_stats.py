@@ -21,6 +21,7 @@ import tritonclient.http as httpclient
 
 from .conftest import Server, module_server, settled_stats
 from .test_ensemble import infer, outputs, repo  # noqa: F401  (repo: the module fixture, reused)
+from .test_trace import ORDER, STEP, check_timestamps
 
 COMPUTE = ("compute_input", "compute_infer", "compute_output")
 
@@ -102,24 +103,37 @@ def traces(trace_file: Path, model: str, n: int) -> list[dict]:
         time.sleep(0.02)
 
 
-def test_an_ensembles_trace_has_no_compute_span_of_its_own(server: Server, trace_file: Path) -> None:
-    """As Triton's: the ensemble's trace is its model span; before, a worker-run ensemble's showed a
-    compute from its queue start to its end (its reply carried its whole latency as compute)."""
+def test_an_ensembles_trace_has_no_compute_span_of_its_own_and_a_child_trace_per_step(
+        server: Server, trace_file: Path) -> None:
+    """As Triton 2.51's, whoever runs the ensemble (a worker that has its steps, or the gateway): its trace
+    is its model span and the HTTP stamps, no compute of its own; each step writes a child trace
+    ("parent_id", REQUEST_START..REQUEST_END with its compute's four stamps) inside the ensemble's time.
+    Before, a worker-run ensemble wrote no child traces."""
     client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
     try:
-        client.update_trace_settings("mlp_classify", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1",
-                                                      "trace_count": "-1", "log_frequency": "1"})
+        client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1",
+                                               "trace_count": "-1", "log_frequency": "1"})
         x = np.random.default_rng(12).standard_normal((1, 256)).astype(np.float32)
         for _ in range(2):
             outputs(infer(server, "mlp_classify", {"x": x}))
         found = traces(trace_file, "mlp_classify", 2)
+        steps = traces(trace_file, "classify_post", 2) + traces(trace_file, "mlp", 2)
     finally:
-        client.update_trace_settings("mlp_classify", {"trace_level": ["OFF"]})
+        client.update_trace_settings(settings={"trace_level": ["OFF"], "trace_rate": "1000",
+                                               "log_frequency": "0"})
         client.close()
+        for path in trace_file.parent.iterdir():
+            path.unlink()
     assert len(found) == 2
     for trace in found:
-        names = [t["name"] for t in trace["timestamps"]]
-        # Triton 2.51's ensemble trace: the HTTP stamps, its model span and its response, no compute
-        assert names == ["HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START",
-                         "INFER_RESPONSE_COMPLETE", "HTTP_SEND_START", "HTTP_SEND_END", "REQUEST_END"], trace
-
+        check_timestamps(trace, [n for n in ORDER if not n.startswith("COMPUTE")])
+        stamps = {n["name"]: n["ns"] for n in trace["timestamps"]}
+        children = sorted((t for t in steps if t.get("parent_id") == trace["id"]), key=lambda t: t["id"])
+        assert [t["model_name"] for t in children] == ["mlp", "classify_post"], steps
+        for child in children:
+            assert list(child) == ["id", "model_name", "model_version", "parent_id", "timestamps"]
+            assert child["id"] > trace["id"] and child["model_version"] == 1
+            check_timestamps(child, STEP)
+            assert stamps["QUEUE_START"] <= child["timestamps"][0]["ns"]
+            assert child["timestamps"][-1]["ns"] <= stamps["INFER_RESPONSE_COMPLETE"]
+        assert children[0]["timestamps"][-1]["ns"] <= children[1]["timestamps"][0]["ns"]  # one after the other

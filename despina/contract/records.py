@@ -132,6 +132,19 @@ class InferRequest:
             raise InvalidArgument(f"malformed request record: {exc}") from None
 
 
+# An ensemble's step as the worker that ran the ensemble timed it (InferReply.steps): its model and version,
+# when it was queued and answered (ns after the ensemble's request was enqueued, InferRequest.enqueued), its
+# reply's queue_us and compute_us, and its compute's split (input, infer, output ns; all 0: none).
+StepTimes = tuple[str, int, int, int, int, int, int, int, int]
+
+
+def _step_times(raw: Any) -> StepTimes:
+    model, version, *times = raw
+    if type(model) is not str or len(times) != 7 or any(type(t) is not int for t in (version, *times)):
+        raise TypeError("a step's times are [model, version, queued, answered, queue_us, compute_us, split]")
+    return (model, version, *times)  # type: ignore[return-value]
+
+
 @dataclass(slots=True)
 class InferReply:
     """A worker's answer to one request: outputs, or an error code and message.
@@ -153,11 +166,16 @@ class InferReply:
     # asks (InferRequest.timed) or made in the worker: Triton's COMPUTE_INPUT_END and _OUTPUT_START, and
     # an ensemble's statistics; None: not measured (then compute_us is all infer)
     split: tuple[int, int, int] | None = None
+    # a timed request's to an ensemble a worker runs: each step's StepTimes (a traced request's child traces)
+    steps: tuple[StepTimes, ...] = ()
 
     def pack(self) -> list[Any]:
         err = [self.error[0].value, self.error[1]] if self.error else None
         packed: list[Any] = [self.id, [t.pack() for t in self.outputs], err, self.queue_us, self.compute_us]
-        if self.split is not None:
+        if self.steps:
+            packed += [self.parameters, [self.index, self.final, self.empty], list(self.split or (0, 0, 0)),
+                       [list(s) for s in self.steps]]
+        elif self.split is not None:
             packed += [self.parameters, [self.index, self.final, self.empty], list(self.split)]
         elif self.index or not self.final or self.empty:
             packed += [self.parameters, [self.index, self.final, self.empty]]
@@ -168,16 +186,17 @@ class InferReply:
     @classmethod
     def unpack(cls, raw: Any) -> InferReply:
         try:
-            n = len(raw)  # 5; a newer worker's may end with the response's parameters, its place and split
-            if n > 8:
-                raise TypeError(f"a reply record has 5 to 8 elements, not {n}")
+            n = len(raw)  # 5; a newer worker's may end with the response's parameters, place, split and steps
+            if n > 9:
+                raise TypeError(f"a reply record has 5 to 9 elements, not {n}")
             rid, outputs, err, queue_us, compute_us = raw if n == 5 else raw[:5]
             if type(rid) is not str:
                 raise TypeError("the id must be a string")
             error = (Code(err[0]), str(err[1])) if err else None
             parameters = _parameters(raw[5]) if n >= 6 else NO_PARAMETERS
             index, final, empty, split = 0, True, False, None
-            if n == 8:
+            steps = tuple(_step_times(s) for s in raw[8]) if n == 9 else ()
+            if n >= 8:
                 split = raw[7][0], raw[7][1], raw[7][2]
                 if len(raw[7]) != 3 or any(type(ns) is not int for ns in split):
                     raise TypeError("a reply's split is [input ns, infer ns, output ns]")
@@ -186,7 +205,7 @@ class InferReply:
                 if type(index) is not int or index < 0 or type(final) is not bool or type(empty) is not bool:
                     raise TypeError("a reply's place is [index, final, empty]")
             return cls(rid, tuple([Tensor.unpack(t) for t in outputs]), error, int(queue_us), int(compute_us),
-                       parameters, index, final, empty, split)
+                       parameters, index, final, empty, split, steps)
         except MALFORMED as exc:
             raise InvalidArgument(f"malformed reply record: {exc}") from None
 

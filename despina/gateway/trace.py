@@ -13,16 +13,17 @@ says so, and its reply carries the batch's input, infer and output times), INFER
 is back), HTTP_SEND_START and HTTP_SEND_END (around its writing) and REQUEST_END (answered). (A request the
 ASGI stack serves, an escaped path say, has no HTTP stamps.) An ensemble the gateway runs (ensemble.py) has no
 compute of its own, and each step a trace of its own with "parent_id" (Triton's child traces: taken with their
-parent, neither sampled nor counted); an ensemble a worker runs has no child traces (the gateway has not its
-steps' times). Triton writes each stamp as an entry of its own ({"id", "timestamps": [one]} after {"id",
-"model_name", ...}); Despina one entry per trace, which Triton's tools read the same, as they merge the
-entries of an id. With `log_frequency` N a gateway writes each N traces to `${trace_file}.0`, `.1`, ...; with
-0, all it collected to `${trace_file}` when its settings change and when it stops; and, as Triton's, those to
-the next part once the last trace that trace_count allows is done. Each gateway traces and writes its own
-requests (one in trace_rate of those it has); of `serve --gateways N` gateway i writes `${trace_file}-i` (and
-`-i.0`, ...). trace_count is the server's, as one Triton's: each trace is claimed from a count in Redis that
-all the gateways share (Keys.trace_left), once for all the models on the global settings, and apart for each
-model with settings of its own.
+parent, neither sampled nor counted); of an ensemble a worker runs, the worker times each step and its reply
+carries those times, from which the gateway writes the child traces (Tracer._steps). Triton writes each stamp
+as an entry of its own ({"id", "timestamps": [one]} after {"id", "model_name", ...}); Despina one entry per
+trace, which Triton's tools read the same, as they merge the entries of an id. With `log_frequency` N a
+gateway writes each N traces to `${trace_file}.0`, `.1`, ...; with 0, all it collected to `${trace_file}` when
+its settings change and when it stops; and, as Triton's, those to the next part once the last trace that
+trace_count allows is done. Each gateway traces and writes its own requests (one in trace_rate of those it
+has); of `serve --gateways N` gateway i writes `${trace_file}-i` (and `-i.0`, ...). trace_count is the
+server's, as one Triton's: each trace is claimed from a count in Redis that all the gateways share
+(Keys.trace_left), once for all the models on the global settings, and apart for each model with settings of
+its own.
 
 The settings (trace_settings.py) are the deployment's: global ones and each model's own, kept in Redis
 (Keys.trace_settings) and announced on the events channel, as the log settings are. A model's own settings
@@ -97,9 +98,9 @@ class Trace:
             self.stamps += [("HTTP_RECV_START", began), ("HTTP_RECV_END", ex.received)]
             ex.traced = self
 
-    def ended(self, result: Any, computes: bool) -> None:
+    def ended(self, result: Any, computes: bool, ns: int | None = None) -> None:
         """COMPUTE_START, _INPUT_END, _OUTPUT_START and _END of the batch that ran it (from its reply: its
-        worker measures the split for a traced request), and REQUEST_END."""
+        worker measures the split for a traced request), and REQUEST_END (now, or at `ns`)."""
         if computes and isinstance(result, InferReply) and result.compute_us and self.queued:
             start = self.queued + result.queue_us * 1000
             split = result.split
@@ -110,7 +111,7 @@ class Trace:
                 self.stamps += [("COMPUTE_START", start), ("COMPUTE_INPUT_END", inputs),
                                 ("COMPUTE_OUTPUT_START", inputs + split[1]),
                                 ("COMPUTE_END", inputs + split[1] + split[2])]
-        self.stamp("REQUEST_END")
+        self.stamp("REQUEST_END", ns)
 
 
 class Tracer:
@@ -231,6 +232,7 @@ class Tracer:
         if trace.parent:
             def step_end(result: Any) -> None:
                 trace.ended(result, computes)
+                self._steps(trace, result)
                 self._finished(trace)
                 done(result)
             return step_end
@@ -241,8 +243,26 @@ class Tracer:
                 done(result)
             finally:
                 trace.ended(result, computes)
+                self._steps(trace, result)
                 self._finished(trace)
         return end
+
+    def _steps(self, parent: Trace, result: Any) -> None:
+        """The child traces of an ensemble a worker ran, from the steps' times its reply carries (timed from
+        the request's enqueueing, its QUEUE_START here), written before their parent's, as Triton's."""
+        if not isinstance(result, InferReply) or not result.steps:
+            return
+        for model, version, queued, answered, queue_us, compute_us, *split in result.steps:
+            parent.of.open += 1
+            child = Trace(next(self._ids), model, version, parent.request_id, parent.of, parent.id,
+                          parent.claim)
+            start = parent.queued + queued
+            child.stamps += [("REQUEST_START", start), ("QUEUE_START", start)]
+            child.queued = start
+            child.ended(InferReply("", queue_us=queue_us, compute_us=compute_us,
+                                   split=(split[0], split[1], split[2]) if any(split) else None),
+                        True, parent.queued + answered)
+            self._finished(child)
 
     def _finished(self, trace: Trace) -> None:
         record: dict[str, Any] = {"id": trace.id, "model_name": trace.model, "model_version": trace.version}

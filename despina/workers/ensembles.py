@@ -203,11 +203,13 @@ class EnsembleHost:
 
     def _answer(self, req: InferRequest, entry: tuple[str, bytes], result: InferReply | DespinaError,
                 rows: int, compute_us: int = 0, queue_us: int = 0,
-                compute_ns: tuple[int, int, int] | list[int] = (0, 0, 0)) -> None:
+                compute_ns: tuple[int, int, int] | list[int] = (0, 0, 0),
+                steps: tuple[records.StepTimes, ...] = ()) -> None:
         """`queue_us`: how long the request waited on the ensemble's stream before its run began (Triton's
         ensemble's own queue time: from its enqueue until the ensemble scheduler starts it). The reply
         carries it and `compute_us`, its steps' compute, not its whole latency: an ensemble that calls
-        this one counts that compute as its own; `compute_ns` that compute's input, infer and output."""
+        this one counts that compute as its own; `compute_ns` that compute's input, infer and output, and
+        `steps` (a timed request's) each step's times."""
         us = max(0, int((clock.now() - req.enqueued) * 1e6))
         error = result if isinstance(result, DespinaError) else None
         ensemble_counts(error, us, rows, self._counts, compute_ns, queue_us)
@@ -216,8 +218,8 @@ class EnsembleHost:
         if error is None:
             self._counts["last_inference"] = int(clock.now() * 1000)
             reply = InferReply(req.id, result.outputs, None, queue_us, compute_us)  # type: ignore[union-attr]
-            if req.timed:  # (a step of an ensemble that a gateway runs: its compute is that one's too)
-                reply.split = (compute_ns[0], compute_ns[1], compute_ns[2])
+            if req.timed:  # (traced, or a step of an ensemble that a gateway runs: its compute is that one's)
+                reply.split, reply.steps = (compute_ns[0], compute_ns[1], compute_ns[2]), steps
         else:
             reply = InferReply(req.id, (), (error.code, error.message))
         self._finished(req, reply, entry)
@@ -273,6 +275,7 @@ class _HostRun(Run):
         super().__init__(host.spec, host.ensemble, request.deadline - now)
         self.host, self.request, self.entry = host, request, entry
         self.queue_us = max(0, int((now - request.enqueued) * 1e6))  # on the stream, until it was read
+        self.steps: list[records.StepTimes] = []  # a timed request's (_timing)
 
     def start(self, inputs: list[Tensor], outputs: tuple[str, ...]) -> None:
         self._plan(inputs, outputs)
@@ -286,9 +289,25 @@ class _HostRun(Run):
             raise Unavailable(f"model '{step.model}' is not loaded on this worker")
         self.left()
         req = self.request
+        answered: Callable[[InferReply], None] = lambda reply: self._answered(step, reply)  # noqa: E731
+        if req.timed:  # (a traced request's: its steps' times go back with its reply, its child traces)
+            answered = self._timing(runner, step, answered)
         runner.submit(self.step_inputs(step, runner.spec), tuple(o for o, _ in step.outputs), req.deadline,
-                      lambda reply: self._answered(step, reply), req.priority, req.timeout_us, req.trace,
-                      self.host.vouch(step.model), sequence=req.sequence)
+                      answered, req.priority, req.timeout_us, req.trace, self.host.vouch(step.model),
+                      sequence=req.sequence)
+
+    def _timing(self, runner: ModelRunner, step: Step, answered: Callable[[InferReply], None]
+                ) -> Callable[[InferReply], None]:
+        """`answered`, that first keeps the step's times (records.StepTimes)."""
+        enqueued = self.request.enqueued
+        queued = int((clock.now() - enqueued) * 1e9)
+
+        def timed(reply: InferReply) -> None:
+            split = reply.split or (0, 0, 0)
+            self.steps.append((runner.spec.name, runner.version, queued, int((clock.now() - enqueued) * 1e9),
+                               reply.queue_us, reply.compute_us, *split))
+            answered(reply)
+        return timed
 
     def _answered(self, step: Step, reply: InferReply) -> None:
         if reply.error is None:
@@ -300,4 +319,4 @@ class _HostRun(Run):
     def _finish(self, result: InferReply | DespinaError, rows: int) -> None:
         self.host._reaching(self.pending, -1)  # steps it never called
         self.host._answer(self.request, self.entry, result, rows, self.compute_us, self.queue_us,
-                          self.compute_ns)
+                          self.compute_ns, tuple(self.steps))
