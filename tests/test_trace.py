@@ -290,7 +290,6 @@ def test_bad_settings(server: Server, client: httpclient.InferenceServerClient, 
     def refused(settings: dict, model: str | None = None) -> str:
         return refusal(client, settings, model)
 
-    assert "TENSORS" in refused({"trace_level": ["TENSORS"]})
     assert "unknown trace level" in refused({"trace_level": ["LOUD"]})
     # Triton's: OFF with another level is refused (it was taken for TIMESTAMPS)
     assert "Expect only one trace level 'OFF'" in refused({"trace_level": ["OFF", "TIMESTAMPS"]})

@@ -92,11 +92,14 @@ class _GatewayRun(Run):
             child = self.gw.tracer.child(self.traced, spec.name, v)
             done = self.gw.tracer.ending(child, done, computes=spec.platform != PLATFORM)
             child.queue()
+        inputs = run.step_inputs(step, spec)
+        if child is not None:
+            child.inputs(inputs)
         partial = None
         if spec.decoupled:
             run.stream_from(step)
             partial = lambda reply: run.streamed(step, reply)  # noqa: E731
-        self.submit(self.gw, spec, v, run.step_inputs(step, spec), tuple(o for o, _ in step.outputs),
+        self.submit(self.gw, spec, v, inputs, tuple(o for o, _ in step.outputs),
                     self.trace, done, self.priority, self.timeout_us, run.left(), sequence=self.sequence,
                     traced=child, partial=partial, timed=True)
 

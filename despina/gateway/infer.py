@@ -140,6 +140,7 @@ class InferRoute(Route):
         else:
             done = gw.tracer.ending(traced, done, computes=spec.platform != PLATFORM)
             traced.over_http(ex)
+            traced.inputs(decoded.inputs)
             traced.queue()
             submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace, done, priority,
                    timeout_us, timeout, decoded.model_parameters, decoded.id or "", sequence, traced=traced)

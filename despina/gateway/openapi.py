@@ -136,7 +136,7 @@ def _schemas() -> Doc:
             "trace_file": {"type": "string", "description": "The server's trace file (--trace-file, "
                            "DESPINA_TRACE_FILE; \"\": none), set at start: a POST naming one gets 501"},
             "trace_level": {"type": "array", "items": {
-                "type": "string", "enum": ["OFF", "TIMESTAMPS"]}},
+                "type": "string", "enum": ["OFF", "TIMESTAMPS", "TENSORS"]}},
             "trace_rate": {"type": "string"}, "trace_count": {"type": "string"},
             "log_frequency": {"type": "string"}, "trace_mode": {"type": "string", "enum": ["triton"]}}},
         "ShmRegion": {"type": "object", "required": ["key", "byte_size"], "properties": {

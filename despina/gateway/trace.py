@@ -29,8 +29,10 @@ The settings (trace_settings.py) are the deployment's: global ones and each mode
 (Keys.trace_settings) and announced on the events channel, as the log settings are. A model's own settings
 override the global ones, which it follows for the rest as they change; a null clears one (a global one: back
 to its default). trace_file is the server's alone, set at start: as Triton's, the API refuses to change it
-(else whoever reaches the API could overwrite any file the server may write). TENSORS (tensor contents) and
-trace_mode opentelemetry are refused: not supported.
+(else whoever reaches the API could overwrite any file the server may write). At level TENSORS a trace has an
+entry {"id", "activity": "TENSOR_QUEUE_INPUT" or "TENSOR_BACKEND_OUTPUT", "tensor": tensor_entry(...)} for
+each input and output, as Triton's (not the steps of an ensemble a worker runs: their tensors stay in the
+worker); with TENSORS alone, no timestamps entry. trace_mode opentelemetry is refused: not supported.
 """
 from __future__ import annotations
 
@@ -39,14 +41,15 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from ..contract.records import InferReply
+from ..contract.datatypes import deserialize_bytes
+from ..contract.records import InferReply, Tensor
 from .trace_settings import effective, problem
 
 log = logging.getLogger("despina.gateway")
@@ -66,6 +69,8 @@ class _Sampling:
     first: int = 0  # what that count starts at (the first claim sets it)
     seen: int = 0
     open: int = 0  # traces taken and not yet done
+    timestamps: bool = True  # its levels: TIMESTAMPS, TENSORS (the tensors' contents)
+    tensors: bool = False
 
 
 @dataclass
@@ -81,6 +86,12 @@ class Trace:
     claim: asyncio.Future[bool] | None = None  # its claim on the server's trace_count: whether it is kept
     queued: int = 0  # QUEUE_START: the worker's queue time counts from there
     stamps: list[tuple[str, int]] = field(default_factory=list)
+    tensors: list[tuple[str, Tensor]] = field(default_factory=list)  # (activity, tensor): level TENSORS
+
+    def inputs(self, tensors: Sequence[Tensor]) -> None:
+        """TENSOR_QUEUE_INPUT of each input, at level TENSORS."""
+        if self.of.tensors:
+            self.tensors += [("TENSOR_QUEUE_INPUT", t) for t in tensors]
 
     def stamp(self, name: str, ns: int | None = None) -> None:
         self.stamps.append((name, time.time_ns() if ns is None else ns))
@@ -100,7 +111,10 @@ class Trace:
 
     def ended(self, result: Any, computes: bool, ns: int | None = None) -> None:
         """COMPUTE_START, _INPUT_END, _OUTPUT_START and _END of the batch that ran it (from its reply: its
-        worker measures the split for a traced request), and REQUEST_END (now, or at `ns`)."""
+        worker measures the split for a traced request), its outputs at level TENSORS, and REQUEST_END (now,
+        or at `ns`)."""
+        if self.of.tensors and isinstance(result, InferReply):
+            self.tensors += [("TENSOR_BACKEND_OUTPUT", t) for t in result.outputs]
         if computes and isinstance(result, InferReply) and result.compute_us and self.queued:
             start = self.queued + result.queue_us * 1000
             split = result.split
@@ -123,7 +137,7 @@ class Tracer:
         self._doc: dict[str, Any] = {}
         self._sampling: dict[str | None, _Sampling] = {}  # None: the global settings' models
         self._ids = itertools.count(1)
-        self._kept: list[dict[str, Any]] = []  # traces not yet written
+        self._kept: list[list[dict[str, Any]]] = []  # traces not yet written, each its entries
         self._parts = 0  # the next ${trace_file}.N: it goes on as the settings change (as Triton's)
         self._dropped = 0
         self._suffix = f"-{index}" if index is not None else ""
@@ -146,8 +160,10 @@ class Tracer:
         sampled: dict[str | None, _Sampling] = {}
         for key in [None, *doc.get("models", {})]:
             s = effective(doc, key, self.file)
-            sampling = sampled[key] = _Sampling(s["trace_level"] != ["OFF"] and not problem(s),
-                                                int(s["trace_rate"]), int(s["trace_count"]))
+            levels = s["trace_level"]
+            sampling = sampled[key] = _Sampling(levels != ["OFF"] and not problem(s), int(s["trace_rate"]),
+                                                int(s["trace_count"]), timestamps="TIMESTAMPS" in levels,
+                                                tensors="TENSORS" in levels)
             was = key if key in self._doc.get("models", {}) else None
             if was in self._sampling and self.settings(was)["trace_count"] == s["trace_count"] \
                     and _armed(doc, key) == _armed(self._doc, key):
@@ -265,19 +281,24 @@ class Tracer:
             self._finished(child)
 
     def _finished(self, trace: Trace) -> None:
-        record: dict[str, Any] = {"id": trace.id, "model_name": trace.model, "model_version": trace.version}
-        if trace.request_id:
-            record["request_id"] = trace.request_id
-        if trace.parent:
-            record["parent_id"] = trace.parent
-        record["timestamps"] = [{"name": n, "ns": ns} for n, ns in sorted(trace.stamps, key=lambda s: s[1])]
+        record: list[dict[str, Any]] = []
+        if trace.of.timestamps:  # (level TENSORS alone: the tensors' entries alone, as Triton's)
+            head: dict[str, Any] = {"id": trace.id, "model_name": trace.model, "model_version": trace.version}
+            if trace.request_id:
+                head["request_id"] = trace.request_id
+            if trace.parent:
+                head["parent_id"] = trace.parent
+            head["timestamps"] = [{"name": n, "ns": ns} for n, ns in sorted(trace.stamps, key=lambda s: s[1])]
+            record.append(head)
+        record += [{"id": trace.id, "activity": activity, "tensor": tensor_entry(t)}
+                   for activity, t in trace.tensors]
         claim = trace.claim
         if claim is None or claim.done():
             self._settled(trace, record)
         else:  # (its claim is usually back long before it is answered)
             claim.add_done_callback(lambda _: self._settled(trace, record))
 
-    def _settled(self, trace: Trace, record: dict[str, Any]) -> None:
+    def _settled(self, trace: Trace, record: list[dict[str, Any]]) -> None:
         """Keep a finished trace whose claim was granted (or that needed none)."""
         trace.of.open -= 1
         claim = trace.claim
@@ -304,7 +325,7 @@ class Tracer:
         self._dropped = 0
 
     def _write(self, part: str) -> None:
-        records, self._kept = self._kept, []
+        records, self._kept = [entry for kept in self._kept for entry in kept], []
         path = Path(f"{self.file}{self._suffix}{part}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -313,6 +334,22 @@ class Tracer:
             os.replace(partial, path)
         except OSError as exc:
             log.error("trace: writing %d traces to %s failed: %s", len(records), path, exc)
+
+
+def tensor_entry(t: Tensor) -> dict[str, str]:
+    """A tensor as Triton's level TENSORS writes it: its elements comma-separated as C++ streams them (a
+    float's 6 significant digits, a BOOL 1 or 0, a BYTES element in double quotes), its shape too. (Triton
+    2.51 writes an FP16 tensor's data as "": Despina writes its values.)"""
+    try:
+        if t.datatype == "BYTES":
+            data = ",".join(f'"{b.decode("utf-8", "replace")}"' for b in deserialize_bytes(t.data))
+        elif t.datatype in ("FP16", "FP32", "FP64"):
+            data = ",".join([format(v, "g") for v in t.numpy().ravel().tolist()])
+        else:  # integers, and BOOL as 1 and 0
+            data = ",".join([str(int(v)) for v in t.numpy().ravel().tolist()])
+    except Exception:  # (BF16, which Despina has no numpy type for, say)
+        data = ""
+    return {"name": t.name, "data": data, "shape": ",".join(map(str, t.shape)), "dtype": t.datatype}
 
 
 def _counter(doc: dict[str, Any], model: str | None, count: str) -> str:

@@ -9,7 +9,7 @@ from ..contract.errors import Code, DespinaError, InvalidArgument
 # in the order Triton's answers list them
 DEFAULTS: dict[str, Any] = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
                             "log_frequency": "0", "trace_file": "", "trace_mode": "triton"}
-LEVELS = ("OFF", "TIMESTAMPS")
+LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
 INT_MAX = 2**31 - 1
 # Triton's words (its L0_trace tests look for them) and status (501), then where the file is set
 FILE_FIXED = ("trace file location can not be updated through network protocol: it is set when the server "
@@ -33,12 +33,11 @@ def checked(name: str, value: Any) -> Any:
     if name == "trace_level":
         levels = [value] if type(value) is str else value
         if type(levels) is not list or not levels or any(type(v) is not str for v in levels):
-            raise InvalidArgument("trace setting 'trace_level' must be a list of levels (OFF, TIMESTAMPS)")
-        if "TENSORS" in levels:
-            raise InvalidArgument("trace level TENSORS (tensor contents) is not supported; use TIMESTAMPS")
+            raise InvalidArgument("trace setting 'trace_level' must be a list of levels (OFF, TIMESTAMPS, "
+                                  "TENSORS)")
         bad = [v for v in levels if v not in LEVELS]
         if bad:
-            raise InvalidArgument(f"unknown trace level {bad[0]!r} (known: OFF, TIMESTAMPS)")
+            raise InvalidArgument(f"unknown trace level {bad[0]!r} (known: OFF, TIMESTAMPS, TENSORS)")
         if "OFF" in levels and len(levels) > 1:  # Triton's words: OFF beside TIMESTAMPS was taken as on
             raise InvalidArgument("Expect only one trace level 'OFF' is specified")
         return levels
