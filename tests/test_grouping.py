@@ -48,6 +48,19 @@ def test_alike_requests_go_as_one_and_each_gets_its_rows_back() -> None:
     assert records.decode_requests(records.encode([one]))[0] == one
 
 
+def test_timed_requests_go_as_one_and_each_gets_the_batchs_split() -> None:
+    """An ensemble's steps that a gateway runs ask for their batch's compute split (InferRequest.timed, for
+    the ensemble's statistics): they group as others do, and each gets the group's split back."""
+    (one,) = grouped([request("a", timed=True), request("b", 2, timed=True), request("c")], 8)
+    assert one.id == "*a:1,b:2,c:1" and one.timed
+    assert records.decode_requests(records.encode([one]))[0] == one
+    assert not grouped([request("a"), request("b")], 8)[0].timed
+    y = np.zeros((4, 3), np.float32).tobytes()
+    replies = ungrouped(InferReply(one.id, (Tensor("y", "FP32", (4, 3), y),), None, 7, 9, split=(1, 8, 2)))
+    assert [r.split for r in replies] == [(1, 8, 2)] * 3
+    assert all(r.split is None for r in ungrouped(InferReply(one.id, (Tensor("y", "FP32", (4, 3), y),))))
+
+
 def test_each_output_is_cut_by_rows() -> None:
     rid = records.grouped_id([("a", 2), ("b", 1)])
     y = np.arange(6, dtype=np.float32).reshape(3, 2)

@@ -42,7 +42,7 @@ def group_key(req: InferRequest) -> tuple[object, ...] | None:
     shapes past the batch dimension. None: the request goes alone (it carries what the model sees of it,
     or BYTES, whose rows are not of one size)."""
     if req.parameters is not NO_PARAMETERS or req.sequence is not None or req.priority or req.timeout_us \
-            or req.trace or req.timed or req.request_id or not req.inputs:
+            or req.trace or req.request_id or not req.inputs:
         return None
     inputs = req.inputs
     if len(inputs) == 1:  # the usual case, without a list
@@ -90,8 +90,11 @@ def merged(run: list[InferRequest]) -> InferRequest:
     rows = sum(r.inputs[0].shape[0] for r in run)
     inputs = tuple(Tensor(t.name, t.datatype, (rows, *t.shape[1:]), b"".join([r.inputs[i].data for r in run]))
                    for i, t in enumerate(first.inputs))
+    # timed when one is (an ensemble's step run from here, a traced request): the batch's split comes back
+    # for all, and each reply carries it (ungrouped)
     return InferRequest(records.grouped_id([(r.id, r.inputs[0].shape[0]) for r in run]), first.reply_to,
-                        min(r.deadline for r in run), inputs, first.outputs, enqueued=first.enqueued)
+                        min(r.deadline for r in run), inputs, first.outputs, enqueued=first.enqueued,
+                        timed=any(r.timed for r in run))
 
 
 def entries(requests: list[InferRequest]) -> list[list[InferRequest]]:
@@ -137,10 +140,13 @@ def ungrouped(reply: InferReply) -> tuple[InferReply, ...]:
             tensor = Tensor(name, datatype, (rows, *rest), data[row * size:(row + rows) * size])
             out.append(InferReply(rid, (tensor,), None, queue_us, compute_us))
             row += rows
-        return tuple(out)
-    for rid, rows in members:
-        tensors = [Tensor(name, datatype, (rows, *rest), t.data[row * size:(row + rows) * size])
-                   for (name, datatype, rest, size), t in zip(cut, reply.outputs)]
-        out.append(InferReply(rid, tuple(tensors), None, queue_us, compute_us))
-        row += rows
+    else:
+        for rid, rows in members:
+            tensors = [Tensor(name, datatype, (rows, *rest), t.data[row * size:(row + rows) * size])
+                       for (name, datatype, rest, size), t in zip(cut, reply.outputs)]
+            out.append(InferReply(rid, tuple(tensors), None, queue_us, compute_us))
+            row += rows
+    if reply.split is not None:  # a timed group's: its batch's, each member's too
+        for r in out:
+            r.split = reply.split
     return tuple(out)
