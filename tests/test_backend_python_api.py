@@ -254,8 +254,8 @@ def test_auto_complete_may_not_change_whether_a_declared_input_is_optional(tmp_p
     """Triton's ModelConfig.add_input refuses an input whose `optional` differs from the config's (which
     lists every field, so an input of config.pbtxt says false); it was taken, the input made optional."""
     declared = 'name: "optional"\nbackend: "python"\ninput [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
-    with pytest.raises(ConfigError, match="the model expects optional True but the configuration specifies "
-                                          "optional False") as refused:
+    with pytest.raises(ConfigError, match="the model expects optional True but the model configuration "
+                                          "specifies optional False") as refused:
         load_model(write_model(tmp_path / "declared", "optional", OPTIONAL, declared))
     # named once (it read "model 'optional': auto_complete_config failed: model 'optional': auto_complete
     # failed: ValueError: ...")
@@ -263,6 +263,16 @@ def test_auto_complete_may_not_change_whether_a_declared_input_is_optional(tmp_p
     bare = 'name: "optional"\nbackend: "python"\n'
     entry = load_model(write_model(tmp_path / "bare", "optional", OPTIONAL, bare))
     assert [(i["name"], i.get("optional")) for i in entry.config["input"]] == [("X", True)]
+
+
+def test_auto_complete_that_returns_no_model_config_is_refused_in_tritons_words(tmp_path: Path) -> None:
+    """An auto_complete_config that forgets `return config` fails the load as Triton's does; Despina's
+    message was its own ("auto_complete_config must return the ModelConfig it was given")."""
+    forgets = OPTIONAL.replace("        return config\n", "")
+    with pytest.raises(ConfigError) as refused:
+        load_model(write_model(tmp_path, "forgets", forgets, 'name: "forgets"\nbackend: "python"\n'))
+    assert refused.value.message == ("model 'forgets': auto_complete_config failed: auto_complete_config "
+                                     "function in model 'forgets' must return a valid pb.ModelConfig object.")
 
 
 SHADOW = "raise ImportError(\"the model's own {name} was imported in place of Despina's\")\n"

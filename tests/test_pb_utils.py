@@ -6,6 +6,7 @@ import importlib
 import json
 import sys
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,6 +85,58 @@ def test_pb_utils_model_config_checks_conflicts(pb_utils: ModuleType) -> None:
         config.set_max_batch_size(4)
     config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]})
     assert [o["name"] for o in config.as_dict()["output"]] == ["OUT"]
+
+
+# What each ModelConfig call raises, word for word as Triton 2.51's pb_utils raises it for a model "m" whose
+# config.pbtxt declares max_batch_size 8, input IN (FP32 [4]) and sequence_batching (seen on Triton's load
+# answers: a user who searches the message finds Triton's issues and docs).
+MODEL_CONFIG_ERRORS = [
+    (lambda c: c.set_max_batch_size(4),
+     "configuration specified max_batch_size 8, but in auto-complete-config function for model 'm' specified "
+     "max_batch_size 4"),
+    (lambda c: c.set_dynamic_batching(),
+     "Configuration specified scheduling_choice as 'sequence_batching', but auto-complete-config function for "
+     "model 'm' tries to set scheduling_choice as 'dynamic_batching'"),
+    (lambda c: c.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "format": "FORMAT_NHWC"}),
+     "input 'IN' in auto-complete-config function for model 'm' contains property other than 'name', "
+     "'data_type', 'dims' and 'optional'."),
+    (lambda c: c.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [4], "optional": True}),
+     "output 'OUT' in auto-complete-config function for model 'm' contains property other than 'name', "
+     "'data_type' and 'dims'."),
+    (lambda c: c.add_input({"data_type": "TYPE_FP32", "dims": [4]}),
+     "input in auto-complete-config function for model 'm' is missing 'name' property."),
+    (lambda c: c.add_input({"name": "IN", "dims": [4]}),
+     "input 'IN' in auto-complete-config function for model 'm' is missing 'data_type' property."),
+    (lambda c: c.add_output({"name": "OUT", "data_type": "TYPE_FP32"}),
+     "output 'OUT' in auto-complete-config function for model 'm' is missing 'dims' property."),
+    (lambda c: c.add_input({"name": "IN", "data_type": "TYPE_INT32", "dims": [4]}),
+     "unable to load model 'm', configuration expects datatype TYPE_FP32 for input 'IN', model provides "
+     "TYPE_INT32"),
+    (lambda c: c.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [5]}),
+     "model 'm', tensor 'IN': the model expects dims [5] but the model configuration specifies dims [4]"),
+    (lambda c: c.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "optional": True}),
+     "model 'm', tensor 'IN': the model expects optional True but the model configuration specifies optional "
+     "False"),
+    (lambda c: c.set_model_transaction_policy({"decoupled": True, "x": 1}),
+     "model transaction property in auto-complete-config function for model 'm' contains property other than "
+     "'decoupled'."),
+    (lambda c: c.set_model_transaction_policy({"decoupled": True}),
+     "trying to change decoupled property in auto-complete-config for model 'm', which is already set to "
+     "'False'."),
+]
+
+
+@pytest.mark.parametrize("call, message", MODEL_CONFIG_ERRORS)
+def test_pb_utils_model_config_raises_tritons_messages(pb_utils: ModuleType, call: Any, message: str) -> None:
+    """Each refusal said the same thing in Despina's words ("... but auto_complete_config of model 'm' sets
+    4"), so a load error read differently from Triton's for the same model.py."""
+    config = pb_utils.ModelConfig(json.dumps({
+        "name": "m", "max_batch_size": 8, "sequence_batching": {}, "model_transaction_policy": {"decoupled": False},
+        "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [4], "optional": False}],
+        "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [4]}]}))
+    with pytest.raises(ValueError) as raised:
+        call(config)
+    assert str(raised.value) == message
 
 
 def test_pb_utils_a_model_call_takes_every_argument_tritons_readme_shows(pb_utils: ModuleType) -> None:

@@ -44,7 +44,8 @@ def _no_model_loading(function: str) -> NoReturn:
 
 
 class ModelConfig:
-    """The configuration handed to `auto_complete_config`; what it returns is the model's config."""
+    """The configuration handed to `auto_complete_config`; what it returns is the model's config. Its
+    refusals say what Triton's pb_utils says, word for word."""
 
     def __init__(self, model_config: str | dict[str, Any]) -> None:
         config = json.loads(model_config) if isinstance(model_config, str) else dict(model_config)
@@ -62,15 +63,16 @@ class ModelConfig:
     def set_max_batch_size(self, max_batch_size: int) -> None:
         current = int(self._model_config.get("max_batch_size", 0))
         if current > max_batch_size:
-            raise ValueError(f"configuration specified max_batch_size {current}, but "
-                             f"auto_complete_config of model '{self._name()}' sets {max_batch_size}")
+            raise ValueError(f"configuration specified max_batch_size {current}, but in auto-complete-config "
+                             f"function for model '{self._name()}' specified max_batch_size {max_batch_size}")
         self._model_config["max_batch_size"] = max_batch_size
 
     def set_dynamic_batching(self) -> None:
         for other in ("sequence_batching", "ensemble_scheduling"):
             if other in self._model_config:
-                raise ValueError(f"configuration of model '{self._name()}' uses {other}; "
-                                 "auto_complete_config cannot set dynamic_batching")
+                raise ValueError(f"Configuration specified scheduling_choice as '{other}', but auto-complete-"
+                                 f"config function for model '{self._name()}' tries to set scheduling_choice "
+                                 "as 'dynamic_batching'")
         self._model_config.setdefault("dynamic_batching", {})
 
     def add_input(self, input: dict[str, Any]) -> None:
@@ -80,40 +82,42 @@ class ModelConfig:
         self._add("output", output, ("name", "data_type", "dims"))
 
     def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
-        extra = set(transaction_policy_dict) - {"decoupled"}
-        if extra:
-            raise ValueError(f"model transaction policy of model '{self._name()}' has properties "
-                             f"other than 'decoupled': {sorted(extra)}")
+        if set(transaction_policy_dict) - {"decoupled"}:
+            raise ValueError("model transaction property in auto-complete-config function for model "
+                             f"'{self._name()}' contains property other than 'decoupled'.")
         policy = self._model_config.setdefault("model_transaction_policy", {})
         if "decoupled" in transaction_policy_dict:
             if "decoupled" in policy and policy["decoupled"] != transaction_policy_dict["decoupled"]:
-                raise ValueError(f"model '{self._name()}': decoupled is already {policy['decoupled']}")
+                raise ValueError("trying to change decoupled property in auto-complete-config for model "
+                                 f"'{self._name()}', which is already set to '{policy['decoupled']}'.")
             policy["decoupled"] = transaction_policy_dict["decoupled"]
 
     def _add(self, kind: str, tensor: dict[str, Any], allowed: tuple[str, ...]) -> None:
-        extra = set(tensor) - set(allowed)
-        if extra:
-            raise ValueError(f"{kind} '{tensor.get('name')}' of model '{self._name()}' has properties "
-                             f"other than {', '.join(allowed)}: {sorted(extra)}")
+        where = f"in auto-complete-config function for model '{self._name()}'"
+        if set(tensor) - set(allowed):
+            listed = ", ".join(f"'{p}'" for p in allowed[:-1]) + f" and '{allowed[-1]}'"
+            raise ValueError(f"{kind} '{tensor.get('name')}' {where} contains property other than {listed}.")
         for required in ("name", "data_type", "dims"):
             if required not in tensor:
-                raise ValueError(f"{kind} of model '{self._name()}' is missing property '{required}'")
+                named = f"{kind} '{tensor['name']}'" if "name" in tensor else kind
+                raise ValueError(f"{named} {where} is missing '{required}' property.")
+        about = f"model '{self._name()}', tensor '{tensor['name']}': the model expects"
         for current in self._model_config[kind]:
             if current["name"] != tensor["name"]:
                 continue
             declared = current.get("data_type", "TYPE_INVALID")
             if declared not in ("TYPE_INVALID", tensor["data_type"]):
-                raise ValueError(f"model '{self._name()}': configuration expects datatype {declared} "
-                                 f"for {kind} '{tensor['name']}', model provides {tensor['data_type']}")
+                raise ValueError(f"unable to load model '{self._name()}', configuration expects datatype "
+                                 f"{declared} for {kind} '{tensor['name']}', model provides "
+                                 f"{tensor['data_type']}")
             dims = [int(d) for d in current.get("dims", [])]
             if dims and dims != [int(d) for d in tensor["dims"]]:
-                raise ValueError(f"model '{self._name()}', tensor '{tensor['name']}': the model "
-                                 f"expects dims {tensor['dims']} but the configuration specifies {dims}")
+                raise ValueError(f"{about} dims {tensor['dims']} but the model configuration specifies dims "
+                                 f"{current['dims']}")
             # (the config Triton hands over prints every field: an input of config.pbtxt says false)
             if "optional" in current and "optional" in tensor and current["optional"] != tensor["optional"]:
-                raise ValueError(f"model '{self._name()}', tensor '{tensor['name']}': the model expects "
-                                 f"optional {tensor['optional']} but the configuration specifies optional "
-                                 f"{current['optional']}")
+                raise ValueError(f"{about} optional {tensor['optional']} but the model configuration "
+                                 f"specifies optional {current['optional']}")
             current.update(tensor)
             return
         self._model_config[kind].append(dict(tensor))

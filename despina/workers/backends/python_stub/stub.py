@@ -133,10 +133,11 @@ class Stub:
         cls = _load_module(payload["model_file"]).TritonPythonModel
         if not hasattr(cls, "auto_complete_config"):
             return None
-        result = cls.auto_complete_config(pb_utils.ModelConfig(payload["config"]))
-        if not isinstance(result, pb_utils.ModelConfig):
-            raise pb_utils.TritonModelException("auto_complete_config must return the ModelConfig it "
-                                                "was given")
+        config = pb_utils.ModelConfig(payload["config"])
+        result = cls.auto_complete_config(config)
+        if not isinstance(result, pb_utils.ModelConfig):  # (Triton's words)
+            raise pb_utils.TritonModelException(f"auto_complete_config function in model '{config._name()}' "
+                                                "must return a valid pb.ModelConfig object.")
         return json.dumps(result.as_dict())
 
     def initialize(self, payload: dict[str, Any]) -> None:
