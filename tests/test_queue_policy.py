@@ -378,17 +378,21 @@ class TritonPythonModel:
 """
 
 
+@pytest.mark.parametrize("max_batch_size, batch", [(1, ""), (0, "1, ")])
 def test_max_queue_size_leaves_out_the_batch_executing(serve: Callable[..., Server], tmp_path: Path,
-                                                        redis_url: str, key_prefix: str) -> None:
+                                                        redis_url: str, key_prefix: str, max_batch_size: int,
+                                                        batch: str) -> None:
     """Triton's max_queue_size counts the scheduler's queue: the batch being executed is out of it. One
     request runs (held), then three come: two queue, the third is refused (Triton 2.51: 3 of 4 accepted).
-    Once all are answered the level's counter is back to 0."""
+    Once all are answered the level's counter is back to 0. A model with max_batch_size 0 and
+    dynamic_batching is Triton's too (never batched, queued by its policy): Despina refused to load it
+    ("field 'dynamic_batching' needs max_batch_size > 0"); Triton 2.51 answers it 3 of 4 as well."""
     hold, started = tmp_path / "hold", tmp_path / "started"
     hold.touch()
     repo = python_model(tmp_path / "repo", "b", TOLD_SLEEPER.format(hold=str(hold), started=str(started)),
-                        'max_batch_size: 1\n'
-                        'input [{ name: "x", data_type: TYPE_FP32, dims: [256] }]\n'
-                        'output [{ name: "y", data_type: TYPE_FP32, dims: [10] }]\n'
+                        f'max_batch_size: {max_batch_size}\n'
+                        f'input [{{ name: "x", data_type: TYPE_FP32, dims: [{batch}256] }}]\n'
+                        f'output [{{ name: "y", data_type: TYPE_FP32, dims: [{batch}10] }}]\n'
                         "dynamic_batching { default_queue_policy { max_queue_size: 2 } }\n")
     server = serve(repo, wait_models=("b",))
     url = f"{server.url}/v2/models/b/infer"

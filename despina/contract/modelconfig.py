@@ -254,9 +254,8 @@ def validate(config: Any) -> None:
                                       f"{shape} (field 'reshape': the sizes between open ones, -1, must hold "
                                       "as many elements in both)")
     if scheduling == "dynamic_batching":
+        # (with max_batch_size 0 too, as in Triton: its queue policies apply, and each request runs alone)
         db = config.dynamic_batching
-        if config.max_batch_size == 0:
-            raise ConfigError(f"model '{model}': field 'dynamic_batching' needs max_batch_size > 0")
         for size in db.preferred_batch_size:  # in Triton's words (model_config_utils.cc)
             said = f"model '{model}': dynamic batching preferred size must be"
             where = f"field 'dynamic_batching.preferred_batch_size' has {size}"
