@@ -227,7 +227,7 @@ EARLY_CALLER = CALLER.replace("    def execute", '''    def initialize(self, arg
         try:
             pb_utils.InferenceRequest(model_name="add_sub", requested_output_names=["sum"], inputs=[]).exec()
         except pb_utils.TritonModelException as exc:
-            assert "only inside execute" in exc.message(), exc.message()
+            assert "BLS is only supported during the 'execute' function." == exc.message(), exc.message()
         else:
             raise RuntimeError("a call from initialize went through")
 

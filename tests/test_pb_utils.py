@@ -153,6 +153,15 @@ def test_pb_utils_a_model_call_takes_every_argument_tritons_readme_shows(pb_util
     assert pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU).preferred_device_id == 0
 
 
+def test_pb_utils_a_call_outside_execute_is_refused_in_tritons_words(pb_utils: ModuleType) -> None:
+    """A model call from initialize (or anywhere outside execute) raised Despina's own words
+    ("InferenceRequest.exec and async_exec work only inside execute"); Triton 2.51 says this."""
+    call = pb_utils.InferenceRequest(model_name="m", inputs=[], requested_output_names=[])
+    with pytest.raises(pb_utils.TritonModelException) as refused:
+        call.exec()
+    assert refused.value.message() == "BLS is only supported during the 'execute' function."
+
+
 def test_pb_utils_tensor_speaks_the_dlpack_protocol(pb_utils: ModuleType) -> None:
     """Triton's Tensor has __dlpack__ and __dlpack_device__, so that torch.from_dlpack(tensor) (or numpy's)
     takes a request's tensor as it is, without to_dlpack()."""

@@ -176,7 +176,7 @@ class ResponseIterator:
 
 def _calls() -> Any:
     if pb_utils._model_calls is None:
-        raise TritonModelException("InferenceRequest.exec and async_exec work only inside execute")
+        raise TritonModelException("BLS is only supported during the 'execute' function.")  # (Triton's words)
     return pb_utils._model_calls
 
 
