@@ -275,6 +275,17 @@ def test_auto_complete_that_returns_no_model_config_is_refused_in_tritons_words(
                                      "function in model 'forgets' must return a valid pb.ModelConfig object.")
 
 
+def test_a_line_logged_by_auto_complete_names_its_model(tmp_path: Path,
+                                                       capfd: pytest.CaptureFixture[str]) -> None:
+    """pb_utils.Logger prefixes the model's name; in auto_complete_config it read "model '': ..." (the name
+    was set for initialize only). Triton 2.51 logs it there too ("model.py:6] ac-logger-line")."""
+    logs = OPTIONAL.replace("        return config\n", "        pb_utils.Logger.log_info('completing')\n"
+                            "        return config\n", 1)
+    load_model(write_model(tmp_path, "logs", logs, 'name: "logs"\nbackend: "python"\n'))
+    assert [line.split("INFO ", 1)[1] for line in capfd.readouterr().err.splitlines()
+            if line.endswith("completing")] == ["model 'logs': completing"]
+
+
 SHADOW = "raise ImportError(\"the model's own {name} was imported in place of Despina's\")\n"
 
 

@@ -134,6 +134,7 @@ class Stub:
         if not hasattr(cls, "auto_complete_config"):
             return None
         config = pb_utils.ModelConfig(payload["config"])
+        pb_utils._model_name = config._name()  # (Logger prefixes it)
         result = cls.auto_complete_config(config)
         if not isinstance(result, pb_utils.ModelConfig):  # (Triton's words)
             raise pb_utils.TritonModelException(f"auto_complete_config function in model '{config._name()}' "
