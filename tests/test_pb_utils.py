@@ -162,6 +162,33 @@ def test_pb_utils_a_call_outside_execute_is_refused_in_tritons_words(pb_utils: M
     assert refused.value.message() == "BLS is only supported during the 'execute' function."
 
 
+@pytest.mark.parametrize("argument, value, expected", [
+    ("model_version", "1", "model_version must be an int, not str"),
+    ("timeout", 1.5, "timeout must be an int, not float"),
+    ("flags", None, "flags must be an int, not NoneType"),
+    ("model_name", 3, "model_name must be a str, not int"),
+    ("request_id", 7, "request_id must be a str, not int"),
+    ("requested_output_names", "OUT", "requested_output_names must be a list of str, not str"),
+    ("requested_output_names", ["OUT", 2], "requested_output_names must be a list of str, not list"),
+    ("inputs", [np.zeros(2)], "inputs must be a list of pb_utils.Tensor, not list"),
+    ("correlation_id", 1.5, "correlation_id must be an int or a str, not float"),
+])
+def test_pb_utils_a_model_call_with_an_argument_of_the_wrong_type_is_a_type_error(
+        pb_utils: ModuleType, argument: str, value: Any, expected: str) -> None:
+    """Triton's binding refuses such a call where it is made (TypeError: "__init__(): incompatible
+    constructor arguments"). Despina took model_version="1" and failed inside the call with "calling model
+    'add' failed: '<' not supported between instances of 'str' and 'int'" (an INTERNAL error response), and
+    took requested_output_names="OUT" as the outputs 'O', 'U' and 'T'."""
+    arguments: dict[str, Any] = {"model_name": "add", "inputs": [pb_utils.Tensor("IN", np.zeros(2))],
+                                 "requested_output_names": ["OUT"], argument: value}
+    with pytest.raises(TypeError) as refused:
+        pb_utils.InferenceRequest(**arguments)
+    assert str(refused.value) == f"InferenceRequest: {expected}"
+    call = pb_utils.InferenceRequest(model_name="add", inputs=[], requested_output_names=[],
+                                     model_version=np.int64(1), correlation_id="c", request_id="r", timeout=5)
+    assert type(call.model_version()) is int and call.model_version() == 1
+
+
 def test_pb_utils_tensor_speaks_the_dlpack_protocol(pb_utils: ModuleType) -> None:
     """Triton's Tensor has __dlpack__ and __dlpack_device__, so that torch.from_dlpack(tensor) (or numpy's)
     takes a request's tensor as it is, without to_dlpack()."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import Any
+from typing import Any, NoReturn
 
 import triton_python_backend_utils as pb_utils
 from _despina_errors import TritonError, TritonModelException
@@ -60,6 +60,10 @@ class InferenceRequest:
                  inputs: list[Tensor] | None = None, requested_output_names: list[str] | None = None,
                  model_name: str = "", model_version: int = -1, flags: int = 0, timeout: int = 0,
                  preferred_memory: Any = None, trace: Any = None, parameters: Any = None) -> None:
+        if model_name:  # a model's call of another model (the stub's own requests have no name: unchecked)
+            _check_call(request_id, correlation_id, inputs, requested_output_names, model_name, model_version,
+                        flags, timeout)
+            model_version, flags, timeout = int(model_version), int(flags), int(timeout)  # (numpy's too)
         self._request_id = request_id
         self._correlation_id = correlation_id
         self._inputs = list(inputs or ())
@@ -172,6 +176,27 @@ class ResponseIterator:
 
     def cancel(self) -> None:
         raise NotImplementedError
+
+
+def _check_call(request_id: Any, correlation_id: Any, inputs: Any, requested_output_names: Any,
+                model_name: Any, model_version: Any, flags: Any, timeout: Any) -> None:
+    """The argument types Triton's binding takes, refused where the call is made as it refuses them (a
+    model_version "1" failed inside the call, an output name "OUT" was asked as 'O', 'U' and 'T')."""
+    def refuse(name: str, kind: str, value: Any) -> NoReturn:
+        raise TypeError(f"InferenceRequest: {name} must be {kind}, not {type(value).__name__}")
+    for name, value in (("model_name", model_name), ("request_id", request_id)):
+        if not isinstance(value, str):
+            refuse(name, "a str", value)
+    for name, value in (("model_version", model_version), ("flags", flags), ("timeout", timeout)):
+        if not hasattr(type(value), "__index__"):  # an int, numpy's included
+            refuse(name, "an int", value)
+    if not isinstance(correlation_id, str) and not hasattr(type(correlation_id), "__index__"):
+        refuse("correlation_id", "an int or a str", correlation_id)
+    if isinstance(requested_output_names, (str, bytes)) or not all(
+            isinstance(n, str) for n in requested_output_names or ()):
+        refuse("requested_output_names", "a list of str", requested_output_names)
+    if not all(isinstance(t, Tensor) for t in inputs or ()):
+        refuse("inputs", "a list of pb_utils.Tensor", inputs)
 
 
 def _calls() -> Any:
