@@ -24,7 +24,9 @@ class TritonPythonModel:
     def execute(self, requests):
         return []
 """
-# c_auto's config.pbtxt says only its backend: the rest comes from auto_complete_config, as in Triton
+# c_auto's config.pbtxt says only its backend: the rest comes from auto_complete_config, as in Triton.
+# c_auto_pref's says max_batch_size 2 and dynamic_batching: Triton completes the config before it hands
+# it over, so the preferred size is 2 (Despina's was the 4 auto_complete_config set after)
 AUTO_COMPLETE = """
 class TritonPythonModel:
     @staticmethod
@@ -45,7 +47,7 @@ def despina_config(tmp_path: Path, name: str) -> dict[str, Any]:
     (folder / "1").mkdir(parents=True)
     (folder / "config.pbtxt").write_text(RECORDED[name]["config.pbtxt"])
     if "ensemble_scheduling" not in RECORDED[name]["config.pbtxt"]:
-        (folder / "1" / "model.py").write_text(AUTO_COMPLETE if name == "c_auto" else MODEL_PY)
+        (folder / "1" / "model.py").write_text(AUTO_COMPLETE if name.startswith("c_auto") else MODEL_PY)
     return load_model(folder).config
 
 

@@ -30,7 +30,7 @@ from google.protobuf import json_format
 
 from ...contract.errors import BackendError, Code, ConfigError, DespinaError
 from ...contract.instance_groups import completed_config
-from ...contract.modelconfig import ModelConfig, to_dict
+from ...contract.modelconfig import ModelConfig, complete, to_dict
 from .base import Backend, Marks, Outputs, visible_gpus
 from .python_env import interpreter
 from .python_process import DecoupledStub, OnResponse, Stub, StubDied, log
@@ -247,9 +247,11 @@ class PythonBackend(Backend):
         parameters = {k: {"string_value": v.string_value} for k, v in config.parameters.items()}
         with interpreter(config.name, parameters, version_dir.parent, sys.executable) as python:
             stub = Stub.start(config.name, python=python)
+        handed = ModelConfig()  # as Triton hands it over: completed first (a preferred batch size of the
+        handed.CopyFrom(config)  # config's max_batch_size, pinned memory, the instance group's name, ...)
         try:
             answer = stub.call("auto_complete", {"model_file": str(path),
-                                                 "config": json.dumps(to_dict(config))},
+                                                 "config": json.dumps(to_dict(complete(handed)))},
                                AUTO_COMPLETE_TIMEOUT_S)
         except BackendError as exc:  # the stub's error names the model and the call already
             raise ConfigError(exc.message) from None
