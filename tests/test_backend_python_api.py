@@ -286,6 +286,52 @@ def test_a_line_logged_by_auto_complete_names_its_model(tmp_path: Path,
             if line.endswith("completing")] == ["model 'logs': completing"]
 
 
+# auto_complete_config writing to as_dict() beyond what ModelConfig's methods set.
+WRITES = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [1]})
+        config.add_output({"name": "Y", "data_type": "TYPE_FP32", "dims": [1]})
+        written = config.as_dict()
+        written["max_batch_size"] = 4
+        written["dynamic_batching"] = {"max_queue_delay_microseconds": 77, "preferred_batch_size": [2]}
+        written["parameters"] = {"k": {"string_value": "v"}}
+        written["version_policy"] = {"all": {}}
+        written["instance_group"] = [{"count": 3, "kind": "KIND_CPU"}]
+        written["response_cache"] = {"enable": True}
+        written["optimization"] = {"priority": "PRIORITY_MAX"}
+        written["metric_tags"] = {"a": "b"}
+        written["model_warmup"] = [{"name": "w", "batch_size": 1, "inputs": {
+            "X": {"data_type": "TYPE_FP32", "dims": [1], "zero_data": True}}}]
+        return config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.zeros(1, np.float32))]) for _ in requests]
+'''
+
+
+def test_auto_complete_changes_only_the_fields_triton_takes_from_it(tmp_path: Path) -> None:
+    """Triton 2.51 takes max_batch_size, the inputs and outputs, the scheduler (dynamic or sequence
+    batching) and the transaction policy from what auto_complete_config returns, and keeps the rest of the
+    config as config.pbtxt gave it (seen on GET .../config for this model.py). Despina took everything:
+    the model's parameters, version policy, instance groups (3 instances), response cache, optimization,
+    metric tags and warmup."""
+    entry = load_model(write_model(tmp_path, "writes", WRITES, 'name: "writes"\nbackend: "python"\n'))
+    config = entry.config
+    assert config["max_batch_size"] == 4 and [i["name"] for i in config["input"]] == ["X"]
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 77
+    assert config["dynamic_batching"]["preferred_batch_size"] == [2]
+    assert config["parameters"] == {} and config["version_policy"] == {"latest": {"num_versions": 1}}
+    assert [(g["name"], g["count"]) for g in config["instance_group"]] == [("writes", 1)]
+    assert "response_cache" not in config and config["metric_tags"] == {} and config["model_warmup"] == []
+    assert config["optimization"]["priority"] == "PRIORITY_DEFAULT"
+
+
 SHADOW = "raise ImportError(\"the model's own {name} was imported in place of Despina's\")\n"
 
 

@@ -43,6 +43,12 @@ ERROR_CODES = {0: Code.INVALID_ARGUMENT, 2: Code.NOT_FOUND, 3: Code.INVALID_ARGU
                5: Code.UNIMPLEMENTED, 6: Code.INVALID_ARGUMENT, 7: Code.INVALID_ARGUMENT}
 
 
+# What Triton 2.51 takes from auto_complete_config's answer (seen on GET .../config): a model's writes to
+# as_dict() beyond these (parameters, instance groups, version policy, warmup, ...) are dropped
+TAKEN_FROM_AUTO_COMPLETE = ("max_batch_size", "input", "output", "dynamic_batching", "sequence_batching",
+                            "model_transaction_policy")
+
+
 class PythonBackend(Backend):
     per_request = True
     awaitable = True
@@ -266,7 +272,22 @@ class PythonBackend(Backend):
         except json_format.ParseError as exc:
             raise ConfigError(f"model '{config.name}': auto_complete_config returned an invalid "
                               f"config: {exc}") from None
-        config.CopyFrom(completed)
+        for field in TAKEN_FROM_AUTO_COMPLETE:  # (the rest stays as config.pbtxt gave it, as in Triton)
+            config.ClearField(field)
+        config.MergeFrom(_only(completed, TAKEN_FROM_AUTO_COMPLETE))
+
+
+def _only(config: Any, fields: tuple[str, ...]) -> Any:
+    kept = ModelConfig()
+    for field in fields:
+        value = getattr(config, field)
+        if field == "max_batch_size":
+            kept.max_batch_size = value
+        elif field in ("input", "output"):
+            getattr(kept, field).extend(value)
+        elif config.HasField(field):
+            getattr(kept, field).CopyFrom(value)
+    return kept
 
 
 def _payload(requests: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Sequence[str]],
