@@ -449,6 +449,21 @@ def test_initialize_failure_is_a_load_error(tmp_path: Path) -> None:
     assert caught.value.message == "model 'flaky': initialize failed: RuntimeError: no weights here (model.py:9)"
 
 
+def test_a_model_whose_initialize_failed_is_not_finalized(tmp_path: Path) -> None:
+    """As in Triton 2.51, finalize() runs only for a model that initialized: Despina called it after a
+    failed initialize too, on a model that had set up nothing (whose finalize may then fail on what
+    initialize never made)."""
+    marker = tmp_path / "finalized"
+    source = FLAKY.replace("    def execute", "    def initialize(self, args):\n"
+                           "        raise RuntimeError('no weights here')\n\n"
+                           f"    def finalize(self):\n        open({str(marker)!r}, 'w').close()\n\n"
+                           "    def execute")
+    backend = backend_for(write_model(tmp_path, "flaky", source, FLAKY_CONFIG))
+    with pytest.raises(ConfigError, match="no weights here"):
+        backend.load()  # type: ignore[attr-defined]
+    assert not marker.exists()
+
+
 def test_wrong_number_of_responses_fails_every_request(tmp_path: Path) -> None:
     source = FLAKY.replace("        return responses", "        return responses[:1]")
     backend = backend_for(write_model(tmp_path, "flaky", source, FLAKY_CONFIG))

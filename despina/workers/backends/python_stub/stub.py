@@ -147,9 +147,10 @@ class Stub:
         config = json.loads(payload["args"]["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         pb_utils._default_senders = None if self.decoupled else self.default_senders
-        self.model = _load_module(payload["model_file"]).TritonPythonModel()
-        if hasattr(self.model, "initialize"):
-            self._await(self.model.initialize(payload["args"]))
+        model = _load_module(payload["model_file"]).TritonPythonModel()
+        if hasattr(model, "initialize"):
+            self._await(model.initialize(payload["args"]))
+        self.model = model  # (only once initialized: as in Triton, a failed initialize has no finalize)
 
     def execute(self, payload: list[tuple[Any, ...]]) -> list[tuple[str, Any, Any]] | None:
         """Run one batch of (inputs, asked outputs, parameters, request id, (correlation ID, flags) or
