@@ -103,9 +103,10 @@ def test_semantic_errors_name_the_model_and_field(text: str, words: str) -> None
 
 
 def test_reshapes_triton_accepts_load() -> None:
-    """Triton compares the element counts between the open sizes: these keep them."""
+    """Triton compares the element counts between the open sizes: these keep them (an empty reshape, a
+    scalar, only where the model batches: a scalar per row)."""
     for dims, shape in (("[2, 4, -1, 6]", "[8, -1, 1, 6]"), ("[1]", "[]"), ("[-1, 6]", "[-1, 2, 3]")):
-        spec = spec_of(f'backend: "onnxruntime" input [{{ name: "x" data_type: TYPE_FP32 dims: {dims} '
+        spec = spec_of(f'backend: "onnxruntime" max_batch_size: 4 input [{{ name: "x" data_type: TYPE_FP32 dims: {dims} '
                        f'reshape {{ shape: {shape} }} }}]')
         assert spec.inputs[0].reshape == tuple(json.loads(shape))
 

@@ -240,10 +240,16 @@ def validate(config: Any) -> None:
             dtype = pb.DataType.Name(t.data_type)
             if dtype not in CONFIG_TO_V2:
                 raise ConfigError(f"{where}: field 'data_type' {dtype} is not supported")
+            if not t.dims:  # Triton's words (ValidateIOShape); a reshape alone does not stand for them
+                raise ConfigError(f"model '{model}': {kind} '{t.name}' must specify 'dims' (a scalar per "
+                                  "row: dims [ 1 ] with reshape { shape: [ ] })")
             if any(d < -1 or d == 0 for d in t.dims):
                 raise ConfigError(f"{where}: field 'dims' must hold positive sizes or -1, got {list(t.dims)}")
             if t.HasField("reshape"):
                 shape = list(t.reshape.shape)
+                if not shape and config.max_batch_size == 0:  # Triton's words (ValidateIOShape)
+                    raise ConfigError(f"model '{model}': {kind} '{t.name}' cannot have empty reshape for "
+                                      "non-batching model as scalar tensors are not supported")
                 if any(d < -1 or d == 0 for d in shape):
                     raise ConfigError(f"{where}: field 'reshape' must hold positive sizes or -1, got {shape}")
                 if shape.count(-1) != list(t.dims).count(-1):

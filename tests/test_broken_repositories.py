@@ -1,0 +1,56 @@
+"""Broken model configs and repositories, each held against what Triton 2.51 answers for it: the broken
+model is UNAVAILABLE with a reason that says what to fix, and the others serve on."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from despina.contract.errors import ConfigError
+from despina.control.repository import load_model
+
+
+MODEL_PY = """import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(
+            "OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())]) for r in requests]
+"""
+IO = ('input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+      'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
+
+
+def python_model(root: Path, name: str, extra: str = "", io: str = IO, model: str = MODEL_PY,
+                 versions: tuple[str, ...] = ("1",)) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(f'backend: "python"\nmax_batch_size: 8\n{io}{extra}')
+    for v in versions:
+        (folder / v).mkdir()
+        (folder / v / "model.py").write_text(model)
+    return folder
+
+
+def test_a_tensor_without_dims_is_refused_as_triton_refuses_it(tmp_path: Path) -> None:
+    # Triton 2.51: "model input 'INPUT0' must specify 'dims' for m"; Despina loaded it and served it
+    folder = python_model(tmp_path, "m", io=IO.replace(" dims: [ 4 ] } ]\noutput", " } ]\noutput"))
+    with pytest.raises(ConfigError, match=r"model 'm': input 'INPUT0' must specify 'dims' \(a scalar per "
+                                          r"row: dims \[ 1 \] with reshape \{ shape: \[ \] \}\)"):
+        load_model(folder)
+    folder = python_model(tmp_path, "n", io=IO.replace(" dims: [ 4 ] } ]\n", " } ]\n").replace(
+        'TYPE_FP32 } ]\noutput', 'TYPE_FP32 dims: [ 4 ] } ]\noutput'))
+    with pytest.raises(ConfigError, match=r"model 'n': output 'OUTPUT0' must specify 'dims'"):
+        load_model(folder)
+
+
+def test_an_empty_reshape_of_a_model_that_does_not_batch_is_refused(tmp_path: Path) -> None:
+    # Triton 2.51: "model input 'INPUT0' cannot have empty reshape for non-batching model as scalar tensors
+    # are not supported"; Despina loaded it
+    io = IO.replace("dims: [ 4 ] } ]\noutput", "dims: [ 1 ] reshape: { shape: [ ] } } ]\noutput")
+    folder = python_model(tmp_path, "m", io=io)
+    folder.joinpath("config.pbtxt").write_text(f'backend: "python"\nmax_batch_size: 0\n{io}')
+    with pytest.raises(ConfigError, match=r"model 'm': input 'INPUT0' cannot have empty reshape for "
+                                          r"non-batching model as scalar tensors are not supported"):
+        load_model(folder)
+    folder.joinpath("config.pbtxt").write_text(f'backend: "python"\nmax_batch_size: 8\n{io}')
+    assert load_model(folder).config["input"][0]["reshape"] == {"shape": []}  # a scalar per row of a batch: served
