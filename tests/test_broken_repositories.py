@@ -54,3 +54,21 @@ def test_an_empty_reshape_of_a_model_that_does_not_batch_is_refused(tmp_path: Pa
         load_model(folder)
     folder.joinpath("config.pbtxt").write_text(f'backend: "python"\nmax_batch_size: 8\n{io}')
     assert load_model(folder).config["input"][0]["reshape"] == {"shape": []}  # a scalar per row of a batch: served
+
+
+def test_a_version_policy_that_chooses_nothing_serves_every_version(tmp_path: Path) -> None:
+    # Triton 2.51 reads "version_policy { }" as all { } (VersionsToLoad: specific, latest, else all) and served
+    # versions 1 and 2; Despina served the latest alone
+    folder = python_model(tmp_path, "m", extra="version_policy { }\n", versions=("1", "2"))
+    assert load_model(folder).versions == (1, 2)
+
+
+def test_latest_with_no_versions_selects_none_as_triton_says(tmp_path: Path) -> None:
+    # Triton 2.51: "at least one version must be available under the version policy of model 'm'";
+    # Despina took num_versions 0 for 1 and served version 1
+    for policy in ("latest: { num_versions: 0 }", "latest { }"):
+        folder = python_model(tmp_path / policy, "m", extra=f"version_policy: {{ {policy} }}\n")
+        with pytest.raises(ConfigError, match=r"model 'm': field 'version_policy.latest.num_versions' is 0: "
+                                              r"no version is selected \(at least one version must be available "
+                                              r"under the version policy\)"):
+            load_model(folder)

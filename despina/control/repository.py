@@ -36,10 +36,11 @@ _warned: set[str] = set()
 
 
 def select_versions(config: Any, available: list[int]) -> list[int]:
-    """Triton's version_policy: latest {num_versions} (default 1), all, or specific {versions}."""
+    """Triton's version_policy: latest {num_versions} (default 1), all, or specific {versions}; one that
+    chooses none of them ("version_policy { }") is all, as Triton's VersionsToLoad reads it."""
     policy = config.version_policy
     which = policy.WhichOneof("policy_choice")
-    if which == "all":
+    if which in ("all", None):
         return available
     if which == "specific":
         missing = [v for v in policy.specific.versions if v not in available]
@@ -47,8 +48,11 @@ def select_versions(config: Any, available: list[int]) -> list[int]:
             raise ConfigError(f"model '{config.name}': field 'version_policy.specific' names versions "
                               f"{missing} that have no folder")
         return sorted(set(policy.specific.versions))  # a version named twice is still one version
-    n = policy.latest.num_versions or 1
-    return available[-n:]
+    if not policy.latest.num_versions:  # (normalize() fills 1 where the config has no version_policy)
+        raise ConfigError(f"model '{config.name}': field 'version_policy.latest.num_versions' is 0: no "
+                          "version is selected (at least one version must be available under the version "
+                          "policy)")
+    return available[-policy.latest.num_versions:]
 
 
 def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] | None = None,
