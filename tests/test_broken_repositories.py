@@ -72,3 +72,13 @@ def test_latest_with_no_versions_selects_none_as_triton_says(tmp_path: Path) -> 
                                               r"no version is selected \(at least one version must be available "
                                               r"under the version policy\)"):
             load_model(folder)
+
+
+def test_a_config_pbtxt_that_is_a_folder_is_refused(tmp_path: Path) -> None:
+    # Triton 2.51 ends (std::length_error: basic_string::_M_replace_aux, signal 6) on loading it; Despina
+    # took the model for one without a config and auto-completed it
+    folder = python_model(tmp_path, "m")
+    (folder / "config.pbtxt").unlink()
+    (folder / "config.pbtxt").mkdir()
+    with pytest.raises(ConfigError, match=r"model 'm': config.pbtxt is a folder, not a file"):
+        load_model(folder)

@@ -64,6 +64,8 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
     paths = {f.path for f in model.files}
     if override is not None:
         config = parse_json(name, override)
+    elif "config.pbtxt" in model.folders:
+        raise ConfigError(f"model '{name}': config.pbtxt is a folder, not a file")
     elif "config.pbtxt" in paths:
         shared = registry.folder(model, [])
         config = parse_text(name, (shared / "config.pbtxt").read_bytes())
