@@ -2,13 +2,17 @@
 model is UNAVAILABLE with a reason that says what to fix, and the others serve on."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from despina.contract.errors import ConfigError
 from despina.control.repository import load_model
 
+from .conftest import Server
+from .control_support import index
 
 MODEL_PY = """import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
@@ -82,3 +86,24 @@ def test_a_config_pbtxt_that_is_a_folder_is_refused(tmp_path: Path) -> None:
     (folder / "config.pbtxt").mkdir()
     with pytest.raises(ConfigError, match=r"model 'm': config.pbtxt is a folder, not a file"):
         load_model(folder)
+
+
+def test_broken_models_are_unavailable_with_their_reasons_and_the_others_serve(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    python_model(repo, "ok")
+    python_model(repo, "syntax", model="def broken(:\n")
+    python_model(repo, "nodims", io=IO.replace(" dims: [ 4 ] } ]\noutput", " } ]\noutput"))
+    server = serve(repo, "--model-control-mode", "explicit")
+    answers = {name: httpx.post(f"{server.url}/v2/repository/models/{name}/load", timeout=60)
+               for name in ("syntax", "nodims", "ok")}
+    assert answers["ok"].status_code == 200, answers["ok"].text
+    assert {n: r.status_code for n, r in answers.items()} == {"syntax": 400, "nodims": 400, "ok": 200}
+    rows = {r["name"]: r for r in index(server.url)}
+    assert rows["ok"]["state"] == "READY"
+    # Triton 2.51: "SyntaxError: invalid syntax (model.py, line 1)"; Despina added a place inside Python's
+    # import machinery: "... (model.py, line 1) (<frozen importlib._bootstrap>:241)"
+    assert rows["syntax"]["state"] == "UNAVAILABLE"
+    assert rows["syntax"]["reason"].endswith("initialize failed: SyntaxError: invalid syntax (model.py, line 1)"), rows
+    assert rows["nodims"]["state"] == "UNAVAILABLE"
+    assert "input 'INPUT0' must specify 'dims'" in rows["nodims"]["reason"], rows

@@ -91,9 +91,13 @@ def _exit_with_parent(parent: int) -> None:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, pb_utils.TritonModelException):
         return exc.message()
+    if isinstance(exc, SyntaxError):  # its text names the file and line; the frames are the importer's
+        return f"{type(exc).__name__}: {exc}"
     frames = traceback.extract_tb(exc.__traceback__)
-    # the innermost frame of the model's code: a mistake pb_utils raised on is shown at the model's call
-    models = [f for f in frames if Path(f.filename).resolve().parent != HERE]
+    # the innermost frame of the model's code: a mistake pb_utils raised on is shown at the model's call,
+    # and one in a module model.py imports at that module's line, not in Python's import machinery
+    models = [f for f in frames
+              if not f.filename.startswith("<") and Path(f.filename).resolve().parent != HERE]
     where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(models or frames)), "")
     return f"{type(exc).__name__}: {exc}" + (f" ({where})" if where else "")
 
