@@ -107,3 +107,24 @@ def test_broken_models_are_unavailable_with_their_reasons_and_the_others_serve(
     assert rows["syntax"]["reason"].endswith("initialize failed: SyntaxError: invalid syntax (model.py, line 1)"), rows
     assert rows["nodims"]["state"] == "UNAVAILABLE"
     assert "input 'INPUT0' must specify 'dims'" in rows["nodims"]["reason"], rows
+
+
+def test_a_model_that_fails_again_says_its_new_reason(serve: Callable[..., Server], tmp_path: Path) -> None:
+    # Triton 2.51's index gives the latest load's reason; Despina's kept the first failure's: a model that
+    # never served was put back as it was after its second load failed, with the first load's reason
+    repo = tmp_path / "repo"
+    folder = python_model(repo, "m", model="def broken(:\n")
+    server = serve(repo, "--model-control-mode", "explicit")
+
+    def load_and_reason() -> tuple[int, str]:
+        r = httpx.post(f"{server.url}/v2/repository/models/m/load", timeout=60)
+        row = next(row for row in index(server.url) if row["name"] == "m")
+        return r.status_code, f"{row['state']}: {row.get('reason', '')}"
+
+    status, reason = load_and_reason()
+    assert status == 400 and reason.startswith("UNAVAILABLE: ") and "SyntaxError" in reason, reason
+    (folder / "1" / "model.py").write_text("import no_such_module_of_h13\n")
+    status, reason = load_and_reason()
+    assert status == 400 and "No module named 'no_such_module_of_h13'" in reason, reason
+    (folder / "1" / "model.py").write_text(MODEL_PY)
+    assert load_and_reason() == (200, "READY: ")

@@ -151,6 +151,8 @@ class Commands:
                 await plane.lifecycle.wait(name, "load", None, _left(deadline), no_room_fails)
             except InvalidArgument as exc:  # it failed on the workers
                 tried = plane.catalog.get(name)
+                if not _served(old, lambda v: bool(plane.workers.ready_on(name, v))):
+                    old = None  # nothing of it served: what failed now, and why, is what the index shows
                 if given is not None or _reload_failed(old, tried):
                     await self._take_back(model, old, given, exc.message, tried)
                 elif tried is not None and tried.override is not None:  # a config that failed to load is not
@@ -334,6 +336,11 @@ class Commands:
             raise version_refused(e, version)
         self.plane.kick()
         return await self.plane.lifecycle.wait(name, "wake", version, timeout)
+
+
+def _served(old: CatalogEntry | None, ready: Callable[[int], bool]) -> bool:
+    """Whether a model served before a reload: loaded, and some version of it not failed or ready."""
+    return old is not None and old.loaded and any(v not in old.failed or ready(v) for v in old.versions)
 
 
 def _reload_failed(old: CatalogEntry | None, new: CatalogEntry | None) -> bool:
