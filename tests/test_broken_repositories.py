@@ -128,3 +128,22 @@ def test_a_model_that_fails_again_says_its_new_reason(serve: Callable[..., Serve
     assert status == 400 and "No module named 'no_such_module_of_h13'" in reason, reason
     (folder / "1" / "model.py").write_text(MODEL_PY)
     assert load_and_reason() == (200, "READY: ")
+
+
+def test_dynamic_batching_of_a_model_that_does_not_batch_loads_and_runs_each_request_alone(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    # Triton 2.51 loads it READY (its dynamic batcher queues such a model's requests, one at a time: the
+    # queue policy applies); Despina refused it: "field 'dynamic_batching' needs max_batch_size > 0"
+    repo = tmp_path / "repo"
+    folder = python_model(repo, "m", extra="dynamic_batching { max_queue_delay_microseconds: 100 "
+                                           "default_queue_policy { max_queue_size: 4 } }\n")
+    (folder / "config.pbtxt").write_text((folder / "config.pbtxt").read_text()
+                                         .replace("max_batch_size: 8", "max_batch_size: 0"))
+    assert load_model(folder).config["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+    server = serve(repo, "--model-control-mode", "explicit")
+    r = httpx.post(f"{server.url}/v2/repository/models/m/load", timeout=60)
+    assert r.status_code == 200, r.text
+    body = {"inputs": [{"name": "INPUT0", "shape": [4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    r = httpx.post(f"{server.url}/v2/models/m/infer", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["shape"] == [4] and r.json()["outputs"][0]["data"] == [1, 2, 3, 4]

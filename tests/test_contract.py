@@ -80,7 +80,6 @@ def test_syntax_errors_name_the_model_and_field(text: str, words: str) -> None:
      "'dynamic_batching.preferred_batch_size' has 8, max_batch_size is 4)"),
     ('backend: "onnxruntime" max_batch_size: 4 dynamic_batching { preferred_batch_size: [0] }',
      "dynamic batching preferred size must be positive (field 'dynamic_batching.preferred_batch_size' has 0)"),
-    ('backend: "onnxruntime" dynamic_batching { }', "max_batch_size > 0"),
     ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [1] }, '
      '{ name: "x" data_type: TYPE_FP32 dims: [1] }]', "appears twice"),
     ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [2, 3] reshape { shape: [5] } }]',
