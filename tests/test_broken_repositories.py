@@ -147,3 +147,13 @@ def test_dynamic_batching_of_a_model_that_does_not_batch_loads_and_runs_each_req
     r = httpx.post(f"{server.url}/v2/models/m/infer", json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["outputs"][0]["shape"] == [4] and r.json()["outputs"][0]["data"] == [1, 2, 3, 4]
+
+
+def test_a_model_py_that_is_a_folder_is_a_config_error(tmp_path: Path) -> None:
+    # Despina answered the load with a 500 ("control plane: load failed: [Errno 21] Is a directory") and
+    # listed the model with no state; Triton 2.51: 400, UNAVAILABLE "ModuleNotFoundError: No module named
+    # '1.model'"
+    folder = python_model(tmp_path, "m", versions=())
+    (folder / "1" / "model.py").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"model 'm': model file .*/m/1/model.py is not a file"):
+        load_model(folder)

@@ -248,7 +248,14 @@ class PythonBackend(Backend):
         path = version_dir / (config.default_model_filename or cls.default_filename())
         if not path.exists():
             raise ConfigError(f"model '{config.name}': model file {path} does not exist")
-        if "auto_complete_config" not in path.read_text(errors="replace"):
+        if not path.is_file():
+            raise ConfigError(f"model '{config.name}': model file {path} is not a file")
+        try:
+            text = path.read_text(errors="replace")
+        except OSError as exc:  # one the server may not read: the model's fault, said as such
+            raise ConfigError(f"model '{config.name}': model file {path} cannot be read: "
+                              f"{exc.strerror}") from None
+        if "auto_complete_config" not in text:
             return
         parameters = {k: {"string_value": v.string_value} for k, v in config.parameters.items()}
         with interpreter(config.name, parameters, version_dir.parent, sys.executable) as python:
