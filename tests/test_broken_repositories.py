@@ -157,3 +157,10 @@ def test_a_model_py_that_is_a_folder_is_a_config_error(tmp_path: Path) -> None:
     (folder / "1" / "model.py").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"model 'm': model file .*/m/1/model.py is not a file"):
         load_model(folder)
+
+
+def test_an_instance_count_below_1_is_1_as_in_triton(tmp_path: Path) -> None:
+    # Triton 2.51 loads "count: -1" READY with count 1 (its config shows it so: a count below 1 is 1);
+    # Despina refused it: "field 'instance_group.count' must be >= 0"
+    folder = python_model(tmp_path, "m", extra="instance_group [ { count: -1 kind: KIND_CPU } ]\n")
+    assert [g["count"] for g in load_model(folder).config["instance_group"]] == [1]

@@ -204,7 +204,7 @@ def complete(config: Any) -> Any:
         config.instance_group.add(name=config.name)
     for index, group in enumerate(config.instance_group):
         group.name = group.name or f"{config.name}_{index}"
-        group.count = group.count or 1
+        group.count = max(group.count, 1)  # as Triton's: a count below 1 (0, unset, or negative) is 1
     return config
 
 
@@ -297,8 +297,6 @@ def validate(config: Any) -> None:
                 raise ConfigError(f"model '{model}': a queue policy cannot have DELAY as its timeout "
                                   "action when 'preserve_ordering' is true")
     for group in config.instance_group:
-        if group.count < 0:
-            raise ConfigError(f"model '{model}': field 'instance_group.count' must be >= 0")
         if group.kind == pb.ModelInstanceGroup.KIND_CPU and group.gpus:
             raise ConfigError(f"model '{model}': instance group {group.name} has kind KIND_CPU but "
                               "specifies one or more GPUs")
