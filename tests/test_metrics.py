@@ -807,10 +807,8 @@ class TritonPythonModel:
 '''
 
 
-def test_a_python_execution_that_raised_counts_as_an_execution_of_no_inference(serve, tmp_path: Path) -> None:
-    """Triton 2.51's Python backend reports an execution whose every request failed (execute raised):
-    one request answered and one raised leave exec_count 2, inference_count 1, one BACKEND failure.
-    (Its onnxruntime backend reports no such execution: test_an_execution_whose_every_request_failed_...)"""
+def raised_once(serve: Any, tmp_path: Path) -> Server:
+    """A server of RAISES_MODEL, once answered and once raised."""
     repo = tmp_path / "repo"
     (repo / "raises" / "1").mkdir(parents=True)
     (repo / "raises" / "1" / "model.py").write_text(RAISES_MODEL)
@@ -818,10 +816,18 @@ def test_a_python_execution_that_raised_counts_as_an_execution_of_no_inference(s
         'backend: "python"\nmax_batch_size: 0\n'
         'input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]\n'
         'output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]\n')
-    server = serve(repo, wait_models=("raises",))
+    server: Server = serve(repo, wait_models=("raises",))
     for value, status_code in ((1.0, 200), (-1.0, 500)):
         body = orjson.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [value]}]})
         assert httpx.post(f"{server.url}/v2/models/raises/infer", content=body).status_code == status_code
+    return server
+
+
+def test_a_python_execution_that_raised_counts_as_an_execution_of_no_inference(serve, tmp_path: Path) -> None:
+    """Triton 2.51's Python backend reports an execution whose every request failed (execute raised):
+    one request answered and one raised leave exec_count 2, inference_count 1, one BACKEND failure.
+    (Its onnxruntime backend reports no such execution: test_an_execution_whose_every_request_failed_...)"""
+    server = raised_once(serve, tmp_path)
     labels = '{model="raises",version="1"}'
     failed = 'nv_inference_request_failure{model="raises",version="1",reason="BACKEND"}'
     metrics = settled_scrape(server, {failed: 1, f"nv_inference_exec_count{labels}": 2})
@@ -876,17 +882,7 @@ def test_a_python_execution_that_raised_counts_in_batch_stats(serve, tmp_path: P
     """Triton 2.51's Python backend reports an execution whose every request failed in batch_stats too:
     one execution answered and one that raised leave batch_stats[batch_size 1] with 2 executions (and the
     failed one's compute time), inference_stats' compute with 1. Despina counted 1 in batch_stats."""
-    repo = tmp_path / "repo"
-    (repo / "raises" / "1").mkdir(parents=True)
-    (repo / "raises" / "1" / "model.py").write_text(RAISES_MODEL)
-    (repo / "raises" / "config.pbtxt").write_text(
-        'backend: "python"\nmax_batch_size: 0\n'
-        'input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]\n'
-        'output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]\n')
-    server = serve(repo, wait_models=("raises",))
-    for value, status_code in ((1.0, 200), (-1.0, 500)):
-        body = orjson.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [value]}]})
-        assert httpx.post(f"{server.url}/v2/models/raises/infer", content=body).status_code == status_code
+    server = raised_once(serve, tmp_path)
     stats = settled_stats(server.url, "raises")
     assert (stats["execution_count"], stats["inference_count"]) == (2, 1)
     inference = stats["inference_stats"]
