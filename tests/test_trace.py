@@ -9,7 +9,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -330,6 +330,27 @@ async def test_concurrent_changes_of_different_settings_are_all_kept(
                 [value(i) for _, _, value in posts], f"round {i}"
 
 
+def both_gateways_tracing(url: str, base: Path) -> Callable[[int], None]:
+    """Send requests to add_sub, a fresh connection each (the kernel spreads them over both gateways of
+    `serve --gateways 2`), until both have written a trace to `base`; the sender, for more."""
+    body = {"inputs": [{"name": n, "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]} for n in "ab"]}
+
+    def send(n: int) -> None:
+        for _ in range(n):
+            with httpx.Client() as fresh:
+                assert fresh.post(f"{url}/v2/models/add_sub/infer", json=body,
+                                  headers={"connection": "close"}).status_code == 200
+
+    def writers() -> set[str]:  # gw.json-0.N and gw.json-1.N
+        return {p.name.split(".json")[1].split(".")[0] for p in base.parent.glob("gw.json*")}
+
+    deadline = time.monotonic() + 20
+    while writers() != {"-0", "-1"}:  # the other gateway hears of the settings through the events channel
+        assert time.monotonic() < deadline, writers()
+        send(1)
+    return send
+
+
 def test_every_gateway_follows_the_settings_and_writes_its_own_file(
         tmp_path: Path, redis_url: str, key_prefix: str, example_repository: Path) -> None:
     base = tmp_path / "traces" / "gw.json"  # its folder made by the gateways
@@ -339,21 +360,7 @@ def test_every_gateway_follows_the_settings_and_writes_its_own_file(
         c = httpclient.InferenceServerClient(served.url.removeprefix("http://"))
         c.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "log_frequency": "1"})
         c.close()
-        body = {"inputs": [{"name": n, "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]} for n in "ab"]}
-
-        def send(n: int) -> None:
-            for _ in range(n):  # a new connection each time: the kernel spreads them over both gateways
-                with httpx.Client() as fresh:
-                    assert fresh.post(f"{served.url}/v2/models/add_sub/infer", json=body,
-                                      headers={"connection": "close"}).status_code == 200
-
-        def writers() -> set[str]:  # gw.json-0.N and gw.json-1.N
-            return {p.name.split(".json")[1].split(".")[0] for p in base.parent.glob("gw.json*")}
-
-        deadline = time.monotonic() + 20
-        while writers() != {"-0", "-1"}:  # the other gateway hears of it through the events channel
-            assert time.monotonic() < deadline, writers()
-            send(1)
+        send = both_gateways_tracing(served.url, base)
         time.sleep(0.5)  # the last one's trace, written just after its answer
         before = len(traces(base))
         send(16)  # both follow the settings now: every request is traced, by whichever gateway had it
@@ -519,21 +526,7 @@ def test_trace_count_is_the_servers_across_its_gateways(tmp_path: Path, redis_ur
     try:
         c = httpclient.InferenceServerClient(served.url.removeprefix("http://"))
         c.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "log_frequency": "1"})
-        body = {"inputs": [{"name": n, "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]} for n in "ab"]}
-
-        def send(n: int) -> None:
-            for _ in range(n):  # a new connection each time: the kernel spreads them over both gateways
-                with httpx.Client() as fresh:
-                    assert fresh.post(f"{served.url}/v2/models/add_sub/infer", json=body,
-                                      headers={"connection": "close"}).status_code == 200
-
-        def writers() -> set[str]:  # gw.json-0.N and gw.json-1.N
-            return {p.name.split(".json")[1].split(".")[0] for p in base.parent.glob("gw.json*")}
-
-        deadline = time.monotonic() + 20
-        while writers() != {"-0", "-1"}:  # both gateways follow the settings
-            assert time.monotonic() < deadline, writers()
-            send(1)
+        send = both_gateways_tracing(served.url, base)
         time.sleep(0.5)
         before = len(traces(base))
         c.update_trace_settings(settings={"trace_count": "3"})
