@@ -92,16 +92,22 @@ class Traffic:
             t.join()
 
 
+def slow_repository(tmp_path: Path) -> tuple[Path, Path]:
+    """A repository of the model `slow` (SLOW_MODEL, one instance), and the log its instances write."""
+    repo, log = tmp_path / "repo", tmp_path / "instances.log"
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL.format(log=str(log)))
+    (repo / "slow" / "config.pbtxt").write_text(PBTXT)
+    return repo, log
+
+
 def test_a_load_changing_only_instance_counts_updates_the_model_in_place(
         serve: Callable[..., Server], tmp_path: Path) -> None:
     """Triton 2.51, checked with this model: a load whose `config` changes the count 1 -> 3 initializes two
     instances more (the one serving is kept), 3 -> 1 finalizes two, the version's ready never fails, no
     request fails, and inference_count goes on. Despina loaded every instance anew and its statistics
     started again from nothing (5 + n inferences before and during the load: the stats said fewer)."""
-    repo, log = tmp_path / "repo", tmp_path / "instances.log"
-    (repo / "slow" / "1").mkdir(parents=True)
-    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL.format(log=str(log)))
-    (repo / "slow" / "config.pbtxt").write_text(PBTXT)
+    repo, log = slow_repository(tmp_path)
     server = serve(repo, "--model-control-mode", "explicit", "--load-model", "slow", wait_models=("slow",))
 
     def load(cfg: dict[str, Any]) -> httpx.Response:
@@ -133,10 +139,7 @@ def test_a_second_group_of_the_same_kind_is_added_in_place_and_any_other_change_
         serve: Callable[..., Server], tmp_path: Path) -> None:
     """A group added beside the first adds its instances alone; a change of anything but the instance
     groups (max_batch_size here) loads every instance anew, and the statistics start again, as Triton's."""
-    repo, log = tmp_path / "repo", tmp_path / "instances.log"
-    (repo / "slow" / "1").mkdir(parents=True)
-    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL.format(log=str(log)))
-    (repo / "slow" / "config.pbtxt").write_text(PBTXT)
+    repo, log = slow_repository(tmp_path)
     server = serve(repo, "--model-control-mode", "explicit", "--load-model", "slow", wait_models=("slow",))
 
     def load(cfg: dict[str, Any]) -> None:
@@ -161,10 +164,7 @@ def test_an_added_instance_that_fails_to_load_leaves_the_model_as_it_was(
         serve: Callable[..., Server], tmp_path: Path) -> None:
     """As Triton 2.51's: the load answers 400 with the instance's error, the model stays READY with its
     instances and config as they were, and its statistics go on."""
-    repo, log = tmp_path / "repo", tmp_path / "instances.log"
-    (repo / "slow" / "1").mkdir(parents=True)
-    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL.format(log=str(log)))
-    (repo / "slow" / "config.pbtxt").write_text(PBTXT)
+    repo, log = slow_repository(tmp_path)
     server = serve(repo, "--model-control-mode", "explicit", "--load-model", "slow", wait_models=("slow",))
     assert httpx.post(f"{server.url}/v2/models/slow/infer", json=BODY, timeout=30).status_code == 200
     (tmp_path / "instances.log.fail").touch()
@@ -181,10 +181,7 @@ def test_an_added_instance_that_fails_to_load_leaves_the_model_as_it_was(
 def test_a_polled_config_changing_only_instance_counts_updates_the_model_in_place(
         serve: Callable[..., Server], tmp_path: Path) -> None:
     """The same when polling sees config.pbtxt change: the instance added alone is loaded."""
-    repo, log = tmp_path / "repo", tmp_path / "instances.log"
-    (repo / "slow" / "1").mkdir(parents=True)
-    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL.format(log=str(log)))
-    (repo / "slow" / "config.pbtxt").write_text(PBTXT)
+    repo, log = slow_repository(tmp_path)
     server = serve(repo, "--model-control-mode", "poll", "--repository-poll-secs", "0.2", wait_models=("slow",))
     assert httpx.post(f"{server.url}/v2/models/slow/infer", json=BODY, timeout=30).status_code == 200
     (repo / "slow" / "config.pbtxt").write_text(PBTXT.replace("count: 1", "count: 2"))

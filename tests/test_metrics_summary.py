@@ -14,7 +14,7 @@ import pytest
 from despina.metrics import render
 from despina.summaries import LatencyWindow, quantiles
 
-from .conftest import ROOT
+from .conftest import ROOT, Server
 from .control_support import wait_until
 
 FAMILIES = {  # Triton 2.51's HELP lines, word for word
@@ -44,6 +44,17 @@ def _value(text: str, sample: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def scraped_once(server: Server, sample: str, what: str, timeout: float = 30) -> str:
+    """The server's /metrics once `sample` has a value that is a number (quantiles are NaN until the first
+    heartbeat or report brings them)."""
+    def scraped() -> str | None:
+        text = httpx.get(server.metrics_url).text
+        value = _value(text, sample)
+        return text if value is not None and value == value else None
+
+    return wait_until(scraped, what=what, timeout=timeout)
+
+
 def test_summaries_as_tritons_after_traffic(tmp_path: Path, serve: Any) -> None:
     server = serve(_repo(tmp_path), "--metrics-config", "summary_latencies=true",
                    "--metrics-config=summary_quantiles=0.5:0.05,0.99:0.001", wait_models=("add_sub_python",))
@@ -51,12 +62,9 @@ def test_summaries_as_tritons_after_traffic(tmp_path: Path, serve: Any) -> None:
         assert httpx.post(f"{server.url}/v2/models/add_sub_python/infer", json=BODY).status_code == 200
     labels = 'model="add_sub_python",version="1"'
 
-    def scraped() -> str | None:  # the quantiles come with the worker's next heartbeat
-        text = httpx.get(server.metrics_url).text
-        p99 = _value(text, f'nv_inference_request_summary_us{{{labels},quantile="0.99"}}')
-        return text if p99 is not None and p99 == p99 else None
-
-    text = wait_until(scraped, what="the request summary's quantiles")
+    # the quantiles come with the worker's next heartbeat
+    text = scraped_once(server, f'nv_inference_request_summary_us{{{labels},quantile="0.99"}}',
+                        "the request summary's quantiles")
     for name, help_ in FAMILIES.items():
         assert f"# HELP {name} {help_}\n# TYPE {name} summary\n" in text
         assert _value(text, f"{name}_count{{{labels}}}") == 20
@@ -161,12 +169,9 @@ def test_cache_summaries_as_tritons(tmp_path: Path, serve: Any) -> None:
         assert httpx.post(f"{server.url}/v2/models/add_sub_cached/infer", json=BODY).status_code == 200
     labels = 'model="add_sub_cached",version="1"'
 
-    def scraped() -> str | None:  # the gateway reports its cache's figures every 5 s
-        text = httpx.get(server.metrics_url).text
-        hit = _value(text, f'nv_cache_hit_summary_per_model{{{labels},quantile="0.5"}}')
-        return text if hit is not None and hit == hit else None
-
-    text = wait_until(scraped, what="the cache hit summary's quantiles")
+    # the gateway reports its cache's figures every 5 s
+    text = scraped_once(server, f'nv_cache_hit_summary_per_model{{{labels},quantile="0.5"}}',
+                        "the cache hit summary's quantiles")
     for name, count in (("nv_cache_hit_summary_per_model", 1), ("nv_cache_miss_summary_per_model", 1)):
         kind = name.split("_")[2]
         assert f"# HELP {name} Summary of cache {kind} counts/durations per model, in microseconds.\n" \
@@ -245,12 +250,9 @@ def test_an_ensembles_summaries_have_quantiles_as_tritons(tmp_path: Path, serve:
         assert httpx.post(f"{server.url}/v2/models/mlp_classify/infer", json=body).status_code == 200
     labels = 'model="mlp_classify",version="1"'
 
-    def scraped() -> str | None:  # with the next heartbeat (a worker's) or report (a gateway's, 5 s)
-        text = httpx.get(server.metrics_url).text
-        p50 = _value(text, f'nv_inference_request_summary_us{{{labels},quantile="0.5"}}')
-        return text if p50 is not None and p50 == p50 else None
-
-    text = wait_until(scraped, what="the ensemble's request summary's quantiles", timeout=20)
+    # with the next heartbeat (a worker's) or report (a gateway's, 5 s)
+    text = scraped_once(server, f'nv_inference_request_summary_us{{{labels},quantile="0.5"}}',
+                        "the ensemble's request summary's quantiles", timeout=20)
     for name in FAMILIES:
         assert _value(text, f"{name}_count{{{labels}}}") == 3, name
         p50 = _value(text, f'{name}{{{labels},quantile="0.5"}}')
@@ -288,12 +290,8 @@ def test_a_decoupled_models_compute_summaries_have_quantiles(tmp_path: Path, ser
         assert r.status_code == 200, r.text
     labels = 'model="text_stream",version="1"'
 
-    def scraped() -> str | None:
-        text = httpx.get(server.metrics_url).text
-        p50 = _value(text, f'nv_inference_request_summary_us{{{labels},quantile="0.5"}}')
-        return text if p50 is not None and p50 == p50 else None
-
-    text = wait_until(scraped, what="the decoupled model's request summary's quantiles", timeout=20)
+    text = scraped_once(server, f'nv_inference_request_summary_us{{{labels},quantile="0.5"}}',
+                        "the decoupled model's request summary's quantiles", timeout=20)
     for name in FAMILIES:
         assert _value(text, f"{name}_count{{{labels}}}") == 2, name
         p50 = _value(text, f'{name}{{{labels},quantile="0.5"}}')
