@@ -160,6 +160,8 @@ def test_a_timed_request_and_its_replys_compute_split_round_trip(sequence: tuple
     ensemble = InferReply("7", (t,), None, 3, 40, split=(1, 2, 3),
                           steps=(("mlp", 1, 10, 900, 5, 80, 100, 600, 50), ("post", 2, 950, 990, 1, 3, 0, 0, 0)))
     assert records.decode_replies(records.encode([ensemble])) == [ensemble]
+    unsplit = InferReply("7", (t,), None, 3, 40, steps=ensemble.steps)  # steps, no split: it stays None
+    assert records.decode_replies(records.encode([unsplit])) == [unsplit]
     with pytest.raises(InvalidArgument):
         InferReply.unpack([*ensemble.pack()[:8], [["mlp", 1, 10]]])
     bad = req.pack()

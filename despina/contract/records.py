@@ -173,7 +173,8 @@ class InferReply:
         err = [self.error[0].value, self.error[1]] if self.error else None
         packed: list[Any] = [self.id, [t.pack() for t in self.outputs], err, self.queue_us, self.compute_us]
         if self.steps:
-            packed += [self.parameters, [self.index, self.final, self.empty], list(self.split or (0, 0, 0)),
+            split = None if self.split is None else list(self.split)
+            packed += [self.parameters, [self.index, self.final, self.empty], split,
                        [list(s) for s in self.steps]]
         elif self.split is not None:
             packed += [self.parameters, [self.index, self.final, self.empty], list(self.split)]
@@ -196,7 +197,7 @@ class InferReply:
             parameters = _parameters(raw[5]) if n >= 6 else NO_PARAMETERS
             index, final, empty, split = 0, True, False, None
             steps = tuple(_step_times(s) for s in raw[8]) if n == 9 else ()
-            if n >= 8:
+            if n >= 8 and raw[7] is not None:  # (None: not measured, beside a worker-run ensemble's steps)
                 split = raw[7][0], raw[7][1], raw[7][2]
                 if len(raw[7]) != 3 or any(type(ns) is not int for ns in split):
                     raise TypeError("a reply's split is [input ns, infer ns, output ns]")
