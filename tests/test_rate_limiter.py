@@ -245,3 +245,27 @@ def test_rate_limiter_is_said_to_be_ignored_only_while_the_limiter_is_off(
         load_model(tmp_path / "warned")
     assert any("instance_group[0].rate_limiter (the rate limiter is off, as Triton's without --rate-limit)"
                in r.getMessage() for r in caplog.records)
+
+
+async def test_resources_given_back_wait_for_their_model_not_for_whoever_comes_first() -> None:
+    """a (priority 1) gives R back with requests of its own waiting: R waits SETTLE_S for a to ask again,
+    and then goes by priority. Another model asking meanwhile waits in line; it used to end the wait, and
+    b, waiting before, had R though a's weighted turn (2 x 1) comes before b's (1 x 4)."""
+    limiter = RateLimiter()
+    need = {"resources": [{"name": "R", "count": 1}]}
+    a, b, c = (limiter.add(m, "i", {**need, "priority": p}, 0) for m, p in (("a", 1), ("b", 4), ("c", 4)))
+    assert a is not None and b is not None and c is not None
+    a.executions = b.executions = c.executions = 1
+    await limiter.acquire(a)
+    b_turn = asyncio.ensure_future(limiter.acquire(b))
+    await asyncio.sleep(0)
+    limiter.release(a, again=True)
+    c_turn = asyncio.ensure_future(limiter.acquire(c))
+    await asyncio.sleep(0)
+    a_turn = asyncio.ensure_future(limiter.acquire(a))
+    await asyncio.sleep(0)
+    assert a_turn.done() and not b_turn.done() and not c_turn.done()
+    limiter.release(a)
+    await asyncio.wait_for(b_turn, 1)
+    limiter.release(b)
+    await asyncio.wait_for(c_turn, 1)

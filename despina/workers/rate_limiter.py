@@ -58,10 +58,11 @@ def parse_resources(text: str) -> tuple[Given, ...]:
 class Slot:
     """One instance's place in the limiter: what a batch of it takes, its priority, its executions so far."""
 
-    __slots__ = ("executions", "name", "needs", "priority")
+    __slots__ = ("executions", "model", "name", "needs", "priority")
 
     def __init__(self, name: str, needs: dict[Key, int], priority: int) -> None:
         self.name, self.needs, self.priority = name, needs, priority
+        self.model = name.split("/", 1)[0]  # (`model/instance`)
         self.executions = 0
 
 
@@ -77,6 +78,7 @@ class RateLimiter:
         self._waiting: list[tuple[int, int, Slot, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
         self._settle: asyncio.TimerHandle | None = None  # resources given back wait for a model (SETTLE_S)
+        self._settling = ""  # ... that model: another's request waits in line until it comes or time is up
 
     def add(self, model: str, instance: str, limiter: dict[str, Any], device: int) -> Slot | None:
         """The slot of an instance on `device` whose group has `limiter` (the config's rate_limiter); None
@@ -142,10 +144,10 @@ class RateLimiter:
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, (slot.executions * slot.priority, next(self._arrivals), slot, turn))
-        if self._settle is not None:
-            self._settled()
-        else:
+        if self._settle is None:
             self._grant()
+        elif slot.model == self._settling:  # the model waited for is back: all go by priority now
+            self._settled()
         try:
             await turn
         except asyncio.CancelledError:
@@ -161,6 +163,7 @@ class RateLimiter:
         self._held.subtract(slot.needs)
         if again and self._waiting and self._settle is None:
             self._settle = asyncio.get_running_loop().call_later(SETTLE_S, self._settled)
+            self._settling = slot.model
             return
         self._grant()
 
