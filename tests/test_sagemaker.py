@@ -588,6 +588,23 @@ def test_an_unloaded_models_copy_leaves_the_repository_and_so_does_a_failed_load
     assert httpx.post(f"{server.url}/models/m1/invoke", json=v2_body()).status_code == 200
 
 
+def test_a_failed_load_removes_only_the_folders_it_made(serve, example_repository: Path, tmp_path: Path) -> None:
+    # a failed load takes back what it staged, and only that: a folder of that name already in the repository
+    # (left by an earlier gateway, or staged by another load of the same step) is not the failed load's to
+    # delete; it was removed whole
+    server = multi_model_endpoint(serve, tmp_path, **READY)
+    kept = tmp_path / "staged" / "m2"
+    kept.mkdir(parents=True)
+    (kept / "notes.txt").write_text("not this load's")
+    broken = tmp_path / "models" / "1a2b3c" / "model"
+    shutil.copytree(example_repository / "add_sub", broken)
+    for onnx in broken.rglob("*.onnx"):
+        onnx.write_bytes(b"not a model")
+    r = httpx.post(f"{server.url}/models", json={"model_name": "m2", "url": str(broken)}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert (kept / "notes.txt").read_text() == "not this load's"
+
+
 def test_a_load_whose_files_cannot_be_copied_is_a_400_and_leaves_nothing(
         serve, example_repository: Path, tmp_path: Path) -> None:
     # a file of the archive that cannot be copied (here a named pipe) raised an OSError out of the load:

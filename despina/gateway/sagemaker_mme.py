@@ -166,9 +166,9 @@ def multi_model_routes(gw: Gateway) -> list[HttpRoute]:
                     raise AlreadyLoaded(f"model '{step.name}' of the archive at '{url}' is already loaded")
         except DespinaError as exc:
             return _load_error(exc, name, target)
-        staged = [name, *(step.name for step in steps)]
+        staged: list[str] = []  # the folders this load made in the repository (filled by stage)
         try:
-            await asyncio.to_thread(stage, folder, name, gw.settings, steps)
+            await asyncio.to_thread(stage, folder, name, gw.settings, steps, staged)
         except (DespinaError, OSError) as exc:
             await _unstage(gw, staged)  # what it copied before it stopped
             return _load_error(exc if isinstance(exc, DespinaError) else _copy_error(exc, url), name, target)
@@ -360,14 +360,16 @@ def unstage(names: Sequence[str], settings: Settings) -> None:
             registry.delete(name, path)
 
 
-def stage(folder: Path, name: str, settings: Settings, steps: Sequence[Path] = ()) -> None:
+def stage(folder: Path, name: str, settings: Settings, steps: Sequence[Path] = (),
+          made: list[str] | None = None) -> None:
     """Push a model folder into the model repository as model `name` (its config renamed: the folder
     SageMaker unpacked is named after the archive, the config after the model), as `despina push` does;
-    an ensemble's `steps` first, each under its own folder's name."""
-    for step in steps:
+    an ensemble's `steps` first, each under its own folder's name. `made` gets each name whose folder was
+    not in the repository before, as its push starts: only those are the load's to remove (unstage)."""
+    registry = open_registry(settings.model_repository, settings) if made is not None else None
+    for source, target in [*((step, step.name) for step in steps), (folder, name)]:
+        if registry is not None and made is not None and registry.scan_one(target) is None:
+            made.append(target)
         out = io.StringIO()
-        push(step, settings.model_repository, settings, out=out)
-        log.info("SageMaker model %s: %s", name, out.getvalue().strip().splitlines()[-1])
-    out = io.StringIO()
-    push(folder, settings.model_repository, settings, name=name, out=out, rename=True)
-    log.info("SageMaker model %s: %s", name, out.getvalue().strip().splitlines()[-1])  # "pushed ..."
+        push(source, settings.model_repository, settings, name=target, out=out, rename=source is folder)
+        log.info("SageMaker model %s: %s", name, out.getvalue().strip().splitlines()[-1])  # "pushed ..."
