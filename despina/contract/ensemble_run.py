@@ -80,6 +80,8 @@ class Run:
 
     def _advance(self) -> None:
         """Start every step whose tensors exist; answer once nothing runs and nothing is left."""
+        if self.over:  # failed already (a branch that ends after its request's error calls here too)
+            return
         tensors, coming = self.tensors, self.coming
         ready = [s for s in self.pending if all(t in tensors or t not in coming for _, t in s.inputs)]
         for step in ready:

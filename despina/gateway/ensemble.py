@@ -86,14 +86,13 @@ class _GatewayRun(Run):
         """Queue the step on its model's stream; the reply reader calls back (and the steps it
         completes go out in that tick's pipeline). A decoupled step's responses before its last each
         go on through the steps after it."""
+        inputs = run.step_inputs(step, spec)  # (before a child trace opens: it may refuse them)
         done: Done = lambda result: run.settled(step, result)  # noqa: E731
         child = None
         if self.traced is not None:
             child = self.gw.tracer.child(self.traced, spec.name, v)
             done = self.gw.tracer.ending(child, done, computes=spec.platform != PLATFORM)
             child.queue()
-        inputs = run.step_inputs(step, spec)
-        if child is not None:
             child.inputs(inputs)
         partial = None
         if spec.decoupled:
