@@ -137,3 +137,28 @@ def test_an_ensembles_trace_has_no_compute_span_of_its_own_and_a_child_trace_per
             assert stamps["QUEUE_START"] <= child["timestamps"][0]["ns"]
             assert child["timestamps"][-1]["ns"] <= stamps["INFER_RESPONSE_COMPLETE"]
         assert children[0]["timestamps"][-1]["ns"] <= children[1]["timestamps"][0]["ns"]  # one after the other
+
+
+def test_log_frequency_counts_an_ensembles_trace_with_its_steps_as_one(server: Server, trace_file: Path) -> None:
+    """As Triton 2.51's (`perf_analyzer -m ens --trace-level TIMESTAMPS --log-frequency 2`): each
+    ${trace_file}.N holds log_frequency whole traces, an ensemble's with its steps' child traces (before
+    it), never a step's child trace apart from its parent. Before, each child trace counted as one: .0 held
+    the first request's two steps, .1 its ensemble and a step of the next, and so on."""
+    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    try:
+        client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1",
+                                               "trace_count": "-1", "log_frequency": "2"})
+        x = np.random.default_rng(14).standard_normal((1, 256)).astype(np.float32)
+        for _ in range(4):
+            outputs(infer(server, "mlp_classify", {"x": x}))
+        assert len(traces(trace_file, "mlp_classify", 4)) == 4
+        parts = sorted(trace_file.parent.glob(trace_file.name + ".*"), key=lambda p: int(p.suffix[1:]))
+        written = [[(t["model_name"], t.get("parent_id")) for t in json.loads(p.read_text())] for p in parts]
+    finally:
+        client.update_trace_settings(settings={"trace_level": ["OFF"], "trace_rate": "1000",
+                                               "log_frequency": "0"})
+        client.close()
+        for path in trace_file.parent.iterdir():
+            path.unlink()
+    assert [[name for name, _ in part] for part in written] == \
+        [["mlp", "classify_post", "mlp_classify"] * 2] * 2, written

@@ -17,7 +17,8 @@ parent, neither sampled nor counted); of an ensemble a worker runs, the worker t
 carries those times, from which the gateway writes the child traces (Tracer._steps). Triton writes each stamp
 as an entry of its own ({"id", "timestamps": [one]} after {"id", "model_name", ...}); Despina one entry per
 trace, which Triton's tools read the same, as they merge the entries of an id. With `log_frequency` N a
-gateway writes each N traces to `${trace_file}.0`, `.1`, ...; with 0, all it collected to `${trace_file}` when
+gateway writes each N traces (an ensemble's with its steps' child traces, before it, as one) to
+`${trace_file}.0`, `.1`, ...; with 0, all it collected to `${trace_file}` when
 its settings change and when it stops; and, as Triton's, those to the next part once the last trace that
 trace_count allows is done. Each gateway traces and writes its own requests (one in trace_rate of those it
 has); of `serve --gateways N` gateway i writes `${trace_file}-i` (and `-i.0`, ...). trace_count is the
@@ -138,6 +139,8 @@ class Tracer:
         self._sampling: dict[str | None, _Sampling] = {}  # None: the global settings' models
         self._ids = itertools.count(1)
         self._kept: list[list[dict[str, Any]]] = []  # traces not yet written, each its entries
+        # an ensemble's trace id, until it ends -> its steps' child traces' entries, to go with it
+        self._children: dict[int, list[dict[str, Any]]] = {}
         self._parts = 0  # the next ${trace_file}.N: it goes on as the settings change (as Triton's)
         self._dropped = 0
         self._suffix = f"-{index}" if index is not None else ""
@@ -234,6 +237,7 @@ class Tracer:
         """The trace of an ensemble's step, as Triton's: a trace of its own (REQUEST_START now), with its
         parent's id and request_id, taken whenever its parent is (neither sampled nor counted)."""
         parent.of.open += 1
+        self._children.setdefault(parent.id, [])
         trace = Trace(next(self._ids), model, version, parent.request_id, parent.of, parent.id, parent.claim)
         trace.stamp("REQUEST_START")
         return trace
@@ -268,6 +272,7 @@ class Tracer:
         the request's enqueueing, its QUEUE_START here), written before their parent's, as Triton's."""
         if not isinstance(result, InferReply) or not result.steps:
             return
+        self._children.setdefault(parent.id, [])
         for model, version, queued, answered, queue_us, compute_us, *split in result.steps:
             parent.of.open += 1
             child = Trace(next(self._ids), model, version, parent.request_id, parent.of, parent.id,
@@ -303,6 +308,14 @@ class Tracer:
         trace.of.open -= 1
         claim = trace.claim
         kept = claim is None or claim.cancelled() or claim.result()
+        # as Triton's, a request's trace is one with its steps' child traces (which end first, and share
+        # its claim): they go with it, before it, to the same part, and log_frequency counts them as one
+        # (a step that outlives its ensemble, one answering after another step failed, goes alone)
+        record = self._children.pop(trace.id, []) + record
+        if trace.parent and (held := self._children.get(trace.parent)) is not None:
+            if kept:
+                held.extend(record)
+            return
         frequency = int(self.settings(trace.model)["log_frequency"])
         if kept and not frequency and len(self._kept) >= KEPT_MAX:
             self._dropped += 1
