@@ -15,7 +15,7 @@ import redis
 
 from despina.contract.keys import Keys
 
-from .conftest import Server
+from .conftest import Server, stop_server
 from .control_support import catalog_entry, index, wait_until, worker_hashes
 
 MODEL = '''import triton_python_backend_utils as pb_utils
@@ -72,10 +72,10 @@ def times(url: str, version: int) -> list[int]:
     return r.json()["outputs"][0]["data"]
 
 
-def given_fields(redis_url: str, prefix: str) -> list[bytes]:
+def given_fields(redis_url: str, prefix: str, model: str = "m") -> list[bytes]:
     client = redis.Redis.from_url(redis_url)
     try:
-        return sorted(client.hkeys(Keys(prefix).given_files("m")))
+        return sorted(client.hkeys(Keys(prefix).given_files(model)))
     finally:
         client.close()
 
@@ -166,3 +166,36 @@ def test_the_files_given_reach_the_worker_that_takes_the_model_over(
                and victim not in e.workers, 30, what="the model to move")
     wait_until(lambda: ready(server.url) == [3], 30, what="version 3 on the other worker")
     assert times(server.url, 3) == [3, 6]
+
+
+def test_the_files_given_go_once_nothing_loads_from_them(serve: Callable[..., Server], tmp_path: Path,
+                                                        redis_url: str, key_prefix: str) -> None:
+    # a reload that failed in one version and serves the repository's others loads nothing from the files
+    # given before: they went only at the next load or unload (a load that does not wait, an ensemble's step
+    # or a start's --load-model, never removed them)
+    repo = make_repo(tmp_path / "repo")
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "m", wait_models=("m",),
+                   env={"DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    assert files_load(server.url).status_code == 200
+    (repo / "m" / "2" / "model.py").write_text("raise RuntimeError('no weights here')\n")
+    r = httpx.post(f"{server.url}/v2/repository/models/m/load", timeout=60)
+    assert r.status_code == 400 and "no weights here" in r.text, r.text
+    assert times(server.url, 1) == [1, 2]
+    assert given_fields(redis_url, key_prefix) == []
+
+
+def test_a_restart_that_loads_the_repository_removes_the_files_given(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    # Triton forgets a load's files at a restart: its --load-model reads the repository. Despina's did too,
+    # but kept the files in Redis until the model's next load or unload
+    repo = make_repo(tmp_path / "repo")
+    env = {"DESPINA_CACHE_DIR": str(tmp_path / "cache")}
+    server = serve(repo, "--model-control-mode", "explicit", env=env)
+    assert files_load(server.url).status_code == 200
+    assert len(given_fields(redis_url, key_prefix)) == 1
+    stop_server(server)
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "m", wait_models=("m",), env=env)
+    wait_until(lambda: ready(server.url) == [1, 2], what="the repository's versions")
+    assert times(server.url, 2) == [2, 4]
+    wait_until(lambda: given_fields(redis_url, key_prefix) == [], what="the files given to go")
+

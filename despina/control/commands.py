@@ -145,7 +145,8 @@ class Commands:
             anew = old is None or not old.loaded  # else what serves keeps its statistics until the load ends
             if anew or not wait:
                 await start_stats_afresh(plane.redis, plane.keys, name, made_anew(entry, old))
-            if not wait:
+            if not wait:  # (no take-back follows: what loaded before is gone now)
+                await self._files_follow(name)
                 return
             try:
                 await plane.lifecycle.wait(name, "load", None, _left(deadline), no_room_fails)
@@ -157,10 +158,20 @@ class Commands:
                     await self._take_back(model, old, given, exc.message, tried)
                 elif tried is not None and tried.override is not None:  # a config that failed to load is not
                     plane.catalog.put(replace(tried, override=None))   # kept: the next load reads the files
+                await self._files_follow(name)
+                raise
+            except DespinaError:  # not loaded in time: it goes on loading, from what the catalog names
+                await self._files_follow(name)
                 raise
             if not anew and (done := plane.catalog.get(name)) is not None:
                 await start_stats_afresh(plane.redis, plane.keys, name, made_anew(done, old))
             await forget(plane.redis, plane.keys, name, entry.path)  # what loaded before is gone now
+
+    async def _files_follow(self, name: str) -> None:
+        """The files loads gave the model are removed but those its catalog entry loads from (all of them
+        where it loads none): called where the entry is final, holding the model's turn."""
+        e = self.plane.catalog.get(name)
+        await forget(self.plane.redis, self.plane.keys, name, e.path if e is not None and e.loaded else None)
 
     def _given_cache(self) -> ArtifactCache:
         """Where the control plane reads a load's given files from (a local registry's plane has no cache)."""
