@@ -199,3 +199,24 @@ def test_a_restart_that_loads_the_repository_removes_the_files_given(
     assert times(server.url, 2) == [2, 4]
     wait_until(lambda: given_fields(redis_url, key_prefix) == [], what="the files given to go")
 
+
+def test_the_index_does_not_list_a_model_made_only_of_files(serve: Callable[..., Server], tmp_path: Path,
+                                                           redis_url: str, key_prefix: str) -> None:
+    # Triton 2.51, seen: a load of model f (in no repository folder) with config + file:1/model.py serves
+    # it, and its index lists the repository's models alone ([{"name":"m"}]), before and after f's unload.
+    # Despina listed f (READY, then UNAVAILABLE "unloaded")
+    repo = make_repo(tmp_path / "repo")
+    server = serve(repo, "--model-control-mode", "explicit", env={"DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    params = {"config": orjson.dumps({**CONFIG, "name": "f"}).decode(),
+              "file:1/model.py": base64.b64encode(MODEL.format(k=7).encode()).decode()}
+    r = httpx.post(f"{server.url}/v2/repository/models/f/load", json={"parameters": params}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = {"inputs": [{"name": "IN", "shape": [1, 2], "datatype": "INT32", "data": [1, 2]}]}
+    assert httpx.post(f"{server.url}/v2/models/f/infer", json=body, timeout=30).json()["outputs"][0]["data"] \
+        == [7, 14]
+    assert index(server.url) == [{"name": "m"}]
+    assert files_load(server.url).status_code == 200  # m from files: the repository's m, listed
+    assert [r for r in index(server.url) if r["name"] == "m"] == [{"name": "m", "version": "3", "state": "READY"}]
+    assert httpx.post(f"{server.url}/v2/repository/models/f/unload", timeout=60).status_code == 200
+    assert [r["name"] for r in index(server.url)] == ["m"]
+    assert given_fields(redis_url, key_prefix, "f") == []

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ..contract.catalog import IDLE, UNLOADED, CatalogEntry
 from ..contract.ensemble import is_ensemble
 from ..contract.errors import DespinaError, Unavailable
+from ..registry.given import given_digest
 
 if TYPE_CHECKING:
     from .plane import ControlPlane
@@ -31,7 +32,10 @@ class RepositoryIndex:
         names = set(plane.catalog.entries)
         note = plane.registration.error
         try:
-            names |= set(await self._names())
+            listed = set(await self._names())
+            # as Triton's, a model made only of a load's files (none of it in the repository) is not listed,
+            # loaded or not
+            names = listed | {n for n in names if given_digest(plane.catalog.entries[n].path) is None}
         except DespinaError as exc:
             note = exc.message
             names |= set(plane.registration.names)
