@@ -220,3 +220,23 @@ def test_the_index_does_not_list_a_model_made_only_of_files(serve: Callable[...,
     assert httpx.post(f"{server.url}/v2/repository/models/f/unload", timeout=60).status_code == 200
     assert [r["name"] for r in index(server.url)] == ["m"]
     assert given_fields(redis_url, key_prefix, "f") == []
+
+
+def test_a_specific_version_policy_loads_the_versions_it_names_that_are_there(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    # Triton 2.51, seen: a load with version_policy specific [1, 3] and file:3/model.py alone serves version 3
+    # (VersionsToLoad keeps the named versions that are there); specific [1] with it is a 400 "at least one
+    # version must be available under the version policy of model 'm'", version 3 serving on. Despina
+    # refused the first ("names versions [1] that have no folder")
+    repo = make_repo(tmp_path / "repo")
+    server = serve(repo, "--model-control-mode", "explicit", env={"DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    r = files_load(server.url, config=orjson.dumps({**CONFIG, "version_policy": {"specific": {"versions": [1, 3]}}
+                                                    }).decode())
+    assert r.status_code == 200, r.text
+    wait_until(lambda: ready(server.url) == [3], what="version 3")
+    assert times(server.url, 3) == [3, 6]
+    r = files_load(server.url, k=5, config=orjson.dumps({**CONFIG, "version_policy": {"specific": {"versions": [1]}}
+                                                         }).decode())
+    assert r.status_code == 400, r.text
+    assert "at least one version must be available under the version policy of model 'm'" in r.json()["error"]
+    assert times(server.url, 3) == [3, 6]

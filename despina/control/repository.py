@@ -42,12 +42,14 @@ def select_versions(config: Any, available: list[int]) -> list[int]:
     which = policy.WhichOneof("policy_choice")
     if which in ("all", None):
         return available
-    if which == "specific":
-        missing = [v for v in policy.specific.versions if v not in available]
-        if missing:
+    if which == "specific":  # as Triton's: the versions named that are there (one named twice is one)
+        chosen = sorted(set(policy.specific.versions) & set(available))
+        if not chosen:
             raise ConfigError(f"model '{config.name}': field 'version_policy.specific' names versions "
-                              f"{missing} that have no folder")
-        return sorted(set(policy.specific.versions))  # a version named twice is still one version
+                              f"{sorted(set(policy.specific.versions))}, none of which has a folder (at "
+                              f"least one version must be available under the version policy of model "
+                              f"'{config.name}')")
+        return chosen
     if not policy.latest.num_versions:  # (normalize() fills 1 where the config has no version_policy)
         raise ConfigError(f"model '{config.name}': field 'version_policy.latest.num_versions' is 0: no "
                           "version is selected (at least one version must be available under the version "
