@@ -1,8 +1,9 @@
 """The load API's `config` and `file:<path>` parameters: the config override read, and the files given
 checked and kept in Redis, where every worker finds them (registry/given.py). As Triton's load with files
 (which loads from a temporary folder), the model is those files alone and the repository is never written;
-a load's files are removed once nothing loads from them: after a later load succeeds, after an unload, and
-after their own load fails."""
+a load's files are removed once nothing loads from them: once a later load is in the catalog (a load that
+waits, once it ends: a failed one may give the model back its old files), after an unload, and after their
+own load fails."""
 from __future__ import annotations
 
 import base64
