@@ -157,3 +157,29 @@ async def test_a_cancellation_reaches_the_workers_while_redis_is_full(
             await w.redis.config_set("maxmemory", 0)
         assert named and 0 < await w.redis.pttl(cancelled) <= w.d.reply_ttl_ms
         assert isinstance(w.results["a"], DespinaError) and w.results["a"].code == Code.CANCELLED
+
+
+async def test_the_cancelled_set_keeps_only_the_recent_cancellations(
+        writer_on: Callable[[str, str], Awaitable[Writer]], redis_url: str, key_prefix: str) -> None:
+    """Each cancellation renewed the cancelled set's time to live, so a gateway whose clients kept going away
+    (a stop button under a stream) kept every id it ever named there: 200 after 8 waves of 25 cancellations
+    0.4 s apart, the reply TTL 1.5 s, and growing for as long as it served. An id is named for the reply
+    TTL now, as long as when the set expired a TTL after it; the next cancellation after that takes it out."""
+    w = await writer_on(redis_url, key_prefix)
+    w.d.reply_ttl_ms = 1500  # (over the 1 s in which the gateway renews its mark)
+    cancelled = w.keys.cancelled(w.d.reply_stream)
+    for wave in range(8):
+        rids = [f"{wave}-{i}" for i in range(25)]
+        for rid in rids:
+            w.submit(rid, "m")
+        await w.until(lambda: w.d.waiting == 25)
+        for rid in rids:
+            w.d.cancel(rid)
+        for _ in range(500):  # the cancellations' write on its way
+            if await w.redis.sismember(cancelled, rids[-1]):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.4)
+    # the last wave went 2.8 s after the first: the waves named 1.5 s before it or earlier are out
+    assert await w.redis.scard(cancelled) <= 125
+    assert not await w.redis.sismember(cancelled, "0-0") and await w.redis.sismember(cancelled, "7-24")

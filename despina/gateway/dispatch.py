@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -90,6 +90,9 @@ class Dispatcher(RequestWriter, ReplyReader):
         self._held: set[str] = set()  # requests a worker still holds after Redis lost its data (reply_reader)
         self._lost_at: float | None = None
         self._writes: set[asyncio.Task[None]] = set()
+        self._telling: list[str] = []  # cancellations for the write on its way (Waiters._tell_cancelled)
+        # (when to take it out of the cancelled set, request id), for the ids named there, oldest first
+        self._told: deque[tuple[float, str]] = deque()
         self.hold_s = hold_us / 1e6
         # statistics hash -> (answers delivered lately and not yet followed by as many new requests,
         # when the latest went)

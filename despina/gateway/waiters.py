@@ -11,6 +11,7 @@ import asyncio
 import heapq
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -29,9 +30,13 @@ Result = InferReply | BaseException
 Callback = Callable[[Result], None]
 SWEEP_S = 0.05  # how often deadlines are looked at: a late answer is late by at most this much
 # Name cancelled requests to the workers that run them (they ask with each response a decoupled model
-# sends), also while Redis is full (allow_oom: a few bytes that end work). KEYS: the set; ARGV: TTL ms, ids.
+# sends), also while Redis is full (allow_oom: a few bytes that end work). KEYS: the set; ARGV: TTL ms, n,
+# the n ids to name, then the ids named a TTL ago or more, to take out: the set's TTL, renewed by every
+# cancellation, never ran out while clients kept going away, and the set kept every id named in it.
 TELL_CANCELLED = """
-for i = 2, #ARGV do redis.call('SADD', KEYS[1], ARGV[i]) end
+local n = tonumber(ARGV[2])
+for i = 3, 2 + n do redis.call('SADD', KEYS[1], ARGV[i]) end
+for i = 3 + n, #ARGV do redis.call('SREM', KEYS[1], ARGV[i]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
@@ -54,6 +59,8 @@ class Waiters:
     _next: dict[str, int]
     _sweeper: asyncio.TimerHandle | None
     _writes: set[asyncio.Task[None]]
+    _telling: list[str]
+    _told: deque[tuple[float, str]]
 
     @property
     def waiting(self) -> int:
@@ -124,16 +131,33 @@ class Waiters:
             self._tell_cancelled([request_id])
 
     def _tell_cancelled(self, request_ids: list[str]) -> None:
-        task = asyncio.create_task(self._write_cancelled(request_ids))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        if not self._telling:  # else the write on its way takes these too
+            task = asyncio.create_task(self._write_cancelled())
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+        self._telling.extend(request_ids)
 
-    async def _write_cancelled(self, request_ids: list[str]) -> None:
+    async def _write_cancelled(self) -> None:
+        """Name the cancellations waiting in the set, in one write, and take out the ids named a reply TTL
+        ago or more: as long as an id lived there before, when the set expired a TTL after its last
+        cancellation. (A write each, a burst of them as the gateway started asked Redis for allow_oom once
+        each, past the client's connection limit: "Too many connections", and the last went unnamed.)"""
         try:
-            script = await allow_oom(self._redis, TELL_CANCELLED)
-            await self._out.execute([["EVAL", script, 1, self.keys.cancelled(self.reply_stream),
-                                      self.reply_ttl_ms, *request_ids]])
+            script: str | None = await allow_oom(self._redis, TELL_CANCELLED)
         except Exception as exc:  # best effort: the model finishes the request, its answer is dropped
+            script = None
+            log.debug("gateway %s: writing its cancellations failed: %s", self.id, exc)
+        request_ids, self._telling = self._telling, []
+        if script is None:
+            return
+        now, told, gone = time.monotonic(), self._told, []
+        while told and told[0][0] <= now:
+            gone.append(told.popleft()[1])
+        told.extend((now + self.reply_ttl_ms / 1000, request_id) for request_id in request_ids)
+        try:
+            await self._out.execute([["EVAL", script, 1, self.keys.cancelled(self.reply_stream),
+                                      self.reply_ttl_ms, len(request_ids), *request_ids, *gone]])
+        except Exception as exc:
             log.debug("gateway %s: writing its cancellations failed: %s", self.id, exc)
 
     def _partial(self, reply: InferReply) -> None:
