@@ -59,12 +59,17 @@ class Outbox:
     _in_flight: int
     _room: asyncio.Event
     _background: set[asyncio.Task[None]]
+    _moves_write: asyncio.Task[None] | None  # ModelRunner._write_moves's latest write of queued counters
     _held: dict[int, deque[Held]]  # id() of a request -> its responses written again, those behind them
 
     def _spawn(self, coroutine: Any) -> None:
+        self._task(coroutine)
+
+    def _task(self, coroutine: Any) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _room_entries(self, in_flight: int) -> int:
         # an entry holds up to ENTRY_REQUESTS requests: read no further past the read-ahead
@@ -204,6 +209,8 @@ class Outbox:
             self.deferred.add(self.stats_key, counts)
             self._read_along.release()  # nothing goes to Redis for it to ride with
         else:
+            if self._moves_write is not None and not self._moves_write.done():
+                await asyncio.shield(self._moves_write)  # the starts it took go first (runner._write_moves)
             pipe = Batch()
             if self.writer.moves is not None:
                 self.writer.moves.answered(requests, pendings, ran)

@@ -112,6 +112,7 @@ class ModelRunner(Intake):
         self._held: dict[int, deque[Held]] = {}  # a decoupled model's responses Redis refused (outbox)
         self._stopping = False
         self._moves_due = False  # a write of the queued counters' moves is due (_write_moves)
+        self._moves_write: asyncio.Task[None] | None = None  # the latest such write
         self._order = ReplyOrder() if spec.policy.preserve_ordering else None
         self.state = "LOADING"
 
@@ -262,7 +263,10 @@ class ModelRunner(Intake):
             assert moves is not None
             pipe = Batch()
             moves.into(pipe, self.writer.moves_script)
-            self._spawn(self._send_moves(pipe))
+            # the replies of a batch whose start this took go after it (Outbox._reply): on uvloop this
+            # timer runs before the replies' task that a batch run inline made ready, and their SREM ran
+            # before this SADD, leaving the entries in the executing set for good
+            self._moves_write = self._task(self._send_moves(pipe))
 
     async def _send_moves(self, pipe: Batch) -> None:
         try:
