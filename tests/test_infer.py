@@ -35,3 +35,27 @@ async def test_a_request_without_an_answer_is_told_the_time_it_had(redis_url: st
         error = got[name]
         assert isinstance(error, DespinaError) and error.code == Code.DEADLINE_EXCEEDED, error
         assert f"no answer from model 'm' {said}" in error.message, error.message
+
+
+async def test_a_gateway_that_stops_takes_itself_out_of_the_gateways_set(redis_url: str, key_prefix: str) -> None:
+    """A stopped gateway left its id in `<prefix>:gateways` (and its report hash until its TTL): only the
+    metrics' read pruned the set, so with the metrics port off it grew by one id per gateway that ever ran."""
+    import redis.asyncio as aioredis
+
+    from despina.contract.keys import Keys
+
+    keys = Keys(key_prefix)
+    gw = Gateway(Settings(redis_url=redis_url, key_prefix=key_prefix))
+    await gw.start()
+    r = aioredis.from_url(redis_url)
+    try:
+        for _ in range(500):  # its first report
+            if await r.sismember(keys.gateways, gw.dispatcher.id):
+                break
+            await asyncio.sleep(0.01)
+        assert await r.exists(keys.gateway(gw.dispatcher.id))
+        await gw.close()
+        assert not await r.sismember(keys.gateways, gw.dispatcher.id)
+        assert not await r.exists(keys.gateway(gw.dispatcher.id))
+    finally:
+        await r.aclose()

@@ -170,6 +170,11 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self.ensembles, return_exceptions=True)
         await self.tracer.settle()  # the traces' claims on trace_count, before Redis goes
+        try:  # out of the gateways the metrics read (else only their read prunes the set, when they run)
+            await self.redis.srem(self.keys.gateways, self.dispatcher.id)
+            await self.redis.delete(self.keys.gateway(self.dispatcher.id))
+        except (RedisError, OSError) as exc:
+            log.debug("gateway: leaving the gateways' set failed (%s)", exc)
         await self.view.close()
         await self.redis.aclose()
         self.tracer.flush()  # log_frequency 0: the traces go to trace_file when the gateway stops
