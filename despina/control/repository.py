@@ -1,7 +1,10 @@
 """From a model folder in the registry to a catalog entry: parse, select versions, auto-complete, validate."""
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +72,10 @@ def read_model(registry: Registry, model: ModelFiles, override: dict[str, Any] |
     elif "config.pbtxt" in model.folders:
         raise ConfigError(f"model '{name}': config.pbtxt is a folder, not a file")
     elif "config.pbtxt" in paths:
-        shared = registry.folder(model, [])
-        config = parse_text(name, (shared / "config.pbtxt").read_bytes())
+        config = parse_text(name, read_file(registry.folder(model, []), "config.pbtxt", f"model '{name}'"))
+    elif not registry.remote and os.path.lexists(Path(model.url) / "config.pbtxt"):
+        read_file(Path(model.url), "config.pbtxt", f"model '{name}'")  # a link to nothing, or a loop: why
+        raise ConfigError(f"model '{name}': config.pbtxt cannot be read")
     else:
         config = ModelConfig()
     if not config.platform and not config.backend:  # Triton's auto-complete: from the model file
@@ -135,8 +140,36 @@ def _labels(registry: Registry, model: ModelFiles, config: Any, paths: set[str]
             raise ConfigError(f"{where}: output '{output}': label_filename {filename!r} is not in the "
                               "model's folder")
     folder = registry.folder(model, [])
-    return {output: tuple((folder / path).read_text(encoding="utf-8", errors="replace").splitlines())
+    return {output: tuple(read_file(folder, path, f"{where}: output '{output}'").decode(
+                "utf-8", errors="replace").splitlines())
             for output, path in named.items()}
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFDIR: "a folder"}
+
+
+def read_file(folder: Path, path: str, where: str) -> bytes:
+    """A file of a model's folder, or a ConfigError that says why it cannot be read: a link to nothing, a
+    link loop, or something other than a regular file (a FIFO would block the read, and with it every load
+    after it, forever)."""
+    target = folder / path
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT and target.is_symlink():
+            raise ConfigError(f"{where}: {path} is a symbolic link to '{os.readlink(target)}', which "
+                              "does not exist") from None
+        raise ConfigError(f"{where}: {path} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as file:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "not a file")
+            raise ConfigError(f"{where}: {path} is not a regular file ({kind})")
+        try:
+            return file.read()
+        except OSError as exc:
+            raise ConfigError(f"{where}: {path} cannot be read: {exc.strerror}") from None
 
 
 def _check_ensemble(config: Any) -> None:
