@@ -67,7 +67,7 @@ ADD = step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "OUT"})
     (step("add_sub", {"a": "IN0", "b": "IN0"}, {"sum": "OUT"}), "", "input\\(s\\) IN1 feed no step"),
     (step("add_sub", {"a": "IN0", "b": "B"}, {"sum": "A"}) + ", " +
      step("add_sub", {"a": "IN1", "b": "A"}, {"sum": "B", "diff": "OUT"}), "", "wait on each other \\(a cycle\\)"),
-    (step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "OUT"}, version=0), "", "'model_version' must be -1"),
+    (step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "OUT"}, version=-2), "", "'model_version' must be -1"),
     (step("add_sub", {"a": "IN0", "b": "IN1"}, {}), "", "empty 'output_map'"),
     # as Triton's ValidateEnsembleSchedulingConfig refuses them
     (step("add_sub", {"a": "IN0", "b": "IN1"}, {"sum": "OUT", "diff": "D"}), "",

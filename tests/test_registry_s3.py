@@ -58,18 +58,17 @@ def test_push_order_puts_the_config_last(tmp_path: Path) -> None:
     assert [p.path for p in plan(folder, 7)] == ["7/model.onnx", "warmup/x.bin", "config.pbtxt"]
 
 
-@pytest.mark.parametrize("version", [0, -3])
-def test_push_refuses_a_version_below_1(tmp_path: Path, version: int) -> None:
-    """Registries skip a version folder 0, as Triton does: --version 0 once went up as version 1, over
-    whatever version 1 the registry held."""
+def test_push_refuses_a_version_below_0(tmp_path: Path) -> None:
+    """A negative version is no folder name (version 0 is one: test_version_zero.py)."""
+    version = -3
     folder = mlp_folder(tmp_path / "src")
     flat = folder / "1"
     registry = tmp_path / "registry"
     r = subprocess.run([sys.executable, "-m", "despina", "push", str(flat), str(registry), "--name", "mlp",
                         f"--version={version}"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "numbered from 1" in r.stderr, r.stderr
+    assert r.returncode == 1 and "numbered from 0" in r.stderr, r.stderr
     assert not registry.exists()
-    with pytest.raises(DespinaError, match="numbered from 1"):
+    with pytest.raises(DespinaError, match="numbered from 0"):
         plan(folder, version)
 
 

@@ -66,7 +66,7 @@ class Ensemble:
             if not model:
                 raise ConfigError(f"{where} has no field 'model_name'")
             version = int(raw.get("model_version", -1))
-            if version < -1 or version == 0:
+            if version < -1:  # (0 is version 0, as in Triton: -1 alone is the latest)
                 raise ConfigError(f"{where}: field 'model_version' must be -1 (latest) or a version, "
                                   f"got {version}")
             inputs = tuple((raw.get("input_map") or {}).items())

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import orjson
 
 from ..contract.errors import InvalidArgument
-from ..registry.base import VERSION_DIGITS, check_relative, is_served_version
+from ..registry.base import VERSION_DIGITS, check_relative, is_version
 from ..registry.given import GivenFiles, given_digest
 
 if TYPE_CHECKING:
@@ -43,10 +43,10 @@ def given_files(name: str, files: dict[str, Any], cache: ArtifactCache) -> Given
     """The load API's `file:` entries, decoded and checked: the model they alone make up."""
     decoded = {}
     for path, data in files.items():
-        top = path.split("/", 1)[0]  # a number that names no version (01, 0): the file would go unread
-        if "/" in path and top.isascii() and top.isdigit() and not is_served_version(top):
+        top = path.split("/", 1)[0]  # a number that names no version (01, 00): the file would go unread
+        if "/" in path and top.isascii() and top.isdigit() and not is_version(top):
             raise InvalidArgument(f"load parameter 'file:{path}': '{top}' is not a version folder (a "
-                                  f"number from 1, without a leading zero, of at most {VERSION_DIGITS} "
+                                  f"number from 0, without a leading zero, of at most {VERSION_DIGITS} "
                                   "digits): no version would be read from it")
         try:
             decoded[check_relative(path)] = base64.b64decode(data, validate=True)

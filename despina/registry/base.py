@@ -38,11 +38,6 @@ def is_version(folder: str) -> bool:
             and (folder == "0" or not folder.startswith("0")))
 
 
-def is_served_version(folder: str) -> bool:
-    """A version folder a model's versions are read from: version 0 is not one."""
-    return is_version(folder) and int(folder) > 0
-
-
 @dataclass(frozen=True)
 class ModelFiles:
     """Every file of one model folder in a registry."""
@@ -55,7 +50,7 @@ class ModelFiles:
     @property
     def versions(self) -> list[int]:
         tops = {f.path.split("/", 1)[0] for f in self.files if "/" in f.path} | set(self.folders)
-        return sorted(int(t) for t in tops if is_served_version(t))
+        return sorted(int(t) for t in tops if is_version(t))
 
     def of_versions(self, versions: Iterable[int], also: Iterable[str] = ()) -> tuple[FileInfo, ...]:
         """The files a folder holding `versions` needs: theirs, those outside every version folder, and
@@ -64,7 +59,7 @@ class ModelFiles:
         out = []
         for f in self.files:
             top = f.path.split("/", 1)[0] if "/" in f.path else ""
-            if top in wanted or not is_served_version(top) or f.path in named:
+            if top in wanted or not is_version(top) or f.path in named:
                 out.append(f)
         return tuple(out)
 

@@ -31,9 +31,8 @@ def plan(folder: Path, version: int | None, ensemble: bool = False) -> list[Plan
     whose version files are missing). A folder without version folders is one version: `version`, or 1.
     An ensemble has no files of its own: its config may be all there is.
     """
-    if version is not None and version < 1:  # `version or 1` would make 0 version 1, over what that holds
-        raise InvalidArgument(f"version {version}: versions are numbered from 1 (a version folder 0 is "
-                              "skipped, as Triton skips it)")
+    if version is not None and version < 0:
+        raise InvalidArgument(f"version {version}: versions are numbered from 0")
     if version is not None and not is_version(str(version)):
         raise InvalidArgument(f"version {version}: a version has at most {VERSION_DIGITS} digits (a longer "
                               "version folder is skipped)")
@@ -60,7 +59,7 @@ def plan(folder: Path, version: int | None, ensemble: bool = False) -> list[Plan
         elif r == "config.pbtxt" or top in SHARED_DIRS:
             out.append(Planned(p, r))
         else:
-            out.append(Planned(p, f"{version or 1}/{r}"))
+            out.append(Planned(p, f"{1 if version is None else version}/{r}"))  # (`or 1` would make 0 1)
     if not ensemble and not any("/" in x.path and is_version(x.path.split("/", 1)[0]) for x in out):
         raise InvalidArgument(f"{folder} holds no model files to push")
     return sorted(out, key=lambda x: (x.path == "config.pbtxt", "/" not in x.path, x.path))
