@@ -164,3 +164,24 @@ def test_an_instance_count_below_1_is_1_as_in_triton(tmp_path: Path) -> None:
     # Despina refused it: "field 'instance_group.count' must be >= 0"
     folder = python_model(tmp_path, "m", extra="instance_group [ { count: -1 kind: KIND_CPU } ]\n")
     assert [g["count"] for g in load_model(folder).config["instance_group"]] == [1]
+
+
+def test_two_tensors_of_one_name_are_refused_in_words_that_say_so(tmp_path: Path) -> None:
+    # Triton 2.51 loads both: two inputs named alike answer every request 400 "expected 2 inputs but got 1
+    # inputs" (and "input 'INPUT0' already exists in request" to one that gives it twice): unusable; two
+    # outputs alike answer with one, and the metadata lists it twice. Despina refuses both at load, and said
+    # "input 'INPUT0': field 'name' appears twice"
+    one = '{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }'
+    folder = python_model(tmp_path, "m", io=IO.replace(one, f"{one}, {one}"))
+    with pytest.raises(ConfigError, match=r"^model 'm': two inputs are named 'INPUT0' \(a request could not "
+                                          r"tell them apart\)$"):
+        load_model(folder)
+    one = one.replace("INPUT0", "OUTPUT0")
+    folder = python_model(tmp_path, "n", io=IO.replace(one, f"{one}, {one}"))
+    with pytest.raises(ConfigError, match=r"^model 'n': two outputs are named 'OUTPUT0' \(a response could "
+                                          r"not tell them apart\)$"):
+        load_model(folder)
+    # an input and an output of one name are two tensors, as in Triton 2.51, which serves them
+    folder = python_model(tmp_path, "o", io=IO.replace('"INPUT0"', '"OUTPUT0"'))
+    assert [t["name"] for t in (*load_model(folder).config["input"], *load_model(folder).config["output"])] == [
+        "OUTPUT0", "OUTPUT0"]

@@ -81,7 +81,7 @@ def test_syntax_errors_name_the_model_and_field(text: str, words: str) -> None:
     ('backend: "onnxruntime" max_batch_size: 4 dynamic_batching { preferred_batch_size: [0] }',
      "dynamic batching preferred size must be positive (field 'dynamic_batching.preferred_batch_size' has 0)"),
     ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [1] }, '
-     '{ name: "x" data_type: TYPE_FP32 dims: [1] }]', "appears twice"),
+     '{ name: "x" data_type: TYPE_FP32 dims: [1] }]', "two inputs are named 'x'"),
     ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [2, 3] reshape { shape: [5] } }]',
      "different size for dims [2, 3] and reshape [5]"),
     ('backend: "onnxruntime" input [{ name: "x" data_type: TYPE_FP32 dims: [2, -1] reshape { shape: [-1, 2] } }]',

@@ -235,7 +235,9 @@ def validate(config: Any) -> None:
             if not t.name:
                 raise ConfigError(f"model '{model}': an {kind} has no field 'name'")
             if (kind, t.name) in seen:
-                raise ConfigError(f"{where}: field 'name' appears twice")
+                whom = "a request" if kind == "input" else "a response"
+                raise ConfigError(f"model '{model}': two {kind}s are named '{t.name}' ({whom} could not tell "
+                                  "them apart)")
             seen.add((kind, t.name))
             dtype = pb.DataType.Name(t.data_type)
             if dtype not in CONFIG_TO_V2:
