@@ -185,3 +185,17 @@ def test_two_tensors_of_one_name_are_refused_in_words_that_say_so(tmp_path: Path
     folder = python_model(tmp_path, "o", io=IO.replace('"INPUT0"', '"OUTPUT0"'))
     assert [t["name"] for t in (*load_model(folder).config["input"], *load_model(folder).config["output"])] == [
         "OUTPUT0", "OUTPUT0"]
+
+
+def test_a_config_pbtxt_with_a_byte_order_mark_is_refused_in_words_that_name_it(tmp_path: Path) -> None:
+    # Triton 2.51 refuses it too ("Interpreting non ascii codepoint 239", "failed to read text proto");
+    # Despina said "1:1 : '\ufeffbackend: ...': Expected identifier or number, got \ufeff." (an invisible mark)
+    folder = python_model(tmp_path, "m")
+    (folder / "config.pbtxt").write_bytes(b"\xef\xbb\xbf" + (folder / "config.pbtxt").read_bytes())
+    with pytest.raises(ConfigError, match=r"^model 'm': invalid config.pbtxt: it begins with a byte order mark "
+                                          r"\(U\+FEFF\), which Triton's parser refuses too: save it as UTF-8 "
+                                          r"without one$"):
+        load_model(folder)
+    crlf = python_model(tmp_path, "crlf")  # Windows line ends are read, as Triton reads them
+    (crlf / "config.pbtxt").write_bytes((crlf / "config.pbtxt").read_bytes().replace(b"\n", b"\r\n"))
+    assert load_model(crlf).config["max_batch_size"] == 8

@@ -498,14 +498,25 @@ def test_a_version_folder_whose_number_no_url_can_name_is_ignored(serve: Callabl
 def test_a_config_that_is_not_utf8_leaves_its_model_unavailable_and_the_others_serving(
         serve: Callable[..., Server], repo: Path) -> None:
     # a Latin-1 comment used to raise UnicodeDecodeError out of the control plane's look at the repository:
-    # its loop ended without a word, the models after it were never read and the server never got ready
+    # its loop ended without a word, the models after it were never read and the server never got ready.
+    # Triton 2.51 serves a model whose comment is Latin-1 ("# caf\xe9 \xff"): its parser skips a comment's
+    # bytes; Despina refused it ("config.pbtxt is not UTF-8 text (line 1, byte 5)"). Such a byte in a value
+    # is refused still (Triton loads it and logs "String field ... contains invalid UTF-8 data").
     shutil.copytree(repo / "mlp", repo / "latin")
     (repo / "latin" / "config.pbtxt").write_bytes(
-        b"# caf\xe9\n" + MLP_CONFIG.format(name="latin", extra="", delay_us=100).encode())
-    with pytest.raises(ConfigError, match=r"model 'latin': config.pbtxt is not UTF-8 text \(line 1, byte 5\)"):
-        load_model(repo / "latin")
-    server = serve(repo, wait_models=("add_sub", "mlp"))
-    row = next(r for r in index(server.url) if r["name"] == "latin")
+        b"# caf\xe9 \xff\n" + MLP_CONFIG.format(name="latin", extra="", delay_us=100).encode())
+    assert load_model(repo / "latin").config["name"] == "latin"
+    shutil.copytree(repo / "mlp", repo / "latin_value")
+    data = (b"# caf\xe9\n" + MLP_CONFIG.format(name="latin_value", extra="", delay_us=100).encode()
+            + b'parameters { key: "k" value { string_value: "caf\xe9" } }\n')
+    (repo / "latin_value" / "config.pbtxt").write_bytes(data)
+    bad = data.rindex(b"\xe9")  # the value's byte, not the comment's
+    line = data.count(b"\n", 0, bad) + 1
+    with pytest.raises(ConfigError, match=rf"^model 'latin_value': config.pbtxt is not UTF-8 text \(line "
+                                          rf"{line}, byte {bad}\)$"):
+        load_model(repo / "latin_value")
+    server = serve(repo, wait_models=("add_sub", "mlp", "latin"))
+    row = next(r for r in index(server.url) if r["name"] == "latin_value")
     assert row["state"] == "UNAVAILABLE" and "config.pbtxt is not UTF-8 text" in row["reason"], row
 
 

@@ -61,18 +61,41 @@ def check_model_name(name: str) -> str:
 def parse_text(model: str, text: str | bytes) -> Any:
     """config.pbtxt text (or its bytes, UTF-8) -> ModelConfig; a syntax error names the model, line, column
     and field."""
-    if isinstance(text, bytes):
-        raw = text
+    raw = text if isinstance(text, bytes) else None
+    source = text if isinstance(text, str) else ""
+    if raw is not None:
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:  # a Latin-1 comment, a UTF-16 file from a Windows editor
-            line = raw.count(b"\n", 0, exc.start) + 1
-            raise ConfigError(f"model '{model}': config.pbtxt is not UTF-8 text (line {line}, byte "
-                              f"{exc.start})") from None
+            source = raw.decode("utf-8")
+        except UnicodeDecodeError:  # a Latin-1 comment: Triton's parser skips a comment's bytes, as this does
+            source = raw.decode("utf-8", errors="surrogateescape")
     try:
-        return text_format.Parse(text, ModelConfig())
+        return text_format.Parse(source, ModelConfig())
     except text_format.ParseError as exc:
-        raise ConfigError(f"model '{model}': invalid config.pbtxt: {exc}") from None
+        # a byte that is not UTF-8 in a value (which would be no text), or a UTF-16 file from a Windows editor
+        if raw is not None and (bad := _first_bad_byte(raw, exc.GetLine())) is not None:
+            line = raw.count(b"\n", 0, bad) + 1
+            raise ConfigError(f"model '{model}': config.pbtxt is not UTF-8 text (line {line}, byte {bad})"
+                              ) from None
+        if source.startswith("\ufeff"):  # a mark no editor shows: the parser's words would show nothing
+            raise ConfigError(f"model '{model}': invalid config.pbtxt: it begins with a byte order mark "
+                              "(U+FEFF), which Triton's parser refuses too: save it as UTF-8 without one"
+                              ) from None
+        said = str(exc).encode("utf-8", errors="backslashreplace").decode()  # (no lone surrogate goes out)
+        raise ConfigError(f"model '{model}': invalid config.pbtxt: {said}") from None
+
+
+def _first_bad_byte(raw: bytes, line: int | None) -> int | None:
+    """Where the first byte that is not UTF-8 is on `line` (where the parser stopped; with none, in all of
+    `raw`); None where there is none."""
+    lines = raw.split(b"\n")
+    start, text = 0, raw
+    if line and line <= len(lines):
+        start, text = sum(len(x) + 1 for x in lines[:line - 1]), lines[line - 1]
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return start + exc.start
+    return None
 
 
 def parse_json(model: str, config: dict[str, Any]) -> Any:
