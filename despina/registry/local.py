@@ -37,8 +37,11 @@ class LocalRegistry(Registry):
     def _files(self, name: str) -> ModelFiles:
         folder = self.root / name
         files = []
-        for dirpath, dirnames, filenames in os.walk(folder):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        # through links, as Triton's poll stats through them: a version folder linked to a build's output
+        # changes when the files behind it do
+        for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"
+                           and not _loops(Path(dirpath) / d, folder)]
             for filename in filenames:
                 if filename.startswith("."):
                     continue
@@ -88,6 +91,15 @@ class LocalRegistry(Registry):
             progress(source.stat().st_size)
         st = target.stat()
         return FileInfo(path, st.st_size, local_etag(st))
+
+
+def _loops(path: Path, top: Path) -> bool:
+    """Whether the folder `path` (inside `top`) holds the model's folder (a link up to the repository, or to
+    /) or is one of the folders the walk went through to reach it (links to each other): walked, it would
+    never end, or list files of other models."""
+    real = path.resolve()
+    return top.resolve().is_relative_to(real) or any(
+        p.resolve() == real for p in (path.parent, *path.parent.parents) if p.is_relative_to(top))
 
 
 def local_etag(st: os.stat_result) -> str:
