@@ -123,10 +123,11 @@ def test_push_refuses_a_model_repository_for_a_model(s3_env: Weed, tmp_path: Pat
 
 
 def test_push_of_a_config_that_is_not_utf8_says_so(tmp_path: Path) -> None:
-    """A comment written by a Latin-1 editor made push end in a UnicodeDecodeError traceback."""
+    """A comment written by a Latin-1 editor made push end in a UnicodeDecodeError traceback. Such a comment
+    is read now, as Triton reads it (test_control_repository.py); such a value is not."""
     folder = mlp_folder(tmp_path / "src")
     with (folder / "config.pbtxt").open("ab") as f:
-        f.write(b"# caf\xe9\n")
+        f.write(b'parameters { key: "k" value { string_value: "caf\xe9" } }\n')
     r = subprocess.run([sys.executable, "-m", "despina", "push", str(folder), str(tmp_path / "registry")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
