@@ -94,9 +94,12 @@ class LocalRegistry(Registry):
 
 
 def _loops(path: Path, top: Path) -> bool:
-    """Whether the folder `path` (inside `top`) holds the model's folder (a link up to the repository, or to
-    /) or is one of the folders the walk went through to reach it (links to each other): walked, it would
-    never end, or list files of other models."""
+    """Whether the folder `path` (inside `top`) is a link to a folder that holds the model's folder (a link
+    up to the repository, or to /) or to one of the folders the walk went through to reach it (links to
+    each other): walked, it would never end, or list files of other models. Only a link can loop: a plain
+    folder costs one lstat here, not a path resolved (a poll walks every model's folders)."""
+    if not path.is_symlink():
+        return False
     real = path.resolve()
     return top.resolve().is_relative_to(real) or any(
         p.resolve() == real for p in (path.parent, *path.parent.parents) if p.is_relative_to(top))
