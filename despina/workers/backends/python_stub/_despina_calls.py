@@ -29,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 
 # ("ok", packed outputs[, response parameters]) or ("error", (message, TritonError code))
 Answer = tuple[Any, ...]
+HANDOVER_S = 0.05  # how often a call the stub's loop answers looks whether it must read for itself
 
 
 class ModelCalls:
@@ -98,15 +99,21 @@ class ModelCalls:
         self._answers.pop(call_id, None)
 
     def _next(self, call_id: int) -> tuple[str, Answer]:
-        """The call's next answer: ("more", answer) for a response before the last, else ("last", answer)."""
-        if self.read_by_stub:
+        """The call's next answer: ("more", answer) for a response before the last, else ("last", answer).
+        While the stub's loop runs an operation, it reads nothing: the call reads, and hands on what is
+        not its own. Otherwise (a decoupled model's thread after its execute returned) the loop reads and
+        delivers it."""
+        while True:
             with self._arrived:
-                self._arrived.wait_for(lambda: self._answers.get(call_id))
-            return self._answers[call_id].pop(0)
-        with self._reading:
-            while not self._answers.get(call_id):
-                self._read()
-        return self._answers[call_id].pop(0)
+                answers = self._answers.get(call_id)
+                if answers:
+                    return answers.pop(0)
+                if self.read_by_stub or not self._running:
+                    self._arrived.wait(HANDOVER_S)  # (then looks again: an operation may have begun)
+                    continue
+            with self._reading:
+                if self._running and not self._answers.get(call_id):
+                    self._read()
 
     async def call_async(self, request: pb_utils.InferenceRequest, decoupled: bool = False) -> Any:
         loop = asyncio.get_running_loop()
@@ -133,7 +140,8 @@ class ModelCalls:
         if not self._reading.acquire(blocking=False):
             return  # a thread's exec() is reading: it hands the answers on
         try:
-            self._read()
+            if self._running:  # (else the stub's loop reads, and delivers it)
+                self._read()
         except (EOFError, OSError) as exc:  # the worker is gone: this process ends soon too
             for future in self._futures.values():
                 if not future.done():

@@ -173,7 +173,15 @@ class Stub:
                 request._response_sender = ResponseSender(stream[0], asked, self.calls, self.senders)
             requests.append(request)
         self.default_senders.start(requests)  # (before: a sender is made only while _model_calls is set)
-        pb_utils._model_calls = self.calls  # exec() works in execute only, as in Triton
+        pb_utils._model_calls = self.calls  # exec() works from execute on, as in Triton
+        try:
+            return self._execute(requests, payload)
+        finally:  # a decoupled model's threads, and its coroutines in the background, call models whenever
+            if not self.decoupled:  # they like, as Triton's stub lets them until finalize; any other model's
+                pb_utils._model_calls = None  # until its requests are answered (by its senders' threads too)
+
+    def _execute(self, requests: list[Any], payload: list[tuple[Any, ...]]
+                 ) -> list[tuple[str, Any, Any]] | None:
         try:
             responses = self.model.execute(requests)
             if self.decoupled and inspect.isawaitable(responses):
@@ -184,9 +192,6 @@ class Stub:
             if self.default_senders.batch is None:
                 raise
             return self.default_senders.batch.answers(None, f"execute failed: {_describe(exc)}", self.loop)
-        finally:
-            if not self.calls.read_by_stub:  # (else a coroutine in the background calls models whenever)
-                pb_utils._model_calls = None
         if self.decoupled:
             if responses is not None:
                 raise pb_utils.TritonModelException(RETURNED)
@@ -200,6 +205,7 @@ class Stub:
         return [_answer(r, asked) for r, (_, asked, *_) in zip(responses, payload)]
 
     def finalize(self, payload: Any) -> None:
+        pb_utils._model_calls = None  # (Triton's stub refuses calls once finalize begins)
         if self.model is not None and hasattr(self.model, "finalize"):
             self._await(self.model.finalize())
 

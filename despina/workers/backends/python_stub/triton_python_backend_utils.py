@@ -78,7 +78,9 @@ __all__ = [
 # -- the stub's state: set and read as pb_utils.<name>, by the stub and by the modules above -----------
 _model_name = ""  # set by the stub; Logger prefixes it
 _model_dir = ""  # set by the stub: the folder of the model's model.py
-_model_calls: Any = None  # set by the stub while execute runs (_despina_calls.ModelCalls): exec() uses it
+# set by the stub while execute runs and its requests wait for their senders (a decoupled model's: from its
+# first execute until finalize) (_despina_calls.ModelCalls): exec() uses it
+_model_calls: Any = None
 # set by the stub of a model that is not decoupled (_despina_senders.DefaultSenders): its requests' senders
 _default_senders: Any = None
 # the server's log settings (Triton's names: log_info, log_verbose_level, ...) as the worker last told the
