@@ -471,10 +471,26 @@ def test_wrong_number_of_responses_fails_every_request(tmp_path: Path) -> None:
     try:
         x = np.ones((1, 2), dtype=np.float32)
         results = backend.execute_requests([{"X": x}, {"X": x}], [["Y"], ["Y"]])  # type: ignore[attr-defined]
-        assert all(isinstance(r, DespinaError) and "1 responses for 2 requests" in r.message
-                   for r in results)
+        # Triton 2.51's words (after "model 'flaky': execute failed: ")
+        assert all(isinstance(r, DespinaError) and r.message.endswith(
+            "Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
+            "InferenceRequest(s) size is:2, and InferenceResponse(s) size is:1") for r in results), results
         one = backend.execute_requests([{"X": x}], [["Y", "BATCH"]])  # type: ignore[attr-defined]
         assert set(one[0]) == {"Y", "BATCH"}  # only what was asked comes back
+    finally:
+        backend.unload()  # type: ignore[attr-defined]
+
+
+def test_a_response_returned_outside_a_list_fails_in_tritons_words(tmp_path: Path) -> None:
+    source = FLAKY.replace("        return responses", "        return responses[0]")
+    backend = backend_for(write_model(tmp_path, "flaky", source, FLAKY_CONFIG))
+    backend.load()  # type: ignore[attr-defined]
+    try:
+        x = np.ones((1, 2), dtype=np.float32)
+        [result] = backend.execute_requests([{"X": x}], [["Y"]])  # type: ignore[attr-defined]
+        assert isinstance(result, DespinaError) and result.message == (
+            "model 'flaky': execute failed: Expected a list in the execute return, found type "
+            "'<class '_despina_requests.InferenceResponse'>'."), result
     finally:
         backend.unload()  # type: ignore[attr-defined]
 
@@ -795,7 +811,8 @@ def test_a_response_senders_misuse_fails_as_in_triton(tmp_path: Path) -> None:
         assert failed(returned, "execute failed: Unable to send response. Non-decoupled model cannot send "
                                 "more than one response.")
         neither, returned, sent = run(6, 0, 1)  # (as it fails where no request takes its sender)
-        assert failed(neither, "execute returned NoneType instead of an InferenceResponse")
+        assert failed(neither, "Expected an 'InferenceResponse' object in the execute function return list, "
+                               "found type '<class 'NoneType'>'.")
         assert returned["Y"].tolist() == [0] and sent["Y"].tolist() == [1]
         assert [r["Y"].tolist() for r in run(0, 7, 0)] == [[0], [7], [0]]  # and the model goes on
         later = tmp_path / "misuse" / "later.txt"

@@ -34,6 +34,17 @@ FINAL_FIRST = ("Unable to send response. Non-decoupled model cannot send complet
 CLOSED = "Unable to send response. Response sender has been closed."
 
 
+def wrong_return(returned: Any, count: int) -> str | None:
+    """What is wrong with execute's return for `count` requests, in Triton's words; None when it is one
+    response (or None) per request. (A tuple, which Triton refuses, is taken as a list.)"""
+    if not isinstance(returned, (list, tuple)):
+        return f"Expected a list in the execute return, found type '{type(returned)}'."
+    if len(returned) != count:
+        return ("Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
+                f"InferenceRequest(s) size is:{count}, and InferenceResponse(s) size is:{len(returned)}")
+    return None
+
+
 class DefaultSenders:
     """The senders of the batch a non-decoupled model's execute is running, made when a request asks."""
 
@@ -105,9 +116,8 @@ class SentResponses:
         the responses still to come, running `loop` meanwhile (an async model's tasks may send them)."""
         count = len(self._answers)
         if failure is None and returned is not None:
-            if not isinstance(returned, (list, tuple)) or len(returned) != count:
-                size = len(returned) if isinstance(returned, (list, tuple)) else type(returned).__name__
-                failure = f"execute failed: execute returned {size} responses for {count} requests"
+            wrong = wrong_return(returned, count)
+            failure = None if wrong is None else f"execute failed: {wrong}"
         listed = {} if failure is not None or returned is None else {
             i: self._convert(r, self._asked[i]) for i, r in enumerate(returned) if r is not None}
         with self._lock:

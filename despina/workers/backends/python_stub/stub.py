@@ -36,7 +36,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from _despina_calls import ModelCalls
 from _despina_metrics import start_reporting
-from _despina_senders import CLOSED, NO_RESPONSE, UNSUPPORTED_FLAG, DefaultSenders
+from _despina_senders import CLOSED, NO_RESPONSE, UNSUPPORTED_FLAG, DefaultSenders, wrong_return
 
 PARENT_CHECK_S = 1.0
 HERE = Path(__file__).resolve().parent  # the stub's and pb_utils' folder
@@ -198,10 +198,9 @@ class Stub:
             return None
         if self.default_senders.batch is not None:  # some requests answered through their senders
             return self.default_senders.batch.answers(responses, None, self.loop)
-        if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
-            count = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
-            raise pb_utils.TritonModelException(f"execute returned {count} responses for "
-                                                f"{len(requests)} requests")
+        wrong = wrong_return(responses, len(requests))
+        if wrong is not None:
+            raise pb_utils.TritonModelException(wrong)
         return [_answer(r, asked) for r, (_, asked, *_) in zip(responses, payload)]
 
     def finalize(self, payload: Any) -> None:
@@ -293,8 +292,9 @@ async def _awaited(awaitable: Any) -> Any:
 
 def _answer(response: Any, asked: Collection[str]) -> tuple[str, Any, Any]:
     if not isinstance(response, pb_utils.InferenceResponse):
-        return ("error", (pb_utils._named(f"execute returned {type(response).__name__} instead of an "
-                                          "InferenceResponse"), pb_utils.TritonError.INTERNAL), None)
+        return ("error", (pb_utils._named("Expected an 'InferenceResponse' object in the execute function "
+                                          f"return list, found type '{type(response)}'."),
+                          pb_utils.TritonError.INTERNAL), None)
     if response.has_error():
         error = response.error()
         return ("error", (str(error.message() if hasattr(error, "message") else error),
