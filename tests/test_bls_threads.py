@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,16 +56,24 @@ model_transaction_policy { decoupled: true }
 input [ { name: "N", data_type: TYPE_INT32, dims: [ 1 ] } ]
 output [ { name: "I", data_type: TYPE_INT32, dims: [ 1 ] } ]
 '''
+NAP = DOUBLE.replace("class TritonPythonModel:", "import time\n\n\nclass TritonPythonModel:").replace(
+    "    def execute(self, requests):", "    def execute(self, requests):\n        time.sleep(NAP_S)")
+NAP_S = 4.0
 # For each request, a thread started by execute (which returns at once) calls the models, WAYS of them at
 # once, and sends what they said as its one response, with the final flag.
 WORKER_THREADS = '''
 import json
 import threading
+import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
 def call(how, x):
+    if how == "nap":
+        request = pb_utils.InferenceRequest(model_name="nap", requested_output_names=["Y"],
+                                            inputs=[pb_utils.Tensor("X", np.array([x], np.float32))])
+        return request.exec().output_tensors()[0].as_numpy().tolist()
     if how == "stream":
         request = pb_utils.InferenceRequest(model_name="count", requested_output_names=["I"],
                                             inputs=[pb_utils.Tensor("N", np.array([x], np.int32))])
@@ -99,6 +109,8 @@ class TritonPythonModel:
             how = pb_utils.get_input_tensor_by_name(request, "HOW").as_numpy()[0].decode()
             ways = int(pb_utils.get_input_tensor_by_name(request, "WAYS").as_numpy()[0])
             threading.Thread(target=answer, args=(request.get_response_sender(), how, ways)).start()
+            if how == "nap":
+                time.sleep(0.5)  # its call goes while execute runs
         return None
 '''
 WORKER_THREADS_CONFIG = '''
@@ -111,7 +123,7 @@ output [ { name: "OUT", data_type: TYPE_STRING, dims: [ 1 ] } ]
 '''
 
 # Not decoupled: each request answered through its sender by a thread, after a call; execute returns None.
-SENDER_THREADS = WORKER_THREADS.replace("import threading", "import threading\nimport time").replace(
+SENDER_THREADS = WORKER_THREADS.replace(
     "def answer(sender, how, ways):", "def answer(sender, how, ways):\n    time.sleep(0.2)  # execute returned")
 SENDER_THREADS_CONFIG = WORKER_THREADS_CONFIG.replace('"worker_threads"', '"sender_threads"').replace(
     "model_transaction_policy { decoupled: true }\n", "")
@@ -124,8 +136,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
     write_model(root, "count", COUNT, COUNT_CONFIG)
     write_model(root, "worker_threads", WORKER_THREADS, WORKER_THREADS_CONFIG)
     write_model(root, "sender_threads", SENDER_THREADS, SENDER_THREADS_CONFIG)
+    write_model(root, "nap", NAP.replace("NAP_S", str(NAP_S)), DOUBLE_CONFIG.replace('"double"', '"nap"'))
     yield from module_server(root, tmp_path_factory, redis_url,
-                             ("double", "count", "worker_threads", "sender_threads"))
+                             ("double", "count", "worker_threads", "sender_threads", "nap"))
 
 
 def said(server: Server, how: str, ways: int) -> object:
@@ -154,6 +167,21 @@ def test_requests_keep_coming_while_threads_call_models(server: Server) -> None:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda ways: said(server, "exec", ways), [1, 2, 3, 2]))
     assert answers == [[[2.0 * (i + 1)] for i in range(ways)] for ways in [1, 2, 3, 2]]
+
+
+def test_a_thread_waiting_for_a_long_call_holds_up_no_other_request(server: Server) -> None:
+    """A thread waits for a call of nap (which sleeps 4 s), made while its execute ran; the requests
+    after it run and answer meanwhile, as in Triton. The thread used to read the process's connection
+    until its answer came, so the process could not answer that execute, and the requests after it
+    waited for nap too."""
+    order: list[str] = []
+    napping = threading.Thread(target=lambda: order.append(f"nap {said(server, 'nap', 1)}"))
+    napping.start()
+    time.sleep(1.0)  # (its thread is waiting for nap by now, the call made while its execute ran)
+    for _ in range(3):
+        order.append(f"exec {said(server, 'exec', 1)}")
+    napping.join()
+    assert order == ["exec [[2.0]]"] * 3 + ["nap [[2.0]]"]
 
 
 def test_a_models_thread_calls_a_model_before_it_answers_through_the_sender(server: Server) -> None:

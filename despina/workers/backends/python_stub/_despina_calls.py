@@ -30,6 +30,7 @@ import triton_python_backend_utils as pb_utils
 # ("ok", packed outputs[, response parameters]) or ("error", (message, TritonError code))
 Answer = tuple[Any, ...]
 HANDOVER_S = 0.05  # how often a call the stub's loop answers looks whether it must read for itself
+READ_S = 0.005  # how long a call reading for itself waits for a message, holding the connection
 
 
 class ModelCalls:
@@ -111,9 +112,12 @@ class ModelCalls:
                 if self.read_by_stub or not self._running:
                     self._arrived.wait(HANDOVER_S)  # (then looks again: an operation may have begun)
                     continue
-            with self._reading:
-                if self._running and not self._answers.get(call_id):
-                    self._read()
+            if self._reading.acquire(timeout=HANDOVER_S):
+                try:  # read only what has come: the loop waits for this lock when its operation ends
+                    if self._running and not self._answers.get(call_id) and self.conn.poll(READ_S):
+                        self._read()
+                finally:
+                    self._reading.release()
 
     async def call_async(self, request: pb_utils.InferenceRequest, decoupled: bool = False) -> Any:
         loop = asyncio.get_running_loop()
