@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -540,3 +541,58 @@ def test_trace_count_is_the_servers_across_its_gateways(tmp_path: Path, redis_ur
         c.close()
     finally:
         stop_server(served)
+
+
+def _tracer(tmp_path: Path, frequency: int, count: int = -1) -> object:
+    from despina.gateway.trace import Tracer
+
+    tracer = Tracer(str(tmp_path / "trace.json"))
+    tracer.follow({"global": {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": str(count),
+                              "log_frequency": str(frequency)}})
+    return tracer
+
+
+async def test_a_step_trace_opened_after_its_ensemble_ended_is_written_alone(tmp_path: Path) -> None:
+    """A gateway-run ensemble's step queued after the request ended (a decoupled step's branch whose next
+    model was woken after another response failed the run) re-opened its parent's holding list, which
+    nothing then emptied: the step's trace was never written and the list stayed for good."""
+    from despina.contract.records import InferReply
+
+    tracer: Any = _tracer(tmp_path, 1)
+    parent = tracer.begin("e", 1, "", time.time_ns())
+    first = tracer.child(parent, "a", 1)
+    tracer.ending(first, lambda _: None)(InferReply(""))
+    tracer.ending(parent, lambda _: None, computes=False)(InferReply(""))
+    late = tracer.child(parent, "b", 1)
+    tracer.ending(late, lambda _: None)(InferReply(""))
+    assert tracer._children == {}
+    parts = sorted(tmp_path.glob("trace.json.*"))
+    models = [[e["model_name"] for e in json.loads(p.read_text()) if "model_name" in e] for p in parts]
+    assert models == [["a", "e"], ["b"]]
+
+
+async def test_a_step_trace_waiting_for_the_claim_goes_with_its_ensemble(tmp_path: Path) -> None:
+    """A step's trace that ended while the server's trace_count claim was out waits for the claim's
+    callback; its ensemble's trace ending in a callback queued before that one went without it (two parts
+    where log_frequency 1 asks for one)."""
+    from despina.contract.records import InferReply
+
+    tracer: Any = _tracer(tmp_path, 1, count=10)
+    go = asyncio.Event()
+
+    async def claimer(counter: str, first: int) -> int:
+        await go.wait()
+        return 5
+
+    tracer.claimer = claimer
+    parent = tracer.begin("e", 1, "", time.time_ns())
+    step = tracer.child(parent, "a", 1)
+    tracer.ending(step, lambda _: None)(InferReply(""))  # the claim is out: its settling waits
+    end_parent = tracer.ending(parent, lambda _: None, computes=False)
+    go.set()  # the claim's task runs next, and as it ends it queues the step's settling...
+    asyncio.get_running_loop().call_soon(end_parent, InferReply(""))  # ...after the ensemble's end
+    for _ in range(100):
+        await asyncio.sleep(0)
+    parts = sorted(tmp_path.glob("trace.json.*"))
+    models = [[e["model_name"] for e in json.loads(p.read_text()) if "model_name" in e] for p in parts]
+    assert models == [["a", "e"]]

@@ -74,7 +74,7 @@ class _GatewayRun(Run):
     async def _after_wake(self, run: Run, step: Step, version: str | None) -> None:
         try:
             model, v = await self.gw.view.serving(step.model, version, run.left())
-            if not run.over:
+            if not run.over and not self.over:  # (a branch's run goes on after its request failed)
                 self._queue(run, step, model.spec, v)
         except DespinaError as exc:
             run.fail(run.named(step, exc))

@@ -88,6 +88,7 @@ class Trace:
     queued: int = 0  # QUEUE_START: the worker's queue time counts from there
     stamps: list[tuple[str, int]] = field(default_factory=list)
     tensors: list[tuple[str, Tensor]] = field(default_factory=list)  # (activity, tensor): level TENSORS
+    settled: bool = False  # Tracer._settled took it: a step's trace opened later goes alone
 
     def inputs(self, tensors: Sequence[Tensor]) -> None:
         """TENSOR_QUEUE_INPUT of each input, at level TENSORS."""
@@ -237,7 +238,8 @@ class Tracer:
         """The trace of an ensemble's step, as Triton's: a trace of its own (REQUEST_START now), with its
         parent's id and request_id, taken whenever its parent is (neither sampled nor counted)."""
         parent.of.open += 1
-        self._children.setdefault(parent.id, [])
+        if not parent.settled:
+            self._children.setdefault(parent.id, [])
         trace = Trace(next(self._ids), model, version, parent.request_id, parent.of, parent.id, parent.claim)
         trace.stamp("REQUEST_START")
         return trace
@@ -299,13 +301,18 @@ class Tracer:
                    for activity, t in trace.tensors]
         claim = trace.claim
         if claim is None or claim.done():
-            self._settled(trace, record)
+            if claim is not None and trace.id in self._children:
+                # its steps' traces wait for the claim's callbacks, which may not have run yet: after them
+                asyncio.get_running_loop().call_soon(self._settled, trace, record)
+            else:
+                self._settled(trace, record)
         else:  # (its claim is usually back long before it is answered)
             claim.add_done_callback(lambda _: self._settled(trace, record))
 
     def _settled(self, trace: Trace, record: list[dict[str, Any]]) -> None:
         """Keep a finished trace whose claim was granted (or that needed none)."""
         trace.of.open -= 1
+        trace.settled = True
         claim = trace.claim
         kept = claim is None or claim.cancelled() or claim.result()
         # as Triton's, a request's trace is one with its steps' child traces (which end first, and share
