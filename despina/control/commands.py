@@ -9,6 +9,8 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from redis.exceptions import RedisError
+
 from .. import clock
 from ..contract.catalog import LOADED, UNLOADED, CatalogEntry, retire, version_refused
 from ..contract.commands import INDEX, LOAD, UNLOAD, WAKE, Answer, Command
@@ -171,7 +173,12 @@ class Commands:
         """The files loads gave the model are removed but those its catalog entry loads from (all of them
         where it loads none): called where the entry is final, holding the model's turn."""
         e = self.plane.catalog.get(name)
-        await forget(self.plane.redis, self.plane.keys, name, e.path if e is not None and e.loaded else None)
+        keeping = e.path if e is not None and e.loaded else None
+        try:  # best effort: a Redis error here must not stand in for the load's own answer
+            await forget(self.plane.redis, self.plane.keys, name, keeping)
+        except (RedisError, OSError) as exc:  # left for the model's next load or unload to remove
+            log.warning("model %s: removing the files a load gave, which it no longer loads from, failed: %s",
+                        name, exc)
 
     def _given_cache(self) -> ArtifactCache:
         """Where the control plane reads a load's given files from (a local registry's plane has no cache)."""

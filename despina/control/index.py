@@ -29,16 +29,15 @@ class RepositoryIndex:
         """The index's rows (`ready` true: the READY ones only); the catalog's models when the registry
         cannot list its own, each row saying so."""
         plane = self.plane
-        names = set(plane.catalog.entries)
         note = plane.registration.error
         try:
             listed = set(await self._names())
-            # as Triton's, a model made only of a load's files (none of it in the repository) is not listed,
-            # loaded or not
-            names = listed | {n for n in names if given_digest(plane.catalog.entries[n].path) is None}
         except DespinaError as exc:
             note = exc.message
-            names |= set(plane.registration.names)
+            listed = set(plane.registration.names)  # the repository's models as last listed
+        # the catalog as it is after the listing (a poll may have taken a model out meanwhile); as Triton's,
+        # a model made only of a load's files (none of it in the repository) is not listed, loaded or not
+        names = listed | {n for n, e in plane.catalog.entries.items() if given_digest(e.path) is None}
         if note and not names:  # nothing to list: the answer is that the repository cannot be read
             raise Unavailable(f"the repository cannot be read: {note}")
         rows: list[dict[str, str]] = []
