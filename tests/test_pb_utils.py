@@ -325,3 +325,31 @@ def test_pb_utils_state_is_one_object_for_the_stub_and_its_private_modules(
     pb_utils.MetricFamily("state_shared", "d", pb_utils.GAUGE).Metric().set(1)
     assert pb_utils._metrics_changed is True
     assert "state_shared" in pb_utils._metric_families
+
+
+def test_a_call_waiting_when_the_stub_stops_reading_gets_an_error(pb_utils: ModuleType) -> None:
+    """A model's thread waiting for a call's answer when the stub's loop stopped reading (finalize, the
+    worker gone) waited forever: nothing read the pipe any more, and the call's deadline is the worker's.
+    Such a thread kept the model's process up until the worker killed it, 5 s into each unload."""
+    import threading
+    from multiprocessing import Pipe
+
+    sys.path.insert(0, str(STUB_FOLDER))
+    try:
+        calls_module = importlib.import_module("_despina_calls")
+    finally:
+        sys.path.remove(str(STUB_FOLDER))
+    ours, theirs = Pipe()
+    calls = calls_module.ModelCalls(ours)
+    calls.read_by_stub = True  # between operations: the loop reads (and here, reads nothing)
+    got: list[Any] = []
+    request = pb_utils.InferenceRequest(model_name="m", requested_output_names=["y"],
+                                        inputs=[pb_utils.Tensor("x", np.zeros(1, np.float32))])
+    thread = threading.Thread(target=lambda: got.append(calls.call(request)), daemon=True)
+    thread.start()
+    assert theirs.poll(5)  # the call went out, and waits for its answer
+    calls.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert got[0].has_error() and "no longer reads" in got[0].error().message()
+    assert got[0].error().code() == pb_utils.TritonError.UNAVAILABLE

@@ -47,6 +47,8 @@ class ModelCalls:
         self._arrived = threading.Condition()  # an answer for an exec() call came (read_by_stub)
         self.on_cancel: Any = None  # the stub's: a decoupled model's request whose client went away
         self._running = False  # the stub's loop runs an operation, and reads nothing meanwhile (poll())
+        self._ending = False  # the operation ended: the loop waits for the connection (threads let it go)
+        self._closed = False  # the loop stopped reading (finalized, or the worker is gone): no more answers
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -56,8 +58,18 @@ class ModelCalls:
         try:
             yield
         finally:
+            # threads reading for their calls let go of the connection at their next slice and take it no
+            # more (else, taking it back within microseconds, they kept the loop waiting slice after slice)
+            self._ending = True
             with self._reading:  # (a poll() reading just then ends first: the loop reads next)
                 self._running = False
+                self._ending = False
+
+    def close(self) -> None:
+        """The stub's loop reads no more: calls still waiting for answers get an error, not a wait forever."""
+        with self._arrived:
+            self._closed = True
+            self._arrived.notify_all()
 
     def poll(self) -> None:
         """Read what the worker sent while the stub's loop runs an operation, when nobody else reads:
@@ -109,12 +121,17 @@ class ModelCalls:
                 answers = self._answers.get(call_id)
                 if answers:
                     return answers.pop(0)
-                if self.read_by_stub or not self._running:
+                if self._closed:
+                    return "last", ("error", ("the model's process no longer reads the worker's answers (it "
+                                              "was finalized, or the worker is gone)",
+                                              pb_utils.TritonError.UNAVAILABLE))
+                if self.read_by_stub or not self._running or self._ending:
                     self._arrived.wait(HANDOVER_S)  # (then looks again: an operation may have begun)
                     continue
             if self._reading.acquire(timeout=HANDOVER_S):
                 try:  # read only what has come: the loop waits for this lock when its operation ends
-                    if self._running and not self._answers.get(call_id) and self.conn.poll(READ_S):
+                    if self._running and not self._ending and not self._answers.get(call_id) \
+                            and self.conn.poll(READ_S):
                         self._read()
                 finally:
                     self._reading.release()
@@ -171,7 +188,8 @@ class ModelCalls:
         future = self._futures.get(call_id)
         if future is not None:
             if more:
-                self._parts[call_id].append(answer[1])
+                if (parts := self._parts.get(call_id)) is not None:  # (its caller may have just gone)
+                    parts.append(answer[1])
             else:
                 future.get_loop().call_soon_threadsafe(_settle, future, answer)
         elif call_id in self._waiting:

@@ -58,11 +58,13 @@ def main() -> None:
             op, payload = conn.recv()
         except (EOFError, OSError):
             break
-        if op == "bls":  # the answer to a call of a coroutine running in the background (else dropped)
-            stub.calls.deliver(op, payload)
-            continue
-        if op in ("cancel", "logging"):  # a decoupled model's request whose client went away, or the
-            stub.calls.deliver(op, payload)  # server's log settings (before a call): nothing to answer
+        # the answer to a call of a model's thread or background coroutine (else dropped); a decoupled
+        # model's request whose client went away; the server's log settings: nothing to answer
+        if op in ("bls", "cancel", "logging"):
+            try:
+                stub.calls.deliver(op, payload)
+            except Exception as exc:  # (the model's cancel handling, say) this process goes on serving
+                print(f"delivering the worker's {op!r} message failed: {_describe(exc)}", file=sys.stderr)
             continue
         try:
             if op not in OPERATIONS:
@@ -79,6 +81,7 @@ def main() -> None:
             stub.calls.send(("error", f"cannot send the answer of {op}: {exc}"))
         if op == "finalize":
             break
+    stub.calls.close()  # a model's thread still waiting for a call's answer gets an error, not a wait forever
 
 
 def _exit_with_parent(parent: int) -> None:
