@@ -158,8 +158,9 @@ def read_file(folder: Path, path: str, where: str) -> bytes:
         fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ENOENT and target.is_symlink():
-            raise ConfigError(f"{where}: {path} is a symbolic link to '{os.readlink(target)}', which "
-                              "does not exist") from None
+            shown = os.fsencode(os.readlink(target)).decode("utf-8", "backslashreplace")  # (text, whatever)
+            raise ConfigError(f"{where}: {path} is a symbolic link to '{shown}', which does not exist"
+                              ) from None
         raise ConfigError(f"{where}: {path} cannot be read: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as file:
         mode = os.fstat(fd).st_mode

@@ -115,8 +115,13 @@ class Catalog:
             self._dirty, self._removed, self._mark = set(), set(), False
             args: list[bytes | str | int] = [self.holder, int(mark), secrets.randbits(48), GENERATION_TTL_MS,
                                              self.keys.events, len(dirty)]
-            for name in dirty:
-                args += [name, self.entries[name].dumps()]
+            for name in list(dirty):
+                try:
+                    args += [name, self.entries[name].dumps()]
+                except (TypeError, ValueError) as exc:  # (text that is not UTF-8): the others are written
+                    log.error("control: model %s's state cannot be written, left out: %s", name, exc)
+                    dirty.discard(name)
+                    args[5] = len(dirty)
             args += list(removed)
             try:
                 keys = self.keys

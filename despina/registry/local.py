@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,6 +13,8 @@ from pathlib import Path
 from ..contract.errors import ConfigError, InvalidArgument
 from .base import FileInfo, ModelFiles, Progress, Registry, check_relative
 
+log = logging.getLogger("despina.registry")
+_told: set[str] = set()  # what the listing left out, said once each
 
 class LocalRegistry(Registry):
     remote = False
@@ -25,7 +29,8 @@ class LocalRegistry(Registry):
 
     def names(self) -> list[str]:
         self._check()
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.is_dir() and not p.name.startswith(".") and _utf8(p))
 
     def scan(self) -> dict[str, ModelFiles]:
         return {name: self._files(name) for name in self.names()}
@@ -41,18 +46,21 @@ class LocalRegistry(Registry):
         # changes when the files behind it do
         for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
             dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"
-                           and not _loops(Path(dirpath) / d, folder)]
+                           and _utf8(Path(dirpath) / d) and not _loops(Path(dirpath) / d, folder)]
             for filename in filenames:
-                if filename.startswith("."):
-                    continue
                 path = Path(dirpath) / filename
+                if filename.startswith(".") or not _utf8(path):
+                    continue
                 try:
                     st = path.stat()
                 except OSError:  # removed while we looked
                     continue
                 rel = path.relative_to(folder).as_posix()
+                if not stat.S_ISREG(st.st_mode):  # a FIFO would hang whoever reads it: the poll, a worker
+                    _leave_out(f"{self.root}/{name}/{rel}", "it is not a regular file")
+                    continue
                 files.append(FileInfo(rel, st.st_size, local_etag(st)))
-        tops = tuple(sorted(p.name for p in folder.iterdir() if p.is_dir()))
+        tops = tuple(sorted(p.name for p in folder.iterdir() if p.is_dir() and _utf8(p)))
         return ModelFiles(name, str(folder.resolve()), tuple(sorted(files)), tops)
 
     def folder(self, model: ModelFiles, versions: Iterable[int], also: Iterable[str] = ()) -> Path:
@@ -91,6 +99,23 @@ class LocalRegistry(Registry):
             progress(source.stat().st_size)
         st = target.stat()
         return FileInfo(path, st.st_size, local_etag(st))
+
+
+def _utf8(path: Path) -> bool:
+    """Whether the name is text (UTF-8): another one could not be a model's, a file's or a folder's name in
+    the catalog, the cache or Redis (the whole model stayed unread, its poll failing every round)."""
+    try:
+        path.name.encode()
+    except UnicodeEncodeError:
+        _leave_out(os.fsencode(path).decode("utf-8", "backslashreplace"), "its name is not UTF-8")
+        return False
+    return True
+
+
+def _leave_out(what: str, why: str) -> None:
+    if what not in _told:
+        _told.add(what)
+        log.warning("model repository: %s is left out: %s", what, why)
 
 
 def _loops(path: Path, top: Path) -> bool:
