@@ -97,3 +97,23 @@ def test_version_0_serves_as_in_triton(serve: Callable[..., Server], tmp_path: P
     assert httpx.get(f"{server.url}/v2/models/only0/versions/0/ready").status_code == 200
     stats = httpx.get(f"{server.url}/v2/models/m/versions/0/stats").json()["model_stats"]
     assert [(s["version"], s["inference_count"] >= 1) for s in stats] == [("0", True)], stats
+    # the status page's rows: version 0 is a version (0 stood for "no version" there, shown as "-")
+    page = httpx.get(server.metrics_url.removesuffix("/metrics") + "/status.json", timeout=30).json()
+    shown = {(m["name"], m["version"]) for m in page["models"]}
+    assert {("m", 0), ("m", 1), ("only0", 0)} <= shown, shown
+
+
+def test_the_status_page_shows_a_model_without_versions_as_none() -> None:
+    """A model with no version (one that failed to load) had a row as version 0, which version 0 now is:
+    its row read version 0's statistics, and the page showed a real version 0 as "-" (`0 || "-"`)."""
+    from despina.contract.keys import Keys
+    from despina.control.repository import unavailable
+    from despina.control.status import StatusTracker
+    from despina.control.status_page import HTML
+
+    tracker = StatusTracker(None, Keys("t"))  # type: ignore[arg-type]  # (snapshot reads no Redis)
+    tracker.catalog = {"m": unavailable("m", "broken")}
+    tracker.samples.append((0.0, {"m:0": {"success_count": 5}}))
+    (row,) = tracker.snapshot()["models"]
+    assert (row["version"], row["success"]) == (None, 0), row
+    assert '${m.version ?? "-"}' in HTML

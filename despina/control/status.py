@@ -58,11 +58,12 @@ class StatusTracker:
         rate_base, recent_base = self._since(RATE_S), self._since(RECENT_S)
         models = []
         for name, entry in sorted(self.catalog.items()):
-            for version in entry.versions or (0,):
+            for version in entry.versions or (-1,):  # -1: a row for a model with no version (0 is one)
                 key = f"{name}:{version}"
                 stats = current.get(key, {})
                 models.append({
-                    "name": name, "version": version, "state": entry.state, "target": entry.target,
+                    "name": name, "version": version if version >= 0 else None, "state": entry.state,
+                    "target": entry.target,
                     "reason": entry.failed.get(version) or entry.reason, "versions": list(entry.versions),
                     "ensemble": is_ensemble(entry.config), "failed": version in entry.failed,
                     # an ensemble's: the workers that run it themselves (none: gateways chain its steps)

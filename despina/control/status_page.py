@@ -45,7 +45,7 @@ async function refresh() {
     document.getElementById("models").innerHTML = s.models.map(m => {
       const state = m.state !== "READY" ? m.state : m.ensemble ? (m.failed ? "UNAVAILABLE" : "ensemble")
         : (m.workers.length ? "READY" : m.target);
-      return `<tr><td>${esc(m.name)}</td><td>${m.version || "-"}</td>
+      return `<tr><td>${esc(m.name)}</td><td>${m.version ?? "-"}</td>
         <td><span class="state ${esc(state)}">${esc(state)}</span>
         ${m.reason ? `<div class="err">${esc(m.reason)}</div>` : ""}</td>
         <td>${m.workers.map(esc).join("<br>") || (m.ensemble ? "gateways" : "-")}</td><td class="n">${m.queue}</td>
