@@ -257,3 +257,16 @@ def test_a_binary_bytes_input_that_does_not_frame_says_which_input(data: bytes, 
     with pytest.raises(InvalidArgument) as caught:
         decode_infer(header + data, len(header), spec)
     assert words in caught.value.message
+
+
+def test_a_syntax_error_on_a_line_with_a_latin1_comment_is_named_as_the_syntax_error() -> None:
+    """A Latin-1 comment is read (as Triton's parser skips a comment's bytes); a mistake on its line was
+    blamed on the comment's byte ("config.pbtxt is not UTF-8 text"), sending the user to the one thing
+    that was fine."""
+    from despina.contract.errors import ConfigError
+    from despina.contract.modelconfig import parse_text
+
+    with pytest.raises(ConfigError, match='has no field named "max_batch_siz"'):
+        parse_text("m", b'name: "m"\nmax_batch_siz: 4  # caf\xe9\n')
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(line 2, byte 30\)"):  # a value's byte still is
+        parse_text("m", b'name: "m"\nmax_batch_size: "caf\xe9"  # caf\xe9\n')

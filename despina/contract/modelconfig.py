@@ -90,12 +90,26 @@ def _first_bad_byte(raw: bytes, line: int | None) -> int | None:
     lines = raw.split(b"\n")
     start, text = 0, raw
     if line and line <= len(lines):
-        start, text = sum(len(x) + 1 for x in lines[:line - 1]), lines[line - 1]
+        start, text = sum(len(x) + 1 for x in lines[:line - 1]), _code(lines[line - 1])
     try:
         text.decode("utf-8")
     except UnicodeDecodeError as exc:
         return start + exc.start
     return None
+
+
+def _code(line: bytes) -> bytes:
+    """A line without its comment (a `#` outside quotes): a comment's bytes are not the parser's trouble."""
+    quote = 0
+    for i, byte in enumerate(line):
+        if quote:
+            if byte == quote and line[i - 1:i] != b"\\":
+                quote = 0
+        elif byte in b"\"'":
+            quote = byte
+        elif byte == ord("#"):
+            return line[:i]
+    return line
 
 
 def parse_json(model: str, config: dict[str, Any]) -> Any:
