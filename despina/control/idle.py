@@ -22,6 +22,7 @@ from .. import clock
 from ..contract.catalog import IDLE, LOADED, CatalogEntry
 from ..contract.ensemble import called_by, is_ensemble
 from ..contract.keys import Keys
+from ..contract.sequence import DEFAULT_IDLE_US
 from ..settings import Settings
 from ..workers.stats import COLD_START_BUCKETS_S
 from .repository import parameter
@@ -48,11 +49,18 @@ class Idle:
         self._serving: set[str] = set()             # loaded models the last check saw serving
 
     def timeout(self, e: CatalogEntry) -> float:
+        """How long the model goes without a request before it is unloaded (0: never). A stateful model's
+        worker keeps each sequence's state until it idles out (max_sequence_idle_microseconds after its last
+        request): its timeout runs on that long, so that no unload drops a sequence that may go on."""
         raw = parameter(e.config, "idle_timeout_s")
         try:
-            return float(raw) if raw else self.settings.idle_timeout_s
+            timeout = float(raw) if raw else self.settings.idle_timeout_s
         except ValueError:
-            return self.settings.idle_timeout_s
+            timeout = self.settings.idle_timeout_s
+        sequences = e.config.get("sequence_batching")
+        if timeout > 0 and sequences is not None:
+            timeout += int(sequences.get("max_sequence_idle_microseconds") or DEFAULT_IDLE_US) / 1e6
+        return timeout
 
     def woken(self, e: CatalogEntry) -> None:
         """The model is made to load: a cold start when it was scaled to zero; its idle clock starts."""

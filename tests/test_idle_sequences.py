@@ -1,0 +1,65 @@
+"""Scale-to-zero and stateful models: a model whose sequences keep their state in its worker is not
+unloaded while a sequence may still be running there (within max_sequence_idle_microseconds of its last
+request), so the next request of that sequence meets its state rather than a 400 blaming the client."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .conftest import Server
+from .test_sequence import CONTROLS, SUMS
+
+# a running sum per sequence; its sequences idle out after 6 s, its model after 1 s without requests
+STATEFUL = f"""
+name: "sums"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "x" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "sum" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+sequence_batching {{
+  max_sequence_idle_microseconds: 6000000
+  {CONTROLS}
+  direct {{ }}
+}}
+parameters {{ key: "idle_timeout_s" value: {{ string_value: "1" }} }}
+"""
+
+
+def add(server: Server, x: float, start: bool = False, end: bool = False) -> httpx.Response:
+    parameters: dict[str, Any] = {"sequence_id": 7, "sequence_start": start, "sequence_end": end}
+    return httpx.post(f"{server.url}/v2/models/sums/infer", timeout=30, json={"parameters": parameters, "inputs": [
+        {"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [x]}]})
+
+
+def index_row(server: Server) -> dict[str, Any]:
+    rows = httpx.post(f"{server.url}/v2/repository/index").json()
+    return next(r for r in rows if r["name"] == "sums")  # type: ignore[no-any-return]
+
+
+def test_a_stateful_model_stays_loaded_while_its_sequence_may_go_on(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "sums" / "1").mkdir(parents=True)
+    (repo / "sums" / "1" / "model.py").write_text(SUMS)
+    (repo / "sums" / "config.pbtxt").write_text(STATEFUL)
+    server = serve(repo, wait_models=("sums",))
+    first = add(server, 1.0, start=True)
+    assert first.status_code == 200, first.text
+    time.sleep(3.5)  # past the idle timeout (1 s) and two lifecycle checks, within the sequence's 6 s
+    assert index_row(server)["state"] == "READY"
+    r = add(server, 2.0)
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["data"] == [3.0]  # the sequence's state, not a fresh one
+    assert add(server, 4.0, end=True).json()["outputs"][0]["data"] == [7.0]
+    # and with no sequence left it scales to zero, and comes back for the next one
+    deadline = time.monotonic() + 30
+    while index_row(server).get("state") == "READY":
+        assert time.monotonic() < deadline, "sums was never scaled to zero"
+        time.sleep(0.2)
+    assert index_row(server)["reason"].startswith("idle")
+    r = add(server, 5.0, start=True, end=True)
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [5.0]
