@@ -1,6 +1,7 @@
-"""Scale-to-zero and stateful models: a model whose sequences keep their state in its worker is not
-unloaded while a sequence may still be running there (within max_sequence_idle_microseconds of its last
-request), so the next request of that sequence meets its state rather than a 400 blaming the client."""
+"""Scale-to-zero and what a request finds: a stateful model is not unloaded while a sequence may still be
+running in its worker (within max_sequence_idle_microseconds of its last request), so the next request of
+that sequence meets its state rather than a 400 blaming the client; and a request that the model's
+metadata refuses is refused at once, without a cold start for it."""
 from __future__ import annotations
 
 import time
@@ -63,3 +64,36 @@ def test_a_stateful_model_stays_loaded_while_its_sequence_may_go_on(
     assert index_row(server)["reason"].startswith("idle")
     r = add(server, 5.0, start=True, end=True)
     assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [5.0]
+
+
+def test_a_request_its_model_refuses_wakes_no_model_scaled_to_zero(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """The gateway knows a model scaled to zero (its metadata answers): a request with an input the model
+    lacks, or a stateful model's request without a sequence, was refused only after a cold start, so its
+    caller waited the load (with a load longer than its deadline, 503 "did not load" named the wrong
+    cause) and a worker loaded the model for nothing."""
+    repo, hold = tmp_path / "repo", tmp_path / "hold"
+    (repo / "sums" / "1").mkdir(parents=True)
+    (repo / "sums" / "1" / "model.py").write_text(SUMS.replace(
+        "    def initialize(self, args):\n", "    def initialize(self, args):\n        import os, time\n"
+        f"        while os.path.exists({str(hold)!r}):\n            time.sleep(0.05)\n"))
+    (repo / "sums" / "config.pbtxt").write_text(STATEFUL.replace("6000000", "100000"))
+    server = serve(repo, "--request-timeout", "3", wait_models=("sums",))
+    deadline = time.monotonic() + 30
+    while index_row(server).get("state") == "READY":
+        assert time.monotonic() < deadline, "sums was never scaled to zero"
+        time.sleep(0.2)
+    hold.touch()  # from now on a cold start cannot end
+    url = f"{server.url}/v2/models/sums/infer"
+    unknown = httpx.post(url, timeout=30, json={"parameters": {"sequence_id": 1, "sequence_start": True},
+                                                "inputs": [{"name": "q", "shape": [1, 1], "datatype": "FP32",
+                                                            "data": [1.0]}]})
+    assert unknown.status_code == 400 and "has no input 'q'" in unknown.text, unknown.text
+    no_sequence = httpx.post(url, timeout=30, json={"inputs": [
+        {"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]})
+    assert no_sequence.status_code == 400 and "correlation ID" in no_sequence.text, no_sequence.text
+    row = index_row(server)
+    assert row["state"] == "UNAVAILABLE" and row["reason"].startswith("idle"), row  # not woken
+    hold.unlink()
+    r = add(server, 5.0, start=True, end=True)
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [5.0], r.text

@@ -45,13 +45,12 @@ from .infer import (
     Route,
     answering,
     fail,
-    sequence_of,
     submit,
 )
 from .jsondata import json_data_to_bytes, nonfinite_json
 from .models import Model
 from .v2 import MAX_ELEMENTS
-from .v2_fields import check_count
+from .v2_fields import check_count, sequence_of
 
 if TYPE_CHECKING:
     from .app import Gateway

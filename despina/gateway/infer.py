@@ -18,7 +18,6 @@ from ..contract.ensemble import PLATFORM
 from ..contract.errors import Code, DeadlineExceeded, DespinaError, InvalidArgument, ReplyError, Unavailable
 from ..contract.modelspec import ModelSpec
 from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Parameters, Tensor
-from ..contract.sequence import optional_sequence, passed_sequence, request_sequence
 from ..response_cache import cache_key, through
 from . import ensemble, http
 from .classification import classify
@@ -28,7 +27,7 @@ from .grouping import group_rows
 from .http import Headers, Receive, Scope, Send
 from .models import Model, NotLoaded
 from .v2 import decode_infer
-from .v2_fields import schedule_parameters
+from .v2_fields import int_header, schedule_parameters, sequence_of
 from .v2_reply import encode_infer
 from .waiters import Result
 
@@ -66,6 +65,11 @@ class Route:
         try:
             model, version = self.gateway.view.resolve(ex.params["model"], ex.params.get("version"))
         except NotLoaded:  # the one path that waits before queueing: a task, like any slow path
+            try:  # a request its model refuses wakes nobody: its caller hears why at once, not after a load
+                self.check(ex, self.gateway.view.get(ex.params["model"]))
+            except DespinaError as exc:
+                fail(ex, exc, trace)
+                return
             task = asyncio.ensure_future(self._after_wake(ex, trace))
             self._wakes.add(task)
             task.add_done_callback(self._wakes.discard)
@@ -86,6 +90,9 @@ class Route:
             return
         # the wait for the model counts: the request has what is left of its timeout, not a new one
         self._queue(ex, model, version, trace, max(woken_by - time.monotonic(), 0.001))
+
+    def check(self, ex: Exchange, model: Model) -> None:
+        """Refuse, before its model is woken, a request that the model's metadata refuses."""  # (none)
 
     decoupled = False  # whether it takes a decoupled model's several responses to a request
     streams_at = ".../generate_stream"  # where a decoupled model's several responses can be had
@@ -148,6 +155,12 @@ class InferRoute(Route):
         # a large request is not kept twice over while its answer is awaited
         ex.body, decoded.inputs = b"", []
 
+    def check(self, ex: Exchange, model: Model) -> None:
+        spec, gw = model.spec, self.gateway
+        decoded = decode_infer(ex.body, self.header_length(ex), spec, gw.settings.max_tensor_elements, gw.shm)
+        schedule_parameters(decoded.parameters)
+        sequence_of(spec, decoded.parameters)
+
     def answered_as(self, ex: Exchange, spec: ModelSpec) -> str:
         """The model's name in the answer: its own."""
         return spec.name
@@ -155,7 +168,7 @@ class InferRoute(Route):
     def header_length(self, ex: Exchange) -> int | None:
         """The JSON header's length in a body with binary tensors (None: the body is all JSON)."""
         raw = http.header(ex.headers, b"inference-header-content-length")
-        return _int_header(raw) if raw is not None else None
+        return int_header(raw) if raw is not None else None
 
     @staticmethod
     def respond(ex: Exchange, out: bytes, json_length: int | None, echo: Headers) -> None:
@@ -229,23 +242,6 @@ def fail(ex: Exchange, exc: DespinaError, trace: bytes | None, status: int | Non
     if trace:
         extra = [*extra, (b"x-request-id", trace)]
     ex.respond(status, body, content_type, extra)
-
-
-def _int_header(raw: bytes) -> int:
-    digits = raw[1:] if raw[:1] == b"-" else raw
-    if not digits.isdigit():  # ASCII digits only: int() would also take "1_0", "+5" and spaces
-        raise InvalidArgument("Inference-Header-Content-Length must be an integer")
-    return int(raw)
-
-
-def sequence_of(spec: ModelSpec, parameters: dict[str, object]) -> tuple[int | str, int] | None:
-    """The sequence a request names in its parameters: required by a stateful model, carried through an
-    ensemble to its stateful steps, handed as it is to the rest (as Triton hands it to every model)."""
-    if spec.sequence:
-        return request_sequence(parameters, spec.name)
-    if spec.platform == PLATFORM:
-        return optional_sequence(parameters, spec.name)
-    return passed_sequence(parameters)
 
 
 def submit(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], outputs: tuple[str, ...],

@@ -9,9 +9,11 @@ from typing import Any
 import orjson
 
 from ..contract.datatypes import V2_TO_NUMPY, element_count, to_numpy
+from ..contract.ensemble import PLATFORM
 from ..contract.errors import InvalidArgument
 from ..contract.modelspec import ModelSpec, check_datatype, check_shape, known_input, known_output
 from ..contract.records import NO_PARAMETERS, Parameters, Tensor
+from ..contract.sequence import optional_sequence, passed_sequence, request_sequence
 from .jsondata import json_data_to_bytes
 from .shm import Region, Registry, ShmOutput
 
@@ -216,3 +218,21 @@ def schedule_parameters(parameters: dict[str, object]) -> tuple[int, int]:
             raise InvalidArgument(f"parameter '{name}' must be a non-negative integer")
         values.append(value)
     return values[0], values[1]
+
+
+def sequence_of(spec: ModelSpec, parameters: dict[str, object]) -> tuple[int | str, int] | None:
+    """The sequence a request names in its parameters: required by a stateful model, carried through an
+    ensemble to its stateful steps, handed as it is to the rest (as Triton hands it to every model)."""
+    if spec.sequence:
+        return request_sequence(parameters, spec.name)
+    if spec.platform == PLATFORM:
+        return optional_sequence(parameters, spec.name)
+    return passed_sequence(parameters)
+
+
+def int_header(raw: bytes) -> int:
+    """Inference-Header-Content-Length as a number (400 when it is not one)."""
+    digits = raw[1:] if raw[:1] == b"-" else raw
+    if not digits.isdigit():  # ASCII digits only: int() would also take "1_0", "+5" and spaces
+        raise InvalidArgument("Inference-Header-Content-Length must be an integer")
+    return int(raw)
