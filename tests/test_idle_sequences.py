@@ -92,6 +92,10 @@ def test_a_request_its_model_refuses_wakes_no_model_scaled_to_zero(
     no_sequence = httpx.post(url, timeout=30, json={"inputs": [
         {"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]})
     assert no_sequence.status_code == 400 and "correlation ID" in no_sequence.text, no_sequence.text
+    fn = httpx.post(f"{server.url}/fn/sums", timeout=30, json={"x": [1.0]})  # /fn names no sequence
+    assert fn.status_code == 400 and "stateful" in fn.text, fn.text
+    generate = httpx.post(f"{server.url}/v2/models/sums/generate", timeout=30, json={"x": [1.0]})
+    assert generate.status_code == 400 and "correlation ID" in generate.text, generate.text
     row = index_row(server)
     assert row["state"] == "UNAVAILABLE" and row["reason"].startswith("idle"), row  # not woken
     hold.unlink()

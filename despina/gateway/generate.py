@@ -77,6 +77,10 @@ class GenerateRoute(Route):
         super().__init__(gateway)
         self.stream = stream
 
+    def check(self, ex: Exchange, model: Model) -> None:
+        spec = model.spec
+        sequence_of(spec, decode_generate(ex.body, spec, self.gateway.settings.max_tensor_elements)[1])
+
     def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
               timeout: float | None) -> None:
         spec = model.spec

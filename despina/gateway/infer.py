@@ -189,13 +189,19 @@ class InferRoute(Route):
 class FunctionRoute(Route):
     """POST /fn/{model}: plain JSON in, plain JSON out."""
 
-    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
-              timeout: float | None) -> None:
+    def check(self, ex: Exchange, model: Model) -> None:
+        self.decode(ex, model)
+
+    def decode(self, ex: Exchange, model: Model) -> tuple[list[Tensor], bool]:
         refuse_stateful(self.gateway.view.models, model)
         try:
-            tensors, squeeze = decode_fn(ex.body, model.spec, self.gateway.settings.max_tensor_elements)
+            return decode_fn(ex.body, model.spec, self.gateway.settings.max_tensor_elements)
         except InvalidArgument as exc:
             raise form_hint(exc, http.header(ex.headers, b"content-type")) from None
+
+    def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
+              timeout: float | None) -> None:
+        tensors, squeeze = self.decode(ex, model)
         echo = [(b"x-request-id", trace)] if trace else []
 
         def answer(reply: InferReply) -> None:
