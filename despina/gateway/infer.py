@@ -66,7 +66,8 @@ class Route:
             model, version = self.gateway.view.resolve(ex.params["model"], ex.params.get("version"))
         except NotLoaded:  # the one path that waits before queueing: a task, like any slow path
             try:  # a request its model refuses wakes nobody: its caller hears why at once, not after a load
-                self.check(ex, self.gateway.view.get(ex.params["model"]))
+                if (asleep := self.gateway.view.get(ex.params["model"])).spec is not None:
+                    self.check(ex, asleep)
             except DespinaError as exc:
                 fail(ex, exc, trace)
                 return
