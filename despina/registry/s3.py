@@ -178,20 +178,31 @@ class S3Registry(Registry):
 
     def scan(self) -> dict[str, ModelFiles]:
         root = self._key("") + "/" if self.prefix else ""
-        grouped: dict[str, list[FileInfo]] = {}
+        grouped: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         for obj in self._objects(root):
-            rel = obj["Key"][len(root):]
-            name, _, path = rel.partition("/")
-            if not path or path.endswith("/") or name.startswith("."):
-                continue  # a "folder" marker, or a file beside the model folders
-            grouped.setdefault(name, []).append(FileInfo(path, int(obj["Size"]), obj["ETag"].strip('"')))
-        return {n: ModelFiles(n, self.model_url(n), tuple(sorted(fs))) for n, fs in sorted(grouped.items())}
+            name, _, path = obj["Key"][len(root):].partition("/")
+            if path and not name.startswith("."):  # else a model folder's own marker, or a file beside them
+                grouped.setdefault(name, []).append((path, obj))
+        found = {n: self._model(n, listed) for n, listed in sorted(grouped.items())}
+        return {n: m for n, m in found.items() if m is not None}
 
     def scan_one(self, name: str) -> ModelFiles | None:
         root = self._key(name) + "/"
-        files = [FileInfo(obj["Key"][len(root):], int(obj["Size"]), obj["ETag"].strip('"'))
-                 for obj in self._objects(root) if not obj["Key"].endswith("/")]
-        return ModelFiles(name, self.model_url(name), tuple(sorted(files))) if files else None
+        return self._model(name, [(obj["Key"][len(root):], obj) for obj in self._objects(root)])
+
+    def _model(self, name: str, listed: Iterable[tuple[str, dict[str, Any]]]) -> ModelFiles | None:
+        """A model folder from its keys (paths inside it): its files, and its top folders, a marker's
+        ('2/', S3 console's "Create folder") too: an empty version folder (an ensemble's) is a version, as
+        in Triton's S3 and on disk. None when it holds no file."""
+        files, folders = [], set()
+        for path, obj in listed:
+            if "/" in path:
+                folders.add(path.partition("/")[0])
+            if path and not path.endswith("/"):
+                files.append(FileInfo(path, int(obj["Size"]), obj["ETag"].strip('"')))
+        if not files:
+            return None
+        return ModelFiles(name, self.model_url(name), tuple(sorted(files)), tuple(sorted(folders)))
 
     def folder(self, model: ModelFiles, versions: Iterable[int], also: Iterable[str] = ()) -> Path:
         return self.fetch(model.name, model.of_versions(versions, also))

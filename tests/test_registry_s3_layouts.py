@@ -1,0 +1,59 @@
+"""S3 repositories laid out by other tools, against a real SeaweedFS: the folder markers (zero-byte keys
+ending in '/') that the S3 console's "Create folder" and s3fs make, and file names that need escaping."""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from despina.control.repository import read_model
+from despina.registry import ArtifactCache, LocalRegistry
+from despina.registry.s3 import S3Registry
+
+from .seaweed import BUCKET, Weed
+
+ENSEMBLE = """name: "pipe"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 256 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 10 ] } ]
+ensemble_scheduling { step [ { model_name: "mlp" model_version: -1 input_map { key: "x" value: "x" }
+  output_map { key: "y" value: "y" } } ] }
+"""
+
+
+def put(weed: Weed, root: str, layout: dict[str, bytes]) -> None:
+    client = weed.client()
+    for key, body in layout.items():
+        client.put_object(Bucket=BUCKET, Key=f"{root}/{key}", Body=body)
+
+
+def on_disk(root: Path, layout: dict[str, bytes]) -> LocalRegistry:
+    """The same layout as a local repository: a marker is an empty folder."""
+    for key, body in layout.items():
+        if key.endswith("/"):
+            (root / key).mkdir(parents=True, exist_ok=True)
+        else:
+            (root / key).parent.mkdir(parents=True, exist_ok=True)
+            (root / key).write_bytes(body)
+    return LocalRegistry(root)
+
+
+def test_a_version_folder_made_by_a_folder_marker_is_a_version(s3_env: Weed, tmp_path: Path) -> None:
+    """An ensemble's version folder holds nothing; in S3 the console's "Create folder" makes it a marker
+    key ('pipe/2/'). Despina dropped markers, so the ensemble served version 1 (a request for version 2:
+    404) where Triton's S3 (a directory is any key under 'pipe/2/', the marker too), and Despina on disk
+    (an empty folder), serve version 2. Triton 2.51 on the same store took a marker-only '2/' of a
+    Python model for its version 2 as well."""
+    prefix = uuid.uuid4().hex[:10]
+    layout = {"pipe/": b"", "pipe/config.pbtxt": ENSEMBLE.encode(), "pipe/2/": b"",
+              "mlp/config.pbtxt": b'backend: "onnxruntime"', "mlp/1/model.onnx": b"x", "mlp/3/": b""}
+    put(s3_env, prefix, layout)
+    s3 = S3Registry(s3_env.url(prefix), s3_env.settings(), ArtifactCache(tmp_path / "cache"))
+    local = on_disk(tmp_path / "repo", layout)
+    scanned = s3.scan()
+    for registry in (s3, local):
+        assert registry.model("mlp").versions == [1, 3], registry
+    assert scanned["pipe"].versions == [2]
+    assert s3.model("pipe").versions == [2]
+    entry = read_model(s3, scanned["pipe"])
+    assert (entry.state, entry.versions, entry.available) == ("READY", (2,), (2,))
