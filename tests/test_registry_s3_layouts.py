@@ -1,14 +1,19 @@
 """S3 repositories laid out by other tools, against a real SeaweedFS: the folder markers (zero-byte keys
-ending in '/') that the S3 console's "Create folder" and s3fs make, and file names that need escaping."""
+ending in '/') that the S3 console's "Create folder" and s3fs make, as folders and in a poll."""
 from __future__ import annotations
 
+import io
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from despina.control.repository import read_model
 from despina.registry import ArtifactCache, LocalRegistry
 from despina.registry.s3 import S3Registry
+from despina.registry.transfer import push
 
+from .conftest import Server
+from .control_support import index, infer, mlp_folder, wait_until
 from .seaweed import BUCKET, Weed
 
 ENSEMBLE = """name: "pipe"
@@ -57,3 +62,26 @@ def test_a_version_folder_made_by_a_folder_marker_is_a_version(s3_env: Weed, tmp
     assert s3.model("pipe").versions == [2]
     entry = read_model(s3, scanned["pipe"])
     assert (entry.state, entry.versions, entry.available) == ("READY", (2,), (2,))
+
+
+def test_a_poll_sees_an_empty_version_folder_come_and_go(serve: Callable[..., Server], s3_env: Weed,
+                                                        tmp_path: Path) -> None:
+    """Triton 2.51's poll loads an ensemble's version 2 once an empty '2/' is made, and serves version 1 again
+    once it goes (held on a local repository: mkdir, rmdir). Despina's poll compared files alone: a folder
+    holding none changed nothing, so version 2 never loaded, on disk or (as a marker) in S3."""
+    url = s3_env.url()
+    prefix = url.removeprefix(f"s3://{BUCKET}/")
+    push(mlp_folder(tmp_path / "src"), url, s3_env.settings(), out=io.StringIO())
+    put(s3_env, prefix, {"pipe/config.pbtxt": ENSEMBLE.encode(), "pipe/1/": b""})
+    server = serve(url, "--model-control-mode", "poll", "--repository-poll-secs", "0.3",
+                   wait_models=("mlp", "pipe"), env={**s3_env.env, "DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+
+    def ready() -> list[str]:
+        return [r["version"] for r in index(server.url, ready=True) if r["name"] == "pipe"]
+
+    put(s3_env, prefix, {"pipe/2/": b""})
+    wait_until(lambda: ready() == ["2"], 30, what="the ensemble's version 2 to serve")
+    assert infer(server.url, "pipe", 2).status_code == 200
+    s3_env.client().delete_object(Bucket=BUCKET, Key=f"{prefix}/pipe/2/")
+    wait_until(lambda: ready() == ["1"], 30, what="version 1 to serve again")
+    assert infer(server.url, "pipe", 1).status_code == 200

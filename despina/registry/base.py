@@ -73,7 +73,9 @@ class ModelFiles:
         return digest(files, config)
 
     def fingerprint(self) -> str:
-        return digest([f.pack() for f in self.files])
+        """What says the folder changed: its files, and its versions (an ensemble's folders hold no file:
+        one made or removed changes nothing else, and Triton's poll loads or unloads that version)."""
+        return digest([f.pack() for f in self.files], ",".join(map(str, self.versions)).encode())
 
 
 def digest(items: Iterable[tuple[str, int, str]], extra: bytes = b"") -> str:
