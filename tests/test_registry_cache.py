@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from despina.contract.errors import DespinaError
+from despina.contract.errors import DespinaError, InvalidArgument
 from despina.registry.base import FileInfo
 from despina.registry.cache import ArtifactCache
 
@@ -236,3 +236,17 @@ def test_a_folder_evicted_for_room_without_a_limit_says_so_not_of_0_mb(
     assert not a.exists()
     evicted = [r.getMessage() for r in caplog.records if "evicted a/" in r.getMessage()]
     assert len(evicted) == 1 and evicted[0].endswith("0.0 MB used, no limit set: evicted for room on a full disk")
+
+
+def test_a_file_name_longer_than_the_disk_takes_is_the_models_fault(tmp_path: Path) -> None:
+    """S3 takes a key of 1,024 bytes, a file system a name of 255: the link into the folder failed with
+    ENAMETOOLONG, which the S3 registry passed on as the store being unavailable (503), and a worker waited
+    for the store to come back, for ever. Said as the model's fault (as a local registry says it), before
+    anything is downloaded."""
+    source = Source()
+    files = source.files(b"onnx") + [FileInfo("1/" + "n" * 300 + ".json", 4, "e" * 32)]
+    source.blobs["e" * 32] = b"{}\n\n"
+    with pytest.raises(InvalidArgument, match=r"model 'a': '1/n{300}\.json' cannot be a file of the model "
+                                              r"on this disk: a name longer than 255 bytes"):
+        ArtifactCache(tmp_path / "cache").folder("a", files, source.download)
+    assert source.fetched == 0

@@ -101,9 +101,12 @@ class ArtifactCache(CacheEviction):
             raise Unavailable(f"artifact cache {self.root}: {exc.strerror}: {hint}") from None
 
     def _folder(self, name: str, files: Sequence[FileInfo], download: Download) -> Path:
-        paths = {f.path for f in files}
+        paths, longest = {f.path for f in files}, self._name_max()
         for f in files:  # a store keeps keys as written: 'mlp//model.onnx' lists as '/model.onnx'
             check_relative(f.path)
+            if any(len(part.encode()) > longest for part in f.path.split("/")):  # S3 takes 1,024 bytes
+                raise InvalidArgument(f"model '{name}': '{f.path}' cannot be a file of the model on this "
+                                      f"disk: a name longer than {longest} bytes")
             folder = f.path.rpartition("/")[0]
             while folder:  # keys 'mlp/1' and 'mlp/1/model.onnx' both: no disk holds that
                 if folder in paths:
@@ -146,6 +149,13 @@ class ArtifactCache(CacheEviction):
         if self.max_bytes:
             self.trim()
         return final
+
+    def _name_max(self) -> int:
+        """The longest file name the cache's disk takes."""
+        try:
+            return os.pathconf(self.root, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            return 255
 
     @staticmethod
     def _link(blob: Path, dest: Path) -> None:
