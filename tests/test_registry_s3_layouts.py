@@ -85,3 +85,19 @@ def test_a_poll_sees_an_empty_version_folder_come_and_go(serve: Callable[..., Se
     s3_env.client().delete_object(Bucket=BUCKET, Key=f"{prefix}/pipe/2/")
     wait_until(lambda: ready() == ["1"], 30, what="version 1 to serve again")
     assert infer(server.url, "pipe", 1).status_code == 200
+
+
+def test_push_keeps_an_ensembles_empty_version_folders(s3_env: Weed, tmp_path: Path) -> None:
+    """An ensemble's folder on disk is its config and an empty version folder ('2/'); push uploaded files
+    alone, so in S3 it had no version folder and served version 1 where the same folder on disk serves 2,
+    and `push --version 3` of it made no version 3."""
+    folder = tmp_path / "pipe"
+    (folder / "2").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(ENSEMBLE)
+    url = s3_env.url()
+    registry = S3Registry(url, s3_env.settings(), ArtifactCache(tmp_path / "cache"))
+    push(folder, url, s3_env.settings(), out=io.StringIO())
+    assert registry.model("pipe").versions == LocalRegistry(tmp_path).model("pipe").versions == [2]
+    push(folder, url, s3_env.settings(), version=3, out=io.StringIO())
+    assert registry.model("pipe").versions == [2, 3]
+    assert read_model(registry, registry.model("pipe")).versions == (3,)

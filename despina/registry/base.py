@@ -121,6 +121,10 @@ class Registry:
         """Remove one file of a model (nothing where there is none)."""
         raise NotImplementedError
 
+    def make_folder(self, name: str, path: str) -> None:
+        """Make an empty folder of a model (an ensemble's version folder); in S3 a folder marker."""
+        raise NotImplementedError
+
     def upload(self, name: str, path: str, source: Path, progress: Progress | None = None) -> FileInfo:
         """Copy one local file into the model folder (`despina push`); returns what landed."""
         raise NotImplementedError

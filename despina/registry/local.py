@@ -88,6 +88,12 @@ class LocalRegistry(Registry):
         target.unlink(missing_ok=True)
         _prune(folder, target)
 
+    def make_folder(self, name: str, path: str) -> None:
+        try:
+            (self.root / name / check_relative(path)).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise unfit(name, path, exc) from None
+
     def upload(self, name: str, path: str, source: Path, progress: Progress | None = None) -> FileInfo:
         target = self.root / name / check_relative(path)
         target.parent.mkdir(parents=True, exist_ok=True)

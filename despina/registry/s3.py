@@ -244,6 +244,13 @@ class S3Registry(Registry):
         except Exception as exc:
             raise registry_error(self.url, exc) from None
 
+    def make_folder(self, name: str, path: str) -> None:
+        try:
+            key = self._key(name, check_relative(path)) + "/"
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=b"")
+        except Exception as exc:
+            raise registry_error(self.url, exc) from None
+
     def upload(self, name: str, path: str, source: Path, progress: Progress | None = None) -> FileInfo:
         key = self._key(name, check_relative(path))
         try:

@@ -160,6 +160,9 @@ def push(folder: str | Path, url: str, settings: Settings, version: int | None =
 
     # plan() puts the config last: the stale files go before it, so a poll sees the version as pushed
     landed = [upload(item) for item in planned if item.path != "config.pbtxt"]
+    marked = empty_versions(folder, version) if ensemble else []
+    for made in marked:  # as on disk: an empty version folder is a version (an ensemble's hold nothing)
+        registry.make_folder(name, made)
     gone = remove_stale(registry, name, before, planned)
     landed += [upload(item) for item in planned if item.path == "config.pbtxt"]
     bar.close()
@@ -169,11 +172,21 @@ def push(folder: str | Path, url: str, settings: Settings, version: int | None =
     if gone:
         print(f"removed {len(gone)} file(s) of {name} no longer in {folder}: {', '.join(gone[:5])}"
               f"{' ...' if len(gone) > 5 else ''}", file=out)
-    versions = sorted({int(x.path.split("/", 1)[0]) for x in planned if is_version(x.path.split("/", 1)[0])})
+    versions = sorted({int(x.path.split("/", 1)[0]) for x in planned if is_version(x.path.split("/", 1)[0])}
+                      | {int(m) for m in marked})
     what = f"version {', '.join(map(str, versions))}" if versions else "(an ensemble: its config)"
     print(f"pushed {name} {what} to {registry.model_url(name)}: "
           f"{len(landed)} files, {sum(f.size for f in landed) / 1e6:.1f} MB, verified", file=out)
     return landed
+
+
+def empty_versions(folder: Path, version: int | None) -> list[str]:
+    """An ensemble's version folders to make: those of `folder` (none holds a file of its own), or with
+    `version` that one (the newest folder becomes it, as plan() does for a model's files)."""
+    if version is not None:
+        return [str(version)]
+    found = (int(p.name) for p in folder.iterdir() if p.is_dir() and is_version(p.name))
+    return [str(v) for v in sorted(found)]
 
 
 def remove_stale(registry: Registry, name: str, before: ModelFiles | None,
