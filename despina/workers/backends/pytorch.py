@@ -28,6 +28,7 @@ import numpy as np
 from ...contract.errors import BackendError, ConfigError, InvalidArgument
 from ...contract.modelspec import ModelSpec
 from .base import Backend, Declared, complete_config
+from .pytorch_export import batch_bound, output_names, results
 from .pytorch_options import call_mode, not_torchscript, set_threads, torch_options
 from .pytorch_sharing import Key, give_back, sharing_key, take
 
@@ -101,6 +102,10 @@ class PyTorchBackend(Backend):
         self.dict_input = read.dict_input  # forward(self, inputs: Dict[str, Tensor]): Triton's dict input
         self.refusal = read.refusal  # why each call fails: what forward() returns Triton refuses
         self.exported = read.exported
+        if read.batch_bound is not None and self.spec.max_batch_size > read.batch_bound:
+            raise ConfigError(f"model '{self.spec.name}': max_batch_size {self.spec.max_batch_size} is more "
+                              f"than the program takes: it was exported for batches of at most "
+                              f"{read.batch_bound} (its Dim's max); set max_batch_size to at most that")
         names = read.names
         _check_strings(self.spec)
         self.string_inputs = {t.name for t in self.spec.inputs if t.datatype == "BYTES"}
@@ -189,6 +194,8 @@ class PyTorchBackend(Backend):
         return np.array([v.encode() for v in value], dtype=object)
 
     def _by_name(self, result: Any) -> dict[str, Any]:
+        if self.exported:  # nested tuples flattened, as auto-complete names them
+            result = results(result)
         if isinstance(result, Mapping):
             return dict(result)
         one = not isinstance(result, (tuple, list)) or _is_strings(result)  # a List[str] is one output
@@ -258,6 +265,7 @@ class _Read:
     dict_input: bool = False
     refusal: str | None = None
     exported: bool = False  # a model.pt2 (torch.export), not TorchScript
+    batch_bound: int | None = None  # a torch.export program's largest batch, when its Dim has a max
 
 
 def _read(torch: Any, path: Path, device: Any) -> _Read:
@@ -267,7 +275,7 @@ def _read(torch: Any, path: Path, device: Any) -> _Read:
             program = torch.export.load(str(path))
             signature = program.module_call_graph[0].signature
             names = list(signature.forward_arg_names if signature else program.graph_signature.user_inputs)
-            read = _Read(program.module().to(device), names, exported=True)
+            read = _Read(program.module().to(device), names, exported=True, batch_bound=batch_bound(program))
         else:
             module = torch.jit.load(str(path), map_location=device)
             module.eval()
@@ -338,8 +346,12 @@ def _complete_from_program(config: Any, program: Any) -> None:
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     inputs = [(name, placeholders[name].meta["val"]) for name in program.graph_signature.user_inputs]
     output_node = next(n for n in program.graph.nodes if n.op == "output")
-    outputs = [(f"OUTPUT__{i}", node.meta["val"]) for i, node in enumerate(output_node.args[0])]
+    outputs = [(name, node.meta["val"]) for name, node in zip(output_names(program), output_node.args[0])]
+    unset = config.max_batch_size == 0
     complete_config(config, [_declared(n, v) for n, v in inputs], [_declared(n, v) for n, v in outputs])
+    bound = batch_bound(program)
+    if unset and bound is not None and config.max_batch_size > bound:  # the default (4) is more than it takes
+        config.max_batch_size = bound
 
 
 def _declared(name: str, value: Any) -> Declared:

@@ -1,0 +1,50 @@
+"""What a torch.export program (model.pt2) says of itself, read the same way by auto-complete and by its
+load: the names of its outputs, and how large a batch it takes.
+
+Its outputs are named from what forward() returns: a dict of tensors by its keys; anything else (a tensor,
+a tuple or list, nested ones, a dict holding them) as OUTPUT__<i> for each tensor in it, in the order
+torch flattens it, which is the order of the program's graph outputs. Its batch dimension's bound is the
+`max` of the torch.export Dim it was exported with: a larger batch fails the program's guard.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def output_names(program: Any) -> list[str]:
+    """The names of the program's outputs, in the order of its graph's outputs."""
+    spec = program.call_spec.out_spec
+    if spec is not None and spec.type is dict and all(c.is_leaf() for c in spec.children()):
+        return [str(key) for key in spec.context]
+    return [f"OUTPUT__{i}" for i in range(spec.num_leaves if spec is not None else 1)]
+
+
+def results(value: Any) -> Any:
+    """What the program's module returned, as the backend maps it onto the outputs: a dict of tensors as
+    it is, anything else as the flat list of its tensors (a lone tensor as it is)."""
+    from torch.utils import _pytree
+
+    if isinstance(value, dict) and all(_pytree.tree_is_leaf(v) for v in value.values()):
+        return value
+    if _pytree.tree_is_leaf(value):
+        return value
+    return _pytree.tree_leaves(value)
+
+
+def batch_bound(program: Any) -> int | None:
+    """The largest batch the program takes (the smallest upper bound of its inputs' first dimensions that
+    are dynamic), or None when it sets none."""
+    bounds = []
+    for node in program.graph.nodes:
+        value = node.meta.get("val") if node.op == "placeholder" else None
+        shape = getattr(value, "shape", None)
+        if node.name not in program.graph_signature.user_inputs or not shape:
+            continue
+        first = shape[0]
+        if isinstance(first, int):
+            continue
+        ranges = program.range_constraints.get(first.node.expr)
+        upper: Any = getattr(ranges, "upper", None)
+        if getattr(upper, "is_Integer", False):  # not torch's int_oo: no bound
+            bounds.append(int(upper))
+    return min(bounds) if bounds else None

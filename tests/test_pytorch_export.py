@@ -1,0 +1,71 @@
+"""torch.export programs (model.pt2) as auto-complete fills their config and as they run: the outputs are
+named from what forward() returns (a dict's keys; otherwise OUTPUT__<i> for each tensor of it, nested tuples
+and lists flattened in order), and the batch dimension's bound in the program caps max_batch_size. Models
+are built here with torch."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from despina.contract.errors import ConfigError
+from despina.control.repository import load_model
+
+from .test_pytorch_parameters import load_backend
+
+torch = pytest.importorskip("torch")
+
+
+class AsDict(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"plus": x + 1, "times": x * 2}
+
+
+class Nested(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        return x + 1, (x * 2, x * 3)
+
+
+def exported(tmp_path: Path, module: torch.nn.Module, config: str = "", batch: Any = None) -> Path:
+    folder = tmp_path / "m"
+    (folder / "1").mkdir(parents=True)
+    batch = torch.export.Dim("batch", max=64) if batch is None else batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(module, (torch.ones(2, 3),), dynamic_shapes=({0: batch},))
+        torch.export.save(program, str(folder / "1" / "model.pt2"))
+    (folder / "config.pbtxt").write_text('name: "m"\nplatform: "pytorch_libtorch"\n' + config)
+    return folder
+
+
+X = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+
+def test_a_program_returning_a_dict_is_completed_with_its_keys(tmp_path: Path) -> None:
+    folder = exported(tmp_path, AsDict())
+    assert [t["name"] for t in load_model(folder).config["output"]] == ["plus", "times"]
+    out = load_backend(folder).execute({"x": X}, ["times", "plus"])
+    np.testing.assert_array_equal(out["plus"], X + 1)
+    np.testing.assert_array_equal(out["times"], X * 2)
+
+
+def test_nested_results_are_flattened_in_order(tmp_path: Path) -> None:
+    folder = exported(tmp_path, Nested())
+    names = ["OUTPUT__0", "OUTPUT__1", "OUTPUT__2"]
+    assert [t["name"] for t in load_model(folder).config["output"]] == names
+    out = load_backend(folder).execute({"x": X}, names)
+    for name, expected in zip(names, (X + 1, X * 2, X * 3)):
+        np.testing.assert_array_equal(out[name], expected)
+
+
+def test_the_programs_batch_bound_caps_max_batch_size(tmp_path: Path) -> None:
+    """A program exported with Dim("batch", max=2) fails a batch of 3 ("Guard failed"): auto-complete
+    chooses max_batch_size 2 rather than Triton's default 4, and a config asking for more is a load error."""
+    folder = exported(tmp_path / "auto", AsDict(), batch=torch.export.Dim("batch", max=2))
+    assert load_model(folder).config["max_batch_size"] == 2
+    folder = exported(tmp_path / "more", AsDict(), "max_batch_size: 8\n", torch.export.Dim("batch", max=2))
+    with pytest.raises(ConfigError, match="max_batch_size 8 .* at most 2"):
+        load_backend(folder)
