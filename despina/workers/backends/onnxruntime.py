@@ -62,8 +62,9 @@ class OnnxRuntimeBackend(Backend):
         # a scalar the config gives as dims [1] (Triton's way to declare one): clients get it in those dims
         self._scalars = {t.name: t.dims for t in self.spec.outputs
                          if not self.spec.batched and t.dims and set(t.dims) == {1}}
-        # a scalar input the config gives as dims [1]: fed to onnxruntime as a 0-d array, as Triton feeds it
-        declared = {t.name for t in self.spec.inputs if t.dims}
+        # a scalar input the config gives as dims [1]: fed to onnxruntime as a 0-d array, as Triton feeds it;
+        # under other dims the model's [] is an unknown rank (onnxruntime reports it so too): fed as it comes
+        declared = {t.name for t in self.spec.inputs if not self.spec.batched and set(t.dims or [0]) == {1}}
         self._scalar_inputs = {i.name for i in self.session.get_inputs()
                                if i.shape == [] and i.name in declared}
 
