@@ -69,3 +69,18 @@ def test_the_programs_batch_bound_caps_max_batch_size(tmp_path: Path) -> None:
     folder = exported(tmp_path / "more", AsDict(), "max_batch_size: 8\n", torch.export.Dim("batch", max=2))
     with pytest.raises(ConfigError, match="max_batch_size 8 .* at most 2"):
         load_backend(folder)
+
+
+class Total(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum()
+
+
+def test_a_scalar_output_is_completed_as_dims_1_and_served_in_them(tmp_path: Path) -> None:
+    """A program returning a scalar (rank 0) is completed as onnxruntime's is (Triton's way): dims [1],
+    without batching; its answer then comes back in the shape [1] the model's metadata gives, not []."""
+    folder = exported(tmp_path, Total())
+    config = load_model(folder).config
+    assert not config.get("max_batch_size") and [t["dims"] for t in config["output"]] == [[1]]
+    out = load_backend(folder).execute({"x": X}, ["OUTPUT__0"])["OUTPUT__0"]
+    assert out.shape == (1,) and out.tolist() == [15.0]

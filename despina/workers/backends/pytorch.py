@@ -118,6 +118,9 @@ class PyTorchBackend(Backend):
         self.results = _positions([t.name for t in self.spec.outputs])
         # the torch dtype each output must have (BYTES: a List[str]; a datatype torch has no name here for,
         # UINT32 say, is not checked)
+        # a scalar output the config gives as dims [1] (Triton's way to declare one): answered in those dims
+        self.scalars = {t.name: t.dims for t in self.spec.outputs
+                        if not self.spec.batched and t.dims and set(t.dims) == {1}}
         self.output_types = {t.name: "BYTES" if t.datatype == "BYTES" else _torch_type(torch, t.datatype)
                              for t in self.spec.outputs}
 
@@ -181,9 +184,12 @@ class PyTorchBackend(Backend):
             wanted = TORCH_TO_CONFIG[str(wanted_type)]
             raise InvalidArgument(f"model '{self.spec.name}': configuration expects datatype {wanted} for "
                                   f"output '{name}', model provides {given}")
-        if not self.exported and value.dim() == 0:  # Triton's libtorch path: INVALID_ARG, its words
-            raise InvalidArgument(f"model '{self.spec.name}': output '{name}' is a scalar which is not "
-                                  "supported.")
+        if value.dim() == 0:
+            if not self.exported:  # Triton's libtorch path: INVALID_ARG, its words
+                raise InvalidArgument(f"model '{self.spec.name}': output '{name}' is a scalar which is not "
+                                      "supported.")
+            if name in self.scalars:  # a program's scalar, declared as dims [1]: answered in them
+                return value.detach().cpu().numpy().reshape(self.scalars[name])
         return value.detach().cpu().numpy()
 
     def _strings(self, name: str, value: Any) -> np.ndarray:
@@ -352,6 +358,10 @@ def _complete_from_program(config: Any, program: Any) -> None:
     bound = batch_bound(program)
     if unset and bound is not None and config.max_batch_size > bound:  # the default (4) is more than it takes
         config.max_batch_size = bound
+    if not config.max_batch_size:  # a scalar output as dims [1], as onnxruntime's (Triton's) auto-complete
+        for t in config.output:
+            if not t.dims and not t.HasField("reshape"):
+                t.dims.append(1)
 
 
 def _declared(name: str, value: Any) -> Declared:
