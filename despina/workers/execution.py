@@ -43,6 +43,10 @@ log = logging.getLogger("despina.worker")
 # at most about this long, Triton's usual queue delay. Longer batches, and models with several
 # instances, run on the instances' threads.
 INLINE_BELOW_US = 1000
+# A batch run on the loop that took this long was not foreseen by the model's cost so far (a data-dependent
+# loop in it, say): the loop, every other model of the worker and its heartbeat (a worker silent for
+# DESPINA_WORKER_TTL_S is taken for dead) waited all along. Such a model runs on its thread from then on.
+LONG_INLINE_US = 100_000
 # the implicit states' outputs of a stateful model's batch kept by its sequence batcher: (requests, rows
 # per request, results) -> the results without them
 Keep = Callable[[list["Pending"], list[int], list[Any]], list[Any]]
@@ -74,6 +78,7 @@ class Execution:
         self.standby: list[Backend] = []  # passive instances: loaded and warmed up, given no requests
         self.executor = ThreadPoolExecutor(max_workers=self.count, thread_name_prefix=f"{spec.name}-")
         self.row_us: float | None = None  # moving average of a batch's cost per row (µs)
+        self.inline = True  # whether a short batch may run on the loop (False once one held it long)
         self.text: frozenset[str] = frozenset()  # BYTES inputs the backend takes as UTF-8 only (from load)
         self.gpus = 0  # GPUs the backend saw as it planned the instances (from load): how KIND_AUTO resolved
         self._retiring: asyncio.Future[None] | None = None  # instances an update removes, as each frees
@@ -327,8 +332,13 @@ class Execution:
         profiler, which slows the loop: 63 % of `mlp`'s)."""
         if self.reshape is not None:
             inputs = self.reshape.to_model(inputs)
-        if self.count == 1 and self.row_us is not None and self.row_us * rows < INLINE_BELOW_US:
+        short = self.row_us is not None and self.row_us * rows < INLINE_BELOW_US
+        if short and self.count == 1 and self.inline:
             out, took = _timed(backend.execute, inputs, names)
+            if took * 1e6 >= LONG_INLINE_US:
+                self.inline = False
+                log.warning("model %s: a batch expected to be short held the worker's loop for %.0f ms; its "
+                            "batches run on its thread from now on", self.spec.name, took * 1e3)
         else:
             self._release()  # the loop is free meanwhile: the next batch forms as this one runs
             out, took = await asyncio.get_running_loop().run_in_executor(self.executor, _timed,
