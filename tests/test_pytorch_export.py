@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from despina.contract.errors import ConfigError
+from despina.contract.errors import ConfigError, InvalidArgument
 from despina.control.repository import load_model
 
 from .test_pytorch_parameters import load_backend
@@ -29,13 +29,14 @@ class Nested(torch.nn.Module):
         return x + 1, (x * 2, x * 3)
 
 
-def exported(tmp_path: Path, module: torch.nn.Module, config: str = "", batch: Any = None) -> Path:
+def exported(tmp_path: Path, module: torch.nn.Module, config: str = "", batch: Any = None,
+             dims: dict[int, Any] | None = None) -> Path:
     folder = tmp_path / "m"
     (folder / "1").mkdir(parents=True)
     batch = torch.export.Dim("batch", max=64) if batch is None else batch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.export.export(module, (torch.ones(2, 3),), dynamic_shapes=({0: batch},))
+        program = torch.export.export(module, (torch.ones(2, 3),), dynamic_shapes=({0: batch, **(dims or {})},))
         torch.export.save(program, str(folder / "1" / "model.pt2"))
     (folder / "config.pbtxt").write_text('name: "m"\nplatform: "pytorch_libtorch"\n' + config)
     return folder
@@ -84,3 +85,14 @@ def test_a_scalar_output_is_completed_as_dims_1_and_served_in_them(tmp_path: Pat
     assert not config.get("max_batch_size") and [t["dims"] for t in config["output"]] == [[1]]
     out = load_backend(folder).execute({"x": X}, ["OUTPUT__0"])["OUTPUT__0"]
     assert out.shape == (1,) and out.tolist() == [15.0]
+
+
+def test_a_shape_outside_the_programs_ranges_is_the_requests_error(tmp_path: Path) -> None:
+    """The config's -1 lets any size through to the program; one outside the range it was exported for
+    fails its guard before it runs: the request's error (400), saying so, not the model's (500)."""
+    folder = exported(tmp_path, Total(), dims={1: torch.export.Dim("width", max=16)})
+    assert [t["dims"] for t in load_model(folder).config["input"]] == [[-1, -1]]
+    backend = load_backend(folder)
+    assert backend.execute({"x": np.ones((2, 16), np.float32)}, ["OUTPUT__0"])["OUTPUT__0"].tolist() == [32.0]
+    with pytest.raises(InvalidArgument, match=r"outside the shapes .* exported for: Guard failed: x.size\(\)\[1\] <= 16"):
+        backend.execute({"x": np.ones((2, 17), np.float32)}, ["OUTPUT__0"])

@@ -142,6 +142,10 @@ class PyTorchBackend(Backend):
             with self.call_mode():
                 result = self.module(*args)
         except Exception as exc:
+            if self.exported and isinstance(exc, AssertionError) and str(exc).startswith("Guard failed"):
+                # the program's input check, before it ran: a size the config's -1 let through
+                raise InvalidArgument(f"model '{self.spec.name}': the request's inputs are outside the "
+                                      f"shapes the program was exported for: {exc}") from None
             raise BackendError(f"torch failed on model '{self.spec.name}': {exc}") from None
         by_name = self._by_name(result)
         missing = [name for name in outputs if name not in by_name]
