@@ -51,6 +51,7 @@ def _torch() -> Any:
 
 
 class PyTorchBackend(Backend):
+    text_only = True  # a TYPE_STRING input is a List[str]: a request whose bytes are not text fails alone
     @classmethod
     def default_filename(cls) -> str:
         return "model.pt"
