@@ -96,3 +96,45 @@ def test_a_shape_outside_the_programs_ranges_is_the_requests_error(tmp_path: Pat
     assert backend.execute({"x": np.ones((2, 16), np.float32)}, ["OUTPUT__0"])["OUTPUT__0"].tolist() == [32.0]
     with pytest.raises(InvalidArgument, match=r"outside the shapes .* exported for: Guard failed: x.size\(\)\[1\] <= 16"):
         backend.execute({"x": np.ones((2, 17), np.float32)}, ["OUTPUT__0"])
+
+
+class DictIn(torch.nn.Module):
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return inputs["a"] - inputs["b"]
+
+
+class TupleIn(torch.nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0] - pair[1]
+
+
+class KeywordIn(torch.nn.Module):
+    def forward(self, a: torch.Tensor, *, b: torch.Tensor) -> torch.Tensor:
+        return a - b
+
+
+@pytest.mark.parametrize(("module", "args", "kwargs", "names"), [
+    (DictIn(), ({"a": "A", "b": "B"},), {}, ["inputs_a", "inputs_b"]),
+    (TupleIn(), (("A", "B"),), {}, ["pair_0", "pair_1"]),
+    (KeywordIn(), ("A",), {"b": "B"}, ["a", "b"]),
+])
+def test_inputs_in_a_dict_a_tuple_or_a_keyword_are_the_programs_flat_inputs(
+        tmp_path: Path, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+        names: list[str]) -> None:
+    """A program's inputs are its graph's, one per tensor (a dict's or tuple's flattened, as torch names
+    them, keyword-only arguments by name): auto-complete lists those, and a request's go back into the
+    structure forward() takes."""
+    folder = tmp_path / "m"
+    (folder / "1").mkdir(parents=True)
+    batch = torch.export.Dim("batch", max=64)
+    tensors = {"A": torch.ones(2, 3), "B": torch.ones(2, 3)}
+    build = torch.utils._pytree.tree_map
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(module, build(tensors.get, args), build(tensors.get, kwargs),
+                                      dynamic_shapes=build(lambda _: {0: batch}, (*args, *kwargs.values())))
+        torch.export.save(program, str(folder / "1" / "model.pt2"))
+    (folder / "config.pbtxt").write_text('name: "m"\nplatform: "pytorch_libtorch"\n')
+    assert [t["name"] for t in load_model(folder).config["input"]] == names
+    out = load_backend(folder).execute({names[0]: X, names[1]: X * 3}, ["OUTPUT__0"])["OUTPUT__0"]
+    np.testing.assert_array_equal(out, X - X * 3)

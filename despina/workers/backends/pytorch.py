@@ -6,9 +6,10 @@ i; otherwise the config order is the argument order; a forward() whose one argum
 Dict[str, Tensor] gets every input in it by name. A model returning a tuple maps it the same way onto
 the outputs (OUTPUT__0, or the config order; a config may list only some of them, OUTPUT__1 alone say).
 As in Triton's libtorch path, a TorchScript model gives a Tensor, a List[str], or a tuple of those: a
-dict, a List[Tensor] or a scalar fails each request with Triton's words (a torch.export program's list
-maps by position, its dict by key). As in Triton, a TYPE_STRING input or output is a List[str] (UTF-8)
-of one dimension, the batch's when the model batches.
+dict, a List[Tensor] or a scalar fails each request with Triton's words (a torch.export program's inputs
+and outputs are its graph's flat tensors, named as pytorch_export.py says). As in Triton, a TYPE_STRING
+input or output is a List[str] (UTF-8: other bytes fail their request alone) of one dimension, the
+batch's when the model batches.
 Every call runs under `torch.inference_mode()` (or `torch.no_grad()`, parameter INFERENCE_MODE "false")
 with parameters frozen, so the "inference tensors cannot be saved for backward" trap cannot happen. Triton's
 other parameters: pytorch_options.py.
@@ -28,7 +29,7 @@ import numpy as np
 from ...contract.errors import BackendError, ConfigError, InvalidArgument
 from ...contract.modelspec import ModelSpec
 from .base import Backend, Declared, complete_config
-from .pytorch_export import batch_bound, output_names, results
+from .pytorch_export import arguments, batch_bound, output_names, results
 from .pytorch_options import call_mode, not_torchscript, set_threads, torch_options
 from .pytorch_sharing import Key, give_back, sharing_key, take
 
@@ -102,7 +103,7 @@ class PyTorchBackend(Backend):
         self.module = read.module
         self.dict_input = read.dict_input  # forward(self, inputs: Dict[str, Tensor]): Triton's dict input
         self.refusal = read.refusal  # why each call fails: what forward() returns Triton refuses
-        self.exported = read.exported
+        self.exported, self.in_spec = read.exported, read.in_spec
         if read.batch_bound is not None and self.spec.max_batch_size > read.batch_bound:
             raise ConfigError(f"model '{self.spec.name}': max_batch_size {self.spec.max_batch_size} is more "
                               f"than the program takes: it was exported for batches of at most "
@@ -135,13 +136,16 @@ class PyTorchBackend(Backend):
                 args = [self._tensor(torch, inputs[name]) for name in self.arguments]
         except KeyError as exc:
             raise BackendError(f"model '{self.spec.name}': input {exc} is missing") from None
+        kwargs: dict[str, Any] = {}
         if self.dict_input:
             args = [dict(zip(self.arguments, args))]
+        elif self.in_spec is not None:  # a program's flat inputs into its dicts, tuples and keywords
+            args, kwargs = arguments(self.in_spec, args)
         if self.refusal:  # Triton calls forward() and then refuses what it gave: the same answer, sooner
             raise BackendError(f"model '{self.spec.name}': PyTorch execute failure: {self.refusal}")
         try:
             with self.call_mode():
-                result = self.module(*args)
+                result = self.module(*args, **kwargs)
         except Exception as exc:
             if self.exported and isinstance(exc, AssertionError) and str(exc).startswith("Guard failed"):
                 # the program's input check, before it ran: a size the config's -1 let through
@@ -277,6 +281,7 @@ class _Read:
     refusal: str | None = None
     exported: bool = False  # a model.pt2 (torch.export), not TorchScript
     batch_bound: int | None = None  # a torch.export program's largest batch, when its Dim has a max
+    in_spec: Any = None  # a torch.export program's (args, kwargs) structure, which its flat inputs fill
 
 
 def _read(torch: Any, path: Path, device: Any) -> _Read:
@@ -284,9 +289,8 @@ def _read(torch: Any, path: Path, device: Any) -> _Read:
         warnings.simplefilter("ignore", DeprecationWarning)
         if path.suffix == ".pt2":
             program = torch.export.load(str(path))
-            signature = program.module_call_graph[0].signature
-            names = list(signature.forward_arg_names if signature else program.graph_signature.user_inputs)
-            read = _Read(program.module().to(device), names, exported=True, batch_bound=batch_bound(program))
+            read = _Read(program.module().to(device), list(program.graph_signature.user_inputs),
+                         exported=True, batch_bound=batch_bound(program), in_spec=program.call_spec.in_spec)
         else:
             module = torch.jit.load(str(path), map_location=device)
             module.eval()

@@ -1,5 +1,9 @@
 """What a torch.export program (model.pt2) says of itself, read the same way by auto-complete and by its
-load: the names of its outputs, and how large a batch it takes.
+load: its inputs, the names of its outputs, and how large a batch it takes.
+
+Its inputs are its graph's, one per tensor, as torch names them (`x`; a dict argument's `inputs_a`, a
+tuple's `pair_0`; a keyword-only argument by its name): a request's, in that order, are put back into the
+arguments forward() takes.
 
 Its outputs are named from what forward() returns: a dict of tensors by its keys; anything else (a tensor,
 a tuple or list, nested ones, a dict holding them) as OUTPUT__<i> for each tensor in it, in the order
@@ -9,6 +13,14 @@ torch flattens it, which is the order of the program's graph outputs. Its batch 
 from __future__ import annotations
 
 from typing import Any
+
+
+def arguments(in_spec: Any, flat: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The positional and keyword arguments of forward() holding `flat`, the program's inputs in order."""
+    from torch.utils import _pytree
+
+    args, kwargs = _pytree.tree_unflatten(flat, in_spec)
+    return list(args), dict(kwargs)
 
 
 def output_names(program: Any) -> list[str]:
