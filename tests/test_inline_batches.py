@@ -25,12 +25,16 @@ async def test_a_batch_that_held_the_loop_long_sends_the_model_to_its_thread(tmp
     runner = runner_for(folder)
     await runner.load()
     backend = runner.execution.instances.get_nowait()
-    execute, ran_on, long = backend.execute, [], [False]
+    execute, ran_on, long, slept = backend.execute, [], [False], [False]
 
     def recorded(inputs: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
         ran_on.append(threading.get_ident())
-        if long[0]:
-            time.sleep(0.2)  # this batch's input makes the model loop long
+        if long[0]:  # this batch's input makes the model loop long, on the CPU
+            until = time.perf_counter() + 0.2
+            while time.perf_counter() < until:
+                pass
+        elif slept[0]:  # the worker's process descheduled a while (a busy host): not the model's doing
+            time.sleep(0.2)
         return execute(inputs, names)
 
     backend.execute = recorded  # type: ignore[method-assign]
@@ -44,6 +48,14 @@ async def test_a_batch_that_held_the_loop_long_sends_the_model_to_its_thread(tmp
             if ran_on[-1] == loop_thread:
                 break
         assert ran_on[-1] == loop_thread  # short so far: on the loop
+        slept[0] = True
+        await runner.execution.call(backend, inputs, ["sum", "diff"], 2)
+        slept[0] = False
+        for _ in range(100):  # (the average comes back down)
+            await runner.execution.call(backend, inputs, ["sum", "diff"], 2)
+            if ran_on[-1] == loop_thread:
+                break
+        assert ran_on[-1] == loop_thread  # a stall that was no work of the model's changed nothing
         long[0] = True
         out = await runner.execution.call(backend, inputs, ["sum", "diff"], 2)
         long[0] = False
