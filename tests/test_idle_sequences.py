@@ -101,3 +101,32 @@ def test_a_request_its_model_refuses_wakes_no_model_scaled_to_zero(
     hold.unlink()
     r = add(server, 5.0, start=True, end=True)
     assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [5.0], r.text
+
+
+def test_a_decoupled_model_scaled_to_zero_is_not_woken_for_an_infer_it_refuses(
+        serve: Callable[..., Server], tmp_path: Path) -> None:
+    """/infer and /fn refuse a decoupled model (501, as Triton's HTTP infer): that refusal came after the
+    wake, so a model scaled to zero was loaded for nothing and its caller waited for the load first."""
+    import shutil
+
+    from .conftest import ROOT
+
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "model_repository" / "text_stream", repo / "text_stream")
+    with (repo / "text_stream" / "config.pbtxt").open("a") as config:
+        config.write('parameters { key: "idle_timeout_s" value: { string_value: "1" } }\n')
+    server = serve(repo, wait_models=("text_stream",))
+
+    def row() -> dict[str, Any]:
+        return next(r for r in httpx.post(f"{server.url}/v2/repository/index", timeout=30).json()
+                    if r["name"] == "text_stream")
+
+    deadline = time.monotonic() + 30
+    while row().get("state") == "READY":
+        assert time.monotonic() < deadline, "text_stream was never scaled to zero"
+        time.sleep(0.2)
+    body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["a b"]}]}
+    r = httpx.post(f"{server.url}/v2/models/text_stream/infer", json=body, timeout=30)
+    assert r.status_code == 501 and "decoupled" in r.text, r.text
+    time.sleep(0.5)
+    assert row()["state"] == "UNAVAILABLE" and row()["reason"].startswith("idle"), row()  # not woken

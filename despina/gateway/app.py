@@ -28,13 +28,14 @@ from ..redis_client import connect
 from ..response_cache import ResponseCache
 from ..settings import Settings
 from ..summaries import Exported, LatencyWindow
+from .asgi_endpoint import AsgiEndpoint
 from .auth import AuthPolicy, Guard
 from .connection import Clients
 from .cors import CorsMiddleware, CorsPolicy
 from .dispatch import Dispatcher
 from .generate import GenerateRoute, StreamEndpoint
 from .http import ClientGone
-from .infer import AsgiEndpoint, FunctionRoute, InferRoute, Lane
+from .infer import FunctionRoute, InferRoute, Lane
 from .logging_api import EXTENSION as LOGGING_EXTENSION
 from .logging_api import logging_routes
 from .models import ModelView

@@ -36,17 +36,10 @@ from ..contract.errors import Code, DespinaError, InvalidArgument, ReplyError
 from ..contract.modelspec import ModelSpec, check_inputs, check_shape, known_input
 from ..contract.records import NO_PARAMETERS, InferReply, Parameters, Tensor
 from . import http
+from .asgi_endpoint import AsgiEndpoint, AsgiExchange
 from .fn import plain, shape_of
 from .http import Headers, Receive, Scope, Send, loads
-from .infer import (
-    AsgiEndpoint,
-    AsgiExchange,
-    Exchange,
-    Route,
-    answering,
-    fail,
-    submit,
-)
+from .infer import Exchange, Route, answering, fail, submit
 from .jsondata import json_data_to_bytes, nonfinite_json
 from .models import Model
 from .v2 import MAX_ELEMENTS

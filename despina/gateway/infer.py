@@ -24,7 +24,7 @@ from .classification import classify
 from .compression import SMALLEST, respond_encoded, response_coding
 from .fn import decode_fn, encode_fn, form_hint, refuse_stateful
 from .grouping import group_rows
-from .http import Headers, Receive, Scope, Send
+from .http import Headers
 from .models import Model, NotLoaded
 from .v2 import decode_infer
 from .v2_fields import int_header, schedule_parameters, sequence_of
@@ -67,6 +67,7 @@ class Route:
         except NotLoaded:  # the one path that waits before queueing: a task, like any slow path
             try:  # a request its model refuses wakes nobody: its caller hears why at once, not after a load
                 if (asleep := self.gateway.view.get(ex.params["model"])).spec is not None:
+                    self.refuse(asleep)
                     self.check(ex, asleep)
             except DespinaError as exc:
                 fail(ex, exc, trace)
@@ -101,13 +102,17 @@ class Route:
     def _queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
                timeout: float | None = None) -> None:
         try:
-            if model.spec.decoupled and not self.decoupled:  # 501, as Triton's HTTP infer refuses one
-                raise DespinaError("HTTP end point doesn't support models with decoupled transaction policy: "
-                                   f"model '{model.spec.name}' is decoupled (several responses to a request):"
-                                   f" call it through {self.streams_at}", Code.UNIMPLEMENTED)
+            self.refuse(model)
             self.queue(ex, model, version, trace, timeout)
         except DespinaError as exc:
             fail(ex, exc, trace)
+
+    def refuse(self, model: Model) -> None:
+        """A decoupled model where this route takes one response: 501, as Triton's HTTP infer refuses one."""
+        if model.spec.decoupled and not self.decoupled:
+            raise DespinaError("HTTP end point doesn't support models with decoupled transaction policy: "
+                               f"model '{model.spec.name}' is decoupled (several responses to a request):"
+                               f" call it through {self.streams_at}", Code.UNIMPLEMENTED)
 
     def queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
               timeout: float | None) -> None:
@@ -354,47 +359,3 @@ def cached(gw: Gateway, spec: ModelSpec, version: int, inputs: list[Tensor], out
     return through(cache, cache_key(spec.name, version, revision, inputs, outputs, parameters), done,
                    lambda counts: gw.dispatcher.count(stats, counts), keeps)
 
-
-class AsgiExchange:
-    """An exchange under an ASGI server: the answer is sent by the endpoint that waits for it."""
-
-    def __init__(self, scope: Scope, body: bytes) -> None:
-        self.method, self.path = scope["method"], scope["path"]
-        self.headers, self.params, self.body = scope["headers"], scope["path_params"], body
-        self.answer: asyncio.Future[tuple[int, bytes, bytes, Headers]] = \
-            asyncio.get_running_loop().create_future()
-
-    def respond(self, status: int, body: bytes, content_type: bytes, extra: Headers) -> None:
-        if not self.answer.done():
-            self.answer.set_result((status, body, content_type, extra))
-
-
-class AsgiEndpoint:
-    """A route as an ASGI endpoint (for Starlette's router). An instance, not a function: Starlette's
-    Route calls a function as request -> response, an instance as the ASGI app it is."""
-
-    def __init__(self, route: Route) -> None:
-        self.route = route
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit = self.route.gateway.settings.max_body_bytes
-        try:
-            body = await http.read_body(scope, receive, limit)
-        except DespinaError as exc:
-            await http.send_error(send, exc)
-            return
-        except ConnectionResetError:
-            return
-        ex = self.exchange(scope, body)
-        del body  # the exchange's now, let go of once decoded (InferRoute.queue), not held while answered
-        self.route(ex)
-        await self.answer(ex, receive, send)
-
-    def exchange(self, scope: Scope, body: bytes) -> AsgiExchange:
-        return AsgiExchange(scope, body)
-
-    async def answer(self, ex: AsgiExchange, receive: Receive, send: Send) -> None:
-        """Send the exchange's answer once the route gives it (`receive`: what the client says after its
-        body, that it went away)."""
-        status, out, content_type, extra = await ex.answer
-        await http.send(send, status, out, content_type, extra)

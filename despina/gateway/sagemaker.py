@@ -28,10 +28,11 @@ from starlette.routing import Route as HttpRoute
 
 from ..contract.errors import DespinaError, InvalidArgument, NotFound
 from . import http
+from .asgi_endpoint import AsgiEndpoint
 from .auth import KEY_MODELS, check_key_scope
 from .generate import GenerateRoute, StreamEndpoint
 from .http import Receive, Scope, Send
-from .infer import AsgiEndpoint, Exchange, InferRoute, Route, fail
+from .infer import Exchange, InferRoute, Route, fail
 from .models import NotLoaded
 from .readiness import server_ready
 

@@ -36,8 +36,9 @@ from ..registry import LocalRegistry, open_registry
 from ..registry.base import is_version
 from ..registry.transfer import push
 from . import http
+from .asgi_endpoint import AsgiEndpoint, AsgiExchange
 from .http import Scope
-from .infer import AsgiEndpoint, AsgiExchange, Exchange, fail
+from .infer import Exchange, fail
 from .responses import error_response, json_body, json_response
 from .sagemaker import SageMakerInfer
 
