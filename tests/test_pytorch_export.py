@@ -138,3 +138,60 @@ def test_inputs_in_a_dict_a_tuple_or_a_keyword_are_the_programs_flat_inputs(
     assert [t["name"] for t in load_model(folder).config["input"]] == names
     out = load_backend(folder).execute({names[0]: X, names[1]: X * 3}, ["OUTPUT__0"])["OUTPUT__0"]
     np.testing.assert_array_equal(out, X - X * 3)
+
+
+class TwoArgs(torch.nn.Module):
+    def forward(self, X: torch.Tensor, Mask: torch.Tensor) -> torch.Tensor:  # noqa: N803
+        return X * Mask + 10 * Mask
+
+
+class AsOrderedDict(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        from collections import OrderedDict
+
+        return OrderedDict(plus=x + 1, times=x * 2)
+
+
+class WithConstant(torch.nn.Module):
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x * scale
+
+
+def test_inputs_bind_by_forwards_own_names_whatever_the_configs_order(tmp_path: Path) -> None:
+    """torch names the graph's inputs in lower case (`x`, `mask`): a config naming forward()'s `X` and
+    `Mask` in another order was bound by its order, each tensor going in as the other, silently."""
+    folder = tmp_path / "m"
+    (folder / "1").mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(TwoArgs(), (torch.ones(2, 3), torch.ones(2, 3)))
+        torch.export.save(program, str(folder / "1" / "model.pt2"))
+    tensor = 'data_type: TYPE_FP32 dims: [ 2, 3 ]'
+    (folder / "config.pbtxt").write_text(
+        f'name: "m"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\ninput [ {{ name: "Mask" {tensor} }}, '
+        f'{{ name: "X" {tensor} }} ]\noutput [ {{ name: "OUTPUT__0" {tensor} }} ]\n')
+    mask = np.array([[1, 0, 1], [0, 1, 0]], np.float32)
+    out = load_backend(folder).execute({"X": X, "Mask": mask}, ["OUTPUT__0"])
+    np.testing.assert_array_equal(out["OUTPUT__0"], X * mask + 10 * mask)
+
+
+def test_a_program_returning_an_ordered_dict_serves_its_flattened_outputs(tmp_path: Path) -> None:
+    """An OrderedDict is named OUTPUT__<i> (not a plain dict), but its results were looked up by its keys:
+    every request failed ("returned no OUTPUT__0")."""
+    folder = exported(tmp_path, AsOrderedDict())
+    assert [t["name"] for t in load_model(folder).config["output"]] == ["OUTPUT__0", "OUTPUT__1"]
+    out = load_backend(folder).execute({"x": X}, ["OUTPUT__0", "OUTPUT__1"])
+    np.testing.assert_array_equal(out["OUTPUT__0"], X + 1)
+    np.testing.assert_array_equal(out["OUTPUT__1"], X * 2)
+
+
+def test_a_program_exported_with_a_constant_argument_is_a_clear_load_error(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    (folder / "1").mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(WithConstant(), (torch.ones(2, 3), 3.0))
+        torch.export.save(program, str(folder / "1" / "model.pt2"))
+    (folder / "config.pbtxt").write_text('name: "m"\nplatform: "pytorch_libtorch"\n')
+    with pytest.raises(ConfigError, match="constant argument"):
+        load_model(folder)

@@ -29,7 +29,7 @@ import numpy as np
 from ...contract.errors import BackendError, ConfigError, InvalidArgument
 from ...contract.modelspec import ModelSpec
 from .base import Backend, Declared, complete_config
-from .pytorch_export import arguments, batch_bound, output_names, results
+from .pytorch_export import arguments, batch_bound, input_names, output_names, results
 from .pytorch_options import call_mode, not_torchscript, set_threads, torch_options
 from .pytorch_sharing import Key, give_back, sharing_key, take
 
@@ -289,8 +289,8 @@ def _read(torch: Any, path: Path, device: Any) -> _Read:
         warnings.simplefilter("ignore", DeprecationWarning)
         if path.suffix == ".pt2":
             program = torch.export.load(str(path))
-            read = _Read(program.module().to(device), list(program.graph_signature.user_inputs),
-                         exported=True, batch_bound=batch_bound(program), in_spec=program.call_spec.in_spec)
+            read = _Read(program.module().to(device), input_names(program), exported=True,
+                         batch_bound=batch_bound(program), in_spec=program.call_spec.in_spec)
         else:
             module = torch.jit.load(str(path), map_location=device)
             module.eval()
@@ -359,7 +359,8 @@ def _index(name: str) -> int | None:
 
 def _complete_from_program(config: Any, program: Any) -> None:
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    inputs = [(name, placeholders[name].meta["val"]) for name in program.graph_signature.user_inputs]
+    flat = program.graph_signature.user_inputs  # (input_names: forward()'s names where they are one each)
+    inputs = [(name, placeholders[p].meta["val"]) for name, p in zip(input_names(program), flat)]
     output_node = next(n for n in program.graph.nodes if n.op == "output")
     outputs = [(name, node.meta["val"]) for name, node in zip(output_names(program), output_node.args[0])]
     unset = config.max_batch_size == 0

@@ -15,6 +15,22 @@ from __future__ import annotations
 from typing import Any
 
 
+def input_names(program: Any) -> list[str]:
+    """The names a request's inputs bind to by name, in the program's order: forward()'s own argument
+    names where each argument is one tensor (torch lower-cases its graph's names: `X` is `x` there, and a
+    config naming `X` and `Mask` out of order was bound by its order), else the graph's flat names. A
+    constant argument (a float the program was exported with) cannot be served."""
+    flat = list(program.graph_signature.user_inputs)
+    if not all(isinstance(name, str) for name in flat):
+        from ...contract.errors import ConfigError
+
+        raise ConfigError(f"the program's forward() was exported with a constant argument ({flat}): only "
+                          "tensors can be a request's inputs; export it with every argument a tensor")
+    signature = program.module_call_graph[0].signature if program.module_call_graph else None
+    forward = list(signature.forward_arg_names) if signature is not None else []
+    return forward if len(forward) == len(flat) else flat
+
+
 def arguments(in_spec: Any, flat: list[Any]) -> tuple[list[Any], dict[str, Any]]:
     """The positional and keyword arguments of forward() holding `flat`, the program's inputs in order."""
     from torch.utils import _pytree
@@ -36,8 +52,8 @@ def results(value: Any) -> Any:
     it is, anything else as the flat list of its tensors (a lone tensor as it is)."""
     from torch.utils import _pytree
 
-    if isinstance(value, dict) and all(_pytree.tree_is_leaf(v) for v in value.values()):
-        return value
+    if type(value) is dict and all(_pytree.tree_is_leaf(v) for v in value.values()):  # (as output_names)
+        return {str(key): v for key, v in value.items()}
     if _pytree.tree_is_leaf(value):
         return value
     return _pytree.tree_leaves(value)
