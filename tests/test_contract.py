@@ -270,3 +270,16 @@ def test_a_syntax_error_on_a_line_with_a_latin1_comment_is_named_as_the_syntax_e
         parse_text("m", b'name: "m"\nmax_batch_siz: 4  # caf\xe9\n')
     with pytest.raises(ConfigError, match=r"not UTF-8 text \(line 2, byte 30\)"):  # a value's byte still is
         parse_text("m", b'name: "m"\nmax_batch_size: "caf\xe9"  # caf\xe9\n')
+
+
+def test_a_folder_is_unchanged_since_its_fingerprint_of_either_format() -> None:
+    """The fingerprint took the version folders in (fd6ed19): a load API `config` override kept in the
+    catalog with the older, files-only fingerprint was dropped at the first load after an upgrade, the
+    files unchanged (Triton keeps it until they change)."""
+    from despina.registry.base import FileInfo, ModelFiles, digest
+
+    files = (FileInfo("1/model.onnx", 10, "e1"), FileInfo("config.pbtxt", 5, "e2"))
+    model = ModelFiles("m", "/repo/m", files, ("1", "2"))
+    assert model.unchanged_since(model.fingerprint())
+    assert model.unchanged_since(digest([f.pack() for f in files]))  # an earlier Despina's
+    assert not model.unchanged_since(digest([FileInfo("1/model.onnx", 11, "e3").pack()]))

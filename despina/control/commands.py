@@ -123,7 +123,7 @@ class Commands:
                     and old.target != UNLOADED:
                 # Triton's: a model loaded with a `config` is unchanged for a load without one until its files
                 # change (their times pass the override's), so that load keeps it; an unload forgets it
-                override = old.override if old.override_files == model.fingerprint() else None
+                override = old.override if model.unchanged_since(old.override_files) else None
             try:
                 entry = await self._read(name, lambda: read_model(registry, model, override, limited),
                                          looked, look_s)

@@ -77,6 +77,11 @@ class ModelFiles:
         one made or removed changes nothing else, and Triton's poll loads or unloads that version)."""
         return digest([f.pack() for f in self.files], ",".join(map(str, self.versions)).encode())
 
+    def unchanged_since(self, fingerprint: str) -> bool:
+        """Whether `fingerprint` (kept in the catalog) is this folder's: its own, or the files-only one an
+        earlier Despina kept (its load API override then survives an upgrade, as for unchanged files)."""
+        return fingerprint in (self.fingerprint(), digest([f.pack() for f in self.files]))
+
 
 def digest(items: Iterable[tuple[str, int, str]], extra: bytes = b"") -> str:
     h = hashlib.sha256(extra)

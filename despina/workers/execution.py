@@ -334,7 +334,7 @@ class Execution:
             inputs = self.reshape.to_model(inputs)
         short = self.row_us is not None and self.row_us * rows < INLINE_BELOW_US
         if short and self.count == 1 and self.inline:
-            cpu = time.thread_time()
+            cpu = time.thread_time()  # (a system call, ~1 µs, once a batch; its end one only for a long one)
             out, took = _timed(backend.execute, inputs, names)
             # the loop's own CPU, not the wall clock alone: a batch of a busy host's process that was
             # descheduled a while must not send a fast model to its thread for good
