@@ -10,6 +10,7 @@ its own, its steps have theirs (trace.md: "every composing model produces model 
 addition to one model span for the ensemble")."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -103,27 +104,34 @@ def traces(trace_file: Path, model: str, n: int) -> list[dict]:
         time.sleep(0.02)
 
 
-def test_an_ensembles_trace_has_no_compute_span_of_its_own_and_a_child_trace_per_step(
-        server: Server, trace_file: Path) -> None:
-    """As Triton 2.51's, whoever runs the ensemble (a worker that has its steps, or the gateway): its trace
-    is its model span and the HTTP stamps, no compute of its own; each step writes a child trace
-    ("parent_id", REQUEST_START..REQUEST_END with its compute's four stamps) inside the ensemble's time.
-    Before, a worker-run ensemble wrote no child traces."""
+@contextlib.contextmanager
+def tracing(server: Server, trace_file: Path, log_frequency: str) -> Iterator[None]:
+    """Every request traced at level TIMESTAMPS meanwhile; then tracing off and the trace files gone."""
     client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
     try:
         client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1",
-                                               "trace_count": "-1", "log_frequency": "1"})
-        x = np.random.default_rng(12).standard_normal((1, 256)).astype(np.float32)
-        for _ in range(2):
-            outputs(infer(server, "mlp_classify", {"x": x}))
-        found = traces(trace_file, "mlp_classify", 2)
-        steps = traces(trace_file, "classify_post", 2) + traces(trace_file, "mlp", 2)
+                                               "trace_count": "-1", "log_frequency": log_frequency})
+        yield
     finally:
         client.update_trace_settings(settings={"trace_level": ["OFF"], "trace_rate": "1000",
                                                "log_frequency": "0"})
         client.close()
         for path in trace_file.parent.iterdir():
             path.unlink()
+
+
+def test_an_ensembles_trace_has_no_compute_span_of_its_own_and_a_child_trace_per_step(
+        server: Server, trace_file: Path) -> None:
+    """As Triton 2.51's, whoever runs the ensemble (a worker that has its steps, or the gateway): its trace
+    is its model span and the HTTP stamps, no compute of its own; each step writes a child trace
+    ("parent_id", REQUEST_START..REQUEST_END with its compute's four stamps) inside the ensemble's time.
+    Before, a worker-run ensemble wrote no child traces."""
+    with tracing(server, trace_file, "1"):
+        x = np.random.default_rng(12).standard_normal((1, 256)).astype(np.float32)
+        for _ in range(2):
+            outputs(infer(server, "mlp_classify", {"x": x}))
+        found = traces(trace_file, "mlp_classify", 2)
+        steps = traces(trace_file, "classify_post", 2) + traces(trace_file, "mlp", 2)
     assert len(found) == 2
     for trace in found:
         check_timestamps(trace, [n for n in ORDER if not n.startswith("COMPUTE")])
@@ -144,21 +152,12 @@ def test_log_frequency_counts_an_ensembles_trace_with_its_steps_as_one(server: S
     ${trace_file}.N holds log_frequency whole traces, an ensemble's with its steps' child traces (before
     it), never a step's child trace apart from its parent. Before, each child trace counted as one: .0 held
     the first request's two steps, .1 its ensemble and a step of the next, and so on."""
-    client = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
-    try:
-        client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1",
-                                               "trace_count": "-1", "log_frequency": "2"})
+    with tracing(server, trace_file, "2"):
         x = np.random.default_rng(14).standard_normal((1, 256)).astype(np.float32)
         for _ in range(4):
             outputs(infer(server, "mlp_classify", {"x": x}))
         assert len(traces(trace_file, "mlp_classify", 4)) == 4
         parts = sorted(trace_file.parent.glob(trace_file.name + ".*"), key=lambda p: int(p.suffix[1:]))
         written = [[(t["model_name"], t.get("parent_id")) for t in json.loads(p.read_text())] for p in parts]
-    finally:
-        client.update_trace_settings(settings={"trace_level": ["OFF"], "trace_rate": "1000",
-                                               "log_frequency": "0"})
-        client.close()
-        for path in trace_file.parent.iterdir():
-            path.unlink()
     assert [[name for name, _ in part] for part in written] == \
         [["mlp", "classify_post", "mlp_classify"] * 2] * 2, written
