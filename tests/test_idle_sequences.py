@@ -4,6 +4,7 @@ that sequence meets its state rather than a 400 blaming the client; and a reques
 metadata refuses is refused at once, without a cold start for it."""
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from .conftest import Server
+from .conftest import ROOT, Server
 from .test_sequence import CONTROLS, SUMS
 
 # a running sum per sequence; its sequences idle out after 6 s, its model after 1 s without requests
@@ -36,9 +37,9 @@ def add(server: Server, x: float, start: bool = False, end: bool = False) -> htt
         {"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [x]}]})
 
 
-def index_row(server: Server) -> dict[str, Any]:
-    rows = httpx.post(f"{server.url}/v2/repository/index").json()
-    return next(r for r in rows if r["name"] == "sums")  # type: ignore[no-any-return]
+def index_row(server: Server, name: str = "sums") -> dict[str, Any]:
+    rows = httpx.post(f"{server.url}/v2/repository/index", timeout=30).json()
+    return next(r for r in rows if r["name"] == name)  # type: ignore[no-any-return]
 
 
 def test_a_stateful_model_stays_loaded_while_its_sequence_may_go_on(
@@ -107,10 +108,6 @@ def test_a_decoupled_model_scaled_to_zero_is_not_woken_for_an_infer_it_refuses(
         serve: Callable[..., Server], tmp_path: Path) -> None:
     """/infer and /fn refuse a decoupled model (501, as Triton's HTTP infer): that refusal came after the
     wake, so a model scaled to zero was loaded for nothing and its caller waited for the load first."""
-    import shutil
-
-    from .conftest import ROOT
-
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "model_repository" / "text_stream", repo / "text_stream")
     with (repo / "text_stream" / "config.pbtxt").open("a") as config:
@@ -118,8 +115,7 @@ def test_a_decoupled_model_scaled_to_zero_is_not_woken_for_an_infer_it_refuses(
     server = serve(repo, wait_models=("text_stream",))
 
     def row() -> dict[str, Any]:
-        return next(r for r in httpx.post(f"{server.url}/v2/repository/index", timeout=30).json()
-                    if r["name"] == "text_stream")
+        return index_row(server, "text_stream")
 
     deadline = time.monotonic() + 30
     while row().get("state") == "READY":

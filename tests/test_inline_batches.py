@@ -12,17 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from despina.examples import build_add_sub
-
-from .test_instances_warmup import runner_for
+from .test_instances_warmup import add_sub_runner
 
 
 async def test_a_batch_that_held_the_loop_long_sends_the_model_to_its_thread(tmp_path: Path) -> None:
-    folder = tmp_path / "add_sub"
-    (folder / "1").mkdir(parents=True)
-    build_add_sub(folder / "1" / "model.onnx")
-    (folder / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
-    runner = runner_for(folder)
+    runner = add_sub_runner(tmp_path)
     await runner.load()
     backend = runner.execution.instances.get_nowait()
     execute, ran_on, long, slept = backend.execute, [], [False], [False]

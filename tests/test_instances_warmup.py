@@ -422,14 +422,19 @@ async def test_random_data_for_a_string_input_is_zero_data_as_in_triton(tmp_path
     assert samples(runner.spec, folder)[0].inputs["s"].tolist() == [[b"", b""]]
 
 
-async def test_a_quick_model_runs_inline_whatever_else_held_the_loop_while_a_thread_ran_it(tmp_path: Path) -> None:
-    """A batch runs on the event loop when the model's cost per row says it is short (execution.py,
-    INLINE_BELOW_US); the cost counts the model's call, not the loop's other work meanwhile."""
+def add_sub_runner(tmp_path: Path) -> ModelRunner:
+    """A runner of the ONNX add_sub (max_batch_size 8, one instance), not yet loaded."""
     folder = tmp_path / "add_sub"
     (folder / "1").mkdir(parents=True)
     build_add_sub(folder / "1" / "model.onnx")
     (folder / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
-    runner = runner_for(folder)
+    return runner_for(folder)
+
+
+async def test_a_quick_model_runs_inline_whatever_else_held_the_loop_while_a_thread_ran_it(tmp_path: Path) -> None:
+    """A batch runs on the event loop when the model's cost per row says it is short (execution.py,
+    INLINE_BELOW_US); the cost counts the model's call, not the loop's other work meanwhile."""
+    runner = add_sub_runner(tmp_path)
     await runner.load()
     backend = runner.execution.instances.get_nowait()
     ran_on: list[int] = []

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...contract.errors import ConfigError
+
 
 def input_names(program: Any) -> list[str]:
     """The names a request's inputs bind to by name, in the program's order: forward()'s own argument
@@ -22,8 +24,6 @@ def input_names(program: Any) -> list[str]:
     constant argument (a float the program was exported with) cannot be served."""
     flat = list(program.graph_signature.user_inputs)
     if not all(isinstance(name, str) for name in flat):
-        from ...contract.errors import ConfigError
-
         raise ConfigError(f"the program's forward() was exported with a constant argument ({flat}): only "
                           "tensors can be a request's inputs; export it with every argument a tensor")
     signature = program.module_call_graph[0].signature if program.module_call_graph else None
