@@ -3,6 +3,7 @@ connection limit it answers new connections 503 at once, keeping descriptors for
 clients being reset and the requests on the connections it holds failing to reach Redis."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import http.client
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from despina import fds
@@ -224,11 +226,51 @@ class TritonPythonModel:
 """
 
 
+def socket_ports(pid: int) -> set[int]:
+    """The local ports of the TCP sockets the process `pid` holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if (target := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def close_request_writer(redis_url: str, pid: int) -> int:
+    """Close (CLIENT KILL) the gateway's connection that writes requests, if it has one open, and wait
+    until the gateway has let its descriptor go; how many it closed. It is one of the gateway's own connections (Resp's, on
+    RESP2; redis-py's speak RESP3) and not the reply reader's (blocked in XREAD)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        ports, killed = socket_ports(pid), set()
+        for line in client.execute_command("CLIENT", "LIST").decode().splitlines():
+            info = dict(kv.split("=", 1) for kv in line.split(" ") if "=" in kv)
+            port = int(info["addr"].rsplit(":", 1)[1])
+            if port in ports and info["resp"] == "2" and info["cmd"] != "xread":
+                client.execute_command("CLIENT", "KILL", "ADDR", info["addr"])
+                killed.add(port)
+    finally:
+        client.close()
+    deadline = time.monotonic() + 10
+    while killed & socket_ports(pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return len(killed)
+
+
 def test_a_gateway_out_of_descriptors_says_so_not_that_redis_is_unavailable(
         tmp_path: Path, example_repository: Path, redis_url: str, key_prefix: str) -> None:
     """A connection limit set above what the open-files limit allows: once the clients' connections take
-    every descriptor, a request that needs a new connection to Redis (the request queue's: another request
-    waits for its answer, the model `gate` holding it) cannot have one. Its 503, and the log, say that the
+    every descriptor, a request that needs a new connection to Redis (the request queue's, closed: another
+    request waits for its answer, the model `gate` holding it, so it cannot go with the reply reader's read)
+    cannot have one. Its 503, and the log, say that the
     gateway is out of file descriptors and which limits to change, not that Redis is unavailable."""
     repository, gate = tmp_path / "repo", tmp_path / "gate"
     shutil.copytree(example_repository / "add_sub", repository / "add_sub")
@@ -249,7 +291,11 @@ def test_a_gateway_out_of_descriptors_says_so_not_that_redis_is_unavailable(
         while not gate.with_suffix(".entered").exists():  # the model holds it: the gateway reads replies
             assert time.monotonic() < deadline, server.logs()
             time.sleep(0.05)
+        # a request while the reply reader waits in XREAD goes out on the request queue's own connection (the
+        # first went with the reader's read), which it opens; closed then, the next request must open it again
+        assert httpx.post(f"{server.url}/v2/models/add_sub/infer", content=ADD_SUB, timeout=10).status_code == 200
         pid = gateway_pid(server)
+        assert close_request_writer(redis_url, pid) == 1
         socks = flood(server, 256)
         try:
             deadline = time.monotonic() + 10  # the gateway accepts until it has no descriptor left
