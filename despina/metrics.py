@@ -367,6 +367,11 @@ def _cold_start_histogram(out: Exposition, models: list[dict[str, Any]]) -> None
         out.sample(f"{name}_bucket", {**_labels(m), "le": "+Inf"}, stats.get("cold_count", 0))
         out.sample(f"{name}_sum", _labels(m), stats.get("cold_ns", 0) / 1e9)
         out.sample(f"{name}_count", _labels(m), stats.get("cold_count", 0))
+    name = "despina_cold_start_failures_total"
+    out.family(name, "counter", "Cold starts whose load failed (the model went back to scaled to zero, tried "
+               "again by a request after a backoff)")
+    for m in models:
+        out.sample(name, _labels(m), m["stats"].get("cold_failed", 0))
 
 
 async def metrics_text(redis: aioredis.Redis, keys: Keys, host: HostMetrics,

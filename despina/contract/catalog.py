@@ -5,6 +5,7 @@ The control plane is the only writer. Workers load what names them in `workers`;
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,12 @@ class CatalogEntry:
     # the loads that asked again for versions that had failed with these same files (commands.py): a worker
     # tries such a version's files again when it moves (attempt()), as Triton's load tries a failed model
     tries: int = 0
+    # a cold start that failed: the model went back to scaled to zero with its load's error (cold_error),
+    # the failures in a row, and when (clock.now()) a request may try again; until then requests hear the
+    # error at once. A cold start that serves, a load and new files forget it
+    cold_error: str = ""
+    cold_failures: int = 0
+    cold_retry_at: float = 0.0
 
     @property
     def serving(self) -> bool:
@@ -82,7 +89,9 @@ class CatalogEntry:
             **({"dropped": {str(v): r for v, r in self.dropped.items()}} if self.dropped else {}),
             **({"override": self.override, "override_files": self.override_files}
                if self.override is not None else {}),
-            **({"tries": self.tries} if self.tries else {})})
+            **({"tries": self.tries} if self.tries else {}),
+            **({"cold_error": self.cold_error, "cold_failures": self.cold_failures,
+                "cold_retry_at": self.cold_retry_at} if self.cold_error else {})})
 
     @classmethod
     def loads(cls, raw: bytes | str) -> CatalogEntry:
@@ -96,7 +105,8 @@ class CatalogEntry:
                    bool(d.get("step_only", False)),
                    {k: tuple(v) for k, v in (d.get("labels") or {}).items()}, tuple(d.get("retired", ())),
                    {int(v): r for v, r in (d.get("dropped") or {}).items()}, d.get("override"),
-                   d.get("override_files", ""), int(d.get("tries", 0)))
+                   d.get("override_files", ""), int(d.get("tries", 0)), d.get("cold_error", ""),
+                   int(d.get("cold_failures", 0)), float(d.get("cold_retry_at", 0.0)))
 
 
 def read_entries(raw: Mapping[bytes, bytes]) -> tuple[dict[str, CatalogEntry], dict[str, str]]:
@@ -138,6 +148,17 @@ def version_refused(e: CatalogEntry, v: int) -> DespinaError:
     if v in e.retired or v in e.dropped or (e.target == UNLOADED and v in e.versions):
         return Unavailable(f"Request for unknown model: '{e.name}' version {v} is not at ready state")
     return NotFound(f"Request for unknown model: '{e.name}' version {v} is not found")
+
+
+def cold_start_failed(e: CatalogEntry, now: float) -> Unavailable | None:
+    """What a request for a model whose cold start failed hears until a request may try again (None from
+    then on): the load's error, 503 with Retry-After the time left, as the same load's first caller heard."""
+    left = e.cold_retry_at - now
+    if not e.cold_error or e.target != IDLE or left <= 0:
+        return None
+    times = "once" if e.cold_failures == 1 else f"{e.cold_failures} times in a row"
+    return Unavailable(f"{e.cold_error} (its cold start failed {times}; a request in {math.ceil(left)} s or "
+                       "later tries again)", retry_after=left)
 
 
 def not_loaded(name: str) -> NotFound:

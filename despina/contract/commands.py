@@ -51,21 +51,24 @@ class Answer:
     code: str = ""                           # an error's Code; empty on success
     message: str = ""
     id: str = ""                             # the command's, on a list shared by several commands
+    retry_after: float = 0.0                 # an error's DespinaError.retry_after
 
     @classmethod
     def error(cls, exc: DespinaError) -> Answer:
-        return cls(None, exc.code.value, exc.message)
+        return cls(None, exc.code.value, exc.message, retry_after=exc.retry_after)
 
     def result(self) -> Any:
         """The data, or the error raised again on the caller's side."""
         if self.code:
-            raise DespinaError(self.message, Code(self.code))
+            raise DespinaError(self.message, Code(self.code), self.retry_after)
         return self.data
 
     def dumps(self) -> bytes:
-        return orjson.dumps({"data": self.data, "code": self.code, "message": self.message, "id": self.id})
+        return orjson.dumps({"data": self.data, "code": self.code, "message": self.message, "id": self.id,
+                             **({"retry_after": self.retry_after} if self.retry_after else {})})
 
     @classmethod
     def loads(cls, raw: bytes) -> Answer:
         d = orjson.loads(raw)
-        return cls(d.get("data"), d.get("code", ""), d.get("message", ""), str(d.get("id") or ""))
+        return cls(d.get("data"), d.get("code", ""), d.get("message", ""), str(d.get("id") or ""),
+                   float(d.get("retry_after") or 0.0))

@@ -205,7 +205,7 @@ class Run:
         elif code == Code.NOT_FOUND:
             code = Code.UNAVAILABLE  # the ensemble exists; a model it calls went away
         made = ReplyError if isinstance(exc, ReplyError) else DespinaError  # (the model failed it)
-        return made(f"ensemble '{self.spec.name}' {step}: {exc.message}", code)
+        return made(f"ensemble '{self.spec.name}' {step}: {exc.message}", code, exc.retry_after)
 
     def _rows(self) -> int:
         if not self.spec.batched:

@@ -26,12 +26,17 @@ class DespinaError(Exception):
     """An error with a code that every component understands."""
 
     code: Code = Code.INTERNAL
+    # seconds after which a retry may succeed, where that is known (a failed cold start's backoff): the
+    # gateway's Retry-After; 0: not known
+    retry_after: float = 0.0
 
-    def __init__(self, message: str, code: Code | None = None) -> None:
+    def __init__(self, message: str, code: Code | None = None, retry_after: float = 0.0) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
+        if retry_after:
+            self.retry_after = retry_after
 
     def __str__(self) -> str:
         return self.message

@@ -140,6 +140,10 @@ class Ensembles:
                                    "serves again once they are loaded")
         if loading:
             return "LOADING", f"waiting for model(s) {', '.join(sorted(set(loading)))} to load"
+        cold = [m for n in sorted(set(idle)) if (m := self.catalog.get(n)) is not None and m.cold_error]
+        if cold:  # (a request tries it again once its backoff is over, as one for the model does)
+            first = cold[0]
+            return "UNAVAILABLE", f"model '{first.name}' it calls failed its cold start: {first.cold_error}"
         if idle:
             return "UNAVAILABLE", (f"idle: model(s) {', '.join(sorted(set(idle)))} were unloaded for want "
                                    "of requests; the next request loads them")

@@ -14,23 +14,31 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import replace
 
 import orjson
 import redis.asyncio as aioredis
 
 from .. import clock
-from ..contract.catalog import IDLE, LOADED, CatalogEntry
+from ..contract.catalog import IDLE, LOADED, CatalogEntry, cold_start_failed
 from ..contract.ensemble import called_by, is_ensemble
 from ..contract.keys import Keys
 from ..contract.sequence import DEFAULT_IDLE_US
 from ..settings import Settings
+from ..workers.redelivery import Queue
 from ..workers.stats import COLD_START_BUCKETS_S
+from .backlog import refuse
 from .repository import parameter
 from .state import Catalog, Workers
 
 log = logging.getLogger("despina.control")
 
 SWEEP = 10  # models long scaled to zero: a tenth of their queues is read at each check
+# after a cold start failed, a request may try it again this long after (doubling with each failure in a row,
+# up to COLD_RETRY_MAX_S): a transient failure heals with a later request, a broken model is not loaded over
+# and over by every request
+COLD_RETRY_FIRST_S = 2.0
+COLD_RETRY_MAX_S = 300.0
 
 
 class Idle:
@@ -69,9 +77,9 @@ class Idle:
             log.info("model %s: cold start", e.name)
         self.awake_since[e.name] = clock.now()
 
-    async def check(self) -> tuple[list[CatalogEntry], list[str]]:
+    async def check(self, reply_ttl_ms: int) -> tuple[list[CatalogEntry], list[str]]:
         """The loaded models idle past their timeout (to unload), and the models scaled to zero that have
-        requests queued (to wake)."""
+        requests queued (to wake; those whose cold start failed a moment ago answer them with why)."""
         now, ticks = clock.now(), time.monotonic()
         self._checks += 1
         due: list[CatalogEntry] = []
@@ -98,9 +106,9 @@ class Idle:
                         and not self.cold.get(e.name):
                     due.append(e)
         self._used, self._idle_since, self._serving = used, idle_since, serving
-        return await self._read(due) if due else ([], [])
+        return await self._read(due, reply_ttl_ms) if due else ([], [])
 
-    async def _read(self, due: list[CatalogEntry]) -> tuple[list[CatalogEntry], list[str]]:
+    async def _read(self, due: list[CatalogEntry], reply_ttl_ms: int) -> tuple[list[CatalogEntry], list[str]]:
         """Read the `due` models' last inference (those loaded) and backlog: check() from them."""
         pipe = self.redis.pipeline(transaction=False)
         callers = self._callers(due)
@@ -131,7 +139,9 @@ class Idle:
                 continue
             e = current
             if e.target == IDLE:
-                if backlog.get(e.name):
+                if backlog.get(e.name) and (failed := cold_start_failed(e, now)) is not None:
+                    await self.refuse_queued(e, failed.message, reply_ttl_ms)
+                elif backlog.get(e.name):
                     wake.append(e.name)
                 continue
             since = max(self._used.get(e.name, 0.0), self.awake_since.setdefault(e.name, now))
@@ -156,6 +166,41 @@ class Idle:
 
     # -- cold starts -------------------------------------------------------------------------------
 
+    async def cold_failures(self, reply_ttl_ms: int) -> list[str]:
+        """The models whose cold start failed on every worker that tried it (each current version failed):
+        each goes back to scaled to zero with the load's error and a backoff (cold_start_failed()), and what
+        is queued for it hears the error. Called before the waiters are answered: they hear it too."""
+        failed = []
+        for name in list(self.cold):
+            e = self.catalog.get(name)
+            current = [v for v in e.versions if v not in e.retiring] if e is not None else []
+            if e is None or not e.serving or not current or not all(v in e.failed for v in current):
+                continue
+            del self.cold[name]
+            failures = e.cold_failures + 1
+            backoff = min(COLD_RETRY_FIRST_S * 2 ** (failures - 1), COLD_RETRY_MAX_S)
+            # Triton's words for a load that failed
+            why = f"load failed for model '{name}': version {current[-1]} is at UNAVAILABLE state: " \
+                f"{e.failed[current[-1]]}"
+            log.error("model %s: cold start failed (%d in a row); scaled to zero again, a request in %g s or "
+                      "later tries again: %s", name, failures, backoff, why)
+            # its failures are forgotten and `tries` moves: the workers that failed it load it again next time
+            e = replace(e, target=IDLE, workers=(), failed={}, tries=e.tries + 1, cold_error=why,
+                        cold_failures=failures, cold_retry_at=clock.now() + backoff)
+            self.catalog.put(e)
+            failed.append(name)
+            await self._count_failure(e)
+            await self.refuse_queued(e, why, reply_ttl_ms)
+        return failed
+
+    async def refuse_queued(self, e: CatalogEntry, why: str, reply_ttl_ms: int) -> None:
+        """Answer what is queued for a model that cannot load now with why: nobody would read it until it
+        does (a request queued by a gateway that saw it serving, as it went down)."""
+        for v in e.versions:
+            for level, _ in enumerate(e.streams(self.keys, v), start=1):
+                if count := await refuse(self.redis, Queue(self.keys, e.name, v, level), why, reply_ttl_ms):
+                    log.warning("model %s: %d queued requests answered: %s", e.name, count, why)
+
     async def cold_starts(self, now: float) -> None:
         """Record the cold starts that ended (the model serves) at `now` (monotonic), and forget those
         whose load failed."""
@@ -166,7 +211,23 @@ class Idle:
             if e is None or not e.serving or (current and all(v in e.failed for v in current)):
                 self.cold.pop(name, None)
             elif any(self.workers.ready_on(name, v) for v in e.versions):
+                if e.cold_error:  # it serves: a later failure backs off from the start again
+                    self.catalog.put(replace(e, cold_error="", cold_failures=0, cold_retry_at=0.0))
                 await self._record(e, (now - self.cold.pop(name)) * 1000)
+
+    async def _count_failure(self, e: CatalogEntry) -> None:
+        """A failed cold start in `despina:coldstart` ("failed", "last_error", "last_failed_at") and in the
+        served version's statistics (cold_failed: the metrics' despina_cold_start_failures_total)."""
+        key = self.keys.cold_starts
+        raw = await self.redis.hget(key, e.name)
+        prev = orjson.loads(raw) if raw else {"count": 0, "total_ms": 0.0}
+        doc = {**prev, "failed": prev.get("failed", 0) + 1, "last_error": e.cold_error,
+               "last_failed_at": clock.now()}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, e.name, orjson.dumps(doc))
+        if e.versions:
+            pipe.hincrby(self.keys.stats(e.name, max(e.versions)), "cold_failed", 1)
+        await pipe.execute()
 
     async def _record(self, e: CatalogEntry, ms: float) -> None:
         statuses = [s.version(e.name, v) for s in self.workers.status.values() for v in e.versions]
@@ -175,7 +236,7 @@ class Idle:
         key = self.keys.cold_starts
         raw = await self.redis.hget(key, e.name)
         prev = orjson.loads(raw) if raw else {"count": 0, "total_ms": 0.0}
-        doc = {"count": prev["count"] + 1, "total_ms": round(prev["total_ms"] + ms, 1),
+        doc = {**prev, "count": prev["count"] + 1, "total_ms": round(prev["total_ms"] + ms, 1),
                "last_ms": round(ms, 1), "last_load_ms": round(load_ms, 1), "last_at": clock.now()}
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key, e.name, orjson.dumps(doc))

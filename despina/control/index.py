@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from ..contract.catalog import IDLE, UNLOADED, CatalogEntry
+from .. import clock
+from ..contract.catalog import IDLE, UNLOADED, CatalogEntry, cold_start_failed
 from ..contract.ensemble import is_ensemble
 from ..contract.errors import DespinaError, Unavailable
 from ..registry.given import given_digest
@@ -80,6 +81,8 @@ class RepositoryIndex:
             return "UNAVAILABLE", "unloaded"
         if is_ensemble(e.config):
             return plane.lifecycle.ensembles.state(e, v)
+        if e.target == IDLE and e.cold_error:
+            return "UNAVAILABLE", cold_failure(e, clock.now())
         if e.target == IDLE:
             return "UNAVAILABLE", (f"idle: unloaded after {plane.lifecycle.idle.timeout(e):g} s without "
                                    "requests; the next request loads it")
@@ -90,6 +93,14 @@ class RepositoryIndex:
         if v in e.retiring:
             return "UNLOADING", ""
         return "LOADING", plane.lifecycle.shortfall.get(e.name, "") or plane.workers.held_up(e.name, v)
+
+
+def cold_failure(e: CatalogEntry, now: float) -> str:
+    """An idle model's reason after its cold start failed: the error, and when a request tries again."""
+    failed = cold_start_failed(e, now)
+    if failed is not None:
+        return failed.message
+    return f"{e.cold_error} (its cold start failed; the next request tries again)"
 
 
 def _row(name: str, state: str, reason: str, version: int | None = None) -> dict[str, str]:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 
-from ..contract.catalog import IDLE, LOADED, CatalogEntry, retire
+from .. import clock
+from ..contract.catalog import IDLE, LOADED, CatalogEntry, cold_start_failed, retire
 from ..contract.ensemble import is_ensemble
 from ..contract.errors import Code, DespinaError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ..contract.keys import Keys
@@ -107,6 +108,10 @@ class Lifecycle:
             self._place_all(now)
             after = self._inputs()
             self._steady = after if after == inputs else None
+        # failed cold starts: in the catalog before the waiters hear of them (a gateway told so reads it so),
+        # and before the ensembles that call them are checked (none is failed for what a request may heal)
+        for name in await self.idle.cold_failures(self.delivery.reply_ttl_ms):
+            self.forget(name)  # the workers it failed on try it again next time
         self.ensembles.check()
         if now - self._idle_checked >= min(1.0, max(self.settings.idle_timeout_s / 4, 0.1)):
             self._idle_checked = now
@@ -271,6 +276,8 @@ class Lifecycle:
         if e.target not in (IDLE, LOADED):
             raise FailedPrecondition(f"model '{name}' is not loaded; load it with "
                                      f"POST /v2/repository/models/{name}/load")
+        if (failed := cold_start_failed(e, clock.now())) is not None:
+            raise failed  # it failed a moment ago: tried again only once its backoff is over
         self.idle.woken(e)
         e = replace(e, target=LOADED)
         self.catalog.put(e)
@@ -325,8 +332,9 @@ class Lifecycle:
         if e is None:
             raise NotFound(f"unknown model '{w.name}'")
         if not e.serving:
-            raise Unavailable(f"model '{w.name}' is {e.target if e.state == 'READY' else 'unavailable'}"
-                              f"{': ' + e.reason if e.reason else ''}")
+            raise cold_start_failed(e, clock.now()) or Unavailable(
+                f"model '{w.name}' is {e.target if e.state == 'READY' else 'unavailable'}"
+                f"{': ' + e.reason if e.reason else ''}")
         if is_ensemble(e.config):
             v = w.version if w.version is not None else max(e.versions)
             state, why = self.ensembles.state(e, v)
@@ -371,7 +379,7 @@ class Lifecycle:
 
     async def _scale_to_zero(self) -> None:
         """Unload models idle past their timeout; bring back idle models whose stream has a backlog."""
-        unload, wake = await self.idle.check()
+        unload, wake = await self.idle.check(self.delivery.reply_ttl_ms)
         for name in wake:
             self.wake(name)
         for e in unload:

@@ -64,7 +64,8 @@ class StatusTracker:
                 models.append({
                     "name": name, "version": version if version >= 0 else None, "state": entry.state,
                     "target": entry.target,
-                    "reason": entry.failed.get(version) or entry.reason, "versions": list(entry.versions),
+                    "reason": entry.failed.get(version) or entry.cold_error or entry.reason,
+                    "versions": list(entry.versions),
                     "ensemble": is_ensemble(entry.config), "failed": version in entry.failed,
                     # an ensemble's: the workers that run it themselves (none: gateways chain its steps)
                     "workers": [w.info.id for w in self.workers
@@ -75,6 +76,7 @@ class StatusTracker:
                     "batch_sizes": _batches(recent_base, key, stats),
                     "success": stats.get("success_count", 0), "failures": stats.get("fail_count", 0),
                     "cold_starts": stats.get("cold_count", 0),
+                    "cold_start_failures": stats.get("cold_failed", 0),
                     "cold_start_ms": round(stats.get("cold_ns", 0) / 1e6 / stats["cold_count"], 1)
                     if stats.get("cold_count") else None,
                 })

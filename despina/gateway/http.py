@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from http import HTTPStatus
@@ -260,7 +261,11 @@ def json_object(raw: bytes | memoryview) -> dict[str, Any]:
 
 def error_parts(exc: DespinaError) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
     status = STATUS.get(exc.code, 500)
-    return status, orjson.dumps({"error": exc.message}), list(EXTRA_HEADERS.get(exc.code, ()))
+    extra = list(EXTRA_HEADERS.get(exc.code, ()))
+    if exc.retry_after > 0:  # the error knows when a retry may succeed: that, not the code's guess
+        seconds = b"%d" % max(1, math.ceil(exc.retry_after))
+        extra = [h for h in extra if h[0] != b"retry-after"] + [(b"retry-after", seconds)]
+    return status, orjson.dumps({"error": exc.message}), extra
 
 
 async def send_error(send_: Send, exc: DespinaError) -> None:

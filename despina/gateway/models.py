@@ -10,6 +10,7 @@ it and goes on once it is READY: concurrent requests share one such wake.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -17,10 +18,18 @@ from dataclasses import dataclass, replace
 from typing import cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
+from redis.exceptions import RedisError, WatchError
 
-from .. import logs
-from ..contract.catalog import UNLOADED, CatalogEntry, none_loaded, read_entries, unloaded, version_refused
+from .. import clock, logs
+from ..contract.catalog import (
+    UNLOADED,
+    CatalogEntry,
+    cold_start_failed,
+    none_loaded,
+    read_entries,
+    unloaded,
+    version_refused,
+)
 from ..contract.commands import WAKE
 from ..contract.ensemble import Ensemble, is_ensemble
 from ..contract.errors import (
@@ -237,6 +246,8 @@ class ModelView:
             raise Unavailable(f"model '{name}' is unavailable: {e.reason}")
         if e.target == UNLOADED:
             raise unloaded(e, version)
+        if e.cold_error and (cold := cold_start_failed(e, clock.now())) is not None:
+            raise cold  # at once, until a request may try its cold start again
         if model.ensemble is not None:  # it runs here, on the models it calls: each is resolved in turn
             v = self._ensemble_version(model, version)
             self._asked.add((name, v))  # (or on a worker that runs it whole, through its stream)
@@ -310,6 +321,9 @@ class ModelView:
             except TimeoutError:
                 raise Unavailable(f"model '{name}' did not load within {timeout:g} s") from None
             except DespinaError as exc:
+                if exc.retry_after:  # its cold start failed: the catalog says so now, for the next request
+                    with contextlib.suppress(RedisError, OSError, TimeoutError):
+                        await self.refresh()
                 now = time.monotonic()
                 if exc.code != Code.UNAVAILABLE or now < ends - WAKE_AGAIN_S or deadline - now < WAKE_AGAIN_S:
                     raise  # it failed before its time ran out, or this caller's time is (nearly) out too
