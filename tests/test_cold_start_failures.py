@@ -151,3 +151,27 @@ def test_a_cold_start_failure_travels_with_its_backoff() -> None:
         status, body, headers = error_parts(exc)
     assert status == 503 and b"load failed for model 'm'" in body
     assert headers == [(b"retry-after", b"4")]
+
+
+def test_new_files_end_a_failed_cold_starts_backoff(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """The backoff is for the files that failed: new ones are tried by the next request, at once."""
+    repo, broken = tmp_path / "repo", tmp_path / "broken"
+    flaky_repository(repo, broken)
+    server = serve(repo, "--model-control-mode", "poll", "--repository-poll-secs", "1",
+                   wait_models=("flaky", "pipe"))
+    wait_until(lambda: "flaky" not in loaded_models(redis_url, key_prefix), 15, what="flaky to be unloaded")
+    broken.touch()
+    after = 0
+    for most_s in (2, 4, 8):  # three failures in a row: the next try is 8 s off
+        time.sleep(after)
+        after = refused(httpx.post(f"{server.url}/v2/models/flaky/infer", json=BODY, timeout=30), most_s)
+    assert after > 4, after
+    model = repo / "flaky" / "1" / "model.py"
+    model.write_text(model.read_text() + "\n# mended\n")
+    broken.unlink()
+    wait_until(lambda: "model flaky changed in the repository" in server.logs(), 10, what="the poll to see it")
+    row = next(r for r in index(server.url) if r["name"] == "flaky")
+    assert row["reason"].startswith("idle"), row  # the failure is forgotten, its backoff with it
+    r = httpx.post(f"{server.url}/v2/models/flaky/infer", json=BODY, timeout=30)
+    assert r.status_code == 200, r.text
