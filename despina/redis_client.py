@@ -7,7 +7,9 @@ import socket
 import weakref
 from urllib.parse import parse_qs, urlparse
 
+import redis
 import redis.asyncio as aioredis
+import redis.retry
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
@@ -73,6 +75,22 @@ def connect(url: str, max_connections: int = 64, wait_s: float = 0.0) -> aioredi
 def connect_worker(url: str, max_connections: int = 64) -> aioredis.Redis:
     """A worker's client: its commands wait for a free connection (WORKER_POOL_WAIT_S)."""
     return connect(url, max_connections, wait_s=WORKER_POOL_WAIT_S)
+
+
+# A blocking client's commands give up after this: its thread must not wait on a Redis that stopped answering
+# for ever, nor keep the role waiting as it stops (the thread is joined).
+SYNC_TIMEOUT_S = 2.0
+
+
+def connect_sync(url: str) -> redis.Redis:
+    """A blocking client of one connection (opened at its first command), for a thread of a role's own: the
+    same URL as the role's client, and so the same database, credentials and TLS."""
+    tcp = {} if url.lower().startswith("unix://") else {"socket_keepalive": True,
+                                                        "socket_keepalive_options": KEEPALIVE}
+    return redis.Redis.from_url(
+        url, max_connections=1, socket_timeout=SYNC_TIMEOUT_S,
+        socket_connect_timeout=CONNECT_TIMEOUT_S, health_check_interval=0, retry_on_timeout=False,
+        retry=redis.retry.Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)), **tcp)
 
 
 def url_trouble(url: str) -> str | None:

@@ -335,7 +335,7 @@ class Execution:
         short = self.row_us is not None and self.row_us * rows < INLINE_BELOW_US
         if short and self.count == 1 and self.inline:
             cpu = time.thread_time()  # (a system call, ~1 µs, once a batch; its end one only for a long one)
-            out, took = _timed(backend.execute, inputs, names)
+            out, took = timed(backend.execute, inputs, names)
             # the loop's own CPU, not the wall clock alone: a batch of a busy host's process that was
             # descheduled a while must not send a fast model to its thread for good
             if took * 1e6 >= LONG_INLINE_US and (time.thread_time() - cpu) * 2e6 >= LONG_INLINE_US:
@@ -344,7 +344,7 @@ class Execution:
                             "batches run on its thread from now on", self.spec.name, took * 1e3)
         else:
             self._release()  # the loop is free meanwhile: the next batch forms as this one runs
-            out, took = await asyncio.get_running_loop().run_in_executor(self.executor, _timed,
+            out, took = await asyncio.get_running_loop().run_in_executor(self.executor, timed,
                                                                          backend.execute, inputs, names)
         row_us = took * 1e6 / max(rows, 1)
         self.row_us = row_us if self.row_us is None else 0.8 * self.row_us + 0.2 * row_us
@@ -373,9 +373,10 @@ def _reshaped(reshape: Reshapes, out: dict[str, np.ndarray]) -> dict[str, np.nda
         return exc
 
 
-def _timed(execute: Callable[[dict[str, np.ndarray], list[str]], dict[str, np.ndarray]],
+def timed(execute: Callable[[dict[str, np.ndarray], list[str]], dict[str, np.ndarray]],
            inputs: dict[str, np.ndarray], names: list[str]) -> tuple[dict[str, np.ndarray], float]:
-    """execute(inputs, names), and the seconds it took."""
+    """execute(inputs, names), and the seconds it took. On the loop's thread, the worker is working as long as
+    this runs (workers/lifeline.py)."""
     t0 = time.perf_counter()
     out = execute(inputs, names)
     return out, time.perf_counter() - t0

@@ -28,6 +28,7 @@ from ..settings import Settings
 from . import in_hand
 from .backends import python_env
 from .ensembles import EnsembleHost
+from .lifeline import Lifeline
 from .runner import ModelRunner
 
 log = logging.getLogger("despina.worker")
@@ -71,6 +72,7 @@ class Presence:
     gpus: GpuReader
     beat_s: float
     skew: clock.Skew
+    lifeline: Lifeline
     leaving: bool
     _loading_from: dict[Key, Path]
     _cache: ArtifactCache | None
@@ -229,6 +231,7 @@ class Presence:
                                          self.keys.workers, self.keys.worker_mark(self.id),
                                          int(self.settings.worker_ttl_s * 1000), self.id, mark_ms,
                                          *(x for pair in fields.items() for x in pair))
+            self.lifeline.beaten = time.monotonic()
             lost, self._marked = self._marked and not kept, True
             if lost:
                 self._data_lost()

@@ -38,6 +38,7 @@ from ..settings import Settings
 from .backends.base import visible_gpus
 from .bls import ModelCaller
 from .ensembles import EnsembleHost
+from .lifeline import Lifeline
 from .loading import Loading
 from .presence import Key, memory_bytes
 from .rate_limiter import limiter_of
@@ -111,6 +112,7 @@ class Worker(Loading):
         self._lost_at: float | None = None
         self._telling: set[asyncio.Task[int]] = set()  # telling gateways of the requests held (in_hand.py)
         self.beat_s = max(0.2, min(1.0, settings.worker_ttl_s / 4))
+        self.lifeline = Lifeline(settings, self.keys, self.id, self.beat_s)  # while a batch holds the loop
         self.skew = clock.Skew(settings.clock_skew_warn_s, f"worker {self.id}")  # measured at each heartbeat
         self.delivery = DeliveryPolicy.from_settings(settings)
         self.deferred = Deferred(redis)  # counters of ensemble steps run here
@@ -131,7 +133,7 @@ class Worker(Loading):
         log.info("worker %s: %d CPU(s), %d GPU(s), %.1f GiB for models", self.id, self.info.cpus,
                  self.info.gpus, self.info.memory_bytes / 2**30)
         helpers = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._listen()),
-                   asyncio.create_task(self.sweep.run())]
+                   asyncio.create_task(self.sweep.run()), asyncio.create_task(self.lifeline.run())]
         failed = logs.Throttled(log)
         try:
             while not self._stop.is_set():
