@@ -264,7 +264,10 @@ def gateway(args: argparse.Namespace) -> None:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", PYTHONHASHSEED="0",
                REDIS_URL=args.redis_url, DESPINA_KEY_PREFIX=prefix, DESPINA_GATEWAY_HOLD_US="0",
-               DESPINA_LOG_LEVEL="warning")
+               DESPINA_LOG_LEVEL="warning",
+               # a worker under callgrind runs ~50x slower: its heartbeats came late at start and the control
+               # plane took it for dead (twice in a W3 run), moving its models while the counts ran
+               DESPINA_WORKER_TTL_S="60")
     python = [sys.executable, "-m", "despina"]
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)  # valgrind writes nothing into a missing folder
