@@ -240,3 +240,36 @@ def test_a_specific_version_policy_loads_the_versions_it_names_that_are_there(
     assert r.status_code == 400, r.text
     assert "at least one version must be available under the version policy of model 'm'" in r.json()["error"]
     assert times(server.url, 3) == [3, 6]
+
+
+ENSEMBLE_PBTXT = '''name: "e"
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "IN", data_type: TYPE_INT32, dims: [ 2 ] } ]
+output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 2 ] } ]
+ensemble_scheduling { step [ { model_name: "m" model_version: -1
+  input_map { key: "IN" value: "IN" } output_map { key: "OUT" value: "OUT" } } ] }
+'''
+
+
+def test_loading_an_ensemble_reloads_its_step_loaded_from_files_from_the_repository(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    # Triton 2.51, seen (explicit mode): step A loaded with config + file:1/model.py (answering x + 100), then
+    # its ensemble E loaded: A is loaded again from the repository (x + 1), and E calls that. A load of E
+    # polls the models it calls, and a step loaded from files differs from its repository folder. Despina
+    # kept the files' step: e answered through m's version 3
+    repo = make_repo(tmp_path / "repo")
+    (repo / "e").mkdir()
+    (repo / "e" / "config.pbtxt").write_text(ENSEMBLE_PBTXT)
+    server = serve(repo, "--model-control-mode", "explicit", "--load-model", "m", wait_models=("m",),
+                   env={"DESPINA_CACHE_DIR": str(tmp_path / "cache")})
+    assert files_load(server.url).status_code == 200
+    wait_until(lambda: ready(server.url) == [3], what="version 3 alone")
+
+    r = httpx.post(f"{server.url}/v2/repository/models/e/load", timeout=60)
+    assert r.status_code == 200, r.text
+    wait_until(lambda: ready(server.url) == [1, 2], what="the repository's versions of m")
+    body = {"inputs": [{"name": "IN", "shape": [1, 2], "datatype": "INT32", "data": [1, 2]}]}
+    r = httpx.post(f"{server.url}/v2/models/e/infer", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2, 4], r.text
+    wait_until(lambda: given_fields(redis_url, key_prefix) == [], what="the files given to go")

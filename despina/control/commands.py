@@ -18,6 +18,7 @@ from ..contract.ensemble import called_by, is_ensemble
 from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument, Unavailable
 from ..contract.modelconfig import check_model_name
 from ..registry import ArtifactCache
+from ..registry.given import given_digest
 from ..workers.redelivery import Queue
 from .backlog import refuse
 from .fresh_stats import made_anew, start_stats_afresh
@@ -248,10 +249,13 @@ class Commands:
 
     async def _load_steps(self, entry: CatalogEntry, timeout: float, calling: tuple[str, ...]) -> None:
         """Load what an ensemble calls and is not loaded (an idle model stays idle: a request wakes it), and
-        what it calls whose load failed: as Triton's, the ensemble's load tries it again (try_again)."""
+        what it calls whose load failed: as Triton's, the ensemble's load tries it again (try_again). A step
+        loaded from a load's files is loaded again from the repository: Triton's load of an ensemble reads
+        the models it calls from there, and files given differ from their folder."""
         for model in sorted(called_by(entry.config)):
             step = self.plane.catalog.get(model)
-            if model in calling or (step is not None and step.loaded and not _failed(step)):
+            if model in calling or (step is not None and step.loaded and not _failed(step)
+                                    and given_digest(step.path) is None):
                 continue
             try:
                 await self.load(model, {}, timeout, wait=False, calling=calling)
