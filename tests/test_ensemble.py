@@ -523,22 +523,36 @@ def test_explicit_mode_loading_an_ensemble_loads_what_it_calls(
     assert outputs(infer(server, "nested", {"x": x}))["label"].ravel().tolist() == [int(mlp_numpy(x).argmax())]
     client = httpclient.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=60)
     try:
-        # a model an ensemble calls, unloaded: the ensembles on top cannot serve, and say why (Triton's
-        # unload_dependents unloads what the model calls, and classify_post calls nothing)
+        wait_until(lambda: settled_stats(server.url, "nested")["inference_count"] == 1, 15,
+                   what="the request counted")
+        # a model an ensemble calls, unloaded: as Triton 2.51's (seen, explicit mode), the ensembles on top
+        # are unloaded with it (index UNAVAILABLE "unloaded", a request 404 "has no available versions", one
+        # naming version 1 503 "not at ready state"), and load again once it is back, their statistics
+        # afresh. Despina left them loaded, UNAVAILABLE with the step and why, a version 503 "cannot serve".
+        # (unload_dependents unloads what the model calls, and classify_post calls nothing.)
         client.unload_model("classify_post", unload_dependents=True)
         states = {r["name"]: (r.get("state"), r.get("reason", "")) for r in index(server.url)}
         assert states["classify_post"] == ("UNAVAILABLE", "unloaded")
-        for name in ("mlp_classify", "nested"):
-            assert states[name][0] == "UNAVAILABLE" and states[name][1] != "unloaded", states[name]
-        assert "classify_post" in states["mlp_classify"][1]
+        assert states["mlp_classify"] == states["nested"] == ("UNAVAILABLE", "unloaded"), states
         assert states["mlp"] == ("READY", "")
-        # Triton's 404: the ensemble has no version that serves (it was a 503)
         r = infer(server, "nested", {"x": x})
         assert r.status_code == 404 and "has no available versions" in r.json()["error"], r.text
+        r = httpx.post(f"{server.url}/v2/models/nested/versions/1/infer", timeout=30,
+                       json={"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0.0] * 256}]})
+        assert r.status_code == 503 and r.json()["error"] == \
+            "Request for unknown model: 'nested' version 1 is not at ready state", r.text
         # loaded again (by name this time), the ensembles serve again
         client.load_model("classify_post")
         wait_until(lambda: httpx.get(f"{server.url}/v2/models/nested/ready").status_code == 200, 30,
                    what="the ensembles to serve again")
+        assert settled_stats(server.url, "nested")["inference_count"] == 0
+        # an ensemble unloaded by name stays unloaded when the model it calls comes back
+        client.unload_model("classify_post")
+        client.unload_model("nested")
+        client.load_model("classify_post")
+        states = {r["name"]: (r.get("state"), r.get("reason", "")) for r in index(server.url)}
+        assert states["nested"] == ("UNAVAILABLE", "unloaded") and states["mlp_classify"][0] == "READY", states
+        client.load_model("nested")
         # unload_dependents on the ensemble unloads the models it loaded as its steps (mlp_classify and
         # mlp), not one loaded by name (classify_post), nor one nothing loaded for it (add_sub)
         client.load_model("add_sub")

@@ -56,6 +56,9 @@ class CatalogEntry:
     cold_error: str = ""
     cold_failures: int = 0
     cold_retry_at: float = 0.0
+    # an ensemble unloaded because a model it calls was: as Triton's dependents, it loads again once every
+    # model it calls is loaded (commands.py); an unload or load of its own ends that
+    with_steps: bool = False
 
     @property
     def serving(self) -> bool:
@@ -91,7 +94,8 @@ class CatalogEntry:
                if self.override is not None else {}),
             **({"tries": self.tries} if self.tries else {}),
             **({"cold_error": self.cold_error, "cold_failures": self.cold_failures,
-                "cold_retry_at": self.cold_retry_at} if self.cold_error else {})})
+                "cold_retry_at": self.cold_retry_at} if self.cold_error else {}),
+            **({"with_steps": True} if self.with_steps else {})})
 
     @classmethod
     def loads(cls, raw: bytes | str) -> CatalogEntry:
@@ -106,7 +110,8 @@ class CatalogEntry:
                    {k: tuple(v) for k, v in (d.get("labels") or {}).items()}, tuple(d.get("retired", ())),
                    {int(v): r for v, r in (d.get("dropped") or {}).items()}, d.get("override"),
                    d.get("override_files", ""), int(d.get("tries", 0)), d.get("cold_error", ""),
-                   int(d.get("cold_failures", 0)), float(d.get("cold_retry_at", 0.0)))
+                   int(d.get("cold_failures", 0)), float(d.get("cold_retry_at", 0.0)),
+                   bool(d.get("with_steps", False)))
 
 
 def read_entries(raw: Mapping[bytes, bytes]) -> tuple[dict[str, CatalogEntry], dict[str, str]]:

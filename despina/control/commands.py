@@ -21,6 +21,7 @@ from ..registry import ArtifactCache
 from ..registry.given import given_digest
 from ..workers.redelivery import Queue
 from .backlog import refuse
+from .dependents import back_with, ensembles_calling, steps_loaded_for, unloaded_with
 from .fresh_stats import made_anew, start_stats_afresh
 from .index import RepositoryIndex
 from .lease import LeaseLost
@@ -144,6 +145,7 @@ class Commands:
             entry = try_again(transition(old, entry, LOADED, lambda v: bool(plane.workers.ready_on(name, v))))
             plane.catalog.put(replace(entry, step_only=step_only))
             log.info("model %s: loading version %s", name, ",".join(map(str, entry.versions)))
+            await self._bring_back()
             plane.kick()
             anew = old is None or not old.loaded  # else what serves keeps its statistics until the load ends
             if anew or not wait:
@@ -262,6 +264,17 @@ class Commands:
             except DespinaError as exc:  # the ensemble then says which step cannot serve, and why
                 log.error("ensemble %s: loading model %s failed: %s", entry.name, model, exc.message)
 
+    async def _bring_back(self) -> None:
+        """The ensembles unloaded with a model they call load again once all of them are loaded, as
+        Triton's do; their statistics start afresh, as after any load."""
+        plane = self.plane
+        for name in back_with(plane.catalog.entries):
+            e = replace(plane.catalog.entries[name], target=LOADED, with_steps=False, failed={})
+            plane.catalog.put(e)
+            plane.lifecycle.idle.awake_since[name] = clock.now()
+            log.info("ensemble %s: loading again, with the models it calls", name)
+            await start_stats_afresh(plane.redis, plane.keys, name, made_anew(e))
+
     async def unload(self, name: str, dependents: bool, timeout: float) -> None:
         plane = self.plane
         check_model_name(name)
@@ -272,11 +285,15 @@ class Commands:
         async with self._turn(name, deadline):
             if plane.catalog.get(name) is None:
                 return  # never loaded, or no such model: as Triton's, the unload has no effect and succeeds
-            names = [name] + (self._steps_loaded_for(name) if dependents else [])
+            names = [name] + (steps_loaded_for(plane.catalog.entries, name) if dependents else [])
             self._mark_unloaded(name)
             for n in names[1:]:
                 async with self._turn(n, deadline):
                     self._mark_unloaded(n)
+            # as Triton's, the ensembles that call it go with it, and load again once it is back (not
+            # waiting for their turns: a load of one waits for the models it calls, this one's among them)
+            for d in unloaded_with(plane.catalog.entries, name, names):
+                self._mark_unloaded(d, with_steps=True)
             plane.kick()
             for n in names:
                 await plane.lifecycle.wait(n, "unload", None, _left(deadline))
@@ -291,9 +308,9 @@ class Commands:
                         if count := await refuse(plane.redis, Queue(plane.keys, n, v, level),
                                                  f"model '{n}' was unloaded", ttl_ms):
                             log.warning("model %s: %d queued requests answered: it was unloaded", n, count)
-        # an ensemble left loaded on top of it: no worker runs it now (each stopped running it before
-        # the model unloaded), so what is still on its stream would wait for nobody
-        for d in self._dependents(name):
+        # an ensemble unloaded with it: no worker runs it now (each stopped running it before the model
+        # unloaded), so what is still on its stream would wait for nobody
+        for d in ensembles_calling(plane.catalog.entries, name):
             e = plane.catalog.get(d)
             if e is None or d in names:
                 continue
@@ -304,47 +321,15 @@ class Commands:
                         log.warning("ensemble %s: %d queued requests answered: model %s was unloaded", d,
                                     count, name)
 
-    def _mark_unloaded(self, name: str) -> None:
+    def _mark_unloaded(self, name: str, with_steps: bool = False) -> None:
         plane = self.plane
         e = plane.catalog.get(name)
         if e is not None and e.state == "READY":
             current = tuple(v for v in e.versions if v not in e.retiring)
             plane.catalog.put(replace(e, target=UNLOADED, workers=(), versions=current, retiring=(),
-                                      retired=retire(e, e.retiring, current)))
+                                      retired=retire(e, e.retiring, current), with_steps=with_steps))
             plane.lifecycle.retire_at.pop(name, None)
             log.info("model %s: unloading", name)
-
-    def _steps_loaded_for(self, name: str) -> list[str]:
-        """What unload_dependents unloads with a model, as Triton does: the models its ensemble graph calls
-        (through nested ensembles too) that were loaded only as its steps, and that no other ensemble
-        still loaded calls."""
-        entries = self.plane.catalog.entries
-        going = {name}
-        todo = [name]
-        while todo:
-            e = entries.get(todo.pop())
-            for step in sorted(called_by(e.config)) if e is not None and is_ensemble(e.config) else ():
-                s = entries.get(step)
-                if s is None or step in going or not s.step_only or s.target == UNLOADED:
-                    continue
-                if any(step in called_by(o.config) for o in entries.values()
-                       if o.name not in going and o.target != UNLOADED and is_ensemble(o.config)):
-                    continue  # another ensemble still calls it
-                going.add(step)
-                todo.append(step)
-        return sorted(going - {name})
-
-    def _dependents(self, name: str) -> list[str]:
-        """Ensembles with a step that calls the model, and the ensembles that call those."""
-        found: set[str] = set()
-        todo = [name]
-        while todo:
-            callee = todo.pop()
-            for e in self.plane.catalog.entries.values():
-                if e.name not in found and e.name != name and callee in called_by(e.config):
-                    found.add(e.name)
-                    todo.append(e.name)
-        return sorted(found)
 
     # -- cold start --------------------------------------------------------------------------------
 

@@ -37,8 +37,8 @@ class Ensembles:
             for name in [n for n in cache if n not in self.catalog.entries]:
                 del cache[name]
         for e in list(self.catalog.entries.values()):
-            if e.state != "READY" or not is_ensemble(e.config):
-                continue
+            if e.state != "READY" or e.target == UNLOADED or not is_ensemble(e.config):
+                continue  # (one unloaded with a model it calls is checked once it loads again)
             try:
                 ensemble = self.graph(e)
                 why = ensemble.cycle(self._parsed) or ensemble.problems(self._spec(e), self._usable) \
