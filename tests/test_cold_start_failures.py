@@ -16,9 +16,10 @@ from despina.contract.catalog import IDLE, CatalogEntry, cold_start_failed
 from despina.contract.commands import Answer
 from despina.contract.errors import DespinaError
 from despina.contract.keys import Keys
+from despina.control.idle import backoff_s
 from despina.gateway.http import error_parts
 
-from .conftest import Server
+from .conftest import Server, stop_server
 from .control_support import index, wait_until
 from .test_control_scale import loaded_models
 
@@ -175,3 +176,34 @@ def test_new_files_end_a_failed_cold_starts_backoff(
     assert row["reason"].startswith("idle"), row  # the failure is forgotten, its backoff with it
     r = httpx.post(f"{server.url}/v2/models/flaky/infer", json=BODY, timeout=30)
     assert r.status_code == 200, r.text
+
+
+def test_a_restarted_control_plane_keeps_a_failed_cold_starts_backoff(
+        serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """A control plane that starts (a restart, a new leader) reads the same files: the backoff goes on. It
+    was forgotten: a crash-looping control plane had a broken model loaded again every 2 s, the first
+    request after each start trying it."""
+    repo, broken = tmp_path / "repo", tmp_path / "broken"
+    flaky_repository(repo, broken)
+    server = serve(repo, wait_models=("flaky", "pipe"))
+    wait_until(lambda: "flaky" not in loaded_models(redis_url, key_prefix), 15, what="flaky to be unloaded")
+    broken.touch()
+    after = 0
+    for most_s in (2, 4, 8, 16):  # four failures in a row: the next try is 16 s off
+        time.sleep(after)
+        after = refused(httpx.post(f"{server.url}/v2/models/flaky/infer", json=BODY, timeout=30), most_s)
+    assert after > 8, after
+    stop_server(server)
+    server = serve(repo)  # the same Redis and keys: the catalog as the last one left it
+    r = httpx.post(f"{server.url}/v2/models/flaky/infer", json=BODY, timeout=30)
+    refused(r, 16)
+    assert "4 times in a row" in r.json()["error"], r.text
+    assert "loading flaky version 1" not in server.logs()  # not tried again
+    assert cold_starts(redis_url, key_prefix).get("failed") == 4
+
+
+def test_the_backoff_stops_doubling_at_its_cap() -> None:
+    """Doubled past 1,024 failures in a row, 2.0 ** n overflowed: the tick that met it failed, and the
+    model stayed loaded with its versions failed (404) for good."""
+    assert [backoff_s(n) for n in (1, 2, 3)] == [2.0, 4.0, 8.0]
+    assert backoff_s(9) == backoff_s(1025) == backoff_s(10**6) == 300.0

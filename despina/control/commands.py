@@ -138,6 +138,8 @@ class Commands:
             if entry.state == "READY" and is_ensemble(entry.config):
                 await self._load_steps(entry, timeout, (*calling, name))
             plane.lifecycle.forget(name)
+            # a load is no cold start, even of one on its way: its failure is the load's 400, not a backoff
+            plane.lifecycle.idle.cold.pop(name, None)
             if old is None or old.target != LOADED:
                 plane.lifecycle.idle.awake_since[name] = clock.now()
             # Triton's unload_dependents unloads the steps an ensemble loaded, not those asked for by name
@@ -327,7 +329,9 @@ class Commands:
         if e is not None and e.state == "READY":
             current = tuple(v for v in e.versions if v not in e.retiring)
             plane.catalog.put(replace(e, target=UNLOADED, workers=(), versions=current, retiring=(),
-                                      retired=retire(e, e.retiring, current), with_steps=with_steps))
+                                      retired=retire(e, e.retiring, current), with_steps=with_steps,
+                                      cold_error="", cold_failures=0, cold_retry_at=0.0))
+            plane.lifecycle.idle.cold.pop(name, None)
             plane.lifecycle.retire_at.pop(name, None)
             log.info("model %s: unloading", name)
 

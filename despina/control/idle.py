@@ -14,10 +14,12 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from .. import clock
 from ..contract.catalog import IDLE, LOADED, CatalogEntry, cold_start_failed
@@ -39,6 +41,12 @@ SWEEP = 10  # models long scaled to zero: a tenth of their queues is read at eac
 # and over by every request
 COLD_RETRY_FIRST_S = 2.0
 COLD_RETRY_MAX_S = 300.0
+
+
+def backoff_s(failures: int) -> float:
+    """How long after `failures` failed cold starts in a row a request may try again (the exponent capped:
+    past 1,024 failures 2.0 ** n overflows)."""
+    return min(COLD_RETRY_FIRST_S * 2 ** min(failures - 1, 16), COLD_RETRY_MAX_S)
 
 
 class Idle:
@@ -166,10 +174,11 @@ class Idle:
 
     # -- cold starts -------------------------------------------------------------------------------
 
-    async def cold_failures(self, reply_ttl_ms: int) -> list[str]:
+    async def cold_failures(self, reply_ttl_ms: int, forget: Callable[[str], None]) -> None:
         """The models whose cold start failed on every worker that tried it (each current version failed):
-        each goes back to scaled to zero with the load's error and a backoff (cold_start_failed()), and what
-        is queued for it hears the error. Called before the waiters are answered: they hear it too."""
+        each goes back to scaled to zero with the load's error and a backoff (cold_start_failed()), the
+        workers it failed on try it again next time (`forget`), and what is queued for it hears the error.
+        Called before the waiters are answered: they hear it too."""
         failed = []
         for name in list(self.cold):
             e = self.catalog.get(name)
@@ -178,7 +187,7 @@ class Idle:
                 continue
             del self.cold[name]
             failures = e.cold_failures + 1
-            backoff = min(COLD_RETRY_FIRST_S * 2 ** (failures - 1), COLD_RETRY_MAX_S)
+            backoff = backoff_s(failures)
             # Triton's words for a load that failed
             why = f"load failed for model '{name}': version {current[-1]} is at UNAVAILABLE state: " \
                 f"{e.failed[current[-1]]}"
@@ -188,10 +197,17 @@ class Idle:
             e = replace(e, target=IDLE, workers=(), failed={}, tries=e.tries + 1, cold_error=why,
                         cold_failures=failures, cold_retry_at=clock.now() + backoff)
             self.catalog.put(e)
-            failed.append(name)
-            await self._count_failure(e)
-            await self.refuse_queued(e, why, reply_ttl_ms)
-        return failed
+            forget(name)
+            failed.append(e)
+        # the catalog is right for all of them before anything is awaited (a flush meanwhile, a Redis error)
+        for e in failed:
+            told = cold_start_failed(e, clock.now())
+            try:
+                await self._count_failure(e)
+                await self.refuse_queued(e, told.message if told is not None else e.cold_error, reply_ttl_ms)
+            except (RedisError, OSError) as exc:
+                log.warning("model %s: counting its failed cold start, or answering what was queued for it, "
+                            "failed: %s", e.name, exc)
 
     async def refuse_queued(self, e: CatalogEntry, why: str, reply_ttl_ms: int) -> None:
         """Answer what is queued for a model that cannot load now with why: nobody would read it until it

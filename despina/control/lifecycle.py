@@ -37,6 +37,7 @@ from .state import Catalog, Workers
 
 log = logging.getLogger("despina.control")
 
+RETRY_SLACK_S = 0.25   # how early a failed cold start is tried again (a caller on its own clock)
 RETIRE_GRACE_S = 1.5   # an old version stays loaded this long after the new one is READY: gateways
                        # that have not seen the switch yet still find it serving
 
@@ -110,8 +111,7 @@ class Lifecycle:
             self._steady = after if after == inputs else None
         # failed cold starts: in the catalog before the waiters hear of them (a gateway told so reads it so),
         # and before the ensembles that call them are checked (none is failed for what a request may heal)
-        for name in await self.idle.cold_failures(self.delivery.reply_ttl_ms):
-            self.forget(name)  # the workers it failed on try it again next time
+        await self.idle.cold_failures(self.delivery.reply_ttl_ms, self.forget)
         self.ensembles.check()
         if now - self._idle_checked >= min(1.0, max(self.settings.idle_timeout_s / 4, 0.1)):
             self._idle_checked = now
@@ -276,7 +276,7 @@ class Lifecycle:
         if e.target not in (IDLE, LOADED):
             raise FailedPrecondition(f"model '{name}' is not loaded; load it with "
                                      f"POST /v2/repository/models/{name}/load")
-        if (failed := cold_start_failed(e, clock.now())) is not None:
+        if (failed := cold_start_failed(e, clock.now() + RETRY_SLACK_S)) is not None:
             raise failed  # it failed a moment ago: tried again only once its backoff is over
         self.idle.woken(e)
         e = replace(e, target=LOADED)
@@ -381,7 +381,10 @@ class Lifecycle:
         """Unload models idle past their timeout; bring back idle models whose stream has a backlog."""
         unload, wake = await self.idle.check(self.delivery.reply_ttl_ms)
         for name in wake:
-            self.wake(name)
+            try:
+                self.wake(name)
+            except DespinaError as exc:  # unloaded, gone or failed while the check read the queues
+                log.debug("model %s: not woken for its queue: %s", name, exc.message)
         for e in unload:
             self.retire_at.pop(e.name, None)
             keep = tuple(v for v in e.versions if v not in e.retiring)

@@ -11,7 +11,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from ..contract.catalog import CatalogEntry
+from ..contract.catalog import IDLE, CatalogEntry
 from ..contract.cluster import WorkerStatus
 from ..contract.ensemble import is_ensemble
 from ..contract.keys import Keys
@@ -64,7 +64,8 @@ class StatusTracker:
                 models.append({
                     "name": name, "version": version if version >= 0 else None, "state": entry.state,
                     "target": entry.target,
-                    "reason": entry.failed.get(version) or entry.cold_error or entry.reason,
+                    "reason": entry.failed.get(version) or (entry.cold_error if entry.target == IDLE else "")
+                    or entry.reason,
                     "versions": list(entry.versions),
                     "ensemble": is_ensemble(entry.config), "failed": version in entry.failed,
                     # an ensemble's: the workers that run it themselves (none: gateways chain its steps)

@@ -10,7 +10,6 @@ it and goes on once it is READY: concurrent requests share one such wake.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import WatchError
 
 from .. import clock, logs
 from ..contract.catalog import (
@@ -91,6 +90,7 @@ class ModelView:
         self._task: asyncio.Task[None] | None = None
         # (model, version asked) -> the wake on its way, and when its time runs out (monotonic)
         self._waking: dict[tuple[str, int | None], tuple[asyncio.Future[int], float]] = {}
+        self._reading: set[asyncio.Future[None]] = set()  # reads of the catalog after a failed cold start
         # one refresh at a time: the background one and one after a load command could otherwise end
         # in either order, the older view last (a model just loaded would look not ready)
         self._refreshing = asyncio.Lock()
@@ -321,9 +321,6 @@ class ModelView:
             except TimeoutError:
                 raise Unavailable(f"model '{name}' did not load within {timeout:g} s") from None
             except DespinaError as exc:
-                if exc.retry_after:  # its cold start failed: the catalog says so now, for the next request
-                    with contextlib.suppress(RedisError, OSError, TimeoutError):
-                        await self.refresh()
                 now = time.monotonic()
                 if exc.code != Code.UNAVAILABLE or now < ends - WAKE_AGAIN_S or deadline - now < WAKE_AGAIN_S:
                     raise  # it failed before its time ran out, or this caller's time is (nearly) out too
@@ -331,8 +328,20 @@ class ModelView:
     def _woken(self, key: tuple[str, int | None], call: asyncio.Future[int]) -> None:
         if self._waking.get(key, (None, 0.0))[0] is call:
             del self._waking[key]
-        if not call.cancelled():
-            call.exception()  # retrieved here too: every request that waited may have gone
+        if call.cancelled():
+            return
+        exc = call.exception()  # retrieved here too: every request that waited may have gone
+        if isinstance(exc, DespinaError) and exc.retry_after:
+            # its cold start failed: the catalog says so now. One read of it for all who waited, at once,
+            # so that the next request hears of it here, not from the control plane
+            reading = asyncio.ensure_future(_answered(self.refresh()))
+            self._reading.add(reading)
+            reading.add_done_callback(self._read_after)
+
+    def _read_after(self, reading: asyncio.Future[None]) -> None:
+        self._reading.discard(reading)
+        if not reading.cancelled() and reading.exception() is not None:  # (the view's loop reads again)
+            log.debug("gateway: reading the model view after a failed cold start: %s", reading.exception())
 
     def revision(self, name: str, version: int, depth: int = 0) -> str | None:
         """What a cached answer of a model version is keyed by (response_cache.py): the revision of its
