@@ -189,3 +189,34 @@ async def test_only_a_batch_holding_the_loop_renews_what_is_there_and_only_until
     batch(2)
     assert not client.exists(worker_hash, mark)
     client.close()
+
+
+async def test_a_busy_loop_of_short_batches_is_not_a_held_loop(redis_url: str, key_prefix: str) -> None:
+    """A loop busy with many short batches, looked at while its heartbeat is late: each look finds it in
+    some batch's call, never the same one twice. Nothing is renewed (nor warned of): it renewed, and told
+    the operator that a batch held the loop, whenever a heartbeat came a little late on a busy worker."""
+    keys, client = Keys(key_prefix), redis.Redis.from_url(redis_url)
+    worker_hash = keys.worker("w")
+    lifeline = Lifeline(Settings(redis_url=redis_url, key_prefix=key_prefix, worker_ttl_s=1.0), keys, "w", 0.25)
+    watching = asyncio.create_task(lifeline.run())
+
+    def short(inputs: dict[str, object], names: list[str]) -> dict[str, object]:
+        until = time.perf_counter() + 0.0002
+        while time.perf_counter() < until:
+            pass
+        return {}
+
+    try:
+        client.hset(worker_hash, "seen", 1)
+        client.pexpire(worker_hash, 1000)
+        lifeline.beaten = time.monotonic() - 0.3  # the heartbeat late, and staying so
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            timed(short, {}, [])  # (most of the loop's time inside a batch's call, each a new one)
+            await asyncio.sleep(0)
+        assert not client.exists(worker_hash)  # left to expire: no batch held the loop
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+        client.delete(worker_hash)
+        client.close()

@@ -13,6 +13,7 @@ import logging
 import sys
 import threading
 import time
+from types import FrameType
 
 import redis
 from redis.exceptions import RedisError
@@ -63,11 +64,19 @@ class Lifeline:
         client: redis.Redis | None = None  # connected the first time a batch holds the loop
         failed = logs.Throttled(log)
         told = gave_up = 0.0  # the heartbeat of the hold last said to be renewed, to be left to expire
+        # the batch's call the loop was in at the last look, while late: one and the same call at two looks
+        # has held the loop for half a beat at least. (A busy loop runs many short batches, and a look at
+        # the moment a heartbeat was a little late found one of them: it renewed, and warned, for nothing.)
+        seen: FrameType | None = None
         try:
             while not stop.wait(self.beat_s / 2):
                 beaten = self.beaten
                 held = time.monotonic() - beaten
-                if held < self.beat_s or not self._working():
+                if held < self.beat_s:
+                    seen = None  # (not kept: its locals are the batch's tensors)
+                    continue
+                working, seen = seen, self._working()
+                if working is None or working is not seen:
                     continue
                 if held > self.limit_s:
                     if gave_up != beaten:
@@ -80,23 +89,26 @@ class Lifeline:
                     told = beaten
                     log.warning("worker %s: a batch holds its event loop (%.1f s so far): its heartbeat's "
                                 "expiry is renewed from a thread meanwhile", self.id, held)
-                client = client or connect_sync(self.url)
                 try:
+                    client = client or connect_sync(self.url)
                     self._renew(client)
+                    failed.recovered("worker %s: renewing its heartbeat's expiry works again", self.id)
                 except (RedisError, OSError) as exc:
                     failed.log("worker %s: renewing its heartbeat's expiry: %s", self.id, trouble(exc))
+                except Exception:  # a bug: logged, and the thread goes on watching
+                    log.exception("worker %s: renewing its heartbeat's expiry", self.id)
         finally:
             if client is not None:
                 client.close()
 
-    def _working(self) -> bool:
-        """Whether the loop's thread is inside a batch's call now."""
+    def _working(self) -> FrameType | None:
+        """The batch's call the loop's thread is inside now, if it is."""
         frame = sys._current_frames().get(self._loop_thread)
         while frame is not None:
             if frame.f_code in WORK:
-                return True
+                return frame
             frame = frame.f_back
-        return False
+        return None
 
     def _renew(self, client: redis.Redis) -> None:
         # PEXPIRE of a missing key does nothing: a hash deleted as the worker left, or lost with Redis's data
