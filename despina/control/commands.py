@@ -137,13 +137,22 @@ class Commands:
                 entry = replace(entry, override=override, override_files=model.fingerprint())
             if entry.state == "READY" and is_ensemble(entry.config):
                 await self._load_steps(entry, timeout, (*calling, name))
+                # a step unloaded meanwhile (its unload takes no turn of this ensemble's): that unload came
+                # first, as Triton's one at a time would have it, and this load loads the step again
+                for _ in range(3):
+                    if not any((s := plane.catalog.get(m)) is not None and s.target == UNLOADED
+                               for m in called_by(entry.config) if m not in calling):
+                        break
+                    await self._load_steps(entry, timeout, (*calling, name))
             plane.lifecycle.forget(name)
             # a load is no cold start, even of one on its way: its failure is the load's 400, not a backoff
             plane.lifecycle.idle.cold.pop(name, None)
             if old is None or old.target != LOADED:
                 plane.lifecycle.idle.awake_since[name] = clock.now()
             # Triton's unload_dependents unloads the steps an ensemble loaded, not those asked for by name
-            step_only = bool(calling) and (old is None or old.target == UNLOADED or old.step_only)
+            # (an ensemble unloaded with a model it calls was loaded as what it was before)
+            step_only = bool(calling) and (old is None or old.target == UNLOADED and not old.with_steps
+                                           or old.step_only)
             entry = try_again(transition(old, entry, LOADED, lambda v: bool(plane.workers.ready_on(name, v))))
             plane.catalog.put(replace(entry, step_only=step_only))
             log.info("model %s: loading version %s", name, ",".join(map(str, entry.versions)))
@@ -169,6 +178,8 @@ class Commands:
                 raise
             except DespinaError:  # not loaded in time: it goes on loading, from what the catalog names
                 await self._files_follow(name)
+                if (now := plane.catalog.get(name)) is not None and now.target == UNLOADED and now.with_steps:
+                    return  # unloaded with a model it calls as it loaded: as Triton's, the load, then that
                 raise
             if not anew and (done := plane.catalog.get(name)) is not None:
                 await start_stats_afresh(plane.redis, plane.keys, name, made_anew(done, old))
@@ -270,12 +281,14 @@ class Commands:
         """The ensembles unloaded with a model they call load again once all of them are loaded, as
         Triton's do; their statistics start afresh, as after any load."""
         plane = self.plane
-        for name in back_with(plane.catalog.entries):
-            e = replace(plane.catalog.entries[name], target=LOADED, with_steps=False, failed={})
+        back = [replace(plane.catalog.entries[name], target=LOADED, with_steps=False, failed={})
+                for name in back_with(plane.catalog.entries)]
+        for e in back:  # all of them before anything is awaited: an unload meanwhile sees them loaded
             plane.catalog.put(e)
-            plane.lifecycle.idle.awake_since[name] = clock.now()
-            log.info("ensemble %s: loading again, with the models it calls", name)
-            await start_stats_afresh(plane.redis, plane.keys, name, made_anew(e))
+            plane.lifecycle.idle.awake_since[e.name] = clock.now()
+            log.info("ensemble %s: loading again, with the models it calls", e.name)
+        for e in back:
+            await start_stats_afresh(plane.redis, plane.keys, e.name, made_anew(e))
 
     async def unload(self, name: str, dependents: bool, timeout: float) -> None:
         plane = self.plane
@@ -314,7 +327,7 @@ class Commands:
         # unloaded), so what is still on its stream would wait for nobody
         for d in ensembles_calling(plane.catalog.entries, name):
             e = plane.catalog.get(d)
-            if e is None or d in names:
+            if e is None or d in names or e.target != UNLOADED:  # (one a load brought back meanwhile runs)
                 continue
             for v in e.versions:
                 for level, _ in enumerate(e.streams(plane.keys, v), start=1):
