@@ -372,6 +372,11 @@ def _cold_start_histogram(out: Exposition, models: list[dict[str, Any]]) -> None
                "again by a request after a backoff)")
     for m in models:
         out.sample(name, _labels(m), m["stats"].get("cold_failed", 0))
+    name = "despina_model_load_crashes_total"
+    out.family(name, "counter", "Workers that died while loading the model version (a crash, the OOM "
+               "killer); after 2 it fails and is placed on no worker")
+    for m in models:
+        out.sample(name, _labels(m), m["stats"].get("load_crashes", 0))
 
 
 async def metrics_text(redis: aioredis.Redis, keys: Keys, host: HostMetrics,

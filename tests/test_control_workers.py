@@ -55,7 +55,7 @@ async def test_a_workers_hash_is_read_again_only_when_its_state_moved(server: Re
             await w._heartbeat()
         await redis.set(keys.control_leader, "a-plane")  # a worker gone while nobody leads is not dead
         view = Workers(redis, keys)
-        assert await view.refresh() == []
+        assert await view.refresh() == {}
         assert sorted(view.status) == sorted([a.id, b.id])
         assert view.status[a.id].failed("m0", 1, "r1") == "broken"
 
@@ -63,7 +63,7 @@ async def test_a_workers_hash_is_read_again_only_when_its_state_moved(server: Re
         for _ in range(5):
             for w in workers:
                 await w._heartbeat()  # the same state, written again
-            assert await view.refresh() == []
+            assert await view.refresh() == {}
         assert await hgetalls(redis) - before == 0
 
         b.failures[("m1", 1)] = ("r2", "also broken")  # one worker's state moves: that one is read
@@ -74,7 +74,7 @@ async def test_a_workers_hash_is_read_again_only_when_its_state_moved(server: Re
         assert await hgetalls(redis) - before == 1
 
         await redis.delete(keys.worker(a.id))  # its heartbeats stopped: the key expired
-        assert await view.refresh() == [a.id]
+        assert list(await view.refresh()) == [a.id]
         assert list(view.status) == [b.id]
         assert await redis.smembers(keys.workers) == {b.id.encode()}
     finally:

@@ -17,6 +17,7 @@ from ..contract.keys import Keys
 from ..settings import Settings
 from ..workers.redelivery import DeliveryPolicy
 from .backlog import requeue_worker
+from .crashes import Crashes
 from .ensembles import Ensembles
 from .idle import Idle
 from .lease import Lease, LeaseLost
@@ -68,6 +69,7 @@ class Lifecycle:
         self.retire_at: dict[str, float] = {}
         self.waiters: list[Waiter] = []
         self.idle = Idle(settings, redis, keys, catalog, workers)  # scale-to-zero and cold starts
+        self.crashes = Crashes(redis, keys, catalog, workers)  # loads that killed their worker
         self.shortfall: dict[str, str] = {}         # model -> why it has fewer workers than it should
         self.no_room: set[str] = set()              # models that memory alone keeps off every worker
         self.fixed = FixedWorkers(settings.workers) if settings.fixed_workers else None
@@ -91,7 +93,8 @@ class Lifecycle:
 
     async def tick(self, members: set[bytes] | None = None) -> None:
         """Place, version, scale and answer; `members` is the workers' set where the caller read it."""
-        for wid in await self.workers.refresh(members):
+        for wid, last in (await self.workers.refresh(members)).items():
+            await self.crashes.died(wid, last)
             await self._requeue_from(wid)
         if self.fixed is not None:
             self.fixed.see(self.workers.infos)
@@ -111,7 +114,7 @@ class Lifecycle:
             self._steady = after if after == inputs else None
         # failed cold starts: in the catalog before the waiters hear of them (a gateway told so reads it so),
         # and before the ensembles that call them are checked (none is failed for what a request may heal)
-        await self.idle.cold_failures(self.delivery.reply_ttl_ms, self.forget)
+        await self.idle.cold_failures(self.delivery.reply_ttl_ms, self.retry)
         self.ensembles.check()
         if now - self._idle_checked >= min(1.0, max(self.settings.idle_timeout_s / 4, 0.1)):
             self._idle_checked = now
@@ -149,7 +152,7 @@ class Lifecycle:
                    used: dict[str, int], mates: dict[str, set[str]]) -> CatalogEntry:
         """The entry placed and its versions switched; `used` is what the other models take per worker,
         `mates` ensemble_mates() of the catalog."""
-        e = self._note_failures(e, used)
+        e = self.crashes.fail(self._note_failures(e, used))
         excluded = self.excluded.get(e.name, set())
         try:
             count = replicas(e, self.settings.model_replicas)
@@ -161,7 +164,7 @@ class Lifecycle:
         kept = e if kept_workers == e.workers else replace(e, workers=kept_workers)  # (a copy costs)
         near = partners(e.name, mates, self.catalog.entries)
         homes = self.workers.homes
-        workers, why = place(kept, homes, used, count, excluded, near)
+        workers, why = self.crashes.hold(e, *place(kept, homes, used, count, excluded, near))
         workers += handing_over(e, workers, self.workers.status, self.workers.leaving)
         if workers != e.workers or why != self.shortfall.get(e.name, ""):
             placed.setdefault((workers, why), []).append(e.name)
@@ -284,8 +287,14 @@ class Lifecycle:
         return e
 
     def forget(self, name: str) -> None:
-        """A new revision of the model: workers that failed the old one may try again, and where the old
-        one found no room says nothing of the new one (until the next tick places it)."""
+        """A new revision of the model, or a load of it: as retry(), and the workers that died loading it
+        are forgiven."""
+        self.crashes.forget(name)
+        self.retry(name)
+
+    def retry(self, name: str) -> None:
+        """Workers that failed the model may try again, and where it found no room says nothing of its next
+        load (until the next tick places it)."""
         self.excluded.pop(name, None)
         self.no_room.discard(name)
         self.unfit.pop(name, None)

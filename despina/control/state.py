@@ -165,10 +165,11 @@ class Workers:
         self.changes = 0  # counts the refreshes that found a worker come, gone or changed
         self._placed: frozenset[str] | None = None  # what Keys.placed holds, as last written (None: unknown)
 
-    async def refresh(self, members: set[bytes] | None = None) -> list[str]:
+    async def refresh(self, members: set[bytes] | None = None) -> dict[str, WorkerStatus | None]:
         """Read every worker's digest (of `members`, the workers' set where the caller read it already), and
         the hash of each one whose digest moved or is missing (a worker of an earlier version writes none; an
-        expired heartbeat key has none); returns the ids whose heartbeat key expired (now forgotten)."""
+        expired heartbeat key has none); returns the workers whose heartbeat key expired (now forgotten),
+        each with its status as last read (what it was loading when it died), if any."""
         if members is None:
             members = cast(set[bytes], await self.redis.smembers(self.keys.workers))
         ids = sorted(m.decode() for m in members)
@@ -181,7 +182,7 @@ class Workers:
         for wid in moved:
             pipe.hgetall(self.keys.worker(wid))
         hashes = dict(zip(moved, await pipe.execute() if moved else []))
-        status, digests_now, dead = {}, {}, []
+        status, digests_now, dead = {}, {}, {}
         for wid in ids:  # (in the order of their ids, as placement saw them before)
             h = hashes.get(wid)
             if h is None:  # its digest as before
@@ -191,7 +192,7 @@ class Workers:
                 if b"state" in h:  # (what was read, if the worker wrote again between the two reads)
                     digests_now[wid] = h[b"state"]
             else:
-                dead.append(wid)
+                dead[wid] = self.status.get(wid)
         # a heartbeat read after Redis lost its data is gone with the lease (read before it, by the caller):
         # taken for dead, the workers' models were placed on none and unloaded, before the next tick held
         # placement for the workers to announce themselves again
