@@ -98,6 +98,14 @@ def test_a_load_that_kills_its_worker_fails_after_two_deaths_and_the_others_serv
                what="fine serves")
     metrics = httpx.get(server.metrics_url, timeout=30).text
     assert re.search(r'despina_model_load_crashes_total\{model="boom",version="1"\} 2', metrics), metrics
+    status = server.metrics_url.removesuffix("/metrics") + "/status.json"
+
+    def status_row() -> dict[str, object] | None:  # (the control plane samples every 2 s)
+        row = next((m for m in httpx.get(status).json()["models"] if m["name"] == "boom"), None)
+        return row if row is not None and row["load_crashes"] == 2 else None
+
+    row = wait_until(status_row, 10, what="the status page's row")
+    assert row["failed"] and WHY in str(row["reason"]), row
     # a load through the API tries it again: it serves now that its load no longer crashes
     marker.unlink()
     r = httpx.post(f"{server.url}/v2/repository/models/boom/load", timeout=60)

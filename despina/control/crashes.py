@@ -11,6 +11,7 @@ import logging
 from dataclasses import replace
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from ..contract.catalog import CatalogEntry
 from ..contract.cluster import WorkerStatus
@@ -50,7 +51,10 @@ class Crashes:
             log.error("worker %s died while loading model %s version %d (%d time%s)%s", worker_id, name, v,
                       count, "" if count == 1 else "s", f", beside {', '.join(others)}" if others else "")
             pipe.hincrby(self.keys.stats(name, v), "load_crashes", 1)  # despina_model_load_crashes_total
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except (RedisError, OSError) as exc:  # a count lost: the deaths, which decide, are counted above
+            log.warning("counting the loads worker %s died in failed: %s", worker_id, exc)
 
     def forget(self, name: str) -> None:
         """A load of the model asks for it again: its deaths are forgiven."""

@@ -94,8 +94,8 @@ class Lifecycle:
     async def tick(self, members: set[bytes] | None = None) -> None:
         """Place, version, scale and answer; `members` is the workers' set where the caller read it."""
         for wid, last in (await self.workers.refresh(members)).items():
-            await self.crashes.died(wid, last)
             await self._requeue_from(wid)
+            await self.crashes.died(wid, last)
         if self.fixed is not None:
             self.fixed.see(self.workers.infos)
         now = time.monotonic()

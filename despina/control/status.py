@@ -78,6 +78,7 @@ class StatusTracker:
                     "success": stats.get("success_count", 0), "failures": stats.get("fail_count", 0),
                     "cold_starts": stats.get("cold_count", 0),
                     "cold_start_failures": stats.get("cold_failed", 0),
+                    "load_crashes": stats.get("load_crashes", 0),  # workers that died loading it
                     "cold_start_ms": round(stats.get("cold_ns", 0) / 1e6 / stats["cold_count"], 1)
                     if stats.get("cold_count") else None,
                 })
