@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from despina.contract.catalog import CatalogEntry
+from despina.contract.cluster import VersionStatus, WorkerInfo, WorkerStatus
 from despina.contract.keys import Keys
 from despina.control.crashes import Crashes
 from despina.control.state import Catalog, Workers
@@ -159,6 +160,38 @@ def test_a_control_plane_that_took_over_places_a_model_that_killed_workers_on_no
     crashes = Crashes(redis, keys, catalog, workers)
     why = crashes.why(2)
     failed = CatalogEntry("boom", "/m/boom", {"name": "boom"}, (1,), revisions={1: "r1"}, failed={1: why})
-    assert crashes.hold(failed, ("w1",), "") == ((), why)
+    assert crashes.hold(failed, ("w1",), "") == ((), f"version 1 failed: {why}")
     other = replace(failed, failed={1: "some other load error"})
     assert crashes.hold(other, ("w1",), "") == (("w1",), "")
+
+
+async def test_one_event_that_ends_several_workers_counts_one_death_and_a_leaving_worker_none(
+        redis_url: str, key_prefix: str) -> None:
+    """Workers found dead at one look (a Redis that stalled past their TTL, a node with two of them) are one
+    event: a model loading on two replicas was failed by one stall. A worker told to stop and killed at the
+    end of its grace blames nothing. And a model one version of which killed workers is placed on no worker,
+    its other versions with it: a worker loads every version it is given, and died again."""
+    client = aioredis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    catalog, workers = Catalog(client, keys), Workers(client, keys)
+    crashes = Crashes(client, keys, catalog, workers)
+    m = CatalogEntry("m", "/m/m", {"name": "m"}, (1,), revisions={1: "r1"}, workers=("w1", "w2"))
+    catalog.entries["m"] = m
+
+    def loading(wid: str, leaving: bool = False) -> WorkerStatus:
+        return WorkerStatus(WorkerInfo(wid), {"m": {1: VersionStatus("LOADING", "r1")}}, leaving=leaving)
+
+    try:
+        counted: set[tuple[str, int]] = set()
+        for wid in ("w1", "w2"):  # one look finds both dead
+            await crashes.died(wid, loading(wid), counted)
+        assert crashes.fail(m).failed == {}  # a suspect, not failed
+        await crashes.died("w3", loading("w3", leaving=True), set())
+        assert crashes.fail(m).failed == {}
+        await crashes.died("w4", loading("w4"), set())  # a second event: its load it is
+        assert 1 in crashes.fail(m).failed
+        two = replace(m, versions=(1, 2), revisions={1: "r1", 2: "r2"}, failed={2: crashes.why(2)})
+        assert crashes.hold(two, ("w9",), "") == ((), f"version 2 failed: {crashes.why(2)}")
+    finally:
+        await client.delete(keys.stats("m", 1))
+        await client.aclose()

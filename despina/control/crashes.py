@@ -33,17 +33,22 @@ class Crashes:
         # (model, version) -> (the revision it was loading, how many workers died loading it)
         self.deaths: dict[tuple[str, int], tuple[str, int]] = {}
 
-    async def died(self, worker_id: str, status: WorkerStatus | None) -> None:
-        """A worker died (its heartbeat expired): each version its last heartbeat had loading counts one."""
-        if status is None:
+    async def died(self, worker_id: str, status: WorkerStatus | None, counted: set[tuple[str, int]]) -> None:
+        """A worker died (its heartbeat expired): each version its last heartbeat had loading counts one,
+        once for all the workers found dead at one look (`counted`: those counted at it so far). Several
+        heartbeats expiring together is one event (a Redis that stalled, a node with several workers), not
+        a load killing each: a model loading on two replicas then was failed by one stall. A worker told to
+        stop (`leaving`, killed at the end of its grace) blames nothing."""
+        if status is None or status.leaving:
             return
         loading = [(name, v, rev) for name, versions in status.detail.items() for v, s in versions.items()
                    if (rev := s.loading or (s.revision if s.state == "LOADING" else ""))]
         pipe = self.redis.pipeline(transaction=False)
         for name, v, rev in loading:
             e = self.catalog.get(name)
-            if e is None or e.revisions.get(v) != rev:
+            if e is None or e.revisions.get(v) != rev or (name, v) in counted:
                 continue  # files since replaced: their death says nothing of these
+            counted.add((name, v))
             before, count = self.deaths.get((name, v), (rev, 0))
             count = count + 1 if before == rev else 1
             self.deaths[(name, v)] = (rev, count)
@@ -87,8 +92,9 @@ class Crashes:
         for a model every version of which failed so; a suspect only on workers where it is, or whose other
         loads have ended."""
         current = [v for v in e.versions if v not in e.retiring]
-        if current and all(e.failed.get(v, "").endswith(HELD) for v in current):
-            return (), e.failed[current[-1]]
+        # any version: a worker loads every version of the model it is given, the failed one too, and dies
+        if held := [v for v in current if e.failed.get(v, "").endswith(HELD)]:
+            return (), f"version {held[-1]} failed: {e.failed[held[-1]]}"
         counts = [self._count(e, v) for v in current]
         if not any(counts):
             return workers, why

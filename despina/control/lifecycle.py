@@ -17,7 +17,7 @@ from ..contract.keys import Keys
 from ..settings import Settings
 from ..workers.redelivery import DeliveryPolicy
 from .backlog import requeue_worker
-from .crashes import Crashes
+from .crashes import HELD, Crashes
 from .ensembles import Ensembles
 from .idle import Idle
 from .lease import Lease, LeaseLost
@@ -93,9 +93,10 @@ class Lifecycle:
 
     async def tick(self, members: set[bytes] | None = None) -> None:
         """Place, version, scale and answer; `members` is the workers' set where the caller read it."""
+        counted: set[tuple[str, int]] = set()
         for wid, last in (await self.workers.refresh(members)).items():
             await self._requeue_from(wid)
-            await self.crashes.died(wid, last)
+            await self.crashes.died(wid, last, counted)
         if self.fixed is not None:
             self.fixed.see(self.workers.infos)
         now = time.monotonic()
@@ -279,6 +280,8 @@ class Lifecycle:
         if e.target not in (IDLE, LOADED):
             raise FailedPrecondition(f"model '{name}' is not loaded; load it with "
                                      f"POST /v2/repository/models/{name}/load")
+        if e.cold_error.endswith(HELD):  # its load killed workers: only a load or new files try it again
+            raise Unavailable(e.cold_error)
         if (failed := cold_start_failed(e, clock.now() + RETRY_SLACK_S)) is not None:
             raise failed  # it failed a moment ago: tried again only once its backoff is over
         self.idle.woken(e)
