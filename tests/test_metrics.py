@@ -33,7 +33,7 @@ from despina.examples import build_mlp, save_onnx
 from despina.host_metrics import gpu_samples
 from despina.metrics import render
 from despina.workers.runner import ModelRunner
-from despina.workers.stats import ensemble_counts, tally
+from despina.workers.stats import ensemble_counts, ensemble_successes, tally
 
 from .conftest import FULL_QUEUE_DELAY, ROOT, Server, module_server, settled_stats
 from .control_support import wait_until
@@ -490,6 +490,19 @@ def test_an_ensemble_requests_counters_are_a_requests_as_a_model_counts_it(us: i
     into = ensemble_counts(None, us, 3)
     assert ensemble_counts(failed, us, 0, ensemble_counts(None, us, 3, into)) is into
     assert into["success_count"] == 2 and into["inference_count"] == 6 and into["fail_count"] == 1
+
+
+def test_an_ensembles_successes_counted_together_are_each_counted_alone() -> None:
+    """A worker that runs an ensemble counts the requests it answers in a tick together
+    (ensemble_successes): the same counters as ensemble_counts of each, added into what is given, across
+    latency buckets, queue times (none included) and rows (none counting as one)."""
+    successes = [(us, queued, rows, 10 * us, 20 * us + 1, 3 * rows)
+                 for us in (0, 99, 100, 2_600, 12_000_000) for queued in (0, 40, 300) for rows in (0, 1, 3)]
+    alone = {"fail_count": 1, "success_count": 2}
+    for us, queued, rows, *compute in successes:
+        ensemble_counts(None, us, rows, alone, compute, queued)
+    together = ensemble_successes(successes, {"fail_count": 1, "success_count": 2})
+    assert together == alone and together["success_count"] == len(successes) + 2
 
 
 @pytest.mark.parametrize(("code", "reason"), [

@@ -12,7 +12,7 @@ the names, types and shapes the ensemble wires together, no ensemble calls itsel
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .ensemble_stream import problem
@@ -38,6 +38,10 @@ class Step:
     version: int | None                  # None: the model's latest serving version (-1 in the config)
     inputs: tuple[tuple[str, str], ...]  # (the model's input, the ensemble tensor that feeds it)
     outputs: tuple[tuple[str, str], ...]  # (the model's output, the ensemble tensor it becomes)
+    asked: tuple[str, ...] = field(init=False)  # the model's outputs it asks for (made once: per request)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "asked", tuple(o for o, _ in self.outputs))
 
     def __str__(self) -> str:
         return f"step {self.index + 1} (model '{self.model}')"

@@ -116,17 +116,16 @@ class Run:
 
     def step_inputs(self, step: Step, spec: ModelSpec) -> list[Tensor]:
         """The step's inputs, renamed to its model's and checked against its spec."""
-        inputs = []
-        for model_input, name in step.inputs:
-            t = self.tensors.get(name)
-            if t is None:
-                continue  # an optional input the caller left out, or an output a step did not return
-            expected = spec.input(model_input)
-            if expected is not None:
-                check_shape(spec, expected, list(t.shape))
-            inputs.append(Tensor(model_input, t.datatype, t.shape, t.data))
-        check_inputs(spec, inputs)
+        tensors = self.tensors
+        # (an optional input the caller left out, or an output a step did not return, is not there)
+        inputs = [_renamed(t, model_input) for model_input, name in step.inputs
+                  if (t := tensors.get(name)) is not None]
+        self.check(step, spec, inputs)
         return inputs
+
+    def check(self, step: Step, spec: ModelSpec, inputs: list[Tensor]) -> None:
+        """InvalidArgument where `step`'s `inputs` do not fit its model's `spec` (check_step)."""
+        check_step(spec, inputs)
 
     def settled(self, step: Step, result: InferReply | DespinaError) -> None:
         """A step's answer: its outputs become ensemble tensors, and the steps they complete start."""
@@ -249,6 +248,16 @@ class Branch(Run):
             root.partial(result)
         self.parent.branches -= 1
         self.parent._next()
+
+
+def check_step(spec: ModelSpec, inputs: list[Tensor]) -> None:
+    """A step's inputs (named as its model's) against its model's spec: each one's shape, then that every
+    input it needs is there, with one batch size. It depends on their names and shapes alone."""
+    for t in inputs:
+        expected = spec.input(t.name)
+        if expected is not None:
+            check_shape(spec, expected, list(t.shape))
+    check_inputs(spec, inputs)
 
 
 def _renamed(t: Tensor, name: str) -> Tensor:

@@ -35,7 +35,7 @@ from .inflight import Gateways
 from .redelivery import DeliveryPolicy
 from .replies import ReplyWriter
 from .runner import READ_WAITS_S, TIMED_OUT, ModelRunner, Settled
-from .stats import ensemble_counts
+from .stats import Success, ensemble_counts, ensemble_successes
 from .streams import Entry, ModelStreams
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("despina.worker")
 
 READ_AHEAD = 256   # requests read and not yet answered, at most
+CHECKED = 1024     # the step inputs' shapes whose check an ensemble keeps (_HostRun.check), at most
 DRAIN_S = 0.5      # after saying it stops, it still reads this long: gateways that had not heard yet
 
 StepRunner = Callable[[Step], ModelRunner | None]
@@ -78,6 +79,9 @@ class EnsembleHost:
         self._idle.set()
         self._done: list[tuple[InferRequest | None, InferReply | None, tuple[str, bytes]]] = []
         self._counts: dict[str, int] = {}
+        self._successes: list[Success] = []  # this tick's, counted together as its replies go (_flush)
+        # (step, its inputs' names and shapes) -> the spec of the step's model they passed the check of
+        self._checked: dict[tuple[Any, ...], ModelSpec] = {}
         self._flush_soon: asyncio.Handle | None = None
         self._writes: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -196,8 +200,9 @@ class EnsembleHost:
         return voucher
 
     def _reaching(self, steps: list[Step], n: int) -> None:
+        reach = self._reach
         for step in steps:
-            self._reach[step.model] = self._reach.get(step.model, 0) + n
+            reach[step.model] = reach.get(step.model, 0) + n
 
     # -- answering -------------------------------------------------------------------------------
 
@@ -212,11 +217,12 @@ class EnsembleHost:
         `steps` (a timed request's) each step's times."""
         us = max(0, int((clock.now() - req.enqueued) * 1e6))
         error = result if isinstance(result, DespinaError) else None
-        ensemble_counts(error, us, rows, self._counts, compute_ns, queue_us)
-        if error is None and self.summary is not None:
+        if error is not None:
+            ensemble_counts(error, us, rows, self._counts, compute_ns, queue_us)
+        elif self.summary is not None:
             summaries.observe_ensemble(self.summary, us, queue_us, compute_ns)
         if error is None:
-            self._counts["last_inference"] = int(clock.now() * 1000)
+            self._successes.append((us, queue_us, rows, compute_ns[0], compute_ns[1], compute_ns[2]))
             reply = InferReply(req.id, result.outputs, None, queue_us, compute_us)  # type: ignore[union-attr]
             if req.timed:  # (traced, or a step of an ensemble that a gateway runs: its compute is that one's)
                 reply.split, reply.steps = (compute_ns[0], compute_ns[1], compute_ns[2]), steps
@@ -243,6 +249,10 @@ class EnsembleHost:
             return
         done, self._done = self._done, []
         counts, self._counts = self._counts, {}
+        if self._successes:  # (per request, these were most of its counting: here, one pass for the tick)
+            ensemble_successes(self._successes, counts)
+            self._successes = []
+            counts["last_inference"] = int(clock.now() * 1000)
         by_gateway: dict[str, list[InferReply]] = {}
         answered: list[InferRequest] = []
         acks = []
@@ -283,8 +293,10 @@ class _HostRun(Run):
         self._next()
 
     def _call(self, step: Step) -> None:
-        self.host._reaching([step], -1)
-        runner = self.host.runner(step)
+        host = self.host
+        reach = host._reach
+        reach[step.model] = reach.get(step.model, 0) - 1  # (counted in start)
+        runner = host.runner(step)
         if runner is None:  # unloaded since the host started: the host is stopping too
             raise Unavailable(f"model '{step.model}' is not loaded on this worker")
         self.left()
@@ -292,9 +304,24 @@ class _HostRun(Run):
         answered: Callable[[InferReply], None] = lambda reply: self._answered(step, reply)  # noqa: E731
         if req.timed:  # (a traced request's: its steps' times go back with its reply, its child traces)
             answered = self._timing(runner, step, answered)
-        runner.submit(self.step_inputs(step, runner.spec), tuple(o for o, _ in step.outputs), req.deadline,
-                      answered, req.priority, req.timeout_us, req.trace, self.host.vouch(step.model),
-                      sequence=req.sequence)
+        runner.submit(self.step_inputs(step, runner.spec), step.asked, req.deadline, answered, req.priority,
+                      req.timeout_us, req.trace, host.vouch(step.model), sequence=req.sequence)
+
+    def check(self, step: Step, spec: ModelSpec, inputs: list[Tensor]) -> None:
+        """Run.check, once per step, model spec and shapes of its inputs: it depends on those alone, and
+        an ensemble's requests mostly come in few shapes."""
+        if len(inputs) == 1:
+            t = inputs[0]
+            key: tuple[Any, ...] = (step.index, t.name, t.shape)
+        else:
+            key = (step.index, *[(t.name, t.shape) for t in inputs])
+        checked = self.host._checked
+        if checked.get(key) is spec:
+            return
+        super().check(step, spec, inputs)
+        if len(checked) >= CHECKED:
+            checked.clear()
+        checked[key] = spec
 
     def _timing(self, runner: ModelRunner, step: Step, answered: Callable[[InferReply], None]
                 ) -> Callable[[InferReply], None]:
