@@ -26,6 +26,9 @@ import numpy as np
 
 ROWS = 16
 D_IN = 256
+# the output a model's replies are checked by (W1's and W2's `y`); W3, the ensemble, answers the MLP's
+# logits' softmax as `probabilities` (and `label`)
+OUTPUT = {"mlp_classify": "probabilities"}
 
 
 @dataclass
@@ -38,7 +41,7 @@ class Tally:
     wrong: int = 0
 
 
-def request(host: str, path: str, fmt: str, row: np.ndarray) -> bytes:
+def request(host: str, path: str, fmt: str, row: np.ndarray, output: str = "y") -> bytes:
     x = {"name": "x", "shape": [1, D_IN], "datatype": "FP32"}
     headers = f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
     if fmt == "json":
@@ -46,25 +49,26 @@ def request(host: str, path: str, fmt: str, row: np.ndarray) -> bytes:
         headers += "Content-Type: application/json\r\n"
     else:
         header = json.dumps({"inputs": [{**x, "parameters": {"binary_data_size": row.nbytes}}],
-                             "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
+                             "outputs": [{"name": output, "parameters": {"binary_data": True}}]}).encode()
         body = header + row.tobytes()
         headers += ("Content-Type: application/octet-stream\r\n"
                     f"Inference-Header-Content-Length: {len(header)}\r\n")
     return f"{headers}Content-Length: {len(body)}\r\n\r\n".encode() + body
 
 
-def reply_output(fmt: str, body: bytes, d_out: int) -> np.ndarray:
+def reply_output(fmt: str, body: bytes, d_out: int, output: str = "y") -> np.ndarray:
     if fmt == "binary":
         return np.frombuffer(body[-4 * d_out:], dtype=np.float32)
-    return np.asarray(json.loads(body)["outputs"][0]["data"], dtype=np.float32)
+    outputs = json.loads(body)["outputs"]
+    return np.asarray(next(o for o in outputs if o["name"] == output)["data"], dtype=np.float32)
 
 
 class Client(asyncio.Protocol):
     """One connection in a closed loop: send, wait for the whole reply, record, send again."""
 
     def __init__(self, bodies: list[bytes], expected: np.ndarray, fmt: str, tally: Tally,
-                 check_every: int, offset: int) -> None:
-        self.bodies, self.expected, self.fmt, self.tally = bodies, expected, fmt, tally
+                 check_every: int, offset: int, output: str = "y") -> None:
+        self.bodies, self.expected, self.fmt, self.tally, self.output = bodies, expected, fmt, tally, output
         self.check_every, self.i = check_every, offset
         self.buf = bytearray()
         self.need = -1  # total bytes of the reply in flight, once its headers are in
@@ -118,7 +122,7 @@ class Client(asyncio.Protocol):
                 tally.latencies.append(t1 - self.t0)
             if self.i % self.check_every == 0:
                 tally.checked += 1
-                got = reply_output(self.fmt, body, self.expected.shape[1])
+                got = reply_output(self.fmt, body, self.expected.shape[1], self.output)
                 tally.wrong += not np.allclose(got, self.expected[self.i % ROWS], rtol=1e-3, atol=1e-4)
         self.send()
 
@@ -156,7 +160,8 @@ async def drive(args: argparse.Namespace, fmt: str, conc: int, expected: np.ndar
     loop = asyncio.get_running_loop()
     start = time.perf_counter()
     tally = Tally(start + args.warmup, start + args.warmup + args.duration)
-    clients = [Client(bodies, expected, fmt, tally, args.check_every, k) for k in range(conc)]
+    clients = [Client(bodies, expected, fmt, tally, args.check_every, k, OUTPUT.get(args.model, "y"))
+               for k in range(conc)]
     for c in clients:
         await loop.create_connection(lambda c=c: c, args.host, args.port)  # type: ignore[misc]
     await asyncio.sleep(max(0.0, tally.t_meas - time.perf_counter()))
@@ -185,6 +190,10 @@ def reference(model: str, path: Path | None, rows: np.ndarray) -> np.ndarray:
     """What the model should answer to `rows`: the ONNX file given, else bench/models.py's build of the
     model (W2's), else W1's MLP (the peers serve it as `mlp`)."""
     from models import DEFAULT_REPO, session
+    if model == "mlp_classify" and path is None:  # the ensemble: the MLP, then classify_post's softmax
+        logits = reference("mlp", None, rows)
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)
     own = DEFAULT_REPO / model / "1" / "model.onnx"
     if path is None and model != "mlp" and own.exists():
         path = own
@@ -199,7 +208,8 @@ async def main_async(args: argparse.Namespace) -> None:
     expected = reference(args.model, args.reference, rows)
     path = f"/v2/models/{args.model}/infer"
     for fmt in args.format:
-        bodies = [request(args.host, path, fmt, rows[k:k + 1]) for k in range(ROWS)]
+        output = OUTPUT.get(args.model, "y")
+        bodies = [request(args.host, path, fmt, rows[k:k + 1], output) for k in range(ROWS)]
         for conc in args.conc:
             result = await drive(args, fmt, conc, expected, bodies)
             line = {"peer": args.peer, "client": f"raw-{fmt}", "model": args.model, "conc": conc, **result}
