@@ -18,6 +18,7 @@ from despina.contract.catalog import CatalogEntry
 from despina.contract.cluster import VersionStatus, WorkerInfo, WorkerStatus
 from despina.contract.keys import Keys
 from despina.control.crashes import Crashes
+from despina.control.placement import place
 from despina.control.state import Catalog, Workers
 
 from .conftest import Server
@@ -194,4 +195,38 @@ async def test_one_event_that_ends_several_workers_counts_one_death_and_a_leavin
         assert crashes.hold(two, ("w9",), "") == ((), f"version 2 failed: {crashes.why(2)}")
     finally:
         await client.delete(keys.stats("m", 1))
+        await client.aclose()
+
+
+async def test_a_suspect_goes_to_a_settled_worker_not_the_one_placement_likes_best(
+        redis_url: str, key_prefix: str) -> None:
+    """A version a worker died loading is placed where no other model loads. Placement's own choice (the
+    worker with the fewest bytes committed) was filtered afterwards, so the suspect waited for that worker's
+    loads while another sat settled: after a node crash in a large start, suspects came back one by one."""
+    client = aioredis.Redis.from_url(redis_url)
+    keys = Keys(key_prefix)
+    catalog, workers = Catalog(client, keys), Workers(client, keys)
+    crashes = Crashes(client, keys, catalog, workers)
+    suspect = CatalogEntry("s", "/m/s", {"name": "s"}, (1,), revisions={1: "r1"})
+    other = CatalogEntry("o", "/m/o", {"name": "o"}, (1,), revisions={1: "q1"}, workers=("w1",))
+    catalog.entries.update(s=suspect, o=other)
+    homes = {w: WorkerInfo(w, memory_bytes=2**34) for w in ("w1", "w2")}
+    workers.status = {"w1": WorkerStatus(homes["w1"], {"o": {1: VersionStatus("LOADING", "", "q1")}}),
+                      "w2": WorkerStatus(homes["w2"], {})}
+    used = {"w1": 0, "w2": 2**30}  # placement's liking: w1
+    try:
+        assert place(suspect, homes, used, 1) == (("w1",), "")
+        await crashes.died("w0", WorkerStatus(WorkerInfo("w0"), {"s": {1: VersionStatus("LOADING", "r1")}}),
+                           set())
+        busy = crashes.busy(suspect, homes)
+        assert busy == {"w1"}
+        assert crashes.hold(suspect, *place(suspect, homes, used, 1, busy), busy) == (("w2",), "")
+        workers.status["w2"] = WorkerStatus(homes["w2"], {"o": {1: VersionStatus("LOADING", "", "q1")}})
+        catalog.entries["o"] = replace(other, workers=("w1", "w2"))  # now nowhere is settled: it waits
+        busy = crashes.busy(suspect, homes)
+        placed, why = crashes.hold(suspect, *place(suspect, homes, used, 1, busy), busy)
+        assert placed == () and "waits for the other loads on worker w1, w2" in why, why
+        assert crashes.busy(other, homes) == set()  # a model no worker died loading: nothing left out
+    finally:
+        await client.delete(keys.stats("s", 1))
         await client.aclose()

@@ -8,6 +8,7 @@ that keeps dying, and stops everything with it). A load through the API, or new 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import replace
 
 import redis.asyncio as aioredis
@@ -87,10 +88,19 @@ class Crashes:
                 log.error("model %s version %d failed to load: %s", e.name, v, failed[v])
         return replace(e, failed=failed) if failed != e.failed else e
 
-    def hold(self, e: CatalogEntry, workers: tuple[str, ...], why: str) -> tuple[tuple[str, ...], str]:
+    def busy(self, e: CatalogEntry, homes: Iterable[str]) -> set[str]:
+        """For a suspect (a death counted), the workers placement is to leave out: those where another model
+        still loads (and the suspect is not), so that placement picks among the settled ones instead of
+        waiting for the one it likes best. Empty for every other model (no look at the workers)."""
+        if not self.deaths or not any(self._count(e, v) for v in e.versions if v not in e.retiring):
+            return set()
+        return {w for w in homes if w not in e.workers and not self._settled(w, e.name)}
+
+    def hold(self, e: CatalogEntry, workers: tuple[str, ...], why: str, busy: Iterable[str] = ()
+             ) -> tuple[tuple[str, ...], str]:
         """Placement's (`workers`, `why`) for the entry (fail()'s), less what its loads' deaths rule out: none
         for a model every version of which failed so; a suspect only on workers where it is, or whose other
-        loads have ended."""
+        loads have ended (`busy`: the workers placement left out for that)."""
         current = [v for v in e.versions if v not in e.retiring]
         # any version: a worker loads every version of the model it is given, the failed one too, and dies
         if held := [v for v in current if e.failed.get(v, "").endswith(HELD)]:
@@ -99,9 +109,12 @@ class Crashes:
         if not any(counts):
             return workers, why
         kept = tuple(w for w in workers if w in e.workers or self._settled(w, e.name))
-        if kept or not workers:
+        if kept:
             return kept, why
-        return (), (f"it waits for the other loads on worker {', '.join(workers)} to end: a worker died "
+        waiting = sorted({*workers, *busy})
+        if not waiting:
+            return kept, why
+        return (), (f"it waits for the other loads on worker {', '.join(waiting)} to end: a worker died "
                     "while loading it")
 
     def _settled(self, worker_id: str, name: str) -> bool:

@@ -165,7 +165,8 @@ class Lifecycle:
         kept = e if kept_workers == e.workers else replace(e, workers=kept_workers)  # (a copy costs)
         near = partners(e.name, mates, self.catalog.entries)
         homes = self.workers.homes
-        workers, why = self.crashes.hold(e, *place(kept, homes, used, count, excluded, near))
+        busy = self.crashes.busy(e, homes)  # (a model whose load killed a worker: where nothing else loads)
+        workers, why = self.crashes.hold(e, *place(kept, homes, used, count, excluded | busy, near), busy)
         workers += handing_over(e, workers, self.workers.status, self.workers.leaving)
         if workers != e.workers or why != self.shortfall.get(e.name, ""):
             placed.setdefault((workers, why), []).append(e.name)
