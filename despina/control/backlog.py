@@ -99,6 +99,15 @@ async def _pending(redis: aioredis.Redis, queues: list[Queue], consumer: str
 DECRBY_IF_EXISTS = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('DECRBY', KEYS[1], ARGV[1]) end"
 
 
+async def refuse_model(redis: aioredis.Redis, keys: Keys, e: CatalogEntry, message: str, reply_ttl_ms: int
+                       ) -> None:
+    """refuse() every queue of the model (each version, each priority level), logging what each answered."""
+    for v in e.versions:
+        for level, _ in enumerate(e.streams(keys, v), start=1):
+            if count := await refuse(redis, Queue(keys, e.name, v, level), message, reply_ttl_ms):
+                log.warning("model %s: %d queued requests answered: %s", e.name, count, message)
+
+
 async def refuse(redis: aioredis.Redis, queue: Queue, message: str, reply_ttl_ms: int) -> int:
     """Answer every request still on the queue's stream with UNAVAILABLE `message`, and empty it. The
     answers count as failures and leave the queue's count, as a worker's answers do: else the metrics

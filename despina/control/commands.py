@@ -19,8 +19,7 @@ from ..contract.errors import DespinaError, FailedPrecondition, InvalidArgument,
 from ..contract.modelconfig import check_model_name
 from ..registry import ArtifactCache
 from ..registry.given import given_digest
-from ..workers.redelivery import Queue
-from .backlog import refuse
+from .backlog import refuse_model
 from .dependents import back_with, ensembles_calling, steps_loaded_for, unloaded_with
 from .fresh_stats import made_anew, start_stats_afresh
 from .index import RepositoryIndex
@@ -318,23 +317,15 @@ class Commands:
                 e = plane.catalog.get(n)
                 if e is None or e.target != UNLOADED:
                     continue
-                for v in e.versions:
-                    for level, _ in enumerate(e.streams(plane.keys, v), start=1):
-                        if count := await refuse(plane.redis, Queue(plane.keys, n, v, level),
-                                                 f"model '{n}' was unloaded", ttl_ms):
-                            log.warning("model %s: %d queued requests answered: it was unloaded", n, count)
+                await refuse_model(plane.redis, plane.keys, e, f"model '{n}' was unloaded", ttl_ms)
         # an ensemble unloaded with it: no worker runs it now (each stopped running it before the model
         # unloaded), so what is still on its stream would wait for nobody
         for d in ensembles_calling(plane.catalog.entries, name):
             e = plane.catalog.get(d)
             if e is None or d in names or e.target != UNLOADED:  # (one a load brought back meanwhile runs)
                 continue
-            for v in e.versions:
-                for level, _ in enumerate(e.streams(plane.keys, v), start=1):
-                    if count := await refuse(plane.redis, Queue(plane.keys, d, v, level), f"ensemble '{d}' "
-                                             f"cannot run: model '{name}' was unloaded", ttl_ms):
-                        log.warning("ensemble %s: %d queued requests answered: model %s was unloaded", d,
-                                    count, name)
+            await refuse_model(plane.redis, plane.keys, e, f"ensemble '{d}' cannot run: model '{name}' was "
+                               "unloaded", ttl_ms)
 
     def _mark_unloaded(self, name: str, with_steps: bool = False) -> None:
         plane = self.plane

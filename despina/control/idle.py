@@ -27,9 +27,8 @@ from ..contract.ensemble import called_by, is_ensemble
 from ..contract.keys import Keys
 from ..contract.sequence import DEFAULT_IDLE_US
 from ..settings import Settings
-from ..workers.redelivery import Queue
 from ..workers.stats import COLD_START_BUCKETS_S
-from .backlog import refuse
+from .backlog import refuse_model
 from .repository import parameter
 from .state import Catalog, Workers
 
@@ -212,10 +211,7 @@ class Idle:
     async def refuse_queued(self, e: CatalogEntry, why: str, reply_ttl_ms: int) -> None:
         """Answer what is queued for a model that cannot load now with why: nobody would read it until it
         does (a request queued by a gateway that saw it serving, as it went down)."""
-        for v in e.versions:
-            for level, _ in enumerate(e.streams(self.keys, v), start=1):
-                if count := await refuse(self.redis, Queue(self.keys, e.name, v, level), why, reply_ttl_ms):
-                    log.warning("model %s: %d queued requests answered: %s", e.name, count, why)
+        await refuse_model(self.redis, self.keys, e, why, reply_ttl_ms)
 
     async def cold_starts(self, now: float) -> None:
         """Record the cold starts that ended (the model serves) at `now` (monotonic), and forget those

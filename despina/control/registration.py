@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
 from .. import logs
-from ..contract.catalog import IDLE, LOADED, CatalogEntry
+from ..contract.catalog import LOADED, CatalogEntry
 from ..contract.errors import DespinaError, InvalidArgument, NotFound, Unavailable
 from ..redis_client import trouble
 from ..registry import ModelFiles
@@ -201,11 +200,6 @@ class Registration:
                 target = old.target if old is not None and old.state == "READY" else LOADED
                 plane.lifecycle.forget(name)
                 new = transition(old, entry, target, self._ready_check(name))
-                if old is not None and old.cold_error and target == IDLE and not _differs(old, entry):
-                    # a new leader reads the same files: a failed cold start's backoff goes on (new files
-                    # end it); forgotten, a restarting control plane reloaded a broken model every 2 s
-                    new = replace(new, cold_error=old.cold_error, cold_failures=old.cold_failures,
-                                  cold_retry_at=old.cold_retry_at)
                 plane.catalog.put(new)
                 if new.loaded:  # a version loaded anew counts from nothing (one reloaded in place goes on)
                     before = old.versions if old is not None and old.loaded else ()

@@ -14,10 +14,19 @@ def transition(old: CatalogEntry | None, new: CatalogEntry, target: str,
     A new version loads beside the old ones; the old ones that serve now stay loaded (`retiring`) until
     the new ones are READY, and keep serving if they fail. New files that cannot even be read leave a
     serving model as it is, with the reason. A version that failed to load and is loaded no more is
-    remembered with its error (`dropped`). The loads' `tries` carry over (workers know failures by it).
+    remembered with its error (`dropped`). The loads' `tries` carry over (workers know failures by it), and
+    so does a failed cold start's backoff while the model stays scaled to zero on the same files.
     """
     entry = _next(old, new, target, ready)
-    return replace(entry, dropped=dropped_since(old, entry, ready), tries=old.tries if old is not None else 0)
+    entry = replace(entry, dropped=dropped_since(old, entry, ready),
+                    tries=old.tries if old is not None else 0)
+    if old is not None and old.cold_error and target == IDLE and (old.state, old.revisions) == \
+            (new.state, new.revisions):
+        # the same files, read again (a new leader): a failed cold start's backoff goes on; new files end it.
+        # Forgotten, a restarting control plane had a broken model loaded again by each first request
+        entry = replace(entry, cold_error=old.cold_error, cold_failures=old.cold_failures,
+                        cold_retry_at=old.cold_retry_at)
+    return entry
 
 
 def try_again(e: CatalogEntry) -> CatalogEntry:
