@@ -16,7 +16,7 @@ from despina.control.repository import load_model
 from despina.registry.transfer import plan
 
 from .conftest import Server
-from .control_support import index
+from .control_support import index, wait_until
 from .test_broken_repositories import python_model
 
 # adds its own version to the input: the answer tells which version ran
@@ -98,9 +98,12 @@ def test_version_0_serves_as_in_triton(serve: Callable[..., Server], tmp_path: P
     stats = httpx.get(f"{server.url}/v2/models/m/versions/0/stats").json()["model_stats"]
     assert [(s["version"], s["inference_count"] >= 1) for s in stats] == [("0", True)], stats
     # the status page's rows: version 0 is a version (0 stood for "no version" there, shown as "-")
-    page = httpx.get(server.metrics_url.removesuffix("/metrics") + "/status.json", timeout=30).json()
-    shown = {(m["name"], m["version"]) for m in page["models"]}
-    assert {("m", 0), ("m", 1), ("only0", 0)} <= shown, shown
+    status = server.metrics_url.removesuffix("/metrics") + "/status.json"
+
+    def shown() -> set[tuple[str, int | None]]:  # (the control plane samples the page every 2 s)
+        return {(m["name"], m["version"]) for m in httpx.get(status, timeout=30).json()["models"]}
+
+    wait_until(lambda: {("m", 0), ("m", 1), ("only0", 0)} <= shown(), 15, what="the status page's rows")
 
 
 def test_the_status_page_shows_a_model_without_versions_as_none() -> None:
