@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -160,7 +161,7 @@ async def test_responses_redis_refuses_past_the_deadline_are_dropped_and_the_req
     with own_redis(tmp_path) as server, caplog.at_level(logging.ERROR, logger="despina.worker"):
         steps = Steps(tmp_path, key_prefix, server.url)
         try:
-            await steps.first(2.5)
+            await steps.first(4)
             await steps.full_from_the_second(caplog)
             await _until(lambda: "were not written by their request's deadline" in caplog.text)
             stream = steps.runner.streams.streams[0]
@@ -170,7 +171,11 @@ async def test_responses_redis_refuses_past_the_deadline_are_dropped_and_the_req
                     await asyncio.sleep(0.02)
         finally:
             await steps.close()
-    assert "model steps: 3 responses Redis refused were not written by their request's deadline" in caplog.text
+    # responses 1 to 3, each dropped once: in one line, or in two where a slow machine's model sent the
+    # last of them after the deadline had ended the first hold (it is held, and dropped, on its own)
+    dropped = re.findall(r"model steps: (\d+) responses Redis refused were not written by their request's "
+                         r"deadline", caplog.text)
+    assert sum(map(int, dropped)) == 3, caplog.text
 
 
 ENSEMBLE = """name: "pipe"
