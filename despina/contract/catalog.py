@@ -59,6 +59,9 @@ class CatalogEntry:
     # an ensemble unloaded because a model it calls was: as Triton's dependents, it loads again once every
     # model it calls is loaded (commands.py); an unload or load of its own ends that
     with_steps: bool = False
+    # when (clock.now()) the cold start under way began, 0.0 when none is: a control plane that takes over
+    # mid cold start reads it here, and times it, backs it off if it fails, as the one that began it would
+    cold_since: float = 0.0
 
     @property
     def serving(self) -> bool:
@@ -95,6 +98,7 @@ class CatalogEntry:
             **({"tries": self.tries} if self.tries else {}),
             **({"cold_error": self.cold_error, "cold_failures": self.cold_failures,
                 "cold_retry_at": self.cold_retry_at} if self.cold_error else {}),
+            **({"cold_since": self.cold_since} if self.cold_since else {}),
             **({"with_steps": True} if self.with_steps else {})})
 
     @classmethod
@@ -111,7 +115,7 @@ class CatalogEntry:
                    {int(v): r for v, r in (d.get("dropped") or {}).items()}, d.get("override"),
                    d.get("override_files", ""), int(d.get("tries", 0)), d.get("cold_error", ""),
                    int(d.get("cold_failures", 0)), float(d.get("cold_retry_at", 0.0)),
-                   bool(d.get("with_steps", False)))
+                   bool(d.get("with_steps", False)), float(d.get("cold_since", 0.0)))
 
 
 def read_entries(raw: Mapping[bytes, bytes]) -> tuple[dict[str, CatalogEntry], dict[str, str]]:

@@ -334,7 +334,7 @@ class Commands:
             current = tuple(v for v in e.versions if v not in e.retiring)
             plane.catalog.put(replace(e, target=UNLOADED, workers=(), versions=current, retiring=(),
                                       retired=retire(e, e.retiring, current), with_steps=with_steps,
-                                      cold_error="", cold_failures=0, cold_retry_at=0.0))
+                                      cold_error="", cold_failures=0, cold_retry_at=0.0, cold_since=0.0))
             plane.lifecycle.idle.cold.pop(name, None)
             plane.lifecycle.retire_at.pop(name, None)
             log.info("model %s: unloading", name)

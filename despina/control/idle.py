@@ -77,12 +77,27 @@ class Idle:
             timeout += int(sequences.get("max_sequence_idle_microseconds") or DEFAULT_IDLE_US) / 1e6
         return timeout
 
-    def woken(self, e: CatalogEntry) -> None:
-        """The model is made to load: a cold start when it was scaled to zero; its idle clock starts."""
-        if e.target == IDLE:
-            self.cold.setdefault(e.name, time.monotonic())
-            log.info("model %s: cold start", e.name)
-        self.awake_since[e.name] = clock.now()
+    def woken(self, e: CatalogEntry) -> CatalogEntry:
+        """The model is made to load (the entry to publish): a cold start when it was scaled to zero, marked
+        in the catalog for a control plane that may take over before it ends; its idle clock starts."""
+        now = clock.now()
+        self.awake_since[e.name] = now
+        if e.target != IDLE:
+            return replace(e, target=LOADED)
+        self.cold.setdefault(e.name, time.monotonic())
+        log.info("model %s: cold start", e.name)
+        return replace(e, target=LOADED, cold_since=e.cold_since or now)
+
+    def adopt(self) -> None:
+        """The cold starts under way when this control plane took the lead (their mark in the catalog it
+        read): timed from when they began, and failed as cold starts if their load fails. They lived in the
+        leader's memory alone, so a takeover mid cold start left a failed one loaded with its versions
+        failed (no backoff, no later request trying again) and a served one untimed."""
+        now, ticks = clock.now(), time.monotonic()
+        for e in self.catalog.entries.values():
+            if e.cold_since and e.serving:
+                self.cold.setdefault(e.name, ticks - max(0.0, now - e.cold_since))
+                log.info("model %s: its cold start goes on under this control plane", e.name)
 
     async def check(self, reply_ttl_ms: int) -> tuple[list[CatalogEntry], list[str]]:
         """The loaded models idle past their timeout (to unload), and the models scaled to zero that have
@@ -194,7 +209,7 @@ class Idle:
                       "later tries again: %s", name, failures, backoff, why)
             # its failures are forgotten and `tries` moves: the workers that failed it load it again next time
             e = replace(e, target=IDLE, workers=(), failed={}, tries=e.tries + 1, cold_error=why,
-                        cold_failures=failures, cold_retry_at=clock.now() + backoff)
+                        cold_failures=failures, cold_retry_at=clock.now() + backoff, cold_since=0.0)
             self.catalog.put(e)
             forget(name)
             failed.append(e)
@@ -222,9 +237,12 @@ class Idle:
             # a cold start whose load failed is over: timed on, it would end in a later load's READY
             if e is None or not e.serving or (current and all(v in e.failed for v in current)):
                 self.cold.pop(name, None)
+                if e is not None and e.cold_since:
+                    self.catalog.put(replace(e, cold_since=0.0))
             elif any(self.workers.ready_on(name, v) for v in e.versions):
-                if e.cold_error:  # it serves: a later failure backs off from the start again
-                    self.catalog.put(replace(e, cold_error="", cold_failures=0, cold_retry_at=0.0))
+                # it serves: the mark goes, and a later failure backs off from the start again
+                self.catalog.put(replace(e, cold_error="", cold_failures=0, cold_retry_at=0.0,
+                                         cold_since=0.0))
                 await self._record(e, (now - self.cold.pop(name)) * 1000)
 
     async def _count_failure(self, e: CatalogEntry) -> None:

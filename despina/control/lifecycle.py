@@ -285,8 +285,7 @@ class Lifecycle:
             raise Unavailable(e.cold_error)
         if (failed := cold_start_failed(e, clock.now() + RETRY_SLACK_S)) is not None:
             raise failed  # it failed a moment ago: tried again only once its backoff is over
-        self.idle.woken(e)
-        e = replace(e, target=LOADED)
+        e = self.idle.woken(e)
         self.catalog.put(e)
         return e
 

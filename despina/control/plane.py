@@ -151,6 +151,7 @@ class ControlPlane:
         if not await self._load_catalog():
             await self._resign()
             return
+        self.lifecycle.idle.adopt()  # the cold starts its predecessor began
         self.on_start()
         loops = [self._ticks(), self._serve_commands(), self._listen(), self._keep_lease(),
                  self.registration.run(), self.skew.keep(self.redis, LEASE_MS / 4000)]
