@@ -86,7 +86,7 @@ class Idle:
             return replace(e, target=LOADED)
         self.cold.setdefault(e.name, time.monotonic())
         log.info("model %s: cold start", e.name)
-        return replace(e, target=LOADED, cold_since=e.cold_since or now)
+        return replace(e, target=LOADED, cold_since=now)
 
     def adopt(self) -> None:
         """The cold starts under way when this control plane took the lead (their mark in the catalog it
