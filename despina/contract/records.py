@@ -219,7 +219,7 @@ GROUPED = "*"
 
 
 def grouped_id(members: list[tuple[str, int]]) -> str:
-    return GROUPED + ",".join(f"{rid}:{rows}" for rid, rows in members)
+    return GROUPED + ",".join([f"{rid}:{rows}" for rid, rows in members])
 
 
 def members(rid: str) -> list[tuple[str, int]]:

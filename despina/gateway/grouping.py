@@ -87,14 +87,16 @@ def merged(run: list[InferRequest]) -> InferRequest:
     if len(run) == 1:
         return run[0]
     first = run[0]
-    rows = sum(r.inputs[0].shape[0] for r in run)
+    # lists, not generators, over the requests: a generator's every step is a call of its frame (five a
+    # request here, in ungrouped and in grouped_id, where a small request makes 60-odd calls in all)
+    members = [(r.id, r.inputs[0].shape[0]) for r in run]
+    rows = sum([n for _, n in members])
     inputs = tuple(Tensor(t.name, t.datatype, (rows, *t.shape[1:]), b"".join([r.inputs[i].data for r in run]))
                    for i, t in enumerate(first.inputs))
     # timed when one is (an ensemble's step run from here, a traced request): the batch's split comes back
     # for all, and each reply carries it (ungrouped)
-    return InferRequest(records.grouped_id([(r.id, r.inputs[0].shape[0]) for r in run]), first.reply_to,
-                        min(r.deadline for r in run), inputs, first.outputs, enqueued=first.enqueued,
-                        timed=any(r.timed for r in run))
+    return InferRequest(records.grouped_id(members), first.reply_to, min([r.deadline for r in run]), inputs,
+                        first.outputs, enqueued=first.enqueued, timed=any([r.timed for r in run]))
 
 
 def entries(requests: list[InferRequest]) -> list[list[InferRequest]]:
@@ -120,7 +122,7 @@ def ungrouped(reply: InferReply) -> tuple[InferReply, ...]:
         log.error("dropping a reply with a malformed grouped id: %s", exc)
         return ()
     error = reply.error
-    total = sum(rows for _, rows in members)
+    total = sum([rows for _, rows in members])
     if error is None:
         for t in reply.outputs:
             if not t.shape or t.shape[0] != total or len(t.data) % total:
@@ -138,13 +140,13 @@ def ungrouped(reply: InferReply) -> tuple[InferReply, ...]:
         data = reply.outputs[0].data
         for rid, rows in members:
             tensor = Tensor(name, datatype, (rows, *rest), data[row * size:(row + rows) * size])
-            out.append(InferReply(rid, (tensor,), None, queue_us, compute_us))
+            out.append(InferReply(rid, (tensor,), None, queue_us, compute_us, NO_PARAMETERS))
             row += rows
     else:
         for rid, rows in members:
             tensors = [Tensor(name, datatype, (rows, *rest), t.data[row * size:(row + rows) * size])
                        for (name, datatype, rest, size), t in zip(cut, reply.outputs)]
-            out.append(InferReply(rid, tuple(tensors), None, queue_us, compute_us))
+            out.append(InferReply(rid, tuple(tensors), None, queue_us, compute_us, NO_PARAMETERS))
             row += rows
     if reply.split is not None:  # a timed group's: its batch's, each member's too
         for r in out:

@@ -73,7 +73,7 @@ def encode_infer(model: str, version: int, req_id: str | None, outputs: tuple[Te
                 entry["data"], again = written, True
         if again:  # (not for a "null" in a string)
             header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    no_json = len(chunks) + sum(1 for t in outputs if shm and t.name in shm) == len(outputs)
+    no_json = len(chunks) + (sum([t.name in shm for t in outputs]) if shm else 0) == len(outputs)
     if heads is not None and no_json and len(heads) < HEADS_MAX:
         heads[key] = header
     return (b"".join([header, *chunks]), len(header)) if chunks else (header, None)
