@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from despina.contract.errors import Code, DespinaError
 from despina.contract.modelspec import ModelSpec
@@ -59,3 +62,37 @@ async def test_a_gateway_that_stops_takes_itself_out_of_the_gateways_set(redis_u
         assert not await r.exists(keys.gateway(gw.dispatcher.id))
     finally:
         await r.aclose()
+
+
+class Answered:
+    """An exchange that keeps its answers."""
+
+    method, path, params, body = "POST", "/v2/models/m/infer", {"model": "m"}, b""
+
+    def __init__(self) -> None:
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.answers: list[tuple[int, bytes, list[tuple[bytes, bytes]]]] = []
+
+    def respond(self, status: int, body: bytes, content_type: bytes, extra: list[tuple[bytes, bytes]]) -> None:
+        self.answers.append((status, body, extra))
+
+
+def test_an_answer_that_cannot_be_made_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    """A fault while the answer is made is an internal error, its traceback logged; a DespinaError its own
+    answer; a failed request's error its own (infer.answering, infer.answer_failed)."""
+    def broken(reply: InferReply) -> None:
+        raise ValueError("no encoder for it")
+
+    def refused(reply: InferReply) -> None:
+        raise DespinaError("not this one", Code.INVALID_ARGUMENT)
+
+    faulty, wrong, failed = Answered(), Answered(), Answered()
+    with caplog.at_level(logging.ERROR, logger="despina.gateway"):
+        infer.answering(faulty, b"r-1", broken)(InferReply("1"))
+    infer.answering(wrong, None, refused)(InferReply("1"))
+    infer.answering(failed, None, broken)(DespinaError("the model is gone", Code.UNAVAILABLE))
+    (status, body, extra), = faulty.answers
+    assert status == 500 and b"encoding the answer failed" in body and (b"x-request-id", b"r-1") in extra
+    assert "no encoder for it" in caplog.text  # the traceback
+    assert [(s, b) for s, b, _ in wrong.answers] == [(400, b'{"error":"not this one"}')]
+    assert [s for s, _, _ in failed.answers] == [503]

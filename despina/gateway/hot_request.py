@@ -66,7 +66,8 @@ class HotRequest:
         routes = self.protocol.routes
         try:
             target = self.match.target
-            routes.policy.check(target, self.headers)
+            if routes.policy.active:  # (its own first test, without its call)
+                routes.policy.check(target, self.headers)
             if not self.match.checked:
                 check_target(target)
             self.coding = http.check_body(self.headers, routes.max_body_bytes)

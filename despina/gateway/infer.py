@@ -79,7 +79,12 @@ class Route:
         except DespinaError as exc:
             fail(ex, exc, trace)
             return
-        self._queue(ex, model, version, trace)
+        try:  # (_queue's, without its call nor refuse's for a model that is not decoupled)
+            if model.spec.decoupled:
+                self.refuse(model)
+            self.queue(ex, model, version, trace, None)
+        except DespinaError as exc:
+            fail(ex, exc, trace)
 
     async def _after_wake(self, ex: Exchange, trace: bytes | None) -> None:
         gw = self.gateway
@@ -129,23 +134,36 @@ class InferRoute(Route):
         arrived = time.time_ns() if gw.tracer.on else 0  # Triton's tracing: REQUEST_START
         decoded = decode_infer(ex.body, self.header_length(ex), model.spec, gw.settings.max_tensor_elements,
                                gw.shm)
-        priority, timeout_us = schedule_parameters(decoded.parameters)
         spec = model.spec
-        sequence = sequence_of(spec, decoded.parameters)
+        if decoded.parameters or spec.sequence:
+            priority, timeout_us = schedule_parameters(decoded.parameters)
+            sequence = sequence_of(spec, decoded.parameters)
+        else:  # what the two make of no parameters for a plain model, without their calls
+            priority = timeout_us = 0
+            sequence = None
         echo = [(b"x-request-id", trace)] if trace else []
         respond = self.respond
         name = self.answered_as(ex, spec)
         heads = decoded.heads if name == spec.name else None  # the headers remembered name the model
 
-        def answer(reply: InferReply) -> None:
-            outputs = reply.outputs
-            if decoded.classes:  # Triton's classification extension: their top classes instead
-                outputs = classify(spec, outputs, decoded.classes, model.entry.labels)
-            out, json_length = encode_infer(name, version, decoded.id, outputs, decoded.binary_outputs,
-                                            decoded.binary_all, heads, reply.parameters, decoded.shm_outputs)
-            respond(ex, out, json_length, echo)
+        # answering()'s callback with the answer written in it: a call less a request
+        def answer(result: InferReply | DespinaError) -> None:
+            if isinstance(result, DespinaError):
+                fail(ex, result, trace)
+                return
+            try:
+                outputs = result.outputs
+                if decoded.classes:  # Triton's classification extension: their top classes instead
+                    outputs = classify(spec, outputs, decoded.classes, model.entry.labels)
+                out, json_length = encode_infer(name, version, decoded.id, outputs, decoded.binary_outputs,
+                                                decoded.binary_all, heads, result.parameters,
+                                                decoded.shm_outputs)
+                respond(ex, out, json_length, echo)
+            except Exception as exc:
+                answer_failed(ex, exc, trace)
 
-        done = answering(ex, trace, answer)
+        done: Callable[[InferReply | DespinaError], None] = answer
+
         traced = gw.tracer.begin(spec.name, version, decoded.id or "", arrived) if arrived else None
         if traced is None:
             submit(gw, model.spec, version, decoded.inputs, tuple(decoded.outputs), trace, done, priority,
@@ -227,13 +245,20 @@ def answering(ex: Exchange, trace: bytes | None, answer: Callable[[InferReply], 
             return
         try:
             answer(result)
-        except DespinaError as exc:
-            fail(ex, exc, trace)
-        except Exception:
-            log.exception("encoding the answer of %s failed", ex.path)
-            fail(ex, DespinaError("encoding the answer failed (the gateway's log has the details)",
-                                  Code.INTERNAL), trace)
+        except Exception as exc:
+            answer_failed(ex, exc, trace)
     return done
+
+
+def answer_failed(ex: Exchange, exc: Exception, trace: bytes | None) -> None:
+    """Answering failed (called where the exception is handled): the error's answer, or, for an unexpected
+    fault, an internal error's, logged with its traceback."""
+    if isinstance(exc, DespinaError):
+        fail(ex, exc, trace)
+        return
+    log.exception("encoding the answer of %s failed", ex.path)
+    fail(ex, DespinaError("encoding the answer failed (the gateway's log has the details)", Code.INTERNAL),
+         trace)
 
 
 def fail(ex: Exchange, exc: DespinaError, trace: bytes | None, status: int | None = None,

@@ -249,8 +249,12 @@ class GatewayProtocol(ConnectionProtocol):
             self.server_state.total_requests += 1
             if self.transport.is_closing() or self._lingering:
                 return
-            self.flow.resume_reading()
-            self._idle()
+            if self.flow.read_paused:  # (its own test, without its call)
+                self.flow.resume_reading()
+            if self.timeout_keep_alive_task is None:
+                self._idle()
+            else:  # _idle's, without its call: the timer is armed
+                self._idle_since = self.loop.time()
             return
         # Requests already read wait their turn: start the next, but read no more from the client
         # until they are all answered. (uvicorn resumes reading here, and a client that pipelines
