@@ -153,7 +153,10 @@ class Commands:
             step_only = bool(calling) and (old is None or old.target == UNLOADED and not old.with_steps
                                            or old.step_only)
             entry = try_again(transition(old, entry, LOADED, lambda v: bool(plane.workers.ready_on(name, v))))
-            plane.catalog.put(replace(entry, step_only=step_only))
+            # a load is no cold start: a cold start's mark and failures go (transition carries them for a
+            # registry read again)
+            plane.catalog.put(replace(entry, step_only=step_only, cold_since=0.0, cold_error="",
+                                      cold_failures=0, cold_retry_at=0.0))
             log.info("model %s: loading version %s", name, ",".join(map(str, entry.versions)))
             await self._bring_back()
             plane.kick()
@@ -255,7 +258,10 @@ class Commands:
                          old.path if old is not None and old.loaded else None)
         if old is not None and old.loaded:  # (with the tries the workers failed it by: not tried once more)
             tries = tried.tries if tried is not None else old.tries
-            self.plane.catalog.put(replace(old, dropped=dropped_since(tried, old), tries=tries))
+            # a cold start's mark only while it is one still (this load, once under way, ended it)
+            cold_since = old.cold_since if model.name in self.plane.lifecycle.idle.cold else 0.0
+            self.plane.catalog.put(replace(old, dropped=dropped_since(tried, old), tries=tries,
+                                           cold_since=cold_since))
         else:  # (the versions it loaded once are still listed once it loads again)
             entry = unavailable(model, why)
             self.plane.catalog.put(replace(entry, retired=retired_since(old, entry)))

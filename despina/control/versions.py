@@ -15,17 +15,24 @@ def transition(old: CatalogEntry | None, new: CatalogEntry, target: str,
     the new ones are READY, and keep serving if they fail. New files that cannot even be read leave a
     serving model as it is, with the reason. A version that failed to load and is loaded no more is
     remembered with its error (`dropped`). The loads' `tries` carry over (workers know failures by it), and
-    so does a failed cold start's backoff while the model stays scaled to zero on the same files.
+    so does a failed cold start's backoff while the model stays scaled to zero on the same files, and the
+    mark of a cold start under way (a load's entry drops it: a load is no cold start, commands.py).
     """
     entry = _next(old, new, target, ready)
     entry = replace(entry, dropped=dropped_since(old, entry, ready),
                     tries=old.tries if old is not None else 0)
-    if old is not None and old.cold_error and target == IDLE and (old.state, old.revisions) == \
-            (new.state, new.revisions):
-        # the same files, read again (a new leader): a failed cold start's backoff goes on; new files end it.
-        # Forgotten, a restarting control plane had a broken model loaded again by each first request
+    if old is None:
+        return entry
+    cold = bool(old.cold_since) and target == LOADED and entry.state == "READY"
+    same = (old.state, old.revisions) == (new.state, new.revisions)
+    if old.cold_error and (target == IDLE or cold) and same:
+        # the same files, read again (a new leader): a failed cold start's backoff goes on, and its count of
+        # failures in a row through the next cold start; new files end it. Forgotten, a restarting control
+        # plane had a broken model loaded again by each first request
         entry = replace(entry, cold_error=old.cold_error, cold_failures=old.cold_failures,
                         cold_retry_at=old.cold_retry_at)
+    if cold:  # read again by a leader that took over: a third one, if it comes to that, carries it on too
+        entry = replace(entry, cold_since=old.cold_since)
     return entry
 
 
