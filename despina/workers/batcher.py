@@ -80,20 +80,22 @@ class DynamicBatcher:
         self._preferred = policy.preferred_sizes
         self._max_preferred = max(self._preferred) if policy.batching else 0
         self._alarm: Alarm | None = None    # made in run(): it needs the running loop
+        # each level's queue policy, looked up once: put() runs for every request
+        self._policies = tuple(policy.queue_policy(level) for level in range(1, levels + 1))
 
     def put(self, item: Item) -> None:
         if self._closed:
             raise RuntimeError("batcher is closed")
-        level = self.policy.level(item.priority)
-        queue_policy = self.policy.queue_policy(level)
+        level = self.policy.level(item.priority) if len(self._queues) > 1 else 1
+        queue_policy = self._policies[level - 1]
         queue = self._queues[level - 1]
         # its timed-out requests (DELAY) still wait in it: Triton counts them too
-        queued = len(queue) + len(self._delayed[level - 1])
-        if queue_policy.max_queue_size and queued >= queue_policy.max_queue_size:
+        limit = queue_policy.max_queue_size
+        if limit and len(queue) + len(self._delayed[level - 1]) >= limit:
             raise QueueFull(f"Exceeds maximum queue size: the queue of priority level {level} is full "
                             f"({queue_policy.max_queue_size} requests)")
-        timeout = queue_policy.timeout_us(item.timeout_us)
-        if timeout:
+        # without a default timeout a request's own is ignored (QueuePolicy.timeout_us): no call for it
+        if queue_policy.default_timeout_us and (timeout := queue_policy.timeout_us(item.timeout_us)):
             item.expires = (item.arrived if item.since is None else item.since) + timeout / 1e6
             self._timed += 1
         queue.append(item)

@@ -72,6 +72,9 @@ class Intake(Outbox):
             (failed if queued else refused).append(req)
             self._entries[entry] -= 1
 
+        # looked up once: what follows runs for every request
+        put, shape_key, rows_of, text, opened = \
+            self.batcher.put, self._shape_key, self._rows, self._text, self._gateways.opened
         for stream, entry_id, fields in entries:
             entry = (stream, entry_id)
             try:
@@ -91,17 +94,16 @@ class Intake(Outbox):
                 members = records.requests_in(req.id)
                 try:
                     inputs = request_inputs(req)
-                    if self._text:
-                        check_text(inputs, self._text)
+                    if text:
+                        check_text(inputs, text)
                     pending = Pending(req, entry, inputs, alone, now, members)
                     # the queue delay counts from here, as Triton's from its scheduler's queue (time
                     # in the stream is the gateway's and Valkey's work, not a wait for batch-mates);
                     # a queue timeout counts from the gateway's enqueue, the client's clock
                     arrived = time.monotonic()
-                    shape = entry if alone else self._shape_key(req)
-                    self.batcher.put(Item(self._rows(inputs), shape, pending, arrived,
-                                          priority=req.priority, timeout_us=req.timeout_us,
-                                          since=arrived - max(0.0, now - req.enqueued)))
+                    waited = now - req.enqueued
+                    put(Item(rows_of(inputs), entry if alone else shape_key(req), pending, arrived,
+                             req.priority, req.timeout_us, arrived - waited if waited > 0.0 else arrived))
                 except QueueFull as exc:
                     fail(req, entry, Code.RESOURCE_EXHAUSTED, f"model '{self.spec.name}': {exc}")
                     continue
@@ -113,7 +115,7 @@ class Intake(Outbox):
                     log.exception("model %s: taking request %s failed", self.spec.name, req.id)
                     fail(req, entry, Code.INTERNAL, f"model '{self.spec.name}': {type(exc).__name__}: {exc}")
                     continue
-                self._gateways.opened(req.reply_to, members)
+                opened(req.reply_to, members)
                 self._in_flight += members
         if len(self._entries) and self._in_flight >= self._read_ahead:
             self._room.clear()

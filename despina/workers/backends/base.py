@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ...contract._schema import model_config_pb2 as pb
+from ...contract.datatypes import to_numpy
 from ...contract.errors import ConfigError, DespinaError, InvalidArgument
 from ...contract.modelspec import ModelSpec
 from ...contract.records import NO_PARAMETERS, InferRequest, Parameters
@@ -76,7 +77,12 @@ Marks = dict[str, int]
 def request_inputs(req: InferRequest) -> dict[str, np.ndarray]:
     """A request's inputs as arrays; a Request when it has parameters, an id, a sequence or a timeout
     (else none is made)."""
-    inputs = {t.name: t.numpy() for t in req.inputs}
+    tensors = req.inputs
+    if len(tensors) == 1:  # the usual case: no comprehension's frame (this runs for every request)
+        t = tensors[0]
+        inputs = {t.name: to_numpy(t.datatype, t.shape, t.data)}
+    else:
+        inputs = {t.name: t.numpy() for t in tensors}
     if req.parameters or req.request_id or req.sequence is not None or req.timeout_us:
         return Request(inputs, req.parameters, req.request_id, req.sequence, req.timeout_us)
     return inputs
