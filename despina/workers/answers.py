@@ -9,7 +9,7 @@ import numpy as np
 from .. import clock
 from ..contract.datatypes import numpy_to_v2, to_bytes
 from ..contract.errors import Code, DespinaError
-from ..contract.records import InferReply, InferRequest, Tensor
+from ..contract.records import NO_PARAMETERS, InferReply, InferRequest, Tensor
 from . import ragged
 from .backends.base import response_parameters
 
@@ -52,20 +52,20 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
     offset = 0
     for i, (req, n) in enumerate(zip(requests, sizes)):
         tensors = []
+        asked = req.outputs
         for name, datatype, row_shape, data, row_bytes in outputs:
-            if req.outputs and name not in req.outputs:
+            if asked and name not in asked:
                 continue
-            if name in scattered:
+            if row_bytes:  # (the usual case first: a scattered output has none)
+                part = data[offset * row_bytes:(offset + n) * row_bytes]
+            elif name in scattered:
                 piece = scattered[name][i]
                 tensors.append(Tensor(name, datatype, piece.shape, to_bytes(piece, datatype)))
                 continue
-            if row_bytes:
-                part = data[offset * row_bytes:(offset + n) * row_bytes]
             else:
                 part = to_bytes(data[offset:offset + n], datatype)
             tensors.append(Tensor(name, datatype, (n, *row_shape), part))
         offset += n
-        asked = req.outputs
         if asked:  # in the order asked for
             if len(tensors) != len(asked):
                 missing = ", ".join(sorted(set(asked) - {t.name for t in tensors}))
@@ -73,7 +73,8 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
                 continue
             tensors.sort(key=lambda t: asked.index(t.name))  # noqa: B023 (used at once)
         queue_us = int((started - req.enqueued) * 1e6)
-        replies.append(InferReply(req.id, tuple(tensors), None, max(queue_us, 0), compute_us))
+        replies.append(InferReply(req.id, tuple(tensors), None, queue_us if queue_us > 0 else 0, compute_us,
+                                  NO_PARAMETERS))
     return replies
 
 

@@ -186,15 +186,22 @@ class Outbox:
         quiet = not self.batcher.pending and not self.batcher.executing and self._gateways.all_here()
         done = []
         answered = 0  # requests: a grouped one counts as all it holds
+        closed: dict[str, int] = {}  # gateway -> its requests answered here, told to _gateways once
+        entries = self._entries
         for p in pendings:
             answered += p.members
-            if p.entry is None:
+            entry = p.entry
+            if entry is None:
                 continue
-            self._gateways.closed(p.request.reply_to, p.members)
-            self._entries[p.entry] -= 1
-            if self._entries[p.entry] == 0:
-                del self._entries[p.entry]
-                done.append(p.entry)
+            gateway = p.request.reply_to
+            closed[gateway] = closed.get(gateway, 0) + p.members
+            if left := entries[entry] - 1:
+                entries[entry] = left
+            else:
+                del entries[entry]
+                done.append(entry)
+        for gateway, n in closed.items():
+            self._gateways.closed(gateway, n)
         # Triton's Python backend counts an execution whose every request failed; its other backends do not
         if not counted:
             counts = {"enqueued": -sum(requests_in(r.id) for r in replies)}
