@@ -187,7 +187,7 @@ class Outbox:
         done = []
         answered = 0  # requests: a grouped one counts as all it holds
         closed: dict[str, int] = {}  # gateway -> its requests answered here, told to _gateways once
-        entries = self._entries
+        unanswered = self._entries
         for p in pendings:
             answered += p.members
             entry = p.entry
@@ -195,10 +195,10 @@ class Outbox:
                 continue
             gateway = p.request.reply_to
             closed[gateway] = closed.get(gateway, 0) + p.members
-            if left := entries[entry] - 1:
-                entries[entry] = left
+            if left := unanswered[entry] - 1:
+                unanswered[entry] = left
             else:
-                del entries[entry]
+                del unanswered[entry]
                 done.append(entry)
         for gateway, n in closed.items():
             self._gateways.closed(gateway, n)
