@@ -83,7 +83,13 @@ class Run:
         if self.over:  # failed already (a branch that ends after its request's error calls here too)
             return
         tensors, coming = self.tensors, self.coming
-        ready = [s for s in self.pending if all(t in tensors or t not in coming for _, t in s.inputs)]
+        ready = []
+        for s in self.pending:  # (loops, not all() over a generator per step: this runs at each step's end)
+            for _, t in s.inputs:
+                if t not in tensors and t in coming:
+                    break
+            else:
+                ready.append(s)
         for step in ready:
             if step not in self.pending:
                 continue  # a step answered at once (from a response cache) started it already
@@ -109,17 +115,22 @@ class Run:
         if self.streaming is not None:  # each response went out: the last word is the final flag alone
             reply = InferReply("", (), compute_us=self.compute_us, empty=True, split=split)
         else:
-            reply = InferReply("", tuple(_renamed(tensors[n], n) for n in self.wanted if n in tensors),
-                               compute_us=self.compute_us, split=split)
+            outputs = []
+            for n in self.wanted:
+                if (out := tensors.get(n)) is not None:
+                    outputs.append(out if out.name == n else Tensor(n, out.datatype, out.shape, out.data))
+            reply = InferReply("", tuple(outputs), compute_us=self.compute_us, split=split)
         self.over = True
         self._finish(reply, self._rows())
 
     def step_inputs(self, step: Step, spec: ModelSpec) -> list[Tensor]:
         """The step's inputs, renamed to its model's and checked against its spec."""
         tensors = self.tensors
-        # (an optional input the caller left out, or an output a step did not return, is not there)
-        inputs = [_renamed(t, model_input) for model_input, name in step.inputs
-                  if (t := tensors.get(name)) is not None]
+        inputs = []
+        for to, name in step.inputs:
+            # (an optional input the caller left out, or an output a step did not return, is not there)
+            if (t := tensors.get(name)) is not None:
+                inputs.append(t if t.name == to else Tensor(to, t.datatype, t.shape, t.data))
         self.check(step, spec, inputs)
         return inputs
 
@@ -209,8 +220,10 @@ class Run:
     def _rows(self) -> int:
         if not self.spec.batched:
             return 1
-        first = next((self.tensors[n] for n in self.ensemble.inputs if n in self.tensors), None)
-        return first.shape[0] if first is not None and first.shape else 1
+        for n in self.ensemble.inputs:  # the first input given
+            if (first := self.tensors.get(n)) is not None:
+                return first.shape[0] if first.shape else 1
+        return 1
 
 
 class Branch(Run):
@@ -259,6 +272,3 @@ def check_step(spec: ModelSpec, inputs: list[Tensor]) -> None:
             check_shape(spec, expected, list(t.shape))
     check_inputs(spec, inputs)
 
-
-def _renamed(t: Tensor, name: str) -> Tensor:
-    return t if t.name == name else Tensor(name, t.datatype, t.shape, t.data)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("despina.worker")
 
 READ_AHEAD = 256   # requests read and not yet answered, at most
-CHECKED = 1024     # the step inputs' shapes whose check an ensemble keeps (_HostRun.check), at most
+CHECKED = 1024     # step input shapes whose check an ensemble keeps (_HostRun.check), at most; plans too
 DRAIN_S = 0.5      # after saying it stops, it still reads this long: gateways that had not heard yet
 
 StepRunner = Callable[[Step], ModelRunner | None]
@@ -82,6 +83,8 @@ class EnsembleHost:
         self._successes: list[Success] = []  # this tick's, counted together as its replies go (_flush)
         # (step, its inputs' names and shapes) -> the spec of the step's model they passed the check of
         self._checked: dict[tuple[Any, ...], ModelSpec] = {}
+        # the outputs a request asks for -> what it wants, the steps that make them and the tensors those make
+        self._plans: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[Step, ...], frozenset[str]]] = {}
         self._flush_soon: asyncio.Handle | None = None
         self._writes: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -292,6 +295,23 @@ class _HostRun(Run):
         self.host._reaching(self.pending, 1)  # each step leaves `pending` to _call, or at the finish
         self._next()
 
+    def _plan(self, inputs: list[Tensor], outputs: tuple[str, ...]) -> None:
+        """Run._plan, with the steps that `outputs` need and the tensors they make found once per host:
+        they depend on those outputs alone, and an ensemble's requests mostly ask for the same ones."""
+        plans = self.host._plans
+        plan = plans.get(outputs)
+        if plan is None:
+            super()._plan(inputs, outputs)
+            if len(plans) >= CHECKED:
+                plans.clear()
+            plans[outputs] = (self.wanted, tuple(self.pending),
+                              frozenset(t for s in self.pending for _, t in s.outputs))
+            return
+        self.tensors = tensors = {t.name: t for t in inputs}
+        self.wanted, steps, made = plan
+        self.pending = list(steps)
+        self.coming = set(tensors) | made
+
     def _call(self, step: Step) -> None:
         host = self.host
         reach = host._reach
@@ -301,7 +321,7 @@ class _HostRun(Run):
             raise Unavailable(f"model '{step.model}' is not loaded on this worker")
         self.left()
         req = self.request
-        answered: Callable[[InferReply], None] = lambda reply: self._answered(step, reply)  # noqa: E731
+        answered: Callable[[InferReply], None] = partial(self._answered, step)
         if req.timed:  # (a traced request's: its steps' times go back with its reply, its child traces)
             answered = self._timing(runner, step, answered)
         runner.submit(self.step_inputs(step, runner.spec), step.asked, req.deadline, answered, req.priority,
