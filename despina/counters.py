@@ -72,6 +72,16 @@ class Deferred:
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(DEFER_S, self._flush)
 
+    def count(self, key: str, field: str) -> None:
+        """add(key, {field: 1}), for a counter counted one by one (a request made in a worker, queued)."""
+        mine = self._counts.get(key)
+        if mine is None:
+            self._counts[key] = {field: 1}
+        else:
+            mine[field] = mine.get(field, 0) + 1
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(DEFER_S, self._flush)
+
     def into(self, pipe: Any) -> int:
         """Move every counter waiting into `pipe`; how many commands that added."""
         if not self._counts:

@@ -29,7 +29,6 @@ log = logging.getLogger("despina.worker")
 
 TIMED_OUT = "request timed out in the queue before it could run"
 QUEUE_TIMED_OUT = "Request timeout expired (the queue policy's timeout passed before it could run)"
-ENQUEUED_ONE = {"enqueued": 1}  # a request made in this process, queued (Deferred.add never changes it)
 # gets a request's reply; a decoupled model's response before its last may answer True: the submitter
 # gave the request up (a model's call it cancelled, workers/bls.py), and the model is told
 Answer = Callable[[InferReply], "bool | None"]
@@ -192,9 +191,9 @@ class Intake(Outbox):
             if self._stopping:
                 raise Unavailable(f"model '{self.spec.name}' version {self.version} is unloading")
             arrays = request_inputs(request)
-            pending = Pending(request, None, arrays, received=now)
+            pending = Pending(request, None, arrays, False, now)
             self.batcher.put(Item(self._rows(arrays), self._shape_key(request), pending, time.monotonic(),
-                                  priority=priority, timeout_us=timeout_us))
+                                  priority, timeout_us))
         except DespinaError as exc:
             answer(answers.error(request, exc.code, exc.message))
             return
@@ -204,7 +203,7 @@ class Intake(Outbox):
         self._local[id(request)] = (answer, settled)
         self._in_flight += 1
         if self.deferred is not None:  # as a gateway counts what it queues (pending: enqueued - answered)
-            self.deferred.add(self.stats_key, ENQUEUED_ONE)
+            self.deferred.count(self.stats_key, "enqueued")
 
     def _cached(self, inputs: list[Tensor], outputs: tuple[str, ...], parameters: Parameters, answer: Answer
                 ) -> Answer | None:
