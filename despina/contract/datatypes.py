@@ -110,7 +110,7 @@ def to_numpy(datatype: str, shape: list[int] | tuple[int, ...], data: bytes | me
     dtype = V2_TO_NUMPY.get(datatype)
     if dtype is None:
         raise InvalidArgument(f"unsupported datatype '{datatype}'")
-    count = element_count(shape)
+    count = math.prod(shape)  # (element_count's, inline: this runs for every input of every request)
     if datatype == "BYTES":
         return deserialize_bytes(data, count).reshape(shape)
     if len(data) != count * dtype.itemsize:
@@ -127,4 +127,5 @@ def to_bytes(array: np.ndarray, datatype: str) -> bytes:
     if datatype == "BYTES":
         return serialize_bytes(array)
     dtype = V2_TO_NUMPY[datatype]
-    return np.ascontiguousarray(array, dtype=dtype).tobytes()
+    # tobytes() is in C order whatever the array's layout: only another dtype needs converting first
+    return (array if array.dtype == dtype else array.astype(dtype)).tobytes()

@@ -59,8 +59,11 @@ class ModelSpec:
     response_cache: bool = False  # response_cache { enable: true }: gateways keep its answers (cache.py)
     batch_inputs: tuple[BatchInputSpec, ...] = ()
     batch_outputs: tuple[BatchOutputSpec, ...] = ()
+    batched: bool = field(init=False, repr=False, compare=False)  # a batch dimension: max_batch_size > 0
 
     def __post_init__(self) -> None:
+        # (a field, not a property: read for every request, a property's call cost more than the rest)
+        object.__setattr__(self, "batched", self.max_batch_size > 0)
         # inputs and outputs by name ("in:x", "out:y"): looked up for every request
         self.by_name.update({f"in:{t.name}": t for t in self.inputs})
         self.by_name.update({f"out:{t.name}": t for t in self.outputs})
@@ -82,10 +85,6 @@ class ModelSpec:
                    decoupled=bool(config.get("model_transaction_policy", {}).get("decoupled", False)),
                    response_cache=bool(config.get("response_cache", {}).get("enable", False)),
                    batch_inputs=batch_inputs(config), batch_outputs=batch_outputs(config))
-
-    @property
-    def batched(self) -> bool:
-        return self.max_batch_size > 0
 
     def input(self, name: str) -> TensorSpec | None:
         return self.by_name.get(f"in:{name}")

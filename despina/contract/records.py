@@ -171,7 +171,9 @@ class InferReply:
 
     def pack(self) -> list[Any]:
         err = [self.error[0].value, self.error[1]] if self.error else None
-        packed: list[Any] = [self.id, [t.pack() for t in self.outputs], err, self.queue_us, self.compute_us]
+        # (Tensor.pack, inline: every output of every reply)
+        outputs = [[t.name, t.datatype, list(t.shape), t.data] for t in self.outputs]
+        packed: list[Any] = [self.id, outputs, err, self.queue_us, self.compute_us]
         if self.steps:
             split = None if self.split is None else list(self.split)
             packed += [self.parameters, [self.index, self.final, self.empty], split,

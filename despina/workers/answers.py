@@ -71,7 +71,8 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
                 missing = ", ".join(sorted(set(asked) - {t.name for t in tensors}))
                 replies.append(error(req, Code.BACKEND, f"model '{model}' did not return {missing}"))
                 continue
-            tensors.sort(key=lambda t: asked.index(t.name))  # noqa: B023 (used at once)
+            if len(tensors) > 1:
+                tensors.sort(key=lambda t: asked.index(t.name))  # noqa: B023 (used at once)
         queue_us = int((started - req.enqueued) * 1e6)
         replies.append(InferReply(req.id, tuple(tensors), None, queue_us if queue_us > 0 else 0, compute_us,
                                   NO_PARAMETERS))

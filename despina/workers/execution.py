@@ -252,8 +252,14 @@ class Execution:
         """A per-request backend's batch: each request's inputs in the model's shapes, and the outputs it
         asks for (with the implicit states' always)."""
         every = [o.name for o in self.spec.outputs]
-        asked = [[n for n in every if n in p.request.outputs] if p.request.outputs else every
-                 for p in live]
+        chosen: dict[tuple[str, ...], list[str]] = {(): every}  # requests mostly ask alike: once per choice
+        asked = []
+        for p in live:
+            names = chosen.get(p.request.outputs)
+            if names is None:
+                wanted = p.request.outputs
+                names = chosen[wanted] = [n for n in every if n in wanted]
+            asked.append(names)
         if self.state_outputs:
             asked = [a + [n for n in self.state_outputs if n not in a] for a in asked]
         arrays = [p.inputs for p in live]
