@@ -26,7 +26,8 @@ def unpack(packed: Any) -> np.ndarray:
     if isinstance(packed, np.ndarray):
         return packed
     dtype, shape, data = packed
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
+    # (as datatypes.to_numpy makes it: pack sent the array's bytes, exactly its size)
+    return np.ndarray(shape, dtype, data)
 
 
 def pack_all(arrays: Mapping[str, np.ndarray]) -> dict[str, Packed]:
