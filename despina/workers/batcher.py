@@ -68,8 +68,6 @@ class DynamicBatcher:
         self._reject = reject or (lambda item: None)
         self._nothing_coming = nothing_coming
         levels = max(policy.priority_levels, 1)
-        self._levelled = policy.priority_levels > 0  # else every request is of level 1
-        self._queue_policies = [policy.queue_policy(level) for level in range(1, levels + 1)]
         self._queues: list[deque[Item]] = [deque() for _ in range(levels)]
         self._delayed: list[deque[Item]] = [deque() for _ in range(levels)]  # each level's, after it
         self._timed = 0                     # queued items that carry a timeout
