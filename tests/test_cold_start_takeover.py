@@ -5,6 +5,7 @@ no backoff and no later request trying it again until someone loaded it by hand 
 and heals), and one that served was never timed."""
 from __future__ import annotations
 
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +16,7 @@ import redis
 from despina.contract.keys import Keys
 
 from .control_support import catalog_entry, index, wait_until
-from .test_cold_start_failures import BODY, ERROR, cold_starts, refused
+from .test_cold_start_failures import BODY, CONFIG, ERROR, cold_starts, refused
 from .test_control_absence import Roles, roles  # noqa: F401 (the fixture)
 
 # initialize waits while the marker `hold` exists, then fails while `broken` does
@@ -36,28 +37,27 @@ class TritonPythonModel:
     def execute(self, requests):
         return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "x")]) for r in requests]
 """
-CONFIG = ('backend: "python"\nmax_batch_size: 0\n'
-          'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
-          'output [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
-          'parameters { key: "idle_timeout_s" value: { string_value: "1" } }\n')
+
+
+def slow_flaky(started: Roles, tmp_path: Path, redis_url: str, key_prefix: str, *control: str
+               ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """The model SLOW_FLAKY (idle after 1 s) served by a control plane (the leader), a worker and a gateway,
+    once scaled to zero: the leader, and the markers that hold its load and fail it."""
+    hold, broken = tmp_path / "hold", tmp_path / "broken"
+    (started.repo / "flaky" / "1").mkdir(parents=True)
+    (started.repo / "flaky" / "1" / "model.py").write_text(SLOW_FLAKY.format(hold=str(hold), broken=str(broken)))
+    (started.repo / "flaky" / "config.pbtxt").write_text(CONFIG)
+    first = started.control(*control)
+    started.start("worker")
+    started.gateway("--request-timeout", "60")
+    wait_until(lambda: (e := catalog_entry(redis_url, key_prefix, "flaky")) is not None and e.target == "idle"
+               and b"model flaky: cold start" not in started.log("control"), 30, what="flaky to load and go idle")
+    return first, hold, broken
 
 
 def test_a_cold_start_whose_leader_died_fails_as_a_cold_start_and_heals(
         roles: Roles, tmp_path: Path, redis_url: str, key_prefix: str) -> None:  # noqa: F811
-    hold, broken = tmp_path / "hold", tmp_path / "broken"
-    (roles.repo / "flaky" / "1").mkdir(parents=True)
-    (roles.repo / "flaky" / "1" / "model.py").write_text(SLOW_FLAKY.format(hold=str(hold), broken=str(broken)))
-    (roles.repo / "flaky" / "config.pbtxt").write_text(CONFIG)
-    first = roles.control()
-    roles.start("worker")
-    roles.gateway("--request-timeout", "60")
-
-    def scaled_to_zero() -> bool:
-        entry = catalog_entry(redis_url, key_prefix, "flaky")
-        return entry is not None and entry.target == "idle"
-
-    wait_until(lambda: b"model flaky: cold start" not in roles.log("control") and scaled_to_zero(), 30,
-               what="flaky to load and go idle")
+    first, hold, broken = slow_flaky(roles, tmp_path, redis_url, key_prefix)
     hold.touch()
     broken.touch()
     with ThreadPoolExecutor(1) as pool:
@@ -96,15 +96,7 @@ def test_a_cold_start_that_serves_under_the_next_leader_is_timed_from_its_start(
         roles: Roles, tmp_path: Path, redis_url: str, key_prefix: str) -> None:  # noqa: F811
     """The cold start's time, counted in despina:coldstart and the statistics, spans both leaders; and the
     catalog's mark of it goes once it serves."""
-    hold, broken = tmp_path / "hold", tmp_path / "broken"
-    (roles.repo / "flaky" / "1").mkdir(parents=True)
-    (roles.repo / "flaky" / "1" / "model.py").write_text(SLOW_FLAKY.format(hold=str(hold), broken=str(broken)))
-    (roles.repo / "flaky" / "config.pbtxt").write_text(CONFIG)
-    first = roles.control()
-    roles.start("worker")
-    roles.gateway("--request-timeout", "60")
-    wait_until(lambda: (e := catalog_entry(redis_url, key_prefix, "flaky")) is not None and e.target == "idle", 30,
-               what="flaky to load and go idle")
+    first, hold, _ = slow_flaky(roles, tmp_path, redis_url, key_prefix)
     hold.touch()
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(httpx.post, f"{roles.url}/v2/models/flaky/infer", json=BODY, timeout=60)
@@ -133,16 +125,8 @@ def test_a_load_that_fails_during_a_cold_start_leaves_no_mark_of_it(
     """A load is no cold start: one that fails puts the entry back as it was, less the cold start's mark.
     It put the mark back too, and the next leader took the model that failed its load (400) for a cold start
     that failed: scaled to zero, backing off."""
-    hold, broken = tmp_path / "hold", tmp_path / "broken"
-    (roles.repo / "flaky" / "1").mkdir(parents=True)
-    (roles.repo / "flaky" / "1" / "model.py").write_text(SLOW_FLAKY.format(hold=str(hold), broken=str(broken)))
-    (roles.repo / "flaky" / "config.pbtxt").write_text(CONFIG)
     explicit = ("--model-control-mode", "explicit")
-    first = roles.control(*explicit, "--load-model", "flaky")
-    roles.start("worker")
-    roles.gateway("--request-timeout", "60")
-    wait_until(lambda: (e := catalog_entry(redis_url, key_prefix, "flaky")) is not None and e.target == "idle", 30,
-               what="flaky to load and go idle")
+    first, hold, broken = slow_flaky(roles, tmp_path, redis_url, key_prefix, *explicit, "--load-model", "flaky")
     hold.touch()
     broken.touch()
     with ThreadPoolExecutor(2) as pool:
