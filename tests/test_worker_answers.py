@@ -58,3 +58,19 @@ def test_a_large_output_is_copied_once_into_the_replies() -> None:
         tracemalloc.stop()
     assert [r.outputs[0].data == out[i].tobytes() for i, r in enumerate(replies)] == [True, True]
     assert peak < 1.2 * out.nbytes, f"{peak / out.nbytes:.2f} times the output"
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "BOOL", "BYTES"])
+def test_an_output_whose_rows_hold_nothing_gives_each_request_its_empty_rows(datatype: str) -> None:
+    """Rows of zero bytes (shape [N, 0]) made the bytes per row 0, which also meant "cut from the array":
+    FP32 failed the batch's answers with an error of Python's, and BOOL gave each request one byte for
+    nothing."""
+    out = np.zeros((sum(SIZES), 0), dtype=V2_TO_NUMPY[datatype])
+    replies = answers.split("m", requests(len(SIZES)), SIZES, {"y": out}, time.time(), 0)
+    for reply, n in zip(replies, SIZES, strict=True):
+        assert reply.error is None, reply.error
+        (t,) = reply.outputs
+        assert (t.name, t.datatype, t.shape) == ("y", datatype, (n, 0))
+        assert t.numpy().shape == (n, 0)
+        if datatype != "BYTES":
+            assert t.data == b""

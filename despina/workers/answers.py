@@ -27,7 +27,8 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
     if len(requests) == 1 and shapes is None:
         return [answer(requests[0], out, started, compute_us)]
     total = sum(sizes)
-    # (name, datatype, shape of one row, all rows' bytes (BYTES or LARGE: the array), bytes per row or 0)
+    # (name, datatype, shape of one row, all rows' bytes (BYTES or LARGE: the array), bytes per row; -1 for
+    # the array, cut row by row, or a ragged output's parts: a row may hold no bytes, [N, 0])
     outputs: list[tuple[str, str, tuple[int, ...], Any, int]] = []
     scattered: dict[str, list[np.ndarray]] = {}  # a batch output's part for each request
     for name, array in out.items():
@@ -36,7 +37,7 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
                 scattered[name] = ragged.scatter(model, name, array, shapes[name])
             except DespinaError as exc:
                 return [error(req, exc.code, exc.message) for req in requests]
-            outputs.append((name, numpy_to_v2(array.dtype), (), b"", 0))
+            outputs.append((name, numpy_to_v2(array.dtype), (), b"", -1))
             continue
         if array.ndim == 0 or array.shape[0] != total:
             msg = (f"model '{model}' returned {name} with batch dimension "
@@ -44,7 +45,7 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
             return [error(req, Code.BACKEND, msg) for req in requests]
         datatype = numpy_to_v2(array.dtype)
         if datatype == "BYTES" or array.nbytes >= LARGE:  # framed per request; or each one's rows copied
-            outputs.append((name, datatype, array.shape[1:], array, 0))  # once, not the batch's bytes first
+            outputs.append((name, datatype, array.shape[1:], array, -1))  # once, not the batch's bytes first
         else:  # one conversion for the batch; each request gets its rows' slice of the bytes
             data = to_bytes(array, datatype)
             outputs.append((name, datatype, array.shape[1:], data, len(data) // total))
@@ -56,7 +57,7 @@ def split(model: str, requests: list[InferRequest], sizes: list[int], out: dict[
         for name, datatype, row_shape, data, row_bytes in outputs:
             if asked and name not in asked:
                 continue
-            if row_bytes:  # (the usual case first: a scattered output has none)
+            if row_bytes >= 0:  # (the usual case first)
                 part = data[offset * row_bytes:(offset + n) * row_bytes]
             elif name in scattered:
                 piece = scattered[name][i]
