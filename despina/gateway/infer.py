@@ -79,12 +79,7 @@ class Route:
         except DespinaError as exc:
             fail(ex, exc, trace)
             return
-        try:  # (_queue's, without its call nor refuse's for a model that is not decoupled)
-            if model.spec.decoupled:
-                self.refuse(model)
-            self.queue(ex, model, version, trace, None)
-        except DespinaError as exc:
-            fail(ex, exc, trace)
+        self._queue(ex, model, version, trace)
 
     async def _after_wake(self, ex: Exchange, trace: bytes | None) -> None:
         gw = self.gateway
@@ -107,7 +102,8 @@ class Route:
     def _queue(self, ex: Exchange, model: Model, version: int, trace: bytes | None,
                timeout: float | None = None) -> None:
         try:
-            self.refuse(model)
+            if model.spec.decoupled:  # (refuse's own test, without its call for the usual model)
+                self.refuse(model)
             self.queue(ex, model, version, trace, timeout)
         except DespinaError as exc:
             fail(ex, exc, trace)
