@@ -23,6 +23,7 @@ from . import answers, checksums, instance_update
 from .backends import Backend, backend_class
 from .backends.base import Instance, text_inputs
 from .instance_update import loaded
+from .instances import Free
 from .instances import plan as plan_instances
 from .ragged import BatchIO
 from .rate_limiter import RateLimiter, Slot
@@ -73,7 +74,7 @@ class Execution:
         # implicit states' outputs: asked of the model with every batch, kept by the sequence batcher
         self.state_outputs = tuple(st.output for st in spec.sequence.states) if spec.sequence else ()
         self.count = spec.instance_count()
-        self.instances: asyncio.Queue[Backend] = asyncio.Queue()  # those free now
+        self.instances: Free[Backend] = Free()  # those free now
         self.backends: list[Backend] = []  # every instance, in order (a sequence runs on one of them)
         self.standby: list[Backend] = []  # passive instances: loaded and warmed up, given no requests
         self.executor = ThreadPoolExecutor(max_workers=self.count, thread_name_prefix=f"{spec.name}-")

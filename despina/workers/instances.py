@@ -1,12 +1,18 @@
 """Triton's instance groups: how many copies of a model run, and on which device each one runs."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections import deque
 from dataclasses import replace
+from typing import Generic, TypeVar
 
 from ..contract.errors import ConfigError
 from ..contract.instance_groups import resolve
 from ..contract.modelspec import ModelSpec
 from .backends.base import Instance
+
+T = TypeVar("T")
 
 
 def plan(spec: ModelSpec, gpu_count: int, threads: int = 1) -> list[Instance]:
@@ -62,3 +68,48 @@ def matched(have: list[Instance], wanted: list[Instance]) -> tuple[list[Instance
         else:
             left.remove(alike)
     return add, left
+
+
+class Free(Generic[T]):
+    """The instances free now, as asyncio.Queue keeps them (first put, first taken; a `get` with none
+    free waits its turn), for what a batch asks of it: an asyncio.Queue's get and put are eight calls of
+    Python between them, where a batch that finds an instance free makes one here."""
+
+    __slots__ = ("_free", "_waiting")
+
+    def __init__(self) -> None:
+        self._free: deque[T] = deque()
+        self._waiting: deque[asyncio.Future[None]] = deque()  # gets with none free, in the order they came
+
+    def empty(self) -> bool:
+        return not self._free
+
+    def put_nowait(self, item: T) -> None:
+        self._free.append(item)
+        if self._waiting:
+            self._wake_next()
+
+    def get_nowait(self) -> T:
+        return self._free.popleft()  # IndexError when none is free (Queue's QueueEmpty)
+
+    async def get(self) -> T:
+        while not self._free:  # (as asyncio.Queue.get: a get while one is free takes it at once)
+            turn = asyncio.get_running_loop().create_future()
+            self._waiting.append(turn)
+            try:
+                await turn
+            except BaseException:
+                turn.cancel()
+                with contextlib.suppress(ValueError):  # woken already: _wake_next took it off
+                    self._waiting.remove(turn)
+                if self._free and not turn.cancelled():  # woken for an instance: the next in line gets it
+                    self._wake_next()
+                raise
+        return self._free.popleft()
+
+    def _wake_next(self) -> None:
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
