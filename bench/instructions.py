@@ -10,7 +10,11 @@ machines moves by 10-50 %.
 
 W1 (bench/out/repo's `mlp`: bench/models.py) in a ModelRunner, one request per batch, as at low
 concurrency: the entry decoded, the batcher, onnxruntime, the reply pipeline built and packed (not
-sent: no Redis is needed, and a round trip's cost is the kernel's and Redis's). The script runs itself
+sent: no Redis is needed, and a round trip's cost is the kernel's and Redis's), the batch run on the event
+loop as served (execution.INLINE_BELOW_US: under callgrind its timed cost grows ~50x, and the runner
+sent some batches to a thread, a hand-off served W1 does not make: 1.1-1.2M a batch from run to run on
+2026-12-07's Zen 3, 0.61M inline. --worker's worker runs under callgrind too, unpatched: its batches of
+15-30 may take that path as well). The script runs itself
 under callgrind twice, with the two batch counts, and prints the difference over the difference in
 batches: start-up (imports, the model's load and warm-up) cancels out. `--tree` measures another
 checkout of Despina (a git worktree of another commit, say) with this venv. About a minute a run.
@@ -457,6 +461,12 @@ def main() -> None:
         return
     if args.run is not None:
         import uvloop
+
+        from despina.workers import execution
+        # W1's batch runs on the event loop, as it does served (execution.INLINE_BELOW_US); under callgrind
+        # its timed cost is ~50x, and the worker would hand it to a thread, a path served W1 never takes
+        # (and whose count moves by 10 % from run to run, with how often the loop turned meanwhile)
+        execution.INLINE_BELOW_US = 10**12
         uvloop.run(batches(args.run))
         return
     few, many = args.batches
