@@ -13,8 +13,7 @@ concurrency: the entry decoded, the batcher, onnxruntime, the reply pipeline bui
 sent: no Redis is needed, and a round trip's cost is the kernel's and Redis's), the batch run on the event
 loop as served (execution.INLINE_BELOW_US: under callgrind its timed cost grows ~50x, and the runner
 sent some batches to a thread, a hand-off served W1 does not make: 1.1-1.2M a batch from run to run on
-2026-12-07's Zen 3, 0.61M inline. --worker's worker runs under callgrind too, unpatched: its batches of
-15-30 may take that path as well). The script runs itself
+2026-12-07's Zen 3, 0.61M inline; --worker's worker is started the same way, INLINE). The script runs itself
 under callgrind twice, with the two batch counts, and prints the difference over the difference in
 batches: start-up (imports, the model's load and warm-up) cancels out. `--tree` measures another
 checkout of Despina (a git worktree of another commit, say) with this venv. About a minute a run.
@@ -110,6 +109,15 @@ def counted(tree: Path, n: int) -> int:
 
 
 GATEWAY_MODEL = "mlp"
+# `despina worker` with its batches on the event loop whatever their timed cost: under callgrind (~50x slower)
+# the runner would hand W1's and W3's short batches to a thread (execution.INLINE_BELOW_US), a hand-off served
+# batches do not make (a thread pool's put, two GIL switches and a future a batch), and would stop running
+# them inline altogether past LONG_INLINE_US
+INLINE = ("import sys\n"
+          "from despina.workers import execution\n"
+          "execution.INLINE_BELOW_US = execution.LONG_INLINE_US = 10**12\n"
+          "from despina.cli import main\n"
+          "sys.exit(main())")
 IDLE_S = 4.0  # the idle stretch that measures the gateway's background rate
 
 
@@ -281,7 +289,9 @@ def gateway(args: argparse.Namespace) -> None:
 
     def role(name: str, *extra: str) -> subprocess.Popen[bytes]:
         under = callgrind if name == counted_role else []
-        return subprocess.Popen([*under, *python, name, *extra], env=env, cwd=tree,
+        # the worker counted runs its short batches on the event loop, as served (see INLINE)
+        command = [sys.executable, "-c", INLINE] if under and name == "worker" else python
+        return subprocess.Popen([*under, *command, name, *extra], env=env, cwd=tree,
                                 stderr=subprocess.DEVNULL if under else None)
 
     procs = [
