@@ -263,8 +263,8 @@ def statistics(port: int, model: str = GATEWAY_MODEL) -> tuple[int, int]:
     import json
     import urllib.request
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/stats", timeout=60) as r:
-        model = json.load(r)["model_stats"][0]
-    return model["inference_count"], model["execution_count"]
+        stats = json.load(r)["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
 
 
 def gateway(args: argparse.Namespace) -> None:
