@@ -16,7 +16,7 @@ import pytest
 
 from despina.control.repository import load_model
 from despina.settings import BadSetting, Settings
-from despina.workers.rate_limiter import Given, RateLimiter, parse_resources
+from despina.workers.rate_limiter import SETTLE_S, Given, RateLimiter, parse_resources
 
 from .conftest import Server
 from .test_cli import despina
@@ -269,3 +269,30 @@ async def test_resources_given_back_wait_for_their_model_not_for_whoever_comes_f
     await asyncio.wait_for(b_turn, 1)
     limiter.release(b)
     await asyncio.wait_for(c_turn, 1)
+
+
+async def test_resources_given_back_wait_for_their_model_through_a_descheduled_stretch() -> None:
+    """The worker descheduled right after a gave R back (a busy host: another process on its core): SETTLE_S
+    is spent when the loop runs again, before a's next batch has taken the two turns it needs to ask. R still
+    waits for a (SETTLE_TURNS); it used to go to b then, and the 4:1 of the contention test fell to 2.2:1."""
+    limiter = RateLimiter()
+    need = {"resources": [{"name": "R", "count": 1}]}
+    a, b = (limiter.add(m, "i", {**need, "priority": p}, 0) for m, p in (("a", 1), ("b", 4)))
+    assert a is not None and b is not None
+    a.executions = b.executions = 1
+    await limiter.acquire(a)
+    b_turn = asyncio.ensure_future(limiter.acquire(b))
+    await asyncio.sleep(0)
+    limiter.release(a, again=True)
+
+    async def next_batch() -> None:  # as the batcher's: the loop turns twice before it asks
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        await limiter.acquire(a)
+
+    a_turn = asyncio.ensure_future(next_batch())
+    time.sleep(SETTLE_S * 5)  # descheduled: the loop does not turn meanwhile
+    await asyncio.wait_for(a_turn, 1)
+    assert not b_turn.done()
+    limiter.release(a)
+    await asyncio.wait_for(b_turn, 1)
