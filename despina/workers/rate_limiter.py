@@ -165,7 +165,7 @@ class RateLimiter:
 
     def release(self, slot: Slot, again: bool = False) -> None:
         """Give `slot`'s resources back. `again`: its model has requests waiting, and will ask for them again
-        at once; others waiting wait for that (SETTLE_S at most) and then go by priority."""
+        at once; others waiting wait for that (SETTLE_S and SETTLE_TURNS at most) and then go by priority."""
         self._held.subtract(slot.needs)
         if again and self._waiting and self._settle is None:
             self._settle = asyncio.get_running_loop().call_later(SETTLE_S, self._settle_over, SETTLE_TURNS)
