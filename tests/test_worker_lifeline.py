@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import re
 import signal
 import threading
 import time
@@ -32,6 +33,8 @@ from .reliability_support import role_pids
 TTL = {"DESPINA_WORKER_TTL_S": "1.5"}
 SHORT = 50
 DEAD = "stopped sending heartbeats"  # the control plane's log line for a worker taken for dead
+HELD = "held the worker's loop"  # the worker's line for a long batch run on its loop (execution.py)
+ROUNDS = 1e9  # a batch's rounds: more than any test waits for (exact in FP32)
 SPIN = '''
 name: "spin"
 platform: "pytorch_libtorch"
@@ -42,30 +45,40 @@ output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 1 ] } ]
 
 
 class Spin(torch.nn.Module):
-    """A data-dependent loop: the batch's first value is how many times it goes round, on the CPU."""
+    """A data-dependent loop on the CPU: it goes round as many times as the batch's first value says, or
+    until the first byte of the file `release` is set (the test says how long a batch holds the loop, not
+    a rate measured beforehand on a host whose speed moves 2x within minutes)."""
+
+    def __init__(self, release: str) -> None:
+        super().__init__()
+        self.release = release
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.zeros_like(x)
         for _ in range(int(x[0, 0].item())):
+            if int(torch.from_file(self.release, size=1, dtype=torch.uint8)[0]) != 0:
+                break
             y = y + 1.0
         return y - y + x
 
 
-def spin_model(repo: Path) -> float:
-    """The spin model in `repo`; returns how many rounds take one second here at most."""
+def spin_model(repo: Path, release: Path) -> None:
+    """The spin model in `repo`, its batches let go by `let_go(release)`."""
     folder = repo / "spin"
     (folder / "1").mkdir(parents=True)
     (folder / "config.pbtxt").write_text(SPIN)
+    release.write_bytes(b"\0")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        module = torch.jit.script(Spin())
+        module = torch.jit.script(Spin(str(release)))
     module.save(str(folder / "1" / "model.pt"))
-    rounds, fastest = 20_000, float("inf")
-    for _ in range(6):  # the fastest of a few: the first runs profile and compile, and the host is shared
-        started = time.perf_counter()
-        module(torch.full((1, 1), float(rounds)))
-        fastest = min(fastest, time.perf_counter() - started)
-    return rounds / fastest
+
+
+def let_go(release: Path) -> None:
+    """End the batch going round: set the byte in place (the model maps it, and must never find the file
+    empty, as a rewrite leaves it for a moment)."""
+    with release.open("r+b") as f:
+        f.write(b"\1")
 
 
 def infer(server: Server, value: float, timeout: float = 60) -> httpx.Response:
@@ -98,24 +111,30 @@ def test_a_batch_that_holds_the_loop_past_the_ttl_leaves_the_worker_alive(
         serve: Callable[..., Server], tmp_path: Path, redis_url: str, key_prefix: str) -> None:
     """Its heartbeat's expiry renewed from a thread while the batch runs: the worker stays a member all
     along, the request is answered once and runs once, and no other request is refused meanwhile."""
-    per_second = spin_model(tmp_path / "repo")
+    release = tmp_path / "release"
+    spin_model(tmp_path / "repo", release)
     server = serve(tmp_path / "repo", env=TTL, wait_models=("spin",))
     short_batches(server)
     alive = membership(redis_url, key_prefix)
     assert alive()
+    hold_s = 2 * float(TTL["DESPINA_WORKER_TTL_S"]) + 1
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        held = pool.submit(infer, server, round(4 * per_second))  # 4 s or more on the loop
-        started, gaps = time.monotonic(), []
-        while not held.done():
-            if not alive():
-                gaps.append(round(time.monotonic() - started, 1))
-            time.sleep(0.05)
-        took = time.monotonic() - started
+        held = pool.submit(infer, server, ROUNDS)
+        try:
+            started, gaps = time.monotonic(), []
+            while time.monotonic() - started < hold_s and not held.done():
+                if not alive():
+                    gaps.append(round(time.monotonic() - started, 1))
+                time.sleep(0.05)
+        finally:
+            let_go(release)
         response = held.result()
-    assert took > 2 * float(TTL["DESPINA_WORKER_TTL_S"]), f"the batch took {took:.1f} s only"
     assert response.status_code == 200, response.text
-    assert orjson.loads(response.content)["outputs"][0]["data"] == [round(4 * per_second)]
-    assert not gaps, f"the worker was not alive to the others at {gaps} s of the {took:.1f} s batch"
+    assert orjson.loads(response.content)["outputs"][0]["data"] == [ROUNDS]
+    held_ms = re.findall(HELD + r" for (\d+) ms", server.logs())
+    assert held_ms, "the batch did not run on the worker's loop"
+    assert int(held_ms[0]) > 2e3 * float(TTL["DESPINA_WORKER_TTL_S"]), held_ms  # past the TTL, twice
+    assert not gaps, f"the worker was not alive to the others at {gaps} s of the {hold_s:.1f} s batch"
     assert DEAD not in server.logs()
     stats = settled_stats(server.url, "spin")
     assert stats["inference_count"] == SHORT + 1, stats  # none ran twice
@@ -127,7 +146,8 @@ def test_a_stopped_worker_and_one_held_past_the_visibility_timeout_expire(
     """What the thread renews is work the worker is doing: a worker whose process stopped is taken for dead
     within its TTL, as is one whose batch holds its loop past DESPINA_VISIBILITY_TIMEOUT_S (its requests are
     taken for its consumer's dead then anyway)."""
-    per_second = spin_model(tmp_path / "repo")
+    release = tmp_path / "release"
+    spin_model(tmp_path / "repo", release)
     server = serve(tmp_path / "repo", env={**TTL, "DESPINA_VISIBILITY_TIMEOUT_S": "3"}, wait_models=("spin",))
     short_batches(server)
     alive = membership(redis_url, key_prefix)
@@ -141,11 +161,14 @@ def test_a_stopped_worker_and_one_held_past_the_visibility_timeout_expire(
     wait_until(lambda: infer(server, 0.0).status_code == 200, 30, what="the model to serve again")
     short_batches(server)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        held = pool.submit(infer, server, round(8 * per_second))  # 8 s or more on the loop
-        started = time.monotonic()
-        wait_until(lambda: not alive() or held.done(), 30, what="the held worker to expire")
-        expired = time.monotonic() - started
-        assert not held.done(), "the batch ended before the worker expired"
+        held = pool.submit(infer, server, ROUNDS)
+        try:
+            started = time.monotonic()
+            wait_until(lambda: not alive() or held.done(), 30, what="the held worker to expire")
+            expired = time.monotonic() - started
+            assert not held.done(), held.result().text
+        finally:
+            let_go(release)
         held.result()
     assert expired < 3 + 1.5 + 2, f"expired {expired:.1f} s into the batch"
 
